@@ -1,0 +1,86 @@
+"""Immutable snapshots of the pool's state, and the events that carry them.
+
+The pool owns the state; everyone else (tray, chat window, API, CLI) gets frozen copies. Nothing
+here refers to a llama object or a Qt object.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ModelState(str, enum.Enum):
+    STARTING = "starting"  # process spawned, not yet talking
+    LOADING = "loading"  # reading the GGUF, building the host shadow
+    RESIDENT = "resident"  # weights on the device, holds the GPU token
+    RELEASED = "released"  # weights released (host shadow kept), KV cache on the device
+    SLEEPING = "sleeping"  # weights and KV in host memory, context freed
+    STOPPED = "stopped"  # worker exited on purpose; conversations' KV saved to disk
+    FAILED = "failed"  # could not load or crashed past its restart budget; see ``reason``
+
+
+@dataclass(frozen=True)
+class SwitchStats:
+    """What a request cost in GPU switching. ``switched`` is False when the model already held the GPU."""
+
+    switched: bool
+    wait_ms: float = 0.0  # doorbell rung → token acquired (includes the other model's release)
+    restore_ms: float = 0.0
+    release_ms: float = 0.0  # the previous holder's release, as it reported it (0 if unknown)
+    first_token_ms: float = 0.0  # request received by the worker → first token
+    prompt_tokens_evaluated: int = 0  # tokens actually prefilled (0 when the KV cache had them)
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    id: str
+    name: str
+    path: str
+    state: ModelState
+    busy: bool = False
+    pinned: bool = False
+    queued: int = 0  # requests waiting in the pool for this model
+    reason: str = ""  # why FAILED, or what it waits for ("waiting for the GPU: pinned by gemma3-270m")
+    residency_path: str = ""  # "inplace" | "rebuild" | "" (not loaded yet)
+    residency_reason: str = ""  # why the rebuild path was chosen
+    backend: str = ""  # "CUDA0", "CPU", ...
+    chat_format: str = ""  # "template" (from the GGUF) | "fallback" (plain format, see docs)
+    licence: str = ""  # shown where models are listed (demo models carry theirs)
+    weight_bytes: int = 0  # device weight bytes when resident
+    host_pinned_bytes: int = 0  # host shadow (+ KV snapshot when sleeping)
+    device_bytes: int = 0  # device memory this worker holds now (weights + KV + context)
+    n_ctx: int = 0
+    pid: int | None = None
+    restarts: int = 0
+    last_switch: SwitchStats | None = None
+    log_tail: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    models: tuple[ModelStatus, ...] = ()
+    holder: str | None = None  # id of the model whose worker holds the GPU token
+    switching: bool = False  # a handoff is in progress
+
+    def model(self, model_id: str) -> ModelStatus | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+class EventKind(str, enum.Enum):
+    STATE = "state"  # a model's state/busy/pinned/holder changed
+    CRASHED = "crashed"  # a worker died unexpectedly (a restart follows if the budget allows)
+    RESTARTED = "restarted"
+    FAILED = "failed"  # a model became FAILED (load error, restart budget spent)
+    REQUEST_DONE = "request_done"  # a generation finished; ``switch`` tells what it cost
+    MESSAGE = "message"  # anything else worth a line in the log / a tray message
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    kind: EventKind
+    snapshot: PoolSnapshot
+    model: str | None = None
+    message: str = ""
+    switch: SwitchStats | None = None
+    extra: dict[str, object] = field(default_factory=dict)

@@ -1,0 +1,39 @@
+"""Shared fixtures. Every test runs with TIMESHARE_HOME in a temp dir, so nothing touches the
+user's real config, data or arena."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+@pytest.fixture(autouse=True)
+def timeshare_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("TIMESHARE_HOME", str(home))
+    monkeypatch.delenv("TIMESHARE_VRAM_ARENA", raising=False)
+    yield home
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("demo-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from timeshare.core import demo
+
+    return demo.smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path(demo_cache: Path) -> Path:
+    from timeshare.core import demo
+
+    return demo.gemma3_path(cache=demo_cache)

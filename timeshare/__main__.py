@@ -1,0 +1,5 @@
+import sys
+
+from timeshare.cli import main
+
+sys.exit(main())
