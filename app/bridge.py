@@ -1,0 +1,125 @@
+"""The one place where the Qt side meets the pool.
+
+Pool callbacks arrive on the pool's event thread; the bridge re-emits them as Qt signals, which Qt
+queues to the GUI thread because the bridge lives there. Commands to the pool (pin, sleep, wake,
+...) run on one background thread so that a slow worker never freezes the GUI; their errors come
+back as a ``command_failed`` signal.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from PySide6.QtCore import QObject, Signal, Slot
+
+from timeshare.core.errors import TimeshareError
+from timeshare.core.state import EventKind, PoolEvent, PoolSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class PoolLike(Protocol):
+    """The part of ``timeshare.core.pool.Pool`` the app uses."""
+
+    def snapshot(self) -> PoolSnapshot: ...
+    def subscribe(self, cb: Callable[[PoolEvent], None]) -> Callable[[], None]: ...
+    def pin(self, model_id: str, pinned: bool) -> Any: ...
+    def sleep(self, model_id: str, level: str = ...) -> Any: ...
+    def wake(self, model_id: str) -> Any: ...
+    def start_model(self, model_id: str) -> Any: ...
+
+
+class PoolBridge(QObject):
+    #: every PoolEvent, on the GUI thread
+    event = Signal(object)
+    #: the newest PoolSnapshot, on the GUI thread
+    snapshot_changed = Signal(object)
+    #: (title, message) worth a tray message: crashes, restarts, failed loads
+    notification = Signal(str, str)
+    #: (what, error message) when a command to the pool failed
+    command_failed = Signal(str, str)
+
+    # private hop from the pool thread to the GUI thread
+    _received = Signal(object)
+
+    def __init__(self, pool: PoolLike, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.pool = pool
+        self._snapshot = pool.snapshot()
+        self._received.connect(self._on_event)
+        self._commands = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-commands")
+        self._unsubscribe: Callable[[], None] | None = pool.subscribe(self._from_pool_thread)
+        # an event may have happened between snapshot() and subscribe(): take a fresh one
+        self._snapshot = pool.snapshot()
+
+    @property
+    def snapshot(self) -> PoolSnapshot:
+        return self._snapshot
+
+    def _from_pool_thread(self, event: PoolEvent) -> None:
+        self._received.emit(event)
+
+    @Slot(object)
+    def _on_event(self, event: PoolEvent) -> None:
+        if self._unsubscribe is None:  # detached: late events are dropped
+            return
+        self._snapshot = event.snapshot
+        self.event.emit(event)
+        self.snapshot_changed.emit(event.snapshot)
+        note = notification_for(event)
+        if note is not None:
+            self.notification.emit(*note)
+
+    # ---- commands (off the GUI thread) --------------------------------------------------------
+
+    def run_command(self, what: str, fn: Callable[[], object]) -> None:
+        def call() -> None:
+            try:
+                fn()
+            except TimeshareError as e:
+                log.warning("%s failed: %s", what, e)
+                self.command_failed.emit(what, str(e))
+            except Exception as e:
+                log.exception("%s failed", what)
+                self.command_failed.emit(what, f"{type(e).__name__}: {e}")
+
+        self._commands.submit(call)
+
+    def pin(self, model_id: str, pinned: bool) -> None:
+        self.run_command(f"{'pin' if pinned else 'unpin'} {model_id}", lambda: self.pool.pin(model_id, pinned))
+
+    def sleep(self, model_id: str, level: str = "weights+kv") -> None:
+        self.run_command(f"sleep {model_id}", lambda: self.pool.sleep(model_id, level=level))
+
+    def wake(self, model_id: str) -> None:
+        self.run_command(f"wake {model_id}", lambda: self.pool.wake(model_id))
+
+    def restart(self, model_id: str) -> None:
+        self.run_command(f"restart {model_id}", lambda: self.pool.start_model(model_id))
+
+    def detach(self) -> None:
+        """Stop listening to the pool (before the pool stops or the bridge goes away)."""
+        if self._unsubscribe is not None:
+            unsubscribe, self._unsubscribe = self._unsubscribe, None
+            try:
+                unsubscribe()
+            except Exception:
+                log.exception("unsubscribing from the pool failed")
+        self._commands.shutdown(wait=True, cancel_futures=True)
+
+
+def notification_for(event: PoolEvent) -> tuple[str, str] | None:
+    """The tray message for an event, or None when it is not worth interrupting the user."""
+    status = event.snapshot.model(event.model) if event.model else None
+    name = (status.name or status.id) if status else (event.model or "a model")
+    if event.kind is EventKind.CRASHED:
+        return (f"{name} crashed", event.message or "Its worker process died; Timeshare restarts it.")
+    if event.kind is EventKind.RESTARTED:
+        return (f"{name} restarted", event.message or "Its worker process was restarted.")
+    if event.kind is EventKind.FAILED:
+        reason = event.message or (status.reason if status else "") or "see Show log for details"
+        return (f"{name} failed", reason)
+    return None

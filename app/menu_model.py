@@ -1,0 +1,188 @@
+"""What the tray shows, as pure functions of a ``PoolSnapshot``.
+
+No Qt here: the tray turns these entries into a QMenu each time the menu is about to show, and the
+tests check the mapping without any tray.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from timeshare.core.state import ModelState, ModelStatus, PoolSnapshot
+
+
+class TrayState(str, enum.Enum):
+    IDLE = "idle"  # no model holds the GPU
+    HOLDING = "holding"  # a model's weights are on the GPU
+    SWITCHING = "switching"  # a handoff or a load is in progress
+    ERROR = "error"  # at least one model failed
+
+
+class Command(str, enum.Enum):
+    PIN = "pin"
+    UNPIN = "unpin"
+    SLEEP = "sleep"
+    WAKE = "wake"
+    RESTART = "restart"
+    CHAT = "chat"
+    OPEN_CHAT = "open_chat"
+    ADD_MODEL = "add_model"
+    SETTINGS = "settings"
+    START_AT_LOGIN = "start_at_login"
+    SHOW_LOG = "show_log"
+    QUIT = "quit"
+
+
+@dataclass(frozen=True)
+class Action:
+    text: str
+    command: Command
+    model: str | None = None
+    enabled: bool = True
+    checkable: bool = False
+    checked: bool = False
+
+
+@dataclass(frozen=True)
+class Label:
+    """A line of information (shown disabled)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Separator:
+    pass
+
+
+@dataclass(frozen=True)
+class Submenu:
+    text: str
+    model: str
+    entries: tuple[Entry, ...]
+
+
+Entry = Action | Label | Separator | Submenu
+
+
+def display_state(status: ModelStatus) -> str:
+    """The one word the menu shows for a model: resident, released, sleeping, busy, failed, ..."""
+    if status.busy and status.state in (ModelState.RESIDENT, ModelState.RELEASED, ModelState.SLEEPING):
+        return "busy"
+    return status.state.value
+
+
+def _holder(snapshot: PoolSnapshot) -> ModelStatus | None:
+    return snapshot.model(snapshot.holder) if snapshot.holder else None
+
+
+def tray_state(snapshot: PoolSnapshot) -> TrayState:
+    if any(m.state is ModelState.FAILED for m in snapshot.models):
+        return TrayState.ERROR
+    if snapshot.switching or any(m.state in (ModelState.STARTING, ModelState.LOADING) for m in snapshot.models):
+        return TrayState.SWITCHING
+    if _holder(snapshot) is not None:
+        return TrayState.HOLDING
+    return TrayState.IDLE
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def tooltip(snapshot: PoolSnapshot) -> str:
+    """One line naming the holder: "SmolLM2 holds the GPU · 2 others released"."""
+    if not snapshot.models:
+        return "Timeshare · no models configured"
+    holder = _holder(snapshot)
+    others = [m for m in snapshot.models if holder is None or m.id != holder.id]
+    if holder is not None:
+        head = f"{holder.name or holder.id} holds the GPU"
+        if holder.pinned:
+            head += " (pinned)"
+    elif snapshot.switching:
+        head = "Switching the GPU"
+    else:
+        head = "No model holds the GPU"
+    parts = [head]
+    released = sum(1 for m in others if m.state is ModelState.RELEASED)
+    if released:
+        if holder is not None:
+            parts.append(_count(released, "other released", "others released"))
+        else:
+            parts.append(f"{released} released")
+    for state, word in (
+        (ModelState.SLEEPING, "sleeping"),
+        (ModelState.STARTING, "starting"),
+        (ModelState.LOADING, "loading"),
+        (ModelState.STOPPED, "stopped"),
+        (ModelState.FAILED, "failed"),
+    ):
+        n = sum(1 for m in others if m.state is state)
+        if n:
+            parts.append(f"{n} {word}")
+    return " · ".join(parts)
+
+
+def model_title(status: ModelStatus, holder: str | None) -> str:
+    title = f"{status.name or status.id} — {display_state(status)}"
+    if status.id == holder:
+        title += ", holds the GPU"
+    if status.pinned:
+        title += ", pinned"
+    return title
+
+
+def model_entries(status: ModelStatus) -> tuple[Entry, ...]:
+    state = status.state
+    alive = state not in (ModelState.FAILED, ModelState.STOPPED)
+    entries: list[Entry] = []
+    if status.reason:
+        entries.append(Label(status.reason))
+    if status.licence:
+        entries.append(Label(f"Licence: {status.licence}"))
+    if entries:
+        entries.append(Separator())
+    if status.pinned:
+        entries.append(Action("Unpin", Command.UNPIN, status.id, enabled=alive))
+    else:
+        entries.append(Action("Pin", Command.PIN, status.id, enabled=alive))
+    entries.append(
+        Action(
+            "Sleep",
+            Command.SLEEP,
+            status.id,
+            enabled=state in (ModelState.RESIDENT, ModelState.RELEASED) and not status.busy,
+        )
+    )
+    if alive:
+        entries.append(
+            Action("Wake", Command.WAKE, status.id, enabled=state in (ModelState.RELEASED, ModelState.SLEEPING))
+        )
+    else:
+        entries.append(Action("Restart", Command.RESTART, status.id))
+    entries.append(Action("Chat…", Command.CHAT, status.id, enabled=alive))
+    return tuple(entries)
+
+
+def menu_entries(snapshot: PoolSnapshot, *, start_at_login: bool) -> tuple[Entry, ...]:
+    """The whole tray menu for this snapshot, top to bottom."""
+    entries: list[Entry] = [Label(tooltip(snapshot)), Separator()]
+    if snapshot.models:
+        for status in snapshot.models:
+            entries.append(Submenu(model_title(status, snapshot.holder), status.id, model_entries(status)))
+    else:
+        entries.append(Label("No models yet: add one"))
+    entries += [
+        Separator(),
+        Action("Open chat", Command.OPEN_CHAT),
+        Action("Add model…", Command.ADD_MODEL),
+        Action("Settings…", Command.SETTINGS),
+        Separator(),
+        Action("Start at login", Command.START_AT_LOGIN, checkable=True, checked=start_at_login),
+        Action("Show log", Command.SHOW_LOG),
+        Separator(),
+        Action("Quit", Command.QUIT),
+    ]
+    return tuple(entries)

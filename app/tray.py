@@ -1,0 +1,90 @@
+"""The tray icon: its image and tooltip follow the pool; its menu is rebuilt on every opening."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QMenu, QSystemTrayIcon
+
+from timeshare.core.state import PoolSnapshot
+
+from . import icons
+from .bridge import PoolBridge
+from .menu_model import Action, Entry, Label, Separator, Submenu, menu_entries, tooltip, tray_state
+
+log = logging.getLogger(__name__)
+
+
+def populate(menu: QMenu, entries: tuple[Entry, ...], on_action: Callable[[Action], None]) -> None:
+    """Turn menu_model entries into QActions of ``menu`` (cleared first)."""
+    menu.clear()
+    for entry in entries:
+        if isinstance(entry, Separator):
+            menu.addSeparator()
+        elif isinstance(entry, Label):
+            qaction = menu.addAction(entry.text)
+            qaction.setEnabled(False)
+        elif isinstance(entry, Submenu):
+            sub = menu.addMenu(entry.text)
+            sub.setObjectName(f"model:{entry.model}")
+            populate(sub, entry.entries, on_action)
+        else:
+            qaction = menu.addAction(entry.text)
+            qaction.setEnabled(entry.enabled)
+            if entry.checkable:
+                qaction.setCheckable(True)
+                qaction.setChecked(entry.checked)
+            qaction.setObjectName(f"{entry.command.value}:{entry.model or ''}")
+            qaction.triggered.connect(lambda _checked=False, a=entry: on_action(a))
+
+
+class Tray(QObject):
+    #: a menu_model.Action the user picked
+    action_triggered = Signal(object)
+
+    def __init__(
+        self, bridge: PoolBridge, start_at_login: Callable[[], bool], parent: QObject | None = None
+    ) -> None:
+        super().__init__(parent)
+        self.bridge = bridge
+        self._start_at_login = start_at_login
+        self.icon = QSystemTrayIcon(self)
+        self.menu = QMenu()
+        self.menu.aboutToShow.connect(self.rebuild_menu)
+        self.icon.setContextMenu(self.menu)
+        self.icon.activated.connect(self._on_activated)
+        bridge.snapshot_changed.connect(self.update_from)
+        bridge.notification.connect(self.notify)
+        bridge.command_failed.connect(lambda what, msg: self.notify(f"Could not {what}", msg, error=True))
+        self.update_from(bridge.snapshot)
+        self.rebuild_menu()
+
+    def show(self) -> None:
+        self.icon.show()
+
+    def hide(self) -> None:
+        self.icon.hide()
+
+    def update_from(self, snapshot: PoolSnapshot) -> None:
+        self.state = tray_state(snapshot)
+        self.icon.setIcon(icons.tray_icon(self.state))
+        self.icon.setToolTip(tooltip(snapshot))
+
+    def rebuild_menu(self) -> None:
+        entries = menu_entries(self.bridge.snapshot, start_at_login=self._start_at_login())
+        populate(self.menu, entries, self.action_triggered.emit)
+
+    def notify(self, title: str, message: str, error: bool = False) -> None:
+        log.info("tray message: %s: %s", title, message)
+        kind = QSystemTrayIcon.MessageIcon.Critical if error else QSystemTrayIcon.MessageIcon.Warning
+        if self.icon.isVisible() and QSystemTrayIcon.supportsMessages():
+            self.icon.showMessage(title, message, kind, 8000)
+
+    #: emitted when the icon itself is clicked (not the menu)
+    clicked = Signal()
+
+    def _on_activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
+        if reason in (QSystemTrayIcon.ActivationReason.Trigger, QSystemTrayIcon.ActivationReason.DoubleClick):
+            self.clicked.emit()

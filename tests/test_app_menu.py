@@ -1,0 +1,235 @@
+"""The tray: state -> menu mapping (pure), tooltip, icon state, and the QMenu built from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from timeshare.app.menu_model import (
+    Action,
+    Command,
+    Label,
+    Separator,
+    Submenu,
+    TrayState,
+    display_state,
+    menu_entries,
+    tooltip,
+    tray_state,
+)
+from timeshare.core.state import ModelState, ModelStatus, PoolSnapshot
+
+
+def status(model_id: str, state: ModelState, name: str = "", **kw: Any) -> ModelStatus:
+    return ModelStatus(id=model_id, name=name or model_id.upper(), path=f"/m/{model_id}.gguf", state=state, **kw)
+
+
+def three(holder_state: ModelState = ModelState.RESIDENT) -> PoolSnapshot:
+    return PoolSnapshot(
+        models=(
+            status("qwen", holder_state, name="Qwen2.5-7B"),
+            status("gemma", ModelState.RELEASED, licence="Gemma Terms of Use"),
+            status("smol", ModelState.RELEASED, licence="Apache-2.0"),
+        ),
+        holder="qwen",
+    )
+
+
+def actions(entries: tuple[object, ...]) -> dict[Command, Action]:
+    return {e.command: e for e in entries if isinstance(e, Action)}
+
+
+def submenu(entries: tuple[object, ...], model: str) -> Submenu:
+    found = [e for e in entries if isinstance(e, Submenu) and e.model == model]
+    assert len(found) == 1
+    return found[0]
+
+
+# ---- tooltip and icon state -------------------------------------------------------------------
+
+
+def test_tooltip_names_the_holder_and_counts_the_others() -> None:
+    assert tooltip(three()) == "Qwen2.5-7B holds the GPU · 2 others released"
+
+
+def test_tooltip_one_other_and_mixed_states() -> None:
+    snap = PoolSnapshot(
+        models=(
+            status("a", ModelState.RESIDENT, name="A", pinned=True),
+            status("b", ModelState.RELEASED),
+            status("c", ModelState.SLEEPING),
+            status("d", ModelState.FAILED),
+        ),
+        holder="a",
+    )
+    assert tooltip(snap) == "A holds the GPU (pinned) · 1 other released · 1 sleeping · 1 failed"
+
+
+def test_tooltip_without_holder_and_without_models() -> None:
+    snap = PoolSnapshot(models=(status("a", ModelState.RELEASED), status("b", ModelState.LOADING)))
+    assert tooltip(snap) == "No model holds the GPU · 1 released · 1 loading"
+    assert tooltip(PoolSnapshot()) == "Timeshare · no models configured"
+    assert tooltip(PoolSnapshot(models=(status("a", ModelState.RELEASED),), switching=True)).startswith(
+        "Switching the GPU"
+    )
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "expected"),
+    [
+        (PoolSnapshot(), TrayState.IDLE),
+        (PoolSnapshot(models=(status("a", ModelState.RELEASED),)), TrayState.IDLE),
+        (three(), TrayState.HOLDING),
+        (PoolSnapshot(models=three().models, holder="qwen", switching=True), TrayState.SWITCHING),
+        (PoolSnapshot(models=(status("a", ModelState.LOADING),)), TrayState.SWITCHING),
+        (
+            PoolSnapshot(models=(*three().models, status("x", ModelState.FAILED)), holder="qwen"),
+            TrayState.ERROR,
+        ),
+    ],
+)
+def test_tray_state(snapshot: PoolSnapshot, expected: TrayState) -> None:
+    assert tray_state(snapshot) is expected
+
+
+def test_holder_that_is_not_in_the_model_list_counts_as_idle() -> None:
+    # the holder record can name a model that was just removed from the config
+    snap = PoolSnapshot(models=(status("a", ModelState.RELEASED),), holder="gone")
+    assert tray_state(snap) is TrayState.IDLE
+    assert tooltip(snap).startswith("No model holds the GPU")
+
+
+# ---- menu entries -----------------------------------------------------------------------------
+
+
+def test_menu_has_one_submenu_per_model_then_the_app_actions() -> None:
+    entries = menu_entries(three(), start_at_login=False)
+    assert entries[0] == Label("Qwen2.5-7B holds the GPU · 2 others released")
+    subs = [e for e in entries if isinstance(e, Submenu)]
+    assert [s.model for s in subs] == ["qwen", "gemma", "smol"]
+    assert subs[0].text == "Qwen2.5-7B — resident, holds the GPU"
+    assert subs[1].text == "GEMMA — released"
+    top = [e.command for e in entries if isinstance(e, Action)]
+    assert top == [
+        Command.OPEN_CHAT,
+        Command.ADD_MODEL,
+        Command.SETTINGS,
+        Command.START_AT_LOGIN,
+        Command.SHOW_LOG,
+        Command.QUIT,
+    ]
+    assert isinstance(entries[-2], Separator)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_start_at_login_is_checkable_and_reflects_the_setting(checked: bool) -> None:
+    entry = actions(menu_entries(three(), start_at_login=checked))[Command.START_AT_LOGIN]
+    assert entry.checkable and entry.checked is checked
+
+
+def test_resident_model_actions() -> None:
+    sub = submenu(menu_entries(three(), start_at_login=False), "qwen")
+    acts = actions(sub.entries)
+    assert set(acts) == {Command.PIN, Command.SLEEP, Command.WAKE, Command.CHAT}
+    assert acts[Command.PIN].enabled and acts[Command.SLEEP].enabled and acts[Command.CHAT].enabled
+    assert not acts[Command.WAKE].enabled  # already on the GPU
+    assert all(a.model == "qwen" for a in acts.values())
+
+
+def test_released_model_can_wake_and_shows_its_licence() -> None:
+    sub = submenu(menu_entries(three(), start_at_login=False), "smol")
+    assert Label("Licence: Apache-2.0") in sub.entries
+    acts = actions(sub.entries)
+    assert acts[Command.WAKE].enabled and acts[Command.SLEEP].enabled
+
+
+def test_pinned_model_offers_unpin() -> None:
+    snap = PoolSnapshot(models=(status("a", ModelState.RESIDENT, pinned=True),), holder="a")
+    sub = submenu(menu_entries(snap, start_at_login=False), "a")
+    acts = actions(sub.entries)
+    assert Command.UNPIN in acts and Command.PIN not in acts
+    assert sub.text.endswith("pinned")
+
+
+def test_busy_model_shows_busy_and_cannot_be_put_to_sleep() -> None:
+    snap = PoolSnapshot(models=(status("a", ModelState.RESIDENT, busy=True),), holder="a")
+    sub = submenu(menu_entries(snap, start_at_login=False), "a")
+    assert sub.text == "A — busy, holds the GPU"
+    assert not actions(sub.entries)[Command.SLEEP].enabled
+
+
+def test_sleeping_model_can_wake_not_sleep() -> None:
+    snap = PoolSnapshot(models=(status("a", ModelState.SLEEPING),))
+    acts = actions(submenu(menu_entries(snap, start_at_login=False), "a").entries)
+    assert acts[Command.WAKE].enabled and not acts[Command.SLEEP].enabled
+
+
+@pytest.mark.parametrize("state", [ModelState.FAILED, ModelState.STOPPED])
+def test_failed_or_stopped_model_offers_restart_and_shows_why(state: ModelState) -> None:
+    snap = PoolSnapshot(models=(status("a", state, reason="model file is truncated: re-download it"),))
+    sub = submenu(menu_entries(snap, start_at_login=False), "a")
+    assert sub.entries[0] == Label("model file is truncated: re-download it")
+    acts = actions(sub.entries)
+    assert Command.RESTART in acts and acts[Command.RESTART].enabled
+    assert Command.WAKE not in acts
+    assert not acts[Command.PIN].enabled and not acts[Command.SLEEP].enabled and not acts[Command.CHAT].enabled
+
+
+def test_loading_model_allows_chat_but_not_sleep_or_wake() -> None:
+    snap = PoolSnapshot(models=(status("a", ModelState.LOADING),))
+    acts = actions(submenu(menu_entries(snap, start_at_login=False), "a").entries)
+    assert acts[Command.CHAT].enabled
+    assert not acts[Command.SLEEP].enabled and not acts[Command.WAKE].enabled
+
+
+def test_no_models_says_how_to_add_one() -> None:
+    entries = menu_entries(PoolSnapshot(), start_at_login=False)
+    assert Label("No models yet: add one") in entries
+    assert not any(isinstance(e, Submenu) for e in entries)
+    assert actions(entries)[Command.ADD_MODEL].enabled
+
+
+@pytest.mark.parametrize(
+    ("state", "busy", "word"),
+    [
+        (ModelState.RESIDENT, False, "resident"),
+        (ModelState.RELEASED, False, "released"),
+        (ModelState.SLEEPING, False, "sleeping"),
+        (ModelState.RESIDENT, True, "busy"),
+        (ModelState.RELEASED, True, "busy"),
+        (ModelState.FAILED, False, "failed"),
+        (ModelState.LOADING, False, "loading"),
+    ],
+)
+def test_display_state(state: ModelState, busy: bool, word: str) -> None:
+    assert display_state(status("a", state, busy=busy)) == word
+
+
+# ---- the QMenu built from the entries ---------------------------------------------------------
+
+
+def test_populate_builds_actions_that_report_what_was_picked(qtbot: object) -> None:
+    from PySide6.QtWidgets import QMenu
+
+    from timeshare.app.tray import populate
+
+    picked: list[Action] = []
+    menu = QMenu()
+    populate(menu, menu_entries(three(), start_at_login=True), picked.append)
+    texts = [a.text() for a in menu.actions() if not a.isSeparator()]
+    assert texts[0] == "Qwen2.5-7B holds the GPU · 2 others released"
+    assert texts[-6:] == ["Open chat", "Add model…", "Settings…", "Start at login", "Show log", "Quit"]
+    login = next(a for a in menu.actions() if a.text() == "Start at login")
+    assert login.isCheckable() and login.isChecked()
+
+    gemma = next(a.menu() for a in menu.actions() if a.menu() and a.menu().objectName() == "model:gemma")
+    assert "Licence: Gemma Terms of Use" in [a.text() for a in gemma.actions()]
+    wake = next(a for a in gemma.actions() if a.text() == "Wake")
+    wake.trigger()
+    assert picked == [Action("Wake", Command.WAKE, "gemma")]
+
+    # rebuilding replaces the old entries instead of appending to them
+    populate(menu, menu_entries(PoolSnapshot(), start_at_login=False), picked.append)
+    assert "No models yet: add one" in [a.text() for a in menu.actions()]
+    assert not any(a.menu() for a in menu.actions())
