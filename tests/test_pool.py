@@ -1,0 +1,469 @@
+"""The pool with real worker processes on the two demo models (and broken model files).
+
+One module-scoped pool serves most tests (starting workers is the expensive part); tests that
+need their own pool (restart budget, escalation to SIGKILL, unsafe arena) start a small one.
+Nothing here asserts on time: switches and prefill are checked through the workers' counters.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from timeshare.core import pool as pool_mod
+from timeshare.core.config import ApiConfig, ArenaConfig, Config, ModelConfig
+from timeshare.core.demo import GEMMA3_ID, SMOLLM2_ID
+from timeshare.core.errors import (
+    ArenaError,
+    ConfigError,
+    ModelUnavailableError,
+    PromptTooLongError,
+    QueueFullError,
+    UnknownModelError,
+)
+from timeshare.core.pool import Generation, Pool
+from timeshare.core.state import EventKind, ModelState, PoolEvent
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = {
+    SMOLLM2_ID: "The capital of France is",
+    GEMMA3_ID: "One, two, three, four,",
+}
+N_TOKENS = 12
+WAIT = 120.0  # generous bound for a 2-core CI machine; nothing is timed
+
+
+class Events:
+    """Collects pool events (from the pool's event thread) and waits for one that matches."""
+
+    def __init__(self) -> None:
+        self.items: list[PoolEvent] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, event: PoolEvent) -> None:
+        with self._cond:
+            self.items.append(event)
+            self._cond.notify_all()
+
+    def mark(self) -> int:
+        with self._cond:
+            return len(self.items)
+
+    def wait_for(self, pred: Callable[[PoolEvent], bool], since: int = 0, timeout: float = WAIT) -> PoolEvent:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for event in self.items[since:]:
+                    if pred(event):
+                        return event
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    kinds = [(e.kind.value, e.model, e.message) for e in self.items[since:]][-20:]
+                    raise AssertionError(f"no matching pool event; last events: {kinds}")
+                self._cond.wait(left)
+
+
+def state_is(model: str, *states: ModelState) -> Callable[[PoolEvent], bool]:
+    def pred(event: PoolEvent) -> bool:
+        status = event.snapshot.model(model)
+        return status is not None and status.state in states
+
+    return pred
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes only once reaped; the pool reaps its children
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path: Path, gemma3_path: Path) -> dict[str, str]:
+    """Greedy completions from plain llama-cpp-python, the answers the pool must reproduce."""
+    import llama_cpp
+
+    out = {}
+    for model_id, path in ((SMOLLM2_ID, smollm2_path), (GEMMA3_ID, gemma3_path)):
+        llm = llama_cpp.Llama(str(path), n_ctx=2048, verbose=False)
+        result = llm.create_completion(PROMPTS[model_id], max_tokens=N_TOKENS, temperature=0)
+        out[model_id] = result["choices"][0]["text"]  # type: ignore[index]
+        llm.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def broken_files(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("broken")
+    missing = d / "missing.gguf"
+    not_gguf = d / "notes.gguf"
+    not_gguf.write_text("this is a text file, not a model\n")
+    truncated = d / "truncated.gguf"
+    with smollm2_path.open("rb") as src, truncated.open("wb") as dst:
+        dst.write(src.read(1 << 20))  # the header and some metadata, no tensor data
+    return {"missing": missing, "not-gguf": not_gguf, "truncated": truncated}
+
+
+@pytest.fixture(scope="module")
+def module_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("pool-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIMESHARE_HOME", str(home))
+        yield home
+
+
+@pytest.fixture(scope="module")
+def shared(
+    module_home: Path, smollm2_path: Path, gemma3_path: Path, broken_files: dict[str, Path]
+) -> Iterator[tuple[Pool, Events]]:
+    config = Config(
+        models=(
+            ModelConfig(id=SMOLLM2_ID, path=str(smollm2_path), idle_sleep_s=None, licence="Apache-2.0"),
+            ModelConfig(id=GEMMA3_ID, path=str(gemma3_path), idle_sleep_s=None),
+            ModelConfig(id="missing", path=str(broken_files["missing"])),
+            ModelConfig(id="not-gguf", path=str(broken_files["not-gguf"])),
+            ModelConfig(id="truncated", path=str(broken_files["truncated"])),
+        ),
+        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=120.0),
+        api=ApiConfig(queue_limit=2),
+    )
+    pool = Pool(config, arena_dir=module_home / "arena", log_dir=module_home / "log", kv_dir=module_home / "kv")
+    events = Events()
+    pool.subscribe(events)
+    pool.start()
+    try:
+        pool.wait_ready(timeout=WAIT)
+        yield pool, events
+    finally:
+        pids = [m.pid for m in pool.snapshot().models if m.pid]
+        pool.stop()
+        assert not [p for p in pids if alive(p) or group_alive(p)], "worker processes left behind"
+
+
+def complete(pool: Pool, model: str, prompt: str | None = None, **kw: object) -> tuple[str, Generation]:
+    gen = pool.generate(model, prompt=prompt or PROMPTS[model], max_tokens=N_TOKENS, **kw)  # type: ignore[arg-type]
+    streamed = "".join(gen)
+    return streamed, gen
+
+
+# ---- no worker needed ----------------------------------------------------------------------
+
+
+def test_clean_env_keeps_only_the_whitelist() -> None:
+    env = pool_mod.clean_env(
+        {
+            "PATH": "/bin",
+            "HOME": "/h",
+            "LC_ALL": "C",
+            "CUDA_VISIBLE_DEVICES": "0",
+            "TIMESHARE_HOME": "/t",
+            "PYTHONPATH": "/evil",
+            "LD_PRELOAD": "x.so",
+            "AWS_SECRET_ACCESS_KEY": "s",
+        }
+    )
+    assert env == {"PATH": "/bin", "HOME": "/h", "LC_ALL": "C", "CUDA_VISIBLE_DEVICES": "0", "TIMESHARE_HOME": "/t"}
+
+
+def test_bad_config_is_refused_with_field_paths(tmp_path: Path) -> None:
+    dup = Config(models=(ModelConfig(id="a", path="x.gguf"), ModelConfig(id="a", path="y.gguf")))
+    with pytest.raises(ConfigError, match=r"models\[1\]\.id: 'a' is used twice"):
+        Pool(dup)
+    with pytest.raises(ConfigError, match=r"api\.queue_limit"):
+        Pool(Config(api=ApiConfig(queue_limit=0)))
+    with pytest.raises(ConfigError, match=r"models\[0\]\.path: empty"):
+        Pool(Config(models=(ModelConfig(id="a", path=""),)))
+
+
+def test_unsafe_arena_fails_start_and_spawns_nothing(tmp_path: Path, smollm2_path: Path) -> None:
+    arena = tmp_path / "arena"
+    arena.mkdir()
+    arena.chmod(0o777)
+    pool = Pool(Config(models=(ModelConfig(id="m", path=str(smollm2_path)),)), arena_dir=arena)
+    with pytest.raises(ArenaError, match=str(arena)):
+        pool.start()
+    assert pool.snapshot().models == ()
+    with pytest.raises(ModelUnavailableError, match="not running"):
+        pool.generate("m", prompt="hi")
+    pool.stop()  # harmless
+
+
+def test_generate_arguments_are_checked(tmp_path: Path) -> None:
+    pool = Pool(Config())
+    with pytest.raises(ValueError, match="exactly one of prompt"):
+        pool.generate("m", prompt="a", messages=[{"role": "user", "content": "b"}])
+    with pytest.raises(ValueError, match="role system/user/assistant"):
+        pool.generate("m", messages=[{"role": "robot", "content": "b"}])
+    with pytest.raises(ValueError, match="max_tokens"):
+        pool.generate("m", prompt="a", max_tokens=0)
+
+
+# ---- the shared pool -----------------------------------------------------------------------
+
+
+def test_broken_models_fail_with_a_reason_while_the_others_serve(shared: tuple[Pool, Events]) -> None:
+    pool, events = shared
+    snap = pool.snapshot()
+    missing, not_gguf, truncated = snap.model("missing"), snap.model("not-gguf"), snap.model("truncated")
+    assert missing and not_gguf and truncated
+    assert missing.state is ModelState.FAILED and "does not exist" in missing.reason
+    assert not_gguf.state is ModelState.FAILED and "not a GGUF file" in not_gguf.reason
+    assert truncated.state is ModelState.FAILED and truncated.reason, truncated
+    assert truncated.restarts == 0  # a load failure is not retried in a loop
+    for model_id in ("missing", "not-gguf", "truncated"):
+        events.wait_for(lambda e, m=model_id: e.kind is EventKind.FAILED and e.model == m)
+        with pytest.raises(ModelUnavailableError, match="not available"):
+            pool.generate(model_id, prompt="hi")
+    with pytest.raises(UnknownModelError, match="configured models: .*smollm2"):
+        pool.generate("nope", prompt="hi")
+    for model_id in (SMOLLM2_ID, GEMMA3_ID):
+        status = snap.model(model_id)
+        assert status is not None and status.state in (ModelState.RESIDENT, ModelState.RELEASED)
+        assert status.pid and status.n_ctx == 2048 and status.chat_format in ("template", "fallback")
+    assert snap.model(SMOLLM2_ID).licence == "Apache-2.0"  # type: ignore[union-attr]
+
+
+def test_alternating_models_stream_correct_answers_and_switch(
+    shared: tuple[Pool, Events], reference: dict[str, str]
+) -> None:
+    pool, events = shared
+    mark = events.mark()
+    holders = set()
+    switched = 0
+    for model in (SMOLLM2_ID, GEMMA3_ID, SMOLLM2_ID, GEMMA3_ID):
+        streamed, gen = complete(pool, model)
+        result = gen.result(timeout=WAIT)
+        assert streamed == result.text == reference[model], model
+        assert result.finish_reason == "length" and result.usage.completion_tokens == N_TOKENS
+        switched += result.switch.switched
+        holders.add(pool.snapshot().holder)
+    assert switched >= 3  # every request after the first had to take the GPU from the other
+    assert holders <= {SMOLLM2_ID, GEMMA3_ID, None} and len(holders - {None}) == 2
+    done = [e for e in events.items[mark:] if e.kind is EventKind.REQUEST_DONE]
+    assert len(done) == 4 and all(e.switch is not None for e in done)
+    assert any(e.switch.switched and e.switch.release_ms > 0 for e in done if e.switch)
+
+
+def test_conversation_continued_after_a_switch_is_not_prefilled_again(shared: tuple[Pool, Events]) -> None:
+    pool, _ = shared
+    conv = "conv-switch"
+    history = [{"role": "user", "content": "Name a colour."}]
+    first = pool.generate(SMOLLM2_ID, messages=history, max_tokens=8, conversation=conv).result(timeout=WAIT)
+    assert first.usage.prompt_tokens_evaluated == first.usage.prompt_tokens > 0
+    other = pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], max_tokens=4).result(timeout=WAIT)
+    assert other.text
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Another one?"}]
+    second = pool.generate(SMOLLM2_ID, messages=history, max_tokens=8, conversation=conv).result(timeout=WAIT)
+    assert second.switch.switched
+    # only the new turn was prefilled, not the conversation so far
+    assert 0 < second.usage.prompt_tokens_evaluated < second.usage.prompt_tokens - first.usage.prompt_tokens
+
+
+def test_prompt_longer_than_context_is_a_clear_error_and_the_model_keeps_serving(
+    shared: tuple[Pool, Events], reference: dict[str, str]
+) -> None:
+    pool, _ = shared
+    gen = pool.generate(SMOLLM2_ID, prompt="hello " * 3000, max_tokens=4)
+    with pytest.raises(PromptTooLongError):
+        gen.result(timeout=WAIT)
+    with pytest.raises(PromptTooLongError):
+        list(gen)
+    streamed, gen = complete(pool, SMOLLM2_ID)
+    assert streamed == reference[SMOLLM2_ID]
+
+
+def test_queue_limit_and_cancel(shared: tuple[Pool, Events], reference: dict[str, str]) -> None:
+    pool, _ = shared
+    long = pool.generate(GEMMA3_ID, prompt="Once upon a time", max_tokens=2000)
+    queued = [pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], max_tokens=N_TOKENS) for _ in range(2)]
+    with pytest.raises(QueueFullError, match="queue_limit = 2"):
+        pool.generate(GEMMA3_ID, prompt="one more")
+    assert pool.snapshot().model(GEMMA3_ID).queued == 2  # type: ignore[union-attr]
+    queued[0].cancel()
+    assert queued[0].result(timeout=WAIT).finish_reason == "cancelled"
+    next(iter(long))  # it is generating
+    long.cancel()
+    assert long.result(timeout=WAIT).finish_reason == "cancelled"
+    assert queued[1].result(timeout=WAIT).text == reference[GEMMA3_ID]  # served after the cancel
+
+
+def test_pin_sleep_wake_stop_are_visible_in_events(shared: tuple[Pool, Events], reference: dict[str, str]) -> None:
+    pool, events = shared
+    m = SMOLLM2_ID
+
+    mark = events.mark()
+    pool.pin(m, True)
+    events.wait_for(lambda e: bool(e.snapshot.model(m) and e.snapshot.model(m).pinned), mark)  # type: ignore[union-attr]
+    pool.pin(m, False)
+    events.wait_for(lambda e: bool(e.snapshot.model(m) and not e.snapshot.model(m).pinned), mark)  # type: ignore[union-attr]
+
+    mark = events.mark()
+    pool.wake(m)
+    events.wait_for(state_is(m, ModelState.RESIDENT), mark)
+    assert pool.snapshot().holder == m
+
+    mark = events.mark()
+    pool.sleep(m, "weights+kv")
+    events.wait_for(state_is(m, ModelState.SLEEPING), mark)
+
+    mark = events.mark()
+    pool.wake(m)
+    events.wait_for(state_is(m, ModelState.RESIDENT), mark)
+
+    # stop keeps the conversation: the worker saves its KV and the next one restores it
+    conv = "conv-stop"
+    history = [{"role": "user", "content": "Say hello."}]
+    first = pool.generate(m, messages=history, max_tokens=6, conversation=conv).result(timeout=WAIT)
+    pid = pool.snapshot().model(m).pid  # type: ignore[union-attr]
+    assert pid
+    mark = events.mark()
+    pool.stop_model(m)
+    events.wait_for(state_is(m, ModelState.STOPPED), mark)
+    assert not alive(pid)
+    assert pool.snapshot().model(m).pid is None  # type: ignore[union-attr]
+
+    mark = events.mark()
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Again."}]
+    gen = pool.generate(m, messages=history, max_tokens=6, conversation=conv)  # starts it on demand
+    events.wait_for(state_is(m, ModelState.STARTING, ModelState.LOADING), mark)
+    second = gen.result(timeout=WAIT)
+    assert second.text
+    assert second.usage.prompt_tokens_evaluated < second.usage.prompt_tokens - first.usage.prompt_tokens
+    new_pid = pool.snapshot().model(m).pid  # type: ignore[union-attr]
+    assert new_pid and new_pid != pid
+    assert complete(pool, m)[0] == reference[m]
+
+
+def test_crash_restarts_the_worker_and_the_conversation_continues(
+    shared: tuple[Pool, Events], reference: dict[str, str]
+) -> None:
+    pool, events = shared
+    m = GEMMA3_ID
+    history = [{"role": "user", "content": "Count to twenty."}]
+    before = pool.snapshot().model(m)
+    assert before is not None and before.pid
+    mark = events.mark()
+    answering = pool.generate(m, prompt="Once upon a time", max_tokens=2000)
+    waiting = pool.generate(m, messages=history, max_tokens=8, conversation="conv-crash")
+    next(iter(answering))  # mid-answer
+    os.kill(before.pid, signal.SIGKILL)
+    with pytest.raises(ModelUnavailableError, match="crashed while answering; it is being restarted"):
+        answering.result(timeout=WAIT)
+    crashed = events.wait_for(lambda e: e.kind is EventKind.CRASHED and e.model == m, mark)
+    assert crashed.extra["exit_code"] == -signal.SIGKILL
+    events.wait_for(lambda e: e.kind is EventKind.RESTARTED and e.model == m, mark)
+    # the queued request was kept and is served by the new worker
+    assert waiting.result(timeout=WAIT).text
+    after = pool.snapshot().model(m)
+    assert after is not None and after.restarts == before.restarts + 1 and after.pid != before.pid
+    assert complete(pool, m)[0] == reference[m]
+
+
+# ---- pools of their own --------------------------------------------------------------------
+
+
+def test_restart_budget_spent_marks_the_model_failed_with_its_log(tmp_path: Path, smollm2_path: Path) -> None:
+    config = Config(models=(ModelConfig(id="m", path=str(smollm2_path), idle_sleep_s=None),))
+    pool = Pool(config, arena_dir=tmp_path / "arena", restart_backoff_s=0.05, max_restarts=1, restart_window_s=600)
+    events = Events()
+    pool.subscribe(events)
+    pool.start()
+    try:
+        pool.wait_ready(timeout=WAIT)
+        pid = pool.snapshot().model("m").pid  # type: ignore[union-attr]
+        assert pid
+        os.kill(pid, signal.SIGKILL)
+        events.wait_for(lambda e: e.kind is EventKind.RESTARTED)
+        pid2 = pool.snapshot().model("m").pid  # type: ignore[union-attr]
+        assert pid2 and pid2 != pid
+        os.kill(pid2, signal.SIGKILL)
+        failed = events.wait_for(lambda e: e.kind is EventKind.FAILED)
+        status = failed.snapshot.model("m")
+        assert status is not None and status.state is ModelState.FAILED
+        assert "crashed 2 times" in status.reason and "start it again" in status.reason
+        assert any("starting worker for m" in line for line in status.log_tail)
+        with pytest.raises(ModelUnavailableError, match="crashed 2 times"):
+            pool.generate("m", prompt="hi")
+        pool.start_model("m")  # the user fixed it: a fresh budget
+        pool.wait_ready(timeout=WAIT)
+        assert pool.snapshot().model("m").state in (ModelState.RESIDENT, ModelState.RELEASED)  # type: ignore[union-attr]
+    finally:
+        pool.stop()
+
+
+def test_stop_kills_a_worker_that_does_not_answer(tmp_path: Path, smollm2_path: Path) -> None:
+    config = Config(models=(ModelConfig(id="m", path=str(smollm2_path), idle_sleep_s=None),))
+    pool = Pool(config, arena_dir=tmp_path / "arena", stop_grace_s=0.5)
+    pool.start()
+    pool.wait_ready(timeout=WAIT)
+    pid = pool.snapshot().model("m").pid  # type: ignore[union-attr]
+    assert pid
+    os.kill(pid, signal.SIGSTOP)  # it can no longer read Shutdown nor handle SIGTERM
+    pool.stop(timeout=1.0)
+    assert not alive(pid) and not group_alive(pid)
+
+
+def test_idle_timer_applies_the_models_release_level(tmp_path: Path, smollm2_path: Path) -> None:
+    config = Config(
+        models=(ModelConfig(id="m", path=str(smollm2_path), idle_sleep_s=0.2, idle_release="stop"),),
+    )
+    pool = Pool(config, arena_dir=tmp_path / "arena")
+    events = Events()
+    pool.subscribe(events)
+    pool.start()
+    try:
+        events.wait_for(lambda e: e.kind is EventKind.MESSAGE and "idle" in e.message and e.model == "m")
+        events.wait_for(state_is("m", ModelState.STOPPED))
+        # a request brings it back
+        assert pool.generate("m", prompt="Hi", max_tokens=2).result(timeout=WAIT).usage.completion_tokens > 0
+    finally:
+        pool.stop()
+
+
+def test_apply_config_adds_and_removes_models(tmp_path: Path, smollm2_path: Path) -> None:
+    one = ModelConfig(id="a", path=str(smollm2_path), idle_sleep_s=None)
+    pool = Pool(Config(models=(one,)), arena_dir=tmp_path / "arena")
+    pool.start()
+    try:
+        pool.wait_ready(timeout=WAIT)
+        pid_a = pool.snapshot().model("a").pid  # type: ignore[union-attr]
+        missing = ModelConfig(id="b", path=str(tmp_path / "nowhere.gguf"))
+        pool.apply_config(Config(models=(missing,)))
+        pool.wait_ready(timeout=WAIT)
+        deadline = time.monotonic() + WAIT
+        while pool.snapshot().model("a") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        snap = pool.snapshot()
+        assert snap.model("a") is None and pid_a and not alive(pid_a)
+        assert snap.model("b").state is ModelState.FAILED  # type: ignore[union-attr]
+        with pytest.raises(UnknownModelError):
+            pool.generate("a", prompt="hi")
+        # the file appears: re-applying a changed config retries it
+        shutil.copy(smollm2_path, tmp_path / "nowhere.gguf")
+        pool.start_model("b")
+        pool.wait_ready(["b"], timeout=WAIT)
+        assert pool.snapshot().model("b").state in (ModelState.RESIDENT, ModelState.RELEASED)  # type: ignore[union-attr]
+    finally:
+        pool.stop()
