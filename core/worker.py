@@ -1,0 +1,515 @@
+"""The worker process: one per model, started by the pool.
+
+    python -m timeshare.core.worker --spec JSON --ipc-fd N
+
+JSON = {"model": {ModelConfig fields}, "arena": {ArenaConfig fields}, "arena_dir": str | null,
+"kv_dir": str, "interval_log": str | null}. The worker speaks core/protocol.py over the socket
+``N``; it logs to stderr and never writes to stdout.
+
+Threads:
+- the **loop thread** owns the Engine (the llama objects), the residency and the conversations;
+  every request, release and restore runs there;
+- the **reader thread** decodes frames from the pool and enqueues them; it answers StatusRequest
+  itself from the immutable status snapshot the loop thread publishes, and answers undecodable
+  frames with ``Error(code="protocol")`` (or ends the session when the stream cannot be resynced);
+- the **warden thread** (arena) only enqueues a "yield" task when another worker rings;
+- the main thread waits, and turns SIGTERM/SIGINT into a Shutdown task.
+"""
+
+from __future__ import annotations
+
+# isort: off
+# llama_cpp first: importing numpy before it made model loading segfault on the GPU image.
+import llama_cpp  # noqa: F401
+# isort: on
+
+import argparse
+import collections
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from . import protocol as p
+from .config import ArenaConfig, ModelConfig
+from .engine import Engine
+from .errors import CancelledError, ModelFileError, TimeshareError, TokenTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: ModelConfig
+    arena: ArenaConfig
+    arena_dir: str | None
+    kv_dir: str
+    interval_log: str | None = None
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        """Parse the --spec argument. Raises ValueError with a sentence naming the bad field."""
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--spec is not JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise ValueError("--spec must be a JSON object")
+        for key in ("model", "kv_dir"):
+            if key not in obj:
+                raise ValueError(f"--spec lacks {key!r}")
+        model = _dataclass_from(ModelConfig, obj["model"], "model")
+        arena = _dataclass_from(ArenaConfig, obj.get("arena") or {}, "arena")
+        return cls(
+            model=model,
+            arena=arena,
+            arena_dir=obj.get("arena_dir"),
+            kv_dir=str(obj["kv_dir"]),
+            interval_log=obj.get("interval_log"),
+        )
+
+    def to_json(self) -> str:
+        from dataclasses import asdict
+
+        return json.dumps(
+            {
+                "model": asdict(self.model),
+                "arena": asdict(self.arena),
+                "arena_dir": self.arena_dir,
+                "kv_dir": self.kv_dir,
+                "interval_log": self.interval_log,
+            }
+        )
+
+
+def _dataclass_from(cls: Any, obj: object, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise ValueError(f"--spec {where} must be an object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise ValueError(f"--spec {where} has unknown field(s): {', '.join(unknown)}")
+    try:
+        return cls(**obj)
+    except TypeError as exc:
+        raise ValueError(f"--spec {where}: {exc}") from None
+
+
+# ---- residence: the GPU token and the weights ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Acquired:
+    switched: bool
+    wait_ms: float = 0.0
+    restore_ms: float = 0.0
+
+
+class Residence:
+    """The token and the weights, driven by the loop thread only.
+
+    This base class is the arena-less residence: one worker alone, weights always on the device.
+    ``ArenaResidence`` (when an arena directory is given) adds the flock token and the
+    release/restore of the weights.
+    """
+
+    pinned_by: str = ""
+
+    def start(self, enqueue_yield: Callable[[], None]) -> None:
+        """Begin watching the doorbell (warden thread)."""
+
+    @property
+    def holds_token(self) -> bool:
+        return True
+
+    @property
+    def weights_resident(self) -> bool:
+        return True
+
+    def ensure(self, poll: Callable[[], None], timeout_s: float) -> Acquired:
+        """Take the token and restore the weights. ``poll`` runs now and then while waiting (it may
+        raise CancelledError). Raises TokenTimeoutError after ``timeout_s``."""
+        return Acquired(switched=False)
+
+    def release(self, kv: bool) -> p.Released | None:
+        """Release the weights (and the KV cache when ``kv``) and give the token back."""
+        return None
+
+    def waiting_reason(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+# ---- internal tasks ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Yield:
+    """The warden heard the doorbell: another worker wants the token."""
+
+
+@dataclass(frozen=True)
+class _Disconnected:
+    reason: str
+
+
+_Task = Any  # protocol requests, _Yield, _Disconnected
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, conn: p.Connection, residence: Residence | None = None) -> None:
+        self.spec = spec
+        self.conn = conn
+        self.residence = residence or Residence()
+        self.tasks: queue.Queue[_Task] = queue.Queue()
+        self.engine: Engine | None = None
+        self.pinned = spec.model.pinned
+        self._pending: collections.deque[_Task] = collections.deque()
+        self._cancelled: set[str] = set()
+        self._state = "loading"
+        self._busy = False
+        self._status = p.WorkerStatus("loading", False, self.pinned, False)
+        self._status_lock = threading.Lock()
+        self._sent_status: p.WorkerStatus | None = None
+        self._yield_wanted = False
+        self._quantum_start = 0.0
+        self._exit_code = 0
+        self._stopping = False
+        self._connected = True
+
+    # ---- sending ----------------------------------------------------------------------------
+
+    def send(self, msg: object) -> None:
+        if not self._connected:
+            return
+        try:
+            self.conn.send(msg)
+        except OSError as exc:
+            self._connected = False
+            log.warning("pool connection lost while sending %s: %s", type(msg).__name__, exc)
+            self.tasks.put(_Disconnected(f"send failed: {exc}"))
+
+    def status(self) -> p.WorkerStatus:
+        with self._status_lock:
+            return self._status
+
+    def publish(self) -> None:
+        """Build the status snapshot (loop thread) and push it if it changed."""
+        engine = self.engine
+        res = self.residence
+        state = self._state
+        if state not in ("loading", "sleeping"):
+            state = "resident" if res.weights_resident else "released"
+        status = p.WorkerStatus(
+            state=state,  # type: ignore[arg-type]
+            busy=self._busy,
+            pinned=self.pinned,
+            holds_token=res.holds_token,
+            waiting_reason=res.waiting_reason(),
+            device_bytes=getattr(res, "device_bytes", 0),
+            host_pinned_bytes=getattr(res, "host_bytes", 0),
+            prompt_tokens_evaluated=engine.prompt_tokens_evaluated if engine else 0,
+            live_conversations=engine.conversations if engine else (),
+        )
+        with self._status_lock:
+            self._status = status
+        if status != self._sent_status:
+            self._sent_status = status
+            self.send(status)
+
+    # ---- reader thread ----------------------------------------------------------------------
+
+    def read_loop(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except p.FrameError as exc:
+                log.warning("bad frame from the pool: %s", exc)
+                self.send(p.Error(req=exc.req, code="protocol", message=str(exc)))
+                if exc.recoverable:
+                    continue
+                self.tasks.put(_Disconnected(str(exc)))
+                return
+            except OSError as exc:
+                self.tasks.put(_Disconnected(f"read failed: {exc}"))
+                return
+            if msg is None:
+                self.tasks.put(_Disconnected("the pool closed the connection"))
+                return
+            if isinstance(msg, p.StatusRequest):
+                self.send(p.StatusReply(req=msg.req, status=self.status()))
+            elif isinstance(msg, p.REQUEST_TYPES):
+                self.tasks.put(msg)
+            else:
+                self.send(p.Error(req=None, code="protocol", message=f"protocol: {type(msg).__name__} is not a request"))
+
+    # ---- loop thread ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """The loop thread's body. Returns the process exit status."""
+        model = self.spec.model
+        self.send(p.Hello(pid=os.getpid(), model_id=model.id))
+        try:
+            self._load()
+        except TimeshareError as exc:
+            log.error("cannot load %s: %s", model.id, exc)
+            self.send(p.Error(req=None, code=exc.code, message=str(exc), fatal=True))
+            return 2
+        except Exception as exc:
+            log.exception("unexpected failure loading %s", model.id)
+            self.send(p.Error(req=None, code="internal", message=f"loading {model.id} failed: {exc}", fatal=True))
+            return 2
+        while not self._stopping:
+            task = self._pending.popleft() if self._pending else self.tasks.get()
+            try:
+                self._dispatch(task)
+            except Exception as exc:  # keep serving; the request (if any) gets the error
+                log.exception("task %s failed", type(task).__name__)
+                req = getattr(task, "req", None)
+                code = exc.code if isinstance(exc, TimeshareError) else "internal"
+                self.send(p.Error(req=req, code=code, message=str(exc) or type(exc).__name__))
+            self.publish()
+        return self._exit_code
+
+    def _load(self) -> None:
+        model = self.spec.model
+        self.send(p.Loading("model", 0.0))
+        self.publish()
+        self.engine = Engine.load(model)
+        engine = self.engine
+        self._state = "ready"
+        self.residence.start(lambda: self.tasks.put(_Yield()))
+        self.send(
+            p.Ready(
+                p.ModelInfo(
+                    n_ctx=engine.info.n_ctx,
+                    n_vocab=engine.info.n_vocab,
+                    chat_format=engine.info.chat_format,
+                    residency_path=getattr(self.residence, "path", "none"),
+                    residency_reason=getattr(self.residence, "reason", "no arena: the weights stay loaded"),
+                    backend=getattr(self.residence, "backend", "CPU"),
+                    weight_bytes=getattr(self.residence, "weight_bytes", 0),
+                    host_pinned_bytes=getattr(self.residence, "host_bytes", 0),
+                )
+            )
+        )
+        self.publish()
+
+    def _dispatch(self, task: _Task) -> None:
+        if isinstance(task, p.Generate):
+            self._generate(task)
+        elif isinstance(task, p.Cancel):
+            self._cancel_queued(task.req)
+        elif isinstance(task, p.Pin):
+            self.pinned = task.pinned
+        elif isinstance(task, p.Wake):
+            self._ensure_resident(lambda: None)
+        elif isinstance(task, p.Sleep):
+            self._release(kv=task.level == "weights+kv")
+        elif isinstance(task, _Yield):
+            if not self.pinned and self.residence.holds_token:
+                self._release(kv=False)
+        elif isinstance(task, p.Shutdown):
+            self._shutdown(task.save_kv)
+        elif isinstance(task, _Disconnected):
+            log.info("%s: shutting down", task.reason)
+            self._connected = False
+            self._shutdown(save_kv=True)
+
+    def _cancel_queued(self, req: str) -> None:
+        for task in list(self._pending):
+            if isinstance(task, p.Generate) and task.req == req:
+                self._pending.remove(task)
+                self._send_done(task, "cancelled", p.Usage(0, 0, 0), p.Switch(False))
+                return
+        self._cancelled.add(req)
+
+    def _send_done(self, req: p.Generate, finish: str, usage: p.Usage, switch: p.Switch) -> None:
+        self.send(p.Done(req=req.req, finish_reason=finish, usage=usage, switch=switch))  # type: ignore[arg-type]
+
+    def _poll(self, current: str | None) -> None:
+        """Drain the queue between decode steps (and while waiting for the token)."""
+        while True:
+            try:
+                task = self.tasks.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(task, p.Cancel):
+                if task.req == current:
+                    raise CancelledError(f"request {current} cancelled")
+                self._cancel_queued(task.req)
+            elif isinstance(task, p.Pin):
+                self.pinned = task.pinned
+                self.publish()
+            elif isinstance(task, _Yield):
+                self._yield_wanted = True
+            elif isinstance(task, p.Wake):
+                pass  # busy: it is being served anyway
+            elif isinstance(task, (p.Shutdown, _Disconnected)):
+                self._pending.appendleft(task)
+                if current is not None:
+                    raise CancelledError("the worker is shutting down")
+            else:
+                self._pending.append(task)
+
+    def _ensure_resident(self, poll: Callable[[], None]) -> Acquired:
+        res = self.residence
+        if res.holds_token and res.weights_resident:
+            return Acquired(switched=False)
+        self._state = "ready"
+        self.publish()
+        acquired = res.ensure(poll, self.spec.arena.wait_timeout_s)
+        self._quantum_start = time.monotonic()
+        self._yield_wanted = False
+        self.publish()
+        return acquired
+
+    def _release(self, kv: bool) -> None:
+        released = self.residence.release(kv)
+        self._yield_wanted = False
+        if kv:
+            self._state = "sleeping"
+        if released is not None:
+            self.send(released)
+        self.publish()
+
+    def _generate(self, req: p.Generate) -> None:
+        engine = self.engine
+        assert engine is not None
+        if req.req in self._cancelled:
+            self._cancelled.discard(req.req)
+            self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.Switch(False))
+            return
+        t0 = time.monotonic()
+        first: list[float] = []
+        switch = Acquired(switched=False)
+
+        def step() -> None:
+            nonlocal switch
+            self._poll(req.req)
+            if self._yield_wanted and not self.pinned and self.residence.holds_token:
+                if (time.monotonic() - self._quantum_start) * 1000.0 >= self.spec.arena.min_quantum_ms:
+                    self._release(kv=False)
+            if not (self.residence.holds_token and self.residence.weights_resident):
+                got = self._ensure_resident(lambda: self._poll(req.req))
+                if not first:
+                    switch = got
+
+        def emit(text: str) -> None:
+            if not first:
+                first.append(time.monotonic())
+            self.send(p.Token(req=req.req, text=text))
+
+        self._busy = True
+        self.publish()
+        try:
+            outcome = engine.generate(req, emit, step)
+        except CancelledError:
+            self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.Switch(False))
+            return
+        except TokenTimeoutError as exc:
+            self.send(p.Error(req=req.req, code=exc.code, message=str(exc)))
+            return
+        finally:
+            self._busy = False
+        first_ms = (first[0] - t0) * 1000.0 if first else 0.0
+        self._send_done(
+            req,
+            outcome.finish_reason,
+            p.Usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.prompt_tokens_evaluated),
+            p.Switch(switch.switched, switch.wait_ms, switch.restore_ms, first_ms),
+        )
+        if self._yield_wanted and not self.pinned and self.residence.holds_token:
+            self._release(kv=False)  # between requests the quantum does not apply
+
+    def _shutdown(self, save_kv: bool) -> None:
+        self._stopping = True
+        engine = self.engine
+        if save_kv and engine is not None:
+            try:
+                engine.save_kv(Path(self.spec.kv_dir))
+            except Exception:
+                log.exception("saving the KV snapshots failed")
+        for task in list(self._pending):
+            if isinstance(task, p.Generate):
+                self.send(p.Error(req=task.req, code="model_unavailable", message="the worker is shutting down"))
+        self._pending.clear()
+        try:
+            self.residence.release(kv=False)
+        finally:
+            self.residence.close()
+        self._state = "loading"
+
+
+def _setup_logging(model_id: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{model_id}] %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if os.environ.get("TIMESHARE_DEBUG") else logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m timeshare.core.worker")
+    parser.add_argument("--spec", required=True, help="JSON: model, arena, arena_dir, kv_dir, interval_log")
+    parser.add_argument("--ipc-fd", type=int, required=True, help="socket to the pool")
+    args = parser.parse_args(argv)
+    # Nothing may reach stdout: C libraries' prints go to stderr (the pool's log file) instead.
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        conn = p.Connection.from_fd(args.ipc_fd)
+    except OSError as exc:
+        print(f"--ipc-fd {args.ipc_fd} is not a socket: {exc}", file=sys.stderr)
+        return 2
+    try:
+        spec = WorkerSpec.from_json(args.spec)
+    except ValueError as exc:
+        _setup_logging("?")
+        log.error("%s", exc)
+        try:
+            conn.send(p.Error(req=None, code="invalid_config", message=str(exc), fatal=True))
+        except OSError:
+            pass
+        return 2
+    _setup_logging(spec.model.id)
+    residence = make_residence(spec)
+    worker = Worker(spec, conn, residence)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        worker.tasks.put(p.Shutdown(save_kv=True))
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    result: list[int] = []
+    loop = threading.Thread(target=lambda: result.append(worker.run()), name="loop")
+    reader = threading.Thread(target=worker.read_loop, name="reader", daemon=True)
+    loop.start()
+    reader.start()
+    while loop.is_alive():
+        loop.join(0.2)  # short joins keep the main thread free to run signal handlers
+    code = result[0] if result else 1
+    conn.close()
+    log.info("exit %d", code)
+    logging.shutdown()
+    return code
+
+
+def make_residence(spec: WorkerSpec) -> Residence:
+    """The arena residence when an arena directory is given, else the arena-less one."""
+    return Residence()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
