@@ -1,1 +1,26 @@
-"""Timeshare."""
+"""Release and restore of a loaded model's device weights (in-place and rebuild paths)."""
+
+from __future__ import annotations
+
+from .gguf_check import GgufInfo, check_gguf
+from .hostmem import fix_malloc_mmap_threshold
+from .residency import (
+    ModelFileChangedError,
+    ProbeResult,
+    ReleaseReport,
+    Residency,
+    ResidencyOptions,
+    RestoreReport,
+)
+
+__all__ = [
+    "GgufInfo",
+    "ModelFileChangedError",
+    "ProbeResult",
+    "ReleaseReport",
+    "Residency",
+    "ResidencyOptions",
+    "RestoreReport",
+    "check_gguf",
+    "fix_malloc_mmap_threshold",
+]

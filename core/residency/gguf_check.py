@@ -1,0 +1,57 @@
+"""Checks that a file is a whole GGUF model before anything loads or restores from it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import ModelFileError
+from . import _ggml
+
+
+@dataclass(frozen=True)
+class GgufInfo:
+    path: str
+    file_bytes: int
+    data_offset: int
+    n_tensors: int
+    tensor_bytes: int  # bytes the tensor data needs (end of the last tensor - data offset)
+
+
+def check_gguf(path: str | os.PathLike[str]) -> GgufInfo:
+    """Raise ModelFileError (a sentence saying what to do) unless ``path`` is a readable GGUF file
+    whose tensor data is all there."""
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise ModelFileError(f"model file {p} does not exist: check the path in the model's settings")
+    if not os.path.isfile(p):
+        raise ModelFileError(f"{p} is not a file: point the model at a .gguf file")
+    size = os.path.getsize(p)
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFileError(
+            f"{p} is not a GGUF model (it starts with {magic!r}, not b'GGUF'): download the .gguf file of the model"
+        )
+    meta = _ggml.gguf_open_meta(p)
+    if meta is None:
+        raise ModelFileError(f"{p} is a damaged GGUF file (its header cannot be read): re-download it")
+    try:
+        data_off = int(_ggml.gguf_get_data_offset(meta))
+        n = int(_ggml.gguf_get_n_tensors(meta))
+        end = data_off
+        for i in range(n):
+            end = max(
+                end,
+                data_off
+                + int(_ggml.gguf_get_tensor_offset(meta, i))
+                + int(_ggml.gguf_get_tensor_size(meta, i)),
+            )
+    finally:
+        _ggml.gguf_free(meta)
+    if end > size:
+        raise ModelFileError(
+            f"{p} is truncated: its tensors need {end / 1e6:.1f} MB but the file has {size / 1e6:.1f} MB; "
+            "re-download it"
+        )
+    return GgufInfo(p, size, data_off, n, end - data_off)

@@ -1,0 +1,378 @@
+"""The in-place path: free a loaded model's device weight buffers and put them back, in place.
+
+1. discovery: a throwaway context with ``cb_eval`` runs one warm-up decode; every ``src`` of a graph
+   node whose buffer is used for WEIGHTS is a weight tensor (views lead to their ``view_src``);
+2. plan: group by buffer, keep the buffers to release (device buffers; on a CPU-only build the host
+   weight buffers of a model loaded without mmap) and check that the tensors found fill each
+   buffer exactly as ggml-alloc laid it out -- a tensor the graph did not show would keep a
+   dangling pointer, so an incomplete buffer refuses the in-place path;
+3. host shadow: the GGUF file bytes of every released tensor (``set_tensor`` repacks them where the
+   buffer type wants it), in pinned host memory, filled with parallel reads, spot-checked against
+   the loaded weights;
+4. release: swap ``context``/``size`` of each buffer with a tiny placeholder of the same type and free
+   the placeholder (which now owns the device memory);
+5. restore: allocate, swap back, relocate every tensor's ``data``, ``init_tensor``, upload.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import llama_cpp
+
+from ..errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
+from . import _ggml
+from .hostmem import HostMemory, ReadRange, parallel_read
+
+log = logging.getLogger(__name__)
+
+_PLACEHOLDER_BYTES = 64
+_VERIFY_BYTES = 4096
+#: buffer types whose bytes ggml_backend_tensor_get can read back unchanged (others repack)
+_READABLE_BUFT_PREFIXES = ("CPU", "CUDA")
+
+
+class Unsupported(Exception):
+    """The in-place path cannot be used for this model here; the message is the reason."""
+
+
+@dataclass
+class _Tensor:
+    ptr: int
+    name: str
+    offset: int  # data - buffer base
+    nbytes: int
+    shadow_offset: int = -1
+
+
+@dataclass
+class _Buffer:
+    ptr: int
+    buft: int
+    buft_name: str
+    size: int
+    base: int
+    layout: _ggml.BufferLayout | None = None
+    tensors: list[_Tensor] = field(default_factory=list)
+    views: list[tuple[int, int]] = field(default_factory=list)  # (tensor, offset) of views into it
+    released: bool = False
+
+
+class _Discovery:
+    """Collects weight tensors from the ask phase of cb_eval (runs on the decoding thread)."""
+
+    def __init__(self, layout: _ggml.TensorLayout) -> None:
+        self.layout = layout
+        self.weights: set[int] = set()
+        self.views: set[int] = set()
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
+
+    def _is_weight_buffer(self, buf: int) -> bool:
+        return bool(buf) and int(_ggml.buffer_get_usage(buf)) == _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS
+
+    def _eval(self, tensor: int | None, ask: bool, _user: int | None) -> bool:
+        if not ask or not tensor:
+            return True
+        lay = self.layout
+        for i in range(_ggml.GGML_MAX_SRC):
+            src = _ggml.read_ptr(tensor + lay.src + 8 * i)
+            if not src:
+                continue
+            root = src
+            while True:  # a view of a weight leads to the weight
+                parent = _ggml.read_ptr(root + lay.view_src)
+                if not parent:
+                    break
+                if self._is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
+                    self.views.add(root)
+                root = parent
+            if self._is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
+                self.weights.add(root)
+        return False  # observe only: the whole split runs at once
+
+
+def _discover(llm: object, layout: _ggml.TensorLayout) -> _Discovery:
+    """One warm-up decode of one token in a throwaway context that has the callback."""
+    disc = _Discovery(layout)
+    src_params = llm.context_params  # type: ignore[attr-defined]
+    params = llama_cpp.llama_context_params()
+    ctypes.memmove(ctypes.addressof(params), ctypes.addressof(src_params), ctypes.sizeof(params))
+    params.n_ctx = 256
+    params.n_batch = 32
+    params.n_ubatch = 32
+    params.n_seq_max = 1
+    params.embeddings = False
+    params.cb_eval = disc.callback
+    params.cb_eval_user_data = None
+    model = llm._model.model  # type: ignore[attr-defined]
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        raise Unsupported("could not create the warm-up context for weight discovery")
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        token = int(llama_cpp.llama_vocab_bos(vocab))
+        if token < 0:
+            token = 0
+        tokens = (llama_cpp.llama_token * 1)(token)
+        rc = int(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 1)))
+        if rc != 0:
+            raise Unsupported(f"the warm-up decode for weight discovery failed (llama_decode returned {rc})")
+    finally:
+        llama_cpp.llama_free(ctx)
+    if not disc.weights:
+        raise Unsupported("the warm-up decode showed no weight tensors")
+    return disc
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class InPlace:
+    """Owns the plan, the host shadow and the buffer swaps of one model. Not thread-safe: the
+    worker's loop thread is its only caller."""
+
+    def __init__(
+        self, llm: object, model_path: str, gpu: _ggml.Device | None, want_pinned: bool, verify: bool
+    ) -> None:
+        self.path = model_path
+        self.layout = _ggml.TensorLayout()
+        try:
+            _ggml.probe_tensor_layout(self.layout)
+        except _ggml.LayoutMismatch as exc:
+            raise Unsupported(str(exc)) from exc
+        disc = _discover(llm, self.layout)
+        self.n_weight_tensors_seen = len(disc.weights)
+        self.buffers = self._plan(disc, gpu)
+        self.backend = self._backend_name(gpu)
+        self.weight_bytes = sum(b.size for b in self.buffers)
+        self.tensor_bytes = sum(t.nbytes for b in self.buffers for t in b.tensors)
+        self.shadow = self._fill_shadow(want_pinned)
+        self.shadow_note = self.shadow.note
+        if verify:
+            self.verified_tensors = self._verify_shadow()
+        else:
+            self.verified_tensors = 0
+
+    # -- plan ---------------------------------------------------------------------------------
+
+    def _plan(self, disc: _Discovery, gpu: _ggml.Device | None) -> list[_Buffer]:
+        lay = self.layout
+        by_buf: dict[int, _Buffer] = {}
+        all_bufs: dict[int, str] = {}
+        for t in sorted(disc.weights):
+            buf = _ggml.read_ptr(t + lay.buffer)
+            buft = int(_ggml.buffer_get_type(buf))
+            name = _ggml.buffer_type_name(buft)
+            all_bufs[buf] = name
+            if gpu is not None:
+                if _ggml.buffer_is_host(buf):
+                    continue  # host weights of a GPU build stay where they are
+            if buf not in by_buf:
+                by_buf[buf] = _Buffer(
+                    buf, buft, name, int(_ggml.buffer_get_size(buf)), int(_ggml.buffer_get_base(buf) or 0)
+                )
+            b = by_buf[buf]
+            data = _ggml.read_ptr(t + lay.data)
+            b.tensors.append(_Tensor(t, _ggml.tensor_name(t), data - b.base, int(_ggml.ggml_nbytes(t))))
+        if gpu is None and any(n == "CPU_Mapped" for n in all_bufs.values()):
+            raise Unsupported(
+                "the weights are memory-mapped on a CPU-only build: nothing to release "
+                "(load the model with use_mmap=False to use the in-place path)"
+            )
+        if not by_buf:
+            raise Unsupported("no weight buffer on the device to release (is n_gpu_layers 0?)")
+        for v in sorted(disc.views):
+            buf = _ggml.read_ptr(v + lay.buffer)
+            if buf in by_buf:
+                by_buf[buf].views.append((v, _ggml.read_ptr(v + lay.data) - by_buf[buf].base))
+        for b in by_buf.values():
+            if not any(b.buft_name.startswith(p) for p in _READABLE_BUFT_PREFIXES):
+                raise Unsupported(f"backend buffer type {b.buft_name} is not checked for in-place release")
+            self._check_complete(b)
+        buft_layouts: dict[int, _ggml.BufferLayout] = {}
+        for b in by_buf.values():
+            if b.buft not in buft_layouts:
+                try:
+                    buft_layouts[b.buft] = _ggml.probe_buffer_layout(b.buft, reference=b.ptr)
+                except _ggml.LayoutMismatch as exc:
+                    raise Unsupported(str(exc)) from exc
+            b.layout = buft_layouts[b.buft]
+            lay_b = b.layout
+            if _ggml.read_size(b.ptr + lay_b.size) != b.size:
+                raise Unsupported(
+                    f"the {b.buft_name} weight buffer's size field is not where the probe found it"
+                )
+        return list(by_buf.values())
+
+    def _check_complete(self, b: _Buffer) -> None:
+        align = int(_ggml.buft_get_alignment(b.buft))
+        spans = sorted(
+            (t.offset, _pad(int(_ggml.buft_get_alloc_size(b.buft, t.ptr)), align), t.name) for t in b.tensors
+        )
+        pos = 0
+        for off, length, name in spans:
+            if off != pos:
+                raise Unsupported(
+                    f"weight buffer {b.buft_name} ({b.size} bytes) is not covered by the tensors the warm-up graph "
+                    f"showed: {'a gap' if off > pos else 'an overlap'} at byte {pos} before {name}"
+                )
+            pos = off + length
+        if pos != b.size:
+            raise Unsupported(
+                f"weight buffer {b.buft_name} holds {b.size} bytes but the tensors the warm-up graph showed "
+                f"cover {pos}: some weight was not seen, so releasing it would leave a dangling pointer"
+            )
+
+    def _backend_name(self, gpu: _ggml.Device | None) -> str:
+        if gpu is None:
+            return "CPU"
+        for b in self.buffers:
+            dev = _ggml.buft_get_device(b.buft)
+            if dev:
+                raw = _ggml.dev_name(dev)
+                if raw:
+                    return str(raw.decode())
+        return gpu.name
+
+    # -- shadow -------------------------------------------------------------------------------
+
+    def _fill_shadow(self, want_pinned: bool) -> HostMemory:
+        meta = _ggml.gguf_open_meta(self.path)
+        if meta is None:
+            raise ModelFileError(f"{self.path} is not a readable GGUF file: re-download it")
+        try:
+            data_off = int(_ggml.gguf_get_data_offset(meta))
+            file_size = os.path.getsize(self.path)
+            ranges: list[ReadRange] = []
+            offset = 0
+            for b in self.buffers:
+                for t in b.tensors:
+                    tid = int(_ggml.gguf_find_tensor(meta, t.name.encode()))
+                    if tid < 0:
+                        raise Unsupported(f"tensor {t.name} of the loaded model is not in {self.path}")
+                    size = int(_ggml.gguf_get_tensor_size(meta, tid))
+                    if size != t.nbytes:
+                        raise Unsupported(
+                            f"tensor {t.name} has {t.nbytes} bytes in the model but {size} in the file "
+                            "(converted at load time)"
+                        )
+                    src = data_off + int(_ggml.gguf_get_tensor_offset(meta, tid))
+                    if src + size > file_size:
+                        raise ModelFileError(
+                            f"{self.path} is truncated: tensor {t.name} ends at byte {src + size} but the file "
+                            f"has {file_size} bytes; re-download it"
+                        )
+                    t.shadow_offset = offset
+                    ranges.append(ReadRange(src, offset, size))
+                    offset += size
+        finally:
+            _ggml.gguf_free(meta)
+        mem = HostMemory(offset, want_pinned)
+        t0 = time.perf_counter()
+        try:
+            parallel_read(self.path, mem, sorted(ranges, key=lambda r: r.file_offset))
+        except (OSError, EOFError) as exc:
+            mem.close()
+            raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
+        dt = time.perf_counter() - t0
+        log.info(
+            "host shadow: %.1f MB in %.3f s (%.2f GB/s), pinned=%s",
+            offset / 1e6,
+            dt,
+            offset / 1e9 / max(dt, 1e-9),
+            mem.pinned,
+        )
+        self.shadow_fill_s = dt
+        return mem
+
+    def _verify_shadow(self) -> int:
+        """Compare the first and last bytes of every readable weight with the shadow: the file on
+        disk must still be the one the model was loaded from."""
+        checked = 0
+        scratch = (ctypes.c_char * _VERIFY_BYTES)()
+        for b in self.buffers:
+            if b.buft_name.endswith("_REPACK") or not any(
+                b.buft_name.startswith(p) for p in _READABLE_BUFT_PREFIXES
+            ):
+                continue  # repacked layouts cannot be read back as file bytes
+            for t in b.tensors:
+                n = min(_VERIFY_BYTES, t.nbytes)
+                for off in {0, t.nbytes - n}:
+                    _ggml.tensor_get(t.ptr, scratch, off, n)
+                    if ctypes.string_at(scratch, n) != ctypes.string_at(
+                        self.shadow.ptr + t.shadow_offset + off, n
+                    ):
+                        raise ModelFileError(
+                            f"{self.path} no longer holds the weights the model was loaded from (tensor {t.name} "
+                            "differs): the file was replaced or modified after loading; restart the model"
+                        )
+                checked += 1
+        return checked
+
+    # -- release / restore --------------------------------------------------------------------
+
+    def _swap(self, a: int, b: int, lay: _ggml.BufferLayout) -> None:
+        ca, cb = _ggml.read_ptr(a + lay.context), _ggml.read_ptr(b + lay.context)
+        sa, sb = _ggml.read_size(a + lay.size), _ggml.read_size(b + lay.size)
+        _ggml.write_ptr(a + lay.context, cb)
+        _ggml.write_ptr(b + lay.context, ca)
+        _ggml.write_size(a + lay.size, sb)
+        _ggml.write_size(b + lay.size, sa)
+
+    def _release_buffer(self, b: _Buffer) -> None:
+        assert b.layout is not None
+        placeholder = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
+        if placeholder is None:
+            raise ResidencyError(
+                f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} placeholder buffer: the model was not released"
+            )
+        self._swap(b.ptr, placeholder, b.layout)
+        _ggml.buffer_free(placeholder)  # frees the weights' memory
+        b.released = True
+
+    def release(self) -> None:
+        for b in self.buffers:
+            if not b.released:
+                self._release_buffer(b)
+
+    def restore(self) -> int:
+        """Restore every released buffer; on an allocation failure, release again what was
+        restored so far and raise OutOfDeviceMemoryError (the model stays released and intact)."""
+        lay_t = self.layout
+        done: list[_Buffer] = []
+        for b in self.buffers:
+            if not b.released:
+                continue
+            assert b.layout is not None
+            new = _ggml.buft_alloc_buffer(b.buft, b.size)
+            if new is None:
+                for d in done:
+                    self._release_buffer(d)
+                need = sum(x.size for x in self.buffers)
+                raise OutOfDeviceMemoryError(
+                    f"not enough {b.buft_name} memory to restore the model's weights ({need / 1e9:.2f} GB needed, "
+                    f"a {b.size / 1e9:.2f} GB buffer failed): the model stays released; free device memory "
+                    "(release or stop another model) and try again"
+                )
+            self._swap(b.ptr, new, b.layout)
+            _ggml.buffer_free(new)  # the tiny placeholder memory
+            base = int(_ggml.buffer_get_base(b.ptr) or 0)
+            b.base = base
+            for t in b.tensors:
+                _ggml.write_ptr(t.ptr + lay_t.data, base + t.offset)
+                _ggml.buffer_init_tensor(b.ptr, t.ptr)
+            for v, off in b.views:
+                _ggml.write_ptr(v + lay_t.data, base + off)
+            for t in b.tensors:
+                _ggml.tensor_set(t.ptr, self.shadow.ptr + t.shadow_offset, 0, t.nbytes)
+            b.released = False
+            done.append(b)
+        return self.tensor_bytes
+
+    def close(self) -> None:
+        self.shadow.close()

@@ -1,0 +1,439 @@
+"""Residency of one loaded llama-cpp-python model: release its weights (and, deeper, its KV cache)
+to host memory and restore them, through the in-place path where this build allows it and the
+rebuild path everywhere else.
+
+The worker's loop thread is the only caller of a ``Residency`` (one owner, no locks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llama_cpp
+
+from ..errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
+from . import _ggml
+from .gguf_check import check_gguf
+from .inplace import InPlace, Unsupported
+from .kv import KvSnapshot
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["auto", "inplace", "rebuild"]
+Path_ = Literal["inplace", "rebuild", "none"]
+Level = Literal["weights", "weights+kv"]
+
+
+class ModelFileChangedError(ModelFileError, ResidencyError):
+    """The model file changed on disk after loading; restoring from it is refused (the model stays
+    released). Both a ModelFileError and a ResidencyError."""
+
+    code = "model_file_changed"
+
+
+@dataclass(frozen=True)
+class ResidencyOptions:
+    mode: Mode = "auto"
+    host_shadow: Literal["pinned", "pageable"] = "pinned"
+    #: compare the shadow with the loaded weights at attach (first/last 4 KiB of each tensor)
+    verify_shadow: bool = True
+
+
+@dataclass(frozen=True)
+class ReleaseReport:
+    ms: float
+    freed_bytes: int
+    level: Level
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    ms: float
+    bytes: int
+    gbps: float
+    level: Level
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What this build of llama-cpp-python allows, before any model is loaded."""
+
+    version: str
+    version_ok: bool
+    backend: str  # the first GPU's name, or "CPU"
+    gpu: bool
+    layout_ok: bool
+    inplace_possible: bool
+    reason: str  # why not ("" when possible)
+    #: what the engine must pass as ``Llama(use_mmap=...)`` for the in-place path: False on a
+    #: CPU-only build (host weight buffers play the device), True on a GPU build
+    use_mmap_for_inplace: bool
+
+
+@dataclass(frozen=True)
+class _FileId:
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: str) -> _FileId:
+        st = os.stat(path)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class _Released:
+    """Stands in for a Llama's context (or model) while it is released: any use is an error, so
+    nothing can decode on freed weights."""
+
+    def __init__(self, what: str) -> None:
+        object.__setattr__(self, "_what", what)
+
+    def __getattr__(self, name: str) -> Any:
+        raise ResidencyError(
+            f"the model's {object.__getattribute__(self, '_what')} is released: call Residency.restore() before using it"
+        )
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Residency:
+    """Release/restore of a loaded ``llama_cpp.Llama``. Create with :meth:`attach`."""
+
+    def __init__(self) -> None:  # use attach()
+        self._llm: Any = None
+        self.model_path = ""
+        self.path: Path_ = "rebuild"
+        self.reason = ""
+        self.backend = "CPU"
+        self.weights_resident = True
+        self.kv_resident = True
+        self.weight_bytes = 0
+        self.host_bytes = 0
+        self.host_pinned = False
+        self.host_note = ""
+        self._opts = ResidencyOptions()
+        self._gpu: _ggml.Device | None = None
+        self._inplace: InPlace | None = None
+        self._kv: KvSnapshot | None = None
+        self._file_id: _FileId | None = None
+        self._level: Level = "weights"
+        self._saved_ctx: Any = None
+        self._saved_model: Any = None
+        self._closed = False
+
+    # -- construction -------------------------------------------------------------------------
+
+    @staticmethod
+    def probe() -> ProbeResult:
+        version = str(getattr(llama_cpp, "__version__", "?"))
+        gpu = _ggml.first_gpu()
+        version_ok = version == _ggml.PINNED_VERSION
+        layout_ok = True
+        reason = ""
+        try:
+            _ggml.probe_tensor_layout()
+        except _ggml.LayoutMismatch as exc:
+            layout_ok = False
+            reason = str(exc)
+        if not version_ok:
+            reason = (
+                f"llama-cpp-python {version} is not the pinned {_ggml.PINNED_VERSION}: its ggml struct layouts "
+                "are unchecked"
+            )
+        if gpu is not None and not gpu.name.upper().startswith("CUDA"):
+            reason = reason or f"backend {gpu.name} is not checked for in-place release"
+        return ProbeResult(
+            version=version,
+            version_ok=version_ok,
+            backend=gpu.name if gpu else "CPU",
+            gpu=gpu is not None,
+            layout_ok=layout_ok,
+            inplace_possible=not reason,
+            reason=reason,
+            use_mmap_for_inplace=gpu is not None,
+        )
+
+    @classmethod
+    def attach(
+        cls, llm: Any, model_path: str | os.PathLike[str], options: ResidencyOptions | None = None
+    ) -> Residency:
+        """Take charge of ``llm``'s residency. Raises ModelFileError when ``model_path`` is not a
+        sound GGUF or no longer holds the loaded weights; ResidencyError when ``mode="inplace"``
+        was asked for and cannot be used (the reason says why)."""
+        self = cls()
+        self._llm = llm
+        self.model_path = os.fspath(model_path)
+        self._opts = options or ResidencyOptions()
+        if getattr(llm, "_lora_adapter", None) is not None:
+            raise ResidencyError(
+                "models with a LoRA adapter cannot be released yet: load it without the adapter"
+            )
+        check_gguf(self.model_path)
+        self._file_id = _FileId.of(self.model_path)
+        self._gpu = _ggml.first_gpu()
+        want_pinned = self._opts.host_shadow == "pinned"
+        mode = self._opts.mode
+        if mode not in ("auto", "inplace", "rebuild"):
+            raise ValueError(f"mode must be auto, inplace or rebuild, not {mode!r}")
+        if mode == "rebuild":
+            self._use_rebuild("rebuild path asked for (mode=rebuild)")
+            return self
+        probe = cls.probe()
+        if not probe.inplace_possible:
+            self._fallback(mode, probe.reason)
+            return self
+        try:
+            self._inplace = InPlace(llm, self.model_path, self._gpu, want_pinned, self._opts.verify_shadow)
+        except Unsupported as exc:
+            reason = str(exc)
+            if "memory-mapped on a CPU-only build" in reason and mode == "auto":
+                self.path = "none"
+                self.reason = reason
+                self.backend = "CPU"
+                log.info("residency of %s: nothing to release (%s)", self.model_path, reason)
+                return self
+            self._fallback(mode, reason)
+            return self
+        ip = self._inplace
+        self.path = "inplace"
+        self.backend = ip.backend
+        self.weight_bytes = ip.weight_bytes
+        self.host_bytes = ip.shadow.size
+        self.host_pinned = ip.shadow.pinned
+        self.host_note = ip.shadow_note
+        self.reason = ""
+        log.info(
+            "residency of %s: in-place on %s, %d buffers, %.1f MB, %d weight tensors seen, shadow pinned=%s",
+            self.model_path,
+            self.backend,
+            len(ip.buffers),
+            self.weight_bytes / 1e6,
+            ip.n_weight_tensors_seen,
+            self.host_pinned,
+        )
+        return self
+
+    def _fallback(self, mode: Mode, reason: str) -> None:
+        if mode == "inplace":
+            raise ResidencyError(f"the in-place path cannot be used for {self.model_path}: {reason}")
+        self._use_rebuild(reason)
+
+    def _use_rebuild(self, reason: str) -> None:
+        self.path = "rebuild"
+        self.reason = reason
+        self.backend = self._gpu.name if self._gpu and self._llm.model_params.n_gpu_layers != 0 else "CPU"
+        self.weight_bytes = int(llama_cpp.llama_model_size(self._llm._model.model))
+        log.info("residency of %s: rebuild path (%s)", self.model_path, reason)
+
+    # -- measurements -------------------------------------------------------------------------
+
+    def _device_free(self) -> int | None:
+        """Free bytes of the device the weights live on (RSS, negated, on a CPU build)."""
+        if self._gpu is not None and self.backend != "CPU":
+            return _ggml.device_memory(self._gpu.handle)[0]
+        return -_rss_bytes()
+
+    # -- release / restore --------------------------------------------------------------------
+
+    def release(self, kv: bool = False) -> ReleaseReport:
+        """Free the weights (and with ``kv=True`` the context and its KV cache, saved to host
+        memory first). Idempotent; a deeper release of a released model frees the KV cache too.
+        The rebuild path always frees both."""
+        self._check_open()
+        if not self.weights_resident and (not kv or not self.kv_resident):
+            return ReleaseReport(0.0, 0, self._level)
+        llm = self._llm
+        before = self._device_free()
+        t0 = time.perf_counter()
+        if self.path == "rebuild":
+            self._release_rebuild()
+            self._level = "weights+kv"
+        else:
+            if kv and self.kv_resident:
+                self._snapshot_kv_and_free_context()
+            if self.weights_resident:
+                if self._inplace is not None:
+                    try:
+                        self._inplace.release()
+                    except ResidencyError:
+                        self._inplace.restore()  # undo the buffers released so far
+                        raise
+                if self.kv_resident:
+                    self._saved_ctx = llm._ctx
+                    llm._ctx = _Released("context")
+            self._level = "weights" if self.kv_resident else "weights+kv"
+        ms = (time.perf_counter() - t0) * 1000.0
+        after = self._device_free()
+        self.weights_resident = False
+        freed = (after - before) if (before is not None and after is not None) else 0
+        log.info("released %s (%s): %.2f ms, %.1f MB freed", self.model_path, self._level, ms, freed / 1e6)
+        return ReleaseReport(ms, freed, self._level)
+
+    def restore(self) -> RestoreReport:
+        """Bring the weights (and the KV cache) back; the same ``llm`` works as before. Raises
+        OutOfDeviceMemoryError (the model stays released) or ModelFileChangedError."""
+        self._check_open()
+        if self.weights_resident and self.kv_resident:
+            return RestoreReport(0.0, 0, 0.0, self._level)
+        level = self._level
+        t0 = time.perf_counter()
+        if self.path == "rebuild":
+            nbytes = self._restore_rebuild()
+        else:
+            nbytes = 0
+            if not self.weights_resident and self._inplace is not None:
+                nbytes = self._inplace.restore()
+            self.weights_resident = True
+            if not self.kv_resident:
+                self._new_context_with_kv()
+            elif self._saved_ctx is not None:
+                self._llm._ctx = self._saved_ctx
+                self._saved_ctx = None
+        dt = time.perf_counter() - t0
+        self.weights_resident = True
+        self.kv_resident = True
+        gbps = nbytes / 1e9 / dt if dt > 0 else 0.0
+        log.info("restored %s (%s): %.2f ms, %.2f GB/s", self.model_path, level, dt * 1000, gbps)
+        return RestoreReport(dt * 1000.0, nbytes, gbps, level)
+
+    # KV level (in-place path)
+
+    def _snapshot_kv_and_free_context(self) -> None:
+        llm = self._llm
+        ctx_obj = self._saved_ctx if self._saved_ctx is not None else llm._ctx
+        self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
+        ctx_obj.close()
+        self._saved_ctx = None
+        llm._ctx = _Released("context")
+        self.kv_resident = False
+
+    def _new_context_with_kv(self) -> None:
+        from llama_cpp import _internals
+
+        llm = self._llm
+        try:
+            ctx = _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=llm.verbose)
+        except ValueError as exc:
+            raise OutOfDeviceMemoryError(
+                f"cannot create the context of {self.model_path} again ({exc}): free device memory and try again"
+            ) from exc
+        if self._kv is not None:
+            try:
+                self._kv.apply(ctx.ctx)
+            except ResidencyError:
+                ctx.close()
+                raise
+            self._kv.close()
+            self._kv = None
+        llm._stack.enter_context(contextlib.closing(ctx))
+        llm._ctx = ctx
+        self.kv_resident = True
+
+    def _want_pinned_kv(self) -> bool:
+        return self._opts.host_shadow == "pinned"
+
+    # rebuild path
+
+    def _release_rebuild(self) -> None:
+        llm = self._llm
+        ctx_obj, model_obj = llm._ctx, llm._model
+        self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
+        self.host_bytes = self._kv.nbytes
+        self.host_pinned = self._kv.pinned
+        ctx_obj.close()
+        model_obj.close()
+        llm._ctx = _Released("context")
+        llm._model = _Released("model")
+        tok = getattr(llm, "tokenizer_", None)
+        if tok is not None and hasattr(tok, "_model"):
+            tok._model = llm._model
+        self.kv_resident = False
+
+    def _restore_rebuild(self) -> int:
+        from llama_cpp import _internals
+
+        llm = self._llm
+        try:
+            now = _FileId.of(self.model_path)
+        except OSError as exc:
+            raise ModelFileChangedError(
+                f"{self.model_path} is gone ({exc.strerror}): the model stays released; put the file back or "
+                "restart the model"
+            ) from exc
+        if now != self._file_id:
+            raise ModelFileChangedError(
+                f"{self.model_path} changed on disk after the model was loaded (size or modification time "
+                "differ): restoring from it is refused and the model stays released; restart the model to "
+                "load the new file"
+            )
+        try:
+            model = _internals.LlamaModel(
+                path_model=self.model_path, params=llm.model_params, verbose=llm.verbose
+            )
+        except ValueError as exc:
+            raise OutOfDeviceMemoryError(
+                f"cannot load {self.model_path} again ({exc}): the model stays released; free device memory "
+                "(release or stop another model) and try again"
+            ) from exc
+        try:
+            ctx = _internals.LlamaContext(model=model, params=llm.context_params, verbose=llm.verbose)
+        except ValueError as exc:
+            model.close()
+            raise OutOfDeviceMemoryError(
+                f"cannot create the context of {self.model_path} again ({exc}): the model stays released; "
+                "free device memory and try again"
+            ) from exc
+        if self._kv is not None:
+            try:
+                self._kv.apply(ctx.ctx)
+            except ResidencyError:
+                ctx.close()
+                model.close()
+                raise
+            self._kv.close()
+            self._kv = None
+        llm._stack.enter_context(contextlib.closing(model))
+        llm._stack.enter_context(contextlib.closing(ctx))
+        llm._model = model
+        llm._ctx = ctx
+        tok = getattr(llm, "tokenizer_", None)
+        if tok is not None and hasattr(tok, "_model"):
+            tok._model = model
+        self.host_bytes = 0
+        return int(llama_cpp.llama_model_size(model.model))
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResidencyError("this Residency is closed")
+
+    def close(self) -> None:
+        """Free the host shadow and snapshots. ``llm`` is left as it is: restore() first to keep
+        using it (a model closed while released can only be freed)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._saved_ctx is not None and self.weights_resident:
+            self._llm._ctx = self._saved_ctx
+            self._saved_ctx = None
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
+        if self._inplace is not None:
+            self._inplace.close()
+            self._inplace = None
+        self._llm = None
