@@ -96,7 +96,9 @@ def check_model_file(path: str) -> None:
         with p.open("rb") as f:
             head = f.read(8)
     except OSError as exc:
-        raise ModelFileError(f"model file {path} cannot be read ({exc.strerror}): check its permissions") from None
+        raise ModelFileError(
+            f"model file {path} cannot be read ({exc.strerror}): check its permissions"
+        ) from None
     if len(head) < 8 or head[:4] != _GGUF_MAGIC:
         raise ModelFileError(f"{path} is not a GGUF file (wrong header): choose a .gguf model file")
 
@@ -129,6 +131,7 @@ class Engine:
             chat_format="template" if formatter is not None else "fallback",
         )
         self.live: str | None = None  # conversation whose KV is in the context (None: scratch)
+        self.kv_dir: Path | None = None  # where a stopped worker left conversations' KV (see save_kv)
         self._saved: OrderedDict[str, KVSnapshot] = OrderedDict()
         self.prompt_tokens_evaluated = 0  # since start
         self._counting = False
@@ -153,7 +156,9 @@ class Engine:
             )
         except (ValueError, RuntimeError) as exc:
             log.error("llama.cpp failed to load %s: %s", model.path, exc)
-            raise ModelFileError(f"model file {model.path} cannot be loaded: {_diagnose_load_failure(model.path)}") from None
+            raise ModelFileError(
+                f"model file {model.path} cannot be loaded: {_diagnose_load_failure(model.path)}"
+            ) from None
         formatter = None
         want = model.chat_format
         template = model.chat_template or llm.metadata.get("tokenizer.chat_template")
@@ -169,7 +174,13 @@ class Engine:
                 stop_token_ids=[eos_id],
             )
         engine = cls(llm, model, formatter)
-        log.info("loaded %s: n_ctx=%d n_vocab=%d chat=%s", model.id, engine.info.n_ctx, engine.info.n_vocab, engine.info.chat_format)
+        log.info(
+            "loaded %s: n_ctx=%d n_vocab=%d chat=%s",
+            model.id,
+            engine.info.n_ctx,
+            engine.info.n_vocab,
+            engine.info.chat_format,
+        )
         return engine
 
     def _wrap_llm(self) -> None:
@@ -213,22 +224,32 @@ class Engine:
         self.llm.n_tokens = snap.n_tokens
         self.llm._requires_eval = True
 
+    def park(self) -> None:
+        """Move the live conversation into the host LRU (before the context is freed)."""
+        self._park_live()
+
     def _park_live(self) -> None:
         """Keep the live conversation's KV as a host snapshot before the context is reused."""
         if self.live is None:
             return
         self._saved[self.live] = self._snapshot()
         self._saved.move_to_end(self.live)
-        while len(self._saved) > max(self.model.n_seq - 1, 0):
+        self.live = None
+        self._trim(self.model.n_seq)
+
+    def _trim(self, keep: int) -> None:
+        while len(self._saved) > max(keep, 0):
             evicted, _ = self._saved.popitem(last=False)
             log.info("conversation %s evicted from the KV cache (n_seq=%d)", evicted, self.model.n_seq)
-        self.live = None
 
     def _switch_to(self, conversation: str | None, *, fresh: bool) -> None:
         if conversation is not None and conversation == self.live:
             return
         self._park_live()
         if conversation is not None:
+            if conversation not in self._saved and self.kv_dir is not None:
+                self.load_kv(self.kv_dir, conversation)
+            self._trim(self.model.n_seq - 1 if conversation not in self._saved else self.model.n_seq)
             snap = self._saved.pop(conversation, None)
             if snap is not None:
                 self._load_snapshot(snap)
@@ -256,7 +277,12 @@ class Engine:
 
     def _identity(self) -> dict[str, object]:
         st = os.stat(self.model.path)
-        return {"path": os.path.abspath(self.model.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "n_ctx": self.info.n_ctx}
+        return {
+            "path": os.path.abspath(self.model.path),
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "n_ctx": self.info.n_ctx,
+        }
 
     def _kv_file(self, kv_dir: Path, conversation: str) -> Path:
         digest = hashlib.sha256(conversation.encode()).hexdigest()[:32]
@@ -270,7 +296,12 @@ class Engine:
         count = 0
         for conversation, snap in self._saved.items():
             header = json.dumps(
-                {"model": self.model.id, "conversation": conversation, "n_tokens": snap.n_tokens, "file": ident}
+                {
+                    "model": self.model.id,
+                    "conversation": conversation,
+                    "n_tokens": snap.n_tokens,
+                    "file": ident,
+                }
             ).encode()
             target = self._kv_file(kv_dir, conversation)
             tmp = target.with_suffix(".tmp")
@@ -321,15 +352,23 @@ class Engine:
         llm = self.llm
         if self._formatter is not None:
             result = self._formatter(messages=[{"role": m.role, "content": m.content} for m in messages])
-            tokens = llm.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
-            stop = list(result.stop) if isinstance(result.stop, list) else [result.stop] if result.stop else []
+            tokens = llm.tokenize(
+                result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True
+            )
+            stop = (
+                list(result.stop) if isinstance(result.stop, list) else [result.stop] if result.stop else []
+            )
             return tokens, stop, result.stopping_criteria
-        return llm.tokenize(fallback_prompt(messages).encode("utf-8"), add_bos=True, special=False), list(FALLBACK_STOP), None
+        return (
+            llm.tokenize(fallback_prompt(messages).encode("utf-8"), add_bos=True, special=False),
+            list(FALLBACK_STOP),
+            None,
+        )
 
     def _too_long(self, n: int) -> PromptTooLongError:
         return PromptTooLongError(
-            f"the prompt is {n} tokens but {self.model.display_name} holds {self.info.n_ctx} tokens of context "
-            f"(the answer needs room too): shorten the prompt or raise n_ctx for this model"
+            f"the prompt is {n} tokens but {self.model.display_name} holds {self.info.n_ctx} tokens "
+            f"of context (the answer needs room too): shorten the prompt or raise n_ctx for this model"
         )
 
     # ---- generation -------------------------------------------------------------------------
@@ -354,9 +393,12 @@ class Engine:
         else:
             assert req.prompt is not None
             prompt = req.prompt
-            n_prompt = len(llm.tokenize(req.prompt.encode("utf-8"), add_bos=True, special=True)) if req.prompt else 1
+            n_prompt = (
+                len(llm.tokenize(req.prompt.encode("utf-8"), add_bos=True, special=True)) if req.prompt else 1
+            )
         if n_prompt >= self.info.n_ctx:
             raise self._too_long(n_prompt)
+        before_step()  # residency first: switching conversations touches the context
         # Completion mode starts from an empty KV cache (exactly like a fresh Llama); chat reuses
         # the longest common prefix of what the context holds.
         self._switch_to(req.conversation, fresh=req.messages is None and req.conversation is None)

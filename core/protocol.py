@@ -15,6 +15,7 @@ A ``WorkerStatus`` is pushed after every change of the worker's state (published
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -199,9 +200,9 @@ EVENT_TYPES: tuple[type, ...] = (
     Error,
     StatusReply,
 )
-Request = Union[Generate, Cancel, Pin, Sleep, Wake, Shutdown, StatusRequest]
-Event = Union[Hello, Loading, Ready, WorkerStatus, Token, Done, Released, Error, StatusReply]
-Message = Union[Request, Event]
+Request = Generate | Cancel | Pin | Sleep | Wake | Shutdown | StatusRequest
+Event = Hello | Loading | Ready | WorkerStatus | Token | Done | Released | Error | StatusReply
+Message = Request | Event
 
 _BY_NAME: dict[str, type] = {cls.__name__: cls for cls in (*REQUEST_TYPES, *EVENT_TYPES)}
 _HEADER = struct.Struct(">I")
@@ -261,7 +262,9 @@ def _convert(value: object, tp: Any, where: str) -> object:
             return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
         if len(args) != len(value):
             raise ValueError(f"{where}: expected {len(args)} items")
-        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+        return tuple(
+            _convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(args, value, strict=True))
+        )
     if tp is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{where}: expected true or false")
@@ -412,7 +415,8 @@ class FrameDecoder:
         if length > self._max:
             self._broken = True
             raise FrameError(
-                f"protocol: frame length {length} is over the {self._max}-byte limit (garbage on the stream?)",
+                f"protocol: frame length {length} is "
+                f"over the {self._max}-byte limit (garbage on the stream?)",
                 recoverable=False,
             )
         end = _HEADER.size + length
@@ -432,7 +436,9 @@ class FrameDecoder:
         if self._buf and not self._broken:
             n = len(self._buf)
             self._buf.clear()
-            raise FrameError(f"protocol: stream ended inside a frame ({n} bytes left over)", recoverable=False)
+            raise FrameError(
+                f"protocol: stream ended inside a frame ({n} bytes left over)", recoverable=False
+            )
 
 
 class Connection:
@@ -475,8 +481,6 @@ class Connection:
                 self._decoder.feed(chunk)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 # isort: off
 # llama_cpp first: importing numpy before it made model loading segfault on the GPU image.
-import llama_cpp  # noqa: F401
+import llama_cpp
 # isort: on
 
 import argparse
 import collections
+import contextlib
+import importlib
 import json
 import logging
 import os
@@ -39,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol as p
+from .arena import Arena, IntervalLog, TokenClient, TokenRequest
 from .config import ArenaConfig, ModelConfig
 from .engine import Engine
-from .errors import CancelledError, ModelFileError, TimeshareError, TokenTimeoutError
+from .errors import CancelledError, TimeshareError, TokenTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +124,22 @@ class Residence:
     release/restore of the weights.
     """
 
-    pinned_by: str = ""
+    @property
+    def wants_residency(self) -> bool:
+        return False
 
     def start(self, enqueue_yield: Callable[[], None]) -> None:
         """Begin watching the doorbell (warden thread)."""
+
+    def attach(self, engine: Engine) -> None:
+        """Attach the release/restore mechanism to a freshly loaded model."""
+
+    def set_pinned(self, pinned: bool) -> None:
+        """A pinned holder keeps the token; waiters are told so."""
+
+    def acquire(self, poll: Callable[[], None], timeout_s: float | None) -> float:
+        """Take the token only (no restore); returns the wait in ms."""
+        return 0.0
 
     @property
     def holds_token(self) -> bool:
@@ -148,6 +163,154 @@ class Residence:
 
     def close(self) -> None:
         pass
+
+
+def _residency_api() -> tuple[Any, Any] | None:
+    """``(Residency, ResidencyOptions)`` from core/residency, or None while it is not available."""
+    try:
+        module = importlib.import_module(".residency", __package__)
+    except ImportError as exc:
+        log.warning("residency unavailable (%s): weights stay loaded while released", exc)
+        return None
+    residency = getattr(module, "Residency", None)
+    options = getattr(module, "ResidencyOptions", None)
+    if residency is None or options is None:
+        return None
+    return residency, options
+
+
+class ArenaResidence(Residence):
+    """The GPU token (core/arena.py) plus the release/restore of the weights (core/residency).
+
+    Invariant: the weights are on the device iff this worker holds the token. Restore happens only
+    after the token is granted; the token is given back only after the release has freed the
+    memory. The interval log (arena-test harness) gets a "resident" interval for each stretch of
+    resident weights; the TokenClient writes the "token" intervals."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.arena = Arena(spec.arena_dir)
+        self.interval_log = IntervalLog(spec.interval_log, spec.model.id) if spec.interval_log else None
+        self.client = TokenClient(
+            self.arena, spec.model.id, interval_log=self.interval_log, pinned=spec.model.pinned
+        )
+        self.residency: Any | None = None
+        self._request: TokenRequest | None = None
+        self._resident_since: float | None = None
+        self.path = "none"
+        self.reason = "the residency mechanism is not available: weights stay loaded"
+        self.backend = "CPU"
+        self.weight_bytes = 0
+        self.host_bytes = 0
+
+    @property
+    def wants_residency(self) -> bool:
+        return _residency_api() is not None
+
+    def attach(self, engine: Engine) -> None:
+        """Attach the residency mechanism to the loaded model (under the token)."""
+        api = _residency_api()
+        if api is None:
+            return
+        residency_cls, options_cls = api
+        res = residency_cls.attach(
+            engine.llm, engine.model.path, options_cls(mode="auto", host_shadow=engine.model.host_shadow)
+        )
+        self.residency = res
+        self.path = str(res.path)
+        self.reason = str(res.reason)
+        self.backend = str(res.backend)
+        self.weight_bytes = int(res.weight_bytes)
+        self.host_bytes = int(res.host_bytes)
+        self._resident_since = time.monotonic()
+
+    def start(self, enqueue_yield: Callable[[], None]) -> None:
+        self.client.start_doorbell(lambda _ring: enqueue_yield())
+
+    def set_pinned(self, pinned: bool) -> None:
+        self.client.set_pinned(pinned)
+
+    @property
+    def holds_token(self) -> bool:
+        return self.client.holds_token
+
+    @property
+    def weights_resident(self) -> bool:
+        if self.residency is None:
+            return self.client.holds_token
+        return bool(self.residency.weights_resident)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.weight_bytes if self.weights_resident else 0
+
+    def acquire(self, poll: Callable[[], None], timeout_s: float | None) -> float:
+        """Wait for the token (on the arena's helper thread), polling; returns the wait in ms."""
+        if self.client.holds_token:
+            return 0.0
+        request = self.client.request(timeout_s)
+        self._request = request
+        try:
+            while not request.wait(0.05):
+                poll()
+        except BaseException:
+            if request.cancel():
+                raise
+            # granted just now: keep the token and the exception; the caller releases or uses it
+            raise
+        finally:
+            self._request = None
+        grant = request.result()
+        return grant.wait_ms
+
+    def ensure(self, poll: Callable[[], None], timeout_s: float) -> Acquired:
+        held = self.client.holds_token
+        wait_ms = self.acquire(poll, timeout_s)
+        restore_ms = 0.0
+        res = self.residency
+        if res is not None and not res.weights_resident:
+            try:
+                report = res.restore()
+            except BaseException:
+                self.client.release()  # the model stays released: the invariant holds
+                raise
+            restore_ms = float(report.ms)
+        if self._resident_since is None:
+            self._resident_since = time.monotonic()
+        return Acquired(switched=not held, wait_ms=wait_ms, restore_ms=restore_ms)
+
+    def release(self, kv: bool) -> p.Released | None:
+        res = self.residency
+        report = None
+        if res is not None and (res.weights_resident or (kv and res.kv_resident)):
+            report = res.release(kv=kv)
+        if self._resident_since is not None:
+            end = time.monotonic()
+            if self.interval_log is not None:
+                try:
+                    self.interval_log.record("resident", self._resident_since, end)
+                except OSError as exc:
+                    log.warning("could not write the interval log: %s", exc)
+            self._resident_since = None
+        if self.client.release() is None and report is None:
+            return None
+        level = "weights+kv" if kv else "weights"
+        if report is None:
+            return p.Released(level=level, release_ms=0.0, freed_bytes=0)
+        return p.Released(level=level, release_ms=float(report.ms), freed_bytes=int(report.freed_bytes))
+
+    def waiting_reason(self) -> str:
+        request = self._request
+        return request.waiting_reason() if request is not None else ""
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            res = self.residency
+            if res is not None:
+                res.close()
+            self.arena.close()
 
 
 # ---- internal tasks ------------------------------------------------------------------------
@@ -251,7 +414,11 @@ class Worker:
             elif isinstance(msg, p.REQUEST_TYPES):
                 self.tasks.put(msg)
             else:
-                self.send(p.Error(req=None, code="protocol", message=f"protocol: {type(msg).__name__} is not a request"))
+                self.send(
+                    p.Error(
+                        req=None, code="protocol", message=f"protocol: {type(msg).__name__} is not a request"
+                    )
+                )
 
     # ---- loop thread ------------------------------------------------------------------------
 
@@ -261,13 +428,19 @@ class Worker:
         self.send(p.Hello(pid=os.getpid(), model_id=model.id))
         try:
             self._load()
+        except CancelledError:
+            log.info("shutdown while loading")
+            self._shutdown(save_kv=False)
+            return 0
         except TimeshareError as exc:
             log.error("cannot load %s: %s", model.id, exc)
             self.send(p.Error(req=None, code=exc.code, message=str(exc), fatal=True))
             return 2
         except Exception as exc:
             log.exception("unexpected failure loading %s", model.id)
-            self.send(p.Error(req=None, code="internal", message=f"loading {model.id} failed: {exc}", fatal=True))
+            self.send(
+                p.Error(req=None, code="internal", message=f"loading {model.id} failed: {exc}", fatal=True)
+            )
             return 2
         while not self._stopping:
             task = self._pending.popleft() if self._pending else self.tasks.get()
@@ -281,14 +454,35 @@ class Worker:
             self.publish()
         return self._exit_code
 
-    def _load(self) -> None:
-        model = self.spec.model
-        self.send(p.Loading("model", 0.0))
+    def _load_poll(self) -> None:
+        self._poll(None)
         self.publish()
-        self.engine = Engine.load(model)
+        if any(isinstance(t, (p.Shutdown, _Disconnected)) for t in self._pending):
+            raise CancelledError("shutdown requested while loading")
+
+    def _load(self) -> None:
+        """Load under the token (the weights land on the device), attach the residency, then
+        release the weights and the token unless a request is already waiting."""
+        model = self.spec.model
+        res = self.residence
+        self.publish()
+        res.acquire(self._load_poll, None)
+        try:
+            self.send(p.Loading("model", 0.0))
+            cpu_only = not llama_cpp.llama_supports_gpu_offload()
+            # On a CPU build the host weight buffers play the device; they can only be released
+            # when they are not an mmap of the file.
+            self.engine = Engine.load(model, use_mmap=not (cpu_only and res.wants_residency))
+            self.engine.kv_dir = Path(self.spec.kv_dir)
+            self.send(p.Loading("residency", 0.5))
+            res.attach(self.engine)
+        except BaseException:
+            res.release(kv=False)
+            raise
         engine = self.engine
         self._state = "ready"
-        self.residence.start(lambda: self.tasks.put(_Yield()))
+        res.set_pinned(self.pinned)
+        res.start(lambda: self.tasks.put(_Yield()))
         self.send(
             p.Ready(
                 p.ModelInfo(
@@ -303,7 +497,16 @@ class Worker:
                 )
             )
         )
+        self._poll(None)
+        if not any(isinstance(t, (p.Generate, p.Wake)) for t in self._pending) or self._yield_wanted:
+            self._release(kv=False)
+        else:
+            self._quantum_start = time.monotonic()
         self.publish()
+
+    def _set_pinned(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.residence.set_pinned(pinned)
 
     def _dispatch(self, task: _Task) -> None:
         if isinstance(task, p.Generate):
@@ -311,10 +514,12 @@ class Worker:
         elif isinstance(task, p.Cancel):
             self._cancel_queued(task.req)
         elif isinstance(task, p.Pin):
-            self.pinned = task.pinned
+            self._set_pinned(task.pinned)
         elif isinstance(task, p.Wake):
-            self._ensure_resident(lambda: None)
+            self._ensure_resident(lambda: self._wait_poll(None))
         elif isinstance(task, p.Sleep):
+            if task.level == "weights+kv" and self.engine is not None:
+                self.engine.park()  # every conversation becomes a host snapshot first
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
             if not self.pinned and self.residence.holds_token:
@@ -349,7 +554,7 @@ class Worker:
                     raise CancelledError(f"request {current} cancelled")
                 self._cancel_queued(task.req)
             elif isinstance(task, p.Pin):
-                self.pinned = task.pinned
+                self._set_pinned(task.pinned)
                 self.publish()
             elif isinstance(task, _Yield):
                 self._yield_wanted = True
@@ -361,6 +566,10 @@ class Worker:
                     raise CancelledError("the worker is shutting down")
             else:
                 self._pending.append(task)
+
+    def _wait_poll(self, current: str | None) -> None:
+        self._poll(current)
+        self.publish()  # waiting_reason becomes visible
 
     def _ensure_resident(self, poll: Callable[[], None]) -> Acquired:
         res = self.residence
@@ -397,11 +606,12 @@ class Worker:
         def step() -> None:
             nonlocal switch
             self._poll(req.req)
-            if self._yield_wanted and not self.pinned and self.residence.holds_token:
-                if (time.monotonic() - self._quantum_start) * 1000.0 >= self.spec.arena.min_quantum_ms:
-                    self._release(kv=False)
+            held_ms = (time.monotonic() - self._quantum_start) * 1000.0
+            quantum_over = held_ms >= self.spec.arena.min_quantum_ms
+            if self._yield_wanted and quantum_over and not self.pinned and self.residence.holds_token:
+                self._release(kv=False)
             if not (self.residence.holds_token and self.residence.weights_resident):
-                got = self._ensure_resident(lambda: self._poll(req.req))
+                got = self._ensure_resident(lambda: self._wait_poll(req.req))
                 if not first:
                     switch = got
 
@@ -442,7 +652,9 @@ class Worker:
                 log.exception("saving the KV snapshots failed")
         for task in list(self._pending):
             if isinstance(task, p.Generate):
-                self.send(p.Error(req=task.req, code="model_unavailable", message="the worker is shutting down"))
+                self.send(
+                    p.Error(req=task.req, code="model_unavailable", message="the worker is shutting down")
+                )
         self._pending.clear()
         try:
             self.residence.release(kv=False)
@@ -477,13 +689,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         _setup_logging("?")
         log.error("%s", exc)
-        try:
+        with contextlib.suppress(OSError):
             conn.send(p.Error(req=None, code="invalid_config", message=str(exc), fatal=True))
-        except OSError:
-            pass
         return 2
     _setup_logging(spec.model.id)
-    residence = make_residence(spec)
+    try:
+        residence = make_residence(spec)
+    except TimeshareError as exc:
+        log.error("%s", exc)
+        with contextlib.suppress(OSError):
+            conn.send(p.Error(req=None, code=exc.code, message=str(exc), fatal=True))
+        return 2
     worker = Worker(spec, conn, residence)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -508,7 +724,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def make_residence(spec: WorkerSpec) -> Residence:
     """The arena residence when an arena directory is given, else the arena-less one."""
-    return Residence()
+    if spec.arena_dir is None:
+        return Residence()
+    return ArenaResidence(spec)
 
 
 if __name__ == "__main__":
