@@ -34,12 +34,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -64,6 +64,7 @@ from .errors import (
     TokenTimeoutError,
     UnknownModelError,
 )
+from .pool import Generation, GenerationResult, Pool
 from .protocol import ChatMessage
 from .state import EventKind, PoolEvent, PoolSnapshot, SwitchStats
 
@@ -77,47 +78,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512
 
 T = TypeVar("T")
-
-
-# ---- what the API needs from the pool (core/pool.py implements it) ----------------------------
-
-
-class UsageLike(Protocol):
-    @property
-    def prompt_tokens(self) -> int: ...
-    @property
-    def completion_tokens(self) -> int: ...
-    @property
-    def prompt_tokens_evaluated(self) -> int: ...
-
-
-class ResultLike(Protocol):
-    @property
-    def text(self) -> str: ...
-    @property
-    def finish_reason(self) -> str: ...
-    @property
-    def usage(self) -> UsageLike: ...
-    @property
-    def switch(self) -> SwitchStats | None: ...
-
-
-class GenerationLike(Protocol):
-    def __iter__(self) -> Iterator[str]: ...
-    def cancel(self) -> None: ...
-    def result(self, timeout: float | None = None) -> ResultLike: ...
-
-
-class PoolLike(Protocol):
-    """The part of ``core.pool.Pool`` the API uses (see docs/INTERFACES.md, "Pool")."""
-
-    def snapshot(self) -> PoolSnapshot: ...
-    def subscribe(self, callback: Callable[[PoolEvent], None]) -> Callable[[], None]: ...
-    def generate(self, model_id: str, /, **fields: Any) -> GenerationLike: ...
-    def pin(self, model_id: str, pinned: bool) -> None: ...
-    def sleep(self, model_id: str, level: str = ...) -> None: ...
-    def wake(self, model_id: str) -> None: ...
-    def stop_model(self, model_id: str) -> None: ...
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -264,7 +224,9 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise BadRequest("'best_of' other than 1 is not supported; leave it out.", "best_of")
     for name in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(name) not in (None, [], "none"):
-            raise BadRequest(f"'{name}' is not supported: Timeshare's local models answer with text only.", name)
+            raise BadRequest(
+                f"'{name}' is not supported: Timeshare's local models answer with text only.", name
+            )
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise BadRequest("'logprobs' is not supported; leave it out.", "logprobs")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -277,7 +239,8 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         not isinstance(response_format, dict) or response_format.get("type", "text") != "text"
     ):
         raise BadRequest(
-            "'response_format' other than {\"type\": \"text\"} is not supported; leave it out.", "response_format"
+            '\'response_format\' other than {"type": "text"} is not supported; leave it out.',
+            "response_format",
         )
 
 
@@ -340,7 +303,11 @@ def _message_text(content: object, index: int) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise BadRequest(
                     f"messages[{index}].content: only text parts are supported "
                     '(\'{"type": "text", "text": "..."}\').',
@@ -562,14 +529,17 @@ class _AuthMiddleware:
             await error_response(message, 401, "missing_api_key")(scope, receive, send)
             return
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-            message = "Incorrect API key: send the key from api.key in Timeshare's config as 'Authorization: Bearer <key>'."
+            message = (
+                "Incorrect API key: send the key from api.key in Timeshare's config "
+                "as 'Authorization: Bearer <key>'."
+            )
             await error_response(message, 401, "invalid_api_key")(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
 class _Handlers:
-    def __init__(self, pool: PoolLike, api_config: ApiConfig, counter: SwitchCounter) -> None:
+    def __init__(self, pool: Pool, api_config: ApiConfig, counter: SwitchCounter) -> None:
         self.pool = pool
         self.api_config = api_config
         self.counter = counter
@@ -583,8 +553,8 @@ class _Handlers:
     async def call(self, func: Callable[..., T], *args: Any) -> T:
         return await anyio.to_thread.run_sync(partial(func, *args))
 
-    async def wait_watching(self, request: Request, gen: GenerationLike, func: Callable[[], T]) -> T:
-        """Run ``func`` on a thread; if the client disconnects meanwhile, cancel ``gen`` and raise _ClientGone."""
+    async def wait_watching(self, request: Request, gen: Generation, func: Callable[[], T]) -> T:
+        """Run ``func`` on a thread; on a client disconnect meanwhile, cancel ``gen``, raise _ClientGone."""
         gone = False
         box: list[T] = []
         failure: Exception | None = None
@@ -603,7 +573,9 @@ class _Handlers:
             tg.start_soon(watch)
             try:
                 box.append(
-                    await anyio.to_thread.run_sync(func, abandon_on_cancel=True, limiter=self.generation_limiter)
+                    await anyio.to_thread.run_sync(
+                        func, abandon_on_cancel=True, limiter=self.generation_limiter
+                    )
                 )
             except Exception as exc:  # raised after the group, unwrapped (anyio would group it)
                 failure = exc
@@ -615,7 +587,7 @@ class _Handlers:
             raise _ClientGone
         return box[0]
 
-    def record_cancel_later(self, gen: GenerationLike) -> None:
+    def record_cancel_later(self, gen: Generation) -> None:
         """Count a disconnect and note how the cancelled generation ended (for the status page)."""
 
         def wait() -> None:
@@ -634,7 +606,9 @@ class _Handlers:
 
     async def list_models(self, request: Request) -> Response:
         snapshot = await self.call(self.pool.snapshot)
-        return JSONResponse({"object": "list", "data": [model_json(m, self.created) for m in snapshot.models]})
+        return JSONResponse(
+            {"object": "list", "data": [model_json(m, self.created) for m in snapshot.models]}
+        )
 
     async def get_model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
@@ -654,7 +628,10 @@ class _Handlers:
         snapshot = await self.call(self.pool.snapshot)
         if snapshot.model(req.model) is None:
             raise UnknownModelError(_unknown_model_message(req.model, snapshot))
-        gen = await self.call(partial(self.pool.generate, req.model, **req.pool_fields()))
+        try:
+            gen = await self.call(partial(self.pool.generate, req.model, **req.pool_fields()))
+        except ValueError as exc:  # the pool's own argument check
+            raise BadRequest(f"{exc}.") from exc
         try:
             if req.stream:
                 return await self.stream(request, req, gen)
@@ -666,7 +643,7 @@ class _Handlers:
             raise
         return JSONResponse(self.full_response(req, result))
 
-    def full_response(self, req: GenerationRequest, result: ResultLike) -> dict[str, Any]:
+    def full_response(self, req: GenerationRequest, result: GenerationResult) -> dict[str, Any]:
         usage = {
             "prompt_tokens": result.usage.prompt_tokens,
             "completion_tokens": result.usage.completion_tokens,
@@ -703,7 +680,7 @@ class _Handlers:
             "timeshare": extras,
         }
 
-    async def stream(self, request: Request, req: GenerationRequest, gen: GenerationLike) -> Response:
+    async def stream(self, request: Request, req: GenerationRequest, gen: Generation) -> Response:
         pieces = iter(gen)
         end = object()
 
@@ -723,7 +700,12 @@ class _Handlers:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
                 obj = "chat.completion.chunk"
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -755,7 +737,9 @@ class _Handlers:
                     gen.result, abandon_on_cancel=True, limiter=self.generation_limiter
                 )
                 finished = True
-                final = json.loads(chunk(None if req.kind == "chat" else "", _finish_reason(result.finish_reason)))
+                final = json.loads(
+                    chunk(None if req.kind == "chat" else "", _finish_reason(result.finish_reason))
+                )
                 final["timeshare"] = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
                 yield {"data": json.dumps(final)}
                 if req.include_usage:
@@ -799,16 +783,14 @@ class _Handlers:
         elif command == "wake":
             await self.call(self.pool.wake, model_id)
         elif command == "sleep":
-            level = "weights+kv"
+            level: object = "weights+kv"
             if await request.body():
                 body = await read_json(request)
                 level = body.get("level", level) if isinstance(body, dict) else None
-            if level == "stop":
-                await self.call(self.pool.stop_model, model_id)
-            elif level in ("weights", "weights+kv"):
+            if level == "weights" or level == "weights+kv" or level == "stop":
                 await self.call(partial(self.pool.sleep, model_id, level=level))
             else:
-                raise BadRequest("'level' must be \"weights\", \"weights+kv\" or \"stop\".", "level")
+                raise BadRequest('\'level\' must be "weights", "weights+kv" or "stop".', "level")
         else:
             raise HTTPException(404)
         snapshot = await self.call(self.pool.snapshot)
@@ -844,7 +826,9 @@ async def _on_timeshare_error(request: Request, exc: Exception) -> Response:
 async def _on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        message = f"There is no endpoint {request.method} {request.url.path}; see GET /v1/models and docs/API.md."
+        message = (
+            f"There is no endpoint {request.method} {request.url.path}; see GET /v1/models and docs/API.md."
+        )
         return error_response(message, 404, "unknown_url")
     if exc.status_code == 405:
         message = f"{request.method} is not allowed on {request.url.path}."
@@ -854,10 +838,12 @@ async def _on_http_exception(request: Request, exc: Exception) -> Response:
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("%s %s crashed", request.method, request.url.path, exc_info=exc)
-    return error_response(f"Internal error in Timeshare ({type(exc).__name__}: {exc}); see its log.", 500, "internal")
+    return error_response(
+        f"Internal error in Timeshare ({type(exc).__name__}: {exc}); see its log.", 500, "internal"
+    )
 
 
-def create_app(pool: PoolLike, api_config: ApiConfig) -> Starlette:
+def create_app(pool: Pool, api_config: ApiConfig) -> Starlette:
     """The Starlette app over ``pool``. ``app.state.unsubscribe()`` detaches its switch counter."""
     counter = SwitchCounter()
     handlers = _Handlers(pool, api_config, counter)
@@ -910,7 +896,9 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ApiBindError(f"Cannot resolve the API host {host!r} ({exc}); check api.host or --host.") from exc
+        raise ApiBindError(
+            f"Cannot resolve the API host {host!r} ({exc}); check api.host or --host."
+        ) from exc
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -920,8 +908,8 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ApiBindError(
-            f"Cannot listen on {host}:{port} ({exc.strerror or exc}); pick another port with --port or api.port, "
-            "or stop the program that uses it."
+            f"Cannot listen on {host}:{port} ({exc.strerror or exc}); pick another port with --port or "
+            "api.port, or stop the program that uses it."
         ) from exc
     sock.set_inheritable(False)
     return sock
@@ -970,7 +958,7 @@ class ApiServer:
     address in ``paths.api_address_file()``; ``stop()`` shuts down and removes the record.
     """
 
-    def __init__(self, pool: PoolLike, api_config: ApiConfig, *, address_file: Path | None = None) -> None:
+    def __init__(self, pool: Pool, api_config: ApiConfig, *, address_file: Path | None = None) -> None:
         self.pool = pool
         self.api_config = api_config
         self.address_file = address_file
@@ -1003,7 +991,9 @@ class ApiServer:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
-                raise ApiBindError(f"The API server did not start on {self.url} ({self._crash or 'timed out'}).")
+                raise ApiBindError(
+                    f"The API server did not start on {self.url} ({self._crash or 'timed out'})."
+                )
             time.sleep(0.02)
         write_address_file(self.url, bool(self.api_config.key), self.address_file)
         log.info("API listening on %s%s", self.url, " (key required)" if self.api_config.key else "")
@@ -1075,9 +1065,11 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"timeshare serve: {exc}", file=sys.stderr)
         return 2
     if not config.models:
+        notice = str(getattr(config, "notice", "") or "")
         print(
-            "timeshare serve: no models are configured (and the demo models are not installed); "
-            f"add [[models]] to {paths.config_file()} — serving an empty pool.",
+            "timeshare serve: no models are configured. "
+            f"{notice or f'Add [[models]] to {paths.config_file()}.'} "
+            "Serving an empty pool.",
             file=sys.stderr,
         )
 
@@ -1092,12 +1084,18 @@ def serve_main(args: argparse.Namespace) -> int:
     pool = Pool(config)
     server = ApiServer(pool, api_config)
     try:
+        url = server.start()  # bind first: a port in use fails before any worker is spawned
         pool.start()
-        url = server.start()
-        print(f"Timeshare API on {url}/v1 — models: {', '.join(m.id for m in config.models) or 'none'}", flush=True)
+        print(
+            f"Timeshare API on {url}/v1 — models: {', '.join(m.id for m in config.models) or 'none'}",
+            flush=True,
+        )
         while not stop.wait(0.5):
             if not server.running:
-                print("timeshare serve: the API server stopped unexpectedly; see the log above.", file=sys.stderr)
+                print(
+                    "timeshare serve: the API server stopped unexpectedly; see the log above.",
+                    file=sys.stderr,
+                )
                 return 1
         log.info("stopping")
         return 0

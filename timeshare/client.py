@@ -65,7 +65,7 @@ def _config_key(args: argparse.Namespace) -> str | None:
 
     config_path = getattr(args, "config", None)
     try:
-        config = load_config(Path(config_path).expanduser() if config_path else None)
+        config = load_config(Path(config_path).expanduser() if config_path else None, check_paths=False)
     except ConfigError as exc:
         raise ClientError(f"Cannot read the API key from the configuration: {exc}") from exc
     return config.api.key
@@ -115,8 +115,8 @@ class Api:
         if self.endpoint.source == "--url":
             return ClientError(f"Cannot reach Timeshare at {self.endpoint.url} ({exc}); check --url.")
         return ClientError(
-            f"Timeshare is not running: {self.endpoint.source} names {self.endpoint.url}, which does not answer "
-            f"({exc}); start it with `timeshare` or `timeshare serve`."
+            f"Timeshare is not running: {self.endpoint.source} names {self.endpoint.url}, which does not "
+            f"answer ({exc}); start it with `timeshare` or `timeshare serve`."
         )
 
     @staticmethod
@@ -220,7 +220,13 @@ def print_models(models: dict[str, Any], out: TextIO) -> None:
     for m in data:
         extra = m.get("timeshare") or {}
         rows.append(
-            [m["id"], extra.get("name", ""), extra.get("state", ""), extra.get("chat_format") or "-", extra.get("licence", "")]
+            [
+                m["id"],
+                extra.get("name", ""),
+                extra.get("state", ""),
+                extra.get("chat_format") or "-",
+                extra.get("licence", ""),
+            ]
         )
     _table(rows, out)
 
@@ -282,8 +288,9 @@ def _chat(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if getattr(args, "verbose", False):
         switched = "switched GPU" if extras.get("switched") else "no GPU switch"
         err.write(
-            f"[{args.model}: {usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} "
-            f"completion tokens; {switched}, restore {extras.get('restore_ms', 0):.0f} ms, "
+            f"[{args.model}: {usage.get('prompt_tokens', '?')} prompt + "
+            f"{usage.get('completion_tokens', '?')} completion tokens; {switched}, "
+            f"restore {extras.get('restore_ms', 0):.0f} ms, "
             f"first token {extras.get('first_token_ms', 0):.0f} ms]\n"
         )
     return EXIT_OK

@@ -1,0 +1,525 @@
+"""The OpenAI-compatible API: the official `openai` client against a real `timeshare serve` running
+the two demo models (real workers, real llama-cpp-python), plus the request parser on its own."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from _api_util import (
+    GEMMA,
+    SMOL,
+    Served,
+    run_cli,
+    seed_gemma_cache,
+    serving,
+    start_serve,
+    stop_serve_proc,
+    write_config,
+)
+from timeshare.core.api import BadRequest, is_loopback, parse_chat_request, parse_completion_request
+
+KEY = "test-key-5f1e"
+QUEUE_LIMIT = 3  # small, so that the 429 test needs few requests; the interleave test stays within it
+PROMPTS = {
+    SMOL: ["The capital of France is", "def add(a, b):\n   "],
+    GEMMA: ["The capital of France is", "Once upon a time, there was"],
+}
+MAX_TOKENS = 12
+
+pytestmark = pytest.mark.slow
+
+
+# ---- the request parser (no server) ------------------------------------------------------------
+
+
+def test_parse_chat_request_maps_openai_fields() -> None:
+    req = parse_chat_request(
+        {
+            "model": SMOL,
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+                },
+            ],
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "stop": "\n",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "n": 1,
+            "frequency_penalty": 0,
+        }
+    )
+    assert [(m.role, m.content) for m in req.messages or ()] == [
+        ("system", "Be brief."),
+        ("user", "Hi there"),
+    ]
+    assert (req.max_tokens, req.temperature, req.stop, req.stream, req.include_usage) == (
+        7,
+        0.0,
+        ("\n",),
+        True,
+        True,
+    )
+    assert req.prompt is None and req.conversation is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model", "'model' is required"),
+        ({"model": SMOL, "messages": []}, "messages", "non-empty list"),
+        ({"model": SMOL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "use system"),
+        ({"model": SMOL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
+        (
+            {"model": SMOL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "only text parts",
+        ),
+        (
+            {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "n": 2},
+            "n",
+            "one choice per request",
+        ),
+        (
+            {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "temperature": 3},
+            "temperature",
+            "0 to 2",
+        ),
+        (
+            {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            "max_tokens",
+            "at least 1",
+        ),
+        (
+            {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "stop": [1]},
+            "stop",
+            "non-empty strings",
+        ),
+        (
+            {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+            "tools",
+            "text only",
+        ),
+        (
+            {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            "logprobs",
+            "not supported",
+        ),
+        (
+            {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+            "stream",
+            "true or false",
+        ),
+        (
+            {
+                "model": SMOL,
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+            "not supported",
+        ),
+    ],
+)
+def test_parse_chat_request_refuses_with_a_sentence(body: dict[str, object], param: str, words: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_chat_request(body)
+    assert info.value.param == param
+    assert words in info.value.message
+    assert info.value.message.endswith(".")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": GEMMA}, "prompt"),
+        ({"model": GEMMA, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": GEMMA, "prompt": [1, 2, 3]}, "prompt"),
+        ({"model": GEMMA, "prompt": "a", "echo": True}, "echo"),
+        ({"model": GEMMA, "prompt": "a", "best_of": 3}, "best_of"),
+    ],
+)
+def test_parse_completion_request_refuses(body: dict[str, object], param: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_completion_request(body)
+    assert info.value.param == param
+
+
+def test_parse_completion_request_defaults_follow_openai() -> None:
+    req = parse_completion_request({"model": GEMMA, "prompt": ["one prompt"]})
+    assert (req.prompt, req.max_tokens, req.temperature, req.stream) == ("one prompt", 16, 1.0, False)
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.8.0.1", True), ("::1", True), ("[::1]", True), ("localhost", True),
+     ("0.0.0.0", False), ("::", False), ("192.168.1.4", False), ("example.org", False), ("", False)],
+)  # fmt: skip
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+# ---- `timeshare serve` start-up checks (no generation) -------------------------------------------
+
+
+def test_serve_refuses_a_non_loopback_bind_without_a_key(tmp_path: Path, smollm2_path: Path) -> None:
+    config = write_config(tmp_path / "cfg.toml", [(SMOL, smollm2_path)])
+    done = run_cli(tmp_path / "home", "--config", str(config), "serve", "--host", "0.0.0.0", "--port", "0")
+    assert done.returncode == 2
+    assert "not a loopback address" in done.stderr and "api.key" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "home" / "run" / "api.json").exists()
+
+
+def test_serve_reports_a_port_in_use(tmp_path: Path, smollm2_path: Path) -> None:
+    config = write_config(tmp_path / "cfg.toml", [(SMOL, smollm2_path)])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        done = run_cli(tmp_path / "home", "--config", str(config), "serve", "--port", str(port))
+    assert done.returncode == 2
+    assert f"Cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+
+
+def test_serve_reports_a_bad_config(tmp_path: Path) -> None:
+    config = tmp_path / "cfg.toml"
+    config.write_text("[[models]]\nid = 'x'\npath = '/nonexistent/model.gguf'\n")
+    done = run_cli(tmp_path / "home", "--config", str(config), "serve", "--port", "0")
+    assert done.returncode == 2
+    assert "models[0].path" in done.stderr
+    assert config.read_text() == "[[models]]\nid = 'x'\npath = '/nonexistent/model.gguf'\n"
+
+
+def test_serve_without_config_serves_the_demo_models_and_stops_cleanly(
+    tmp_path: Path, gemma3_path: Path
+) -> None:
+    home = tmp_path / "home"
+    seed_gemma_cache(home, gemma3_path)
+    served = start_serve(home)
+    try:
+        address = home / "run" / "api.json"
+        assert stat.S_IMODE(address.stat().st_mode) == 0o600
+        record = json.loads(address.read_text())
+        assert record["key_required"] is False and record["url"].startswith("http://127.0.0.1:")
+        models = httpx.get(f"{served.url}/v1/models", timeout=30).json()
+        assert {m["id"] for m in models["data"]} == {SMOL, GEMMA}
+        assert all(m["object"] == "model" and m["owned_by"] == "timeshare" for m in models["data"])
+    finally:
+        code = stop_serve_proc(served.proc)
+    assert code == 0, served.log_text()[-3000:]
+    assert not (home / "run" / "api.json").exists()
+
+
+# ---- a served pool with both demo models and a key -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, gemma3_path: Path
+) -> Iterator[Served]:
+    home = tmp_path_factory.mktemp("api-home")
+    seed_gemma_cache(home, gemma3_path)
+    config = write_config(
+        home / "elsewhere" / "timeshare.toml",
+        [(SMOL, smollm2_path), (GEMMA, gemma3_path)],
+        key=KEY,
+        queue_limit=QUEUE_LIMIT,
+    )
+    with serving(home, config=config, key=KEY) as server:
+        server.wait_ready([SMOL, GEMMA])
+        yield server
+        assert server.proc.poll() is None, server.log_text()[-3000:]
+    assert server.proc.returncode == 0, server.log_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> Iterator[object]:
+    import openai
+
+    with openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=180) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy_references(smollm2_path: Path, gemma3_path: Path) -> dict[tuple[str, str], str]:
+    """What plain llama-cpp-python answers at temperature 0 (the issue's reference)."""
+    import llama_cpp
+
+    refs = {}
+    for model_id, path in ((SMOL, smollm2_path), (GEMMA, gemma3_path)):
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, verbose=False)
+        try:
+            for prompt in PROMPTS[model_id]:
+                out = llm.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0)
+                refs[(model_id, prompt)] = out["choices"][0]["text"]  # type: ignore[index]
+        finally:
+            llm.close()
+    return refs
+
+
+def test_models_are_listed(client: object) -> None:
+    models = client.models.list()  # type: ignore[attr-defined]
+    assert {m.id for m in models.data} == {SMOL, GEMMA}
+    gemma = client.models.retrieve(GEMMA)  # type: ignore[attr-defined]
+    assert gemma.id == GEMMA and gemma.owned_by == "timeshare"
+    assert gemma.model_extra["timeshare"]["chat_format"] == "fallback"
+
+
+@pytest.mark.parametrize("model", [SMOL, GEMMA])
+def test_chat_with_each_model(client: object, model: str) -> None:
+    reply = client.chat.completions.create(  # type: ignore[attr-defined]
+        model=model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=24, temperature=0
+    )
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.model == model
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content.strip(), f"{model} gave an empty answer"
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= 24
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert "switched" in reply.model_extra["timeshare"]
+
+
+def test_chat_stream_equals_the_plain_answer(client: object) -> None:
+    kwargs = {
+        "model": SMOL,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 20,
+        "temperature": 0,
+    }
+    plain = client.chat.completions.create(**kwargs)  # type: ignore[attr-defined]
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)  # type: ignore[attr-defined]
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1, "not streamed in pieces"
+    assert text == plain.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_stream_ends_with_done(served: Served) -> None:
+    body = {"model": GEMMA, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream(
+        "POST", f"{served.url}/v1/completions", json=body, headers=served.headers(), timeout=120
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert all(json.loads(d)["object"] == "text_completion" for d in data[:-1])
+
+
+def test_interleaved_completions_equal_the_greedy_reference(
+    served: Served, client: object, greedy_references: dict[tuple[str, str], str]
+) -> None:
+    # three requests per model at once, alternating models: 1 in flight + 2 queued per model
+    jobs = [(model, PROMPTS[model][i % 2]) for i in range(3) for model in (SMOL, GEMMA)]
+
+    def complete(job: tuple[str, str]) -> tuple[str, str, str, str]:
+        model, prompt = job
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)  # type: ignore[attr-defined]
+        assert reply.object == "text_completion" and reply.model == model
+        return model, prompt, reply.choices[0].text, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        answers = list(pool.map(complete, jobs))
+    for model, prompt, text, finish in answers:
+        assert text == greedy_references[(model, prompt)], (model, prompt)
+        assert finish in ("stop", "length")
+    per_model = served.status()["switch_stats"]["per_model"]  # type: ignore[index]
+    assert per_model[SMOL]["requests"] >= 3 and per_model[GEMMA]["requests"] >= 3
+    assert per_model[SMOL]["switches"] >= 1 and per_model[GEMMA]["switches"] >= 1
+
+
+def test_streamed_completion_equals_the_greedy_reference(
+    client: object, greedy_references: dict[tuple[str, str], str]
+) -> None:
+    prompt = PROMPTS[GEMMA][1]
+    stream = client.completions.create(
+        model=GEMMA, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )  # type: ignore[attr-defined]
+    assert "".join(c.choices[0].text for c in stream) == greedy_references[(GEMMA, prompt)]
+
+
+def test_malformed_json_is_a_400_in_openai_shape(served: Served) -> None:
+    for body in (b'{"model": "gemma3-270m", "prompt": ', b"", b"\xff\xfe", b"[1, 2]"):
+        r = httpx.post(
+            f"{served.url}/v1/completions",
+            content=body,
+            headers={**served.headers(), "Content-Type": "application/json"},
+            timeout=30,
+        )
+        assert r.status_code == 400, body
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], body
+        assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_is_a_404_naming_the_models(client: object) -> None:
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="llama-9000", messages=[{"role": "user", "content": "hi"}])  # type: ignore[attr-defined]
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+    assert SMOL in info.value.message and GEMMA in info.value.message
+
+
+def test_prompt_longer_than_the_context_is_a_400_and_the_model_keeps_serving(client: object) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=SMOL, prompt="lorem ipsum dolor " * 1500, max_tokens=4)  # type: ignore[attr-defined]
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=SMOL, prompt="lorem ipsum dolor " * 1500, max_tokens=4, stream=True)  # type: ignore[attr-defined]
+    assert info.value.code == "context_length_exceeded"
+    after = client.completions.create(model=SMOL, prompt="Hello", max_tokens=2, temperature=0)  # type: ignore[attr-defined]
+    assert after.usage.completion_tokens > 0
+
+
+def test_oversize_body_is_a_413(served: Served) -> None:
+    body = json.dumps({"model": SMOL, "prompt": "x" * (9 * 1024 * 1024)})
+    r = httpx.post(f"{served.url}/v1/completions", content=body, headers=served.headers(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_n_greater_than_one_is_refused(client: object) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "hi"}], n=2)  # type: ignore[attr-defined]
+    assert info.value.param == "n" and "one choice per request" in info.value.message
+
+
+def test_missing_and_wrong_key_are_401(served: Served) -> None:
+    import openai
+
+    r = httpx.get(f"{served.url}/v1/models", timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+    assert "Authorization: Bearer" in r.json()["error"]["message"]
+    r = httpx.get(f"{served.url}/timeshare/v1/status", timeout=30)
+    assert r.status_code == 401
+    with (
+        openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0) as wrong,
+        pytest.raises(openai.AuthenticationError) as info,
+    ):
+        wrong.models.list()
+    assert info.value.code == "invalid_api_key"
+
+
+def test_unknown_endpoint_is_a_404_in_openai_shape(served: Served) -> None:
+    r = httpx.get(f"{served.url}/v1/embeddings", headers=served.headers(), timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
+    r = httpx.get(f"{served.url}/v1/completions", headers=served.headers(), timeout=30)
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+
+
+def test_status_pin_unpin_sleep_wake(served: Served) -> None:
+    def post(model: str, command: str, body: dict[str, str] | None = None) -> httpx.Response:
+        return httpx.post(
+            f"{served.url}/timeshare/v1/models/{model}/{command}",
+            json=body,
+            headers=served.headers(),
+            timeout=60,
+        )
+
+    status = served.status()
+    assert status["object"] == "timeshare.status"
+    assert {m["id"] for m in status["models"]} == {SMOL, GEMMA}  # type: ignore[union-attr]
+    assert post(SMOL, "pin").json()["model"]["pinned"] is True
+    assert served.model_status(SMOL)["pinned"] is True
+    assert post(SMOL, "unpin").json()["model"]["pinned"] is False
+    assert post(GEMMA, "sleep").status_code == 200
+    served.wait_until(lambda s: _state(s, GEMMA) == "sleeping", "gemma to sleep", timeout=60)
+    assert post(GEMMA, "wake").status_code == 200
+    served.wait_until(lambda s: s["holder"] == GEMMA and _state(s, GEMMA) == "resident", "gemma to wake", 60)
+    bad = post(GEMMA, "sleep", {"level": "deep"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "level"
+    missing = post("nope", "pin")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def _state(status: dict[str, object], model: str) -> str:
+    return next(m["state"] for m in status["models"] if m["id"] == model)  # type: ignore[attr-defined]
+
+
+def test_full_queue_is_a_429_and_a_disconnect_cancels(served: Served) -> None:
+    base = served.status()["switch_stats"]["cancelled_by_disconnect"]  # type: ignore[index]
+    long_body = {
+        "model": GEMMA,
+        "prompt": "1, 2, 3, 4, 5, 6,",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "stream": True,
+    }
+    burst = QUEUE_LIMIT + 2
+    codes: list[int] = []
+    lock = threading.Lock()
+
+    def short_request() -> None:
+        r = httpx.post(
+            f"{served.url}/v1/completions",
+            json={"model": GEMMA, "prompt": "Hi", "max_tokens": 1, "temperature": 0},
+            headers=served.headers(),
+            timeout=300,
+        )
+        if r.status_code == 429:
+            error = r.json()["error"]
+            assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
+        with lock:
+            codes.append(r.status_code)
+
+    with httpx.stream(
+        "POST", f"{served.url}/v1/completions", json=long_body, headers=served.headers(), timeout=300
+    ) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the long generation is in flight
+        threads = [threading.Thread(target=short_request) for _ in range(burst)]
+        for t in threads:
+            t.start()
+        served.wait_until(
+            lambda s: len(codes) >= burst - QUEUE_LIMIT and _queued(s, GEMMA) == QUEUE_LIMIT,
+            "the queue to fill",
+            timeout=120,
+        )
+        assert served.model_status(GEMMA)["busy"] is True
+    # leaving the block closed the connection: the long generation must be cancelled, and the queue drains
+    for t in threads:
+        t.join(300)
+    assert sorted(codes) == [200] * QUEUE_LIMIT + [429] * (burst - QUEUE_LIMIT)
+    status = served.wait_until(
+        lambda s: s["switch_stats"]["cancelled_by_disconnect"] > base, "the cancel to be recorded", timeout=60
+    )
+    assert status["switch_stats"]["recent_cancel_finish_reasons"][-1] == "cancelled"  # type: ignore[index]
+
+
+def _queued(status: dict[str, object], model: str) -> int:
+    return int(next(m["queued"] for m in status["models"] if m["id"] == model))  # type: ignore[attr-defined]
+
+
+def test_cli_finds_the_key_in_the_config(served: Served) -> None:
+    assert served.config is not None
+    done = run_cli(served.home, "--config", str(served.config), "status", "--json")
+    assert done.returncode == 0, done.stderr
+    assert {m["id"] for m in json.loads(done.stdout)["models"]} == {SMOL, GEMMA}
+    done = run_cli(served.home, "models", env_extra={"TIMESHARE_API_KEY": KEY})
+    assert done.returncode == 0 and SMOL in done.stdout, done.stderr
+    done = run_cli(served.home, "models")  # the default config has no key
+    assert done.returncode == 1 and "needs an API key" in done.stderr
+    done = run_cli(served.home, "models", env_extra={"TIMESHARE_API_KEY": "wrong"})
+    assert done.returncode == 1 and "Incorrect API key" in done.stderr
