@@ -48,6 +48,7 @@ from llama_cpp import llama_chat_format
 from .config import ModelConfig
 from .errors import CancelledError, ModelFileError, PromptTooLongError
 from .protocol import ChatMessage, Generate
+from .residency import check_gguf
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class Engine:
     def load(cls, model: ModelConfig, *, use_mmap: bool = True, n_gpu_layers: int | None = None) -> Engine:
         """Load the GGUF. Raises ModelFileError with a sentence saying what to do."""
         check_model_file(model.path)
+        check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
         try:
             llm = llama_cpp.Llama(
                 model_path=model.path,

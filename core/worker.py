@@ -20,7 +20,7 @@ from __future__ import annotations
 
 # isort: off
 # llama_cpp first: importing numpy before it made model loading segfault on the GPU image.
-import llama_cpp
+import llama_cpp  # noqa: F401  (import order, not use)
 # isort: on
 
 import argparse
@@ -45,6 +45,7 @@ from .arena import Arena, IntervalLog, TokenClient, TokenRequest
 from .config import ArenaConfig, ModelConfig
 from .engine import Engine
 from .errors import CancelledError, TimeshareError, TokenTimeoutError
+from .residency import fix_malloc_mmap_threshold
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,13 @@ class Residence:
     """
 
     @property
-    def wants_residency(self) -> bool:
+    def use_mmap(self) -> bool:
+        """What the engine passes as ``Llama(use_mmap=...)``."""
+        return True
+
+    @property
+    def frees_context(self) -> bool:
+        """True when a plain yield also frees the context (rebuild path): park the KV first."""
         return False
 
     def start(self, enqueue_yield: Callable[[], None]) -> None:
@@ -204,8 +211,15 @@ class ArenaResidence(Residence):
         self.host_bytes = 0
 
     @property
-    def wants_residency(self) -> bool:
-        return _residency_api() is not None
+    def use_mmap(self) -> bool:
+        api = _residency_api()
+        if api is None:
+            return True
+        return bool(api[0].probe().use_mmap_for_inplace)
+
+    @property
+    def frees_context(self) -> bool:
+        return self.residency is not None and self.residency.path == "rebuild"
 
     def attach(self, engine: Engine) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""
@@ -469,10 +483,9 @@ class Worker:
         res.acquire(self._load_poll, None)
         try:
             self.send(p.Loading("model", 0.0))
-            cpu_only = not llama_cpp.llama_supports_gpu_offload()
             # On a CPU build the host weight buffers play the device; they can only be released
-            # when they are not an mmap of the file.
-            self.engine = Engine.load(model, use_mmap=not (cpu_only and res.wants_residency))
+            # when they are not an mmap of the file (core/residency says which).
+            self.engine = Engine.load(model, use_mmap=res.use_mmap)
             self.engine.kv_dir = Path(self.spec.kv_dir)
             self.send(p.Loading("residency", 0.5))
             res.attach(self.engine)
@@ -518,8 +531,6 @@ class Worker:
         elif isinstance(task, p.Wake):
             self._ensure_resident(lambda: self._wait_poll(None))
         elif isinstance(task, p.Sleep):
-            if task.level == "weights+kv" and self.engine is not None:
-                self.engine.park()  # every conversation becomes a host snapshot first
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
             if not self.pinned and self.residence.holds_token:
@@ -584,6 +595,12 @@ class Worker:
         return acquired
 
     def _release(self, kv: bool) -> None:
+        if (
+            self.engine is not None
+            and (kv or self.residence.frees_context)
+            and self.residence.weights_resident
+        ):
+            self.engine.park()  # the context goes away: every conversation becomes a host snapshot
         released = self.residence.release(kv)
         self._yield_wanted = False
         if kv:
@@ -693,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             conn.send(p.Error(req=None, code="invalid_config", message=str(exc), fatal=True))
         return 2
     _setup_logging(spec.model.id)
+    fix_malloc_mmap_threshold()  # freed weight buffers go back to the system at once (RSS drops)
     try:
         residence = make_residence(spec)
     except TimeshareError as exc:
