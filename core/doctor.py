@@ -1,0 +1,138 @@
+"""``timeshare doctor``: run the whole residency mechanism on this machine's backend and report.
+
+Loads a model (default: the smallest demo model) the way the engine does when it wants the
+mechanism (no mmap on a CPU-only build, so host weight buffers play the device), prefills a
+prompt, records the logits of 8 greedy decode steps, then runs release/restore cycles and
+compares the logits bitwise after each. With ``--json`` stdout carries only the JSON report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+from typing import Any
+
+from .errors import TimeshareError
+
+log = logging.getLogger(__name__)
+
+
+def _default_model() -> str:
+    from . import demo
+
+    try:
+        return str(demo.smollm2_path())
+    except demo.DemoUnavailable as exc:
+        raise TimeshareError(
+            f"no --model given and the demo model is not installed ({exc}): pass --model PATH.gguf"
+        ) from exc
+
+
+def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
+    """Run the check; returns the report (raises TimeshareError on bad input)."""
+    import llama_cpp  # before numpy (check imports numpy)
+
+    from .residency import Residency, ResidencyOptions, check_gguf, fix_malloc_mmap_threshold
+    from .residency.check import GreedyReplay
+
+    if cycles < 1:
+        raise TimeshareError("--cycles must be at least 1")
+    # a freed weight buffer must go back to the system, or RSS (the CPU build's "device memory") lies
+    fix_malloc_mmap_threshold()
+    check_gguf(model)
+    probe = Residency.probe()
+    try:
+        llm = llama_cpp.Llama(
+            model,
+            n_ctx=n_ctx,
+            n_batch=128,
+            n_gpu_layers=-1,
+            use_mmap=probe.use_mmap_for_inplace,
+            verbose=False,
+        )
+    except ValueError as exc:
+        raise TimeshareError(
+            f"llama.cpp could not load {model} ({exc}): check that it is a supported GGUF model"
+        ) from exc
+    try:
+        replay = GreedyReplay(llm)
+        reference = replay.run()
+        res = Residency.attach(llm, model, ResidencyOptions(mode="auto"))
+        releases, restores, freed, gbps, same = [], [], [], [], []
+        for _ in range(cycles):
+            rel = res.release()
+            rst = res.restore()
+            releases.append(rel.ms)
+            restores.append(rst.ms)
+            freed.append(rel.freed_bytes)
+            gbps.append(rst.gbps)
+            same.append(replay.run() == reference)
+        # one deeper cycle: weights + KV cache (what sleep does)
+        res.release(kv=True)
+        res.restore()
+        kv_same = replay.run() == reference
+        report: dict[str, Any] = {
+            "path": res.path,
+            "reason": res.reason,
+            "backend": res.backend,
+            "model": model,
+            "llama_cpp_version": probe.version,
+            "cycles": cycles,
+            "bitwise_identical": all(same),
+            "bitwise_identical_cycles": sum(same),
+            "kv_level_bitwise_identical": kv_same,
+            "weight_bytes": res.weight_bytes,
+            "released_bytes": int(statistics.median(freed)),
+            "released_fraction": (statistics.median(freed) / res.weight_bytes) if res.weight_bytes else 0.0,
+            "release_ms": statistics.median(releases),
+            "restore_ms": statistics.median(restores),
+            "restore_gbps": statistics.median(gbps),
+            "host_bytes": res.host_bytes,
+            "host_pinned": res.host_pinned,
+            "host_note": res.host_note,
+            "memory_measure": "device free memory" if probe.gpu else "process RSS (mmap threshold fixed)",
+        }
+        res.close()
+    finally:
+        llm.close()
+    return report
+
+
+def _print_text(r: dict[str, Any]) -> None:
+    ok = "yes" if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else "NO"
+    lines = [
+        f"model:              {r['model']}",
+        f"backend:            {r['backend']} (llama-cpp-python {r['llama_cpp_version']})",
+        f"path:               {r['path']}" + (f" ({r['reason']})" if r["reason"] else ""),
+        f"cycles:             {r['cycles']} (+1 with the KV cache)",
+        f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']})",
+        f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
+        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
+        f"release:            {r['release_ms']:.2f} ms (median)",
+        f"restore:            {r['restore_ms']:.2f} ms (median), {r['restore_gbps']:.2f} GB/s",
+        f"host shadow:        {r['host_bytes'] / 1e6:.1f} MB, pinned={r['host_pinned']}"
+        + (f" ({r['host_note']})" if r["host_note"] else ""),
+    ]
+    print("\n".join(lines))
+
+
+def main(args: argparse.Namespace) -> int:
+    model = args.model
+    as_json = bool(getattr(args, "json", False))
+    try:
+        if not model:
+            model = _default_model()
+        report = run_doctor(model, int(args.cycles))
+    except TimeshareError as exc:
+        if as_json:
+            print(json.dumps({"error": str(exc), "code": exc.code}))
+        print(f"timeshare doctor: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(report))
+    else:
+        _print_text(report)
+    return 0 if report["bitwise_identical"] and report["kv_level_bitwise_identical"] else 1
