@@ -8,6 +8,7 @@ tested on any machine; only writing them needs the real platform.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import plistlib
@@ -41,7 +42,7 @@ def packaged_desktop_entry() -> str:
 
 def _desktop_exec_quote(arg: str) -> str:
     # Desktop Entry spec: quote with double quotes when the argument has reserved characters
-    if arg and not any(c in arg for c in ' \t\n"\'\\><~|&;$*?#()`%='):
+    if arg and not any(c in arg for c in " \t\n\"'\\><~|&;$*?#()`%="):
         return arg
     escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`").replace("$", "\\$")
     return f'"{escaped.replace("%", "%%")}"'
@@ -160,10 +161,8 @@ def _windows_write(p: AutostartPlan, enabled: bool) -> None:
         if enabled:
             winreg.SetValueEx(key, p.value_name, 0, winreg.REG_SZ, p.content.decode("utf-8"))
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 winreg.DeleteValue(key, p.value_name)
-            except FileNotFoundError:
-                pass
 
 
 def describe(p: AutostartPlan) -> str:

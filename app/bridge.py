@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, Signal, Slot
-
 from timeshare.core.errors import TimeshareError
 from timeshare.core.state import EventKind, PoolEvent, PoolSnapshot
 
@@ -89,7 +88,9 @@ class PoolBridge(QObject):
         self._commands.submit(call)
 
     def pin(self, model_id: str, pinned: bool) -> None:
-        self.run_command(f"{'pin' if pinned else 'unpin'} {model_id}", lambda: self.pool.pin(model_id, pinned))
+        self.run_command(
+            f"{'pin' if pinned else 'unpin'} {model_id}", lambda: self.pool.pin(model_id, pinned)
+        )
 
     def sleep(self, model_id: str, level: str = "weights+kv") -> None:
         self.run_command(f"sleep {model_id}", lambda: self.pool.sleep(model_id, level=level))

@@ -1,4 +1,8 @@
-"""Tray app entry point (placeholder until the tray issue lands: shows the icon and a Quit item)."""
+"""Entry point of the tray app (``timeshare`` / ``timeshare tray [--background]``).
+
+Qt is imported only here, after the display check, so a headless machine gets a sentence instead
+of a Qt platform-plugin abort.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +11,23 @@ import os
 import sys
 
 
-def main(args: argparse.Namespace) -> int:
-    if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("QT_QPA_PLATFORM")):
-        print("timeshare: no display found (DISPLAY/WAYLAND_DISPLAY unset); use `timeshare serve` headless.")
-        return 2
-    from PySide6.QtGui import QIcon
-    from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
+def has_display() -> bool:
+    return bool(
+        os.environ.get("DISPLAY")
+        or os.environ.get("WAYLAND_DISPLAY")
+        or os.environ.get("QT_QPA_PLATFORM")
+        or sys.platform in ("darwin", "win32")
+    )
 
-    app = QApplication(sys.argv[:1])
-    app.setApplicationName("Timeshare")
-    tray = QSystemTrayIcon(QIcon.fromTheme("timeshare", app.style().standardIcon(app.style().StandardPixmap.SP_ComputerIcon)))
-    menu = QMenu()
-    menu.addAction("Quit", app.quit)
-    tray.setContextMenu(menu)
-    tray.setToolTip("Timeshare")
-    tray.show()
-    return app.exec()
+
+def main(args: argparse.Namespace) -> int:
+    if not has_display():
+        print(
+            "timeshare: no display found (neither DISPLAY nor WAYLAND_DISPLAY is set). Start it from a "
+            "desktop session, or run the models and the API headless with `timeshare serve`.",
+            file=sys.stderr,
+        )
+        return 2
+    from .application import run
+
+    return run(args)

@@ -80,7 +80,9 @@ def _holder(snapshot: PoolSnapshot) -> ModelStatus | None:
 def tray_state(snapshot: PoolSnapshot) -> TrayState:
     if any(m.state is ModelState.FAILED for m in snapshot.models):
         return TrayState.ERROR
-    if snapshot.switching or any(m.state in (ModelState.STARTING, ModelState.LOADING) for m in snapshot.models):
+    if snapshot.switching or any(
+        m.state in (ModelState.STARTING, ModelState.LOADING) for m in snapshot.models
+    ):
         return TrayState.SWITCHING
     if _holder(snapshot) is not None:
         return TrayState.HOLDING
@@ -158,7 +160,9 @@ def model_entries(status: ModelStatus) -> tuple[Entry, ...]:
     )
     if alive:
         entries.append(
-            Action("Wake", Command.WAKE, status.id, enabled=state in (ModelState.RELEASED, ModelState.SLEEPING))
+            Action(
+                "Wake", Command.WAKE, status.id, enabled=state in (ModelState.RELEASED, ModelState.SLEEPING)
+            )
         )
     else:
         entries.append(Action("Restart", Command.RESTART, status.id))

@@ -9,7 +9,6 @@ import logging
 
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
-
 from timeshare.core import paths
 
 log = logging.getLogger(__name__)
@@ -57,10 +56,13 @@ class SingleInstance(QObject):
         assert self._server is not None
         while self._server.hasPendingConnections():
             socket = self._server.nextPendingConnection()
-            socket.readyRead.connect(lambda s=socket: self._read(s))
-            socket.disconnected.connect(socket.deleteLater)
-            if socket.bytesAvailable():
+            # a short message: wait for it here instead of keeping per-socket slots alive
+            if socket.bytesAvailable() or socket.waitForReadyRead(CONNECT_TIMEOUT_MS):
+                while socket.bytesAvailable() and not socket.canReadLine():
+                    if not socket.waitForReadyRead(CONNECT_TIMEOUT_MS):
+                        break
                 self._read(socket)
+            socket.abort()
 
     def _read(self, socket: QLocalSocket) -> None:
         while socket.canReadLine():

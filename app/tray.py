@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
-
 from timeshare.core.state import PoolSnapshot
 
 from . import icons

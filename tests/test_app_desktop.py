@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from timeshare.app import autostart
 
 APP_ID = "io.github.timeshare.Timeshare"
@@ -78,7 +77,8 @@ def test_xdg_config_home_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def test_exec_line_quotes_paths_with_spaces() -> None:
     text = autostart.xdg_autostart_entry(
-        "[Desktop Entry]\nType=Application\nName=T\nExec=timeshare\nTryExec=timeshare\n[Desktop Action x]\nName=X\nExec=y\n",
+        "[Desktop Entry]\nType=Application\nName=T\nExec=timeshare\nTryExec=timeshare\n"
+        "[Desktop Action x]\nName=X\nExec=y\n",
         ["/opt/my apps/timeshare", "tray", "--background"],
     )
     entry = parse_desktop(text)
@@ -92,7 +92,9 @@ def test_exec_line_quotes_paths_with_spaces() -> None:
 
 def test_macos_launch_agent_plan(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    plan = autostart.plan("darwin", ["/Applications/Timeshare.app/Contents/MacOS/timeshare", "tray", "--background"])
+    plan = autostart.plan(
+        "darwin", ["/Applications/Timeshare.app/Contents/MacOS/timeshare", "tray", "--background"]
+    )
     assert plan.path == str(tmp_path / "Library" / "LaunchAgents" / f"{APP_ID}.plist")
     data = plistlib.loads(plan.content)
     assert data["Label"] == APP_ID
@@ -159,7 +161,6 @@ def test_instances_in_different_homes_do_not_see_each_other(
 def test_stale_socket_file_does_not_block_a_new_instance(qtbot: object) -> None:
     # a crashed instance leaves its socket file behind; the next launch must still start
     from PySide6.QtNetwork import QLocalServer
-
     from timeshare.app.single_instance import SingleInstance
 
     instance = SingleInstance()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from timeshare.app.menu_model import (
     Action,
     Command,
@@ -22,7 +21,9 @@ from timeshare.core.state import ModelState, ModelStatus, PoolSnapshot
 
 
 def status(model_id: str, state: ModelState, name: str = "", **kw: Any) -> ModelStatus:
-    return ModelStatus(id=model_id, name=name or model_id.upper(), path=f"/m/{model_id}.gguf", state=state, **kw)
+    return ModelStatus(
+        id=model_id, name=name or model_id.upper(), path=f"/m/{model_id}.gguf", state=state, **kw
+    )
 
 
 def three(holder_state: ModelState = ModelState.RESIDENT) -> PoolSnapshot:
@@ -173,7 +174,9 @@ def test_failed_or_stopped_model_offers_restart_and_shows_why(state: ModelState)
     acts = actions(sub.entries)
     assert Command.RESTART in acts and acts[Command.RESTART].enabled
     assert Command.WAKE not in acts
-    assert not acts[Command.PIN].enabled and not acts[Command.SLEEP].enabled and not acts[Command.CHAT].enabled
+    assert (
+        not acts[Command.PIN].enabled and not acts[Command.SLEEP].enabled and not acts[Command.CHAT].enabled
+    )
 
 
 def test_loading_model_allows_chat_but_not_sleep_or_wake() -> None:
@@ -211,7 +214,6 @@ def test_display_state(state: ModelState, busy: bool, word: str) -> None:
 
 def test_populate_builds_actions_that_report_what_was_picked(qtbot: object) -> None:
     from PySide6.QtWidgets import QMenu
-
     from timeshare.app.tray import populate
 
     picked: list[Action] = []

@@ -98,7 +98,9 @@ def test_icons_render_in_qt(qapp: object) -> None:
     for icon in (SCALABLE, SYMBOLIC):
         image = QIcon(str(icon)).pixmap(64, 64).toImage()
         assert not image.isNull()
-        opaque = sum(1 for x in range(0, 64, 4) for y in range(0, 64, 4) if image.pixelColor(x, y).alpha() > 0)
+        opaque = sum(
+            1 for x in range(0, 64, 4) for y in range(0, 64, 4) if image.pixelColor(x, y).alpha() > 0
+        )
         assert opaque > 20, f"{icon.name} rendered (almost) empty"
 
 
@@ -111,7 +113,9 @@ def spec_tree() -> ast.Module:
 
 def spec_constant(name: str) -> object:
     for node in spec_tree().body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
             return ast.literal_eval(node.value)
     raise AssertionError(f"{name} not found in {SPEC}")
 
@@ -132,7 +136,9 @@ def test_spec_weight_filter_drops_gguf_files() -> None:
     tree = spec_tree()
     nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "is_weights"]
     consts = [
-        n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "WEIGHT_SUFFIXES"
+        n
+        for n in tree.body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "WEIGHT_SUFFIXES"
     ]
     namespace: dict[str, object] = {}
     exec(compile(ast.Module(body=consts + nodes, type_ignores=[]), str(SPEC), "exec"), namespace)
@@ -169,5 +175,7 @@ def test_pyinstaller_build_has_no_weights(tmp_path: Path) -> None:
     assert (bundle / "timeshare").is_file()
     weights = [p for p in bundle.rglob("*") if ".gguf" in p.name]
     assert weights == []
-    version = subprocess.run([str(bundle / "timeshare"), "--version"], capture_output=True, text=True, timeout=60)
+    version = subprocess.run(
+        [str(bundle / "timeshare"), "--version"], capture_output=True, text=True, timeout=60
+    )
     assert version.returncode == 0 and "timeshare" in version.stdout

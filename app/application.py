@@ -1,0 +1,372 @@
+"""The tray application: wires the pool, the bridge, the tray, the chat window, settings and the API.
+
+``run(args)`` is what ``timeshare`` (``timeshare tray``) runs. ``TimeshareApp`` holds the pieces
+and can be built around any started pool, so the tests drive it with real workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import logging.handlers
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
+from timeshare.core import config as config_mod
+from timeshare.core import paths
+from timeshare.core.config import Config
+from timeshare.core.errors import ConfigError, TimeshareError
+
+from . import autostart, icons
+from .bridge import PoolBridge
+from .chat_window import ChatWindow
+from .menu_model import Action, Command
+from .settings import SettingsDialog
+from .single_instance import SingleInstance
+from .tray import Tray
+
+log = logging.getLogger(__name__)
+
+APP_ID = "io.github.timeshare.Timeshare"
+TRAY_WAIT_S = 10  # at login the desktop's tray may appear a few seconds after Timeshare starts
+LOG_FILE = "timeshare.log"
+
+
+def log_file() -> Path:
+    return paths.log_dir() / LOG_FILE
+
+
+def _ui_state_file() -> Path:
+    return paths.data_dir() / "ui-state.json"
+
+
+def load_ui_state() -> dict[str, Any]:
+    try:
+        data = json.loads(_ui_state_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save_ui_state(state: dict[str, Any]) -> None:
+    target = _ui_state_file()
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(target)
+
+
+class TimeshareApp(QObject):
+    """Everything the user sees, around one started pool. ``shutdown()`` stops what it started."""
+
+    quit_requested = Signal()
+
+    def __init__(
+        self,
+        config: Config,
+        pool: Any,
+        store: Any,
+        chat: Any,
+        *,
+        config_path: Path | None = None,
+        tray_available: bool | None = None,
+        api_server_factory: Any = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.config_path = config_path
+        self.pool = pool
+        self.store = store
+        self.chat = chat
+        self.bridge = PoolBridge(pool, self)
+        self.tray_available = (
+            QSystemTrayIcon.isSystemTrayAvailable() if tray_available is None else tray_available
+        )
+        self.tray: Tray | None = None
+        self.window = ChatWindow(
+            self.bridge, store, chat, prewake_enabled=lambda: self.config.general.prewake_on_typing
+        )
+        self.window.closed.connect(self._on_window_closed)
+        self.settings_dialog: SettingsDialog | None = None
+        self._api_factory = api_server_factory
+        self.api: Any = None
+        self._tray_wait_left = TRAY_WAIT_S
+        self._shut_down = False
+
+    # ---- start -------------------------------------------------------------------------------
+
+    def start(self, background: bool = False) -> None:
+        if self.tray_available:
+            self._show_tray()
+            if not background:
+                self.window.show_and_raise()
+        elif background:
+            # autostart: give the desktop's tray a few seconds to appear before falling back
+            self._wait_for_tray()
+        else:
+            log.info("no system tray: opening the chat window instead")
+            self.window.show_and_raise()
+        self.start_api()
+        if self.config.notice:
+            self.notify("Timeshare", self.config.notice)
+
+    def _show_tray(self) -> None:
+        if self.tray is None:
+            self.tray = Tray(self.bridge, lambda: self.config.general.start_at_login, self)
+            self.tray.action_triggered.connect(self.handle)
+            self.tray.clicked.connect(self.window.show_and_raise)
+        self.tray.show()
+
+    def _wait_for_tray(self) -> None:
+        if QSystemTrayIcon.isSystemTrayAvailable():
+            self.tray_available = True
+            self._show_tray()
+        elif self._tray_wait_left > 0:
+            self._tray_wait_left -= 1
+            QTimer.singleShot(1000, self._wait_for_tray)
+        else:
+            log.info("no system tray after %d s: opening the chat window", TRAY_WAIT_S)
+            self.window.show_and_raise()
+
+    def start_api(self) -> None:
+        if not self.config.api.enabled:
+            return
+        factory = self._api_factory
+        if factory is None:
+            from timeshare.core.api import ApiServer
+
+            factory = ApiServer
+        try:
+            server = factory(self.pool, self.config.api)
+            url = server.start()
+        except TimeshareError as e:
+            log.warning("API not started: %s", e)
+            self.notify("The API did not start", str(e), error=True)
+            return
+        except OSError as e:
+            log.warning("API not started: %s", e)
+            self.notify("The API did not start", f"{e}: change the port in Settings → API", error=True)
+            return
+        self.api = server
+        log.info("API at %s", url)
+
+    def stop_api(self) -> None:
+        if self.api is not None:
+            server, self.api = self.api, None
+            try:
+                server.stop()
+            except Exception:
+                log.exception("stopping the API failed")
+
+    # ---- actions -----------------------------------------------------------------------------
+
+    def handle(self, action: Action) -> None:
+        model = action.model or ""
+        if action.command is Command.PIN:
+            self.bridge.pin(model, True)
+        elif action.command is Command.UNPIN:
+            self.bridge.pin(model, False)
+        elif action.command is Command.SLEEP:
+            self.bridge.sleep(model, "weights+kv")
+        elif action.command is Command.WAKE:
+            self.bridge.wake(model)
+        elif action.command is Command.RESTART:
+            self.bridge.restart(model)
+        elif action.command is Command.CHAT:
+            self.window.open_for_model(model)
+        elif action.command is Command.OPEN_CHAT:
+            self.window.show_and_raise()
+        elif action.command is Command.ADD_MODEL:
+            dialog = self.open_settings()
+            dialog.tabs.setCurrentIndex(0)
+            QTimer.singleShot(0, dialog.add_from_catalog)
+        elif action.command is Command.SETTINGS:
+            self.open_settings()
+        elif action.command is Command.START_AT_LOGIN:
+            self.set_start_at_login(not self.config.general.start_at_login)
+        elif action.command is Command.SHOW_LOG:
+            self.show_log()
+        elif action.command is Command.QUIT:
+            self.quit()
+
+    def open_settings(self) -> SettingsDialog:
+        if self.settings_dialog is None or not self.settings_dialog.isVisible():
+            self.settings_dialog = SettingsDialog(self.config, self.bridge, self.config_path)
+            self.settings_dialog.saved.connect(self.apply_config)
+        self.settings_dialog.show()
+        self.settings_dialog.raise_()
+        self.settings_dialog.activateWindow()
+        return self.settings_dialog
+
+    def apply_config(self, new: Config) -> None:
+        """Adopt settings that were saved: pool, start at login, API."""
+        old, self.config = self.config, new
+        if new.models != old.models or new.arena != old.arena:
+            self.bridge.run_command("apply the new settings", lambda: self.pool.apply_config(new))
+        if new.general.start_at_login != autostart.is_enabled():
+            self._write_autostart(new.general.start_at_login)
+        if new.api != old.api:
+            self.stop_api()
+            self.start_api()
+
+    def set_start_at_login(self, enabled: bool) -> None:
+        new = dataclasses.replace(
+            self.config, general=dataclasses.replace(self.config.general, start_at_login=enabled)
+        )
+        try:
+            config_mod.save_config(new, self.config_path)
+        except (ConfigError, OSError) as e:
+            self.notify("Could not save the setting", str(e), error=True)
+            return
+        self.config = new
+        self._write_autostart(enabled)
+
+    def _write_autostart(self, enabled: bool) -> None:
+        try:
+            plan = autostart.set_enabled(enabled)
+            log.info("start at login %s (%s)", "on" if enabled else "off", autostart.describe(plan))
+        except OSError as e:
+            self.notify("Could not change start at login", str(e), error=True)
+
+    def show_log(self) -> None:
+        target = log_file()
+        target.touch(exist_ok=True)
+        if not QDesktopServices.openUrl(QUrl.fromLocalFile(str(target))):
+            self.notify("Log file", str(target))
+
+    def notify(self, title: str, message: str, error: bool = False) -> None:
+        if self.tray is not None:
+            self.tray.notify(title, message, error=error)
+        else:
+            self.window.statusBar().showMessage(f"{title}: {message}", 20000)
+
+    # ---- closing -----------------------------------------------------------------------------
+
+    def _on_window_closed(self) -> None:
+        if self.tray is not None or self._shut_down:
+            return  # the tray keeps Timeshare reachable
+        state = load_ui_state()
+        keep = state.get("keep_running_without_tray")
+        if keep is None:
+            answer = QMessageBox.question(
+                None,
+                "Keep Timeshare running?",
+                "There is no system tray on this desktop. Keep Timeshare (its models and its API) "
+                "running in the background? Start Timeshare again to reopen this window.",
+                QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                QMessageBox.StandardButton.Yes,
+            )
+            keep = answer == QMessageBox.StandardButton.Yes
+            state["keep_running_without_tray"] = keep
+            save_ui_state(state)
+        if not keep:
+            self.quit()
+
+    def quit(self) -> None:
+        self.quit_requested.emit()
+        app = QApplication.instance()
+        if app is not None:
+            app.quit()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the API, detach from the pool and stop every worker (no orphans)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        log.info("shutting down")
+        self.stop_api()
+        self.bridge.detach()
+        if self.tray is not None:
+            self.tray.hide()
+        self.window.hide()
+        try:
+            self.pool.stop(timeout=timeout)
+        except Exception:
+            log.exception("stopping the pool failed")
+
+
+def setup_logging(verbose: bool) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    handler = logging.handlers.RotatingFileHandler(
+        log_file(), maxBytes=2_000_000, backupCount=3, encoding="utf-8"
+    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    console = logging.StreamHandler()
+    console.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    console.setFormatter(logging.Formatter("timeshare: %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(console)
+
+
+def _fatal(title: str, text: str) -> int:
+    print(f"timeshare: {text}", file=sys.stderr)
+    QMessageBox.critical(None, title, text)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(bool(getattr(args, "verbose", False)))
+    qapp = QApplication.instance() or QApplication(sys.argv[:1])
+    assert isinstance(qapp, QApplication)
+    qapp.setApplicationName("Timeshare")
+    qapp.setDesktopFileName(APP_ID)
+    qapp.setWindowIcon(icons.app_icon())
+    qapp.setQuitOnLastWindowClosed(False)
+
+    single = SingleInstance()
+    if not single.claim("show"):
+        print("Timeshare is already running: asked it to open its chat window.")
+        return 0
+
+    config_path = Path(args.config).expanduser() if getattr(args, "config", None) else paths.config_file()
+    try:
+        config = config_mod.load_config(config_path)
+    except ConfigError as e:
+        problems = "\n".join(f"• {p}" for p in e.problems)
+        return _fatal(
+            "Timeshare: configuration error",
+            f"{config_path} has problems:\n{problems}\n\n"
+            "Fix the file (it was not changed) and start Timeshare again.",
+        )
+
+    from timeshare.core.chat import ChatService
+    from timeshare.core.pool import Pool
+    from timeshare.core.store import Store
+
+    try:
+        store = Store()
+    except TimeshareError as e:
+        return _fatal("Timeshare: conversations", str(e))
+    pool = Pool(config)
+    try:
+        pool.start()
+    except TimeshareError as e:
+        store.close()
+        return _fatal("Timeshare could not start", str(e))
+    app = TimeshareApp(config, pool, store, ChatService(pool, store), config_path=config_path)
+    single.message_received.connect(lambda _msg: app.window.show_and_raise())
+
+    # SIGTERM (logout, `kill`) and Ctrl+C quit through Qt, so the workers are stopped cleanly
+    previous = {s: signal.signal(s, lambda *_: qapp.quit()) for s in (signal.SIGINT, signal.SIGTERM)}
+    wakeup = QTimer()
+    wakeup.start(200)  # lets the Python signal handlers run while Qt's loop waits
+    wakeup.timeout.connect(lambda: None)
+    try:
+        app.start(background=bool(getattr(args, "background", False)))
+        rc = qapp.exec()
+    finally:
+        wakeup.stop()
+        app.shutdown()
+        single.close()
+        store.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("Timeshare exited (%d)", rc)
+    return rc

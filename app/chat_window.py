@@ -1,0 +1,592 @@
+"""The chat window: conversations on the left, the transcript (Markdown) and the input on the right.
+
+Generations stream on a Python thread that only iterates the pool's ``Generation`` and emits
+signals; everything that touches widgets runs on the GUI thread. Focusing the input or typing in
+it pre-wakes the conversation's model (restore ahead of the request) unless the setting is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QKeyEvent
+from PySide6.QtWidgets import (
+    QComboBox,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QMainWindow,
+    QMessageBox,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+from timeshare.core.errors import TimeshareError
+from timeshare.core.state import ModelState, PoolSnapshot
+
+from . import icons
+from .bridge import PoolBridge
+from .menu_model import display_state
+
+log = logging.getLogger(__name__)
+
+PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
+RENDER_INTERVAL_MS = 50  # streamed text is re-rendered at most 20 times a second
+
+
+class StoreLike(Protocol):
+    def list_conversations(self, model_id: str | None = None) -> list[Any]: ...
+    def create_conversation(self, model_id: str, title: str = "") -> Any: ...
+    def get(self, conversation_id: str) -> Any: ...
+    def rename(self, conversation_id: str, title: str) -> Any: ...
+    def set_model(self, conversation_id: str, model_id: str) -> Any: ...
+    def delete(self, conversation_id: str) -> None: ...
+    def messages(self, conversation_id: str) -> list[Any]: ...
+
+
+class ChatLike(Protocol):
+    def send(self, conversation_id: str, text: str) -> Any: ...
+    def regenerate(self, conversation_id: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class AnswerStats:
+    """The line under an answer, from the stats ChatService saved with the message."""
+
+    ttft_ms: float | None
+    tokens_per_s: float
+    completion_tokens: int
+    switched: bool
+    wait_ms: float
+    restore_ms: float
+    finish_reason: str
+    error: str = ""
+
+    @classmethod
+    def from_stats(cls, data: Mapping[str, Any]) -> AnswerStats | None:
+        if "finish_reason" not in data:
+            return None
+        ttft = data.get("ttft_ms")
+        return cls(
+            ttft_ms=float(ttft) if isinstance(ttft, (int, float)) else None,
+            tokens_per_s=float(data.get("tokens_per_s") or 0.0),
+            completion_tokens=int(data.get("completion_tokens") or 0),
+            switched=bool(data.get("switched", False)),
+            wait_ms=float(data.get("wait_ms") or 0.0),
+            restore_ms=float(data.get("restore_ms") or 0.0),
+            finish_reason=str(data["finish_reason"]),
+            error=str(data.get("error") or ""),
+        )
+
+    def line(self) -> str:
+        if self.finish_reason == "error":
+            return f"failed: {self.error}" if self.error else "failed"
+        if self.finish_reason == "cancelled" and self.ttft_ms is None:
+            return "stopped"
+        parts = []
+        if self.ttft_ms is not None:
+            parts.append(f"first token {self.ttft_ms:.0f} ms")
+        parts.append(f"{self.tokens_per_s:.1f} tokens/s")
+        if self.switched:
+            detail = f"restore {self.restore_ms:.0f} ms"
+            if self.wait_ms:
+                detail += f", waited {self.wait_ms:.0f} ms for the GPU"
+            parts.append(f"GPU switch {self.wait_ms + self.restore_ms:.0f} ms ({detail})")
+        else:
+            parts.append("no GPU switch")
+        if self.finish_reason == "cancelled":
+            parts.append("stopped")
+        elif self.finish_reason == "length":
+            parts.append("hit the token limit")
+        return " · ".join(parts)
+
+
+class _Stream(QObject):
+    """Iterates one Generation on a Python thread; its signals reach the GUI thread queued."""
+
+    piece = Signal(str)
+    first_token = Signal(float)  # ms since send
+    finished = Signal(object, object)  # (result or None, error or None)
+
+    def __init__(self, generation: Any, started: float) -> None:
+        super().__init__()
+        self.generation = generation
+        self.started = started
+        self.first_at: float | None = None
+        self.ended_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name="chat-stream", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for text in self.generation:
+                if self.first_at is None:
+                    self.first_at = time.monotonic()
+                    self.first_token.emit((self.first_at - self.started) * 1000.0)
+                self.piece.emit(text)
+            result = self.generation.result(timeout=30.0)
+            self.ended_at = time.monotonic()
+            self.finished.emit(result, None)
+        except Exception as e:
+            self.ended_at = time.monotonic()
+            self.finished.emit(None, e)
+
+
+class _InputBox(QPlainTextEdit):
+    """Enter sends, Shift+Enter makes a new line; focus is reported (pre-wake)."""
+
+    submitted = Signal()
+    focused = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
+            event.modifiers() & Qt.KeyboardModifier.ShiftModifier
+        ):
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+    def focusInEvent(self, event: Any) -> None:
+        super().focusInEvent(event)
+        self.focused.emit()
+
+
+class ChatWindow(QMainWindow):
+    #: emitted when the user closes the window (the app decides whether to keep running)
+    closed = Signal()
+    #: (model id) whenever the window asks the pool to wake a model ahead of a request
+    prewake_requested = Signal(str)
+    #: an answer finished: (conversation id, AnswerStats or None, error message)
+    answer_finished = Signal(str, object, str)
+
+    def __init__(
+        self,
+        bridge: PoolBridge,
+        store: StoreLike,
+        chat: ChatLike,
+        prewake_enabled: Callable[[], bool] = lambda: True,
+        parent: QWidget | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.bridge = bridge
+        self.store = store
+        self.chat = chat
+        self._prewake_enabled = prewake_enabled
+        self._last_prewake: dict[str, float] = {}
+        self._stream: _Stream | None = None
+        self._stream_conversation: str | None = None
+        self._partial = ""
+        self._pending_stats: dict[str, AnswerStats] = {}
+        self._first_token_ms: float | None = None
+        self.setWindowTitle("Timeshare — Chat")
+        self.setWindowIcon(icons.app_icon())
+        self.resize(980, 640)
+        self._build()
+        self._render_timer = QTimer(self)
+        self._render_timer.setSingleShot(True)
+        self._render_timer.setInterval(RENDER_INTERVAL_MS)
+        self._render_timer.timeout.connect(self.render_transcript)
+        bridge.snapshot_changed.connect(self._on_snapshot)
+        self._on_snapshot(bridge.snapshot)
+        self.reload_conversations()
+
+    # ---- layout ------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        left = QWidget()
+        lv = QVBoxLayout(left)
+        lv.setContentsMargins(6, 6, 6, 6)
+        self.conversations = QListWidget()
+        self.conversations.setObjectName("conversations")
+        self.conversations.currentItemChanged.connect(lambda *_: self._on_conversation_changed())
+        self.new_button = QPushButton("New")
+        self.rename_button = QPushButton("Rename…")
+        self.delete_button = QPushButton("Delete")
+        self.new_button.clicked.connect(self.new_conversation)
+        self.rename_button.clicked.connect(self.rename_conversation)
+        self.delete_button.clicked.connect(self.delete_conversation)
+        buttons = QHBoxLayout()
+        for b in (self.new_button, self.rename_button, self.delete_button):
+            buttons.addWidget(b)
+        lv.addWidget(self.conversations)
+        lv.addLayout(buttons)
+
+        right = QWidget()
+        rv = QVBoxLayout(right)
+        rv.setContentsMargins(6, 6, 6, 6)
+        top = QHBoxLayout()
+        top.addWidget(QLabel("Model:"))
+        self.model_box = QComboBox()
+        self.model_box.setObjectName("model")
+        self.model_box.setMinimumWidth(320)
+        self.model_box.activated.connect(lambda _i: self._on_model_picked())
+        top.addWidget(self.model_box, 1)
+        self.model_state = QLabel()
+        self.model_state.setObjectName("model_state")
+        top.addWidget(self.model_state)
+        rv.addLayout(top)
+        self.licence = QLabel()
+        self.licence.setObjectName("licence")
+        self.licence.setStyleSheet("color: gray")
+        rv.addWidget(self.licence)
+
+        self.transcript = QTextBrowser()
+        self.transcript.setObjectName("transcript")
+        self.transcript.setOpenExternalLinks(True)
+        rv.addWidget(self.transcript, 1)
+
+        self.progress = QProgressBar()
+        self.progress.setObjectName("progress")
+        self.progress.setRange(0, 0)  # indeterminate: a load or a restore
+        self.progress.setTextVisible(True)
+        self.progress.setMaximumHeight(14)
+        self.progress.hide()
+        rv.addWidget(self.progress)
+
+        bottom = QHBoxLayout()
+        self.input = _InputBox()
+        self.input.setObjectName("input")
+        self.input.setPlaceholderText("Message (Enter sends, Shift+Enter: new line)")
+        self.input.setMaximumHeight(96)
+        self.input.submitted.connect(self.send)
+        self.input.focused.connect(self.prewake)
+        self.input.textChanged.connect(self._on_typing)
+        bottom.addWidget(self.input, 1)
+        col = QVBoxLayout()
+        self.send_button = QPushButton("Send")
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setEnabled(False)
+        self.send_button.clicked.connect(self.send)
+        self.stop_button.clicked.connect(self.stop)
+        col.addWidget(self.send_button)
+        col.addWidget(self.stop_button)
+        bottom.addLayout(col)
+        rv.addLayout(bottom)
+
+        splitter = QSplitter()
+        splitter.addWidget(left)
+        splitter.addWidget(right)
+        splitter.setStretchFactor(1, 3)
+        splitter.setSizes([240, 740])
+        self.setCentralWidget(splitter)
+        self.statusBar()
+
+    # ---- state from the pool -----------------------------------------------------------------
+
+    def _on_snapshot(self, snapshot: PoolSnapshot) -> None:
+        current = self.model_box.currentData()
+        self.model_box.blockSignals(True)
+        self.model_box.clear()
+        for m in snapshot.models:
+            label = f"{m.name or m.id} — {display_state(m)}"
+            if m.id == snapshot.holder:
+                label += " (GPU)"
+            self.model_box.addItem(label, m.id)
+            index = self.model_box.count() - 1
+            tip = f"{m.path}\nLicence: {m.licence}" if m.licence else m.path
+            self.model_box.setItemData(index, tip, Qt.ItemDataRole.ToolTipRole)
+        if current is not None:
+            index = self.model_box.findData(current)
+            if index >= 0:
+                self.model_box.setCurrentIndex(index)
+        self.model_box.blockSignals(False)
+        if current is None and self.current_conversation() is not None:
+            self._select_model_of_current()
+        self._update_model_state()
+
+    def _update_model_state(self) -> None:
+        snapshot = self.bridge.snapshot
+        model_id = self.model_box.currentData()
+        status = snapshot.model(model_id) if model_id else None
+        if status is None:
+            self.model_state.setText("")
+            self.licence.setText("")
+            self.progress.hide()
+            return
+        text = display_state(status)
+        if status.id == snapshot.holder:
+            text += " · holds the GPU"
+        if status.reason:
+            text += f" · {status.reason}"
+        self.model_state.setText(text)
+        self.licence.setText(f"Licence: {status.licence}" if status.licence else "")
+        waiting = self._stream is not None and self._first_token_ms is None
+        if status.state in (ModelState.STARTING, ModelState.LOADING):
+            self.progress.setFormat(f"Loading {status.name or status.id}…")
+            self.progress.show()
+        elif waiting and status.id != snapshot.holder:
+            self.progress.setFormat(f"Restoring {status.name or status.id} to the GPU…")
+            self.progress.show()
+        elif waiting:
+            self.progress.setFormat("Thinking…")
+            self.progress.show()
+        else:
+            self.progress.hide()
+
+    # ---- conversations -----------------------------------------------------------------------
+
+    def current_conversation(self) -> str | None:
+        item = self.conversations.currentItem()
+        return str(item.data(Qt.ItemDataRole.UserRole)) if item is not None else None
+
+    def reload_conversations(self, select: str | None = None) -> None:
+        select = select or self.current_conversation()
+        self.conversations.blockSignals(True)
+        self.conversations.clear()
+        for conv in self.store.list_conversations():
+            item = QListWidgetItem(conv.title or "New conversation")
+            item.setData(Qt.ItemDataRole.UserRole, conv.id)
+            self.conversations.addItem(item)
+            if conv.id == select:
+                self.conversations.setCurrentItem(item)
+        if self.conversations.currentItem() is None and self.conversations.count():
+            self.conversations.setCurrentRow(0)
+        self.conversations.blockSignals(False)
+        self._on_conversation_changed()
+
+    def _on_conversation_changed(self) -> None:
+        self._select_model_of_current()
+        self.render_transcript()
+        self._update_buttons()
+
+    def _select_model_of_current(self) -> None:
+        conv_id = self.current_conversation()
+        if conv_id is None:
+            return
+        model_id = self.store.get(conv_id).model_id
+        index = self.model_box.findData(model_id)
+        if index >= 0:
+            self.model_box.setCurrentIndex(index)
+        self._update_model_state()
+
+    def new_conversation(self, model_id: str | None = None) -> str | None:
+        model_id = model_id or self.model_box.currentData()
+        if not model_id:
+            self.statusBar().showMessage("Add a model first (tray menu → Add model…).", 8000)
+            return None
+        conv = self.store.create_conversation(model_id)
+        self.reload_conversations(select=conv.id)
+        self.input.setFocus()
+        return str(conv.id)
+
+    def open_for_model(self, model_id: str) -> None:
+        """Chat… from the tray: a conversation with this model (the current one if it uses it)."""
+        conv_id = self.current_conversation()
+        if conv_id is None or self.store.get(conv_id).model_id != model_id:
+            existing = [c for c in self.store.list_conversations(model_id) if c.message_count == 0]
+            if existing:
+                self.reload_conversations(select=existing[0].id)
+            else:
+                self.new_conversation(model_id)
+        self.show_and_raise()
+
+    def rename_conversation(self) -> None:
+        conv_id = self.current_conversation()
+        if conv_id is None:
+            return
+        title, ok = QInputDialog.getText(
+            self, "Rename conversation", "Title:", text=self.store.get(conv_id).title
+        )
+        if ok and title.strip():
+            self.store.rename(conv_id, title.strip())
+            self.reload_conversations(select=conv_id)
+
+    def delete_conversation(self) -> None:
+        conv_id = self.current_conversation()
+        if conv_id is None:
+            return
+        if conv_id == self._stream_conversation:
+            self.statusBar().showMessage("Stop the answer first, then delete the conversation.", 8000)
+            return
+        title = self.store.get(conv_id).title or "this conversation"
+        answer = QMessageBox.question(self, "Delete conversation", f"Delete “{title}” and all its messages?")
+        if answer == QMessageBox.StandardButton.Yes:
+            self.store.delete(conv_id)
+            self.reload_conversations()
+
+    def _on_model_picked(self) -> None:
+        model_id = self.model_box.currentData()
+        conv_id = self.current_conversation()
+        if conv_id is not None and model_id and conv_id != self._stream_conversation:
+            self.store.set_model(conv_id, model_id)
+        self._update_model_state()
+        self.prewake()
+
+    # ---- transcript --------------------------------------------------------------------------
+
+    def render_transcript(self) -> None:
+        conv_id = self.current_conversation()
+        if conv_id is None:
+            self.transcript.setMarkdown("*No conversation yet: press **New** or start typing.*")
+            return
+        snapshot = self.bridge.snapshot
+        conv_model = self.store.get(conv_id).model_id
+
+        def who(model_id: str) -> str:
+            status = snapshot.model(model_id)
+            return (status.name or status.id) if status else model_id
+
+        messages = list(self.store.messages(conv_id))
+        live = conv_id == self._stream_conversation
+        if live and messages and messages[-1].role == "assistant" and not messages[-1].complete:
+            messages.pop()  # the periodically saved partial answer: the live text replaces it
+        blocks: list[str] = []
+        for msg in messages:
+            if msg.role == "system":
+                continue
+            if msg.role == "user":
+                blocks.append(f"**You**\n\n{msg.content}")
+                continue
+            data = dict(msg.stats or {})
+            block = f"**{who(str(data.get('model_id') or conv_model))}**\n\n{msg.content or '…'}"
+            if not msg.complete:
+                block += "\n\n*(interrupted)*"
+            stats = AnswerStats.from_stats(data)
+            if stats is not None:
+                block += f"\n\n*{stats.line()}*"
+            blocks.append(block)
+        if live:
+            blocks.append(f"**{who(conv_model)}**\n\n{self._partial or '…'}")
+        self.transcript.setMarkdown("\n\n---\n\n".join(blocks))
+        bar = self.transcript.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    def _update_buttons(self) -> None:
+        streaming = self._stream is not None
+        self.send_button.setEnabled(not streaming)
+        self.stop_button.setEnabled(streaming)
+
+    def _unanswered(self, conv_id: str) -> bool:
+        messages = self.store.messages(conv_id)
+        return bool(messages) and messages[-1].role == "user"
+
+    def send(self) -> None:
+        """Send the typed message; with an empty box, answer an unanswered last message again."""
+        text = self.input.toPlainText().strip()
+        if self._stream is not None:
+            return
+        conv_id = self.current_conversation()
+        if not text and (conv_id is None or not self._unanswered(conv_id)):
+            return
+        if conv_id is None:
+            conv_id = self.new_conversation()
+            if conv_id is None:
+                return
+        try:
+            turn = self.chat.send(conv_id, text) if text else self.chat.regenerate(conv_id)
+        except (TimeshareError, ValueError) as e:
+            # ChatService keeps a user message it saved; the box keeps the text only if it was not
+            if text and self._unanswered(conv_id) and self.store.messages(conv_id)[-1].content == text:
+                self.input.clear()
+            self.render_transcript()
+            self.statusBar().showMessage(f"{e} — press Send to try again", 20000)
+            QMessageBox.warning(self, "Could not send", str(e))
+            return
+        self.input.clear()
+        self.reload_conversations(select=conv_id)  # ChatService titles new conversations
+        self._partial = ""
+        self._first_token_ms = None
+        self._stream_conversation = conv_id
+        stream = _Stream(turn, time.monotonic())
+        stream.piece.connect(self._on_piece)
+        stream.first_token.connect(self._on_first_token)
+        stream.finished.connect(self._on_finished)
+        self._stream = stream
+        self._update_buttons()
+        self._update_model_state()
+        self.render_transcript()
+        stream.start()
+
+    def stop(self) -> None:
+        if self._stream is not None:
+            self._stream.generation.cancel()
+            self.statusBar().showMessage("Stopping…", 3000)
+
+    def _on_first_token(self, ms: float) -> None:
+        self._first_token_ms = ms
+        self._update_model_state()
+
+    def _on_piece(self, text: str) -> None:
+        self._partial += text
+        if self._stream_conversation == self.current_conversation() and not self._render_timer.isActive():
+            self._render_timer.start()
+
+    def _on_finished(self, result: Any, error: BaseException | None) -> None:
+        conv_id = self._stream_conversation
+        self._stream = None
+        self._stream_conversation = None
+        stats: AnswerStats | None = None
+        message = ""
+        if error is not None:
+            message = str(error) or type(error).__name__
+            log.warning("answer failed: %s", message)
+            self.statusBar().showMessage(f"The answer failed: {message} — press Send to try again", 20000)
+        elif result is not None:
+            stats = AnswerStats.from_stats(result.stats)
+            if stats is not None:
+                self.statusBar().showMessage(stats.line(), 15000)
+        self._partial = ""
+        self._first_token_ms = None
+        self._update_buttons()
+        self._update_model_state()
+        self.render_transcript()
+        if conv_id is not None:
+            self.answer_finished.emit(conv_id, stats, message)
+
+    # ---- pre-wake ----------------------------------------------------------------------------
+
+    def _on_typing(self) -> None:
+        if self.input.toPlainText():
+            self.prewake()
+
+    def prewake(self) -> None:
+        """Restore the model of this conversation ahead of the request, while the user types."""
+        if not self._prewake_enabled():
+            return
+        model_id = self.model_box.currentData()
+        snapshot = self.bridge.snapshot
+        status = snapshot.model(model_id) if model_id else None
+        if status is None or snapshot.holder == model_id:
+            return
+        if status.state not in (ModelState.RELEASED, ModelState.SLEEPING):
+            return
+        now = time.monotonic()
+        if now - self._last_prewake.get(model_id, -1e9) < PREWAKE_INTERVAL_S:
+            return
+        self._last_prewake[model_id] = now
+        log.info("pre-waking %s (the user is typing)", model_id)
+        self.bridge.wake(model_id)
+        self.prewake_requested.emit(model_id)
+
+    # ---- window ------------------------------------------------------------------------------
+
+    def show_and_raise(self) -> None:
+        self.show()
+        self.setWindowState(self.windowState() & ~Qt.WindowState.WindowMinimized)
+        self.raise_()
+        self.activateWindow()
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.ActivationChange and self.isActiveWindow() and self.input.hasFocus():
+            self.prewake()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        self.closed.emit()
+        super().closeEvent(event)

@@ -1,0 +1,542 @@
+"""Settings: models (catalog, file picker, edit, remove), arena, API, general.
+
+The dialog edits a *draft*: plain TOML-shaped data, as the config file would hold it. Saving runs
+the config layer's own validation (``timeshare.core.config.validate``) and shows its field-path
+messages; an invalid draft is never written and nothing typed is lost.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QMessageBox,
+    QPushButton,
+    QSpinBox,
+    QTableWidget,
+    QTableWidgetItem,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+from timeshare.core import catalog
+from timeshare.core import config as config_mod
+from timeshare.core.config import Config
+from timeshare.core.errors import ConfigError, ModelFileError
+from timeshare.core.state import PoolSnapshot
+
+from .bridge import PoolBridge
+from .menu_model import display_state
+
+log = logging.getLogger(__name__)
+
+CHAT_FORMATS = ("auto", "template", "fallback")
+
+
+def human_bytes(n: int) -> str:
+    if n <= 0:
+        return "–"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _problems_text(error: ConfigError) -> str:
+    return "\n".join(f"• {p}" for p in error.problems)
+
+
+def _error_label() -> QLabel:
+    label = QLabel()
+    label.setObjectName("problems")
+    label.setWordWrap(True)
+    label.setStyleSheet("color: #c0392b")
+    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    label.hide()
+    return label
+
+
+class ModelDialog(QDialog):
+    """Add or edit one model. OK validates the model through the config layer."""
+
+    def __init__(
+        self,
+        model: dict[str, Any],
+        taken_ids: set[str],
+        config_path: Path | None,
+        parent: QWidget | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Model")
+        self._original = dict(model)
+        self._taken = taken_ids
+        self._config_path = config_path
+        form = QFormLayout()
+        self.id_edit = QLineEdit(str(model.get("id", "")))
+        self.name_edit = QLineEdit(str(model.get("name", "")))
+        self.path_edit = QLineEdit(str(model.get("path", "")))
+        browse = QPushButton("Browse…")
+        browse.clicked.connect(self._browse)
+        path_row = QHBoxLayout()
+        path_row.addWidget(self.path_edit, 1)
+        path_row.addWidget(browse)
+        self.n_ctx = QSpinBox()
+        self.n_ctx.setRange(1, 1 << 20)
+        self.n_ctx.setValue(int(model.get("n_ctx", 2048)))
+        self.n_seq = QSpinBox()
+        self.n_seq.setRange(1, 256)
+        self.n_seq.setValue(int(model.get("n_seq", 4)))
+        self.chat_format = QComboBox()
+        self.chat_format.addItems(CHAT_FORMATS)
+        self.chat_format.setCurrentText(str(model.get("chat_format", "auto")))
+        self.pinned = QCheckBox("Keep the GPU once it has it")
+        self.pinned.setChecked(bool(model.get("pinned", False)))
+        self.idle = QDoubleSpinBox()
+        self.idle.setRange(0, 7 * 24 * 60)
+        self.idle.setDecimals(1)
+        self.idle.setSuffix(" min")
+        self.idle.setSpecialValueText("never")
+        idle = model.get("idle_sleep_s", 600.0)
+        self.idle.setValue(0 if idle is False or idle is None else float(idle) / 60.0)
+        self.licence = QLabel(str(model.get("licence", "")) or "–")
+        self.licence.setObjectName("licence")
+        form.addRow("Id (used by the API):", self.id_edit)
+        form.addRow("Name:", self.name_edit)
+        form.addRow("GGUF file:", path_row)
+        form.addRow("Context tokens:", self.n_ctx)
+        form.addRow("Conversations kept live:", self.n_seq)
+        form.addRow("Chat format:", self.chat_format)
+        form.addRow("Pinned:", self.pinned)
+        form.addRow("Release when idle after:", self.idle)
+        form.addRow("Licence:", self.licence)
+        self.problems = _error_label()
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addWidget(self.problems)
+        layout.addWidget(buttons)
+
+    def _browse(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(
+            self, "GGUF model", self.path_edit.text(), "GGUF models (*.gguf)"
+        )
+        if path:
+            self.path_edit.setText(path)
+
+    def value(self) -> dict[str, Any]:
+        model = dict(self._original)
+        model.update(
+            id=self.id_edit.text().strip(),
+            path=self.path_edit.text().strip(),
+            n_ctx=self.n_ctx.value(),
+            n_seq=self.n_seq.value(),
+            chat_format=self.chat_format.currentText(),
+            pinned=self.pinned.isChecked(),
+            idle_sleep_s=False if self.idle.value() == 0 else round(self.idle.value() * 60.0, 1),
+        )
+        name = self.name_edit.text().strip()
+        if name:
+            model["name"] = name
+        else:
+            model.pop("name", None)
+        return model
+
+    def accept(self) -> None:
+        model = self.value()
+        problems: list[str] = []
+        if model["id"] in self._taken:
+            problems.append(f"id: {model['id']!r} is already used by another model: choose another id")
+        try:
+            config_mod.validate({"models": [model]}, path=self._config_path, check_paths=True)
+        except ConfigError as e:
+            problems += [p.replace("models[0].", "", 1) for p in e.problems]
+        if problems:
+            self.problems.setText("\n".join(f"• {p}" for p in problems))
+            self.problems.show()
+            return
+        super().accept()
+
+
+class CatalogDialog(QDialog):
+    """Pick GGUF models found on this machine (demo packages, LM Studio, HF cache, llama.cpp, Ollama)."""
+
+    def __init__(self, entries: list[catalog.CatalogEntry], parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Add model from the catalog")
+        self.resize(820, 380)
+        self.entries = entries
+        self.table = QTableWidget(len(entries), 6)
+        self.table.setObjectName("catalog")
+        self.table.setHorizontalHeaderLabels(["Name", "Size", "Quant.", "Source", "Licence", "File"])
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        for row, e in enumerate(entries):
+            name = e.name + (f" ({e.parameters})" if e.parameters else "")
+            if not e.has_chat_template:
+                name += " — no chat template"
+            for col, text in enumerate(
+                [name, human_bytes(e.size), e.quantisation, e.source, e.licence or "–", e.path]
+            ):
+                self.table.setItem(row, col, QTableWidgetItem(text))
+        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.table.cellDoubleClicked.connect(lambda *_: self.accept())
+        empty = QLabel(
+            "No GGUF models were found. Use “Add file…” to pick one, or download one with LM Studio, "
+            "Ollama or huggingface-cli."
+        )
+        empty.setWordWrap(True)
+        empty.setVisible(not entries)
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.table)
+        layout.addWidget(empty)
+        layout.addWidget(buttons)
+
+    def selected(self) -> list[catalog.CatalogEntry]:
+        rows = sorted({i.row() for i in self.table.selectedIndexes()})
+        return [self.entries[r] for r in rows]
+
+
+class SettingsDialog(QDialog):
+    #: the Config that was saved
+    saved = Signal(object)
+
+    def __init__(
+        self,
+        config: Config,
+        bridge: PoolBridge,
+        config_path: Path | None = None,
+        parent: QWidget | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Timeshare — Settings")
+        self.resize(860, 520)
+        self.bridge = bridge
+        self.config_path = config_path
+        self.draft: dict[str, Any] = copy.deepcopy(config_mod.config_to_dict(config))
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self._models_tab(), "Models")
+        self.tabs.addTab(self._arena_tab(), "Arena")
+        self.tabs.addTab(self._api_tab(), "API")
+        self.tabs.addTab(self._general_tab(), "General")
+        self.problems = _error_label()
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self.save)
+        buttons.rejected.connect(self.reject)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.tabs)
+        layout.addWidget(self.problems)
+        layout.addWidget(buttons)
+        bridge.snapshot_changed.connect(self._refresh_arena)
+        self._refresh_models()
+        self._refresh_arena(bridge.snapshot)
+
+    # ---- models ------------------------------------------------------------------------------
+
+    def _models_tab(self) -> QWidget:
+        tab = QWidget()
+        self.models_table = QTableWidget(0, 5)
+        self.models_table.setObjectName("models")
+        self.models_table.setHorizontalHeaderLabels(["Name", "Id", "State", "Licence", "File"])
+        self.models_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.models_table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.models_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.models_table.horizontalHeader().setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
+        self.models_table.cellDoubleClicked.connect(lambda row, _c: self.edit_model(row))
+        self.catalog_button = QPushButton("Add from catalog…")
+        self.file_button = QPushButton("Add file…")
+        self.edit_button = QPushButton("Edit…")
+        self.remove_button = QPushButton("Remove")
+        self.catalog_button.clicked.connect(lambda: self.add_from_catalog())
+        self.file_button.clicked.connect(lambda: self.add_file())
+        self.edit_button.clicked.connect(lambda: self.edit_model())
+        self.remove_button.clicked.connect(lambda: self.remove_model())
+        row = QHBoxLayout()
+        for b in (self.catalog_button, self.file_button, self.edit_button, self.remove_button):
+            row.addWidget(b)
+        row.addStretch(1)
+        layout = QVBoxLayout(tab)
+        layout.addWidget(self.models_table)
+        layout.addLayout(row)
+        return tab
+
+    def _refresh_models(self) -> None:
+        snapshot = self.bridge.snapshot
+        models = self.draft["models"]
+        self.models_table.setRowCount(len(models))
+        for row, m in enumerate(models):
+            status = snapshot.model(m["id"])
+            state = display_state(status) if status else "not started (save to start it)"
+            for col, text in enumerate(
+                [m.get("name") or m["id"], m["id"], state, m.get("licence") or "–", m["path"]]
+            ):
+                self.models_table.setItem(row, col, QTableWidgetItem(str(text)))
+
+    def _taken_ids(self, except_row: int | None = None) -> set[str]:
+        return {m["id"] for i, m in enumerate(self.draft["models"]) if i != except_row}
+
+    def _selected_row(self) -> int | None:
+        rows = {i.row() for i in self.models_table.selectedIndexes()}
+        return next(iter(rows)) if rows else None
+
+    def _append_model(self, model: dict[str, Any]) -> None:
+        self.draft["models"].append(model)
+        self._refresh_models()
+        self.models_table.selectRow(len(self.draft["models"]) - 1)
+
+    def add_from_catalog(self, entries: list[catalog.CatalogEntry] | None = None) -> list[str]:
+        """Pick from the catalog (scanned now); with ``entries`` given, add those without asking."""
+        if entries is None:
+            QGuiApplication.setOverrideCursor(Qt.CursorShape.WaitCursor)
+            try:
+                report = catalog.scan_report()
+            finally:
+                QGuiApplication.restoreOverrideCursor()
+            dialog = CatalogDialog(list(report.entries), self)
+            if dialog.exec() != QDialog.DialogCode.Accepted:
+                return []
+            entries = dialog.selected()
+        added = []
+        known_paths = {str(Path(m["path"]).resolve()) for m in self.draft["models"]}
+        for entry in entries:
+            if str(Path(entry.path).resolve()) in known_paths:
+                self._show_problems([f"{entry.name} is already in the list ({entry.path})"])
+                continue
+            model = config_mod.config_to_dict(Config(models=(entry.to_model_config(self._taken_ids()),)))[
+                "models"
+            ][0]
+            self._append_model(model)
+            added.append(model["id"])
+        return added
+
+    def add_file(self, path: str | None = None) -> str | None:
+        """Add a GGUF file (asks with a file picker when ``path`` is None); returns the new id."""
+        if path is None:
+            path, _ = QFileDialog.getOpenFileName(
+                self, "Add a GGUF model", str(Path.home()), "GGUF models (*.gguf)"
+            )
+            if not path:
+                return None
+        try:
+            entry = catalog.read_gguf_header(path)
+        except ModelFileError as e:
+            self._show_problems([str(e)])
+            QMessageBox.warning(self, "Not a usable model", str(e))
+            return None
+        added = self.add_from_catalog([entry])
+        return added[0] if added else None
+
+    def edit_model(self, row: int | None = None) -> bool:
+        row = self._selected_row() if row is None else row
+        if row is None:
+            return False
+        dialog = ModelDialog(
+            self.draft["models"][row], self._taken_ids(except_row=row), self.config_path, self
+        )
+        if dialog.exec() != QDialog.DialogCode.Accepted:
+            return False
+        self.draft["models"][row] = dialog.value()
+        self._refresh_models()
+        return True
+
+    def remove_model(self, row: int | None = None) -> bool:
+        row = self._selected_row() if row is None else row
+        if row is None:
+            return False
+        model = self.draft["models"][row]
+        answer = QMessageBox.question(
+            self,
+            "Remove model",
+            f"Remove {model.get('name') or model['id']} from Timeshare? The file stays on disk.",
+        )
+        if answer != QMessageBox.StandardButton.Yes:
+            return False
+        del self.draft["models"][row]
+        self._refresh_models()
+        return True
+
+    # ---- arena -------------------------------------------------------------------------------
+
+    def _arena_tab(self) -> QWidget:
+        tab = QWidget()
+        self.holder_label = QLabel()
+        self.holder_label.setObjectName("holder")
+        self.arena_table = QTableWidget(0, 7)
+        self.arena_table.setObjectName("arena")
+        self.arena_table.setHorizontalHeaderLabels(
+            ["Model", "State", "Backend", "Residency", "Device memory", "Host shadow", "Weights"]
+        )
+        self.arena_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.arena_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        arena = self.draft["arena"]
+        self.quantum = QDoubleSpinBox()
+        self.quantum.setRange(0, 60000)
+        self.quantum.setSuffix(" ms")
+        self.quantum.setValue(float(arena.get("min_quantum_ms", 250.0)))
+        self.wait_timeout = QDoubleSpinBox()
+        self.wait_timeout.setRange(0, 24 * 3600)
+        self.wait_timeout.setSuffix(" s")
+        self.wait_timeout.setValue(float(arena.get("wait_timeout_s", 300.0)))
+        self.arena_dir = QLineEdit(str(arena.get("dir") or ""))
+        self.arena_dir.setPlaceholderText("default (the runtime folder)")
+        form = QFormLayout()
+        form.addRow("A busy model keeps the GPU at least:", self.quantum)
+        form.addRow("A request waits for the GPU at most:", self.wait_timeout)
+        form.addRow("Arena folder:", self.arena_dir)
+        layout = QVBoxLayout(tab)
+        layout.addWidget(self.holder_label)
+        layout.addWidget(self.arena_table)
+        layout.addLayout(form)
+        return tab
+
+    def _refresh_arena(self, snapshot: PoolSnapshot) -> None:
+        holder = snapshot.model(snapshot.holder) if snapshot.holder else None
+        self.holder_label.setText(
+            f"Holds the GPU: {holder.name or holder.id}" if holder else "No model holds the GPU now."
+        )
+        self.arena_table.setRowCount(len(snapshot.models))
+        for row, m in enumerate(snapshot.models):
+            residency = m.residency_path + (f" ({m.residency_reason})" if m.residency_reason else "")
+            cells = [
+                (m.name or m.id) + (" ★" if m.id == snapshot.holder else ""),
+                display_state(m),
+                m.backend or "–",
+                residency or "–",
+                human_bytes(m.device_bytes),
+                human_bytes(m.host_pinned_bytes),
+                human_bytes(m.weight_bytes),
+            ]
+            for col, text in enumerate(cells):
+                self.arena_table.setItem(row, col, QTableWidgetItem(text))
+        if self.isVisible():
+            self._refresh_models()
+
+    # ---- API and general ---------------------------------------------------------------------
+
+    def _api_tab(self) -> QWidget:
+        tab = QWidget()
+        api = self.draft["api"]
+        self.api_enabled = QCheckBox("Serve the OpenAI-compatible API")
+        self.api_enabled.setChecked(bool(api.get("enabled", True)))
+        self.api_host = QLineEdit(str(api.get("host", "127.0.0.1")))
+        self.api_port = QSpinBox()
+        self.api_port.setRange(1, 65535)
+        self.api_port.setValue(int(api.get("port", 8385)))
+        self.api_key = QLineEdit(str(api.get("key") or ""))
+        self.api_key.setPlaceholderText("none (only allowed on 127.0.0.1)")
+        self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
+        form = QFormLayout(tab)
+        form.addRow(self.api_enabled)
+        form.addRow("Address:", self.api_host)
+        form.addRow("Port:", self.api_port)
+        form.addRow("Key:", self.api_key)
+        note = QLabel("Clients use http://ADDRESS:PORT/v1 with the key as a bearer token.")
+        note.setStyleSheet("color: gray")
+        form.addRow(note)
+        return tab
+
+    def _general_tab(self) -> QWidget:
+        tab = QWidget()
+        general = self.draft["general"]
+        self.start_at_login = QCheckBox("Start Timeshare when I log in")
+        self.start_at_login.setChecked(bool(general.get("start_at_login", False)))
+        self.prewake = QCheckBox("Restore a model while I type to it (pre-wake)")
+        self.prewake.setChecked(bool(general.get("prewake_on_typing", True)))
+        self.idle_all = QDoubleSpinBox()
+        self.idle_all.setRange(0, 7 * 24 * 60)
+        self.idle_all.setDecimals(1)
+        self.idle_all.setSuffix(" min")
+        self.idle_all.setSpecialValueText("never")
+        first = self.draft["models"][0].get("idle_sleep_s", 600.0) if self.draft["models"] else 600.0
+        self._idle_initial = 0.0 if first is False or first is None else float(first) / 60.0
+        self.idle_all.setValue(self._idle_initial)
+        form = QFormLayout(tab)
+        form.addRow(self.start_at_login)
+        form.addRow(self.prewake)
+        form.addRow("Release idle models after (all models):", self.idle_all)
+        return tab
+
+    # ---- saving ------------------------------------------------------------------------------
+
+    def collect(self) -> dict[str, Any]:
+        """The draft with the form fields applied (TOML-shaped data)."""
+        draft = copy.deepcopy(self.draft)
+        arena = draft["arena"]
+        arena["min_quantum_ms"] = self.quantum.value()
+        arena["wait_timeout_s"] = self.wait_timeout.value()
+        if self.arena_dir.text().strip():
+            arena["dir"] = self.arena_dir.text().strip()
+        else:
+            arena.pop("dir", None)
+        api = draft["api"]
+        api["enabled"] = self.api_enabled.isChecked()
+        api["host"] = self.api_host.text().strip()
+        api["port"] = self.api_port.value()
+        if self.api_key.text():
+            api["key"] = self.api_key.text()
+        else:
+            api.pop("key", None)
+        draft["general"]["start_at_login"] = self.start_at_login.isChecked()
+        draft["general"]["prewake_on_typing"] = self.prewake.isChecked()
+        if self.idle_all.value() != self._idle_initial:
+            idle: float | bool = (
+                False if self.idle_all.value() == 0 else round(self.idle_all.value() * 60.0, 1)
+            )
+            for m in draft["models"]:
+                m["idle_sleep_s"] = idle
+        return draft
+
+    def _show_problems(self, problems: list[str]) -> None:
+        self.problems.setText("\n".join(f"• {p}" for p in problems))
+        self.problems.setVisible(bool(problems))
+
+    def validated(self) -> Config | None:
+        try:
+            config = config_mod.validate(self.collect(), path=self.config_path, check_paths=True)
+        except ConfigError as e:
+            self._show_problems(list(e.problems))
+            return None
+        self._show_problems([])
+        return config
+
+    def save(self) -> bool:
+        config = self.validated()
+        if config is None:
+            return False
+        try:
+            config_mod.save_config(config, self.config_path)
+        except (ConfigError, OSError) as e:
+            self._show_problems([f"could not save the settings: {e}"])
+            return False
+        self.saved.emit(config)
+        self.accept()
+        return True
