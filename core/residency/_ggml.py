@@ -29,6 +29,7 @@ GGML_BACKEND_DEVICE_TYPE_CPU = 0
 GGML_BACKEND_DEVICE_TYPE_GPU = 1
 GGML_BACKEND_DEVICE_TYPE_IGPU = 2
 GGML_TYPE_F32 = 0
+GGML_TYPE_I8 = 24
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class _GgufInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", c_bool), ("ctx", c_void_p)]
 
 
-class _GgmlInitParams(ctypes.Structure):
+class GgmlInitParams(ctypes.Structure):
     _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
 
 
@@ -93,7 +94,7 @@ def _fn(name: str, restype: Any, *argtypes: Any) -> Any:
 ggml_nbytes = _fn("ggml_nbytes", c_size_t, c_void_p)
 ggml_get_name = _fn("ggml_get_name", c_char_p, c_void_p)
 ggml_get_data = _fn("ggml_get_data", c_void_p, c_void_p)
-ggml_init = _fn("ggml_init", c_void_p, _GgmlInitParams)
+ggml_init = _fn("ggml_init", c_void_p, GgmlInitParams)
 ggml_free = _fn("ggml_free", None, c_void_p)
 ggml_new_tensor_1d = _fn("ggml_new_tensor_1d", c_void_p, c_void_p, c_int, c_int64)
 ggml_add = _fn("ggml_add", c_void_p, c_void_p, c_void_p, c_void_p)
@@ -226,7 +227,7 @@ class LayoutMismatch(Exception):
 
 def probe_tensor_layout(layout: TensorLayout = TensorLayout()) -> None:
     """Check every ggml_tensor offset against values public functions produced."""
-    params = _GgmlInitParams(1 << 20, None, False)
+    params = GgmlInitParams(1 << 20, None, False)
     ctx = ggml_init(params)
     if not ctx:
         raise LayoutMismatch("ggml_init failed")
@@ -251,7 +252,7 @@ def probe_tensor_layout(layout: TensorLayout = TensorLayout()) -> None:
     # the buffer field of an allocated tensor
     cpu = next((d for d in devices() if d.kind == GGML_BACKEND_DEVICE_TYPE_CPU), None)
     if cpu is not None:
-        ctx = ggml_init(_GgmlInitParams(1 << 16, None, True))
+        ctx = ggml_init(GgmlInitParams(1 << 16, None, True))
         try:
             t = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64)
             buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, dev_buffer_type(cpu.handle))

@@ -376,3 +376,35 @@ class InPlace:
 
     def close(self) -> None:
         self.shadow.close()
+
+
+def raw_copy_seconds(inplace: InPlace, reps: int = 3) -> list[float]:
+    """The limit restore is measured against: one copy of the same byte count from the same host
+    shadow into one fresh buffer of the same device buffer type, through the same ggml call
+    (``ggml_backend_tensor_set``). Run it while the model is released (it needs the memory)."""
+    # the device's own buffer type (an "extra" type like CPU_REPACK would repack the bytes)
+    biggest = max(inplace.buffers, key=lambda b: b.size)
+    dev = _ggml.buft_get_device(biggest.buft)
+    buft = int(_ggml.dev_buffer_type(dev)) if dev else biggest.buft
+    nbytes = inplace.tensor_bytes
+    ctx = _ggml.ggml_init(_ggml.GgmlInitParams(1 << 16, None, True))
+    if not ctx:
+        raise ResidencyError("ggml_init failed")
+    times: list[float] = []
+    try:
+        t = _ggml.ggml_new_tensor_1d(ctx, _ggml.GGML_TYPE_I8, nbytes)
+        buf = _ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+        if not buf:
+            raise OutOfDeviceMemoryError(
+                f"cannot allocate {nbytes / 1e9:.2f} GB for the raw copy measurement"
+            )
+        try:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                _ggml.tensor_set(t, inplace.shadow.ptr, 0, nbytes)
+                times.append(time.perf_counter() - t0)
+        finally:
+            _ggml.buffer_free(buf)
+    finally:
+        _ggml.ggml_free(ctx)
+    return times

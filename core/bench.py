@@ -1,0 +1,217 @@
+"""``timeshare bench residency``: in-place release/restore of one model against the physical
+limit measured in the same run (a raw copy of the same bytes from the same pinned shadow through
+the same ggml call) and against the alternatives (reload from the page cache; KV snapshot +
+rebuild). Prints a table of times and ratios, or JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from typing import Any
+
+from .errors import TimeshareError
+
+log = logging.getLogger(__name__)
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | None = None) -> dict[str, Any]:
+    import llama_cpp  # before numpy
+
+    from .residency import Residency, ResidencyOptions, check_gguf, fix_malloc_mmap_threshold
+    from .residency.check import GreedyReplay
+    from .residency.inplace import raw_copy_seconds
+
+    if cycles < 1:
+        raise TimeshareError("--cycles must be at least 1")
+    fix_malloc_mmap_threshold()
+    info = check_gguf(model)
+    probe = Residency.probe()
+    prefill = n_prefill if n_prefill is not None else min(2048, n_ctx // 2)
+    t0 = time.perf_counter()
+    try:
+        llm = llama_cpp.Llama(
+            model,
+            n_ctx=n_ctx,
+            n_batch=min(2048, n_ctx),
+            n_ubatch=512,
+            n_gpu_layers=-1,
+            use_mmap=probe.use_mmap_for_inplace,
+            verbose=False,
+        )
+    except ValueError as exc:
+        raise TimeshareError(f"llama.cpp could not load {model} ({exc})") from exc
+    load_s = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "model": model,
+        "file_bytes": info.file_bytes,
+        "n_ctx": n_ctx,
+        "n_prefill": prefill,
+    }
+    out["backend_probe"] = probe.backend
+    out["llama_cpp_version"] = probe.version
+    out["first_load_s"] = load_s
+    try:
+        t0 = time.perf_counter()
+        replay = GreedyReplay(llm, n_prefill=prefill)
+        out["prefill_s"] = time.perf_counter() - t0
+        reference = replay.run()
+        t0 = time.perf_counter()
+        res = Residency.attach(llm, model, ResidencyOptions(mode="auto"))
+        out["attach_s"] = time.perf_counter() - t0
+        out.update(path=res.path, reason=res.reason, backend=res.backend, weight_bytes=res.weight_bytes)
+        out.update(host_bytes=res.host_bytes, host_pinned=res.host_pinned, host_note=res.host_note)
+        rel: list[float] = []
+        rst: list[float] = []
+        freed: list[int] = []
+        same: list[bool] = []
+        raw: list[float] = []
+        rst_bytes = 0
+        for i in range(cycles):
+            r = res.release()
+            rel.append(r.ms)
+            freed.append(r.freed_bytes)
+            if i == 0 and res.path == "inplace" and res._inplace is not None:
+                raw = raw_copy_seconds(res._inplace, reps=3)
+            s = res.restore()
+            rst.append(s.ms)
+            rst_bytes = s.bytes
+            same.append(replay.run() == reference)
+        out.update(
+            cycles=cycles,
+            bitwise_identical=all(same),
+            release_ms=_median(rel),
+            release_ms_max=max(rel),
+            restore_ms=_median(rst),
+            restore_ms_min=min(rst),
+            restore_bytes=rst_bytes,
+            released_bytes=int(statistics.median(freed)),
+            released_fraction=statistics.median(freed) / res.weight_bytes if res.weight_bytes else 0.0,
+        )
+        out["restore_gbps"] = rst_bytes / 1e9 / (out["restore_ms"] / 1000) if out["restore_ms"] else 0.0
+        if raw:
+            best = min(raw)
+            out["raw_copy_ms"] = best * 1000
+            out["raw_copy_gbps"] = rst_bytes / 1e9 / best
+            out["restore_vs_raw"] = out["restore_gbps"] / out["raw_copy_gbps"]
+            out["best_restore_vs_raw"] = (rst_bytes / 1e9 / (out["restore_ms_min"] / 1000)) / out[
+                "raw_copy_gbps"
+            ]
+        # alternative 1: reload from the page cache (what a process swap pays, without the process)
+        res.release()
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = -1
+        mp.load_mode = llm.model_params.load_mode
+        t0 = time.perf_counter()
+        m2 = llama_cpp.llama_model_load_from_file(model.encode(), mp)
+        t1 = time.perf_counter()
+        c2 = llama_cpp.llama_init_from_model(m2, llm.context_params) if m2 else None
+        t2 = time.perf_counter()
+        if c2:
+            llama_cpp.llama_free(c2)
+        if m2:
+            llama_cpp.llama_model_free(m2)
+        out["reload_model_ms"] = (t1 - t0) * 1000
+        out["reload_model_ctx_ms"] = (t2 - t0) * 1000
+        out["reload_plus_prefill_ms"] = out["reload_model_ctx_ms"] + out["prefill_s"] * 1000
+        res.restore()
+        res.close()
+        # alternative 2: KV snapshot + free model and context, load again + KV back (rebuild path)
+        reb = Residency.attach(llm, model, ResidencyOptions(mode="rebuild"))
+        rrel: list[float] = []
+        rrst: list[float] = []
+        rsame: list[bool] = []
+        for _ in range(min(cycles, 2)):
+            rrel.append(reb.release().ms)
+            rrst.append(reb.restore().ms)
+            rsame.append(replay.run() == reference)
+        out.update(
+            rebuild_release_ms=_median(rrel),
+            rebuild_restore_ms=_median(rrst),
+            rebuild_bitwise_identical=all(rsame),
+        )
+        reb.close()
+    finally:
+        llm.close()
+    base = out["restore_ms"] or 1e-9
+    out["table"] = [
+        {"what": "in-place restore (median)", "ms": out["restore_ms"], "x_inplace": 1.0},
+        {
+            "what": "raw pinned copy, same bytes, same ggml path",
+            "ms": out.get("raw_copy_ms"),
+            "x_inplace": (out["raw_copy_ms"] / base) if "raw_copy_ms" in out else None,
+        },
+        {"what": "in-place release (median)", "ms": out["release_ms"], "x_inplace": out["release_ms"] / base},
+        {
+            "what": "reload model + context from page cache",
+            "ms": out["reload_model_ctx_ms"],
+            "x_inplace": out["reload_model_ctx_ms"] / base,
+        },
+        {
+            "what": f"reload + re-prefill {prefill} tokens",
+            "ms": out["reload_plus_prefill_ms"],
+            "x_inplace": out["reload_plus_prefill_ms"] / base,
+        },
+        {
+            "what": "KV snapshot + rebuild: release",
+            "ms": out["rebuild_release_ms"],
+            "x_inplace": out["rebuild_release_ms"] / base,
+        },
+        {
+            "what": "KV snapshot + rebuild: restore",
+            "ms": out["rebuild_restore_ms"],
+            "x_inplace": out["rebuild_restore_ms"] / base,
+        },
+    ]
+    return out
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    print(
+        f"model {r['model']} ({r['file_bytes'] / 1e9:.2f} GB), backend {r['backend']}, path {r['path']}"
+        + (f" ({r['reason']})" if r["reason"] else "")
+    )
+    print(
+        f"weights {r['weight_bytes'] / 1e9:.2f} GB, freed {100 * r['released_fraction']:.1f} %, "
+        f"bitwise identical: {r['bitwise_identical']} ({r['cycles']} cycles), "
+        f"rebuild bitwise identical: {r['rebuild_bitwise_identical']}"
+    )
+    if "raw_copy_gbps" in r:
+        print(
+            f"restore {r['restore_gbps']:.1f} GB/s vs raw copy {r['raw_copy_gbps']:.1f} GB/s: "
+            f"{r['restore_vs_raw']:.3f} (best cycle {r['best_restore_vs_raw']:.3f})"
+        )
+    print(f"{'':48} {'ms':>10} {'x in-place restore':>20}")
+    for row in r["table"]:
+        ms = "-" if row["ms"] is None else f"{row['ms']:.2f}"
+        x = "-" if row["x_inplace"] is None else f"{row['x_inplace']:.2f}"
+        print(f"{row['what']:48} {ms:>10} {x:>20}")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.bench != "residency":
+        print(
+            f"timeshare bench {args.bench}: not part of this build yet (only `timeshare bench residency` is)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        report = run_residency_bench(args.model, int(args.cycles), int(args.n_ctx))
+    except TimeshareError as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc), "code": exc.code}))
+        print(f"timeshare bench: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(report)
+    return 0 if report["bitwise_identical"] and report["rebuild_bitwise_identical"] else 1
