@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 from . import errors, paths, protocol
+from .arena import check_arena_dir, resolve_arena_dir
 from .config import Config, ModelConfig
 from .errors import ConfigError, ModelUnavailableError, QueueFullError, TimeshareError, UnknownModelError
 from .state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot, SwitchStats
@@ -47,7 +48,9 @@ T = TypeVar("T")
 SleepLevel = Literal["weights", "weights+kv", "stop"]
 
 #: environment variables a worker inherits (everything else is dropped)
-_ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "LD_LIBRARY_PATH", "VIRTUAL_ENV"})
+_ENV_NAMES = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "LD_LIBRARY_PATH", "VIRTUAL_ENV"}
+)
 _ENV_PREFIXES = ("LC_", "XDG_", "TIMESHARE_", "CUDA_", "HIP_", "GGML_")
 
 #: ModelConfig fields whose change does not need a worker restart
@@ -337,10 +340,8 @@ class Pool:
                 return
             if self._closing:
                 raise ModelUnavailableError("this pool was stopped; create a new Pool to start again")
-            self.arena_dir = self._resolve_arena_dir()
-            from .arena import Arena
-
-            Arena(self.arena_dir)  # validates owner, mode and symlinks; raises ArenaError
+            # validates (creating it if missing) owner, mode and symlinks; raises ArenaError
+            self.arena_dir = check_arena_dir(self._resolve_arena_dir())
             self._log_dir = Path(self._log_dir_arg) if self._log_dir_arg else paths.log_dir()
             self._log_dir.mkdir(parents=True, exist_ok=True)
             self._kv_root = Path(self._kv_dir_arg) if self._kv_dir_arg else paths.kv_dir()
@@ -432,7 +433,9 @@ class Pool:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"models still starting after {timeout} s: {', '.join(pending + missing)}")
+                    raise TimeoutError(
+                        f"models still starting after {timeout} s: {', '.join(pending + missing)}"
+                    )
                 self._state_cond.wait(min(left, 0.5))
 
     # ---- commands ------------------------------------------------------------------------
@@ -541,7 +544,9 @@ class Pool:
             self._guard(fn, *args)
         # fail whatever is still waiting (nothing should be)
         for w in self._workers.values():
-            self._fail_all(w, ModelUnavailableError("Timeshare is shutting down; send again after it restarts"))
+            self._fail_all(
+                w, ModelUnavailableError("Timeshare is shutting down; send again after it restarts")
+            )
 
     def _guard(self, fn: Callable[..., object], *args: object) -> None:
         try:
@@ -625,9 +630,7 @@ class Pool:
     def _resolve_arena_dir(self) -> Path:
         if self._arena_dir_arg is not None:
             return Path(self._arena_dir_arg).expanduser()
-        if self._config.arena.dir:
-            return Path(self._config.arena.dir).expanduser()
-        return paths.default_arena_dir()
+        return resolve_arena_dir(self._config.arena.dir)  # $TIMESHARE_VRAM_ARENA, config, default
 
     def _new_worker(self, cfg: ModelConfig) -> _Worker:
         return _Worker(config=cfg, log_path=self._log_dir / f"worker-{cfg.id}.log", pinned=cfg.pinned)
@@ -704,7 +707,9 @@ class Pool:
         reader.start()
         self._publish(model=w.id)
 
-    def _reader(self, model_id: str, epoch: int, conn: protocol.Connection, proc: subprocess.Popen[bytes]) -> None:
+    def _reader(
+        self, model_id: str, epoch: int, conn: protocol.Connection, proc: subprocess.Popen[bytes]
+    ) -> None:
         """One per worker process: post every message to the pool thread, then the exit."""
         while True:
             try:
@@ -898,7 +903,9 @@ class Pool:
             w.state = ModelState.STOPPED
             w.reason = ""
             if self._closing:
-                self._fail_all(w, ModelUnavailableError("Timeshare is shutting down; send again after it restarts"))
+                self._fail_all(
+                    w, ModelUnavailableError("Timeshare is shutting down; send again after it restarts")
+                )
                 self._publish(model=w.id)
                 return
             self._publish(model=w.id, message=f"{w.id} stopped")
@@ -1113,14 +1120,14 @@ class Pool:
         self._config = config
         wanted = {m.id: m for m in config.models}
         arena_changed = old.arena != config.arena
-        for model_id, w in list(self._workers.items()):
+        for model_id, old_w in list(self._workers.items()):
             if model_id not in wanted:
-                w.removed = True
-                if w.alive:
+                if old_w.alive:
                     self._stop_model(model_id, False)
-                    w.removed = True
+                    old_w.removed = True  # the exit handler forgets it
                 else:
-                    self._fail_all(w, UnknownModelError(f"{model_id} was removed from the configuration"))
+                    old_w.removed = True
+                    self._fail_all(old_w, UnknownModelError(f"{model_id} was removed from the configuration"))
                     del self._workers[model_id]
         for cfg in config.models:
             w = self._workers.get(cfg.id)
@@ -1165,15 +1172,22 @@ class Pool:
         level = w.config.idle_release
         idle = w.config.idle_sleep_s
         if level == "stop":
-            self._publish(EventKind.MESSAGE, w.id, f"{w.id} idle for {idle:g} s: stopping", extra={"level": level})
+            self._publish(
+                EventKind.MESSAGE, w.id, f"{w.id} idle for {idle:g} s: stopping", extra={"level": level}
+            )
             self._stop_model(w.id, False)
         elif level == "weights+kv" and w.state in (ModelState.RESIDENT, ModelState.RELEASED):
             self._send(w, protocol.Sleep(level="weights+kv"))
-            self._publish(EventKind.MESSAGE, w.id, f"{w.id} idle for {idle:g} s: sleeping", extra={"level": level})
+            self._publish(
+                EventKind.MESSAGE, w.id, f"{w.id} idle for {idle:g} s: sleeping", extra={"level": level}
+            )
         elif level == "weights" and w.state is ModelState.RESIDENT:
             self._send(w, protocol.Sleep(level="weights"))
             self._publish(
-                EventKind.MESSAGE, w.id, f"{w.id} idle for {idle:g} s: releasing its weights", extra={"level": level}
+                EventKind.MESSAGE,
+                w.id,
+                f"{w.id} idle for {idle:g} s: releasing its weights",
+                extra={"level": level},
             )
 
     # ---- shutdown (pool thread) ----------------------------------------------------------
@@ -1182,7 +1196,9 @@ class Pool:
         self._timers.clear()
         procs = []
         for w in self._workers.values():
-            self._fail_all(w, ModelUnavailableError("Timeshare is shutting down; send again after it restarts"))
+            self._fail_all(
+                w, ModelUnavailableError("Timeshare is shutting down; send again after it restarts")
+            )
             w.pending.clear()
             if w.proc is not None:
                 w.stopping = True
@@ -1228,7 +1244,9 @@ def _chat_message(m: protocol.ChatMessage | Mapping[str, str]) -> protocol.ChatM
         return m
     role, content = m.get("role"), m.get("content")
     if role not in ("system", "user", "assistant") or not isinstance(content, str):
-        raise ValueError(f"a chat message needs role system/user/assistant and a text content, got {dict(m)!r}")
+        raise ValueError(
+            f"a chat message needs role system/user/assistant and a text content, got {dict(m)!r}"
+        )
     return protocol.ChatMessage(cast(Literal["system", "user", "assistant"], role), content)
 
 

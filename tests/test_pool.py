@@ -8,6 +8,7 @@ Nothing here asserts on time: switches and prefill are checked through the worke
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import threading
@@ -16,7 +17,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from timeshare.core import pool as pool_mod
 from timeshare.core.config import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.demo import GEMMA3_ID, SMOLLM2_ID
@@ -149,7 +149,9 @@ def shared(
         arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=120.0),
         api=ApiConfig(queue_limit=2),
     )
-    pool = Pool(config, arena_dir=module_home / "arena", log_dir=module_home / "log", kv_dir=module_home / "kv")
+    pool = Pool(
+        config, arena_dir=module_home / "arena", log_dir=module_home / "log", kv_dir=module_home / "kv"
+    )
     events = Events()
     pool.subscribe(events)
     pool.start()
@@ -184,7 +186,13 @@ def test_clean_env_keeps_only_the_whitelist() -> None:
             "AWS_SECRET_ACCESS_KEY": "s",
         }
     )
-    assert env == {"PATH": "/bin", "HOME": "/h", "LC_ALL": "C", "CUDA_VISIBLE_DEVICES": "0", "TIMESHARE_HOME": "/t"}
+    assert env == {
+        "PATH": "/bin",
+        "HOME": "/h",
+        "LC_ALL": "C",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "TIMESHARE_HOME": "/t",
+    }
 
 
 def test_bad_config_is_refused_with_field_paths(tmp_path: Path) -> None:
@@ -202,7 +210,7 @@ def test_unsafe_arena_fails_start_and_spawns_nothing(tmp_path: Path, smollm2_pat
     arena.mkdir()
     arena.chmod(0o777)
     pool = Pool(Config(models=(ModelConfig(id="m", path=str(smollm2_path)),)), arena_dir=arena)
-    with pytest.raises(ArenaError, match=str(arena)):
+    with pytest.raises(ArenaError, match=re.escape(str(arena))):
         pool.start()
     assert pool.snapshot().models == ()
     with pytest.raises(ModelUnavailableError, match="not running"):
@@ -236,7 +244,7 @@ def test_broken_models_fail_with_a_reason_while_the_others_serve(shared: tuple[P
         events.wait_for(lambda e, m=model_id: e.kind is EventKind.FAILED and e.model == m)
         with pytest.raises(ModelUnavailableError, match="not available"):
             pool.generate(model_id, prompt="hi")
-    with pytest.raises(UnknownModelError, match="configured models: .*smollm2"):
+    with pytest.raises(UnknownModelError, match=r"configured models: .*smollm2"):
         pool.generate("nope", prompt="hi")
     for model_id in (SMOLLM2_ID, GEMMA3_ID):
         status = snap.model(model_id)
@@ -250,7 +258,6 @@ def test_alternating_models_stream_correct_answers_and_switch(
 ) -> None:
     pool, events = shared
     mark = events.mark()
-    holders = set()
     switched = 0
     for model in (SMOLLM2_ID, GEMMA3_ID, SMOLLM2_ID, GEMMA3_ID):
         streamed, gen = complete(pool, model)
@@ -258,9 +265,10 @@ def test_alternating_models_stream_correct_answers_and_switch(
         assert streamed == result.text == reference[model], model
         assert result.finish_reason == "length" and result.usage.completion_tokens == N_TOKENS
         switched += result.switch.switched
-        holders.add(pool.snapshot().holder)
+        assert pool.snapshot().holder == model  # the worker reported holds_token before Done
     assert switched >= 3  # every request after the first had to take the GPU from the other
-    assert holders <= {SMOLLM2_ID, GEMMA3_ID, None} and len(holders - {None}) == 2
+    last_req = gen.req
+    events.wait_for(lambda e: e.kind is EventKind.REQUEST_DONE and e.extra.get("req") == last_req, mark)
     done = [e for e in events.items[mark:] if e.kind is EventKind.REQUEST_DONE]
     assert len(done) == 4 and all(e.switch is not None for e in done)
     assert any(e.switch.switched and e.switch.release_ms > 0 for e in done if e.switch)
@@ -278,7 +286,8 @@ def test_conversation_continued_after_a_switch_is_not_prefilled_again(shared: tu
     second = pool.generate(SMOLLM2_ID, messages=history, max_tokens=8, conversation=conv).result(timeout=WAIT)
     assert second.switch.switched
     # only the new turn was prefilled, not the conversation so far
-    assert 0 < second.usage.prompt_tokens_evaluated < second.usage.prompt_tokens - first.usage.prompt_tokens
+    # (a full re-prefill would evaluate all of second.usage.prompt_tokens)
+    assert 0 < second.usage.prompt_tokens_evaluated <= second.usage.prompt_tokens - first.usage.prompt_tokens
 
 
 def test_prompt_longer_than_context_is_a_clear_error_and_the_model_keeps_serving(
@@ -309,7 +318,9 @@ def test_queue_limit_and_cancel(shared: tuple[Pool, Events], reference: dict[str
     assert queued[1].result(timeout=WAIT).text == reference[GEMMA3_ID]  # served after the cancel
 
 
-def test_pin_sleep_wake_stop_are_visible_in_events(shared: tuple[Pool, Events], reference: dict[str, str]) -> None:
+def test_pin_sleep_wake_stop_are_visible_in_events(
+    shared: tuple[Pool, Events], reference: dict[str, str]
+) -> None:
     pool, events = shared
     m = SMOLLM2_ID
 
@@ -350,7 +361,7 @@ def test_pin_sleep_wake_stop_are_visible_in_events(shared: tuple[Pool, Events], 
     events.wait_for(state_is(m, ModelState.STARTING, ModelState.LOADING), mark)
     second = gen.result(timeout=WAIT)
     assert second.text
-    assert second.usage.prompt_tokens_evaluated < second.usage.prompt_tokens - first.usage.prompt_tokens
+    assert 0 < second.usage.prompt_tokens_evaluated <= second.usage.prompt_tokens - first.usage.prompt_tokens
     new_pid = pool.snapshot().model(m).pid  # type: ignore[union-attr]
     assert new_pid and new_pid != pid
     assert complete(pool, m)[0] == reference[m]
@@ -386,7 +397,9 @@ def test_crash_restarts_the_worker_and_the_conversation_continues(
 
 def test_restart_budget_spent_marks_the_model_failed_with_its_log(tmp_path: Path, smollm2_path: Path) -> None:
     config = Config(models=(ModelConfig(id="m", path=str(smollm2_path), idle_sleep_s=None),))
-    pool = Pool(config, arena_dir=tmp_path / "arena", restart_backoff_s=0.05, max_restarts=1, restart_window_s=600)
+    pool = Pool(
+        config, arena_dir=tmp_path / "arena", restart_backoff_s=0.05, max_restarts=1, restart_window_s=600
+    )
     events = Events()
     pool.subscribe(events)
     pool.start()
