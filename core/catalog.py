@@ -1,0 +1,537 @@
+"""Discover GGUF models already on this machine, reading only their headers.
+
+Sources: the demo packages, LM Studio's models folder, the Hugging Face hub cache, llama.cpp's
+download cache and Ollama's store (manifests that point at GGUF blobs). Each entry carries what a
+user needs to pick a model (name, size, architecture, quantisation, context length, licence),
+read from the GGUF header (a memory-mapped walk of the metadata and tensor table; the weights are
+never read). Every root can be overridden (tests build fake trees with real GGUF files).
+
+Imports numpy (through ``gguf``): for the app process, not for workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import ModelConfig, suggest_model_id
+from .errors import ModelFileError
+
+log = logging.getLogger(__name__)
+
+Source = Literal["demo", "lmstudio", "hf", "llama.cpp", "ollama", "file"]
+ALL_SOURCES: tuple[Source, ...] = ("demo", "lmstudio", "hf", "llama.cpp", "ollama")
+
+GGUF_MAGIC = b"GGUF"
+_FIXED_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata KV count
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
+OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    path: str  # the file to load (for a split model: its first part)
+    name: str  # what to show: the GGUF's general.name, Ollama's "<name>:<tag>", or the file name
+    size: int  # bytes on disk (all parts of a split model)
+    architecture: str  # general.architecture ("llama", "gemma3", ...)
+    quantisation: str  # file type name ("Q4_K_M", "F16", ...), or the dominant tensor type
+    context_length: int  # training context from the header (0 when it does not say)
+    source: Source = "file"
+    licence: str = ""  # general.license, or the demo package's licence
+    has_chat_template: bool = False  # tokenizer.chat_template present (else: fallback format)
+    origin: str = ""  # where it came from, for display: "org/repo", "publisher/repo", "name:tag"
+    parameters: str = ""  # general.size_label ("135M", "8B") when the header has it
+
+    def to_model_config(self, taken_ids: Iterable[str] = ()) -> ModelConfig:
+        """A ModelConfig for this file with a fresh id (settings dialog: "add from catalog")."""
+        return model_config_from_entry(self, taken_ids)
+
+
+@dataclass(frozen=True)
+class ScanReport:
+    entries: tuple[CatalogEntry, ...]
+    skipped: tuple[tuple[str, str], ...] = ()  # (path, reason) for files that are not usable GGUFs
+    roots: tuple[tuple[Source, str], ...] = field(default=())  # folders looked at (existing or not)
+
+
+def model_config_from_entry(entry: CatalogEntry, taken_ids: Iterable[str] = ()) -> ModelConfig:
+    # Ollama blobs have no useful file name; elsewhere the file name says model and quantisation
+    label = entry.name if entry.source == "ollama" else _display_stem(Path(entry.path))
+    model_id = suggest_model_id(label.replace(":", "-").replace("/", "-"), taken_ids)
+    n_ctx = min(4096, entry.context_length) if entry.context_length > 0 else 2048
+    return ModelConfig(
+        id=model_id,
+        path=entry.path,
+        name=entry.name,
+        n_ctx=n_ctx,
+        licence=entry.licence,
+    )
+
+
+# ---- the header ----------------------------------------------------------------------------
+#
+# A small reader of the GGUF header (metadata and tensor table) that skips arrays instead of
+# building them: the gguf package's GGUFReader materialises every vocabulary string as a numpy
+# array, which took 13 s for SmolLM2 (49k tokens) and 56 s for Gemma-3 (262k tokens) on the dev
+# machine — too slow for a folder scan. The gguf package still supplies the type tables.
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_WANTED_STRINGS = ("general.architecture", "general.name", "general.license", "general.size_label")
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Corrupt(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Header:
+    version: int
+    tensor_count: int
+    kv_count: int
+    values: dict[str, Any]  # scalars and wanted strings; arrays as ("array", length)
+    data_end: int  # where the last tensor's data ends
+    type_bytes: dict[int, int]  # ggml type -> bytes of tensor data of that type
+
+
+class _Cursor:
+    def __init__(self, buf: Any, size: int, endian: str) -> None:
+        self.buf = buf
+        self.size = size
+        self.pos = 0
+        self.e = endian
+
+    def take(self, fmt: str) -> Any:
+        st = struct.Struct(self.e + fmt)
+        if self.pos + st.size > self.size:
+            raise _Truncated
+        (value,) = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
+        return value
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise _Truncated
+        self.pos += n
+
+    def string(self, keep: bool = True) -> str:
+        n = self.take("Q")
+        if self.pos + n > self.size:
+            raise _Truncated
+        start = self.pos
+        self.pos += n
+        return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace") if keep else ""
+
+    def value(self, vtype: int, keep: bool) -> Any:
+        if vtype in _SCALARS:
+            return self.take(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string(keep)
+        if vtype == _ARRAY:
+            sub = self.take("I")
+            count = self.take("Q")
+            if sub in _SCALARS:
+                self.skip(struct.calcsize(_SCALARS[sub]) * count)
+            elif sub == _STRING:
+                for _ in range(count):
+                    self.skip(self.take("Q"))
+            elif sub == _ARRAY:
+                for _ in range(count):
+                    self.value(_ARRAY, False)
+            else:
+                raise _Corrupt(f"unknown array element type {sub} at byte {self.pos}")
+            return ("array", count)
+        raise _Corrupt(f"unknown metadata value type {vtype} at byte {self.pos}")
+
+
+def _parse_header(buf: Any, size: int) -> _Header:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    endian = "<"
+    version = struct.unpack_from("<I", buf, 4)[0]
+    if version not in (2, 3) and struct.unpack_from(">I", buf, 4)[0] in (2, 3):
+        endian = ">"  # a big-endian GGUF
+    cur = _Cursor(buf, size, endian)
+    cur.pos = 4
+    version = cur.take("I")
+    tensor_count = cur.take("Q")
+    kv_count = cur.take("Q")
+    values: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cur.string()
+        vtype = cur.take("I")
+        keep = key in _WANTED_STRINGS or key == "tokenizer.chat_template"
+        values[key] = cur.value(vtype, keep)
+    arch = values.get("general.architecture")
+    alignment = values.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise _Corrupt(f"general.alignment is {alignment!r}, not a power of two")
+    extents: list[tuple[int, int, int]] = []  # (offset, bytes, type)
+    for _ in range(tensor_count):
+        cur.string(keep=False)
+        n_dims = cur.take("I")
+        if n_dims > 4:
+            raise _Corrupt(f"a tensor has {n_dims} dimensions (at most 4)")
+        n_elems = 1
+        for _ in range(n_dims):
+            n_elems *= cur.take("Q")
+        ggml_type = cur.take("I")
+        offset = cur.take("Q")
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise _Corrupt(f"tensor type {ggml_type} is unknown (a newer quantisation?)") from None
+        extents.append((offset, n_elems * type_size // block, ggml_type))
+    data_start = -(-cur.pos // alignment) * alignment
+    type_bytes: Counter[int] = Counter()
+    for _, nbytes, ggml_type in extents:
+        type_bytes[ggml_type] += nbytes
+    data_end = max((data_start + off + nb for off, nb, _ in extents), default=data_start)
+    if isinstance(arch, str):
+        ctx = values.get(f"{arch}.context_length")
+        values["_context_length"] = ctx
+    return _Header(version, tensor_count, kv_count, values, data_end, dict(type_bytes))
+
+
+def _check_fixed_header(path: Path) -> tuple[int, int]:
+    """Clear errors for a missing, non-GGUF or unsupported file; returns (file size, tensor count)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(_FIXED_HEADER.size)
+    except FileNotFoundError as exc:
+        raise ModelFileError(f"{path} does not exist: check the path (or remove the model)") from exc
+    except IsADirectoryError as exc:
+        raise ModelFileError(f"{path} is a folder, not a GGUF file: pick the .gguf file inside it") from exc
+    except OSError as exc:
+        raise ModelFileError(f"{path} cannot be read ({exc.strerror}): check its permissions") from exc
+    if head[:4] != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path.name} is not a GGUF file (bad magic {head[:4]!r}, expected {GGUF_MAGIC!r}): "
+            "pick a .gguf model file"
+        )
+    if len(head) < _FIXED_HEADER.size:
+        raise ModelFileError(
+            f"{path.name} is truncated: the file ends at byte {size}, inside the GGUF header — re-download it"
+        )
+    _, version, tensor_count, _ = _FIXED_HEADER.unpack(head)
+    if version not in (2, 3) and struct.unpack(">I", head[4:8])[0] in (2, 3):
+        version = struct.unpack(">I", head[4:8])[0]
+        tensor_count = struct.unpack(">Q", head[8:16])[0]
+    if version not in (2, 3):
+        raise ModelFileError(
+            f"{path.name} is GGUF version {version}, which this Timeshare cannot read (versions 2 and 3 can)"
+        )
+    return size, tensor_count
+
+
+def _quantisation(header: _Header) -> str:
+    from gguf import GGMLQuantizationType, LlamaFileType
+
+    file_type = header.values.get("general.file_type")
+    if isinstance(file_type, int) and not isinstance(file_type, bool):
+        try:
+            ft = LlamaFileType(file_type)
+        except ValueError:
+            ft = None
+        if ft is not None and ft != LlamaFileType.GUESSED:
+            return ft.name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    # no file type recorded: name the type holding most weight bytes
+    if not header.type_bytes:
+        return ""
+    dominant = max(header.type_bytes.items(), key=lambda kv: kv[1])[0]
+    return GGMLQuantizationType(dominant).name
+
+
+def read_gguf_header(path: str | Path, source: Source = "file", *, size: int | None = None) -> CatalogEntry:
+    """Read a GGUF file's header (never its weights) into a CatalogEntry.
+
+    Raises ModelFileError with a sentence for a missing, non-GGUF, truncated or corrupt file.
+    ``size`` overrides the reported size (a split model counts all its parts).
+    """
+    p = Path(path)
+    file_size, tensor_count = _check_fixed_header(p)
+    try:
+        with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = _parse_header(buf, file_size)
+    except _Truncated:
+        raise ModelFileError(
+            f"{p.name} is truncated: header says {tensor_count} tensors but the file ends at byte "
+            f"{file_size}, inside the header — re-download it"
+        ) from None
+    except _Corrupt as exc:
+        raise ModelFileError(f"{p.name} is corrupt: {exc} — re-download it") from None
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"{p.name} cannot be read ({exc}): check the file") from exc
+    if header.data_end > file_size:
+        raise ModelFileError(
+            f"{p.name} is truncated: header says {tensor_count} tensors ending at byte {header.data_end} "
+            f"but the file ends at byte {file_size} — re-download it"
+        )
+    v = header.values
+
+    def text(key: str) -> str:
+        value = v.get(key)
+        return value.strip() if isinstance(value, str) else ""
+
+    ctx = v.get("_context_length")
+    return CatalogEntry(
+        path=str(p),
+        name=text("general.name") or _display_stem(p),
+        size=file_size if size is None else size,
+        architecture=text("general.architecture"),
+        quantisation=_quantisation(header),
+        context_length=int(ctx) if isinstance(ctx, int) and not isinstance(ctx, bool) else 0,
+        source=source,
+        licence=text("general.license"),
+        has_chat_template=isinstance(v.get("tokenizer.chat_template"), str),
+        parameters=text("general.size_label"),
+    )
+
+
+def _display_stem(path: Path) -> str:
+    m = _SPLIT_RE.match(path.name)
+    return m.group("stem") if m else path.stem
+
+
+# ---- sources -------------------------------------------------------------------------------
+
+
+def _env_path(var: str) -> Path | None:
+    value = os.environ.get(var)
+    return Path(value).expanduser() if value else None
+
+
+def default_lmstudio_roots() -> list[Path]:
+    home = Path.home()
+    return [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
+
+
+def default_hf_root() -> Path:
+    explicit = _env_path("HF_HUB_CACHE")
+    if explicit:
+        return explicit
+    hf_home = _env_path("HF_HOME")
+    if hf_home:
+        return hf_home / "hub"
+    xdg = _env_path("XDG_CACHE_HOME")
+    return (xdg or Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def default_llama_cpp_root() -> Path:
+    explicit = _env_path("LLAMA_CACHE")
+    if explicit:
+        return explicit
+    xdg = _env_path("XDG_CACHE_HOME")
+    return (xdg or Path.home() / ".cache") / "llama.cpp"
+
+
+def default_ollama_root() -> Path:
+    return _env_path("OLLAMA_MODELS") or Path.home() / ".ollama" / "models"
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    path: Path
+    source: Source
+    name: str = ""  # overrides the header's name (Ollama)
+    origin: str = ""
+    licence: str = ""
+
+
+def _gguf_files(root: Path) -> Iterator[Path]:
+    """*.gguf under root (following symlinked files, as the HF cache uses), sorted, first parts only."""
+    if not root.is_dir():
+        return
+    found: list[Path] = []
+    for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
+        for fn in filenames:
+            if fn.lower().endswith(".gguf"):
+                m = _SPLIT_RE.match(fn)
+                if m and int(m.group("part")) != 1:
+                    continue  # later parts of a split model: loaded through the first one
+                found.append(Path(dirpath) / fn)
+    yield from sorted(found)
+
+
+def _relative_origin(root: Path, file: Path, depth: int) -> str:
+    try:
+        parts = file.relative_to(root).parts[:-1]
+    except ValueError:
+        return ""
+    return "/".join(parts[:depth])
+
+
+def _lmstudio(roots: Sequence[Path]) -> Iterator[_Candidate]:
+    for root in roots:
+        for f in _gguf_files(root):
+            yield _Candidate(f, "lmstudio", origin=_relative_origin(root, f, 2))
+
+
+def _hf(root: Path) -> Iterator[_Candidate]:
+    if not root.is_dir():
+        return
+    for repo in sorted(root.glob("models--*")):
+        origin = "/".join(repo.name.split("--")[1:])
+        snapshots = repo / "snapshots"
+        for f in _gguf_files(snapshots):
+            yield _Candidate(f, "hf", origin=origin)
+
+
+def _llama_cpp(root: Path) -> Iterator[_Candidate]:
+    for f in _gguf_files(root):
+        yield _Candidate(f, "llama.cpp", origin=_relative_origin(root, f, 2))
+
+
+def _ollama(root: Path) -> Iterator[_Candidate]:
+    """Ollama keeps manifests/<host>/<namespace>/<name>/<tag> (JSON) pointing at blobs/sha256-<hex>."""
+    manifests = root / "manifests"
+    if not manifests.is_dir():
+        return
+    for manifest in sorted(p for p in manifests.rglob("*") if p.is_file()):
+        rel = manifest.relative_to(manifests).parts
+        if len(rel) < 4:
+            continue
+        host, *namespace, model, tag = rel
+        if host == "registry.ollama.ai" and namespace == ["library"]:
+            label = f"{model}:{tag}"
+        elif host == "registry.ollama.ai":
+            label = f"{'/'.join(namespace)}/{model}:{tag}"
+        else:
+            label = f"{host}/{'/'.join(namespace)}/{model}:{tag}"
+        try:
+            doc = json.loads(manifest.read_text(encoding="utf-8"))
+            layers = doc["layers"]
+            digests = [
+                layer["digest"]
+                for layer in layers
+                if isinstance(layer, dict) and layer.get("mediaType") == OLLAMA_MODEL_MEDIA_TYPE
+            ]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("skipping unreadable Ollama manifest %s: %s", manifest, exc)
+            continue
+        for digest in digests:
+            if not isinstance(digest, str) or not re.fullmatch(r"sha256[:-][0-9a-f]{64}", digest):
+                continue
+            blob = root / "blobs" / digest.replace(":", "-")
+            yield _Candidate(blob, "ollama", name=label, origin=label)
+
+
+def _demo(paths: Sequence[Path] | None) -> Iterator[_Candidate]:
+    from . import demo
+
+    licences = {d.id: d.licence for d in demo.DEMO_MODELS}
+    if paths is not None:
+        for p in paths:
+            yield _Candidate(Path(p), "demo")
+        return
+    for d in demo.available():
+        try:
+            p = demo.smollm2_path() if d.id == demo.SMOLLM2_ID else demo.gemma3_path()
+        except (demo.DemoUnavailable, OSError) as exc:
+            log.warning("demo model %s unavailable: %s", d.id, exc)
+            continue
+        yield _Candidate(p, "demo", name=d.name, origin=d.package, licence=licences[d.id])
+
+
+def _split_size(path: Path) -> int | None:
+    m = _SPLIT_RE.match(path.name)
+    if not m:
+        return None
+    total = 0
+    for i in range(1, int(m.group("total")) + 1):
+        part = path.with_name(f"{m.group('stem')}-{i:05d}-of-{m.group('total')}.gguf")
+        try:
+            total += part.stat().st_size
+        except OSError:
+            return None
+    return total
+
+
+def scan_report(
+    sources: Iterable[Source] | None = None,
+    *,
+    lmstudio: Sequence[Path] | None = None,
+    hf: Path | None = None,
+    llama_cpp: Path | None = None,
+    ollama: Path | None = None,
+    demo_paths: Sequence[Path] | None = None,
+    files: Sequence[Path] = (),
+) -> ScanReport:
+    """Scan the given sources (default: all) and return the entries plus the files skipped and why.
+
+    Each root defaults to where the tool keeps its models (environment variables honoured).
+    ``files`` adds single files (source "file"). The same file reached twice (HF snapshots link
+    one blob) is listed once.
+    """
+    wanted = tuple(sources) if sources is not None else ALL_SOURCES
+    unknown = [s for s in wanted if s not in (*ALL_SOURCES, "file")]
+    if unknown:
+        raise ValueError(f"unknown catalog source(s) {unknown}: use some of {', '.join(ALL_SOURCES)}")
+    lm_roots = list(lmstudio) if lmstudio is not None else default_lmstudio_roots()
+    hf_root = hf if hf is not None else default_hf_root()
+    llama_root = llama_cpp if llama_cpp is not None else default_llama_cpp_root()
+    ollama_root = ollama if ollama is not None else default_ollama_root()
+    roots: list[tuple[Source, str]] = []
+    candidates: list[_Candidate] = []
+    if "demo" in wanted:
+        candidates.extend(_demo(demo_paths))
+    if "lmstudio" in wanted:
+        roots.extend(("lmstudio", str(r)) for r in lm_roots)
+        candidates.extend(_lmstudio(lm_roots))
+    if "hf" in wanted:
+        roots.append(("hf", str(hf_root)))
+        candidates.extend(_hf(hf_root))
+    if "llama.cpp" in wanted:
+        roots.append(("llama.cpp", str(llama_root)))
+        candidates.extend(_llama_cpp(llama_root))
+    if "ollama" in wanted:
+        roots.append(("ollama", str(ollama_root)))
+        candidates.extend(_ollama(ollama_root))
+    candidates.extend(_Candidate(Path(f), "file") for f in files)
+
+    entries: list[CatalogEntry] = []
+    skipped: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for cand in candidates:
+        try:
+            real = str(cand.path.resolve())
+        except OSError:
+            real = str(cand.path)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            entry = read_gguf_header(cand.path, cand.source, size=_split_size(cand.path))
+        except ModelFileError as exc:
+            log.info("catalog: skipping %s: %s", cand.path, exc)
+            skipped.append((str(cand.path), str(exc)))
+            continue
+        if entry.architecture == "clip" or entry.architecture.startswith("mmproj"):
+            skipped.append((str(cand.path), "a vision projector (mmproj), not a language model"))
+            continue
+        changes: dict[str, Any] = {"origin": cand.origin}
+        if cand.name:
+            changes["name"] = cand.name
+        if cand.licence and not entry.licence:
+            changes["licence"] = cand.licence
+        entries.append(replace(entry, **changes))
+    return ScanReport(entries=tuple(entries), skipped=tuple(skipped), roots=tuple(roots))
+
+
+def scan(sources: Iterable[Source] | None = None, **roots: Any) -> list[CatalogEntry]:
+    """The usable GGUF models found in ``sources`` (see :func:`scan_report` for the roots)."""
+    return list(scan_report(sources, **roots).entries)

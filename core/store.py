@@ -1,0 +1,353 @@
+"""Conversations and their messages, in SQLite (WAL) in platformdirs' data dir.
+
+A conversation is bound to one model. Messages are written before and during generation (the
+assistant message starts empty and incomplete, is updated as text streams, and is marked complete
+with its stats at the end), so a crash loses at most what was generated since the last update.
+
+One connection guarded by a lock: every method is safe from any thread, and calls are short.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from . import paths
+from .errors import TimeshareError
+
+log = logging.getLogger(__name__)
+
+Role = Literal["system", "user", "assistant"]
+ROLES: tuple[Role, ...] = ("system", "user", "assistant")
+SCHEMA_VERSION = 1
+
+_T = TypeVar("_T")
+
+# Each step takes the schema from version i to i+1 (index i). Append only.
+_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE conversations (
+        id TEXT PRIMARY KEY,
+        model_id TEXT NOT NULL,
+        title TEXT NOT NULL DEFAULT '',
+        created REAL NOT NULL,
+        updated REAL NOT NULL
+    );
+    CREATE INDEX conversations_updated ON conversations(updated DESC);
+    CREATE TABLE messages (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+        content TEXT NOT NULL DEFAULT '',
+        created REAL NOT NULL,
+        complete INTEGER NOT NULL DEFAULT 1 CHECK (complete IN (0, 1)),
+        stats TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX messages_conversation ON messages(conversation_id, id);
+    """,
+)
+
+
+class StoreError(TimeshareError):
+    """The conversation database cannot be opened or used."""
+
+    code = "store"
+
+
+class UnknownConversationError(TimeshareError):
+    code = "conversation_not_found"
+
+
+class UnknownMessageError(TimeshareError):
+    code = "message_not_found"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    model_id: str
+    title: str
+    created: float  # unix seconds
+    updated: float
+    message_count: int = 0
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: str
+    role: Role
+    content: str
+    created: float
+    complete: bool = True  # False: generation was running (or crashed) when this was last written
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _check_role(role: str) -> Role:
+    if role not in ROLES:
+        raise ValueError(f"message role must be one of {', '.join(ROLES)}, not {role!r}")
+    return role
+
+
+class Store:
+    """The conversation database. ``Store()`` opens ``paths.conversations_db()``."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else paths.conversations_db()
+        self._lock = threading.RLock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the conversation database {self.path}: {exc}") from exc
+        try:
+            self._setup()
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise StoreError(
+                f"{self.path} is not a usable conversation database ({exc}); it was left untouched: "
+                "move it aside and start Timeshare again to begin a new one"
+            ) from exc
+        except BaseException:
+            self._db.close()
+            raise
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        db = self._db
+        db.row_factory = sqlite3.Row
+        # Reading the schema first makes a non-database file fail here, before anything is written.
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path} was written by a newer Timeshare (schema {version}, this one knows "
+                f"{SCHEMA_VERSION}): upgrade Timeshare, or move the file aside to start a new one"
+            )
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            log.warning("SQLite refused WAL mode for %s (got %s)", self.path, mode)
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across app crashes
+        for target in range(version, SCHEMA_VERSION):
+            # one transaction per step: a crash mid-migration leaves the previous version intact
+            db.executescript("BEGIN;" + _MIGRATIONS[target] + f"PRAGMA user_version={target + 1};COMMIT;")
+            log.info("conversation database %s migrated to schema %d", self.path, target + 1)
+
+    def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(self._db)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            return result
+
+    def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _conversation(row: sqlite3.Row) -> Conversation:
+        return Conversation(
+            id=row["id"],
+            model_id=row["model_id"],
+            title=row["title"],
+            created=row["created"],
+            updated=row["updated"],
+            message_count=row["message_count"],
+        )
+
+    @staticmethod
+    def _message(row: sqlite3.Row) -> Message:
+        try:
+            stats = json.loads(row["stats"])
+        except ValueError:
+            stats = {}
+        return Message(
+            id=row["id"],
+            conversation_id=row["conversation_id"],
+            role=row["role"],
+            content=row["content"],
+            created=row["created"],
+            complete=bool(row["complete"]),
+            stats=stats if isinstance(stats, dict) else {},
+        )
+
+    # ---- conversations ---------------------------------------------------------------------
+
+    _CONV_SELECT = (
+        "SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS message_count "
+        "FROM conversations c"
+    )
+
+    def create_conversation(self, model_id: str, title: str = "") -> Conversation:
+        if not model_id:
+            raise ValueError("a conversation needs the id of the model it talks to")
+        now = time.time()
+        conv_id = str(uuid.uuid4())
+
+        def insert(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO conversations (id, model_id, title, created, updated) VALUES (?, ?, ?, ?, ?)",
+                (conv_id, model_id, title, now, now),
+            )
+
+        self._write(insert)
+        return Conversation(conv_id, model_id, title, now, now, 0)
+
+    def list_conversations(self, model_id: str | None = None) -> list[Conversation]:
+        """Most recently updated first."""
+        if model_id is None:
+            rows = self._read(self._CONV_SELECT + " ORDER BY c.updated DESC, c.rowid DESC")
+        else:
+            rows = self._read(
+                self._CONV_SELECT + " WHERE c.model_id = ? ORDER BY c.updated DESC, c.rowid DESC", (model_id,)
+            )
+        return [self._conversation(r) for r in rows]
+
+    def get(self, conversation_id: str) -> Conversation:
+        rows = self._read(self._CONV_SELECT + " WHERE c.id = ?", (conversation_id,))
+        if not rows:
+            raise UnknownConversationError(
+                f"there is no conversation {conversation_id!r}: it may have been deleted — start a new one"
+            )
+        return self._conversation(rows[0])
+
+    def _touch(self, db: sqlite3.Connection, conversation_id: str, now: float) -> None:
+        cur = db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        if cur.rowcount == 0:
+            raise UnknownConversationError(
+                f"there is no conversation {conversation_id!r}: it may have been deleted — start a new one"
+            )
+
+    def rename(self, conversation_id: str, title: str) -> Conversation:
+        def update(db: sqlite3.Connection) -> None:
+            self._touch(db, conversation_id, time.time())
+            db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+
+        self._write(update)
+        return self.get(conversation_id)
+
+    def set_model(self, conversation_id: str, model_id: str) -> Conversation:
+        """Bind the conversation to another model (its history is prefilled there on the next turn)."""
+        if not model_id:
+            raise ValueError("a conversation needs the id of the model it talks to")
+
+        def update(db: sqlite3.Connection) -> None:
+            self._touch(db, conversation_id, time.time())
+            db.execute("UPDATE conversations SET model_id = ? WHERE id = ?", (model_id, conversation_id))
+
+        self._write(update)
+        return self.get(conversation_id)
+
+    def delete(self, conversation_id: str) -> None:
+        def remove(db: sqlite3.Connection) -> None:
+            cur = db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+            if cur.rowcount == 0:
+                raise UnknownConversationError(f"there is no conversation {conversation_id!r} to delete")
+
+        self._write(remove)
+
+    # ---- messages --------------------------------------------------------------------------
+
+    def messages(self, conversation_id: str) -> list[Message]:
+        """The conversation's messages in order (raises UnknownConversationError if it is gone)."""
+        self.get(conversation_id)
+        rows = self._read("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))
+        return [self._message(r) for r in rows]
+
+    def message(self, message_id: int) -> Message:
+        rows = self._read("SELECT * FROM messages WHERE id = ?", (message_id,))
+        if not rows:
+            raise UnknownMessageError(f"there is no message {message_id}")
+        return self._message(rows[0])
+
+    def add_message(
+        self,
+        conversation_id: str,
+        role: str,
+        content: str,
+        *,
+        complete: bool = True,
+        stats: Mapping[str, Any] | None = None,
+    ) -> Message:
+        checked = _check_role(role)
+        now = time.time()
+        stats_json = json.dumps(dict(stats or {}), default=str)
+
+        def insert(db: sqlite3.Connection) -> int:
+            self._touch(db, conversation_id, now)
+            cur = db.execute(
+                "INSERT INTO messages (conversation_id, role, content, created, complete, stats) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (conversation_id, checked, content, now, int(complete), stats_json),
+            )
+            return int(cur.lastrowid or 0)
+
+        message_id = self._write(insert)
+        return Message(message_id, conversation_id, checked, content, now, complete, dict(stats or {}))
+
+    def update_message(
+        self,
+        message_id: int,
+        content: str,
+        complete: bool | None = None,
+        stats: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Replace a message's text (and optionally its completeness and stats)."""
+        sets = ["content = ?"]
+        args: list[Any] = [content]
+        if complete is not None:
+            sets.append("complete = ?")
+            args.append(int(complete))
+        if stats is not None:
+            sets.append("stats = ?")
+            args.append(json.dumps(dict(stats), default=str))
+
+        def update(db: sqlite3.Connection) -> None:
+            cur = db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
+            if cur.rowcount == 0:
+                raise UnknownMessageError(
+                    f"there is no message {message_id}: its conversation may be deleted"
+                )
+            db.execute(
+                "UPDATE conversations SET updated = ? WHERE id = "
+                "(SELECT conversation_id FROM messages WHERE id = ?)",
+                (time.time(), message_id),
+            )
+
+        self._write(update)
+
+    def delete_message(self, message_id: int) -> None:
+        def remove(db: sqlite3.Connection) -> None:
+            cur = db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+            if cur.rowcount == 0:
+                raise UnknownMessageError(f"there is no message {message_id}")
+
+        self._write(remove)
+
+    def incomplete_messages(self) -> list[Message]:
+        """Assistant messages left incomplete (a crash or a kill during generation)."""
+        rows = self._read("SELECT * FROM messages WHERE complete = 0 ORDER BY id")
+        return [self._message(r) for r in rows]

@@ -1,0 +1,437 @@
+"""Configuration: TOML loading, validation with field-path errors, atomic writes, defaults, the example."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+from timeshare.core import config as cfg
+from timeshare.core import demo, paths
+from timeshare.core.config import ApiConfig, ArenaConfig, Config, GeneralConfig, ModelConfig
+from timeshare.core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "resources" / "config.example.toml"
+
+
+@pytest.fixture
+def model_file(tmp_path: Path, smollm2_path: Path) -> Path:
+    # a real GGUF under a name of our own (a link: no copy of the weights)
+    target = tmp_path / "models" / "smol.gguf"
+    target.parent.mkdir()
+    target.symlink_to(smollm2_path)
+    return target
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def problems_of(excinfo: pytest.ExceptionInfo[ConfigError]) -> list[str]:
+    return excinfo.value.problems
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def test_full_config_loads(tmp_path: Path, model_file: Path) -> None:
+    path = write(
+        tmp_path / "config.toml",
+        f"""
+[general]
+start_at_login = true
+[arena]
+dir = "~/arena"
+min_quantum_ms = 100
+wait_timeout_s = 5
+[api]
+host = "0.0.0.0"
+port = 9000
+key = "sekrit"
+queue_limit = 3
+[[models]]
+id = "smol"
+path = "{model_file}"
+n_ctx = 512
+n_seq = 2
+pinned = true
+idle_sleep_s = false
+idle_release = "weights+kv"
+host_shadow = "pageable"
+chat_format = "fallback"
+""",
+    )
+    config = cfg.load_config(path)
+    assert config.general == GeneralConfig(start_at_login=True)
+    assert config.arena == ArenaConfig(
+        dir=str(Path.home() / "arena"), min_quantum_ms=100.0, wait_timeout_s=5.0
+    )
+    assert config.api == ApiConfig(host="0.0.0.0", port=9000, key="sekrit", queue_limit=3)
+    (model,) = config.models
+    assert model == ModelConfig(
+        id="smol",
+        path=str(model_file),
+        n_ctx=512,
+        n_seq=2,
+        pinned=True,
+        idle_sleep_s=None,
+        idle_release="weights+kv",
+        host_shadow="pageable",
+        chat_format="fallback",
+    )
+    assert config.notice == ""
+
+
+def test_default_path_is_platformdirs_config_file(model_file: Path) -> None:
+    write(paths.config_file(), f'[[models]]\nid = "a"\npath = "{model_file}"\n')
+    assert [m.id for m in cfg.load_config().models] == ["a"]
+
+
+def test_relative_model_path_is_relative_to_the_config_file(tmp_path: Path, model_file: Path) -> None:
+    path = write(tmp_path / "config.toml", '[[models]]\nid = "a"\npath = "models/smol.gguf"\n')
+    assert cfg.load_config(path).models[0].path == str(model_file)
+
+
+def test_missing_file_gives_the_demo_models(tmp_path: Path) -> None:
+    config = cfg.load_config(tmp_path / "absent.toml")
+    installed = [d.id for d in demo.available()]
+    assert installed, "the demo packages are part of the test environment"
+    assert [m.id for m in config.models] == installed
+    for m in config.models:
+        assert Path(m.path).is_file()
+        assert m.licence
+    assert config.notice == ""
+    assert not (tmp_path / "absent.toml").exists()  # loading never writes
+
+
+def test_no_config_and_no_demo_models_gives_an_empty_pool_with_a_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the demo packages are installed here; simulate a machine without them
+    monkeypatch.setattr(demo, "available", lambda: [])
+    config = cfg.load_config(tmp_path / "absent.toml")
+    assert config.models == ()
+    assert "No models are configured" in config.notice
+    assert "Settings" in config.notice
+
+
+def test_config_without_models_says_how_to_add_one(tmp_path: Path) -> None:
+    path = write(tmp_path / "config.toml", "[api]\nport = 8000\n")
+    config = cfg.load_config(path)
+    assert config.models == ()
+    assert str(path) in config.notice
+
+
+# ---- validation: field-path errors, nothing written ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("n_ctx = 0", "models[0].n_ctx: must be > 0"),
+        ("n_ctx = -5", "models[0].n_ctx: must be > 0"),
+        ('n_ctx = "big"', "models[0].n_ctx: must be an integer, not a string"),
+        ("n_ctx = true", "models[0].n_ctx: must be an integer, not a boolean"),
+        ("nctx = 512", "models[0].nctx: unknown key (did you mean n_ctx?)"),
+        ("n_gpu_layers = -2", "models[0].n_gpu_layers: must be >= -1"),
+        ("n_seq = 0", "models[0].n_seq: must be > 0"),
+        (
+            'idle_release = "nap"',
+            "models[0].idle_release: must be one of 'weights', 'weights+kv', 'stop', not 'nap'",
+        ),
+        ('host_shadow = "gpu"', "models[0].host_shadow: must be one of 'pinned', 'pageable', not 'gpu'"),
+        (
+            "chat_format = 1",
+            "models[0].chat_format: must be one of 'auto', 'template', 'fallback', not an integer",
+        ),
+        ("idle_sleep_s = -1", "models[0].idle_sleep_s: must be >= 0"),
+        ("idle_sleep_s = true", "models[0].idle_sleep_s: must be a number of seconds, or false for never"),
+        ('pinned = "yes"', "models[0].pinned: must be true or false, not a string"),
+        ('chat_template = ""', "models[0].chat_template: must not be empty"),
+    ],
+)
+def test_model_field_errors(tmp_path: Path, model_file: Path, body: str, expected: str) -> None:
+    path = write(tmp_path / "config.toml", f'[[models]]\nid = "a"\npath = "{model_file}"\n{body}\n')
+    with pytest.raises(ConfigError) as excinfo:
+        cfg.load_config(path)
+    assert problems_of(excinfo) == [expected]
+    assert excinfo.value.path == str(path)
+    assert str(excinfo.value).startswith(f"{path}: {expected}")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[api]\nport = 0\n", "api.port: must be > 0"),
+        ("[api]\nport = 70000\n", "api.port: must be <= 65535"),
+        ('[api]\nhost = "0.0.0.0"\n', "api.key: is required when api.host is '0.0.0.0'"),
+        ('[api]\nhost = "192.168.1.5"\nkey = ""\n', "api.key: must not be empty"),
+        ("[api]\nqueue_limit = 0\n", "api.queue_limit: must be > 0"),
+        ("[api]\nprot = 1\n", "api.prot: unknown key (did you mean port?)"),
+        ("[arena]\nwait_timeout_s = 0\n", "arena.wait_timeout_s: must be > 0"),
+        ("[arena]\nmin_quantum_ms = -1.5\n", "arena.min_quantum_ms: must be >= 0"),
+        ("[general]\nstart_at_login = 1\n", "general.start_at_login: must be true or false, not an integer"),
+        ("[modles]\n", "modles: unknown key (did you mean models?)"),
+        ("general = 3\n", "general: must be a table ([general]), not an integer"),
+        ('models = "x"\n', "models: must be an array of tables ([[models]]), not a string"),
+        ('[[models]]\npath = "/x.gguf"\n', "models[0].id: is required"),
+        ('[[models]]\nid = "a"\n', "models[0].path: is required"),
+        ('[[models]]\nid = "Big Model"\npath = "/x"\n', "models[0].id: 'Big Model' may contain only"),
+    ],
+)
+def test_section_errors(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path / "config.toml", text)
+    with pytest.raises(ConfigError) as excinfo:
+        cfg.load_config(path, check_paths=False)
+    assert len(problems_of(excinfo)) == 1, problems_of(excinfo)
+    assert problems_of(excinfo)[0].startswith(expected)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_hosts_need_no_key(tmp_path: Path, host: str) -> None:
+    path = write(tmp_path / "config.toml", f'[api]\nhost = "{host}"\n')
+    assert cfg.load_config(path).api.host == host
+
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    path = write(tmp_path / "config.toml", '[[models]]\nid = "a"\npath = "/nowhere/x.gguf"\n')
+    before = path.read_bytes()
+    with pytest.raises(ConfigError) as excinfo:
+        cfg.load_config(path)
+    assert problems_of(excinfo) == [
+        "models[0].path: /nowhere/x.gguf does not exist: fix the path or remove this model"
+    ]
+    assert path.read_bytes() == before
+
+
+def test_model_path_that_is_a_folder(tmp_path: Path) -> None:
+    path = write(tmp_path / "config.toml", f'[[models]]\nid = "a"\npath = "{tmp_path}"\n')
+    with pytest.raises(ConfigError, match=r"models\[0\]\.path: .* is not a regular file"):
+        cfg.load_config(path)
+
+
+def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"<html>404 not found</html>")
+    path = write(tmp_path / "config.toml", f'[[models]]\nid = "a"\npath = "{bogus}"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        cfg.load_config(path)
+    (problem,) = problems_of(excinfo)
+    assert problem.startswith(f"models[0].path: {bogus} is not a GGUF file (it starts with b'<htm'")
+    assert bogus.read_bytes() == b"<html>404 not found</html>"
+
+
+def test_duplicate_ids_and_every_problem_reported_at_once(tmp_path: Path, model_file: Path) -> None:
+    path = write(
+        tmp_path / "config.toml",
+        f"""
+[api]
+port = 0
+[[models]]
+id = "a"
+path = "{model_file}"
+[[models]]
+id = "b"
+path = "{model_file}"
+n_ctx = 0
+[[models]]
+id = "a"
+path = "{model_file}"
+""",
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        cfg.load_config(path)
+    assert problems_of(excinfo) == [
+        "api.port: must be > 0",
+        "models[1].n_ctx: must be > 0",
+        "models[2].id: 'a' is already used by models[0]",
+    ]
+
+
+def test_toml_syntax_error_names_line_and_column(tmp_path: Path) -> None:
+    path = write(tmp_path / "config.toml", "[api]\nport = 8000\nhost = \n")
+    with pytest.raises(ConfigError) as excinfo:
+        cfg.load_config(path)
+    (problem,) = problems_of(excinfo)
+    assert "TOML syntax error" in problem
+    assert "line 3, column 8" in problem
+    assert excinfo.value.path == str(path)
+
+
+def test_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'[api]\nhost = "\xff\xfe"\n')
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text .*offset 14.*save it as UTF-8"):
+        cfg.load_config(path)
+
+
+def test_config_path_that_is_a_folder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a directory"):
+        cfg.load_config(tmp_path)
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def sample_config(model_path: Path) -> Config:
+    return Config(
+        models=(
+            ModelConfig(id="smol", path=str(model_path), name="Smol", n_ctx=1024, idle_sleep_s=None),
+            ModelConfig(id="other", path=str(model_path), chat_template="{{ messages }}", pinned=True),
+        ),
+        arena=ArenaConfig(min_quantum_ms=50.0),
+        api=ApiConfig(port=9999, key="k"),
+        general=GeneralConfig(start_at_login=True),
+    )
+
+
+def test_save_then_load_round_trips(tmp_path: Path, model_file: Path) -> None:
+    config = sample_config(model_file)
+    written = cfg.save_config(config, tmp_path / "config.toml")
+    assert written == tmp_path / "config.toml"
+    assert cfg.load_config(written) == config
+    assert oct(written.stat().st_mode & 0o777) == oct(0o600)
+
+
+def test_save_defaults_to_the_config_file(model_file: Path) -> None:
+    cfg.save_config(sample_config(model_file))
+    assert cfg.load_config() == sample_config(model_file)
+
+
+def test_save_keeps_comments_and_makes_a_backup(tmp_path: Path, model_file: Path) -> None:
+    path = write(
+        tmp_path / "config.toml",
+        f"""# my precious notes
+[api]
+port = 8385  # the usual port
+[[models]]
+# the small one
+id = "smol"
+path = "{model_file}"
+n_ctx = 512
+""",
+    )
+    original = path.read_text()
+    config = cfg.load_config(path)
+    changed = dataclasses.replace(
+        config,
+        api=dataclasses.replace(config.api, port=9000),
+        models=(
+            dataclasses.replace(config.models[0], n_ctx=1024),
+            ModelConfig(id="new", path=str(model_file)),
+        ),
+    )
+    cfg.save_config(changed, path)
+    text = path.read_text()
+    assert "# my precious notes" in text
+    assert "# the small one" in text
+    assert "port = 9000" in text
+    assert cfg.load_config(path) == changed
+    assert (tmp_path / "config.toml.bak").read_text() == original
+
+
+def test_removing_a_model_removes_its_table(tmp_path: Path, model_file: Path) -> None:
+    path = cfg.save_config(sample_config(model_file), tmp_path / "config.toml")
+    config = cfg.load_config(path)
+    cfg.save_config(dataclasses.replace(config, models=config.models[1:]), path)
+    assert [m.id for m in cfg.load_config(path).models] == ["other"]
+
+
+def test_invalid_config_is_not_written(tmp_path: Path, model_file: Path) -> None:
+    path = cfg.save_config(sample_config(model_file), tmp_path / "config.toml")
+    before = path.read_bytes()
+    bad = dataclasses.replace(sample_config(model_file), api=ApiConfig(host="0.0.0.0"))
+    with pytest.raises(ConfigError, match=r"api\.key: is required"):
+        cfg.save_config(bad, path)
+    assert path.read_bytes() == before
+    dup = Config(models=(ModelConfig(id="x", path="/a"), ModelConfig(id="x", path="/b")))
+    with pytest.raises(ConfigError, match=r"models\[1\]\.id: 'x' is already used"):
+        cfg.save_config(dup, path)
+    assert path.read_bytes() == before
+
+
+def test_crash_during_write_keeps_the_old_file(
+    tmp_path: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = cfg.save_config(sample_config(model_file), tmp_path / "config.toml")
+    before = path.read_bytes()
+    real_replace = os.replace
+
+    def crash_on_config(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        # fault injection: the process "dies" at the rename that would publish the new file
+        if Path(dst) == path:
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_config)
+    with pytest.raises(OSError, match="No space left"):
+        cfg.save_config(dataclasses.replace(sample_config(model_file), models=()), path)
+    assert path.read_bytes() == before
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".config.toml")]
+    assert leftovers == []
+
+
+def test_save_over_an_unparseable_file_writes_a_fresh_one_and_keeps_the_old_as_bak(
+    tmp_path: Path, model_file: Path
+) -> None:
+    path = write(tmp_path / "config.toml", "this is [not toml\n")
+    cfg.save_config(sample_config(model_file), path)
+    assert cfg.load_config(path) == sample_config(model_file)
+    assert (tmp_path / "config.toml.bak").read_text() == "this is [not toml\n"
+
+
+def test_config_to_toml_is_valid_and_complete(model_file: Path) -> None:
+    text = cfg.config_to_toml(sample_config(model_file))
+    assert cfg.validate(cfg.parse_toml(text)) == sample_config(model_file)
+    assert "idle_sleep_s = false" in text  # "never" has a TOML spelling
+
+
+def test_suggest_model_id() -> None:
+    assert cfg.suggest_model_id("SmolLM2 135M Instruct.Q4_1") == "smollm2-135m-instruct.q4_1"
+    assert cfg.suggest_model_id("smol", taken=["smol", "smol-2"]) == "smol-3"
+    assert cfg.suggest_model_id("***") == "model"
+
+
+# ---- the example ---------------------------------------------------------------------------
+
+
+def test_example_config_is_valid() -> None:
+    config = cfg.load_config(EXAMPLE, check_paths=False)
+    assert [m.id for m in config.models] == ["smollm2-135m-instruct", "gemma3-270m"]
+    assert config.models[0].chat_template and "{% for m in messages %}" in config.models[0].chat_template
+
+
+def test_example_config_covers_every_key() -> None:
+    raw = cfg.parse_toml(EXAMPLE.read_text())
+    for section, cls in (("general", GeneralConfig), ("arena", ArenaConfig), ("api", ApiConfig)):
+        assert set(raw[section]) == {f.name for f in dataclasses.fields(cls)}, section
+    assert set(raw["models"][0]) == {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(raw) == {"general", "arena", "api", "models"}
+
+
+def test_example_config_with_real_model_files_passes_the_path_checks(
+    tmp_path: Path, smollm2_path: Path, gemma3_path: Path
+) -> None:
+    text = EXAMPLE.read_text()
+    text = text.replace("~/models/SmolLM2-135M-Instruct.Q4_1.gguf", str(smollm2_path))
+    text = text.replace("~/models/gemma-3-270m-q4_k_m.gguf", str(gemma3_path))
+    path = write(tmp_path / "config.toml", text)
+    config = cfg.load_config(path)
+    assert [m.path for m in config.models] == [str(smollm2_path), str(gemma3_path)]
+
+
+def test_example_values_are_the_defaults() -> None:
+    # the example documents the defaults: keep the two in step
+    raw = cfg.parse_toml(EXAMPLE.read_text())
+    config = cfg.validate(raw, check_paths=False)
+    assert config.general == GeneralConfig()
+    assert dataclasses.replace(config.arena, dir=None) == ArenaConfig()
+    assert dataclasses.replace(config.api, key=None) == ApiConfig()
+    first = config.models[0]
+    defaults = ModelConfig(id=first.id, path=first.path)
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in ("id", "path", "name", "chat_template", "licence"):
+            assert getattr(first, f.name) == getattr(defaults, f.name), f.name

@@ -1,0 +1,207 @@
+"""Conversation store: real SQLite files, real threads, a real process killed mid-write."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from timeshare.core import paths
+from timeshare.core.store import (
+    SCHEMA_VERSION,
+    Store,
+    StoreError,
+    UnknownConversationError,
+    UnknownMessageError,
+)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "conv.sqlite3")
+    yield s
+    s.close()
+
+
+def test_default_location_wal_and_schema_version() -> None:
+    with Store() as s:
+        assert s.path == paths.conversations_db()
+        s.create_conversation("m")
+    db = sqlite3.connect(paths.conversations_db())
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    finally:
+        db.close()
+
+
+def test_conversations_lifecycle(store: Store) -> None:
+    a = store.create_conversation("smol", "first")
+    b = store.create_conversation("gemma")
+    assert a.id != b.id and len(a.id) == 36
+    assert [c.id for c in store.list_conversations()] == [b.id, a.id]  # newest first
+    assert [c.id for c in store.list_conversations("smol")] == [a.id]
+
+    store.add_message(a.id, "user", "hello")  # activity moves a conversation to the top
+    listed = store.list_conversations()
+    assert [c.id for c in listed] == [a.id, b.id]
+    assert listed[0].message_count == 1 and listed[0].updated >= listed[0].created
+
+    assert store.rename(a.id, "renamed").title == "renamed"
+    assert store.set_model(a.id, "gemma").model_id == "gemma"
+    assert store.get(a.id).title == "renamed"
+
+    store.delete(a.id)
+    assert [c.id for c in store.list_conversations()] == [b.id]
+    with pytest.raises(UnknownConversationError, match="start a new one"):
+        store.get(a.id)
+
+
+def test_messages_in_order_with_stats(store: Store) -> None:
+    c = store.create_conversation("smol")
+    u = store.add_message(c.id, "user", "hi")
+    a = store.add_message(c.id, "assistant", "", complete=False)
+    store.update_message(a.id, "Hel", complete=False)
+    assert store.message(a.id).content == "Hel" and not store.message(a.id).complete
+    assert [m.id for m in store.incomplete_messages()] == [a.id]
+    store.update_message(a.id, "Hello!", complete=True, stats={"tokens_per_s": 12.5, "switched": True})
+    msgs = store.messages(c.id)
+    assert [(m.id, m.role, m.content, m.complete) for m in msgs] == [
+        (u.id, "user", "hi", True),
+        (a.id, "assistant", "Hello!", True),
+    ]
+    assert msgs[1].stats == {"tokens_per_s": 12.5, "switched": True}
+    assert store.incomplete_messages() == []
+    store.delete_message(u.id)
+    assert [m.id for m in store.messages(c.id)] == [a.id]
+
+
+def test_data_survives_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "conv.sqlite3"
+    with Store(path) as s:
+        c = s.create_conversation("smol", "kept")
+        s.add_message(c.id, "user", "remember me")
+    with Store(path) as s:
+        assert s.get(c.id).title == "kept"
+        assert [m.content for m in s.messages(c.id)] == ["remember me"]
+
+
+def test_deleting_a_conversation_deletes_its_messages(store: Store) -> None:
+    c = store.create_conversation("smol")
+    m = store.add_message(c.id, "user", "x")
+    store.delete(c.id)
+    with pytest.raises(UnknownMessageError):
+        store.message(m.id)
+    with pytest.raises(UnknownMessageError, match="its conversation may be deleted"):
+        store.update_message(m.id, "y")
+
+
+def test_bad_input_is_refused_and_changes_nothing(store: Store) -> None:
+    c = store.create_conversation("smol")
+    store.add_message(c.id, "user", "keep")
+    with pytest.raises(ValueError, match="role must be one of system, user, assistant, not 'robot'"):
+        store.add_message(c.id, "robot", "x")
+    with pytest.raises(ValueError, match="needs the id of the model"):
+        store.create_conversation("")
+    with pytest.raises(UnknownConversationError):
+        store.add_message("nope", "user", "x")
+    with pytest.raises(UnknownConversationError):
+        store.messages("nope")
+    with pytest.raises(UnknownConversationError):
+        store.rename("nope", "t")
+    with pytest.raises(UnknownConversationError):
+        store.delete("nope")
+    with pytest.raises(UnknownMessageError):
+        store.update_message(10_000, "x")
+    assert [m.content for m in store.messages(c.id)] == ["keep"]
+    assert len(store.list_conversations()) == 1
+
+
+def test_a_file_that_is_not_a_database_is_left_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "conv.sqlite3"
+    garbage = b"this is not sqlite, it is someone's notes\n" * 100
+    path.write_bytes(garbage)
+    with pytest.raises(StoreError, match=r"is not a usable conversation database .* move it aside"):
+        Store(path)
+    assert path.read_bytes() == garbage
+
+
+def test_a_database_from_a_newer_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "conv.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    db.execute("CREATE TABLE future (x)")
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="written by a newer Timeshare"):
+        Store(path)
+    assert path.read_bytes() == before
+
+
+def test_threads_write_concurrently(store: Store) -> None:
+    c = store.create_conversation("smol")
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(40):
+                m = store.add_message(c.id, "user", f"{n}-{i}", complete=False)
+                store.update_message(m.id, f"{n}-{i}!", complete=True)
+                store.list_conversations()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    msgs = store.messages(c.id)
+    assert len(msgs) == 240
+    assert {m.content for m in msgs} == {f"{n}-{i}!" for n in range(6) for i in range(40)}
+    assert all(m.complete for m in msgs)
+
+
+def test_two_stores_on_one_file_see_each_other(tmp_path: Path) -> None:
+    # the tray and `timeshare serve` may both open the database: WAL lets them
+    path = tmp_path / "conv.sqlite3"
+    with Store(path) as a, Store(path) as b:
+        c = a.create_conversation("smol")
+        a.add_message(c.id, "user", "from a")
+        assert [m.content for m in b.messages(c.id)] == ["from a"]
+
+
+def test_a_killed_process_loses_nothing_it_saved(tmp_path: Path) -> None:
+    """The chat service saves the partial answer as it streams; a process killed right after a
+    save must find that text when the app comes back."""
+    path = tmp_path / "conv.sqlite3"
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from timeshare.core.store import Store
+        s = Store({str(path)!r})
+        c = s.create_conversation("smol", "crash")
+        s.add_message(c.id, "user", "tell me a story")
+        a = s.add_message(c.id, "assistant", "", complete=False)
+        s.update_message(a.id, "Once upon a", complete=False)
+        print(c.id, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    conv_id = proc.stdout.strip()
+    with Store(path) as s:
+        msgs = s.messages(conv_id)
+        assert [(m.role, m.content, m.complete) for m in msgs] == [
+            ("user", "tell me a story", True),
+            ("assistant", "Once upon a", False),
+        ]
+        assert [m.id for m in s.incomplete_messages()] == [msgs[1].id]
