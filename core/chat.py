@@ -1,0 +1,376 @@
+"""Chat: conversations from the store, answered by the pool, saved as they stream.
+
+``ChatService.send`` saves the user message, creates an empty, incomplete assistant message and
+asks the pool for an answer, passing the conversation id as the KV-sequence key (the worker keeps
+the conversation's tokens in its KV cache, so a follow-up prefills only the new message). A pump
+thread owns the streaming: it reads the pool's pieces, hands them to the caller through a queue,
+saves the partial text at most every ``flush_interval_s`` and completes the message with its stats
+at the end. The messages sent to the model always come from the store, so after a worker crash or
+an app restart the conversation simply continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .errors import CancelledError, TimeshareError
+from .protocol import ChatMessage
+from .store import Conversation, Message, Store
+
+log = logging.getLogger(__name__)
+
+TITLE_CHARS = 60
+
+
+class EmptyMessageError(TimeshareError):
+    code = "invalid_request"
+
+
+class ConversationBusyError(TimeshareError):
+    """An answer is still being generated in this conversation."""
+
+    code = "conversation_busy"
+
+
+# ---- what ChatService needs from the pool (core/pool.py provides it) ------------------------
+
+
+class UsageLike(Protocol):
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def prompt_tokens_evaluated(self) -> int: ...
+
+
+class SwitchLike(Protocol):
+    @property
+    def switched(self) -> bool: ...
+    @property
+    def wait_ms(self) -> float: ...
+    @property
+    def restore_ms(self) -> float: ...
+    @property
+    def first_token_ms(self) -> float: ...
+
+
+class ResultLike(Protocol):
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def usage(self) -> UsageLike: ...
+    @property
+    def switch(self) -> SwitchLike | None: ...
+
+
+class GenerationLike(Protocol):
+    def __iter__(self) -> Iterator[str]: ...
+    def cancel(self) -> None: ...
+    def result(self, timeout: float | None = None) -> ResultLike: ...
+
+
+class PoolLike(Protocol):
+    def generate(
+        self,
+        model_id: str,
+        *,
+        messages: Sequence[ChatMessage] | None = ...,
+        max_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        top_k: int = ...,
+        seed: int | None = ...,
+        stop: Sequence[str] = ...,
+        conversation: str | None = ...,
+    ) -> Any: ...
+
+
+# ---- results ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    conversation_id: str
+    message_id: int  # the assistant message in the store
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stats: dict[str, Any]  # what was saved with the message (see ChatTurn for the keys)
+
+
+_END = object()
+
+
+class ChatTurn:
+    """One answer being generated. Iterate it for text pieces (blocking), or wait for ``result()``.
+
+    The answer is saved whether or not anyone iterates. ``cancel()`` works from any thread; the
+    text so far stays saved (complete, finish_reason "cancelled"). Stats saved with the message:
+    finish_reason, prompt_tokens, completion_tokens, prompt_tokens_evaluated, switched, wait_ms,
+    restore_ms, first_token_ms (worker side), ttft_ms (as seen here), elapsed_ms, tokens_per_s,
+    model_id; on failure: error, error_code.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        conversation: Conversation,
+        user_message: Message,
+        assistant_message: Message,
+        generation: GenerationLike,
+        *,
+        started: float,
+        flush_interval_s: float,
+    ) -> None:
+        self.conversation_id = conversation.id
+        self.model_id = conversation.model_id
+        self.user_message = user_message
+        self.assistant_message_id = assistant_message.id
+        self._store = store
+        self._gen = generation
+        self._started = started
+        self._flush_interval_s = flush_interval_s
+        self._pieces: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._result: ChatResult | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._pump = threading.Thread(target=self._run, name=f"chat-{conversation.id[:8]}", daemon=True)
+        self._pump.start()
+
+    # ---- caller side -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            item = self._pieces.get()
+            if item is _END:
+                self._pieces.put(_END)
+                if self._error is not None:
+                    raise self._error
+                return
+            assert isinstance(item, str)
+            yield item
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._gen.cancel()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> ChatResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the answer in conversation {self.conversation_id} is not finished yet")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    # ---- pump thread: the only writer of the assistant message while it streams ------------
+
+    def _run(self) -> None:
+        parts: list[str] = []
+        first_piece_at: float | None = None
+        last_flush = time.monotonic()
+        flushed_len = 0
+        try:
+            for piece in self._gen:
+                if first_piece_at is None:
+                    first_piece_at = time.monotonic()
+                parts.append(piece)
+                self._pieces.put(piece)
+                now = time.monotonic()
+                if now - last_flush >= self._flush_interval_s:
+                    text = "".join(parts)
+                    if len(text) != flushed_len:
+                        self._store.update_message(self.assistant_message_id, text, complete=False)
+                        flushed_len = len(text)
+                    last_flush = now
+            result = self._gen.result()
+            text = "".join(parts)
+            stats = self._stats(result, first_piece_at, time.monotonic())
+            self._store.update_message(self.assistant_message_id, text, complete=True, stats=stats)
+            self._result = ChatResult(
+                self.conversation_id, self.assistant_message_id, text, result.finish_reason, stats
+            )
+        except BaseException as exc:  # the pump must record every failure, then hand it on
+            text = "".join(parts)
+            if isinstance(exc, CancelledError) or (self._cancelled and isinstance(exc, TimeshareError)):
+                stats = {"finish_reason": "cancelled", "model_id": self.model_id}
+                self._save_quietly(text, True, stats)
+                self._result = ChatResult(
+                    self.conversation_id, self.assistant_message_id, text, "cancelled", stats
+                )
+            else:
+                code = getattr(exc, "code", type(exc).__name__)
+                stats = {
+                    "finish_reason": "error",
+                    "error": str(exc),
+                    "error_code": code,
+                    "model_id": self.model_id,
+                }
+                # keep what was generated, marked incomplete so the UI shows it was cut off
+                self._save_quietly(text, False, stats)
+                self._error = exc
+                log.warning("generation in conversation %s failed: %s", self.conversation_id, exc)
+        finally:
+            self._done.set()
+            self._pieces.put(_END)
+
+    def _save_quietly(self, text: str, complete: bool, stats: dict[str, Any]) -> None:
+        try:
+            self._store.update_message(self.assistant_message_id, text, complete=complete, stats=stats)
+        except TimeshareError as exc:  # e.g. the conversation was deleted meanwhile
+            log.warning("could not save the answer in conversation %s: %s", self.conversation_id, exc)
+
+    def _stats(self, result: ResultLike, first_piece_at: float | None, ended: float) -> dict[str, Any]:
+        usage = result.usage
+        switch = result.switch
+        elapsed = ended - self._started
+        gen_time = ended - first_piece_at if first_piece_at is not None else 0.0
+        # tokens after the first, over the time after the first: the decode rate, not prefill
+        tps = (
+            (usage.completion_tokens - 1) / gen_time if gen_time > 0 and usage.completion_tokens > 1 else 0.0
+        )
+        return {
+            "model_id": self.model_id,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "prompt_tokens_evaluated": usage.prompt_tokens_evaluated,
+            "switched": bool(switch.switched) if switch is not None else False,
+            "wait_ms": round(switch.wait_ms, 3) if switch is not None else 0.0,
+            "restore_ms": round(switch.restore_ms, 3) if switch is not None else 0.0,
+            "first_token_ms": round(switch.first_token_ms, 3) if switch is not None else 0.0,
+            "ttft_ms": round((first_piece_at - self._started) * 1000.0, 3)
+            if first_piece_at is not None
+            else None,
+            "elapsed_ms": round(elapsed * 1000.0, 3),
+            "tokens_per_s": round(tps, 3),
+        }
+
+
+class ChatService:
+    """Conversations answered by the pool. Thread-safe: the store locks, the pool queues."""
+
+    def __init__(
+        self,
+        pool: PoolLike,
+        store: Store,
+        *,
+        flush_interval_s: float = 0.5,
+        system_prompt: str | None = None,
+    ) -> None:
+        self.pool = pool
+        self.store = store
+        self.flush_interval_s = flush_interval_s
+        self.system_prompt = system_prompt
+        self._lock = threading.Lock()
+        self._active: dict[str, ChatTurn] = {}
+
+    def new_conversation(self, model_id: str, title: str = "") -> Conversation:
+        return self.store.create_conversation(model_id, title)
+
+    def model_messages(self, conversation_id: str) -> tuple[ChatMessage, ...]:
+        """What the model sees: the stored history (empty, unfinished answers left out)."""
+        out: list[ChatMessage] = []
+        if self.system_prompt:
+            out.append(ChatMessage("system", self.system_prompt))
+        for m in self.store.messages(conversation_id):
+            if m.role == "assistant" and not m.complete and not m.content:
+                continue
+            out.append(ChatMessage(m.role, m.content))
+        return tuple(out)
+
+    def send(self, conversation_id: str, text: str, **sampling: Any) -> ChatTurn:
+        """Save ``text`` as the user's message and start the model's answer.
+
+        ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop (passed to the pool).
+        Raises UnknownConversationError, EmptyMessageError, and the pool's errors
+        (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
+        message stays saved and ``regenerate`` can answer it later.
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise EmptyMessageError("the message is empty: type something to send")
+        _check_sampling(sampling)
+        conversation = self.store.get(conversation_id)
+        self._check_idle(conversation_id)
+        user = self.store.add_message(conversation_id, "user", text)
+        if not conversation.title:
+            conversation = self.store.rename(conversation_id, _title_from(text))
+        return self._answer(conversation, user, sampling)
+
+    def regenerate(self, conversation_id: str, **sampling: Any) -> ChatTurn:
+        """Answer the last user message again: after a failure, a crash, or to get another answer.
+
+        A trailing assistant message (finished or not) is replaced.
+        """
+        _check_sampling(sampling)
+        conversation = self.store.get(conversation_id)
+        self._check_idle(conversation_id)
+        history = self.store.messages(conversation_id)
+        while history and history[-1].role == "assistant":
+            self.store.delete_message(history.pop().id)
+        if not history or history[-1].role != "user":
+            raise EmptyMessageError("there is no message to answer in this conversation: send one first")
+        return self._answer(conversation, history[-1], sampling)
+
+    def active_turn(self, conversation_id: str) -> ChatTurn | None:
+        """The answer still being generated in this conversation, if any."""
+        with self._lock:
+            turn = self._active.get(conversation_id)
+            return turn if turn is not None and not turn.done else None
+
+    def _check_idle(self, conversation_id: str) -> None:
+        if self.active_turn(conversation_id) is not None:
+            raise ConversationBusyError(
+                "this conversation is still answering the previous message: wait for it or stop it"
+            )
+
+    def _answer(self, conversation: Conversation, user: Message, sampling: dict[str, Any]) -> ChatTurn:
+        messages = self.model_messages(conversation.id)
+        assistant = self.store.add_message(conversation.id, "assistant", "", complete=False)
+        started = time.monotonic()
+        try:
+            generation = self.pool.generate(
+                conversation.model_id, messages=messages, conversation=conversation.id, **sampling
+            )
+        except BaseException:
+            # nothing was generated: drop the placeholder, keep the user's message
+            self.store.delete_message(assistant.id)
+            raise
+        turn = ChatTurn(
+            self.store,
+            conversation,
+            user,
+            assistant,
+            generation,
+            started=started,
+            flush_interval_s=self.flush_interval_s,
+        )
+        with self._lock:
+            self._active[conversation.id] = turn
+            for cid in [c for c, t in self._active.items() if t.done]:
+                del self._active[cid]
+        return turn
+
+
+_SAMPLING = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
+
+
+def _check_sampling(sampling: dict[str, Any]) -> None:
+    unknown = set(sampling) - _SAMPLING
+    if unknown:
+        raise TypeError(f"unknown sampling option(s) {sorted(unknown)}: use some of {sorted(_SAMPLING)}")
+
+
+def _title_from(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
