@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("model")
     chat.add_argument("prompt")
     chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.2, help="0 for greedy (default: 0.2)")
     return parser
 
 

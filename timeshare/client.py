@@ -266,10 +266,13 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _chat(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.max_tokens < 1:
         raise ClientError("--max-tokens must be at least 1.", EXIT_USAGE)
+    if not 0 <= getattr(args, "temperature", 0.2) <= 2:
+        raise ClientError("--temperature must be from 0 to 2.", EXIT_USAGE)
     body = {
         "model": args.model,
         "messages": [{"role": "user", "content": args.prompt}],
         "max_tokens": args.max_tokens,
+        "temperature": getattr(args, "temperature", 0.2),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
