@@ -11,6 +11,7 @@ an app restart the conversation simply continues.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -274,6 +275,7 @@ class ChatService:
         self.system_prompt = system_prompt
         self._lock = threading.Lock()
         self._active: dict[str, ChatTurn] = {}
+        self._starting: set[str] = set()  # conversations between the busy check and their turn
 
     def new_conversation(self, model_id: str, title: str = "") -> Conversation:
         return self.store.create_conversation(model_id, title)
@@ -301,11 +303,11 @@ class ChatService:
             raise EmptyMessageError("the message is empty: type something to send")
         _check_sampling(sampling)
         conversation = self.store.get(conversation_id)
-        self._check_idle(conversation_id)
-        user = self.store.add_message(conversation_id, "user", text)
-        if not conversation.title:
-            conversation = self.store.rename(conversation_id, _title_from(text))
-        return self._answer(conversation, user, sampling)
+        with self._reserved(conversation_id):
+            user = self.store.add_message(conversation_id, "user", text)
+            if not conversation.title:
+                conversation = self.store.rename(conversation_id, _title_from(text))
+            return self._answer(conversation, user, sampling)
 
     def regenerate(self, conversation_id: str, **sampling: Any) -> ChatTurn:
         """Answer the last user message again: after a failure, a crash, or to get another answer.
@@ -314,13 +316,13 @@ class ChatService:
         """
         _check_sampling(sampling)
         conversation = self.store.get(conversation_id)
-        self._check_idle(conversation_id)
-        history = self.store.messages(conversation_id)
-        while history and history[-1].role == "assistant":
-            self.store.delete_message(history.pop().id)
-        if not history or history[-1].role != "user":
-            raise EmptyMessageError("there is no message to answer in this conversation: send one first")
-        return self._answer(conversation, history[-1], sampling)
+        with self._reserved(conversation_id):
+            history = self.store.messages(conversation_id)
+            if not any(m.role == "user" for m in history):
+                raise EmptyMessageError("there is no message to answer in this conversation: send one first")
+            while history and history[-1].role == "assistant":
+                self.store.delete_message(history.pop().id)
+            return self._answer(conversation, history[-1], sampling)
 
     def active_turn(self, conversation_id: str) -> ChatTurn | None:
         """The answer still being generated in this conversation, if any."""
@@ -328,11 +330,21 @@ class ChatService:
             turn = self._active.get(conversation_id)
             return turn if turn is not None and not turn.done else None
 
-    def _check_idle(self, conversation_id: str) -> None:
-        if self.active_turn(conversation_id) is not None:
-            raise ConversationBusyError(
-                "this conversation is still answering the previous message: wait for it or stop it"
-            )
+    @contextlib.contextmanager
+    def _reserved(self, conversation_id: str) -> Iterator[None]:
+        """Claim the conversation from the busy check until its turn is registered (or fails)."""
+        with self._lock:
+            turn = self._active.get(conversation_id)
+            if conversation_id in self._starting or (turn is not None and not turn.done):
+                raise ConversationBusyError(
+                    "this conversation is still answering the previous message: wait for it or stop it"
+                )
+            self._starting.add(conversation_id)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting.discard(conversation_id)
 
     def _answer(self, conversation: Conversation, user: Message, sampling: dict[str, Any]) -> ChatTurn:
         messages = self.model_messages(conversation.id)

@@ -142,20 +142,35 @@ class Store:
             db.executescript("BEGIN;" + _MIGRATIONS[target] + f"PRAGMA user_version={target + 1};COMMIT;")
             log.info("conversation database %s migrated to schema %d", self.path, target + 1)
 
+    def _failed(self, exc: sqlite3.Error) -> StoreError:
+        if isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc):
+            return StoreError(f"the conversation database {self.path} is closed (Timeshare is shutting down)")
+        hint = " — is the disk full?" if "full" in str(exc) else ""
+        return StoreError(f"the conversation database {self.path} failed: {exc}{hint}; nothing was changed")
+
     def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise self._failed(exc) from exc
             try:
                 result = fn(self._db)
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise self._failed(exc) from exc
                 raise
-            self._db.execute("COMMIT")
             return result
 
     def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
-            return list(self._db.execute(sql, args).fetchall())
+            try:
+                return list(self._db.execute(sql, args).fetchall())
+            except sqlite3.Error as exc:
+                raise self._failed(exc) from exc
 
     def close(self) -> None:
         with self._lock:

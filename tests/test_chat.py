@@ -190,7 +190,7 @@ def test_the_model_sees_the_stored_history(store: Store) -> None:
     pool.generations[0].feed("uno")
     pool.generations[0].finish()
     first.result(timeout=WAIT)
-    chat.send(conv.id, "two")
+    second = chat.send(conv.id, "two")
     assert pool.generations[1].kwargs["messages"] == (
         ChatMessage("system", "Be brief."),
         ChatMessage("user", "one"),
@@ -199,6 +199,7 @@ def test_the_model_sees_the_stored_history(store: Store) -> None:
     )
     assert store.get(conv.id).title == "kept title"
     pool.generations[1].finish()
+    second.result(timeout=WAIT)
 
 
 def test_a_failure_mid_answer_keeps_the_partial_text_and_regenerate_answers_again(store: Store) -> None:
@@ -277,11 +278,40 @@ def test_one_answer_at_a_time_per_conversation(store: Store) -> None:
     pool.generations[0].finish()
     turn.result(timeout=WAIT)
     assert chat.active_turn(conv.id) is None
-    chat.send(conv.id, "second")
+    second = chat.send(conv.id, "second")
     assert [m.content for m in store.messages(conv.id) if m.role == "user"] == ["first", "second"]
     for gen in pool.generations[1:]:
         gen.finish()
     other_turn.result(timeout=WAIT)
+    second.result(timeout=WAIT)
+
+
+def test_simultaneous_sends_to_one_conversation_start_one_answer(store: Store) -> None:
+    pool = ScriptedPool()
+    chat = ChatService(pool, store)
+    conv = chat.new_conversation("smol")
+    barrier = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def send(i: int) -> None:
+        barrier.wait()
+        try:
+            chat.send(conv.id, f"message {i}")
+            outcomes.append("sent")
+        except ConversationBusyError:
+            outcomes.append("busy")
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["busy"] * 7 + ["sent"]
+    assert [m.role for m in store.messages(conv.id)] == ["user", "assistant"]
+    pool.generations[0].finish()
+    turn = chat.active_turn(conv.id)
+    assert turn is not None
+    turn.result(timeout=WAIT)
 
 
 def test_cancel_keeps_the_text_so_far(store: Store) -> None:

@@ -205,3 +205,13 @@ def test_a_killed_process_loses_nothing_it_saved(tmp_path: Path) -> None:
             ("assistant", "Once upon a", False),
         ]
         assert [m.id for m in s.incomplete_messages()] == [msgs[1].id]
+
+
+def test_a_closed_store_raises_a_clear_error(tmp_path: Path) -> None:
+    s = Store(tmp_path / "conv.sqlite3")
+    c = s.create_conversation("smol")
+    s.close()
+    with pytest.raises(StoreError, match="is closed"):
+        s.add_message(c.id, "user", "late")
+    with pytest.raises(StoreError, match="is closed"):
+        s.list_conversations()
