@@ -135,6 +135,18 @@ class _Cursor:
         self.pos += n
         return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace") if keep else ""
 
+    def _skip_strings(self, count: int) -> None:
+        # the hot loop (a vocabulary has 50k-260k strings): no method calls per string
+        length = struct.Struct(self.e + "Q").unpack_from
+        buf, pos, size = self.buf, self.pos, self.size
+        for _ in range(count):
+            if pos + 8 > size:
+                raise _Truncated
+            pos += 8 + length(buf, pos)[0]
+        if pos > size:
+            raise _Truncated
+        self.pos = pos
+
     def value(self, vtype: int, keep: bool) -> Any:
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype])
@@ -146,8 +158,7 @@ class _Cursor:
             if sub in _SCALARS:
                 self.skip(struct.calcsize(_SCALARS[sub]) * count)
             elif sub == _STRING:
-                for _ in range(count):
-                    self.skip(self.take("Q"))
+                self._skip_strings(count)
             elif sub == _ARRAY:
                 for _ in range(count):
                     self.value(_ARRAY, False)
