@@ -1,0 +1,97 @@
+"""Real processes for the arena tests: ``python tests/_arena_util.py MODE ...`` runs one arena client
+(no llama, just the token protocol), so the tests see real flock, real inotify, real kill -9.
+
+Modes (all print one line per event on stdout, flushed):
+  hold ARENA BACKEND MODEL [pinned]       acquire, print HELD, keep it until stdin closes, release
+  contend ARENA BACKEND MODEL LOG N       N x (acquire, hold 1-8 ms, release, pause 0-4 ms)
+  once ARENA BACKEND MODEL LOG            acquire (60 s timeout), log an "order" record, release
+  busy ARENA BACKEND MODEL LOG SECONDS QUANTUM_MS
+                                          always wants the GPU: holds it until the doorbell rang and
+                                          the quantum passed, releases, asks again; logs "token"
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+from timeshare.core.arena import Arena, DoorbellRing, IntervalLog, TokenClient
+
+DRIVER = str(Path(__file__).resolve())
+
+
+def _client(
+    arena_dir: str, backend: str, model: str, log: str | None = None, pinned: bool = False
+) -> TokenClient:
+    arena = Arena(arena_dir, backend=backend)  # type: ignore[arg-type]
+    return TokenClient(arena, model, interval_log=IntervalLog(log, model) if log else None, pinned=pinned)
+
+
+def main(argv: list[str]) -> int:
+    mode, arena_dir, backend, model = argv[:4]
+    rest = argv[4:]
+    if mode == "hold":
+        client = _client(arena_dir, backend, model, pinned=bool(rest and rest[0] == "pinned"))
+        client.acquire(timeout=60)
+        print("HELD", flush=True)
+        sys.stdin.read()  # until the test closes stdin (or kills us)
+        client.release()
+        print("RELEASED", flush=True)
+        return 0
+    if mode == "contend":
+        log, n = rest[0], int(rest[1])
+        client = _client(arena_dir, backend, model, log)
+        rng = random.Random(os.getpid())
+        for _ in range(n):
+            client.acquire(timeout=60)
+            time.sleep(rng.uniform(0.001, 0.008))
+            client.release()
+            time.sleep(rng.uniform(0.0, 0.004))
+        print("DONE", flush=True)
+        return 0
+    if mode == "once":
+        log = rest[0]
+        client = _client(arena_dir, backend, model)
+        req = client.request(timeout=60)
+        while req.ticket is None and not req.done():
+            time.sleep(0.001)
+        print(f"TICKET {req.ticket.name if req.ticket else ''}", flush=True)
+        grant = req.result()
+        IntervalLog(log, model).record("order", grant.acquired_at, grant.acquired_at)
+        time.sleep(0.02)
+        client.release()
+        print("DONE", flush=True)
+        return 0
+    if mode == "busy":
+        log, seconds, quantum = rest[0], float(rest[1]), float(rest[2]) / 1000.0
+        client = _client(arena_dir, backend, model, log)
+        rang = threading.Event()
+
+        def on_waiter(ring: DoorbellRing) -> None:
+            rang.set()
+
+        client.start_doorbell(on_waiter)
+        end = time.monotonic() + seconds
+        turns = 0
+        while time.monotonic() < end:
+            grant = client.acquire(timeout=60)
+            turns += 1
+            while time.monotonic() < end:  # "decode" until asked to yield after the quantum
+                time.sleep(0.002)
+                if rang.is_set() and time.monotonic() - grant.acquired_at >= quantum:
+                    break
+            rang.clear()
+            client.release()
+        client.close()
+        print(f"TURNS {turns}", flush=True)
+        return 0
+    print(f"unknown mode {mode}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,545 @@
+"""The VRAM arena with real processes: real flock, real inotify (and the polling backend), real
+kill -9. No llama here: the clients are tests/_arena_util.py processes and this test process."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from timeshare.core.arena import (
+    Arena,
+    DoorbellRing,
+    IntervalLog,
+    Ticket,
+    TokenClient,
+    UnsafeArenaError,
+    check_arena_dir,
+    inotify_available,
+    read_holder,
+    read_intervals,
+    resolve_arena_dir,
+)
+from timeshare.core.errors import ArenaError, CancelledError, TokenTimeoutError
+
+BACKENDS = ["inotify", "poll"] if inotify_available() else ["poll"]
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = str(Path(__file__).resolve().parent / "_arena_util.py")
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    """Poll a condition (bounded; a failure names what never happened). Not a timing assertion."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+class Proc:
+    """A driver process with a line reader."""
+
+    def __init__(self, *args: str) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, DRIVER, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.strip())
+
+    def wait_line(self, prefix: str, timeout: float = 30.0) -> str:
+        def seen() -> bool:
+            return any(line.startswith(prefix) for line in self.lines) or self.popen.poll() is not None
+
+        wait_until(seen, timeout, f"{prefix!r} from {self.popen.args}")
+        for line in self.lines:
+            if line.startswith(prefix):
+                return line
+        err = self.popen.stderr.read() if self.popen.stderr else ""
+        raise AssertionError(f"process exited ({self.popen.returncode}) before {prefix!r}: {err}")
+
+    def finish(self, timeout: float = 60.0) -> int:
+        if self.popen.stdin and not self.popen.stdin.closed:
+            self.popen.stdin.close()
+        rc = self.popen.wait(timeout)
+        self._reader.join(5)
+        if rc != 0:
+            err = self.popen.stderr.read() if self.popen.stderr else ""
+            raise AssertionError(f"{self.popen.args} exited {rc}: {err}")
+        return rc
+
+    def kill9(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def cleanup(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.cleanup()
+
+
+@pytest.fixture
+def arena_dir(tmp_path: Path) -> Path:
+    return tmp_path / "arena"
+
+
+def spawn(procs: list[Proc], *args: str) -> Proc:
+    p = Proc(*args)
+    procs.append(p)
+    return p
+
+
+def overlaps(intervals: list[tuple[float, float, int]]) -> list[tuple[tuple[float, float, int], ...]]:
+    ordered = sorted(intervals)
+    return [(a, b) for a, b in itertools.pairwise(ordered) if b[0] < a[1] and a[2] != b[2]]
+
+
+# ---- mutual exclusion, FIFO -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mutual_exclusion_under_contention(
+    procs: list[Proc], arena_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    log = tmp_path / "intervals.jsonl"
+    n_procs, rounds = 4, 12
+    for i in range(n_procs):
+        spawn(procs, "contend", str(arena_dir), backend, f"m{i}", str(log), str(rounds))
+    for p in procs:
+        p.finish()
+    records = [r for r in read_intervals(log) if r["kind"] == "token"]
+    assert len(records) == n_procs * rounds
+    assert {r["model"] for r in records} == {f"m{i}" for i in range(n_procs)}
+    assert overlaps([(r["start"], r["end"], r["pid"]) for r in records]) == []
+    assert any(r["handoff"] for r in records)  # they really contended
+    # every ticket went away once served
+    assert os.listdir(arena_dir / "waiters") == []
+    assert read_holder(arena_dir) is None
+
+
+def test_overlap_detector_can_fail() -> None:
+    assert overlaps([(0.0, 1.0, 1), (0.5, 2.0, 2)]) != []
+    assert overlaps([(0.0, 1.0, 1), (1.0, 2.0, 2)]) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_waiters_are_served_in_ticket_order(
+    procs: list[Proc], arena_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    log = tmp_path / "order.jsonl"
+    arena = Arena(arena_dir, backend=backend)  # type: ignore[arg-type]
+    holder = TokenClient(arena, "holder")
+    holder.acquire(timeout=10)
+    names = ["first", "second", "third", "fourth"]
+    for i, name in enumerate(names):
+        spawn(procs, "once", str(arena_dir), backend, name, str(log))
+        wait_until(lambda i=i: len(arena.waiters()) == i + 1, what=f"ticket of {name}")  # type: ignore[misc]
+    assert [t.model for t in arena.waiters()] == names
+    holder.release()
+    for p in procs:
+        p.finish()
+    served = sorted(read_intervals(log), key=lambda r: r["start"])
+    assert [r["model"] for r in served] == names
+    arena.close()
+
+
+# ---- holder record, waiting reason, pinned timeout ---------------------------------------------
+
+
+def test_holder_record_is_visible_and_pinned_holder_times_out_with_a_clear_error(
+    procs: list[Proc], arena_dir: Path
+) -> None:
+    holder = spawn(procs, "hold", str(arena_dir), "auto", "gemma3-270m", "pinned")
+    holder.wait_line("HELD")
+    record = read_holder(arena_dir)
+    assert record is not None
+    assert (record.model, record.pid, record.pinned) == ("gemma3-270m", holder.popen.pid, True)
+    client = TokenClient(Arena(arena_dir), "smollm2-135m-instruct")
+    req = client.request(timeout=1.0)
+    wait_until(lambda: req.ticket is not None, what="our ticket")
+    assert req.waiting_reason() == "pinned by gemma3-270m" or req.done()
+    with pytest.raises(TokenTimeoutError) as info:
+        req.result(timeout=30)
+    message = str(info.value)
+    assert "gemma3-270m holds the GPU and is pinned" in message
+    assert "unpin it or raise arena.wait_timeout_s" in message
+    assert info.value.code == "gpu_busy"
+    # the timed-out request left the queue, and the holder is untouched
+    assert Arena(arena_dir).waiters() == []
+    assert not client.holds_token
+    holder.finish()
+    assert "RELEASED" in holder.lines
+    assert read_holder(arena_dir) is None
+    client.close()
+
+
+def test_set_pinned_updates_the_record(arena_dir: Path) -> None:
+    client = TokenClient(Arena(arena_dir), "a")
+    grant = client.acquire(timeout=5)
+    assert grant.handoff is False and grant.previous is None
+    record = read_holder(arena_dir)
+    assert record is not None and not record.pinned and record.pid == os.getpid()
+    client.set_pinned(True)
+    record = read_holder(arena_dir)
+    assert record is not None and record.pinned and record.describe() == "pinned by a"
+    client.close()
+    assert read_holder(arena_dir) is None
+
+
+def test_request_while_holding_is_granted_at_once(arena_dir: Path) -> None:
+    client = TokenClient(Arena(arena_dir), "a")
+    first = client.acquire(timeout=5)
+    again = client.request()
+    assert again.done() and again.result() == first
+    client.close()
+
+
+def test_garbage_holder_record_and_counter_are_survived(arena_dir: Path) -> None:
+    arena = Arena(arena_dir)
+    (arena_dir / "holder").write_text("{not json")
+    (arena_dir / "seq").write_text("garbage")
+    assert read_holder(arena_dir) is None
+    client = TokenClient(arena, "a")
+    client.acquire(timeout=5)
+    assert read_holder(arena_dir) is not None
+    client.close()
+    assert (arena_dir / "seq").read_text().strip() == "1"
+
+
+def test_holder_record_of_a_dead_process_is_ignored(procs: list[Proc], arena_dir: Path) -> None:
+    holder = spawn(procs, "hold", str(arena_dir), "auto", "ghost")
+    holder.wait_line("HELD")
+    assert read_holder(arena_dir) is not None
+    holder.kill9()
+    assert (arena_dir / "holder").exists()  # left behind by the dead process...
+    assert read_holder(arena_dir) is None  # ...and not believed
+
+
+# ---- crashes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kill9_of_the_holder_lets_the_waiter_take_the_token(
+    procs: list[Proc], arena_dir: Path, backend: str
+) -> None:
+    holder = spawn(procs, "hold", str(arena_dir), backend, "victim")
+    holder.wait_line("HELD")
+    client = TokenClient(Arena(arena_dir, backend=backend), "survivor")  # type: ignore[arg-type]
+    req = client.request(timeout=60)
+    wait_until(lambda: req.ticket is not None, what="our ticket")
+    assert not req.wait(0.3)  # really blocked behind the holder
+    assert req.waiting_reason().startswith("held by victim")
+    holder.kill9()
+    grant = req.result(timeout=30)
+    assert grant.handoff and grant.previous == "victim"
+    assert client.holds_token
+    record = read_holder(arena_dir)
+    assert record is not None and record.model == "survivor"
+    client.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killed_waiter_file_is_swept_and_the_queue_moves_on(
+    procs: list[Proc], arena_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    arena = Arena(arena_dir, backend=backend)  # type: ignore[arg-type]
+    holder = TokenClient(arena, "holder")
+    holder.acquire(timeout=10)
+    log = tmp_path / "order.jsonl"
+    doomed = spawn(procs, "once", str(arena_dir), backend, "doomed", str(log))
+    line = doomed.wait_line("TICKET")
+    ticket_name = line.split()[1]
+    after = spawn(procs, "once", str(arena_dir), backend, "after", str(log))
+    wait_until(lambda: len(arena.waiters()) == 2, what="two tickets")
+    doomed.kill9()
+    # its file stays (a dead process removes nothing); anyone scanning sweeps it: here the
+    # waiter behind it does, within its rescan interval
+    wait_until(lambda: not (arena_dir / "waiters" / ticket_name).exists(), what="stale ticket swept")
+    assert [t.model for t in arena.waiters()] == ["after"]
+    holder.release()
+    after.finish()
+    assert [r["model"] for r in read_intervals(log)] == ["after"]
+    arena.close()
+
+
+def test_sweep_removes_dead_tickets_and_keeps_live_ones(procs: list[Proc], arena_dir: Path) -> None:
+    arena = Arena(arena_dir)
+    holder = TokenClient(arena, "holder")
+    holder.acquire(timeout=10)
+    waiter = spawn(procs, "hold", str(arena_dir), "auto", "live")
+    wait_until(lambda: len(os.listdir(arena_dir / "waiters")) == 1, what="live ticket")
+    dead = Ticket(999999, 999999, "dead")  # a file nobody holds a lock on
+    (arena_dir / "waiters" / dead.name).write_text("{}")
+    assert arena.sweep() == [dead.name]
+    assert [t.model for t in arena.waiters()] == ["live"]
+    holder.release()
+    waiter.wait_line("HELD")
+    waiter.finish()
+    arena.close()
+
+
+# ---- doorbell ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_doorbell_rings_for_a_waiter_that_came_before_the_watch(
+    procs: list[Proc], arena_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    arena = Arena(arena_dir, backend=backend)  # type: ignore[arg-type]
+    holder = TokenClient(arena, "holder")
+    holder.acquire(timeout=10)
+    waiter = spawn(procs, "once", str(arena_dir), backend, "early", str(tmp_path / "log.jsonl"))
+    waiter.wait_line("TICKET")
+    rings: list[DoorbellRing] = []
+    holder.start_doorbell(rings.append)  # the waiter's file is older than the watch
+    wait_until(lambda: len(rings) >= 1, what="doorbell for an earlier waiter")
+    assert [t.model for t in rings[0].waiters] == ["early"]
+    # a later waiter rings again (inotify IN_MOVED_TO, or the poll)
+    second = spawn(procs, "once", str(arena_dir), backend, "late", str(tmp_path / "log.jsonl"))
+    wait_until(
+        lambda: any(t.model == "late" for r in rings for t in r.waiters), what="doorbell for a new waiter"
+    )
+    n_rings = len(rings)
+    holder.release()
+    waiter.finish()
+    second.finish()
+    holder.close()
+    assert len(rings) == n_rings  # no ring while not holding
+    arena.close()
+
+
+def test_doorbell_rings_again_after_unpinning(procs: list[Proc], arena_dir: Path, tmp_path: Path) -> None:
+    arena = Arena(arena_dir)
+    holder = TokenClient(arena, "holder", pinned=True)
+    holder.acquire(timeout=10)
+    rings: list[DoorbellRing] = []
+    holder.start_doorbell(rings.append)
+    waiter = spawn(procs, "once", str(arena_dir), "auto", "w", str(tmp_path / "log.jsonl"))
+    wait_until(lambda: len(rings) == 1, what="first ring")
+    holder.set_pinned(False)  # a pinned worker ignored the ring; it must hear it again
+    wait_until(lambda: len(rings) == 2, what="ring after unpin")
+    holder.release()
+    waiter.finish()
+    holder.close()
+    arena.close()
+
+
+def test_own_ticket_does_not_ring_own_doorbell(arena_dir: Path) -> None:
+    arena = Arena(arena_dir)
+    a = TokenClient(arena, "a")
+    rings: list[DoorbellRing] = []
+    a.start_doorbell(rings.append)
+    a.acquire(timeout=5)
+    b = TokenClient(arena, "b")  # another client in this process is another waiter
+    req = b.request(timeout=30)
+    wait_until(lambda: len(rings) == 1, what="ring for b")
+    assert [t.model for t in rings[0].waiters] == ["b"]
+    assert a.others_waiting() == rings[0].waiters
+    a.release()
+    req.result(timeout=10)
+    b.close()
+    a.close()
+
+
+# ---- fairness ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_busy_clients_both_make_progress(
+    procs: list[Proc], arena_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    log = tmp_path / "busy.jsonl"
+    seconds = 2.5
+    a = spawn(procs, "busy", str(arena_dir), backend, "a", str(log), str(seconds), "50")
+    b = spawn(procs, "busy", str(arena_dir), backend, "b", str(log), str(seconds), "50")
+    a.finish()
+    b.finish()
+    turns = {p: int(p.wait_line("TURNS").split()[1]) for p in (a, b)}
+    # both got the GPU many times: they alternate instead of one starving the other
+    assert min(turns.values()) >= 5, turns
+    records = [r for r in read_intervals(log) if r["kind"] == "token"]
+    assert overlaps([(r["start"], r["end"], r["pid"]) for r in records]) == []
+    models = [r["model"] for r in sorted(records, key=lambda r: r["start"])]
+    switches = sum(1 for x, y in itertools.pairwise(models) if x != y)
+    assert switches >= 8, models
+
+
+# ---- cancel -------------------------------------------------------------------------------------
+
+
+def test_cancel_leaves_the_queue_and_the_next_waiter_proceeds(arena_dir: Path) -> None:
+    arena = Arena(arena_dir)
+    holder = TokenClient(arena, "holder")
+    holder.acquire(timeout=5)
+    first, second = TokenClient(arena, "first"), TokenClient(arena, "second")
+    r1 = first.request(timeout=30)
+    wait_until(lambda: r1.ticket is not None, what="first ticket")
+    r2 = second.request(timeout=30)
+    wait_until(lambda: len(arena.waiters()) == 2, what="two tickets")
+    assert r1.cancel() is True
+    with pytest.raises(CancelledError):
+        r1.result(timeout=10)
+    assert [t.model for t in arena.waiters()] == ["second"]
+    holder.release()
+    assert r2.result(timeout=10).previous == "holder"
+    assert not first.holds_token and second.holds_token
+    assert r2.cancel() is False  # already granted: stays granted
+    second.close()
+    first.close()
+    holder.close()
+
+
+def test_cancel_of_the_head_waiter_blocked_in_flock(arena_dir: Path) -> None:
+    arena = Arena(arena_dir)
+    holder = TokenClient(arena, "holder")
+    holder.acquire(timeout=5)
+    head = TokenClient(arena, "head")
+    req = head.request(timeout=30)
+    wait_until(lambda: req.ticket is not None and req._ahead == 0, what="head of the queue")
+    time.sleep(0.05)  # let it enter the blocking flock
+    req.cancel()
+    with pytest.raises(CancelledError):
+        req.result(timeout=10)
+    holder.release()
+    # the abandoned flock is given back: someone else can take the token
+    other = TokenClient(arena, "other")
+    other.acquire(timeout=10)
+    assert not head.holds_token
+    other.close()
+    head.close()
+    holder.close()
+
+
+# ---- interval log --------------------------------------------------------------------------------
+
+
+def test_interval_log_records_token_intervals(arena_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "i.jsonl"
+    client = TokenClient(Arena(arena_dir), "a", interval_log=IntervalLog(log, "a"))
+    grant = client.acquire(timeout=5)
+    end = client.release()
+    IntervalLog(log, "a").record("resident", grant.acquired_at + 0.001, grant.acquired_at + 0.002)
+    (log.open("a")).close()
+    with log.open("a") as f:
+        f.write('{"torn": ')  # a killed writer's last line
+    records = read_intervals(log)
+    assert [r["kind"] for r in records] == ["token", "resident"]
+    assert records[0]["start"] == grant.acquired_at and records[0]["end"] == end
+    assert records[0]["pid"] == os.getpid() and records[0]["model"] == "a"
+
+
+# ---- unsafe arena directories --------------------------------------------------------------------
+
+
+def test_new_arena_is_private(arena_dir: Path) -> None:
+    Arena(arena_dir).close()
+    assert (arena_dir.stat().st_mode & 0o777) == 0o700
+    assert ((arena_dir / "waiters").stat().st_mode & 0o777) == 0o700
+
+
+def test_symlinked_arena_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(UnsafeArenaError) as info:
+        Arena(link)
+    assert str(link) in str(info.value) and "symbolic link" in str(info.value)
+
+
+def test_arena_reached_through_a_symlinked_parent_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    if os.geteuid() == 0:  # root's own links are trusted as system links; make it someone else's
+        os.lchown(link, 12345, 12345)
+    else:
+        pytest.skip("needs root to give the link another owner")  # pragma: no cover
+    with pytest.raises(UnsafeArenaError) as info:
+        Arena(link / "arena")
+    assert f"reached through the symbolic link {link}" in str(info.value)
+
+
+def test_world_writable_arena_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(UnsafeArenaError) as info:
+        Arena(d)
+    assert str(d) in str(info.value) and "group- or world-writable (mode 0777)" in str(info.value)
+    assert d.stat().st_mode & 0o777 == 0o777  # nothing was changed
+
+
+def test_group_writable_waiters_dir_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "arena"
+    Arena(d).close()
+    (d / "waiters").chmod(0o770)
+    with pytest.raises(UnsafeArenaError) as info:
+        Arena(d)
+    assert str(d / "waiters") in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown to another user")
+def test_arena_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, 12345, 12345)
+    with pytest.raises(UnsafeArenaError) as info:
+        Arena(d)
+    assert "owned by uid 12345, not by you" in str(info.value) and str(d) in str(info.value)
+
+
+def test_a_file_is_not_an_arena(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ArenaError) as info:
+        check_arena_dir(f)
+    assert "not a directory" in str(info.value)
+    assert f.read_text() == "x"
+
+
+def test_arena_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    home = Path(os.environ["TIMESHARE_HOME"])
+    assert resolve_arena_dir() == home / "run" / "arena"
+    assert resolve_arena_dir(str(tmp_path / "cfg")) == tmp_path / "cfg"
+    monkeypatch.setenv("TIMESHARE_VRAM_ARENA", str(tmp_path / "env"))
+    assert resolve_arena_dir(str(tmp_path / "cfg")) == tmp_path / "env"
+
+
+def test_bad_model_id_is_refused(arena_dir: Path) -> None:
+    with pytest.raises(ArenaError, match="cannot name an arena ticket"):
+        TokenClient(Arena(arena_dir), "a/b")
+    assert Ticket.parse("000000000012-345-smollm2-135m-instruct#2") == Ticket(
+        12, 345, "smollm2-135m-instruct#2"
+    )
+    assert Ticket.parse("junk") is None
