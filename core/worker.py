@@ -44,7 +44,7 @@ from . import protocol as p
 from .arena import Arena, IntervalLog, TokenClient, TokenRequest
 from .config import ArenaConfig, ModelConfig
 from .engine import Engine
-from .errors import CancelledError, TimeshareError, TokenTimeoutError
+from .errors import CancelledError, TimeshareError
 from .residency import fix_malloc_mmap_threshold
 
 log = logging.getLogger(__name__)
@@ -639,23 +639,25 @@ class Worker:
 
         self._busy = True
         self.publish()
+        reply: object
         try:
             outcome = engine.generate(req, emit, step)
         except CancelledError:
-            self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.Switch(False))
-            return
-        except TokenTimeoutError as exc:
-            self.send(p.Error(req=req.req, code=exc.code, message=str(exc)))
-            return
+            reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), p.Switch(False))
+        except TimeshareError as exc:
+            reply = p.Error(req=req.req, code=exc.code, message=str(exc))
+        else:
+            first_ms = (first[0] - t0) * 1000.0 if first else 0.0
+            reply = p.Done(
+                req.req,
+                outcome.finish_reason,  # type: ignore[arg-type]
+                p.Usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.prompt_tokens_evaluated),
+                p.Switch(switch.switched, switch.wait_ms, switch.restore_ms, first_ms),
+            )
         finally:
             self._busy = False
-        first_ms = (first[0] - t0) * 1000.0 if first else 0.0
-        self._send_done(
-            req,
-            outcome.finish_reason,
-            p.Usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.prompt_tokens_evaluated),
-            p.Switch(switch.switched, switch.wait_ms, switch.restore_ms, first_ms),
-        )
+            self.publish()  # the snapshot is current before the reply arrives
+        self.send(reply)
         if self._yield_wanted and not self.pinned and self.residence.holds_token:
             self._release(kv=False)  # between requests the quantum does not apply
 
