@@ -5,6 +5,7 @@ conversations without re-prefill, KV across a stop."""
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import signal
 import struct
@@ -82,7 +83,7 @@ def test_cancel_mid_generation_then_keeps_serving(smol: WorkerHandle) -> None:
     assert isinstance(done_a, p.Done) and done_a.finish_reason == "length"
     assert isinstance(done_b, p.Done) and done_b.finish_reason == "cancelled"
     assert done_b.usage.completion_tokens == 0
-    text, done = smol.generate("after", prompt="Hello", max_tokens=3)
+    _text, done = smol.generate("after", prompt="Hello", max_tokens=3)
     assert isinstance(done, p.Done) and done.finish_reason == "length"
 
 
@@ -263,7 +264,7 @@ def test_two_workers_alternate_and_the_token_moves(
     intervals = read_intervals(log)
     tokens = sorted((r["start"], r["end"], r["model"]) for r in intervals if r["kind"] == "token")
     assert len({m for _, _, m in tokens}) == 2 and len(tokens) >= 5
-    for (_, end, _), (start, _, _) in zip(tokens, tokens[1:], strict=False):
+    for (_, end, _), (start, _, _) in itertools.pairwise(tokens):
         assert end <= start  # never two holders at once
     resident = [r for r in intervals if r["kind"] == "resident"]
     for r in resident:  # weights on the device only while holding the token
