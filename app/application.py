@@ -281,6 +281,7 @@ class TimeshareApp(QObject):
         self._shut_down = True
         log.info("shutting down")
         self.stop_api()
+        self.window.detach()
         self.bridge.detach()
         if self.tray is not None:
             self.tray.hide()

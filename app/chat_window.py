@@ -7,6 +7,7 @@ it pre-wakes the conversation's model (restore ahead of the request) unless the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QKeyEvent
+from PySide6.QtGui import QCloseEvent, QGuiApplication, QKeyEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
@@ -43,7 +44,8 @@ from .menu_model import display_state
 log = logging.getLogger(__name__)
 
 PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
-RENDER_INTERVAL_MS = 50  # streamed text is re-rendered at most 20 times a second
+RENDER_INTERVAL_MS = 50
+MAX_TOKENS = 512  # per answer  # streamed text is re-rendered at most 20 times a second
 
 
 class StoreLike(Protocol):
@@ -57,8 +59,8 @@ class StoreLike(Protocol):
 
 
 class ChatLike(Protocol):
-    def send(self, conversation_id: str, text: str) -> Any: ...
-    def regenerate(self, conversation_id: str) -> Any: ...
+    def send(self, conversation_id: str, text: str, **sampling: Any) -> Any: ...
+    def regenerate(self, conversation_id: str, **sampling: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,8 @@ class ChatWindow(QMainWindow):
         self._partial = ""
         self._pending_stats: dict[str, AnswerStats] = {}
         self._first_token_ms: float | None = None
+        self.max_tokens = MAX_TOKENS
+        self._detached = False
         self.setWindowTitle("Timeshare — Chat")
         self.setWindowIcon(icons.app_icon())
         self.resize(980, 640)
@@ -429,6 +433,8 @@ class ChatWindow(QMainWindow):
     # ---- transcript --------------------------------------------------------------------------
 
     def render_transcript(self) -> None:
+        if self._detached:
+            return
         conv_id = self.current_conversation()
         if conv_id is None:
             self.transcript.setMarkdown("*No conversation yet: press **New** or start typing.*")
@@ -489,7 +495,12 @@ class ChatWindow(QMainWindow):
             if conv_id is None:
                 return
         try:
-            turn = self.chat.send(conv_id, text) if text else self.chat.regenerate(conv_id)
+            sampling = {"max_tokens": self.max_tokens}
+            turn = (
+                self.chat.send(conv_id, text, **sampling)
+                if text
+                else self.chat.regenerate(conv_id, **sampling)
+            )
         except (TimeshareError, ValueError) as e:
             # ChatService keeps a user message it saved; the box keeps the text only if it was not
             if text and self._unanswered(conv_id) and self.store.messages(conv_id)[-1].content == text:
@@ -579,13 +590,23 @@ class ChatWindow(QMainWindow):
     def show_and_raise(self) -> None:
         self.show()
         self.setWindowState(self.windowState() & ~Qt.WindowState.WindowMinimized)
-        self.raise_()
-        self.activateWindow()
+        if QGuiApplication.platformName() not in ("offscreen", "minimal"):  # no window manager there
+            self.raise_()
+            self.activateWindow()
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)
         if event.type() == QEvent.Type.ActivationChange and self.isActiveWindow() and self.input.hasFocus():
             self.prewake()
+
+    def detach(self) -> None:
+        """Stop reacting to the pool and to timers (before the store closes)."""
+        self._render_timer.stop()
+        if self._stream is not None:
+            self._stream.generation.cancel()
+        with contextlib.suppress(RuntimeError, TypeError):
+            self.bridge.snapshot_changed.disconnect(self._on_snapshot)
+        self._detached = True
 
     def closeEvent(self, event: QCloseEvent) -> None:
         self.closed.emit()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 from timeshare.core.state import PoolSnapshot
 
@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 
 def populate(menu: QMenu, entries: tuple[Entry, ...], on_action: Callable[[Action], None]) -> None:
     """Turn menu_model entries into QActions of ``menu`` (cleared first)."""
+    # clear() deletes the menu's actions but not the submenus it created: drop those now
+    for sub in menu.findChildren(QMenu, options=Qt.FindChildOption.FindDirectChildrenOnly):
+        sub.setParent(None)
+        sub.deleteLater()
     menu.clear()
     for entry in entries:
         if isinstance(entry, Separator):

@@ -1,0 +1,383 @@
+"""The app end to end with real workers on the two demo models (offscreen Qt).
+
+Type into the chat window, send, stream, switch model, and watch the tray's holder change; tray
+menu actions reach the pool; quitting stops every worker (in-process and as a real `timeshare`
+process killed with SIGTERM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from timeshare.core.config import ApiConfig, Config, ModelConfig
+from timeshare.core.state import ModelState
+
+pytestmark = [pytest.mark.slow, pytest.mark.gui]
+
+SMOL = "smollm2-135m-instruct"
+GEMMA = "gemma3-270m"
+
+
+def demo_config(smollm2: Path, gemma3: Path | None = None) -> Config:
+    models = [
+        ModelConfig(
+            id=SMOL, name="SmolLM2-135M-Instruct", path=str(smollm2), licence="Apache-2.0", n_ctx=1024
+        )
+    ]
+    if gemma3 is not None:
+        models.append(
+            ModelConfig(
+                id=GEMMA, name="Gemma-3-270M (base)", path=str(gemma3), licence="Gemma Terms", n_ctx=1024
+            )
+        )
+    return Config(models=tuple(models), api=ApiConfig(enabled=False))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose (its parent has not reaped it yet)
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pool(smollm2_path: Path, gemma3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from timeshare.core.pool import Pool
+
+    root = tmp_path_factory.mktemp("pool")
+    arena = root / "arena"
+    arena.mkdir(mode=0o700)
+    p = Pool(
+        demo_config(smollm2_path, gemma3_path), arena_dir=arena, log_dir=root / "log", kv_dir=root / "kv"
+    )
+    p.start()
+    p.wait_ready(timeout=240)
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def app(qtbot: Any, pool: Any, tmp_path: Path) -> Iterator[Any]:
+    from timeshare.app.application import TimeshareApp
+    from timeshare.core.chat import ChatService
+    from timeshare.core.store import Store
+
+    store = Store(tmp_path / "conversations.sqlite3")
+    ta = TimeshareApp(
+        pool.config,
+        pool,
+        store,
+        ChatService(pool, store),
+        config_path=tmp_path / "config.toml",
+        tray_available=True,
+    )
+    ta.start(background=False)
+    ta.window.max_tokens = 40  # short answers keep the test fast on a 2-core CI machine
+    qtbot.addWidget(ta.window)
+    yield ta
+    ta.window.detach()
+    ta.bridge.detach()  # the pool outlives this test; stop listening to it
+    ta.window.hide()
+    if ta.tray is not None:
+        ta.tray.hide()
+    store.close()
+
+
+def send_and_wait(qtbot: Any, window: Any, text: str, timeout: int = 120_000) -> tuple[str, Any, str]:
+    with qtbot.waitSignal(window.answer_finished, timeout=timeout) as blocker:
+        qtbot.keyClicks(window.input, text)
+        qtbot.keyClick(window.input, "\r")  # Enter sends
+    return tuple(blocker.args)  # type: ignore[return-value]
+
+
+def select_model(window: Any, model_id: str) -> None:
+    index = window.model_box.findData(model_id)
+    assert index >= 0, f"{model_id} is not in the model selector"
+    window.model_box.setCurrentIndex(index)
+    window.model_box.activated.emit(index)
+
+
+def test_chat_streams_switches_model_and_the_tray_follows(qtbot: Any, app: Any) -> None:
+    window = app.window
+    assert window.isVisible()
+    # the licence is shown where models are listed
+    select_model(window, SMOL)
+    assert window.licence.text() == "Licence: Apache-2.0"
+
+    pieces: list[str] = []
+    conv = window.new_conversation(SMOL)
+    assert conv is not None
+
+    qtbot.keyClicks(window.input, "What is the capital of France?")
+    with qtbot.waitSignal(window.answer_finished, timeout=120_000) as blocker:
+        qtbot.keyClick(window.input, "\r")
+        assert window._stream is not None  # streaming started synchronously
+        window._stream.piece.connect(pieces.append)
+        assert not window.send_button.isEnabled() and window.stop_button.isEnabled()
+    conv_id, stats, error = blocker.args
+    assert error == "" and conv_id == conv
+    assert window.input.toPlainText() == ""
+    assert stats is not None and stats.finish_reason in ("stop", "length") and stats.completion_tokens > 0
+    assert len(pieces) >= 2  # it streamed, piece by piece
+
+    messages = app.store.messages(conv)
+    assert [m.role for m in messages] == ["user", "assistant"]
+    answer = messages[1].content
+    assert answer.strip() and answer == "".join(pieces)
+    shown = window.transcript.toPlainText()
+    assert "What is the capital of France?" in shown
+    assert answer.strip().splitlines()[0][:20] in shown
+    assert "tokens/s" in shown and "first token" in shown
+
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == SMOL, timeout=30_000)
+    assert app.tray.icon.toolTip().startswith("SmolLM2-135M-Instruct holds the GPU")
+    assert window.send_button.isEnabled() and not window.stop_button.isEnabled()
+
+    # switch the conversation's model: Gemma takes the GPU, the tray says so
+    select_model(window, GEMMA)
+    assert app.store.get(conv).model_id == GEMMA
+    assert window.licence.text() == "Licence: Gemma Terms"
+    _, stats2, error2 = send_and_wait(qtbot, window, "The capital of Italy is")
+    assert error2 == ""
+    assert stats2 is not None
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=30_000)
+    assert app.tray.icon.toolTip().startswith("Gemma-3-270M (base) holds the GPU")
+    assert "1 other released" in app.tray.icon.toolTip()
+    # Gemma was released before (SmolLM2 held the GPU), unless the pre-wake restored it while we typed
+    if stats2.switched:
+        assert "GPU switch" in stats2.line()
+    assert len(app.store.messages(conv)) == 4
+
+
+def test_typing_prewakes_the_conversations_model(qtbot: Any, app: Any) -> None:
+    window = app.window
+    # make sure SmolLM2 is not on the GPU: wake Gemma and wait for the holder to change
+    app.bridge.wake(GEMMA)
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=60_000)
+    # focusing the input of a conversation pre-wakes its model
+    with qtbot.waitSignal(window.prewake_requested, timeout=5000) as blocker:
+        window.new_conversation(SMOL)
+    assert blocker.args == [SMOL]
+    assert window.model_box.currentData() == SMOL
+    # the restore happens while the user is still typing: no request was sent
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == SMOL, timeout=60_000)
+    assert app.store.messages(window.current_conversation()) == []
+
+    # typing pre-wakes too (at most once every few seconds per model)
+    app.bridge.wake(GEMMA)
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=60_000)
+    window._last_prewake.clear()
+    with qtbot.waitSignal(window.prewake_requested, timeout=5000) as blocker:
+        qtbot.keyClicks(window.input, "Hel")
+    assert blocker.args == [SMOL]
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == SMOL, timeout=60_000)
+
+    # turned off in the settings: typing does not wake anything
+    app.config = dataclasses.replace(
+        app.config, general=dataclasses.replace(app.config.general, prewake_on_typing=False)
+    )
+    app.bridge.wake(GEMMA)
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=60_000)
+    woken: list[str] = []
+    window.prewake_requested.connect(woken.append)
+    window._last_prewake.clear()
+    qtbot.keyClicks(window.input, "lo")
+    qtbot.wait(300)
+    assert woken == []
+
+
+def test_stop_button_cancels_a_long_answer(qtbot: Any, app: Any) -> None:
+    from PySide6.QtCore import Qt
+
+    window = app.window
+    window.max_tokens = 900
+    conv = window.new_conversation(SMOL)
+    qtbot.keyClicks(window.input, "Write a very long story about a dragon.")
+    with qtbot.waitSignal(window.answer_finished, timeout=120_000) as blocker:
+        qtbot.keyClick(window.input, "\r")
+        stream = window._stream
+        assert stream is not None
+        qtbot.waitUntil(lambda: stream.first_at is not None, timeout=60_000)
+        qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
+    _, stats, error = blocker.args
+    assert error == ""
+    assert stats is not None and stats.finish_reason == "cancelled"
+    assert stats.completion_tokens < 900
+    answer = app.store.messages(conv)[-1]
+    assert answer.role == "assistant" and answer.complete
+    assert "stopped" in window.transcript.toPlainText()
+
+
+def test_conversations_new_rename_delete(qtbot: Any, app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from PySide6.QtWidgets import QInputDialog, QMessageBox
+
+    window = app.window
+    first = window.new_conversation(SMOL)
+    second = window.new_conversation(GEMMA)
+    assert window.current_conversation() == second
+    assert window.model_box.currentData() == GEMMA
+    window.conversations.setCurrentRow(
+        next(
+            i for i in range(window.conversations.count()) if window.conversations.item(i).data(256) == first
+        )
+    )
+    assert window.model_box.currentData() == SMOL  # the selector follows the conversation
+
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("Capitals", True))
+    window.rename_conversation()
+    assert app.store.get(first).title == "Capitals"
+    assert "Capitals" in [window.conversations.item(i).text() for i in range(window.conversations.count())]
+
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.No)
+    window.delete_conversation()
+    assert app.store.get(first).title == "Capitals"  # "No" keeps it
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+    window.delete_conversation()
+    assert first not in [c.id for c in app.store.list_conversations()]
+
+
+def test_tray_menu_actions_reach_the_pool(qtbot: Any, app: Any) -> None:
+    from PySide6.QtGui import QAction
+    from PySide6.QtWidgets import QMenu
+
+    tray = app.tray
+    tray.menu.aboutToShow.emit()  # what opening the menu does
+
+    def find(command: str, model: str) -> Any:
+        for action in tray.menu.findChildren(QAction):
+            if action.objectName() == f"{command}:{model}":
+                return action
+        raise AssertionError(f"no {command} action for {model}")
+
+    if app.bridge.snapshot.holder == GEMMA:
+        app.bridge.wake(SMOL)
+        qtbot.waitUntil(lambda: app.bridge.snapshot.holder == SMOL, timeout=60_000)
+        tray.menu.aboutToShow.emit()
+    find("wake", GEMMA).trigger()
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=60_000)
+    assert app.tray.state.value == "holding"
+
+    tray.menu.aboutToShow.emit()
+    find("pin", GEMMA).trigger()
+    qtbot.waitUntil(lambda: bool(app.bridge.snapshot.model(GEMMA).pinned), timeout=30_000)
+    tray.menu.aboutToShow.emit()
+    gemma_menu = next(m for m in tray.menu.findChildren(QMenu) if m.objectName() == f"model:{GEMMA}")
+    assert "pinned" in gemma_menu.title()
+    assert "(pinned)" in tray.icon.toolTip()
+    find("unpin", GEMMA).trigger()
+    qtbot.waitUntil(lambda: not app.bridge.snapshot.model(GEMMA).pinned, timeout=30_000)
+
+    # Chat… opens the window on a conversation with that model
+    app.window.hide()
+    tray.menu.aboutToShow.emit()
+    find("chat", SMOL).trigger()
+    assert app.window.isVisible() and app.window.model_box.currentData() == SMOL
+
+    # Sleep: the model leaves the GPU
+    tray.menu.aboutToShow.emit()
+    find("sleep", GEMMA).trigger()
+    qtbot.waitUntil(
+        lambda: (
+            app.bridge.snapshot.model(GEMMA).state in (ModelState.SLEEPING, ModelState.RELEASED)
+            and app.bridge.snapshot.holder != GEMMA
+        ),
+        timeout=60_000,
+    )
+
+    # the settings' arena tab shows the live holder and memory per model
+    dialog = app.open_settings()
+    dialog.tabs.setCurrentIndex(1)
+    app.bridge.wake(SMOL)
+    qtbot.waitUntil(
+        lambda: dialog.holder_label.text() == "Holds the GPU: SmolLM2-135M-Instruct", timeout=60_000
+    )
+    assert dialog.arena_table.rowCount() == 2
+    dialog.reject()
+
+
+def test_quit_stops_every_worker(qtbot: Any, smollm2_path: Path, tmp_path: Path) -> None:
+    from timeshare.app.application import TimeshareApp
+    from timeshare.app.menu_model import Action, Command
+    from timeshare.core.chat import ChatService
+    from timeshare.core.pool import Pool
+    from timeshare.core.store import Store
+
+    pool = Pool(demo_config(smollm2_path))
+    pool.start()
+    pool.wait_ready(timeout=120)
+    pids = [m.pid for m in pool.snapshot().models]
+    assert pids and all(pid is not None and alive(pid) for pid in pids)
+    store = Store(tmp_path / "c.sqlite3")
+    app = TimeshareApp(pool.config, pool, store, ChatService(pool, store), tray_available=True)
+    app.start(background=True)
+    assert not app.window.isVisible()  # --background: only the tray
+    with qtbot.waitSignal(app.quit_requested, timeout=1000):
+        app.handle(Action("Quit", Command.QUIT))
+    app.shutdown()
+    store.close()
+    assert [pid for pid in pids if pid is not None and alive(pid)] == []
+
+
+def _worker_children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.split(")")[-1].split()[1]) == pid and b"timeshare.core.worker" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_the_app_leaves_no_orphans(
+    smollm2_path: Path, timeshare_home: Path, tmp_path: Path
+) -> None:
+    config = timeshare_home / "config" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        f'[api]\nenabled = false\n\n[[models]]\nid = "{SMOL}"\npath = "{smollm2_path}"\nn_ctx = 512\n'
+    )
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    exe = Path(sys.executable).with_name("timeshare")
+    log = tmp_path / "app-output.txt"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(exe), "tray", "--background"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[int] = []
+        while time.monotonic() < deadline and not workers:
+            assert proc.poll() is None, log.read_text()
+            workers = _worker_children(proc.pid)
+            time.sleep(0.2)
+        assert workers, "the app did not start a worker"
+        time.sleep(1.0)  # let it get past loading, so the shutdown path is the normal one
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        output = log.read_text()
+        assert rc == 0, output
+        assert [pid for pid in workers if alive(pid)] == [], output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
