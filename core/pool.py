@@ -581,7 +581,9 @@ class Pool:
                 switching = True
             reason = w.reason
             if not reason and alive_status is not None and alive_status.waiting_reason:
-                reason = f"waiting for the GPU: {alive_status.waiting_reason}"
+                reason = alive_status.waiting_reason
+                if not reason.startswith("waiting"):
+                    reason = f"waiting for the GPU: {reason}"
             models.append(
                 ModelStatus(
                     id=w.id,

@@ -146,7 +146,7 @@ def shared(
             ModelConfig(id="not-gguf", path=str(broken_files["not-gguf"])),
             ModelConfig(id="truncated", path=str(broken_files["truncated"])),
         ),
-        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=120.0),
+        arena=ArenaConfig(min_quantum_ms=2000.0, wait_timeout_s=120.0),  # few switches per request
         api=ApiConfig(queue_limit=2),
     )
     pool = Pool(
@@ -265,6 +265,8 @@ def test_alternating_models_stream_correct_answers_and_switch(
         assert streamed == result.text == reference[model], model
         assert result.finish_reason == "length" and result.usage.completion_tokens == N_TOKENS
         switched += result.switch.switched
+        if result.switch.switched:
+            assert result.switch.restore_ms > 0 and result.switch.first_token_ms > 0
         assert pool.snapshot().holder == model  # the worker reported holds_token before Done
     assert switched >= 3  # every request after the first had to take the GPU from the other
     last_req = gen.req
@@ -272,6 +274,33 @@ def test_alternating_models_stream_correct_answers_and_switch(
     done = [e for e in events.items[mark:] if e.kind is EventKind.REQUEST_DONE]
     assert len(done) == 4 and all(e.switch is not None for e in done)
     assert any(e.switch.switched and e.switch.release_ms > 0 for e in done if e.switch)
+
+
+def test_concurrent_requests_for_both_models_queue_and_share_the_gpu(
+    shared: tuple[Pool, Events], reference: dict[str, str]
+) -> None:
+    pool, _ = shared
+    start = threading.Barrier(4)
+    answers: dict[int, tuple[str, str]] = {}
+    problems: list[BaseException] = []
+
+    def client(i: int, model: str) -> None:
+        try:
+            start.wait()
+            streamed, _ = complete(pool, model)
+            answers[i] = (model, streamed)
+        except BaseException as exc:
+            problems.append(exc)
+
+    threads = [
+        threading.Thread(target=client, args=(i, (SMOLLM2_ID, GEMMA3_ID)[i % 2])) for i in range(4)
+    ]  # two per model, sent at once: each model queues its own, the arena alternates the GPU
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert not problems
+    assert len(answers) == 4 and all(text == reference[model] for model, text in answers.values())
 
 
 def test_conversation_continued_after_a_switch_is_not_prefilled_again(shared: tuple[Pool, Events]) -> None:
@@ -334,6 +363,19 @@ def test_pin_sleep_wake_stop_are_visible_in_events(
     pool.wake(m)
     events.wait_for(state_is(m, ModelState.RESIDENT), mark)
     assert pool.snapshot().holder == m
+
+    # pinned and resident: a request for the other model waits, and the snapshot says why
+    mark = events.mark()
+    pool.pin(m, True)
+    waiting = pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], max_tokens=N_TOKENS)
+    event = events.wait_for(
+        lambda e: f"pinned by {m}" in (e.snapshot.model(GEMMA3_ID).reason or ""),  # type: ignore[union-attr]
+        mark,
+    )
+    assert event.snapshot.holder == m and not waiting.done
+    pool.pin(m, False)  # the waiter gets the GPU at the next token boundary
+    assert waiting.result(timeout=WAIT).text == reference[GEMMA3_ID]
+    assert waiting.result().switch.switched
 
     mark = events.mark()
     pool.sleep(m, "weights+kv")
