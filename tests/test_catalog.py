@@ -14,6 +14,8 @@ import struct
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from timeshare.core import catalog, config, demo
 from timeshare.core.catalog import CatalogEntry
 from timeshare.core.errors import ModelFileError
@@ -363,3 +365,35 @@ def test_header_read_cost(gemma3_path: Path, smollm2_path: Path) -> None:
         catalog.read_gguf_header(path)
         header_s = time.perf_counter() - t0
         print(f"\n{path.name}: header {header_s * 1000:.1f} ms, file {os.path.getsize(path) / 1e6:.0f} MB")
+
+
+# ---- never anything but an entry or a clear error ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = write_gguf(tmp_path_factory.mktemp("fuzz") / "tiny.gguf", chat_template="{{ messages }}")
+    return path.read_bytes()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_damaged_files_give_an_entry_or_a_model_file_error(
+    data: st.DataObject, tiny_bytes: bytes, tmp_path: Path
+) -> None:
+    blob = bytearray(tiny_bytes)
+    header_end = len(blob) - 1280  # the tensor data (1280 bytes) comes last
+    if data.draw(st.booleans(), label="truncate"):
+        blob = blob[: data.draw(st.integers(0, len(blob) - 1), label="cut at")]
+    else:
+        for _ in range(data.draw(st.integers(1, 4), label="flips")):
+            pos = data.draw(st.integers(0, header_end - 1), label="pos")
+            blob[pos] = data.draw(st.integers(0, 255), label="byte")
+    path = tmp_path / f"damaged-{len(blob)}.gguf"
+    path.write_bytes(bytes(blob))
+    try:
+        entry = catalog.read_gguf_header(path)
+    except ModelFileError as exc:
+        assert str(exc).startswith(path.name)  # names the file, then says what is wrong
+    else:
+        assert entry.size == len(blob)
