@@ -1,0 +1,170 @@
+"""The engine in-process on SmolLM2: exact greedy completions (issue 7), chat formats,
+conversations as KV snapshots (LRU, disk), prompt too long, cancel."""
+
+from __future__ import annotations
+
+# isort: off
+import llama_cpp  # before anything that imports numpy
+# isort: on
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from timeshare.core.config import ModelConfig
+from timeshare.core.engine import FALLBACK_STOP, Engine, fallback_prompt
+from timeshare.core.errors import CancelledError, ModelFileError, PromptTooLongError
+from timeshare.core.protocol import ChatMessage, Generate
+
+PROMPT = "The three primary colours are"
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path: Path) -> Iterator[Engine]:
+    e = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=2048, n_seq=2))
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path: Path) -> str:
+    llm = llama_cpp.Llama(str(smollm2_path), n_ctx=2048, verbose=False)
+    try:
+        out = llm.create_completion(PROMPT, max_tokens=24, temperature=0)
+        return str(out["choices"][0]["text"])
+    finally:
+        llm.close()
+
+
+def run(engine: Engine, **fields: object) -> tuple[str, object]:
+    pieces: list[str] = []
+    outcome = engine.generate(Generate(req="r", **fields), pieces.append)  # type: ignore[arg-type]
+    assert "".join(pieces) == outcome.text
+    return outcome.text, outcome
+
+
+def test_completion_equals_plain_llama_greedy(engine: Engine, reference: str) -> None:
+    text, _ = run(engine, prompt=PROMPT, max_tokens=24)
+    assert text == reference
+    # after chat traffic and a conversation in the context, a completion still starts clean
+    run(engine, messages=(ChatMessage("user", "Hi!"),), max_tokens=8, conversation="busy")
+    run(engine, prompt="Something unrelated entirely", max_tokens=5)
+    text, outcome = run(engine, prompt=PROMPT, max_tokens=24)
+    assert text == reference
+    assert outcome.prompt_tokens_evaluated == outcome.prompt_tokens  # type: ignore[attr-defined]
+
+
+def test_completion_without_mmap_is_the_same(smollm2_path: Path, reference: str) -> None:
+    e = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=2048), use_mmap=False)
+    try:
+        assert run(e, prompt=PROMPT, max_tokens=24)[0] == reference
+    finally:
+        e.close()
+
+
+def test_fallback_prompt_format() -> None:
+    msgs = (
+        ChatMessage("system", "Be brief."),
+        ChatMessage("user", " Hi "),
+        ChatMessage("assistant", "Hello."),
+        ChatMessage("user", "Bye"),
+    )
+    assert fallback_prompt(msgs) == "Be brief.\n\nUser: Hi\nAssistant: Hello.\nUser: Bye\nAssistant:"
+    assert "\nUser:" in FALLBACK_STOP
+
+
+def test_forced_fallback_format_on_a_template_model(smollm2_path: Path) -> None:
+    e = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=512, chat_format="fallback"))
+    try:
+        assert e.info.chat_format == "fallback"
+        text, outcome = run(e, messages=(ChatMessage("user", "What is 2+2?"),), max_tokens=40)
+        assert "User:" not in text and outcome.completion_tokens <= 40  # type: ignore[attr-defined]
+    finally:
+        e.close()
+
+
+def test_prompt_too_long_leaves_conversations_alone(engine: Engine) -> None:
+    run(engine, messages=(ChatMessage("user", "Remember: blue."),), max_tokens=4, conversation="keep")
+    before = engine.conversations
+    with pytest.raises(PromptTooLongError, match="shorten the prompt"):
+        run(engine, prompt="word " * 3000, max_tokens=4)
+    with pytest.raises(PromptTooLongError, match="2048"):
+        run(engine, messages=(ChatMessage("user", "word " * 3000),), max_tokens=4, conversation="other")
+    assert engine.conversations == before
+
+
+def test_cancel_from_the_step_hook(engine: Engine) -> None:
+    steps = 0
+
+    def step() -> None:
+        nonlocal steps
+        steps += 1
+        if steps > 4:
+            raise CancelledError("stop")
+
+    outcome = engine.generate(
+        Generate(req="c", prompt="Count: one, two,", max_tokens=100), lambda _: None, step
+    )
+    assert outcome.finish_reason == "cancelled" and outcome.completion_tokens < 10
+
+
+def test_conversations_lru_and_no_re_prefill(engine: Engine) -> None:
+    one = (ChatMessage("user", "Name a fruit."),)
+    t1, o1 = run(engine, messages=one, max_tokens=12, conversation="a")
+    run(
+        engine,
+        messages=(ChatMessage("system", "Terse."), ChatMessage("user", "Name a car.")),
+        max_tokens=12,
+        conversation="b",
+    )
+    assert engine.conversations[:2] == ("b", "a")
+    two = (*one, ChatMessage("assistant", t1), ChatMessage("user", "Another?"))
+    _, o2 = run(engine, messages=two, max_tokens=12, conversation="a")
+    assert o2.prompt_tokens_evaluated <= o2.prompt_tokens - o1.prompt_tokens  # type: ignore[attr-defined]
+    # n_seq=2: a third conversation evicts the least recently used one ("b")
+    run(
+        engine,
+        messages=(ChatMessage("system", "Loud."), ChatMessage("user", "Shout.")),
+        max_tokens=4,
+        conversation="c",
+    )
+    assert set(engine.conversations) == {"a", "c"}
+
+
+def test_kv_survives_on_disk_only_for_the_same_model_file(smollm2_path: Path, tmp_path: Path) -> None:
+    model = ModelConfig(id="smol", path=str(smollm2_path), n_ctx=512)
+    one = (ChatMessage("user", "Name a fruit."),)
+    e = Engine.load(model)
+    try:
+        t1, o1 = run(e, messages=one, max_tokens=12, conversation="disk")
+        assert e.save_kv(tmp_path) == 1
+    finally:
+        e.close()
+    two = (*one, ChatMessage("assistant", t1), ChatMessage("user", "Another?"))
+    other_ctx = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256))
+    try:
+        assert not other_ctx.load_kv(tmp_path, "disk")  # another context size: ignored and removed
+    finally:
+        other_ctx.close()
+    assert list(tmp_path.iterdir()) == []
+    e = Engine.load(model)
+    try:
+        run(e, messages=one, max_tokens=12, conversation="disk")
+        e.save_kv(tmp_path)
+    finally:
+        e.close()
+    e = Engine.load(model)
+    e.kv_dir = tmp_path
+    try:
+        _, o2 = run(e, messages=two, max_tokens=12, conversation="disk")
+        assert 0 < o2.prompt_tokens_evaluated <= o2.prompt_tokens - o1.prompt_tokens  # type: ignore[attr-defined]
+        assert list(tmp_path.iterdir()) == []  # taken back into memory
+    finally:
+        e.close()
+
+
+def test_not_a_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"PK\x03\x04 zip file, not a model")
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        Engine.load(ModelConfig(id="x", path=str(bad)))
