@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from _api_util import (
     GEMMA,
@@ -245,9 +246,7 @@ def served(
 
 
 @pytest.fixture(scope="module")
-def client(served: Served) -> Iterator[object]:
-    import openai
-
+def client(served: Served) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=180) as c:
         yield c
 
@@ -269,17 +268,17 @@ def greedy_references(smollm2_path: Path, gemma3_path: Path) -> dict[tuple[str, 
     return refs
 
 
-def test_models_are_listed(client: object) -> None:
-    models = client.models.list()  # type: ignore[attr-defined]
+def test_models_are_listed(client: openai.OpenAI) -> None:
+    models = client.models.list()
     assert {m.id for m in models.data} == {SMOL, GEMMA}
-    gemma = client.models.retrieve(GEMMA)  # type: ignore[attr-defined]
+    gemma = client.models.retrieve(GEMMA)
     assert gemma.id == GEMMA and gemma.owned_by == "timeshare"
     assert gemma.model_extra["timeshare"]["chat_format"] == "fallback"
 
 
 @pytest.mark.parametrize("model", [SMOL, GEMMA])
-def test_chat_with_each_model(client: object, model: str) -> None:
-    reply = client.chat.completions.create(  # type: ignore[attr-defined]
+def test_chat_with_each_model(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=24, temperature=0
     )
     assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.model == model
@@ -292,11 +291,11 @@ def test_chat_with_each_model(client: object, model: str) -> None:
     assert "switched" in reply.model_extra["timeshare"]
 
 
-def test_chat_streams_in_pieces(client: object) -> None:
+def test_chat_streams_in_pieces(client: openai.OpenAI) -> None:
     # (stream and plain answers are compared on /v1/completions below: chat requests reuse the KV
     # prefix of the previous chat in the worker, which may change the last bits of the logits)
     chunks = list(
-        client.chat.completions.create(  # type: ignore[attr-defined]
+        client.chat.completions.create(
             model=SMOL,
             messages=[{"role": "user", "content": "Say hello."}],
             max_tokens=20,
@@ -327,14 +326,14 @@ def test_stream_ends_with_done(served: Served) -> None:
 
 
 def test_interleaved_completions_equal_the_greedy_reference(
-    served: Served, client: object, greedy_references: dict[tuple[str, str], str]
+    served: Served, client: openai.OpenAI, greedy_references: dict[tuple[str, str], str]
 ) -> None:
     # three requests per model at once, alternating models: 1 in flight + 2 queued per model
     jobs = [(model, PROMPTS[model][i % 2]) for i in range(3) for model in (SMOL, GEMMA)]
 
     def complete(job: tuple[str, str]) -> tuple[str, str, str, str]:
         model, prompt = job
-        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)  # type: ignore[attr-defined]
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert reply.object == "text_completion" and reply.model == model
         return model, prompt, reply.choices[0].text, reply.choices[0].finish_reason
 
@@ -349,14 +348,14 @@ def test_interleaved_completions_equal_the_greedy_reference(
 
 
 def test_streamed_completion_equals_the_greedy_reference(
-    client: object, greedy_references: dict[tuple[str, str], str]
+    client: openai.OpenAI, greedy_references: dict[tuple[str, str], str]
 ) -> None:
     prompt = PROMPTS[GEMMA][1]
-    plain = client.completions.create(model=GEMMA, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)  # type: ignore[attr-defined]
+    plain = client.completions.create(model=GEMMA, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
     assert plain.choices[0].text == greedy_references[(GEMMA, prompt)]
     stream = client.completions.create(
         model=GEMMA, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
-    )  # type: ignore[attr-defined]
+    )
     assert "".join(c.choices[0].text for c in stream) == greedy_references[(GEMMA, prompt)]
 
 
@@ -374,25 +373,21 @@ def test_malformed_json_is_a_400_in_openai_shape(served: Served) -> None:
         assert set(error) == {"message", "type", "param", "code"}
 
 
-def test_unknown_model_is_a_404_naming_the_models(client: object) -> None:
-    import openai
-
+def test_unknown_model_is_a_404_naming_the_models(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        client.chat.completions.create(model="llama-9000", messages=[{"role": "user", "content": "hi"}])  # type: ignore[attr-defined]
+        client.chat.completions.create(model="llama-9000", messages=[{"role": "user", "content": "hi"}])
     assert info.value.code == "model_not_found" and info.value.param == "model"
     assert SMOL in info.value.message and GEMMA in info.value.message
 
 
-def test_prompt_longer_than_the_context_is_a_400_and_the_model_keeps_serving(client: object) -> None:
-    import openai
-
+def test_prompt_longer_than_the_context_is_a_400_and_the_model_keeps_serving(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=SMOL, prompt="lorem ipsum dolor " * 1500, max_tokens=4)  # type: ignore[attr-defined]
+        client.completions.create(model=SMOL, prompt="lorem ipsum dolor " * 1500, max_tokens=4)
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=SMOL, prompt="lorem ipsum dolor " * 1500, max_tokens=4, stream=True)  # type: ignore[attr-defined]
+        client.completions.create(model=SMOL, prompt="lorem ipsum dolor " * 1500, max_tokens=4, stream=True)
     assert info.value.code == "context_length_exceeded"
-    after = client.completions.create(model=SMOL, prompt="Hello", max_tokens=2, temperature=0)  # type: ignore[attr-defined]
+    after = client.completions.create(model=SMOL, prompt="Hello", max_tokens=2, temperature=0)
     assert after.usage.completion_tokens > 0
 
 
@@ -402,17 +397,13 @@ def test_oversize_body_is_a_413(served: Served) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
-def test_n_greater_than_one_is_refused(client: object) -> None:
-    import openai
-
+def test_n_greater_than_one_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "hi"}], n=2)  # type: ignore[attr-defined]
+        client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "hi"}], n=2)
     assert info.value.param == "n" and "one choice per request" in info.value.message
 
 
 def test_missing_and_wrong_key_are_401(served: Served) -> None:
-    import openai
-
     r = httpx.get(f"{served.url}/v1/models", timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
     assert "Authorization: Bearer" in r.json()["error"]["message"]
