@@ -1,0 +1,375 @@
+"""Settings dialog (validation through the config layer, models from file/catalog, edit, remove),
+start at login from the tray, the bridge's thread hop, and the no-tray behaviour.
+
+The pool here is a real, unstarted ``Pool`` (no workers: nothing in these tests needs one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from timeshare.core import config as config_mod
+from timeshare.core.config import ApiConfig, Config, ModelConfig
+from timeshare.core.state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot
+
+pytestmark = pytest.mark.gui
+
+
+@pytest.fixture
+def pool() -> Iterator[Any]:
+    from timeshare.core.pool import Pool
+
+    p = Pool(Config(api=ApiConfig(enabled=False)))
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def bridge(qtbot: Any, pool: Any) -> Iterator[Any]:
+    from timeshare.app.bridge import PoolBridge
+
+    b = PoolBridge(pool)
+    yield b
+    b.detach()
+
+
+@pytest.fixture
+def config_path(timeshare_home: Path) -> Path:
+    from timeshare.core import paths
+
+    return paths.config_file()
+
+
+def smol_config(smollm2_path: Path) -> Config:
+    return Config(
+        models=(ModelConfig(id="smol", path=str(smollm2_path), name="SmolLM2", licence="Apache-2.0"),),
+        api=ApiConfig(enabled=False),
+    )
+
+
+def dialog_for(qtbot: Any, config: Config, bridge: Any, config_path: Path) -> Any:
+    from timeshare.app.settings import SettingsDialog
+
+    dialog = SettingsDialog(config, bridge, config_path)
+    qtbot.addWidget(dialog)
+    return dialog
+
+
+def test_invalid_api_settings_show_the_config_layers_message_and_write_nothing(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
+) -> None:
+    dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
+    saved: list[Config] = []
+    dialog.saved.connect(saved.append)
+    dialog.api_host.setText("0.0.0.0")  # reachable from other machines, and no key
+    assert dialog.save() is False
+    assert not config_path.exists() and saved == []
+    assert "api.key" in dialog.problems.text() and "set a key" in dialog.problems.text()
+    assert not dialog.problems.isHidden()
+    assert dialog.api_host.text() == "0.0.0.0"  # nothing typed is lost
+
+    dialog.api_key.setText("s3cret")
+    assert dialog.save() is True
+    assert dialog.problems.isHidden()
+    loaded = config_mod.load_config(config_path)
+    assert loaded.api.host == "0.0.0.0" and loaded.api.key == "s3cret"
+    assert saved == [loaded]
+
+
+def test_general_settings_round_trip(qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path) -> None:
+    dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
+    dialog.prewake.setChecked(False)
+    dialog.start_at_login.setChecked(True)
+    dialog.idle_all.setValue(0)  # never
+    dialog.quantum.setValue(500)
+    assert dialog.save()
+    loaded = config_mod.load_config(config_path)
+    assert loaded.general.prewake_on_typing is False and loaded.general.start_at_login is True
+    assert loaded.models[0].idle_sleep_s is None
+    assert loaded.arena.min_quantum_ms == 500
+
+
+def test_add_file_rejects_a_non_gguf_with_a_sentence(
+    qtbot: Any, bridge: Any, config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtWidgets import QMessageBox
+
+    warnings: list[str] = []
+    monkeypatch.setattr(QMessageBox, "warning", lambda _p, _t, text, *a: warnings.append(text))
+    bogus = tmp_path / "notes.gguf"
+    bogus.write_text("these are not weights")
+    dialog = dialog_for(qtbot, Config(api=ApiConfig(enabled=False)), bridge, config_path)
+    assert dialog.add_file(str(bogus)) is None
+    assert dialog.models_table.rowCount() == 0
+    assert warnings and "notes.gguf" in warnings[0]
+    assert warnings[0] in dialog.problems.text()
+
+
+def test_add_file_through_the_file_picker_then_save(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtWidgets import QFileDialog
+
+    monkeypatch.setattr(
+        QFileDialog, "getOpenFileName", lambda *a, **k: (str(smollm2_path), "GGUF models (*.gguf)")
+    )
+    dialog = dialog_for(qtbot, Config(api=ApiConfig(enabled=False)), bridge, config_path)
+    new_id = dialog.add_file()
+    assert new_id and dialog.models_table.rowCount() == 1
+    assert dialog.models_table.item(0, 1).text() == new_id
+    assert "not started" in dialog.models_table.item(0, 2).text()
+    # the same file twice is refused with a message
+    assert dialog.add_file(str(smollm2_path)) is None
+    assert "already in the list" in dialog.problems.text()
+    assert dialog.save()
+    loaded = config_mod.load_config(config_path)
+    assert [m.id for m in loaded.models] == [new_id]
+    assert Path(loaded.models[0].path) == smollm2_path
+
+
+def test_add_from_catalog_shows_the_demo_licences(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
+) -> None:
+    from timeshare.core import catalog
+
+    entries = catalog.scan(["demo"], demo_paths=[smollm2_path])
+    assert entries
+    dialog = dialog_for(qtbot, Config(api=ApiConfig(enabled=False)), bridge, config_path)
+    added = dialog.add_from_catalog(entries)
+    assert len(added) == len(entries)
+    licences = [dialog.models_table.item(r, 3).text() for r in range(dialog.models_table.rowCount())]
+    assert any("apache" in lic.lower() for lic in licences), licences
+
+
+def test_catalog_dialog_lists_entries(qtbot: Any, smollm2_path: Path) -> None:
+    from timeshare.app.settings import CatalogDialog
+    from timeshare.core import catalog
+
+    entries = catalog.scan(["demo"], demo_paths=[smollm2_path])
+    dialog = CatalogDialog(entries)
+    qtbot.addWidget(dialog)
+    assert dialog.table.rowCount() == len(entries)
+    dialog.table.selectRow(0)
+    assert dialog.selected() == [entries[0]]
+
+
+def test_model_dialog_validates_with_field_messages(
+    qtbot: Any, smollm2_path: Path, config_path: Path
+) -> None:
+    from timeshare.app.settings import ModelDialog
+
+    model = config_mod.config_to_dict(smol_config(smollm2_path))["models"][0]
+    dialog = ModelDialog(model, {"taken"}, config_path)
+    qtbot.addWidget(dialog)
+    dialog.id_edit.setText("Bad Id")
+    dialog.path_edit.setText(str(smollm2_path) + ".missing")
+    dialog.accept()
+    text = dialog.problems.text()
+    assert dialog.result() != dialog.DialogCode.Accepted
+    assert "id: 'Bad Id' may contain only lowercase letters" in text
+    assert "path:" in text
+    dialog.id_edit.setText("taken")
+    dialog.path_edit.setText(str(smollm2_path))
+    dialog.accept()
+    assert "already used by another model" in dialog.problems.text()
+    dialog.id_edit.setText("smol-2")
+    dialog.idle.setValue(2)  # minutes
+    dialog.accept()
+    assert dialog.result() == dialog.DialogCode.Accepted
+    value = dialog.value()
+    assert value["id"] == "smol-2" and value["idle_sleep_s"] == 120.0
+    assert value["licence"] == "Apache-2.0"  # kept
+    assert dialog.licence.text() == "Apache-2.0"
+
+
+def test_edit_and_remove_model(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtWidgets import QDialog, QMessageBox
+    from timeshare.app import settings
+
+    def fake_exec(self: Any) -> int:
+        self.name_edit.setText("Renamed")
+        self.pinned.setChecked(True)
+        return QDialog.DialogCode.Accepted
+
+    monkeypatch.setattr(settings.ModelDialog, "exec", fake_exec)
+    dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
+    assert dialog.edit_model(0)
+    assert dialog.models_table.item(0, 0).text() == "Renamed"
+
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.No)
+    assert not dialog.remove_model(0)
+    assert dialog.models_table.rowCount() == 1
+    assert dialog.save()
+    loaded = config_mod.load_config(config_path)
+    assert loaded.models[0].name == "Renamed" and loaded.models[0].pinned
+
+    dialog = dialog_for(qtbot, loaded, bridge, config_path)
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+    assert dialog.remove_model(0)
+    assert dialog.save()
+    assert config_mod.load_config(config_path).models == ()
+    assert smollm2_path.is_file()  # removing a model never deletes its file
+
+
+# ---- bridge -----------------------------------------------------------------------------------
+
+
+def test_bridge_delivers_pool_thread_events_on_the_gui_thread(qtbot: Any, bridge: Any) -> None:
+    from PySide6.QtCore import QThread
+
+    snap = PoolSnapshot(
+        models=(ModelStatus(id="a", name="A", path="/a.gguf", state=ModelState.FAILED, reason="bad file"),)
+    )
+    seen: list[tuple[object, bool]] = []
+    bridge.snapshot_changed.connect(lambda s: seen.append((s, QThread.currentThread() is bridge.thread())))
+    with qtbot.waitSignal(bridge.notification, timeout=5000) as note:
+        # the pool calls subscribers from its event thread; do the same from a plain Python thread
+        t = threading.Thread(
+            target=bridge._from_pool_thread, args=(PoolEvent(EventKind.FAILED, snap, model="a"),)
+        )
+        t.start()
+        t.join()
+    assert seen == [(snap, True)]
+    assert bridge.snapshot == snap
+    assert note.args == ["A failed", "bad file"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "title"),
+    [(EventKind.CRASHED, "A crashed"), (EventKind.RESTARTED, "A restarted"), (EventKind.STATE, None)],
+)
+def test_notifications_for_crashes_restarts_and_failures(kind: EventKind, title: str | None) -> None:
+    from timeshare.app.bridge import notification_for
+
+    snap = PoolSnapshot(models=(ModelStatus(id="a", name="A", path="/a", state=ModelState.STARTING),))
+    note = notification_for(PoolEvent(kind, snap, model="a", message="exit code -11"))
+    assert (note[0] if note else None) == title
+    if note:
+        assert note[1] == "exit code -11"
+
+
+def test_bridge_reports_a_failed_command(qtbot: Any, bridge: Any) -> None:
+    # the pool is not started: the pool's own error comes back as a signal, the GUI never blocks
+    with qtbot.waitSignal(bridge.command_failed, timeout=5000) as blocker:
+        bridge.wake("nothing")
+    assert blocker.args[0] == "wake nothing"
+    assert "start Timeshare" in blocker.args[1]
+
+
+# ---- the app without workers: start at login, no tray -----------------------------------------
+
+
+@pytest.fixture
+def bare_app(qtbot: Any, pool: Any, tmp_path: Path, config_path: Path) -> Iterator[Any]:
+    from timeshare.app.application import TimeshareApp
+    from timeshare.core.chat import ChatService
+    from timeshare.core.store import Store
+
+    store = Store(tmp_path / "c.sqlite3")
+    made: list[Any] = []
+
+    def make(tray: bool) -> Any:
+        app = TimeshareApp(
+            Config(api=ApiConfig(enabled=False)),
+            pool,
+            store,
+            ChatService(pool, store),
+            config_path=config_path,
+            tray_available=tray,
+        )
+        qtbot.addWidget(app.window)
+        made.append(app)
+        return app
+
+    yield make
+    for app in made:
+        app.window.detach()
+        app.bridge.detach()
+        if app.tray is not None:
+            app.tray.hide()
+    store.close()
+
+
+def test_start_at_login_from_the_tray(
+    qtbot: Any, bare_app: Any, config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from timeshare.app.menu_model import Action, Command
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    entry = tmp_path / "xdg" / "autostart" / "io.github.timeshare.Timeshare.desktop"
+    app = bare_app(tray=True)
+    app.start(background=True)
+    app.handle(Action("Start at login", Command.START_AT_LOGIN, checkable=True))
+    assert entry.is_file()
+    assert config_mod.load_config(config_path).general.start_at_login is True
+    app.tray.rebuild_menu()
+    login = next(a for a in app.tray.menu.actions() if a.text() == "Start at login")
+    assert login.isChecked()
+    login.trigger()  # the real menu action turns it off again
+    assert not entry.exists()
+    assert config_mod.load_config(config_path).general.start_at_login is False
+
+
+def test_settings_saved_with_start_at_login_writes_the_autostart_entry(
+    qtbot: Any, bare_app: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    app = bare_app(tray=True)
+    app.start(background=True)
+    dialog = app.open_settings()
+    dialog.start_at_login.setChecked(True)
+    assert dialog.save()
+    assert (tmp_path / "xdg" / "autostart" / "io.github.timeshare.Timeshare.desktop").is_file()
+    assert app.config.general.start_at_login
+
+
+def test_without_a_tray_the_chat_window_opens_and_closing_asks_once(
+    qtbot: Any, bare_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtWidgets import QMessageBox
+
+    asked: list[str] = []
+
+    def question(*args: Any, **kwargs: Any) -> QMessageBox.StandardButton:
+        asked.append(args[1])
+        return QMessageBox.StandardButton.Yes  # keep running
+
+    monkeypatch.setattr(QMessageBox, "question", question)
+    app = bare_app(tray=False)
+    app.start(background=False)
+    assert app.tray is None and app.window.isVisible()
+    quits: list[bool] = []
+    app.quit_requested.connect(lambda: quits.append(True))
+    app.window.close()
+    assert asked == ["Keep Timeshare running?"] and quits == []
+    app.window.show()
+    app.window.close()
+    assert len(asked) == 1  # asked once: the answer is remembered
+
+    # a later session that answered "no" quits when the window closes
+    from timeshare.app import application
+
+    application.save_ui_state({"keep_running_without_tray": False})
+    other = bare_app(tray=False)
+    other.start(background=False)
+    other.quit_requested.connect(lambda: quits.append(True))
+    other.window.close()
+    assert quits == [True] and len(asked) == 1
+
+
+def test_settings_licence_column_follows_the_config(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
+) -> None:
+    config = dataclasses.replace(
+        smol_config(smollm2_path),
+        models=(dataclasses.replace(smol_config(smollm2_path).models[0], licence="Apache-2.0"),),
+    )
+    dialog = dialog_for(qtbot, config, bridge, config_path)
+    assert dialog.models_table.item(0, 3).text() == "Apache-2.0"
