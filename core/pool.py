@@ -358,7 +358,12 @@ class Pool:
         with self._run_lock:
             if not self._running:
                 return
+            already = self._closing  # another thread is stopping it: wait for that one
             self._closing = True
+        if already:
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=timeout + 10.0)
+            return
         procs = self._call(self._begin_shutdown, closing_ok=True)
         deadline = time.monotonic() + timeout * 0.6
         for _, proc in procs:

@@ -32,6 +32,7 @@ from timeshare.core.pool import Generation, Pool
 from timeshare.core.state import EventKind, ModelState, PoolEvent
 
 pytestmark = pytest.mark.slow
+_SERVING = (ModelState.RESIDENT, ModelState.RELEASED, ModelState.SLEEPING)
 
 PROMPTS = {
     SMOLLM2_ID: "The capital of France is",
@@ -480,45 +481,69 @@ def test_stop_kills_a_worker_that_does_not_answer(tmp_path: Path, smollm2_path: 
     assert not alive(pid) and not group_alive(pid)
 
 
-def test_idle_timer_applies_the_models_release_level(tmp_path: Path, smollm2_path: Path) -> None:
-    config = Config(
-        models=(ModelConfig(id="m", path=str(smollm2_path), idle_sleep_s=0.2, idle_release="stop"),),
-    )
+def test_idle_timer_applies_each_models_release_level(tmp_path: Path, smollm2_path: Path) -> None:
+    def model(model_id: str, level: str) -> ModelConfig:
+        return ModelConfig(id=model_id, path=str(smollm2_path), idle_sleep_s=0.3, idle_release=level)  # type: ignore[arg-type]
+
+    config = Config(models=(model("w", "weights"), model("kv", "weights+kv"), model("stop", "stop")))
     pool = Pool(config, arena_dir=tmp_path / "arena")
     events = Events()
     pool.subscribe(events)
     pool.start()
     try:
-        events.wait_for(lambda e: e.kind is EventKind.MESSAGE and "idle" in e.message and e.model == "m")
-        events.wait_for(state_is("m", ModelState.STOPPED))
-        # a request brings it back
-        assert pool.generate("m", prompt="Hi", max_tokens=2).result(timeout=WAIT).usage.completion_tokens > 0
+        pool.wait_ready(timeout=WAIT)
+        # "weights": only a resident model has something to release
+        mark = events.mark()
+        assert pool.generate("w", prompt="Hi", max_tokens=2).result(timeout=WAIT).text
+        events.wait_for(
+            lambda e: e.model == "w" and "idle for 0.3 s: releasing its weights" in e.message, mark
+        )
+        events.wait_for(state_is("w", ModelState.RELEASED), mark)
+        # "weights+kv": sleeps; "stop": the worker exits
+        events.wait_for(lambda e: e.model == "kv" and "idle for 0.3 s: sleeping" in e.message)
+        events.wait_for(state_is("kv", ModelState.SLEEPING))
+        events.wait_for(lambda e: e.model == "stop" and "idle for 0.3 s: stopping" in e.message)
+        events.wait_for(state_is("stop", ModelState.STOPPED))
+        # a request brings the stopped one back
+        assert (
+            pool.generate("stop", prompt="Hi", max_tokens=2).result(timeout=WAIT).usage.completion_tokens > 0
+        )
     finally:
         pool.stop()
 
 
-def test_apply_config_adds_and_removes_models(tmp_path: Path, smollm2_path: Path) -> None:
-    one = ModelConfig(id="a", path=str(smollm2_path), idle_sleep_s=None)
-    pool = Pool(Config(models=(one,)), arena_dir=tmp_path / "arena")
+def test_apply_config_adds_removes_and_restarts_models(tmp_path: Path, smollm2_path: Path) -> None:
+    a = ModelConfig(id="a", path=str(smollm2_path), idle_sleep_s=None)
+    pool = Pool(Config(models=(a,)), arena_dir=tmp_path / "arena")
     pool.start()
     try:
         pool.wait_ready(timeout=WAIT)
         pid_a = pool.snapshot().model("a").pid  # type: ignore[union-attr]
-        missing = ModelConfig(id="b", path=str(tmp_path / "nowhere.gguf"))
-        pool.apply_config(Config(models=(missing,)))
-        pool.wait_ready(timeout=WAIT)
+        assert pid_a
+        # a load-time field changed: "a" restarts with it; "b" is added (its file is missing)
+        b = ModelConfig(id="b", path=str(tmp_path / "nowhere.gguf"))
+        a_small = ModelConfig(id="a", path=str(smollm2_path), idle_sleep_s=None, n_ctx=1024)
+        pool.apply_config(Config(models=(a_small, b)))
         deadline = time.monotonic() + WAIT
+        while pool.snapshot().model("a").pid in (pid_a, None) and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        pool.wait_ready(timeout=WAIT)
+        snap = pool.snapshot()
+        assert not alive(pid_a)
+        assert snap.model("a").n_ctx == 1024 and snap.model("a").state in _SERVING  # type: ignore[union-attr]
+        assert snap.model("b").state is ModelState.FAILED  # type: ignore[union-attr]
+        # "a" removed: its worker stops and the id is gone
+        pid_a = snap.model("a").pid  # type: ignore[union-attr]
+        pool.apply_config(Config(models=(b,)))
         while pool.snapshot().model("a") is not None and time.monotonic() < deadline:
             time.sleep(0.05)
-        snap = pool.snapshot()
-        assert snap.model("a") is None and pid_a and not alive(pid_a)
-        assert snap.model("b").state is ModelState.FAILED  # type: ignore[union-attr]
+        assert pool.snapshot().model("a") is None and pid_a and not alive(pid_a)
         with pytest.raises(UnknownModelError):
             pool.generate("a", prompt="hi")
-        # the file appears: re-applying a changed config retries it
+        # the file appears: starting the model again works
         shutil.copy(smollm2_path, tmp_path / "nowhere.gguf")
         pool.start_model("b")
         pool.wait_ready(["b"], timeout=WAIT)
-        assert pool.snapshot().model("b").state in (ModelState.RESIDENT, ModelState.RELEASED)  # type: ignore[union-attr]
+        assert pool.snapshot().model("b").state in _SERVING  # type: ignore[union-attr]
     finally:
         pool.stop()
