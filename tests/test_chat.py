@@ -438,3 +438,24 @@ def test_real_worker_killed_mid_answer_loses_nothing_saved(real_pool: Any, store
     assert again.result(timeout=WAIT).text
     assert [m.role for m in store.messages(conv.id)] == ["user", "assistant"]
     assert store.messages(conv.id)[1].complete
+
+
+@pytest.mark.slow
+def test_real_pool_cancel_keeps_what_was_streamed(real_pool: Any, store: Store) -> None:
+    chat = ChatService(real_pool, store)
+    conv = chat.new_conversation("smol")
+    turn = chat.send(conv.id, "Write a long story about a lighthouse keeper.", max_tokens=1500)
+    pieces = iter(turn)
+    got = [next(pieces), next(pieces)]
+    turn.cancel()
+    got.extend(pieces)  # whatever was already on its way
+    result = turn.result(timeout=WAIT)
+    assert result.finish_reason == "cancelled"
+    assert result.text == "".join(got)
+    saved = store.message(turn.assistant_message_id)
+    assert (saved.content, saved.complete, saved.stats["finish_reason"]) == (result.text, True, "cancelled")
+    # the model is free again at once
+    assert chat.send(conv.id, "Thanks.", max_tokens=4).result(timeout=WAIT).finish_reason in (
+        "stop",
+        "length",
+    )
