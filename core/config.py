@@ -543,7 +543,20 @@ def _plain(item: Any) -> Any:
     return unwrap() if callable(unwrap) else item
 
 
-def _merge_into_existing(text: str, config: Config) -> str | None:
+def _keep_spelling(table: Any, key: str, wanted: dict[str, Any], base_dir: Path) -> None:
+    """Keep the user's spelling of a path ("~/models/x.gguf", "models/x.gguf") when it still
+    names the same file as the new absolute value."""
+    old = _plain(table.get(key)) if key in table else None
+    new = wanted.get(key)
+    if isinstance(old, str) and isinstance(new, str) and old != new:
+        resolved = Path(old).expanduser()
+        if not resolved.is_absolute():
+            resolved = base_dir / resolved
+        if str(resolved) == new:
+            wanted[key] = old
+
+
+def _merge_into_existing(text: str, config: Config, base_dir: Path) -> str | None:
     """Update an existing document in place so comments and layout survive; None if it can't be."""
     import tomlkit
     from tomlkit.exceptions import TOMLKitError
@@ -557,6 +570,8 @@ def _merge_into_existing(text: str, config: Config) -> str | None:
         if section in doc:
             if not isinstance(doc[section], Mapping):
                 return None
+            if section == "arena":
+                _keep_spelling(doc[section], "dir", data[section], base_dir)
             _update_table(doc[section], data[section])
         else:
             fresh = tomlkit.table()
@@ -576,6 +591,8 @@ def _merge_into_existing(text: str, config: Config) -> str | None:
         table: Any = old_tables.get(model["id"])
         if table is None:
             table = tomlkit.table()
+        else:
+            _keep_spelling(table, "path", model, base_dir)
         _update_table(table, model)
         new_aot.append(table)
     if "models" in doc:
@@ -643,7 +660,7 @@ def save_config(config: Config, path: str | Path | None = None, *, check_paths: 
     except (OSError, UnicodeDecodeError):
         existing = None
     if existing is not None:
-        text = _merge_into_existing(existing, config)
+        text = _merge_into_existing(existing, config, target.expanduser().resolve().parent)
     if text is None:
         text = config_to_toml(config)
     atomic_write_text(target, text)

@@ -333,6 +333,21 @@ n_ctx = 512
     assert (tmp_path / "config.toml.bak").read_text() == original
 
 
+def test_save_keeps_the_users_spelling_of_paths(tmp_path: Path, model_file: Path) -> None:
+    path = write(
+        tmp_path / "config.toml",
+        '[arena]\ndir = "~/arena"\n[[models]]\nid = "smol"\npath = "models/smol.gguf"\n',
+    )
+    config = cfg.load_config(path)
+    assert config.models[0].path == str(model_file) and config.arena.dir == str(Path.home() / "arena")
+    cfg.save_config(
+        dataclasses.replace(config, models=(dataclasses.replace(config.models[0], n_ctx=99),)), path
+    )
+    text = path.read_text()
+    assert 'path = "models/smol.gguf"' in text and 'dir = "~/arena"' in text
+    assert cfg.load_config(path).models[0].n_ctx == 99
+
+
 def test_removing_a_model_removes_its_table(tmp_path: Path, model_file: Path) -> None:
     path = cfg.save_config(sample_config(model_file), tmp_path / "config.toml")
     config = cfg.load_config(path)
