@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import stat
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,6 @@ from _api_util import (
     run_cli,
     seed_gemma_cache,
     serving,
-    start_serve,
-    stop_serve_proc,
     write_config,
 )
 from timeshare.core.api import BadRequest, is_loopback, parse_chat_request, parse_completion_request
@@ -201,26 +198,6 @@ def test_serve_reports_a_bad_config(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "models[0].path" in done.stderr
     assert config.read_text() == "[[models]]\nid = 'x'\npath = '/nonexistent/model.gguf'\n"
-
-
-def test_serve_without_config_serves_the_demo_models_and_stops_cleanly(
-    tmp_path: Path, gemma3_path: Path
-) -> None:
-    home = tmp_path / "home"
-    seed_gemma_cache(home, gemma3_path)
-    served = start_serve(home)
-    try:
-        address = home / "run" / "api.json"
-        assert stat.S_IMODE(address.stat().st_mode) == 0o600
-        record = json.loads(address.read_text())
-        assert record["key_required"] is False and record["url"].startswith("http://127.0.0.1:")
-        models = httpx.get(f"{served.url}/v1/models", timeout=30).json()
-        assert {m["id"] for m in models["data"]} == {SMOL, GEMMA}
-        assert all(m["object"] == "model" and m["owned_by"] == "timeshare" for m in models["data"])
-    finally:
-        code = stop_serve_proc(served.proc)
-    assert code == 0, served.log_text()[-3000:]
-    assert not (home / "run" / "api.json").exists()
 
 
 # ---- a served pool with both demo models and a key -----------------------------------------------
@@ -519,3 +496,21 @@ def test_cli_finds_the_key_in_the_config(served: Served) -> None:
     assert done.returncode == 1 and "needs an API key" in done.stderr
     done = run_cli(served.home, "models", env_extra={"TIMESHARE_API_KEY": "wrong"})
     assert done.returncode == 1 and "Incorrect API key" in done.stderr
+
+
+def test_abandoned_plain_request_is_cancelled(served: Served) -> None:
+    base = served.status()["switch_stats"]["cancelled_by_disconnect"]  # type: ignore[index]
+    body = {"model": GEMMA, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 1500, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{served.url}/v1/completions", json=body, headers=served.headers(), timeout=3)
+    status = served.wait_until(
+        lambda s: s["switch_stats"]["cancelled_by_disconnect"] > base,  # type: ignore[index]
+        "the server to cancel the abandoned request",
+        timeout=60,
+    )
+    assert status["switch_stats"]["recent_cancel_finish_reasons"][-1] == "cancelled"  # type: ignore[index]
+    served.wait_until(lambda s: _queued(s, GEMMA) == 0 and not _busy(s, GEMMA), "gemma to become idle", 60)
+
+
+def _busy(status: dict[str, object], model: str) -> bool:
+    return bool(next(m["busy"] for m in status["models"] if m["id"] == model))  # type: ignore[attr-defined]

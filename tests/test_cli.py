@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,10 +75,17 @@ def served(
 ) -> Iterator[Served]:
     home = tmp_path_factory.mktemp("cli-home")
     seed_gemma_cache(home, gemma3_path)
-    with serving(home) as server:  # no config file: the demo models (ids, names, licences)
+    address = home / "run" / "api.json"
+    with serving(home) as server:  # no config file: `timeshare serve` serves the demo models
+        assert stat.S_IMODE(address.stat().st_mode) == 0o600
+        record = json.loads(address.read_text())
+        assert record["key_required"] is False and record["url"] == server.url
+        assert server.url.startswith("http://127.0.0.1:")
         server.wait_ready([SMOL, GEMMA])
         yield server
+    # SIGTERM: every worker stopped, exit 0, the address file removed
     assert server.proc.returncode == 0, server.log_text()[-3000:]
+    assert not address.exists()
 
 
 def test_models(served: Served) -> None:
