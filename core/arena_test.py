@@ -1,0 +1,500 @@
+"""``timeshare arena-test``: stress the VRAM arena with real workers and check its invariant.
+
+Starts N real workers (a :class:`~.pool.Pool`) on real models, takes an uncontended greedy
+reference for every (model file, prompt), then drives random concurrent requests for a while.
+Every worker logs on the monotonic clock its token intervals (acquired → released, written by the
+arena's TokenClient) and its weights-resident intervals (restore started → release finished,
+written by the worker). :func:`check_intervals` then proves that
+
+- every resident interval lies inside a token interval of the same process, and
+- no two processes' resident intervals overlap (nor their token intervals),
+
+and the report says how many requests ran, how many handoffs happened, whether every output under
+contention equals its uncontended reference, and the handoff time (doorbell rung → token acquired).
+
+The harness uses a private arena in a temporary folder (so a running Timeshare is not disturbed)
+unless ``TIMESHARE_VRAM_ARENA`` names one; an unsafe arena is refused with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import demo
+from .arena import read_intervals
+from .config import ArenaConfig, Config, ModelConfig
+from .errors import ArenaError, TimeshareError
+from .state import ModelState
+
+log = logging.getLogger(__name__)
+
+#: short prompts whose greedy continuations are long enough to need several decode steps
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Water boils at",
+)
+
+# ---- the checker (pure) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Interval:
+    kind: str
+    model: str
+    pid: int
+    start: float
+    end: float
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Interval:
+        return cls(
+            kind=str(record["kind"]),
+            model=str(record["model"]),
+            pid=int(record["pid"]),
+            start=float(record["start"]),
+            end=float(record["end"]),
+        )
+
+    def overlaps(self, other: Interval) -> bool:
+        return self.start < other.end and other.start < self.end
+
+    def inside(self, other: Interval) -> bool:
+        return other.start <= self.start and self.end <= other.end
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    token_intervals: int
+    resident_intervals: int
+    overlaps: tuple[tuple[Interval, Interval], ...]  # resident intervals of two processes at once
+    outside_token: tuple[Interval, ...]  # resident intervals not inside a token interval of their own
+    token_overlaps: tuple[tuple[Interval, Interval], ...]  # token held by two processes at once
+    malformed: int  # records that are not intervals (end before start, missing fields)
+    handoffs: int
+    handoff_ms: tuple[float, ...]  # doorbell rung (token requested) → token acquired, per handoff
+
+    @property
+    def ok(self) -> bool:
+        return not (self.overlaps or self.outside_token or self.token_overlaps or self.malformed)
+
+
+def _cross_process_overlaps(intervals: Sequence[Interval]) -> list[tuple[Interval, Interval]]:
+    ordered = sorted(intervals, key=lambda i: (i.start, i.end))
+    found: list[tuple[Interval, Interval]] = []
+    open_: list[Interval] = []  # intervals that may still overlap later ones (sweep line)
+    for cur in ordered:
+        open_ = [o for o in open_ if o.end > cur.start]
+        found.extend((o, cur) for o in open_ if o.pid != cur.pid and o.overlaps(cur))
+        open_.append(cur)
+    return found
+
+
+def check_intervals(records: Iterable[Mapping[str, Any]]) -> CheckResult:
+    """Check the arena invariant over interval records (see the module docstring)."""
+    tokens: list[Interval] = []
+    resident: list[Interval] = []
+    handoff_ms: list[float] = []
+    malformed = 0
+    for record in records:
+        kind = record.get("kind")
+        if kind not in ("token", "resident"):
+            continue
+        try:
+            interval = Interval.from_record(record)
+        except (KeyError, TypeError, ValueError):
+            malformed += 1
+            continue
+        if interval.end < interval.start:
+            malformed += 1
+            continue
+        if kind == "token":
+            tokens.append(interval)
+            if record.get("handoff") and record.get("requested") is not None:
+                handoff_ms.append((interval.start - float(record["requested"])) * 1000.0)
+        else:
+            resident.append(interval)
+    by_pid: dict[int, list[Interval]] = {}
+    for t in tokens:
+        by_pid.setdefault(t.pid, []).append(t)
+    outside = tuple(
+        r for r in resident if not any(r.model == t.model and r.inside(t) for t in by_pid.get(r.pid, ()))
+    )
+    return CheckResult(
+        token_intervals=len(tokens),
+        resident_intervals=len(resident),
+        overlaps=tuple(_cross_process_overlaps(resident)),
+        outside_token=outside,
+        token_overlaps=tuple(_cross_process_overlaps(tokens)),
+        malformed=malformed,
+        handoffs=len(handoff_ms),
+        handoff_ms=tuple(handoff_ms),
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    model: str
+    prompt: str
+    expected: str
+    got: str
+
+
+@dataclass(frozen=True)
+class ArenaTestReport:
+    workers: int
+    models: tuple[str, ...]
+    seconds: float
+    requests: int  # completed under contention
+    reference_requests: int
+    errors: int
+    handoffs: int
+    overlaps: int
+    outside_token: int
+    token_overlaps: int
+    deadlocks: int  # requests that did not finish within the deadlock timeout
+    outputs_match_reference: bool
+    handoff_ms_p50: float | None
+    handoff_ms_p99: float | None
+    token_intervals: int
+    resident_intervals: int
+    malformed_records: int
+    mismatches: tuple[Mismatch, ...] = ()
+    error_messages: tuple[str, ...] = ()
+    arena_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.overlaps == 0
+            and self.outside_token == 0
+            and self.token_overlaps == 0
+            and self.deadlocks == 0
+            and self.errors == 0
+            and self.malformed_records == 0
+            and self.outputs_match_reference
+            and self.requests > 0
+            and self.resident_intervals > 0
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["models"] = list(self.models)
+        out["mismatches"] = [asdict(m) for m in self.mismatches[:10]]
+        out["error_messages"] = list(self.error_messages[:10])
+        out["ok"] = self.ok
+        return out
+
+    def to_text(self) -> str:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.1f} ms"
+
+        lines = [
+            f"workers              {self.workers} ({', '.join(self.models)})",
+            f"requests             {self.requests} under contention in {self.seconds:.1f} s "
+            f"(+{self.reference_requests} reference)",
+            f"handoffs             {self.handoffs}",
+            f"handoff p50 / p99    {ms(self.handoff_ms_p50)} / {ms(self.handoff_ms_p99)} (doorbell → token)",
+            f"intervals            {self.token_intervals} token, {self.resident_intervals} resident",
+            f"overlaps             {self.overlaps}",
+            f"outside_token        {self.outside_token}",
+            f"token_overlaps       {self.token_overlaps}",
+            f"deadlocks            {self.deadlocks}",
+            f"errors               {self.errors}",
+            f"outputs match        {'yes' if self.outputs_match_reference else 'NO'}",
+            f"result               {'OK' if self.ok else 'FAILED'}",
+        ]
+        for m in self.mismatches[:3]:
+            lines.append(f"  mismatch {m.model} {m.prompt!r}: expected {m.expected!r}, got {m.got!r}")
+        lines.extend(f"  error: {e}" for e in self.error_messages[:3])
+        return "\n".join(lines)
+
+
+# ---- the harness -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    id: str
+    path: str
+
+
+def plan_workers(workers: int, models: Sequence[tuple[str, str]]) -> tuple[WorkerPlan, ...]:
+    """``workers`` worker ids over ``models`` ((id, path) pairs), reusing models round-robin:
+    the second worker on a model gets ``<id>-2`` and so on."""
+    if workers < 1:
+        raise ValueError("--workers must be at least 1")
+    if not models:
+        raise ValueError("no models to run: give --model PATH or install the demo models")
+    plans = []
+    for i in range(workers):
+        base_id, path = models[i % len(models)]
+        round_ = i // len(models)
+        plans.append(WorkerPlan(base_id if round_ == 0 else f"{base_id}-{round_ + 1}", path))
+    return tuple(plans)
+
+
+def model_id_for_path(path: str) -> str:
+    stem = Path(path).name.removesuffix(".gguf").lower()
+    return re.sub(r"[^a-z0-9._-]+", "-", stem).strip("-.") or "model"
+
+
+@dataclass
+class _Tally:
+    requests: int = 0
+    errors: list[str] = field(default_factory=list)
+    deadlocks: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ArenaHarness:
+    """The pieces of an arena test, for the CLI and for tests that need finer control."""
+
+    def __init__(
+        self,
+        plans: Sequence[WorkerPlan],
+        *,
+        work_dir: Path,
+        arena_dir: Path,
+        prompts: Sequence[str] = DEFAULT_PROMPTS,
+        max_tokens: int = 16,
+        min_quantum_ms: float = 50.0,
+        deadlock_s: float = 120.0,
+        seed: int = 0,
+        max_restarts: int = 3,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        from .pool import Pool  # here: importing the harness module stays cheap
+
+        self.plans = tuple(plans)
+        self.work_dir = work_dir
+        self.arena_dir = arena_dir
+        self.interval_log = work_dir / "intervals.jsonl"
+        self.prompts = tuple(prompts)
+        self.max_tokens = max_tokens
+        self.deadlock_s = deadlock_s
+        self.rng = random.Random(seed)
+        self.progress = progress or (lambda _msg: None)
+        self.reference: dict[tuple[str, str], str] = {}  # (model path, prompt) -> text
+        self.reference_requests = 0
+        self.tally = _Tally()
+        self.contention_s = 0.0
+        config = Config(
+            models=tuple(
+                ModelConfig(id=p.id, path=p.path, n_ctx=512, n_seq=2, idle_sleep_s=None) for p in self.plans
+            ),
+            arena=ArenaConfig(dir=str(arena_dir), min_quantum_ms=min_quantum_ms, wait_timeout_s=deadlock_s),
+        )
+        self.pool = Pool(
+            config,
+            arena_dir=arena_dir,
+            log_dir=work_dir / "logs",
+            kv_dir=work_dir / "kv",
+            interval_log=str(self.interval_log),
+            max_restarts=max_restarts,
+        )
+
+    def path_of(self, worker_id: str) -> str:
+        return next(p.path for p in self.plans if p.id == worker_id)
+
+    def start(self, timeout: float = 300.0) -> None:
+        self.progress(f"starting {len(self.plans)} workers")
+        self.pool.start()
+        self.pool.wait_ready(timeout=timeout)
+        snap = self.pool.snapshot()
+        failed = [f"{m.id}: {m.reason or m.state.value}" for m in snap.models if m.state is ModelState.FAILED]
+        if failed:
+            raise TimeshareError("workers failed to start: " + "; ".join(failed))
+
+    def generate(self, worker_id: str, prompt: str) -> str:
+        gen = self.pool.generate(worker_id, prompt=prompt, max_tokens=self.max_tokens, temperature=0.0)
+        try:
+            return gen.result(timeout=self.deadlock_s).text
+        except TimeoutError:
+            gen.cancel()
+            raise
+
+    def take_reference(self) -> None:
+        """One request at a time (no contention), one per (model file, prompt)."""
+        self.progress("taking the uncontended reference")
+        for plan in self.plans:
+            for prompt in self.prompts:
+                key = (plan.path, prompt)
+                if key not in self.reference:
+                    self.reference[key] = self.generate(plan.id, prompt)
+                    self.reference_requests += 1
+
+    def contend(self, seconds: float, clients: int | None = None) -> None:
+        """Random concurrent requests from ``clients`` threads for ``seconds``."""
+        n = clients or max(2, 2 * len(self.plans))
+        self.progress(f"contention: {n} clients for {seconds:.1f} s")
+        deadline = time.monotonic() + seconds
+        seeds = [self.rng.randrange(1 << 30) for _ in range(n)]
+        threads = [
+            threading.Thread(
+                target=self._client, args=(deadline, s), name=f"arena-test-client-{i}", daemon=True
+            )
+            for i, s in enumerate(seeds)
+        ]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(seconds + self.deadlock_s + 30.0)
+        self.contention_s = time.monotonic() - started
+
+    def _client(self, deadline: float, seed: int) -> None:
+        rng = random.Random(seed)
+        tally = self.tally
+        while time.monotonic() < deadline:
+            plan = rng.choice(self.plans)
+            prompt = rng.choice(self.prompts)
+            try:
+                text = self.generate(plan.id, prompt)
+            except TimeoutError:
+                with tally.lock:
+                    tally.deadlocks += 1
+                continue
+            except TimeshareError as exc:
+                with tally.lock:
+                    tally.errors.append(f"{plan.id}: {type(exc).__name__}: {exc}")
+                time.sleep(0.05)
+                continue
+            expected = self.reference.get((plan.path, prompt))
+            with tally.lock:
+                tally.requests += 1
+                if expected is not None and text != expected:
+                    tally.mismatches.append(Mismatch(plan.id, prompt, expected, text))
+            time.sleep(rng.uniform(0.0, 0.03))
+
+    def stop(self) -> None:
+        self.pool.stop(timeout=30.0)
+
+    def report(self) -> ArenaTestReport:
+        check = check_intervals(read_intervals(self.interval_log))
+        tally = self.tally
+        return ArenaTestReport(
+            workers=len(self.plans),
+            models=tuple(p.id for p in self.plans),
+            seconds=round(self.contention_s, 3),
+            requests=tally.requests,
+            reference_requests=self.reference_requests,
+            errors=len(tally.errors),
+            handoffs=check.handoffs,
+            overlaps=len(check.overlaps),
+            outside_token=len(check.outside_token),
+            token_overlaps=len(check.token_overlaps),
+            deadlocks=tally.deadlocks,
+            outputs_match_reference=not tally.mismatches and bool(self.reference),
+            handoff_ms_p50=_round(percentile(check.handoff_ms, 50)),
+            handoff_ms_p99=_round(percentile(check.handoff_ms, 99)),
+            token_intervals=check.token_intervals,
+            resident_intervals=check.resident_intervals,
+            malformed_records=check.malformed,
+            mismatches=tuple(tally.mismatches),
+            error_messages=tuple(tally.errors),
+            arena_dir=str(self.arena_dir),
+        )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def default_models() -> list[tuple[str, str]]:
+    return [(m.id, m.path) for m in demo.demo_model_configs()]
+
+
+def run_arena_test(
+    models: Sequence[tuple[str, str]],
+    workers: int = 3,
+    seconds: float = 20.0,
+    *,
+    work_dir: Path | None = None,
+    arena_dir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
+) -> ArenaTestReport:
+    """Run the whole test: start, reference, contention, stop, check."""
+    plans = plan_workers(workers, models)
+    own_work = work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="timeshare-arena-test-")) if work_dir is None else work_dir
+    arena = arena_dir if arena_dir is not None else work / "arena"
+    harness = ArenaHarness(plans, work_dir=work, arena_dir=arena, progress=progress, **options)
+    try:
+        harness.start()
+        harness.take_reference()
+        harness.contend(seconds)
+    finally:
+        harness.stop()
+    report = harness.report()
+    if own_work and report.ok:
+        shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    """The ``timeshare arena-test`` handler. Exit 0: invariant held; 1: it did not; 2: could not run."""
+    import os
+
+    def progress(msg: str) -> None:
+        print(f"arena-test: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        models = [(model_id_for_path(p), p) for p in args.model] if args.model else default_models()
+        if args.model:  # the same file twice is fine: ids must still differ
+            seen: dict[str, int] = {}
+            for i, (mid, path) in enumerate(models):
+                seen[mid] = seen.get(mid, 0) + 1
+                if seen[mid] > 1:
+                    models[i] = (f"{mid}-{seen[mid]}", path)
+        env_arena = os.environ.get("TIMESHARE_VRAM_ARENA")
+        report = run_arena_test(
+            models,
+            workers=args.workers,
+            seconds=args.seconds,
+            arena_dir=Path(env_arena).expanduser() if env_arena else None,
+            progress=progress,
+        )
+    except ArenaError as exc:
+        print(f"timeshare arena-test: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, TimeshareError, demo.DemoUnavailable) as exc:
+        print(f"timeshare arena-test: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.to_text())
+    if not report.ok and not args.json:
+        print("the arena invariant or the outputs did not hold: see above", file=sys.stderr)
+    return 0 if report.ok else 1
