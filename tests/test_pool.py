@@ -121,10 +121,12 @@ def broken_files(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -
     missing = d / "missing.gguf"
     not_gguf = d / "notes.gguf"
     not_gguf.write_text("this is a text file, not a model\n")
-    truncated = d / "truncated.gguf"
-    with smollm2_path.open("rb") as src, truncated.open("wb") as dst:
-        dst.write(src.read(1 << 20))  # the header and some metadata, no tensor data
-    return {"missing": missing, "not-gguf": not_gguf, "truncated": truncated}
+    truncated = d / "truncated.gguf"  # header intact, half of the tensor data missing
+    damaged = d / "damaged.gguf"  # cut inside the metadata
+    data = smollm2_path.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    damaged.write_bytes(data[: 1 << 20])
+    return {"missing": missing, "not-gguf": not_gguf, "truncated": truncated, "damaged": damaged}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,7 @@ def shared(
             ModelConfig(id="missing", path=str(broken_files["missing"])),
             ModelConfig(id="not-gguf", path=str(broken_files["not-gguf"])),
             ModelConfig(id="truncated", path=str(broken_files["truncated"])),
+            ModelConfig(id="damaged", path=str(broken_files["damaged"])),
         ),
         arena=ArenaConfig(min_quantum_ms=2000.0, wait_timeout_s=120.0),  # few switches per request
         api=ApiConfig(queue_limit=2),
@@ -239,9 +242,13 @@ def test_broken_models_fail_with_a_reason_while_the_others_serve(shared: tuple[P
     assert missing and not_gguf and truncated
     assert missing.state is ModelState.FAILED and "does not exist" in missing.reason
     assert not_gguf.state is ModelState.FAILED and "not a GGUF file" in not_gguf.reason
-    assert truncated.state is ModelState.FAILED and truncated.reason, truncated
-    assert truncated.restarts == 0  # a load failure is not retried in a loop
-    for model_id in ("missing", "not-gguf", "truncated"):
+    assert truncated.state is ModelState.FAILED and "is truncated" in truncated.reason, truncated
+    assert "re-download it" in truncated.reason
+    damaged = snap.model("damaged")
+    assert damaged and damaged.state is ModelState.FAILED and "damaged GGUF" in damaged.reason, damaged
+    assert truncated.restarts == damaged.restarts == 0  # a load failure is not retried in a loop
+    assert any("truncated" in line for line in truncated.log_tail)  # the worker's log is kept
+    for model_id in ("missing", "not-gguf", "truncated", "damaged"):
         events.wait_for(lambda e, m=model_id: e.kind is EventKind.FAILED and e.model == m)
         with pytest.raises(ModelUnavailableError, match="not available"):
             pool.generate(model_id, prompt="hi")
