@@ -514,3 +514,36 @@ def test_abandoned_plain_request_is_cancelled(served: Served) -> None:
 
 def _busy(status: dict[str, object], model: str) -> bool:
     return bool(next(m["busy"] for m in status["models"] if m["id"] == model))  # type: ignore[attr-defined]
+
+
+# ---- ApiServer in-process (how the tray app runs it) -----------------------------------------------
+
+
+def test_api_server_in_process_reports_its_port_and_cleans_up(timeshare_home: Path) -> None:
+    from timeshare.core import paths
+    from timeshare.core.api import ApiServer
+    from timeshare.core.config import ApiConfig, Config
+    from timeshare.core.errors import ConfigError
+    from timeshare.core.pool import Pool
+
+    pool = Pool(Config())  # no models: nothing to spawn, a real pool all the same
+    pool.start()
+    try:
+        with pytest.raises(ConfigError, match="not a loopback address"):
+            ApiServer(pool, ApiConfig(host="0.0.0.0", port=0)).start()
+        server = ApiServer(pool, ApiConfig(port=0))
+        url = server.start()
+        try:
+            assert server.port and url == f"http://127.0.0.1:{server.port}"
+            assert json.loads(paths.api_address_file().read_text())["url"] == url
+            r = httpx.get(f"{url}/v1/models", timeout=30)
+            assert r.json() == {"object": "list", "data": []}
+            r = httpx.post(f"{url}/v1/completions", json={"model": "x", "prompt": "hi"}, timeout=30)
+            assert r.status_code == 404 and "none are configured" in r.json()["error"]["message"]
+        finally:
+            server.stop()
+        assert not paths.api_address_file().exists()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/v1/models", timeout=5)
+    finally:
+        pool.stop()
