@@ -32,8 +32,8 @@ class PoolLike(Protocol):
 
 
 class PoolBridge(QObject):
-    #: every PoolEvent, on the GUI thread
-    event = Signal(object)
+    #: every PoolEvent, on the GUI thread (not named ``event``: that is QObject's event handler)
+    pool_event = Signal(object)
     #: the newest PoolSnapshot, on the GUI thread
     snapshot_changed = Signal(object)
     #: (title, message) worth a tray message: crashes, restarts, failed loads
@@ -66,7 +66,7 @@ class PoolBridge(QObject):
         if self._unsubscribe is None:  # detached: late events are dropped
             return
         self._snapshot = event.snapshot
-        self.event.emit(event)
+        self.pool_event.emit(event)
         self.snapshot_changed.emit(event.snapshot)
         note = notification_for(event)
         if note is not None:

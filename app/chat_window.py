@@ -56,6 +56,7 @@ class StoreLike(Protocol):
     def set_model(self, conversation_id: str, model_id: str) -> Any: ...
     def delete(self, conversation_id: str) -> None: ...
     def messages(self, conversation_id: str) -> list[Any]: ...
+    def update_message(self, message_id: int, content: str, **kw: Any) -> None: ...
 
 
 class ChatLike(Protocol):
@@ -75,6 +76,7 @@ class AnswerStats:
     restore_ms: float
     finish_reason: str
     error: str = ""
+    prewoken: bool = False  # the window restored the model while the user typed
 
     @classmethod
     def from_stats(cls, data: Mapping[str, Any]) -> AnswerStats | None:
@@ -90,6 +92,7 @@ class AnswerStats:
             restore_ms=float(data.get("restore_ms") or 0.0),
             finish_reason=str(data["finish_reason"]),
             error=str(data.get("error") or ""),
+            prewoken=bool(data.get("prewoken", False)),
         )
 
     def line(self) -> str:
@@ -106,6 +109,8 @@ class AnswerStats:
             if self.wait_ms:
                 detail += f", waited {self.wait_ms:.0f} ms for the GPU"
             parts.append(f"GPU switch {self.wait_ms + self.restore_ms:.0f} ms ({detail})")
+        elif self.prewoken:
+            parts.append("no GPU switch at send: restored while you typed")
         else:
             parts.append("no GPU switch")
         if self.finish_reason == "cancelled":
@@ -128,6 +133,7 @@ class _Stream(QObject):
         self.started = started
         self.first_at: float | None = None
         self.ended_at: float | None = None
+        self.prewoken = False
         self._thread = threading.Thread(target=self._run, name="chat-stream", daemon=True)
 
     def start(self) -> None:
@@ -515,6 +521,8 @@ class ChatWindow(QMainWindow):
         self._first_token_ms = None
         self._stream_conversation = conv_id
         stream = _Stream(turn, time.monotonic())
+        model_id = self.store.get(conv_id).model_id
+        stream.prewoken = self._last_prewake.pop(model_id, None) is not None
         stream.piece.connect(self._on_piece)
         stream.first_token.connect(self._on_first_token)
         stream.finished.connect(self._on_finished)
@@ -539,7 +547,7 @@ class ChatWindow(QMainWindow):
             self._render_timer.start()
 
     def _on_finished(self, result: Any, error: BaseException | None) -> None:
-        conv_id = self._stream_conversation
+        stream, conv_id = self._stream, self._stream_conversation
         self._stream = None
         self._stream_conversation = None
         stats: AnswerStats | None = None
@@ -549,7 +557,14 @@ class ChatWindow(QMainWindow):
             log.warning("answer failed: %s", message)
             self.statusBar().showMessage(f"The answer failed: {message} — press Send to try again", 20000)
         elif result is not None:
-            stats = AnswerStats.from_stats(result.stats)
+            data = dict(result.stats)
+            if stream is not None and stream.prewoken and not data.get("switched"):
+                data["prewoken"] = True
+                try:  # the answer is complete: ChatService no longer writes this message
+                    self.store.update_message(result.message_id, result.text, stats=data)
+                except TimeshareError as e:
+                    log.warning("could not note the pre-wake on the answer: %s", e)
+            stats = AnswerStats.from_stats(data)
             if stats is not None:
                 self.statusBar().showMessage(stats.line(), 15000)
         self._partial = ""

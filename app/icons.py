@@ -24,7 +24,10 @@ STATE_COLOURS = {
 
 
 def _resource_path(*parts: str) -> str:
-    return str(resources.files("timeshare.resources").joinpath("icons", "hicolor", *parts))
+    path = resources.files("timeshare.resources") / "icons" / "hicolor"
+    for part in parts:
+        path = path / part
+    return str(path)
 
 
 def app_icon() -> QIcon:

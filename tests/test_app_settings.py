@@ -373,3 +373,65 @@ def test_settings_licence_column_follows_the_config(
     )
     dialog = dialog_for(qtbot, config, bridge, config_path)
     assert dialog.models_table.item(0, 3).text() == "Apache-2.0"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _app_with_api(qtbot: Any, pool: Any, tmp_path: Path, port: int) -> Any:
+    from timeshare.app.application import TimeshareApp
+    from timeshare.core.chat import ChatService
+    from timeshare.core.store import Store
+
+    store = Store(tmp_path / "c.sqlite3")
+    app = TimeshareApp(
+        Config(api=ApiConfig(enabled=True, port=port)),
+        pool,
+        store,
+        ChatService(pool, store),
+        tray_available=False,
+    )
+    qtbot.addWidget(app.window)
+    return app
+
+
+def test_app_serves_the_api_and_shutdown_stops_it(qtbot: Any, pool: Any, tmp_path: Path) -> None:
+    import httpx
+
+    port = _free_port()
+    app = _app_with_api(qtbot, pool, tmp_path, port)
+    app.start(background=False)
+    try:
+        assert app.api is not None
+        reply = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        assert reply.status_code == 200 and reply.json()["object"] == "list"
+    finally:
+        app.shutdown()
+        app.store.close()
+    assert app.api is None
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+
+
+def test_api_port_in_use_is_reported_and_the_app_keeps_running(qtbot: Any, pool: Any, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = int(busy.getsockname()[1])
+        app = _app_with_api(qtbot, pool, tmp_path, port)
+        app.start(background=False)
+        try:
+            assert app.api is None
+            message = app.window.statusBar().currentMessage()
+            assert message.startswith("The API did not start") and str(port) in message
+            assert app.window.isVisible()
+        finally:
+            app.shutdown()
+            app.store.close()
