@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from . import demo
-from .arena import read_intervals
+from .arena import check_arena_dir, read_intervals
 from .config import ArenaConfig, Config, ModelConfig
 from .errors import ArenaError, TimeshareError
 from .state import ModelState
@@ -187,6 +187,9 @@ class ArenaTestReport:
     token_intervals: int
     resident_intervals: int
     malformed_records: int
+    restore_ms_p50: float | None = None  # restore of the weights, as requests that switched report it
+    start_s: float = 0.0  # starting the workers
+    reference_s: float = 0.0  # taking the uncontended reference
     mismatches: tuple[Mismatch, ...] = ()
     error_messages: tuple[str, ...] = ()
     arena_dir: str = ""
@@ -223,6 +226,7 @@ class ArenaTestReport:
             f"(+{self.reference_requests} reference)",
             f"handoffs             {self.handoffs}",
             f"handoff p50 / p99    {ms(self.handoff_ms_p50)} / {ms(self.handoff_ms_p99)} (doorbell → token)",
+            f"restore p50          {ms(self.restore_ms_p50)}",
             f"intervals            {self.token_intervals} token, {self.resident_intervals} resident",
             f"overlaps             {self.overlaps}",
             f"outside_token        {self.outside_token}",
@@ -273,6 +277,7 @@ class _Tally:
     errors: list[str] = field(default_factory=list)
     deadlocks: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
+    restore_ms: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -287,7 +292,7 @@ class ArenaHarness:
         arena_dir: Path,
         prompts: Sequence[str] = DEFAULT_PROMPTS,
         max_tokens: int = 16,
-        min_quantum_ms: float = 50.0,
+        min_quantum_ms: float = ArenaConfig.min_quantum_ms,
         deadlock_s: float = 120.0,
         seed: int = 0,
         max_restarts: int = 3,
@@ -308,6 +313,8 @@ class ArenaHarness:
         self.reference_requests = 0
         self.tally = _Tally()
         self.contention_s = 0.0
+        self.start_s = 0.0
+        self.reference_s = 0.0
         config = Config(
             models=tuple(
                 ModelConfig(id=p.id, path=p.path, n_ctx=512, n_seq=2, idle_sleep_s=None) for p in self.plans
@@ -328,8 +335,10 @@ class ArenaHarness:
 
     def start(self, timeout: float = 300.0) -> None:
         self.progress(f"starting {len(self.plans)} workers")
+        started = time.monotonic()
         self.pool.start()
         self.pool.wait_ready(timeout=timeout)
+        self.start_s = time.monotonic() - started
         snap = self.pool.snapshot()
         failed = [f"{m.id}: {m.reason or m.state.value}" for m in snap.models if m.state is ModelState.FAILED]
         if failed:
@@ -338,31 +347,35 @@ class ArenaHarness:
     def generate(self, worker_id: str, prompt: str) -> str:
         gen = self.pool.generate(worker_id, prompt=prompt, max_tokens=self.max_tokens, temperature=0.0)
         try:
-            return gen.result(timeout=self.deadlock_s).text
+            result = gen.result(timeout=self.deadlock_s)
         except TimeoutError:
             gen.cancel()
             raise
+        if result.switch.switched:
+            with self.tally.lock:
+                self.tally.restore_ms.append(result.switch.restore_ms)
+        return result.text
 
     def take_reference(self) -> None:
         """One request at a time (no contention), one per (model file, prompt)."""
         self.progress("taking the uncontended reference")
+        started = time.monotonic()
         for plan in self.plans:
             for prompt in self.prompts:
                 key = (plan.path, prompt)
                 if key not in self.reference:
                     self.reference[key] = self.generate(plan.id, prompt)
                     self.reference_requests += 1
+        self.reference_s = time.monotonic() - started
 
     def contend(self, seconds: float, clients: int | None = None) -> None:
         """Random concurrent requests from ``clients`` threads for ``seconds``."""
-        n = clients or max(2, 2 * len(self.plans))
+        n = clients or len(self.plans) + 1
         self.progress(f"contention: {n} clients for {seconds:.1f} s")
         deadline = time.monotonic() + seconds
         seeds = [self.rng.randrange(1 << 30) for _ in range(n)]
         threads = [
-            threading.Thread(
-                target=self._client, args=(deadline, s), name=f"arena-test-client-{i}", daemon=True
-            )
+            threading.Thread(target=self._client, args=(deadline, s), name=f"arena-client-{i}", daemon=True)
             for i, s in enumerate(seeds)
         ]
         started = time.monotonic()
@@ -417,6 +430,9 @@ class ArenaHarness:
             outputs_match_reference=not tally.mismatches and bool(self.reference),
             handoff_ms_p50=_round(percentile(check.handoff_ms, 50)),
             handoff_ms_p99=_round(percentile(check.handoff_ms, 99)),
+            restore_ms_p50=_round(percentile(tally.restore_ms, 50)),
+            start_s=round(self.start_s, 3),
+            reference_s=round(self.reference_s, 3),
             token_intervals=check.token_intervals,
             resident_intervals=check.resident_intervals,
             malformed_records=check.malformed,
@@ -478,6 +494,8 @@ def main(args: argparse.Namespace) -> int:
                 if seen[mid] > 1:
                     models[i] = (f"{mid}-{seen[mid]}", path)
         env_arena = os.environ.get("TIMESHARE_VRAM_ARENA")
+        if env_arena:
+            check_arena_dir(env_arena)  # refuse an unsafe arena before loading anything
         report = run_arena_test(
             models,
             workers=args.workers,

@@ -1,0 +1,231 @@
+"""The arena-test harness: the checker on hand-made intervals (so it demonstrably fails), and the
+harness on real workers and real models: >= 3 workers under random contention, outputs equal to
+the uncontended reference, kill -9 of the holder in the middle of a decode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from timeshare.core.arena import Arena, read_holder, read_intervals
+from timeshare.core.arena_test import (
+    ArenaHarness,
+    WorkerPlan,
+    check_intervals,
+    model_id_for_path,
+    percentile,
+    plan_workers,
+    run_arena_test,
+)
+from timeshare.core.errors import ModelUnavailableError
+from timeshare.core.state import ModelState
+
+
+def rec(kind: str, pid: int, start: float, end: float, model: str | None = None, **extra: object) -> dict:
+    return {"kind": kind, "model": model or f"m{pid}", "pid": pid, "start": start, "end": end, **extra}
+
+
+# ---- the checker --------------------------------------------------------------------------------
+
+
+def test_checker_accepts_a_clean_history() -> None:
+    records = [
+        rec("token", 1, 0.0, 1.0),
+        rec("resident", 1, 0.1, 0.9),
+        rec("token", 2, 1.0, 2.0, requested=0.5, handoff=True),
+        rec("resident", 2, 1.0, 2.0),  # touching the token's edges is inside
+        rec("token", 1, 2.5, 3.0, requested=1.5, handoff=True),
+        rec("resident", 1, 2.6, 2.9),
+        {"kind": "order", "whatever": 1},  # other kinds are ignored
+    ]
+    result = check_intervals(records)
+    assert result.ok
+    assert (result.token_intervals, result.resident_intervals) == (3, 3)
+    assert result.handoffs == 2
+    assert result.handoff_ms == pytest.approx((500.0, 1000.0))
+
+
+def test_checker_finds_overlapping_resident_intervals() -> None:
+    records = [
+        rec("token", 1, 0.0, 1.0),
+        rec("resident", 1, 0.0, 1.0),
+        rec("token", 2, 1.0, 2.0),
+        rec("resident", 2, 0.95, 1.5),  # started restoring before process 1 released
+    ]
+    result = check_intervals(records)
+    assert not result.ok
+    assert len(result.overlaps) == 1
+    a, b = result.overlaps[0]
+    assert {a.pid, b.pid} == {1, 2}
+    # ... and that resident interval is also outside process 2's token interval
+    assert [i.pid for i in result.outside_token] == [2]
+
+
+def test_checker_finds_residency_without_the_token() -> None:
+    records = [
+        rec("token", 1, 0.0, 1.0),
+        rec("resident", 1, 0.5, 1.2),  # released after giving the token back
+        rec("token", 2, 5.0, 6.0),
+        rec("resident", 2, 3.0, 3.5),  # resident with no token at all
+        rec("token", 3, 7.0, 8.0, model="a"),
+        rec("resident", 3, 7.1, 7.2, model="b"),  # the token of another model in the same pid
+    ]
+    result = check_intervals(records)
+    assert [(i.pid, i.start) for i in result.outside_token] == [(1, 0.5), (2, 3.0), (3, 7.1)]
+    assert result.overlaps == ()
+    assert not result.ok
+
+
+def test_checker_finds_token_overlaps_far_apart_in_order() -> None:
+    # a long interval overlapping one that starts much later (not just neighbours)
+    records = [rec("token", 1, 0.0, 10.0), rec("token", 2, 1.0, 2.0), rec("token", 3, 3.0, 4.0)]
+    result = check_intervals(records)
+    assert len(result.token_overlaps) == 2
+    assert {b.pid for _, b in result.token_overlaps} == {2, 3}
+
+
+def test_same_process_intervals_never_count_as_overlaps() -> None:
+    records = [rec("token", 1, 0.0, 2.0), rec("resident", 1, 0.0, 1.0), rec("resident", 1, 0.5, 2.0)]
+    assert check_intervals(records).ok
+
+
+def test_checker_counts_malformed_records() -> None:
+    records = [rec("token", 1, 2.0, 1.0), {"kind": "resident", "pid": "x"}, rec("token", 2, 0.0, 1.0)]
+    result = check_intervals(records)
+    assert result.malformed == 2 and not result.ok
+
+
+def test_percentile_nearest_rank() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    values = [float(i) for i in range(1, 101)]
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+
+
+def test_plan_workers_reuses_models_with_distinct_ids() -> None:
+    plans = plan_workers(5, [("a", "/a.gguf"), ("b", "/b.gguf")])
+    assert [p.id for p in plans] == ["a", "b", "a-2", "b-2", "a-3"]
+    assert [p.path for p in plans] == ["/a.gguf", "/b.gguf", "/a.gguf", "/b.gguf", "/a.gguf"]
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_workers(0, [("a", "/a.gguf")])
+    with pytest.raises(ValueError, match="no models"):
+        plan_workers(2, [])
+    assert model_id_for_path("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct.q4_1"
+
+
+# ---- the CLI refuses an unsafe arena ----------------------------------------------------------------
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 280
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "timeshare", "arena-test", *args],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_cli_refuses_an_unsafe_arena(tmp_path: Path, smollm2_path: Path) -> None:
+    unsafe = tmp_path / "shared-arena"
+    unsafe.mkdir()
+    unsafe.chmod(0o777)
+    proc = run_cli("--model", str(smollm2_path), "--json", env={"TIMESHARE_VRAM_ARENA": str(unsafe)})
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert str(unsafe) in proc.stderr and "group- or world-writable" in proc.stderr
+
+
+def test_cli_refuses_bad_arguments(smollm2_path: Path) -> None:
+    proc = run_cli("--workers", "0", "--model", str(smollm2_path))
+    assert proc.returncode == 2 and "--workers must be at least 1" in proc.stderr
+
+
+# ---- real workers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_three_workers_under_random_contention(tmp_path: Path, smollm2_path: Path, gemma3_path: Path) -> None:
+    report = run_arena_test(
+        [("smollm2-135m-instruct", str(smollm2_path)), ("gemma3-270m", str(gemma3_path))],
+        workers=3,
+        seconds=4.0,
+        work_dir=tmp_path,
+        prompts=("The capital of France is", "1, 2, 3, 4,"),
+        max_tokens=8,
+    )
+    data = report.to_json()
+    assert data["workers"] == 3
+    assert data["overlaps"] == 0, data
+    assert data["outside_token"] == 0, data
+    assert data["token_overlaps"] == 0, data
+    assert data["deadlocks"] == 0, data
+    assert data["errors"] == 0, data
+    assert data["outputs_match_reference"] is True, data
+    assert data["requests"] > 0 and data["handoffs"] > 0, data
+    assert data["resident_intervals"] > 0, data
+    # every worker really held the GPU, and its weights were resident only inside its token
+    records = read_intervals(tmp_path / "intervals.jsonl")
+    assert {r["model"] for r in records if r["kind"] == "resident"} == {
+        "smollm2-135m-instruct",
+        "gemma3-270m",
+        "smollm2-135m-instruct-2",
+    }
+    assert data["handoff_ms_p50"] is not None and data["handoff_ms_p99"] >= data["handoff_ms_p50"]
+    assert data["ok"] is True
+    json.dumps(data)  # the --json report is plain JSON
+
+
+@pytest.mark.slow
+def test_kill9_of_the_holder_mid_decode(tmp_path: Path, smollm2_path: Path, gemma3_path: Path) -> None:
+    plans = [
+        WorkerPlan("gemma3-270m", str(gemma3_path)),
+        WorkerPlan("smollm2-135m-instruct", str(smollm2_path)),
+        WorkerPlan("smollm2-135m-instruct-2", str(smollm2_path)),
+    ]
+    # max_restarts=0: the killed worker is not restarted, so the others cannot depend on a restart
+    harness = ArenaHarness(
+        plans, work_dir=tmp_path, arena_dir=tmp_path / "arena", max_tokens=8, deadlock_s=120, max_restarts=0
+    )
+    try:
+        harness.start()
+        prompt = "The capital of France is"
+        expected = harness.generate("smollm2-135m-instruct", prompt)  # uncontended reference
+        pool = harness.pool
+        pool.pin("gemma3-270m")  # the holder will not yield: the waiter can only get in by its death
+        counting = pool.generate("gemma3-270m", prompt="1, 2, 3, 4, 5, 6,", max_tokens=400)
+        next(iter(counting))  # it is decoding now, with the token
+        holder = read_holder(tmp_path / "arena")
+        assert holder is not None and holder.model == "gemma3-270m" and holder.pinned
+        waiting = pool.generate("smollm2-135m-instruct", prompt=prompt, max_tokens=8)
+        arena = Arena(tmp_path / "arena")
+        deadline = time.monotonic() + 60
+        while not any(t.model == "smollm2-135m-instruct" for t in arena.waiters()):
+            assert time.monotonic() < deadline, "the waiter never queued for the token"
+            time.sleep(0.02)
+        assert not counting.done, "the holder finished before it could be killed"
+        victim = pool.snapshot().model("gemma3-270m")
+        assert victim is not None and victim.pid is not None
+        os.kill(victim.pid, 9)
+        assert waiting.result(timeout=120).text == expected  # the kernel dropped the flock
+        with pytest.raises(ModelUnavailableError):
+            counting.result(timeout=60)
+        # the third worker keeps serving too, with no restart of the dead one
+        assert harness.generate("smollm2-135m-instruct-2", prompt) == expected
+        snap = pool.snapshot()
+        dead = snap.model("gemma3-270m")
+        assert dead is not None and dead.state is ModelState.FAILED and dead.restarts == 0
+        arena.close()
+    finally:
+        harness.stop()
+    check = check_intervals(read_intervals(tmp_path / "intervals.jsonl"))
+    assert check.ok, check
+    assert check.resident_intervals >= 3
