@@ -298,6 +298,7 @@ class Pool:
         stop_grace_s: float = 5.0,
         kv_dir: str | os.PathLike[str] | None = None,
         interval_log: str | None = None,
+        worker_argv: Sequence[str] | None = None,
     ) -> None:
         _validate(config)
         self._config = config
@@ -309,6 +310,11 @@ class Pool:
         self.restart_window_s = restart_window_s
         self.stop_grace_s = stop_grace_s
         self.interval_log = interval_log
+        # the command that starts a worker, before "--spec JSON --ipc-fd N" (a frozen build or a
+        # test's fault injection may give its own)
+        self.worker_argv: tuple[str, ...] = tuple(
+            worker_argv or (sys.executable, "-m", "timeshare.core.worker")
+        )
         self.arena_dir: Path | None = None
 
         self._inbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # None: quit
@@ -680,9 +686,7 @@ class Pool:
                 logf.flush()
                 proc = subprocess.Popen(
                     [
-                        sys.executable,
-                        "-m",
-                        "timeshare.core.worker",
+                        *self.worker_argv,
                         "--spec",
                         _json(spec),
                         "--ipc-fd",
@@ -777,7 +781,8 @@ class Pool:
         elif isinstance(msg, protocol.Error):
             self._on_error(w, msg)
         elif isinstance(msg, protocol.Hello):
-            w.pid = msg.pid
+            if msg.model_id != w.id:
+                log.warning("%s: the worker says it serves %r", w.id, msg.model_id)
             w.state = ModelState.LOADING
             self._publish(model=w.id)
         elif isinstance(msg, protocol.Loading):
@@ -940,7 +945,7 @@ class Pool:
         if len(w.crash_times) >= self.max_restarts:
             self._set_failed(
                 w,
-                f"{w.id} crashed {len(w.crash_times) + 1} times within {self.restart_window_s:g} s "
+                f"{w.id} crashed {_times(len(w.crash_times) + 1)} within {self.restart_window_s:g} s "
                 f"(last exit status {code}); see its log {w.log_path}, then start it again",
             )
             return
@@ -1236,6 +1241,10 @@ def _validate(config: Config) -> None:
         problems.append(f"api.queue_limit: {config.api.queue_limit}; it must be at least 1")
     if problems:
         raise ConfigError(problems)
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
 
 
 def _host_bytes(w: _Worker, status: protocol.WorkerStatus | None) -> int:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -552,5 +553,70 @@ def test_apply_config_adds_removes_and_restarts_models(tmp_path: Path, smollm2_p
         pool.start_model("b")
         pool.wait_ready(["b"], timeout=WAIT)
         assert pool.snapshot().model("b").state in _SERVING  # type: ignore[union-attr]
+    finally:
+        pool.stop()
+
+
+# ---- workers that misbehave (fault injection: the real worker never does this) ----------------
+
+_GARBAGE_WORKER = """
+import json, socket, struct, sys, time
+sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--ipc-fd") + 1]))
+hello = json.dumps({"v": 1, "type": "Hello", "pid": 0, "model_id": "g"}).encode()
+sock.sendall(struct.pack(">I", len(hello)) + hello)
+sock.sendall(struct.pack(">I", 5) + b'{"v":')  # bad JSON in an intact frame
+sock.sendall(b"\\xff" * 64)  # a length over the limit: the stream cannot be resynced
+print("garbage sent", file=sys.stderr, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_sending_garbage_is_killed_and_counted_as_a_crash(
+    tmp_path: Path, smollm2_path: Path
+) -> None:
+    config = Config(models=(ModelConfig(id="g", path=str(smollm2_path)),))
+    pool = Pool(
+        config,
+        arena_dir=tmp_path / "arena",
+        worker_argv=[sys.executable, "-c", _GARBAGE_WORKER],
+        max_restarts=0,
+        stop_grace_s=0.5,
+    )
+    events = Events()
+    pool.subscribe(events)
+    pool.start()
+    try:
+        crashed = events.wait_for(lambda e: e.kind is EventKind.CRASHED)
+        assert crashed.extra["exit_code"] == -signal.SIGKILL
+        failed = events.wait_for(lambda e: e.kind is EventKind.FAILED)
+        status = failed.snapshot.model("g")
+        assert status is not None and "crashed once" in status.reason
+        assert "garbage sent" in status.log_tail
+        assert status.pid is None
+    finally:
+        pool.stop()
+
+
+def test_a_worker_that_dies_at_start_is_retried_then_failed(tmp_path: Path, smollm2_path: Path) -> None:
+    config = Config(models=(ModelConfig(id="d", path=str(smollm2_path)),))
+    script = "import sys; print('boom: no module named llama_cpp', file=sys.stderr); sys.exit(3)"
+    pool = Pool(
+        config,
+        arena_dir=tmp_path / "arena",
+        worker_argv=[sys.executable, "-c", script],
+        max_restarts=2,
+        restart_backoff_s=0.01,
+    )
+    events = Events()
+    pool.subscribe(events)
+    pool.start()
+    try:
+        failed = events.wait_for(lambda e: e.kind is EventKind.FAILED)
+        crashes = [e for e in events.items if e.kind is EventKind.CRASHED]
+        assert len(crashes) == 3 and all(e.extra["exit_code"] == 3 for e in crashes)
+        status = failed.snapshot.model("d")
+        assert status is not None and status.restarts == 2 and "crashed 3 times" in status.reason
+        assert "boom: no module named llama_cpp" in status.log_tail
+        pool.wait_ready(timeout=1.0)  # FAILED counts as settled
     finally:
         pool.stop()
