@@ -546,7 +546,7 @@ class _Handlers:
         self.created = int(time.time())
         # waiting for pieces of many queued generations must not starve the control endpoints,
         # which use anyio's default limiter
-        self.generation_limiter = anyio.CapacityLimiter(max(64, 4 * api_config.queue_limit))
+        self.generation_limiter = anyio.CapacityLimiter(max(256, 8 * api_config.queue_limit))
 
     # -- blocking calls off the loop --
 
