@@ -4,6 +4,8 @@ the two demo models (real workers, real llama-cpp-python), plus the request pars
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 from collections.abc import Iterator
@@ -514,6 +516,35 @@ def test_abandoned_plain_request_is_cancelled(served: Served) -> None:
 
 def _busy(status: dict[str, object], model: str) -> bool:
     return bool(next(m["busy"] for m in status["models"] if m["id"] == model))  # type: ignore[attr-defined]
+
+
+def test_worker_crash_mid_stream_ends_the_stream_with_an_error_event(served: Served) -> None:
+    """Runs last against the shared server: it kills a worker (the pool restarts it)."""
+    body = {"model": SMOL, "prompt": "1, 2, 3, 4,", "max_tokens": 1500, "temperature": 0, "stream": True}
+    pid = served.model_status(SMOL)["pid"]
+    assert isinstance(pid, int)
+    url = f"{served.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=served.headers(), timeout=120) as r:
+        assert r.status_code == 200
+        events = (line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(next(events))["choices"][0]["text"]
+        os.kill(pid, signal.SIGKILL)
+        rest = list(events)
+    error = json.loads(rest[-1])["error"]  # no [DONE]: the stream ends with an OpenAI-style error event
+    assert error["code"] == "model_unavailable" and error["type"] == "server_error"
+    assert SMOL in error["message"]
+    served.wait_until(
+        lambda s: _state(s, SMOL) in ("resident", "released") and served.model_status(SMOL)["pid"] != pid,
+        "the worker's restart",
+        180,
+    )
+    again = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"model": SMOL, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+        headers=served.headers(),
+        timeout=120,
+    )
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] > 0
 
 
 # ---- ApiServer in-process (how the tray app runs it) -----------------------------------------------
