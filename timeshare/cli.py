@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Keep several local LLMs loaded and time-share one GPU between them.",
     )
     parser.add_argument("--version", action="version", version=f"timeshare {__version__}")
-    parser.add_argument("--config", metavar="PATH", help="configuration file (default: platformdirs config dir)")
+    parser.add_argument(
+        "--config", metavar="PATH", help="configuration file (default: platformdirs config dir)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -61,10 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     bswitch.add_argument("--rounds", type=int, default=10)
     bswitch.add_argument("--json", action="store_true")
 
-    arena = sub.add_parser("arena-test", help="stress the VRAM arena with real workers and check the invariant")
+    arena = sub.add_parser(
+        "arena-test", help="stress the VRAM arena with real workers and check the invariant"
+    )
     arena.add_argument("--workers", type=int, default=3)
     arena.add_argument("--seconds", type=float, default=20.0)
-    arena.add_argument("--model", metavar="PATH", action="append", help="models to use (default: demo models)")
+    arena.add_argument(
+        "--model", metavar="PATH", action="append", help="models to use (default: demo models)"
+    )
     arena.add_argument("--json", action="store_true")
 
     serve = sub.add_parser("serve", help="run the pool and the OpenAI-compatible API without a GUI")
