@@ -133,6 +133,9 @@ class Engine:
         )
         self.live: str | None = None  # conversation whose KV is in the context (None: scratch)
         self.kv_dir: Path | None = None  # where a stopped worker left conversations' KV (see save_kv)
+        # While the weights are released the residency hides the context behind a guard; state
+        # I/O (which touches only the KV cache) then goes through the context this returns.
+        self.state_ctx: Callable[[], Any] | None = None
         self._saved: OrderedDict[str, KVSnapshot] = OrderedDict()
         self.prompt_tokens_evaluated = 0  # since start
         self._counting = False
@@ -209,8 +212,12 @@ class Engine:
 
     # ---- conversations ----------------------------------------------------------------------
 
+    def _state_ctx(self) -> Any:
+        """The llama_context pointer for state I/O (see ``state_ctx``)."""
+        return self.state_ctx() if self.state_ctx is not None else self.llm.ctx
+
     def _snapshot(self) -> KVSnapshot:
-        ctx = self.llm.ctx
+        ctx = self._state_ctx()
         size = int(llama_cpp.llama_state_get_size(ctx))
         buf = (ctypes.c_uint8 * size)()
         n = int(llama_cpp.llama_state_get_data(ctx, buf, size))
@@ -218,7 +225,7 @@ class Engine:
         return KVSnapshot(n_tokens, tuple(int(t) for t in self.llm.input_ids[:n_tokens]), bytes(buf)[:n])
 
     def _load_snapshot(self, snap: KVSnapshot) -> None:
-        ctx = self.llm.ctx
+        ctx = self._state_ctx()
         buf = (ctypes.c_uint8 * len(snap.state)).from_buffer_copy(snap.state)
         if int(llama_cpp.llama_state_set_data(ctx, buf, len(snap.state))) != len(snap.state):
             raise RuntimeError("llama.cpp refused a KV snapshot")
@@ -292,7 +299,11 @@ class Engine:
 
     def save_kv(self, kv_dir: Path) -> int:
         """Write every conversation's KV snapshot to ``kv_dir`` (atomic per file). Returns how many."""
-        self._park_live()
+        try:
+            self._park_live()
+        except Exception:  # the others are still worth saving
+            log.exception("could not snapshot the live conversation %s", self.live)
+            self.live = None
         kv_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         ident = self._identity()
         count = 0

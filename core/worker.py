@@ -156,6 +156,11 @@ class Residence:
     def weights_resident(self) -> bool:
         return True
 
+    @property
+    def kv_resident(self) -> bool:
+        """The llama context (and its KV cache) exists: conversations can be snapshotted."""
+        return True
+
     def ensure(self, poll: Callable[[], None], timeout_s: float) -> Acquired:
         """Take the token and restore the weights. ``poll`` runs now and then while waiting (it may
         raise CancelledError). Raises TokenTimeoutError after ``timeout_s``."""
@@ -253,6 +258,19 @@ class ArenaResidence(Residence):
         if self.residency is None:
             return self.client.holds_token
         return bool(self.residency.weights_resident)
+
+    @property
+    def kv_resident(self) -> bool:
+        return self.residency is None or bool(self.residency.kv_resident)
+
+    def state_ctx(self, engine: Engine) -> Any:
+        """The live llama_context for KV snapshots, also while the weights are released (the
+        residency keeps the context aside then and puts a guard in its place). Snapshots read
+        only the KV cache, never the weights."""
+        saved = getattr(self.residency, "_saved_ctx", None)
+        if saved is not None and not self.weights_resident:
+            return saved.ctx
+        return engine.llm.ctx
 
     @property
     def device_bytes(self) -> int:
@@ -487,6 +505,9 @@ class Worker:
             # when they are not an mmap of the file (core/residency says which).
             self.engine = Engine.load(model, use_mmap=res.use_mmap)
             self.engine.kv_dir = Path(self.spec.kv_dir)
+            engine_ref = self.engine
+            if isinstance(res, ArenaResidence):
+                self.engine.state_ctx = lambda: res.state_ctx(engine_ref)
             self.send(p.Loading("residency", 0.5))
             res.attach(self.engine)
         except BaseException:
@@ -595,11 +616,7 @@ class Worker:
         return acquired
 
     def _release(self, kv: bool) -> None:
-        if (
-            self.engine is not None
-            and (kv or self.residence.frees_context)
-            and self.residence.weights_resident
-        ):
+        if self.engine is not None and (kv or self.residence.frees_context) and self.residence.kv_resident:
             self.engine.park()  # the context goes away: every conversation becomes a host snapshot
         released = self.residence.release(kv)
         self._yield_wanted = False
