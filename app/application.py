@@ -98,6 +98,7 @@ class TimeshareApp(QObject):
         self.api: Any = None
         self._tray_wait_left = TRAY_WAIT_S
         self._shut_down = False
+        self._quitting = False
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -249,7 +250,8 @@ class TimeshareApp(QObject):
     # ---- closing -----------------------------------------------------------------------------
 
     def _on_window_closed(self) -> None:
-        if self.tray is not None or self._shut_down:
+        # quitting closes every window too: that close is not a question to the user
+        if self.tray is not None or self._shut_down or self._quitting:
             return  # the tray keeps Timeshare reachable
         state = load_ui_state()
         keep = state.get("keep_running_without_tray")
@@ -269,6 +271,7 @@ class TimeshareApp(QObject):
             self.quit()
 
     def quit(self) -> None:
+        self._quitting = True
         self.quit_requested.emit()
         app = QApplication.instance()
         if app is not None:
@@ -355,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
     single.message_received.connect(lambda _msg: app.window.show_and_raise())
 
     # SIGTERM (logout, `kill`) and Ctrl+C quit through Qt, so the workers are stopped cleanly
-    previous = {s: signal.signal(s, lambda *_: qapp.quit()) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, lambda *_: app.quit()) for s in (signal.SIGINT, signal.SIGTERM)}
     wakeup = QTimer()
     wakeup.start(200)  # lets the Python signal handlers run while Qt's loop waits
     wakeup.timeout.connect(lambda: None)

@@ -374,7 +374,11 @@ def test_sigterm_to_the_app_leaves_no_orphans(
             workers = _worker_children(proc.pid)
             time.sleep(0.2)
         assert workers, "the app did not start a worker"
-        time.sleep(1.0)  # let it get past loading, so the shutdown path is the normal one
+        # a second launch hands over to the first (single instance) and exits at once
+        second = subprocess.run([str(exe), "tray"], env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 0, second.stderr
+        assert "already running" in second.stdout
+        assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)
         output = log.read_text()

@@ -435,3 +435,29 @@ def test_api_port_in_use_is_reported_and_the_app_keeps_running(qtbot: Any, pool:
         finally:
             app.shutdown()
             app.store.close()
+
+
+def test_chat_window_shows_progress_while_a_model_loads(qtbot: Any, bare_app: Any) -> None:
+    app = bare_app(tray=True)
+    app.start(background=False)
+    window = app.window
+
+    def publish(state: ModelState, holder: str | None = None) -> None:
+        snap = PoolSnapshot(
+            models=(ModelStatus(id="m", name="Model M", path="/m.gguf", state=state, licence="MIT"),),
+            holder=holder,
+        )
+        with qtbot.waitSignal(app.bridge.snapshot_changed, timeout=5000):
+            threading.Thread(
+                target=app.bridge._from_pool_thread, args=(PoolEvent(EventKind.STATE, snap),)
+            ).start()
+
+    publish(ModelState.LOADING)
+    assert window.model_box.currentData() == "m"
+    assert window.model_box.currentText() == "Model M — loading"
+    assert not window.progress.isHidden() and window.progress.format() == "Loading Model M…"
+    assert window.licence.text() == "Licence: MIT"
+    publish(ModelState.RESIDENT, holder="m")
+    assert window.progress.isHidden()
+    assert window.model_state.text() == "resident · holds the GPU"
+    assert window.model_box.currentText() == "Model M — resident (GPU)"
