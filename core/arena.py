@@ -36,6 +36,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -60,6 +61,8 @@ WAITERS_DIR = "waiters"
 #: how often waiters and the doorbell rescan ``waiters/`` even without an event (a ticket created
 #: before the watch existed, a waiter killed with -9: its file does not go away by itself)
 RESCAN_INTERVAL_S = 0.5
+#: while this client holds the token and someone waits, the doorbell rings again this often
+RING_REPEAT_S = 0.2
 #: directory polling period of the polling backend
 POLL_INTERVAL_S = 0.02
 
@@ -811,8 +814,9 @@ class TokenClient:
     token; the same pending request if one is pending). ``release()`` drops it (call it only after
     the weights are off the device). ``start_doorbell(on_waiter)`` starts the warden thread that
     calls ``on_waiter(DoorbellRing)`` when another process waits while this client holds the
-    token: once per new waiter, again after each new acquisition and after :meth:`poke_doorbell`
-    (so a holder that ignored a ring because it was pinned hears it again once unpinned).
+    token: at once for a new waiter, after each new acquisition and after :meth:`poke_doorbell`,
+    and again every ``RING_REPEAT_S`` for as long as anyone waits (level-triggered: a dropped
+    ring, e.g. one that came while pinned or while restoring, is heard again).
     """
 
     def __init__(
@@ -968,8 +972,12 @@ class TokenClient:
             self._doorbell_watch.wake()
 
     def _doorbell_loop(self, on_waiter: Callable[[DoorbellRing], None], watch: _DirWatch) -> None:
+        # Level-triggered: while this client holds the token and anyone waits, the bell rings again
+        # every RING_REPEAT_S. A ring that the worker drops (it arrived while the worker was
+        # restoring, or while it was pinned) must not leave a waiter waiting forever.
         rung: set[str] = set()
         rung_generation = -1
+        last_ring = -math.inf
         while not self._doorbell_stop.is_set():
             try:
                 others = self.others_waiting()
@@ -978,15 +986,18 @@ class TokenClient:
                 others = ()
             names = {t.name for t in others}
             generation = self._ring_generation
-            if others and self.holds_token and (names - rung or generation != rung_generation):
+            now = time.monotonic()
+            due = bool(names - rung) or generation != rung_generation or now - last_ring >= RING_REPEAT_S
+            if others and self.holds_token and due:
                 rung |= names
                 rung_generation = generation
+                last_ring = now
                 try:
-                    on_waiter(DoorbellRing(waiters=others, at=time.monotonic()))
+                    on_waiter(DoorbellRing(waiters=others, at=now))
                 except Exception:
                     log.exception("the doorbell callback failed")
             rung &= names  # forget waiters that left, so a returning name rings again
-            watch.wait(RESCAN_INTERVAL_S)
+            watch.wait(RING_REPEAT_S if others and self.holds_token else RESCAN_INTERVAL_S)
         watch.close()
 
     def close(self) -> None:

@@ -337,16 +337,21 @@ def test_doorbell_rings_for_a_waiter_that_came_before_the_watch(
     arena.close()
 
 
-def test_doorbell_rings_again_after_unpinning(procs: list[Proc], arena_dir: Path, tmp_path: Path) -> None:
+def test_doorbell_keeps_ringing_while_someone_waits(
+    procs: list[Proc], arena_dir: Path, tmp_path: Path
+) -> None:
+    """Level-triggered: a holder that dropped a ring (pinned, or busy restoring) hears it again."""
     arena = Arena(arena_dir)
     holder = TokenClient(arena, "holder", pinned=True)
     holder.acquire(timeout=10)
     rings: list[DoorbellRing] = []
     holder.start_doorbell(rings.append)
     waiter = spawn(procs, "once", str(arena_dir), "auto", "w", str(tmp_path / "log.jsonl"))
-    wait_until(lambda: len(rings) == 1, what="first ring")
-    holder.set_pinned(False)  # a pinned worker ignored the ring; it must hear it again
-    wait_until(lambda: len(rings) == 2, what="ring after unpin")
+    wait_until(lambda: len(rings) >= 3, what="repeated rings")
+    assert all([t.model for t in r.waiters] == ["w"] for r in rings)
+    holder.set_pinned(False)
+    n = len(rings)
+    wait_until(lambda: len(rings) > n, what="ring after unpinning")
     holder.release()
     waiter.finish()
     holder.close()
@@ -361,7 +366,7 @@ def test_own_ticket_does_not_ring_own_doorbell(arena_dir: Path) -> None:
     a.acquire(timeout=5)
     b = TokenClient(arena, "b")  # another client in this process is another waiter
     req = b.request(timeout=30)
-    wait_until(lambda: len(rings) == 1, what="ring for b")
+    wait_until(lambda: len(rings) >= 1, what="ring for b")
     assert [t.model for t in rings[0].waiters] == ["b"]
     assert a.others_waiting() == rings[0].waiters
     a.release()
