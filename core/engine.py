@@ -247,9 +247,18 @@ class Engine:
         self._trim(self.model.n_seq)
 
     def _trim(self, keep: int) -> None:
+        """LRU beyond ``n_seq``: the least recently used snapshots go to ``kv_dir`` (so they still
+        come back without a re-prefill), or are dropped when there is no kv_dir."""
         while len(self._saved) > max(keep, 0):
-            evicted, _ = self._saved.popitem(last=False)
-            log.info("conversation %s evicted from the KV cache (n_seq=%d)", evicted, self.model.n_seq)
+            evicted, snap = self._saved.popitem(last=False)
+            where = "dropped"
+            if self.kv_dir is not None:
+                try:
+                    self._write_snapshot(self.kv_dir, evicted, snap, self._identity())
+                    where = f"moved to {self.kv_dir}"
+                except OSError as exc:
+                    log.warning("could not write the KV of %s to %s: %s", evicted, self.kv_dir, exc)
+            log.info("conversation %s left the KV cache (n_seq=%d): %s", evicted, self.model.n_seq, where)
 
     def _switch_to(self, conversation: str | None, *, fresh: bool) -> None:
         if conversation is not None and conversation == self.live:
@@ -304,28 +313,28 @@ class Engine:
         except Exception:  # the others are still worth saving
             log.exception("could not snapshot the live conversation %s", self.live)
             self.live = None
-        kv_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         ident = self._identity()
         count = 0
         for conversation, snap in self._saved.items():
-            header = json.dumps(
-                {
-                    "model": self.model.id,
-                    "conversation": conversation,
-                    "n_tokens": snap.n_tokens,
-                    "file": ident,
-                }
-            ).encode()
-            target = self._kv_file(kv_dir, conversation)
-            tmp = target.with_suffix(".tmp")
-            with tmp.open("wb") as f:
-                f.write(_KV_MAGIC + struct.pack(">I", len(header)) + header)
-                f.write(struct.pack(f"<{snap.n_tokens}i", *snap.input_ids))
-                f.write(snap.state)
-            os.replace(tmp, target)
+            self._write_snapshot(kv_dir, conversation, snap, ident)
             count += 1
         log.info("saved the KV of %d conversation(s) to %s", count, kv_dir)
         return count
+
+    def _write_snapshot(
+        self, kv_dir: Path, conversation: str, snap: KVSnapshot, ident: dict[str, object]
+    ) -> None:
+        kv_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        header = json.dumps(
+            {"model": self.model.id, "conversation": conversation, "n_tokens": snap.n_tokens, "file": ident}
+        ).encode()
+        target = self._kv_file(kv_dir, conversation)
+        tmp = target.with_suffix(".tmp")
+        with tmp.open("wb") as f:
+            f.write(_KV_MAGIC + struct.pack(">I", len(header)) + header)
+            f.write(struct.pack(f"<{snap.n_tokens}i", *snap.input_ids))
+            f.write(snap.state)
+        os.replace(tmp, target)
 
     def load_kv(self, kv_dir: Path, conversation: str) -> bool:
         """Bring a conversation saved by ``save_kv`` back into the host LRU (and delete the file).

@@ -241,7 +241,6 @@ class ArenaResidence(Residence):
         self.backend = str(res.backend)
         self.weight_bytes = int(res.weight_bytes)
         self.host_bytes = int(res.host_bytes)
-        self._resident_since = time.monotonic()
 
     def start(self, enqueue_yield: Callable[[], None]) -> None:
         self.client.start_doorbell(lambda _ring: enqueue_yield())
@@ -293,6 +292,9 @@ class ArenaResidence(Residence):
         finally:
             self._request = None
         grant = request.result()
+        # From here the weights may land on the device (load or restore): the resident interval
+        # of the arena-test harness starts now and ends when a release has freed them.
+        self._resident_since = time.monotonic()
         return grant.wait_ms
 
     def ensure(self, poll: Callable[[], None], timeout_s: float) -> Acquired:
@@ -304,11 +306,10 @@ class ArenaResidence(Residence):
             try:
                 report = res.restore()
             except BaseException:
+                self._end_resident()
                 self.client.release()  # the model stays released: the invariant holds
                 raise
             restore_ms = float(report.ms)
-        if self._resident_since is None:
-            self._resident_since = time.monotonic()
         return Acquired(switched=not held, wait_ms=wait_ms, restore_ms=restore_ms)
 
     def release(self, kv: bool) -> p.Released | None:
@@ -316,20 +317,24 @@ class ArenaResidence(Residence):
         report = None
         if res is not None and (res.weights_resident or (kv and res.kv_resident)):
             report = res.release(kv=kv)
-        if self._resident_since is not None:
-            end = time.monotonic()
-            if self.interval_log is not None:
-                try:
-                    self.interval_log.record("resident", self._resident_since, end)
-                except OSError as exc:
-                    log.warning("could not write the interval log: %s", exc)
-            self._resident_since = None
+        self._end_resident()
         if self.client.release() is None and report is None:
             return None
         level = "weights+kv" if kv else "weights"
         if report is None:
             return p.Released(level=level, release_ms=0.0, freed_bytes=0)
         return p.Released(level=level, release_ms=float(report.ms), freed_bytes=int(report.freed_bytes))
+
+    def _end_resident(self) -> None:
+        if self._resident_since is None:
+            return
+        end = time.monotonic()
+        if self.interval_log is not None:
+            try:
+                self.interval_log.record("resident", self._resident_since, end)
+            except OSError as exc:
+                log.warning("could not write the interval log: %s", exc)
+        self._resident_since = None
 
     def waiting_reason(self) -> str:
         request = self._request

@@ -108,7 +108,7 @@ def test_cancel_from_the_step_hook(engine: Engine) -> None:
     assert outcome.finish_reason == "cancelled" and outcome.completion_tokens < 10
 
 
-def test_conversations_lru_and_no_re_prefill(engine: Engine) -> None:
+def test_conversations_lru_and_no_re_prefill(engine: Engine, tmp_path: Path) -> None:
     one = (ChatMessage("user", "Name a fruit."),)
     t1, o1 = run(engine, messages=one, max_tokens=12, conversation="a")
     run(
@@ -122,13 +122,20 @@ def test_conversations_lru_and_no_re_prefill(engine: Engine) -> None:
     _, o2 = run(engine, messages=two, max_tokens=12, conversation="a")
     assert o2.prompt_tokens_evaluated <= o2.prompt_tokens - o1.prompt_tokens  # type: ignore[attr-defined]
     # n_seq=2: a third conversation evicts the least recently used one ("b")
-    run(
-        engine,
-        messages=(ChatMessage("system", "Loud."), ChatMessage("user", "Shout.")),
-        max_tokens=4,
-        conversation="c",
-    )
+    b_msgs = (ChatMessage("system", "Terse."), ChatMessage("user", "Name a car."))
+    c_msgs = (ChatMessage("system", "Loud."), ChatMessage("user", "Shout."))
+    run(engine, messages=c_msgs, max_tokens=4, conversation="c")
     assert set(engine.conversations) == {"a", "c"}
+    # with a kv_dir an evicted conversation goes to disk and comes back without a prefill
+    engine.kv_dir = tmp_path
+    try:
+        run(engine, messages=b_msgs, max_tokens=12, conversation="b")  # evicts "a" to disk
+        assert set(engine.conversations) == {"b", "c"} and len(list(tmp_path.iterdir())) == 1
+        run(engine, messages=c_msgs, max_tokens=4, conversation="c")  # the context now holds c
+        _, o3 = run(engine, messages=two, max_tokens=12, conversation="a")
+        assert o3.prompt_tokens_evaluated <= 1  # type: ignore[attr-defined]
+    finally:
+        engine.kv_dir = None
 
 
 def test_kv_survives_on_disk_only_for_the_same_model_file(smollm2_path: Path, tmp_path: Path) -> None:

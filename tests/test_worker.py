@@ -218,7 +218,11 @@ def test_sigterm_releases_the_token_and_exits_zero(
     holder = read_holder(arena_dir)
     assert holder is not None and holder.model == "smol" and holder.pid == w.proc.pid
     assert not token_is_free(arena_dir)
-    w.proc.send_signal(signal.SIGTERM)
+    w.send(p.Generate(req="long", prompt="Once upon a time", max_tokens=200))
+    w.expect(p.Token, req="long")
+    w.proc.send_signal(signal.SIGTERM)  # mid-generation
+    _, done = w.collect("long")
+    assert isinstance(done, p.Done) and done.finish_reason == "cancelled"
     assert w.wait_exit() == 0
     assert read_holder(arena_dir) is None
     assert token_is_free(arena_dir)
