@@ -537,8 +537,9 @@ class Worker:
             )
         )
         self._poll(None)
-        if not any(isinstance(t, (p.Generate, p.Wake)) for t in self._pending) or self._yield_wanted:
-            self._release(kv=False)
+        work_waiting = any(isinstance(t, (p.Generate, p.Wake)) for t in self._pending)
+        if not self.pinned and (not work_waiting or self._yield_wanted):
+            self._release(kv=False)  # a pinned model keeps the GPU once it has it
         else:
             self._quantum_start = time.monotonic()
         self.publish()
@@ -685,6 +686,7 @@ class Worker:
 
     def _shutdown(self, save_kv: bool) -> None:
         self._stopping = True
+        self._poll(None)  # requests still in the queue get their error below
         engine = self.engine
         if save_kv and engine is not None:
             try:
@@ -701,7 +703,6 @@ class Worker:
             self.residence.release(kv=False)
         finally:
             self.residence.close()
-        self._state = "loading"
 
 
 def _setup_logging(model_id: str) -> None:
