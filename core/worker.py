@@ -661,6 +661,8 @@ class Worker:
             self.send(p.Token(req=req.req, text=text))
 
         self._busy = True
+        if self.residence.holds_token:
+            self._quantum_start = time.monotonic()  # the quantum counts generation, not idle holding
         self.publish()
         reply: object
         try:
