@@ -190,6 +190,7 @@ class ArenaTestReport:
     restore_ms_p50: float | None = None  # restore of the weights, as requests that switched report it
     start_s: float = 0.0  # starting the workers
     reference_s: float = 0.0  # taking the uncontended reference
+    requests_by_worker: tuple[tuple[str, int], ...] = ()
     mismatches: tuple[Mismatch, ...] = ()
     error_messages: tuple[str, ...] = ()
     arena_dir: str = ""
@@ -211,6 +212,7 @@ class ArenaTestReport:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["models"] = list(self.models)
+        out["requests_by_worker"] = dict(self.requests_by_worker)
         out["mismatches"] = [asdict(m) for m in self.mismatches[:10]]
         out["error_messages"] = list(self.error_messages[:10])
         out["ok"] = self.ok
@@ -224,6 +226,7 @@ class ArenaTestReport:
             f"workers              {self.workers} ({', '.join(self.models)})",
             f"requests             {self.requests} under contention in {self.seconds:.1f} s "
             f"(+{self.reference_requests} reference)",
+            f"per worker           {', '.join(f'{k}: {v}' for k, v in self.requests_by_worker)}",
             f"handoffs             {self.handoffs}",
             f"handoff p50 / p99    {ms(self.handoff_ms_p50)} / {ms(self.handoff_ms_p99)} (doorbell → token)",
             f"restore p50          {ms(self.restore_ms_p50)}",
@@ -278,6 +281,7 @@ class _Tally:
     deadlocks: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     restore_ms: list[float] = field(default_factory=list)
+    by_worker: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -294,6 +298,7 @@ class ArenaHarness:
         max_tokens: int = 16,
         min_quantum_ms: float = ArenaConfig.min_quantum_ms,
         deadlock_s: float = 120.0,
+        wait_timeout_s: float | None = None,
         seed: int = 0,
         max_restarts: int = 3,
         progress: Callable[[str], None] | None = None,
@@ -313,13 +318,18 @@ class ArenaHarness:
         self.reference_requests = 0
         self.tally = _Tally()
         self.contention_s = 0.0
+        self._until: Callable[[Mapping[str, int]], bool] | None = None
         self.start_s = 0.0
         self.reference_s = 0.0
         config = Config(
             models=tuple(
                 ModelConfig(id=p.id, path=p.path, n_ctx=512, n_seq=2, idle_sleep_s=None) for p in self.plans
             ),
-            arena=ArenaConfig(dir=str(arena_dir), min_quantum_ms=min_quantum_ms, wait_timeout_s=deadlock_s),
+            arena=ArenaConfig(
+                dir=str(arena_dir),
+                min_quantum_ms=min_quantum_ms,
+                wait_timeout_s=deadlock_s if wait_timeout_s is None else wait_timeout_s,
+            ),
         )
         self.pool = Pool(
             config,
@@ -368,14 +378,29 @@ class ArenaHarness:
                     self.reference_requests += 1
         self.reference_s = time.monotonic() - started
 
-    def contend(self, seconds: float, clients: int | None = None) -> None:
-        """Random concurrent requests from ``clients`` threads for ``seconds``."""
-        n = clients or len(self.plans) + 1
+    def contend(
+        self,
+        seconds: float,
+        clients: int | None = None,
+        *,
+        dedicated: bool = False,
+        until: Callable[[Mapping[str, int]], bool] | None = None,
+    ) -> None:
+        """Random concurrent requests from ``clients`` threads for ``seconds``. ``dedicated``:
+        client i sends only to worker i (every worker always busy: the no-starvation case).
+        ``until(requests_by_worker)``: stop sending early once it returns True."""
+        self._until = until
+        n = clients or len(self.plans) + (0 if dedicated else 1)
         self.progress(f"contention: {n} clients for {seconds:.1f} s")
         deadline = time.monotonic() + seconds
         seeds = [self.rng.randrange(1 << 30) for _ in range(n)]
         threads = [
-            threading.Thread(target=self._client, args=(deadline, s), name=f"arena-client-{i}", daemon=True)
+            threading.Thread(
+                target=self._client,
+                args=(deadline, s, self.plans[i % len(self.plans)] if dedicated else None),
+                name=f"arena-client-{i}",
+                daemon=True,
+            )
             for i, s in enumerate(seeds)
         ]
         started = time.monotonic()
@@ -385,11 +410,15 @@ class ArenaHarness:
             t.join(seconds + self.deadlock_s + 30.0)
         self.contention_s = time.monotonic() - started
 
-    def _client(self, deadline: float, seed: int) -> None:
+    def _client(self, deadline: float, seed: int, target: WorkerPlan | None) -> None:
         rng = random.Random(seed)
         tally = self.tally
         while time.monotonic() < deadline:
-            plan = rng.choice(self.plans)
+            if self._until is not None:
+                with tally.lock:
+                    if self._until(dict(tally.by_worker)):
+                        return
+            plan = target or rng.choice(self.plans)
             prompt = rng.choice(self.prompts)
             try:
                 text = self.generate(plan.id, prompt)
@@ -405,6 +434,7 @@ class ArenaHarness:
             expected = self.reference.get((plan.path, prompt))
             with tally.lock:
                 tally.requests += 1
+                tally.by_worker[plan.id] = tally.by_worker.get(plan.id, 0) + 1
                 if expected is not None and text != expected:
                     tally.mismatches.append(Mismatch(plan.id, prompt, expected, text))
             time.sleep(rng.uniform(0.0, 0.03))
@@ -433,6 +463,7 @@ class ArenaHarness:
             restore_ms_p50=_round(percentile(tally.restore_ms, 50)),
             start_s=round(self.start_s, 3),
             reference_s=round(self.reference_s, 3),
+            requests_by_worker=tuple((p.id, tally.by_worker.get(p.id, 0)) for p in self.plans),
             token_intervals=check.token_intervals,
             resident_intervals=check.resident_intervals,
             malformed_records=check.malformed,

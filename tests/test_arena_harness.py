@@ -22,7 +22,7 @@ from timeshare.core.arena_test import (
     plan_workers,
     run_arena_test,
 )
-from timeshare.core.errors import ModelUnavailableError
+from timeshare.core.errors import ModelUnavailableError, TokenTimeoutError
 from timeshare.core.state import ModelState
 
 
@@ -229,3 +229,67 @@ def test_kill9_of_the_holder_mid_decode(tmp_path: Path, smollm2_path: Path, gemm
     check = check_intervals(read_intervals(tmp_path / "intervals.jsonl"))
     assert check.ok, check
     assert check.resident_intervals >= 3
+
+
+@pytest.mark.slow
+def test_two_busy_workers_both_make_progress(tmp_path: Path, smollm2_path: Path, gemma3_path: Path) -> None:
+    plans = [
+        WorkerPlan("smollm2-135m-instruct", str(smollm2_path)),
+        WorkerPlan("gemma3-270m", str(gemma3_path)),
+    ]
+    prompts = ("1, 2, 3, 4, 5, 6,", "The capital of France is")
+    # requests longer than the quantum: each worker has to yield in the middle of a decode
+    harness = ArenaHarness(
+        plans, work_dir=tmp_path, arena_dir=tmp_path / "arena", prompts=prompts, max_tokens=24
+    )
+    try:
+        harness.start()
+        harness.take_reference()
+        # one client per worker, always sending, until both got 3 answers (bounded: 90 s)
+        harness.contend(90.0, dedicated=True, until=lambda done: len(done) == 2 and min(done.values()) >= 3)
+    finally:
+        harness.stop()
+    report = harness.report()
+    by_worker = dict(report.requests_by_worker)
+    assert min(by_worker.values()) >= 3, by_worker  # neither starves
+    assert report.handoffs >= 4, report
+    assert report.outputs_match_reference, report.mismatches  # also across mid-decode yields
+    assert report.ok, report.to_json()
+
+
+@pytest.mark.slow
+def test_pinned_holder_makes_others_wait_visibly_and_time_out_clearly(
+    tmp_path: Path, smollm2_path: Path, gemma3_path: Path
+) -> None:
+    plans = [
+        WorkerPlan("gemma3-270m", str(gemma3_path)),
+        WorkerPlan("smollm2-135m-instruct", str(smollm2_path)),
+    ]
+    harness = ArenaHarness(
+        plans, work_dir=tmp_path, arena_dir=tmp_path / "arena", max_tokens=4, wait_timeout_s=3.0
+    )
+    try:
+        harness.start()
+        pool = harness.pool
+        pool.pin("gemma3-270m")
+        harness.generate("gemma3-270m", "Hello")  # it takes the GPU and, pinned, keeps it
+        holder = read_holder(tmp_path / "arena")
+        assert holder is not None and holder.model == "gemma3-270m" and holder.pinned
+        gen = pool.generate("smollm2-135m-instruct", prompt="Hello", max_tokens=4)
+        reasons: set[str] = set()
+        while not gen.done:
+            status = pool.snapshot().model("smollm2-135m-instruct")
+            if status is not None and status.reason:
+                reasons.add(status.reason)
+            time.sleep(0.02)
+        assert any("pinned by gemma3-270m" in r for r in reasons), reasons
+        with pytest.raises(TokenTimeoutError) as info:
+            gen.result(timeout=60)
+        assert "gemma3-270m holds the GPU and is pinned; unpin it or raise arena.wait_timeout_s" in str(
+            info.value
+        )
+        pool.pin("gemma3-270m", False)  # unpinned, it yields to the next request
+        assert harness.generate("smollm2-135m-instruct", "Hello") != ""
+    finally:
+        harness.stop()
+    assert check_intervals(read_intervals(tmp_path / "intervals.jsonl")).ok
