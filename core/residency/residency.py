@@ -104,6 +104,22 @@ class _Released:
         return True
 
 
+def _forget_graphs(ctx: Any, llm: Any) -> None:
+    """Make the context build its compute graphs anew at the next decode.
+
+    llama.cpp reuses the previous decode's graph when the batch has the same shape, and then
+    ggml-cuda replays its captured CUDA graph without comparing the tensors' data pointers --
+    which still point at the weights' old addresses after an in-place restore (an illegal memory
+    access on the H200 whenever cudaMalloc did not hand back the same address). Clearing the
+    control vector (none is set: Llama has no API for one) is the public call that marks the
+    scheduler for a new reserve, so the next decode gets fresh graphs and CUDA graphs re-capture.
+    """
+    n_embd = int(llama_cpp.llama_model_n_embd(llm._model.model))
+    rc = int(llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1))
+    if rc != 0:
+        raise ResidencyError(f"could not reset the context's graphs after restore (llama_set_adapter_cvec: {rc})")
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -300,6 +316,7 @@ class Residency:
             if not self.kv_resident:
                 self._new_context_with_kv()
             elif self._saved_ctx is not None:
+                _forget_graphs(self._saved_ctx.ctx, self._llm)
                 self._llm._ctx = self._saved_ctx
                 self._saved_ctx = None
         dt = time.perf_counter() - t0
