@@ -331,6 +331,7 @@ class Pool:
         self._sub_lock = threading.Lock()
         self._state_cond = threading.Condition()
         self._snapshot = PoolSnapshot()
+        self._worker_pinned: dict[str, bool] = {}
         self._running = False
         self._closing = False
         self._run_lock = threading.Lock()
@@ -428,6 +429,8 @@ class Pool:
     def wait_ready(self, model_ids: Iterable[str] | None = None, timeout: float = 120.0) -> None:
         """Wait until each model has left STARTING/LOADING (it serves, or it is STOPPED/FAILED:
         look at ``snapshot()``). Raises TimeoutError naming the models still starting."""
+        if not self._running:
+            raise ModelUnavailableError("the pool is not running; call start() first")
         wanted = None if model_ids is None else set(model_ids)
         deadline = time.monotonic() + timeout
         with self._state_cond:
@@ -493,8 +496,22 @@ class Pool:
         self._call(self._submit, gen)
         return gen
 
-    def pin(self, model_id: str, pinned: bool = True) -> None:
-        self._call(self._pin, model_id, pinned)
+    def pin(self, model_id: str, pinned: bool = True, timeout: float = 10.0) -> None:
+        """Pin (or unpin) a model. Returns once its worker has confirmed it (or is not running:
+        then it applies when the worker is ready), so a request sent afterwards to another model
+        cannot take the GPU from a freshly pinned holder."""
+        if not self._call(self._pin, model_id, pinned):
+            return
+        deadline = time.monotonic() + timeout
+        with self._state_cond:
+            while self._worker_pinned.get(model_id, pinned) != pinned:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning(
+                        "%s did not confirm %s within %g s", model_id, "pin" if pinned else "unpin", timeout
+                    )
+                    return
+                self._state_cond.wait(left)
 
     def sleep(self, model_id: str, level: SleepLevel = "weights") -> None:
         if level not in ("weights", "weights+kv", "stop"):
@@ -631,11 +648,13 @@ class Pool:
         extra: dict[str, object] | None = None,
     ) -> None:
         snap = self._build_snapshot()
-        if kind is EventKind.STATE and snap == self._snapshot:
-            return
+        worker_pinned = {w.id: w.status.pinned for w in self._workers.values() if w.status is not None}
         with self._state_cond:
-            self._snapshot = snap
+            self._worker_pinned = worker_pinned  # what the workers say (pin() waits for it)
             self._state_cond.notify_all()
+            if kind is EventKind.STATE and snap == self._snapshot:
+                return
+            self._snapshot = snap
         self._events.put(PoolEvent(kind, snap, model, message, switch, dict(extra or {})))
 
     # ---- spawning (pool thread) ----------------------------------------------------------
@@ -804,8 +823,8 @@ class Pool:
         w.reason = ""
         if w.state in (ModelState.STARTING, ModelState.LOADING):
             w.state = ModelState.RELEASED
-        if w.pinned:
-            self._send(w, protocol.Pin(True))
+        if w.pinned != w.config.pinned:  # changed at run time; the spec carried the configured value
+            self._send(w, protocol.Pin(w.pinned))
         pending, w.pending = w.pending, []
         for cmd in pending:
             self._send(w, cmd)
@@ -1050,14 +1069,15 @@ class Pool:
         else:
             w.pending.append(msg)
 
-    def _pin(self, model_id: str, pinned: bool) -> None:
+    def _pin(self, model_id: str, pinned: bool) -> bool:
+        """True when a Pin went to a running worker (whose confirmation pin() then awaits)."""
         w = self._worker(model_id)
         w.pinned = pinned
-        if w.ready and not w.stopping:
-            self._send(w, protocol.Pin(pinned))
+        sent = w.ready and not w.stopping and self._send(w, protocol.Pin(pinned))
         self._publish(EventKind.MESSAGE, w.id, f"{w.id} {'pinned' if pinned else 'unpinned'}")
         if not pinned:
             self._arm_idle(w)
+        return sent
 
     def _sleep(self, model_id: str, level: SleepLevel) -> None:
         w = self._worker(model_id)
