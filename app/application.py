@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, QUrl, Signal
-from PySide6.QtGui import QDesktopServices
+from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
 from timeshare.core import config as config_mod
 from timeshare.core import paths
@@ -201,8 +201,9 @@ class TimeshareApp(QObject):
             self.settings_dialog = SettingsDialog(self.config, self.bridge, self.config_path)
             self.settings_dialog.saved.connect(self.apply_config)
         self.settings_dialog.show()
-        self.settings_dialog.raise_()
-        self.settings_dialog.activateWindow()
+        if QGuiApplication.platformName() not in ("offscreen", "minimal"):  # no window manager there
+            self.settings_dialog.raise_()
+            self.settings_dialog.activateWindow()
         return self.settings_dialog
 
     def apply_config(self, new: Config) -> None:

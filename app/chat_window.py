@@ -372,6 +372,8 @@ class ChatWindow(QMainWindow):
         self._select_model_of_current()
         self.render_transcript()
         self._update_buttons()
+        if self.isVisible() and self.current_conversation() is not None:
+            self.prewake()  # focusing a conversation: its model is probably next
 
     def _select_model_of_current(self) -> None:
         conv_id = self.current_conversation()

@@ -179,3 +179,12 @@ def test_pyinstaller_build_has_no_weights(tmp_path: Path) -> None:
         [str(bundle / "timeshare"), "--version"], capture_output=True, text=True, timeout=60
     )
     assert version.returncode == 0 and "timeshare" in version.stdout
+    # the pool starts workers as `sys.executable -m timeshare.core.worker`: the runtime hook must run it
+    worker = subprocess.run(
+        [str(bundle / "timeshare"), "-m", "timeshare.core.worker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert worker.returncode == 0, worker.stderr
+    assert "--ipc-fd" in worker.stdout
