@@ -57,6 +57,7 @@ _ENV_PREFIXES = ("LC_", "XDG_", "TIMESHARE_", "CUDA_", "HIP_", "GGML_")
 _LIVE_FIELDS = frozenset({"name", "pinned", "idle_sleep_s", "idle_release", "licence"})
 
 _LOG_TAIL_LINES = 30
+_LOG_LIMIT = 4 << 20  # bytes of a worker's log before it is rotated
 _SERVING = (ModelState.RESIDENT, ModelState.RELEASED, ModelState.SLEEPING)
 
 
@@ -698,6 +699,7 @@ class Pool:
             "kv_dir": str(self._kv_root / w.id),
             "interval_log": self.interval_log,
         }
+        _rotate_log(w.log_path)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with w.log_path.open("ab") as logf:
@@ -1261,6 +1263,13 @@ def _validate(config: Config) -> None:
         problems.append(f"api.queue_limit: {config.api.queue_limit}; it must be at least 1")
     if problems:
         raise ConfigError(problems)
+
+
+def _rotate_log(path: Path, limit: int = _LOG_LIMIT) -> None:
+    """Keep one previous log (``.1``) once a worker's log grows past ``limit`` bytes."""
+    with contextlib.suppress(OSError):
+        if path.stat().st_size > limit:
+            os.replace(path, path.with_name(path.name + ".1"))
 
 
 def _times(n: int) -> str:

@@ -178,6 +178,15 @@ def complete(pool: Pool, model: str, prompt: str | None = None, **kw: object) ->
 # ---- no worker needed ----------------------------------------------------------------------
 
 
+def test_worker_log_is_rotated_and_its_tail_read(tmp_path: Path) -> None:
+    log = tmp_path / "worker-m.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert pool_mod.read_log_tail(log, 3) == ("line 97", "line 98", "line 99")
+    pool_mod._rotate_log(log, limit=10)
+    assert not log.exists() and (tmp_path / "worker-m.log.1").exists()
+    assert pool_mod.read_log_tail(log) == ()
+
+
 def test_clean_env_keeps_only_the_whitelist() -> None:
     env = pool_mod.clean_env(
         {
