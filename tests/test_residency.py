@@ -1,0 +1,458 @@
+"""Residency: release/restore of a loaded model's weights on the CPU build, with real models.
+
+On a CPU-only build the model is loaded without mmap, so its host weight buffers play the device:
+the in-place path frees and re-creates them for real (CPU and CPU_REPACK buffer types). Every
+bitwise check compares the raw logits bytes of 8 greedy decode steps replayed from the same KV
+prefix. Faults a CPU machine cannot produce on demand (pinned memory refused, device memory
+exhausted) are injected by replacing the allocator functions; each such test says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp  # before numpy
+import pytest
+
+from _residency_util import Greedy, load, make_small_q4_0, same
+from timeshare.core.errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
+from timeshare.core.residency import (
+    ModelFileChangedError,
+    Residency,
+    ResidencyOptions,
+    check_gguf,
+)
+from timeshare.core.residency import _ggml, hostmem
+from timeshare.core.residency import inplace as inplace_mod
+
+
+@pytest.fixture(scope="session")
+def small_q4_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    return make_small_q4_0(tmp_path_factory.mktemp("synthetic") / "small-q4_0.gguf", smollm2_path)
+
+
+@pytest.fixture
+def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
+    llm = load(smollm2_path)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
+def small_q4(small_q4_path: Path) -> Iterator[llama_cpp.Llama]:
+    llm = load(small_q4_path)
+    yield llm
+    llm.close()
+
+
+def _pos_max(llm: llama_cpp.Llama) -> int:
+    return int(llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(llm.ctx), 0))
+
+
+def _cycle_check(llm: llama_cpp.Llama, path: Path, cycles: int = 3, **opts: Any) -> Residency:
+    greedy = Greedy(llm)
+    reference = greedy.run()
+    res = Residency.attach(llm, path, ResidencyOptions(**opts))
+    for i in range(cycles):
+        rel = res.release()
+        assert not res.weights_resident
+        assert rel.level in ("weights", "weights+kv")
+        rst = res.restore()
+        assert res.weights_resident and res.kv_resident
+        assert rst.bytes > 0
+        assert same(greedy.run(), reference), f"logits differ after cycle {i + 1}"
+    return res
+
+
+# --- probe and path choice ----------------------------------------------------------------------
+
+
+def test_probe_on_this_build() -> None:
+    probe = Residency.probe()
+    assert probe.version == "0.3.36" and probe.version_ok
+    assert probe.layout_ok and probe.inplace_possible and probe.reason == ""
+    assert probe.backend == "CPU" and not probe.gpu
+    assert probe.use_mmap_for_inplace is False  # CPU build: host weight buffers play the device
+
+
+def test_unpinned_version_takes_the_rebuild_path(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(llama_cpp, "__version__", "0.3.99")
+    res = Residency.attach(small_q4, small_q4_path)
+    assert res.path == "rebuild"
+    assert "0.3.99" in res.reason and "0.3.36" in res.reason
+    with pytest.raises(ResidencyError, match=r"0\.3\.99"):
+        Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace"))
+
+
+def test_layout_probe_disagreement_takes_the_rebuild_path(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def wrong(*_a: Any, **_k: Any) -> None:  # injected: a ggml build whose struct moved
+        raise _ggml.LayoutMismatch("ggml_tensor layout differs at: data")
+
+    monkeypatch.setattr(_ggml, "probe_tensor_layout", wrong)
+    res = Residency.attach(small_q4, small_q4_path)
+    assert res.path == "rebuild" and "layout differs" in res.reason
+
+
+def test_incomplete_discovery_refuses_the_inplace_path(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = inplace_mod._discover
+
+    def drop_one(llm: Any, layout: Any) -> Any:  # injected: the warm-up graph "missed" a weight
+        disc = real(llm, layout)
+        disc.weights.discard(max(disc.weights))
+        return disc
+
+    monkeypatch.setattr(inplace_mod, "_discover", drop_one)
+    res = Residency.attach(small_q4, small_q4_path)
+    assert res.path == "rebuild"
+    assert "not covered" in res.reason or "was not seen" in res.reason
+    # the rebuild path still works for it
+    greedy = Greedy(small_q4)
+    ref = greedy.run()
+    res.release()
+    res.restore()
+    assert same(greedy.run(), ref)
+
+
+def test_mmapped_cpu_model_has_nothing_to_release(small_q4_path: Path) -> None:
+    llm = load(small_q4_path, use_mmap=True)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = Residency.attach(llm, small_q4_path)
+        assert res.path == "none" and "use_mmap=False" in res.reason
+        rel = res.release()
+        assert rel.freed_bytes == 0 or rel.level == "weights"
+        with pytest.raises(ResidencyError, match="restore"):
+            llm.eval([1])
+        res.restore()
+        assert same(greedy.run(), ref)
+        with pytest.raises(ResidencyError, match="memory-mapped"):
+            Residency.attach(llm, small_q4_path, ResidencyOptions(mode="inplace"))
+    finally:
+        llm.close()
+
+
+# --- the in-place path --------------------------------------------------------------------------
+
+
+def test_inplace_smollm2_bitwise(smol: llama_cpp.Llama, smollm2_path: Path) -> None:
+    res = _cycle_check(smol, smollm2_path, mode="inplace")
+    assert res.path == "inplace" and res.reason == "" and res.backend == "CPU"
+    ip = res._inplace
+    assert ip is not None
+    assert ip.n_weight_tensors_seen == 272  # every tensor of the GGUF was seen by the warm-up graph
+    assert res.weight_bytes == sum(b.size for b in ip.buffers) > 90_000_000
+    assert res.host_bytes == ip.tensor_bytes and not res.host_pinned
+    assert "pageable" in res.host_note
+    assert ip.verified_tensors > 0  # shadow spot-checked against the loaded weights
+    res.close()
+
+
+def test_inplace_gemma3_bitwise(gemma3_path: Path) -> None:
+    llm = load(gemma3_path)
+    try:
+        res = _cycle_check(llm, gemma3_path, mode="inplace")
+        assert res.path == "inplace" and res._inplace is not None
+        assert res._inplace.n_weight_tensors_seen == 236
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_inplace_repacked_q4_0_bitwise(small_q4: llama_cpp.Llama, small_q4_path: Path) -> None:
+    res = _cycle_check(small_q4, small_q4_path, cycles=4, mode="inplace")
+    assert res._inplace is not None
+    kinds = {b.buft_name for b in res._inplace.buffers}
+    assert "CPU_REPACK" in kinds  # the file bytes go through the repacking set_tensor
+    res.close()
+
+
+def test_bitwise_check_can_fail(small_q4: llama_cpp.Llama, small_q4_path: Path) -> None:
+    """Negative control: a shadow that differs from the file by one byte gives different logits."""
+    greedy = Greedy(small_q4)
+    ref = greedy.run()
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace"))
+    ip = res._inplace
+    assert ip is not None
+    target = next(t for b in ip.buffers for t in b.tensors if t.name == "output.weight")
+    view = ip.shadow.view(target.shadow_offset, target.nbytes)
+    view[0 : target.nbytes : 18] = bytes([0x3C]) * len(range(0, target.nbytes, 18))  # every block scale
+    res.release()
+    res.restore()
+    assert not same(greedy.run(), ref)
+    res.close()
+
+
+def test_decoding_while_released_is_refused(smol: llama_cpp.Llama, smollm2_path: Path) -> None:
+    res = Residency.attach(smol, smollm2_path)
+    res.release()
+    with pytest.raises(ResidencyError, match="restore"):
+        smol.eval([1, 2])
+    with pytest.raises(ResidencyError):
+        _ = smol.ctx
+    assert smol.tokenize(b"hello")  # the vocabulary is not part of the weights
+    assert res.release().ms == 0.0  # idempotent
+    res.restore()
+    smol.eval([1, 2])
+    res.close()
+
+
+def test_kv_level_release_keeps_the_prefix(smol: llama_cpp.Llama, smollm2_path: Path) -> None:
+    greedy = Greedy(smol)
+    ref = greedy.run()
+    res = Residency.attach(smol, smollm2_path)
+    smol.n_tokens = greedy.n_prefix
+    smol.eval([greedy.tokens[-1]])  # leave the context where a generation would be
+    n_tokens, pos_max = smol.n_tokens, _pos_max(smol)
+    rel = res.release(kv=True)
+    assert rel.level == "weights+kv" and not res.kv_resident and not res.weights_resident
+    res.restore()
+    # same llm object, same KV cells, same token count: nothing to re-prefill
+    assert smol.n_tokens == n_tokens and _pos_max(smol) == pos_max
+    assert same(greedy.run(), ref)
+    # weights first, KV later (sleep deepening a yield)
+    res.release()
+    res.release(kv=True)
+    assert not res.kv_resident
+    res.restore()
+    assert same(greedy.run(), ref)
+    res.close()
+
+
+# --- the rebuild path ---------------------------------------------------------------------------
+
+
+def test_rebuild_path_bitwise_and_keeps_kv(smol: llama_cpp.Llama, smollm2_path: Path) -> None:
+    greedy = Greedy(smol)
+    ref = greedy.run()
+    res = Residency.attach(smol, smollm2_path, ResidencyOptions(mode="rebuild"))
+    assert res.path == "rebuild" and "mode=rebuild" in res.reason
+    old_model = smol._model
+    for _ in range(2):
+        smol.n_tokens = greedy.n_prefix
+        pos_max = _pos_max(smol)
+        rel = res.release()
+        assert rel.level == "weights+kv"
+        with pytest.raises(ResidencyError):
+            smol.tokenize(b"x")  # the model itself is gone
+        res.restore()
+        assert _pos_max(smol) == pos_max  # KV cells came back: no re-prefill
+        assert smol._model is not old_model
+        assert smol.tokenize(b"hello") == smol.tokenizer_.tokenize(b"hello")
+        assert same(greedy.run(), ref)
+    res.close()
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_truncated_gguf_is_a_model_file_error(
+    tmp_path: Path, small_q4_path: Path, small_q4: llama_cpp.Llama
+) -> None:
+    cut = tmp_path / "cut.gguf"
+    data = small_q4_path.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFileError, match="truncated") as info:
+        check_gguf(cut)
+    assert "re-download" in str(info.value)
+    with pytest.raises(ModelFileError, match="truncated"):
+        Residency.attach(small_q4, cut)
+    # the loaded model was not touched
+    Greedy(small_q4).run()
+
+
+def test_corrupt_gguf_is_a_model_file_error(tmp_path: Path) -> None:
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + os.urandom(4096))
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        check_gguf(not_gguf)
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(ModelFileError, match="damaged"):
+        check_gguf(damaged)
+    with pytest.raises(ModelFileError, match="does not exist"):
+        check_gguf(tmp_path / "missing.gguf")
+    with pytest.raises(ModelFileError, match="not a file"):
+        check_gguf(tmp_path)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copyfile(src, dst)
+    return dst
+
+
+def test_file_changed_before_attach_is_detected(tmp_path: Path, small_q4_path: Path) -> None:
+    path = _copy(small_q4_path, tmp_path / "m.gguf")
+    llm = load(path)
+    try:
+        info = check_gguf(path)
+        with path.open("r+b") as f:  # same size, different weights (a model replaced in place)
+            f.seek(info.data_offset + 64)
+            f.write(os.urandom(256))
+        with pytest.raises(ModelFileError, match="no longer holds the weights"):
+            Residency.attach(llm, path, ResidencyOptions(mode="inplace"))
+    finally:
+        llm.close()
+
+
+def test_file_replaced_after_load_refuses_rebuild_restore(tmp_path: Path, small_q4_path: Path) -> None:
+    path = _copy(small_q4_path, tmp_path / "m.gguf")
+    llm = load(path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = Residency.attach(llm, path, ResidencyOptions(mode="rebuild"))
+        st = path.stat()
+        original = path.read_bytes()
+        data_offset = check_gguf(path).data_offset
+        res.release()
+        # gone
+        path.rename(tmp_path / "away.gguf")
+        with pytest.raises(ModelFileChangedError, match="is gone"):
+            res.restore()
+        (tmp_path / "away.gguf").rename(path)
+        # replaced in place: same size, other bytes, newer mtime
+        with path.open("r+b") as f:
+            f.seek(data_offset + 64)
+            f.write(os.urandom(256))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        with pytest.raises(ModelFileChangedError, match="changed on disk") as info:
+            res.restore()
+        assert isinstance(info.value, ModelFileError) and isinstance(info.value, ResidencyError)
+        assert not res.weights_resident  # still released, nothing half-restored
+        with pytest.raises(ResidencyError):
+            llm.eval([1])
+        # the file the model was loaded from is back: restore works and nothing was lost
+        path.write_bytes(original)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        res.restore()
+        assert same(greedy.run(), ref)
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_pinned_memory_refused_falls_back_to_pageable(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Injected fault: pretend a GPU host buffer type exists and refuses the allocation (a CPU
+    # machine has no pinned memory to run out of).
+    monkeypatch.setattr(hostmem, "pinned_buffer_type", lambda: 0x1)
+    monkeypatch.setattr(hostmem, "alloc_pinned", lambda size: None)
+    greedy = Greedy(small_q4)
+    ref = greedy.run()
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", host_shadow="pinned"))
+    assert res.path == "inplace" and not res.host_pinned
+    assert "could not be allocated" in res.host_note and "pageable" in res.host_note
+    res.release()
+    res.restore()
+    assert same(greedy.run(), ref)
+    res.close()
+
+
+def test_out_of_device_memory_during_restore(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    greedy = Greedy(small_q4)
+    ref = greedy.run()
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace"))
+    assert res._inplace is not None and len(res._inplace.buffers) == 2
+    res.release()
+    real = _ggml.buft_alloc_buffer
+    calls = {"big": 0}
+
+    def second_big_fails(buft: int, size: int) -> int | None:
+        # Injected fault: the backend runs out of memory at the second weight buffer, after the
+        # first one was restored (which must then be released again).
+        if size > 4096:
+            calls["big"] += 1
+            if calls["big"] >= 2:
+                return None
+        return real(buft, size)
+
+    monkeypatch.setattr(_ggml, "buft_alloc_buffer", second_big_fails)
+    with pytest.raises(OutOfDeviceMemoryError, match="stays released") as info:
+        res.restore()
+    assert isinstance(info.value, ResidencyError)
+    assert not res.weights_resident
+    assert all(b.released for b in res._inplace.buffers)  # the first buffer was given back again
+    with pytest.raises(ResidencyError):
+        small_q4.eval([1])
+    monkeypatch.setattr(_ggml, "buft_alloc_buffer", real)
+    res.restore()
+    assert same(greedy.run(), ref)
+    res.close()
+
+
+# --- doctor and bench end to end ----------------------------------------------------------------
+
+
+def _timeshare() -> list[str]:
+    exe = Path(sys.executable).parent / "timeshare"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "timeshare.cli"]
+
+
+def test_doctor_json_end_to_end() -> None:
+    out = subprocess.run(
+        [*_timeshare(), "doctor", "--json", "--cycles", "3"], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)  # stdout is only the JSON
+    assert report["path"] == "inplace" and report["reason"] == ""
+    assert report["backend"] == "CPU" and report["cycles"] == 3
+    assert report["bitwise_identical"] is True and report["kv_level_bitwise_identical"] is True
+    assert report["weight_bytes"] > 0
+    # RSS really dropped by the weight bytes (glibc's mmap threshold fixed in the doctor)
+    assert report["released_bytes"] >= 0.95 * report["weight_bytes"]
+    for key in ("release_ms", "restore_ms", "restore_gbps"):
+        assert report[key] > 0
+
+
+def test_doctor_reports_a_bad_model_file(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*_timeshare(), "doctor", "--json", "--model", str(tmp_path / "nope.gguf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert json.loads(out.stdout)["code"] == "model_file"
+    assert "does not exist" in out.stderr
+
+
+def test_bench_residency_end_to_end(small_q4_path: Path) -> None:
+    out = subprocess.run(
+        [
+            *_timeshare(),
+            "bench",
+            "residency",
+            "--model",
+            str(small_q4_path),
+            "--n-ctx",
+            "256",
+            "--cycles",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["path"] == "inplace" and r["bitwise_identical"] and r["rebuild_bitwise_identical"]
+    assert r["raw_copy_ms"] > 0 and r["reload_model_ctx_ms"] > 0 and r["rebuild_restore_ms"] > 0
+    assert r["table"][0]["what"] == "in-place restore (median)"
