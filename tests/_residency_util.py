@@ -107,4 +107,4 @@ class Greedy:
 
 
 def same(a: list[np.ndarray[Any, Any]], b: list[np.ndarray[Any, Any]]) -> bool:
-    return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+    return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))

@@ -20,16 +20,16 @@ from typing import Any
 
 import llama_cpp  # before numpy
 import pytest
-
 from _residency_util import Greedy, load, make_small_q4_0, same
 from timeshare.core.errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
 from timeshare.core.residency import (
     ModelFileChangedError,
     Residency,
     ResidencyOptions,
+    _ggml,
     check_gguf,
+    hostmem,
 )
-from timeshare.core.residency import _ggml, hostmem
 from timeshare.core.residency import inplace as inplace_mod
 
 

@@ -31,7 +31,8 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufInfo:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFileError(
-            f"{p} is not a GGUF model (it starts with {magic!r}, not b'GGUF'): download the .gguf file of the model"
+            f"{p} is not a GGUF model (it starts with {magic!r}, not b'GGUF'): "
+            "download the .gguf file of the model"
         )
     meta = _ggml.gguf_open_meta(p)
     if meta is None:

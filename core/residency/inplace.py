@@ -107,7 +107,7 @@ def _discover(llm: object, layout: _ggml.TensorLayout) -> _Discovery:
     params.n_seq_max = 1
     params.embeddings = False
     params.cb_eval = disc.callback
-    params.cb_eval_user_data = None
+    params.cb_eval_user_data = ctypes.c_void_p()
     model = llm._model.model  # type: ignore[attr-defined]
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
@@ -169,9 +169,8 @@ class InPlace:
             buft = int(_ggml.buffer_get_type(buf))
             name = _ggml.buffer_type_name(buft)
             all_bufs[buf] = name
-            if gpu is not None:
-                if _ggml.buffer_is_host(buf):
-                    continue  # host weights of a GPU build stay where they are
+            if gpu is not None and _ggml.buffer_is_host(buf):
+                continue  # host weights of a GPU build stay where they are
             if buf not in by_buf:
                 by_buf[buf] = _Buffer(
                     buf, buft, name, int(_ggml.buffer_get_size(buf)), int(_ggml.buffer_get_base(buf) or 0)
@@ -218,8 +217,9 @@ class InPlace:
         for off, length, name in spans:
             if off != pos:
                 raise Unsupported(
-                    f"weight buffer {b.buft_name} ({b.size} bytes) is not covered by the tensors the warm-up graph "
-                    f"showed: {'a gap' if off > pos else 'an overlap'} at byte {pos} before {name}"
+                    f"weight buffer {b.buft_name} ({b.size} bytes) is not covered by the tensors the "
+                    f"warm-up graph showed: {'a gap' if off > pos else 'an overlap'} at byte {pos} "
+                    f"before {name}"
                 )
             pos = off + length
         if pos != b.size:
@@ -264,8 +264,8 @@ class InPlace:
                     src = data_off + int(_ggml.gguf_get_tensor_offset(meta, tid))
                     if src + size > file_size:
                         raise ModelFileError(
-                            f"{self.path} is truncated: tensor {t.name} ends at byte {src + size} but the file "
-                            f"has {file_size} bytes; re-download it"
+                            f"{self.path} is truncated: tensor {t.name} ends at byte {src + size} but "
+                            f"the file has {file_size} bytes; re-download it"
                         )
                     t.shadow_offset = offset
                     ranges.append(ReadRange(src, offset, size))
@@ -308,8 +308,9 @@ class InPlace:
                         self.shadow.ptr + t.shadow_offset + off, n
                     ):
                         raise ModelFileError(
-                            f"{self.path} no longer holds the weights the model was loaded from (tensor {t.name} "
-                            "differs): the file was replaced or modified after loading; restart the model"
+                            f"{self.path} no longer holds the weights the model was loaded from "
+                            f"(tensor {t.name} differs): the file was replaced or modified after loading; "
+                            "restart the model"
                         )
                 checked += 1
         return checked
@@ -329,7 +330,8 @@ class InPlace:
         placeholder = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
         if placeholder is None:
             raise ResidencyError(
-                f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} placeholder buffer: the model was not released"
+                f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} placeholder buffer: "
+                "the model was not released"
             )
         self._swap(b.ptr, placeholder, b.layout)
         _ggml.buffer_free(placeholder)  # frees the weights' memory
@@ -355,8 +357,9 @@ class InPlace:
                     self._release_buffer(d)
                 need = sum(x.size for x in self.buffers)
                 raise OutOfDeviceMemoryError(
-                    f"not enough {b.buft_name} memory to restore the model's weights ({need / 1e9:.2f} GB needed, "
-                    f"a {b.size / 1e9:.2f} GB buffer failed): the model stays released; free device memory "
+                    f"not enough {b.buft_name} memory to restore the model's weights "
+                    f"({need / 1e9:.2f} GB needed, a {b.size / 1e9:.2f} GB buffer failed): the model stays "
+                    "released; free device memory "
                     "(release or stop another model) and try again"
                 )
             self._swap(b.ptr, new, b.layout)

@@ -97,7 +97,8 @@ class _Released:
 
     def __getattr__(self, name: str) -> Any:
         raise ResidencyError(
-            f"the model's {object.__getattribute__(self, '_what')} is released: call Residency.restore() before using it"
+            f"the model's {object.__getattribute__(self, '_what')} is released: "
+            "call Residency.restore() before using it"
         )
 
     def __bool__(self) -> bool:
@@ -117,7 +118,9 @@ def _forget_graphs(ctx: Any, llm: Any) -> None:
     n_embd = int(llama_cpp.llama_model_n_embd(llm._model.model))
     rc = int(llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1))
     if rc != 0:
-        raise ResidencyError(f"could not reset the context's graphs after restore (llama_set_adapter_cvec: {rc})")
+        raise ResidencyError(
+            f"could not reset the context's graphs after restore (llama_set_adapter_cvec returned {rc})"
+        )
 
 
 def _rss_bytes() -> int:
@@ -166,8 +169,8 @@ class Residency:
             reason = str(exc)
         if not version_ok:
             reason = (
-                f"llama-cpp-python {version} is not the pinned {_ggml.PINNED_VERSION}: its ggml struct layouts "
-                "are unchecked"
+                f"llama-cpp-python {version} is not the pinned {_ggml.PINNED_VERSION}: "
+                "its ggml struct layouts are unchecked"
             )
         if gpu is not None and not gpu.name.upper().startswith("CUDA"):
             reason = reason or f"backend {gpu.name} is not checked for in-place release"
@@ -342,10 +345,13 @@ class Residency:
 
         llm = self._llm
         try:
-            ctx = _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=llm.verbose)
+            ctx: Any = _internals.LlamaContext(
+                model=llm._model, params=llm.context_params, verbose=llm.verbose
+            )
         except ValueError as exc:
             raise OutOfDeviceMemoryError(
-                f"cannot create the context of {self.model_path} again ({exc}): free device memory and try again"
+                f"cannot create the context of {self.model_path} again ({exc}): "
+                "free device memory and try again"
             ) from exc
         if self._kv is not None:
             try:
@@ -397,7 +403,7 @@ class Residency:
                 "load the new file"
             )
         try:
-            model = _internals.LlamaModel(
+            model: Any = _internals.LlamaModel(
                 path_model=self.model_path, params=llm.model_params, verbose=llm.verbose
             )
         except ValueError as exc:
@@ -406,7 +412,7 @@ class Residency:
                 "(release or stop another model) and try again"
             ) from exc
         try:
-            ctx = _internals.LlamaContext(model=model, params=llm.context_params, verbose=llm.verbose)
+            ctx: Any = _internals.LlamaContext(model=model, params=llm.context_params, verbose=llm.verbose)
         except ValueError as exc:
             model.close()
             raise OutOfDeviceMemoryError(
