@@ -240,19 +240,19 @@ def test_two_busy_workers_both_make_progress(tmp_path: Path, smollm2_path: Path,
     prompts = ("1, 2, 3, 4, 5, 6,", "The capital of France is")
     # requests longer than the quantum: each worker has to yield in the middle of a decode
     harness = ArenaHarness(
-        plans, work_dir=tmp_path, arena_dir=tmp_path / "arena", prompts=prompts, max_tokens=24
+        plans, work_dir=tmp_path, arena_dir=tmp_path / "arena", prompts=prompts, max_tokens=16
     )
     try:
         harness.start()
         harness.take_reference()
-        # one client per worker, always sending, until both got 3 answers (bounded: 90 s)
-        harness.contend(90.0, dedicated=True, until=lambda done: len(done) == 2 and min(done.values()) >= 3)
+        # one client per worker, always sending, until both got 2 answers (bounded: 90 s)
+        harness.contend(90.0, dedicated=True, until=lambda done: len(done) == 2 and min(done.values()) >= 2)
     finally:
         harness.stop()
     report = harness.report()
     by_worker = dict(report.requests_by_worker)
-    assert min(by_worker.values()) >= 3, by_worker  # neither starves
-    assert report.handoffs >= 4, report
+    assert min(by_worker.values()) >= 2, by_worker  # neither starves
+    assert report.handoffs >= 3, report
     assert report.outputs_match_reference, report.mismatches  # also across mid-decode yields
     assert report.ok, report.to_json()
 
