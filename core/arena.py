@@ -517,7 +517,12 @@ class Arena:
             os.unlink(HOLDER_FILE, dir_fd=self._dir_fd)
 
     def _watch(self) -> _DirWatch:
-        return _DirWatch(self.waiters_path, self.backend)
+        if self.backend == "inotify":
+            try:
+                return _DirWatch(self.waiters_path, "inotify")
+            except OSError as exc:  # e.g. fs.inotify.max_user_instances reached: same protocol, polled
+                log.warning("inotify on %s failed (%s); polling instead", self.waiters_path, exc)
+        return _DirWatch(self.waiters_path, "poll")
 
 
 # ---- interval log ----------------------------------------------------------------------------
@@ -741,9 +746,14 @@ class TokenRequest:
             arena._drop_ticket(self._ticket, ticket_fd)  # lets the next waiter call flock
             ticket_fd = None
         except BaseException as exc:  # delivered through result()
+            if isinstance(exc, OSError):
+                exc = ArenaError(
+                    f"the arena {arena.path} became unusable while waiting for the GPU ({exc}); "
+                    f"restart Timeshare, or point TIMESHARE_VRAM_ARENA or arena.dir elsewhere"
+                )
             self._error = exc
             if not isinstance(exc, (CancelledError, TokenTimeoutError)):
-                log.exception("waiting for the GPU token failed")
+                log.error("waiting for the GPU token failed: %s", exc)
         finally:
             if ticket_fd is not None and self._ticket is not None:
                 arena._drop_ticket(self._ticket, ticket_fd)
