@@ -60,6 +60,11 @@ class _Buffer:
     tensors: list[_Tensor] = field(default_factory=list)
     views: list[tuple[int, int]] = field(default_factory=list)  # (tensor, offset) of views into it
     released: bool = False
+    #: the shadow mirrors the buffer's layout and restore uploads it in one copy (buffer types
+    #: whose set_tensor is a plain copy); otherwise it is packed and uploaded tensor by tensor
+    mirror: bool = False
+    shadow_base: int = 0
+    whole: int = 0  # a private I8 tensor spanning the buffer, for the one-copy upload
 
 
 class _Discovery:
@@ -128,6 +133,11 @@ def _discover(llm: object, layout: _ggml.TensorLayout) -> _Discovery:
     return disc
 
 
+def _plain_copy(buft_name: str) -> bool:
+    """Buffer types whose set_tensor copies bytes unchanged (CPU_REPACK and the like repack)."""
+    return buft_name == "CPU" or (buft_name.startswith("CUDA") and buft_name[4:].isdigit())
+
+
 def _pad(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
@@ -137,9 +147,17 @@ class InPlace:
     worker's loop thread is its only caller."""
 
     def __init__(
-        self, llm: object, model_path: str, gpu: _ggml.Device | None, want_pinned: bool, verify: bool
+        self,
+        llm: object,
+        model_path: str,
+        gpu: _ggml.Device | None,
+        want_pinned: bool,
+        verify: bool,
+        coalesce: bool = True,
     ) -> None:
         self.path = model_path
+        self._coalesce = coalesce
+        self._whole_ctx = 0
         self.layout = _ggml.TensorLayout()
         try:
             _ggml.probe_tensor_layout(self.layout)
@@ -251,6 +269,8 @@ class InPlace:
             ranges: list[ReadRange] = []
             offset = 0
             for b in self.buffers:
+                b.mirror = self._coalesce and _plain_copy(b.buft_name)
+                b.shadow_base = offset
                 for t in b.tensors:
                     tid = int(_ggml.gguf_find_tensor(meta, t.name.encode()))
                     if tid < 0:
@@ -267,12 +287,27 @@ class InPlace:
                             f"{self.path} is truncated: tensor {t.name} ends at byte {src + size} but "
                             f"the file has {file_size} bytes; re-download it"
                         )
-                    t.shadow_offset = offset
-                    ranges.append(ReadRange(src, offset, size))
-                    offset += size
+                    if b.mirror:
+                        t.shadow_offset = b.shadow_base + t.offset
+                    else:
+                        t.shadow_offset = offset
+                        offset += size
+                    ranges.append(ReadRange(src, t.shadow_offset, size))
+                if b.mirror:
+                    offset = b.shadow_base + b.size
         finally:
             _ggml.gguf_free(meta)
         mem = HostMemory(offset, want_pinned)
+        for b in self.buffers:  # alignment gaps and padding of a mirrored buffer upload as zeros
+            if b.mirror:
+                pos = 0
+                for t in sorted(b.tensors, key=lambda x: x.offset):
+                    if t.offset > pos:
+                        ctypes.memset(mem.ptr + b.shadow_base + pos, 0, t.offset - pos)
+                    pos = max(pos, t.offset + t.nbytes)
+                if b.size > pos:
+                    ctypes.memset(mem.ptr + b.shadow_base + pos, 0, b.size - pos)
+        self._make_whole_tensors()
         t0 = time.perf_counter()
         try:
             parallel_read(self.path, mem, sorted(ranges, key=lambda r: r.file_offset))
@@ -289,6 +324,17 @@ class InPlace:
         )
         self.shadow_fill_s = dt
         return mem
+
+    def _make_whole_tensors(self) -> None:
+        mirrored = [b for b in self.buffers if b.mirror]
+        if not mirrored:
+            return
+        ctx = _ggml.ggml_init(_ggml.GgmlInitParams(len(mirrored) * 1024 + 4096, None, True))
+        if not ctx:
+            raise Unsupported("ggml_init failed")
+        self._whole_ctx = int(ctx)
+        for b in mirrored:
+            b.whole = int(_ggml.ggml_new_tensor_1d(ctx, _ggml.GGML_TYPE_I8, b.size))
 
     def _verify_shadow(self) -> int:
         """Compare the first and last bytes of every readable weight with the shadow: the file on
@@ -371,14 +417,22 @@ class InPlace:
                 _ggml.buffer_init_tensor(b.ptr, t.ptr)
             for v, off in b.views:
                 _ggml.write_ptr(v + lay_t.data, base + off)
-            for t in b.tensors:
-                _ggml.tensor_set(t.ptr, self.shadow.ptr + t.shadow_offset, 0, t.nbytes)
+            if b.mirror:  # one copy of the whole buffer, through the buffer's own set_tensor
+                _ggml.write_ptr(b.whole + lay_t.buffer, b.ptr)
+                _ggml.write_ptr(b.whole + lay_t.data, base)
+                _ggml.tensor_set(b.whole, self.shadow.ptr + b.shadow_base, 0, b.size)
+            else:
+                for t in b.tensors:
+                    _ggml.tensor_set(t.ptr, self.shadow.ptr + t.shadow_offset, 0, t.nbytes)
             b.released = False
             done.append(b)
         return self.tensor_bytes
 
     def close(self) -> None:
         self.shadow.close()
+        if self._whole_ctx:
+            _ggml.ggml_free(self._whole_ctx)
+            self._whole_ctx = 0
 
 
 def raw_copy_seconds(inplace: InPlace, reps: int = 3) -> list[float]:

@@ -42,6 +42,9 @@ class ResidencyOptions:
     host_shadow: Literal["pinned", "pageable"] = "pinned"
     #: compare the shadow with the loaded weights at attach (first/last 4 KiB of each tensor)
     verify_shadow: bool = True
+    #: upload each plain-copy buffer (CPU, CUDAn) in one copy from a shadow that mirrors its
+    #: layout, instead of tensor by tensor (one synchronisation per tensor on CUDA)
+    coalesce_upload: bool = True
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,14 @@ class Residency:
             self._fallback(mode, probe.reason)
             return self
         try:
-            self._inplace = InPlace(llm, self.model_path, self._gpu, want_pinned, self._opts.verify_shadow)
+            self._inplace = InPlace(
+                llm,
+                self.model_path,
+                self._gpu,
+                want_pinned,
+                self._opts.verify_shadow,
+                self._opts.coalesce_upload,
+            )
         except Unsupported as exc:
             reason = str(exc)
             if "memory-mapped on a CPU-only build" in reason and mode == "auto":
