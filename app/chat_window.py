@@ -299,17 +299,22 @@ class ChatWindow(QMainWindow):
 
     def _on_snapshot(self, snapshot: PoolSnapshot) -> None:
         current = self.model_box.currentData()
+        ids = [m.id for m in snapshot.models]
+        same_models = ids == [self.model_box.itemData(i) for i in range(self.model_box.count())]
         self.model_box.blockSignals(True)
-        self.model_box.clear()
-        for m in snapshot.models:
+        if not same_models:
+            self.model_box.clear()
+        for index, m in enumerate(snapshot.models):
             label = f"{m.name or m.id} — {display_state(m)}"
             if m.id == snapshot.holder:
                 label += " (GPU)"
-            self.model_box.addItem(label, m.id)
-            index = self.model_box.count() - 1
+            if same_models:  # relabel in place: an open popup stays open
+                self.model_box.setItemText(index, label)
+            else:
+                self.model_box.addItem(label, m.id)
             tip = f"{m.path}\nLicence: {m.licence}" if m.licence else m.path
             self.model_box.setItemData(index, tip, Qt.ItemDataRole.ToolTipRole)
-        if current is not None:
+        if not same_models and current is not None:
             index = self.model_box.findData(current)
             if index >= 0:
                 self.model_box.setCurrentIndex(index)

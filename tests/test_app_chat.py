@@ -312,6 +312,22 @@ def test_tray_menu_actions_reach_the_pool(qtbot: Any, app: Any) -> None:
     dialog.reject()
 
 
+def test_a_crashed_worker_is_announced_and_comes_back(qtbot: Any, app: Any) -> None:
+    status = app.bridge.snapshot.model(GEMMA)
+    assert status is not None and status.pid is not None
+    notes: list[tuple[str, str]] = []
+    app.bridge.notification.connect(lambda title, message: notes.append((title, message)))
+    os.kill(status.pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: any(t == "Gemma-3-270M (base) crashed" for t, _ in notes), timeout=30_000)
+    qtbot.waitUntil(lambda: any(t == "Gemma-3-270M (base) restarted" for t, _ in notes), timeout=60_000)
+    qtbot.waitUntil(
+        lambda: app.bridge.snapshot.model(GEMMA).state in (ModelState.RELEASED, ModelState.RESIDENT),
+        timeout=120_000,
+    )
+    assert app.bridge.snapshot.model(GEMMA).pid != status.pid
+    assert not alive(status.pid)
+
+
 def test_quit_stops_every_worker(qtbot: Any, smollm2_path: Path, tmp_path: Path) -> None:
     from timeshare.app.application import TimeshareApp
     from timeshare.app.menu_model import Action, Command

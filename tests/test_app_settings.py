@@ -461,3 +461,32 @@ def test_chat_window_shows_progress_while_a_model_loads(qtbot: Any, bare_app: An
     assert window.progress.isHidden()
     assert window.model_state.text() == "resident · holds the GPU"
     assert window.model_box.currentText() == "Model M — resident (GPU)"
+
+
+def test_add_model_from_the_tray_opens_the_catalog(
+    qtbot: Any, bare_app: Any, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtWidgets import QDialog
+    from timeshare.app import settings
+    from timeshare.app.menu_model import Action, Command
+    from timeshare.core import catalog
+
+    # the catalog scans only the demo package here, not this machine's model folders
+    real_scan = catalog.scan_report
+    monkeypatch.setattr(
+        catalog, "scan_report", lambda *a, **k: real_scan(["demo"], demo_paths=[smollm2_path])
+    )
+
+    def pick_first(self: Any) -> int:
+        self.table.selectRow(0)
+        return QDialog.DialogCode.Accepted
+
+    monkeypatch.setattr(settings.CatalogDialog, "exec", pick_first)
+    app = bare_app(tray=True)
+    app.start(background=True)
+    app.handle(Action("Add model…", Command.ADD_MODEL))
+    dialog = app.settings_dialog
+    assert dialog is not None and dialog.isVisible() and dialog.tabs.currentIndex() == 0
+    qtbot.waitUntil(lambda: dialog.models_table.rowCount() == 1, timeout=5000)
+    assert dialog.models_table.item(0, 4).text() == str(smollm2_path)
+    dialog.reject()
