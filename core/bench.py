@@ -69,6 +69,11 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
         out["attach_s"] = time.perf_counter() - t0
         out.update(path=res.path, reason=res.reason, backend=res.backend, weight_bytes=res.weight_bytes)
         out.update(host_bytes=res.host_bytes, host_pinned=res.host_pinned, host_note=res.host_note)
+        if res._inplace is not None:
+            out["shadow_fill_s"] = res._inplace.shadow_fill_s
+            out["n_weight_tensors_seen"] = res._inplace.n_weight_tensors_seen
+            out["n_buffers"] = len(res._inplace.buffers)
+            out["one_copy_buffers"] = sum(1 for b in res._inplace.buffers if b.mirror)
         rel: list[float] = []
         rst: list[float] = []
         freed: list[int] = []
