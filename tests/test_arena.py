@@ -548,28 +548,3 @@ def test_bad_model_id_is_refused(arena_dir: Path) -> None:
         12, 345, "smollm2-135m-instruct#2"
     )
     assert Ticket.parse("junk") is None
-
-
-def test_arena_removed_under_a_waiter_gives_a_clear_error(arena_dir: Path) -> None:
-    import shutil
-
-    arena = Arena(arena_dir)
-    holder, head, behind = (
-        TokenClient(arena, "holder"),
-        TokenClient(arena, "head"),
-        TokenClient(arena, "behind"),
-    )
-    holder.acquire(timeout=5)
-    r1 = head.request(timeout=30)
-    wait_until(lambda: r1.ticket is not None, what="head ticket")
-    r2 = behind.request(timeout=30)
-    wait_until(lambda: len(arena.waiters()) == 2, what="two tickets")
-    shutil.rmtree(arena_dir)  # e.g. the runtime dir cleaned at logout
-    with pytest.raises(ArenaError) as info:
-        r2.result(timeout=20)
-    assert str(arena_dir) in str(info.value) and "became unusable" in str(info.value)
-    holder.release()
-    r1.wait(20)
-    head.close()
-    behind.close()
-    holder.close()
