@@ -205,7 +205,9 @@ def test_bitwise_check_can_fail(small_q4: llama_cpp.Llama, small_q4_path: Path, 
 
 def test_decoding_while_released_is_refused(smol: llama_cpp.Llama, smollm2_path: Path) -> None:
     res = Residency.attach(smol, smollm2_path)
+    live = smol.ctx
     res.release()
+    assert res.kv_context == live  # KV snapshots can still read the cache
     with pytest.raises(ResidencyError, match="restore"):
         smol.eval([1, 2])
     with pytest.raises(ResidencyError):
@@ -226,6 +228,7 @@ def test_kv_level_release_keeps_the_prefix(smol: llama_cpp.Llama, smollm2_path: 
     n_tokens, pos_max = smol.n_tokens, _pos_max(smol)
     rel = res.release(kv=True)
     assert rel.level == "weights+kv" and not res.kv_resident and not res.weights_resident
+    assert res.kv_context is None
     res.restore()
     # same llm object, same KV cells, same token count: nothing to re-prefill
     assert smol.n_tokens == n_tokens and _pos_max(smol) == pos_max

@@ -267,6 +267,17 @@ class Residency:
         self.weight_bytes = int(llama_cpp.llama_model_size(self._llm._model.model))
         log.info("residency of %s: rebuild path (%s)", self.model_path, reason)
 
+    @property
+    def kv_context(self) -> Any | None:
+        """The llama_context handle that holds the KV cache, also while the weights are released
+        and the context is kept aside (KV snapshots read only the cache, never the weights);
+        None while the context itself is freed (``release(kv=True)``, the rebuild path)."""
+        if not self.kv_resident:
+            return None
+        if self._saved_ctx is not None:
+            return self._saved_ctx.ctx
+        return self._llm.ctx if self._llm is not None else None
+
     # -- measurements -------------------------------------------------------------------------
 
     def _device_free(self) -> int | None:
