@@ -7,6 +7,7 @@ import ctypes
 import logging
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,6 +119,9 @@ class HostMemory:
         self.ptr = 0
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            # the backend may be torn down already (cudaFreeHost then aborts); the OS frees it
+            return
         self.close()
 
 
