@@ -173,15 +173,27 @@ def _check_dir_stat(path: Path, st: os.stat_result) -> None:
 
 
 def _check_ancestors(path: Path) -> None:
-    """Refuse a path reached through a symbolic link that someone other than root could have made
-    (root-owned system links such as /var/run -> /run are trusted: only root can change them)."""
+    """Refuse a path that someone else could redirect: through a symbolic link not made by root
+    (root-owned system links such as /var/run -> /run are trusted), or inside a folder owned by
+    another user, or inside a folder others may write without the sticky bit (/tmp is fine)."""
+    euid = os.geteuid()
     for parent in reversed(path.parents):
         try:
             st = os.lstat(parent)
+            if stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    raise UnsafeArenaError(path, f"it is reached through the symbolic link {parent}")
+                st = os.stat(parent)
         except FileNotFoundError:
             return
-        if stat.S_ISLNK(st.st_mode) and st.st_uid != 0:
-            raise UnsafeArenaError(path, f"it is reached through the symbolic link {parent}")
+        if st.st_uid not in (0, euid):
+            raise UnsafeArenaError(path, f"it is inside {parent}, which belongs to uid {st.st_uid}")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeArenaError(
+                path,
+                f"it is inside {parent}, which others may write (mode {stat.S_IMODE(st.st_mode):04o}, "
+                f"no sticky bit)",
+            )
 
 
 def _open_checked_dir(path: Path, *, create: bool, dir_fd: int | None = None, name: str | None = None) -> int:

@@ -548,3 +548,25 @@ def test_bad_model_id_is_refused(arena_dir: Path) -> None:
         12, 345, "smollm2-135m-instruct#2"
     )
     assert Ticket.parse("junk") is None
+
+
+def test_arena_inside_a_folder_others_may_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could rename our arena away and put theirs in its place
+    with pytest.raises(UnsafeArenaError) as info:
+        Arena(shared / "arena")
+    assert f"it is inside {shared}, which others may write (mode 0777" in str(info.value)
+    assert not (shared / "arena").exists()
+    shared.chmod(0o1777)  # sticky, like /tmp: others cannot rename what is ours
+    Arena(shared / "arena").close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown to another user")
+def test_arena_inside_someone_elses_folder_is_refused(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 12345, 12345)
+    with pytest.raises(UnsafeArenaError) as info:
+        Arena(theirs / "arena")
+    assert f"it is inside {theirs}, which belongs to uid 12345" in str(info.value)
