@@ -119,6 +119,39 @@ def test_plan_workers_reuses_models_with_distinct_ids() -> None:
     assert model_id_for_path("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct.q4_1"
 
 
+def test_report_text_and_json() -> None:
+    from timeshare.core.arena_test import ArenaTestReport, Mismatch
+
+    report = ArenaTestReport(
+        workers=2,
+        models=("a", "b"),
+        seconds=3.0,
+        requests=4,
+        reference_requests=2,
+        errors=0,
+        handoffs=3,
+        overlaps=0,
+        outside_token=0,
+        token_overlaps=0,
+        deadlocks=0,
+        outputs_match_reference=False,
+        handoff_ms_p50=12.5,
+        handoff_ms_p99=40.0,
+        token_intervals=5,
+        resident_intervals=5,
+        malformed_records=0,
+        requests_by_worker=(("a", 3), ("b", 1)),
+        mismatches=(Mismatch("b", "Hi", " there", " then"),),
+    )
+    assert not report.ok  # an output differed
+    text = report.to_text()
+    assert "outputs match        NO" in text and "result               FAILED" in text
+    assert "mismatch b 'Hi'" in text and "a: 3, b: 1" in text
+    data = json.loads(json.dumps(report.to_json()))
+    assert data["ok"] is False and data["requests_by_worker"] == {"a": 3, "b": 1}
+    assert data["mismatches"][0]["got"] == " then"
+
+
 # ---- the CLI refuses an unsafe arena ----------------------------------------------------------------
 
 
