@@ -230,6 +230,7 @@ class _Worker:
     conn: protocol.Connection | None = None
     pid: int | None = None
     ready: bool = False
+    accepting: bool = False  # said Hello: requests may be sent (the worker queues them while loading)
     info: protocol.ModelInfo | None = None
     status: protocol.WorkerStatus | None = None
     queue: deque[Generation] = field(default_factory=deque)
@@ -683,7 +684,7 @@ class Pool:
             self._set_failed(w, problem)
             return
         w.epoch += 1
-        w.ready = False
+        w.ready = w.accepting = False
         w.info = None
         w.status = None
         w.fatal = None
@@ -805,6 +806,15 @@ class Pool:
             if msg.model_id != w.id:
                 log.warning("%s: the worker says it serves %r", w.id, msg.model_id)
             w.state = ModelState.LOADING
+            w.accepting = True
+            # send queued work now: a worker that finds a request waiting when its load is done
+            # keeps the GPU token instead of releasing and restoring at once
+            for cmd in w.pending:
+                if isinstance(cmd, protocol.Wake):
+                    w.pending.remove(cmd)
+                    self._send(w, cmd)
+                    break
+            self._dispatch(w)
             self._publish(model=w.id)
         elif isinstance(msg, protocol.Loading):
             w.state = ModelState.LOADING
@@ -922,6 +932,7 @@ class Pool:
         if self._holder == w.id:
             self._holder = None
         was_ready, w.ready = w.ready, False
+        w.accepting = False
         w.status = None
         w.log_tail = read_log_tail(w.log_path)
         log.info("worker for %s exited with status %s", w.id, code)
@@ -951,6 +962,9 @@ class Pool:
             self._set_failed(w, fatal.message)
             return
         # a crash
+        if not was_ready and w.inflight is not None:
+            w.queue.appendleft(w.inflight)  # it was waiting for the load, not being answered
+            w.inflight = None
         self._publish(
             EventKind.CRASHED,
             w.id,
@@ -1037,7 +1051,7 @@ class Pool:
         self._publish(model=w.id)
 
     def _dispatch(self, w: _Worker) -> None:
-        if not w.ready or w.stopping or w.conn is None:
+        if not w.accepting or w.stopping or w.conn is None:
             return
         while w.inflight is None and w.queue:
             gen = w.queue.popleft()
@@ -1066,7 +1080,8 @@ class Pool:
     # ---- commands (pool thread) ----------------------------------------------------------
 
     def _command(self, w: _Worker, msg: object) -> None:
-        if w.ready and w.conn is not None and not w.stopping:
+        early = w.accepting and isinstance(msg, protocol.Wake)  # a wake may go in during the load
+        if (w.ready or early) and w.conn is not None and not w.stopping:
             self._send(w, msg)
         else:
             w.pending.append(msg)
