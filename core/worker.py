@@ -26,6 +26,7 @@ import llama_cpp  # noqa: F401  (import order, not use)
 import argparse
 import collections
 import contextlib
+import faulthandler
 import importlib
 import json
 import logging
@@ -596,8 +597,6 @@ class Worker:
                 self.publish()
             elif isinstance(task, _Yield):
                 self._yield_wanted = True
-            elif isinstance(task, p.Wake):
-                pass  # busy: it is being served anyway
             elif isinstance(task, (p.Shutdown, _Disconnected)):
                 self._pending.appendleft(task)
                 if current is not None:
@@ -751,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("signal %d: shutting down", signum)
         worker.tasks.put(p.Shutdown(save_kv=True))
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: stacks to the log
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     result: list[int] = []

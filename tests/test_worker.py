@@ -310,6 +310,8 @@ def test_pinned_holder_makes_the_other_wait_then_time_out(
     while "pinned" not in waiting.waiting_reason:
         waiting = b.expect(p.WorkerStatus)
     assert "smol" in waiting.waiting_reason
+    # the reader thread answers status from the published snapshot while the loop thread waits
+    assert "pinned by smol" in b.status().waiting_reason
     a.send(p.Pin(False))
     b.ready()
     a.send(p.Pin(True))
