@@ -47,8 +47,6 @@ DEFAULT_PROMPTS = (
     "The capital of France is",
     "Once upon a time, in a small village,",
     "def fibonacci(n):",
-    "The three primary colours are",
-    "Water boils at",
 )
 
 # ---- the checker (pure) ----------------------------------------------------------------------

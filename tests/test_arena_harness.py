@@ -182,6 +182,16 @@ def test_cli_refuses_bad_arguments(smollm2_path: Path) -> None:
     assert proc.returncode == 2 and "--workers must be at least 1" in proc.stderr
 
 
+@pytest.mark.slow
+def test_cli_json_run_prints_only_the_report(smollm2_path: Path) -> None:
+    proc = run_cli("--workers", "1", "--seconds", "1", "--model", str(smollm2_path), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)  # nothing else on stdout
+    assert data["models"] == ["smollm2-135m-instruct.q4_1"]
+    assert data["ok"] is True and data["overlaps"] == 0 and data["outside_token"] == 0
+    assert "arena-test: starting 1 workers" in proc.stderr
+
+
 # ---- real workers ---------------------------------------------------------------------------------
 
 
@@ -273,7 +283,7 @@ def test_two_busy_workers_both_make_progress(tmp_path: Path, smollm2_path: Path,
     prompts = ("1, 2, 3, 4, 5, 6,", "The capital of France is")
     # requests longer than the quantum: each worker has to yield in the middle of a decode
     harness = ArenaHarness(
-        plans, work_dir=tmp_path, arena_dir=tmp_path / "arena", prompts=prompts, max_tokens=16
+        plans, work_dir=tmp_path, arena_dir=tmp_path / "arena", prompts=prompts, max_tokens=12
     )
     try:
         harness.start()
