@@ -21,8 +21,10 @@ holder record whose pid is dead is ignored by :func:`read_holder`.
 
 The doorbell: the holder watches ``waiters/`` (inotify IN_CREATE, IN_MOVED_TO, IN_DELETE,
 IN_MOVED_FROM, IN_Q_OVERFLOW; a rescan right after adding the watch and every
-``RESCAN_INTERVAL_S``) and rings a callback when another process waits. Where inotify does not
-exist the same protocol runs by polling the directory.
+``RESCAN_INTERVAL_S``) and rings a callback when another process waits, and again every
+``RING_REPEAT_S`` for as long as anyone waits (level-triggered, so a dropped ring is not a lost
+waiter). Where inotify does not exist (or cannot be set up) the same protocol runs by polling
+the directory.
 
 Threads: a :class:`TokenClient` waits for the token on a helper thread (the worker's loop thread
 stays free for status and cancel) and watches the doorbell on a warden thread; both only call
@@ -430,8 +432,10 @@ class Arena:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=self._dir_fd)
                     removed.append(name)
-            elif Ticket.parse(name[1:-4]) is not None and self._sweep_if_stale(self._dir_fd, name):
-                removed.append(name)
+            else:  # a ticket being made: locked right after its creation, so also check the pid
+                ticket = Ticket.parse(name[1:-4])
+                if ticket and not _pid_alive(ticket.pid) and self._sweep_if_stale(self._dir_fd, name):
+                    removed.append(name)
         return removed
 
     @staticmethod

@@ -297,9 +297,17 @@ def test_sweep_removes_dead_tickets_and_keeps_live_ones(procs: list[Proc], arena
     holder.acquire(timeout=10)
     waiter = spawn(procs, "hold", str(arena_dir), "auto", "live")
     wait_until(lambda: len(os.listdir(arena_dir / "waiters")) == 1, what="live ticket")
-    dead = Ticket(999999, 999999, "dead")  # a file nobody holds a lock on
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid belongs to nobody now
+    dead_pid = child.pid
+    dead = Ticket(999999, dead_pid, "dead")  # a file nobody holds a lock on
     (arena_dir / "waiters" / dead.name).write_text("{}")
-    assert arena.sweep() == [dead.name]
+    leftovers = [f".{Ticket(1000000, dead_pid, 'dead').name}.tmp", f".holder.{dead_pid}.1.tmp"]
+    for name in leftovers:  # what a process killed while writing leaves behind
+        (arena_dir / name).write_text("{}")
+    (arena_dir / f".holder.{os.getpid()}.1.tmp").write_text("{}")  # a live writer's: kept
+    assert sorted(arena.sweep()) == sorted([dead.name, *leftovers])
+    assert (arena_dir / f".holder.{os.getpid()}.1.tmp").exists()
     assert [t.model for t in arena.waiters()] == ["live"]
     holder.release()
     waiter.wait_line("HELD")
