@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from timeshare.core.arena import Arena, read_holder, read_intervals
 from timeshare.core.arena_test import (
     ArenaHarness,
@@ -98,6 +100,36 @@ def test_checker_counts_malformed_records() -> None:
     records = [rec("token", 1, 2.0, 1.0), {"kind": "resident", "pid": "x"}, rec("token", 2, 0.0, 1.0)]
     result = check_intervals(records)
     assert result.malformed == 2 and not result.ok
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.integers(1, 4), st.floats(0.01, 1.0), st.floats(0.0, 0.5), st.floats(0.0, 0.5)),
+        min_size=2,
+        max_size=30,
+    ),
+    victim=st.integers(0, 1000),
+)
+def test_checker_property_clean_schedules_pass_and_any_leak_fails(
+    turns: list[tuple[int, float, float, float]], victim: int
+) -> None:
+    """Random serial schedules (token turns of random pids, residency inside each) pass; moving
+    one resident interval's end past its token's end is always caught."""
+    records, t = [], 0.0
+    for pid, length, lead, tail in turns:
+        start, end = t, t + length
+        records.append(rec("token", pid, start, end))
+        r_start = start + length * lead * 0.5
+        records.append(rec("resident", pid, r_start, max(r_start, end - length * tail * 0.5)))
+        t = end + 0.001
+    assert check_intervals(records).ok
+    i = 2 * (victim % len(turns)) + 1  # a resident record
+    leaked = dict(
+        records[i], end=records[i - 1]["end"] + 0.0005
+    )  # still resident after giving the token back
+    result = check_intervals([*records[:i], leaked, *records[i + 1 :]])
+    assert not result.ok and len(result.outside_token) == 1
 
 
 def test_percentile_nearest_rank() -> None:
