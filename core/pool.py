@@ -378,14 +378,14 @@ class Pool:
         for _, proc in procs:
             _wait(proc, deadline - time.monotonic())
         for model_id, proc in procs:
-            if proc.poll() is None:
+            if not _exited(proc):
                 log.warning("%s did not exit after Shutdown: SIGTERM to its process group", model_id)
                 _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout * 0.3
         for _, proc in procs:
             _wait(proc, deadline - time.monotonic())
         for model_id, proc in procs:
-            if proc.poll() is None:
+            if not _exited(proc):
                 log.warning("%s ignored SIGTERM: SIGKILL to its process group", model_id)
             _signal_group(proc, signal.SIGKILL)  # also takes any child the worker left behind
             proc.wait()
@@ -758,13 +758,13 @@ class Pool:
             if msg is None:
                 break
             self._post(self._on_message, model_id, epoch, msg)
-        try:
-            code = proc.wait(timeout=max(self.stop_grace_s, 1.0))
-        except subprocess.TimeoutExpired:
+        if not _wait(proc, max(self.stop_grace_s, 1.0)):
             # it closed (or broke) the connection but keeps running: it cannot be talked to any more
             log.warning("%s: worker closed its connection but did not exit: killing it", model_id)
-            _signal_group(proc, signal.SIGKILL)
-            code = proc.wait()
+        # the exited leader is not reaped yet, so its process group id is still ours: take any
+        # process the worker left behind, then reap
+        _signal_group(proc, signal.SIGKILL)
+        code = proc.wait()
         self._post(self._on_exit, model_id, epoch, code)
 
     def _send(self, w: _Worker, msg: object) -> bool:
@@ -922,13 +922,10 @@ class Pool:
         w = self._workers.get(model_id)
         if w is None or w.epoch != epoch:
             return
-        proc = w.proc
         if w.conn is not None:
             w.conn.close()
         w.conn = None
         w.proc = None
-        if proc is not None:
-            _signal_group(proc, signal.SIGKILL)  # leftovers of the group, if any
         if self._holder == w.id:
             self._holder = None
         was_ready, w.ready = w.ready, False
@@ -1314,13 +1311,33 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-def _wait(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=max(0.0, timeout))
+def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the process has exited, without reaping it (a zombie keeps its process group id
+    reserved, so the group can still be signalled safely)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped meanwhile by another thread's wait()
+        return True
+    return info is not None
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the process to exit, without reaping it."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    while not _exited(proc):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    """Signal the worker's process group (its own session: pgid == pid)."""
+    """Signal the worker's process group (its own session: pgid == pid). Nothing once the worker
+    was reaped: its pid, and so the group id, may belong to someone else by then."""
+    if proc.returncode is not None:
+        return
     try:
         os.killpg(proc.pid, sig)
     except OSError as exc:

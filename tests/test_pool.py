@@ -94,6 +94,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def _all_gone(pids: list[int]) -> bool:
+    """Whether every process is gone; a SIGKILLed process may need a moment to be scheduled and die."""
+    deadline = time.monotonic() + 10.0
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -608,7 +625,12 @@ def test_a_worker_sending_garbage_is_killed_and_counted_as_a_crash(
 
 def test_a_worker_that_dies_at_start_is_retried_then_failed(tmp_path: Path, smollm2_path: Path) -> None:
     config = Config(models=(ModelConfig(id="d", path=str(smollm2_path)),))
-    script = "import sys; print('boom: no module named llama_cpp', file=sys.stderr); sys.exit(3)"
+    script = (
+        "import subprocess, sys; child = subprocess.Popen(['sleep', '600']);"
+        "print('child', child.pid, file=sys.stderr);"
+        "print('boom: no module named llama_cpp', file=sys.stderr);"
+        "sys.exit(3)"
+    )  # exits at once, leaving a child behind in its process group
     pool = Pool(
         config,
         arena_dir=tmp_path / "arena",
@@ -626,6 +648,9 @@ def test_a_worker_that_dies_at_start_is_retried_then_failed(tmp_path: Path, smol
         status = failed.snapshot.model("d")
         assert status is not None and status.restarts == 2 and "crashed 3 times" in status.reason
         assert "boom: no module named llama_cpp" in status.log_tail
+        children = [int(line.split()[1]) for line in status.log_tail if line.startswith("child ")]
+        assert len(children) == 3
+        assert _all_gone(children), {pid: _proc_state(pid) for pid in children}  # its group was killed
         pool.wait_ready(timeout=1.0)  # FAILED counts as settled
     finally:
         pool.stop()
