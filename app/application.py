@@ -28,6 +28,7 @@ from . import autostart, icons
 from .bridge import PoolBridge
 from .chat_window import ChatWindow
 from .menu_model import Action, Command
+from .qt_compat import emit
 from .settings import SettingsDialog
 from .single_instance import SingleInstance
 from .tray import Tray
@@ -273,7 +274,7 @@ class TimeshareApp(QObject):
 
     def quit(self) -> None:
         self._quitting = True
-        self.quit_requested.emit()
+        emit(self.quit_requested)
         app = QApplication.instance()
         if app is not None:
             app.quit()

@@ -17,6 +17,8 @@ from PySide6.QtCore import QObject, Signal, Slot
 from timeshare.core.errors import TimeshareError
 from timeshare.core.state import EventKind, PoolEvent, PoolSnapshot
 
+from .qt_compat import emit
+
 log = logging.getLogger(__name__)
 
 
@@ -59,18 +61,18 @@ class PoolBridge(QObject):
         return self._snapshot
 
     def _from_pool_thread(self, event: PoolEvent) -> None:
-        self._received.emit(event)
+        emit(self._received, event)
 
     @Slot(object)
     def _on_event(self, event: PoolEvent) -> None:
         if self._unsubscribe is None:  # detached: late events are dropped
             return
         self._snapshot = event.snapshot
-        self.pool_event.emit(event)
-        self.snapshot_changed.emit(event.snapshot)
+        emit(self.pool_event, event)
+        emit(self.snapshot_changed, event.snapshot)
         note = notification_for(event)
         if note is not None:
-            self.notification.emit(*note)
+            emit(self.notification, *note)
 
     # ---- commands (off the GUI thread) --------------------------------------------------------
 
@@ -80,10 +82,10 @@ class PoolBridge(QObject):
                 fn()
             except TimeshareError as e:
                 log.warning("%s failed: %s", what, e)
-                self.command_failed.emit(what, str(e))
+                emit(self.command_failed, what, str(e))
             except Exception as e:
                 log.exception("%s failed", what)
-                self.command_failed.emit(what, f"{type(e).__name__}: {e}")
+                emit(self.command_failed, what, f"{type(e).__name__}: {e}")
 
         self._commands.submit(call)
 

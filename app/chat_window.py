@@ -40,6 +40,7 @@ from timeshare.core.state import ModelState, PoolSnapshot
 from . import icons
 from .bridge import PoolBridge
 from .menu_model import display_state
+from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 
@@ -144,14 +145,14 @@ class _Stream(QObject):
             for text in self.generation:
                 if self.first_at is None:
                     self.first_at = time.monotonic()
-                    self.first_token.emit((self.first_at - self.started) * 1000.0)
-                self.piece.emit(text)
+                    emit(self.first_token, (self.first_at - self.started) * 1000.0)
+                emit(self.piece, text)
             result = self.generation.result(timeout=30.0)
             self.ended_at = time.monotonic()
-            self.finished.emit(result, None)
+            emit(self.finished, result, None)
         except Exception as e:
             self.ended_at = time.monotonic()
-            self.finished.emit(None, e)
+            emit(self.finished, None, e)
 
 
 class _InputBox(QPlainTextEdit):
@@ -164,13 +165,13 @@ class _InputBox(QPlainTextEdit):
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
             event.modifiers() & Qt.KeyboardModifier.ShiftModifier
         ):
-            self.submitted.emit()
+            emit(self.submitted)
             return
         super().keyPressEvent(event)
 
     def focusInEvent(self, event: Any) -> None:
         super().focusInEvent(event)
-        self.focused.emit()
+        emit(self.focused)
 
 
 class ChatWindow(QMainWindow):
@@ -580,7 +581,7 @@ class ChatWindow(QMainWindow):
         self._update_model_state()
         self.render_transcript()
         if conv_id is not None:
-            self.answer_finished.emit(conv_id, stats, message)
+            emit(self.answer_finished, conv_id, stats, message)
 
     # ---- pre-wake ----------------------------------------------------------------------------
 
@@ -605,7 +606,7 @@ class ChatWindow(QMainWindow):
         self._last_prewake[model_id] = now
         log.info("pre-waking %s (the user is typing)", model_id)
         self.bridge.wake(model_id)
-        self.prewake_requested.emit(model_id)
+        emit(self.prewake_requested, model_id)
 
     # ---- window ------------------------------------------------------------------------------
 
@@ -631,5 +632,5 @@ class ChatWindow(QMainWindow):
         self._detached = True
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        self.closed.emit()
+        emit(self.closed)
         super().closeEvent(event)

@@ -44,6 +44,7 @@ from timeshare.core.state import PoolSnapshot
 
 from .bridge import PoolBridge
 from .menu_model import display_state
+from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 
@@ -537,6 +538,6 @@ class SettingsDialog(QDialog):
         except (ConfigError, OSError) as e:
             self._show_problems([f"could not save the settings: {e}"])
             return False
-        self.saved.emit(config)
+        emit(self.saved, config)
         self.accept()
         return True

@@ -11,6 +11,8 @@ from PySide6.QtCore import QObject, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
 from timeshare.core import paths
 
+from .qt_compat import emit
+
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_MS = 500
@@ -68,7 +70,7 @@ class SingleInstance(QObject):
         while socket.canReadLine():
             line = bytes(socket.readLine().data()).decode(errors="replace").strip()
             if line:
-                self.message_received.emit(line)
+                emit(self.message_received, line)
 
     def close(self) -> None:
         if self._server is not None:

@@ -12,6 +12,7 @@ from timeshare.core.state import PoolSnapshot
 from . import icons
 from .bridge import PoolBridge
 from .menu_model import Action, Entry, Label, Separator, Submenu, menu_entries, tooltip, tray_state
+from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Tray(QObject):
 
     def rebuild_menu(self) -> None:
         entries = menu_entries(self.bridge.snapshot, start_at_login=self._start_at_login())
-        populate(self.menu, entries, self.action_triggered.emit)
+        populate(self.menu, entries, lambda action: emit(self.action_triggered, action))
 
     def notify(self, title: str, message: str, error: bool = False) -> None:
         log.info("tray message: %s: %s", title, message)
@@ -90,4 +91,4 @@ class Tray(QObject):
 
     def _on_activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
         if reason in (QSystemTrayIcon.ActivationReason.Trigger, QSystemTrayIcon.ActivationReason.DoubleClick):
-            self.clicked.emit()
+            emit(self.clicked)

@@ -490,3 +490,24 @@ def test_add_model_from_the_tray_opens_the_catalog(
     qtbot.waitUntil(lambda: dialog.models_table.rowCount() == 1, timeout=5000)
     assert dialog.models_table.item(0, 4).text() == str(smollm2_path)
     dialog.reject()
+
+
+def test_emitting_signals_never_unbalances_the_refcount_of_true(qtbot: Any) -> None:
+    # PySide6 6.12.0's emit() steals a reference to True; thousands of emits (one per streamed token)
+    # then abort the interpreter. app.qt_compat.emit balances it where the binding has the bug.
+    import sys
+
+    from PySide6.QtCore import QObject, Signal
+    from timeshare.app.qt_compat import emit
+
+    class Source(QObject):
+        text = Signal(str)
+
+    source = Source()
+    received: list[str] = []
+    source.text.connect(received.append)
+    before = sys.getrefcount(True)
+    for _ in range(5000):
+        emit(source.text, "x")
+    assert len(received) == 5000
+    assert abs(sys.getrefcount(True) - before) < 500  # other threads may hold a few; the bug is -5000
