@@ -610,8 +610,9 @@ class Pool:
             if alive_status is not None and busy and not alive_status.holds_token:
                 switching = True
             reason = w.reason
-            if not reason and alive_status is not None and alive_status.waiting_reason:
-                reason = alive_status.waiting_reason
+            waits = st is not None and w.alive and st.waiting_reason and (busy or not w.ready)
+            if not reason and st is not None and waits:  # waiting to load, or to answer
+                reason = st.waiting_reason
                 if not reason.startswith("waiting"):
                     reason = f"waiting for the GPU: {reason}"
             models.append(
