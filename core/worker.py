@@ -174,6 +174,10 @@ class Residence:
     def waiting_reason(self) -> str:
         return ""
 
+    def others_waiting(self) -> bool:
+        """Another worker waits for the token now."""
+        return False
+
     def close(self) -> None:
         pass
 
@@ -325,6 +329,13 @@ class ArenaResidence(Residence):
         if report is None:
             return p.Released(level=level, release_ms=0.0, freed_bytes=0)
         return p.Released(level=level, release_ms=float(report.ms), freed_bytes=int(report.freed_bytes))
+
+    def others_waiting(self) -> bool:
+        try:
+            return bool(self.client.others_waiting())
+        except OSError as exc:
+            log.warning("scanning the arena's waiters failed: %s", exc)
+            return True  # err on the side of yielding
 
     def _end_resident(self) -> None:
         if self._resident_since is None:
@@ -561,7 +572,7 @@ class Worker:
         elif isinstance(task, p.Sleep):
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
-            if not self.pinned and self.residence.holds_token:
+            if self._should_yield():
                 self._release(kv=False)
         elif isinstance(task, p.Shutdown):
             self._shutdown(task.save_kv)
@@ -608,15 +619,25 @@ class Worker:
         self._poll(current)
         self.publish()  # waiting_reason becomes visible
 
+    def _should_yield(self) -> bool:
+        """Give the token up now? Not when pinned, not holding, or when the ring was stale."""
+        if self.pinned or not self.residence.holds_token:
+            return False
+        if not self.residence.others_waiting():
+            self._yield_wanted = False
+            return False
+        return True
+
     def _ensure_resident(self, poll: Callable[[], None]) -> Acquired:
         res = self.residence
         if res.holds_token and res.weights_resident:
             return Acquired(switched=False)
         self._state = "ready"
+        self._yield_wanted = False  # a ring only comes while holding: anything older is stale
         self.publish()
         acquired = res.ensure(poll, self.spec.arena.wait_timeout_s)
+        # A ring that arrives while restoring stays in the queue and is seen at the next step.
         self._quantum_start = time.monotonic()
-        self._yield_wanted = False
         self.publish()
         return acquired
 
@@ -647,7 +668,7 @@ class Worker:
             self._poll(req.req)
             held_ms = (time.monotonic() - self._quantum_start) * 1000.0
             quantum_over = held_ms >= self.spec.arena.min_quantum_ms
-            if self._yield_wanted and quantum_over and not self.pinned and self.residence.holds_token:
+            if self._yield_wanted and quantum_over and self._should_yield():
                 self._release(kv=False)
             if not (self.residence.holds_token and self.residence.weights_resident):
                 got = self._ensure_resident(lambda: self._wait_poll(req.req))
@@ -682,7 +703,7 @@ class Worker:
             self._busy = False
             self.publish()  # the snapshot is current before the reply arrives
         self.send(reply)
-        if self._yield_wanted and not self.pinned and self.residence.holds_token:
+        if self._yield_wanted and self._should_yield():
             self._release(kv=False)  # between requests the quantum does not apply
 
     def _shutdown(self, save_kv: bool) -> None:
