@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QObject, Signal, SignalInstance
@@ -31,7 +32,8 @@ class _Probe(QObject):
 def _emit_steals_a_reference() -> bool:
     probe = _Probe()
     before = sys.getrefcount(True)
-    result = probe.fired.emit()
+    fire: Callable[..., object] = probe.fired.emit  # typed as returning None; the binding returns a bool
+    result = fire()
     steals = result is True and sys.getrefcount(True) < before + 1
     if steals:
         _repaid.append(result)  # the probe's own emit stole one too
@@ -52,6 +54,7 @@ if EMIT_STEALS_TRUE:
 
 def emit(signal: SignalInstance, *args: Any) -> None:
     """``signal.emit(*args)``, safe on bindings whose emit steals a reference to its result."""
-    result = signal.emit(*args)
+    send: Callable[..., object] = signal.emit  # typed as returning None; the binding returns a bool
+    result = send(*args)
     if EMIT_STEALS_TRUE and isinstance(result, bool):
         _repaid.append(result)
