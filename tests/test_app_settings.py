@@ -511,3 +511,23 @@ def test_emitting_signals_never_unbalances_the_refcount_of_true(qtbot: Any) -> N
         emit(source.text, "x")
     assert len(received) == 5000
     assert abs(sys.getrefcount(True) - before) < 500  # other threads may hold a few; the bug is -5000
+
+
+def test_with_a_tray_closing_the_window_keeps_running_without_asking(
+    qtbot: Any, bare_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtWidgets import QMessageBox
+
+    def question(*args: Any, **kwargs: Any) -> QMessageBox.StandardButton:
+        raise AssertionError("with a tray, closing the window must not ask anything")
+
+    monkeypatch.setattr(QMessageBox, "question", question)
+    app = bare_app(tray=True)
+    app.start(background=False)
+    assert app.window.isVisible() and app.tray.icon.isVisible()
+    quits: list[bool] = []
+    app.quit_requested.connect(lambda: quits.append(True))
+    app.window.close()
+    assert not app.window.isVisible() and quits == []
+    app.tray.clicked.emit()  # clicking the tray icon brings the window back
+    assert app.window.isVisible()
