@@ -606,7 +606,7 @@ class Pool:
             st = w.status
             info = w.info
             alive_status = st if (st is not None and w.ready and w.alive) else None
-            busy = w.inflight is not None or bool(alive_status and alive_status.busy)
+            busy = w.inflight is not None  # the pool's own knowledge: it sent a request, no Done yet
             if alive_status is not None and busy and not alive_status.holds_token:
                 switching = True
             reason = w.reason

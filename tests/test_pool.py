@@ -306,6 +306,9 @@ def test_alternating_models_stream_correct_answers_and_switch(
     assert switched >= 3  # every request after the first had to take the GPU from the other
     last_req = gen.req
     events.wait_for(lambda e: e.kind is EventKind.REQUEST_DONE and e.extra.get("req") == last_req, mark)
+    for model in (SMOLLM2_ID, GEMMA3_ID):  # busy, then idle, was visible for each
+        assert any(e.snapshot.model(model).busy for e in events.items[mark:])  # type: ignore[union-attr]
+        assert not events.items[-1].snapshot.model(model).busy  # type: ignore[union-attr]
     done = [e for e in events.items[mark:] if e.kind is EventKind.REQUEST_DONE]
     assert len(done) == 4 and all(e.switch is not None for e in done)
     assert any(e.switch.switched and e.switch.release_ms > 0 for e in done if e.switch)
@@ -365,6 +368,10 @@ def test_prompt_longer_than_context_is_a_clear_error_and_the_model_keeps_serving
         list(gen)
     streamed, gen = complete(pool, SMOLLM2_ID)
     assert streamed == reference[SMOLLM2_ID]
+    # stop strings end the answer early
+    stopped = pool.generate(SMOLLM2_ID, prompt=PROMPTS[SMOLLM2_ID], max_tokens=N_TOKENS, stop=["."])
+    result = stopped.result(timeout=WAIT)
+    assert result.text == reference[SMOLLM2_ID].split(".")[0] and result.finish_reason == "stop"
 
 
 def test_queue_limit_and_cancel(shared: tuple[Pool, Events], reference: dict[str, str]) -> None:
