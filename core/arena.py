@@ -1018,6 +1018,7 @@ class TokenClient:
                 rung |= names
                 rung_generation = generation
                 last_ring = now
+                log.debug("doorbell: %s wait(s) for the token (%s)", len(others), others[0].model)
                 try:
                     on_waiter(DoorbellRing(waiters=others, at=now))
                 except Exception:
