@@ -1111,6 +1111,8 @@ class Pool:
         self._command(w, protocol.Wake())
         if w.state is ModelState.STOPPED and not w.alive:
             self._spawn(w)
+        elif w.stopping:
+            w.respawn_after_stop = True  # woken while stopping: start again, then wake
         self._publish(EventKind.MESSAGE, w.id, f"{w.id}: wake")
 
     def _stop_model(self, model_id: str, respawn: bool) -> None:
