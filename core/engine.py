@@ -421,9 +421,11 @@ class Engine:
         if n_prompt >= self.info.n_ctx:
             raise self._too_long(n_prompt)
         before_step()  # residency first: switching conversations touches the context
-        # Completion mode starts from an empty KV cache (exactly like a fresh Llama); chat reuses
-        # the longest common prefix of what the context holds.
-        self._switch_to(req.conversation, fresh=req.messages is None and req.conversation is None)
+        # A request without a conversation starts from an empty KV cache, exactly like a fresh
+        # Llama, so the same request gives the same answer bit for bit (a prefix reused from
+        # another request was computed in other batches and can change the last bits of the
+        # logits). A conversation reuses the longest common prefix of what its KV holds.
+        self._switch_to(req.conversation, fresh=req.conversation is None)
         self._request_evaluated = 0
         self._samples = 0
         self._last_sample = -1

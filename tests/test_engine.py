@@ -175,3 +175,14 @@ def test_not_a_gguf_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_bytes(b"PK\x03\x04 zip file, not a model")
     with pytest.raises(ModelFileError, match="not a GGUF"):
         Engine.load(ModelConfig(id="x", path=str(bad)))
+
+
+def test_chat_without_conversation_is_repeatable(engine: Engine) -> None:
+    # no conversation id: every request starts from an empty KV cache, so a greedy chat answer
+    # does not depend on what was asked before (the prefix of an earlier chat is not reused)
+    msgs = (ChatMessage("user", "Write one sentence about the sea."),)
+    first, _ = run(engine, messages=msgs, max_tokens=40)
+    run(engine, messages=(ChatMessage("user", "Write one sentence about the moon."),), max_tokens=40)
+    again, o = run(engine, messages=msgs, max_tokens=40)
+    assert again == first
+    assert o.prompt_tokens_evaluated == o.prompt_tokens  # type: ignore[attr-defined]
