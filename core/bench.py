@@ -202,6 +202,10 @@ def _print_table(r: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.bench == "switch":
+        from .bench_switch import main as switch_main
+
+        return switch_main(args)
     if args.bench != "residency":
         print(
             f"timeshare bench {args.bench}: not part of this build yet (only `timeshare bench residency` is)",
