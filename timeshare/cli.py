@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     bres.add_argument("--n-ctx", type=int, default=8192)
     bres.add_argument("--json", action="store_true")
     bswitch = bench_sub.add_parser("switch", help="two workers alternating: switch time vs process restart")
-    bswitch.add_argument("--model", metavar="PATH", action="append", required=True, help="give it twice")
+    bswitch.add_argument(
+        "--model", metavar="PATH", action="append", help="give it twice (default: the two demo models)"
+    )
     bswitch.add_argument("--rounds", type=int, default=10)
     bswitch.add_argument("--json", action="store_true")
 
