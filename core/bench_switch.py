@@ -317,7 +317,7 @@ def run_switch_bench(
         report["turns"] = rows
 
         # baseline: the model that answered last continues its conversation, no switch
-        steady = [turn(b, f"steady {k}") for k in range(min(2, rounds))]
+        steady = [turn(b, f"steady {k}") for k in range(min(3, rounds))]
         report["no_switch_turns"] = steady
         say(f"no-switch turns of {b}: ttft " + ", ".join(f"{r['client_ttft_ms']:.1f} ms" for r in steady))
 
