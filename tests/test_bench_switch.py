@@ -160,3 +160,12 @@ def test_bad_rounds_are_refused(smollm2_path: Path, rounds: str, capsys: pytest.
     )
     assert rc == 2
     assert "--rounds must be between 1 and 100" in err
+
+
+def test_without_model_the_demo_models_are_used(capsys: pytest.CaptureFixture[str]) -> None:
+    # the defaults resolve (Gemma is assembled into this test's TIMESHARE_HOME) before the
+    # rounds are checked, so a bad --rounds proves that both demo paths were found
+    rc, out, err = _run(["bench", "switch", "--rounds", "0", "--json"], capsys)
+    assert rc == 2
+    assert json.loads(out)["error"] == "--rounds must be between 1 and 100 (got 0)"
+    assert "demo" not in err
