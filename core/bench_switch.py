@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +223,7 @@ def run_switch_bench(
     restarts: int | None = None,
     reload: bool = True,
     work_dir: Path | None = None,
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError on bad input or a
     model that cannot be served."""
@@ -356,19 +357,27 @@ def run_switch_bench(
             say(f"restart {k + 1}: ttft {row['client_ttft_ms']:.1f} ms prefilled {row['prefilled']}")
         report["restarts"] = restart_rows
 
-        report["reload"] = None
-        if reload:
-            say("fresh process: load + full prefill of the same conversation + first token")
-            try:
-                report["reload"] = _reload_in_fresh_process(models[0], ctx, history[a])
-            except (TimeshareError, subprocess.TimeoutExpired, ValueError) as exc:
-                report["reload_error"] = str(exc)
+        ok = True
+    except BaseException:
+        ok = False
+        raise
     finally:
         t0 = time.monotonic()
         pool.stop()
         report["stop_s"] = time.monotonic() - t0
-        if own_work:
+        if own_work and ok:
             shutil.rmtree(work, ignore_errors=True)
+        elif own_work:
+            say(f"the workers' logs are kept in {work / 'logs'}")
+
+    # after the pool stopped: the fresh process never shares the device with the pool's weights
+    report["reload"] = None
+    if reload:
+        say("fresh process: load + full prefill of the same conversation + first token")
+        try:
+            report["reload"] = _reload_in_fresh_process(models[0], ctx, history[a])
+        except (TimeshareError, subprocess.TimeoutExpired, ValueError) as exc:
+            report["reload_error"] = str(exc)
 
     switched = [r for r in report["turns"] if r["switched"]]
     switch_ttft = _median([r["client_ttft_ms"] for r in switched])

@@ -169,3 +169,21 @@ def test_without_model_the_demo_models_are_used(capsys: pytest.CaptureFixture[st
     assert rc == 2
     assert json.loads(out)["error"] == "--rounds must be between 1 and 100 (got 0)"
     assert "demo" not in err
+
+
+def test_truncated_model_is_reported_and_nothing_is_left_running(
+    smollm2_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "broken.gguf"
+    with smollm2_path.open("rb") as src:
+        broken.write_bytes(src.read(1 << 20))  # a GGUF header, most tensor data missing
+    rc, out, _err = _run(
+        ["bench", "switch", "--json", "--model", str(smollm2_path), "--model", str(broken)], capsys
+    )
+    assert rc == 2
+    message = json.loads(out)["error"]
+    assert message.startswith("a model could not be loaded: broken:")
+    assert "damaged GGUF file" in message and message.endswith("re-download it")
+    assert broken.stat().st_size == 1 << 20  # untouched
+    left = subprocess.run(["pgrep", "-f", str(broken)], capture_output=True, text=True, check=False)
+    assert left.stdout.strip() == ""  # no worker outlives the benchmark
