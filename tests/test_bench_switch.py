@@ -187,3 +187,15 @@ def test_truncated_model_is_reported_and_nothing_is_left_running(
     assert broken.stat().st_size == 1 << 20  # untouched
     left = subprocess.run(["pgrep", "-f", str(broken)], capture_output=True, text=True, check=False)
     assert left.stdout.strip() == ""  # no worker outlives the benchmark
+
+
+def test_table_shows_the_ratios(report: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from timeshare.core.bench_switch import _print_table
+
+    _print_table(report)
+    text = capsys.readouterr().out
+    s = report["summary"]
+    assert f"{s['ratio_restart_over_switch']:.2f}" in text
+    assert f"{s['ratio_reload_over_switch']:.2f}" in text
+    assert "(4 of 4 turns switched)" in text
+    assert "equals the one without a switch: True" in text
