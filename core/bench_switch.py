@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import TimeshareError
+from .modelfile import gguf_problem
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +63,9 @@ def n_ctx_for(rounds: int) -> int:
 
 
 def _check_model_path(path: str) -> None:
-    p = Path(path)
-    if not p.exists():
-        raise TimeshareError(f"model file {path} does not exist: give the path of a .gguf file")
-    if not p.is_file():
-        raise TimeshareError(f"model path {path} is not a file: give the path of a .gguf file")
-    try:
-        with p.open("rb") as f:
-            head = f.read(4)
-    except OSError as exc:
-        raise TimeshareError(
-            f"model file {path} cannot be read ({exc.strerror}): check its permissions"
-        ) from None
-    if head != b"GGUF":
-        raise TimeshareError(f"{path} is not a GGUF file (wrong header): give a .gguf model file")
+    problem = gguf_problem(path)
+    if problem:
+        raise TimeshareError(problem)
 
 
 def _model_ids(models: list[str]) -> list[str]:

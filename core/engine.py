@@ -47,13 +47,13 @@ from llama_cpp import llama_chat_format
 
 from .config import ModelConfig
 from .errors import CancelledError, ModelFileError, PromptTooLongError
+from .modelfile import gguf_problem
 from .protocol import ChatMessage, Generate
 from .residency import check_gguf
 
 log = logging.getLogger(__name__)
 
 FALLBACK_STOP = ("\nUser:", "\nAssistant:", "\n\n\n")
-_GGUF_MAGIC = b"GGUF"
 _KV_MAGIC = b"TSKV1\n"
 
 
@@ -88,20 +88,9 @@ class KVSnapshot:
 
 def check_model_file(path: str) -> None:
     """Fail early and clearly on a model file that is missing or not a GGUF at all."""
-    p = Path(path)
-    if not p.exists():
-        raise ModelFileError(f"model file {path} does not exist: check the path in the settings")
-    if not p.is_file():
-        raise ModelFileError(f"model path {path} is not a file: point it at a .gguf file")
-    try:
-        with p.open("rb") as f:
-            head = f.read(8)
-    except OSError as exc:
-        raise ModelFileError(
-            f"model file {path} cannot be read ({exc.strerror}): check its permissions"
-        ) from None
-    if len(head) < 8 or head[:4] != _GGUF_MAGIC:
-        raise ModelFileError(f"{path} is not a GGUF file (wrong header): choose a .gguf model file")
+    problem = gguf_problem(path)
+    if problem:
+        raise ModelFileError(problem)
 
 
 def _diagnose_load_failure(path: str) -> str:

@@ -40,6 +40,7 @@ from . import errors, paths, protocol
 from .arena import check_arena_dir, resolve_arena_dir
 from .config import Config, ModelConfig
 from .errors import ConfigError, ModelUnavailableError, QueueFullError, TimeshareError, UnknownModelError
+from .modelfile import gguf_problem
 from .state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot, SwitchStats
 
 log = logging.getLogger(__name__)
@@ -65,24 +66,6 @@ def clean_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a worker: a whitelist of the app's (locale, paths, GPU runtime knobs)."""
     source = os.environ if environ is None else environ
     return {k: v for k, v in source.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
-
-
-def check_model_file(path: str) -> str:
-    """A reason why ``path`` cannot be a GGUF model ("" when it looks like one). Cheap: the worker
-    does the full check (truncation, tensor data) when it loads the file."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        return f"model file {p} does not exist: fix the path in the settings or remove the model"
-    if not p.is_file():
-        return f"model path {p} is not a file: point it at a .gguf file"
-    try:
-        with p.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        return f"model file {p} cannot be read ({exc.strerror}): check its permissions"
-    if magic != b"GGUF":
-        return f"model file {p} is not a GGUF file (it does not start with 'GGUF'): re-download it"
-    return ""
 
 
 def read_log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> tuple[str, ...]:
@@ -680,7 +663,7 @@ class Pool:
     def _spawn(self, w: _Worker) -> None:
         if self._closing or w.removed or w.alive:
             return
-        problem = check_model_file(w.config.path)
+        problem = gguf_problem(w.config.path)
         if problem:
             self._set_failed(w, problem)
             return

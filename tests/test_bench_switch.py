@@ -138,7 +138,7 @@ def test_missing_model_file_is_refused_with_json(
     )
     assert rc == 2
     assert json.loads(out)["error"].startswith(f"model file {missing} does not exist")
-    assert "give the path of a .gguf file" in err
+    assert "must name a .gguf file" in err
 
 
 def test_non_gguf_file_is_refused(
