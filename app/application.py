@@ -333,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
 
     config_path = Path(args.config).expanduser() if getattr(args, "config", None) else paths.config_file()
     try:
-        config = config_mod.load_config(config_path)
+        config = config_mod.load_config(config_path, must_exist=bool(getattr(args, "config", None)))
     except ConfigError as e:
         problems = "\n".join(f"• {p}" for p in e.problems)
         return _fatal(

@@ -1043,7 +1043,7 @@ def _load(args: argparse.Namespace) -> Config:
     from .config import load_config
 
     config_path = getattr(args, "config", None)
-    return load_config(Path(config_path).expanduser() if config_path else None)
+    return load_config(Path(config_path).expanduser() if config_path else None, must_exist=bool(config_path))
 
 
 def serve_main(args: argparse.Namespace) -> int:

@@ -434,16 +434,24 @@ def default_config() -> Config:
     return Config(models=models)
 
 
-def load_config(path: str | Path | None = None, *, check_paths: bool = True) -> Config:
+def load_config(
+    path: str | Path | None = None, *, check_paths: bool = True, must_exist: bool = False
+) -> Config:
     """Load and validate the config file (default: ``paths.config_file()``).
 
-    A missing file gives :func:`default_config`. Anything wrong raises ConfigError with every
-    problem and the file's path; the file itself is never modified.
+    A missing file gives :func:`default_config`, unless ``must_exist`` (a path the user named on
+    the command line: a typo must not silently serve the defaults). Anything wrong raises
+    ConfigError with every problem and the file's path; the file itself is never modified.
     """
     target = Path(path).expanduser() if path is not None else paths.config_file()
     try:
         data = target.read_bytes()
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if must_exist:
+            raise ConfigError(
+                ["does not exist: check the path given with --config (leave it out to use the default file)"],
+                path=str(target),
+            ) from exc
         log.info("no config file at %s: using defaults", target)
         return default_config()
     except IsADirectoryError as exc:

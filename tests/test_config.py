@@ -450,3 +450,12 @@ def test_example_values_are_the_defaults() -> None:
     for f in dataclasses.fields(ModelConfig):
         if f.name not in ("id", "path", "name", "chat_template", "licence"):
             assert getattr(first, f.name) == getattr(defaults, f.name), f.name
+
+
+def test_a_config_path_named_by_the_user_must_exist(tmp_path: Path) -> None:
+    # the default location may be missing (defaults apply); a --config typo must not be
+    missing = tmp_path / "typo.toml"
+    with pytest.raises(ConfigError) as err:
+        cfg.load_config(missing, must_exist=True)
+    assert err.value.path == str(missing) and "does not exist" in err.value.problems[0]
+    assert isinstance(cfg.load_config(missing), Config)

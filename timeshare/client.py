@@ -65,7 +65,11 @@ def _config_key(args: argparse.Namespace) -> str | None:
 
     config_path = getattr(args, "config", None)
     try:
-        config = load_config(Path(config_path).expanduser() if config_path else None, check_paths=False)
+        config = load_config(
+            Path(config_path).expanduser() if config_path else None,
+            check_paths=False,
+            must_exist=bool(config_path),
+        )
     except ConfigError as exc:
         raise ClientError(f"Cannot read the API key from the configuration: {exc}") from exc
     return config.api.key
