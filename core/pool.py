@@ -474,7 +474,7 @@ class Pool:
             conversation=conversation,
         )
         try:
-            protocol._check_generate(request)
+            protocol.check_generate(request)
         except ValueError as exc:
             raise ValueError(f"invalid request for {model_id}: {exc}") from None
         gen = Generation(self, model_id, request)

@@ -340,13 +340,13 @@ def from_dict(obj: object) -> Message:
     try:
         msg = typing.cast(Message, _build(cls, fields, cls.__name__))
         if isinstance(msg, Generate):
-            _check_generate(msg)
+            check_generate(msg)
     except ValueError as exc:
         raise FrameError(f"protocol: invalid {cls.__name__}: {exc}", recoverable=True, req=req) from None
     return msg
 
 
-def _check_generate(msg: Generate) -> None:
+def check_generate(msg: Generate) -> None:
     """Semantic checks the types cannot express. Raises ValueError."""
     if (msg.prompt is None) == (msg.messages is None):
         raise ValueError("give exactly one of prompt (completion) and messages (chat)")

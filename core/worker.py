@@ -271,9 +271,10 @@ class ArenaResidence(Residence):
         """The live llama_context for KV snapshots, also while the weights are released (the
         residency keeps the context aside then and puts a guard in its place). Snapshots read
         only the KV cache, never the weights."""
-        saved = getattr(self.residency, "_saved_ctx", None)
-        if saved is not None and not self.weights_resident:
-            return saved.ctx
+        if self.residency is not None and not self.weights_resident:
+            ctx = self.residency.kv_context
+            if ctx is not None:
+                return ctx
         return engine.llm.ctx
 
     @property
