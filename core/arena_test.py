@@ -38,6 +38,7 @@ from . import demo
 from .arena import check_arena_dir, read_intervals
 from .config import ArenaConfig, Config, ModelConfig
 from .errors import ArenaError, TimeshareError
+from .memwatch import MemCheck, MemorySampler, MemSample, check_memory, choose_source
 from .state import ModelState
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,15 @@ class ArenaTestReport:
     mismatches: tuple[Mismatch, ...] = ()
     error_messages: tuple[str, ...] = ()
     arena_dir: str = ""
+    # the physical check (--sample-memory-ms): each worker's memory sampled during the contention
+    memory_source: str = ""  # "nvidia-smi" | "rss" | "" (not sampled)
+    memory_interval_ms: int = 0
+    memory_samples: int = 0
+    memory_overlaps: int = 0  # samples where two or more workers were high at once
+    memory_high_seen: tuple[tuple[str, bool], ...] = ()  # per worker: seen with its weights in
+    memory_threshold_bytes: tuple[tuple[str, int], ...] = ()  # per worker: high above baseline + this
+    memory_baseline_bytes: tuple[tuple[str, int], ...] = ()  # per worker: its minimum (released)
+    memory_peak_bytes: tuple[tuple[str, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -205,6 +215,7 @@ class ArenaTestReport:
             and self.outputs_match_reference
             and self.requests > 0
             and self.resident_intervals > 0
+            and self.memory_overlaps == 0
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -213,6 +224,13 @@ class ArenaTestReport:
         out["requests_by_worker"] = dict(self.requests_by_worker)
         out["mismatches"] = [asdict(m) for m in self.mismatches[:10]]
         out["error_messages"] = list(self.error_messages[:10])
+        for name in (
+            "memory_high_seen",
+            "memory_threshold_bytes",
+            "memory_baseline_bytes",
+            "memory_peak_bytes",
+        ):
+            out[name] = dict(getattr(self, name))
         out["ok"] = self.ok
         return out
 
@@ -233,14 +251,28 @@ class ArenaTestReport:
             f"outside_token        {self.outside_token}",
             f"token_overlaps       {self.token_overlaps}",
             f"deadlocks            {self.deadlocks}",
+            f"memory               {self._memory_text()}",
             f"errors               {self.errors}",
             f"outputs match        {'yes' if self.outputs_match_reference else 'NO'}",
             f"result               {'OK' if self.ok else 'FAILED'}",
         ]
+        if self.memory_source:
+            lines.insert(
+                -1, f"memory high seen     {', '.join(f'{k}: {v}' for k, v in self.memory_high_seen)}"
+            )
         for m in self.mismatches[:3]:
             lines.append(f"  mismatch {m.model} {m.prompt!r}: expected {m.expected!r}, got {m.got!r}")
         lines.extend(f"  error: {e}" for e in self.error_messages[:3])
         return "\n".join(lines)
+
+    def _memory_text(self) -> str:
+        if not self.memory_source:
+            return "not sampled"
+        mib = ", ".join(f"{k}: {v / 2**20:.0f} MiB" for k, v in self.memory_threshold_bytes)
+        return (
+            f"{self.memory_overlaps} overlaps in {self.memory_samples} samples "
+            f"({self.memory_source}, every {self.memory_interval_ms} ms; high above baseline + {mib})"
+        )
 
 
 # ---- the harness -----------------------------------------------------------------------------
@@ -300,6 +332,7 @@ class ArenaHarness:
         seed: int = 0,
         max_restarts: int = 3,
         progress: Callable[[str], None] | None = None,
+        sample_memory_ms: int = 0,
     ) -> None:
         from .pool import Pool  # here: importing the harness module stays cheap
 
@@ -319,6 +352,13 @@ class ArenaHarness:
         self._until: Callable[[Mapping[str, int]], bool] | None = None
         self.start_s = 0.0
         self.reference_s = 0.0
+        if sample_memory_ms < 0:
+            raise ValueError("--sample-memory-ms must be 0 (off) or a positive number of milliseconds")
+        self.sample_memory_ms = sample_memory_ms
+        self.memory_source = ""
+        self.memory_samples: list[MemSample] = []
+        self.memory_weight_bytes: dict[str, int] = {}
+        self.memory_window: tuple[float, float] | None = None  # monotonic start, end of sampling
         config = Config(
             models=tuple(
                 ModelConfig(id=p.id, path=p.path, n_ctx=512, n_seq=2, idle_sleep_s=None) for p in self.plans
@@ -401,12 +441,40 @@ class ArenaHarness:
             )
             for i, s in enumerate(seeds)
         ]
+        sampler = self._start_sampler()
         started = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(seconds + self.deadlock_s + 30.0)
-        self.contention_s = time.monotonic() - started
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(seconds + self.deadlock_s + 30.0)
+        finally:
+            self.contention_s = time.monotonic() - started
+            if sampler is not None:
+                self.memory_samples.extend(sampler.stop())
+                self.memory_window = (started, time.monotonic())
+
+    def _start_sampler(self) -> MemorySampler | None:
+        """Sample every worker's memory during the contention (``sample_memory_ms`` > 0)."""
+        if self.sample_memory_ms <= 0:
+            return None
+        snap = self.pool.snapshot()
+        pids = {m.id: m.pid for m in snap.models if m.pid is not None}
+        self.memory_weight_bytes = {m.id: m.weight_bytes for m in snap.models if m.pid is not None}
+        self.memory_source = choose_source(m.backend for m in snap.models)
+        self.progress(f"sampling memory every {self.sample_memory_ms} ms ({self.memory_source})")
+        sampler = MemorySampler(pids, self.sample_memory_ms, self.memory_source)
+        sampler.start()
+        return sampler
+
+    def memory_check(self) -> MemCheck | None:
+        if not self.memory_source:
+            return None
+        return check_memory(
+            self.memory_samples,
+            self.memory_weight_bytes,
+            missing_as_zero=self.memory_source == "nvidia-smi",
+        )
 
     def _client(self, deadline: float, seed: int, target: WorkerPlan | None) -> None:
         rng = random.Random(seed)
@@ -443,6 +511,7 @@ class ArenaHarness:
     def report(self) -> ArenaTestReport:
         check = check_intervals(read_intervals(self.interval_log))
         tally = self.tally
+        mem = self.memory_check()
         return ArenaTestReport(
             workers=len(self.plans),
             models=tuple(p.id for p in self.plans),
@@ -468,6 +537,14 @@ class ArenaHarness:
             mismatches=tuple(tally.mismatches),
             error_messages=tuple(tally.errors),
             arena_dir=str(self.arena_dir),
+            memory_source=self.memory_source,
+            memory_interval_ms=self.sample_memory_ms if mem else 0,
+            memory_samples=mem.samples if mem else 0,
+            memory_overlaps=mem.overlaps if mem else 0,
+            memory_high_seen=mem.high_seen if mem else (),
+            memory_threshold_bytes=mem.threshold_bytes if mem else (),
+            memory_baseline_bytes=mem.baseline_bytes if mem else (),
+            memory_peak_bytes=mem.peak_bytes if mem else (),
         )
 
 
@@ -531,6 +608,7 @@ def main(args: argparse.Namespace) -> int:
             seconds=args.seconds,
             arena_dir=Path(env_arena).expanduser() if env_arena else None,
             progress=progress,
+            sample_memory_ms=args.sample_memory_ms,
         )
     except ArenaError as exc:
         print(f"timeshare arena-test: {exc}", file=sys.stderr)

@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     arena.add_argument(
         "--model", metavar="PATH", action="append", help="models to use (default: demo models)"
     )
+    arena.add_argument(
+        "--sample-memory-ms",
+        type=int,
+        default=50,
+        metavar="N",
+        help="sample each worker's memory every N ms (nvidia-smi on CUDA, else RSS) and check that "
+        "no two held their weights at once (0: off; default 50)",
+    )
     arena.add_argument("--json", action="store_true")
 
     serve = sub.add_parser("serve", help="run the pool and the OpenAI-compatible API without a GUI")
