@@ -40,10 +40,12 @@ HIGH_FRACTION = 0.5
 @dataclass(frozen=True)
 class MemSample:
     """Memory of each worker at one moment (monotonic clock). A worker missing from ``bytes_by``
-    was not seen in this sample (for nvidia-smi: it held no device memory)."""
+    was not seen in this sample (for nvidia-smi: it held no device memory); one in ``unmeasured``
+    was seen without a figure (nvidia-smi's ``[N/A]``)."""
 
     t: float
     bytes_by: tuple[tuple[str, int], ...]
+    unmeasured: tuple[str, ...] = ()
 
     def get(self, key: str) -> int | None:
         return next((b for k, b in self.bytes_by if k == key), None)
@@ -79,7 +81,9 @@ def check_memory(
 
     def value(sample: MemSample, key: str) -> int | None:
         got = sample.get(key)
-        return 0 if got is None and missing_as_zero else got
+        if got is None and missing_as_zero and key not in sample.unmeasured:
+            return 0
+        return got
 
     baseline: dict[str, int] = {}
     peak: dict[str, int] = {}
@@ -121,16 +125,19 @@ def check_memory(
 # ---- nvidia-smi's stream (pure) ---------------------------------------------------------------
 
 
-def parse_nvidia_smi_line(line: str) -> tuple[int, int] | None:
-    """``"12345, 6072"`` → ``(12345, 6072 MiB in bytes)``; None for anything else (``[N/A]``
-    memory, ``No running processes found``, a blank line, a header)."""
+def parse_nvidia_smi_line(line: str) -> tuple[int, int | None] | None:
+    """``"12345, 6072"`` → ``(12345, 6072 MiB in bytes)``; ``"12345, [N/A]"`` → ``(12345, None)``
+    (a process whose memory nvidia-smi cannot tell); None for a line that is not a process
+    (``No running processes found``, a blank line, a header, an error)."""
     parts = [p.strip() for p in line.strip().split(",")]
-    if len(parts) != 2:
+    if len(parts) != 2 or not parts[0].isdigit():
         return None
     pid_text, mib_text = parts
-    if not pid_text.isdigit() or not mib_text.isdigit():
-        return None
-    return int(pid_text), int(mib_text) * MIB
+    if mib_text.isdigit():
+        return int(pid_text), int(mib_text) * MIB
+    if mib_text.upper() in ("[N/A]", "N/A", "[NOT SUPPORTED]", "[INSUFFICIENT PERMISSIONS]"):
+        return int(pid_text), None
+    return None
 
 
 def group_nvidia_smi_lines(lines: Iterable[tuple[float, str]], names: Mapping[int, str]) -> list[MemSample]:
@@ -139,15 +146,15 @@ def group_nvidia_smi_lines(lines: Iterable[tuple[float, str]], names: Mapping[in
     repeats or where a line is not a process line (``No running processes found``). ``names``
     maps worker pids to their ids; other processes are left out."""
     samples: list[MemSample] = []
-    current: dict[int, int] = {}
+    current: dict[int, int | None] = {}
     current_t: float | None = None
 
     def flush() -> None:
         nonlocal current, current_t
         if current_t is not None:
-            samples.append(
-                MemSample(current_t, tuple((names[p], b) for p, b in current.items() if p in names))
-            )
+            known = tuple((names[p], b) for p, b in current.items() if p in names and b is not None)
+            unknown = tuple(names[p] for p, b in current.items() if p in names and b is None)
+            samples.append(MemSample(current_t, known, unknown))
         current, current_t = {}, None
 
     for t, line in lines:
@@ -238,6 +245,8 @@ class MemorySampler:
                 self._proc.wait(timeout=5.0)
         if self._thread is not None:
             self._thread.join(10.0)
+        if self._proc is not None and self._proc.stdout is not None:
+            self._proc.stdout.close()
         if self.source == "nvidia-smi":
             names = {pid: key for key, pid in self.pids.items()}
             return group_nvidia_smi_lines(self._lines, names)
