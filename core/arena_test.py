@@ -202,6 +202,7 @@ class ArenaTestReport:
     memory_threshold_bytes: tuple[tuple[str, int], ...] = ()  # per worker: high above baseline + this
     memory_baseline_bytes: tuple[tuple[str, int], ...] = ()  # per worker: its minimum (released)
     memory_peak_bytes: tuple[tuple[str, int], ...] = ()
+    memory_window: tuple[float, float] | None = None  # first and last sample (monotonic clock)
 
     @property
     def ok(self) -> bool:
@@ -358,7 +359,7 @@ class ArenaHarness:
         self.memory_source = ""
         self.memory_samples: list[MemSample] = []
         self.memory_weight_bytes: dict[str, int] = {}
-        self.memory_window: tuple[float, float] | None = None  # monotonic start, end of sampling
+        self.memory_window: tuple[float, float] | None = None  # first and last sample (monotonic)
         config = Config(
             models=tuple(
                 ModelConfig(id=p.id, path=p.path, n_ctx=512, n_seq=2, idle_sleep_s=None) for p in self.plans
@@ -452,7 +453,8 @@ class ArenaHarness:
             self.contention_s = time.monotonic() - started
             if sampler is not None:
                 self.memory_samples.extend(sampler.stop())
-                self.memory_window = (started, time.monotonic())
+                if self.memory_samples:
+                    self.memory_window = (self.memory_samples[0].t, self.memory_samples[-1].t)
 
     def _start_sampler(self) -> MemorySampler | None:
         """Sample every worker's memory during the contention (``sample_memory_ms`` > 0)."""
@@ -545,6 +547,7 @@ class ArenaHarness:
             memory_threshold_bytes=mem.threshold_bytes if mem else (),
             memory_baseline_bytes=mem.baseline_bytes if mem else (),
             memory_peak_bytes=mem.peak_bytes if mem else (),
+            memory_window=self.memory_window if mem else None,
         )
 
 

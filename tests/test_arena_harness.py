@@ -212,6 +212,8 @@ def test_cli_refuses_an_unsafe_arena(tmp_path: Path, smollm2_path: Path) -> None
 def test_cli_refuses_bad_arguments(smollm2_path: Path) -> None:
     proc = run_cli("--workers", "0", "--model", str(smollm2_path))
     assert proc.returncode == 2 and "--workers must be at least 1" in proc.stderr
+    proc = run_cli("--sample-memory-ms", "-1", "--model", str(smollm2_path))
+    assert proc.returncode == 2 and "--sample-memory-ms must be 0 (off) or a positive" in proc.stderr
 
 
 @pytest.mark.slow
@@ -236,6 +238,7 @@ def test_three_workers_under_random_contention(tmp_path: Path, smollm2_path: Pat
         work_dir=tmp_path,
         prompts=("The capital of France is", "1, 2, 3, 4,"),
         max_tokens=8,
+        sample_memory_ms=50,
     )
     data = report.to_json()
     assert data["workers"] == 3
@@ -255,8 +258,36 @@ def test_three_workers_under_random_contention(tmp_path: Path, smollm2_path: Pat
         "smollm2-135m-instruct-2",
     }
     assert data["handoff_ms_p50"] is not None and data["handoff_ms_p99"] >= data["handoff_ms_p50"]
+    # the physical check: RSS (CPU build) of each worker, sampled every 50 ms during the contention
+    assert data["memory_source"] == "rss" and data["memory_samples"] > 10, data
+    assert data["memory_overlaps"] == 0, data  # never two workers with their weights in memory
+    assert set(data["memory_threshold_bytes"]) == set(data["models"])
+    # ... and it has teeth: a worker that was released and then restored its weights for a while
+    # inside the sampling window was seen high
+    switched_in = switched_in_while_sampled(records, report.memory_window, period_s=0.05)
+    assert switched_in, data  # (4 s of contention always has some)
+    assert all(data["memory_high_seen"][m] for m in switched_in), (switched_in, data)
     assert data["ok"] is True
     json.dumps(data)  # the --json report is plain JSON
+
+
+def switched_in_while_sampled(
+    records: list[dict], window: tuple[float, float] | None, period_s: float
+) -> set[str]:
+    """Workers with a resident interval inside ``window`` that lasted >= 4 sampling periods and
+    came after >= 4 periods released (since its previous resident interval or the window's
+    start): the sampler must have seen them both low and high."""
+    assert window is not None
+    start, end = window
+    margin = 4 * period_s
+    found: set[str] = set()
+    last_end: dict[str, float] = {}
+    for r in sorted((r for r in records if r["kind"] == "resident"), key=lambda r: r["start"]):
+        released_since = max(start, last_end.get(r["model"], start))
+        if r["start"] - released_since >= margin and r["end"] - r["start"] >= margin and r["end"] <= end:
+            found.add(r["model"])
+        last_end[r["model"]] = r["end"]
+    return found
 
 
 @pytest.mark.slow

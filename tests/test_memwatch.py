@@ -222,3 +222,23 @@ def test_nvidia_smi_sampler_streams_polls(tmp_path: Path, monkeypatch: pytest.Mo
     assert all(len(x.bytes_by) == 2 for x in samples[:-1])  # the last poll may be cut by the stop
     result = check_memory(samples, {"a": 5500 * MIB, "b": 5500 * MIB}, missing_as_zero=True)
     assert result.overlaps == 0 and dict(result.high_seen) == {"a": True, "b": True}
+
+
+def test_arena_report_fails_on_a_memory_overlap_and_says_so() -> None:
+    from timeshare.core.arena_test import ArenaTestReport
+
+    fields = dict(
+        workers=2, models=("a", "b"), seconds=3.0, requests=4, reference_requests=2, errors=0,
+        handoffs=3, overlaps=0, outside_token=0, token_overlaps=0, deadlocks=0,
+        outputs_match_reference=True, handoff_ms_p50=1.0, handoff_ms_p99=2.0, token_intervals=3,
+        resident_intervals=3, malformed_records=0, memory_source="rss", memory_interval_ms=50,
+        memory_samples=60, memory_high_seen=(("a", True), ("b", True)),
+        memory_threshold_bytes=(("a", 48 * MIB), ("b", 120 * MIB)),
+    )  # fmt: skip
+    clean = ArenaTestReport(**fields)  # type: ignore[arg-type]
+    assert clean.ok and "0 overlaps in 60 samples (rss, every 50 ms" in clean.to_text()
+    bad = ArenaTestReport(**{**fields, "memory_overlaps": 2})  # type: ignore[arg-type]
+    assert not bad.ok and "result               FAILED" in bad.to_text()
+    data = bad.to_json()
+    assert data["memory_overlaps"] == 2 and data["memory_high_seen"] == {"a": True, "b": True}
+    assert data["memory_threshold_bytes"] == {"a": 48 * MIB, "b": 120 * MIB} and data["ok"] is False
