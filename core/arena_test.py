@@ -203,6 +203,7 @@ class ArenaTestReport:
     memory_baseline_bytes: tuple[tuple[str, int], ...] = ()  # per worker: its minimum (released)
     memory_peak_bytes: tuple[tuple[str, int], ...] = ()
     memory_window: tuple[float, float] | None = None  # first and last sample (monotonic clock)
+    memory_other_pids: tuple[int, ...] = ()  # nvidia-smi listed these, no worker's (see memwatch)
 
     @property
     def ok(self) -> bool:
@@ -359,6 +360,7 @@ class ArenaHarness:
         self.memory_source = ""
         self.memory_samples: list[MemSample] = []
         self.memory_weight_bytes: dict[str, int] = {}
+        self.memory_other_pids: tuple[int, ...] = ()
         self.memory_window: tuple[float, float] | None = None  # first and last sample (monotonic)
         config = Config(
             models=tuple(
@@ -453,6 +455,9 @@ class ArenaHarness:
             self.contention_s = time.monotonic() - started
             if sampler is not None:
                 self.memory_samples.extend(sampler.stop())
+                self.memory_other_pids = sampler.other_pids
+                if sampler.other_pids:
+                    self.progress(f"nvidia-smi also listed pids {list(sampler.other_pids)} (not workers)")
                 if self.memory_samples:
                     self.memory_window = (self.memory_samples[0].t, self.memory_samples[-1].t)
 
@@ -548,6 +553,7 @@ class ArenaHarness:
             memory_baseline_bytes=mem.baseline_bytes if mem else (),
             memory_peak_bytes=mem.peak_bytes if mem else (),
             memory_window=self.memory_window if mem else None,
+            memory_other_pids=self.memory_other_pids,
         )
 
 

@@ -215,6 +215,9 @@ class MemorySampler:
         self._proc: subprocess.Popen[str] | None = None
         self._samples: list[MemSample] = []
         self._lines: list[tuple[float, str]] = []
+        #: pids nvidia-smi listed that are no worker's (other programs, or the workers' own pids as
+        #: another pid namespace sees them: then no sample matches a worker)
+        self.other_pids: tuple[int, ...] = ()
 
     def start(self) -> None:
         if self.source == "nvidia-smi":
@@ -249,6 +252,8 @@ class MemorySampler:
             self._proc.stdout.close()
         if self.source == "nvidia-smi":
             names = {pid: key for key, pid in self.pids.items()}
+            seen = {p[0] for _, line in self._lines if (p := parse_nvidia_smi_line(line)) is not None}
+            self.other_pids = tuple(sorted(seen - set(names)))
             return group_nvidia_smi_lines(self._lines, names)
         return list(self._samples)
 
