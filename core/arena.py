@@ -236,7 +236,8 @@ def check_arena_dir(path: str | os.PathLike[str]) -> Path:
     return arena.path
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user counts as alive)."""
     if pid <= 0:
         return False
     try:
@@ -283,7 +284,7 @@ def _read_holder_at(dir_fd: int) -> HolderRecord | None:
     except (ValueError, KeyError, TypeError):
         log.warning("ignoring an unreadable holder record: %r", raw[:200])
         return None
-    return record if _pid_alive(record.pid) else None
+    return record if pid_alive(record.pid) else None
 
 
 # ---- watching a directory --------------------------------------------------------------------
@@ -428,13 +429,13 @@ class Arena:
                 continue
             if name.startswith(".holder."):  # .holder.<pid>.<thread>.tmp, not locked: check the pid
                 pid = name.split(".")[2]
-                if pid.isdigit() and not _pid_alive(int(pid)):
+                if pid.isdigit() and not pid_alive(int(pid)):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=self._dir_fd)
                     removed.append(name)
             else:  # a ticket being made: locked right after its creation, so also check the pid
                 ticket = Ticket.parse(name[1:-4])
-                if ticket and not _pid_alive(ticket.pid) and self._sweep_if_stale(self._dir_fd, name):
+                if ticket and not pid_alive(ticket.pid) and self._sweep_if_stale(self._dir_fd, name):
                     removed.append(name)
         return removed
 

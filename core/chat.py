@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,6 +22,7 @@ from typing import Any, Protocol
 from .errors import CancelledError, TimeshareError
 from .protocol import ChatMessage
 from .store import Conversation, Message, Store
+from .stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,6 @@ class ChatResult:
     stats: dict[str, Any]  # what was saved with the message (see ChatTurn for the keys)
 
 
-_END = object()
-
-
 class ChatTurn:
     """One answer being generated. Iterate it for text pieces (blocking), or wait for ``result()``.
 
@@ -137,10 +134,8 @@ class ChatTurn:
         self._gen = generation
         self._started = started
         self._flush_interval_s = flush_interval_s
-        self._pieces: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._done = threading.Event()
+        self._stream = TextStream()
         self._result: ChatResult | None = None
-        self._error: BaseException | None = None
         self._cancelled = False
         self._pump = threading.Thread(target=self._run, name=f"chat-{conversation.id[:8]}", daemon=True)
         self._pump.start()
@@ -148,15 +143,7 @@ class ChatTurn:
     # ---- caller side -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[str]:
-        while True:
-            item = self._pieces.get()
-            if item is _END:
-                self._pieces.put(_END)
-                if self._error is not None:
-                    raise self._error
-                return
-            assert isinstance(item, str)
-            yield item
+        return iter(self._stream)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -164,13 +151,13 @@ class ChatTurn:
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._stream.done
 
     def result(self, timeout: float | None = None) -> ChatResult:
-        if not self._done.wait(timeout):
+        if not self._stream.wait(timeout):
             raise TimeoutError(f"the answer in conversation {self.conversation_id} is not finished yet")
-        if self._error is not None:
-            raise self._error
+        if self._stream.error is not None:
+            raise self._stream.error
         assert self._result is not None
         return self._result
 
@@ -181,12 +168,13 @@ class ChatTurn:
         first_piece_at: float | None = None
         last_flush = time.monotonic()
         flushed_len = 0
+        error: BaseException | None = None
         try:
             for piece in self._gen:
                 if first_piece_at is None:
                     first_piece_at = time.monotonic()
                 parts.append(piece)
-                self._pieces.put(piece)
+                self._stream.put(piece)
                 now = time.monotonic()
                 if now - last_flush >= self._flush_interval_s:
                     text = "".join(parts)
@@ -219,11 +207,10 @@ class ChatTurn:
                 }
                 # keep what was generated, marked incomplete so the UI shows it was cut off
                 self._save_quietly(text, False, stats)
-                self._error = exc
+                error = exc
                 log.warning("generation in conversation %s failed: %s", self.conversation_id, exc)
         finally:
-            self._done.set()
-            self._pieces.put(_END)
+            self._stream.close(error)
 
     def _save_quietly(self, text: str, complete: bool, stats: dict[str, Any]) -> None:
         try:

@@ -42,6 +42,7 @@ from .config import Config, ModelConfig
 from .errors import ConfigError, ModelUnavailableError, QueueFullError, TimeshareError, UnknownModelError
 from .modelfile import gguf_problem
 from .state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot, SwitchStats
+from .stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +112,6 @@ class GenerationResult:
     switch: SwitchStats
 
 
-_END = object()
-
-
 class Generation:
     """A request to one model: iterate it for streamed text pieces, or wait for ``result()``.
 
@@ -125,11 +123,9 @@ class Generation:
         self.model = model
         self.request = request
         self._pool = pool
-        self._pieces: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._done = threading.Event()
+        self._stream = TextStream()
         self._parts: list[str] = []
         self._result: GenerationResult | None = None
-        self._error: TimeshareError | None = None
         self.cancelled = False
         # pool-thread bookkeeping
         self._sent_at = 0.0
@@ -140,7 +136,7 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._stream.done
 
     @property
     def text(self) -> str:
@@ -148,28 +144,20 @@ class Generation:
         return "".join(list(self._parts))
 
     def __iter__(self) -> Iterator[str]:
-        while True:
-            item = self._pieces.get()
-            if item is _END:
-                self._pieces.put(_END)  # for any other thread iterating too
-                if self._error is not None:
-                    raise self._error
-                return
-            assert isinstance(item, str)
-            yield item
+        return iter(self._stream)
 
     def cancel(self) -> None:
         """Stop generating; ``result()`` then reports finish_reason "cancelled" (or the text so far)."""
-        if self._done.is_set() or self.cancelled:
+        if self._stream.done or self.cancelled:
             return
         self.cancelled = True
         self._pool._post(self._pool._cancel, self)
 
     def result(self, timeout: float | None = None) -> GenerationResult:
-        if not self._done.wait(timeout):
+        if not self._stream.wait(timeout):
             raise TimeoutError(f"{self.model} did not finish request {self.req} within {timeout} s")
-        if self._error is not None:
-            raise self._error
+        if self._stream.error is not None:
+            raise self._stream.error
         assert self._result is not None
         return self._result
 
@@ -178,21 +166,16 @@ class Generation:
     def _feed(self, text: str) -> None:
         if text:
             self._parts.append(text)
-            self._pieces.put(text)
+            self._stream.put(text)
 
     def _finish(self, finish_reason: str, usage: protocol.Usage, switch: SwitchStats) -> None:
-        if self._done.is_set():
+        if self._stream.done:
             return
         self._result = GenerationResult(self.model, "".join(self._parts), finish_reason, usage, switch)
-        self._done.set()
-        self._pieces.put(_END)
+        self._stream.close()
 
     def _fail(self, error: TimeshareError) -> None:
-        if self._done.is_set():
-            return
-        self._error = error
-        self._done.set()
-        self._pieces.put(_END)
+        self._stream.close(error)
 
     def _finish_cancelled(self) -> None:
         self._finish("cancelled", protocol.Usage(0, 0, 0), SwitchStats(switched=False))

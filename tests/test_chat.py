@@ -10,7 +10,6 @@ continued conversation, and a worker killed mid-answer losing nothing that was s
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import threading
 import time
@@ -25,6 +24,7 @@ from timeshare.core.errors import ModelUnavailableError, TimeshareError, Unknown
 from timeshare.core.protocol import ChatMessage, Usage
 from timeshare.core.state import SwitchStats
 from timeshare.core.store import Store, UnknownConversationError
+from timeshare.core.stream import TextStream
 
 WAIT = 120.0  # an upper bound for waits on a loaded 2-core machine; nothing is timed
 
@@ -53,10 +53,8 @@ class ScriptedGeneration:
     def __init__(self, model_id: str, kwargs: dict[str, Any]) -> None:
         self.model_id = model_id
         self.kwargs = kwargs
-        self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._done = threading.Event()
+        self._stream = TextStream()
         self._result: FakeResult | None = None
-        self._error: TimeshareError | None = None
         self.cancelled = False
         self._pieces = 0
 
@@ -64,39 +62,28 @@ class ScriptedGeneration:
     def feed(self, *pieces: str) -> None:
         for p in pieces:
             self._pieces += 1
-            self._q.put(p)
+            self._stream.put(p)
 
     def finish(self, finish_reason: str = "stop", switched: bool = True) -> None:
         usage = Usage(prompt_tokens=20, completion_tokens=self._pieces, prompt_tokens_evaluated=7)
         self._result = FakeResult(finish_reason, usage, SwitchStats(switched, wait_ms=3.0, restore_ms=2.0))
-        self._done.set()
-        self._q.put(None)
+        self._stream.close()
 
     def fail(self, error: TimeshareError) -> None:
-        self._error = error
-        self._done.set()
-        self._q.put(None)
+        self._stream.close(error)
 
     # pool side (the Generation API of core/pool.py)
     def __iter__(self) -> Iterator[str]:
-        while True:
-            item = self._q.get()
-            if item is None:
-                self._q.put(None)
-                if self._error is not None:
-                    raise self._error
-                return
-            assert isinstance(item, str)
-            yield item
+        return iter(self._stream)
 
     def cancel(self) -> None:
         self.cancelled = True
         self.finish("cancelled")
 
     def result(self, timeout: float | None = None) -> FakeResult:
-        assert self._done.wait(timeout)
-        if self._error is not None:
-            raise self._error
+        assert self._stream.wait(timeout)
+        if self._stream.error is not None:
+            raise self._stream.error
         assert self._result is not None
         return self._result
 

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import httpx
 
 from timeshare.core import paths
+from timeshare.core.arena import pid_alive
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # not running, or the server refused the request
@@ -50,13 +51,7 @@ def _not_running(path: Path, detail: str = "") -> ClientError:
 def _pid_alive(pid: object) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return True  # unknown: let the connection attempt decide
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def _config_key(args: argparse.Namespace) -> str | None:
