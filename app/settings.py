@@ -76,6 +76,26 @@ def _error_label() -> QLabel:
     return label
 
 
+def _idle_minutes(idle_sleep_s: object) -> float:
+    """The spin box value for a config ``idle_sleep_s`` (False/None: never, shown as 0)."""
+    return 0.0 if idle_sleep_s is False or idle_sleep_s is None else float(idle_sleep_s) / 60.0  # type: ignore[arg-type]
+
+
+def _idle_seconds(minutes: float) -> float | bool:
+    """The config ``idle_sleep_s`` for a spin box value (0 means never: False)."""
+    return False if minutes == 0 else round(minutes * 60.0, 1)
+
+
+def _idle_box(minutes: float) -> QDoubleSpinBox:
+    box = QDoubleSpinBox()
+    box.setRange(0, 7 * 24 * 60)
+    box.setDecimals(1)
+    box.setSuffix(" min")
+    box.setSpecialValueText("never")
+    box.setValue(minutes)
+    return box
+
+
 class ModelDialog(QDialog):
     """Add or edit one model. OK validates the model through the config layer."""
 
@@ -111,13 +131,7 @@ class ModelDialog(QDialog):
         self.chat_format.setCurrentText(str(model.get("chat_format", "auto")))
         self.pinned = QCheckBox("Keep the GPU once it has it")
         self.pinned.setChecked(bool(model.get("pinned", False)))
-        self.idle = QDoubleSpinBox()
-        self.idle.setRange(0, 7 * 24 * 60)
-        self.idle.setDecimals(1)
-        self.idle.setSuffix(" min")
-        self.idle.setSpecialValueText("never")
-        idle = model.get("idle_sleep_s", 600.0)
-        self.idle.setValue(0 if idle is False or idle is None else float(idle) / 60.0)
+        self.idle = _idle_box(_idle_minutes(model.get("idle_sleep_s", 600.0)))
         self.licence = QLabel(str(model.get("licence", "")) or "–")
         self.licence.setObjectName("licence")
         form.addRow("Id (used by the API):", self.id_edit)
@@ -156,7 +170,7 @@ class ModelDialog(QDialog):
             n_seq=self.n_seq.value(),
             chat_format=self.chat_format.currentText(),
             pinned=self.pinned.isChecked(),
-            idle_sleep_s=False if self.idle.value() == 0 else round(self.idle.value() * 60.0, 1),
+            idle_sleep_s=_idle_seconds(self.idle.value()),
         )
         name = self.name_edit.text().strip()
         if name:
@@ -472,14 +486,9 @@ class SettingsDialog(QDialog):
         self.start_at_login.setChecked(bool(general.get("start_at_login", False)))
         self.prewake = QCheckBox("Restore a model while I type to it (pre-wake)")
         self.prewake.setChecked(bool(general.get("prewake_on_typing", True)))
-        self.idle_all = QDoubleSpinBox()
-        self.idle_all.setRange(0, 7 * 24 * 60)
-        self.idle_all.setDecimals(1)
-        self.idle_all.setSuffix(" min")
-        self.idle_all.setSpecialValueText("never")
         first = self.draft["models"][0].get("idle_sleep_s", 600.0) if self.draft["models"] else 600.0
-        self._idle_initial = 0.0 if first is False or first is None else float(first) / 60.0
-        self.idle_all.setValue(self._idle_initial)
+        self._idle_initial = _idle_minutes(first)
+        self.idle_all = _idle_box(self._idle_initial)
         form = QFormLayout(tab)
         form.addRow(self.start_at_login)
         form.addRow(self.prewake)
@@ -509,9 +518,7 @@ class SettingsDialog(QDialog):
         draft["general"]["start_at_login"] = self.start_at_login.isChecked()
         draft["general"]["prewake_on_typing"] = self.prewake.isChecked()
         if self.idle_all.value() != self._idle_initial:
-            idle: float | bool = (
-                False if self.idle_all.value() == 0 else round(self.idle_all.value() * 60.0, 1)
-            )
+            idle = _idle_seconds(self.idle_all.value())
             for m in draft["models"]:
                 m["idle_sleep_s"] = idle
         return draft
