@@ -60,6 +60,9 @@ class ArenaConfig:
     dir: str | None = None  # None: platformdirs runtime dir /arena (or $TIMESHARE_VRAM_ARENA)
     min_quantum_ms: float = 250.0  # a busy holder keeps the GPU at least this long before yielding
     wait_timeout_s: float = 300.0  # a request waiting longer for the GPU fails with a clear error
+    # a restore that meets out-of-device-memory keeps the token and tries again this long (a killed
+    # holder's memory comes back a little after the kernel dropped its flock) before failing
+    restore_oom_retry_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -347,6 +350,7 @@ def validate(
             "dir": lambda w, v: c.string(w, v, allow_empty=False),
             "min_quantum_ms": lambda w, v: c.number(w, v, minimum=0.0),
             "wait_timeout_s": lambda w, v: c.number(w, v, minimum=0.0, strict=True),
+            "restore_oom_retry_s": lambda w, v: c.number(w, v, minimum=0.0),
         },
     )
     if isinstance(arena.dir, str):

@@ -45,7 +45,7 @@ from . import protocol as p
 from .arena import Arena, IntervalLog, TokenClient, TokenRequest
 from .config import ArenaConfig, ModelConfig
 from .engine import Engine
-from .errors import CancelledError, TimeshareError
+from .errors import CancelledError, OutOfDeviceMemoryError, TimeshareError
 from .residency import fix_malloc_mmap_threshold
 
 log = logging.getLogger(__name__)
@@ -214,6 +214,7 @@ class ArenaResidence(Residence):
         self.residency: Any | None = None
         self._request: TokenRequest | None = None
         self._resident_since: float | None = None
+        self._restore_wait = ""  # set while a restore waits for device memory
         self.path = "none"
         self.reason = "the residency mechanism is not available: weights stay loaded"
         self.backend = "CPU"
@@ -310,13 +311,50 @@ class ArenaResidence(Residence):
         res = self.residency
         if res is not None and not res.weights_resident:
             try:
-                report = res.restore()
+                restore_ms = self._restore(res, poll)
             except BaseException:
                 self._end_resident()
                 self.client.release()  # the model stays released: the invariant holds
                 raise
-            restore_ms = float(report.ms)
         return Acquired(switched=not held, wait_ms=wait_ms, restore_ms=restore_ms)
+
+    def _restore(self, res: Any, poll: Callable[[], None]) -> float:
+        """Restore the weights (holding the token); returns the successful attempt's ms.
+
+        Out of device memory is retried, keeping the token, for ``arena.restore_oom_retry_s``: after
+        a ``kill -9`` of the holder the kernel drops its flock at once but the driver frees its
+        memory a little later, and another program may hold memory for a moment. A failed restore
+        leaves the model released and intact, so trying again is safe. ``poll`` keeps the worker
+        answering (status, cancel) between attempts; the last error is raised when time is up."""
+        retry_s = max(0.0, float(self.spec.arena.restore_oom_retry_s))
+        deadline = time.monotonic() + retry_s
+        delay = 0.05
+        attempts = 0
+        try:
+            while True:
+                attempts += 1
+                try:
+                    return float(res.restore().ms)
+                except OutOfDeviceMemoryError as exc:
+                    left = deadline - time.monotonic()
+                    if left <= 0.0:
+                        if attempts == 1:
+                            raise
+                        raise OutOfDeviceMemoryError(
+                            f"{exc} (tried {attempts} times over {retry_s:g} s, arena.restore_oom_retry_s)"
+                        ) from exc
+                    if attempts == 1:
+                        log.warning("%s; trying again for up to %.1f s", exc, left)
+                        self._restore_wait = "waiting for device memory to restore the weights"
+                    pause_until = time.monotonic() + min(delay, left)
+                    while time.monotonic() < pause_until:
+                        poll()
+                        time.sleep(min(0.02, max(0.0, pause_until - time.monotonic())))
+                    delay = min(delay * 2.0, 1.0)
+        finally:
+            self._restore_wait = ""
+            if attempts > 1:
+                log.info("restore: %d attempts", attempts)
 
     def release(self, kv: bool) -> p.Released | None:
         res = self.residency
@@ -350,6 +388,8 @@ class ArenaResidence(Residence):
         self._resident_since = None
 
     def waiting_reason(self) -> str:
+        if self._restore_wait:
+            return self._restore_wait
         request = self._request
         return request.waiting_reason() if request is not None else ""
 

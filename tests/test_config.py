@@ -173,6 +173,7 @@ def test_model_field_errors(tmp_path: Path, model_file: Path, body: str, expecte
         ("[api]\nprot = 1\n", "api.prot: unknown key (did you mean port?)"),
         ("[arena]\nwait_timeout_s = 0\n", "arena.wait_timeout_s: must be > 0"),
         ("[arena]\nmin_quantum_ms = -1.5\n", "arena.min_quantum_ms: must be >= 0"),
+        ("[arena]\nrestore_oom_retry_s = -1\n", "arena.restore_oom_retry_s: must be >= 0"),
         ("[general]\nstart_at_login = 1\n", "general.start_at_login: must be true or false, not an integer"),
         ("[modles]\n", "modles: unknown key (did you mean models?)"),
         ("general = 3\n", "general: must be a table ([general]), not an integer"),
