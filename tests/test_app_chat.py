@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _proc_util import alive
 from timeshare.core.config import ApiConfig, Config, ModelConfig
 from timeshare.core.state import ModelState
 
@@ -40,18 +41,6 @@ def demo_config(smollm2: Path, gemma3: Path | None = None) -> Config:
             )
         )
     return Config(models=tuple(models), api=ApiConfig(enabled=False))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purpose (its parent has not reaped it yet)
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")

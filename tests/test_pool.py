@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _proc_util import alive, proc_state
 from timeshare.core import pool as pool_mod
 from timeshare.core.config import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.demo import GEMMA3_ID, SMOLLM2_ID
@@ -79,26 +80,6 @@ def state_is(model: str, *states: ModelState) -> Callable[[PoolEvent], bool]:
         return status is not None and status.state in states
 
     return pred
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is gone for our purposes only once reaped; the pool reaps its children
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _proc_state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except FileNotFoundError:
-        return "gone"
 
 
 def _all_gone(pids: list[int]) -> bool:
@@ -657,7 +638,7 @@ def test_a_worker_that_dies_at_start_is_retried_then_failed(tmp_path: Path, smol
         assert "boom: no module named llama_cpp" in status.log_tail
         children = [int(line.split()[1]) for line in status.log_tail if line.startswith("child ")]
         assert len(children) == 3
-        assert _all_gone(children), {pid: _proc_state(pid) for pid in children}  # its group was killed
+        assert _all_gone(children), {pid: proc_state(pid) for pid in children}  # its group was killed
         pool.wait_ready(timeout=1.0)  # FAILED counts as settled
     finally:
         pool.stop()

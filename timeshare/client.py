@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -230,6 +230,10 @@ def print_models(models: dict[str, Any], out: TextIO) -> None:
     _table(rows, out)
 
 
+_GET_COMMANDS: dict[str, tuple[str, Callable[[dict[str, Any], TextIO], None]]] = {
+    "status": ("/timeshare/v1/status", print_status),
+    "models": ("/v1/models", print_models),
+}
 _VERB_PATHS = {"pin": "pin", "unpin": "unpin", "sleep": "sleep", "wake": "wake"}
 _VERB_DONE = {"pin": "pinned", "unpin": "unpinned", "sleep": "put to sleep", "wake": "woken"}
 
@@ -238,19 +242,13 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     command = args.command
     endpoint = find_endpoint(args)
     with Api(endpoint) as api:
-        if command == "status":
-            status = api.request("GET", "/timeshare/v1/status")
+        if command in _GET_COMMANDS:
+            path, show = _GET_COMMANDS[command]
+            data = api.request("GET", path)
             if args.json:
-                out.write(json.dumps(status, indent=2) + "\n")
+                out.write(json.dumps(data, indent=2) + "\n")
             else:
-                print_status(status, out)
-            return EXIT_OK
-        if command == "models":
-            models = api.request("GET", "/v1/models")
-            if args.json:
-                out.write(json.dumps(models, indent=2) + "\n")
-            else:
-                print_models(models, out)
+                show(data, out)
             return EXIT_OK
         if command in _VERB_PATHS:
             reply = api.request("POST", f"/timeshare/v1/models/{args.model}/{_VERB_PATHS[command]}")

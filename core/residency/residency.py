@@ -362,16 +362,23 @@ class Residency:
         self.kv_resident = False
 
     def _new_context_with_kv(self) -> None:
+        llm = self._llm
+        ctx = self._context_with_kv(llm._model, stays_released="")
+        llm._stack.enter_context(contextlib.closing(ctx))
+        llm._ctx = ctx
+        self.kv_resident = True
+
+    def _context_with_kv(self, model: Any, *, stays_released: str) -> Any:
+        """A new llama context on ``model`` with the KV snapshot (if any) applied, then dropped.
+        Out of memory: OutOfDeviceMemoryError (``stays_released`` goes into its message)."""
         from llama_cpp import _internals
 
         llm = self._llm
         try:
-            ctx: Any = _internals.LlamaContext(
-                model=llm._model, params=llm.context_params, verbose=llm.verbose
-            )
+            ctx: Any = _internals.LlamaContext(model=model, params=llm.context_params, verbose=llm.verbose)
         except ValueError as exc:
             raise OutOfDeviceMemoryError(
-                f"cannot create the context of {self.model_path} again ({exc}): "
+                f"cannot create the context of {self.model_path} again ({exc}): {stays_released}"
                 "free device memory and try again"
             ) from exc
         if self._kv is not None:
@@ -382,9 +389,13 @@ class Residency:
                 raise
             self._kv.close()
             self._kv = None
-        llm._stack.enter_context(contextlib.closing(ctx))
-        llm._ctx = ctx
-        self.kv_resident = True
+        return ctx
+
+    def _point_tokenizer(self, model: Any) -> None:
+        """llama-cpp-python's tokenizer keeps its own reference to the model object."""
+        tok = getattr(self._llm, "tokenizer_", None)
+        if tok is not None and hasattr(tok, "_model"):
+            tok._model = model
 
     def _want_pinned_kv(self) -> bool:
         return self._opts.host_shadow == "pinned"
@@ -401,9 +412,7 @@ class Residency:
         model_obj.close()
         llm._ctx = _Released("context")
         llm._model = _Released("model")
-        tok = getattr(llm, "tokenizer_", None)
-        if tok is not None and hasattr(tok, "_model"):
-            tok._model = llm._model
+        self._point_tokenizer(llm._model)
         self.kv_resident = False
 
     def _restore_rebuild(self) -> int:
@@ -433,29 +442,15 @@ class Residency:
                 "(release or stop another model) and try again"
             ) from exc
         try:
-            ctx: Any = _internals.LlamaContext(model=model, params=llm.context_params, verbose=llm.verbose)
-        except ValueError as exc:
+            ctx = self._context_with_kv(model, stays_released="the model stays released; ")
+        except BaseException:
             model.close()
-            raise OutOfDeviceMemoryError(
-                f"cannot create the context of {self.model_path} again ({exc}): the model stays released; "
-                "free device memory and try again"
-            ) from exc
-        if self._kv is not None:
-            try:
-                self._kv.apply(ctx.ctx)
-            except ResidencyError:
-                ctx.close()
-                model.close()
-                raise
-            self._kv.close()
-            self._kv = None
+            raise
         llm._stack.enter_context(contextlib.closing(model))
         llm._stack.enter_context(contextlib.closing(ctx))
         llm._model = model
         llm._ctx = ctx
-        tok = getattr(llm, "tokenizer_", None)
-        if tok is not None and hasattr(tok, "_model"):
-            tok._model = model
+        self._point_tokenizer(model)
         self.host_bytes = 0
         return int(llama_cpp.llama_model_size(model.model))
 
