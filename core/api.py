@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import enum
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -53,7 +52,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import paths
-from .config import ApiConfig, Config
+from .config import ApiConfig, Config, is_loopback
 from .errors import (
     ArenaError,
     ConfigError,
@@ -869,15 +868,6 @@ def create_app(pool: Pool, api_config: ApiConfig) -> Starlette:
 
 
 # ---- the server ----------------------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_bind_allowed(api_config: ApiConfig) -> None:

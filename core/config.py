@@ -306,7 +306,8 @@ def _check_section(c: _Checker, name: str, raw: object, cls: type, checks: dict[
     return cls(**values)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (a loopback address or a localhost name)."""
     if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
         return True
     try:
@@ -372,7 +373,7 @@ def validate(
     if (
         isinstance(api_raw, Mapping)
         and not any(p.startswith(("api.host", "api.key")) for p in c.problems)
-        and not _is_loopback(api.host)
+        and not is_loopback(api.host)
         and not api.key
     ):
         c.problem(
