@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
 RENDER_INTERVAL_MS = 50
 MAX_TOKENS = 512  # per answer  # streamed text is re-rendered at most 20 times a second
+_BLOCK_SEPARATOR = "\n\n---\n\n"  # between the messages of the transcript
 
 
 class StoreLike(Protocol):
@@ -199,6 +200,8 @@ class ChatWindow(QMainWindow):
         self._stream: _Stream | None = None
         self._stream_conversation: str | None = None
         self._partial = ""
+        # (conversation id, its model id, Markdown of its stored messages): what render ticks reuse
+        self._history: tuple[str, str, str] | None = None
         self._pending_stats: dict[str, AnswerStats] = {}
         self._first_token_ms: float | None = None
         self.max_tokens = MAX_TOKENS
@@ -210,7 +213,7 @@ class ChatWindow(QMainWindow):
         self._render_timer = QTimer(self)
         self._render_timer.setSingleShot(True)
         self._render_timer.setInterval(RENDER_INTERVAL_MS)
-        self._render_timer.timeout.connect(self.render_transcript)
+        self._render_timer.timeout.connect(self._render_live)
         bridge.snapshot_changed.connect(self._on_snapshot)
         self._on_snapshot(bridge.snapshot)
         self.reload_conversations()
@@ -447,19 +450,15 @@ class ChatWindow(QMainWindow):
     # ---- transcript --------------------------------------------------------------------------
 
     def render_transcript(self) -> None:
+        """Rebuild the transcript from the store: the conversation changed, an answer began or ended."""
         if self._detached:
             return
         conv_id = self.current_conversation()
         if conv_id is None:
+            self._history = None
             self.transcript.setMarkdown("*No conversation yet: press **New** or start typing.*")
             return
-        snapshot = self.bridge.snapshot
         conv_model = self.store.get(conv_id).model_id
-
-        def who(model_id: str) -> str:
-            status = snapshot.model(model_id)
-            return (status.name or status.id) if status else model_id
-
         messages = list(self.store.messages(conv_id))
         live = conv_id == self._stream_conversation
         if live and messages and messages[-1].role == "assistant" and not messages[-1].complete:
@@ -472,18 +471,38 @@ class ChatWindow(QMainWindow):
                 blocks.append(f"**You**\n\n{msg.content}")
                 continue
             data = dict(msg.stats or {})
-            block = f"**{who(str(data.get('model_id') or conv_model))}**\n\n{msg.content or '…'}"
+            block = f"**{self._who(str(data.get('model_id') or conv_model))}**\n\n{msg.content or '…'}"
             if not msg.complete:
                 block += "\n\n*(interrupted)*"
             stats = AnswerStats.from_stats(data)
             if stats is not None:
                 block += f"\n\n*{stats.line()}*"
             blocks.append(block)
-        if live:
-            blocks.append(f"**{who(conv_model)}**\n\n{self._partial or '…'}")
-        self.transcript.setMarkdown("\n\n---\n\n".join(blocks))
+        self._history = (conv_id, conv_model, _BLOCK_SEPARATOR.join(blocks))
+        self._show_transcript()
+
+    def _render_live(self) -> None:
+        """A render tick while an answer streams: the cached history and the live text, no store reads."""
+        if self._detached:
+            return
+        if self._history is None or self._history[0] != self.current_conversation():
+            self.render_transcript()
+            return
+        self._show_transcript()
+
+    def _show_transcript(self) -> None:
+        assert self._history is not None
+        conv_id, conv_model, history = self._history
+        blocks = [history] if history else []
+        if conv_id == self._stream_conversation:
+            blocks.append(f"**{self._who(conv_model)}**\n\n{self._partial or '…'}")
+        self.transcript.setMarkdown(_BLOCK_SEPARATOR.join(blocks))
         bar = self.transcript.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+    def _who(self, model_id: str) -> str:
+        status = self.bridge.snapshot.model(model_id)
+        return (status.name or status.id) if status else model_id
 
     # ---- sending -----------------------------------------------------------------------------
 
