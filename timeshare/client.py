@@ -59,6 +59,8 @@ def _config_key(args: argparse.Namespace) -> str | None:
     from timeshare.core.errors import ConfigError
 
     config_path = getattr(args, "config", None)
+    if not config_path and not paths.config_file().exists():
+        return None  # the defaults hold no key: no need to build them (that may hash a demo model)
     try:
         config = load_config(
             Path(config_path).expanduser() if config_path else None,
@@ -234,7 +236,6 @@ _GET_COMMANDS: dict[str, tuple[str, Callable[[dict[str, Any], TextIO], None]]] =
     "status": ("/timeshare/v1/status", print_status),
     "models": ("/v1/models", print_models),
 }
-_VERB_PATHS = {"pin": "pin", "unpin": "unpin", "sleep": "sleep", "wake": "wake"}
 _VERB_DONE = {"pin": "pinned", "unpin": "unpinned", "sleep": "put to sleep", "wake": "woken"}
 
 
@@ -250,8 +251,8 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             else:
                 show(data, out)
             return EXIT_OK
-        if command in _VERB_PATHS:
-            reply = api.request("POST", f"/timeshare/v1/models/{args.model}/{_VERB_PATHS[command]}")
+        if command in _VERB_DONE:  # the command is the endpoint's last path segment
+            reply = api.request("POST", f"/timeshare/v1/models/{args.model}/{command}")
             state = (reply.get("model") or {}).get("state", "?")
             out.write(f"{args.model}: {_VERB_DONE[command]} (state: {state})\n")
             return EXIT_OK
