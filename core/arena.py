@@ -871,6 +871,9 @@ class TokenClient:
         self._doorbell: threading.Thread | None = None
         self._doorbell_watch: _DirWatch | None = None
         self._doorbell_stop = threading.Event()
+        # Set while the doorbell has a reason to scan: this client holds the token (only a holder
+        # rings), or close() stops the doorbell. While clear the warden sleeps on it, not scanning.
+        self._doorbell_armed = threading.Event()
 
     # -- state --
 
@@ -932,6 +935,7 @@ class TokenClient:
             grant = self._grant
             self._token_fd = None
             self._grant = None
+            self._doorbell_armed.clear()
             self.arena._remove_holder()
             end = time.monotonic()
             if self.interval_log is not None and grant is not None:
@@ -964,6 +968,7 @@ class TokenClient:
             self._token_fd = fd
             self._grant = grant
             self._ring_generation += 1
+            self._doorbell_armed.set()
             try:
                 self.arena._write_holder(self._holder_record(grant))
             except OSError as exc:  # the record only informs; holding the lock is what counts
@@ -983,6 +988,9 @@ class TokenClient:
             return
         self._doorbell_watch = self.arena._watch()
         self._doorbell_stop.clear()
+        with self._lock:  # close() leaves it set; armed again only while holding
+            if self._token_fd is None:
+                self._doorbell_armed.clear()
         self._doorbell = threading.Thread(
             target=self._doorbell_loop,
             args=(on_waiter, self._doorbell_watch),
@@ -1006,6 +1014,10 @@ class TokenClient:
         rung_generation = -1
         last_ring = -math.inf
         while not self._doorbell_stop.is_set():
+            if not self._doorbell_armed.is_set():
+                # Not holding: nothing to ring for (waiters sweep stale tickets in their own scans).
+                self._doorbell_armed.wait()
+                continue
             try:
                 others = self.others_waiting()
             except OSError as exc:
@@ -1031,6 +1043,7 @@ class TokenClient:
     def close(self) -> None:
         """Stop the doorbell, cancel a pending request, release the token."""
         self._doorbell_stop.set()
+        self._doorbell_armed.set()
         if self._doorbell_watch is not None:
             self._doorbell_watch.wake()
         if self._doorbell is not None:
