@@ -58,12 +58,11 @@ class StoreLike(Protocol):
     def set_model(self, conversation_id: str, model_id: str) -> Any: ...
     def delete(self, conversation_id: str) -> None: ...
     def messages(self, conversation_id: str) -> list[Any]: ...
-    def update_message(self, message_id: int, content: str, **kw: Any) -> None: ...
 
 
 class ChatLike(Protocol):
-    def send(self, conversation_id: str, text: str, **sampling: Any) -> Any: ...
-    def regenerate(self, conversation_id: str, **sampling: Any) -> Any: ...
+    def send(self, conversation_id: str, text: str, *, prewoken: bool = ..., **sampling: Any) -> Any: ...
+    def regenerate(self, conversation_id: str, *, prewoken: bool = ..., **sampling: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -126,16 +125,13 @@ class _Stream(QObject):
     """Iterates one Generation on a Python thread; its signals reach the GUI thread queued."""
 
     piece = Signal(str)
-    first_token = Signal(float)  # ms since send
+    first_token = Signal()
     finished = Signal(object, object)  # (result or None, error or None)
 
-    def __init__(self, generation: Any, started: float) -> None:
+    def __init__(self, generation: Any) -> None:
         super().__init__()
         self.generation = generation
-        self.started = started
-        self.first_at: float | None = None
-        self.ended_at: float | None = None
-        self.prewoken = False
+        self.first_at: float | None = None  # when the first piece arrived
         self._thread = threading.Thread(target=self._run, name="chat-stream", daemon=True)
 
     def start(self) -> None:
@@ -146,13 +142,11 @@ class _Stream(QObject):
             for text in self.generation:
                 if self.first_at is None:
                     self.first_at = time.monotonic()
-                    emit(self.first_token, (self.first_at - self.started) * 1000.0)
+                    emit(self.first_token)
                 emit(self.piece, text)
             result = self.generation.result(timeout=30.0)
-            self.ended_at = time.monotonic()
             emit(self.finished, result, None)
         except Exception as e:
-            self.ended_at = time.monotonic()
             emit(self.finished, None, e)
 
 
@@ -203,7 +197,7 @@ class ChatWindow(QMainWindow):
         # (conversation id, its model id, Markdown of its stored messages): what render ticks reuse
         self._history: tuple[str, str, str] | None = None
         self._pending_stats: dict[str, AnswerStats] = {}
-        self._first_token_ms: float | None = None
+        self._got_first_token = False
         self.max_tokens = MAX_TOKENS
         self._detached = False
         self.setWindowTitle("Timeshare — Chat")
@@ -343,7 +337,7 @@ class ChatWindow(QMainWindow):
             text += f" · {status.reason}"
         self.model_state.setText(text)
         self.licence.setText(f"Licence: {status.licence}" if status.licence else "")
-        waiting = self._stream is not None and self._first_token_ms is None
+        waiting = self._stream is not None and not self._got_first_token
         if status.state in (ModelState.STARTING, ModelState.LOADING):
             self.progress.setFormat(f"Loading {status.name or status.id}…")
             self.progress.show()
@@ -528,11 +522,13 @@ class ChatWindow(QMainWindow):
             if conv_id is None:
                 return
         try:
+            model_id = self.store.get(conv_id).model_id
+            prewoken = model_id in self._last_prewake  # the window restored it while the user typed
             sampling = {"max_tokens": self.max_tokens}
             turn = (
-                self.chat.send(conv_id, text, **sampling)
+                self.chat.send(conv_id, text, prewoken=prewoken, **sampling)
                 if text
-                else self.chat.regenerate(conv_id, **sampling)
+                else self.chat.regenerate(conv_id, prewoken=prewoken, **sampling)
             )
         except (TimeshareError, ValueError) as e:
             # ChatService keeps a user message it saved; the box keeps the text only if it was not
@@ -544,12 +540,11 @@ class ChatWindow(QMainWindow):
             return
         self.input.clear()
         self.reload_conversations(select=conv_id)  # ChatService titles new conversations
+        self._last_prewake.pop(model_id, None)
         self._partial = ""
-        self._first_token_ms = None
+        self._got_first_token = False
         self._stream_conversation = conv_id
-        stream = _Stream(turn, time.monotonic())
-        model_id = self.store.get(conv_id).model_id
-        stream.prewoken = self._last_prewake.pop(model_id, None) is not None
+        stream = _Stream(turn)
         stream.piece.connect(self._on_piece)
         stream.first_token.connect(self._on_first_token)
         stream.finished.connect(self._on_finished)
@@ -564,8 +559,8 @@ class ChatWindow(QMainWindow):
             self._stream.generation.cancel()
             self.statusBar().showMessage("Stopping…", 3000)
 
-    def _on_first_token(self, ms: float) -> None:
-        self._first_token_ms = ms
+    def _on_first_token(self) -> None:
+        self._got_first_token = True
         self._update_model_state()
 
     def _on_piece(self, text: str) -> None:
@@ -574,7 +569,7 @@ class ChatWindow(QMainWindow):
             self._render_timer.start()
 
     def _on_finished(self, result: Any, error: BaseException | None) -> None:
-        stream, conv_id = self._stream, self._stream_conversation
+        conv_id = self._stream_conversation
         self._stream = None
         self._stream_conversation = None
         stats: AnswerStats | None = None
@@ -584,18 +579,11 @@ class ChatWindow(QMainWindow):
             log.warning("answer failed: %s", message)
             self.statusBar().showMessage(f"The answer failed: {message} — press Send to try again", 20000)
         elif result is not None:
-            data = dict(result.stats)
-            if stream is not None and stream.prewoken and not data.get("switched"):
-                data["prewoken"] = True
-                try:  # the answer is complete: ChatService no longer writes this message
-                    self.store.update_message(result.message_id, result.text, stats=data)
-                except TimeshareError as e:
-                    log.warning("could not note the pre-wake on the answer: %s", e)
-            stats = AnswerStats.from_stats(data)
+            stats = AnswerStats.from_stats(result.stats)
             if stats is not None:
                 self.statusBar().showMessage(stats.line(), 15000)
         self._partial = ""
-        self._first_token_ms = None
+        self._got_first_token = False
         self._update_buttons()
         self._update_model_state()
         self.render_transcript()

@@ -112,7 +112,8 @@ class ChatTurn:
     text so far stays saved (complete, finish_reason "cancelled"). Stats saved with the message:
     finish_reason, prompt_tokens, completion_tokens, prompt_tokens_evaluated, switched, wait_ms,
     restore_ms, first_token_ms (worker side), ttft_ms (as seen here), elapsed_ms, tokens_per_s,
-    model_id; on failure: error, error_code.
+    model_id; on failure: error, error_code. ``prewoken`` (the caller restored the model while the
+    user typed) adds ``prewoken: True`` to a finished or stopped answer that did not switch the GPU.
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class ChatTurn:
         *,
         started: float,
         flush_interval_s: float,
+        prewoken: bool = False,
     ) -> None:
         self.conversation_id = conversation.id
         self.model_id = conversation.model_id
@@ -134,6 +136,7 @@ class ChatTurn:
         self._gen = generation
         self._started = started
         self._flush_interval_s = flush_interval_s
+        self._prewoken = prewoken
         self._stream = TextStream()
         self._result: ChatResult | None = None
         self._cancelled = False
@@ -185,6 +188,8 @@ class ChatTurn:
             result = self._gen.result()
             text = "".join(parts)
             stats = self._stats(result, first_piece_at, time.monotonic())
+            if self._prewoken and not stats["switched"]:
+                stats["prewoken"] = True
             self._store.update_message(self.assistant_message_id, text, complete=True, stats=stats)
             self._result = ChatResult(
                 self.conversation_id, self.assistant_message_id, text, result.finish_reason, stats
@@ -193,6 +198,8 @@ class ChatTurn:
             text = "".join(parts)
             if isinstance(exc, CancelledError) or (self._cancelled and isinstance(exc, TimeshareError)):
                 stats = {"finish_reason": "cancelled", "model_id": self.model_id}
+                if self._prewoken:
+                    stats["prewoken"] = True
                 self._save_quietly(text, True, stats)
                 self._result = ChatResult(
                     self.conversation_id, self.assistant_message_id, text, "cancelled", stats
@@ -278,10 +285,11 @@ class ChatService:
             out.append(ChatMessage(m.role, m.content))
         return tuple(out)
 
-    def send(self, conversation_id: str, text: str, **sampling: Any) -> ChatTurn:
+    def send(self, conversation_id: str, text: str, *, prewoken: bool = False, **sampling: Any) -> ChatTurn:
         """Save ``text`` as the user's message and start the model's answer.
 
         ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop (passed to the pool).
+        ``prewoken``: the caller restored the model ahead of this request (noted in the stats).
         Raises UnknownConversationError, EmptyMessageError, and the pool's errors
         (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
         message stays saved and ``regenerate`` can answer it later.
@@ -294,9 +302,9 @@ class ChatService:
             user = self.store.add_message(conversation_id, "user", text)
             if not conversation.title:
                 conversation = self.store.rename(conversation_id, _title_from(text))
-            return self._answer(conversation, user, sampling)
+            return self._answer(conversation, user, sampling, prewoken)
 
-    def regenerate(self, conversation_id: str, **sampling: Any) -> ChatTurn:
+    def regenerate(self, conversation_id: str, *, prewoken: bool = False, **sampling: Any) -> ChatTurn:
         """Answer the last user message again: after a failure, a crash, or to get another answer.
 
         A trailing assistant message (finished or not) is replaced.
@@ -309,7 +317,7 @@ class ChatService:
                 raise EmptyMessageError("there is no message to answer in this conversation: send one first")
             while history and history[-1].role == "assistant":
                 self.store.delete_message(history.pop().id)
-            return self._answer(conversation, history[-1], sampling)
+            return self._answer(conversation, history[-1], sampling, prewoken)
 
     def active_turn(self, conversation_id: str) -> ChatTurn | None:
         """The answer still being generated in this conversation, if any."""
@@ -333,7 +341,9 @@ class ChatService:
             with self._lock:
                 self._starting.discard(conversation_id)
 
-    def _answer(self, conversation: Conversation, user: Message, sampling: dict[str, Any]) -> ChatTurn:
+    def _answer(
+        self, conversation: Conversation, user: Message, sampling: dict[str, Any], prewoken: bool
+    ) -> ChatTurn:
         messages = self.model_messages(conversation.id)
         assistant = self.store.add_message(conversation.id, "assistant", "", complete=False)
         started = time.monotonic()
@@ -353,6 +363,7 @@ class ChatService:
             generation,
             started=started,
             flush_interval_s=self.flush_interval_s,
+            prewoken=prewoken,
         )
         with self._lock:
             self._active[conversation.id] = turn
