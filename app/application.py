@@ -199,6 +199,10 @@ class TimeshareApp(QObject):
 
     def open_settings(self) -> SettingsDialog:
         if self.settings_dialog is None or not self.settings_dialog.isVisible():
+            if self.settings_dialog is not None:
+                # a closed dialog is only hidden: delete it, or it stays alive and keeps
+                # refreshing on every pool event
+                self.settings_dialog.deleteLater()
             self.settings_dialog = SettingsDialog(self.config, self.bridge, self.config_path)
             self.settings_dialog.saved.connect(self.apply_config)
         self.settings_dialog.show()
