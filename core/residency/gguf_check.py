@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -34,6 +35,16 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufInfo:
             f"{p} is not a GGUF model (it starts with {magic!r}, not b'GGUF'): "
             "download the .gguf file of the model"
         )
+    st = os.stat(p)
+    # the header walk is cached per file identity: a worker load checks the same file up to
+    # twice (Engine.load, Residency.attach); a file whose size, inode or mtime changed is read again
+    return _check_tensors(p, size, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _check_tensors(p: str, size: int, dev: int, ino: int, mtime_ns: int) -> GgufInfo:
+    """The GGUF header and tensor-extent part of :func:`check_gguf`; ``dev``, ``ino`` and
+    ``mtime_ns`` are only the cache key. Failures raise, so they are not cached."""
     meta = _ggml.gguf_open_meta(p)
     if meta is None:
         raise ModelFileError(f"{p} is a damaged GGUF file (its header cannot be read): re-download it")
