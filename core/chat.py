@@ -276,10 +276,13 @@ class ChatService:
 
     def model_messages(self, conversation_id: str) -> tuple[ChatMessage, ...]:
         """What the model sees: the stored history (empty, unfinished answers left out)."""
+        return self._model_messages(self.store.messages(conversation_id))
+
+    def _model_messages(self, history: Sequence[Message]) -> tuple[ChatMessage, ...]:
         out: list[ChatMessage] = []
         if self.system_prompt:
             out.append(ChatMessage("system", self.system_prompt))
-        for m in self.store.messages(conversation_id):
+        for m in history:
             if m.role == "assistant" and not m.complete and not m.content:
                 continue
             out.append(ChatMessage(m.role, m.content))
@@ -302,7 +305,7 @@ class ChatService:
             user = self.store.add_message(conversation_id, "user", text)
             if not conversation.title:
                 conversation = self.store.rename(conversation_id, _title_from(text))
-            return self._answer(conversation, user, sampling, prewoken)
+            return self._answer(conversation, user, self.model_messages(conversation_id), sampling, prewoken)
 
     def regenerate(self, conversation_id: str, *, prewoken: bool = False, **sampling: Any) -> ChatTurn:
         """Answer the last user message again: after a failure, a crash, or to get another answer.
@@ -317,7 +320,8 @@ class ChatService:
                 raise EmptyMessageError("there is no message to answer in this conversation: send one first")
             while history and history[-1].role == "assistant":
                 self.store.delete_message(history.pop().id)
-            return self._answer(conversation, history[-1], sampling, prewoken)
+            # the history as it is now in the store: the trailing answers were just deleted
+            return self._answer(conversation, history[-1], self._model_messages(history), sampling, prewoken)
 
     def active_turn(self, conversation_id: str) -> ChatTurn | None:
         """The answer still being generated in this conversation, if any."""
@@ -342,9 +346,13 @@ class ChatService:
                 self._starting.discard(conversation_id)
 
     def _answer(
-        self, conversation: Conversation, user: Message, sampling: dict[str, Any], prewoken: bool
+        self,
+        conversation: Conversation,
+        user: Message,
+        messages: tuple[ChatMessage, ...],
+        sampling: dict[str, Any],
+        prewoken: bool,
     ) -> ChatTurn:
-        messages = self.model_messages(conversation.id)
         assistant = self.store.add_message(conversation.id, "assistant", "", complete=False)
         started = time.monotonic()
         try:

@@ -91,6 +91,12 @@ class Message:
     stats: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _no_conversation(conversation_id: str) -> UnknownConversationError:
+    return UnknownConversationError(
+        f"there is no conversation {conversation_id!r}: it may have been deleted — start a new one"
+    )
+
+
 def _check_role(role: str) -> Role:
     if role not in ROLES:
         raise ValueError(f"message role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -244,17 +250,13 @@ class Store:
     def get(self, conversation_id: str) -> Conversation:
         rows = self._read(self._CONV_SELECT + " WHERE c.id = ?", (conversation_id,))
         if not rows:
-            raise UnknownConversationError(
-                f"there is no conversation {conversation_id!r}: it may have been deleted — start a new one"
-            )
+            raise _no_conversation(conversation_id)
         return self._conversation(rows[0])
 
     def _touch(self, db: sqlite3.Connection, conversation_id: str, now: float) -> None:
         cur = db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
         if cur.rowcount == 0:
-            raise UnknownConversationError(
-                f"there is no conversation {conversation_id!r}: it may have been deleted — start a new one"
-            )
+            raise _no_conversation(conversation_id)
 
     def rename(self, conversation_id: str, title: str) -> Conversation:
         def update(db: sqlite3.Connection) -> None:
@@ -288,7 +290,8 @@ class Store:
 
     def messages(self, conversation_id: str) -> list[Message]:
         """The conversation's messages in order (raises UnknownConversationError if it is gone)."""
-        self.get(conversation_id)
+        if not self._read("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)):
+            raise _no_conversation(conversation_id)
         rows = self._read("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))
         return [self._message(r) for r in rows]
 
