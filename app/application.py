@@ -57,10 +57,7 @@ def load_ui_state() -> dict[str, Any]:
 
 
 def save_ui_state(state: dict[str, Any]) -> None:
-    target = _ui_state_file()
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(target)
+    config_mod.atomic_write_text(_ui_state_file(), json.dumps(state), backup=False, mode=0o644)
 
 
 class TimeshareApp(QObject):

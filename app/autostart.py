@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from timeshare.core.config import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 APP_ID = "io.github.timeshare.Timeshare"
@@ -111,13 +113,6 @@ def plan(platform: str | None = None, command: list[str] | None = None) -> Autos
     return AutostartPlan("linux", str(path), xdg_autostart_entry(packaged_desktop_entry(), command).encode())
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def is_enabled(platform: str | None = None) -> bool:
     p = plan(platform, command=["timeshare"])
     if p.platform == "win32":
@@ -131,7 +126,8 @@ def set_enabled(enabled: bool, platform: str | None = None) -> AutostartPlan:
     if p.platform == "win32":
         _windows_write(p, enabled)
     elif enabled:
-        _atomic_write(Path(p.path), p.content)
+        # the .desktop entry and the plist are UTF-8 text
+        atomic_write_text(Path(p.path), p.content.decode("utf-8"), backup=False, mode=0o644)
         log.info("start at login enabled: %s", p.path)
     else:
         Path(p.path).unlink(missing_ok=True)
