@@ -29,7 +29,7 @@ from .bridge import PoolBridge
 from .chat_window import ChatWindow
 from .menu_model import Action, Command
 from .qt_compat import emit
-from .settings import SettingsDialog
+from .settings import SettingsDialog, problems_text
 from .single_instance import SingleInstance
 from .tray import Tray
 
@@ -336,10 +336,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_mod.load_config(config_path, must_exist=bool(getattr(args, "config", None)))
     except ConfigError as e:
-        problems = "\n".join(f"• {p}" for p in e.problems)
         return _fatal(
             "Timeshare: configuration error",
-            f"{config_path} has problems:\n{problems}\n\n"
+            f"{config_path} has problems:\n{problems_text(e.problems)}\n\n"
             "Fix the file (it was not changed) and start Timeshare again.",
         )
 

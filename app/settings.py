@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QLayout,
     QLineEdit,
     QMessageBox,
     QPushButton,
@@ -62,8 +64,9 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _problems_text(error: ConfigError) -> str:
-    return "\n".join(f"• {p}" for p in error.problems)
+def problems_text(problems: Iterable[str]) -> str:
+    """Problems (e.g. a ConfigError's) as a bulleted list, one a line."""
+    return "\n".join(f"• {p}" for p in problems)
 
 
 def _error_label() -> QLabel:
@@ -74,6 +77,25 @@ def _error_label() -> QLabel:
     label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
     label.hide()
     return label
+
+
+def _lay_out(
+    dialog: QDialog,
+    parts: Sequence[QWidget | QLayout],
+    ok: QDialogButtonBox.StandardButton,
+    on_ok: Callable[[], object],
+) -> None:
+    """``parts`` from top to bottom, then ``ok`` and Cancel (Cancel rejects the dialog)."""
+    buttons = QDialogButtonBox(ok | QDialogButtonBox.StandardButton.Cancel)
+    buttons.accepted.connect(on_ok)
+    buttons.rejected.connect(dialog.reject)
+    layout = QVBoxLayout(dialog)
+    for part in parts:
+        if isinstance(part, QLayout):
+            layout.addLayout(part)
+        else:
+            layout.addWidget(part)
+    layout.addWidget(buttons)
 
 
 def _idle_minutes(idle_sleep_s: object) -> float:
@@ -144,15 +166,7 @@ class ModelDialog(QDialog):
         form.addRow("Release when idle after:", self.idle)
         form.addRow("Licence:", self.licence)
         self.problems = _error_label()
-        buttons = QDialogButtonBox(
-            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
-        )
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        layout = QVBoxLayout(self)
-        layout.addLayout(form)
-        layout.addWidget(self.problems)
-        layout.addWidget(buttons)
+        _lay_out(self, [form, self.problems], QDialogButtonBox.StandardButton.Ok, self.accept)
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(
@@ -189,7 +203,7 @@ class ModelDialog(QDialog):
         except ConfigError as e:
             problems += [p.replace("models[0].", "", 1) for p in e.problems]
         if problems:
-            self.problems.setText("\n".join(f"• {p}" for p in problems))
+            self.problems.setText(problems_text(problems))
             self.problems.show()
             return
         super().accept()
@@ -224,15 +238,7 @@ class CatalogDialog(QDialog):
         )
         empty.setWordWrap(True)
         empty.setVisible(not entries)
-        buttons = QDialogButtonBox(
-            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
-        )
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        layout = QVBoxLayout(self)
-        layout.addWidget(self.table)
-        layout.addWidget(empty)
-        layout.addWidget(buttons)
+        _lay_out(self, [self.table, empty], QDialogButtonBox.StandardButton.Ok, self.accept)
 
     def selected(self) -> list[catalog.CatalogEntry]:
         rows = sorted({i.row() for i in self.table.selectedIndexes()})
@@ -262,15 +268,7 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._api_tab(), "API")
         self.tabs.addTab(self._general_tab(), "General")
         self.problems = _error_label()
-        buttons = QDialogButtonBox(
-            QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel
-        )
-        buttons.accepted.connect(self.save)
-        buttons.rejected.connect(self.reject)
-        layout = QVBoxLayout(self)
-        layout.addWidget(self.tabs)
-        layout.addWidget(self.problems)
-        layout.addWidget(buttons)
+        _lay_out(self, [self.tabs, self.problems], QDialogButtonBox.StandardButton.Save, self.save)
         bridge.snapshot_changed.connect(self._refresh_arena)
         self._refresh_models()
         self._refresh_arena(bridge.snapshot)
@@ -524,7 +522,7 @@ class SettingsDialog(QDialog):
         return draft
 
     def _show_problems(self, problems: list[str]) -> None:
-        self.problems.setText("\n".join(f"• {p}" for p in problems))
+        self.problems.setText(problems_text(problems))
         self.problems.setVisible(bool(problems))
 
     def validated(self) -> Config | None:
