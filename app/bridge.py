@@ -117,7 +117,7 @@ class PoolBridge(QObject):
 def notification_for(event: PoolEvent) -> tuple[str, str] | None:
     """The tray message for an event, or None when it is not worth interrupting the user."""
     status = event.snapshot.model(event.model) if event.model else None
-    name = (status.name or status.id) if status else (event.model or "a model")
+    name = status.display_name if status else (event.model or "a model")
     if event.kind is EventKind.CRASHED:
         return (f"{name} crashed", event.message or "Its worker process died; Timeshare restarts it.")
     if event.kind is EventKind.RESTARTED:

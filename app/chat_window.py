@@ -303,7 +303,7 @@ class ChatWindow(QMainWindow):
         if not same_models:
             self.model_box.clear()
         for index, m in enumerate(snapshot.models):
-            label = f"{m.name or m.id} — {display_state(m)}"
+            label = f"{m.display_name} — {display_state(m)}"
             if m.id == snapshot.holder:
                 label += " (GPU)"
             if same_models:  # relabel in place: an open popup stays open
@@ -339,10 +339,10 @@ class ChatWindow(QMainWindow):
         self.licence.setText(f"Licence: {status.licence}" if status.licence else "")
         waiting = self._stream is not None and not self._got_first_token
         if status.state in (ModelState.STARTING, ModelState.LOADING):
-            self.progress.setFormat(f"Loading {status.name or status.id}…")
+            self.progress.setFormat(f"Loading {status.display_name}…")
             self.progress.show()
         elif waiting and status.id != snapshot.holder:
-            self.progress.setFormat(f"Restoring {status.name or status.id} to the GPU…")
+            self.progress.setFormat(f"Restoring {status.display_name} to the GPU…")
             self.progress.show()
         elif waiting:
             self.progress.setFormat("Thinking…")
@@ -496,7 +496,7 @@ class ChatWindow(QMainWindow):
 
     def _who(self, model_id: str) -> str:
         status = self.bridge.snapshot.model(model_id)
-        return (status.name or status.id) if status else model_id
+        return status.display_name if status else model_id
 
     # ---- sending -----------------------------------------------------------------------------
 

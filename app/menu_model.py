@@ -100,7 +100,7 @@ def tooltip(snapshot: PoolSnapshot) -> str:
     holder = _holder(snapshot)
     others = [m for m in snapshot.models if holder is None or m.id != holder.id]
     if holder is not None:
-        head = f"{holder.name or holder.id} holds the GPU"
+        head = f"{holder.display_name} holds the GPU"
         if holder.pinned:
             head += " (pinned)"
     elif snapshot.switching:
@@ -128,7 +128,7 @@ def tooltip(snapshot: PoolSnapshot) -> str:
 
 
 def model_title(status: ModelStatus, holder: str | None) -> str:
-    title = f"{status.name or status.id} — {display_state(status)}"
+    title = f"{status.display_name} — {display_state(status)}"
     if status.id == holder:
         title += ", holds the GPU"
     if status.pinned:

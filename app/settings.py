@@ -434,13 +434,13 @@ class SettingsDialog(QDialog):
     def _refresh_arena(self, snapshot: PoolSnapshot) -> None:
         holder = snapshot.model(snapshot.holder) if snapshot.holder else None
         self.holder_label.setText(
-            f"Holds the GPU: {holder.name or holder.id}" if holder else "No model holds the GPU now."
+            f"Holds the GPU: {holder.display_name}" if holder else "No model holds the GPU now."
         )
         self.arena_table.setRowCount(len(snapshot.models))
         for row, m in enumerate(snapshot.models):
             residency = m.residency_path + (f" ({m.residency_reason})" if m.residency_reason else "")
             cells = [
-                (m.name or m.id) + (" ★" if m.id == snapshot.holder else ""),
+                m.display_name + (" ★" if m.id == snapshot.holder else ""),
                 display_state(m),
                 m.backend or "–",
                 residency or "–",

@@ -56,6 +56,11 @@ class ModelStatus:
     last_switch: SwitchStats | None = None
     log_tail: tuple[str, ...] = ()
 
+    @property
+    def display_name(self) -> str:
+        """What people see: the name, or the id when the model has none."""
+        return self.name or self.id
+
 
 @dataclass(frozen=True)
 class PoolSnapshot:
