@@ -35,7 +35,6 @@ from .tray import Tray
 
 log = logging.getLogger(__name__)
 
-APP_ID = "io.github.timeshare.Timeshare"
 TRAY_WAIT_S = 10  # at login the desktop's tray may appear a few seconds after Timeshare starts
 LOG_FILE = "timeshare.log"
 
@@ -323,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     qapp = QApplication.instance() or QApplication(sys.argv[:1])
     assert isinstance(qapp, QApplication)
     qapp.setApplicationName("Timeshare")
-    qapp.setDesktopFileName(APP_ID)
+    qapp.setDesktopFileName(autostart.APP_ID)
     qapp.setWindowIcon(icons.app_icon())
     qapp.setQuitOnLastWindowClosed(False)
 

@@ -34,8 +34,6 @@ class PoolLike(Protocol):
 
 
 class PoolBridge(QObject):
-    #: every PoolEvent, on the GUI thread (not named ``event``: that is QObject's event handler)
-    pool_event = Signal(object)
     #: the newest PoolSnapshot, on the GUI thread
     snapshot_changed = Signal(object)
     #: (title, message) worth a tray message: crashes, restarts, failed loads
@@ -49,11 +47,10 @@ class PoolBridge(QObject):
     def __init__(self, pool: PoolLike, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.pool = pool
-        self._snapshot = pool.snapshot()
         self._received.connect(self._on_event)
         self._commands = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-commands")
         self._unsubscribe: Callable[[], None] | None = pool.subscribe(self._from_pool_thread)
-        # an event may have happened between snapshot() and subscribe(): take a fresh one
+        # after subscribe(): a change in between still arrives as an event
         self._snapshot = pool.snapshot()
 
     @property
@@ -68,7 +65,6 @@ class PoolBridge(QObject):
         if self._unsubscribe is None:  # detached: late events are dropped
             return
         self._snapshot = event.snapshot
-        emit(self.pool_event, event)
         emit(self.snapshot_changed, event.snapshot)
         note = notification_for(event)
         if note is not None:

@@ -45,8 +45,8 @@ from .qt_compat import emit
 log = logging.getLogger(__name__)
 
 PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
-RENDER_INTERVAL_MS = 50
-MAX_TOKENS = 512  # per answer  # streamed text is re-rendered at most 20 times a second
+RENDER_INTERVAL_MS = 50  # streamed text is re-rendered at most 20 times a second
+MAX_TOKENS = 512  # per answer (core.api's DEFAULT_CHAT_MAX_TOKENS; importing it would load starlette)
 _BLOCK_SEPARATOR = "\n\n---\n\n"  # between the messages of the transcript
 
 

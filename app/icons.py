@@ -11,9 +11,8 @@ from importlib import resources
 from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QIcon, QPainter, QPainterPath, QPen, QPixmap
 
+from .autostart import APP_ID
 from .menu_model import TrayState
-
-APP_ID = "io.github.timeshare.Timeshare"
 
 STATE_COLOURS = {
     TrayState.IDLE: QColor("#8a939c"),

@@ -261,7 +261,7 @@ class SettingsDialog(QDialog):
         self.resize(860, 520)
         self.bridge = bridge
         self.config_path = config_path
-        self.draft: dict[str, Any] = copy.deepcopy(config_mod.config_to_dict(config))
+        self.draft: dict[str, Any] = config_mod.config_to_dict(config)  # a fresh dict of scalars
         self.tabs = QTabWidget()
         self.tabs.addTab(self._models_tab(), "Models")
         self.tabs.addTab(self._arena_tab(), "Arena")
