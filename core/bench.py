@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from .doctor import report_failure
 from .errors import TimeshareError
 
 log = logging.getLogger(__name__)
@@ -26,39 +27,22 @@ def _median(xs: list[float]) -> float:
 def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | None = None) -> dict[str, Any]:
     import llama_cpp  # before numpy
 
-    from .residency import Residency, ResidencyOptions, check_gguf, fix_malloc_mmap_threshold
-    from .residency.check import GreedyReplay
+    from .residency import Residency, ResidencyOptions
+    from .residency.check import GreedyReplay, load_for_check, run_cycles
     from .residency.inplace import raw_copy_seconds
 
-    if cycles < 1:
-        raise TimeshareError("--cycles must be at least 1")
-    fix_malloc_mmap_threshold()
-    info = check_gguf(model)
-    probe = Residency.probe()
     prefill = n_prefill if n_prefill is not None else min(2048, n_ctx // 2)
-    t0 = time.perf_counter()
-    try:
-        llm = llama_cpp.Llama(
-            model,
-            n_ctx=n_ctx,
-            n_batch=min(2048, n_ctx),
-            n_ubatch=512,
-            n_gpu_layers=-1,
-            use_mmap=probe.use_mmap_for_inplace,
-            verbose=False,
-        )
-    except ValueError as exc:
-        raise TimeshareError(f"llama.cpp could not load {model} ({exc})") from exc
-    load_s = time.perf_counter() - t0
+    loaded = load_for_check(model, cycles, n_ctx=n_ctx, n_batch=min(2048, n_ctx), n_ubatch=512)
+    llm, probe = loaded.llm, loaded.probe
     out: dict[str, Any] = {
         "model": model,
-        "file_bytes": info.file_bytes,
+        "file_bytes": loaded.info.file_bytes,
         "n_ctx": n_ctx,
         "n_prefill": prefill,
     }
     out["backend_probe"] = probe.backend
     out["llama_cpp_version"] = probe.version
-    out["first_load_s"] = load_s
+    out["first_load_s"] = loaded.load_s
     try:
         t0 = time.perf_counter()
         replay = GreedyReplay(llm, n_prefill=prefill)
@@ -74,22 +58,18 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
             out["n_weight_tensors_seen"] = res._inplace.n_weight_tensors_seen
             out["n_buffers"] = len(res._inplace.buffers)
             out["one_copy_buffers"] = sum(1 for b in res._inplace.buffers if b.mirror)
-        rel: list[float] = []
-        rst: list[float] = []
-        freed: list[int] = []
-        same: list[bool] = []
         raw: list[float] = []
-        rst_bytes = 0
-        for i in range(cycles):
-            r = res.release()
-            rel.append(r.ms)
-            freed.append(r.freed_bytes)
-            if i == 0 and res.path == "inplace" and res._inplace is not None:
-                raw = raw_copy_seconds(res._inplace, reps=3)
-            s = res.restore()
-            rst.append(s.ms)
-            rst_bytes = s.bytes
-            same.append(replay.run() == reference)
+
+        def measure_raw_copy() -> None:  # the limit, measured while the model is released
+            if res.path == "inplace" and res._inplace is not None:
+                raw.extend(raw_copy_seconds(res._inplace, reps=3))
+
+        done = run_cycles(res, replay, reference, cycles, while_first_released=measure_raw_copy)
+        rel = [r.ms for r in done.releases]
+        rst = [r.ms for r in done.restores]
+        freed = [r.freed_bytes for r in done.releases]
+        same = done.same
+        rst_bytes = done.restores[-1].bytes
         out.update(
             cycles=cycles,
             bitwise_identical=all(same),
@@ -131,17 +111,11 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
         res.close()
         # alternative 2: KV snapshot + free model and context, load again + KV back (rebuild path)
         reb = Residency.attach(llm, model, ResidencyOptions(mode="rebuild"))
-        rrel: list[float] = []
-        rrst: list[float] = []
-        rsame: list[bool] = []
-        for _ in range(min(cycles, 2)):
-            rrel.append(reb.release().ms)
-            rrst.append(reb.restore().ms)
-            rsame.append(replay.run() == reference)
+        rdone = run_cycles(reb, replay, reference, min(cycles, 2))
         out.update(
-            rebuild_release_ms=_median(rrel),
-            rebuild_restore_ms=_median(rrst),
-            rebuild_bitwise_identical=all(rsame),
+            rebuild_release_ms=_median([r.ms for r in rdone.releases]),
+            rebuild_restore_ms=_median([r.ms for r in rdone.restores]),
+            rebuild_bitwise_identical=all(rdone.same),
         )
         reb.close()
     finally:
@@ -215,10 +189,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         report = run_residency_bench(args.model, int(args.cycles), int(args.n_ctx))
     except TimeshareError as exc:
-        if args.json:
-            print(json.dumps({"error": str(exc), "code": exc.code}))
-        print(f"timeshare bench: {exc}", file=sys.stderr)
-        return 2
+        return report_failure("bench", exc, bool(args.json))
     if args.json:
         print(json.dumps(report))
     else:

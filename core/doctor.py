@@ -33,43 +33,27 @@ def _default_model() -> str:
 
 def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
     """Run the check; returns the report (raises TimeshareError on bad input)."""
-    import llama_cpp  # before numpy (check imports numpy)
+    from .residency import Residency, ResidencyOptions
+    from .residency.check import GreedyReplay, load_for_check, run_cycles
 
-    from .residency import Residency, ResidencyOptions, check_gguf, fix_malloc_mmap_threshold
-    from .residency.check import GreedyReplay
-
-    if cycles < 1:
-        raise TimeshareError("--cycles must be at least 1")
-    # a freed weight buffer must go back to the system, or RSS (the CPU build's "device memory") lies
-    fix_malloc_mmap_threshold()
-    check_gguf(model)
-    probe = Residency.probe()
-    try:
-        llm = llama_cpp.Llama(
-            model,
-            n_ctx=n_ctx,
-            n_batch=128,
-            n_gpu_layers=-1,
-            use_mmap=probe.use_mmap_for_inplace,
-            verbose=False,
-        )
-    except ValueError as exc:
-        raise TimeshareError(
-            f"llama.cpp could not load {model} ({exc}): check that it is a supported GGUF model"
-        ) from exc
+    loaded = load_for_check(
+        model,
+        cycles,
+        failure_hint=": check that it is a supported GGUF model",
+        n_ctx=n_ctx,
+        n_batch=128,
+    )
+    llm, probe = loaded.llm, loaded.probe
     try:
         replay = GreedyReplay(llm)
         reference = replay.run()
         res = Residency.attach(llm, model, ResidencyOptions(mode="auto"))
-        releases, restores, freed, gbps, same = [], [], [], [], []
-        for _ in range(cycles):
-            rel = res.release()
-            rst = res.restore()
-            releases.append(rel.ms)
-            restores.append(rst.ms)
-            freed.append(rel.freed_bytes)
-            gbps.append(rst.gbps)
-            same.append(replay.run() == reference)
+        done = run_cycles(res, replay, reference, cycles)
+        releases = [r.ms for r in done.releases]
+        restores = [r.ms for r in done.restores]
+        freed = [r.freed_bytes for r in done.releases]
+        gbps = [r.gbps for r in done.restores]
+        same = done.same
         # one deeper cycle: weights + KV cache (what sleep does)
         res.release(kv=True)
         res.restore()
@@ -101,6 +85,15 @@ def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
     return report
 
 
+def report_failure(command: str, exc: TimeshareError, as_json: bool) -> int:
+    """A doctor or bench run that could not start: the error as JSON on stdout (with ``--json``)
+    and as a line on stderr; returns exit status 2."""
+    if as_json:
+        print(json.dumps({"error": str(exc), "code": exc.code}))
+    print(f"timeshare {command}: {exc}", file=sys.stderr)
+    return 2
+
+
 def _print_text(r: dict[str, Any]) -> None:
     ok = "yes" if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else "NO"
     lines = [
@@ -127,10 +120,7 @@ def main(args: argparse.Namespace) -> int:
             model = _default_model()
         report = run_doctor(model, int(args.cycles))
     except TimeshareError as exc:
-        if as_json:
-            print(json.dumps({"error": str(exc), "code": exc.code}))
-        print(f"timeshare doctor: {exc}", file=sys.stderr)
-        return 2
+        return report_failure("doctor", exc, as_json)
     if as_json:
         print(json.dumps(report))
     else:
