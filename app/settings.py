@@ -43,6 +43,7 @@ from timeshare.core import config as config_mod
 from timeshare.core.config import Config
 from timeshare.core.errors import ConfigError, ModelFileError
 from timeshare.core.state import PoolSnapshot
+from timeshare.core.units import human_bytes
 
 from .bridge import PoolBridge
 from .menu_model import display_state
@@ -51,17 +52,6 @@ from .qt_compat import emit
 log = logging.getLogger(__name__)
 
 CHAT_FORMATS = ("auto", "template", "fallback")
-
-
-def human_bytes(n: int) -> str:
-    if n <= 0:
-        return "–"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def problems_text(problems: Iterable[str]) -> str:

@@ -22,6 +22,7 @@ import httpx
 
 from timeshare.core import paths
 from timeshare.core.arena import pid_alive
+from timeshare.core.units import human_bytes
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # not running, or the server refused the request
@@ -164,16 +165,6 @@ class Api:
 # ---- commands ----------------------------------------------------------------------------------
 
 
-def _fmt_bytes(n: int) -> str:
-    if n <= 0:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:.1f} GiB"
-
-
 def _table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -203,7 +194,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
                 "yes" if m.get("busy") else "no",
                 "yes" if m.get("pinned") else "no",
                 str(m.get("queued", 0)),
-                _fmt_bytes(int(m.get("weight_bytes") or 0)),
+                human_bytes(int(m.get("weight_bytes") or 0), empty="-", largest="GiB"),
                 str(tally.get("switches", 0)),
                 restore,
                 note,
