@@ -64,7 +64,7 @@ from .errors import (
     UnknownModelError,
 )
 from .pool import Generation, GenerationResult, Pool
-from .protocol import ChatMessage
+from .protocol import ChatMessage, Usage
 from .state import EventKind, PoolEvent, PoolSnapshot, SwitchStats
 
 log = logging.getLogger(__name__)
@@ -604,14 +604,14 @@ class _Handlers:
     # -- OpenAI endpoints --
 
     async def list_models(self, request: Request) -> Response:
-        snapshot = await self.call(self.pool.snapshot)
+        snapshot = self.pool.snapshot()
         return JSONResponse(
             {"object": "list", "data": [model_json(m, self.created) for m in snapshot.models]}
         )
 
     async def get_model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        snapshot = await self.call(self.pool.snapshot)
+        snapshot = self.pool.snapshot()
         status = snapshot.model(model_id)
         if status is None:
             raise UnknownModelError(_unknown_model_message(model_id, snapshot))
@@ -624,7 +624,7 @@ class _Handlers:
         return await self.generate(request, parse_completion_request(await read_json(request)))
 
     async def generate(self, request: Request, req: GenerationRequest) -> Response:
-        snapshot = await self.call(self.pool.snapshot)
+        snapshot = self.pool.snapshot()
         if snapshot.model(req.model) is None:
             raise UnknownModelError(_unknown_model_message(req.model, snapshot))
         try:
@@ -643,11 +643,7 @@ class _Handlers:
         return JSONResponse(self.full_response(req, result))
 
     def full_response(self, req: GenerationRequest, result: GenerationResult) -> dict[str, Any]:
-        usage = {
-            "prompt_tokens": result.usage.prompt_tokens,
-            "completion_tokens": result.usage.completion_tokens,
-            "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens,
-        }
+        usage = usage_json(result.usage)
         finish = _finish_reason(result.finish_reason)
         extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
         if req.kind == "chat":
@@ -692,7 +688,7 @@ class _Handlers:
         chunk_id = _new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         created = int(time.time())
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
             if req.kind == "chat":
                 delta: dict[str, Any] = {}
                 if role:
@@ -709,26 +705,24 @@ class _Handlers:
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
                 obj = "text_completion"
-            return json.dumps(
-                {
-                    "id": chunk_id,
-                    "object": obj,
-                    "created": created,
-                    "model": req.model,
-                    "system_fingerprint": None,
-                    "choices": [choice],
-                }
-            )
+            return {
+                "id": chunk_id,
+                "object": obj,
+                "created": created,
+                "model": req.model,
+                "system_fingerprint": None,
+                "choices": [choice],
+            }
 
         async def events() -> AsyncIterator[dict[str, str]]:
             finished = False
             try:
                 if req.kind == "chat":
-                    yield {"data": chunk("", None, role=True)}
+                    yield {"data": json.dumps(chunk("", None, role=True))}
                 piece = first
                 while piece is not end:
                     if piece:
-                        yield {"data": chunk(str(piece), None)}
+                        yield {"data": json.dumps(chunk(str(piece), None))}
                     piece = await anyio.to_thread.run_sync(
                         pull, abandon_on_cancel=True, limiter=self.generation_limiter
                     )
@@ -736,19 +730,13 @@ class _Handlers:
                     gen.result, abandon_on_cancel=True, limiter=self.generation_limiter
                 )
                 finished = True
-                final = json.loads(
-                    chunk(None if req.kind == "chat" else "", _finish_reason(result.finish_reason))
-                )
+                final = chunk(None if req.kind == "chat" else "", _finish_reason(result.finish_reason))
                 final["timeshare"] = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
                 yield {"data": json.dumps(final)}
                 if req.include_usage:
-                    usage_chunk = json.loads(chunk(None, None))
+                    usage_chunk = chunk(None, None)
                     usage_chunk["choices"] = []
-                    usage_chunk["usage"] = {
-                        "prompt_tokens": result.usage.prompt_tokens,
-                        "completion_tokens": result.usage.completion_tokens,
-                        "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens,
-                    }
+                    usage_chunk["usage"] = usage_json(result.usage)
                     yield {"data": json.dumps(usage_chunk)}
                 yield {"data": "[DONE]"}
             except TimeshareError as exc:
@@ -766,13 +754,13 @@ class _Handlers:
     # -- Timeshare endpoints --
 
     async def status(self, request: Request) -> Response:
-        snapshot = await self.call(self.pool.snapshot)
+        snapshot = self.pool.snapshot()
         return JSONResponse(status_json(snapshot, self.counter))
 
     async def model_command(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
         command = request.path_params["command"]
-        snapshot = await self.call(self.pool.snapshot)
+        snapshot = self.pool.snapshot()
         if snapshot.model(model_id) is None:
             raise UnknownModelError(_unknown_model_message(model_id, snapshot))
         if command == "pin":
@@ -792,9 +780,18 @@ class _Handlers:
                 raise BadRequest('\'level\' must be "weights", "weights+kv" or "stop".', "level")
         else:
             raise HTTPException(404)
-        snapshot = await self.call(self.pool.snapshot)
+        snapshot = self.pool.snapshot()
         status = snapshot.model(model_id)
         return JSONResponse({"ok": True, "command": command, "model": _plain(status)})
+
+
+def usage_json(usage: Usage) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
 
 
 def _new_id(prefix: str) -> str:
