@@ -27,7 +27,6 @@ import argparse
 import collections
 import contextlib
 import faulthandler
-import importlib
 import json
 import logging
 import os
@@ -46,7 +45,7 @@ from .arena import Arena, IntervalLog, TokenClient, TokenRequest
 from .config import ArenaConfig, ModelConfig
 from .engine import Engine
 from .errors import CancelledError, OutOfDeviceMemoryError, TimeshareError
-from .residency import fix_malloc_mmap_threshold
+from .residency import Residency, ResidencyOptions, fix_malloc_mmap_threshold
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +125,22 @@ class Residence:
     release/restore of the weights.
     """
 
+    #: what the Ready message reports (ArenaResidence takes them from the attached residency)
+    path = "none"
+    reason = "no arena: the weights stay loaded"
+    backend = "CPU"
+    weight_bytes = 0
+    host_bytes = 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of weights on the device now (0 without an arena: nothing to report)."""
+        return 0
+
+    def state_ctx(self, engine: Engine) -> Any:
+        """The llama_context for KV snapshots: the engine's own."""
+        return engine.llm.ctx
+
     @property
     def use_mmap(self) -> bool:
         """What the engine passes as ``Llama(use_mmap=...)``."""
@@ -182,20 +197,6 @@ class Residence:
         pass
 
 
-def _residency_api() -> tuple[Any, Any] | None:
-    """``(Residency, ResidencyOptions)`` from core/residency, or None while it is not available."""
-    try:
-        module = importlib.import_module(".residency", __package__)
-    except ImportError as exc:
-        log.warning("residency unavailable (%s): weights stay loaded while released", exc)
-        return None
-    residency = getattr(module, "Residency", None)
-    options = getattr(module, "ResidencyOptions", None)
-    if residency is None or options is None:
-        return None
-    return residency, options
-
-
 class ArenaResidence(Residence):
     """The GPU token (core/arena.py) plus the release/restore of the weights (core/residency).
 
@@ -215,18 +216,10 @@ class ArenaResidence(Residence):
         self._request: TokenRequest | None = None
         self._resident_since: float | None = None
         self._restore_wait = ""  # set while a restore waits for device memory
-        self.path = "none"
-        self.reason = "the residency mechanism is not available: weights stay loaded"
-        self.backend = "CPU"
-        self.weight_bytes = 0
-        self.host_bytes = 0
 
     @property
     def use_mmap(self) -> bool:
-        api = _residency_api()
-        if api is None:
-            return True
-        return bool(api[0].probe().use_mmap_for_inplace)
+        return bool(Residency.probe().use_mmap_for_inplace)
 
     @property
     def frees_context(self) -> bool:
@@ -234,12 +227,8 @@ class ArenaResidence(Residence):
 
     def attach(self, engine: Engine) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""
-        api = _residency_api()
-        if api is None:
-            return
-        residency_cls, options_cls = api
-        res = residency_cls.attach(
-            engine.llm, engine.model.path, options_cls(mode="auto", host_shadow=engine.model.host_shadow)
+        res = Residency.attach(
+            engine.llm, engine.model.path, ResidencyOptions(mode="auto", host_shadow=engine.model.host_shadow)
         )
         self.residency = res
         self.path = str(res.path)
@@ -469,8 +458,8 @@ class Worker:
             pinned=self.pinned,
             holds_token=res.holds_token,
             waiting_reason=res.waiting_reason(),
-            device_bytes=getattr(res, "device_bytes", 0),
-            host_pinned_bytes=getattr(res, "host_bytes", 0),
+            device_bytes=res.device_bytes,
+            host_pinned_bytes=res.host_bytes,
             prompt_tokens_evaluated=engine.prompt_tokens_evaluated if engine else 0,
             live_conversations=engine.conversations if engine else (),
         )
@@ -564,8 +553,7 @@ class Worker:
             self.engine = Engine.load(model, use_mmap=res.use_mmap)
             self.engine.kv_dir = Path(self.spec.kv_dir)
             engine_ref = self.engine
-            if isinstance(res, ArenaResidence):
-                self.engine.state_ctx = lambda: res.state_ctx(engine_ref)
+            self.engine.state_ctx = lambda: res.state_ctx(engine_ref)
             self.send(p.Loading("residency", 0.5))
             res.attach(self.engine)
         except BaseException:
@@ -581,11 +569,11 @@ class Worker:
                     n_ctx=engine.info.n_ctx,
                     n_vocab=engine.info.n_vocab,
                     chat_format=engine.info.chat_format,
-                    residency_path=getattr(self.residence, "path", "none"),
-                    residency_reason=getattr(self.residence, "reason", "no arena: the weights stay loaded"),
-                    backend=getattr(self.residence, "backend", "CPU"),
-                    weight_bytes=getattr(self.residence, "weight_bytes", 0),
-                    host_pinned_bytes=getattr(self.residence, "host_bytes", 0),
+                    residency_path=self.residence.path,
+                    residency_reason=self.residence.reason,
+                    backend=self.residence.backend,
+                    weight_bytes=self.residence.weight_bytes,
+                    host_pinned_bytes=self.residence.host_bytes,
                 )
             )
         )
