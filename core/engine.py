@@ -93,21 +93,6 @@ def check_model_file(path: str) -> None:
         raise ModelFileError(problem)
 
 
-def _diagnose_load_failure(path: str) -> str:
-    """Why llama.cpp refused a file that starts like a GGUF: compare its size with the tensor data."""
-    try:
-        import gguf  # after llama_cpp (numpy-import-order rule)
-
-        reader = gguf.GGUFReader(path)
-        need = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-        have = os.path.getsize(path)
-        if need > have:
-            return f"it is truncated: expected at least {need} bytes, found {have}; re-download it"
-    except Exception as exc:  # the reader trips over the same damage; its reason is what we show
-        return f"it is truncated or damaged ({type(exc).__name__}: {exc}); re-download it"
-    return "llama.cpp could not load it (unsupported architecture or damaged file); see the worker log"
-
-
 class Engine:
     """A loaded model. Build it with ``Engine.load``; call only from one thread."""
 
@@ -150,8 +135,10 @@ class Engine:
             )
         except (ValueError, RuntimeError) as exc:
             log.error("llama.cpp failed to load %s: %s", model.path, exc)
+            # check_gguf proved the header and the tensor data whole: llama.cpp refused it otherwise
             raise ModelFileError(
-                f"model file {model.path} cannot be loaded: {_diagnose_load_failure(model.path)}"
+                f"model file {model.path} cannot be loaded: llama.cpp could not load it "
+                "(unsupported architecture or damaged file); see the worker log"
             ) from None
         formatter = None
         want = model.chat_format
