@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args
 
 from . import paths
 from .errors import ConfigError
+from .modelfile import GGUF_MAGIC
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -96,7 +97,6 @@ class Config:
 # ---- loading and validation ----------------------------------------------------------------
 
 MODEL_ID_RE = re.compile(r"^[a-z0-9._-]+$")
-GGUF_MAGIC = b"GGUF"
 
 NO_MODELS_MESSAGE = (
     "No models are configured and the demo models are not installed: add a GGUF model in "
@@ -141,6 +141,23 @@ class _Checker:
 
     def problem(self, where: str, message: str) -> None:
         self.problems.append(f"{where}: {message}")
+
+    def fields(
+        self, where: str, table: Mapping[str, object], checks: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], bool]:
+        """Run ``checks[key](field_path, value)`` for each key present in ``table``; a value is kept
+        only when its check added no problem. Returns the kept values and whether all passed."""
+        values: dict[str, Any] = {}
+        ok = True
+        for key, check in checks.items():
+            if key in table:
+                before = len(self.problems)
+                value = check(f"{where}.{key}", table[key])
+                if len(self.problems) > before:
+                    ok = False
+                else:
+                    values[key] = value
+        return values, ok
 
     def unknown_keys(self, where: str, table: Mapping[str, object], known: Iterable[str]) -> None:
         known = list(known)
@@ -265,15 +282,9 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
         "host_shadow": lambda w, v: c.choice(w, v, get_args(HostShadow)),
         "licence": lambda w, v: c.string(w, v),
     }
-    for key, check in checks.items():
-        if key in raw:
-            before = len(c.problems)
-            value = check(f"{where}.{key}", raw[key])
-            if len(c.problems) > before:
-                ok = False
-            else:
-                values[key] = value
-    if not ok:
+    checked, all_ok = c.fields(where, raw, checks)
+    values.update(checked)
+    if not (ok and all_ok):
         return None
     return ModelConfig(**values)
 
@@ -296,13 +307,7 @@ def _check_section(c: _Checker, name: str, raw: object, cls: type, checks: dict[
         c.problem(name, f"must be a table ([{name}]), not {_type_name(raw)}")
         return cls()
     c.unknown_keys(f"{name}.", raw, _fields_of(cls))
-    values: dict[str, Any] = {}
-    for key, check in checks.items():
-        if key in raw:
-            before = len(c.problems)
-            value = check(f"{name}.{key}", raw[key])
-            if len(c.problems) == before:
-                values[key] = value
+    values, _ = c.fields(name, raw, checks)
     return cls(**values)
 
 
