@@ -612,7 +612,6 @@ class TokenRequest:
         self._cancelled = False
         self._grant: TokenGrant | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[TokenRequest], None]] = []
         self._lock = threading.Lock()
         self._watch: _DirWatch | None = None
         self._ticket: Ticket | None = None
@@ -656,14 +655,6 @@ class TokenRequest:
         if watch is not None:
             watch.wake()
         return True
-
-    def add_done_callback(self, callback: Callable[[TokenRequest], None]) -> None:
-        """``callback(request)`` from the helper thread when finished (at once if already)."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(callback)
-                return
-        callback(self)
 
     def waiting_reason(self) -> str:
         """Why this request waits, for people: "pinned by gemma3-270m", "held by X; 2 ahead"..."""
@@ -779,15 +770,9 @@ class TokenRequest:
             self._client._request_finished(self)  # before done: a new request() must not get this one
             with self._lock:
                 self._done.set()
-                callbacks, self._callbacks = self._callbacks, []
                 watch_to_close, self._watch = self._watch, None
             if watch_to_close is not None:
                 watch_to_close.close()
-            for callback in callbacks:
-                try:
-                    callback(self)
-                except Exception:
-                    log.exception("a token-request callback failed")
 
     def _lock_blocking(self, fd: int, watch: _DirWatch) -> int:
         """Block in flock on a locker thread; this thread keeps honouring cancel and the deadline.
@@ -880,15 +865,6 @@ class TokenClient:
     @property
     def holds_token(self) -> bool:
         return self._token_fd is not None
-
-    @property
-    def grant(self) -> TokenGrant | None:
-        """The grant of the current holding (None when not holding)."""
-        return self._grant
-
-    @property
-    def pinned(self) -> bool:
-        return self._pinned
 
     def set_pinned(self, pinned: bool) -> None:
         """Record pinned-ness (shown to waiters in the holder record); unpinning re-rings."""

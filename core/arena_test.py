@@ -381,9 +381,6 @@ class ArenaHarness:
             max_restarts=max_restarts,
         )
 
-    def path_of(self, worker_id: str) -> str:
-        return next(p.path for p in self.plans if p.id == worker_id)
-
     def start(self, timeout: float = 300.0) -> None:
         self.progress(f"starting {len(self.plans)} workers")
         started = time.monotonic()

@@ -121,7 +121,7 @@ class Engine:
     # ---- loading ----------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model: ModelConfig, *, use_mmap: bool = True, n_gpu_layers: int | None = None) -> Engine:
+    def load(cls, model: ModelConfig, *, use_mmap: bool = True) -> Engine:
         """Load the GGUF. Raises ModelFileError with a sentence saying what to do."""
         check_model_file(model.path)
         check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
@@ -129,7 +129,7 @@ class Engine:
             llm = llama_cpp.Llama(
                 model_path=model.path,
                 n_ctx=model.n_ctx,
-                n_gpu_layers=model.n_gpu_layers if n_gpu_layers is None else n_gpu_layers,
+                n_gpu_layers=model.n_gpu_layers,
                 use_mmap=use_mmap,
                 verbose=False,
             )
@@ -256,16 +256,6 @@ class Engine:
     def conversations(self) -> tuple[str, ...]:
         live = (self.live,) if self.live is not None else ()
         return live + tuple(reversed(self._saved))
-
-    @property
-    def kv_host_bytes(self) -> int:
-        return sum(s.nbytes for s in self._saved.values())
-
-    def forget(self, conversation: str) -> None:
-        self._saved.pop(conversation, None)
-        if self.live == conversation:
-            self.live = None
-            self.llm.reset()
 
     # ---- KV on disk (stop / start) ----------------------------------------------------------
 

@@ -426,11 +426,6 @@ class FrameDecoder:
         del self._buf[:end]
         return decode_payload(payload)
 
-    @property
-    def pending(self) -> int:
-        """Bytes of an incomplete frame held back."""
-        return len(self._buf)
-
     def eof(self) -> None:
         """The peer closed the stream: raise if it stopped in the middle of a frame."""
         if self._buf and not self._broken:

@@ -281,9 +281,9 @@ class ArenaResidence(Residence):
             while not request.wait(0.05):
                 poll()
         except BaseException:
-            if request.cancel():
-                raise
-            # granted just now: keep the token and the exception; the caller releases or uses it
+            # Give the place in the queue up; if it was granted just now, cancel() is False and
+            # the token is kept with the exception: the caller releases or uses it.
+            request.cancel()
             raise
         finally:
             self._request = None
