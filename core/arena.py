@@ -236,6 +236,18 @@ def check_arena_dir(path: str | os.PathLike[str]) -> Path:
     return arena.path
 
 
+def env_arena_dir() -> Path | None:
+    """``$TIMESHARE_VRAM_ARENA`` with ``~`` expanded, checked by :func:`check_arena_dir` (raises
+    :class:`UnsafeArenaError`); None when it is not set. For tools that refuse an unsafe arena
+    before they load anything (arena-test, bench switch)."""
+    raw = os.environ.get("TIMESHARE_VRAM_ARENA")
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    check_arena_dir(path)
+    return path
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (one of another user counts as alive)."""
     if pid <= 0:

@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import random
-import re
 import shutil
 import sys
 import tempfile
@@ -35,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from . import demo
-from .arena import check_arena_dir, read_intervals
-from .config import ArenaConfig, Config, ModelConfig
+from .arena import env_arena_dir, read_intervals
+from .config import ArenaConfig, Config, ModelConfig, suggest_model_id
 from .errors import ArenaError, TimeshareError
 from .memwatch import MemCheck, MemorySampler, MemSample, check_memory, choose_source
 from .state import ModelState
@@ -301,9 +300,17 @@ def plan_workers(workers: int, models: Sequence[tuple[str, str]]) -> tuple[Worke
     return tuple(plans)
 
 
-def model_id_for_path(path: str) -> str:
-    stem = Path(path).name.removesuffix(".gguf").lower()
-    return re.sub(r"[^a-z0-9._-]+", "-", stem).strip("-.") or "model"
+def model_id_for_path(path: str, taken: Iterable[str] = ()) -> str:
+    """A model id from the file name (config.suggest_model_id), not one of ``taken``."""
+    return suggest_model_id(Path(path).name.removesuffix(".gguf"), taken)
+
+
+def model_ids_for_paths(paths: Iterable[str]) -> list[str]:
+    """One id per file, all different (the same file twice is fine: the ids must still differ)."""
+    ids: list[str] = []
+    for path in paths:
+        ids.append(model_id_for_path(path, ids))
+    return ids
 
 
 @dataclass
@@ -592,27 +599,21 @@ def run_arena_test(
 
 def main(args: argparse.Namespace) -> int:
     """The ``timeshare arena-test`` handler. Exit 0: invariant held; 1: it did not; 2: could not run."""
-    import os
 
     def progress(msg: str) -> None:
         print(f"arena-test: {msg}", file=sys.stderr, flush=True)
 
     try:
-        models = [(model_id_for_path(p), p) for p in args.model] if args.model else default_models()
-        if args.model:  # the same file twice is fine: ids must still differ
-            seen: dict[str, int] = {}
-            for i, (mid, path) in enumerate(models):
-                seen[mid] = seen.get(mid, 0) + 1
-                if seen[mid] > 1:
-                    models[i] = (f"{mid}-{seen[mid]}", path)
-        env_arena = os.environ.get("TIMESHARE_VRAM_ARENA")
-        if env_arena:
-            check_arena_dir(env_arena)  # refuse an unsafe arena before loading anything
+        if args.model:
+            models = list(zip(model_ids_for_paths(args.model), args.model, strict=True))
+        else:
+            models = default_models()
+        arena_dir = env_arena_dir()  # refuse an unsafe arena before loading anything
         report = run_arena_test(
             models,
             workers=args.workers,
             seconds=args.seconds,
-            arena_dir=Path(env_arena).expanduser() if env_arena else None,
+            arena_dir=arena_dir,
             progress=progress,
             sample_memory_ms=args.sample_memory_ms,
         )

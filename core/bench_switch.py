@@ -62,26 +62,6 @@ def n_ctx_for(rounds: int) -> int:
     return max(1024, 512 * math.ceil(need / 512))
 
 
-def _check_model_path(path: str) -> None:
-    problem = gguf_problem(path)
-    if problem:
-        raise TimeshareError(problem)
-
-
-def _model_ids(models: list[str]) -> list[str]:
-    from .arena_test import model_id_for_path
-
-    ids: list[str] = []
-    for path in models:
-        base = model_id_for_path(path)
-        mid, n = base, 1
-        while mid in ids:  # the same file twice is fine: the ids must still differ
-            n += 1
-            mid = f"{base}-{n}"
-        ids.append(mid)
-    return ids
-
-
 class _Turns:
     """Drives the pool and records what each request cost."""
 
@@ -217,7 +197,8 @@ def run_switch_bench(
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError on bad input or a
     model that cannot be served."""
-    from .arena import check_arena_dir
+    from .arena import env_arena_dir
+    from .arena_test import model_ids_for_paths
     from .config import ArenaConfig, Config, ModelConfig
     from .pool import Pool
 
@@ -228,19 +209,18 @@ def run_switch_bench(
     if not 1 <= rounds <= MAX_ROUNDS:
         raise TimeshareError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {rounds})")
     for path in models:
-        _check_model_path(path)
+        if problem := gguf_problem(path):  # a TimeshareError: the JSON code stays "timeshare_error"
+            raise TimeshareError(problem)
     say = progress or (lambda _msg: None)
     ctx = n_ctx if n_ctx is not None else n_ctx_for(rounds)
     n_restarts = restarts if restarts is not None else min(RESTARTS, rounds)
-    ids = _model_ids(models)
+    ids = model_ids_for_paths(models)
     a, b = ids
-    env_arena = os.environ.get("TIMESHARE_VRAM_ARENA")
-    if env_arena:
-        check_arena_dir(env_arena)  # refuse an unsafe arena before loading anything
+    env_arena = env_arena_dir()  # refuse an unsafe arena before loading anything
     own_work = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="timeshare-bench-switch-")) if own_work else work_dir
     assert work is not None
-    arena = Path(env_arena).expanduser() if env_arena else work / "arena"
+    arena = env_arena if env_arena is not None else work / "arena"
     config = Config(
         models=tuple(
             ModelConfig(id=mid, path=str(path), n_ctx=ctx, idle_sleep_s=None)

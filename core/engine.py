@@ -47,7 +47,7 @@ from llama_cpp import llama_chat_format
 
 from .config import ModelConfig
 from .errors import CancelledError, ModelFileError, PromptTooLongError
-from .modelfile import gguf_problem
+from .modelfile import check_model_file
 from .protocol import ChatMessage, Generate
 from .residency import check_gguf
 
@@ -84,13 +84,6 @@ class KVSnapshot:
     @property
     def nbytes(self) -> int:
         return len(self.state) + 4 * len(self.input_ids)
-
-
-def check_model_file(path: str) -> None:
-    """Fail early and clearly on a model file that is missing or not a GGUF at all."""
-    problem = gguf_problem(path)
-    if problem:
-        raise ModelFileError(problem)
 
 
 class Engine:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import ModelFileError
+
 GGUF_MAGIC = b"GGUF"
 
 
@@ -27,3 +29,10 @@ def gguf_problem(path: str) -> str:
     if magic != GGUF_MAGIC:
         return f"model file {p} is not a GGUF file (it does not start with 'GGUF'): choose a .gguf model file"
     return ""
+
+
+def check_model_file(path: str) -> None:
+    """Fail early and clearly on a model file that is missing or not a GGUF at all."""
+    problem = gguf_problem(path)
+    if problem:
+        raise ModelFileError(problem)
