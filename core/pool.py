@@ -782,7 +782,6 @@ class Pool:
                     self._send(w, cmd)
                     break
             self._dispatch(w)
-            self._publish(model=w.id)
         elif isinstance(msg, protocol.Loading):
             w.state = ModelState.LOADING
             self._publish(
@@ -810,9 +809,7 @@ class Pool:
         if w.crashed_before:
             w.crashed_before = False
             self._publish(EventKind.RESTARTED, w.id, f"{w.id} restarted after a crash (restart {w.restarts})")
-        else:
-            self._publish(model=w.id)
-        self._dispatch(w)
+        self._dispatch(w)  # publishes
         self._arm_idle(w)
 
     def _on_status(self, w: _Worker, st: protocol.WorkerStatus) -> None:
@@ -1012,22 +1009,22 @@ class Pool:
         elif w.stopping:
             w.respawn_after_stop = True
         self._dispatch(w)
-        self._publish(model=w.id)
 
     def _dispatch(self, w: _Worker) -> None:
-        if not w.accepting or w.stopping or w.conn is None:
-            return
-        while w.inflight is None and w.queue:
-            gen = w.queue.popleft()
-            if gen.cancelled:
-                gen._finish_cancelled()
-                continue
-            gen._sent_at = time.monotonic()
-            if not self._send(w, gen.request):
-                w.queue.appendleft(gen)  # the exit handler deals with it
-                return
-            w.inflight = gen
-            w.idle_token += 1  # busy: disarm the idle timer
+        """Send the next queued request when the worker can take it; publishes the state in every
+        case (callers rely on that and do not publish again)."""
+        if w.accepting and not w.stopping and w.conn is not None:
+            while w.inflight is None and w.queue:
+                gen = w.queue.popleft()
+                if gen.cancelled:
+                    gen._finish_cancelled()
+                    continue
+                gen._sent_at = time.monotonic()
+                if not self._send(w, gen.request):
+                    w.queue.appendleft(gen)  # the exit handler deals with it
+                    break
+                w.inflight = gen
+                w.idle_token += 1  # busy: disarm the idle timer
         self._publish(model=w.id)
 
     def _cancel(self, gen: Generation) -> None:
