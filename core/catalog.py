@@ -25,13 +25,13 @@ from typing import Any, Literal
 
 from .config import ModelConfig, suggest_model_id
 from .errors import ModelFileError
+from .modelfile import GGUF_MAGIC
 
 log = logging.getLogger(__name__)
 
 Source = Literal["demo", "lmstudio", "hf", "llama.cpp", "ollama", "file"]
 ALL_SOURCES: tuple[Source, ...] = ("demo", "lmstudio", "hf", "llama.cpp", "ollama")
 
-GGUF_MAGIC = b"GGUF"
 _FIXED_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata KV count
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ModelFileError
+from ..modelfile import GGUF_MAGIC
 from . import _ggml
 
 
@@ -30,9 +31,9 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufInfo:
     size = os.path.getsize(p)
     with open(p, "rb") as f:
         magic = f.read(4)
-    if magic != b"GGUF":
+    if magic != GGUF_MAGIC:
         raise ModelFileError(
-            f"{p} is not a GGUF model (it starts with {magic!r}, not b'GGUF'): "
+            f"{p} is not a GGUF model (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
             "download the .gguf file of the model"
         )
     st = os.stat(p)
