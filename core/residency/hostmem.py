@@ -132,7 +132,7 @@ class ReadRange:
     length: int
 
 
-def parallel_read(path: str, mem: HostMemory, ranges: Sequence[ReadRange], threads: int | None = None) -> int:
+def parallel_read(path: str, mem: HostMemory, ranges: Sequence[ReadRange]) -> int:
     """Read ``ranges`` of ``path`` into ``mem`` with several threads (preadv releases the GIL).
     Returns the bytes read; raises ModelFileError-worthy OSError/EOFError on a short file."""
     chunk = 64 << 20
@@ -143,7 +143,7 @@ def parallel_read(path: str, mem: HostMemory, ranges: Sequence[ReadRange], threa
             n = min(chunk, r.length - done)
             pieces.append(ReadRange(r.file_offset + done, r.mem_offset + done, n))
             done += n
-    n_threads = max(1, min(threads or min(8, (os.cpu_count() or 2)), len(pieces)))
+    n_threads = max(1, min(8, (os.cpu_count() or 2), len(pieces)))
     errors: list[BaseException] = []
     lock = threading.Lock()
     cursor = [0]

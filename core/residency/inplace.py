@@ -342,10 +342,10 @@ class InPlace:
         checked = 0
         scratch = (ctypes.c_char * _VERIFY_BYTES)()
         for b in self.buffers:
-            if b.buft_name.endswith("_REPACK") or not any(
-                b.buft_name.startswith(p) for p in _READABLE_BUFT_PREFIXES
-            ):
-                continue  # repacked layouts cannot be read back as file bytes
+            # every buffer has a readable type (_plan refuses the others); repacked layouts cannot
+            # be read back as file bytes
+            if b.buft_name.endswith("_REPACK"):
+                continue
             for t in b.tensors:
                 n = min(_VERIFY_BYTES, t.nbytes)
                 for off in {0, t.nbytes - n}:

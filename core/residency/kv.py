@@ -40,10 +40,6 @@ class KvSnapshot:
     def pinned(self) -> bool:
         return self._mem.pinned
 
-    @property
-    def n_seqs(self) -> int:
-        return len(self._seqs)
-
     @classmethod
     def take(cls, ctx: int, want_pinned: bool) -> KvSnapshot:
         memory = llama_cpp.llama_get_memory(ctx)

@@ -153,7 +153,6 @@ class Residency:
         self._file_id: _FileId | None = None
         self._level: Level = "weights"
         self._saved_ctx: Any = None
-        self._saved_model: Any = None
         self._closed = False
 
     # -- construction -------------------------------------------------------------------------
