@@ -196,7 +196,6 @@ class ChatWindow(QMainWindow):
         self._partial = ""
         # (conversation id, its model id, Markdown of its stored messages): what render ticks reuse
         self._history: tuple[str, str, str] | None = None
-        self._pending_stats: dict[str, AnswerStats] = {}
         self._got_first_token = False
         self.max_tokens = MAX_TOKENS
         self._detached = False

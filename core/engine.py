@@ -81,10 +81,6 @@ class KVSnapshot:
     input_ids: tuple[int, ...]
     state: bytes
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.state) + 4 * len(self.input_ids)
-
 
 class Engine:
     """A loaded model. Build it with ``Engine.load``; call only from one thread."""
