@@ -19,19 +19,18 @@ from typing import Any
 from PySide6.QtCore import QObject, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
-from timeshare.core import config as config_mod
+from timeshare.app import autostart, icons
+from timeshare.app.bridge import PoolBridge
+from timeshare.app.chat_window import ChatWindow
+from timeshare.app.menu_model import Action, Command
+from timeshare.app.qt_compat import emit
+from timeshare.app.settings import SettingsDialog, problems_text
+from timeshare.app.single_instance import SingleInstance
+from timeshare.app.tray import Tray
 from timeshare.core import paths
-from timeshare.core.config import Config
+from timeshare.core.config import files as config_files
+from timeshare.core.config.schema import Config
 from timeshare.core.errors import ConfigError, TimeshareError
-
-from . import autostart, icons
-from .bridge import PoolBridge
-from .chat_window import ChatWindow
-from .menu_model import Action, Command
-from .qt_compat import emit
-from .settings import SettingsDialog, problems_text
-from .single_instance import SingleInstance
-from .tray import Tray
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ def load_ui_state() -> dict[str, Any]:
 
 
 def save_ui_state(state: dict[str, Any]) -> None:
-    config_mod.atomic_write_text(_ui_state_file(), json.dumps(state), backup=False, mode=0o644)
+    config_files.atomic_write_text(_ui_state_file(), json.dumps(state), backup=False, mode=0o644)
 
 
 class TimeshareApp(QObject):
@@ -137,7 +136,7 @@ class TimeshareApp(QObject):
             return
         factory = self._api_factory
         if factory is None:
-            from timeshare.core.api import ApiServer
+            from timeshare.core.api.server import ApiServer
 
             factory = ApiServer
         try:
@@ -223,7 +222,7 @@ class TimeshareApp(QObject):
             self.config, general=dataclasses.replace(self.config.general, start_at_login=enabled)
         )
         try:
-            config_mod.save_config(new, self.config_path)
+            config_files.save_config(new, self.config_path)
         except (ConfigError, OSError) as e:
             self.notify("Could not save the setting", str(e), error=True)
             return
@@ -333,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
 
     config_path = Path(args.config).expanduser() if getattr(args, "config", None) else paths.config_file()
     try:
-        config = config_mod.load_config(config_path, must_exist=bool(getattr(args, "config", None)))
+        config = config_files.load_config(config_path, must_exist=bool(getattr(args, "config", None)))
     except ConfigError as e:
         return _fatal(
             "Timeshare: configuration error",
@@ -342,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     from timeshare.core.chat import ChatService
-    from timeshare.core.pool import Pool
+    from timeshare.core.pool.supervisor import Pool
     from timeshare.core.store import Store
 
     try:

@@ -38,16 +38,16 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+from timeshare.app.bridge import PoolBridge
+from timeshare.app.menu_model import display_state
+from timeshare.app.qt_compat import emit
 from timeshare.core import catalog
-from timeshare.core import config as config_mod
-from timeshare.core.config import Config
+from timeshare.core.config import files as config_files
+from timeshare.core.config import validate as config_validate
+from timeshare.core.config.schema import Config
 from timeshare.core.errors import ConfigError, ModelFileError
 from timeshare.core.state import PoolSnapshot
 from timeshare.core.units import human_bytes
-
-from .bridge import PoolBridge
-from .menu_model import display_state
-from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class ModelDialog(QDialog):
         if model["id"] in self._taken:
             problems.append(f"id: {model['id']!r} is already used by another model: choose another id")
         try:
-            config_mod.validate({"models": [model]}, path=self._config_path, check_paths=True)
+            config_validate.validate({"models": [model]}, path=self._config_path, check_paths=True)
         except ConfigError as e:
             problems += [p.replace("models[0].", "", 1) for p in e.problems]
         if problems:
@@ -251,7 +251,7 @@ class SettingsDialog(QDialog):
         self.resize(860, 520)
         self.bridge = bridge
         self.config_path = config_path
-        self.draft: dict[str, Any] = config_mod.config_to_dict(config)  # a fresh dict of scalars
+        self.draft: dict[str, Any] = config_files.config_to_dict(config)  # a fresh dict of scalars
         self.tabs = QTabWidget()
         self.tabs.addTab(self._models_tab(), "Models")
         self.tabs.addTab(self._arena_tab(), "Arena")
@@ -334,7 +334,7 @@ class SettingsDialog(QDialog):
             if str(Path(entry.path).resolve()) in known_paths:
                 self._show_problems([f"{entry.name} is already in the list ({entry.path})"])
                 continue
-            model = config_mod.config_to_dict(Config(models=(entry.to_model_config(self._taken_ids()),)))[
+            model = config_files.config_to_dict(Config(models=(entry.to_model_config(self._taken_ids()),)))[
                 "models"
             ][0]
             self._append_model(model)
@@ -517,7 +517,7 @@ class SettingsDialog(QDialog):
 
     def validated(self) -> Config | None:
         try:
-            config = config_mod.validate(self.collect(), path=self.config_path, check_paths=True)
+            config = config_validate.validate(self.collect(), path=self.config_path, check_paths=True)
         except ConfigError as e:
             self._show_problems(list(e.problems))
             return None
@@ -529,7 +529,7 @@ class SettingsDialog(QDialog):
         if config is None:
             return False
         try:
-            config_mod.save_config(config, self.config_path)
+            config_files.save_config(config, self.config_path)
         except (ConfigError, OSError) as e:
             self._show_problems([f"could not save the settings: {e}"])
             return False

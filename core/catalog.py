@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import ModelConfig, suggest_model_id
+from .config.schema import ModelConfig, suggest_model_id
 from .errors import ModelFileError
 from .modelfile import GGUF_MAGIC
 
@@ -442,7 +442,7 @@ def _ollama(root: Path) -> Iterator[_Candidate]:
 
 
 def _demo(paths: Sequence[Path] | None) -> Iterator[_Candidate]:
-    from . import demo
+    from .config import demo
 
     licences = {d.id: d.licence for d in demo.DEMO_MODELS}
     if paths is not None:

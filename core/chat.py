@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .errors import CancelledError, TimeshareError
-from .protocol import ChatMessage
 from .store import Conversation, Message, Store
 from .stream import TextStream
+from .worker.protocol import ChatMessage
 
 log = logging.getLogger(__name__)
 

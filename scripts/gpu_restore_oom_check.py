@@ -52,7 +52,8 @@ def free_bytes(cud: Any) -> int:
 def hog_main(arena_dir: str, hold_token: bool, free_after_s: float) -> None:
     cud = cudart()
     if hold_token:
-        from timeshare.core.arena import Arena, TokenClient
+        from timeshare.core.arena.client import TokenClient
+        from timeshare.core.arena.tickets import Arena
 
         TokenClient(Arena(arena_dir), "hog").acquire(timeout=30)
     size = free_bytes(cud) - KEEP_FREE
@@ -80,10 +81,11 @@ class Messages(logging.Handler):
 
 def main(model_path: str) -> None:
     import llama_cpp  # noqa: F401  (first, as the worker does)
-    from timeshare.core.config import ArenaConfig, ModelConfig
-    from timeshare.core.engine import Engine
+    from timeshare.core.config.schema import ArenaConfig, ModelConfig
     from timeshare.core.errors import OutOfDeviceMemoryError
-    from timeshare.core.worker import ArenaResidence, WorkerSpec
+    from timeshare.core.worker.engine import Engine
+    from timeshare.core.worker.residence import ArenaResidence
+    from timeshare.core.worker.spec import WorkerSpec
 
     messages = Messages()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -19,7 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-from timeshare.core.arena import Arena, DoorbellRing, IntervalLog, TokenClient
+from timeshare.core.arena.client import TokenClient
+from timeshare.core.arena.intervals import IntervalLog
+from timeshare.core.arena.records import DoorbellRing
+from timeshare.core.arena.tickets import Arena
 
 DRIVER = str(Path(__file__).resolve())
 

@@ -15,8 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from timeshare.core import protocol as p
-from timeshare.core.config import ArenaConfig, ModelConfig
+from timeshare.core.config.schema import ArenaConfig, ModelConfig
+from timeshare.core.worker import protocol as p
 
 GUARD_S = 60.0  # a hang guard, not a timing assertion
 EOF = object()

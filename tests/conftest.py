@@ -29,13 +29,13 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from timeshare.core import demo
+    from timeshare.core.config import demo
 
     return demo.smollm2_path()
 
 
 @pytest.fixture(scope="session")
 def gemma3_path(demo_cache: Path) -> Path:
-    from timeshare.core import demo
+    from timeshare.core.config import demo
 
     return demo.gemma3_path(cache=demo_cache)

@@ -24,7 +24,9 @@ from _api_util import (
     serving,
     write_config,
 )
-from timeshare.core.api import BadRequest, is_loopback, parse_chat_request, parse_completion_request
+from timeshare.core.api.errors import BadRequest
+from timeshare.core.api.requests import parse_chat_request, parse_completion_request
+from timeshare.core.config.validate import is_loopback
 
 KEY = "test-key-5f1e"
 QUEUE_LIMIT = 3  # small, so that the 429 test needs few requests; the interleave test stays within it
@@ -552,10 +554,10 @@ def test_worker_crash_mid_stream_ends_the_stream_with_an_error_event(served: Ser
 
 def test_api_server_in_process_reports_its_port_and_cleans_up(timeshare_home: Path) -> None:
     from timeshare.core import paths
-    from timeshare.core.api import ApiServer
-    from timeshare.core.config import ApiConfig, Config
+    from timeshare.core.api.server import ApiServer
+    from timeshare.core.config.schema import ApiConfig, Config
     from timeshare.core.errors import ConfigError
-    from timeshare.core.pool import Pool
+    from timeshare.core.pool.supervisor import Pool
 
     pool = Pool(Config())  # no models: nothing to spawn, a real pool all the same
     pool.start()

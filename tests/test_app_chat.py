@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from _proc_util import alive
-from timeshare.core.config import ApiConfig, Config, ModelConfig
+from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
 from timeshare.core.state import ModelState
 
 pytestmark = [pytest.mark.slow, pytest.mark.gui]
@@ -45,7 +45,7 @@ def demo_config(smollm2: Path, gemma3: Path | None = None) -> Config:
 
 @pytest.fixture(scope="module")
 def pool(smollm2_path: Path, gemma3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from timeshare.core.pool import Pool
+    from timeshare.core.pool.supervisor import Pool
 
     root = tmp_path_factory.mktemp("pool")
     arena = root / "arena"
@@ -321,7 +321,7 @@ def test_quit_stops_every_worker(qtbot: Any, smollm2_path: Path, tmp_path: Path)
     from timeshare.app.application import TimeshareApp
     from timeshare.app.menu_model import Action, Command
     from timeshare.core.chat import ChatService
-    from timeshare.core.pool import Pool
+    from timeshare.core.pool.supervisor import Pool
     from timeshare.core.store import Store
 
     pool = Pool(demo_config(smollm2_path))

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from timeshare.core import config as config_mod
-from timeshare.core.config import ApiConfig, Config, ModelConfig
+from timeshare.core.config import files as config_files
+from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
 from timeshare.core.state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot
 
 pytestmark = pytest.mark.gui
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gui
 
 @pytest.fixture
 def pool() -> Iterator[Any]:
-    from timeshare.core.pool import Pool
+    from timeshare.core.pool.supervisor import Pool
 
     p = Pool(Config(api=ApiConfig(enabled=False)))
     yield p
@@ -76,7 +76,7 @@ def test_invalid_api_settings_show_the_config_layers_message_and_write_nothing(
     dialog.api_key.setText("s3cret")
     assert dialog.save() is True
     assert dialog.problems.isHidden()
-    loaded = config_mod.load_config(config_path)
+    loaded = config_files.load_config(config_path)
     assert loaded.api.host == "0.0.0.0" and loaded.api.key == "s3cret"
     assert saved == [loaded]
 
@@ -88,7 +88,7 @@ def test_general_settings_round_trip(qtbot: Any, bridge: Any, config_path: Path,
     dialog.idle_all.setValue(0)  # never
     dialog.quantum.setValue(500)
     assert dialog.save()
-    loaded = config_mod.load_config(config_path)
+    loaded = config_files.load_config(config_path)
     assert loaded.general.prewake_on_typing is False and loaded.general.start_at_login is True
     assert loaded.models[0].idle_sleep_s is None
     assert loaded.arena.min_quantum_ms == 500
@@ -127,7 +127,7 @@ def test_add_file_through_the_file_picker_then_save(
     assert dialog.add_file(str(smollm2_path)) is None
     assert "already in the list" in dialog.problems.text()
     assert dialog.save()
-    loaded = config_mod.load_config(config_path)
+    loaded = config_files.load_config(config_path)
     assert [m.id for m in loaded.models] == [new_id]
     assert Path(loaded.models[0].path) == smollm2_path
 
@@ -163,7 +163,7 @@ def test_model_dialog_validates_with_field_messages(
 ) -> None:
     from timeshare.app.settings import ModelDialog
 
-    model = config_mod.config_to_dict(smol_config(smollm2_path))["models"][0]
+    model = config_files.config_to_dict(smol_config(smollm2_path))["models"][0]
     dialog = ModelDialog(model, {"taken"}, config_path)
     qtbot.addWidget(dialog)
     dialog.id_edit.setText("Bad Id")
@@ -207,14 +207,14 @@ def test_edit_and_remove_model(
     assert not dialog.remove_model(0)
     assert dialog.models_table.rowCount() == 1
     assert dialog.save()
-    loaded = config_mod.load_config(config_path)
+    loaded = config_files.load_config(config_path)
     assert loaded.models[0].name == "Renamed" and loaded.models[0].pinned
 
     dialog = dialog_for(qtbot, loaded, bridge, config_path)
     monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.Yes)
     assert dialog.remove_model(0)
     assert dialog.save()
-    assert config_mod.load_config(config_path).models == ()
+    assert config_files.load_config(config_path).models == ()
     assert smollm2_path.is_file()  # removing a model never deletes its file
 
 
@@ -308,13 +308,13 @@ def test_start_at_login_from_the_tray(
     app.start(background=True)
     app.handle(Action("Start at login", Command.START_AT_LOGIN, checkable=True))
     assert entry.is_file()
-    assert config_mod.load_config(config_path).general.start_at_login is True
+    assert config_files.load_config(config_path).general.start_at_login is True
     app.tray.rebuild_menu()
     login = next(a for a in app.tray.menu.actions() if a.text() == "Start at login")
     assert login.isChecked()
     login.trigger()  # the real menu action turns it off again
     assert not entry.exists()
-    assert config_mod.load_config(config_path).general.start_at_login is False
+    assert config_files.load_config(config_path).general.start_at_login is False
 
 
 def test_settings_saved_with_start_at_login_writes_the_autostart_entry(

@@ -14,19 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from timeshare.core.arena import (
-    Arena,
-    DoorbellRing,
-    IntervalLog,
-    Ticket,
-    TokenClient,
-    UnsafeArenaError,
-    check_arena_dir,
-    inotify_available,
-    read_holder,
-    read_intervals,
-    resolve_arena_dir,
-)
+from timeshare.core.arena.client import TokenClient
+from timeshare.core.arena.dirs import check_arena_dir, read_holder, resolve_arena_dir
+from timeshare.core.arena.intervals import IntervalLog, read_intervals
+from timeshare.core.arena.records import DoorbellRing, Ticket, UnsafeArenaError
+from timeshare.core.arena.tickets import Arena
+from timeshare.core.arena.watch import inotify_available
 from timeshare.core.errors import ArenaError, CancelledError, TokenTimeoutError
 
 BACKENDS = ["inotify", "poll"] if inotify_available() else ["poll"]

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from timeshare.core.arena import Arena, read_holder, read_intervals
-from timeshare.core.arena_test import (
+from timeshare.core.arena.dirs import read_holder
+from timeshare.core.arena.intervals import read_intervals
+from timeshare.core.arena.tickets import Arena
+from timeshare.core.diagnostics.arena_test import (
     ArenaHarness,
     WorkerPlan,
     check_intervals,
@@ -152,7 +154,7 @@ def test_plan_workers_reuses_models_with_distinct_ids() -> None:
 
 
 def test_report_text_and_json() -> None:
-    from timeshare.core.arena_test import ArenaTestReport, Mismatch
+    from timeshare.core.diagnostics.arena_test import ArenaTestReport, Mismatch
 
     report = ArenaTestReport(
         workers=2,

@@ -190,7 +190,7 @@ def test_truncated_model_is_reported_and_nothing_is_left_running(
 
 
 def test_table_shows_the_ratios(report: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from timeshare.core.bench_switch import _print_table
+    from timeshare.core.diagnostics.bench_switch import _print_table
 
     _print_table(report)
     text = capsys.readouterr().out

@@ -16,8 +16,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from timeshare.core import catalog, config, demo
+from timeshare.core import catalog
 from timeshare.core.catalog import CatalogEntry
+from timeshare.core.config import demo
+from timeshare.core.config import files as config_files
+from timeshare.core.config import schema as config_schema
+from timeshare.core.config import validate as config_validate
 from timeshare.core.errors import ModelFileError
 
 
@@ -352,8 +356,8 @@ def test_entry_to_model_config_is_valid(trees: dict[str, Path]) -> None:
     ollama = next(m for m, e in zip(models, entries, strict=True) if e.source == "ollama")
     assert ollama.id == "tiny-latest"
     # the result passes the config's own validation, model files included
-    raw = config.config_to_dict(config.Config(models=tuple(models)))
-    assert config.validate(raw).models == tuple(models)
+    raw = config_files.config_to_dict(config_schema.Config(models=tuple(models)))
+    assert config_validate.validate(raw).models == tuple(models)
 
 
 def test_header_read_cost(gemma3_path: Path, smollm2_path: Path) -> None:

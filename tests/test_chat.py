@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from timeshare.core.chat import ChatService, ConversationBusyError, EmptyMessageError
 from timeshare.core.errors import ModelUnavailableError, TimeshareError, UnknownModelError
-from timeshare.core.protocol import ChatMessage, Usage
 from timeshare.core.state import SwitchStats
 from timeshare.core.store import Store, UnknownConversationError
 from timeshare.core.stream import TextStream
+from timeshare.core.worker.protocol import ChatMessage, Usage
 
 WAIT = 120.0  # an upper bound for waits on a loaded 2-core machine; nothing is timed
 
@@ -355,8 +355,8 @@ def test_deleting_the_conversation_while_it_answers_does_not_crash_the_pump(stor
 
 @pytest.fixture(scope="module")
 def real_pool(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[Any]:
-    from timeshare.core.config import ArenaConfig, Config, ModelConfig
-    from timeshare.core.pool import Pool
+    from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
+    from timeshare.core.pool.supervisor import Pool
 
     home = tmp_path_factory.mktemp("chat-pool")
     config = Config(

@@ -7,9 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
-from timeshare.core import config as cfg
-from timeshare.core import demo, paths
-from timeshare.core.config import ApiConfig, ArenaConfig, Config, GeneralConfig, ModelConfig
+from timeshare.core import paths
+from timeshare.core.config import demo
+from timeshare.core.config import files as config_files
+from timeshare.core.config import schema as config_schema
+from timeshare.core.config import validate as config_validate
+from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, GeneralConfig, ModelConfig
 from timeshare.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +67,7 @@ host_shadow = "pageable"
 chat_format = "fallback"
 """,
     )
-    config = cfg.load_config(path)
+    config = config_files.load_config(path)
     assert config.general == GeneralConfig(start_at_login=True)
     assert config.arena == ArenaConfig(
         dir=str(Path.home() / "arena"), min_quantum_ms=100.0, wait_timeout_s=5.0
@@ -87,16 +90,16 @@ chat_format = "fallback"
 
 def test_default_path_is_platformdirs_config_file(model_file: Path) -> None:
     write(paths.config_file(), f'[[models]]\nid = "a"\npath = "{model_file}"\n')
-    assert [m.id for m in cfg.load_config().models] == ["a"]
+    assert [m.id for m in config_files.load_config().models] == ["a"]
 
 
 def test_relative_model_path_is_relative_to_the_config_file(tmp_path: Path, model_file: Path) -> None:
     path = write(tmp_path / "config.toml", '[[models]]\nid = "a"\npath = "models/smol.gguf"\n')
-    assert cfg.load_config(path).models[0].path == str(model_file)
+    assert config_files.load_config(path).models[0].path == str(model_file)
 
 
 def test_missing_file_gives_the_demo_models(tmp_path: Path) -> None:
-    config = cfg.load_config(tmp_path / "absent.toml")
+    config = config_files.load_config(tmp_path / "absent.toml")
     installed = [d.id for d in demo.available()]
     assert installed, "the demo packages are part of the test environment"
     assert [m.id for m in config.models] == installed
@@ -112,7 +115,7 @@ def test_no_config_and_no_demo_models_gives_an_empty_pool_with_a_message(
 ) -> None:
     # the demo packages are installed here; simulate a machine without them
     monkeypatch.setattr(demo, "available", lambda: [])
-    config = cfg.load_config(tmp_path / "absent.toml")
+    config = config_files.load_config(tmp_path / "absent.toml")
     assert config.models == ()
     assert "No models are configured" in config.notice
     assert "Settings" in config.notice
@@ -120,7 +123,7 @@ def test_no_config_and_no_demo_models_gives_an_empty_pool_with_a_message(
 
 def test_config_without_models_says_how_to_add_one(tmp_path: Path) -> None:
     path = write(tmp_path / "config.toml", "[api]\nport = 8000\n")
-    config = cfg.load_config(path)
+    config = config_files.load_config(path)
     assert config.models == ()
     assert str(path) in config.notice
 
@@ -156,7 +159,7 @@ def test_config_without_models_says_how_to_add_one(tmp_path: Path) -> None:
 def test_model_field_errors(tmp_path: Path, model_file: Path, body: str, expected: str) -> None:
     path = write(tmp_path / "config.toml", f'[[models]]\nid = "a"\npath = "{model_file}"\n{body}\n')
     with pytest.raises(ConfigError) as excinfo:
-        cfg.load_config(path)
+        config_files.load_config(path)
     assert problems_of(excinfo) == [expected]
     assert excinfo.value.path == str(path)
     assert str(excinfo.value).startswith(f"{path}: {expected}")
@@ -186,7 +189,7 @@ def test_model_field_errors(tmp_path: Path, model_file: Path, body: str, expecte
 def test_section_errors(tmp_path: Path, text: str, expected: str) -> None:
     path = write(tmp_path / "config.toml", text)
     with pytest.raises(ConfigError) as excinfo:
-        cfg.load_config(path, check_paths=False)
+        config_files.load_config(path, check_paths=False)
     assert len(problems_of(excinfo)) == 1, problems_of(excinfo)
     assert problems_of(excinfo)[0].startswith(expected)
 
@@ -194,14 +197,14 @@ def test_section_errors(tmp_path: Path, text: str, expected: str) -> None:
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
 def test_loopback_hosts_need_no_key(tmp_path: Path, host: str) -> None:
     path = write(tmp_path / "config.toml", f'[api]\nhost = "{host}"\n')
-    assert cfg.load_config(path).api.host == host
+    assert config_files.load_config(path).api.host == host
 
 
 def test_missing_model_file(tmp_path: Path) -> None:
     path = write(tmp_path / "config.toml", '[[models]]\nid = "a"\npath = "/nowhere/x.gguf"\n')
     before = path.read_bytes()
     with pytest.raises(ConfigError) as excinfo:
-        cfg.load_config(path)
+        config_files.load_config(path)
     assert problems_of(excinfo) == [
         "models[0].path: /nowhere/x.gguf does not exist: fix the path or remove this model"
     ]
@@ -211,7 +214,7 @@ def test_missing_model_file(tmp_path: Path) -> None:
 def test_model_path_that_is_a_folder(tmp_path: Path) -> None:
     path = write(tmp_path / "config.toml", f'[[models]]\nid = "a"\npath = "{tmp_path}"\n')
     with pytest.raises(ConfigError, match=r"models\[0\]\.path: .* is not a regular file"):
-        cfg.load_config(path)
+        config_files.load_config(path)
 
 
 def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
@@ -219,7 +222,7 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
     bogus.write_bytes(b"<html>404 not found</html>")
     path = write(tmp_path / "config.toml", f'[[models]]\nid = "a"\npath = "{bogus}"\n')
     with pytest.raises(ConfigError) as excinfo:
-        cfg.load_config(path)
+        config_files.load_config(path)
     (problem,) = problems_of(excinfo)
     assert problem.startswith(f"models[0].path: {bogus} is not a GGUF file (it starts with b'<htm'")
     assert bogus.read_bytes() == b"<html>404 not found</html>"
@@ -244,7 +247,7 @@ path = "{model_file}"
 """,
     )
     with pytest.raises(ConfigError) as excinfo:
-        cfg.load_config(path)
+        config_files.load_config(path)
     assert problems_of(excinfo) == [
         "api.port: must be > 0",
         "models[1].n_ctx: must be > 0",
@@ -255,7 +258,7 @@ path = "{model_file}"
 def test_toml_syntax_error_names_line_and_column(tmp_path: Path) -> None:
     path = write(tmp_path / "config.toml", "[api]\nport = 8000\nhost = \n")
     with pytest.raises(ConfigError) as excinfo:
-        cfg.load_config(path)
+        config_files.load_config(path)
     (problem,) = problems_of(excinfo)
     assert "TOML syntax error" in problem
     assert "line 3, column 8" in problem
@@ -266,12 +269,12 @@ def test_file_that_is_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_bytes(b'[api]\nhost = "\xff\xfe"\n')
     with pytest.raises(ConfigError, match=r"is not UTF-8 text .*offset 14.*save it as UTF-8"):
-        cfg.load_config(path)
+        config_files.load_config(path)
 
 
 def test_config_path_that_is_a_folder(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is a directory"):
-        cfg.load_config(tmp_path)
+        config_files.load_config(tmp_path)
 
 
 # ---- writing -------------------------------------------------------------------------------
@@ -291,15 +294,15 @@ def sample_config(model_path: Path) -> Config:
 
 def test_save_then_load_round_trips(tmp_path: Path, model_file: Path) -> None:
     config = sample_config(model_file)
-    written = cfg.save_config(config, tmp_path / "config.toml")
+    written = config_files.save_config(config, tmp_path / "config.toml")
     assert written == tmp_path / "config.toml"
-    assert cfg.load_config(written) == config
+    assert config_files.load_config(written) == config
     assert oct(written.stat().st_mode & 0o777) == oct(0o600)
 
 
 def test_save_defaults_to_the_config_file(model_file: Path) -> None:
-    cfg.save_config(sample_config(model_file))
-    assert cfg.load_config() == sample_config(model_file)
+    config_files.save_config(sample_config(model_file))
+    assert config_files.load_config() == sample_config(model_file)
 
 
 def test_save_keeps_comments_and_makes_a_backup(tmp_path: Path, model_file: Path) -> None:
@@ -316,7 +319,7 @@ n_ctx = 512
 """,
     )
     original = path.read_text()
-    config = cfg.load_config(path)
+    config = config_files.load_config(path)
     changed = dataclasses.replace(
         config,
         api=dataclasses.replace(config.api, port=9000),
@@ -325,12 +328,12 @@ n_ctx = 512
             ModelConfig(id="new", path=str(model_file)),
         ),
     )
-    cfg.save_config(changed, path)
+    config_files.save_config(changed, path)
     text = path.read_text()
     assert "# my precious notes" in text
     assert "# the small one" in text
     assert "port = 9000" in text
-    assert cfg.load_config(path) == changed
+    assert config_files.load_config(path) == changed
     assert (tmp_path / "config.toml.bak").read_text() == original
 
 
@@ -339,40 +342,40 @@ def test_save_keeps_the_users_spelling_of_paths(tmp_path: Path, model_file: Path
         tmp_path / "config.toml",
         '[arena]\ndir = "~/arena"\n[[models]]\nid = "smol"\npath = "models/smol.gguf"\n',
     )
-    config = cfg.load_config(path)
+    config = config_files.load_config(path)
     assert config.models[0].path == str(model_file) and config.arena.dir == str(Path.home() / "arena")
-    cfg.save_config(
+    config_files.save_config(
         dataclasses.replace(config, models=(dataclasses.replace(config.models[0], n_ctx=99),)), path
     )
     text = path.read_text()
     assert 'path = "models/smol.gguf"' in text and 'dir = "~/arena"' in text
-    assert cfg.load_config(path).models[0].n_ctx == 99
+    assert config_files.load_config(path).models[0].n_ctx == 99
 
 
 def test_removing_a_model_removes_its_table(tmp_path: Path, model_file: Path) -> None:
-    path = cfg.save_config(sample_config(model_file), tmp_path / "config.toml")
-    config = cfg.load_config(path)
-    cfg.save_config(dataclasses.replace(config, models=config.models[1:]), path)
-    assert [m.id for m in cfg.load_config(path).models] == ["other"]
+    path = config_files.save_config(sample_config(model_file), tmp_path / "config.toml")
+    config = config_files.load_config(path)
+    config_files.save_config(dataclasses.replace(config, models=config.models[1:]), path)
+    assert [m.id for m in config_files.load_config(path).models] == ["other"]
 
 
 def test_invalid_config_is_not_written(tmp_path: Path, model_file: Path) -> None:
-    path = cfg.save_config(sample_config(model_file), tmp_path / "config.toml")
+    path = config_files.save_config(sample_config(model_file), tmp_path / "config.toml")
     before = path.read_bytes()
     bad = dataclasses.replace(sample_config(model_file), api=ApiConfig(host="0.0.0.0"))
     with pytest.raises(ConfigError, match=r"api\.key: is required"):
-        cfg.save_config(bad, path)
+        config_files.save_config(bad, path)
     assert path.read_bytes() == before
     dup = Config(models=(ModelConfig(id="x", path="/a"), ModelConfig(id="x", path="/b")))
     with pytest.raises(ConfigError, match=r"models\[1\]\.id: 'x' is already used"):
-        cfg.save_config(dup, path)
+        config_files.save_config(dup, path)
     assert path.read_bytes() == before
 
 
 def test_crash_during_write_keeps_the_old_file(
     tmp_path: Path, model_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = cfg.save_config(sample_config(model_file), tmp_path / "config.toml")
+    path = config_files.save_config(sample_config(model_file), tmp_path / "config.toml")
     before = path.read_bytes()
     real_replace = os.replace
 
@@ -384,7 +387,7 @@ def test_crash_during_write_keeps_the_old_file(
 
     monkeypatch.setattr(os, "replace", crash_on_config)
     with pytest.raises(OSError, match="No space left"):
-        cfg.save_config(dataclasses.replace(sample_config(model_file), models=()), path)
+        config_files.save_config(dataclasses.replace(sample_config(model_file), models=()), path)
     assert path.read_bytes() == before
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".config.toml")]
     assert leftovers == []
@@ -394,34 +397,34 @@ def test_save_over_an_unparseable_file_writes_a_fresh_one_and_keeps_the_old_as_b
     tmp_path: Path, model_file: Path
 ) -> None:
     path = write(tmp_path / "config.toml", "this is [not toml\n")
-    cfg.save_config(sample_config(model_file), path)
-    assert cfg.load_config(path) == sample_config(model_file)
+    config_files.save_config(sample_config(model_file), path)
+    assert config_files.load_config(path) == sample_config(model_file)
     assert (tmp_path / "config.toml.bak").read_text() == "this is [not toml\n"
 
 
 def test_config_to_toml_is_valid_and_complete(model_file: Path) -> None:
-    text = cfg.config_to_toml(sample_config(model_file))
-    assert cfg.validate(cfg.parse_toml(text)) == sample_config(model_file)
+    text = config_files.config_to_toml(sample_config(model_file))
+    assert config_validate.validate(config_files.parse_toml(text)) == sample_config(model_file)
     assert "idle_sleep_s = false" in text  # "never" has a TOML spelling
 
 
 def test_suggest_model_id() -> None:
-    assert cfg.suggest_model_id("SmolLM2 135M Instruct.Q4_1") == "smollm2-135m-instruct.q4_1"
-    assert cfg.suggest_model_id("smol", taken=["smol", "smol-2"]) == "smol-3"
-    assert cfg.suggest_model_id("***") == "model"
+    assert config_schema.suggest_model_id("SmolLM2 135M Instruct.Q4_1") == "smollm2-135m-instruct.q4_1"
+    assert config_schema.suggest_model_id("smol", taken=["smol", "smol-2"]) == "smol-3"
+    assert config_schema.suggest_model_id("***") == "model"
 
 
 # ---- the example ---------------------------------------------------------------------------
 
 
 def test_example_config_is_valid() -> None:
-    config = cfg.load_config(EXAMPLE, check_paths=False)
+    config = config_files.load_config(EXAMPLE, check_paths=False)
     assert [m.id for m in config.models] == ["smollm2-135m-instruct", "gemma3-270m"]
     assert config.models[0].chat_template and "{% for m in messages %}" in config.models[0].chat_template
 
 
 def test_example_config_covers_every_key() -> None:
-    raw = cfg.parse_toml(EXAMPLE.read_text())
+    raw = config_files.parse_toml(EXAMPLE.read_text())
     for section, cls in (("general", GeneralConfig), ("arena", ArenaConfig), ("api", ApiConfig)):
         assert set(raw[section]) == {f.name for f in dataclasses.fields(cls)}, section
     assert set(raw["models"][0]) == {f.name for f in dataclasses.fields(ModelConfig)}
@@ -435,14 +438,14 @@ def test_example_config_with_real_model_files_passes_the_path_checks(
     text = text.replace("~/models/SmolLM2-135M-Instruct.Q4_1.gguf", str(smollm2_path))
     text = text.replace("~/models/gemma-3-270m-q4_k_m.gguf", str(gemma3_path))
     path = write(tmp_path / "config.toml", text)
-    config = cfg.load_config(path)
+    config = config_files.load_config(path)
     assert [m.path for m in config.models] == [str(smollm2_path), str(gemma3_path)]
 
 
 def test_example_values_are_the_defaults() -> None:
     # the example documents the defaults: keep the two in step
-    raw = cfg.parse_toml(EXAMPLE.read_text())
-    config = cfg.validate(raw, check_paths=False)
+    raw = config_files.parse_toml(EXAMPLE.read_text())
+    config = config_validate.validate(raw, check_paths=False)
     assert config.general == GeneralConfig()
     assert dataclasses.replace(config.arena, dir=None) == ArenaConfig()
     assert dataclasses.replace(config.api, key=None) == ApiConfig()
@@ -457,6 +460,6 @@ def test_a_config_path_named_by_the_user_must_exist(tmp_path: Path) -> None:
     # the default location may be missing (defaults apply); a --config typo must not be
     missing = tmp_path / "typo.toml"
     with pytest.raises(ConfigError) as err:
-        cfg.load_config(missing, must_exist=True)
+        config_files.load_config(missing, must_exist=True)
     assert err.value.path == str(missing) and "does not exist" in err.value.problems[0]
-    assert isinstance(cfg.load_config(missing), Config)
+    assert isinstance(config_files.load_config(missing), Config)

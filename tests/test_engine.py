@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from timeshare.core.config import ModelConfig
-from timeshare.core.engine import FALLBACK_STOP, Engine, fallback_prompt
+from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError, ModelFileError, PromptTooLongError
-from timeshare.core.protocol import ChatMessage, Generate
+from timeshare.core.worker.engine import FALLBACK_STOP, Engine, fallback_prompt
+from timeshare.core.worker.protocol import ChatMessage, Generate
 
 PROMPT = "The three primary colours are"
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from timeshare.core.memwatch import (
+from timeshare.core.diagnostics.memwatch import (
     MIB,
     MemorySampler,
     MemSample,
@@ -226,7 +226,7 @@ def test_nvidia_smi_sampler_streams_polls(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_arena_report_fails_on_a_memory_overlap_and_says_so() -> None:
-    from timeshare.core.arena_test import ArenaTestReport
+    from timeshare.core.diagnostics.arena_test import ArenaTestReport
 
     fields = dict(
         workers=2, models=("a", "b"), seconds=3.0, requests=4, reference_requests=2, errors=0,

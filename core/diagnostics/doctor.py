@@ -15,13 +15,13 @@ import statistics
 import sys
 from typing import Any
 
-from .errors import TimeshareError
+from ..errors import TimeshareError
 
 log = logging.getLogger(__name__)
 
 
 def _default_model() -> str:
-    from . import demo
+    from ..config import demo
 
     try:
         return str(demo.smollm2_path())
@@ -33,8 +33,8 @@ def _default_model() -> str:
 
 def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
     """Run the check; returns the report (raises TimeshareError on bad input)."""
-    from .residency import Residency, ResidencyOptions
-    from .residency.check import GreedyReplay, load_for_check, run_cycles
+    from ..residency import Residency, ResidencyOptions
+    from .residency_check import GreedyReplay, load_for_check, run_cycles
 
     loaded = load_for_check(
         model,

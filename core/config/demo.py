@@ -14,8 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths
-from .config import ModelConfig
+from .. import paths
+from .schema import ModelConfig
 
 SMOLLM2_ID = "smollm2-135m-instruct"
 GEMMA3_ID = "gemma3-270m"

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import TimeshareError
-from .modelfile import gguf_problem
+from ..errors import TimeshareError
+from ..modelfile import gguf_problem
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _reload_in_fresh_process(path: str, n_ctx: int, messages: list[dict[str, str
     spec = json.dumps({"path": path, "n_ctx": n_ctx, "messages": messages})
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "timeshare.core.bench_switch", "--reload-child"],
+        [sys.executable, "-m", "timeshare.core.diagnostics.bench_switch", "--reload-child"],
         input=spec,
         capture_output=True,
         text=True,
@@ -145,9 +145,9 @@ def _reload_child() -> int:
     """Runs in the fresh process (``python -m timeshare.core.bench_switch --reload-child``)."""
     import llama_cpp  # noqa: F401  (before anything that pulls numpy)
 
-    from .config import ModelConfig
-    from .engine import Engine
-    from .protocol import ChatMessage, Generate
+    from ..config.schema import ModelConfig
+    from ..worker.engine import Engine
+    from ..worker.protocol import ChatMessage, Generate
 
     spec = json.loads(sys.stdin.read())
     t0 = time.perf_counter()
@@ -197,10 +197,10 @@ def run_switch_bench(
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError on bad input or a
     model that cannot be served."""
-    from .arena import env_arena_dir
+    from ..arena.dirs import env_arena_dir
+    from ..config.schema import ArenaConfig, Config, ModelConfig
+    from ..pool.supervisor import Pool
     from .arena_test import model_ids_for_paths
-    from .config import ArenaConfig, Config, ModelConfig
-    from .pool import Pool
 
     if len(models) != 2:
         raise TimeshareError(
@@ -457,7 +457,7 @@ def _print_table(r: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     """The ``timeshare bench switch`` handler. Exit 0: it ran and the outputs matched; 1: it ran but
     a greedy completion changed after switches; 2: it could not run."""
-    from . import demo
+    from ..config import demo
 
     def progress(msg: str) -> None:
         print(f"bench switch: {msg}", file=sys.stderr, flush=True)

@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
+from ..errors import TimeshareError
 from .doctor import report_failure
-from .errors import TimeshareError
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,9 @@ def _median(xs: list[float]) -> float:
 def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | None = None) -> dict[str, Any]:
     import llama_cpp  # before numpy
 
-    from .residency import Residency, ResidencyOptions
-    from .residency.check import GreedyReplay, load_for_check, run_cycles
-    from .residency.inplace import raw_copy_seconds
+    from ..residency import Residency, ResidencyOptions
+    from ..residency.inplace import raw_copy_seconds
+    from .residency_check import GreedyReplay, load_for_check, run_cycles
 
     prefill = n_prefill if n_prefill is not None else min(2048, n_ctx // 2)
     loaded = load_for_check(model, cycles, n_ctx=n_ctx, n_batch=min(2048, n_ctx), n_ubatch=512)

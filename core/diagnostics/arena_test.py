@@ -33,12 +33,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import demo
-from .arena import env_arena_dir, read_intervals
-from .config import ArenaConfig, Config, ModelConfig, suggest_model_id
-from .errors import ArenaError, TimeshareError
+from ..arena.dirs import env_arena_dir
+from ..arena.intervals import read_intervals
+from ..config import demo
+from ..config.schema import ArenaConfig, Config, ModelConfig, suggest_model_id
+from ..errors import ArenaError, TimeshareError
+from ..state import ModelState
 from .memwatch import MemCheck, MemorySampler, MemSample, check_memory, choose_source
-from .state import ModelState
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +344,7 @@ class ArenaHarness:
         progress: Callable[[str], None] | None = None,
         sample_memory_ms: int = 0,
     ) -> None:
-        from .pool import Pool  # here: importing the harness module stays cheap
+        from ..pool.supervisor import Pool  # here: importing the harness module stays cheap
 
         self.plans = tuple(plans)
         self.work_dir = work_dir

@@ -45,11 +45,11 @@ from typing import Any
 import llama_cpp
 from llama_cpp import llama_chat_format
 
-from .config import ModelConfig
-from .errors import CancelledError, ModelFileError, PromptTooLongError
-from .modelfile import check_model_file
+from ..config.schema import ModelConfig
+from ..errors import CancelledError, ModelFileError, PromptTooLongError
+from ..modelfile import check_model_file
+from ..residency import check_gguf
 from .protocol import ChatMessage, Generate
-from .residency import check_gguf
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import llama_cpp  # before numpy (a GPU-image segfault otherwise); sorted that w
 import numpy as np
 
 from ..errors import TimeshareError
-from .gguf_check import GgufInfo, check_gguf
-from .hostmem import fix_malloc_mmap_threshold
-from .residency import ProbeResult, ReleaseReport, Residency, RestoreReport
+from ..residency.gguf_check import GgufInfo, check_gguf
+from ..residency.hostmem import fix_malloc_mmap_threshold
+from ..residency.residency import ProbeResult, ReleaseReport, Residency, RestoreReport
 
 PROMPT = b"The quick brown fox jumps over the lazy dog. Once upon a time, in a quiet village,"
 

@@ -1,0 +1,521 @@
+"""The Starlette app: routes, handlers, the key check, and the JSON the API answers with."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..config.schema import ApiConfig
+from ..errors import (
+    TimeshareError,
+    UnknownModelError,
+)
+from ..pool.generation import Generation, GenerationResult
+from ..pool.supervisor import Pool
+from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats
+from ..worker.protocol import Usage
+from .errors import (
+    BadRequest,
+    _ClientGone,
+    error_body,
+    error_response,
+    timeshare_error_response,
+    timeshare_error_status,
+)
+from .requests import GenerationRequest, T, parse_chat_request, parse_completion_request, read_json
+
+log = logging.getLogger(__name__)
+
+
+# ---- serialisation -----------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def switch_extras(switch: SwitchStats | None, prompt_tokens_evaluated: int | None = None) -> dict[str, Any]:
+    """The ``timeshare`` field added to completion responses: what the request cost in GPU switching."""
+    extras: dict[str, Any] = _plain(switch) if switch is not None else {"switched": False}
+    if prompt_tokens_evaluated is not None:
+        extras["prompt_tokens_evaluated"] = prompt_tokens_evaluated
+    return extras
+
+
+@dataclass
+class _Tally:
+    requests: int = 0
+    switches: int = 0
+    wait_ms: float = 0.0
+    restore_ms: float = 0.0
+    release_ms: float = 0.0
+    last: SwitchStats | None = None
+
+
+class SwitchCounter:
+    """Per-model switch statistics, fed by the pool's REQUEST_DONE events (every generation, whoever sent it).
+
+    The pool's event thread is the only writer; readers take a copy under the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tallies: dict[str, _Tally] = {}
+        self.cancelled_by_disconnect = 0
+        self.cancelled_finish_reasons: list[str] = []
+
+    def on_event(self, event: PoolEvent) -> None:
+        if event.kind is not EventKind.REQUEST_DONE or event.model is None:
+            return
+        with self._lock:
+            tally = self._tallies.setdefault(event.model, _Tally())
+            tally.requests += 1
+            switch = event.switch
+            if switch is not None and switch.switched:
+                tally.switches += 1
+                tally.wait_ms += switch.wait_ms
+                tally.restore_ms += switch.restore_ms
+                tally.release_ms += switch.release_ms
+            if switch is not None:
+                tally.last = switch
+
+    def record_disconnect(self, finish_reason: str) -> None:
+        with self._lock:
+            self.cancelled_by_disconnect += 1
+            self.cancelled_finish_reasons.append(finish_reason)
+            del self.cancelled_finish_reasons[:-20]
+
+    def as_json(self) -> dict[str, Any]:
+        with self._lock:
+            per_model = {}
+            for model, t in self._tallies.items():
+                n = t.switches or 1
+                per_model[model] = {
+                    "requests": t.requests,
+                    "switches": t.switches,
+                    "mean_wait_ms": t.wait_ms / n if t.switches else 0.0,
+                    "mean_restore_ms": t.restore_ms / n if t.switches else 0.0,
+                    "mean_release_ms": t.release_ms / n if t.switches else 0.0,
+                    "last": _plain(t.last),
+                }
+            return {
+                "per_model": per_model,
+                "cancelled_by_disconnect": self.cancelled_by_disconnect,
+                "recent_cancel_finish_reasons": list(self.cancelled_finish_reasons),
+            }
+
+
+def status_json(snapshot: PoolSnapshot, counter: SwitchCounter) -> dict[str, Any]:
+    return {
+        "object": "timeshare.status",
+        "holder": snapshot.holder,
+        "switching": snapshot.switching,
+        "models": [_plain(m) for m in snapshot.models],
+        "switch_stats": counter.as_json(),
+    }
+
+
+def model_json(status: Any, created: int) -> dict[str, Any]:
+    return {
+        "id": status.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "timeshare",
+        "timeshare": {
+            "name": status.name,
+            "state": _plain(status.state),
+            "pinned": status.pinned,
+            "chat_format": status.chat_format,
+            "licence": status.licence,
+            "n_ctx": status.n_ctx,
+            "reason": status.reason,
+        },
+    }
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+class _AuthMiddleware:
+    """Pure ASGI (it leaves ``receive`` untouched, so disconnects still reach the handlers)."""
+
+    def __init__(self, app: ASGIApp, key: str | None) -> None:
+        self.app = app
+        self.key = key.encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.key is None:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if not header:
+            message = (
+                "This Timeshare API needs a key: send it as 'Authorization: Bearer <key>' "
+                "(the key is api.key in Timeshare's config)."
+            )
+            await error_response(message, 401, "missing_api_key")(scope, receive, send)
+            return
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            message = (
+                "Incorrect API key: send the key from api.key in Timeshare's config "
+                "as 'Authorization: Bearer <key>'."
+            )
+            await error_response(message, 401, "invalid_api_key")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class _Handlers:
+    def __init__(self, pool: Pool, api_config: ApiConfig, counter: SwitchCounter) -> None:
+        self.pool = pool
+        self.api_config = api_config
+        self.counter = counter
+        self.created = int(time.time())
+        # waiting for pieces of many queued generations must not starve the control endpoints,
+        # which use anyio's default limiter
+        self.generation_limiter = anyio.CapacityLimiter(max(256, 8 * api_config.queue_limit))
+
+    # -- blocking calls off the loop --
+
+    async def call(self, func: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(partial(func, *args))
+
+    async def wait_watching(self, request: Request, gen: Generation, func: Callable[[], T]) -> T:
+        """Run ``func`` on a thread; on a client disconnect meanwhile, cancel ``gen``, raise _ClientGone."""
+        gone = False
+        box: list[T] = []
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal gone
+                while True:
+                    message = await request.receive()
+                    if message["type"] == "http.disconnect":
+                        gone = True
+                        gen.cancel()
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                box.append(
+                    await anyio.to_thread.run_sync(
+                        func, abandon_on_cancel=True, limiter=self.generation_limiter
+                    )
+                )
+            except Exception as exc:  # raised after the group, unwrapped (anyio would group it)
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if gone or not box:
+            self.record_cancel_later(gen)
+            raise _ClientGone
+        return box[0]
+
+    def record_cancel_later(self, gen: Generation) -> None:
+        """Count a disconnect and note how the cancelled generation ended (for the status page)."""
+
+        def wait() -> None:
+            try:
+                reason = gen.result(timeout=60.0).finish_reason
+            except TimeshareError as exc:
+                reason = exc.code
+            except Exception as exc:  # a log line, never a crash of the API thread
+                reason = type(exc).__name__
+            self.counter.record_disconnect(reason)
+            log.info("client disconnected; its generation ended with %s", reason)
+
+        threading.Thread(target=wait, name="timeshare-api-cancel", daemon=True).start()
+
+    # -- OpenAI endpoints --
+
+    async def list_models(self, request: Request) -> Response:
+        snapshot = self.pool.snapshot()
+        return JSONResponse(
+            {"object": "list", "data": [model_json(m, self.created) for m in snapshot.models]}
+        )
+
+    async def get_model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        snapshot = self.pool.snapshot()
+        status = snapshot.model(model_id)
+        if status is None:
+            raise UnknownModelError(_unknown_model_message(model_id, snapshot))
+        return JSONResponse(model_json(status, self.created))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, parse_chat_request(await read_json(request)))
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, parse_completion_request(await read_json(request)))
+
+    async def generate(self, request: Request, req: GenerationRequest) -> Response:
+        snapshot = self.pool.snapshot()
+        if snapshot.model(req.model) is None:
+            raise UnknownModelError(_unknown_model_message(req.model, snapshot))
+        try:
+            gen = await self.call(partial(self.pool.generate, req.model, **req.pool_fields()))
+        except ValueError as exc:  # the pool's own argument check
+            raise BadRequest(f"{exc}.") from exc
+        try:
+            if req.stream:
+                return await self.stream(request, req, gen)
+            result = await self.wait_watching(request, gen, gen.result)
+        except _ClientGone:
+            return Response(status_code=499)
+        except BaseException:
+            gen.cancel()
+            raise
+        return JSONResponse(self.full_response(req, result))
+
+    def full_response(self, req: GenerationRequest, result: GenerationResult) -> dict[str, Any]:
+        usage = usage_json(result.usage)
+        finish = _finish_reason(result.finish_reason)
+        extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
+        if req.kind == "chat":
+            return {
+                "id": _new_id("chatcmpl"),
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": req.model,
+                "system_fingerprint": None,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": result.text},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                ],
+                "usage": usage,
+                "timeshare": extras,
+            }
+        return {
+            "id": _new_id("cmpl"),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage,
+            "timeshare": extras,
+        }
+
+    async def stream(self, request: Request, req: GenerationRequest, gen: Generation) -> Response:
+        pieces = iter(gen)
+        end = object()
+
+        def pull() -> object:
+            return next(pieces, end)
+
+        # Wait for the first piece before answering, so that errors that come before any text
+        # (prompt too long, GPU busy, model crashed) get a proper HTTP status instead of a 200 stream.
+        first = await self.wait_watching(request, gen, pull)
+        chunk_id = _new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        created = int(time.time())
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if req.kind == "chat":
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                obj = "chat.completion.chunk"
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                obj = "text_completion"
+            return {
+                "id": chunk_id,
+                "object": obj,
+                "created": created,
+                "model": req.model,
+                "system_fingerprint": None,
+                "choices": [choice],
+            }
+
+        async def events() -> AsyncIterator[dict[str, str]]:
+            finished = False
+            try:
+                if req.kind == "chat":
+                    yield {"data": json.dumps(chunk("", None, role=True))}
+                piece = first
+                while piece is not end:
+                    if piece:
+                        yield {"data": json.dumps(chunk(str(piece), None))}
+                    piece = await anyio.to_thread.run_sync(
+                        pull, abandon_on_cancel=True, limiter=self.generation_limiter
+                    )
+                result = await anyio.to_thread.run_sync(
+                    gen.result, abandon_on_cancel=True, limiter=self.generation_limiter
+                )
+                finished = True
+                final = chunk(None if req.kind == "chat" else "", _finish_reason(result.finish_reason))
+                final["timeshare"] = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
+                yield {"data": json.dumps(final)}
+                if req.include_usage:
+                    usage_chunk = chunk(None, None)
+                    usage_chunk["choices"] = []
+                    usage_chunk["usage"] = usage_json(result.usage)
+                    yield {"data": json.dumps(usage_chunk)}
+                yield {"data": "[DONE]"}
+            except TimeshareError as exc:
+                # the status line has gone out already: report the error in the stream, OpenAI-style
+                finished = True
+                log.warning("generation on %s failed mid-stream: %s", req.model, exc)
+                yield {"data": json.dumps(error_body(str(exc), timeshare_error_status(exc), exc.code))}
+            finally:
+                if not finished:
+                    gen.cancel()
+                    self.record_cancel_later(gen)
+
+        return EventSourceResponse(events(), ping=15)
+
+    # -- Timeshare endpoints --
+
+    async def status(self, request: Request) -> Response:
+        snapshot = self.pool.snapshot()
+        return JSONResponse(status_json(snapshot, self.counter))
+
+    async def model_command(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        command = request.path_params["command"]
+        snapshot = self.pool.snapshot()
+        if snapshot.model(model_id) is None:
+            raise UnknownModelError(_unknown_model_message(model_id, snapshot))
+        if command == "pin":
+            await self.call(self.pool.pin, model_id, True)
+        elif command == "unpin":
+            await self.call(self.pool.pin, model_id, False)
+        elif command == "wake":
+            await self.call(self.pool.wake, model_id)
+        elif command == "sleep":
+            level: object = "weights+kv"
+            if await request.body():
+                body = await read_json(request)
+                level = body.get("level", level) if isinstance(body, dict) else None
+            if level == "weights" or level == "weights+kv" or level == "stop":
+                await self.call(partial(self.pool.sleep, model_id, level=level))
+            else:
+                raise BadRequest('\'level\' must be "weights", "weights+kv" or "stop".', "level")
+        else:
+            raise HTTPException(404)
+        snapshot = self.pool.snapshot()
+        status = snapshot.model(model_id)
+        return JSONResponse({"ok": True, "command": command, "model": _plain(status)})
+
+
+def usage_json(usage: Usage) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def _unknown_model_message(model_id: str, snapshot: PoolSnapshot) -> str:
+    known = ", ".join(m.id for m in snapshot.models) or "none are configured"
+    return f"The model {model_id!r} does not exist in this Timeshare; use one of: {known}."
+
+
+async def _on_bad_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BadRequest)
+    return error_response(exc.message, exc.status, exc.code, exc.param)
+
+
+async def _on_timeshare_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, TimeshareError)
+    if timeshare_error_status(exc) >= 500:
+        log.warning("%s %s failed: %s", request.method, request.url.path, exc)
+    return timeshare_error_response(exc)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = (
+            f"There is no endpoint {request.method} {request.url.path}; see GET /v1/models and docs/API.md."
+        )
+        return error_response(message, 404, "unknown_url")
+    if exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}."
+        return error_response(message, 405, "method_not_allowed")
+    return error_response(str(exc.detail), exc.status_code, None)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("%s %s crashed", request.method, request.url.path, exc_info=exc)
+    return error_response(
+        f"Internal error in Timeshare ({type(exc).__name__}: {exc}); see its log.", 500, "internal"
+    )
+
+
+def create_app(pool: Pool, api_config: ApiConfig) -> Starlette:
+    """The Starlette app over ``pool``. ``app.state.unsubscribe()`` detaches its switch counter."""
+    counter = SwitchCounter()
+    handlers = _Handlers(pool, api_config, counter)
+    routes = [
+        Route("/v1/models", handlers.list_models, methods=["GET"]),
+        Route("/v1/models/{model_id}", handlers.get_model, methods=["GET"]),
+        Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+        Route("/v1/completions", handlers.completions, methods=["POST"]),
+        Route("/timeshare/v1/status", handlers.status, methods=["GET"]),
+        Route("/timeshare/v1/models/{model_id}/{command}", handlers.model_command, methods=["POST"]),
+    ]
+    exception_handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        BadRequest: _on_bad_request,
+        TimeshareError: _on_timeshare_error,
+        HTTPException: _on_http_exception,
+        Exception: _on_unexpected,
+    }
+    app = Starlette(routes=routes, exception_handlers=exception_handlers)
+    app.add_middleware(_AuthMiddleware, key=api_config.key)
+    app.state.counter = counter
+    app.state.unsubscribe = pool.subscribe(counter.on_event)
+    return app

@@ -1,0 +1,261 @@
+"""Request parsing: OpenAI chat and completion bodies into one validated :class:`GenerationRequest`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from ..worker.protocol import ChatMessage
+from .errors import BadRequest
+
+#: request bodies above this are refused with 413 before they are parsed
+MAX_BODY_BYTES = 8 * 1024 * 1024
+#: OpenAI's default for /v1/completions
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: OpenAI lets chat run to the end of the context; a local default keeps a runaway answer bounded
+DEFAULT_CHAT_MAX_TOKENS = 512
+
+T = TypeVar("T")
+# ---- request parsing ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated /v1/chat/completions or /v1/completions request."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt: str | None
+    messages: tuple[ChatMessage, ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    conversation: str | None
+
+    def pool_fields(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "messages": self.messages,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "conversation": self.conversation,
+        }
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value) or not low <= float(value) <= high:
+        raise BadRequest(f"'{name}' must be a number from {low:g} to {high:g}; got {value!r}.", name)
+    return float(value)
+
+
+def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise BadRequest(f"'{name}' must be a whole number of at least 1; got {value!r}.", name)
+    return int(value)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise BadRequest(
+            f"'n' = {n!r} is not supported: Timeshare generates one choice per request. "
+            "Leave 'n' out (or set it to 1) and send separate requests for more answers.",
+            "n",
+        )
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise BadRequest("'best_of' other than 1 is not supported; leave it out.", "best_of")
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name) not in (None, [], "none"):
+            raise BadRequest(
+                f"'{name}' is not supported: Timeshare's local models answer with text only.", name
+            )
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("'logprobs' is not supported; leave it out.", "logprobs")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise BadRequest(f"'{name}' is not supported; leave it out or set it to 0.", name)
+    if body.get("logit_bias"):
+        raise BadRequest("'logit_bias' is not supported; leave it out.", "logit_bias")
+    response_format = body.get("response_format")
+    if response_format is not None and (
+        not isinstance(response_format, dict) or response_format.get("type", "text") != "text"
+    ):
+        raise BadRequest(
+            '\'response_format\' other than {"type": "text"} is not supported; leave it out.',
+            "response_format",
+        )
+
+
+def _common(body: Mapping[str, Any], kind: str, default_max_tokens: int) -> dict[str, Any]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required: the id of a model from GET /v1/models.", "model")
+    _refuse_unsupported(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false.", "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequest("'stream_options' must be an object.", "stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    max_tokens = _positive_int(body, "max_tokens")
+    if kind == "chat":
+        max_tokens = _positive_int(body, "max_completion_tokens") or max_tokens
+    stop_raw = body.get("stop")
+    if stop_raw is None:
+        stop: tuple[str, ...] = ()
+    elif isinstance(stop_raw, str):
+        stop = (stop_raw,) if stop_raw else ()
+    elif isinstance(stop_raw, list) and all(isinstance(s, str) and s for s in stop_raw):
+        stop = tuple(stop_raw)
+    else:
+        raise BadRequest("'stop' must be a string or a list of non-empty strings.", "stop")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise BadRequest("'seed' must be a whole number.", "seed")
+    top_k = body.get("top_k", 40)
+    if not _is_int(top_k) or top_k < 0:
+        raise BadRequest("'top_k' must be a whole number of at least 0 (0: no limit).", "top_k")
+    conversation = body.get("conversation")
+    if conversation is not None and (not isinstance(conversation, str) or not conversation):
+        raise BadRequest("'conversation' (a Timeshare extension) must be a non-empty string.", "conversation")
+    return {
+        "kind": kind,
+        "model": model,
+        "max_tokens": max_tokens or default_max_tokens,
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
+        "top_k": int(top_k),
+        "seed": seed,
+        "stop": stop,
+        "stream": stream,
+        "include_usage": include_usage,
+        "conversation": conversation,
+    }
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _message_text(content: object, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise BadRequest(
+                    f"messages[{index}].content: only text parts are supported "
+                    '(\'{"type": "text", "text": "..."}\').',
+                    f"messages[{index}].content",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRequest(f"messages[{index}].content must be a string.", f"messages[{index}].content")
+
+
+def parse_chat_request(body: object) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' is required: a non-empty list of {role, content} objects.", "messages")
+    messages = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'.", f"messages[{i}]")
+        role = _ROLES.get(str(item.get("role")))
+        if role is None:
+            raise BadRequest(
+                f"messages[{i}].role {item.get('role')!r} is not supported: use system, user or assistant.",
+                f"messages[{i}].role",
+            )
+        messages.append(ChatMessage(role=role, content=_message_text(item.get("content"), i)))  # type: ignore[arg-type]
+    fields = _common(body, "chat", DEFAULT_CHAT_MAX_TOKENS)
+    return GenerationRequest(prompt=None, messages=tuple(messages), **fields)
+
+
+def parse_completion_request(body: object) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise BadRequest(
+            "'prompt' must be one string: batches of prompts and token arrays are not supported; "
+            "send one request per prompt.",
+            "prompt",
+        )
+    if not isinstance(prompt, str):
+        raise BadRequest("'prompt' is required and must be a string.", "prompt")
+    if body.get("echo"):
+        raise BadRequest("'echo' is not supported; leave it out.", "echo")
+    if body.get("suffix"):
+        raise BadRequest("'suffix' is not supported; leave it out.", "suffix")
+    fields = _common(body, "completion", DEFAULT_COMPLETION_MAX_TOKENS)
+    return GenerationRequest(prompt=prompt, messages=None, **fields)
+
+
+async def read_json(request: Request) -> object:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise BadRequest(
+            f"The request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB; send a shorter one.",
+            code="request_too_large",
+            status=413,
+        )
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BadRequest(
+                f"The request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB; send a shorter one.",
+                code="request_too_large",
+                status=413,
+            )
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    if not data:
+        raise BadRequest("The request body is empty: send a JSON object.", code="invalid_json")
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(
+            f"The request body is not valid JSON ({exc}); send a JSON object.", code="invalid_json"
+        ) from exc

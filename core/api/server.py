@@ -1,0 +1,278 @@
+"""The HTTP server: bind checks, the address file, :class:`ApiServer`, and ``timeshare serve``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+from starlette.applications import Starlette
+
+from .. import paths
+from ..config.schema import ApiConfig, Config
+from ..config.validate import is_loopback
+from ..errors import (
+    ArenaError,
+    ConfigError,
+)
+from ..pool.supervisor import Pool
+from .errors import ApiBindError, BadRequest
+from .handlers import create_app
+
+log = logging.getLogger(__name__)
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+
+def check_bind_allowed(api_config: ApiConfig) -> None:
+    """Refuse a non-loopback bind without a key (anyone on the network could use the models)."""
+    if not is_loopback(api_config.host) and not api_config.key:
+        raise ConfigError(
+            [
+                f"api.host: {api_config.host!r} is not a loopback address, and no api.key is set. "
+                "Set api.key (clients then send 'Authorization: Bearer <key>') before serving on other "
+                "interfaces, or bind to 127.0.0.1."
+            ]
+        )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ApiBindError(
+            f"Cannot resolve the API host {host!r} ({exc}); check api.host or --host."
+        ) from exc
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ApiBindError(
+            f"Cannot listen on {host}:{port} ({exc.strerror or exc}); pick another port with --port or "
+            "api.port, or stop the program that uses it."
+        ) from exc
+    sock.set_inheritable(False)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    shown = f"[{host.strip('[]')}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def write_address_file(url: str, key_required: bool, path: Path | None = None) -> Path:
+    """Record the running API's address (mode 0600, atomically) so the CLI finds it without flags."""
+    target = path or paths.api_address_file()
+    record = {"url": url, "pid": os.getpid(), "key_required": key_required, "started": time.time()}
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.write("\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def remove_address_file(path: Path | None = None) -> None:
+    """Remove the address file if it is still this process's (a newer instance may have replaced it)."""
+    target = path or paths.api_address_file()
+    try:
+        record = json.loads(target.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(record, dict) and record.get("pid") == os.getpid():
+        with contextlib.suppress(OSError):
+            target.unlink()
+
+
+class ApiServer:
+    """uvicorn on a background thread (for the tray app and ``timeshare serve``).
+
+    ``start()`` binds (port 0 picks a free port; see ``port`` / ``url``), serves, and records the
+    address in ``paths.api_address_file()``; ``stop()`` shuts down and removes the record.
+    """
+
+    def __init__(self, pool: Pool, api_config: ApiConfig, *, address_file: Path | None = None) -> None:
+        self.pool = pool
+        self.api_config = api_config
+        self.address_file = address_file
+        self.app: Starlette | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self._crash: BaseException | None = None
+        self.port: int | None = None
+        self.url: str | None = None
+
+    def start(self, timeout: float = 15.0) -> str:
+        check_bind_allowed(self.api_config)
+        self._sock = _bind(self.api_config.host, self.api_config.port)
+        self.port = int(self._sock.getsockname()[1])
+        self.url = _url(self.api_config.host, self.port)
+        self.app = create_app(self.pool, self.api_config)
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=3,
+            timeout_keep_alive=5,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="timeshare-api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise ApiBindError(
+                    f"The API server did not start on {self.url} ({self._crash or 'timed out'})."
+                )
+            time.sleep(0.02)
+        write_address_file(self.url, bool(self.api_config.key), self.address_file)
+        log.info("API listening on %s%s", self.url, " (key required)" if self.api_config.key else "")
+        return self.url
+
+    def _run(self) -> None:
+        assert self._server is not None and self._sock is not None
+        try:
+            self._server.run(sockets=[self._sock])
+        except BaseException as exc:  # uvicorn exits with SystemExit on startup failures
+            self._crash = exc
+            log.error("API server stopped: %r", exc)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        remove_address_file(self.address_file)
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive() and self._server is not None:
+                self._server.force_exit = True
+                self._thread.join(timeout)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.app is not None:
+            self.app.state.unsubscribe()
+            self.app = None
+
+
+# ---- `timeshare serve` -------------------------------------------------------------------------
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _load(args: argparse.Namespace) -> Config:
+    from ..config.files import load_config
+
+    config_path = getattr(args, "config", None)
+    return load_config(Path(config_path).expanduser() if config_path else None, must_exist=bool(config_path))
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """``timeshare serve``: the pool and the API in the foreground until SIGINT/SIGTERM."""
+    _setup_logging(bool(getattr(args, "verbose", False)))
+    try:
+        config = _load(args)
+        host = getattr(args, "host", None)
+        port = getattr(args, "port", None)
+        api_config = dataclasses.replace(
+            config.api,
+            host=host if host is not None else config.api.host,
+            port=port if port is not None else config.api.port,
+        )
+        if not 0 <= api_config.port <= 65535:
+            raise ConfigError([f"--port: {api_config.port} is not a port number (0..65535)"])
+        check_bind_allowed(api_config)
+    except ConfigError as exc:
+        print(f"timeshare serve: {exc}", file=sys.stderr)
+        return 2
+    if not config.models:
+        notice = str(getattr(config, "notice", "") or "")
+        print(
+            "timeshare serve: no models are configured. "
+            f"{notice or f'Add [[models]] to {paths.config_file()}.'} "
+            "Serving an empty pool.",
+            file=sys.stderr,
+        )
+
+    from ..pool.supervisor import Pool
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    pool = Pool(config)
+    server = ApiServer(pool, api_config)
+    try:
+        url = server.start()  # bind first: a port in use fails before any worker is spawned
+        pool.start()
+        print(
+            f"Timeshare API on {url}/v1 — models: {', '.join(m.id for m in config.models) or 'none'}",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            if not server.running:
+                print(
+                    "timeshare serve: the API server stopped unexpectedly; see the log above.",
+                    file=sys.stderr,
+                )
+                return 1
+        log.info("stopping")
+        return 0
+    except (ArenaError, ConfigError, ApiBindError) as exc:
+        print(f"timeshare serve: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        server.stop()
+        pool.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+__all__: Sequence[str] = (
+    "ApiBindError",
+    "ApiServer",
+    "BadRequest",
+    "check_bind_allowed",
+    "create_app",
+    "is_loopback",
+    "serve_main",
+    "write_address_file",
+)

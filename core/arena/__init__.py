@@ -1,0 +1,32 @@
+"""The VRAM arena: one GPU token that worker processes pass between them.
+
+Layout of an arena directory (mode 0700, owned by the user, never reached through a symlink):
+
+    token        the token: whoever holds an exclusive ``flock`` on it may have weights on the GPU
+    holder       JSON record of the holder (model, pid, since, pinned), written atomically by it
+    seq          ticket counter, incremented under ``flock``
+    waiters/     one ticket file per process that wants the token: ``<seq>-<pid>-<model>``
+
+Why tickets: ``flock`` is not FIFO (a holder may re-take the lock it just dropped) and dropping it
+makes no inotify event. So a waiter takes a ticket (the counter is bumped and the ticket file is
+created under the counter's lock, so ticket order is creation order); only the head of the queue
+calls ``flock``, the others watch ``waiters/`` until every ticket ahead of theirs is gone. The head
+removes its ticket once it holds the token, which lets the next one in.
+
+Liveness: each ticket file is ``flock``-ed by its owner for as long as it waits (the lock is taken
+on a temporary name before the file is renamed into ``waiters/``, so it is never seen unlocked).
+A ticket whose lock anyone can take belongs to a dead process and is swept by whoever scans.
+The kernel drops the token's lock when its holder dies, so a crash never wedges the arena; a
+holder record whose pid is dead is ignored by :func:`read_holder`.
+
+The doorbell: the holder watches ``waiters/`` (inotify IN_CREATE, IN_MOVED_TO, IN_DELETE,
+IN_MOVED_FROM, IN_Q_OVERFLOW; a rescan right after adding the watch and every
+``RESCAN_INTERVAL_S``) and rings a callback when another process waits, and again every
+``RING_REPEAT_S`` for as long as anyone waits (level-triggered, so a dropped ring is not a lost
+waiter). Where inotify does not exist (or cannot be set up) the same protocol runs by polling
+the directory.
+
+Threads: a :class:`TokenClient` waits for the token on a helper thread (the worker's loop thread
+stays free for status and cancel) and watches the doorbell on a warden thread; both only call
+back, they never touch anything of the worker's.
+"""

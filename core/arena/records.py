@@ -1,0 +1,105 @@
+"""The arena directory's file names and the records kept in it (tickets, the holder record, grants)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ..errors import ArenaError
+
+TOKEN_FILE = "token"
+HOLDER_FILE = "holder"
+SEQ_FILE = "seq"
+WAITERS_DIR = "waiters"
+
+#: how often waiters and the doorbell rescan ``waiters/`` even without an event (a ticket created
+#: before the watch existed, a waiter killed with -9: its file does not go away by itself)
+RESCAN_INTERVAL_S = 0.5
+#: while this client holds the token and someone waits, the doorbell rings again this often
+RING_REPEAT_S = 0.2
+#: directory polling period of the polling backend
+POLL_INTERVAL_S = 0.02
+
+Backend = Literal["auto", "inotify", "poll"]
+
+_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9._#+@=-]{1,120}$")
+_TICKET_RE = re.compile(r"^(\d{1,20})-(\d{1,10})-(.+)$")
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_O_FILE = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafeArenaError(ArenaError):
+    """The arena directory cannot be trusted (owner, mode, symlink) or used (not a directory)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"refusing the arena directory {path}: {reason}. Use a directory only you own and only you "
+            f"can write (chmod 700), or point TIMESHARE_VRAM_ARENA or arena.dir in the config elsewhere."
+        )
+
+
+# ---- records ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Ticket:
+    """A place in the queue for the token. Order is the order of ``seq``."""
+
+    seq: int
+    pid: int
+    model: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.seq:012d}-{self.pid}-{self.model}"
+
+    @classmethod
+    def parse(cls, name: str) -> Ticket | None:
+        match = _TICKET_RE.match(name)
+        if not match:
+            return None
+        return cls(int(match.group(1)), int(match.group(2)), match.group(3))
+
+
+@dataclass(frozen=True)
+class HolderRecord:
+    """Who holds the GPU token. ``since`` is wall-clock (for people), ``since_monotonic`` is
+    ``time.monotonic()`` of the holder (CLOCK_MONOTONIC: comparable across processes on Linux)."""
+
+    model: str
+    pid: int
+    since: float
+    since_monotonic: float
+    pinned: bool = False
+
+    def describe(self) -> str:
+        return f"pinned by {self.model}" if self.pinned else f"held by {self.model}"
+
+
+@dataclass(frozen=True)
+class TokenGrant:
+    """The token was acquired. ``handoff`` is True when another process held it or was ahead in the
+    queue when it was requested (``wait_ms`` then measures doorbell rung → token acquired)."""
+
+    model: str
+    requested_at: float
+    acquired_at: float
+    handoff: bool
+    previous: str | None  # model that held the token when it was requested
+
+    @property
+    def wait_ms(self) -> float:
+        return (self.acquired_at - self.requested_at) * 1000.0
+
+
+@dataclass(frozen=True)
+class DoorbellRing:
+    """Other processes wait for the token this client holds (or is about to hold)."""
+
+    waiters: tuple[Ticket, ...]
+    at: float  # time.monotonic() of the scan that saw them

@@ -1,0 +1,294 @@
+"""The config file: TOML parsing, defaults, loading, and atomic writes that keep the user's comments."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from .. import paths
+from ..errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib  # type: ignore[import-not-found]
+
+from .schema import Config, ModelConfig
+from .validate import _no_models_notice, validate
+
+log = logging.getLogger(__name__)
+
+
+def parse_toml(text: str, *, path: str | Path | None = None) -> dict[str, Any]:
+    """Parse TOML text; a syntax error becomes a ConfigError that names the line and column."""
+    try:
+        parsed: dict[str, Any] = tomllib.loads(text)
+        return parsed
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            [f"TOML syntax error: {exc} — fix the file (or move it aside to start from defaults)"],
+            path=str(path) if path is not None else None,
+        ) from exc
+
+
+def default_config() -> Config:
+    """The configuration used when there is no config file: the demo models when installed."""
+    from . import demo  # demo imports this module: import it late
+
+    try:
+        models = demo.demo_model_configs()
+    except (demo.DemoUnavailable, OSError) as exc:
+        log.warning("demo models unavailable: %s", exc)
+        models = ()
+    if not models:
+        return Config(notice=_no_models_notice(None))
+    return Config(models=models)
+
+
+def load_config(
+    path: str | Path | None = None, *, check_paths: bool = True, must_exist: bool = False
+) -> Config:
+    """Load and validate the config file (default: ``paths.config_file()``).
+
+    A missing file gives :func:`default_config`, unless ``must_exist`` (a path the user named on
+    the command line: a typo must not silently serve the defaults). Anything wrong raises
+    ConfigError with every problem and the file's path; the file itself is never modified.
+    """
+    target = Path(path).expanduser() if path is not None else paths.config_file()
+    try:
+        data = target.read_bytes()
+    except FileNotFoundError as exc:
+        if must_exist:
+            raise ConfigError(
+                ["does not exist: check the path given with --config (leave it out to use the default file)"],
+                path=str(target),
+            ) from exc
+        log.info("no config file at %s: using defaults", target)
+        return default_config()
+    except IsADirectoryError as exc:
+        raise ConfigError(["is a directory, not a TOML file"], path=str(target)) from exc
+    except OSError as exc:
+        raise ConfigError(
+            [f"cannot be read ({exc.strerror}): check its permissions"], path=str(target)
+        ) from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"is not UTF-8 text (bad byte at offset {exc.start}): save it as UTF-8"], path=str(target)
+        ) from exc
+    raw = parse_toml(text, path=target)
+    return validate(raw, path=target, check_paths=check_paths)
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+_HEADER = """\
+Timeshare configuration. Written by Timeshare's settings; comments you add are kept where
+practical. Every key is documented in resources/config.example.toml.
+"""
+
+
+def _section_dict(obj: Any, skip_none: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if value is None and skip_none:
+            continue
+        out[f.name] = value
+    return out
+
+
+def _model_dict(model: ModelConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(model):
+        value = getattr(model, f.name)
+        if f.name == "idle_sleep_s":
+            out[f.name] = False if value is None else value
+        elif value is None or (f.name in ("name", "licence") and value == ""):
+            continue
+        else:
+            out[f.name] = value
+    return out
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """The config as plain TOML-ready data (None values left out; ``idle_sleep_s = false`` = never)."""
+    return {
+        "general": _section_dict(config.general),
+        "arena": _section_dict(config.arena),
+        "api": _section_dict(config.api),
+        "models": [_model_dict(m) for m in config.models],
+    }
+
+
+def config_to_toml(config: Config) -> str:
+    """A fresh TOML document for ``config`` (no user comments to keep)."""
+    import tomlkit
+
+    doc = tomlkit.document()
+    for line in _HEADER.splitlines():
+        doc.add(tomlkit.comment(line))
+    doc.add(tomlkit.nl())
+    data = config_to_dict(config)
+    for section in ("general", "arena", "api"):
+        table = tomlkit.table()
+        for key, value in data[section].items():
+            table.add(key, value)
+        doc.add(section, table)
+    aot = tomlkit.aot()
+    for model in data["models"]:
+        table = tomlkit.table()
+        for key, value in model.items():
+            table.add(key, value)
+        aot.append(table)
+    if data["models"]:
+        doc.add("models", aot)
+    return tomlkit.dumps(doc)
+
+
+def _update_table(table: Any, wanted: Mapping[str, Any]) -> None:
+    """Make a tomlkit table hold exactly ``wanted``, touching only keys that change (keeps comments)."""
+    for key in [k for k in table if k not in wanted]:
+        del table[key]
+    for key, value in wanted.items():
+        if key in table and _plain(table[key]) == value and type(_plain(table[key])) is type(value):
+            continue
+        table[key] = value
+
+
+def _plain(item: Any) -> Any:
+    unwrap = getattr(item, "unwrap", None)
+    return unwrap() if callable(unwrap) else item
+
+
+def _keep_spelling(table: Any, key: str, wanted: dict[str, Any], base_dir: Path) -> None:
+    """Keep the user's spelling of a path ("~/models/x.gguf", "models/x.gguf") when it still
+    names the same file as the new absolute value."""
+    old = _plain(table.get(key)) if key in table else None
+    new = wanted.get(key)
+    if isinstance(old, str) and isinstance(new, str) and old != new:
+        resolved = Path(old).expanduser()
+        if not resolved.is_absolute():
+            resolved = base_dir / resolved
+        if str(resolved) == new:
+            wanted[key] = old
+
+
+def _merge_into_existing(text: str, config: Config, base_dir: Path) -> str | None:
+    """Update an existing document in place so comments and layout survive; None if it can't be."""
+    import tomlkit
+    from tomlkit.exceptions import TOMLKitError
+
+    try:
+        doc = tomlkit.parse(text)
+    except TOMLKitError:
+        return None
+    data = config_to_dict(config)
+    for section in ("general", "arena", "api"):
+        if section in doc:
+            if not isinstance(doc[section], Mapping):
+                return None
+            if section == "arena":
+                _keep_spelling(doc[section], "dir", data[section], base_dir)
+            _update_table(doc[section], data[section])
+        else:
+            fresh = tomlkit.table()
+            for key, value in data[section].items():
+                fresh.add(key, value)
+            doc[section] = fresh
+    old = doc.get("models")
+    old_tables: dict[str, Any] = {}
+    if old is not None:
+        if not isinstance(old, list):
+            return None
+        for old_table in old:
+            if isinstance(old_table, Mapping) and isinstance(old_table.get("id"), str):
+                old_tables.setdefault(str(old_table["id"]), old_table)
+    new_aot = tomlkit.aot()
+    for model in data["models"]:
+        table: Any = old_tables.get(model["id"])
+        if table is None:
+            table = tomlkit.table()
+        else:
+            _keep_spelling(table, "path", model, base_dir)
+        _update_table(table, model)
+        new_aot.append(table)
+    if "models" in doc:
+        del doc["models"]
+    if data["models"]:
+        doc["models"] = new_aot
+    return tomlkit.dumps(doc)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(target: Path, text: str, *, backup: bool = True, mode: int = 0o600) -> None:
+    """Write ``text`` to ``target`` so that a crash leaves either the old or the new file, whole.
+
+    A temp file in the same folder is written and fsynced, then renamed over the target. With
+    ``backup``, the previous version is kept as ``<name>.bak`` (itself replaced atomically).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if backup and target.is_file():
+        fd, bak_tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".bak-tmp")
+        os.close(fd)
+        try:
+            shutil.copy2(target, bak_tmp)
+            os.replace(bak_tmp, target.with_name(target.name + ".bak"))
+        finally:
+            if os.path.exists(bak_tmp):
+                os.unlink(bak_tmp)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(target.parent)
+
+
+def save_config(config: Config, path: str | Path | None = None, *, check_paths: bool = False) -> Path:
+    """Validate ``config`` and write it atomically (default: ``paths.config_file()``).
+
+    Comments and layout of an existing, parseable file are kept (only changed keys are rewritten;
+    models are matched by id); the previous file is kept as ``config.toml.bak``. An invalid config
+    raises ConfigError and writes nothing. Returns the path written.
+    """
+    target = Path(path).expanduser() if path is not None else paths.config_file()
+    validate(config_to_dict(config), path=target, check_paths=check_paths)
+    text: str | None = None
+    try:
+        existing = target.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        existing = None
+    if existing is not None:
+        text = _merge_into_existing(existing, config, target.expanduser().resolve().parent)
+    if text is None:
+        text = config_to_toml(config)
+    atomic_write_text(target, text)
+    log.info("config saved to %s", target)
+    return target

@@ -1,0 +1,84 @@
+"""The settings contract: the dataclasses every layer codes against."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+IdleRelease = Literal["weights", "weights+kv", "stop"]
+HostShadow = Literal["pinned", "pageable"]
+ChatFormat = Literal["auto", "template", "fallback"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    id: str  # stable identifier, used by the API's `model` field: [a-z0-9._-]+
+    path: str  # GGUF file
+    name: str = ""  # display name; defaults to id
+    n_ctx: int = 2048  # context tokens per conversation sequence
+    n_gpu_layers: int = -1  # -1: all layers (ignored by a CPU build)
+    n_seq: int = 4  # conversations kept live in the worker's KV cache (LRU beyond)
+    chat_template: str | None = None  # Jinja override; None: the GGUF's own, or the fallback format
+    chat_format: ChatFormat = "auto"  # auto: the GGUF's template if it has one, else the fallback
+    pinned: bool = False  # a pinned model keeps the GPU once it has it
+    idle_sleep_s: float | None = 600.0  # None: never release on idle
+    idle_release: IdleRelease = "weights"
+    host_shadow: HostShadow = "pinned"
+    licence: str = ""  # shown in model lists (filled for the demo models)
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.id
+
+
+@dataclass(frozen=True)
+class ArenaConfig:
+    dir: str | None = None  # None: platformdirs runtime dir /arena (or $TIMESHARE_VRAM_ARENA)
+    min_quantum_ms: float = 250.0  # a busy holder keeps the GPU at least this long before yielding
+    wait_timeout_s: float = 300.0  # a request waiting longer for the GPU fails with a clear error
+    # a restore that meets out-of-device-memory keeps the token and tries again this long (a killed
+    # holder's memory comes back a little after the kernel dropped its flock) before failing
+    restore_oom_retry_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8385
+    key: str | None = None  # bearer key; required for non-loopback binds
+    queue_limit: int = 16  # per model; beyond it the API answers 429
+
+
+@dataclass(frozen=True)
+class GeneralConfig:
+    start_at_login: bool = False
+    prewake_on_typing: bool = True  # focusing/typing in a chat pre-wakes its model
+
+
+@dataclass(frozen=True)
+class Config:
+    models: tuple[ModelConfig, ...] = ()
+    arena: ArenaConfig = field(default_factory=ArenaConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    general: GeneralConfig = field(default_factory=GeneralConfig)
+    # Not saved: a sentence for the UI/CLI when the pool is empty (no config and no demo models).
+    notice: str = field(default="", compare=False)
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+def suggest_model_id(name: str, taken: Iterable[str] = ()) -> str:
+    """A valid, unused model id derived from a display name or file name."""
+    base = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-._") or "model"
+    base = base[:64]
+    used = set(taken)
+    if base not in used:
+        return base
+    n = 2
+    while f"{base}-{n}" in used:
+        n += 1
+    return f"{base}-{n}"

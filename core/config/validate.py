@@ -1,0 +1,348 @@
+"""Validation of a parsed config into a :class:`~.schema.Config`, with field-path errors."""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any, get_args
+
+from .. import paths
+from ..errors import ConfigError
+from ..modelfile import GGUF_MAGIC
+from .schema import (
+    ApiConfig,
+    ArenaConfig,
+    ChatFormat,
+    Config,
+    GeneralConfig,
+    HostShadow,
+    IdleRelease,
+    ModelConfig,
+)
+
+# ---- loading and validation ----------------------------------------------------------------
+
+MODEL_ID_RE = re.compile(r"^[a-z0-9._-]+$")
+
+NO_MODELS_MESSAGE = (
+    "No models are configured and the demo models are not installed: add a GGUF model in "
+    "Settings (or a [[models]] entry in {path}), or install the demo models with `make run`."
+)
+
+_SECTIONS = ("general", "arena", "api", "models")
+
+
+def _fields_of(cls: type) -> dict[str, Any]:
+    return {f.name: f for f in fields(cls)}
+
+
+def _hint(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _type_name(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return type(value).__name__
+
+
+class _Checker:
+    """Collects every problem of one config (not just the first) as field-path messages."""
+
+    def __init__(self, base_dir: Path | None, check_paths: bool) -> None:
+        self.problems: list[str] = []
+        self.base_dir = base_dir
+        self.check_paths = check_paths
+
+    def problem(self, where: str, message: str) -> None:
+        self.problems.append(f"{where}: {message}")
+
+    def fields(
+        self, where: str, table: Mapping[str, object], checks: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], bool]:
+        """Run ``checks[key](field_path, value)`` for each key present in ``table``; a value is kept
+        only when its check added no problem. Returns the kept values and whether all passed."""
+        values: dict[str, Any] = {}
+        ok = True
+        for key, check in checks.items():
+            if key in table:
+                before = len(self.problems)
+                value = check(f"{where}.{key}", table[key])
+                if len(self.problems) > before:
+                    ok = False
+                else:
+                    values[key] = value
+        return values, ok
+
+    def unknown_keys(self, where: str, table: Mapping[str, object], known: Iterable[str]) -> None:
+        known = list(known)
+        for key in table:
+            if key not in known:
+                self.problem(f"{where}{key}", "unknown key" + _hint(key, known))
+
+    def boolean(self, where: str, value: object) -> bool | None:
+        if isinstance(value, bool):
+            return value
+        self.problem(where, f"must be true or false, not {_type_name(value)}")
+        return None
+
+    def integer(
+        self, where: str, value: object, minimum: int | None = None, maximum: int | None = None
+    ) -> int | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problem(where, f"must be an integer, not {_type_name(value)}")
+            return None
+        if minimum is not None and value < minimum:
+            self.problem(where, "must be > 0" if minimum == 1 else f"must be >= {minimum}")
+            return None
+        if maximum is not None and value > maximum:
+            self.problem(where, f"must be <= {maximum}")
+            return None
+        return value
+
+    def number(self, where: str, value: object, minimum: float = 0.0, strict: bool = False) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.problem(where, f"must be a number, not {_type_name(value)}")
+            return None
+        if value != value or value in (float("inf"), float("-inf")):
+            self.problem(where, "must be a finite number")
+            return None
+        if (strict and value <= minimum) or value < minimum:
+            self.problem(where, f"must be {'>' if strict else '>='} {minimum:g}")
+            return None
+        return float(value)
+
+    def string(self, where: str, value: object, allow_empty: bool = True) -> str | None:
+        if not isinstance(value, str):
+            self.problem(where, f"must be a string, not {_type_name(value)}")
+            return None
+        if not allow_empty and not value.strip():
+            self.problem(where, "must not be empty")
+            return None
+        return value
+
+    def choice(self, where: str, value: object, allowed: tuple[str, ...]) -> str | None:
+        if not isinstance(value, str) or value not in allowed:
+            shown = f"{value!r}" if isinstance(value, str) else _type_name(value)
+            self.problem(where, f"must be one of {', '.join(repr(a) for a in allowed)}, not {shown}")
+            return None
+        return value
+
+    def model_path(self, where: str, value: object) -> str | None:
+        text = self.string(where, value, allow_empty=False)
+        if text is None:
+            return None
+        path = Path(text).expanduser()
+        if not path.is_absolute() and self.base_dir is not None:
+            path = self.base_dir / path
+        if self.check_paths:
+            if not path.exists():
+                self.problem(where, f"{path} does not exist: fix the path or remove this model")
+                return None
+            if not path.is_file():
+                self.problem(where, f"{path} is not a regular file (a GGUF model file is expected)")
+                return None
+            try:
+                with path.open("rb") as f:
+                    magic = f.read(4)
+            except OSError as exc:
+                self.problem(where, f"{path} cannot be read ({exc.strerror}): check its permissions")
+                return None
+            if magic != GGUF_MAGIC:
+                self.problem(
+                    where,
+                    f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
+                    "pick the .gguf file itself",
+                )
+                return None
+        return str(path)
+
+
+def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
+    where = f"models[{i}]"
+    if not isinstance(raw, Mapping):
+        c.problem(where, f"must be a table ([[models]]), not {_type_name(raw)}")
+        return None
+    known = _fields_of(ModelConfig)
+    c.unknown_keys(f"{where}.", raw, known)
+    values: dict[str, Any] = {}
+    ok = True
+    for key in ("id", "path"):
+        if key not in raw:
+            c.problem(f"{where}.{key}", "is required")
+            ok = False
+    if "id" in raw:
+        model_id = c.string(f"{where}.id", raw["id"], allow_empty=False)
+        if model_id is not None and not MODEL_ID_RE.match(model_id):
+            c.problem(
+                f"{where}.id",
+                f"{model_id!r} may contain only lowercase letters, digits, '.', '_' and '-'",
+            )
+            model_id = None
+        ok = ok and model_id is not None
+        values["id"] = model_id
+    if "path" in raw:
+        values["path"] = c.model_path(f"{where}.path", raw["path"])
+        ok = ok and values["path"] is not None
+    checks: dict[str, Any] = {
+        "name": lambda w, v: c.string(w, v),
+        "n_ctx": lambda w, v: c.integer(w, v, minimum=1),
+        "n_gpu_layers": lambda w, v: c.integer(w, v, minimum=-1),
+        "n_seq": lambda w, v: c.integer(w, v, minimum=1, maximum=256),
+        "chat_template": lambda w, v: c.string(w, v, allow_empty=False),
+        "chat_format": lambda w, v: c.choice(w, v, get_args(ChatFormat)),
+        "pinned": lambda w, v: c.boolean(w, v),
+        "idle_sleep_s": _idle_sleep_checker(c),
+        "idle_release": lambda w, v: c.choice(w, v, get_args(IdleRelease)),
+        "host_shadow": lambda w, v: c.choice(w, v, get_args(HostShadow)),
+        "licence": lambda w, v: c.string(w, v),
+    }
+    checked, all_ok = c.fields(where, raw, checks)
+    values.update(checked)
+    if not (ok and all_ok):
+        return None
+    return ModelConfig(**values)
+
+
+def _idle_sleep_checker(c: _Checker) -> Any:
+    def check(where: str, value: object) -> float | None:
+        # TOML has no null: `false` (or "never") means "never release on idle".
+        if value is False or value == "never":
+            return None
+        if value is True:
+            c.problem(where, "must be a number of seconds, or false for never")
+            return None
+        return c.number(where, value, minimum=0.0)
+
+    return check
+
+
+def _check_section(c: _Checker, name: str, raw: object, cls: type, checks: dict[str, Any]) -> Any:
+    if not isinstance(raw, Mapping):
+        c.problem(name, f"must be a table ([{name}]), not {_type_name(raw)}")
+        return cls()
+    c.unknown_keys(f"{name}.", raw, _fields_of(cls))
+    values, _ = c.fields(name, raw, checks)
+    return cls(**values)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (a loopback address or a localhost name)."""
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def validate(
+    raw: Mapping[str, object],
+    *,
+    path: str | Path | None = None,
+    check_paths: bool = True,
+) -> Config:
+    """Check a parsed config (a TOML document as a dict) and build a :class:`Config`.
+
+    Raises ConfigError listing every problem as ``field.path: message``. Relative model paths are
+    resolved against the config file's folder. ``check_paths=False`` skips the model-file checks
+    (used for the example config and for writing a config whose drive is not mounted now).
+    """
+    where = str(path) if path is not None else None
+    base_dir = Path(path).expanduser().resolve().parent if path is not None else None
+    c = _Checker(base_dir, check_paths)
+    if not isinstance(raw, Mapping):
+        raise ConfigError([f"the configuration must be a table, not {_type_name(raw)}"], path=where)
+    c.unknown_keys("", raw, _SECTIONS)
+
+    general = _check_section(
+        c,
+        "general",
+        raw.get("general", {}),
+        GeneralConfig,
+        {"start_at_login": c.boolean, "prewake_on_typing": c.boolean},
+    )
+    arena = _check_section(
+        c,
+        "arena",
+        raw.get("arena", {}),
+        ArenaConfig,
+        {
+            "dir": lambda w, v: c.string(w, v, allow_empty=False),
+            "min_quantum_ms": lambda w, v: c.number(w, v, minimum=0.0),
+            "wait_timeout_s": lambda w, v: c.number(w, v, minimum=0.0, strict=True),
+            "restore_oom_retry_s": lambda w, v: c.number(w, v, minimum=0.0),
+        },
+    )
+    if isinstance(arena.dir, str):
+        arena = replace(arena, dir=str(Path(arena.dir).expanduser()))
+    api = _check_section(
+        c,
+        "api",
+        raw.get("api", {}),
+        ApiConfig,
+        {
+            "enabled": c.boolean,
+            "host": lambda w, v: c.string(w, v, allow_empty=False),
+            "port": lambda w, v: c.integer(w, v, minimum=1, maximum=65535),
+            "key": lambda w, v: c.string(w, v, allow_empty=False),
+            "queue_limit": lambda w, v: c.integer(w, v, minimum=1),
+        },
+    )
+    api_raw = raw.get("api", {})
+    if (
+        isinstance(api_raw, Mapping)
+        and not any(p.startswith(("api.host", "api.key")) for p in c.problems)
+        and not is_loopback(api.host)
+        and not api.key
+    ):
+        c.problem(
+            "api.key",
+            f"is required when api.host is {api.host!r} (reachable from other machines): "
+            "set a key, or bind to 127.0.0.1",
+        )
+
+    models: list[ModelConfig] = []
+    raw_models = raw.get("models", [])
+    if not isinstance(raw_models, list):
+        c.problem("models", f"must be an array of tables ([[models]]), not {_type_name(raw_models)}")
+        raw_models = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(raw_models):
+        model = _check_model(c, i, entry)
+        if isinstance(entry, Mapping) and isinstance(entry.get("id"), str):
+            model_id = entry["id"]
+            if model_id in seen:
+                c.problem(f"models[{i}].id", f"{model_id!r} is already used by models[{seen[model_id]}]")
+                model = None
+            else:
+                seen[model_id] = i
+        if model is not None:
+            models.append(model)
+
+    if c.problems:
+        raise ConfigError(c.problems, path=where)
+    config = Config(models=tuple(models), arena=arena, api=api, general=general)
+    if not models:
+        config = replace(config, notice=_no_models_notice(path))
+    return config
+
+
+def _no_models_notice(path: str | Path | None) -> str:
+    shown = path if path is not None else paths.config_file()
+    return NO_MODELS_MESSAGE.format(path=shown)

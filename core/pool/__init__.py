@@ -1,0 +1,14 @@
+"""The pool: the supervisor of the model workers, in the app process (no Qt, no llama objects).
+
+One worker process per configured model (``python -m timeshare.core.worker``), spawned with a clean
+environment, talking ``core/protocol.py`` over a socketpair. One **pool thread** owns every piece of
+pool state (workers, request queues, timers); everyone else talks to it through its inbox:
+
+- public methods (``generate``, ``pin``, ``sleep`` ...) post a call and wait for its answer;
+- one reader thread per worker posts each message it reads, then the worker's exit;
+- timers (restart backoff, idle release, stop escalation) run on the pool thread itself.
+
+After every change the pool thread publishes a new frozen :class:`PoolSnapshot` (read by
+``snapshot()`` from any thread) and queues a :class:`PoolEvent`; an event thread hands events to
+subscribers, so a slow subscriber never stalls the workers' streams.
+"""

@@ -1,0 +1,92 @@
+"""The handle a caller holds for one answer: streamed pieces, then the result."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import TimeshareError
+from ..state import SwitchStats
+from ..stream import TextStream
+from ..worker import protocol
+from .supervisor import Pool
+
+# ---- generation handle ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    model: str
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    usage: protocol.Usage
+    switch: SwitchStats
+
+
+class Generation:
+    """A request to one model: iterate it for streamed text pieces, or wait for ``result()``.
+
+    The iterator blocks; it ends when the generation ends and raises the worker's error (a
+    TimeshareError) if it failed. ``cancel()`` may be called from any thread at any time.
+    """
+
+    def __init__(self, pool: Pool, model: str, request: protocol.Generate) -> None:
+        self.model = model
+        self.request = request
+        self._pool = pool
+        self._stream = TextStream()
+        self._parts: list[str] = []
+        self._result: GenerationResult | None = None
+        self.cancelled = False
+        # pool-thread bookkeeping
+        self._sent_at = 0.0
+
+    @property
+    def req(self) -> str:
+        return self.request.req
+
+    @property
+    def done(self) -> bool:
+        return self._stream.done
+
+    @property
+    def text(self) -> str:
+        """The text streamed so far."""
+        return "".join(list(self._parts))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stream)
+
+    def cancel(self) -> None:
+        """Stop generating; ``result()`` then reports finish_reason "cancelled" (or the text so far)."""
+        if self._stream.done or self.cancelled:
+            return
+        self.cancelled = True
+        self._pool._post(self._pool._cancel, self)
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        if not self._stream.wait(timeout):
+            raise TimeoutError(f"{self.model} did not finish request {self.req} within {timeout} s")
+        if self._stream.error is not None:
+            raise self._stream.error
+        assert self._result is not None
+        return self._result
+
+    # -- called on the pool thread only --
+
+    def _feed(self, text: str) -> None:
+        if text:
+            self._parts.append(text)
+            self._stream.put(text)
+
+    def _finish(self, finish_reason: str, usage: protocol.Usage, switch: SwitchStats) -> None:
+        if self._stream.done:
+            return
+        self._result = GenerationResult(self.model, "".join(self._parts), finish_reason, usage, switch)
+        self._stream.close()
+
+    def _fail(self, error: TimeshareError) -> None:
+        self._stream.close(error)
+
+    def _finish_cancelled(self) -> None:
+        self._finish("cancelled", protocol.Usage(0, 0, 0), SwitchStats(switched=False))
