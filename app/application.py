@@ -19,18 +19,19 @@ from typing import Any
 from PySide6.QtCore import QObject, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
-from timeshare.app import autostart, icons
-from timeshare.app.bridge import PoolBridge
-from timeshare.app.chat_window import ChatWindow
-from timeshare.app.menu_model import Action, Command
-from timeshare.app.qt_compat import emit
-from timeshare.app.settings import SettingsDialog, problems_text
-from timeshare.app.single_instance import SingleInstance
-from timeshare.app.tray import Tray
-from timeshare.core import paths
-from timeshare.core.config import files as config_files
-from timeshare.core.config.schema import Config
-from timeshare.core.errors import ConfigError, TimeshareError
+
+from ..core import paths
+from ..core.config import files as config_files
+from ..core.config.schema import Config
+from ..core.errors import ConfigError, TimeshareError
+from . import autostart, icons
+from .bridge import PoolBridge
+from .chat_window import ChatWindow
+from .menu_model import Action, Command
+from .qt_compat import emit
+from .settings import SettingsDialog, problems_text
+from .single_instance import SingleInstance
+from .tray import Tray
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class TimeshareApp(QObject):
             return
         factory = self._api_factory
         if factory is None:
-            from timeshare.core.api.server import ApiServer
+            from ..core.api.server import ApiServer
 
             factory = ApiServer
         try:
@@ -340,9 +341,9 @@ def run(args: argparse.Namespace) -> int:
             "Fix the file (it was not changed) and start Timeshare again.",
         )
 
-    from timeshare.core.chat import ChatService
-    from timeshare.core.pool.supervisor import Pool
-    from timeshare.core.store import Store
+    from ..core.chat import ChatService
+    from ..core.pool.supervisor import Pool
+    from ..core.store import Store
 
     try:
         store = Store()

@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, Signal, Slot
-from timeshare.app.qt_compat import emit
-from timeshare.core.errors import TimeshareError
-from timeshare.core.state import EventKind, PoolEvent, PoolSnapshot
+
+from ..core.errors import TimeshareError
+from ..core.state import EventKind, PoolEvent, PoolSnapshot
+from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 

@@ -34,12 +34,13 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from timeshare.app import icons
-from timeshare.app.bridge import PoolBridge
-from timeshare.app.menu_model import display_state
-from timeshare.app.qt_compat import emit
-from timeshare.core.errors import TimeshareError
-from timeshare.core.state import ModelState, PoolSnapshot
+
+from ..core.errors import TimeshareError
+from ..core.state import ModelState, PoolSnapshot
+from . import icons
+from .bridge import PoolBridge
+from .menu_model import display_state
+from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 

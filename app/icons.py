@@ -10,8 +10,9 @@ from importlib import resources
 
 from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QIcon, QPainter, QPainterPath, QPen, QPixmap
-from timeshare.app.autostart import APP_ID
-from timeshare.app.menu_model import TrayState
+
+from .autostart import APP_ID
+from .menu_model import TrayState
 
 STATE_COLOURS = {
     TrayState.IDLE: QColor("#8a939c"),

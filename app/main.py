@@ -28,6 +28,6 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from timeshare.app.application import run
+    from .application import run
 
     return run(args)

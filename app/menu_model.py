@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from timeshare.core.state import ModelState, ModelStatus, PoolSnapshot
+from ..core.state import ModelState, ModelStatus, PoolSnapshot
 
 
 class TrayState(str, enum.Enum):

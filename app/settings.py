@@ -38,16 +38,17 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from timeshare.app.bridge import PoolBridge
-from timeshare.app.menu_model import display_state
-from timeshare.app.qt_compat import emit
-from timeshare.core import catalog
-from timeshare.core.config import files as config_files
-from timeshare.core.config import validate as config_validate
-from timeshare.core.config.schema import Config
-from timeshare.core.errors import ConfigError, ModelFileError
-from timeshare.core.state import PoolSnapshot
-from timeshare.core.units import human_bytes
+
+from ..core import catalog
+from ..core.config import files as config_files
+from ..core.config import validate as config_validate
+from ..core.config.schema import Config
+from ..core.errors import ConfigError, ModelFileError
+from ..core.state import PoolSnapshot
+from ..core.units import human_bytes
+from .bridge import PoolBridge
+from .menu_model import display_state
+from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ import logging
 
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
-from timeshare.app.qt_compat import emit
-from timeshare.core import paths
+
+from ..core import paths
+from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 

@@ -7,20 +7,12 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
-from timeshare.app import icons
-from timeshare.app.bridge import PoolBridge
-from timeshare.app.menu_model import (
-    Action,
-    Entry,
-    Label,
-    Separator,
-    Submenu,
-    menu_entries,
-    tooltip,
-    tray_state,
-)
-from timeshare.app.qt_compat import emit
-from timeshare.core.state import PoolSnapshot
+
+from ..core.state import PoolSnapshot
+from . import icons
+from .bridge import PoolBridge
+from .menu_model import Action, Entry, Label, Separator, Submenu, menu_entries, tooltip, tray_state
+from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 

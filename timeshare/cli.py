@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from timeshare import __version__
+from . import __version__
 
 # subcommand -> "module:function"
 _HANDLERS = {

@@ -20,9 +20,9 @@ from typing import Any, TextIO
 
 import httpx
 
-from timeshare.core import paths
-from timeshare.core.arena.dirs import pid_alive
-from timeshare.core.units import human_bytes
+from .core import paths
+from .core.arena.dirs import pid_alive
+from .core.units import human_bytes
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # not running, or the server refused the request
@@ -56,8 +56,8 @@ def _pid_alive(pid: object) -> bool:
 
 
 def _config_key(args: argparse.Namespace) -> str | None:
-    from timeshare.core.config.files import load_config
-    from timeshare.core.errors import ConfigError
+    from .core.config.files import load_config
+    from .core.errors import ConfigError
 
     config_path = getattr(args, "config", None)
     if not config_path and not paths.config_file().exists():

@@ -26,10 +26,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config.schema import ApiConfig
-from ..errors import (
-    TimeshareError,
-    UnknownModelError,
-)
+from ..errors import TimeshareError, UnknownModelError
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats

@@ -23,10 +23,7 @@ from starlette.applications import Starlette
 from .. import paths
 from ..config.schema import ApiConfig, Config
 from ..config.validate import is_loopback
-from ..errors import (
-    ArenaError,
-    ConfigError,
-)
+from ..errors import ArenaError, ConfigError
 from ..pool.supervisor import Pool
 from .errors import ApiBindError, BadRequest
 from .handlers import create_app
