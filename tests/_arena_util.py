@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from timeshare.core.arena.client import TokenClient
-from timeshare.core.arena.intervals import IntervalLog
 from timeshare.core.arena.records import DoorbellRing
 from timeshare.core.arena.tickets import Arena
+from timeshare.core.observe import NULL_OBSERVER, EventLog
 
 DRIVER = str(Path(__file__).resolve())
 
@@ -31,7 +31,7 @@ def _client(
     arena_dir: str, backend: str, model: str, log: str | None = None, pinned: bool = False
 ) -> TokenClient:
     arena = Arena(arena_dir, backend=backend)  # type: ignore[arg-type]
-    return TokenClient(arena, model, interval_log=IntervalLog(log, model) if log else None, pinned=pinned)
+    return TokenClient(arena, model, observer=EventLog(log, model) if log else NULL_OBSERVER, pinned=pinned)
 
 
 def main(argv: list[str]) -> int:
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
             time.sleep(0.001)
         print(f"TICKET {req.ticket.name if req.ticket else ''}", flush=True)
         grant = req.result()
-        IntervalLog(log, model).record("order", grant.acquired_at, grant.acquired_at)
+        EventLog(log, model).record("order", grant.acquired_at, grant.acquired_at)
         time.sleep(0.02)
         client.release()
         print("DONE", flush=True)

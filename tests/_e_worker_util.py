@@ -31,7 +31,7 @@ class WorkerHandle:
         arena_dir: Path | None = None,
         arena: ArenaConfig | None = None,
         kv_dir: Path | None = None,
-        interval_log: Path | None = None,
+        event_log: Path | None = None,
         spec_override: str | None = None,
     ) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -43,7 +43,7 @@ class WorkerHandle:
                 "arena": asdict(arena or ArenaConfig()),
                 "arena_dir": str(arena_dir) if arena_dir else None,
                 "kv_dir": str(self.kv_dir),
-                "interval_log": str(interval_log) if interval_log else None,
+                "event_log": str(event_log) if event_log else None,
             }
         )
         self.sock, child = socket.socketpair()

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.dirs import check_arena_dir, read_holder, resolve_arena_dir
-from timeshare.core.arena.intervals import IntervalLog, read_intervals
 from timeshare.core.arena.records import DoorbellRing, Ticket, UnsafeArenaError
 from timeshare.core.arena.tickets import Arena
 from timeshare.core.arena.watch import inotify_available
 from timeshare.core.errors import ArenaError, CancelledError, TokenTimeoutError
+from timeshare.core.observe import EventLog, read_events
 
 BACKENDS = ["inotify", "poll"] if inotify_available() else ["poll"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ def test_mutual_exclusion_under_contention(
         spawn(procs, "contend", str(arena_dir), backend, f"m{i}", str(log), str(rounds))
     for p in procs:
         p.finish()
-    records = [r for r in read_intervals(log) if r["kind"] == "token"]
+    records = [r for r in read_events(log) if r["kind"] == "token"]
     assert len(records) == n_procs * rounds
     assert {r["model"] for r in records} == {f"m{i}" for i in range(n_procs)}
     assert overlaps([(r["start"], r["end"], r["pid"]) for r in records]) == []
@@ -160,7 +160,7 @@ def test_waiters_are_served_in_ticket_order(
     holder.release()
     for p in procs:
         p.finish()
-    served = sorted(read_intervals(log), key=lambda r: r["start"])
+    served = sorted(read_events(log), key=lambda r: r["start"])
     assert [r["model"] for r in served] == names
     arena.close()
 
@@ -280,7 +280,7 @@ def test_killed_waiter_file_is_swept_and_the_queue_moves_on(
     assert [t.model for t in arena.waiters()] == ["after"]
     holder.release()
     after.finish()
-    assert [r["model"] for r in read_intervals(log)] == ["after"]
+    assert [r["model"] for r in read_events(log)] == ["after"]
     arena.close()
 
 
@@ -392,7 +392,7 @@ def test_two_busy_clients_both_make_progress(
     turns = {p: int(p.wait_line("TURNS").split()[1]) for p in (a, b)}
     # both got the GPU many times: they alternate instead of one starving the other
     assert min(turns.values()) >= 5, turns
-    records = [r for r in read_intervals(log) if r["kind"] == "token"]
+    records = [r for r in read_events(log) if r["kind"] == "token"]
     assert overlaps([(r["start"], r["end"], r["pid"]) for r in records]) == []
     models = [r["model"] for r in sorted(records, key=lambda r: r["start"])]
     switches = sum(1 for x, y in itertools.pairwise(models) if x != y)
@@ -448,16 +448,16 @@ def test_cancel_of_the_head_waiter_blocked_in_flock(arena_dir: Path) -> None:
 # ---- interval log --------------------------------------------------------------------------------
 
 
-def test_interval_log_records_token_intervals(arena_dir: Path, tmp_path: Path) -> None:
+def test_event_log_records_token_intervals(arena_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "i.jsonl"
-    client = TokenClient(Arena(arena_dir), "a", interval_log=IntervalLog(log, "a"))
+    client = TokenClient(Arena(arena_dir), "a", observer=EventLog(log, "a"))
     grant = client.acquire(timeout=5)
     end = client.release()
-    IntervalLog(log, "a").record("resident", grant.acquired_at + 0.001, grant.acquired_at + 0.002)
+    EventLog(log, "a").record("resident", grant.acquired_at + 0.001, grant.acquired_at + 0.002)
     (log.open("a")).close()
     with log.open("a") as f:
         f.write('{"torn": ')  # a killed writer's last line
-    records = read_intervals(log)
+    records = read_events(log)
     assert [r["kind"] for r in records] == ["token", "resident"]
     assert records[0]["start"] == grant.acquired_at and records[0]["end"] == end
     assert records[0]["pid"] == os.getpid() and records[0]["model"] == "a"

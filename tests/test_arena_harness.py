@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from timeshare.core.arena.dirs import read_holder
-from timeshare.core.arena.intervals import read_intervals
 from timeshare.core.arena.tickets import Arena
 from timeshare.core.diagnostics.arena_test import (
     ArenaHarness,
@@ -27,6 +26,7 @@ from timeshare.core.diagnostics.arena_test import (
     run_arena_test,
 )
 from timeshare.core.errors import ModelUnavailableError, TokenTimeoutError
+from timeshare.core.observe import read_events
 from timeshare.core.state import ModelState
 
 
@@ -253,7 +253,7 @@ def test_three_workers_under_random_contention(tmp_path: Path, smollm2_path: Pat
     assert data["requests"] > 0 and data["handoffs"] > 0, data
     assert data["resident_intervals"] > 0, data
     # every worker really held the GPU, and its weights were resident only inside its token
-    records = read_intervals(tmp_path / "intervals.jsonl")
+    records = read_events(tmp_path / "intervals.jsonl")
     assert {r["model"] for r in records if r["kind"] == "resident"} == {
         "smollm2-135m-instruct",
         "gemma3-270m",
@@ -334,7 +334,7 @@ def test_kill9_of_the_holder_mid_decode(tmp_path: Path, smollm2_path: Path, gemm
         arena.close()
     finally:
         harness.stop()
-    check = check_intervals(read_intervals(tmp_path / "intervals.jsonl"))
+    check = check_intervals(read_events(tmp_path / "intervals.jsonl"))
     assert check.ok, check
     assert check.resident_intervals >= 3
 
@@ -400,4 +400,4 @@ def test_pinned_holder_makes_others_wait_visibly_and_time_out_clearly(
         assert harness.generate("smollm2-135m-instruct", "Hello") != ""
     finally:
         harness.stop()
-    assert check_intervals(read_intervals(tmp_path / "intervals.jsonl")).ok
+    assert check_intervals(read_events(tmp_path / "intervals.jsonl")).ok

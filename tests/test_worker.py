@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from _e_worker_util import WorkerHandle
 from timeshare.core.arena.dirs import read_holder
-from timeshare.core.arena.intervals import read_intervals
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
+from timeshare.core.observe import read_events
 from timeshare.core.worker import protocol as p
 
 pytestmark = pytest.mark.slow
@@ -239,7 +239,7 @@ def test_two_workers_alternate_and_the_token_moves(
         tmp_path / "a",
         arena_dir=arena_dir,
         arena=arena,
-        interval_log=log,
+        event_log=log,
     )
     handles.append(a)
     a.ready()
@@ -248,7 +248,7 @@ def test_two_workers_alternate_and_the_token_moves(
         tmp_path / "b",
         arena_dir=arena_dir,
         arena=arena,
-        interval_log=log,
+        event_log=log,
     )
     handles.append(b)
     b.ready()
@@ -275,7 +275,7 @@ def test_two_workers_alternate_and_the_token_moves(
     assert done_a.usage.completion_tokens >= 10 and done_b.usage.completion_tokens >= 10
     a.close()
     b.close()
-    intervals = read_intervals(log)
+    intervals = read_events(log)
     tokens = sorted((r["start"], r["end"], r["model"]) for r in intervals if r["kind"] == "token")
     assert len({m for _, _, m in tokens}) == 2 and len(tokens) >= 4
     for (_, end, _), (start, _, _) in itertools.pairwise(tokens):

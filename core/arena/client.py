@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ArenaError, CancelledError, TokenTimeoutError
-from .intervals import IntervalLog
+from ..observe import NULL_OBSERVER, Observer
 from .records import (
     _MODEL_ID_RE,
     RESCAN_INTERVAL_S,
@@ -280,7 +280,7 @@ class TokenClient:
         arena: Arena,
         model: str,
         *,
-        interval_log: IntervalLog | None = None,
+        observer: Observer = NULL_OBSERVER,
         pinned: bool = False,
     ) -> None:
         if not _MODEL_ID_RE.match(model):
@@ -289,7 +289,7 @@ class TokenClient:
             )
         self.arena = arena
         self.model = model
-        self.interval_log = interval_log
+        self.observer = observer
         self._pinned = pinned
         self._lock = threading.Lock()
         self._token_fd: int | None = None
@@ -358,9 +358,9 @@ class TokenClient:
             self._doorbell_armed.clear()
             self.arena._remove_holder()
             end = time.monotonic()
-            if self.interval_log is not None and grant is not None:
+            if grant is not None:
                 try:
-                    self.interval_log.record(
+                    self.observer.record(
                         "token",
                         grant.acquired_at,
                         end,
@@ -369,7 +369,7 @@ class TokenClient:
                         previous=grant.previous,
                     )
                 except OSError as exc:
-                    log.warning("could not write the interval log %s: %s", self.interval_log.path, exc)
+                    log.warning("could not record the token interval: %s", exc)
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
             return end

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from ..arena.dirs import env_arena_dir
-from ..arena.intervals import read_intervals
 from ..config import demo
 from ..config.schema import ArenaConfig, Config, ModelConfig, suggest_model_id
 from ..errors import ArenaError, TimeshareError
+from ..observe import read_events
 from ..state import ModelState
 from .memwatch import MemCheck, MemorySampler, MemSample, check_memory, choose_source
 
@@ -349,7 +349,7 @@ class ArenaHarness:
         self.plans = tuple(plans)
         self.work_dir = work_dir
         self.arena_dir = arena_dir
-        self.interval_log = work_dir / "intervals.jsonl"
+        self.event_log = work_dir / "intervals.jsonl"
         self.prompts = tuple(prompts)
         self.max_tokens = max_tokens
         self.deadlock_s = deadlock_s
@@ -385,7 +385,7 @@ class ArenaHarness:
             arena_dir=arena_dir,
             log_dir=work_dir / "logs",
             kv_dir=work_dir / "kv",
-            interval_log=str(self.interval_log),
+            event_log=str(self.event_log),
             max_restarts=max_restarts,
         )
 
@@ -521,7 +521,7 @@ class ArenaHarness:
         self.pool.stop(timeout=30.0)
 
     def report(self) -> ArenaTestReport:
-        check = check_intervals(read_intervals(self.interval_log))
+        check = check_intervals(read_events(self.event_log))
         tally = self.tally
         mem = self.memory_check()
         return ArenaTestReport(

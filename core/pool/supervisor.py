@@ -144,7 +144,7 @@ class Pool:
         restart_window_s: float = 60.0,
         stop_grace_s: float = 5.0,
         kv_dir: str | os.PathLike[str] | None = None,
-        interval_log: str | None = None,
+        event_log: str | None = None,
         worker_argv: Sequence[str] | None = None,
     ) -> None:
         _validate(config)
@@ -156,7 +156,7 @@ class Pool:
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
         self.stop_grace_s = stop_grace_s
-        self.interval_log = interval_log
+        self.event_log = event_log
         # the command that starts a worker, before "--spec JSON --ipc-fd N" (a frozen build or a
         # test's fault injection may give its own)
         self.worker_argv: tuple[str, ...] = tuple(
@@ -544,7 +544,7 @@ class Pool:
             "arena": asdict(self._config.arena),
             "arena_dir": str(self.arena_dir),
             "kv_dir": str(self._kv_root / w.id),
-            "interval_log": self.interval_log,
+            "event_log": self.event_log,
         }
         _rotate_log(w.log_path)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -3,7 +3,7 @@
     python -m timeshare.core.worker --spec JSON --ipc-fd N
 
 JSON = {"model": {ModelConfig fields}, "arena": {ArenaConfig fields}, "arena_dir": str | null,
-"kv_dir": str, "interval_log": str | null}. The worker speaks core/protocol.py over the socket
+"kv_dir": str, "event_log": str | null}. The worker speaks core/protocol.py over the socket
 ``N``; it logs to stderr and never writes to stdout.
 
 Threads:

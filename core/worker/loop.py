@@ -406,7 +406,7 @@ def _setup_logging(model_id: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m timeshare.core.worker")
-    parser.add_argument("--spec", required=True, help="JSON: model, arena, arena_dir, kv_dir, interval_log")
+    parser.add_argument("--spec", required=True, help="JSON: model, arena, arena_dir, kv_dir, event_log")
     parser.add_argument("--ipc-fd", type=int, required=True, help="socket to the pool")
     args = parser.parse_args(argv)
     # Nothing may reach stdout: C libraries' prints go to stderr (the pool's log file) instead.

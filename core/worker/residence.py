@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..arena.client import TokenClient, TokenRequest
-from ..arena.intervals import IntervalLog
 from ..arena.tickets import Arena
 from ..errors import OutOfDeviceMemoryError
+from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
 from . import protocol as p
 from .engine import Engine
@@ -115,16 +115,14 @@ class ArenaResidence(Residence):
 
     Invariant: the weights are on the device iff this worker holds the token. Restore happens only
     after the token is granted; the token is given back only after the release has freed the
-    memory. The interval log (arena-test harness) gets a "resident" interval for each stretch of
+    memory. The observer (core/observe.py) gets a "resident" interval for each stretch of
     resident weights; the TokenClient writes the "token" intervals."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.arena = Arena(spec.arena_dir)
-        self.interval_log = IntervalLog(spec.interval_log, spec.model.id) if spec.interval_log else None
-        self.client = TokenClient(
-            self.arena, spec.model.id, interval_log=self.interval_log, pinned=spec.model.pinned
-        )
+        self.observer: Observer = EventLog(spec.event_log, spec.model.id) if spec.event_log else NULL_OBSERVER
+        self.client = TokenClient(self.arena, spec.model.id, observer=self.observer, pinned=spec.model.pinned)
         self.residency: Any | None = None
         self._request: TokenRequest | None = None
         self._resident_since: float | None = None
@@ -282,11 +280,10 @@ class ArenaResidence(Residence):
         if self._resident_since is None:
             return
         end = time.monotonic()
-        if self.interval_log is not None:
-            try:
-                self.interval_log.record("resident", self._resident_since, end)
-            except OSError as exc:
-                log.warning("could not write the interval log: %s", exc)
+        try:
+            self.observer.record("resident", self._resident_since, end)
+        except OSError as exc:
+            log.warning("could not record the resident interval: %s", exc)
         self._resident_since = None
 
     def waiting_reason(self) -> str:

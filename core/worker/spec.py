@@ -15,7 +15,7 @@ class WorkerSpec:
     arena: ArenaConfig
     arena_dir: str | None
     kv_dir: str
-    interval_log: str | None = None
+    event_log: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
@@ -36,7 +36,7 @@ class WorkerSpec:
             arena=arena,
             arena_dir=obj.get("arena_dir"),
             kv_dir=str(obj["kv_dir"]),
-            interval_log=obj.get("interval_log"),
+            event_log=obj.get("event_log"),
         )
 
     def to_json(self) -> str:
@@ -48,7 +48,7 @@ class WorkerSpec:
                 "arena": asdict(self.arena),
                 "arena_dir": self.arena_dir,
                 "kv_dir": self.kv_dir,
-                "interval_log": self.interval_log,
+                "event_log": self.event_log,
             }
         )
 
