@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from PySide6.QtCore import QObject, Signal, Slot
 
 from ..core.errors import TimeshareError
-from ..core.state import EventKind, PoolEvent, PoolSnapshot
+from ..core.state import EventKind, PoolEvent, PoolSnapshot, ReleaseLevel
 from .qt_compat import emit
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class PoolBridge(QObject):
             f"{'pin' if pinned else 'unpin'} {model_id}", lambda: self.pool.pin(model_id, pinned)
         )
 
-    def sleep(self, model_id: str, level: str = "weights+kv") -> None:
+    def sleep(self, model_id: str, level: ReleaseLevel = "weights+kv") -> None:
         self.run_command(f"sleep {model_id}", lambda: self.pool.sleep(model_id, level=level))
 
     def wake(self, model_id: str) -> None:

@@ -8,6 +8,29 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal, TypeGuard, get_args
+
+#: How far a model lets go of the GPU when idle (``idle_release``) or told to sleep: "weights"
+#: releases the weights and keeps the KV cache on the device, "weights+kv" moves the KV cache to
+#: host memory too, "stop" ends the worker (its conversations' KV saved to disk).
+ReleaseLevel = Literal["weights", "weights+kv", "stop"]
+RELEASE_LEVELS: tuple[ReleaseLevel, ...] = get_args(ReleaseLevel)
+
+#: The levels a worker carries out itself; "stop" is the pool's (it ends the worker).
+WorkerReleaseLevel = Literal["weights", "weights+kv"]
+WORKER_RELEASE_LEVELS: tuple[WorkerReleaseLevel, ...] = get_args(WorkerReleaseLevel)
+
+
+def is_release_level(value: object) -> TypeGuard[ReleaseLevel]:
+    return isinstance(value, str) and value in RELEASE_LEVELS
+
+
+def parse_release_level(value: object) -> ReleaseLevel:
+    """``value`` as a ReleaseLevel, or ValueError with the one message that names the levels."""
+    if is_release_level(value):
+        return value
+    allowed = ", ".join(repr(level) for level in RELEASE_LEVELS[:-1]) + f" or {RELEASE_LEVELS[-1]!r}"
+    raise ValueError(f"unknown release level {value!r}: use {allowed}")
 
 
 class ModelState(str, enum.Enum):

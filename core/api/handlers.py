@@ -29,7 +29,7 @@ from ..config.schema import ApiConfig
 from ..errors import TimeshareError, UnknownModelError
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
-from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats
+from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..worker.protocol import Usage
 from .errors import (
     BadRequest,
@@ -428,10 +428,11 @@ class _Handlers:
             if await request.body():
                 body = await read_json(request)
                 level = body.get("level", level) if isinstance(body, dict) else None
-            if level == "weights" or level == "weights+kv" or level == "stop":
-                await self.call(partial(self.pool.sleep, model_id, level=level))
-            else:
-                raise BadRequest('\'level\' must be "weights", "weights+kv" or "stop".', "level")
+            try:
+                release = parse_release_level(level)
+            except ValueError as e:
+                raise BadRequest(str(e), "level") from None
+            await self.call(partial(self.pool.sleep, model_id, level=release))
         else:
             raise HTTPException(404)
         snapshot = self.pool.snapshot()

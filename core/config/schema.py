@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-IdleRelease = Literal["weights", "weights+kv", "stop"]
+from ..state import ReleaseLevel
+
 HostShadow = Literal["pinned", "pageable"]
 ChatFormat = Literal["auto", "template", "fallback"]
 
@@ -24,7 +25,7 @@ class ModelConfig:
     chat_format: ChatFormat = "auto"  # auto: the GGUF's template if it has one, else the fallback
     pinned: bool = False  # a pinned model keeps the GPU once it has it
     idle_sleep_s: float | None = 600.0  # None: never release on idle
-    idle_release: IdleRelease = "weights"
+    idle_release: ReleaseLevel = "weights"
     host_shadow: HostShadow = "pinned"
     licence: str = ""  # shown in model lists (filled for the demo models)
 

@@ -13,6 +13,7 @@ from typing import Any, get_args
 from .. import paths
 from ..errors import ConfigError
 from ..modelfile import GGUF_MAGIC
+from ..state import RELEASE_LEVELS
 from .schema import (
     ApiConfig,
     ArenaConfig,
@@ -20,7 +21,6 @@ from .schema import (
     Config,
     GeneralConfig,
     HostShadow,
-    IdleRelease,
     ModelConfig,
 )
 
@@ -208,7 +208,7 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
         "chat_format": lambda w, v: c.choice(w, v, get_args(ChatFormat)),
         "pinned": lambda w, v: c.boolean(w, v),
         "idle_sleep_s": _idle_sleep_checker(c),
-        "idle_release": lambda w, v: c.choice(w, v, get_args(IdleRelease)),
+        "idle_release": lambda w, v: c.choice(w, v, RELEASE_LEVELS),
         "host_shadow": lambda w, v: c.choice(w, v, get_args(HostShadow)),
         "licence": lambda w, v: c.string(w, v),
     }

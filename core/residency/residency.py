@@ -17,6 +17,7 @@ from typing import Any, Literal
 import llama_cpp
 
 from ..errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
+from ..state import WorkerReleaseLevel
 from . import _ggml
 from .gguf_check import check_gguf
 from .inplace import InPlace, Unsupported
@@ -26,7 +27,6 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "inplace", "rebuild"]
 Path_ = Literal["inplace", "rebuild", "none"]
-Level = Literal["weights", "weights+kv"]
 
 
 class ModelFileChangedError(ModelFileError, ResidencyError):
@@ -51,7 +51,7 @@ class ResidencyOptions:
 class ReleaseReport:
     ms: float
     freed_bytes: int
-    level: Level
+    level: WorkerReleaseLevel
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class RestoreReport:
     ms: float
     bytes: int
     gbps: float
-    level: Level
+    level: WorkerReleaseLevel
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class Residency:
         self._inplace: InPlace | None = None
         self._kv: KvSnapshot | None = None
         self._file_id: _FileId | None = None
-        self._level: Level = "weights"
+        self._level: WorkerReleaseLevel = "weights"
         self._saved_ctx: Any = None
         self._closed = False
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from ..errors import ProtocolError
+from ..state import WorkerReleaseLevel
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
@@ -68,7 +69,7 @@ class Pin:
 
 @dataclass(frozen=True)
 class Sleep:
-    level: Literal["weights", "weights+kv"] = "weights"
+    level: WorkerReleaseLevel = "weights"
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class Done:
 class Released:
     """The worker released its weights (it yielded the GPU, or was told to sleep)."""
 
-    level: str
+    level: WorkerReleaseLevel
     release_ms: float
     freed_bytes: int
 

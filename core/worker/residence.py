@@ -13,6 +13,7 @@ from ..arena.tickets import Arena
 from ..errors import OutOfDeviceMemoryError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
+from ..state import WorkerReleaseLevel
 from . import protocol as p
 from .engine import Engine
 from .spec import WorkerSpec
@@ -264,7 +265,7 @@ class ArenaResidence(Residence):
         self._end_resident()
         if self.client.release() is None and report is None:
             return None
-        level = "weights+kv" if kv else "weights"
+        level: WorkerReleaseLevel = "weights+kv" if kv else "weights"
         if report is None:
             return p.Released(level=level, release_ms=0.0, freed_bytes=0)
         return p.Released(level=level, release_ms=float(report.ms), freed_bytes=int(report.freed_bytes))
