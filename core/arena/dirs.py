@@ -11,7 +11,6 @@ from pathlib import Path
 
 from .. import paths
 from .records import _O_DIR, _O_FILE, HOLDER_FILE, HolderRecord, UnsafeArenaError
-from .tickets import Arena
 
 log = logging.getLogger(__name__)
 
@@ -92,26 +91,6 @@ def _open_checked_dir(path: Path, *, create: bool, dir_fd: int | None = None, na
         os.close(fd)
         raise
     return fd
-
-
-def check_arena_dir(path: str | os.PathLike[str]) -> Path:
-    """Validate (creating it if missing) an arena directory; raise :class:`UnsafeArenaError` naming
-    the path and the reason. For processes that only need to refuse early (serve, the tray)."""
-    arena = Arena(path)
-    arena.close()
-    return arena.path
-
-
-def env_arena_dir() -> Path | None:
-    """``$TIMESHARE_VRAM_ARENA`` with ``~`` expanded, checked by :func:`check_arena_dir` (raises
-    :class:`UnsafeArenaError`); None when it is not set. For tools that refuse an unsafe arena
-    before they load anything (arena-test, bench switch)."""
-    raw = os.environ.get("TIMESHARE_VRAM_ARENA")
-    if not raw:
-        return None
-    path = Path(raw).expanduser()
-    check_arena_dir(path)
-    return path
 
 
 def pid_alive(pid: int) -> bool:

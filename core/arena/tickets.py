@@ -210,3 +210,23 @@ class Arena:
             except OSError as exc:  # e.g. fs.inotify.max_user_instances reached: same protocol, polled
                 log.warning("inotify on %s failed (%s); polling instead", self.waiters_path, exc)
         return _DirWatch(self.waiters_path, "poll")
+
+
+def check_arena_dir(path: str | os.PathLike[str]) -> Path:
+    """Validate (creating it if missing) an arena directory; raise :class:`UnsafeArenaError` naming
+    the path and the reason. For processes that only need to refuse early (serve, the tray)."""
+    arena = Arena(path)
+    arena.close()
+    return arena.path
+
+
+def env_arena_dir() -> Path | None:
+    """``$TIMESHARE_VRAM_ARENA`` with ``~`` expanded, checked by :func:`check_arena_dir` (raises
+    :class:`UnsafeArenaError`); None when it is not set. For tools that refuse an unsafe arena
+    before they load anything (arena-test, bench switch)."""
+    raw = os.environ.get("TIMESHARE_VRAM_ARENA")
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    check_arena_dir(path)
+    return path

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..arena.dirs import env_arena_dir
+from ..arena.tickets import env_arena_dir
 from ..config import demo
 from ..config.schema import ArenaConfig, Config, ModelConfig, suggest_model_id
 from ..errors import ArenaError, TimeshareError

@@ -197,7 +197,7 @@ def run_switch_bench(
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError on bad input or a
     model that cannot be served."""
-    from ..arena.dirs import env_arena_dir
+    from ..arena.tickets import env_arena_dir
     from ..config.schema import ArenaConfig, Config, ModelConfig
     from ..pool.supervisor import Pool
     from .arena_test import model_ids_for_paths

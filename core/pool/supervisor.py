@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 from .. import errors, paths
-from ..arena.dirs import check_arena_dir, resolve_arena_dir
+from ..arena.dirs import resolve_arena_dir
+from ..arena.tickets import check_arena_dir
 from ..config.schema import Config, ModelConfig
 from ..errors import ConfigError, ModelUnavailableError, QueueFullError, TimeshareError, UnknownModelError
 from ..modelfile import gguf_problem
