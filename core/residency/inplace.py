@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import llama_cpp
 
@@ -100,10 +101,11 @@ class _Discovery:
         return False  # observe only: the whole split runs at once
 
 
-def _discover(llm: object, layout: _ggml.TensorLayout) -> _Discovery:
-    """One warm-up decode of one token in a throwaway context that has the callback."""
+def _discover(llm: Any, layout: _ggml.TensorLayout) -> _Discovery:
+    """One warm-up decode of one token in a throwaway context that has the callback (``llm``: a
+    ``llama_cpp.Llama``, untyped)."""
     disc = _Discovery(layout)
-    src_params = llm.context_params  # type: ignore[attr-defined]
+    src_params = llm.context_params
     params = llama_cpp.llama_context_params()
     ctypes.memmove(ctypes.addressof(params), ctypes.addressof(src_params), ctypes.sizeof(params))
     params.n_ctx = 256
@@ -113,7 +115,7 @@ def _discover(llm: object, layout: _ggml.TensorLayout) -> _Discovery:
     params.embeddings = False
     params.cb_eval = disc.callback
     params.cb_eval_user_data = ctypes.c_void_p()
-    model = llm._model.model  # type: ignore[attr-defined]
+    model = llm._model.model
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         raise Unsupported("could not create the warm-up context for weight discovery")

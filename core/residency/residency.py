@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import llama_cpp
 
@@ -98,7 +98,7 @@ class _Released:
     def __init__(self, what: str) -> None:
         object.__setattr__(self, "_what", what)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> NoReturn:
         raise ResidencyError(
             f"the model's {object.__getattribute__(self, '_what')} is released: "
             "call Residency.restore() before using it"

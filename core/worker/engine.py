@@ -49,7 +49,7 @@ from ..config.schema import ModelConfig
 from ..errors import CancelledError, ModelFileError, PromptTooLongError
 from ..modelfile import check_model_file
 from ..residency import check_gguf
-from .protocol import ChatMessage, Generate
+from .protocol import ChatMessage, FinishReason, Generate
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class GenerationOutcome:
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     prompt_tokens_evaluated: int  # tokens prefilled by this request
@@ -397,7 +397,7 @@ class Engine:
         if criteria is not None:
             kwargs["stopping_criteria"] = criteria
         stream: Iterator[dict[str, Any]] = llm.create_completion(prompt, **kwargs)
-        finish = "length"
+        finish: FinishReason = "length"
         pieces: list[str] = []
         try:
             while True:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 from ..errors import CancelledError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold
@@ -45,7 +45,7 @@ class _Disconnected:
     reason: str
 
 
-_Task = Any  # protocol requests, _Yield, _Disconnected
+_Task = p.Request | _Yield | _Disconnected  # what the loop thread takes from its queue
 
 
 class Worker:
@@ -58,7 +58,7 @@ class Worker:
         self.pinned = spec.model.pinned
         self._pending: collections.deque[_Task] = collections.deque()
         self._cancelled: set[str] = set()
-        self._state = "loading"
+        self._state: Literal["loading", "ready", "sleeping"] = "loading"
         self._busy = False
         self._status = p.WorkerStatus("loading", False, self.pinned, False)
         self._status_lock = threading.Lock()
@@ -71,7 +71,7 @@ class Worker:
 
     # ---- sending ----------------------------------------------------------------------------
 
-    def send(self, msg: object) -> None:
+    def send(self, msg: p.Event) -> None:
         if not self._connected:
             return
         try:
@@ -89,11 +89,13 @@ class Worker:
         """Build the status snapshot (loop thread) and push it if it changed."""
         engine = self.engine
         res = self.residence
-        state = self._state
-        if state not in ("loading", "sleeping"):
+        state: p.WorkerState
+        if self._state == "ready":
             state = "resident" if res.weights_resident else "released"
+        else:
+            state = self._state
         status = p.WorkerStatus(
-            state=state,  # type: ignore[arg-type]
+            state=state,
             busy=self._busy,
             pinned=self.pinned,
             holds_token=res.holds_token,
@@ -258,8 +260,8 @@ class Worker:
                 return
         self._cancelled.add(req)
 
-    def _send_done(self, req: p.Generate, finish: str, usage: p.Usage, switch: p.Switch) -> None:
-        self.send(p.Done(req=req.req, finish_reason=finish, usage=usage, switch=switch))  # type: ignore[arg-type]
+    def _send_done(self, req: p.Generate, finish: p.FinishReason, usage: p.Usage, switch: p.Switch) -> None:
+        self.send(p.Done(req=req.req, finish_reason=finish, usage=usage, switch=switch))
 
     def _poll(self, current: str | None) -> None:
         """Drain the queue between decode steps (and while waiting for the token)."""
@@ -353,7 +355,7 @@ class Worker:
         if self.residence.holds_token:
             self._quantum_start = time.monotonic()  # the quantum counts generation, not idle holding
         self.publish()
-        reply: object
+        reply: p.Done | p.Error
         try:
             outcome = engine.generate(req, emit, step)
         except CancelledError:
@@ -364,7 +366,7 @@ class Worker:
             first_ms = (first[0] - t0) * 1000.0 if first else 0.0
             reply = p.Done(
                 req.req,
-                outcome.finish_reason,  # type: ignore[arg-type]
+                outcome.finish_reason,
                 p.Usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.prompt_tokens_evaluated),
                 p.Switch(switch.switched, switch.wait_ms, switch.restore_ms, first_ms),
             )

@@ -120,9 +120,14 @@ class Ready:
     info: ModelInfo
 
 
+#: What a worker reports of its model: the weights on the device (holding the token), released
+#: (KV cache still on the device), sleeping (weights and KV in host memory), or still loading.
+WorkerState = Literal["resident", "released", "sleeping", "loading"]
+
+
 @dataclass(frozen=True)
 class WorkerStatus:
-    state: Literal["resident", "released", "sleeping", "loading"]
+    state: WorkerState
     busy: bool
     pinned: bool
     holds_token: bool
@@ -154,10 +159,14 @@ class Switch:
     first_token_ms: float = 0.0
 
 
+#: How a generation ended: a stop string or end of sequence, max_tokens reached, or cancelled.
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
 @dataclass(frozen=True)
 class Done:
     req: str
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: FinishReason
     usage: Usage
     switch: Switch
 
@@ -188,9 +197,9 @@ class StatusReply:
 # ---- framing, encoding, validation ---------------------------------------------------------
 
 #: pool → worker
-REQUEST_TYPES: tuple[type, ...] = (Generate, Cancel, Pin, Sleep, Wake, Shutdown, StatusRequest)
+REQUEST_TYPES = (Generate, Cancel, Pin, Sleep, Wake, Shutdown, StatusRequest)
 #: worker → pool
-EVENT_TYPES: tuple[type, ...] = (
+EVENT_TYPES = (
     Hello,
     Loading,
     Ready,
@@ -316,7 +325,7 @@ def to_dict(msg: object) -> dict[str, Any]:
     cls = type(msg)
     if _BY_NAME.get(cls.__name__) is not cls:
         raise TypeError(f"{cls.__name__} is not a protocol message")
-    body = dataclasses.asdict(msg)  # type: ignore[call-overload]
+    body = dataclasses.asdict(typing.cast(Message, msg))  # a Message: _BY_NAME holds only those
     return {"v": PROTOCOL_VERSION, "type": cls.__name__, **body}
 
 

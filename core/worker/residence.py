@@ -124,14 +124,14 @@ class ArenaResidence(Residence):
         self.arena = Arena(spec.arena_dir)
         self.observer: Observer = EventLog(spec.event_log, spec.model.id) if spec.event_log else NULL_OBSERVER
         self.client = TokenClient(self.arena, spec.model.id, observer=self.observer, pinned=spec.model.pinned)
-        self.residency: Any | None = None
+        self.residency: Residency | None = None
         self._request: TokenRequest | None = None
         self._resident_since: float | None = None
         self._restore_wait = ""  # set while a restore waits for device memory
 
     @property
     def use_mmap(self) -> bool:
-        return bool(Residency.probe().use_mmap_for_inplace)
+        return Residency.probe().use_mmap_for_inplace
 
     @property
     def frees_context(self) -> bool:
@@ -143,11 +143,11 @@ class ArenaResidence(Residence):
             engine.llm, engine.model.path, ResidencyOptions(mode="auto", host_shadow=engine.model.host_shadow)
         )
         self.residency = res
-        self.path = str(res.path)
-        self.reason = str(res.reason)
-        self.backend = str(res.backend)
-        self.weight_bytes = int(res.weight_bytes)
-        self.host_bytes = int(res.host_bytes)
+        self.path = res.path
+        self.reason = res.reason
+        self.backend = res.backend
+        self.weight_bytes = res.weight_bytes
+        self.host_bytes = res.host_bytes
 
     def start(self, enqueue_yield: Callable[[], None]) -> None:
         self.client.start_doorbell(lambda _ring: enqueue_yield())
@@ -163,11 +163,11 @@ class ArenaResidence(Residence):
     def weights_resident(self) -> bool:
         if self.residency is None:
             return self.client.holds_token
-        return bool(self.residency.weights_resident)
+        return self.residency.weights_resident
 
     @property
     def kv_resident(self) -> bool:
-        return self.residency is None or bool(self.residency.kv_resident)
+        return self.residency is None or self.residency.kv_resident
 
     def state_ctx(self, engine: Engine) -> Any:
         """The live llama_context for KV snapshots, also while the weights are released (the
@@ -219,7 +219,7 @@ class ArenaResidence(Residence):
                 raise
         return Acquired(switched=not held, wait_ms=wait_ms, restore_ms=restore_ms)
 
-    def _restore(self, res: Any, poll: Callable[[], None]) -> float:
+    def _restore(self, res: Residency, poll: Callable[[], None]) -> float:
         """Restore the weights (holding the token); returns the successful attempt's ms.
 
         Out of device memory is retried, keeping the token, for ``arena.restore_oom_retry_s``: after
@@ -235,7 +235,7 @@ class ArenaResidence(Residence):
             while True:
                 attempts += 1
                 try:
-                    return float(res.restore().ms)
+                    return res.restore().ms
                 except OutOfDeviceMemoryError as exc:
                     left = deadline - time.monotonic()
                     if left <= 0.0:
@@ -268,7 +268,7 @@ class ArenaResidence(Residence):
         level: WorkerReleaseLevel = "weights+kv" if kv else "weights"
         if report is None:
             return p.Released(level=level, release_ms=0.0, freed_bytes=0)
-        return p.Released(level=level, release_ms=float(report.ms), freed_bytes=int(report.freed_bytes))
+        return p.Released(level=level, release_ms=report.ms, freed_bytes=report.freed_bytes)
 
     def others_waiting(self) -> bool:
         try:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from ..config.schema import ArenaConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_D = TypeVar("_D", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class WorkerSpec:
         )
 
 
-def _dataclass_from(cls: Any, obj: object, where: str) -> Any:
+def _dataclass_from(cls: type[_D], obj: object, where: str) -> _D:
     if not isinstance(obj, dict):
         raise ValueError(f"--spec {where} must be an object")
     known = {f.name for f in fields(cls)}
