@@ -1,8 +1,8 @@
 """The pool: the supervisor of the model workers, in the app process (no Qt, no llama objects).
 
 One worker process per configured model (``python -m timeshare.core.worker``), spawned with a clean
-environment, talking ``core/protocol.py`` over a socketpair. One **pool thread** owns every piece of
-pool state (workers, request queues, timers); everyone else talks to it through its inbox:
+environment, talking ``core/worker/protocol.py`` over a socketpair. One **pool thread** owns every
+piece of pool state (workers, request queues, timers); everyone else talks to it through its inbox:
 
 - public methods (``generate``, ``pin``, ``sleep`` ...) post a call and wait for its answer;
 - one reader thread per worker posts each message it reads, then the worker's exit;
@@ -11,4 +11,10 @@ pool state (workers, request queues, timers); everyone else talks to it through 
 After every change the pool thread publishes a new frozen :class:`PoolSnapshot` (read by
 ``snapshot()`` from any thread) and queues a :class:`PoolEvent`; an event thread hands events to
 subscribers, so a slow subscriber never stalls the workers' streams.
+
+Modules: ``supervisor`` (:class:`Pool`, its public methods), ``handlers`` (the pool thread's side),
+``lifecycle`` (a worker's states and the transitions allowed between them), ``record`` (one worker:
+process, request queue, what a snapshot shows), ``thread`` (inbox, timers, event thread),
+``process`` (spawning, signalling, reaping, logs), ``generation`` (a caller's handle), ``configure``
+and ``codes`` (a configuration's checks, a worker's error codes as typed errors).
 """

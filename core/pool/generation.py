@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, cast
 
 from ..errors import TimeshareError
 from ..state import SwitchStats
 from ..stream import TextStream
 from ..worker import protocol
-from .supervisor import Pool
 
 # ---- generation handle ---------------------------------------------------------------------
 
@@ -30,10 +30,12 @@ class Generation:
     TimeshareError) if it failed. ``cancel()`` may be called from any thread at any time.
     """
 
-    def __init__(self, pool: Pool, model: str, request: protocol.Generate) -> None:
+    def __init__(
+        self, model: str, request: protocol.Generate, on_cancel: Callable[[Generation], None]
+    ) -> None:
         self.model = model
         self.request = request
-        self._pool = pool
+        self._on_cancel = on_cancel  # posts the cancel to the pool thread
         self._stream = TextStream()
         self._parts: list[str] = []
         self._result: GenerationResult | None = None
@@ -62,7 +64,7 @@ class Generation:
         if self._stream.done or self.cancelled:
             return
         self.cancelled = True
-        self._pool._post(self._pool._cancel, self)
+        self._on_cancel(self)
 
     def result(self, timeout: float | None = None) -> GenerationResult:
         if not self._stream.wait(timeout):
@@ -90,3 +92,56 @@ class Generation:
 
     def _finish_cancelled(self) -> None:
         self._finish("cancelled", protocol.Usage(0, 0, 0), SwitchStats(switched=False))
+
+
+# ---- building a request --------------------------------------------------------------------
+
+
+def make_request(
+    req: str,
+    model_id: str,
+    *,
+    prompt: str | None,
+    messages: Sequence[protocol.ChatMessage | Mapping[str, str]] | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: Sequence[str],
+    conversation: str | None,
+    cache_prompt: bool | None = None,
+) -> protocol.Generate:
+    """The ``Generate`` message for ``Pool.generate``'s arguments; ValueError when they are malformed."""
+    chat: tuple[protocol.ChatMessage, ...] | None = None
+    if messages is not None:
+        chat = tuple(_chat_message(m) for m in messages)
+    request = protocol.Generate(
+        req=req,
+        prompt=prompt,
+        messages=chat,
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop),
+        conversation=conversation,
+        cache_prompt=cache_prompt,
+    )
+    try:
+        protocol.check_generate(request)
+    except ValueError as exc:
+        raise ValueError(f"invalid request for {model_id}: {exc}") from None
+    return request
+
+
+def _chat_message(m: protocol.ChatMessage | Mapping[str, str]) -> protocol.ChatMessage:
+    if isinstance(m, protocol.ChatMessage):
+        return m
+    role, content = m.get("role"), m.get("content")
+    if role not in ("system", "user", "assistant") or not isinstance(content, str):
+        raise ValueError(
+            f"a chat message needs role system/user/assistant and a text content, got {dict(m)!r}"
+        )
+    return protocol.ChatMessage(cast(Literal["system", "user", "assistant"], role), content)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+from ..errors import FrameError
+from ..worker import protocol
+
+log = logging.getLogger(__name__)
 
 #: environment variables a worker inherits (everything else is dropped)
 _ENV_NAMES = frozenset(
@@ -78,3 +85,86 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ESRCH, errno.EPERM):
             raise
+
+
+def spawn_worker(
+    argv: Sequence[str], spec_json: str, log_path: Path, model_id: str
+) -> tuple[subprocess.Popen[bytes], protocol.Connection]:
+    """Start a worker: ``argv --spec JSON --ipc-fd N`` in its own session (its process group is
+    its own), a clean environment, stderr to its log. Returns the process and the pool's end of
+    the socketpair. Raises OSError."""
+    _rotate_log(log_path)
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with log_path.open("ab") as logf:
+            logf.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker for {model_id}\n".encode())
+            logf.flush()
+            proc = subprocess.Popen(
+                [*argv, "--spec", spec_json, "--ipc-fd", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                start_new_session=True,
+                env=clean_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=logf,
+                close_fds=True,
+            )
+    except OSError:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    return proc, protocol.Connection(parent)
+
+
+def read_worker(
+    model_id: str,
+    conn: protocol.Connection,
+    proc: subprocess.Popen[bytes],
+    grace_s: float,
+    on_message: Callable[[object], None],
+    on_exit: Callable[[int], None],
+) -> None:
+    """A reader thread's body, one per worker process: hand over every message, then the exit
+    status once the process is reaped (its process group killed first)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except FrameError as exc:
+            log.warning("%s: %s", model_id, exc)
+            if exc.recoverable:
+                continue
+            break
+        except OSError as exc:
+            log.warning("%s: connection lost: %s", model_id, exc)
+            break
+        if msg is None:
+            break
+        on_message(msg)
+    if not _wait(proc, grace_s):
+        # it closed (or broke) the connection but keeps running: it cannot be talked to any more
+        log.warning("%s: worker closed its connection but did not exit: killing it", model_id)
+    # the exited leader is not reaped yet, so its process group id is still ours: take any
+    # process the worker left behind, then reap
+    _signal_group(proc, signal.SIGKILL)
+    on_exit(proc.wait())
+
+
+def end_processes(procs: Sequence[tuple[str, subprocess.Popen[bytes]]], timeout: float) -> None:
+    """After Shutdown was sent to each: wait, SIGTERM the groups still there, wait, then SIGKILL
+    every group (that also takes any child a worker left behind) and reap."""
+    deadline = time.monotonic() + timeout * 0.6
+    for _, proc in procs:
+        _wait(proc, deadline - time.monotonic())
+    for model_id, proc in procs:
+        if not _exited(proc):
+            log.warning("%s did not exit after Shutdown: SIGTERM to its process group", model_id)
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout * 0.3
+    for _, proc in procs:
+        _wait(proc, deadline - time.monotonic())
+    for model_id, proc in procs:
+        if not _exited(proc):
+            log.warning("%s ignored SIGTERM: SIGKILL to its process group", model_id)
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()

@@ -1,0 +1,624 @@
+"""The pool thread's side of the pool: the worker records and every handler that runs on the pool
+thread (worker messages and exits, requests, commands, timers, a new configuration).
+
+:class:`~.supervisor.Pool` adds the public methods, callable from any thread, on top. Each worker's
+lifecycle is a :class:`~.lifecycle.Lifecycle` (its states and allowed transitions); its record
+(process, request queue, what a snapshot shows) is a :class:`~.record.WorkerRecord`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+from .. import errors
+from ..config.schema import Config, ModelConfig
+from ..errors import ModelUnavailableError, QueueFullError, UnknownModelError
+from ..modelfile import gguf_problem
+from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, SwitchStats
+from ..worker import protocol
+from .codes import error_for
+from .configure import restart_fields
+from .generation import Generation
+from .lifecycle import Phase
+from .process import _signal_group, read_log_tail, read_worker, spawn_worker
+from .record import WorkerRecord
+from .thread import PoolThread
+
+log = logging.getLogger(__name__)
+
+SleepLevel = Literal["weights", "weights+kv", "stop"]
+_SHUTTING_DOWN = "Timeshare is shutting down; send again after it restarts"
+
+
+class PoolHandlers(PoolThread):
+    """The pool thread's state and handlers (pool thread only, except ``__init__``)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        restart_backoff_s: float,
+        max_restarts: int,
+        restart_window_s: float,
+        stop_grace_s: float,
+        event_log: str | None,
+        worker_argv: Sequence[str],
+    ) -> None:
+        super().__init__()
+        self._config = config
+        self.restart_backoff_s = restart_backoff_s
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.stop_grace_s = stop_grace_s
+        self.event_log = event_log
+        self.worker_argv = tuple(worker_argv)
+        self.arena_dir: Path | None = None  # these three are set by start()
+        self._log_dir = Path()
+        self._kv_root = Path()
+
+        self._workers: dict[str, WorkerRecord] = {}
+        self._holder: str | None = None
+        self._last_release: tuple[str, float, float] | None = None  # (model, release_ms, monotonic)
+        self._readers: list[threading.Thread] = []
+        self._state_cond = threading.Condition()
+        self._snapshot = PoolSnapshot()
+        self._worker_pinned: dict[str, bool] = {}
+
+    # ---- publishing (pool thread) --------------------------------------------------------
+
+    def _publish(
+        self,
+        kind: EventKind = EventKind.STATE,
+        model: str | None = None,
+        message: str = "",
+        switch: SwitchStats | None = None,
+        extra: dict[str, object] | None = None,
+    ) -> None:
+        statuses = [w.model_status() for w in self._workers.values()]
+        snap = PoolSnapshot(
+            models=tuple(s for s, _ in statuses),
+            holder=self._holder,
+            switching=any(switching for _, switching in statuses),
+        )
+        worker_pinned = {w.id: w.status.pinned for w in self._workers.values() if w.status is not None}
+        with self._state_cond:
+            self._worker_pinned = worker_pinned  # what the workers say (pin() waits for it)
+            self._state_cond.notify_all()
+            if kind is EventKind.STATE and snap == self._snapshot:
+                return
+            self._snapshot = snap
+        self._emit(PoolEvent(kind, snap, model, message, switch, dict(extra or {})))
+
+    # ---- spawning (pool thread) ----------------------------------------------------------
+
+    def _new_worker(self, cfg: ModelConfig) -> WorkerRecord:
+        return WorkerRecord(config=cfg, log_path=self._log_dir / f"worker-{cfg.id}.log", pinned=cfg.pinned)
+
+    def _start_all(self) -> None:
+        for cfg in self._config.models:
+            self._workers[cfg.id] = self._new_worker(cfg)
+        self._publish()
+        for w in list(self._workers.values()):
+            self._spawn(w)
+
+    def _spawn(self, w: WorkerRecord) -> None:
+        """NEW, STOPPED, BACKOFF or FAILED → STARTING (FAILED when the model file is unusable or
+        the process cannot be started)."""
+        if self._closing or w.removed or w.alive:
+            return
+        problem = gguf_problem(w.config.path)
+        if problem:
+            self._set_failed(w, problem)
+            return
+        w.epoch += 1
+        w.info = None
+        w.status = None
+        w.fatal = None
+        if not w.lifecycle.after_crash:
+            w.reason = ""  # after a crash it keeps saying why it restarts until it is ready
+        spec = {
+            "model": asdict(w.config),
+            "arena": asdict(self._config.arena),
+            "arena_dir": str(self.arena_dir),
+            "kv_dir": str(self._kv_root / w.id),
+            "event_log": self.event_log,
+        }
+        try:
+            proc, conn = spawn_worker(self.worker_argv, _json(spec), w.log_path, w.id)
+        except OSError as exc:
+            self._set_failed(w, f"could not start the worker process for {w.id}: {exc}")
+            return
+        w.proc, w.pid, w.conn = proc, proc.pid, conn
+        w.lifecycle.transition(Phase.STARTING)
+        log.info("started worker for %s (pid %d)", w.id, proc.pid)
+        reader = threading.Thread(
+            target=read_worker,
+            args=(
+                w.id,
+                conn,
+                proc,
+                max(self.stop_grace_s, 1.0),
+                functools.partial(self._post, self._on_message, w.id, w.epoch),
+                functools.partial(self._post, self._on_exit, w.id, w.epoch),
+            ),
+            name=f"pool-read-{w.id}",
+            daemon=True,
+        )
+        self._readers = [t for t in self._readers if t.is_alive()]
+        self._readers.append(reader)
+        reader.start()
+        self._publish(model=w.id)
+
+    # ---- worker messages (pool thread) ---------------------------------------------------
+
+    def _on_message(self, model_id: str, epoch: int, msg: object) -> None:
+        w = self._workers.get(model_id)
+        if w is None or w.epoch != epoch:
+            return
+        if isinstance(msg, protocol.Token):
+            if w.inflight is not None and w.inflight.req == msg.req:
+                w.inflight._feed(msg.text)
+        elif isinstance(msg, protocol.WorkerStatus):
+            self._on_status(w, msg)
+        elif isinstance(msg, protocol.StatusReply):
+            self._on_status(w, msg.status)
+        elif isinstance(msg, protocol.Done):
+            self._on_done(w, msg)
+        elif isinstance(msg, protocol.Released):
+            self._last_release = (w.id, msg.release_ms, time.monotonic())
+            self._publish(
+                EventKind.MESSAGE,
+                w.id,
+                f"{w.id} released its {msg.level} in {msg.release_ms:.1f} ms",
+                extra={"level": msg.level, "release_ms": msg.release_ms, "freed_bytes": msg.freed_bytes},
+            )
+        elif isinstance(msg, protocol.Error):
+            self._on_error(w, msg)
+        elif isinstance(msg, protocol.Hello):
+            self._on_hello(w, msg)
+        elif isinstance(msg, protocol.Loading):
+            self._publish(
+                EventKind.MESSAGE,
+                w.id,
+                f"{w.id}: loading ({msg.stage})",
+                extra={"stage": msg.stage, "fraction": msg.fraction},
+            )
+        elif isinstance(msg, protocol.Ready):
+            self._on_ready(w, msg)
+        else:
+            log.warning("%s: unexpected %s from the worker", w.id, type(msg).__name__)
+
+    def _on_hello(self, w: WorkerRecord, msg: protocol.Hello) -> None:
+        if msg.model_id != w.id:
+            log.warning("%s: the worker says it serves %r", w.id, msg.model_id)
+        if w.phase is not Phase.STARTING:
+            return  # being stopped: nothing more goes to it
+        w.lifecycle.transition(Phase.LOADING)
+        # send queued work now: a worker that finds a request waiting when its load is done
+        # keeps the GPU token instead of releasing and restoring at once
+        for cmd in w.pending:
+            if isinstance(cmd, protocol.Wake):
+                w.pending.remove(cmd)
+                w.send(cmd)
+                break
+        self._dispatch(w)
+
+    def _on_ready(self, w: WorkerRecord, msg: protocol.Ready) -> None:
+        w.info = msg.info
+        if w.phase not in (Phase.STARTING, Phase.LOADING):
+            self._publish(model=w.id)  # being stopped: nothing more goes to it
+            return
+        restarted = w.lifecycle.after_crash
+        w.lifecycle.transition(Phase.READY)
+        w.reason = ""
+        if w.pinned != w.config.pinned:  # changed at run time; the spec carried the configured value
+            w.send(protocol.Pin(w.pinned))
+        pending, w.pending = w.pending, []
+        for cmd in pending:
+            w.send(cmd)
+        if restarted:
+            self._publish(EventKind.RESTARTED, w.id, f"{w.id} restarted after a crash (restart {w.restarts})")
+        self._dispatch(w)  # publishes
+        self._arm_idle(w)
+
+    def _on_status(self, w: WorkerRecord, st: protocol.WorkerStatus) -> None:
+        w.status = st
+        w.lifecycle.report(st.state)  # shown while READY
+        if st.holds_token:
+            self._holder = w.id
+        elif self._holder == w.id:
+            self._holder = None
+        self._publish(model=w.id)
+
+    def _on_done(self, w: WorkerRecord, msg: protocol.Done) -> None:
+        gen = w.inflight
+        if gen is None or gen.req != msg.req:
+            log.warning("%s: Done for unknown request %s", w.id, msg.req)
+            return
+        w.inflight = None
+        release_ms = 0.0
+        if msg.switch.switched and self._last_release is not None:
+            holder, ms, at = self._last_release
+            if holder != w.id and at >= gen._sent_at:
+                release_ms = ms
+        switch = SwitchStats(
+            switched=msg.switch.switched,
+            wait_ms=msg.switch.wait_ms,
+            restore_ms=msg.switch.restore_ms,
+            release_ms=release_ms,
+            first_token_ms=msg.switch.first_token_ms,
+            prompt_tokens_evaluated=msg.usage.prompt_tokens_evaluated,
+        )
+        w.last_switch = switch
+        gen._finish(msg.finish_reason, msg.usage, switch)
+        self._publish(
+            EventKind.REQUEST_DONE,
+            w.id,
+            f"{w.id}: {msg.finish_reason}, {msg.usage.completion_tokens} tokens",
+            switch=switch,
+            extra={
+                "req": gen.req,
+                "finish_reason": msg.finish_reason,
+                "prompt_tokens": msg.usage.prompt_tokens,
+                "completion_tokens": msg.usage.completion_tokens,
+                "prompt_tokens_evaluated": msg.usage.prompt_tokens_evaluated,
+                "conversation": gen.request.conversation,
+            },
+        )
+        self._dispatch(w)
+        self._arm_idle(w)
+
+    def _on_error(self, w: WorkerRecord, msg: protocol.Error) -> None:
+        if msg.fatal:
+            w.fatal = msg
+            log.error("%s: fatal worker error (%s): %s", w.id, msg.code, msg.message)
+        gen = w.inflight
+        if gen is not None and (msg.req == gen.req or (msg.fatal and msg.req is None)):
+            w.inflight = None
+            gen._fail(error_for(msg.code, msg.message))
+            self._publish(EventKind.MESSAGE, w.id, f"{w.id}: {msg.message}", extra={"code": msg.code})
+            if not msg.fatal:
+                self._dispatch(w)
+                self._arm_idle(w)
+            return
+        if not msg.fatal:
+            log.warning("%s: worker error (%s): %s", w.id, msg.code, msg.message)
+            self._publish(EventKind.MESSAGE, w.id, f"{w.id}: {msg.message}", extra={"code": msg.code})
+
+    # ---- exits (pool thread) -------------------------------------------------------------
+
+    def _on_exit(self, model_id: str, epoch: int, code: int) -> None:
+        w = self._workers.get(model_id)
+        if w is None or w.epoch != epoch:
+            return
+        if w.conn is not None:
+            w.conn.close()
+        w.conn = None
+        w.proc = None
+        if self._holder == w.id:
+            self._holder = None
+        w.status = None
+        w.log_tail = read_log_tail(w.log_path)
+        log.info("worker for %s exited with status %s", w.id, code)
+
+        phase = w.phase
+        if phase is Phase.REMOVING:
+            self._forget(w)
+            return
+        if w.lifecycle.stopping:  # STOPPING or RESTARTING: on purpose
+            w.fail_inflight(ModelUnavailableError(f"{w.id} was stopped while answering; send again"))
+            w.lifecycle.transition(Phase.STOPPED)
+            w.reason = ""
+            if self._closing:
+                w.fail_all(ModelUnavailableError(_SHUTTING_DOWN))
+                self._publish(model=w.id)
+                return
+            self._publish(model=w.id, message=f"{w.id} stopped")
+            if phase is Phase.RESTARTING or w.queue:
+                self._spawn(w)
+            return
+        was_ready = phase is Phase.READY
+        fatal = w.fatal
+        if fatal is not None and (not was_ready or fatal.code == errors.ModelFileError.code):
+            # a load failure: restarting would fail the same way
+            self._set_failed(w, fatal.message)
+            return
+        # a crash
+        if not was_ready:
+            w.requeue_inflight()  # it was waiting for the load, not being answered
+        self._publish(
+            EventKind.CRASHED,
+            w.id,
+            f"{w.id} crashed (exit status {code})",
+            extra={"exit_code": code, "log_tail": list(w.log_tail)},
+        )
+        w.fail_inflight(
+            ModelUnavailableError(f"{w.id} crashed while answering; it is being restarted — send again")
+        )
+        now = time.monotonic()
+        while w.crash_times and now - w.crash_times[0] > self.restart_window_s:
+            w.crash_times.popleft()
+        if len(w.crash_times) >= self.max_restarts:
+            self._set_failed(
+                w,
+                f"{w.id} crashed {_times(len(w.crash_times) + 1)} within {self.restart_window_s:g} s "
+                f"(last exit status {code}); see its log {w.log_path}, then start it again",
+            )
+            return
+        w.crash_times.append(now)
+        w.restarts += 1
+        delay = self.restart_backoff_s * (2 ** (len(w.crash_times) - 1))
+        w.lifecycle.transition(Phase.BACKOFF)
+        w.reason = f"restarting in {delay:g} s after a crash (exit status {code})"
+        self._publish(model=w.id)
+        self._timers.add(delay, functools.partial(self._restart_due, w.id, w.epoch))
+
+    def _restart_due(self, model_id: str, epoch: int) -> None:
+        w = self._workers.get(model_id)
+        if w is not None and w.epoch == epoch and w.phase is Phase.BACKOFF:
+            self._spawn(w)
+
+    def _set_failed(self, w: WorkerRecord, reason: str) -> None:
+        w.lifecycle.transition(Phase.FAILED)
+        w.reason = reason
+        if not w.log_tail:
+            w.log_tail = read_log_tail(w.log_path)
+        w.fail_all(ModelUnavailableError(f"{w.config.display_name} is not available: {reason}"))
+        log.error("%s failed: %s", w.id, reason)
+        self._publish(EventKind.FAILED, w.id, reason)
+
+    def _forget(self, w: WorkerRecord) -> None:
+        """REMOVED: out of the configuration and, with no process left, out of the pool."""
+        w.lifecycle.transition(Phase.REMOVED)
+        w.fail_all(UnknownModelError(f"{w.id} was removed from the configuration"))
+        del self._workers[w.id]
+        self._publish(model=w.id)
+
+    # ---- requests (pool thread) ----------------------------------------------------------
+
+    def _worker(self, model_id: str) -> WorkerRecord:
+        w = self._workers.get(model_id)
+        if w is None or w.removed:
+            known = ", ".join(sorted(k for k, v in self._workers.items() if not v.removed)) or "none"
+            raise UnknownModelError(f"unknown model {model_id!r}; configured models: {known}")
+        return w
+
+    def _submit(self, gen: Generation) -> None:
+        w = self._worker(gen.model)
+        if w.phase is Phase.FAILED:
+            raise ModelUnavailableError(
+                f"{w.config.display_name} is not available: {w.reason} (fix it, then start the model again)"
+            )
+        limit = self._config.api.queue_limit
+        if len(w.queue) >= limit:
+            raise QueueFullError(
+                f"{w.id} already has {len(w.queue)} requests waiting (api.queue_limit = {limit}); "
+                "retry later or raise the limit"
+            )
+        w.queue.append(gen)
+        self._wanted(w)
+        self._dispatch(w)
+
+    def _wanted(self, w: WorkerRecord) -> None:
+        """A request or a wake wants the model: start a STOPPED one on demand; one being stopped
+        starts again once it has exited."""
+        if w.phase is Phase.STOPPED:
+            self._spawn(w)
+        elif w.phase is Phase.STOPPING:
+            w.lifecycle.transition(Phase.RESTARTING)
+
+    def _dispatch(self, w: WorkerRecord) -> None:
+        """Send the next queued request when the worker can take it; publishes the state in every
+        case (callers rely on that and do not publish again)."""
+        if w.accepting:
+            w.send_queued()
+        self._publish(model=w.id)
+
+    def _cancel(self, gen: Generation) -> None:
+        w = self._workers.get(gen.model)
+        if w is None or gen.done:
+            return
+        if gen in w.queue:
+            w.queue.remove(gen)
+            gen._finish_cancelled()
+            self._publish(model=w.id)
+        elif w.inflight is gen:
+            w.send(protocol.Cancel(gen.req))
+
+    # ---- commands (pool thread) ----------------------------------------------------------
+
+    def _command(self, w: WorkerRecord, msg: object) -> None:
+        """Send now when the worker is ready (a wake may go in during the load), else once it is."""
+        if w.ready or (w.accepting and isinstance(msg, protocol.Wake)):
+            w.send(msg)
+        else:
+            w.pending.append(msg)
+
+    def _pin(self, model_id: str, pinned: bool) -> bool:
+        """True when a Pin went to a running worker (whose confirmation pin() then awaits)."""
+        w = self._worker(model_id)
+        w.pinned = pinned
+        sent = w.ready and w.send(protocol.Pin(pinned))
+        self._publish(EventKind.MESSAGE, w.id, f"{w.id} {'pinned' if pinned else 'unpinned'}")
+        if not pinned:
+            self._arm_idle(w)
+        return sent
+
+    def _sleep(self, model_id: str, level: SleepLevel) -> None:
+        w = self._worker(model_id)
+        if level == "stop":
+            self._stop(w)
+            return
+        if w.phase in (Phase.STOPPED, Phase.FAILED):
+            return  # holds nothing
+        self._command(w, protocol.Sleep(level=level))
+        self._publish(EventKind.MESSAGE, w.id, f"{w.id}: sleep ({level})", extra={"level": level})
+
+    def _wake(self, model_id: str) -> None:
+        w = self._worker(model_id)
+        if w.phase is Phase.FAILED:
+            raise ModelUnavailableError(f"{w.config.display_name} is not available: {w.reason}")
+        self._command(w, protocol.Wake())
+        self._wanted(w)  # a stopped one starts, then wakes
+        self._publish(EventKind.MESSAGE, w.id, f"{w.id}: wake")
+
+    def _stop_model(self, model_id: str) -> None:
+        self._stop(self._worker(model_id))
+
+    def _stop(self, w: WorkerRecord, then: Phase = Phase.STOPPING) -> None:
+        """Stop a worker on purpose: Shutdown (it saves its KV), SIGTERM and SIGKILL if it lingers.
+        ``then`` says what follows its exit: STOPPING (it stays STOPPED), RESTARTING (spawned
+        again) or REMOVING (forgotten). One already being stopped only goes further."""
+        w.pending.clear()
+        w.idle_token += 1
+        if not w.alive:
+            w.epoch += 1  # a pending restart timer checks the epoch and does nothing
+            if w.phase not in (Phase.STOPPED, Phase.FAILED):
+                w.lifecycle.transition(Phase.STOPPED)
+                w.reason = ""
+            w.fail_all(ModelUnavailableError(f"{w.id} was stopped; send again to start it"))
+            self._publish(EventKind.MESSAGE, w.id, f"{w.id} stopped")
+            return
+        if w.lifecycle.stopping:
+            if then is not Phase.STOPPING and w.phase is not then:
+                w.lifecycle.transition(then)
+            return
+        w.lifecycle.transition(then)
+        w.fail_queued(ModelUnavailableError(f"{w.id} was stopped; send again to start it"))
+        if not w.send(protocol.Shutdown(save_kv=True)) and w.proc is not None:
+            _signal_group(w.proc, signal.SIGTERM)
+        self._publish(EventKind.MESSAGE, w.id, f"{w.id} stopping")
+        self._timers.add(self.stop_grace_s, functools.partial(self._escalate, w.id, w.epoch, signal.SIGTERM))
+        self._timers.add(
+            self.stop_grace_s * 2, functools.partial(self._escalate, w.id, w.epoch, signal.SIGKILL)
+        )
+
+    def _escalate(self, model_id: str, epoch: int, sig: signal.Signals) -> None:
+        w = self._workers.get(model_id)
+        if w is None or w.epoch != epoch or w.proc is None:
+            return
+        log.warning("%s did not stop in time: %s to its process group", model_id, sig.name)
+        _signal_group(w.proc, sig)
+
+    def _start_model(self, model_id: str) -> None:
+        w = self._worker(model_id)
+        if w.alive:
+            if w.phase is Phase.STOPPING:
+                w.lifecycle.transition(Phase.RESTARTING)
+            return
+        w.crash_times.clear()  # a fresh restart budget
+        if w.phase is Phase.BACKOFF:
+            w.lifecycle.transition(Phase.STOPPED)  # a start, not a restart after the crash
+        self._spawn(w)
+
+    def _apply_config(self, config: Config) -> None:
+        old = self._config
+        self._config = config
+        wanted = {m.id for m in config.models}
+        arena_changed = old.arena != config.arena
+        for model_id, gone in list(self._workers.items()):
+            if model_id in wanted or gone.removed:
+                continue
+            if gone.alive:
+                self._stop(gone, Phase.REMOVING)  # forgotten once it has exited
+            else:
+                self._forget(gone)
+        for cfg in config.models:
+            w = self._workers.get(cfg.id)
+            if w is None:
+                w = self._new_worker(cfg)
+                self._workers[cfg.id] = w
+                self._spawn(w)
+                continue
+            changed = restart_fields(w.config, cfg)
+            pinned_changed = cfg.pinned != w.config.pinned
+            w.config = cfg
+            w.log_path = self._log_dir / f"worker-{cfg.id}.log"
+            if w.phase is Phase.REMOVING:  # added back before its worker exited: start it again
+                w.lifecycle.transition(Phase.RESTARTING)
+            if pinned_changed:
+                self._pin(cfg.id, cfg.pinned)
+            if changed or arena_changed:
+                if w.phase is Phase.FAILED:
+                    w.crash_times.clear()
+                    self._spawn(w)
+                elif w.alive:
+                    self._stop(w, Phase.RESTARTING)
+            self._arm_idle(w)
+        self._publish(EventKind.MESSAGE, None, "configuration applied")
+
+    # ---- idle release (pool thread) ------------------------------------------------------
+
+    def _arm_idle(self, w: WorkerRecord) -> None:
+        w.idle_token += 1
+        delay = w.config.idle_sleep_s
+        if delay is None or not w.ready or not w.idle:
+            return
+        self._timers.add(delay, functools.partial(self._idle_due, w.id, w.epoch, w.idle_token))
+
+    def _idle_due(self, model_id: str, epoch: int, token: int) -> None:
+        w = self._workers.get(model_id)
+        if w is None or w.epoch != epoch or w.idle_token != token or not w.ready:
+            return
+        if w.pinned or not w.idle:
+            return
+        level = w.config.idle_release
+        idle = w.config.idle_sleep_s
+        shown = w.lifecycle.model_state
+        if level == "stop":
+            self._publish(
+                EventKind.MESSAGE, w.id, f"{w.id} idle for {idle:g} s: stopping", extra={"level": level}
+            )
+            self._stop(w)
+        elif level == "weights+kv" and shown in (ModelState.RESIDENT, ModelState.RELEASED):
+            w.send(protocol.Sleep(level="weights+kv"))
+            self._publish(
+                EventKind.MESSAGE, w.id, f"{w.id} idle for {idle:g} s: sleeping", extra={"level": level}
+            )
+        elif level == "weights" and shown is ModelState.RESIDENT:
+            w.send(protocol.Sleep(level="weights"))
+            self._publish(
+                EventKind.MESSAGE,
+                w.id,
+                f"{w.id} idle for {idle:g} s: releasing its weights",
+                extra={"level": level},
+            )
+
+    # ---- shutdown (pool thread) ----------------------------------------------------------
+
+    def _begin_shutdown(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        self._timers.clear()
+        procs = []
+        for w in self._workers.values():
+            w.fail_all(ModelUnavailableError(_SHUTTING_DOWN))
+            w.pending.clear()
+            if w.proc is not None:
+                if w.phase not in (Phase.STOPPING, Phase.REMOVING):
+                    w.lifecycle.transition(Phase.STOPPING)
+                if not w.send(protocol.Shutdown(save_kv=True)):
+                    _signal_group(w.proc, signal.SIGTERM)
+                procs.append((w.id, w.proc))
+        self._publish(EventKind.MESSAGE, None, "stopping all models")
+        return procs
+
+    def _loop_ended(self) -> None:
+        for w in self._workers.values():  # fail whatever is still waiting (nothing should be)
+            w.fail_all(ModelUnavailableError(_SHUTTING_DOWN))
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))

@@ -1,0 +1,167 @@
+"""One worker as the pool thread sees it: its lifecycle, its process, its request queue, and the
+:class:`~timeshare.core.state.ModelStatus` it shows. Pool thread only."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config.schema import ModelConfig
+from ..errors import TimeshareError
+from ..state import ModelStatus, SwitchStats
+from ..worker import protocol
+from .generation import Generation
+from .lifecycle import Lifecycle, Phase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerRecord:
+    config: ModelConfig
+    log_path: Path
+    pinned: bool
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    reason: str = ""
+    epoch: int = 0  # incremented per spawn; messages and timers of an older process are ignored
+    proc: subprocess.Popen[bytes] | None = None
+    conn: protocol.Connection | None = None
+    pid: int | None = None
+    info: protocol.ModelInfo | None = None  # from Ready (None until this spawn is ready)
+    status: protocol.WorkerStatus | None = None
+    queue: deque[Generation] = field(default_factory=deque)
+    inflight: Generation | None = None
+    restarts: int = 0
+    crash_times: deque[float] = field(default_factory=deque)
+    fatal: protocol.Error | None = None
+    pending: list[object] = field(default_factory=list)  # commands to send once ready
+    last_switch: SwitchStats | None = None
+    log_tail: tuple[str, ...] = ()
+    idle_token: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def phase(self) -> Phase:
+        return self.lifecycle.phase
+
+    @property
+    def alive(self) -> bool:
+        """It has a process (spawned, its exit not handled yet)."""
+        return self.proc is not None
+
+    @property
+    def removed(self) -> bool:
+        return self.phase in (Phase.REMOVING, Phase.REMOVED)
+
+    @property
+    def accepting(self) -> bool:
+        """Requests may be sent (after Hello; the worker queues them while loading)."""
+        return self.phase in (Phase.LOADING, Phase.READY)
+
+    @property
+    def ready(self) -> bool:
+        return self.phase is Phase.READY
+
+    def send(self, msg: object) -> bool:
+        if self.conn is None:
+            return False
+        try:
+            self.conn.send(msg)
+            return True
+        except (OSError, TimeshareError) as exc:
+            log.warning("%s: could not send %s: %s", self.id, type(msg).__name__, exc)
+            return False
+
+    # ---- the request queue ---------------------------------------------------------------
+
+    def send_queued(self) -> None:
+        """Send the next queued request if none is in flight (cancelled ones are finished on the way)."""
+        while self.inflight is None and self.queue:
+            gen = self.queue.popleft()
+            if gen.cancelled:
+                gen._finish_cancelled()
+                continue
+            gen._sent_at = time.monotonic()
+            if not self.send(gen.request):
+                self.queue.appendleft(gen)  # the exit handler deals with it
+                return
+            self.inflight = gen
+            self.idle_token += 1  # busy: disarm the idle timer
+
+    def requeue_inflight(self) -> None:
+        """The request in flight was waiting for the load, not being answered: first in line again."""
+        if self.inflight is not None:
+            self.queue.appendleft(self.inflight)
+            self.inflight = None
+
+    def fail_inflight(self, error: TimeshareError) -> None:
+        if self.inflight is not None:
+            self.inflight._fail(error)
+            self.inflight = None
+
+    def fail_queued(self, error: TimeshareError) -> None:
+        while self.queue:
+            self.queue.popleft()._fail(error)
+
+    def fail_all(self, error: TimeshareError) -> None:
+        self.fail_inflight(error)
+        self.fail_queued(error)
+
+    @property
+    def idle(self) -> bool:
+        return self.inflight is None and not self.queue
+
+    # ---- what a snapshot shows -----------------------------------------------------------
+
+    def model_status(self) -> tuple[ModelStatus, bool]:
+        """This worker's ModelStatus, and whether it is switching (sent a request, no token yet)."""
+        st = self.status
+        info = self.info
+        # the worker's reports count once it is ready, until it exits
+        alive_status = st if (st is not None and info is not None and self.alive) else None
+        busy = self.inflight is not None  # the pool's own knowledge: it sent a request, no Done yet
+        switching = alive_status is not None and busy and not alive_status.holds_token
+        reason = self.reason
+        waits = st is not None and self.alive and st.waiting_reason and (busy or info is None)
+        if not reason and st is not None and waits:  # waiting to load, or to answer
+            reason = st.waiting_reason
+            if not reason.startswith("waiting"):
+                reason = f"waiting for the GPU: {reason}"
+        status = ModelStatus(
+            id=self.id,
+            name=self.config.display_name,
+            path=self.config.path,
+            state=self.lifecycle.model_state,
+            busy=busy,
+            pinned=self.pinned,
+            queued=len(self.queue),
+            reason=reason,
+            residency_path=info.residency_path if info else "",
+            residency_reason=info.residency_reason if info else "",
+            backend=info.backend if info else "",
+            chat_format=info.chat_format if info else "",
+            licence=self.config.licence,
+            weight_bytes=info.weight_bytes if info else 0,
+            host_pinned_bytes=self._host_bytes(alive_status),
+            device_bytes=alive_status.device_bytes if alive_status else 0,
+            n_ctx=info.n_ctx if info else self.config.n_ctx,
+            pid=self.pid if self.alive else None,
+            restarts=self.restarts,
+            last_switch=self.last_switch,
+            log_tail=self.log_tail,
+        )
+        return status, switching
+
+    def _host_bytes(self, status: protocol.WorkerStatus | None) -> int:
+        if not self.alive:
+            return 0
+        if status is not None:
+            return status.host_pinned_bytes
+        return self.info.host_pinned_bytes if self.info else 0
