@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from _proc_util import alive, proc_state
+from timeshare.core.config import validate as config_validate
 from timeshare.core.config.demo import GEMMA3_ID, SMOLLM2_ID
 from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.errors import (
@@ -208,14 +209,45 @@ def test_clean_env_keeps_only_the_whitelist() -> None:
     }
 
 
-def test_bad_config_is_refused_with_field_paths(tmp_path: Path) -> None:
-    dup = Config(models=(ModelConfig(id="a", path="x.gguf"), ModelConfig(id="a", path="y.gguf")))
-    with pytest.raises(ConfigError, match=r"models\[1\]\.id: 'a' is used twice"):
-        Pool(dup)
-    with pytest.raises(ConfigError, match=r"api\.queue_limit"):
-        Pool(Config(api=ApiConfig(queue_limit=0)))
-    with pytest.raises(ConfigError, match=r"models\[0\]\.path: empty"):
-        Pool(Config(models=(ModelConfig(id="a", path=""),)))
+_REFUSED = [
+    (  # the same id twice
+        {"models": [{"id": "a", "path": "x.gguf"}, {"id": "a", "path": "y.gguf"}]},
+        Config(models=(ModelConfig(id="a", path="x.gguf"), ModelConfig(id="a", path="y.gguf"))),
+        r"models\[1\]\.id: 'a' is already used by models\[0\]",
+    ),
+    ({"api": {"queue_limit": 0}}, Config(api=ApiConfig(queue_limit=0)), r"api\.queue_limit: must be > 0"),
+    (
+        {"models": [{"id": "a", "path": ""}]},
+        Config(models=(ModelConfig(id="a", path=""),)),
+        r"models\[0\]\.path: must not be empty",
+    ),
+    (
+        {"models": [{"id": "a", "path": "x.gguf", "idle_release": "never"}]},
+        Config(models=(ModelConfig(id="a", path="x.gguf", idle_release="never"),)),  # type: ignore[arg-type]
+        r"models\[0\]\.idle_release: must be one of",
+    ),
+    (
+        {"models": [{"id": "My Model", "path": "x.gguf"}]},
+        Config(models=(ModelConfig(id="My Model", path="x.gguf"),)),
+        r"models\[0\]\.id: 'My Model' may contain only",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "config", "problem"), _REFUSED)
+def test_the_pool_refuses_what_the_config_layer_refuses(
+    raw: dict[str, object], config: Config, problem: str
+) -> None:
+    """The config layer validates (there is no check of the pool's own): a Config built in code
+    is checked the same way when a Pool is made or given a new configuration."""
+    with pytest.raises(ConfigError, match=problem) as by_config_layer:
+        config_validate.validate(raw, check_paths=False)
+    with pytest.raises(ConfigError, match=problem) as by_pool:
+        Pool(config)
+    assert by_pool.value.problems == by_config_layer.value.problems
+    pool = Pool(Config())
+    with pytest.raises(ConfigError, match=problem):
+        pool.apply_config(config)
 
 
 def test_unsafe_arena_fails_start_and_spawns_nothing(tmp_path: Path, smollm2_path: Path) -> None:

@@ -1,34 +1,26 @@
-"""The pool's side of a configuration: its checks, and which changes a running worker takes
-without a restart."""
+"""The pool's side of a configuration: refusing what the config layer refuses, and which changes
+a running worker takes without a restart."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
+from ..config.files import config_to_dict
 from ..config.schema import Config, ModelConfig
-from ..errors import ConfigError
+from ..config.validate import validate
 
 #: ModelConfig fields whose change does not need a worker restart
 LIVE_FIELDS = frozenset({"name", "pinned", "idle_sleep_s", "idle_release", "licence"})
 
 
 def check_config(config: Config) -> None:
-    problems = []
-    seen: set[str] = set()
-    for i, m in enumerate(config.models):
-        if not m.id:
-            problems.append(f"models[{i}].id: empty; give every model an id")
-        elif m.id in seen:
-            problems.append(f"models[{i}].id: {m.id!r} is used twice; model ids must be unique")
-        seen.add(m.id)
-        if not m.path:
-            problems.append(f"models[{i}].path: empty; give the path of a .gguf file")
-        if m.idle_release not in ("weights", "weights+kv", "stop"):
-            problems.append(f"models[{i}].idle_release: {m.idle_release!r}; use weights, weights+kv or stop")
-    if config.api.queue_limit < 1:
-        problems.append(f"api.queue_limit: {config.api.queue_limit}; it must be at least 1")
-    if problems:
-        raise ConfigError(problems)
+    """Raise ConfigError for a configuration the config layer would refuse (duplicate or malformed
+    ids, an empty path, an unknown idle_release, a queue_limit below 1 ...).
+
+    A Config built in code never went through ``config.validate``; the pool checks it the same
+    way, from the data the config would be saved as. Model files are not checked: a missing or
+    broken file makes that model FAILED, with its reason, while the others serve."""
+    validate(config_to_dict(config), check_paths=False)
 
 
 def restart_fields(old: ModelConfig, new: ModelConfig) -> set[str]:
