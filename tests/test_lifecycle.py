@@ -1,15 +1,21 @@
-"""A worker's lifecycle (core/pool/lifecycle.py), without processes.
+"""A worker's lifecycle (core/pool/lifecycle.py) and the pool's error codes, without processes.
 
 Every transition the table allows is walked from NEW; every other one must be refused; each phase
-shows the ModelState the snapshots promise.
+shows the ModelState the snapshots promise. The pool's code→exception mapping must give every code
+a worker can send its own class.
 """
 
 from __future__ import annotations
 
+import ast
 import itertools
 from collections import deque
+from pathlib import Path
 
 import pytest
+from timeshare.core import errors
+from timeshare.core.errors import TimeshareError
+from timeshare.core.pool.codes import ERRORS_BY_CODE, error_for
 from timeshare.core.pool.lifecycle import (
     MODEL_STATE,
     REPORTED,
@@ -19,6 +25,8 @@ from timeshare.core.pool.lifecycle import (
     TransitionError,
 )
 from timeshare.core.state import ModelState
+
+CORE = Path(__file__).resolve().parent.parent / "core"
 
 
 def path_to(target: Phase) -> list[Phase]:
@@ -146,3 +154,58 @@ def test_after_crash_lasts_from_backoff_until_ready_or_a_deliberate_end() -> Non
         assert crashed.after_crash
         crashed.transition(end)
         assert not crashed.after_crash
+
+
+# ---- a worker's error codes ------------------------------------------------------------------
+
+
+def _literal_codes(tree: ast.AST) -> set[str]:
+    """String constants given as ``code=...`` or assigned to a variable ``code``."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        value: ast.AST | None = None
+        if isinstance(node, ast.keyword) and node.arg == "code":
+            value = node.value
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "code" for t in node.targets
+        ):
+            value = node.value
+        if value is not None:
+            found.update(
+                n.value for n in ast.walk(value) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            )
+    return found
+
+
+def worker_codes() -> set[str]:
+    """Every code a worker's ``Error`` can carry: the literals in core/worker, and the code of every
+    TimeshareError (a worker sends ``exc.code`` of whatever it caught)."""
+    literal: set[str] = set()
+    for path in sorted((CORE / "worker").glob("*.py")):
+        literal |= _literal_codes(ast.parse(path.read_text(), filename=str(path)))
+    assert {"protocol", "internal", "model_unavailable", "invalid_config"} <= literal
+    typed = {
+        value.code
+        for value in vars(errors).values()
+        if isinstance(value, type) and issubclass(value, TimeshareError) and value is not TimeshareError
+    }
+    return literal | typed
+
+
+def test_every_worker_error_code_maps_to_its_own_class() -> None:
+    for code in sorted(worker_codes()):
+        err = error_for(code, "it went wrong")
+        assert type(err) is not TimeshareError, code
+        assert err.code == code
+        assert "it went wrong" in str(err)
+
+
+def test_the_mapping_picks_the_class_that_defines_the_code() -> None:
+    assert type(error_for("model_file_changed", "m")) is errors.ModelFileChangedError
+    assert type(error_for("arena", "m")) is errors.ArenaError  # not a subclass that inherits the code
+    assert type(error_for("protocol", "m")) is errors.ProtocolError
+    config = error_for("invalid_config", "models[0].id: bad")
+    assert isinstance(config, errors.ConfigError) and config.problems == ["models[0].id: bad"]
+    unknown = error_for("made_up", "m")
+    assert type(unknown) is TimeshareError and unknown.code == "made_up"
+    assert all(cls.code == code for code, cls in ERRORS_BY_CODE.items())
