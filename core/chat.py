@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .errors import CancelledError, TimeshareError
+from .state import SwitchStats
 from .store import Conversation, Message, Store
 from .stream import TextStream
 from .worker.protocol import ChatMessage
@@ -51,24 +52,13 @@ class UsageLike(Protocol):
     def prompt_tokens_evaluated(self) -> int: ...
 
 
-class SwitchLike(Protocol):
-    @property
-    def switched(self) -> bool: ...
-    @property
-    def wait_ms(self) -> float: ...
-    @property
-    def restore_ms(self) -> float: ...
-    @property
-    def first_token_ms(self) -> float: ...
-
-
 class ResultLike(Protocol):
     @property
     def finish_reason(self) -> str: ...
     @property
     def usage(self) -> UsageLike: ...
     @property
-    def switch(self) -> SwitchLike | None: ...
+    def switch(self) -> SwitchStats | None: ...
 
 
 class GenerationLike(Protocol):

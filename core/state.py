@@ -45,7 +45,12 @@ class ModelState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SwitchStats:
-    """What a request cost in GPU switching. ``switched`` is False when the model already held the GPU."""
+    """What a request cost in GPU switching. ``switched`` is False when the model already held the GPU.
+
+    The one switch-cost type: the worker sends it in ``protocol.Done`` (the fields it measures:
+    switched, wait_ms, restore_ms, first_token_ms; see ``protocol.WIRE_FIELDS``), the pool adds
+    release_ms and prompt_tokens_evaluated and hands it to results, events and snapshots.
+    """
 
     switched: bool
     wait_ms: float = 0.0  # doorbell rung → token acquired (includes the other model's release)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from timeshare.core.errors import ProtocolError
+from timeshare.core.state import SwitchStats
 from timeshare.core.worker import protocol as p
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -44,7 +45,9 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return _text
     assert dataclasses.is_dataclass(tp), tp
     hints = typing.get_type_hints(tp)
-    return st.builds(tp, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(tp)})
+    wire = p.WIRE_FIELDS.get(tp)  # the other fields do not travel: they keep their defaults
+    fields = [f for f in dataclasses.fields(tp) if wire is None or f.name in wire]
+    return st.builds(tp, **{f.name: strategy_for(hints[f.name]) for f in fields})
 
 
 def valid_generate() -> st.SearchStrategy[p.Generate]:
@@ -81,6 +84,18 @@ def test_every_message_round_trips(msg: object) -> None:
     assert decoder.next() == msg
     assert decoder.next() is None
     decoder.eof()  # nothing left over
+
+
+def test_a_done_carries_the_switch_fields_the_worker_measured() -> None:
+    switch = SwitchStats(
+        True, wait_ms=1.5, restore_ms=2.5, release_ms=9.0, first_token_ms=3.5, prompt_tokens_evaluated=7
+    )
+    done = p.Done("r1", "stop", p.Usage(10, 2, 7), switch)
+    obj = json.loads(p.encode(done)[4:])
+    assert obj["switch"] == {"switched": True, "wait_ms": 1.5, "restore_ms": 2.5, "first_token_ms": 3.5}
+    obj["switch"]["release_ms"] = 9.0  # not the worker's to say: ignored like any unknown key
+    got = p.from_dict(obj)
+    assert isinstance(got, p.Done) and got.switch == SwitchStats(True, 1.5, 2.5, first_token_ms=3.5)
 
 
 @FAST

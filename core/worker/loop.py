@@ -25,6 +25,7 @@ from typing import Literal
 
 from ..errors import CancelledError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold
+from ..state import SwitchStats
 from . import protocol as p
 from .engine import Engine
 from .residence import Acquired, Residence, make_residence
@@ -256,11 +257,13 @@ class Worker:
         for task in list(self._pending):
             if isinstance(task, p.Generate) and task.req == req:
                 self._pending.remove(task)
-                self._send_done(task, "cancelled", p.Usage(0, 0, 0), p.Switch(False))
+                self._send_done(task, "cancelled", p.Usage(0, 0, 0), SwitchStats(False))
                 return
         self._cancelled.add(req)
 
-    def _send_done(self, req: p.Generate, finish: p.FinishReason, usage: p.Usage, switch: p.Switch) -> None:
+    def _send_done(
+        self, req: p.Generate, finish: p.FinishReason, usage: p.Usage, switch: SwitchStats
+    ) -> None:
         self.send(p.Done(req=req.req, finish_reason=finish, usage=usage, switch=switch))
 
     def _poll(self, current: str | None) -> None:
@@ -328,7 +331,7 @@ class Worker:
         assert engine is not None
         if req.req in self._cancelled:
             self._cancelled.discard(req.req)
-            self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.Switch(False))
+            self._send_done(req, "cancelled", p.Usage(0, 0, 0), SwitchStats(False))
             return
         t0 = time.monotonic()
         first: list[float] = []
@@ -359,7 +362,7 @@ class Worker:
         try:
             outcome = engine.generate(req, emit, step)
         except CancelledError:
-            reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), p.Switch(False))
+            reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), SwitchStats(False))
         except TimeshareError as exc:
             reply = p.Error(req=req.req, code=exc.code, message=str(exc))
         else:
@@ -368,7 +371,12 @@ class Worker:
                 req.req,
                 outcome.finish_reason,
                 p.Usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.prompt_tokens_evaluated),
-                p.Switch(switch.switched, switch.wait_ms, switch.restore_ms, first_ms),
+                SwitchStats(
+                    switch.switched,
+                    wait_ms=switch.wait_ms,
+                    restore_ms=switch.restore_ms,
+                    first_token_ms=first_ms,
+                ),
             )
         finally:
             self._busy = False

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from ..errors import ProtocolError
-from ..state import WorkerReleaseLevel
+from ..state import SwitchStats, WorkerReleaseLevel
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
@@ -151,14 +151,6 @@ class Usage:
     prompt_tokens_evaluated: int  # prefilled in this request (0 when the KV cache had the prompt)
 
 
-@dataclass(frozen=True)
-class Switch:
-    switched: bool
-    wait_ms: float = 0.0
-    restore_ms: float = 0.0
-    first_token_ms: float = 0.0
-
-
 #: How a generation ended: a stop string or end of sequence, max_tokens reached, or cancelled.
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -168,7 +160,7 @@ class Done:
     req: str
     finish_reason: FinishReason
     usage: Usage
-    switch: Switch
+    switch: SwitchStats  # the WIRE_FIELDS the worker measured; the pool fills in the rest
 
 
 @dataclass(frozen=True)
@@ -215,6 +207,12 @@ Event = Hello | Loading | Ready | WorkerStatus | Token | Done | Released | Error
 Message = Request | Event
 
 _BY_NAME: dict[str, type] = {cls.__name__: cls for cls in (*REQUEST_TYPES, *EVENT_TYPES)}
+#: Dataclasses that travel with only some of their fields (the others keep their defaults on
+#: receipt): a ``Done``'s switch carries what the worker measured; release_ms (from the previous
+#: holder's ``Released``) and prompt_tokens_evaluated (from ``Usage``) are the pool's to fill in.
+WIRE_FIELDS: dict[type, tuple[str, ...]] = {
+    SwitchStats: ("switched", "wait_ms", "restore_ms", "first_token_ms"),
+}
 _HEADER = struct.Struct(">I")
 _HINTS: dict[type, dict[str, Any]] = {}
 
@@ -308,10 +306,26 @@ def _convert(value: object, tp: Any, where: str) -> object:
     raise ValueError(f"{where}: unsupported type {tp!r}")  # a bug in this module, not in the peer
 
 
+def _wire_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    names = WIRE_FIELDS.get(cls)
+    return [f for f in dataclasses.fields(cls) if names is None or f.name in names]
+
+
+def _to_json(value: object) -> object:
+    """``dataclasses.asdict`` that leaves out the fields not on the wire (``WIRE_FIELDS``)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_json(getattr(value, f.name)) for f in _wire_fields(type(value))}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_json(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    return value
+
+
 def _build(cls: type, obj: dict[str, Any], where: str) -> object:
     hints = _hints(cls)
     kwargs: dict[str, object] = {}
-    for f in dataclasses.fields(cls):
+    for f in _wire_fields(cls):
         if f.name in obj:
             kwargs[f.name] = _convert(obj[f.name], hints[f.name], f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -325,7 +339,7 @@ def to_dict(msg: object) -> dict[str, Any]:
     cls = type(msg)
     if _BY_NAME.get(cls.__name__) is not cls:
         raise TypeError(f"{cls.__name__} is not a protocol message")
-    body = dataclasses.asdict(typing.cast(Message, msg))  # a Message: _BY_NAME holds only those
+    body = typing.cast(dict[str, Any], _to_json(msg))
     return {"v": PROTOCOL_VERSION, "type": cls.__name__, **body}
 
 
