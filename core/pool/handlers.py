@@ -18,13 +18,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from .. import errors
 from ..config.schema import Config, ModelConfig
 from ..errors import ModelUnavailableError, QueueFullError, UnknownModelError
 from ..modelfile import gguf_problem
-from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, SwitchStats
+from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, ReleaseLevel, SwitchStats
 from ..worker import protocol
 from .codes import error_for
 from .configure import restart_fields
@@ -36,7 +36,6 @@ from .thread import PoolThread
 
 log = logging.getLogger(__name__)
 
-SleepLevel = Literal["weights", "weights+kv", "stop"]
 _SHUTTING_DOWN = "Timeshare is shutting down; send again after it restarts"
 
 
@@ -454,7 +453,7 @@ class PoolHandlers(PoolThread):
             self._arm_idle(w)
         return sent
 
-    def _sleep(self, model_id: str, level: SleepLevel) -> None:
+    def _sleep(self, model_id: str, level: ReleaseLevel) -> None:
         w = self._worker(model_id)
         if level == "stop":
             self._stop(w)

@@ -21,11 +21,11 @@ from ..arena.dirs import resolve_arena_dir
 from ..arena.tickets import check_arena_dir
 from ..config.schema import Config
 from ..errors import ModelUnavailableError
-from ..state import ModelState, PoolSnapshot
+from ..state import ModelState, PoolSnapshot, ReleaseLevel, parse_release_level
 from ..worker import protocol
 from .configure import check_config
 from .generation import Generation, make_request
-from .handlers import PoolHandlers, SleepLevel
+from .handlers import PoolHandlers
 from .process import end_processes
 
 log = logging.getLogger(__name__)
@@ -213,10 +213,8 @@ class Pool(PoolHandlers):
                     return
                 self._state_cond.wait(left)
 
-    def sleep(self, model_id: str, level: SleepLevel = "weights") -> None:
-        if level not in ("weights", "weights+kv", "stop"):
-            raise ValueError(f"unknown sleep level {level!r}: use 'weights', 'weights+kv' or 'stop'")
-        self._call(self._sleep, model_id, level)
+    def sleep(self, model_id: str, level: ReleaseLevel = "weights") -> None:
+        self._call(self._sleep, model_id, parse_release_level(level))
 
     def wake(self, model_id: str) -> None:
         self._call(self._wake, model_id)
