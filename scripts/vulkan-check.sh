@@ -19,6 +19,8 @@ OUT=${VULKAN_OUT:-.work/vulkan}
 CYCLES=${VULKAN_CYCLES:-3}
 SECONDS_=${VULKAN_ARENA_SECONDS:-90}
 WORKERS=${VULKAN_ARENA_WORKERS:-2}
+REBUILD_CYCLES=${VULKAN_REBUILD_CYCLES:-2}
+SAMPLE_MS=${VULKAN_SAMPLE_MEMORY_MS:-250}
 PATCH=packaging/patches/ggml-vulkan-old-headers.patch
 VER=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml | head -n1)
 # The Makefile's DEMO_PACKAGES (`make vulkan-check` passes them; read from the Makefile otherwise),
@@ -113,40 +115,72 @@ step_check() {
     ts=$VENV/bin/timeshare
     # A private home: the check neither reads nor disturbs the user's config, caches or arena.
     export TIMESHARE_HOME="$PWD/$OUT/home"
-    models=$("$PY" -c 'from timeshare.core.config.demo import demo_model_paths; print("\n".join(str(p) for p in demo_model_paths()))')
+    models=$("$PY" -c 'from timeshare.core.config import demo; print("\n".join(c.path for c in demo.demo_model_configs()))')
+    [ -n "$models" ] || { echo "vulkan-check: the demo models are not installed in $VENV" >&2; exit 1; }
     status=0
     t0=$(date +%s)
     i=0
     for m in $models; do
         i=$((i + 1))
         echo "==> timeshare doctor --model $(basename "$m") --cycles $CYCLES --json"
-        if "$ts" doctor --model "$m" --cycles "$CYCLES" --json >"$OUT/doctor-$i.json" 2>"$OUT/doctor-$i.log"; then
-            :
-        else
-            status=1
-        fi
-        "$PY" - "$OUT/doctor-$i.json" <<'EOF' || status=1
-import json, sys
-r = json.load(open(sys.argv[1]))
-keys = ("ok", "backend", "device", "path", "bitwise", "cycles", "released_fraction", "reason")
-print("    " + ", ".join(f"{k}={r[k]!r}" for k in keys if k in r))
-EOF
+        t1=$(date +%s)
+        "$ts" doctor --model "$m" --cycles "$CYCLES" --json >"$OUT/doctor-$i.json" 2>"$OUT/doctor-$i.log" || status=1
+        summarize_doctor "$OUT/doctor-$i.json" "$(( $(date +%s) - t1 ))" || status=1
     done
-    echo "==> timeshare arena-test --workers $WORKERS --seconds $SECONDS_ --json"
-    if "$ts" arena-test --workers "$WORKERS" --seconds "$SECONDS_" --json >"$OUT/arena-test.json" 2>"$OUT/arena-test.log"; then
-        :
-    else
-        status=1
-    fi
-    "$PY" - "$OUT/arena-test.json" <<'EOF' || status=1
+    # The rebuild path on the same device (the fallback where in-place cannot be used), bitwise too.
+    first=$(echo "$models" | head -n1)
+    echo "==> doctor with mode=rebuild on $(basename "$first") ($REBUILD_CYCLES cycles)"
+    t1=$(date +%s)
+    "$PY" - "$first" "$REBUILD_CYCLES" >"$OUT/doctor-rebuild.json" 2>"$OUT/doctor-rebuild.log" <<'EOF2' || status=1
 import json, sys
-r = json.load(open(sys.argv[1]))
-keys = ("ok", "overlaps", "requests", "outputs_equal", "switches")
-print("    " + ", ".join(f"{k}={r[k]!r}" for k in keys if k in r))
-EOF
-    echo "==> check took $(( $(date +%s) - t0 )) s; JSON in $OUT/"
+from timeshare.core.diagnostics.doctor import run_doctor
+r = run_doctor(sys.argv[1], int(sys.argv[2]), mode="rebuild")
+print(json.dumps(r))
+sys.exit(0 if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else 1)
+EOF2
+    summarize_doctor "$OUT/doctor-rebuild.json" "$(( $(date +%s) - t1 ))" || status=1
+    echo "==> timeshare arena-test --workers $WORKERS --seconds $SECONDS_ --sample-memory-ms $SAMPLE_MS --json"
+    t1=$(date +%s)
+    "$ts" arena-test --workers "$WORKERS" --seconds "$SECONDS_" --sample-memory-ms "$SAMPLE_MS" --json \
+        >"$OUT/arena-test.json" 2>"$OUT/arena-test.log" || status=1
+    "$PY" - "$OUT/arena-test.json" "$(( $(date +%s) - t1 ))" <<'EOF2' || status=1
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except ValueError:
+    print("    no JSON report (see the .log next to it)")
+    sys.exit(1)
+keys = ("ok", "requests", "reference_requests", "handoffs", "overlaps", "outside_token", "token_overlaps",
+        "deadlocks", "errors", "outputs_match_reference", "memory_source", "memory_samples",
+        "memory_overlaps", "restore_ms_p50")
+print("    " + ", ".join(f"{k}={r.get(k)!r}" for k in keys) + f" ({sys.argv[2]} s)")
+sys.exit(0 if r.get("ok") else 1)
+EOF2
+    echo "==> check took $(( $(date +%s) - t0 )) s; JSON and logs in $OUT/"
     [ "$status" -eq 0 ] || { echo "vulkan-check: FAILED (see $OUT/*.log)" >&2; exit 1; }
     echo "==> vulkan-check: OK"
+}
+
+summarize_doctor() {
+    "$PY" - "$1" "$2" <<'EOF2'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except ValueError:
+    print("    no JSON report (see the .log next to it)")
+    sys.exit(1)
+if "error" in r:
+    print(f"    error: {r['error']}")
+    sys.exit(1)
+keys = ("backend", "path", "reason", "cycles", "bitwise_identical", "kv_level_bitwise_identical",
+        "weight_bytes", "released_fraction", "memory_measure", "release_ms", "restore_ms", "host_pinned")
+print("    " + ", ".join(f"{k}={r[k]!r}" for k in keys) + f" ({sys.argv[2]} s)")
+if r.get("memory_note"):
+    print(f"    memory note: {r['memory_note']}")
+if "device_memory" in r:
+    print(f"    ggml_backend_dev_memory: {r['device_memory']}")
+sys.exit(0 if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else 1)
+EOF2
 }
 
 case "${1:-all}" in
