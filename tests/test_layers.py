@@ -1,5 +1,11 @@
-"""House rules that keep the layers apart: core/ never imports Qt; app/ never imports llama_cpp
-or ctypes. Checked on the syntax tree, so an import hidden in a function counts too."""
+"""House rules that keep the layers apart, checked on the syntax tree (so an import inside a function
+or under ``TYPE_CHECKING`` counts too):
+
+- core/ never imports Qt; app/ never imports llama_cpp or ctypes;
+- product code (core/ outside core/diagnostics, app/) never imports core/diagnostics: what the
+  harness needs comes through core/observe.py;
+- core/ has no import cycles between its modules.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+#: source folder -> installed package (pyproject's package-dir)
+PACKAGES = {"core": "timeshare.core", "app": "timeshare.app", "timeshare": "timeshare"}
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Top-level names of the absolute imports of a file (``import x.y``, ``from x import``,
+    ``importlib.import_module("x")``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -64,3 +74,136 @@ def test_checker_sees_imports(tmp_path: Path, source: str, forbidden: set[str], 
     mod = tmp_path / "m.py"
     mod.write_text(source)
     assert imported_modules(mod) & forbidden == expected
+
+
+# ---- the module graph ------------------------------------------------------------------------
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    parts[0] = PACKAGES[parts[0]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_modules(
+    root: Path = ROOT, folders: tuple[str, ...] = ("core", "app", "timeshare")
+) -> dict[str, Path]:
+    return {module_name(p, root): p for folder in folders for p in sorted((root / folder).rglob("*.py"))}
+
+
+def internal_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The Timeshare modules ``name`` imports, anywhere in the file: ``from .a import b`` is an edge to
+    module ``a.b`` when that is a module, else to ``a``; relative imports are resolved."""
+    is_package = path.name == "__init__.py"
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in known:
+                    out.add(sub)
+                elif target in known:
+                    out.add(target)
+    out.discard(name)
+    return out
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    known = set(modules)
+    return {name: internal_imports(name, path, known) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+DIAGNOSTICS = "timeshare.core.diagnostics"
+
+
+def diagnostics_importers(graph: dict[str, set[str]]) -> list[str]:
+    """Product modules that import diagnostics (the CLI's dispatch table names commands by string)."""
+    return sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        if not name.startswith(DIAGNOSTICS)
+        for target in targets
+        if target.startswith(DIAGNOSTICS)
+    )
+
+
+def test_product_never_imports_diagnostics() -> None:
+    assert diagnostics_importers(import_graph(source_modules())) == []
+
+
+def test_core_has_no_import_cycles() -> None:
+    graph = import_graph(source_modules(folders=("core",)))
+    assert len(graph) > 30  # the graph was read at all
+    assert cycles(graph) == []
+
+
+def test_graph_checks_catch_what_they_are_for(tmp_path: Path) -> None:
+    # a late import (inside a function) closing a cycle, a TYPE_CHECKING import, and a product
+    # module importing diagnostics: each must be seen, or the tests above prove nothing
+    core = tmp_path / "core"
+    (core / "diagnostics").mkdir(parents=True)
+    (core / "config").mkdir()
+    for init in (core, core / "diagnostics", core / "config"):
+        (init / "__init__.py").write_text('"""doc"""\n')
+    (core / "config" / "files.py").write_text("def f():\n    from . import demo\n")
+    (core / "config" / "demo.py").write_text("from .files import f\n")
+    (core / "state.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .pool import Pool\n"
+    )
+    (core / "pool.py").write_text("from .state import X\nfrom .diagnostics import bench\n")
+    (core / "diagnostics" / "bench.py").write_text("from ..pool import Pool\n")
+    graph = import_graph(source_modules(tmp_path, ("core",)))
+    assert graph["timeshare.core.config.files"] == {"timeshare.core.config.demo"}
+    assert sorted(map(tuple, cycles(graph))) == [
+        ("timeshare.core.config.demo", "timeshare.core.config.files"),
+        ("timeshare.core.diagnostics.bench", "timeshare.core.pool", "timeshare.core.state"),
+    ]
+    assert diagnostics_importers(graph) == ["timeshare.core.pool imports timeshare.core.diagnostics.bench"]
