@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import logging.handlers
 import signal
 import sys
 from pathlib import Path
@@ -21,9 +20,11 @@ from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
 
 from ..core import paths
+from ..core.atomic import atomic_write_text
 from ..core.config import files as config_files
 from ..core.config.schema import Config
 from ..core.errors import ConfigError, TimeshareError
+from ..core.logsetup import setup_logging
 from . import autostart, icons
 from .bridge import PoolBridge
 from .chat_window import ChatWindow
@@ -56,7 +57,7 @@ def load_ui_state() -> dict[str, Any]:
 
 
 def save_ui_state(state: dict[str, Any]) -> None:
-    config_files.atomic_write_text(_ui_state_file(), json.dumps(state), backup=False, mode=0o644)
+    atomic_write_text(_ui_state_file(), json.dumps(state), backup=False, mode=0o644)
 
 
 class TimeshareApp(QObject):
@@ -297,20 +298,6 @@ class TimeshareApp(QObject):
             log.exception("stopping the pool failed")
 
 
-def setup_logging(verbose: bool) -> None:
-    root = logging.getLogger()
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    handler = logging.handlers.RotatingFileHandler(
-        log_file(), maxBytes=2_000_000, backupCount=3, encoding="utf-8"
-    )
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
-    console = logging.StreamHandler()
-    console.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    console.setFormatter(logging.Formatter("timeshare: %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(console)
-
-
 def _fatal(title: str, text: str) -> int:
     print(f"timeshare: {text}", file=sys.stderr)
     QMessageBox.critical(None, title, text)
@@ -318,7 +305,7 @@ def _fatal(title: str, text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(bool(getattr(args, "verbose", False)))
+    setup_logging(bool(getattr(args, "verbose", False)), log_file=log_file())
     qapp = QApplication.instance() or QApplication(sys.argv[:1])
     assert isinstance(qapp, QApplication)
     qapp.setApplicationName("Timeshare")
@@ -331,9 +318,9 @@ def run(args: argparse.Namespace) -> int:
         print("Timeshare is already running: asked it to open its chat window.")
         return 0
 
-    config_path = Path(args.config).expanduser() if getattr(args, "config", None) else paths.config_file()
+    config_path = config_files.cli_config_path(getattr(args, "config", None))
     try:
-        config = config_files.load_config(config_path, must_exist=bool(getattr(args, "config", None)))
+        config = config_files.load_for_cli(getattr(args, "config", None))
     except ConfigError as e:
         return _fatal(
             "Timeshare: configuration error",

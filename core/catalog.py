@@ -89,11 +89,11 @@ _STRING, _ARRAY = 8, 9
 _WANTED_STRINGS = ("general.architecture", "general.name", "general.license", "general.size_label")
 
 
-class _Truncated(Exception):
+class _TruncatedError(Exception):
     pass
 
 
-class _Corrupt(Exception):
+class _CorruptError(Exception):
     pass
 
 
@@ -117,20 +117,20 @@ class _Cursor:
     def take(self, fmt: str) -> Any:
         st = struct.Struct(self.e + fmt)
         if self.pos + st.size > self.size:
-            raise _Truncated
+            raise _TruncatedError
         (value,) = st.unpack_from(self.buf, self.pos)
         self.pos += st.size
         return value
 
     def skip(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise _Truncated
+            raise _TruncatedError
         self.pos += n
 
     def string(self, keep: bool = True) -> str:
         n = self.take("Q")
         if self.pos + n > self.size:
-            raise _Truncated
+            raise _TruncatedError
         start = self.pos
         self.pos += n
         return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace") if keep else ""
@@ -141,10 +141,10 @@ class _Cursor:
         buf, pos, size = self.buf, self.pos, self.size
         for _ in range(count):
             if pos + 8 > size:
-                raise _Truncated
+                raise _TruncatedError
             pos += 8 + length(buf, pos)[0]
         if pos > size:
-            raise _Truncated
+            raise _TruncatedError
         self.pos = pos
 
     def value(self, vtype: int, keep: bool) -> Any:
@@ -163,9 +163,9 @@ class _Cursor:
                 for _ in range(count):
                     self.value(_ARRAY, False)
             else:
-                raise _Corrupt(f"unknown array element type {sub} at byte {self.pos}")
+                raise _CorruptError(f"unknown array element type {sub} at byte {self.pos}")
             return ("array", count)
-        raise _Corrupt(f"unknown metadata value type {vtype} at byte {self.pos}")
+        raise _CorruptError(f"unknown metadata value type {vtype} at byte {self.pos}")
 
 
 def _parse_header(buf: Any, size: int) -> _Header:
@@ -189,13 +189,13 @@ def _parse_header(buf: Any, size: int) -> _Header:
     arch = values.get("general.architecture")
     alignment = values.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise _Corrupt(f"general.alignment is {alignment!r}, not a power of two")
+        raise _CorruptError(f"general.alignment is {alignment!r}, not a power of two")
     extents: list[tuple[int, int, int]] = []  # (offset, bytes, type)
     for _ in range(tensor_count):
         cur.string(keep=False)
         n_dims = cur.take("I")
         if n_dims > 4:
-            raise _Corrupt(f"a tensor has {n_dims} dimensions (at most 4)")
+            raise _CorruptError(f"a tensor has {n_dims} dimensions (at most 4)")
         n_elems = 1
         for _ in range(n_dims):
             n_elems *= cur.take("Q")
@@ -204,7 +204,7 @@ def _parse_header(buf: Any, size: int) -> _Header:
         try:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         except (ValueError, KeyError):
-            raise _Corrupt(f"tensor type {ggml_type} is unknown (a newer quantisation?)") from None
+            raise _CorruptError(f"tensor type {ggml_type} is unknown (a newer quantisation?)") from None
         extents.append((offset, n_elems * type_size // block, ggml_type))
     data_start = -(-cur.pos // alignment) * alignment
     type_bytes: Counter[int] = Counter()
@@ -278,12 +278,12 @@ def read_gguf_header(path: str | Path, source: Source = "file", *, size: int | N
     try:
         with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             header = _parse_header(buf, file_size)
-    except _Truncated:
+    except _TruncatedError:
         raise ModelFileError(
             f"{p.name} is truncated: header says {tensor_count} tensors but the file ends at byte "
             f"{file_size}, inside the header — re-download it"
         ) from None
-    except _Corrupt as exc:
+    except _CorruptError as exc:
         raise ModelFileError(f"{p.name} is corrupt: {exc} — re-download it") from None
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"{p.name} cannot be read ({exc}): check the file") from exc
@@ -452,7 +452,7 @@ def _demo(paths: Sequence[Path] | None) -> Iterator[_Candidate]:
     for d in demo.available():
         try:
             p = demo.smollm2_path() if d.id == demo.SMOLLM2_ID else demo.gemma3_path()
-        except (demo.DemoUnavailable, OSError) as exc:
+        except (demo.DemoUnavailableError, OSError) as exc:
             log.warning("demo model %s unavailable: %s", d.id, exc)
             continue
         yield _Candidate(p, "demo", name=d.name, origin=d.package, licence=licences[d.id])

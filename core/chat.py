@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import CancelledError, TimeshareError
+from .errors import CancelledError, ConversationBusyError, EmptyMessageError, TimeshareError
 from .state import SwitchStats
 from .store import Conversation, Message, Store
 from .stream import TextStream
@@ -28,16 +28,6 @@ from .worker.protocol import ChatMessage
 log = logging.getLogger(__name__)
 
 TITLE_CHARS = 60
-
-
-class EmptyMessageError(TimeshareError):
-    code = "invalid_request"
-
-
-class ConversationBusyError(TimeshareError):
-    """An answer is still being generated in this conversation."""
-
-    code = "conversation_busy"
 
 
 # ---- what ChatService needs from the pool (core/pool.py provides it) ------------------------

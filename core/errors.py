@@ -1,6 +1,16 @@
-"""Typed errors a user can meet. Each message is a sentence that says what to do."""
+"""Typed errors a user can meet. Each message is a sentence that says what to do.
+
+Every TimeshareError lives here, each with its ``code`` (the pool maps a worker's error code back
+to its class from this module). Exceptions that never leave their room (the API's 400 refusals,
+the residency's in-place probes, the demo's missing package) stay in their module.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class TimeshareError(Exception):
@@ -74,3 +84,75 @@ class ProtocolError(TimeshareError):
 
 class CancelledError(TimeshareError):
     code = "cancelled"
+
+
+class InternalError(TimeshareError):
+    """A worker failed in a way it did not expect (a bug, or a library's own error); see its log."""
+
+    code = "internal"
+
+
+class FrameError(ProtocolError):
+    """A pool↔worker frame could not be decoded.
+
+    ``recoverable``: the frame boundary was intact (bad JSON, unknown type, invalid field), so the
+    stream can continue after an ``Error`` reply; otherwise the connection must be dropped.
+    ``req``: the request id found in the bad frame, if any, so the reply can echo it.
+    """
+
+    def __init__(self, message: str, *, recoverable: bool, req: str | None = None) -> None:
+        super().__init__(message)
+        self.recoverable = recoverable
+        self.req = req
+
+
+class UnsafeArenaError(ArenaError):
+    """The arena directory cannot be trusted (owner, mode, symlink) or used (not a directory)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"refusing the arena directory {path}: {reason}. Use a directory only you own and only you "
+            f"can write (chmod 700), or point TIMESHARE_VRAM_ARENA or arena.dir in the config elsewhere."
+        )
+
+
+class ModelFileChangedError(ModelFileError, ResidencyError):
+    """The model file changed on disk after loading; restoring from it is refused (the model stays
+    released). Both a ModelFileError and a ResidencyError."""
+
+    code = "model_file_changed"
+
+
+class ApiBindError(TimeshareError):
+    """The API could not listen on the configured address."""
+
+    code = "api_bind"
+
+
+# ---- conversations (core/store.py, core/chat.py) --------------------------------------------------
+
+
+class StoreError(TimeshareError):
+    """The conversation database cannot be opened or used."""
+
+    code = "store"
+
+
+class UnknownConversationError(TimeshareError):
+    code = "conversation_not_found"
+
+
+class UnknownMessageError(TimeshareError):
+    code = "message_not_found"
+
+
+class EmptyMessageError(TimeshareError):
+    code = "invalid_request"
+
+
+class ConversationBusyError(TimeshareError):
+    """An answer is still being generated in this conversation."""
+
+    code = "conversation_busy"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from . import paths
-from .errors import TimeshareError
+from .errors import StoreError, UnknownConversationError, UnknownMessageError
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +54,6 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX messages_conversation ON messages(conversation_id, id);
     """,
 )
-
-
-class StoreError(TimeshareError):
-    """The conversation database cannot be opened or used."""
-
-    code = "store"
-
-
-class UnknownConversationError(TimeshareError):
-    code = "conversation_not_found"
-
-
-class UnknownMessageError(TimeshareError):
-    code = "message_not_found"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
+from timeshare.core.errors import FrameError
 from timeshare.core.worker import protocol as p
 
 GUARD_S = 60.0  # a hang guard, not a timing assertion
@@ -70,7 +71,7 @@ class WorkerHandle:
         while True:
             try:
                 msg = self.conn.recv()
-            except p.FrameError as exc:
+            except FrameError as exc:
                 self.events.put(exc)
                 if exc.recoverable:
                     continue

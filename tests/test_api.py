@@ -24,7 +24,7 @@ from _api_util import (
     serving,
     write_config,
 )
-from timeshare.core.api.errors import BadRequest
+from timeshare.core.api.errors import BadRequestError
 from timeshare.core.api.requests import parse_chat_request, parse_completion_request
 from timeshare.core.config.validate import is_loopback
 
@@ -135,7 +135,7 @@ def test_parse_chat_request_maps_openai_fields() -> None:
     ],
 )
 def test_parse_chat_request_refuses_with_a_sentence(body: dict[str, object], param: str, words: str) -> None:
-    with pytest.raises(BadRequest) as info:
+    with pytest.raises(BadRequestError) as info:
         parse_chat_request(body)
     assert info.value.param == param
     assert words in info.value.message
@@ -153,7 +153,7 @@ def test_parse_chat_request_refuses_with_a_sentence(body: dict[str, object], par
     ],
 )
 def test_parse_completion_request_refuses(body: dict[str, object], param: str) -> None:
-    with pytest.raises(BadRequest) as info:
+    with pytest.raises(BadRequestError) as info:
         parse_completion_request(body)
     assert info.value.param == param
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.dirs import read_holder, resolve_arena_dir
-from timeshare.core.arena.records import DoorbellRing, Ticket, UnsafeArenaError
+from timeshare.core.arena.records import DoorbellRing, Ticket
 from timeshare.core.arena.tickets import Arena, check_arena_dir
 from timeshare.core.arena.watch import inotify_available
-from timeshare.core.errors import ArenaError, CancelledError, TokenTimeoutError
+from timeshare.core.errors import ArenaError, CancelledError, TokenTimeoutError, UnsafeArenaError
 from timeshare.core.observe import EventLog, read_events
 
 BACKENDS = ["inotify", "poll"] if inotify_available() else ["poll"]

@@ -19,10 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from timeshare.core.chat import ChatService, ConversationBusyError, EmptyMessageError
-from timeshare.core.errors import ModelUnavailableError, TimeshareError, UnknownModelError
+from timeshare.core.chat import ChatService
+from timeshare.core.errors import (
+    ConversationBusyError,
+    EmptyMessageError,
+    ModelUnavailableError,
+    TimeshareError,
+    UnknownConversationError,
+    UnknownModelError,
+)
 from timeshare.core.state import SwitchStats
-from timeshare.core.store import Store, UnknownConversationError
+from timeshare.core.store import Store
 from timeshare.core.stream import TextStream
 from timeshare.core.worker.protocol import ChatMessage, Usage
 

@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from timeshare.core.errors import ProtocolError
+from timeshare.core.errors import FrameError, ProtocolError
 from timeshare.core.state import SwitchStats
 from timeshare.core.worker import protocol as p
 
@@ -128,11 +128,11 @@ def test_decoder_fuzz_garbage_never_hangs_or_crashes(blob: bytes, chunk: int) ->
                 try:
                     if decoder.next() is None:
                         break
-                except p.FrameError as exc:
+                except FrameError as exc:
                     if not exc.recoverable:
                         raise
         decoder.eof()
-    except p.FrameError as exc:
+    except FrameError as exc:
         assert str(exc).startswith("protocol:")
 
 
@@ -156,7 +156,7 @@ def test_validation_fuzz_json_objects(name: str, fields: dict[str, Any], version
     payload = json.dumps({**fields, "v": version, "type": name}).encode()
     try:
         msg = p.decode_payload(payload)
-    except p.FrameError as exc:
+    except FrameError as exc:
         assert exc.recoverable
         assert str(exc).startswith("protocol:")
     else:
@@ -171,7 +171,7 @@ def frame(obj: object) -> bytes:
 
 
 def test_unknown_version_is_recoverable_and_names_the_request() -> None:
-    with pytest.raises(p.FrameError, match="version 99 is not supported") as info:
+    with pytest.raises(FrameError, match="version 99 is not supported") as info:
         p.decode_payload(json.dumps({"v": 99, "type": "Cancel", "req": "r7"}).encode())
     assert info.value.recoverable and info.value.req == "r7"
     assert info.value.code == "protocol"
@@ -199,7 +199,7 @@ def test_unknown_version_is_recoverable_and_names_the_request() -> None:
 def test_bad_frames_are_recoverable_errors_with_a_clear_message(body: bytes, message: str) -> None:
     decoder = p.FrameDecoder()
     decoder.feed(frame(body) + p.encode(p.Cancel("next")))
-    with pytest.raises(p.FrameError, match=message) as info:
+    with pytest.raises(FrameError, match=message) as info:
         decoder.next()
     assert info.value.recoverable
     assert decoder.next() == p.Cancel("next")  # the stream stays in sync
@@ -208,10 +208,10 @@ def test_bad_frames_are_recoverable_errors_with_a_clear_message(body: bytes, mes
 def test_oversize_length_breaks_the_stream() -> None:
     decoder = p.FrameDecoder(max_frame=1024)
     decoder.feed(struct.pack(">I", 1025) + b"x" * 10)
-    with pytest.raises(p.FrameError, match="over the 1024-byte limit") as info:
+    with pytest.raises(FrameError, match="over the 1024-byte limit") as info:
         decoder.next()
     assert not info.value.recoverable
-    with pytest.raises(p.FrameError, match="out of sync"):
+    with pytest.raises(FrameError, match="out of sync"):
         decoder.next()
 
 
@@ -219,7 +219,7 @@ def test_truncated_frame_at_eof() -> None:
     decoder = p.FrameDecoder()
     decoder.feed(p.encode(p.Cancel("a"))[:-3])
     assert decoder.next() is None
-    with pytest.raises(p.FrameError, match="ended inside a frame"):
+    with pytest.raises(FrameError, match="ended inside a frame"):
         decoder.eof()
 
 
@@ -240,13 +240,13 @@ def test_connection_over_a_socketpair() -> None:
         a.sendall(frame(b"garbage"))
         ca.send(p.Token(req="r", text="héllo"))
         assert cb.recv() == p.Hello(pid=1, model_id="m")
-        with pytest.raises(p.FrameError) as info:
+        with pytest.raises(FrameError) as info:
             cb.recv()
         assert info.value.recoverable
         assert cb.recv() == p.Token(req="r", text="héllo")
         a.sendall(p.encode(p.Cancel("x"))[:7])  # truncated, then the peer goes away
         ca.close()
-        with pytest.raises(p.FrameError, match="ended inside a frame"):
+        with pytest.raises(FrameError, match="ended inside a frame"):
             cb.recv()
         assert cb.recv() is None
     finally:

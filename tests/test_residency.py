@@ -21,9 +21,13 @@ from typing import Any
 import llama_cpp  # before numpy
 import pytest
 from _residency_util import Greedy, load, make_small_q4_0, same
-from timeshare.core.errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
-from timeshare.core.residency import (
+from timeshare.core.errors import (
     ModelFileChangedError,
+    ModelFileError,
+    OutOfDeviceMemoryError,
+    ResidencyError,
+)
+from timeshare.core.residency import (
     Residency,
     ResidencyOptions,
     _ggml,
@@ -97,7 +101,7 @@ def test_layout_probe_disagreement_takes_the_rebuild_path(
     small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def wrong(*_a: Any, **_k: Any) -> None:  # injected: a ggml build whose struct moved
-        raise _ggml.LayoutMismatch("ggml_tensor layout differs at: data")
+        raise _ggml.LayoutMismatchError("ggml_tensor layout differs at: data")
 
     monkeypatch.setattr(_ggml, "probe_tensor_layout", wrong)
     res = Residency.attach(small_q4, small_q4_path)

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 from timeshare.core import paths
+from timeshare.core.errors import StoreError, UnknownConversationError, UnknownMessageError
 from timeshare.core.store import (
     SCHEMA_VERSION,
     Store,
-    StoreError,
-    UnknownConversationError,
-    UnknownMessageError,
 )
 
 

@@ -1,7 +1,7 @@
 """The CLI commands that talk to a running Timeshare through its local API.
 
 `timeshare status|models|pin|unpin|sleep|wake|chat` find the API in the address file the running
-instance wrote (core.paths.api_address_file()); ``--url`` overrides it. When the API needs a key,
+instance wrote (core/api/address.py); ``--url`` overrides it. When the API needs a key,
 the key comes from ``$TIMESHARE_API_KEY`` or from api.key in the config (``--config``).
 
 Nothing here imports Qt or llama.cpp: these commands start in a fraction of a second.
@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import httpx
 
 from .core import paths
+from .core.api.address import ApiAddress
 from .core.arena.dirs import pid_alive
 from .core.units import human_bytes
 
@@ -49,25 +50,21 @@ def _not_running(path: Path, detail: str = "") -> ClientError:
     return ClientError(f"Timeshare is not running ({why}); start it with `timeshare` or `timeshare serve`.")
 
 
-def _pid_alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
+def _pid_alive(pid: int | None) -> bool:
+    if pid is None or pid <= 0:
         return True  # unknown: let the connection attempt decide
     return pid_alive(pid)
 
 
 def _config_key(args: argparse.Namespace) -> str | None:
-    from .core.config.files import load_config
+    from .core.config.files import load_for_cli
     from .core.errors import ConfigError
 
     config_path = getattr(args, "config", None)
     if not config_path and not paths.config_file().exists():
         return None  # the defaults hold no key: no need to build them (that may hash a demo model)
     try:
-        config = load_config(
-            Path(config_path).expanduser() if config_path else None,
-            check_paths=False,
-            must_exist=bool(config_path),
-        )
+        config = load_for_cli(config_path, check_paths=False)
     except ConfigError as exc:
         raise ClientError(f"Cannot read the API key from the configuration: {exc}") from exc
     return config.api.key
@@ -80,23 +77,21 @@ def find_endpoint(args: argparse.Namespace) -> Endpoint:
         return Endpoint(url.rstrip("/"), key, "--url")
     path = paths.api_address_file()
     try:
-        record = json.loads(path.read_text())
+        address = ApiAddress.read(path)
     except FileNotFoundError:
         raise _not_running(path) from None
-    except (OSError, ValueError) as exc:
-        raise _not_running(path, f"the file is unreadable: {exc}") from exc
-    if not isinstance(record, dict) or not isinstance(record.get("url"), str):
-        raise _not_running(path, "the file does not hold a URL")
-    if not _pid_alive(record.get("pid")):
-        raise _not_running(path, f"the process {record.get('pid')} that wrote it has exited")
-    if key is None and record.get("key_required"):
+    except ValueError as exc:
+        raise _not_running(path, str(exc)) from exc
+    if not _pid_alive(address.pid):
+        raise _not_running(path, f"the process {address.pid} that wrote it has exited")
+    if key is None and address.key_required:
         key = _config_key(args)
         if not key:
             raise ClientError(
-                f"The running Timeshare at {record['url']} needs an API key: set TIMESHARE_API_KEY, "
+                f"The running Timeshare at {address.url} needs an API key: set TIMESHARE_API_KEY, "
                 "or pass the configuration that holds api.key with --config."
             )
-    return Endpoint(record["url"].rstrip("/"), key, str(path))
+    return Endpoint(address.url.rstrip("/"), key, str(path))
 
 
 class Api:

@@ -18,13 +18,7 @@ from ..errors import (
 # ---- errors ------------------------------------------------------------------------------------
 
 
-class ApiBindError(TimeshareError):
-    """The API could not listen on the configured address."""
-
-    code = "api_bind"
-
-
-class BadRequest(Exception):
+class BadRequestError(Exception):
     """A request the API refuses before it reaches the pool (HTTP 400 unless ``status`` says)."""
 
     def __init__(
@@ -37,7 +31,7 @@ class BadRequest(Exception):
         self.status = status
 
 
-class _ClientGone(Exception):
+class _ClientGoneError(Exception):
     """The client disconnected while its request waited; its generation was cancelled."""
 
 

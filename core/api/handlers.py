@@ -32,8 +32,8 @@ from ..pool.supervisor import Pool
 from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..worker.protocol import Usage
 from .errors import (
-    BadRequest,
-    _ClientGone,
+    BadRequestError,
+    _ClientGoneError,
     error_body,
     error_response,
     timeshare_error_response,
@@ -207,7 +207,8 @@ class _Handlers:
         return await anyio.to_thread.run_sync(partial(func, *args))
 
     async def wait_watching(self, request: Request, gen: Generation, func: Callable[[], T]) -> T:
-        """Run ``func`` on a thread; on a client disconnect meanwhile, cancel ``gen``, raise _ClientGone."""
+        """Run ``func`` on a thread; on a client disconnect meanwhile, cancel ``gen`` and raise
+        _ClientGoneError."""
         gone = False
         box: list[T] = []
         failure: Exception | None = None
@@ -237,7 +238,7 @@ class _Handlers:
             raise failure
         if gone or not box:
             self.record_cancel_later(gen)
-            raise _ClientGone
+            raise _ClientGoneError
         return box[0]
 
     def record_cancel_later(self, gen: Generation) -> None:
@@ -284,12 +285,12 @@ class _Handlers:
         try:
             gen = await self.call(partial(self.pool.generate, req.model, **req.pool_fields()))
         except ValueError as exc:  # the pool's own argument check
-            raise BadRequest(f"{exc}.") from exc
+            raise BadRequestError(f"{exc}.") from exc
         try:
             if req.stream:
                 return await self.stream(request, req, gen)
             result = await self.wait_watching(request, gen, gen.result)
-        except _ClientGone:
+        except _ClientGoneError:
             return Response(status_code=499)
         except BaseException:
             gen.cancel()
@@ -431,7 +432,7 @@ class _Handlers:
             try:
                 release = parse_release_level(level)
             except ValueError as e:
-                raise BadRequest(str(e), "level") from None
+                raise BadRequestError(str(e), "level") from None
             await self.call(partial(self.pool.sleep, model_id, level=release))
         else:
             raise HTTPException(404)
@@ -463,7 +464,7 @@ def _unknown_model_message(model_id: str, snapshot: PoolSnapshot) -> str:
 
 
 async def _on_bad_request(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, BadRequest)
+    assert isinstance(exc, BadRequestError)
     return error_response(exc.message, exc.status, exc.code, exc.param)
 
 
@@ -507,7 +508,7 @@ def create_app(pool: Pool, api_config: ApiConfig) -> Starlette:
         Route("/timeshare/v1/models/{model_id}/{command}", handlers.model_command, methods=["POST"]),
     ]
     exception_handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        BadRequest: _on_bad_request,
+        BadRequestError: _on_bad_request,
         TimeshareError: _on_timeshare_error,
         HTTPException: _on_http_exception,
         Exception: _on_unexpected,

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from ..worker.protocol import ChatMessage
-from .errors import BadRequest
+from .errors import BadRequestError
 
 #: request bodies above this are refused with 413 before they are parsed
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -68,7 +68,7 @@ def _number(body: Mapping[str, Any], name: str, default: float, low: float, high
     if value is None:
         return default
     if not _is_number(value) or not low <= float(value) <= high:
-        raise BadRequest(f"'{name}' must be a number from {low:g} to {high:g}; got {value!r}.", name)
+        raise BadRequestError(f"'{name}' must be a number from {low:g} to {high:g}; got {value!r}.", name)
     return float(value)
 
 
@@ -77,38 +77,38 @@ def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or value < 1:
-        raise BadRequest(f"'{name}' must be a whole number of at least 1; got {value!r}.", name)
+        raise BadRequestError(f"'{name}' must be a whole number of at least 1; got {value!r}.", name)
     return int(value)
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     n = body.get("n")
     if n is not None and n != 1:
-        raise BadRequest(
+        raise BadRequestError(
             f"'n' = {n!r} is not supported: Timeshare generates one choice per request. "
             "Leave 'n' out (or set it to 1) and send separate requests for more answers.",
             "n",
         )
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
-        raise BadRequest("'best_of' other than 1 is not supported; leave it out.", "best_of")
+        raise BadRequestError("'best_of' other than 1 is not supported; leave it out.", "best_of")
     for name in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(name) not in (None, [], "none"):
-            raise BadRequest(
+            raise BadRequestError(
                 f"'{name}' is not supported: Timeshare's local models answer with text only.", name
             )
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise BadRequest("'logprobs' is not supported; leave it out.", "logprobs")
+        raise BadRequestError("'logprobs' is not supported; leave it out.", "logprobs")
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name) not in (None, 0, 0.0):
-            raise BadRequest(f"'{name}' is not supported; leave it out or set it to 0.", name)
+            raise BadRequestError(f"'{name}' is not supported; leave it out or set it to 0.", name)
     if body.get("logit_bias"):
-        raise BadRequest("'logit_bias' is not supported; leave it out.", "logit_bias")
+        raise BadRequestError("'logit_bias' is not supported; leave it out.", "logit_bias")
     response_format = body.get("response_format")
     if response_format is not None and (
         not isinstance(response_format, dict) or response_format.get("type", "text") != "text"
     ):
-        raise BadRequest(
+        raise BadRequestError(
             '\'response_format\' other than {"type": "text"} is not supported; leave it out.',
             "response_format",
         )
@@ -117,16 +117,16 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
 def _common(body: Mapping[str, Any], kind: str, default_max_tokens: int) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required: the id of a model from GET /v1/models.", "model")
+        raise BadRequestError("'model' is required: the id of a model from GET /v1/models.", "model")
     _refuse_unsupported(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be true or false.", "stream")
+        raise BadRequestError("'stream' must be true or false.", "stream")
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
         if not isinstance(options, dict):
-            raise BadRequest("'stream_options' must be an object.", "stream_options")
+            raise BadRequestError("'stream_options' must be an object.", "stream_options")
         include_usage = bool(options.get("include_usage", False))
     max_tokens = _positive_int(body, "max_tokens")
     if kind == "chat":
@@ -139,16 +139,18 @@ def _common(body: Mapping[str, Any], kind: str, default_max_tokens: int) -> dict
     elif isinstance(stop_raw, list) and all(isinstance(s, str) and s for s in stop_raw):
         stop = tuple(stop_raw)
     else:
-        raise BadRequest("'stop' must be a string or a list of non-empty strings.", "stop")
+        raise BadRequestError("'stop' must be a string or a list of non-empty strings.", "stop")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
-        raise BadRequest("'seed' must be a whole number.", "seed")
+        raise BadRequestError("'seed' must be a whole number.", "seed")
     top_k = body.get("top_k", 40)
     if not _is_int(top_k) or top_k < 0:
-        raise BadRequest("'top_k' must be a whole number of at least 0 (0: no limit).", "top_k")
+        raise BadRequestError("'top_k' must be a whole number of at least 0 (0: no limit).", "top_k")
     conversation = body.get("conversation")
     if conversation is not None and (not isinstance(conversation, str) or not conversation):
-        raise BadRequest("'conversation' (a Timeshare extension) must be a non-empty string.", "conversation")
+        raise BadRequestError(
+            "'conversation' (a Timeshare extension) must be a non-empty string.", "conversation"
+        )
     return {
         "kind": kind,
         "model": model,
@@ -178,29 +180,33 @@ def _message_text(content: object, index: int) -> str:
                 or part.get("type") != "text"
                 or not isinstance(part.get("text"), str)
             ):
-                raise BadRequest(
+                raise BadRequestError(
                     f"messages[{index}].content: only text parts are supported "
                     '(\'{"type": "text", "text": "..."}\').',
                     f"messages[{index}].content",
                 )
             texts.append(part["text"])
         return "".join(texts)
-    raise BadRequest(f"messages[{index}].content must be a string.", f"messages[{index}].content")
+    raise BadRequestError(f"messages[{index}].content must be a string.", f"messages[{index}].content")
 
 
 def parse_chat_request(body: object) -> GenerationRequest:
     if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.")
+        raise BadRequestError("The request body must be a JSON object.")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise BadRequest("'messages' is required: a non-empty list of {role, content} objects.", "messages")
+        raise BadRequestError(
+            "'messages' is required: a non-empty list of {role, content} objects.", "messages"
+        )
     messages = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
-            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'.", f"messages[{i}]")
+            raise BadRequestError(
+                f"messages[{i}] must be an object with 'role' and 'content'.", f"messages[{i}]"
+            )
         role = _ROLES.get(str(item.get("role")))
         if role is None:
-            raise BadRequest(
+            raise BadRequestError(
                 f"messages[{i}].role {item.get('role')!r} is not supported: use system, user or assistant.",
                 f"messages[{i}].role",
             )
@@ -211,22 +217,22 @@ def parse_chat_request(body: object) -> GenerationRequest:
 
 def parse_completion_request(body: object) -> GenerationRequest:
     if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.")
+        raise BadRequestError("The request body must be a JSON object.")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list):
-        raise BadRequest(
+        raise BadRequestError(
             "'prompt' must be one string: batches of prompts and token arrays are not supported; "
             "send one request per prompt.",
             "prompt",
         )
     if not isinstance(prompt, str):
-        raise BadRequest("'prompt' is required and must be a string.", "prompt")
+        raise BadRequestError("'prompt' is required and must be a string.", "prompt")
     if body.get("echo"):
-        raise BadRequest("'echo' is not supported; leave it out.", "echo")
+        raise BadRequestError("'echo' is not supported; leave it out.", "echo")
     if body.get("suffix"):
-        raise BadRequest("'suffix' is not supported; leave it out.", "suffix")
+        raise BadRequestError("'suffix' is not supported; leave it out.", "suffix")
     fields = _common(body, "completion", DEFAULT_COMPLETION_MAX_TOKENS)
     return GenerationRequest(prompt=prompt, messages=None, **fields)
 
@@ -234,7 +240,7 @@ def parse_completion_request(body: object) -> GenerationRequest:
 async def read_json(request: Request) -> object:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise BadRequest(
+        raise BadRequestError(
             f"The request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB; send a shorter one.",
             code="request_too_large",
             status=413,
@@ -244,7 +250,7 @@ async def read_json(request: Request) -> object:
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise BadRequest(
+            raise BadRequestError(
                 f"The request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB; send a shorter one.",
                 code="request_too_large",
                 status=413,
@@ -252,10 +258,10 @@ async def read_json(request: Request) -> object:
         chunks.append(chunk)
     data = b"".join(chunks)
     if not data:
-        raise BadRequest("The request body is empty: send a JSON object.", code="invalid_json")
+        raise BadRequestError("The request body is empty: send a JSON object.", code="invalid_json")
     try:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(
+        raise BadRequestError(
             f"The request body is not valid JSON ({exc}); send a JSON object.", code="invalid_json"
         ) from exc

@@ -1,13 +1,11 @@
-"""The HTTP server: bind checks, the address file, :class:`ApiServer`, and ``timeshare serve``."""
+"""The HTTP server: bind checks, :class:`ApiServer` (it records its address, see address.py), and
+``timeshare serve``."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -21,11 +19,14 @@ import uvicorn
 from starlette.applications import Starlette
 
 from .. import paths
-from ..config.schema import ApiConfig, Config
+from ..config.files import load_for_cli
+from ..config.schema import ApiConfig
 from ..config.validate import is_loopback
-from ..errors import ArenaError, ConfigError
+from ..errors import ApiBindError, ArenaError, ConfigError
+from ..logsetup import setup_logging
 from ..pool.supervisor import Pool
-from .errors import ApiBindError, BadRequest
+from .address import ApiAddress
+from .errors import BadRequestError
 from .handlers import create_app
 
 log = logging.getLogger(__name__)
@@ -74,37 +75,6 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def write_address_file(url: str, key_required: bool, path: Path | None = None) -> Path:
-    """Record the running API's address (mode 0600, atomically) so the CLI finds it without flags."""
-    target = path or paths.api_address_file()
-    record = {"url": url, "pid": os.getpid(), "key_required": key_required, "started": time.time()}
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.write("\n")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return target
-
-
-def remove_address_file(path: Path | None = None) -> None:
-    """Remove the address file if it is still this process's (a newer instance may have replaced it)."""
-    target = path or paths.api_address_file()
-    try:
-        record = json.loads(target.read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(record, dict) and record.get("pid") == os.getpid():
-        with contextlib.suppress(OSError):
-            target.unlink()
-
-
 class ApiServer:
     """uvicorn on a background thread (for the tray app and ``timeshare serve``).
 
@@ -123,6 +93,7 @@ class ApiServer:
         self._crash: BaseException | None = None
         self.port: int | None = None
         self.url: str | None = None
+        self._address: ApiAddress | None = None
 
     def start(self, timeout: float = 15.0) -> str:
         check_bind_allowed(self.api_config)
@@ -149,7 +120,8 @@ class ApiServer:
                     f"The API server did not start on {self.url} ({self._crash or 'timed out'})."
                 )
             time.sleep(0.02)
-        write_address_file(self.url, bool(self.api_config.key), self.address_file)
+        self._address = ApiAddress.this_process(self.url, bool(self.api_config.key))
+        self._address.write(self.address_file)
         log.info("API listening on %s%s", self.url, " (key required)" if self.api_config.key else "")
         return self.url
 
@@ -166,7 +138,9 @@ class ApiServer:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
-        remove_address_file(self.address_file)
+        if self._address is not None:
+            self._address.remove(self.address_file)
+            self._address = None
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None and self._thread.is_alive():
@@ -185,26 +159,11 @@ class ApiServer:
 # ---- `timeshare serve` -------------------------------------------------------------------------
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
-def _load(args: argparse.Namespace) -> Config:
-    from ..config.files import load_config
-
-    config_path = getattr(args, "config", None)
-    return load_config(Path(config_path).expanduser() if config_path else None, must_exist=bool(config_path))
-
-
 def serve_main(args: argparse.Namespace) -> int:
     """``timeshare serve``: the pool and the API in the foreground until SIGINT/SIGTERM."""
-    _setup_logging(bool(getattr(args, "verbose", False)))
+    setup_logging(bool(getattr(args, "verbose", False)))
     try:
-        config = _load(args)
+        config = load_for_cli(getattr(args, "config", None))
         host = getattr(args, "host", None)
         port = getattr(args, "port", None)
         api_config = dataclasses.replace(
@@ -266,10 +225,9 @@ def serve_main(args: argparse.Namespace) -> int:
 __all__: Sequence[str] = (
     "ApiBindError",
     "ApiServer",
-    "BadRequest",
+    "BadRequestError",
     "check_bind_allowed",
     "create_app",
     "is_loopback",
     "serve_main",
-    "write_address_file",
 )

@@ -10,7 +10,8 @@ import stat
 from pathlib import Path
 
 from .. import paths
-from .records import _O_DIR, _O_FILE, HOLDER_FILE, HolderRecord, UnsafeArenaError
+from ..errors import UnsafeArenaError
+from .records import _O_DIR, _O_FILE, HOLDER_FILE, HolderRecord
 
 log = logging.getLogger(__name__)
 

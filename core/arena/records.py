@@ -5,10 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
-
-from ..errors import ArenaError
 
 TOKEN_FILE = "token"
 HOLDER_FILE = "holder"
@@ -29,18 +26,6 @@ _MODEL_ID_RE = re.compile(r"^[A-Za-z0-9._#+@=-]{1,120}$")
 _TICKET_RE = re.compile(r"^(\d{1,20})-(\d{1,10})-(.+)$")
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_FILE = os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-class UnsafeArenaError(ArenaError):
-    """The arena directory cannot be trusted (owner, mode, symlink) or used (not a directory)."""
-
-    def __init__(self, path: Path, reason: str) -> None:
-        self.path = path
-        self.reason = reason
-        super().__init__(
-            f"refusing the arena directory {path}: {reason}. Use a directory only you own and only you "
-            f"can write (chmod 700), or point TIMESHARE_VRAM_ARENA or arena.dir in the config elsewhere."
-        )
 
 
 # ---- records ---------------------------------------------------------------------------------

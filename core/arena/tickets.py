@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
-from ..errors import ArenaError
+from ..errors import ArenaError, UnsafeArenaError
 from .dirs import _check_ancestors, _open_checked_dir, _read_holder_at, pid_alive, resolve_arena_dir
 from .records import (
     _O_DIR,
@@ -25,7 +25,6 @@ from .records import (
     Backend,
     HolderRecord,
     Ticket,
-    UnsafeArenaError,
 )
 from .watch import _DirWatch, inotify_available
 

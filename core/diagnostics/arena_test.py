@@ -621,7 +621,7 @@ def main(args: argparse.Namespace) -> int:
     except ArenaError as exc:
         print(f"timeshare arena-test: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, TimeshareError, demo.DemoUnavailable) as exc:
+    except (ValueError, TimeshareError, demo.DemoUnavailableError) as exc:
         print(f"timeshare arena-test: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -464,7 +464,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         models = list(args.model) if args.model else [str(demo.smollm2_path()), str(demo.gemma3_path())]
-    except demo.DemoUnavailable as exc:
+    except demo.DemoUnavailableError as exc:
         msg = f"{exc}; give two models with --model PATH --model PATH, or install the demo extra"
         return _fail(args, TimeshareError(msg))
     try:

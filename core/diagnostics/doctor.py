@@ -25,7 +25,7 @@ def _default_model() -> str:
 
     try:
         return str(demo.smollm2_path())
-    except demo.DemoUnavailable as exc:
+    except demo.DemoUnavailableError as exc:
         raise TimeshareError(
             f"no --model given and the demo model is not installed ({exc}): pass --model PATH.gguf"
         ) from exc

@@ -5,7 +5,6 @@ from __future__ import annotations
 from .gguf_check import GgufInfo, check_gguf
 from .hostmem import fix_malloc_mmap_threshold
 from .residency import (
-    ModelFileChangedError,
     ProbeResult,
     ReleaseReport,
     Residency,
@@ -15,7 +14,6 @@ from .residency import (
 
 __all__ = [
     "GgufInfo",
-    "ModelFileChangedError",
     "ProbeResult",
     "ReleaseReport",
     "Residency",

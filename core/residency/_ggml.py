@@ -220,7 +220,7 @@ def device_memory(dev: int) -> tuple[int, int]:
 # layout probes
 
 
-class LayoutMismatch(Exception):
+class LayoutMismatchError(Exception):
     """A ggml struct does not look the way the in-place path expects (reason in the message)."""
 
 
@@ -229,7 +229,7 @@ def probe_tensor_layout(layout: TensorLayout = TensorLayout()) -> None:
     params = GgmlInitParams(1 << 20, None, False)
     ctx = ggml_init(params)
     if not ctx:
-        raise LayoutMismatch("ggml_init failed")
+        raise LayoutMismatchError("ggml_init failed")
     try:
         a = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64)
         b = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64)
@@ -263,7 +263,7 @@ def probe_tensor_layout(layout: TensorLayout = TensorLayout()) -> None:
             ggml_free(ctx)
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
-        raise LayoutMismatch(
+        raise LayoutMismatchError(
             "ggml_tensor layout differs from ggml.h of llama-cpp-python 0.3.36 at: " + ", ".join(bad)
         )
 
@@ -276,28 +276,30 @@ def probe_buffer_layout(buft: int, reference: int | None = None) -> BufferLayout
     bufs = [buft_alloc_buffer(buft, s) for s in sizes]
     try:
         if not all(bufs):
-            raise LayoutMismatch(f"cannot allocate probe buffers of type {buffer_type_name(buft)}")
+            raise LayoutMismatchError(f"cannot allocate probe buffers of type {buffer_type_name(buft)}")
         b0, b1 = int(bufs[0] or 0), int(bufs[1] or 0)
         real = [buffer_get_size(b0), buffer_get_size(b1)]
         candidates = [
             k for k in range(16, 256, 8) if read_size(b0 + k) == real[0] and read_size(b1 + k) == real[1]
         ]
         if len(candidates) != 1:
-            raise LayoutMismatch(f"ggml_backend_buffer.size not found uniquely (candidates {candidates})")
+            raise LayoutMismatchError(
+                f"ggml_backend_buffer.size not found uniquely (candidates {candidates})"
+            )
         size_off = candidates[0]
         ctx_off = size_off - 8
         iface = ctx_off - 8  # iface block, then buft, then context
         if read_ptr(b0 + iface) != buft:
-            raise LayoutMismatch("ggml_backend_buffer.buft is not the field before context")
+            raise LayoutMismatchError("ggml_backend_buffer.buft is not the field before context")
         if ctypes.string_at(b0, iface) != ctypes.string_at(b1, iface):
-            raise LayoutMismatch("two buffers of one type have different function tables")
+            raise LayoutMismatchError("two buffers of one type have different function tables")
         if reference is not None and ctypes.string_at(reference, iface) != ctypes.string_at(b0, iface):
-            raise LayoutMismatch(
+            raise LayoutMismatchError(
                 f"the model's {buffer_type_name(buft)} buffer has a function table that a fresh buffer of "
                 "the same type does not have"
             )
         if read_ptr(b0 + ctx_off) == 0:
-            raise LayoutMismatch("ggml_backend_buffer.context is null in a live buffer")
+            raise LayoutMismatchError("ggml_backend_buffer.context is null in a live buffer")
         return BufferLayout(iface_bytes=iface, context=ctx_off, size=size_off)
     finally:
         for b in bufs:

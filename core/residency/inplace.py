@@ -37,7 +37,7 @@ _VERIFY_BYTES = 4096
 _READABLE_BUFT_PREFIXES = ("CPU", "CUDA")
 
 
-class Unsupported(Exception):
+class InPlaceUnsupportedError(Exception):
     """The in-place path cannot be used for this model here; the message is the reason."""
 
 
@@ -118,7 +118,7 @@ def _discover(llm: Any, layout: _ggml.TensorLayout) -> _Discovery:
     model = llm._model.model
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
-        raise Unsupported("could not create the warm-up context for weight discovery")
+        raise InPlaceUnsupportedError("could not create the warm-up context for weight discovery")
     try:
         vocab = llama_cpp.llama_model_get_vocab(model)
         token = int(llama_cpp.llama_vocab_bos(vocab))
@@ -127,11 +127,13 @@ def _discover(llm: Any, layout: _ggml.TensorLayout) -> _Discovery:
         tokens = (llama_cpp.llama_token * 1)(token)
         rc = int(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 1)))
         if rc != 0:
-            raise Unsupported(f"the warm-up decode for weight discovery failed (llama_decode returned {rc})")
+            raise InPlaceUnsupportedError(
+                f"the warm-up decode for weight discovery failed (llama_decode returned {rc})"
+            )
     finally:
         llama_cpp.llama_free(ctx)
     if not disc.weights:
-        raise Unsupported("the warm-up decode showed no weight tensors")
+        raise InPlaceUnsupportedError("the warm-up decode showed no weight tensors")
     return disc
 
 
@@ -163,8 +165,8 @@ class InPlace:
         self.layout = _ggml.TensorLayout()
         try:
             _ggml.probe_tensor_layout(self.layout)
-        except _ggml.LayoutMismatch as exc:
-            raise Unsupported(str(exc)) from exc
+        except _ggml.LayoutMismatchError as exc:
+            raise InPlaceUnsupportedError(str(exc)) from exc
         disc = _discover(llm, self.layout)
         self.n_weight_tensors_seen = len(disc.weights)
         self.buffers = self._plan(disc, gpu)
@@ -199,31 +201,33 @@ class InPlace:
             data = _ggml.read_ptr(t + lay.data)
             b.tensors.append(_Tensor(t, _ggml.tensor_name(t), data - b.base, int(_ggml.ggml_nbytes(t))))
         if gpu is None and any(n == "CPU_Mapped" for n in all_bufs.values()):
-            raise Unsupported(
+            raise InPlaceUnsupportedError(
                 "the weights are memory-mapped on a CPU-only build: nothing to release "
                 "(load the model with use_mmap=False to use the in-place path)"
             )
         if not by_buf:
-            raise Unsupported("no weight buffer on the device to release (is n_gpu_layers 0?)")
+            raise InPlaceUnsupportedError("no weight buffer on the device to release (is n_gpu_layers 0?)")
         for v in sorted(disc.views):
             buf = _ggml.read_ptr(v + lay.buffer)
             if buf in by_buf:
                 by_buf[buf].views.append((v, _ggml.read_ptr(v + lay.data) - by_buf[buf].base))
         for b in by_buf.values():
             if not any(b.buft_name.startswith(p) for p in _READABLE_BUFT_PREFIXES):
-                raise Unsupported(f"backend buffer type {b.buft_name} is not checked for in-place release")
+                raise InPlaceUnsupportedError(
+                    f"backend buffer type {b.buft_name} is not checked for in-place release"
+                )
             self._check_complete(b)
         buft_layouts: dict[int, _ggml.BufferLayout] = {}
         for b in by_buf.values():
             if b.buft not in buft_layouts:
                 try:
                     buft_layouts[b.buft] = _ggml.probe_buffer_layout(b.buft, reference=b.ptr)
-                except _ggml.LayoutMismatch as exc:
-                    raise Unsupported(str(exc)) from exc
+                except _ggml.LayoutMismatchError as exc:
+                    raise InPlaceUnsupportedError(str(exc)) from exc
             b.layout = buft_layouts[b.buft]
             lay_b = b.layout
             if _ggml.read_size(b.ptr + lay_b.size) != b.size:
-                raise Unsupported(
+                raise InPlaceUnsupportedError(
                     f"the {b.buft_name} weight buffer's size field is not where the probe found it"
                 )
         return list(by_buf.values())
@@ -236,14 +240,14 @@ class InPlace:
         pos = 0
         for off, length, name in spans:
             if off != pos:
-                raise Unsupported(
+                raise InPlaceUnsupportedError(
                     f"weight buffer {b.buft_name} ({b.size} bytes) is not covered by the tensors the "
                     f"warm-up graph showed: {'a gap' if off > pos else 'an overlap'} at byte {pos} "
                     f"before {name}"
                 )
             pos = off + length
         if pos != b.size:
-            raise Unsupported(
+            raise InPlaceUnsupportedError(
                 f"weight buffer {b.buft_name} holds {b.size} bytes but the tensors the warm-up graph showed "
                 f"cover {pos}: some weight was not seen, so releasing it would leave a dangling pointer"
             )
@@ -276,10 +280,12 @@ class InPlace:
                 for t in b.tensors:
                     tid = int(_ggml.gguf_find_tensor(meta, t.name.encode()))
                     if tid < 0:
-                        raise Unsupported(f"tensor {t.name} of the loaded model is not in {self.path}")
+                        raise InPlaceUnsupportedError(
+                            f"tensor {t.name} of the loaded model is not in {self.path}"
+                        )
                     size = int(_ggml.gguf_get_tensor_size(meta, tid))
                     if size != t.nbytes:
-                        raise Unsupported(
+                        raise InPlaceUnsupportedError(
                             f"tensor {t.name} has {t.nbytes} bytes in the model but {size} in the file "
                             "(converted at load time)"
                         )
@@ -333,7 +339,7 @@ class InPlace:
             return
         ctx = _ggml.ggml_init(_ggml.GgmlInitParams(len(mirrored) * 1024 + 4096, None, True))
         if not ctx:
-            raise Unsupported("ggml_init failed")
+            raise InPlaceUnsupportedError("ggml_init failed")
         self._whole_ctx = int(ctx)
         for b in mirrored:
             b.whole = int(_ggml.ggml_new_tensor_1d(ctx, _ggml.GGML_TYPE_I8, b.size))

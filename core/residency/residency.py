@@ -16,24 +16,17 @@ from typing import Any, Literal, NoReturn
 
 import llama_cpp
 
-from ..errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
+from ..errors import ModelFileChangedError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from . import _ggml
 from .gguf_check import check_gguf
-from .inplace import InPlace, Unsupported
+from .inplace import InPlace, InPlaceUnsupportedError
 from .kv import KvSnapshot
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "inplace", "rebuild"]
 Path_ = Literal["inplace", "rebuild", "none"]
-
-
-class ModelFileChangedError(ModelFileError, ResidencyError):
-    """The model file changed on disk after loading; restoring from it is refused (the model stays
-    released). Both a ModelFileError and a ResidencyError."""
-
-    code = "model_file_changed"
 
 
 @dataclass(frozen=True)
@@ -166,7 +159,7 @@ class Residency:
         reason = ""
         try:
             _ggml.probe_tensor_layout()
-        except _ggml.LayoutMismatch as exc:
+        except _ggml.LayoutMismatchError as exc:
             layout_ok = False
             reason = str(exc)
         if not version_ok:
@@ -225,7 +218,7 @@ class Residency:
                 self._opts.verify_shadow,
                 self._opts.coalesce_upload,
             )
-        except Unsupported as exc:
+        except InPlaceUnsupportedError as exc:
             reason = str(exc)
             if "memory-mapped on a CPU-only build" in reason and mode == "auto":
                 self.path = "none"

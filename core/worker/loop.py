@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..errors import CancelledError, TimeshareError
+from ..errors import CancelledError, FrameError, TimeshareError
+from ..logsetup import setup_logging
 from ..residency import fix_malloc_mmap_threshold
 from ..state import SwitchStats
 from . import protocol as p
@@ -118,7 +119,7 @@ class Worker:
         while True:
             try:
                 msg = self.conn.recv()
-            except p.FrameError as exc:
+            except FrameError as exc:
                 log.warning("bad frame from the pool: %s", exc)
                 self.send(p.Error(req=exc.req, code="protocol", message=str(exc)))
                 if exc.recoverable:
@@ -407,11 +408,7 @@ class Worker:
 
 
 def _setup_logging(model_id: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{model_id}] %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if os.environ.get("TIMESHARE_DEBUG") else logging.INFO)
+    setup_logging(bool(os.environ.get("TIMESHARE_DEBUG")), tag=model_id)
 
 
 def main(argv: list[str] | None = None) -> int:

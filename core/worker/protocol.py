@@ -27,7 +27,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from ..errors import ProtocolError
+from ..errors import FrameError, ProtocolError
 from ..state import SwitchStats, WorkerReleaseLevel
 
 PROTOCOL_VERSION = 1
@@ -215,20 +215,6 @@ WIRE_FIELDS: dict[type, tuple[str, ...]] = {
 }
 _HEADER = struct.Struct(">I")
 _HINTS: dict[type, dict[str, Any]] = {}
-
-
-class FrameError(ProtocolError):
-    """A frame could not be decoded.
-
-    ``recoverable``: the frame boundary was intact (bad JSON, unknown type, invalid field), so the
-    stream can continue after an ``Error`` reply; otherwise the connection must be dropped.
-    ``req``: the request id found in the bad frame, if any, so the reply can echo it.
-    """
-
-    def __init__(self, message: str, *, recoverable: bool, req: str | None = None) -> None:
-        super().__init__(message)
-        self.recoverable = recoverable
-        self.req = req
 
 
 def _hints(cls: type) -> dict[str, Any]:
