@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _proc_util import blocked_flocks, wait_until
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.dirs import read_holder, resolve_arena_dir
 from timeshare.core.arena.records import DoorbellRing, Ticket
@@ -25,16 +25,6 @@ from timeshare.core.observe import EventLog, read_events
 BACKENDS = ["inotify", "poll"] if inotify_available() else ["poll"]
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = str(Path(__file__).resolve().parent / "_arena_util.py")
-
-
-def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    """Poll a condition (bounded; a failure names what never happened). Not a timing assertion."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 class Proc:
@@ -177,9 +167,15 @@ def test_holder_record_is_visible_and_pinned_holder_times_out_with_a_clear_error
     assert record is not None
     assert (record.model, record.pid, record.pinned) == ("gemma3-270m", holder.popen.pid, True)
     client = TokenClient(Arena(arena_dir), "smollm2-135m-instruct")
+    # the waiting reason, on a request that cannot time out while it is read
+    patient = client.request(timeout=None)
+    wait_until(lambda: blocked_flocks(arena_dir / "token") == 1, what="our request blocked in flock")
+    assert patient.waiting_reason() == "pinned by gemma3-270m"
+    assert patient.cancel() is True
+    with pytest.raises(CancelledError):
+        patient.result(timeout=10)
+    # the timeout, on a request that can
     req = client.request(timeout=1.0)
-    wait_until(lambda: req.ticket is not None, what="our ticket")
-    assert req.waiting_reason() == "pinned by gemma3-270m" or req.done()
     with pytest.raises(TokenTimeoutError) as info:
         req.result(timeout=30)
     message = str(info.value)
@@ -248,8 +244,9 @@ def test_kill9_of_the_holder_lets_the_waiter_take_the_token(
     holder.wait_line("HELD")
     client = TokenClient(Arena(arena_dir, backend=backend), "survivor")  # type: ignore[arg-type]
     req = client.request(timeout=60)
-    wait_until(lambda: req.ticket is not None, what="our ticket")
-    assert not req.wait(0.3)  # really blocked behind the holder
+    # really blocked behind the holder: inside flock(2), queued by the kernel
+    wait_until(lambda: blocked_flocks(arena_dir / "token") == 1, what="our request blocked in flock")
+    assert not req.done()
     assert req.waiting_reason().startswith("held by victim")
     holder.kill9()
     grant = req.result(timeout=30)
@@ -430,15 +427,22 @@ def test_cancel_of_the_head_waiter_blocked_in_flock(arena_dir: Path) -> None:
     holder.acquire(timeout=5)
     head = TokenClient(arena, "head")
     req = head.request(timeout=30)
-    wait_until(lambda: req.ticket is not None and req._ahead == 0, what="head of the queue")
-    time.sleep(0.05)  # let it enter the blocking flock
-    req.cancel()
+    token = arena_dir / "token"
+    # the kernel queued its flock behind the holder's: it is inside the blocking flock(2), the path
+    # where cancel cannot interrupt the call and has to abandon the locker thread
+    wait_until(lambda: blocked_flocks(token) == 1, what="the head waiter blocked in flock")
+    assert not req.done()
+    assert req.cancel() is True
     with pytest.raises(CancelledError):
         req.result(timeout=10)
+    assert arena.waiters() == []  # its ticket left the queue
+    assert blocked_flocks(token) == 1  # the abandoned locker still waits in the kernel...
     holder.release()
-    # the abandoned flock is given back: someone else can take the token
+    # ...gets the lock once the holder lets go, and gives it back at once: nobody holds it
+    wait_until(lambda: blocked_flocks(token) == 0, what="the abandoned flock to be granted")
     other = TokenClient(arena, "other")
-    other.acquire(timeout=10)
+    grant = other.acquire(timeout=10)
+    assert grant.previous is None  # no holder record was left behind by the abandoned request
     assert not head.holds_token
     other.close()
     head.close()

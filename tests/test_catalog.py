@@ -8,9 +8,10 @@ built in tmp (the only thing simulated); every file in them is a real GGUF: the 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -330,8 +331,9 @@ def test_default_roots_follow_the_environment(
     assert catalog.default_lmstudio_roots()[1] == tmp_path / "home" / ".cache" / "lm-studio" / "models"
 
 
-def test_demo_source_lists_the_installed_demo_models() -> None:
+def test_demo_source_lists_the_installed_demo_models(smollm2_path: Path) -> None:
     entries = catalog.scan(["demo"])
+    assert str(smollm2_path) in {e.path for e in entries}  # the demo models are installed here
     assert sorted(e.name for e in entries) == sorted(d.name for d in demo.available())
     for e in entries:
         assert e.source == "demo" and e.licence and Path(e.path).is_file()
@@ -360,15 +362,48 @@ def test_entry_to_model_config_is_valid(trees: dict[str, Path]) -> None:
     assert config_validate.validate(raw).models == tuple(models)
 
 
-def test_header_read_cost(gemma3_path: Path, smollm2_path: Path) -> None:
-    # a measurement, not an assertion: how long a header read takes next to reading the whole file
-    import time
+def _data_offsets(paths: list[Path]) -> list[int]:
+    """Where each file's tensor data begins, by ggml's own GGUF reader (the one llama.cpp loads
+    with; in a child process: llama_cpp must be imported before numpy, and this module has not)."""
+    code = (
+        "import sys\n"
+        "from timeshare.core.residency import check_gguf\n"
+        "for p in sys.argv[1:]: print(check_gguf(p).data_offset)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *map(str, paths)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [int(line) for line in out.stdout.split()]
 
-    for path in (smollm2_path, gemma3_path):
-        t0 = time.perf_counter()
-        catalog.read_gguf_header(path)
-        header_s = time.perf_counter() - t0
-        print(f"\n{path.name}: header {header_s * 1000:.1f} ms, file {os.path.getsize(path) / 1e6:.0f} MB")
+
+def test_header_read_maps_only_the_header(
+    gemma3_path: Path, smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header walk never reads the tensor data: handed a mapping that ends where the data
+    begins (any read past it raises), it gives the same entry as with the whole file mapped."""
+    import mmap
+    import types
+
+    small = write_gguf(tmp_path / "tiny.gguf", chat_template="{{ messages }}")
+    paths = [smollm2_path, gemma3_path, small]
+    for path, data_offset in zip(paths, _data_offsets(paths), strict=True):
+        whole = catalog.read_gguf_header(path)
+        assert 0 < data_offset < path.stat().st_size
+        lengths: list[int] = []
+
+        def header_only(
+            fileno: int, length: int, *, _end: int = data_offset, _lengths: list[int] = lengths, **kw: object
+        ) -> mmap.mmap:
+            _lengths.append(length)
+            return mmap.mmap(fileno, _end, **kw)  # type: ignore[arg-type]
+
+        with monkeypatch.context() as m:
+            m.setattr(catalog, "mmap", types.SimpleNamespace(mmap=header_only, ACCESS_READ=mmap.ACCESS_READ))
+            assert catalog.read_gguf_header(path) == whole
+        assert len(lengths) == 1, "the header was not read through the mapping this test restricts"
+        if path != small:  # the demo models' weights are nearly all of their files
+            assert data_offset < path.stat().st_size // 10
 
 
 # ---- never anything but an entry or a clear error ------------------------------------------

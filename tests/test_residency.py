@@ -137,11 +137,22 @@ def test_mmapped_cpu_model_has_nothing_to_release(small_q4_path: Path) -> None:
         ref = greedy.run()
         res = Residency.attach(llm, small_q4_path)
         assert res.path == "none" and "use_mmap=False" in res.reason
+        assert res._inplace is None and res.weight_bytes == 0  # no weight buffer is taken in charge
+        live = llm.ctx
         rel = res.release()
-        assert rel.freed_bytes == 0 or rel.level == "weights"
+        # only the context is set aside (so nothing decodes while "released"); the weights stay
+        # mapped from the file and the KV cache stays in its context
+        assert rel.level == "weights" and not res.weights_resident and res.kv_resident
+        assert res.kv_context == live
+        assert str(small_q4_path) in Path("/proc/self/maps").read_text()
+        # nothing was freed: the RSS did not drop by anything like the weights (it reads 0 here;
+        # the bound leaves room for allocator noise, far below any weight matrix of this model)
+        assert abs(rel.freed_bytes) < small_q4_path.stat().st_size // 8, rel
         with pytest.raises(ResidencyError, match="restore"):
             llm.eval([1])
-        res.restore()
+        rst = res.restore()
+        assert rst.bytes == 0 and rst.level == "weights"  # nothing to upload
+        assert res.weights_resident and res.kv_resident and llm.ctx == live  # the same context
         assert same(greedy.run(), ref)
         with pytest.raises(ResidencyError, match="memory-mapped"):
             Residency.attach(llm, small_q4_path, ResidencyOptions(mode="inplace"))
