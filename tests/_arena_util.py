@@ -51,21 +51,21 @@ def main(argv: list[str]) -> int:
         rng = random.Random(os.getpid())
         for _ in range(n):
             client.acquire(timeout=60)
-            time.sleep(rng.uniform(0.001, 0.008))
+            time.sleep(rng.uniform(0.001, 0.008))  # the behaviour: "work" while holding the token
             client.release()
-            time.sleep(rng.uniform(0.0, 0.004))
+            time.sleep(rng.uniform(0.0, 0.004))  # ...and a random pause before asking again
         print("DONE", flush=True)
         return 0
     if mode == "once":
         log = rest[0]
         client = _client(arena_dir, backend, model)
         req = client.request(timeout=60)
-        while req.ticket is None and not req.done():
+        while req.ticket is None and not req.done():  # a poll on the condition, not a delay
             time.sleep(0.001)
         print(f"TICKET {req.ticket.name if req.ticket else ''}", flush=True)
         grant = req.result()
         EventLog(log, model).record("order", grant.acquired_at, grant.acquired_at)
-        time.sleep(0.02)
+        time.sleep(0.02)  # the behaviour: a short turn with the token, as a decode would take
         client.release()
         print("DONE", flush=True)
         return 0
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
             grant = client.acquire(timeout=60)
             turns += 1
             while time.monotonic() < end:  # "decode" until asked to yield after the quantum
-                time.sleep(0.002)
+                time.sleep(0.002)  # the behaviour: one "decode step"
                 if rang.is_set() and time.monotonic() - grant.acquired_at >= quantum:
                     break
             rang.clear()

@@ -8,10 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _proc_util import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from timeshare.core.arena.dirs import read_holder
@@ -196,7 +196,7 @@ def run_cli(
         [sys.executable, "-m", "timeshare", "arena-test", *args],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
     )
 
@@ -315,10 +315,11 @@ def test_kill9_of_the_holder_mid_decode(tmp_path: Path, smollm2_path: Path, gemm
         assert holder is not None and holder.model == "gemma3-270m" and holder.pinned
         waiting = pool.generate("smollm2-135m-instruct", prompt=prompt, max_tokens=8)
         arena = Arena(tmp_path / "arena")
-        deadline = time.monotonic() + 60
-        while not any(t.model == "smollm2-135m-instruct" for t in arena.waiters()):
-            assert time.monotonic() < deadline, "the waiter never queued for the token"
-            time.sleep(0.02)
+        wait_until(
+            lambda: any(t.model == "smollm2-135m-instruct" for t in arena.waiters()),
+            60,
+            "the waiter to queue for the token",
+        )
         assert not counting.done, "the holder finished before it could be killed"
         victim = pool.snapshot().model("gemma3-270m")
         assert victim is not None and victim.pid is not None
@@ -385,11 +386,14 @@ def test_pinned_holder_makes_others_wait_visibly_and_time_out_clearly(
         assert holder is not None and holder.model == "gemma3-270m" and holder.pinned
         gen = pool.generate("smollm2-135m-instruct", prompt="Hello", max_tokens=4)
         reasons: set[str] = set()
-        while not gen.done:
+
+        def finished_waiting() -> bool:  # and collect the waiting reasons shown meanwhile
             status = pool.snapshot().model("smollm2-135m-instruct")
             if status is not None and status.reason:
                 reasons.add(status.reason)
-            time.sleep(0.02)
+            return gen.done
+
+        wait_until(finished_waiting, 60, "the waiting request to time out (wait_timeout_s=3)")
         assert any("pinned by gemma3-270m" in r for r in reasons), reasons
         with pytest.raises(TokenTimeoutError) as info:
             gen.result(timeout=60)

@@ -77,8 +77,12 @@ def test_forced_fallback_format_on_a_template_model(smollm2_path: Path) -> None:
     e = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=512, chat_format="fallback"))
     try:
         assert e.info.chat_format == "fallback"
-        text, outcome = run(e, messages=(ChatMessage("user", "What is 2+2?"),), max_tokens=40)
-        assert "User:" not in text and outcome.completion_tokens <= 40  # type: ignore[attr-defined]
+        msgs = (ChatMessage("user", "What is 2+2?"),)
+        text, outcome = run(e, messages=msgs, max_tokens=40)
+        # the prompt was the fallback text, not the GGUF's template
+        fallback = e.llm.tokenize(fallback_prompt(msgs).encode("utf-8"), add_bos=True, special=False)
+        assert outcome.prompt_tokens == len(fallback)  # type: ignore[attr-defined]
+        assert "User:" not in text and 0 < outcome.completion_tokens <= 40  # type: ignore[attr-defined]
     finally:
         e.close()
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _proc_util import wait_until
 from timeshare.core.diagnostics.memwatch import (
     MIB,
     MemorySampler,
@@ -168,12 +168,20 @@ def test_rss_sampler_sees_a_real_process_take_and_release_memory() -> None:
             assert child.stdout.readline() == "ready\n"
             sampler = MemorySampler({"child": child.pid, "me": os.getpid()}, 10, "rss")
             sampler.start()
+
+            def sampled_in_this_phase() -> None:
+                # a few samples taken after the child reached this phase (low, high, low again);
+                # the first may have read the RSS before: count it out. (The sampler's own list:
+                # its public view, stop(), ends the sampling.)
+                n = len(sampler._samples)
+                wait_until(lambda: len(sampler._samples) >= n + 4, 30, f"samples after sample {n}")
+
             for expect in ("big\n", "small\n"):
-                time.sleep(0.2)
+                sampled_in_this_phase()
                 child.stdin.write("\n")
                 child.stdin.flush()
                 assert child.stdout.readline() == expect
-            time.sleep(0.2)
+            sampled_in_this_phase()
             samples = sampler.stop()
             child.stdin.write("\n")
             child.stdin.flush()
@@ -201,7 +209,7 @@ i=0
 while true; do
     if [ $((i % 2)) = 0 ]; then printf '100, 6000\\n200, 500\\n'; else printf '100, 500\\n200, 6000\\n'; fi
     i=$((i + 1))
-    sleep 0.02
+    sleep 0.02  # the poll period of -lms 20
 done
 """
 
@@ -216,7 +224,8 @@ def test_nvidia_smi_sampler_streams_polls(tmp_path: Path, monkeypatch: pytest.Mo
     assert choose_source(["CPU"]) == "rss"
     sampler = MemorySampler({"a": 100, "b": 300}, 20, "nvidia-smi")
     sampler.start()
-    time.sleep(0.5)
+    # five polls of two lines streamed in (the fake's own `sleep 0.02` is its poll period)
+    wait_until(lambda: len(sampler._lines) >= 10, 30, "five polls from the fake nvidia-smi")
     samples = sampler.stop()
     assert len(samples) >= 5
     assert all(x.bytes_by[0][0] == "a" and len(x.bytes_by) == 1 for x in samples)

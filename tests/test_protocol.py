@@ -13,6 +13,7 @@ import typing
 from typing import Any, Literal, Union
 
 import pytest
+from _proc_util import thread_wchan, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from timeshare.core.errors import FrameError, ProtocolError
@@ -259,6 +260,12 @@ def test_connection_reader_returns_none_when_peer_closes_while_blocked() -> None
     result: list[object] = []
     reader = threading.Thread(target=lambda: result.append(cb.recv()))
     reader.start()
+
+    def in_recv() -> bool:  # asleep in the kernel inside recv(2) on the socket, not merely started
+        tid = reader.native_id
+        return tid is not None and thread_wchan(tid).startswith("unix_stream")
+
+    wait_until(in_recv, 20, "the reader blocked in recv")  # then the peer's close must wake it
     a.close()
     reader.join(10)
     assert not reader.is_alive()
