@@ -441,12 +441,16 @@ class _Handlers:
         return JSONResponse({"ok": True, "command": command, "model": _plain(status)})
 
 
-def usage_json(usage: Usage) -> dict[str, int]:
-    """OpenAI's ``usage`` object."""
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+    the KV cache already held (not evaluated again)."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": max(0, usage.prompt_tokens - usage.prompt_tokens_evaluated)
+        },
     }
 
 

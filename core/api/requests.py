@@ -40,6 +40,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     conversation: str | None
+    cache_prompt: bool | None  # llama-server's field; None: the model's setting
 
     def pool_fields(self) -> dict[str, Any]:
         return {
@@ -52,6 +53,7 @@ class GenerationRequest:
             "seed": self.seed,
             "stop": self.stop,
             "conversation": self.conversation,
+            "cache_prompt": self.cache_prompt,
         }
 
 
@@ -151,6 +153,9 @@ def _common(body: Mapping[str, Any], kind: str, default_max_tokens: int) -> dict
         raise BadRequestError(
             "'conversation' (a Timeshare extension) must be a non-empty string.", "conversation"
         )
+    cache_prompt = body.get("cache_prompt")
+    if cache_prompt is not None and not isinstance(cache_prompt, bool):
+        raise BadRequestError("'cache_prompt' must be true or false.", "cache_prompt")
     return {
         "kind": kind,
         "model": model,
@@ -163,6 +168,7 @@ def _common(body: Mapping[str, Any], kind: str, default_max_tokens: int) -> dict
         "stream": stream,
         "include_usage": include_usage,
         "conversation": conversation,
+        "cache_prompt": cache_prompt,
     }
 
 

@@ -20,7 +20,8 @@ class ModelConfig:
     name: str = ""  # display name; defaults to id
     n_ctx: int = 2048  # context tokens per conversation sequence
     n_gpu_layers: int = -1  # -1: all layers (ignored by a CPU build)
-    n_seq: int = 4  # conversations kept live in the worker's KV cache (LRU beyond)
+    n_seq: int = 4  # KV sequences (conversations, cached prompts) a worker keeps (LRU beyond)
+    cache_prompt: bool = True  # keyless requests reuse the longest cached prefix (docs/API.md)
     chat_template: str | None = None  # Jinja override; None: the GGUF's own, or the fallback format
     chat_format: ChatFormat = "auto"  # auto: the GGUF's template if it has one, else the fallback
     pinned: bool = False  # a pinned model keeps the GPU once it has it

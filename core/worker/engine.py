@@ -2,16 +2,21 @@
 
 Nothing here is thread-safe on purpose: the worker's loop thread is the only caller. Generation
 uses llama-cpp-python's own ``create_completion(..., stream=True)`` so that a completion at
-temperature 0 equals what a plain ``Llama(path, n_ctx=...)`` produces: the context is built with
-the library's defaults (only n_ctx, n_gpu_layers, use_mmap and verbose differ, none of which change
-numerics) and completion-mode prompts start from an empty KV cache. The caller's ``before_step``
-hook runs before every resume of the generator (the generator only decodes when resumed): that is
-where the worker drains its queue (cancel, yield) and makes sure the weights are resident.
+temperature 0 from an empty KV cache equals what a plain ``Llama(path, n_ctx=...)`` produces: the
+context is built with the library's defaults (only n_ctx, n_gpu_layers, use_mmap and verbose
+differ, none of which change numerics). The caller's ``before_step`` hook runs before every resume
+of the generator (the generator only decodes when resumed): that is where the worker drains its
+queue (cancel, yield) and makes sure the weights are resident.
 
-Conversations: the live one sits in the context and continues by llama-cpp-python's prefix
-matching; the others are kept as host snapshots of the context state (``llama_state_get_data``)
-in an LRU of ``n_seq`` entries, and written to disk (``kv_dir``) when the worker stops. So
-switching conversations, or stopping and restarting the worker, costs no re-prefill.
+Sequences: the worker keeps up to ``n_seq`` token sequences with their KV: the live one in the
+context (it continues by llama-cpp-python's prefix matching: only the tokens after the common
+prefix are evaluated) and the others as host snapshots of the context state
+(``llama_state_get_data``) in an LRU, each with its token ids. A sequence belongs either to a
+``conversation`` (the Timeshare extension: the key picks it) or to the prompt cache (keyless
+requests: the prompt picks the cached sequence it shares the longest prefix with, see
+``_use_prompt_cache``). Conversations evicted beyond ``n_seq`` go to ``kv_dir``; keyless ones are
+dropped. When the worker stops, every cached sequence is written to ``kv_dir`` and comes back
+after a restart without a re-prefill.
 
 Chat formats: the GGUF's Jinja chat template (``chat_format == "template"``), or for models without
 one (e.g. the Gemma-3-270M base model) the fallback format below (``"fallback"``):
@@ -43,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
 from llama_cpp import llama_chat_format
 
 from ..config.schema import ModelConfig
@@ -75,11 +81,37 @@ class GenerationOutcome:
 
 @dataclass(frozen=True)
 class KVSnapshot:
-    """A conversation's context state in host memory."""
+    """A sequence's context state in host memory, with the token ids its KV holds."""
 
     n_tokens: int
     input_ids: tuple[int, ...]
     state: bytes
+    pos_min: int = 0  # the lowest position the KV still holds (above 0: a sliding window dropped some)
+    prompt_len: int = 0  # the prompt of the last request on it (the tokens after it were generated)
+
+
+#: The prompt cache's similarity rule (llama-server's ``--slot-prompt-similarity`` idea): a keyless
+#: request reuses a cached sequence only when the prefix it can reuse is at least
+#: ``PROMPT_CACHE_MIN_TOKENS`` tokens and at least ``PROMPT_CACHE_MIN_FRACTION`` of its prompt.
+#: Anything less is evaluated from an empty KV cache, so short or unrelated prompts keep the
+#: answer of a fresh ``Llama`` bit for bit (a prefix that short costs about one decode step on a
+#: GPU anyway: it goes in a single batch).
+PROMPT_CACHE_MIN_TOKENS = 64
+PROMPT_CACHE_MIN_FRACTION = 0.25
+
+#: A sequence's key: a conversation id (str) or a keyless sequence of the prompt cache (int).
+SeqKey = str | int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    differ = np.flatnonzero(x != y)
+    return int(differ[0]) if differ.size else n
 
 
 class Engine:
@@ -94,12 +126,18 @@ class Engine:
             n_vocab=int(llm.n_vocab()),
             chat_format="template" if formatter is not None else "fallback",
         )
-        self.live: str | None = None  # conversation whose KV is in the context (None: scratch)
-        self.kv_dir: Path | None = None  # where a stopped worker left conversations' KV (see save_kv)
+        # The sequence whose KV is in the context: a conversation id, a keyless sequence (int), or
+        # None (scratch: nothing worth keeping, e.g. after a request with cache_prompt false).
+        self.live: SeqKey | None = None
+        self.kv_dir: Path | None = None  # where a stopped worker left its sequences' KV (see save_kv)
         # While the weights are released the residency hides the context behind a guard; state
         # I/O (which touches only the KV cache) then goes through the context this returns.
         self.state_ctx: Callable[[], Any] | None = None
-        self._saved: OrderedDict[str, KVSnapshot] = OrderedDict()
+        self._saved: OrderedDict[SeqKey, KVSnapshot] = OrderedDict()  # LRU: most recent last
+        self._next_keyless = 0
+        self._live_prompt_len = 0  # KVSnapshot.prompt_len of the live sequence
+        self._prompts_loaded = False  # the keyless sequences a stopped worker left in kv_dir
+        self._n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
         self.prompt_tokens_evaluated = 0  # since start
         self._counting = False
         self._request_evaluated = 0
@@ -175,11 +213,16 @@ class Engine:
         llm.eval = counting_eval
         llm.sample = counting_sample
 
-    # ---- conversations ----------------------------------------------------------------------
+    # ---- sequences --------------------------------------------------------------------------
 
     def _state_ctx(self) -> Any:
         """The llama_context pointer for state I/O (see ``state_ctx``)."""
         return self.state_ctx() if self.state_ctx is not None else self.llm.ctx
+
+    def _live_pos_min(self) -> int:
+        """The lowest position the context's KV holds (-1: empty)."""
+        memory = llama_cpp.llama_get_memory(self._state_ctx())
+        return int(llama_cpp.llama_memory_seq_pos_min(memory, 0))
 
     def _snapshot(self) -> KVSnapshot:
         ctx = self._state_ctx()
@@ -187,7 +230,8 @@ class Engine:
         buf = (ctypes.c_uint8 * size)()
         n = int(llama_cpp.llama_state_get_data(ctx, buf, size))
         n_tokens = int(self.llm.n_tokens)
-        return KVSnapshot(n_tokens, tuple(int(t) for t in self.llm.input_ids[:n_tokens]), bytes(buf)[:n])
+        ids = tuple(int(t) for t in self.llm.input_ids[:n_tokens])
+        return KVSnapshot(n_tokens, ids, bytes(buf)[:n], max(0, self._live_pos_min()), self._live_prompt_len)
 
     def _load_snapshot(self, snap: KVSnapshot) -> None:
         ctx = self._state_ctx()
@@ -197,13 +241,14 @@ class Engine:
         self.llm.input_ids[: snap.n_tokens] = snap.input_ids
         self.llm.n_tokens = snap.n_tokens
         self.llm._requires_eval = True
+        self._live_prompt_len = snap.prompt_len
 
     def park(self) -> None:
-        """Move the live conversation into the host LRU (before the context is freed)."""
+        """Move the live sequence into the host LRU (before the context is freed)."""
         self._park_live()
 
     def _park_live(self) -> None:
-        """Keep the live conversation's KV as a host snapshot before the context is reused."""
+        """Keep the live sequence's KV as a host snapshot before the context is reused."""
         if self.live is None:
             return
         self._saved[self.live] = self._snapshot()
@@ -212,14 +257,20 @@ class Engine:
         self._trim(self.model.n_seq)
 
     def _trim(self, keep: int) -> None:
-        """LRU beyond ``n_seq``: the least recently used snapshots go to ``kv_dir`` (so they still
-        come back without a re-prefill), or are dropped when there is no kv_dir."""
+        """LRU beyond ``n_seq``: the least recently used conversations go to ``kv_dir`` (so they
+        still come back without a re-prefill), or are dropped when there is no kv_dir; keyless
+        sequences of the prompt cache are dropped."""
         while len(self._saved) > max(keep, 0):
             evicted, snap = self._saved.popitem(last=False)
+            if isinstance(evicted, int):
+                log.debug("a cached prompt of %d tokens left the KV cache (n_seq=%d)", snap.n_tokens, keep)
+                continue
             where = "dropped"
             if self.kv_dir is not None:
                 try:
-                    self._write_snapshot(self.kv_dir, evicted, snap, self._identity())
+                    self._write_snapshot(
+                        self._kv_file(self.kv_dir, evicted), {"conversation": evicted}, snap, self._identity()
+                    )
                     where = f"moved to {self.kv_dir}"
                 except OSError as exc:
                     log.warning("could not write the KV of %s to %s: %s", evicted, self.kv_dir, exc)
@@ -241,10 +292,108 @@ class Engine:
         if fresh:
             self.llm.reset()
 
+    def _window_holds(self, pos_min: int, reuse: int, n_tokens: int) -> bool:
+        """Whether a sequence of ``n_tokens`` whose KV starts at ``pos_min`` can be cut back to
+        its first ``reuse`` tokens and continued: a model with sliding-window attention (Gemma 3)
+        may have dropped positions the new tokens attend to. llama-server's rule: the KV must
+        still hold position ``reuse - n_swa``. Continuing the whole sequence is always fine."""
+        if reuse <= 0 or reuse >= n_tokens:
+            return True
+        return pos_min <= max(0, reuse - self._n_swa)
+
+    def _keep_window(self, tokens: Sequence[int]) -> None:
+        """Before continuing the live sequence with ``tokens``: start it over from an empty KV
+        cache when the reuse llama-cpp-python would make is not possible (``_window_holds``)."""
+        n_tokens = int(self.llm.n_tokens)
+        reuse = min(common_prefix(self.llm.input_ids[:n_tokens], tokens), len(tokens) - 1)
+        if not self._window_holds(self._live_pos_min(), reuse, n_tokens):
+            log.info("the sliding window no longer holds position %d: evaluating from scratch", reuse)
+            self.llm.reset()
+
+    def _new_keyless(self) -> int:
+        self._next_keyless += 1
+        return self._next_keyless
+
+    def _use_prompt_cache(self, tokens: Sequence[int]) -> None:
+        """Make live the keyless sequence a keyless request with prompt ``tokens`` continues.
+
+        The candidate is the cached keyless sequence (the live one or a host snapshot) with the
+        longest common prefix with the prompt (ties: the most recent), less the last prompt token
+        (its logits are needed). When the reusable prefix passes the similarity rule (see
+        ``PROMPT_CACHE_MIN_TOKENS``) and the sliding window still holds it, the request continues
+        that sequence: it takes it over when it extends the sequence's last prompt (the next turn
+        of a chat, a growing completion prompt, the same prompt again), else it branches: it
+        continues a copy and the original stays cached (two chats that share only a system
+        prompt). Otherwise it starts a fresh sequence from an empty KV cache. A new sequence
+        evicts the least recently used one beyond ``n_seq``. Conversations are never candidates."""
+        self._load_saved_prompts()
+        best: SeqKey | None = None
+        best_reuse = 0
+        best_prompt_len = 0
+        limit = len(tokens) - 1
+        candidates: list[tuple[SeqKey, Sequence[int], int, int]] = []
+        if isinstance(self.live, int):
+            n_live = int(self.llm.n_tokens)
+            candidates.append((self.live, self.llm.input_ids[:n_live], -1, self._live_prompt_len))
+        for key in reversed(self._saved):
+            if isinstance(key, int):
+                snap = self._saved[key]
+                candidates.append((key, snap.input_ids, snap.pos_min, snap.prompt_len))
+        for key, ids, pos_min, prompt_len in candidates:
+            reuse = min(common_prefix(ids, tokens), limit)
+            if reuse <= best_reuse:
+                continue
+            if pos_min < 0:  # the live sequence: ask the context
+                pos_min = self._live_pos_min()
+            if self._window_holds(pos_min, reuse, len(ids)):
+                best, best_reuse, best_prompt_len = key, reuse, prompt_len
+        if best is None or best_reuse < max(PROMPT_CACHE_MIN_TOKENS, PROMPT_CACHE_MIN_FRACTION * len(tokens)):
+            self._park_live()
+            self._trim(self.model.n_seq - 1)
+            self.llm.reset()
+            self.live = self._new_keyless()
+        else:
+            # the last prompt token is evaluated again, so the same prompt takes the sequence over
+            take_over = best_reuse >= best_prompt_len - 1
+            if best == self.live:
+                if not take_over:  # the original stays as a snapshot; the copy goes on in the context
+                    self._park_live()
+                    self._trim(self.model.n_seq - 1)
+                    self.live = self._new_keyless()
+            else:
+                self._park_live()
+                if take_over:
+                    snap = self._saved.pop(best)
+                    self.live = best
+                else:
+                    snap = self._saved[best]
+                    self._saved.move_to_end(best)
+                    self.live = self._new_keyless()
+                self._trim(self.model.n_seq - 1)
+                self._load_snapshot(snap)
+            log.debug(
+                "prompt cache: %d of %d prompt tokens reused (%s)",
+                best_reuse,
+                len(tokens),
+                "taken over" if take_over else "branched",
+            )
+        self._live_prompt_len = len(tokens)
+
     @property
     def conversations(self) -> tuple[str, ...]:
-        live = (self.live,) if self.live is not None else ()
-        return live + tuple(reversed(self._saved))
+        """The conversations whose KV is cached, most recent first."""
+        keys = ((self.live,) if self.live is not None else ()) + tuple(reversed(self._saved))
+        return tuple(k for k in keys if isinstance(k, str))
+
+    @property
+    def cached_sequences(self) -> int:
+        """How many sequences (conversations and cached prompts) the worker keeps, live included."""
+        return len(self._saved) + (1 if self.live is not None else 0)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory held by the snapshots of the sequences that are not live."""
+        return sum(len(s.state) + 4 * s.n_tokens for s in self._saved.values())
 
     # ---- KV on disk (stop / start) ----------------------------------------------------------
 
@@ -261,29 +410,63 @@ class Engine:
         digest = hashlib.sha256(conversation.encode()).hexdigest()[:32]
         return kv_dir / f"{self.model.id}-{digest}.kv"
 
+    def _prompt_file(self, kv_dir: Path, rank: int) -> Path:
+        return kv_dir / f"{self.model.id}-prompt-{rank}.kvp"
+
+    def _prompt_files(self, kv_dir: Path) -> dict[int, Path]:
+        """This model's cached-prompt files in ``kv_dir``, by rank (0: the most recent)."""
+        pattern = re.compile(re.escape(self.model.id) + r"-prompt-(\d+)\.kvp")
+        found: dict[int, Path] = {}
+        try:
+            for path in kv_dir.iterdir():
+                match = pattern.fullmatch(path.name)
+                if match:
+                    found[int(match.group(1))] = path
+        except OSError:
+            pass
+        return found
+
     def save_kv(self, kv_dir: Path) -> int:
-        """Write every conversation's KV snapshot to ``kv_dir`` (atomic per file). Returns how many."""
+        """Write every cached sequence's KV snapshot to ``kv_dir`` (atomic per file): conversations
+        by key, cached prompts by rank (older cached-prompt files are replaced). Returns how many."""
         try:
             self._park_live()
         except Exception:  # the others are still worth saving
-            log.exception("could not snapshot the live conversation %s", self.live)
+            log.exception("could not snapshot the live sequence %s", self.live)
             self.live = None
+        if kv_dir == self.kv_dir:
+            self._load_saved_prompts()  # those this run never needed are kept, within n_seq
         ident = self._identity()
         count = 0
-        for conversation, snap in self._saved.items():
-            self._write_snapshot(kv_dir, conversation, snap, ident)
+        stale = self._prompt_files(kv_dir)
+        rank = 0
+        for key, snap in reversed(self._saved.items()):
+            if isinstance(key, str):
+                self._write_snapshot(self._kv_file(kv_dir, key), {"conversation": key}, snap, ident)
+            else:
+                self._write_snapshot(self._prompt_file(kv_dir, rank), {"prompt": rank}, snap, ident)
+                stale.pop(rank, None)
+                rank += 1
             count += 1
-        log.info("saved the KV of %d conversation(s) to %s", count, kv_dir)
+        for path in stale.values():
+            path.unlink(missing_ok=True)
+        log.info("saved the KV of %d conversation(s) and cached prompt(s) to %s", count, kv_dir)
         return count
 
     def _write_snapshot(
-        self, kv_dir: Path, conversation: str, snap: KVSnapshot, ident: dict[str, object]
+        self, target: Path, key: dict[str, object], snap: KVSnapshot, ident: dict[str, object]
     ) -> None:
-        kv_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         header = json.dumps(
-            {"model": self.model.id, "conversation": conversation, "n_tokens": snap.n_tokens, "file": ident}
+            {
+                "model": self.model.id,
+                **key,
+                "n_tokens": snap.n_tokens,
+                "pos_min": snap.pos_min,
+                "prompt_len": snap.prompt_len,
+                "file": ident,
+            }
         ).encode()
-        target = self._kv_file(kv_dir, conversation)
         tmp = target.with_suffix(".tmp")
         with tmp.open("wb") as f:
             f.write(_KV_MAGIC + struct.pack(">I", len(header)) + header)
@@ -291,12 +474,9 @@ class Engine:
             f.write(snap.state)
         os.replace(tmp, target)
 
-    def load_kv(self, kv_dir: Path, conversation: str) -> bool:
-        """Bring a conversation saved by ``save_kv`` back into the host LRU (and delete the file).
-        A file from another model file or context size is ignored and removed."""
-        path = self._kv_file(kv_dir, conversation)
-        if not path.is_file():
-            return False
+    def _read_snapshot(self, path: Path, key: dict[str, object]) -> KVSnapshot | None:
+        """A snapshot written by ``_write_snapshot`` for ``key`` and this model file and context
+        size, or None (the file is then removed). The file is deleted once read."""
         try:
             data = path.read_bytes()
             if not data.startswith(_KV_MAGIC):
@@ -306,21 +486,56 @@ class Engine:
             off += 4
             header = json.loads(data[off : off + hlen])
             off += hlen
-            if header.get("conversation") != conversation or header.get("file") != self._identity():
+            if any(header.get(k) != v for k, v in key.items()) or header.get("file") != self._identity():
                 raise ValueError("saved for another model file or context size")
             n = int(header["n_tokens"])
             ids = struct.unpack_from(f"<{n}i", data, off)
             off += 4 * n
-            snap = KVSnapshot(n, tuple(ids), data[off:])
-        except (ValueError, KeyError, struct.error) as exc:
+            snap = KVSnapshot(
+                n, tuple(ids), data[off:], int(header.get("pos_min", 0)), int(header.get("prompt_len", 0))
+            )
+        except (OSError, ValueError, KeyError, struct.error) as exc:
             log.warning("ignoring saved KV %s: %s", path, exc)
             path.unlink(missing_ok=True)
-            return False
+            return None
         path.unlink(missing_ok=True)
+        return snap
+
+    def load_kv(self, kv_dir: Path, conversation: str) -> bool:
+        """Bring a conversation saved by ``save_kv`` back into the host LRU (and delete the file).
+        A file from another model file or context size is ignored and removed."""
+        path = self._kv_file(kv_dir, conversation)
+        if not path.is_file():
+            return False
+        snap = self._read_snapshot(path, {"conversation": conversation})
+        if snap is None:
+            return False
         self._saved[conversation] = snap
         self._saved.move_to_end(conversation)
-        log.info("conversation %s: KV loaded from disk (%d tokens)", conversation, n)
+        log.info("conversation %s: KV loaded from disk (%d tokens)", conversation, snap.n_tokens)
         return True
+
+    def _load_saved_prompts(self) -> None:
+        """Once: bring the cached prompts a stopped worker left in ``kv_dir`` back, as the least
+        recently used sequences (only as many as ``n_seq`` leaves room for)."""
+        if self._prompts_loaded or self.kv_dir is None:
+            return
+        self._prompts_loaded = True
+        room = self.model.n_seq - self.cached_sequences
+        loaded = 0
+        for rank, path in sorted(self._prompt_files(self.kv_dir).items()):
+            if loaded >= room:
+                path.unlink(missing_ok=True)
+                continue
+            snap = self._read_snapshot(path, {"prompt": rank})
+            if snap is None:
+                continue
+            key = self._new_keyless()
+            self._saved[key] = snap
+            self._saved.move_to_end(key, last=False)
+            loaded += 1
+        if loaded:
+            log.info("%d cached prompt(s) loaded from %s", loaded, self.kv_dir)
 
     # ---- prompts ----------------------------------------------------------------------------
 
@@ -341,6 +556,21 @@ class Engine:
             list(FALLBACK_STOP),
             None,
         )
+
+    def _completion_tokens(self, prompt: str) -> list[int]:
+        """A completion prompt's tokens, built as ``Llama.create_completion`` builds them for a
+        string prompt (BOS or CLS when the vocabulary adds one, EOS or SEP when it adds one)."""
+        llm = self.llm
+        vocab = llm._model
+        bos, cls_id, sep = int(llm.token_bos()), int(vocab.token_cls()), int(vocab.token_sep())
+        head = [cls_id if cls_id != -1 else bos]
+        if not vocab.add_bos_token() or head == [-1]:
+            head = []
+        tail = [sep if sep != -1 else int(llm.token_eos())]
+        if not vocab.add_eos_token() and sep == -1:
+            tail = []
+        body = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True) if prompt else []
+        return [*head, *(int(t) for t in body), *tail]
 
     def _too_long(self, n: int) -> PromptTooLongError:
         return PromptTooLongError(
@@ -363,24 +593,32 @@ class Engine:
         stop = list(req.stop)
         criteria = None
         prompt: str | list[int]
+        tokens: list[int]
         if req.messages is not None:
-            prompt, extra_stop, criteria = self._chat_prompt(req.messages)
+            tokens, extra_stop, criteria = self._chat_prompt(req.messages)
+            prompt = tokens
             stop += extra_stop
-            n_prompt = len(prompt)
         else:
             assert req.prompt is not None
             prompt = req.prompt
-            n_prompt = (
-                len(llm.tokenize(req.prompt.encode("utf-8"), add_bos=True, special=True)) if req.prompt else 1
-            )
+            tokens = self._completion_tokens(req.prompt)
+        n_prompt = len(tokens)
         if n_prompt >= self.info.n_ctx:
             raise self._too_long(n_prompt)
-        before_step()  # residency first: switching conversations touches the context
-        # A request without a conversation starts from an empty KV cache, exactly like a fresh
-        # Llama, so the same request gives the same answer bit for bit (a prefix reused from
-        # another request was computed in other batches and can change the last bits of the
-        # logits). A conversation reuses the longest common prefix of what its KV holds.
-        self._switch_to(req.conversation, fresh=req.conversation is None)
+        before_step()  # residency first: switching sequences touches the context
+        cache_prompt = self.model.cache_prompt if req.cache_prompt is None else req.cache_prompt
+        if req.conversation is not None:
+            # the conversation's own sequence, continued from its longest common prefix
+            self._switch_to(req.conversation, fresh=False)
+            self._keep_window(tokens)
+            self._live_prompt_len = len(tokens)
+        elif cache_prompt:
+            self._use_prompt_cache(tokens)
+        else:
+            # From an empty KV cache, exactly like a fresh Llama, so the same request gives the
+            # same answer bit for bit (a prefix reused from another request was computed in other
+            # batches, which can change the last bits of the logits); nothing is kept afterwards.
+            self._switch_to(None, fresh=True)
         self._request_evaluated = 0
         self._samples = 0
         self._last_sample = -1

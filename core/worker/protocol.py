@@ -54,7 +54,9 @@ class Generate:
     top_k: int = 40
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    conversation: str | None = None  # KV sequence key; None: a scratch sequence
+    conversation: str | None = None  # KV sequence key; None: the prompt cache picks one
+    # keyless requests: reuse the prompt cache (None: the model's cache_prompt setting)
+    cache_prompt: bool | None = None
 
 
 @dataclass(frozen=True)
