@@ -23,7 +23,8 @@ from ..core import paths
 from ..core.atomic import atomic_write_text
 from ..core.config import files as config_files
 from ..core.config.schema import Config
-from ..core.errors import ConfigError, TimeshareError
+from ..core.errors import ConfigError, InstanceRunningError, TimeshareError
+from ..core.instance import InstanceLock
 from ..core.logsetup import setup_logging
 from . import autostart, icons
 from .bridge import PoolBridge
@@ -233,7 +234,7 @@ class TimeshareApp(QObject):
 
     def _write_autostart(self, enabled: bool) -> None:
         try:
-            plan = autostart.set_enabled(enabled)
+            plan = autostart.set_enabled(enabled, config=self.config_path)
             log.info("start at login %s (%s)", "on" if enabled else "off", autostart.describe(plan))
         except OSError as e:
             self.notify("Could not change start at login", str(e), error=True)
@@ -300,7 +301,8 @@ class TimeshareApp(QObject):
 
 def _fatal(title: str, text: str) -> int:
     print(f"timeshare: {text}", file=sys.stderr)
-    QMessageBox.critical(None, title, text)
+    if QGuiApplication.platformName() not in ("offscreen", "minimal"):  # nobody could close it there
+        QMessageBox.critical(None, title, text)
     return 2
 
 
@@ -317,6 +319,11 @@ def run(args: argparse.Namespace) -> int:
     if not single.claim("show"):
         print("Timeshare is already running: asked it to open its chat window.")
         return 0
+    try:  # one Timeshare per runtime dir, the tray or `timeshare serve` (core/instance.py)
+        instance = InstanceLock.acquire("tray")
+    except InstanceRunningError as e:
+        single.close()
+        return _fatal("Timeshare is already running", str(e))
 
     config_path = config_files.cli_config_path(getattr(args, "config", None))
     try:
@@ -358,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
         app.shutdown()
         single.close()
         store.close()
+        instance.release()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info("Timeshare exited (%d)", rc)

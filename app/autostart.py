@@ -28,14 +28,33 @@ WINDOWS_RUN_KEY = r"HKEY_CURRENT_USER\Software\Microsoft\Windows\CurrentVersion\
 WINDOWS_VALUE_NAME = "Timeshare"
 
 
-def launch_command() -> list[str]:
-    """How to start this very installation at login (absolute paths: PATH is not set up yet then)."""
+def launcher() -> list[str]:
+    """The command that runs this very installation's ``timeshare`` (absolute paths: the login
+    session's or the menu's PATH may not have the venv)."""
     if getattr(sys, "frozen", False):  # PyInstaller build: the executable is the app
-        return [sys.executable, "tray", "--background"]
+        return [sys.executable]
     script = Path(sys.executable).with_name("timeshare")
     if script.is_file() and os.access(script, os.X_OK):
-        return [str(script), "tray", "--background"]
-    return [sys.executable, "-m", "timeshare", "tray", "--background"]
+        return [str(script)]
+    return [sys.executable, "-m", "timeshare"]
+
+
+def _config_args(config: Path | None) -> list[str]:
+    """``--config ABSOLUTE`` for a configuration other than the default file (none for that one)."""
+    if config is None:
+        return []
+    from ..core import paths
+
+    absolute = Path(config).expanduser().resolve()
+    if absolute == paths.config_file().resolve():
+        return []
+    return ["--config", str(absolute)]
+
+
+def launch_command(config: Path | None = None) -> list[str]:
+    """How to start this very installation at login, with the configuration it runs with now
+    (``config``: the file it was started with; the default file needs no flag)."""
+    return [*launcher(), *_config_args(config), "tray", "--background"]
 
 
 def packaged_desktop_entry() -> str:
@@ -100,9 +119,11 @@ def _xdg_config_home() -> Path:
     return Path(value) if value and os.path.isabs(value) else Path.home() / ".config"
 
 
-def plan(platform: str | None = None, command: list[str] | None = None) -> AutostartPlan:
+def plan(
+    platform: str | None = None, command: list[str] | None = None, config: Path | None = None
+) -> AutostartPlan:
     platform = platform or sys.platform
-    command = command or launch_command()
+    command = command or launch_command(config)
     if platform == "darwin":
         path = Path.home() / "Library" / "LaunchAgents" / f"{APP_ID}.plist"
         return AutostartPlan("darwin", str(path), launch_agent_plist(command))
@@ -120,9 +141,10 @@ def is_enabled(platform: str | None = None) -> bool:
     return Path(p.path).is_file()
 
 
-def set_enabled(enabled: bool, platform: str | None = None) -> AutostartPlan:
-    """Write or remove the start-at-login entry; returns what was (or would have been) written."""
-    p = plan(platform)
+def set_enabled(enabled: bool, platform: str | None = None, config: Path | None = None) -> AutostartPlan:
+    """Write or remove the start-at-login entry (starting Timeshare with ``config`` when that is
+    not the default file); returns what was (or would have been) written."""
+    p = plan(platform, config=config)
     if p.platform == "win32":
         _windows_write(p, enabled)
     elif enabled:

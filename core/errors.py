@@ -131,6 +131,21 @@ class ApiBindError(TimeshareError):
     code = "api_bind"
 
 
+class InstanceRunningError(TimeshareError):
+    """Another Timeshare already runs for this runtime dir (core/instance.py): ``kind`` ("serve",
+    "tray" or ""), ``pid`` and ``url`` (its API, None when none is recorded) say which."""
+
+    code = "instance_running"
+
+    def __init__(
+        self, message: str, *, kind: str = "", pid: int | None = None, url: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.pid = pid
+        self.url = url
+
+
 # ---- conversations (core/store.py, core/chat.py) --------------------------------------------------
 
 

@@ -169,7 +169,7 @@ class _AuthMiddleware:
         self.key = key.encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.key is None:
+        if scope["type"] != "http" or self.key is None or scope["path"] == HEALTH_PATH:
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
@@ -499,11 +499,21 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
     )
 
 
+#: answered without a key (llama-server's liveness probe); the header tells a Timeshare apart
+HEALTH_PATH = "/health"
+HEALTH_HEADER = "x-served-by"
+
+
+async def _health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"}, headers={HEALTH_HEADER: "timeshare"})
+
+
 def create_app(pool: Pool, api_config: ApiConfig) -> Starlette:
     """The Starlette app over ``pool``. ``app.state.unsubscribe()`` detaches its switch counter."""
     counter = SwitchCounter()
     handlers = _Handlers(pool, api_config, counter)
     routes = [
+        Route(HEALTH_PATH, _health, methods=["GET"]),
         Route("/v1/models", handlers.list_models, methods=["GET"]),
         Route("/v1/models/{model_id}", handlers.get_model, methods=["GET"]),
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),

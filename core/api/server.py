@@ -4,30 +4,37 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import logging
 import signal
 import socket
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from urllib.parse import urlsplit
 
 import uvicorn
 from starlette.applications import Starlette
 
 from .. import paths
+from ..arena.dirs import pid_alive
 from ..config.files import load_for_cli
 from ..config.schema import ApiConfig
 from ..config.validate import is_loopback
-from ..errors import ApiBindError, ArenaError, ConfigError
+from ..errors import ApiBindError, ArenaError, ConfigError, InstanceRunningError
+from ..instance import InstanceLock
 from ..logsetup import setup_logging
 from ..pool.supervisor import Pool
+from ..state import ModelState, PoolSnapshot
 from .address import ApiAddress
 from .errors import BadRequestError
-from .handlers import create_app
+from .handlers import HEALTH_HEADER, create_app
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +69,42 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.listen(128)
     except OSError as exc:
         sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            holder = _timeshare_on(host, port)
+            if holder:
+                raise ApiBindError(
+                    f"Cannot listen on {host}:{port}: {holder} already serves there. Use it "
+                    "(`timeshare status`), stop it, or pick another port with --port or api.port."
+                ) from exc
         raise ApiBindError(
             f"Cannot listen on {host}:{port} ({exc.strerror or exc}); pick another port with --port or "
             "api.port, or stop the program that uses it."
         ) from exc
     sock.set_inheritable(False)
     return sock
+
+
+def _timeshare_on(host: str, port: int) -> str:
+    """Who holds ``host:port`` when it is another Timeshare: "Timeshare (pid N, http://...)" when
+    this runtime dir's address file names a live process on that port, "another Timeshare (...)"
+    when the port answers Timeshare's /health; "" otherwise."""
+    try:
+        address = ApiAddress.read()
+    except (OSError, ValueError):
+        address = None
+    if address is not None and address.pid is not None and pid_alive(address.pid):
+        with contextlib.suppress(ValueError):
+            if urlsplit(address.url).port == port:
+                return f"Timeshare (pid {address.pid}, {address.url})"
+    url = _url("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host in ("::", "[::]") else host, port)
+    try:  # urllib, not httpx: nothing to log
+        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as answer:
+            served_by = answer.headers.get(HEALTH_HEADER)
+    except (OSError, ValueError):
+        return ""
+    if served_by == "timeshare":
+        return f"another Timeshare (one with another runtime dir or TIMESHARE_HOME, at {url})"
+    return ""
 
 
 def _url(host: str, port: int) -> str:
@@ -177,6 +214,12 @@ def serve_main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"timeshare serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        # one Timeshare per runtime dir: a second one would overwrite the first's address file
+        instance = InstanceLock.acquire("serve")
+    except InstanceRunningError as exc:
+        print(f"timeshare serve: {exc}", file=sys.stderr)
+        return 1
     if not config.models:
         notice = str(getattr(config, "notice", "") or "")
         print(
@@ -203,6 +246,8 @@ def serve_main(args: argparse.Namespace) -> int:
             f"Timeshare API on {url}/v1 — models: {', '.join(m.id for m in config.models) or 'none'}",
             flush=True,
         )
+        readiness = _Readiness([m.id for m in config.models], url)
+        readiness.check(pool.snapshot())
         while not stop.wait(0.5):
             if not server.running:
                 print(
@@ -210,6 +255,7 @@ def serve_main(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
+            readiness.check(pool.snapshot())
         log.info("stopping")
         return 0
     except (ArenaError, ConfigError, ApiBindError) as exc:
@@ -218,8 +264,47 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         server.stop()
         pool.stop()
+        instance.release()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+class _Readiness:
+    """Logs each model once it has loaded (or failed) for the first time, and prints one
+    "ready: N models at URL" line on stderr once every configured model got there."""
+
+    def __init__(self, model_ids: list[str], url: str) -> None:
+        self.pending = list(model_ids)
+        self.url = url
+        self.ready: list[str] = []
+        self.failed: list[str] = []
+        self.announced = False
+
+    def check(self, snapshot: PoolSnapshot) -> None:
+        if self.announced:
+            return
+        states = {m.id: m for m in snapshot.models}
+        for model_id in list(self.pending):
+            status = states.get(model_id)
+            if status is None or status.state in (ModelState.STARTING, ModelState.LOADING):
+                continue
+            self.pending.remove(model_id)
+            if status.state is ModelState.FAILED:
+                self.failed.append(model_id)
+                log.warning("model %s failed: %s", model_id, status.reason or "see its log")
+            elif status.state is ModelState.STOPPED:
+                log.info("model %s is stopped", model_id)
+            else:
+                self.ready.append(model_id)
+                where = f", {status.backend}" if status.backend else ""
+                log.info("model %s ready (%s%s)", model_id, status.state.value, where)
+        if not self.pending:
+            self.announced = True
+            n = len(self.ready)
+            line = f"ready: {n} model{'' if n == 1 else 's'} at {self.url}"
+            if self.failed:
+                line += f" ({len(self.failed)} failed: {', '.join(self.failed)})"
+            print(line, file=sys.stderr, flush=True)
 
 
 __all__: Sequence[str] = (
