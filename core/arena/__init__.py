@@ -19,6 +19,18 @@ A ticket whose lock anyone can take belongs to a dead process and is swept by wh
 The kernel drops the token's lock when its holder dies, so a crash never wedges the arena; a
 holder record whose pid is dead is ignored by :func:`read_holder`.
 
+Hostile or broken entries (``Arena.sweep``, run when an :class:`Arena` opens and every
+``SWEEP_INTERVAL_S`` by each waiter): only regular files are opened, never through a link and never
+blocking (a FIFO is not opened for a writer). In ``waiters/`` anything that is not a live ticket
+is removed when nothing can own it (an unlocked file, a symbolic link, a FIFO, an empty
+directory) and otherwise ignored and reported by path (a directory with files in it). A ticket
+counter that is not a number of at most 12 digits (negative, 20 digits, garbage) counts on after
+the queue, and never falls behind it; a counter that is a link is replaced. ``.tmp`` leftovers of
+dead pids are removed; a holder record that is not one (garbage, a link, out-of-range fields) or
+whose pid is dead is removed while the token is free. A ``token`` that is not a regular file is
+an :class:`ArenaError` naming it (it is never replaced: a process could still hold the GPU
+through the file that name had before).
+
 The doorbell: the holder watches ``waiters/`` (inotify IN_CREATE, IN_MOVED_TO, IN_DELETE,
 IN_MOVED_FROM, IN_Q_OVERFLOW; a rescan right after adding the watch and every
 ``RESCAN_INTERVAL_S``) and rings a callback when another process waits, and again every

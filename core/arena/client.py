@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import math
@@ -17,6 +18,7 @@ from .records import (
     _MODEL_ID_RE,
     RESCAN_INTERVAL_S,
     RING_REPEAT_S,
+    SWEEP_INTERVAL_S,
     TOKEN_FILE,
     DoorbellRing,
     HolderRecord,
@@ -63,6 +65,7 @@ class TokenRequest:
         self._had_ahead = False
         self._previous: str | None = None
         self._thread: threading.Thread | None = None
+        self._next_sweep = self.requested_at + SWEEP_INTERVAL_S
 
     # -- public --
 
@@ -123,6 +126,17 @@ class TokenRequest:
     def _remaining(self) -> float:
         return RESCAN_INTERVAL_S if self._deadline is None else self._deadline - time.monotonic()
 
+    def _sweep_now_and_then(self) -> None:
+        """Waiters sweep the arena every ``SWEEP_INTERVAL_S`` (leftovers of dead processes)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        try:
+            self._client.arena.sweep()
+        except OSError as exc:
+            log.warning("sweeping the arena %s failed: %s", self._client.arena.path, exc)
+
     def _check(self) -> None:
         if self._cancelled:
             raise CancelledError("the request for the GPU was cancelled")
@@ -168,6 +182,7 @@ class TokenRequest:
                 self._had_ahead = self._had_ahead or bool(ahead)
                 if not ahead:
                     break
+                self._sweep_now_and_then()
                 watch.wait(min(RESCAN_INTERVAL_S, self._remaining()))
             handoff = self._previous is not None
             fd = arena._open_token()
@@ -260,6 +275,7 @@ class TokenRequest:
                     else:
                         state.abandoned = True
                 raise
+            self._sweep_now_and_then()
             watch.wait(min(RESCAN_INTERVAL_S, self._remaining()))
 
 
@@ -356,22 +372,25 @@ class TokenClient:
             self._token_fd = None
             self._grant = None
             self._doorbell_armed.clear()
-            self.arena._remove_holder()
-            end = time.monotonic()
-            if grant is not None:
-                try:
-                    self.observer.record(
-                        "token",
-                        grant.acquired_at,
-                        end,
-                        requested=grant.requested_at,
-                        handoff=grant.handoff,
-                        previous=grant.previous,
-                    )
-                except OSError as exc:
-                    log.warning("could not record the token interval: %s", exc)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            try:
+                self.arena._remove_holder()
+                end = time.monotonic()
+                if grant is not None:
+                    try:
+                        self.observer.record(
+                            "token",
+                            grant.acquired_at,
+                            end,
+                            requested=grant.requested_at,
+                            handoff=grant.handoff,
+                            previous=grant.previous,
+                        )
+                    except OSError as exc:
+                        log.warning("could not record the token interval: %s", exc)
+            finally:  # whatever happened above, the token goes back
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
             return end
 
     def _holder_record(self, grant: TokenGrant) -> HolderRecord:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import stat
 from pathlib import Path
 
 from .. import paths
 from ..errors import UnsafeArenaError
-from .records import _O_DIR, _O_FILE, HOLDER_FILE, HolderRecord
+from .records import _MODEL_ID_RE, _O_DIR, _O_FILE, HOLDER_FILE, MAX_PID, HolderRecord
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _open_checked_dir(path: Path, *, create: bool, dir_fd: int | None = None, na
 
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (one of another user counts as alive)."""
-    if pid <= 0:
+    if pid <= 0 or pid > MAX_PID:
         return False
     try:
         os.kill(pid, 0)
@@ -108,8 +109,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def read_holder(path: str | os.PathLike[str] | None = None) -> HolderRecord | None:
-    """The current holder record, or None when nobody holds the token (or its holder died).
-    Reads only; never creates the arena."""
+    """The current holder record, or None when nobody holds the token (or its holder died, or the
+    record is not one: a symbolic link, a directory, garbage). Reads only; never creates the arena."""
     base = Path(os.path.abspath(path)) if path is not None else resolve_arena_dir()
     try:
         dir_fd = os.open(base, _O_DIR)
@@ -122,24 +123,91 @@ def read_holder(path: str | os.PathLike[str] | None = None) -> HolderRecord | No
 
 
 def _read_holder_at(dir_fd: int) -> HolderRecord | None:
+    record, problem = _load_holder_at(dir_fd)
+    if problem:
+        _warn_once(problem, "ignoring the arena's holder record: %s", problem)
+    return record if record is not None and pid_alive(record.pid) else None
+
+
+def _load_holder_at(dir_fd: int) -> tuple[HolderRecord | None, str]:
+    """The holder record as written (its pid not checked), or None and why it is not one ("" when
+    there is no record). Never blocks (a FIFO named ``holder`` is not opened for a writer) and
+    never raises OSError."""
     try:
-        fd = os.open(HOLDER_FILE, os.O_RDONLY | _O_FILE, dir_fd=dir_fd)
-    except OSError:
-        return None
+        fd = os.open(HOLDER_FILE, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None, "it is a symbolic link"
+        return None, f"it cannot be opened ({exc.strerror})"
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"it is {file_kind(st.st_mode)}"
         raw = os.read(fd, 1 << 16)
+    except OSError as exc:
+        return None, f"it cannot be read ({exc.strerror})"
     finally:
         os.close(fd)
+    record = parse_holder(raw)
+    if record is None:
+        return None, f"it is not a holder record ({raw[:80]!r})"
+    return record, ""
+
+
+def parse_holder(raw: bytes) -> HolderRecord | None:
+    """A holder record from its JSON, or None unless every field is sane (a model id, a pid in
+    range, finite times)."""
     try:
         data = json.loads(raw)
-        record = HolderRecord(
-            model=str(data["model"]),
-            pid=int(data["pid"]),
-            since=float(data["since"]),
-            since_monotonic=float(data["since_monotonic"]),
-            pinned=bool(data.get("pinned", False)),
-        )
-    except (ValueError, KeyError, TypeError):
-        log.warning("ignoring an unreadable holder record: %r", raw[:200])
+    except ValueError:
         return None
-    return record if pid_alive(record.pid) else None
+    if not isinstance(data, dict):
+        return None
+    model, pid, pinned = data.get("model"), data.get("pid"), data.get("pinned", False)
+    since, since_monotonic = data.get("since"), data.get("since_monotonic")
+    if not (isinstance(model, str) and _MODEL_ID_RE.match(model)):
+        return None
+    if not (type(pid) is int and 0 < pid <= MAX_PID) or not isinstance(pinned, bool):
+        return None
+    since_f, since_monotonic_f = _finite(since), _finite(since_monotonic)
+    if since_f is None or since_monotonic_f is None:
+        return None
+    return HolderRecord(model=model, pid=pid, since=since_f, since_monotonic=since_monotonic_f, pinned=pinned)
+
+
+def _finite(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def file_kind(mode: int) -> str:
+    """What a directory entry is, for messages: "a directory", "a symbolic link"..."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device node"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args: object) -> None:
+    """Log a warning the first time ``key`` comes up in this process (a bad entry is looked at
+    many times a second by some callers)."""
+    if key in _warned:
+        log.debug(msg, *args)
+        return
+    if len(_warned) > 1000:
+        _warned.clear()
+    _warned.add(key)
+    log.warning(msg, *args)

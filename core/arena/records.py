@@ -19,11 +19,18 @@ RESCAN_INTERVAL_S = 0.5
 RING_REPEAT_S = 0.2
 #: directory polling period of the polling backend
 POLL_INTERVAL_S = 0.02
+#: a waiting request sweeps the whole arena (leftovers of dead processes) this often
+SWEEP_INTERVAL_S = 5.0
+
+#: the largest ticket number: tickets are named with 12 digits, so that name order is queue order
+MAX_SEQ = 10**12 - 1
+#: pids above this are not pids (Linux's pid_max is at most 2**22)
+MAX_PID = 2**31 - 1
 
 Backend = Literal["auto", "inotify", "poll"]
 
 _MODEL_ID_RE = re.compile(r"^[A-Za-z0-9._#+@=-]{1,120}$")
-_TICKET_RE = re.compile(r"^(\d{1,20})-(\d{1,10})-(.+)$")
+_TICKET_RE = re.compile(r"^(\d{12})-([1-9]\d{0,9})-(.+)$")
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_FILE = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -45,10 +52,15 @@ class Ticket:
 
     @classmethod
     def parse(cls, name: str) -> Ticket | None:
+        """The ticket a file name stands for, or None when the name is not one a
+        :class:`~.client.TokenClient` makes (12-digit seq, a pid, a valid model id)."""
         match = _TICKET_RE.match(name)
         if not match:
             return None
-        return cls(int(match.group(1)), int(match.group(2)), match.group(3))
+        pid = int(match.group(2))
+        if pid > MAX_PID or not _MODEL_ID_RE.match(match.group(3)):
+            return None
+        return cls(int(match.group(1)), pid, match.group(3))
 
 
 @dataclass(frozen=True)
