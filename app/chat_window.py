@@ -11,9 +11,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QGuiApplication, QKeyEvent
@@ -42,6 +41,9 @@ from .bridge import PoolBridge
 from .menu_model import display_state
 from .qt_compat import emit
 
+if TYPE_CHECKING:
+    from ..core.store import AnswerStats
+
 log = logging.getLogger(__name__)
 
 PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
@@ -65,60 +67,30 @@ class ChatLike(Protocol):
     def regenerate(self, conversation_id: str, *, prewoken: bool = ..., **sampling: Any) -> Any: ...
 
 
-@dataclass(frozen=True)
-class AnswerStats:
-    """The line under an answer, from the stats ChatService saved with the message."""
-
-    ttft_ms: float | None
-    tokens_per_s: float
-    completion_tokens: int
-    switched: bool
-    wait_ms: float
-    restore_ms: float
-    finish_reason: str
-    error: str = ""
-    prewoken: bool = False  # the window restored the model while the user typed
-
-    @classmethod
-    def from_stats(cls, data: Mapping[str, Any]) -> AnswerStats | None:
-        if "finish_reason" not in data:
-            return None
-        ttft = data.get("ttft_ms")
-        return cls(
-            ttft_ms=float(ttft) if isinstance(ttft, (int, float)) else None,
-            tokens_per_s=float(data.get("tokens_per_s") or 0.0),
-            completion_tokens=int(data.get("completion_tokens") or 0),
-            switched=bool(data.get("switched", False)),
-            wait_ms=float(data.get("wait_ms") or 0.0),
-            restore_ms=float(data.get("restore_ms") or 0.0),
-            finish_reason=str(data["finish_reason"]),
-            error=str(data.get("error") or ""),
-            prewoken=bool(data.get("prewoken", False)),
-        )
-
-    def line(self) -> str:
-        if self.finish_reason == "error":
-            return f"failed: {self.error}" if self.error else "failed"
-        if self.finish_reason == "cancelled" and self.ttft_ms is None:
-            return "stopped"
-        parts = []
-        if self.ttft_ms is not None:
-            parts.append(f"first token {self.ttft_ms:.0f} ms")
-        parts.append(f"{self.tokens_per_s:.1f} tokens/s")
-        if self.switched:
-            detail = f"restore {self.restore_ms:.0f} ms"
-            if self.wait_ms:
-                detail += f", waited {self.wait_ms:.0f} ms for the GPU"
-            parts.append(f"GPU switch {self.wait_ms + self.restore_ms:.0f} ms ({detail})")
-        elif self.prewoken:
-            parts.append("no GPU switch at send: restored while you typed")
-        else:
-            parts.append("no GPU switch")
-        if self.finish_reason == "cancelled":
-            parts.append("stopped")
-        elif self.finish_reason == "length":
-            parts.append("hit the token limit")
-        return " · ".join(parts)
+def answer_line(stats: AnswerStats) -> str:
+    """The line under an answer (and in the status bar when it ends)."""
+    if stats.finish_reason == "error":
+        return f"failed: {stats.error}" if stats.error else "failed"
+    if stats.finish_reason == "cancelled" and stats.ttft_ms is None:
+        return "stopped"
+    parts = []
+    if stats.ttft_ms is not None:
+        parts.append(f"first token {stats.ttft_ms:.0f} ms")
+    parts.append(f"{stats.tokens_per_s:.1f} tokens/s")
+    if stats.switched:
+        detail = f"restore {stats.restore_ms:.0f} ms"
+        if stats.wait_ms:
+            detail += f", waited {stats.wait_ms:.0f} ms for the GPU"
+        parts.append(f"GPU switch {stats.wait_ms + stats.restore_ms:.0f} ms ({detail})")
+    elif stats.prewoken:
+        parts.append("no GPU switch at send: restored while you typed")
+    else:
+        parts.append("no GPU switch")
+    if stats.finish_reason == "cancelled":
+        parts.append("stopped")
+    elif stats.finish_reason == "length":
+        parts.append("hit the token limit")
+    return " · ".join(parts)
 
 
 class _Stream(QObject):
@@ -463,13 +435,13 @@ class ChatWindow(QMainWindow):
             if msg.role == "user":
                 blocks.append(f"**You**\n\n{msg.content}")
                 continue
-            data = dict(msg.stats or {})
-            block = f"**{self._who(str(data.get('model_id') or conv_model))}**\n\n{msg.content or '…'}"
+            stats = msg.stats
+            author = (stats.model_id if stats is not None else "") or conv_model
+            block = f"**{self._who(author)}**\n\n{msg.content or '…'}"
             if not msg.complete:
                 block += "\n\n*(interrupted)*"
-            stats = AnswerStats.from_stats(data)
             if stats is not None:
-                block += f"\n\n*{stats.line()}*"
+                block += f"\n\n*{answer_line(stats)}*"
             blocks.append(block)
         self._history = (conv_id, conv_model, _BLOCK_SEPARATOR.join(blocks))
         self._show_transcript()
@@ -578,9 +550,8 @@ class ChatWindow(QMainWindow):
             log.warning("answer failed: %s", message)
             self.statusBar().showMessage(f"The answer failed: {message} — press Send to try again", 20000)
         elif result is not None:
-            stats = AnswerStats.from_stats(result.stats)
-            if stats is not None:
-                self.statusBar().showMessage(stats.line(), 15000)
+            stats = result.stats
+            self.statusBar().showMessage(answer_line(stats), 15000)
         self._partial = ""
         self._got_first_token = False
         self._update_buttons()

@@ -16,12 +16,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from .errors import CancelledError, ConversationBusyError, EmptyMessageError, TimeshareError
 from .state import SwitchStats
-from .store import Conversation, Message, Store
+from .store import AnswerStats, Conversation, Message, Store
 from .stream import TextStream
 from .worker.protocol import ChatMessage
 
@@ -82,18 +82,17 @@ class ChatResult:
     message_id: int  # the assistant message in the store
     text: str
     finish_reason: str  # "stop" | "length" | "cancelled"
-    stats: dict[str, Any]  # what was saved with the message (see ChatTurn for the keys)
+    stats: AnswerStats  # what was saved with the message
 
 
 class ChatTurn:
     """One answer being generated. Iterate it for text pieces (blocking), or wait for ``result()``.
 
     The answer is saved whether or not anyone iterates. ``cancel()`` works from any thread; the
-    text so far stays saved (complete, finish_reason "cancelled"). Stats saved with the message:
-    finish_reason, prompt_tokens, completion_tokens, prompt_tokens_evaluated, switched, wait_ms,
-    restore_ms, first_token_ms (worker side), ttft_ms (as seen here), elapsed_ms, tokens_per_s,
-    model_id; on failure: error, error_code. ``prewoken`` (the caller restored the model while the
-    user typed) adds ``prewoken: True`` to a finished or stopped answer that did not switch the GPU.
+    text so far stays saved (complete, finish_reason "cancelled"). The message gets its
+    ``AnswerStats`` at the end (a failure: finish_reason "error", error, error_code). ``prewoken``
+    (the caller restored the model while the user typed) sets ``prewoken`` on a finished or stopped
+    answer that did not switch the GPU.
     """
 
     def __init__(
@@ -168,8 +167,8 @@ class ChatTurn:
             result = self._gen.result()
             text = "".join(parts)
             stats = self._stats(result, first_piece_at, time.monotonic())
-            if self._prewoken and not stats["switched"]:
-                stats["prewoken"] = True
+            if self._prewoken and not stats.switched:
+                stats = replace(stats, prewoken=True)
             self._store.update_message(self.assistant_message_id, text, complete=True, stats=stats)
             self._result = ChatResult(
                 self.conversation_id, self.assistant_message_id, text, result.finish_reason, stats
@@ -177,21 +176,14 @@ class ChatTurn:
         except BaseException as exc:  # the pump must record every failure, then hand it on
             text = "".join(parts)
             if isinstance(exc, CancelledError) or (self._cancelled and isinstance(exc, TimeshareError)):
-                stats = {"finish_reason": "cancelled", "model_id": self.model_id}
-                if self._prewoken:
-                    stats["prewoken"] = True
+                stats = AnswerStats("cancelled", model_id=self.model_id, prewoken=self._prewoken)
                 self._save_quietly(text, True, stats)
                 self._result = ChatResult(
                     self.conversation_id, self.assistant_message_id, text, "cancelled", stats
                 )
             else:
                 code = getattr(exc, "code", type(exc).__name__)
-                stats = {
-                    "finish_reason": "error",
-                    "error": str(exc),
-                    "error_code": code,
-                    "model_id": self.model_id,
-                }
+                stats = AnswerStats("error", model_id=self.model_id, error=str(exc), error_code=str(code))
                 # keep what was generated, marked incomplete so the UI shows it was cut off
                 self._save_quietly(text, False, stats)
                 error = exc
@@ -199,37 +191,37 @@ class ChatTurn:
         finally:
             self._stream.close(error)
 
-    def _save_quietly(self, text: str, complete: bool, stats: dict[str, Any]) -> None:
+    def _save_quietly(self, text: str, complete: bool, stats: AnswerStats) -> None:
         try:
             self._store.update_message(self.assistant_message_id, text, complete=complete, stats=stats)
         except TimeshareError as exc:  # e.g. the conversation was deleted meanwhile
             log.warning("could not save the answer in conversation %s: %s", self.conversation_id, exc)
 
-    def _stats(self, result: ResultLike, first_piece_at: float | None, ended: float) -> dict[str, Any]:
+    def _stats(self, result: ResultLike, first_piece_at: float | None, ended: float) -> AnswerStats:
         usage = result.usage
-        switch = result.switch
+        switch = result.switch or SwitchStats(switched=False)
         elapsed = ended - self._started
         gen_time = ended - first_piece_at if first_piece_at is not None else 0.0
         # tokens after the first, over the time after the first: the decode rate, not prefill
         tps = (
             (usage.completion_tokens - 1) / gen_time if gen_time > 0 and usage.completion_tokens > 1 else 0.0
         )
-        return {
-            "model_id": self.model_id,
-            "finish_reason": result.finish_reason,
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "prompt_tokens_evaluated": usage.prompt_tokens_evaluated,
-            "switched": bool(switch.switched) if switch is not None else False,
-            "wait_ms": round(switch.wait_ms, 3) if switch is not None else 0.0,
-            "restore_ms": round(switch.restore_ms, 3) if switch is not None else 0.0,
-            "first_token_ms": round(switch.first_token_ms, 3) if switch is not None else 0.0,
-            "ttft_ms": round((first_piece_at - self._started) * 1000.0, 3)
+        return AnswerStats(
+            finish_reason=result.finish_reason,
+            model_id=self.model_id,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            prompt_tokens_evaluated=usage.prompt_tokens_evaluated,
+            switched=switch.switched,
+            wait_ms=round(switch.wait_ms, 3),
+            restore_ms=round(switch.restore_ms, 3),
+            first_token_ms=round(switch.first_token_ms, 3),
+            ttft_ms=round((first_piece_at - self._started) * 1000.0, 3)
             if first_piece_at is not None
             else None,
-            "elapsed_ms": round(elapsed * 1000.0, 3),
-            "tokens_per_s": round(tps, 3),
-        }
+            elapsed_ms=round(elapsed * 1000.0, 3),
+            tokens_per_s=round(tps, 3),
+        )
 
 
 class ChatService:

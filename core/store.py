@@ -9,14 +9,16 @@ One connection guarded by a lock: every method is safe from any thread, and call
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -67,6 +69,80 @@ class Conversation:
 
 
 @dataclass(frozen=True)
+class AnswerStats:
+    """What an answer cost, saved with the assistant message when it ends (the ``stats`` column).
+
+    ``finish_reason``: "stop", "length", "cancelled" or "error" (then ``error``, ``error_code``).
+    A stopped or failed answer carries only what was known then: the counters stay 0 and
+    ``ttft_ms`` None. Times are milliseconds; ``first_token_ms`` is the worker's (request received
+    → first token), ``ttft_ms`` ChatService's (request sent → first piece).
+    """
+
+    finish_reason: str
+    model_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_evaluated: int = 0  # prefilled for this answer (0: the KV cache had the prompt)
+    switched: bool = False  # the model had to take the GPU over (see SwitchStats)
+    wait_ms: float = 0.0
+    restore_ms: float = 0.0
+    first_token_ms: float = 0.0
+    ttft_ms: float | None = None  # None: no token came
+    elapsed_ms: float = 0.0
+    tokens_per_s: float = 0.0  # decode rate: the tokens after the first over the time after it
+    prewoken: bool = False  # the model was restored while the user typed (and did not switch at send)
+    error: str = ""
+    error_code: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        """The JSON object saved in the store."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object) -> AnswerStats | None:
+        """Read a saved object back; None when it holds no answer stats (a user message, an answer
+        still streaming). Tolerant of older rows: a missing or mistyped field gets its default."""
+        if not isinstance(data, dict) or not isinstance(data.get("finish_reason"), str):
+            return None
+
+        def number(key: str) -> float | None:
+            value = data.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                return float(value)
+            return None
+
+        def count(key: str) -> int:
+            value = number(key)
+            return int(value) if value is not None else 0
+
+        def text(key: str) -> str:
+            value = data.get(key)
+            return value if isinstance(value, str) else ""
+
+        return cls(
+            finish_reason=data["finish_reason"],
+            model_id=text("model_id"),
+            prompt_tokens=count("prompt_tokens"),
+            completion_tokens=count("completion_tokens"),
+            prompt_tokens_evaluated=count("prompt_tokens_evaluated"),
+            switched=data.get("switched") is True,
+            wait_ms=number("wait_ms") or 0.0,
+            restore_ms=number("restore_ms") or 0.0,
+            first_token_ms=number("first_token_ms") or 0.0,
+            ttft_ms=number("ttft_ms"),
+            elapsed_ms=number("elapsed_ms") or 0.0,
+            tokens_per_s=number("tokens_per_s") or 0.0,
+            prewoken=data.get("prewoken") is True,
+            error=text("error"),
+            error_code=text("error_code"),
+        )
+
+
+def _stats_json(stats: AnswerStats | None) -> str:
+    return json.dumps(stats.to_json() if stats is not None else {})
+
+
+@dataclass(frozen=True)
 class Message:
     id: int
     conversation_id: str
@@ -74,7 +150,7 @@ class Message:
     content: str
     created: float
     complete: bool = True  # False: generation was running (or crashed) when this was last written
-    stats: Mapping[str, Any] = field(default_factory=dict)
+    stats: AnswerStats | None = None  # an assistant message's, once it ended
 
 
 def _no_conversation(conversation_id: str) -> UnknownConversationError:
@@ -190,7 +266,7 @@ class Store:
         try:
             stats = json.loads(row["stats"])
         except ValueError:
-            stats = {}
+            stats = None
         return Message(
             id=row["id"],
             conversation_id=row["conversation_id"],
@@ -198,7 +274,7 @@ class Store:
             content=row["content"],
             created=row["created"],
             complete=bool(row["complete"]),
-            stats=stats if isinstance(stats, dict) else {},
+            stats=AnswerStats.from_json(stats),
         )
 
     # ---- conversations ---------------------------------------------------------------------
@@ -294,11 +370,11 @@ class Store:
         content: str,
         *,
         complete: bool = True,
-        stats: Mapping[str, Any] | None = None,
+        stats: AnswerStats | None = None,
     ) -> Message:
         checked = _check_role(role)
         now = time.time()
-        stats_json = json.dumps(dict(stats or {}), default=str)
+        stats_json = _stats_json(stats)
 
         def insert(db: sqlite3.Connection) -> int:
             self._touch(db, conversation_id, now)
@@ -310,14 +386,14 @@ class Store:
             return int(cur.lastrowid or 0)
 
         message_id = self._write(insert)
-        return Message(message_id, conversation_id, checked, content, now, complete, dict(stats or {}))
+        return Message(message_id, conversation_id, checked, content, now, complete, stats)
 
     def update_message(
         self,
         message_id: int,
         content: str,
         complete: bool | None = None,
-        stats: Mapping[str, Any] | None = None,
+        stats: AnswerStats | None = None,
     ) -> None:
         """Replace a message's text (and optionally its completeness and stats)."""
         sets = ["content = ?"]
@@ -327,7 +403,7 @@ class Store:
             args.append(int(complete))
         if stats is not None:
             sets.append("stats = ?")
-            args.append(json.dumps(dict(stats), default=str))
+            args.append(_stats_json(stats))
 
         def update(db: sqlite3.Connection) -> None:
             cur = db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from _proc_util import alive
+from timeshare.app.chat_window import answer_line
 from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
 from timeshare.core.state import ModelState
 
@@ -149,9 +150,9 @@ def test_chat_streams_switches_model_and_the_tray_follows(qtbot: Any, app: Any) 
     # Gemma was released (SmolLM2 held the GPU): either the request paid the switch, or picking
     # the model pre-woke it and the switch happened while we typed; the line says which
     assert stats2.switched or stats2.prewoken
-    assert (
-        ("GPU switch" in stats2.line()) if stats2.switched else ("restored while you typed" in stats2.line())
-    )
+    line = answer_line(stats2)
+    assert ("GPU switch" in line) if stats2.switched else ("restored while you typed" in line)
+    assert line in window.statusBar().currentMessage()
     assert len(app.store.messages(conv)) == 4
 
 

@@ -150,14 +150,15 @@ def test_messages_are_saved_before_during_and_after_generation(store: Store) -> 
     assert result.text == "Hi! How" and result.finish_reason == "stop"
     saved = store.message(turn.assistant_message_id)
     assert (saved.content, saved.complete) == ("Hi! How", True)
-    stats = dict(saved.stats)
-    assert stats == result.stats
-    assert stats["finish_reason"] == "stop"
-    assert stats["completion_tokens"] == 3 and stats["prompt_tokens"] == 20
-    assert stats["prompt_tokens_evaluated"] == 7
-    assert stats["switched"] is True and stats["wait_ms"] == 3.0 and stats["restore_ms"] == 2.0
-    assert stats["ttft_ms"] is not None and stats["ttft_ms"] >= 0
-    assert stats["tokens_per_s"] >= 0 and stats["model_id"] == "smol"
+    stats = saved.stats
+    assert stats is not None and stats == result.stats  # read back from the store as it was saved
+    assert stats.finish_reason == "stop"
+    assert stats.completion_tokens == 3 and stats.prompt_tokens == 20
+    assert stats.prompt_tokens_evaluated == 7
+    assert stats.switched is True and stats.wait_ms == 3.0 and stats.restore_ms == 2.0
+    assert stats.ttft_ms is not None and stats.ttft_ms >= 0
+    assert stats.tokens_per_s >= 0 and stats.model_id == "smol"
+    assert not stats.prewoken and stats.error == ""
     assert store.get(conv.id).title == "Hello there"  # titled from the first message
 
 
@@ -216,9 +217,10 @@ def test_a_failure_mid_answer_keeps_the_partial_text_and_regenerate_answers_agai
         ("user", "tell me a story", True),
         ("assistant", "Once upon", False),
     ]
-    assert msgs[1].stats["finish_reason"] == "error"
-    assert msgs[1].stats["error_code"] == "model_unavailable"
-    assert "crashed while answering" in msgs[1].stats["error"]
+    failed = msgs[1].stats
+    assert failed is not None and failed.finish_reason == "error"
+    assert failed.error_code == "model_unavailable"
+    assert "crashed while answering" in failed.error
 
     again = chat.regenerate(conv.id)
     assert pool.generations[1].kwargs["messages"] == (ChatMessage("user", "tell me a story"),)
@@ -320,7 +322,20 @@ def test_cancel_keeps_the_text_so_far(store: Store) -> None:
     assert pool.generations[0].cancelled
     assert (result.text, result.finish_reason) == ("partial", "cancelled")
     saved = store.message(turn.assistant_message_id)
-    assert (saved.content, saved.complete, saved.stats["finish_reason"]) == ("partial", True, "cancelled")
+    assert (saved.content, saved.complete, saved.stats.finish_reason) == ("partial", True, "cancelled")
+
+
+@pytest.mark.parametrize("switched", [False, True])
+def test_a_prewoken_answer_says_so_unless_it_switched_anyway(store: Store, switched: bool) -> None:
+    pool = ScriptedPool()
+    chat = ChatService(pool, store)
+    conv = chat.new_conversation("smol")
+    turn = chat.send(conv.id, "go", prewoken=True)
+    pool.generations[0].feed("ok")
+    pool.generations[0].finish(switched=switched)
+    stats = turn.result(timeout=WAIT).stats
+    assert (stats.switched, stats.prewoken) == (switched, not switched)
+    assert store.message(turn.assistant_message_id).stats == stats
 
 
 def test_after_a_restart_the_conversation_continues_from_the_store(tmp_path: Path) -> None:
@@ -389,14 +404,14 @@ def test_real_pool_continues_a_conversation_without_prefilling_it_again(real_poo
     streamed = "".join(first)
     r1 = first.result(timeout=WAIT)
     assert streamed == r1.text and r1.text.strip()
-    assert r1.stats["prompt_tokens_evaluated"] == r1.stats["prompt_tokens"] > 0
+    assert r1.stats.prompt_tokens_evaluated == r1.stats.prompt_tokens > 0
 
     second = chat.send(conv.id, "And of Italy?", max_tokens=16)
     r2 = second.result(timeout=WAIT)
     assert r2.text.strip()
     # the worker kept the conversation's KV sequence: only the new turn was evaluated
     # (a full re-prefill would evaluate all of r2's prompt_tokens)
-    assert 0 < r2.stats["prompt_tokens_evaluated"] <= r2.stats["prompt_tokens"] - r1.stats["prompt_tokens"]
+    assert 0 < r2.stats.prompt_tokens_evaluated <= r2.stats.prompt_tokens - r1.stats.prompt_tokens
     saved = store.messages(conv.id)
     assert [(m.role, m.complete) for m in saved] == [
         ("user", True),
@@ -424,7 +439,7 @@ def test_real_worker_killed_mid_answer_loses_nothing_saved(real_pool: Any, store
     assert (user.content, user.complete) == ("Count from 1 to 1000, separated by commas.", True)
     # everything streamed before the crash was saved (flush on every piece here), marked unfinished
     assert answer.content == "".join(got) and not answer.complete
-    assert answer.stats["error_code"] == "model_unavailable"
+    assert answer.stats.error_code == "model_unavailable"
 
     # the pool restarts the worker; the conversation goes on from the store
     real_pool.wait_ready(timeout=WAIT)
@@ -447,7 +462,7 @@ def test_real_pool_cancel_keeps_what_was_streamed(real_pool: Any, store: Store) 
     assert result.finish_reason == "cancelled"
     assert result.text == "".join(got)
     saved = store.message(turn.assistant_message_id)
-    assert (saved.content, saved.complete, saved.stats["finish_reason"]) == (result.text, True, "cancelled")
+    assert (saved.content, saved.complete, saved.stats.finish_reason) == (result.text, True, "cancelled")
     # the model is free again at once
     assert chat.send(conv.id, "Thanks.", max_tokens=4).result(timeout=WAIT).finish_reason in (
         "stop",

@@ -15,6 +15,7 @@ from timeshare.core import paths
 from timeshare.core.errors import StoreError, UnknownConversationError, UnknownMessageError
 from timeshare.core.store import (
     SCHEMA_VERSION,
+    AnswerStats,
     Store,
 )
 
@@ -67,16 +68,38 @@ def test_messages_in_order_with_stats(store: Store) -> None:
     store.update_message(a.id, "Hel", complete=False)
     assert store.message(a.id).content == "Hel" and not store.message(a.id).complete
     assert [m.id for m in store.incomplete_messages()] == [a.id]
-    store.update_message(a.id, "Hello!", complete=True, stats={"tokens_per_s": 12.5, "switched": True})
+    stats = AnswerStats("stop", tokens_per_s=12.5, switched=True)
+    store.update_message(a.id, "Hello!", complete=True, stats=stats)
     msgs = store.messages(c.id)
     assert [(m.id, m.role, m.content, m.complete) for m in msgs] == [
         (u.id, "user", "hi", True),
         (a.id, "assistant", "Hello!", True),
     ]
-    assert msgs[1].stats == {"tokens_per_s": 12.5, "switched": True}
+    assert (msgs[0].stats, msgs[1].stats) == (None, stats)
     assert store.incomplete_messages() == []
     store.delete_message(u.id)
     assert [m.id for m in store.messages(c.id)] == [a.id]
+
+
+def test_stats_rows_written_by_older_versions_read_back(store: Store) -> None:
+    c = store.create_conversation("smol")
+    old = {
+        '{"finish_reason": "cancelled", "model_id": "smol", "prewoken": true}': AnswerStats(
+            "cancelled", model_id="smol", prewoken=True
+        ),
+        '{"finish_reason": "stop", "completion_tokens": 3, "ttft_ms": null, "tokens_per_s": "fast"}': (
+            AnswerStats("stop", completion_tokens=3)
+        ),
+        "{}": None,
+        "[1, 2]": None,
+        "not json": None,
+    }
+    ids = {store.add_message(c.id, "assistant", "x").id: text for text in old}
+    db = sqlite3.connect(store.path)
+    with db:
+        db.executemany("UPDATE messages SET stats = ? WHERE id = ?", [(t, i) for i, t in ids.items()])
+    db.close()
+    assert {ids[m.id]: m.stats for m in store.messages(c.id)} == old
 
 
 def test_data_survives_reopening(tmp_path: Path) -> None:
