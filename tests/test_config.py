@@ -206,7 +206,7 @@ def test_missing_model_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         config_files.load_config(path)
     assert problems_of(excinfo) == [
-        "models[0].path: /nowhere/x.gguf does not exist: fix the path or remove this model"
+        "models[0].path: /nowhere/x.gguf (the file of model 'a') does not exist: fix the path or remove this model"
     ]
     assert path.read_bytes() == before
 
@@ -224,7 +224,9 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         config_files.load_config(path)
     (problem,) = problems_of(excinfo)
-    assert problem.startswith(f"models[0].path: {bogus} is not a GGUF file (it starts with b'<htm'")
+    assert problem.startswith(
+        f"models[0].path: {bogus} (the file of model 'a') is not a GGUF file (it starts with b'<htm'"
+    )
     assert bogus.read_bytes() == b"<html>404 not found</html>"
 
 
@@ -427,7 +429,9 @@ def test_example_config_covers_every_key() -> None:
     raw = config_files.parse_toml(EXAMPLE.read_text())
     for section, cls in (("general", GeneralConfig), ("arena", ArenaConfig), ("api", ApiConfig)):
         assert set(raw[section]) == {f.name for f in dataclasses.fields(cls)}, section
-    assert set(raw["models"][0]) == {f.name for f in dataclasses.fields(ModelConfig)}
+    # the first model shows every key but `demo`, which the second (a demo model) shows instead of path
+    assert set(raw["models"][0]) == {f.name for f in dataclasses.fields(ModelConfig)} - {"demo"}
+    assert set(raw["models"][1]) == {"id", "demo"}
     assert set(raw) == {"general", "arena", "api", "models"}
 
 
@@ -436,10 +440,11 @@ def test_example_config_with_real_model_files_passes_the_path_checks(
 ) -> None:
     text = EXAMPLE.read_text()
     text = text.replace("~/models/SmolLM2-135M-Instruct.Q4_1.gguf", str(smollm2_path))
-    text = text.replace("~/models/gemma-3-270m-q4_k_m.gguf", str(gemma3_path))
     path = write(tmp_path / "config.toml", text)
     config = config_files.load_config(path)
-    assert [m.path for m in config.models] == [str(smollm2_path), str(gemma3_path)]
+    # the demo model is found where its package (or Timeshare's cache) keeps it
+    assert [m.path for m in config.models] == [str(smollm2_path), str(demo.expected_path(demo.GEMMA3_ID))]
+    assert [m.demo for m in config.models] == [demo.SMOLLM2_ID, demo.GEMMA3_ID]
 
 
 def test_example_values_are_the_defaults() -> None:
@@ -463,3 +468,93 @@ def test_a_config_path_named_by_the_user_must_exist(tmp_path: Path) -> None:
         config_files.load_config(missing, must_exist=True)
     assert err.value.path == str(missing) and "does not exist" in err.value.problems[0]
     assert isinstance(config_files.load_config(missing), Config)
+
+
+# ---- demo models by reference; models that fail on their own --------------------------------
+
+
+def test_demo_models_are_written_by_reference_and_survive_a_cleared_cache(tmp_path: Path) -> None:
+    # what Settings or "Start at login" writes: the demo models as `demo = "<id>"`, never the
+    # assembled Gemma's cache path (clearing the cache must not break the next start)
+    config = config_files.default_config()
+    assert {m.demo for m in config.models} == {demo.SMOLLM2_ID, demo.GEMMA3_ID}
+    target = config_files.save_config(config, tmp_path / "config.toml")
+    raw = config_files.parse_toml(target.read_text())
+    assert [(m["id"], m.get("demo"), m.get("path")) for m in raw["models"]] == [
+        (demo.SMOLLM2_ID, demo.SMOLLM2_ID, None),
+        (demo.GEMMA3_ID, demo.GEMMA3_ID, None),
+    ]
+    assert str(paths.cache_dir()) not in target.read_text()
+    loaded = config_files.load_config(target)  # the file checks pass without the cache
+    assert [m.path for m in loaded.models] == [m.path for m in config.models]
+    assert loaded.models == config.models
+
+
+def test_a_demo_models_cache_path_is_migrated_to_a_reference(tmp_path: Path) -> None:
+    gemma_cache = demo.expected_path(demo.GEMMA3_ID)  # as an older Timeshare wrote it
+    target = write(
+        tmp_path / "config.toml",
+        f'# mine\n[[models]]\nid = "gemma"\npath = "{gemma_cache}"\nname = "G"\n',
+    )
+    config = config_files.load_config(target, check_paths=False)
+    assert config.models[0].demo == demo.GEMMA3_ID and config.models[0].path == str(gemma_cache)
+    assert target.read_text().count("path =") == 1  # loading never writes
+    config_files.save_config(config, target)  # the next save writes the reference
+    text = target.read_text()
+    assert "# mine" in text and 'demo = "gemma3-270m"' in text and "path =" not in text
+
+
+def test_a_path_given_with_demo_wins(tmp_path: Path, model_file: Path) -> None:
+    # e.g. the user located another copy of the file: that file, not the demo's
+    target = write(
+        tmp_path / "config.toml", f'[[models]]\nid = "g"\ndemo = "gemma3-270m"\npath = "{model_file}"\n'
+    )
+    (model,) = config_files.load_config(target).models
+    assert (model.path, model.demo) == (str(model_file), "")
+
+
+def test_an_unknown_demo_and_a_model_with_neither_path_nor_demo_are_refused(tmp_path: Path) -> None:
+    target = write(tmp_path / "config.toml", '[[models]]\nid = "a"\ndemo = "gpt-5"\n[[models]]\nid = "b"\n')
+    with pytest.raises(ConfigError) as excinfo:
+        config_files.load_config(target)
+    problems = problems_of(excinfo)
+    assert problems[0].startswith("models[0].demo: must be one of 'smollm2-135m-instruct', 'gemma3-270m'")
+    assert problems[1].startswith("models[1].path: is required")
+
+
+def test_missing_model_files_are_left_to_the_pool_when_starting(tmp_path: Path) -> None:
+    # `timeshare` and `timeshare serve` load without the file checks: a missing model is FAILED
+    # (tests/test_reliability.py), the others serve; type errors still refuse, with field paths
+    target = write(tmp_path / "config.toml", '[[models]]\nid = "a"\npath = "/nowhere/x.gguf"\n')
+    assert config_files.load_for_cli(str(target), check_paths=False).models[0].path == "/nowhere/x.gguf"
+    write(target, '[[models]]\nid = "a"\npath = "/nowhere/x.gguf"\nn_ctx = "big"\n')
+    with pytest.raises(ConfigError, match=r"models\[0\]\.n_ctx: must be an integer"):
+        config_files.load_for_cli(str(target), check_paths=False)
+
+
+def test_allowed_hosts_and_origins_are_checked_with_field_paths(tmp_path: Path) -> None:
+    target = write(
+        tmp_path / "config.toml",
+        '[api]\nallowed_hosts = ["timeshare.lan", "*", "http://x/"]\n'
+        'allowed_origins = ["http://localhost:3000", "*", "localhost:3000", "https://a.b/path"]\n',
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        config_files.load_config(target)
+    assert [p.split(":")[0] for p in problems_of(excinfo)] == [
+        "api.allowed_hosts[2]",
+        "api.allowed_origins[2]",
+        "api.allowed_origins[3]",
+    ]
+    write(target, '[api]\nallowed_hosts = "timeshare.lan"\n')
+    with pytest.raises(ConfigError, match=r"api\.allowed_hosts: must be an array of strings"):
+        config_files.load_config(target)
+    write(
+        target,
+        '[api]\nallowed_hosts = ["Timeshare.LAN", "[::1]"]\nallowed_origins = ["http://localhost:3000"]\n',
+    )
+    api = config_files.load_config(target).api
+    assert api.allowed_hosts == ("Timeshare.LAN", "[::1]") and api.allowed_origins == (
+        "http://localhost:3000",
+    )
+    saved = config_files.save_config(Config(api=api), tmp_path / "saved.toml")
+    assert config_files.load_config(saved).api == api

@@ -130,9 +130,51 @@ def available() -> list[DemoModel]:
 
 
 def demo_model_configs() -> tuple[ModelConfig, ...]:
-    """ModelConfigs for the installed demo models (assembling Gemma if needed); empty if none."""
+    """ModelConfigs for the installed demo models (assembling Gemma if needed); empty if none.
+
+    Each refers to its demo (``demo = "<id>"``), so a saved config holds the reference, never the
+    cache path (which clearing the cache would break)."""
     configs = []
     for demo in available():
         path = smollm2_path() if demo.id == SMOLLM2_ID else gemma3_path()
-        configs.append(ModelConfig(id=demo.id, name=demo.name, path=str(path), licence=demo.licence))
+        configs.append(
+            ModelConfig(id=demo.id, name=demo.name, path=str(path), demo=demo.id, licence=demo.licence)
+        )
     return tuple(configs)
+
+
+# ---- demo models by reference ---------------------------------------------------------------
+
+DEMO_IDS = tuple(d.id for d in DEMO_MODELS)
+
+
+def expected_path(demo_id: str) -> Path:
+    """Where a demo model's GGUF is, without assembling anything (it may not exist yet).
+    Raises DemoUnavailableError when its package is not installed, KeyError for an unknown id."""
+    if demo_id == SMOLLM2_ID:
+        return smollm2_path()
+    if demo_id == GEMMA3_ID:
+        return paths.cache_dir() / "models" / _GEMMA_FILE
+    raise KeyError(demo_id)
+
+
+def ensure_file(demo_id: str) -> Path:
+    """A demo model's GGUF, ready to load (Gemma is assembled again when its cache was cleared).
+    Raises DemoUnavailableError (with a sentence that says what to do), KeyError for an unknown id."""
+    if demo_id == SMOLLM2_ID:
+        return smollm2_path()
+    if demo_id == GEMMA3_ID:
+        return gemma3_path()
+    raise KeyError(demo_id)
+
+
+def known_paths() -> dict[str, str]:
+    """The file path of each demo model (absolute, symlinks kept) → its demo id: a config that names
+    such a path refers to the demo model (and is written back with ``demo = "<id>"``)."""
+    out: dict[str, str] = {}
+    for demo_id in DEMO_IDS:
+        try:
+            out[os.path.normpath(expected_path(demo_id).expanduser().absolute())] = demo_id
+        except (DemoUnavailableError, OSError):
+            continue
+    return out

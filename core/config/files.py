@@ -114,7 +114,7 @@ def _section_dict(obj: Any, skip_none: bool = True) -> dict[str, Any]:
         value = getattr(obj, f.name)
         if value is None and skip_none:
             continue
-        out[f.name] = value
+        out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 
 
@@ -124,11 +124,19 @@ def _model_dict(model: ModelConfig) -> dict[str, Any]:
         value = getattr(model, f.name)
         if f.name == "idle_sleep_s":
             out[f.name] = False if value is None else value
-        elif value is None or (f.name in ("name", "licence") and value == ""):
+        elif value is None or (f.name in ("name", "licence", "demo") and value == ""):
             continue
         else:
             out[f.name] = value
     return out
+
+
+def _file_model(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A model as the file holds it: a demo model by its reference, never by its file's path (a
+    cache path that clearing the cache would break, or a package path a reinstall moves)."""
+    if model.get("demo"):
+        return {k: v for k, v in model.items() if k != "path"}
+    return dict(model)
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
@@ -158,7 +166,7 @@ def config_to_toml(config: Config) -> str:
     aot = tomlkit.aot()
     for model in data["models"]:
         table = tomlkit.table()
-        for key, value in model.items():
+        for key, value in _file_model(model).items():
             table.add(key, value)
         aot.append(table)
     if data["models"]:
@@ -225,7 +233,7 @@ def _merge_into_existing(text: str, config: Config, base_dir: Path) -> str | Non
             if isinstance(old_table, Mapping) and isinstance(old_table.get("id"), str):
                 old_tables.setdefault(str(old_table["id"]), old_table)
     new_aot = tomlkit.aot()
-    for model in data["models"]:
+    for model in map(_file_model, data["models"]):
         table: Any = old_tables.get(model["id"])
         if table is None:
             table = tomlkit.table()

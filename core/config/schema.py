@@ -16,7 +16,10 @@ ChatFormat = Literal["auto", "template", "fallback"]
 @dataclass(frozen=True)
 class ModelConfig:
     id: str  # stable identifier, used by the API's `model` field: [a-z0-9._-]+
-    path: str  # GGUF file
+    path: str  # GGUF file (for a demo model: where its file is expected; see ``demo``)
+    # a demo model by reference ("smollm2-135m-instruct", "gemma3-270m"): its file is found (and
+    # Gemma assembled) when the model starts, and the config file holds this instead of a path
+    demo: str = ""
     name: str = ""  # display name; defaults to id
     n_ctx: int = 2048  # context tokens per conversation sequence
     n_gpu_layers: int = -1  # -1: all layers (ignored by a CPU build)
@@ -52,6 +55,12 @@ class ApiConfig:
     port: int = 8385
     key: str | None = None  # bearer key; required for non-loopback binds
     queue_limit: int = 16  # per model; beyond it the API answers 429
+    # Host header names accepted besides the loopback names (a loopback bind accepts only those);
+    # "*" accepts any. Guards against DNS rebinding.
+    allowed_hosts: tuple[str, ...] = ()
+    # web origins ("http://localhost:3000") whose pages may call the API (CORS); "*" allows any.
+    # A request carrying another Origin is refused with 403.
+    allowed_origins: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

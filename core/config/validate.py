@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import fields, replace
@@ -14,6 +15,7 @@ from .. import paths
 from ..errors import ConfigError
 from ..modelfile import GGUF_MAGIC
 from ..state import RELEASE_LEVELS
+from . import demo
 from .schema import (
     ApiConfig,
     ArenaConfig,
@@ -68,6 +70,28 @@ class _Checker:
         self.problems: list[str] = []
         self.base_dir = base_dir
         self.check_paths = check_paths
+        self._demo_paths: dict[str, str] | None = None
+
+    def demo_of(self, path: str) -> str:
+        """The demo id whose file ``path`` names ("" for any other file)."""
+        if self._demo_paths is None:
+            self._demo_paths = demo.known_paths()
+        return self._demo_paths.get(os.path.normpath(path), "")
+
+    def string_list(self, where: str, value: object, check: Any = None) -> tuple[str, ...] | None:
+        """An array of non-empty strings; ``check(where_i, text)`` may add a problem per item."""
+        if not isinstance(value, (list, tuple)):
+            self.problem(where, f"must be an array of strings, not {_type_name(value)}")
+            return None
+        before = len(self.problems)
+        items: list[str] = []
+        for i, item in enumerate(value):
+            text = self.string(f"{where}[{i}]", item, allow_empty=False)
+            if text is not None and check is not None:
+                check(f"{where}[{i}]", text)
+            if text is not None:
+                items.append(text.strip())
+        return tuple(items) if len(self.problems) == before else None
 
     def problem(self, where: str, message: str) -> None:
         self.problems.append(f"{where}: {message}")
@@ -143,30 +167,31 @@ class _Checker:
             return None
         return value
 
-    def model_path(self, where: str, value: object) -> str | None:
+    def model_path(self, where: str, value: object, model_id: str | None = None) -> str | None:
         text = self.string(where, value, allow_empty=False)
         if text is None:
             return None
         path = Path(text).expanduser()
         if not path.is_absolute() and self.base_dir is not None:
             path = self.base_dir / path
+        whose = f" (the file of model {model_id!r})" if model_id else ""
         if self.check_paths:
             if not path.exists():
-                self.problem(where, f"{path} does not exist: fix the path or remove this model")
+                self.problem(where, f"{path}{whose} does not exist: fix the path or remove this model")
                 return None
             if not path.is_file():
-                self.problem(where, f"{path} is not a regular file (a GGUF model file is expected)")
+                self.problem(where, f"{path}{whose} is not a regular file (a GGUF model file is expected)")
                 return None
             try:
                 with path.open("rb") as f:
                     magic = f.read(4)
             except OSError as exc:
-                self.problem(where, f"{path} cannot be read ({exc.strerror}): check its permissions")
+                self.problem(where, f"{path}{whose} cannot be read ({exc.strerror}): check its permissions")
                 return None
             if magic != GGUF_MAGIC:
                 self.problem(
                     where,
-                    f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
+                    f"{path}{whose} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
                     "pick the .gguf file itself",
                 )
                 return None
@@ -182,10 +207,12 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
     c.unknown_keys(f"{where}.", raw, known)
     values: dict[str, Any] = {}
     ok = True
-    for key in ("id", "path"):
-        if key not in raw:
-            c.problem(f"{where}.{key}", "is required")
-            ok = False
+    if "id" not in raw:
+        c.problem(f"{where}.id", "is required")
+        ok = False
+    if "path" not in raw and "demo" not in raw:
+        c.problem(f"{where}.path", 'is required (the model\'s GGUF file; or demo = "<demo model id>")')
+        ok = False
     if "id" in raw:
         model_id = c.string(f"{where}.id", raw["id"], allow_empty=False)
         if model_id is not None and not MODEL_ID_RE.match(model_id):
@@ -196,9 +223,32 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
             model_id = None
         ok = ok and model_id is not None
         values["id"] = model_id
-    if "path" in raw:
-        values["path"] = c.model_path(f"{where}.path", raw["path"])
+    demo_id = ""
+    if "demo" in raw:
+        demo_id = c.choice(f"{where}.demo", raw["demo"], demo.DEMO_IDS) or ""
+        ok = ok and bool(demo_id)
+    named = values.get("id")
+    if demo_id and "path" in raw and isinstance(raw["path"], str) and raw["path"]:
+        # both: the file given wins (e.g. the user located another copy), unless it is the demo's own
+        given = Path(raw["path"]).expanduser()
+        if not given.is_absolute() and c.base_dir is not None:
+            given = c.base_dir / given
+        if c.demo_of(str(given)) != demo_id:
+            demo_id = ""
+    if demo_id:
+        # the file is found (Gemma assembled) when the model starts: no path check here
+        try:
+            values["path"] = str(demo.expected_path(demo_id))
+        except demo.DemoUnavailableError:
+            values["path"] = ""  # the pool reports it as FAILED, with what to install
+        values["demo"] = demo_id
+    elif "path" in raw:
+        values["path"] = c.model_path(f"{where}.path", raw["path"], named)
         ok = ok and values["path"] is not None
+        if values["path"]:
+            # a demo model's file named by its path (configs written before `demo` existed): the
+            # reference survives a cleared cache or a reinstalled package
+            values["demo"] = c.demo_of(values["path"])
     checks: dict[str, Any] = {
         "name": lambda w, v: c.string(w, v),
         "n_ctx": lambda w, v: c.integer(w, v, minimum=1),
@@ -240,6 +290,44 @@ def _check_section(c: _Checker, name: str, raw: object, cls: type, checks: dict[
     c.unknown_keys(f"{name}.", raw, _fields_of(cls))
     values, _ = c.fields(name, raw, checks)
     return cls(**values)
+
+
+_HOST_NAME_RE = re.compile(r"^(\*|[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?|\[[0-9a-f:.]+\])$")
+_ORIGIN_RE = re.compile(r"^[a-z][a-z0-9+.-]*://[^/?#\s]+$")
+
+
+def _host_checker(c: _Checker) -> Any:
+    def check(where: str, text: str) -> None:
+        name = text.strip().lower()
+        if not _HOST_NAME_RE.match(name) and not _is_ip(name):
+            c.problem(
+                where,
+                f"{text!r} is not a host name: give the name clients use in their URLs "
+                "(e.g. 'timeshare.lan', without a scheme or port), or '*' for any",
+            )
+
+    return check
+
+
+def _origin_checker(c: _Checker) -> Any:
+    def check(where: str, text: str) -> None:
+        value = text.strip().lower()
+        if value != "*" and not _ORIGIN_RE.match(value):
+            c.problem(
+                where,
+                f"{text!r} is not a web origin: give scheme://host[:port] with no path "
+                "(e.g. 'http://localhost:3000'), or '*' for any",
+            )
+
+    return check
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return True
+    except ValueError:
+        return False
 
 
 def is_loopback(host: str) -> bool:
@@ -303,6 +391,8 @@ def validate(
             "port": lambda w, v: c.integer(w, v, minimum=1, maximum=65535),
             "key": lambda w, v: c.string(w, v, allow_empty=False),
             "queue_limit": lambda w, v: c.integer(w, v, minimum=1),
+            "allowed_hosts": lambda w, v: c.string_list(w, v, _host_checker(c)),
+            "allowed_origins": lambda w, v: c.string_list(w, v, _origin_checker(c)),
         },
     )
     api_raw = raw.get("api", {})
