@@ -40,6 +40,7 @@ from . import icons
 from .bridge import PoolBridge
 from .menu_model import display_state
 from .qt_compat import emit
+from .transcript import NO_CONVERSATION, answer_line, failure_line, history_markdown, with_live_answer
 
 if TYPE_CHECKING:
     from ..core.store import AnswerStats
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
 RENDER_INTERVAL_MS = 50  # streamed text is re-rendered at most 20 times a second
 MAX_TOKENS = 512  # per answer (core.api's DEFAULT_CHAT_MAX_TOKENS; importing it would load starlette)
-_BLOCK_SEPARATOR = "\n\n---\n\n"  # between the messages of the transcript
 
 
 class StoreLike(Protocol):
@@ -65,32 +65,6 @@ class StoreLike(Protocol):
 class ChatLike(Protocol):
     def send(self, conversation_id: str, text: str, *, prewoken: bool = ..., **sampling: Any) -> Any: ...
     def regenerate(self, conversation_id: str, *, prewoken: bool = ..., **sampling: Any) -> Any: ...
-
-
-def answer_line(stats: AnswerStats) -> str:
-    """The line under an answer (and in the status bar when it ends)."""
-    if stats.finish_reason == "error":
-        return f"failed: {stats.error}" if stats.error else "failed"
-    if stats.finish_reason == "cancelled" and stats.ttft_ms is None:
-        return "stopped"
-    parts = []
-    if stats.ttft_ms is not None:
-        parts.append(f"first token {stats.ttft_ms:.0f} ms")
-    parts.append(f"{stats.tokens_per_s:.1f} tokens/s")
-    if stats.switched:
-        detail = f"restore {stats.restore_ms:.0f} ms"
-        if stats.wait_ms:
-            detail += f", waited {stats.wait_ms:.0f} ms for the GPU"
-        parts.append(f"GPU switch {stats.wait_ms + stats.restore_ms:.0f} ms ({detail})")
-    elif stats.prewoken:
-        parts.append("no GPU switch at send: restored while you typed")
-    else:
-        parts.append("no GPU switch")
-    if stats.finish_reason == "cancelled":
-        parts.append("stopped")
-    elif stats.finish_reason == "length":
-        parts.append("hit the token limit")
-    return " · ".join(parts)
 
 
 class _Stream(QObject):
@@ -421,29 +395,14 @@ class ChatWindow(QMainWindow):
         conv_id = self.current_conversation()
         if conv_id is None:
             self._history = None
-            self.transcript.setMarkdown("*No conversation yet: press **New** or start typing.*")
+            self.transcript.setMarkdown(NO_CONVERSATION)
             return
         conv_model = self.store.get(conv_id).model_id
         messages = list(self.store.messages(conv_id))
         live = conv_id == self._stream_conversation
         if live and messages and messages[-1].role == "assistant" and not messages[-1].complete:
             messages.pop()  # the periodically saved partial answer: the live text replaces it
-        blocks: list[str] = []
-        for msg in messages:
-            if msg.role == "system":
-                continue
-            if msg.role == "user":
-                blocks.append(f"**You**\n\n{msg.content}")
-                continue
-            stats = msg.stats
-            author = (stats.model_id if stats is not None else "") or conv_model
-            block = f"**{self._who(author)}**\n\n{msg.content or '…'}"
-            if not msg.complete:
-                block += "\n\n*(interrupted)*"
-            if stats is not None:
-                block += f"\n\n*{answer_line(stats)}*"
-            blocks.append(block)
-        self._history = (conv_id, conv_model, _BLOCK_SEPARATOR.join(blocks))
+        self._history = (conv_id, conv_model, history_markdown(messages, conv_model, self._who))
         self._show_transcript()
 
     def _render_live(self) -> None:
@@ -457,11 +416,10 @@ class ChatWindow(QMainWindow):
 
     def _show_transcript(self) -> None:
         assert self._history is not None
-        conv_id, conv_model, history = self._history
-        blocks = [history] if history else []
+        conv_id, conv_model, text = self._history
         if conv_id == self._stream_conversation:
-            blocks.append(f"**{self._who(conv_model)}**\n\n{self._partial or '…'}")
-        self.transcript.setMarkdown(_BLOCK_SEPARATOR.join(blocks))
+            text = with_live_answer(text, self._who(conv_model), self._partial)
+        self.transcript.setMarkdown(text)
         bar = self.transcript.verticalScrollBar()
         bar.setValue(bar.maximum())
 
@@ -548,7 +506,7 @@ class ChatWindow(QMainWindow):
         if error is not None:
             message = str(error) or type(error).__name__
             log.warning("answer failed: %s", message)
-            self.statusBar().showMessage(f"The answer failed: {message} — press Send to try again", 20000)
+            self.statusBar().showMessage(failure_line(message), 20000)
         elif result is not None:
             stats = result.stats
             self.statusBar().showMessage(answer_line(stats), 15000)

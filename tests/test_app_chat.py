@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from _proc_util import alive
-from timeshare.app.chat_window import answer_line
+from timeshare.app.transcript import answer_line
 from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
 from timeshare.core.state import ModelState
 

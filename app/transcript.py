@@ -1,0 +1,83 @@
+"""What the chat window writes, as text: the transcript (Markdown) and the line under an answer.
+
+Qt-free, like menu_model: the window hands in the stored messages and a way to name a model, and
+shows what comes back; the tests check the text without a display.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..core.store import AnswerStats, Message
+
+#: between the messages of the transcript
+BLOCK_SEPARATOR = "\n\n---\n\n"
+#: the transcript when there is no conversation to show
+NO_CONVERSATION = "*No conversation yet: press **New** or start typing.*"
+
+
+def answer_block(who: str, text: str, *, complete: bool = True, stats: AnswerStats | None = None) -> str:
+    """One answer: who wrote it, its text ("…" while there is none), whether it was cut off, and
+    its statistics line."""
+    block = f"**{who}**\n\n{text or '…'}"
+    if not complete:
+        block += "\n\n*(interrupted)*"
+    if stats is not None:
+        block += f"\n\n*{answer_line(stats)}*"
+    return block
+
+
+def history_markdown(messages: Iterable[Message], model_id: str, display_name: Callable[[str], str]) -> str:
+    """The stored messages of a conversation (system messages left out). An answer is signed with
+    the model that wrote it (from its stats), else with the conversation's ``model_id``;
+    ``display_name`` turns a model id into what people see."""
+    blocks: list[str] = []
+    for msg in messages:
+        if msg.role == "system":
+            continue
+        if msg.role == "user":
+            blocks.append(f"**You**\n\n{msg.content}")
+            continue
+        author = (msg.stats.model_id if msg.stats is not None else "") or model_id
+        blocks.append(answer_block(display_name(author), msg.content, complete=msg.complete, stats=msg.stats))
+    return BLOCK_SEPARATOR.join(blocks)
+
+
+def with_live_answer(history: str, who: str, partial: str) -> str:
+    """The history followed by the answer that is streaming now."""
+    live = answer_block(who, partial)
+    return BLOCK_SEPARATOR.join([history, live]) if history else live
+
+
+def answer_line(stats: AnswerStats) -> str:
+    """The line under an answer (and in the status bar when it ends): time to the first token,
+    decode rate, what the GPU switch cost, and why it ended when it did not end by itself."""
+    if stats.finish_reason == "error":
+        return f"failed: {stats.error}" if stats.error else "failed"
+    if stats.finish_reason == "cancelled" and stats.ttft_ms is None:
+        return "stopped"
+    parts = []
+    if stats.ttft_ms is not None:
+        parts.append(f"first token {stats.ttft_ms:.0f} ms")
+    parts.append(f"{stats.tokens_per_s:.1f} tokens/s")
+    if stats.switched:
+        detail = f"restore {stats.restore_ms:.0f} ms"
+        if stats.wait_ms:
+            detail += f", waited {stats.wait_ms:.0f} ms for the GPU"
+        parts.append(f"GPU switch {stats.wait_ms + stats.restore_ms:.0f} ms ({detail})")
+    elif stats.prewoken:
+        parts.append("no GPU switch at send: restored while you typed")
+    else:
+        parts.append("no GPU switch")
+    if stats.finish_reason == "cancelled":
+        parts.append("stopped")
+    elif stats.finish_reason == "length":
+        parts.append("hit the token limit")
+    return " · ".join(parts)
+
+
+def failure_line(message: str) -> str:
+    """The status bar when an answer failed."""
+    return f"The answer failed: {message} — press Send to try again"
