@@ -46,6 +46,9 @@ class ArenaConfig:
     # a restore that meets out-of-device-memory keeps the token and tries again this long (a killed
     # holder's memory comes back a little after the kernel dropped its flock) before failing
     restore_oom_retry_s: float = 10.0
+    # a worker of this pool that holds the GPU (or heads its queue) while others wait, and answers
+    # no status ping for this long, is killed (SIGKILL to its process group) and restarted; 0: off
+    hung_holder_s: float = 30.0
 
 
 @dataclass(frozen=True)

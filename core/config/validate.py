@@ -376,6 +376,7 @@ def validate(
             "min_quantum_ms": lambda w, v: c.number(w, v, minimum=0.0),
             "wait_timeout_s": lambda w, v: c.number(w, v, minimum=0.0, strict=True),
             "restore_oom_retry_s": lambda w, v: c.number(w, v, minimum=0.0),
+            "hung_holder_s": lambda w, v: c.number(w, v, minimum=0.0),
         },
     )
     if isinstance(arena.dir, str):

@@ -33,6 +33,7 @@ from .lifecycle import Phase
 from .process import _signal_group, read_log_tail, read_worker, spawn_worker
 from .record import WorkerRecord
 from .thread import PoolThread
+from .watchdog import HolderWatchdog, tick_period
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class PoolHandlers(PoolThread):
         self._state_cond = threading.Condition()
         self._snapshot = PoolSnapshot()
         self._worker_pinned: dict[str, bool] = {}
+        self._watchdog = HolderWatchdog()  # hung holders (arena.hung_holder_s)
 
     # ---- publishing (pool thread) --------------------------------------------------------
 
@@ -109,6 +111,7 @@ class PoolHandlers(PoolThread):
         self._publish()
         for w in list(self._workers.values()):
             self._spawn(w)
+        self._timers.add(tick_period(self._config.arena.hung_holder_s), self._watchdog_tick)
 
     def _spawn(self, w: WorkerRecord) -> None:
         """NEW, STOPPED, BACKOFF or FAILED → STARTING (FAILED when the model file is unusable or
@@ -170,6 +173,7 @@ class PoolHandlers(PoolThread):
         elif isinstance(msg, protocol.WorkerStatus):
             self._on_status(w, msg)
         elif isinstance(msg, protocol.StatusReply):
+            self._watchdog.answered(w, msg.req)
             self._on_status(w, msg.status)
         elif isinstance(msg, protocol.Done):
             self._on_done(w, msg)
@@ -309,6 +313,7 @@ class PoolHandlers(PoolThread):
         w.status = None
         w.log_tail = read_log_tail(w.log_path)
         log.info("worker for %s exited with status %s", w.id, code)
+        hung, w.killed_why = w.killed_why, ""  # the watchdog's reason, when it killed it
 
         phase = w.phase
         if phase is Phase.REMOVING:
@@ -332,14 +337,14 @@ class PoolHandlers(PoolThread):
             # a load failure: restarting would fail the same way
             self._set_failed(w, fatal.message)
             return
-        # a crash
+        # a crash (or the watchdog killed it)
         if not was_ready:
             w.requeue_inflight()  # it was waiting for the load, not being answered
         self._publish(
             EventKind.CRASHED,
             w.id,
-            f"{w.id} crashed (exit status {code})",
-            extra={"exit_code": code, "log_tail": list(w.log_tail)},
+            f"{w.id} was killed: it {hung}" if hung else f"{w.id} crashed (exit status {code})",
+            extra={"exit_code": code, "log_tail": list(w.log_tail), **({"watchdog": hung} if hung else {})},
         )
         w.fail_inflight(
             ModelUnavailableError(f"{w.id} crashed while answering; it is being restarted — send again")
@@ -359,6 +364,8 @@ class PoolHandlers(PoolThread):
         delay = self.restart_backoff_s * (2 ** (len(w.crash_times) - 1))
         w.lifecycle.transition(Phase.BACKOFF)
         w.reason = f"restarting in {delay:g} s after a crash (exit status {code})"
+        if hung:
+            w.reason = f"restarting in {delay:g} s: killed because it {hung}"
         self._publish(model=w.id)
         self._timers.add(delay, functools.partial(self._restart_due, w.id, w.epoch))
 
@@ -593,6 +600,38 @@ class PoolHandlers(PoolThread):
                 extra={"level": level},
             )
 
+    # ---- the hung-holder watchdog (pool thread) ------------------------------------------
+
+    def _watchdog_tick(self) -> None:
+        """Ping the workers that block the GPU while others wait; kill those that do not answer
+        within arena.hung_holder_s (0: off). Runs every tick_period while the pool runs."""
+        if self._closing:
+            return
+        limit = self._config.arena.hung_holder_s
+        try:
+            if limit > 0 and self.arena_dir is not None:
+                for w, why in self._watchdog.check(list(self._workers.values()), self.arena_dir, limit):
+                    self._kill_hung(w, why)
+        finally:
+            self._timers.add(tick_period(limit), self._watchdog_tick)
+
+    def _kill_hung(self, w: WorkerRecord, why: str) -> None:
+        """SIGKILL to the worker's process group; its exit is then handled as a crash (restarted
+        with backoff, the request in flight fails with model_unavailable), with ``why`` as the
+        reason shown."""
+        if w.proc is None or w.lifecycle.stopping:
+            return  # being stopped: the stop escalates to SIGKILL by itself
+        w.killed_why = why
+        w.reason = f"killed: it {why}"
+        log.error("%s (pid %s) %s: SIGKILL to its process group", w.id, w.pid, why)
+        _signal_group(w.proc, signal.SIGKILL)
+        self._publish(
+            EventKind.MESSAGE,
+            w.id,
+            f"{w.id} {why}: killed",
+            extra={"watchdog": why, "pid": w.pid, "killed_at": time.monotonic()},
+        )
+
     # ---- shutdown (pool thread) ----------------------------------------------------------
 
     def _begin_shutdown(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
@@ -611,6 +650,7 @@ class PoolHandlers(PoolThread):
         return procs
 
     def _loop_ended(self) -> None:
+        self._watchdog.close()
         for w in self._workers.values():  # fail whatever is still waiting (nothing should be)
             w.fail_all(ModelUnavailableError(_SHUTTING_DOWN))
 

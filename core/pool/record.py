@@ -42,6 +42,7 @@ class WorkerRecord:
     last_switch: SwitchStats | None = None
     log_tail: tuple[str, ...] = ()
     idle_token: int = 0
+    killed_why: str = ""  # set when the hung-holder watchdog killed it; the exit handler says it
 
     @property
     def id(self) -> str:
