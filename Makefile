@@ -52,6 +52,7 @@ typecheck: $(VENV)/.stamp-test
 	@ln -s "$(CURDIR)/app" .work/mypy/timeshare/app
 	@ln -s "$(CURDIR)/resources" .work/mypy/timeshare/resources
 	cd .work/mypy && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --strict -p timeshare.core
+	cd .work/mypy && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --strict -p timeshare.app
 	cd .work/mypy && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --check-untyped-defs -p timeshare
 
 pytest: $(VENV)/.stamp-test

@@ -12,8 +12,9 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from PySide6.QtCore import QObject, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication
@@ -22,7 +23,7 @@ from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
 from ..core import paths
 from ..core.atomic import atomic_write_text
 from ..core.config import files as config_files
-from ..core.config.schema import Config
+from ..core.config.schema import ApiConfig, Config
 from ..core.errors import ConfigError, InstanceRunningError, TimeshareError
 from ..core.instance import InstanceLock
 from ..core.logsetup import setup_logging
@@ -34,6 +35,11 @@ from .qt_compat import emit
 from .settings import SettingsDialog, problems_text
 from .single_instance import SingleInstance
 from .tray import Tray
+
+if TYPE_CHECKING:
+    from ..core.chat import ChatService
+    from ..core.pool.supervisor import Pool
+    from ..core.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +55,7 @@ def _ui_state_file() -> Path:
     return paths.data_dir() / "ui-state.json"
 
 
-def load_ui_state() -> dict[str, Any]:
+def load_ui_state() -> dict[str, object]:
     try:
         data = json.loads(_ui_state_file().read_text())
         return data if isinstance(data, dict) else {}
@@ -57,8 +63,18 @@ def load_ui_state() -> dict[str, Any]:
         return {}
 
 
-def save_ui_state(state: dict[str, Any]) -> None:
+def save_ui_state(state: dict[str, object]) -> None:
     atomic_write_text(_ui_state_file(), json.dumps(state), backup=False, mode=0o644)
+
+
+class ApiServerLike(Protocol):
+    """What the app needs of ``core.api.server.ApiServer`` (imported only when the API starts)."""
+
+    def start(self) -> str: ...
+    def stop(self) -> None: ...
+
+
+ApiServerFactory = Callable[["Pool", ApiConfig], ApiServerLike]
 
 
 class TimeshareApp(QObject):
@@ -69,13 +85,13 @@ class TimeshareApp(QObject):
     def __init__(
         self,
         config: Config,
-        pool: Any,
-        store: Any,
-        chat: Any,
+        pool: Pool,
+        store: Store,
+        chat: ChatService,
         *,
         config_path: Path | None = None,
         tray_available: bool | None = None,
-        api_server_factory: Any = None,
+        api_server_factory: ApiServerFactory | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -94,7 +110,7 @@ class TimeshareApp(QObject):
         self.window.closed.connect(self._on_window_closed)
         self.settings_dialog: SettingsDialog | None = None
         self._api_factory = api_server_factory
-        self.api: Any = None
+        self.api: ApiServerLike | None = None
         self._tray_wait_left = TRAY_WAIT_S
         self._shut_down = False
         self._quitting = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Signal, Slot
 
@@ -19,18 +19,10 @@ from ..core.errors import TimeshareError
 from ..core.state import EventKind, PoolEvent, PoolSnapshot, ReleaseLevel
 from .qt_compat import emit
 
+if TYPE_CHECKING:
+    from ..core.pool.supervisor import Pool
+
 log = logging.getLogger(__name__)
-
-
-class PoolLike(Protocol):
-    """The part of ``timeshare.core.pool.Pool`` the app uses."""
-
-    def snapshot(self) -> PoolSnapshot: ...
-    def subscribe(self, cb: Callable[[PoolEvent], None]) -> Callable[[], None]: ...
-    def pin(self, model_id: str, pinned: bool) -> Any: ...
-    def sleep(self, model_id: str, level: str = ...) -> Any: ...
-    def wake(self, model_id: str) -> Any: ...
-    def start_model(self, model_id: str) -> Any: ...
 
 
 class PoolBridge(QObject):
@@ -44,7 +36,7 @@ class PoolBridge(QObject):
     # private hop from the pool thread to the GUI thread
     _received = Signal(object)
 
-    def __init__(self, pool: PoolLike, parent: QObject | None = None) -> None:
+    def __init__(self, pool: Pool, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.pool = pool
         self._received.connect(self._on_event)

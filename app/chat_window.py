@@ -1,6 +1,6 @@
 """The chat window: conversations on the left, the transcript (Markdown) and the input on the right.
 
-Generations stream on a Python thread that only iterates the pool's ``Generation`` and emits
+Answers stream on a Python thread that only iterates ChatService's ``ChatTurn`` and emits
 signals; everything that touches widgets runs on the GUI thread. Focusing the input or typing in
 it pre-wakes the conversation's model (restore ahead of the request) unless the setting is off.
 """
@@ -12,10 +12,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QGuiApplication, QKeyEvent
+from PySide6.QtGui import QCloseEvent, QFocusEvent, QGuiApplication, QKeyEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
@@ -43,7 +43,8 @@ from .qt_compat import emit
 from .transcript import NO_CONVERSATION, answer_line, failure_line, history_markdown, with_live_answer
 
 if TYPE_CHECKING:
-    from ..core.store import AnswerStats
+    from ..core.chat import ChatResult, ChatService, ChatTurn
+    from ..core.store import AnswerStats, Store
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +53,14 @@ RENDER_INTERVAL_MS = 50  # streamed text is re-rendered at most 20 times a secon
 MAX_TOKENS = 512  # per answer (core.api's DEFAULT_CHAT_MAX_TOKENS; importing it would load starlette)
 
 
-class StoreLike(Protocol):
-    def list_conversations(self, model_id: str | None = None) -> list[Any]: ...
-    def create_conversation(self, model_id: str, title: str = "") -> Any: ...
-    def get(self, conversation_id: str) -> Any: ...
-    def rename(self, conversation_id: str, title: str) -> Any: ...
-    def set_model(self, conversation_id: str, model_id: str) -> Any: ...
-    def delete(self, conversation_id: str) -> None: ...
-    def messages(self, conversation_id: str) -> list[Any]: ...
-
-
-class ChatLike(Protocol):
-    def send(self, conversation_id: str, text: str, *, prewoken: bool = ..., **sampling: Any) -> Any: ...
-    def regenerate(self, conversation_id: str, *, prewoken: bool = ..., **sampling: Any) -> Any: ...
-
-
 class _Stream(QObject):
-    """Iterates one Generation on a Python thread; its signals reach the GUI thread queued."""
+    """Iterates one answer (a ChatTurn) on a Python thread; its signals reach the GUI thread queued."""
 
     piece = Signal(str)
     first_token = Signal()
     finished = Signal(object, object)  # (result or None, error or None)
 
-    def __init__(self, generation: Any) -> None:
+    def __init__(self, generation: ChatTurn) -> None:
         super().__init__()
         self.generation = generation
         self.first_at: float | None = None  # when the first piece arrived
@@ -110,7 +96,7 @@ class _InputBox(QPlainTextEdit):
             return
         super().keyPressEvent(event)
 
-    def focusInEvent(self, event: Any) -> None:
+    def focusInEvent(self, event: QFocusEvent) -> None:
         super().focusInEvent(event)
         emit(self.focused)
 
@@ -126,8 +112,8 @@ class ChatWindow(QMainWindow):
     def __init__(
         self,
         bridge: PoolBridge,
-        store: StoreLike,
-        chat: ChatLike,
+        store: Store,
+        chat: ChatService,
         prewake_enabled: Callable[[], bool] = lambda: True,
         parent: QWidget | None = None,
     ) -> None:
@@ -398,7 +384,7 @@ class ChatWindow(QMainWindow):
             self.transcript.setMarkdown(NO_CONVERSATION)
             return
         conv_model = self.store.get(conv_id).model_id
-        messages = list(self.store.messages(conv_id))
+        messages = self.store.messages(conv_id)
         live = conv_id == self._stream_conversation
         if live and messages and messages[-1].role == "assistant" and not messages[-1].complete:
             messages.pop()  # the periodically saved partial answer: the live text replaces it
@@ -497,7 +483,7 @@ class ChatWindow(QMainWindow):
         if self._stream_conversation == self.current_conversation() and not self._render_timer.isActive():
             self._render_timer.start()
 
-    def _on_finished(self, result: Any, error: BaseException | None) -> None:
+    def _on_finished(self, result: ChatResult | None, error: BaseException | None) -> None:
         conv_id = self._stream_conversation
         self._stream = None
         self._stream_conversation = None

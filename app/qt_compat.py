@@ -13,7 +13,6 @@ import gc
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from PySide6.QtCore import QObject, Signal, SignalInstance
 
@@ -52,7 +51,7 @@ if EMIT_STEALS_TRUE:
     )
 
 
-def emit(signal: SignalInstance, *args: Any) -> None:
+def emit(signal: SignalInstance, *args: object) -> None:
     """``signal.emit(*args)``, safe on bindings whose emit steals a reference to its result."""
     send: Callable[..., object] = signal.emit  # typed as returning None; the binding returns a bool
     result = send(*args)

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 CHAT_FORMATS = ("auto", "template", "fallback")
 
+#: TOML-shaped data, as ``config_files.config_to_dict`` makes it (its values are whatever TOML holds)
+Table = dict[str, Any]
+
 
 def problems_text(problems: Iterable[str]) -> str:
     """Problems (e.g. a ConfigError's) as a bulleted list, one a line."""
@@ -91,7 +94,9 @@ def _lay_out(
 
 def _idle_minutes(idle_sleep_s: object) -> float:
     """The spin box value for a config ``idle_sleep_s`` (False/None: never, shown as 0)."""
-    return 0.0 if idle_sleep_s is False or idle_sleep_s is None else float(idle_sleep_s) / 60.0  # type: ignore[arg-type]
+    if idle_sleep_s is False or not isinstance(idle_sleep_s, (int, float, str)):
+        return 0.0
+    return float(idle_sleep_s) / 60.0
 
 
 def _idle_seconds(minutes: float) -> float | bool:
@@ -114,7 +119,7 @@ class ModelDialog(QDialog):
 
     def __init__(
         self,
-        model: dict[str, Any],
+        model: Table,
         taken_ids: set[str],
         config_path: Path | None,
         parent: QWidget | None = None,
@@ -166,7 +171,7 @@ class ModelDialog(QDialog):
         if path:
             self.path_edit.setText(path)
 
-    def value(self) -> dict[str, Any]:
+    def value(self) -> Table:
         model = dict(self._original)
         model.update(
             id=self.id_edit.text().strip(),
@@ -252,7 +257,7 @@ class SettingsDialog(QDialog):
         self.resize(860, 520)
         self.bridge = bridge
         self.config_path = config_path
-        self.draft: dict[str, Any] = config_files.config_to_dict(config)  # a fresh dict of scalars
+        self.draft: Table = config_files.config_to_dict(config)  # a fresh dict of scalars
         self.tabs = QTabWidget()
         self.tabs.addTab(self._models_tab(), "Models")
         self.tabs.addTab(self._arena_tab(), "Arena")
@@ -312,7 +317,7 @@ class SettingsDialog(QDialog):
         rows = {i.row() for i in self.models_table.selectedIndexes()}
         return next(iter(rows)) if rows else None
 
-    def _append_model(self, model: dict[str, Any]) -> None:
+    def _append_model(self, model: Table) -> None:
         self.draft["models"].append(model)
         self._refresh_models()
         self.models_table.selectRow(len(self.draft["models"]) - 1)
@@ -486,7 +491,7 @@ class SettingsDialog(QDialog):
 
     # ---- saving ------------------------------------------------------------------------------
 
-    def collect(self) -> dict[str, Any]:
+    def collect(self) -> Table:
         """The draft with the form fields applied (TOML-shaped data)."""
         draft = copy.deepcopy(self.draft)
         arena = draft["arena"]
