@@ -28,19 +28,36 @@ class _Probe(QObject):
     fired = Signal()
 
 
-def _emit_steals_a_reference() -> bool:
-    probe = _Probe()
-    before = sys.getrefcount(True)
-    fire: Callable[..., object] = probe.fired.emit  # typed as returning None; the binding returns a bool
+def _refcount_of_true() -> int:
+    return sys.getrefcount(True)
+
+
+def emit_steals_a_reference(
+    fire: Callable[[], object], refcount: Callable[[], int] = _refcount_of_true
+) -> bool:
+    """Whether ``fire`` (an emit) returns True without owning the reference it hands back.
+
+    ``refcount`` reads True's reference count. Where holding a reference does not show in that
+    count (True is immortal from Python 3.12), nothing can be stolen, and the answer is no.
+    """
+    before = refcount()
+    held = [True]
+    visible = refcount() > before
+    del held
+    if not visible:
+        return False
+    before = refcount()
     result = fire()
-    steals = result is True and sys.getrefcount(True) < before + 1
+    steals = result is True and refcount() < before + 1
     if steals:
         _repaid.append(result)  # the probe's own emit stole one too
     del result
     return steals
 
 
-EMIT_STEALS_TRUE = _emit_steals_a_reference()
+_probe = _Probe()
+EMIT_STEALS_TRUE = emit_steals_a_reference(_probe.fired.emit)
+del _probe
 if EMIT_STEALS_TRUE:
     _repaid.append(_repaid)
     gc.freeze()
@@ -52,7 +69,8 @@ if EMIT_STEALS_TRUE:
 
 
 def emit(signal: SignalInstance, *args: object) -> None:
-    """``signal.emit(*args)``, safe on bindings whose emit steals a reference to its result."""
+    """``signal.emit(*args)``, safe on bindings whose emit steals a reference to its result
+    (``EMIT_STEALS_TRUE``, probed once at import)."""
     send: Callable[..., object] = signal.emit  # typed as returning None; the binding returns a bool
     result = send(*args)
     if EMIT_STEALS_TRUE and isinstance(result, bool):
