@@ -37,6 +37,8 @@ run: $(VENV)/.stamp-run
 		echo "make run: no display (neither DISPLAY nor WAYLAND_DISPLAY is set)."; \
 		echo "Start Timeshare from a desktop session, or headless: $(VENV)/bin/timeshare serve"; \
 		exit 1; fi
+	@# the menu entry and the icons for this venv (~/.local/share), so Icon= and the menu resolve
+	$(VENV)/bin/timeshare desktop install
 	$(VENV)/bin/timeshare
 
 lint: $(VENV)/.stamp-test

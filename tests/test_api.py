@@ -398,6 +398,12 @@ def test_missing_and_wrong_key_are_401(served: Served) -> None:
     assert info.value.code == "invalid_api_key"
 
 
+def test_health_answers_without_the_key(served: Served) -> None:
+    r = httpx.get(f"{served.url}/health", timeout=30)  # a liveness probe needs no key
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.headers["x-served-by"] == "timeshare"
+
+
 def test_unknown_endpoint_is_a_404_in_openai_shape(served: Served) -> None:
     r = httpx.get(f"{served.url}/v1/embeddings", headers=served.headers(), timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"

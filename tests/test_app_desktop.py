@@ -171,3 +171,56 @@ def test_stale_socket_file_does_not_block_a_new_instance(qtbot: object) -> None:
     socket_path.touch()  # close() removed it; put a dead file back, as a crash would leave it
     assert instance.claim() is True
     instance.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="XDG autostart is the Linux mechanism")
+def test_autostart_keeps_the_configuration_it_runs_with(xdg_config: Path, tmp_path: Path) -> None:
+    from timeshare.core import paths
+
+    mine = tmp_path / "my config.toml"
+    plan = autostart.set_enabled(True, config=mine)
+    argv = parse_desktop(Path(plan.path).read_text())["Exec"]
+    assert f'--config "{mine}" tray --background' in argv
+    # the default file needs no flag
+    plan = autostart.set_enabled(True, config=paths.config_file())
+    assert "--config" not in parse_desktop(Path(plan.path).read_text())["Exec"]
+    assert "--config" not in autostart.launch_command()
+
+
+# ---- the menu entry and the icons for a pip/venv install ----------------------------------------
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="XDG desktop entries are the Linux mechanism")
+def test_desktop_install_and_uninstall(tmp_path: Path) -> None:
+    import os
+
+    data = tmp_path / "xdg-data"
+    env = dict(os.environ, XDG_DATA_HOME=str(data))
+    exe = Path(sys.executable).with_name("timeshare")
+    timeshare = [str(exe)] if exe.exists() else [sys.executable, "-m", "timeshare"]
+    done = subprocess.run(
+        [*timeshare, "desktop", "install"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    entry_path = data / "applications" / f"{APP_ID}.desktop"
+    assert f"installed {entry_path}" in done.stdout
+    entry = parse_desktop(entry_path.read_text())
+    # Exec and TryExec name this installation's launcher by its absolute path
+    argv = entry["Exec"].split()
+    assert argv[0] == timeshare[0] and Path(argv[0]).is_absolute() and entry["TryExec"] == timeshare[0]
+    # Icon= resolves in the user's hicolor theme
+    assert (data / "icons" / "hicolor" / "scalable" / "apps" / f"{entry['Icon']}.svg").is_file()
+    assert (data / "icons" / "hicolor" / "symbolic" / "apps" / f"{entry['Icon']}-symbolic.svg").is_file()
+    if shutil.which("desktop-file-validate"):
+        out = subprocess.run(["desktop-file-validate", str(entry_path)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout
+    # the entry really starts Timeshare: run its command with --help instead of the tray
+    out = subprocess.run([*argv, "tray", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--background" in out.stdout, out.stderr
+
+    done = subprocess.run(
+        [*timeshare, "desktop", "uninstall"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert not entry_path.exists()
+    assert not list((data / "icons").rglob("*.svg"))

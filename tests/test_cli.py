@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import re
+import select
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from _api_util import GEMMA, SMOL, Served, run_cli, seed_gemma_cache, serve_env, serving
+from _proc_util import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +70,40 @@ def test_url_override_that_does_not_answer(tmp_path: Path) -> None:
     done = run_cli(tmp_path / "home", "status", "--url", url)
     assert done.returncode == 1
     assert f"Cannot reach Timeshare at {url}" in done.stderr and "--url" in done.stderr
+
+
+def test_every_option_and_argument_has_help() -> None:
+    import argparse
+
+    from timeshare.cli import build_parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not action.help:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "timeshare")
+    assert missing == []
+
+
+def test_global_options_work_after_the_verb(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    for argv in (["--config", str(missing), "serve"], ["serve", "--config", str(missing)]):
+        done = run_cli(tmp_path / "home", *argv, "--port", "0")
+        assert done.returncode == 2, done.stderr
+        assert str(missing) in done.stderr and "unrecognized arguments" not in done.stderr
+    # a value given before the verb is not overwritten by the verb's default
+    from timeshare.cli import build_parser
+
+    args = build_parser().parse_args(["--config", "a.toml", "-v", "chat", "m", "p"])
+    assert args.config == "a.toml" and args.verbose is True
+    args = build_parser().parse_args(["chat", "m", "p", "-v", "--config", "b.toml"])
+    assert args.config == "b.toml" and args.verbose is True
 
 
 # ---- against a running instance ----------------------------------------------------------------
@@ -122,12 +162,54 @@ def test_pin_unpin_sleep_wake(served: Served) -> None:
     done = run_cli(served.home, "unpin", SMOL)
     assert done.returncode == 0 and done.stdout.startswith(f"{SMOL}: unpinned")
     assert served.model_status(SMOL)["pinned"] is False
-    done = run_cli(served.home, "sleep", GEMMA)
-    assert done.returncode == 0 and done.stdout.startswith(f"{GEMMA}: put to sleep")
-    served.wait_until(lambda s: _state(s, GEMMA) == "sleeping", "gemma to sleep", 60)
-    done = run_cli(served.home, "wake", GEMMA)
-    assert done.returncode == 0 and done.stdout.startswith(f"{GEMMA}: woken")
-    served.wait_until(lambda s: s["holder"] == GEMMA, "gemma to take the GPU", 60)
+    # the verbs report the state after the command (--wait: however long a busy machine needs)
+    done = run_cli(served.home, "sleep", GEMMA, "--wait", "120")
+    assert done.returncode == 0 and done.stdout == f"{GEMMA}: put to sleep (state: sleeping)\n", done.stderr
+    assert _state(served.status(), GEMMA) == "sleeping"
+    done = run_cli(served.home, "wake", GEMMA, "--wait", "120")
+    assert done.returncode == 0 and done.stdout == f"{GEMMA}: woken (state: resident)\n", done.stderr
+    assert served.status()["holder"] == GEMMA
+    # sleep --level as the API has it: weights keeps the KV cache on the device (state released)
+    done = run_cli(served.home, "sleep", GEMMA, "--level", "weights", "--wait", "120")
+    assert done.returncode == 0 and done.stdout == f"{GEMMA}: put to sleep (state: released)\n", done.stderr
+    done = run_cli(served.home, "sleep", GEMMA, "--level", "nope")
+    assert done.returncode == 2 and "invalid choice: 'nope'" in done.stderr
+
+
+def test_aliases(served: Served) -> None:
+    for alias, command in (("ps", "status"), ("ls", "models")):
+        short = run_cli(served.home, alias, "--json")
+        long = run_cli(served.home, command, "--json")
+        assert short.returncode == 0 and long.returncode == 0, short.stderr
+        assert json.loads(short.stdout).keys() == json.loads(long.stdout).keys()
+    assert run_cli(served.home, "ps").stdout.startswith("GPU holder: ")
+    assert run_cli(served.home, "ls").stdout.split()[:2] == ["ID", "NAME"]
+
+
+def test_serve_says_when_its_models_are_ready(served: Served) -> None:
+    wait_until(lambda: "ready: 2 models at " in served.log_text(), 120, "the ready line")
+    log = served.log_text()
+    assert f"ready: 2 models at {served.url}\n" in log
+    for model in (SMOL, GEMMA):
+        assert f"model {model} ready (" in log
+    assert httpx.get(f"{served.url}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_a_closed_pipe_exits_quietly(served: Served) -> None:
+    # `timeshare status | head -1` with head gone before the CLI writes: no traceback
+    for argv in (["status"], ["models", "--json"]):
+        with subprocess.Popen(
+            [sys.executable, "-m", "timeshare", *argv],
+            env=serve_env(served.home),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()  # the reader is gone before the CLI has written anything
+            err = proc.stderr.read()
+            rc = proc.wait(120)
+        assert rc in (0, 141), err
+        assert err == b"", err.decode(errors="replace")
 
 
 def _state(status: dict[str, object], model: str) -> str:
@@ -143,11 +225,66 @@ def test_unknown_model(served: Served) -> None:
 
 @pytest.mark.parametrize("model", [SMOL, GEMMA])
 def test_chat(served: Served, model: str) -> None:
-    done = run_cli(served.home, "-v", "chat", model, "What is the capital of France?", "--max-tokens", "24")
+    # global options work after the verb too
+    done = run_cli(served.home, "chat", model, "What is the capital of France?", "--max-tokens", "24", "-v")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip(), f"{model} answered nothing"
     assert done.stdout.endswith("\n")
     assert f"[{model}: " in done.stderr and "completion tokens" in done.stderr
+
+
+def test_chat_reads_the_prompt_from_stdin(served: Served) -> None:
+    for argv in (["chat", SMOL], ["chat", SMOL, "-"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "timeshare", *argv, "--max-tokens", "16", "--temperature", "0"],
+            env=serve_env(served.home),
+            input="What is the capital of France?\n",
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip(), "no answer"
+    done = subprocess.run(
+        [sys.executable, "-m", "timeshare", "chat", SMOL],
+        env=serve_env(served.home),
+        input="  \n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "the prompt is empty" in done.stderr
+
+
+def test_chat_says_why_it_waits(served: Served) -> None:
+    # smollm2 takes the GPU and keeps it (pinned): a chat to gemma waits, and -v says why on stderr
+    assert run_cli(served.home, "pin", SMOL).returncode == 0
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        done = run_cli(served.home, "wake", SMOL, "--wait", "120")
+        assert done.stdout == f"{SMOL}: woken (state: resident)\n", done.stdout + done.stderr
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "timeshare", "chat", GEMMA, "Say hi.", "--max-tokens", "8", "-v"],
+            env=serve_env(served.home),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # until the line that names the reason; EOF fails below
+            seen.append(line.decode(errors="replace"))
+            if f"waiting for the GPU: pinned by {SMOL}" in seen[-1]:
+                break
+        assert seen and f"[{GEMMA}: waiting for the GPU: pinned by {SMOL}, " in seen[-1], seen
+        assert seen[-1].rstrip().endswith(" s]"), seen
+        assert proc.poll() is None, "the chat ended while the GPU was pinned"
+    finally:
+        run_cli(served.home, "unpin", SMOL)
+    assert proc is not None
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode(errors="replace")
+    assert out.strip(), "no answer once the GPU was free"
+    assert f"[{GEMMA}: " in err.decode() and "completion tokens" in err.decode()
 
 
 def test_chat_bad_max_tokens(served: Served) -> None:
@@ -183,3 +320,90 @@ def test_chat_streams_and_ctrl_c_cancels(served: Served) -> None:
 
 def _busy(status: dict[str, object], model: str) -> bool:
     return bool(next(m["busy"] for m in status["models"] if m["id"] == model))  # type: ignore[attr-defined]
+
+
+class _Terminal:
+    """A pseudo-terminal for an interactive command: ``expect`` reads until a marker appears."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(argv, env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+        os.close(slave)
+        self.seen = b""
+        self.pos = 0
+
+    def expect(self, marker: bytes, timeout: float = 300) -> str:
+        """The output from the last marker up to and including the next ``marker``."""
+        deadline = time.monotonic() + timeout
+        while marker not in self.seen[self.pos :]:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {marker!r} within {timeout} s; output: {self.seen[self.pos :]!r}"
+            ready, _, _ = select.select([self.master], [], [], min(left, 1.0))
+            if ready:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:  # EIO: the other side closed
+                    chunk = b""
+                assert chunk, f"the command ended before {marker!r}; output: {self.seen[self.pos :]!r}"
+                self.seen += chunk
+        end = self.seen.index(marker, self.pos) + len(marker)
+        text, self.pos = self.seen[self.pos : end], end
+        return text.decode(errors="replace")
+
+    def send(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        os.close(self.master)
+
+
+def _cost(text: str) -> tuple[int, int]:
+    """(prompt tokens, evaluated) from the -v line '[model: 30 prompt (12 evaluated) + ...]'."""
+    match = re.search(r"\[[^\]]*: (\d+) prompt \((\d+) evaluated\) \+ ", text)
+    assert match, text
+    return int(match[1]), int(match[2])
+
+
+def test_run_is_one_conversation_and_ctrl_c_stops_an_answer(served: Served) -> None:
+    argv = [sys.executable, "-m", "timeshare", "run", SMOL, "--temperature", "0", "--max-tokens", "64"]
+    term = _Terminal([*argv, "-v"], serve_env(served.home))
+    try:
+        assert "Ctrl-D" in term.expect(b">>> ", 120)
+        term.send(b"What is the capital of France? Answer in one word.\n")
+        first = term.expect(b">>> ")
+        prompt1, _ = _cost(first)
+        # the second turn continues the conversation: only its new tokens are evaluated
+        term.send(b"And of Germany?\n")
+        second = term.expect(b">>> ")
+        prompt2, evaluated2 = _cost(second)
+        assert prompt2 > prompt1 and evaluated2 < prompt2 - prompt1 + 8, (first, second)
+
+        # gemma holds the GPU, pinned: the next answer waits (the terminal shows why) until Ctrl-C
+        before = served.status()["switch_stats"]["cancelled_by_disconnect"]  # type: ignore[index]
+        assert run_cli(served.home, "pin", GEMMA).returncode == 0
+        try:
+            done = run_cli(served.home, "wake", GEMMA, "--wait", "120")
+            assert done.stdout == f"{GEMMA}: woken (state: resident)\n", done.stdout + done.stderr
+            term.send(b"And of Italy?\n")
+            term.expect(f"waiting for the GPU: pinned by {GEMMA}".encode())
+            term.proc.send_signal(signal.SIGINT)
+            stopped = term.expect(b">>> ")
+            assert "[stopped]" in stopped and "Traceback" not in stopped, stopped
+            served.wait_until(
+                lambda s: s["switch_stats"]["cancelled_by_disconnect"] > before,  # type: ignore[index]
+                "the server to cancel the stopped request",
+                60,
+            )
+        finally:
+            run_cli(served.home, "unpin", GEMMA)
+        term.proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt: a fresh prompt
+        term.expect(b">>> ")
+        assert term.proc.poll() is None, "Ctrl-C ended the REPL"
+        term.send(b"\x04")  # Ctrl-D at the prompt
+        assert term.proc.wait(60) == 0
+    finally:
+        term.close()
+    served.wait_until(lambda s: not _busy(s, SMOL), "smollm2 to become idle", 60)

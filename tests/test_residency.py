@@ -431,11 +431,23 @@ def _timeshare() -> list[str]:
 
 
 def test_doctor_json_end_to_end() -> None:
-    out = subprocess.run(
-        [*_timeshare(), "doctor", "--json", "--cycles", "3"], capture_output=True, text=True, timeout=240
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)  # stdout is only the JSON
+    with subprocess.Popen(
+        [*_timeshare(), "doctor", "--json", "--cycles", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stderr is not None and proc.stdout is not None
+        # each step is shown as it starts (on stderr with --json), not all at the end
+        first_step = proc.stderr.readline()
+        assert first_step.startswith("doctor: loading "), first_step
+        assert proc.poll() is None, "the doctor had finished before it showed its first step"
+        stdout, rest = proc.communicate(timeout=240)
+    stderr = first_step + rest
+    assert proc.returncode == 0, stderr[-2000:]
+    for step in ("reference", "cycle 1/3", "cycle 3/3", "with the KV cache"):
+        assert step in stderr, stderr
+    report = json.loads(stdout)  # stdout is only the JSON
     assert report["path"] == "inplace" and report["reason"] == ""
     assert report["backend"] == "CPU" and report["cycles"] == 3
     assert report["bitwise_identical"] is True and report["kv_level_bitwise_identical"] is True

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
+from .core.state import RELEASE_LEVELS
 
 # subcommand -> "module:function"
 _HANDLERS = {
@@ -27,8 +30,29 @@ _HANDLERS = {
     "sleep": "timeshare.client:main",
     "wake": "timeshare.client:main",
     "chat": "timeshare.client:main",
+    "run": "timeshare.client:main",
     "models": "timeshare.client:main",
+    "desktop": "timeshare.app.desktop_install:main",
 }
+# alias -> the subcommand it stands for
+_ALIASES = {"ps": "status", "ls": "models"}
+
+_CONFIG_HELP = "configuration file (default: platformdirs config dir)"
+_VERBOSE_HELP = "log debug messages (chat: also the token counts and the switch cost)"
+_JSON_HELP = "print the result as JSON on stdout"
+
+
+class _VerbParser(argparse.ArgumentParser):
+    """A subcommand's parser: it also takes the global options, so `timeshare serve --config F`
+    works like `timeshare --config F serve`. Their default is SUPPRESS, so a value given before
+    the subcommand is not overwritten by the subcommand's default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help=_CONFIG_HELP)
+        self.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,11 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Keep several local LLMs loaded and time-share one GPU between them.",
     )
     parser.add_argument("--version", action="version", version=f"timeshare {__version__}")
-    parser.add_argument(
-        "--config", metavar="PATH", help="configuration file (default: platformdirs config dir)"
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--config", metavar="PATH", help=_CONFIG_HELP)
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_VerbParser)
 
     tray = sub.add_parser("tray", help="start the tray app (the default)")
     tray.add_argument("--background", action="store_true", help="start without opening a window (autostart)")
@@ -49,27 +71,29 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check the residency mechanism on this machine's backend")
     doctor.add_argument("--model", metavar="PATH", help="GGUF file (default: the smallest demo model)")
     doctor.add_argument("--cycles", type=int, default=3, help="release/restore cycles (default: 3)")
-    doctor.add_argument("--json", action="store_true", help="print only a JSON report on stdout")
+    doctor.add_argument(
+        "--json", action="store_true", help="print only a JSON report on stdout (progress goes to stderr)"
+    )
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
     bres = bench_sub.add_parser("residency", help="release/restore against the raw copy limit and reloads")
-    bres.add_argument("--model", metavar="PATH", required=True)
-    bres.add_argument("--cycles", type=int, default=5)
-    bres.add_argument("--n-ctx", type=int, default=8192)
-    bres.add_argument("--json", action="store_true")
+    bres.add_argument("--model", metavar="PATH", required=True, help="GGUF file to measure")
+    bres.add_argument("--cycles", type=int, default=5, help="release/restore cycles (default: 5)")
+    bres.add_argument("--n-ctx", type=int, default=8192, help="context size (default: 8192)")
+    bres.add_argument("--json", action="store_true", help=_JSON_HELP)
     bswitch = bench_sub.add_parser("switch", help="two workers alternating: switch time vs process restart")
     bswitch.add_argument(
         "--model", metavar="PATH", action="append", help="give it twice (default: the two demo models)"
     )
-    bswitch.add_argument("--rounds", type=int, default=10)
-    bswitch.add_argument("--json", action="store_true")
+    bswitch.add_argument("--rounds", type=int, default=10, help="switches to measure (default: 10)")
+    bswitch.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     arena = sub.add_parser(
         "arena-test", help="stress the VRAM arena with real workers and check the invariant"
     )
-    arena.add_argument("--workers", type=int, default=3)
-    arena.add_argument("--seconds", type=float, default=20.0)
+    arena.add_argument("--workers", type=int, default=3, help="worker processes (default: 3)")
+    arena.add_argument("--seconds", type=float, default=20.0, help="how long to run (default: 20)")
     arena.add_argument(
         "--model", metavar="PATH", action="append", help="models to use (default: demo models)"
     )
@@ -81,46 +105,106 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample each worker's memory every N ms (nvidia-smi on CUDA, else RSS) and check that "
         "no two held their weights at once (0: off; default 50)",
     )
-    arena.add_argument("--json", action="store_true")
+    arena.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     serve = sub.add_parser("serve", help="run the pool and the OpenAI-compatible API without a GUI")
     serve.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default from config)")
 
-    def client(name: str, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text)
+    def client(name: str, help_text: str, aliases: Sequence[str] = ()) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, aliases=list(aliases))
         p.add_argument("--url", help="API of the running instance (default: the one it recorded)")
         return p
 
-    client("status", "show which model holds the GPU and every model's state").add_argument(
-        "--json", action="store_true"
+    client(
+        "status", "show which model holds the GPU and every model's state (alias: ps)", ["ps"]
+    ).add_argument("--json", action="store_true", help=_JSON_HELP)
+    client("models", "list the configured models (alias: ls)", ["ls"]).add_argument(
+        "--json", action="store_true", help=_JSON_HELP
     )
-    client("models", "list the configured models").add_argument("--json", action="store_true")
     for verb, text in (
         ("pin", "keep a model on the GPU once it has it"),
         ("unpin", "let a pinned model yield the GPU again"),
-        ("sleep", "release a model's weights and KV cache to host memory"),
+        ("sleep", "release a model's weights (and KV cache) from the GPU"),
         ("wake", "restore a model's weights to the GPU ahead of a request"),
     ):
-        client(verb, text).add_argument("model")
+        verb_parser = client(verb, text)
+        verb_parser.add_argument("model", help="model id (see `timeshare models`)")
+        if verb in ("sleep", "wake"):
+            verb_parser.add_argument(
+                "--wait",
+                type=float,
+                default=5.0,
+                metavar="SECONDS",
+                help="wait this long for the model to get there, then report its state (default: 5)",
+            )
+        if verb == "sleep":
+            verb_parser.add_argument(
+                "--level",
+                choices=RELEASE_LEVELS,
+                default="weights+kv",
+                help="weights: free the weights, keep the KV cache on the GPU; weights+kv: move the "
+                "KV cache to host memory too (the default); stop: end the worker (its KV saved to disk)",
+            )
     chat = client("chat", "send one prompt to a model and stream the answer")
-    chat.add_argument("model")
-    chat.add_argument("prompt")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.2, help="0 for greedy (default: 0.2)")
+    chat.add_argument("model", help="model id (see `timeshare models`)")
+    chat.add_argument("prompt", nargs="?", default="-", help="the prompt; '-' or none: read it from stdin")
+    _generation_options(chat, max_tokens=256)
+    repl = client("run", "chat with a model interactively (one conversation; Ctrl-C stops an answer)")
+    repl.add_argument("model", help="model id (see `timeshare models`)")
+    _generation_options(repl, max_tokens=512)
+
+    desktop = sub.add_parser(
+        "desktop", help="add Timeshare to the desktop's application menu (this installation)"
+    )
+    desktop.add_argument(
+        "action",
+        choices=("install", "uninstall"),
+        help="install: the .desktop entry and the icons into $XDG_DATA_HOME (~/.local/share); "
+        "uninstall: remove them",
+    )
     return parser
+
+
+def _generation_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"stop the answer after this many tokens (default: {max_tokens})",
+    )
+    p.add_argument("--temperature", type=float, default=0.2, help="0 for greedy (default: 0.2)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = args.command or "tray"
+    command = _ALIASES.get(args.command, args.command) or "tray"
+    args.command = command
     if command == "tray" and not hasattr(args, "background"):
         args.background = False
     module_name, func_name = _HANDLERS[command].split(":")
-    handler = getattr(importlib.import_module(module_name), func_name)
-    result = handler(args)
+    try:
+        handler = getattr(importlib.import_module(module_name), func_name)
+        result = handler(args)
+        sys.stdout.flush()  # a broken pipe shows here, not at exit
+    except BrokenPipeError:
+        return _broken_pipe()
     return int(result or 0)
+
+
+def _broken_pipe() -> int:
+    """The reader of stdout went away (`timeshare status | head -1`): exit quietly, as a shell
+    tool does (141 = 128 + SIGPIPE). stdout goes to /dev/null so the interpreter's final flush
+    does not complain either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":

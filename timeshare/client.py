@@ -10,9 +10,13 @@ Nothing here imports Qt or llama.cpp: these commands start in a fraction of a se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,7 @@ import httpx
 from .core import paths
 from .core.api.address import ApiAddress
 from .core.arena.dirs import pid_alive
+from .core.instance import running_instance
 from .core.units import human_bytes
 
 EXIT_OK = 0
@@ -79,6 +84,12 @@ def find_endpoint(args: argparse.Namespace) -> Endpoint:
     try:
         address = ApiAddress.read(path)
     except FileNotFoundError:
+        running = running_instance()
+        if running is not None:  # the tray with api.enabled = false, or one still starting
+            raise ClientError(
+                f"Timeshare is running ({running.who()}) but records no API address in {path}: "
+                "its API is off (api.enabled = false) or not started yet."
+            ) from None
         raise _not_running(path) from None
     except ValueError as exc:
         raise _not_running(path, str(exc)) from exc
@@ -223,6 +234,48 @@ _GET_COMMANDS: dict[str, tuple[str, Callable[[dict[str, Any], TextIO], None]]] =
     "models": ("/v1/models", print_models),
 }
 _VERB_DONE = {"pin": "pinned", "unpin": "unpinned", "sleep": "put to sleep", "wake": "woken"}
+#: what a verb says when the model has not reached its target state within --wait
+_VERB_PENDING = {"sleep": "going to sleep", "wake": "waking"}
+#: the state each sleep level leads to
+SLEEP_STATES = {"weights": "released", "weights+kv": "sleeping", "stop": "stopped"}
+
+
+def _target_state(args: argparse.Namespace) -> str | None:
+    if args.command == "wake":
+        return "resident"
+    if args.command == "sleep":
+        return SLEEP_STATES[getattr(args, "level", None) or "weights+kv"]
+    return None  # pin, unpin: the state does not change
+
+
+def _model_of(status: dict[str, Any], model_id: str) -> dict[str, Any]:
+    return next((m for m in status.get("models") or [] if m.get("id") == model_id), {})
+
+
+def _verb(api: Api, args: argparse.Namespace, out: TextIO) -> int:
+    """pin, unpin, sleep, wake; reports the model's state after the command (wake and sleep wait
+    up to ``--wait`` seconds for the model to get there)."""
+    command = args.command
+    body = {"level": args.level} if command == "sleep" and getattr(args, "level", None) else None
+    reply = api.request("POST", f"/timeshare/v1/models/{args.model}/{command}", body)
+    model: dict[str, Any] = reply.get("model") or {}
+    target = _target_state(args)
+    deadline = time.monotonic() + float(getattr(args, "wait", 5.0))
+    while target is not None and model.get("state") != target and model.get("state") != "failed":
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+        model = _model_of(api.request("GET", "/timeshare/v1/status"), args.model) or model
+    state = model.get("state", "?")
+    if target is None or state == target:
+        out.write(f"{args.model}: {_VERB_DONE[command]} (state: {state})\n")
+        return EXIT_OK
+    reason = model.get("reason") or ""
+    if state == "failed":
+        raise ClientError(f"{args.model} failed: {reason or 'see `timeshare status`'}")
+    detail = f"; {reason}" if reason else ""
+    out.write(f"{args.model}: {_VERB_PENDING[command]} (state: {state}{detail})\n")
+    return EXIT_OK
 
 
 def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -238,49 +291,274 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 show(data, out)
             return EXIT_OK
         if command in _VERB_DONE:  # the command is the endpoint's last path segment
-            reply = api.request("POST", f"/timeshare/v1/models/{args.model}/{command}")
-            state = (reply.get("model") or {}).get("state", "?")
-            out.write(f"{args.model}: {_VERB_DONE[command]} (state: {state})\n")
-            return EXIT_OK
+            return _verb(api, args, out)
         if command == "chat":
             return _chat(api, args, out, err)
+        if command == "run":
+            return _repl(api, args, out, err)
     raise ClientError(f"unknown command {command!r}", EXIT_USAGE)
 
 
-def _chat(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+# ---- generation: chat and run --------------------------------------------------------------------
+
+
+def _check_generation_args(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise ClientError("--max-tokens must be at least 1.", EXIT_USAGE)
     if not 0 <= getattr(args, "temperature", 0.2) <= 2:
         raise ClientError("--temperature must be from 0 to 2.", EXIT_USAGE)
-    body = {
+
+
+def _read_prompt(args: argparse.Namespace, err: TextIO, stdin: TextIO) -> str:
+    prompt: str | None = getattr(args, "prompt", None)
+    if prompt is not None and prompt != "-":
+        return prompt
+    if stdin.isatty():
+        err.write("(reading the prompt from stdin: end it with Ctrl-D)\n")
+        err.flush()
+    text = stdin.read()
+    if not text.strip():
+        raise ClientError("the prompt is empty: give it as an argument or on stdin.", EXIT_USAGE)
+    return text.rstrip("\n")
+
+
+def _waiting_text(model: dict[str, Any]) -> str:
+    """Why a request to this model has no first token yet, from its ModelStatus."""
+    state = model.get("state") or "?"
+    reason = model.get("reason") or ""
+    if state == "failed":
+        return f"the model failed: {reason}" if reason else "the model failed"
+    if reason:
+        return reason  # "waiting for the GPU: pinned by gemma3-270m", "waiting to load: ..."
+    if state in ("starting", "loading"):
+        return "loading the model"
+    if state == "stopped":
+        return "starting the model"
+    queued = int(model.get("queued") or 0)
+    if queued:
+        return f"queued behind {queued} request{'' if queued == 1 else 's'}"
+    if state in ("released", "sleeping"):
+        return f"restoring the model to the GPU (state: {state})"
+    return "evaluating the prompt"
+
+
+class WaitReporter:
+    """Says on stderr why the answer has not started, while waiting for the first token.
+
+    On a terminal (``live``) one line is rewritten in place every second and erased when the
+    answer starts; otherwise (``-v`` with stderr not a terminal) a line is written whenever the
+    reason changes, and every ``REPEAT_S``. The reason comes from ``GET /timeshare/v1/status``
+    (the model's state and waiting reason), polled on a thread with its own connection.
+    """
+
+    DELAY_S = 1.0  # nothing is shown for answers that start sooner
+    POLL_S = 1.0
+    REPEAT_S = 15.0
+
+    def __init__(self, endpoint: Endpoint, model: str, err: TextIO, *, live: bool) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.err = err
+        self.live = live
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._shown = False
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="timeshare-wait", daemon=True)
+
+    def __enter__(self) -> WaitReporter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """The answer started (or ended): stop, and erase the live line. Idempotent."""
+        if self._done.is_set():
+            return
+        with self._lock:
+            self._done.set()
+            if self.live and self._shown:
+                self.err.write("\r\x1b[K")
+                self.err.flush()
+
+    def _run(self) -> None:
+        if self._done.wait(self.DELAY_S):
+            return
+        last_text = ""
+        last_written = 0.0
+        headers = {"Authorization": f"Bearer {self.endpoint.key}"} if self.endpoint.key else {}
+        with httpx.Client(base_url=self.endpoint.url, headers=headers, timeout=10.0) as http:
+            while not self._done.is_set():
+                try:
+                    status = http.get("/timeshare/v1/status").json()
+                    text = _waiting_text(_model_of(status, self.model))
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    text = "waiting for the server"
+                elapsed = time.monotonic() - self._started
+                now = time.monotonic()
+                with self._lock:
+                    if self._done.is_set():
+                        return
+                    line = f"{self.model}: {text}, {elapsed:.0f} s"
+                    if self.live:
+                        self.err.write(f"\r\x1b[K{line}")
+                        self._shown = True
+                    elif text != last_text or now - last_written >= self.REPEAT_S:
+                        self.err.write(f"[{line}]\n")
+                        last_text, last_written = text, now
+                    self.err.flush()
+                self._done.wait(self.POLL_S)
+
+
+def _reporter(api: Api, args: argparse.Namespace, err: TextIO) -> WaitReporter | contextlib.nullcontext[None]:
+    live = _isatty(err)
+    if live or getattr(args, "verbose", False):
+        return WaitReporter(api.endpoint, args.model, err, live=live)
+    return contextlib.nullcontext()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _generation_body(args: argparse.Namespace, messages: list[dict[str, str]]) -> dict[str, Any]:
+    return {
         "model": args.model,
-        "messages": [{"role": "user", "content": args.prompt}],
+        "messages": messages,
         "max_tokens": args.max_tokens,
         "temperature": getattr(args, "temperature", 0.2),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    extras: dict[str, Any] = {}
-    usage: dict[str, Any] = {}
-    for event in api.stream_events("/v1/chat/completions", body):
-        for choice in event.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content")
-            if text:
-                out.write(text)
-                out.flush()
-        extras = event.get("timeshare") or extras
-        usage = event.get("usage") or usage
+
+
+@dataclass
+class _Answer:
+    text: str = ""
+    extras: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+
+
+def _stream_answer(
+    api: Api, args: argparse.Namespace, body: dict[str, Any], out: TextIO, err: TextIO, answer: _Answer
+) -> None:
+    """Stream one answer to ``out`` (progress on ``err`` until it starts), filling ``answer``."""
+    with _reporter(api, args, err) as reporter:
+        for event in api.stream_events("/v1/chat/completions", body):
+            if reporter is not None:
+                reporter.stop()
+            for choice in event.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    answer.text += text
+                    out.write(text)
+                    out.flush()
+            answer.extras = event.get("timeshare") or answer.extras
+            answer.usage = event.get("usage") or answer.usage
+
+
+def _print_cost(args: argparse.Namespace, answer: _Answer, err: TextIO) -> None:
+    extras = answer.extras or {}
+    usage = answer.usage or {}
+    switched = "switched GPU" if extras.get("switched") else "no GPU switch"
+    evaluated = extras.get("prompt_tokens_evaluated")
+    prompt = f"{usage.get('prompt_tokens', '?')} prompt"
+    if evaluated is not None:
+        prompt += f" ({evaluated} evaluated)"
+    err.write(
+        f"[{args.model}: {prompt} + {usage.get('completion_tokens', '?')} completion tokens; {switched}, "
+        f"restore {extras.get('restore_ms', 0):.0f} ms, "
+        f"first token {extras.get('first_token_ms', 0):.0f} ms]\n"
+    )
+
+
+def _chat(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO | None = None) -> int:
+    _check_generation_args(args)
+    prompt = _read_prompt(args, err, stdin or sys.stdin)
+    answer = _Answer()
+    _stream_answer(api, args, _generation_body(args, [{"role": "user", "content": prompt}]), out, err, answer)
     out.write("\n")
     out.flush()
     if getattr(args, "verbose", False):
-        switched = "switched GPU" if extras.get("switched") else "no GPU switch"
-        err.write(
-            f"[{args.model}: {usage.get('prompt_tokens', '?')} prompt + "
-            f"{usage.get('completion_tokens', '?')} completion tokens; {switched}, "
-            f"restore {extras.get('restore_ms', 0):.0f} ms, "
-            f"first token {extras.get('first_token_ms', 0):.0f} ms]\n"
-        )
+        _print_cost(args, answer, err)
     return EXIT_OK
+
+
+REPL_PROMPT = ">>> "
+REPL_EXIT = ("/bye", "/exit")
+
+
+def _repl(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``timeshare run MODEL``: one conversation (Timeshare's ``conversation`` extension, so each
+    turn evaluates only its new tokens). Ctrl-C stops the answer in progress (or clears the line
+    being typed); Ctrl-D or /bye exits. Without a terminal, each stdin line is a turn."""
+    _check_generation_args(args)
+    api.request("GET", f"/v1/models/{args.model}")  # an unknown model fails now, not at the first turn
+    interactive = _isatty(sys.stdin)
+    if interactive:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+        err.write(f"Chatting with {args.model}. Ctrl-C stops an answer; Ctrl-D or /bye exits.\n")
+        err.flush()
+    conversation = f"cli-run-{uuid.uuid4().hex}"
+    messages: list[dict[str, str]] = []
+    while True:
+        try:
+            if interactive:
+                line = input(REPL_PROMPT)
+            else:
+                line = sys.stdin.readline()
+                if not line:
+                    raise EOFError
+        except EOFError:
+            if interactive:
+                out.write("\n")
+            return EXIT_OK
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, like a shell
+            out.write("\n")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in REPL_EXIT:
+            return EXIT_OK
+        answer = _Answer()
+        try:
+            _turn(api, args, [*messages, {"role": "user", "content": text}], conversation, answer, out, err)
+        except KeyboardInterrupt:  # the stream is closed: the server cancels the generation
+            out.write("\n")
+            err.write("[stopped]\n")
+            err.flush()
+        except ClientError as exc:
+            out.write("\n")
+            err.write(f"timeshare run: {exc}\n")
+            err.flush()
+            continue  # the turn did not happen
+        if answer.text:  # what the model said, all or up to Ctrl-C, stays in the conversation
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
+
+
+def _turn(
+    api: Api,
+    args: argparse.Namespace,
+    messages: list[dict[str, str]],
+    conversation: str,
+    answer: _Answer,
+    out: TextIO,
+    err: TextIO,
+) -> None:
+    body = _generation_body(args, messages)
+    body["conversation"] = conversation
+    _stream_answer(api, args, body, out, err, answer)
+    out.write("\n")
+    out.flush()
+    if getattr(args, "verbose", False):
+        _print_cost(args, answer, err)
 
 
 def main(args: argparse.Namespace) -> int:

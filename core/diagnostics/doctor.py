@@ -34,8 +34,9 @@ def _default_model() -> str:
 def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
     """Run the check; returns the report (raises TimeshareError on bad input)."""
     from ..residency import Residency, ResidencyOptions
-    from .residency_check import GreedyReplay, load_for_check, run_cycles
+    from .residency_check import Cycles, GreedyReplay, load_for_check, run_cycles
 
+    _step(f"loading {model}")
     loaded = load_for_check(
         model,
         cycles,
@@ -46,15 +47,25 @@ def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
     llm, probe = loaded.llm, loaded.probe
     try:
         replay = GreedyReplay(llm)
+        _step("recording the reference: 8 greedy decode steps")
         reference = replay.run()
+        _step("attaching the residency mechanism")
         res = Residency.attach(llm, model, ResidencyOptions(mode="auto"))
-        done = run_cycles(res, replay, reference, cycles)
+        _step(f"{res.path} path on {res.backend}" + (f" ({res.reason})" if res.reason else ""))
+        done = Cycles()
+        for i in range(cycles):
+            _step(f"release/restore cycle {i + 1}/{cycles}, then the replay compared bitwise")
+            one = run_cycles(res, replay, reference, 1)
+            done.releases += one.releases
+            done.restores += one.restores
+            done.same += one.same
         releases = [r.ms for r in done.releases]
         restores = [r.ms for r in done.restores]
         freed = [r.freed_bytes for r in done.releases]
         gbps = [r.gbps for r in done.restores]
         same = done.same
         # one deeper cycle: weights + KV cache (what sleep does)
+        _step("release/restore with the KV cache (what sleep does)")
         res.release(kv=True)
         res.restore()
         kv_same = replay.run() == reference
@@ -83,6 +94,22 @@ def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
     finally:
         llm.close()
     return report
+
+
+#: each step of the check as it starts (``main`` shows them: on stdout, on stderr with --json)
+_steps = logging.getLogger(__name__ + ".steps")
+
+
+def _step(text: str) -> None:
+    _steps.info(text)
+
+
+def _show_steps(to_stderr: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr if to_stderr else sys.stdout)
+    handler.setFormatter(logging.Formatter("doctor: %(message)s"))
+    _steps.addHandler(handler)
+    _steps.setLevel(logging.INFO)
+    _steps.propagate = False
 
 
 def report_failure(command: str, exc: TimeshareError, as_json: bool) -> int:
@@ -115,6 +142,7 @@ def _print_text(r: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     model = args.model
     as_json = bool(getattr(args, "json", False))
+    _show_steps(to_stderr=as_json)  # stdout stays pure JSON
     try:
         if not model:
             model = _default_model()
