@@ -171,3 +171,52 @@ class ConversationBusyError(TimeshareError):
     """An answer is still being generated in this conversation."""
 
     code = "conversation_busy"
+
+
+# ---- getting models (core/pull.py) ----------------------------------------------------------------
+
+
+class DownloadError(TimeshareError):
+    """Getting a model failed: the network, the server, or what it sent."""
+
+    code = "download_failed"
+
+
+class RemoteNotFoundError(DownloadError):
+    """The repository, file, quantisation or URL does not exist."""
+
+    code = "remote_not_found"
+
+
+class RemoteAccessError(DownloadError):
+    """The server refused access: a gated or private repository without a valid token, HTTP 401/403."""
+
+    code = "remote_access_denied"
+
+
+class ChooseQuantisationError(DownloadError):
+    """A repository holds several quantisations and none was chosen; ``choices`` names them."""
+
+    code = "choose_quantisation"
+
+    def __init__(self, message: str, choices: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.choices = choices
+
+
+class NoSpaceError(DownloadError):
+    """The disk the model goes to has no room for it; what was downloaded is kept for a resume."""
+
+    code = "no_space"
+
+
+class CorruptDownloadError(DownloadError):
+    """The downloaded file is not what the server announced (size, sha256) or not a whole GGUF."""
+
+    code = "corrupt_download"
+
+
+class UnsupportedArchitectureError(ModelFileError):
+    """The GGUF's ``general.architecture`` is not one the installed llama.cpp can load."""
+
+    code = "unsupported_architecture"

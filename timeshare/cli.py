@@ -32,6 +32,7 @@ _HANDLERS = {
     "chat": "timeshare.client:main",
     "run": "timeshare.client:main",
     "models": "timeshare.client:main",
+    "pull": "timeshare.pull:main",
     "desktop": "timeshare.app.desktop_install:main",
 }
 # alias -> the subcommand it stands for
@@ -163,6 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="install: the .desktop entry and the icons into $XDG_DATA_HOME (~/.local/share); "
         "uninstall: remove them",
     )
+    pull = sub.add_parser(
+        "pull", help="get a model from Hugging Face or a URL (resumable, checked) and add it"
+    )
+    pull.add_argument(
+        "source",
+        help="user/repo, user/repo:QUANT, user/repo/file.gguf (hf.co/ in front is fine), "
+        "or the http(s):// URL of a .gguf file",
+    )
+    pull.add_argument("--id", help="model id to use (default: suggested from the file name)")
+    pull.add_argument(
+        "--dir",
+        metavar="DIR",
+        help="save the file(s) here (default: the Hugging Face cache for a repo, "
+        "Timeshare's data dir models/ for a URL)",
+    )
+    pull.add_argument("--quant", metavar="Q", help="the quantisation to get from a repo (e.g. Q4_K_M)")
     return parser
 
 

@@ -561,6 +561,22 @@ def _turn(
         _print_cost(args, answer, err)
 
 
+def reload_instance(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Ask the running Timeshare to re-read its config file and apply it (``POST
+    /timeshare/v1/reload``; ``timeshare pull`` calls it). Returns its answer (``config``, ``models``),
+    or None when no instance runs. ClientError when one runs but cannot be asked."""
+    if not getattr(args, "url", None):
+        try:
+            address = ApiAddress.read(paths.api_address_file())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not _pid_alive(address.pid):
+            return None
+    with Api(find_endpoint(args)) as api:
+        answer = api.request("POST", "/timeshare/v1/reload")
+    return answer if isinstance(answer, dict) else {}
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         return run_command(args, sys.stdout, sys.stderr)

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,8 +26,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..config.schema import ApiConfig
-from ..errors import TimeshareError, UnknownModelError
+from .. import paths
+from ..config.files import load_config
+from ..config.schema import ApiConfig, Config
+from ..errors import ConfigError, TimeshareError, UnknownModelError
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
@@ -508,10 +511,38 @@ async def _health(request: Request) -> Response:
     return JSONResponse({"status": "ok"}, headers={HEALTH_HEADER: "timeshare"})
 
 
-def create_app(pool: Pool, api_config: ApiConfig) -> Starlette:
-    """The Starlette app over ``pool``. ``app.state.unsubscribe()`` detaches its switch counter."""
+#: ``POST /timeshare/v1/reload``: re-reads the config file and applies it; returns (the file, its config)
+ConfigReloader = Callable[[], "tuple[Path, Config]"]
+
+
+def reload_config(pool: Pool, config_path: Path | None = None) -> tuple[Path, Config]:
+    """Re-read the config file (default: the user's) and apply it to ``pool`` (models added,
+    removed, restarted as ``Pool.apply_config`` does). Model files are not checked here: a missing
+    one makes that model FAILED while the others serve. Raises ConfigError for a bad file."""
+    path = config_path or paths.config_file()
+    config = load_config(path, check_paths=False)
+    pool.apply_config(config)
+    return path, config
+
+
+async def _reload(reloader: ConfigReloader) -> Response:
+    try:
+        path, config = await anyio.to_thread.run_sync(reloader)
+    except ConfigError as exc:
+        raise BadRequestError(str(exc), code=exc.code) from exc
+    return JSONResponse({"ok": True, "config": str(path), "models": [m.id for m in config.models]})
+
+
+def create_app(pool: Pool, api_config: ApiConfig, *, reload: ConfigReloader | None = None) -> Starlette:
+    """The Starlette app over ``pool``. ``app.state.unsubscribe()`` detaches its switch counter.
+    ``reload`` serves ``POST /timeshare/v1/reload`` (default: :func:`reload_config` of the user's file)."""
     counter = SwitchCounter()
     handlers = _Handlers(pool, api_config, counter)
+    reloader: ConfigReloader = reload or partial(reload_config, pool, None)
+
+    async def reload_endpoint(request: Request) -> Response:
+        return await _reload(reloader)
+
     routes = [
         Route(HEALTH_PATH, _health, methods=["GET"]),
         Route("/v1/models", handlers.list_models, methods=["GET"]),
@@ -520,6 +551,7 @@ def create_app(pool: Pool, api_config: ApiConfig) -> Starlette:
         Route("/v1/completions", handlers.completions, methods=["POST"]),
         Route("/timeshare/v1/status", handlers.status, methods=["GET"]),
         Route("/timeshare/v1/models/{model_id}/{command}", handlers.model_command, methods=["POST"]),
+        Route("/timeshare/v1/reload", reload_endpoint, methods=["POST"]),
     ]
     exception_handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         BadRequestError: _on_bad_request,

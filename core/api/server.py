@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import signal
 import socket
@@ -24,7 +25,7 @@ from starlette.applications import Starlette
 
 from .. import paths
 from ..arena.dirs import pid_alive
-from ..config.files import load_for_cli
+from ..config.files import cli_config_path, load_for_cli
 from ..config.schema import ApiConfig
 from ..config.validate import is_loopback
 from ..errors import ApiBindError, ArenaError, ConfigError, InstanceRunningError
@@ -34,7 +35,7 @@ from ..pool.supervisor import Pool
 from ..state import ModelState, PoolSnapshot
 from .address import ApiAddress
 from .errors import BadRequestError
-from .handlers import HEALTH_HEADER, create_app
+from .handlers import HEALTH_HEADER, ConfigReloader, create_app, reload_config
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,18 @@ class ApiServer:
     address in ``paths.api_address_file()``; ``stop()`` shuts down and removes the record.
     """
 
-    def __init__(self, pool: Pool, api_config: ApiConfig, *, address_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        api_config: ApiConfig,
+        *,
+        address_file: Path | None = None,
+        config_path: Path | None = None,
+        reload: ConfigReloader | None = None,
+    ) -> None:
         self.pool = pool
+        # POST /timeshare/v1/reload: ``reload``, else re-read ``config_path`` (default: the user's)
+        self.reload: ConfigReloader = reload or functools.partial(reload_config, pool, config_path)
         self.api_config = api_config
         self.address_file = address_file
         self.app: Starlette | None = None
@@ -137,7 +148,7 @@ class ApiServer:
         self._sock = _bind(self.api_config.host, self.api_config.port)
         self.port = int(self._sock.getsockname()[1])
         self.url = _url(self.api_config.host, self.port)
-        self.app = create_app(self.pool, self.api_config)
+        self.app = create_app(self.pool, self.api_config, reload=self.reload)
         config = uvicorn.Config(
             self.app,
             log_config=None,
@@ -238,7 +249,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     pool = Pool(config)
-    server = ApiServer(pool, api_config)
+    server = ApiServer(pool, api_config, config_path=cli_config_path(getattr(args, "config", None)))
     try:
         url = server.start()  # bind first: a port in use fails before any worker is spawned
         pool.start()

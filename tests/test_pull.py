@@ -1,0 +1,467 @@
+"""Getting models (core/pull.py, `timeshare pull`, the "Get model…" dialog) against a local server
+that plays the Hugging Face hub and a plain file server (tests/_hub_util.py). Nothing reaches the
+internet; the GGUFs are tiny real ones written with the gguf package."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _hub_util import GOOD_TOKEN, FakeHub, Repo, make_gguf, sha256
+from timeshare.core import catalog, pull
+from timeshare.core.config.files import load_config
+from timeshare.core.errors import (
+    CancelledError,
+    ChooseQuantisationError,
+    CorruptDownloadError,
+    NoSpaceError,
+    RemoteAccessError,
+    RemoteNotFoundError,
+    UnsupportedArchitectureError,
+)
+from timeshare.core.llama_archs import supported_architectures
+
+REPO = "tiny-org/Tiny-GGUF"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    server = FakeHub()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(pull, "RETRY_DELAY_S", 0.05)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """Tiny GGUFs: three quantisations of one model (sizes differ), a split model, odd ones."""
+    d = tmp_path_factory.mktemp("ggufs")
+    return {
+        "q4": make_gguf(d / "a.gguf", name="Tiny", floats=8192, file_type=15),
+        "q8": make_gguf(d / "b.gguf", name="Tiny", floats=16384, file_type=7),
+        "f16": make_gguf(d / "c.gguf", name="Tiny", floats=32768, file_type=1),
+        "mit": make_gguf(d / "d.gguf", name="Licensed", licence="MIT", floats=4096),
+        "part1": make_gguf(d / "e.gguf", name="Split", floats=8192),
+        "part2": make_gguf(d / "f.gguf", name="Split", floats=8192),
+        "alien": make_gguf(d / "g.gguf", arch="nosucharch", name="Alien", floats=65536),
+        "mmproj": make_gguf(d / "h.gguf", arch="clip", name="Projector", floats=1024),
+    }
+
+
+def _three_quants(ggufs: dict[str, bytes]) -> Repo:
+    return Repo(
+        {
+            "Tiny-Q8_0.gguf": ggufs["q8"],
+            "Tiny-Q4_K_M.gguf": ggufs["q4"],
+            "Tiny-F16.gguf": ggufs["f16"],
+            "mmproj-Tiny-F16.gguf": ggufs["mmproj"],
+            "README.md": b"# Tiny\n",
+        },
+        commit=COMMIT,
+        licence="apache-2.0",
+    )
+
+
+def _config(tmp_path: Path) -> Path:
+    path = tmp_path / "config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[api]\nport = 8385\n")
+    return path
+
+
+# ---- sources -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("user/repo", pull.HubSource("user/repo")),
+        ("user/repo:Q4_K_M", pull.HubSource("user/repo", quant="Q4_K_M")),
+        ("hf.co/user/repo:q8_0", pull.HubSource("user/repo", quant="q8_0")),
+        ("huggingface.co/user/repo", pull.HubSource("user/repo")),
+        ("user/repo/sub/x-Q4_0.gguf", pull.HubSource("user/repo", "sub/x-Q4_0.gguf")),
+        (
+            "https://huggingface.co/user/repo/resolve/main/x.gguf",
+            pull.HubSource("user/repo", "x.gguf", revision="main"),
+        ),
+        ("https://hf.co/user/repo/blob/v1/x.gguf", pull.HubSource("user/repo", "x.gguf", revision="v1")),
+        ("https://example.com/m/x.gguf", pull.UrlSource("https://example.com/m/x.gguf")),
+    ],
+)
+def test_sources_parse(text: str, expected: pull.Source) -> None:
+    assert pull.parse_source(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "justaname", "user/repo/README.md", "https://example.com/page", "user/repo:", "-x/y"],
+)
+def test_bad_sources_say_what_a_source_is(text: str) -> None:
+    with pytest.raises(ValueError):
+        pull.parse_source(text)
+
+
+def test_quant_given_twice_must_agree() -> None:
+    assert pull.parse_source("u/r", "Q4_K_M") == pull.HubSource("u/r", quant="Q4_K_M")
+    assert pull.parse_source("u/r:q4_k_m", "Q4_K_M").quant == "q4_k_m"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="two quantisations"):
+        pull.parse_source("u/r:Q8_0", "Q4_K_M")
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Q4_K_M"),
+        ("qwen2.5-0.5b-instruct-q8_0.gguf", "Q8_0"),
+        ("gemma-3-270m-it-UD-Q4_K_XL.gguf", "UD-Q4_K_XL"),
+        ("model.IQ4_XS.gguf", "IQ4_XS"),
+        ("sub/model-bf16-00001-of-00003.gguf", "BF16"),
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "Q4_1"),
+        ("plain.gguf", ""),
+    ],
+)
+def test_quant_labels_come_from_file_names(name: str, label: str) -> None:
+    assert pull.quant_label(name) == label
+
+
+def test_architectures_come_from_the_installed_llama_cpp() -> None:
+    support = supported_architectures()
+    assert support.exact, support.source  # read from libllama itself, not the fallback table
+    assert {"llama", "gemma3", "qwen2"} <= support.names
+    assert support.supports("llama") and not support.supports("nosucharch")
+    assert not support.supports("clip")  # a vision projector: not a chat model
+
+
+# ---- the hub -------------------------------------------------------------------------------
+
+
+def test_a_repo_lists_its_quantisations_and_pulls_the_one_asked_for(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    listing = pull.list_source(pull.parse_source(REPO))
+    assert [c.label for c in listing.choices] == ["Q4_K_M", "Q8_0", "F16"]  # by size; mmproj left out
+    assert [c.size for c in listing.choices] == [len(ggufs["q4"]), len(ggufs["q8"]), len(ggufs["f16"])]
+    assert listing.licence == "apache-2.0"
+    with pytest.raises(ChooseQuantisationError) as asked:
+        pull.choose(listing)
+    assert asked.value.choices == ("Q4_K_M", "Q8_0", "F16")
+    with pytest.raises(RemoteNotFoundError, match="no quantisation Q2_K; it has: Q4_K_M, Q8_0, F16"):
+        pull.choose(listing, "Q2_K")
+
+    choice = pull.choose(listing, "q8_0")
+    seen: list[pull.Progress] = []
+    result = pull.pull(listing, choice, progress=seen.append)
+
+    # the Hugging Face cache layout, so `hf`, llama.cpp and the catalog share the file
+    storage = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF"
+    digest = sha256(ggufs["q8"])
+    assert result.path == storage / "snapshots" / COMMIT / "Tiny-Q8_0.gguf"
+    assert result.path.is_symlink() and os.readlink(result.path) == f"../../blobs/{digest}"
+    assert (storage / "blobs" / digest).read_bytes() == ggufs["q8"]
+    assert (storage / "refs" / "main").read_text() == COMMIT
+    assert not list((storage / "blobs").glob("*.incomplete"))
+    found = catalog.scan(["hf"], hf=tmp_path / "hf" / "hub")
+    assert [e.path for e in found] == [str(result.path)]
+
+    assert result.entry.architecture == "llama" and result.entry.quantisation == "Q8_0"
+    assert result.entry.licence == "apache-2.0"  # the GGUF names none: the repo card's
+    assert result.downloaded == len(ggufs["q8"]) and result.architecture_checked
+    assert seen and seen[-1].done == seen[-1].total == len(ggufs["q8"])
+    # the file came from the "CDN" host, without the hub's token
+    cdn = hub.seen("GET", "/cdn/")
+    assert len(cdn) == 1 and cdn[0].auth is None
+
+    # pulled again: nothing is downloaded, the cached file is checked and used
+    again = pull.pull(listing, choice)
+    assert again.path == result.path and again.downloaded == 0
+    assert len(hub.seen("GET", "/cdn/")) == 1
+
+
+def test_the_model_goes_into_the_config_once(hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    listing = pull.list_source(pull.parse_source(f"{REPO}:Q4_K_M"))
+    result = pull.pull(listing, pull.choose(listing))
+    config_path = _config(tmp_path)
+    _, model, added = pull.add_to_config(result, config_path)
+    assert added and model.id == "tiny-q4_k_m" and model.name == "Tiny"
+    assert model.path == str(result.path) and model.licence == "apache-2.0"
+    assert load_config(config_path).models == (model,)
+    # the same file again: left as it is; another id for it is refused only when taken
+    _, same, added_again = pull.add_to_config(result, config_path)
+    assert not added_again and same == model
+    assert len(load_config(config_path).models) == 1
+    _, renamed, added_renamed = pull.add_to_config(result, config_path, model_id="tiny-two")
+    assert added_renamed and renamed.id == "tiny-two"
+
+
+def test_without_a_config_file_the_demo_models_stay(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_path: Path
+) -> None:
+    from timeshare.core.config import demo
+    from timeshare.core.config.schema import ModelConfig
+
+    demo_model = ModelConfig(id="smollm2-135m-instruct", path=str(smollm2_path), licence="Apache-2.0")
+    monkeypatch.setattr(demo, "demo_model_configs", lambda: (demo_model,))
+    hub.repos[REPO] = Repo({"Tiny-Q4_K_M.gguf": ggufs["mit"]}, commit=COMMIT)
+    listing = pull.list_source(pull.parse_source(REPO))
+    result = pull.pull(listing, pull.choose(listing))
+    assert result.entry.licence == "MIT"  # the GGUF's own licence
+    target = tmp_path / "new" / "config.toml"
+    pull.add_to_config(result, target)
+    ids = [m.id for m in load_config(target).models]
+    assert ids == ["smollm2-135m-instruct", "tiny-q4_k_m"]
+
+
+def test_a_split_model_downloads_whole(hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path) -> None:
+    hub.repos[REPO] = Repo(
+        {
+            "Q4_K_M/Split-Q4_K_M-00001-of-00002.gguf": ggufs["part1"],
+            "Q4_K_M/Split-Q4_K_M-00002-of-00002.gguf": ggufs["part2"],
+            "Split-Q8_0-00001-of-00002.gguf": ggufs["part1"],  # incomplete: not offered
+        },
+        commit=COMMIT,
+    )
+    listing = pull.list_source(pull.parse_source(REPO))
+    assert [(c.label, len(c.files)) for c in listing.choices] == [("Q4_K_M", 2)]
+    result = pull.pull(listing, listing.choices[0])
+    snap = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "snapshots" / COMMIT / "Q4_K_M"
+    assert result.files == (
+        snap / "Split-Q4_K_M-00001-of-00002.gguf",
+        snap / "Split-Q4_K_M-00002-of-00002.gguf",
+    )
+    assert result.path == result.files[0]
+    assert result.entry.size == len(ggufs["part1"]) + len(ggufs["part2"])
+    # naming the second part pulls the whole model too
+    by_part = pull.list_source(pull.parse_source(f"{REPO}/Q4_K_M/Split-Q4_K_M-00002-of-00002.gguf"))
+    assert [len(c.files) for c in by_part.choices] == [2]
+
+
+def test_a_dropped_connection_resumes_where_it_stopped(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    hub.faults.drop_after["Tiny-F16.gguf"] = 40960  # a multiple of the chunk size
+    listing = pull.list_source(pull.parse_source(f"{REPO}:F16"))
+    result = pull.pull(listing, pull.choose(listing), chunk_size=4096)
+    assert result.path.read_bytes() == ggufs["f16"]
+    assert [r.range for r in hub.seen("GET", "/cdn/")] == [None, "bytes=40960-"]
+
+
+def test_cancel_keeps_what_was_downloaded_and_the_next_pull_resumes(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    hub.faults.delay_per_chunk = 0.02  # 8 KiB every 20 ms: progress reports come mid-file
+    listing = pull.list_source(pull.parse_source(f"{REPO}:F16"))
+    choice = pull.choose(listing)
+    cancel = threading.Event()
+
+    def stop_midway(p: pull.Progress) -> None:
+        if p.done >= 40000:
+            cancel.set()
+
+    with pytest.raises(CancelledError):
+        pull.pull(listing, choice, progress=stop_midway, cancel=cancel, chunk_size=4096)
+    blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
+    (partial,) = blobs.glob("*.incomplete")
+    kept = partial.stat().st_size
+    assert 40000 <= kept < len(ggufs["f16"])
+    assert not list(blobs.glob(sha256(ggufs["f16"])))  # never used before it is whole
+
+    hub.faults.delay_per_chunk = 0
+    result = pull.pull(listing, choice, chunk_size=4096)
+    assert result.path.read_bytes() == ggufs["f16"]
+    assert result.downloaded == len(ggufs["f16"]) - kept
+    assert hub.seen("GET", "/cdn/")[-1].range == f"bytes={kept}-"
+    assert not partial.exists()
+
+
+def test_a_corrupted_download_is_refused_and_deleted(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    bad = bytearray(ggufs["q4"])
+    bad[-100] ^= 0xFF  # one bit flipped in the tensor data: same size, another sha256
+    hub.faults.serve_instead["Tiny-Q4_K_M.gguf"] = bytes(bad)
+    listing = pull.list_source(pull.parse_source(f"{REPO}:Q4_K_M"))
+    with pytest.raises(CorruptDownloadError, match="sha256"):
+        pull.pull(listing, pull.choose(listing))
+    storage = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF"
+    assert not [p for p in (storage / "blobs").iterdir() if not p.name.endswith(".lock")]
+    assert not (storage / "snapshots").exists() or not list((storage / "snapshots").rglob("*.gguf"))
+
+
+def test_a_short_download_is_refused(hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    hub.faults.announce_size["Tiny-Q4_K_M.gguf"] = len(ggufs["q4"]) + 1000
+    listing = pull.list_source(pull.parse_source(f"{REPO}:Q4_K_M"))
+    with pytest.raises(CorruptDownloadError, match=f"arrived with {len(ggufs['q4'])} bytes"):
+        pull.pull(listing, pull.choose(listing))
+    blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
+    assert not [p for p in blobs.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_an_architecture_llama_cpp_cannot_load_is_refused_before_the_download(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pull, "PEEK_BYTES", 4096)
+    hub.repos[REPO] = Repo({"Alien-F32.gguf": ggufs["alien"]}, commit=COMMIT)
+    listing = pull.list_source(pull.parse_source(REPO))
+    with pytest.raises(UnsupportedArchitectureError, match=r"'nosucharch'.*cannot load"):
+        pull.pull(listing, listing.choices[0], chunk_size=4096)
+    blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
+    assert not [p for p in blobs.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_a_missing_repo_and_a_gated_one_say_what_to_do(
+    hub: FakeHub, ggufs: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(
+        RemoteNotFoundError, match=r"tiny-org/nope was not found on http://127.0.0.1:.*check the name"
+    ):
+        pull.list_source(pull.parse_source("tiny-org/nope"))
+    hub.repos[REPO] = Repo({"Tiny-Q4_K_M.gguf": ggufs["q4"]}, commit=COMMIT, gated=True)
+    listing = pull.list_source(pull.parse_source(REPO))
+    assert listing.gated
+    with pytest.raises(RemoteAccessError, match=r"gated repository: accept its conditions.*HF_TOKEN"):
+        pull.pull(listing, listing.choices[0])
+    assert hub.seen("HEAD", "/resolve/")[-1].auth is None
+    with pytest.raises(RemoteNotFoundError, match=r"has no GGUF file other.gguf"):
+        pull.list_source(pull.parse_source(f"{REPO}/other.gguf"))
+    monkeypatch.setenv("HF_TOKEN", GOOD_TOKEN)  # the token from its usual place
+    result = pull.pull(listing, listing.choices[0])
+    assert result.path.read_bytes() == ggufs["q4"]
+
+
+def test_no_space_left_is_a_clear_error(
+    hub: FakeHub, ggufs: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    monkeypatch.setattr(pull, "_free_bytes", lambda folder: 10_000)
+    listing = pull.list_source(pull.parse_source(f"{REPO}:F16"))
+    with pytest.raises(NoSpaceError, match=r"not enough disk space .* Free some space"):
+        pull.pull(listing, pull.choose(listing))
+    assert not hub.seen("GET", "/cdn/")
+
+
+# ---- plain URLs ----------------------------------------------------------------------------
+
+
+def test_a_url_downloads_into_the_models_folder(
+    hub: FakeHub, ggufs: dict[str, bytes], timeshare_home: Path
+) -> None:
+    hub.files["Tiny-Q4_K_M.gguf"] = ggufs["q4"]
+    hub.faults.drop_after["Tiny-Q4_K_M.gguf"] = 8192
+    listing = pull.list_source(pull.parse_source(f"{hub.url}/files/Tiny-Q4_K_M.gguf"))
+    result = pull.pull(listing, pull.choose(listing), chunk_size=4096)
+    assert result.path == timeshare_home / "data" / "models" / "Tiny-Q4_K_M.gguf"
+    assert result.path.read_bytes() == ggufs["q4"]
+    assert [r.range for r in hub.seen("GET", "/files/")] == [None, "bytes=8192-"]
+    assert sorted(p.name for p in result.path.parent.iterdir()) == ["Tiny-Q4_K_M.gguf"]
+
+
+def test_a_url_split_model_and_dir(hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path) -> None:
+    hub.files["S-Q4_0-00001-of-00002.gguf"] = ggufs["part1"]
+    hub.files["S-Q4_0-00002-of-00002.gguf"] = ggufs["part2"]
+    listing = pull.list_source(pull.parse_source(f"{hub.url}/files/S-Q4_0-00002-of-00002.gguf"))
+    result = pull.pull(listing, pull.choose(listing), dest_dir=tmp_path / "mine")
+    assert [p.name for p in result.files] == ["S-Q4_0-00001-of-00002.gguf", "S-Q4_0-00002-of-00002.gguf"]
+    assert result.path.parent == tmp_path / "mine" and result.files[1].read_bytes() == ggufs["part2"]
+
+
+def test_a_url_that_is_not_a_gguf_is_refused(hub: FakeHub, timeshare_home: Path) -> None:
+    hub.files["page.gguf"] = b"<!doctype html><html><body>Download page</body></html>" * 50
+    listing = pull.list_source(pull.parse_source(f"{hub.url}/files/page.gguf"))
+    with pytest.raises(CorruptDownloadError, match="not a GGUF model file"):
+        pull.pull(listing, pull.choose(listing))
+    assert list((timeshare_home / "data" / "models").iterdir()) == []
+
+
+def test_a_url_404_and_401_say_so(hub: FakeHub) -> None:
+    with pytest.raises(RemoteNotFoundError, match="was not found \\(HTTP 404\\)"):
+        pull.list_source(pull.parse_source(f"{hub.url}/files/missing.gguf"))
+    with pytest.raises(RemoteAccessError, match="refused access \\(HTTP 401\\)"):
+        pull.list_source(pull.parse_source(f"{hub.url}/files/private/x.gguf"))
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def _cli(home: Path, *argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, **env, "TIMESHARE_HOME": str(home)}
+    full.pop("TIMESHARE_VRAM_ARENA", None)
+    return subprocess.run(
+        [sys.executable, "-m", "timeshare", *argv],
+        capture_output=True,
+        text=True,
+        env=full,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+
+
+def test_the_command_pulls_adds_and_lists_quantisations(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    home = tmp_path / "home"
+    config = _config(home / "config")
+    env = {k: os.environ[k] for k in ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "HF_HUB_CACHE")}
+
+    asked = _cli(home, "pull", REPO, env=env)
+    assert asked.returncode == 2, asked.stderr
+    assert "has 3 quantisations" in asked.stderr and "--quant" in asked.stderr
+    assert "Q4_K_M" in asked.stderr and "Q8_0" in asked.stderr
+
+    done = _cli(home, "pull", f"hf.co/{REPO}", "--quant", "Q4_K_M", "--id", "tiny", env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"Added model tiny ({tmp_path / 'hf' / 'hub'}")
+    assert (
+        "Checked size, sha256, GGUF header and architecture: llama, Q4_K_M, licence apache-2.0" in done.stderr
+    )
+    assert "No running Timeshare to reload" in done.stderr
+    assert "Tiny-Q4_K_M.gguf" in done.stderr and "100%" in done.stderr  # progress lines on stderr
+    (model,) = load_config(config).models
+    assert model.id == "tiny" and model.licence == "apache-2.0"
+
+    missing = _cli(home, "pull", "tiny-org/nope", env=env)
+    assert missing.returncode == 1
+    assert missing.stderr.strip().endswith(
+        "if it is private, log in with `hf auth login` or set HF_TOKEN to a token with read access"
+    )
+    bad = _cli(home, "pull", "not-a-source", env=env)
+    assert bad.returncode == 2 and "is not a model source" in bad.stderr
+
+
+@pytest.mark.slow
+def test_a_running_instance_picks_the_model_up(hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path) -> None:
+    from _api_util import serving
+
+    hub.repos[REPO] = _three_quants(ggufs)
+    home = tmp_path / "home"
+    _config(home / "config")
+    env = {k: os.environ[k] for k in ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "HF_HUB_CACHE")}
+    with serving(home) as served:
+        done = _cli(home, "pull", f"{REPO}:Q4_K_M", env=env)
+        assert done.returncode == 0, done.stderr
+        assert "The running Timeshare reloaded its configuration and starts tiny-q4_k_m" in done.stderr
+        status = httpx.get(f"{served.url}/timeshare/v1/status").json()
+        assert [m["id"] for m in status["models"]] == ["tiny-q4_k_m"]
+        # a broken config file is refused with its problems, and nothing changes
+        (home / "config" / "config.toml").write_text("[[models]]\nid = 'x'\n")
+        refused = httpx.post(f"{served.url}/timeshare/v1/reload")
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_config"
+        status = httpx.get(f"{served.url}/timeshare/v1/status").json()
+        assert [m["id"] for m in status["models"]] == ["tiny-q4_k_m"]
