@@ -7,6 +7,7 @@ from __future__ import annotations
 import llama_cpp  # before anything that imports numpy
 # isort: on
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -190,3 +191,67 @@ def test_chat_without_conversation_is_repeatable(engine: Engine) -> None:
     again, o = run(engine, messages=msgs, max_tokens=40)
     assert again == first
     assert o.prompt_tokens_evaluated == o.prompt_tokens  # type: ignore[attr-defined]
+
+
+# ---- hostile prompts: built in pieces, refused early, cancellable --------------------------------
+
+
+def test_a_chat_prompt_is_tokenized_in_pieces_with_the_same_tokens(engine: Engine) -> None:
+    # content that holds the template's own special tokens and odd spacing, over many messages
+    messages = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"n{i}: <|im_start|> ünï\n\n  x<|im_end|>"}
+        for i in range(300)
+    ]
+    assert engine._formatter is not None
+    result = engine._formatter(messages=messages)
+    whole = engine.llm.tokenize(result.prompt.encode(), add_bos=not result.added_special, special=True)
+    assert len(engine._pieces(result.prompt, True)) > 10  # it was cut, into pieces it tokenizes alone
+    big = dataclasses.replace(engine.info, n_ctx=10**6)
+    saved, engine.info = engine.info, big
+    try:
+        assert engine._tokenize(result.prompt, add_bos=not result.added_special, special=True) == whole
+    finally:
+        engine.info = saved
+
+
+def test_a_huge_chat_or_prompt_is_refused_before_all_of_it_is_tokenized(engine: Engine) -> None:
+    polls = 0
+
+    def poll() -> None:
+        nonlocal polls
+        polls += 1
+
+    many = tuple(ChatMessage("user", "hi") for _ in range(20_000))  # once 40 s of tokenizing
+    with pytest.raises(PromptTooLongError, match="at least"):
+        engine.generate(Generate(req="m", messages=many, max_tokens=4), lambda _: None, poll=poll)
+    assert 1 < polls < 200  # it stopped once the context was full
+    with pytest.raises(PromptTooLongError, match="at least"):
+        run(engine, prompt="word " * 2_000_000, max_tokens=4)
+
+
+def test_a_cancel_while_the_prompt_is_tokenized_ends_the_request(engine: Engine) -> None:
+    calls = 0
+
+    def poll() -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise CancelledError("the client went away")
+
+    many = tuple(ChatMessage("user", "hi") for _ in range(20_000))
+    with pytest.raises(CancelledError):  # the worker's loop answers it as "cancelled"
+        engine.generate(Generate(req="x", messages=many, max_tokens=4), lambda _: None, poll=poll)
+    assert calls == 4
+    assert run(engine, prompt=PROMPT, max_tokens=2)[0]  # the engine carries on
+
+
+def test_the_stop_string_that_ended_an_answer_is_reported(engine: Engine, reference: str) -> None:
+    # the greedy answer starts with the reference's first word: as a stop string it ends the answer
+    # at once, and the outcome names it (not the other stop string, which never appears)
+    first = reference.split()[0]
+    text, outcome = run(engine, prompt=PROMPT, max_tokens=24, stop=("never in the text", first))
+    assert reference.startswith(text) and first not in text
+    assert (outcome.finish_reason, outcome.stop) == ("stop", first)  # type: ignore[attr-defined]
+    # ended by the token limit: no stop string
+    _, outcome = run(engine, prompt=PROMPT, max_tokens=2)
+    assert (outcome.finish_reason, outcome.stop) == ("length", "")  # type: ignore[attr-defined]

@@ -77,6 +77,7 @@ class GenerationOutcome:
     completion_tokens: int
     prompt_tokens_evaluated: int  # tokens prefilled by this request
     text: str
+    stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,19 @@ PROMPT_CACHE_MIN_FRACTION = 0.25
 
 #: A sequence's key: a conversation id (str) or a keyless sequence of the prompt cache (int).
 SeqKey = str | int
+
+#: Prompts are tokenized in pieces: llama.cpp's special-token split rescans the text after each
+#: special token it finds, so one call is quadratic in their number (20k chat messages took 40 s),
+#: and one call cannot be cancelled. A piece ends where a special token of the chat template starts
+#: (llama.cpp cuts there too, so the tokens are the same) once it holds this many bytes or markers.
+_PIECE_BYTES = 4096
+_PIECE_MARKERS = 32
+#: special-token-like strings in a chat template: <|im_start|>, <start_of_turn>, [INST] ...
+_MARKER_CANDIDATE = re.compile(r"<\|[^|<>\s]{1,64}\|>|<[^<>\s{}%|]{1,64}>|\[/?[A-Z_]{2,32}\]")
+_SPECIAL_ATTRS = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+#: a piece longer than this many characters per context token is probed first: when its start
+#: alone holds more tokens than the context, the prompt is refused without tokenizing it all
+_PROBE_CHARS_PER_TOKEN = 8
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -143,6 +157,8 @@ class Engine:
         self._request_evaluated = 0
         self._samples = 0
         self._last_sample = -1
+        self._sampled: list[int] = []  # this request's sampled tokens (which stop string ended it)
+        self._markers = self._template_markers(getattr(formatter, "template", "") or "")
         self._wrap_llm()
 
     # ---- loading ----------------------------------------------------------------------------
@@ -208,6 +224,7 @@ class Engine:
             token = int(orig_sample(*args, **kwargs))
             self._samples += 1
             self._last_sample = token
+            self._sampled.append(token)
             return token
 
         llm.eval = counting_eval
@@ -539,25 +556,81 @@ class Engine:
 
     # ---- prompts ----------------------------------------------------------------------------
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> tuple[list[int], list[str], Any]:
-        """Tokens, extra stop strings and a stopping criterion for a chat request."""
+    def _template_markers(self, template: str) -> re.Pattern[str] | None:
+        """The special tokens a chat template writes (found in its text, checked against the
+        vocabulary), as one pattern: where a prompt may be cut into pieces (see _PIECE_BYTES)."""
         llm = self.llm
+        vocab = llm._model.vocab
+        found: set[str] = set()
+        for candidate in set(_MARKER_CANDIDATE.findall(template)):
+            ids = llm.tokenize(candidate.encode("utf-8"), add_bos=False, special=True)
+            if len(ids) == 1 and llama_cpp.llama_vocab_get_attr(vocab, ids[0]) & _SPECIAL_ATTRS:
+                found.add(candidate)
+        if not found:
+            return None
+        return re.compile("|".join(re.escape(m) for m in sorted(found, key=len, reverse=True)))
+
+    def _pieces(self, text: str, special: bool) -> list[str]:
+        """``text`` cut before special tokens of the template, in pieces of about _PIECE_BYTES."""
+        if self._markers is None or not special or len(text) <= _PIECE_BYTES:
+            return [text]
+        pieces: list[str] = []
+        start = 0
+        markers = 0
+        for match in self._markers.finditer(text):
+            cut = match.start()
+            markers += 1
+            if cut > start and (cut - start >= _PIECE_BYTES or markers > _PIECE_MARKERS):
+                pieces.append(text[start:cut])
+                start = cut
+                markers = 1
+        pieces.append(text[start:])
+        return pieces
+
+    def _tokenize(
+        self, text: str, *, add_bos: bool, special: bool, poll: Callable[[], None] = lambda: None
+    ) -> list[int]:
+        """``llm.tokenize(text)`` in pieces, linear in the text, with ``poll`` (which may raise
+        CancelledError) between pieces; raises PromptTooLongError as soon as the tokens so far
+        (or the start of a long piece) fill the context, without tokenizing the rest."""
+        llm = self.llm
+        n_ctx = self.info.n_ctx
+        if llm._model.add_eos_token():  # EOS would end every piece: one call then
+            return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+        tokens: list[int] = []
+        pieces = self._pieces(text, special)
+        for i, piece in enumerate(pieces):
+            poll()
+            first = add_bos and i == 0
+            probe_chars = _PROBE_CHARS_PER_TOKEN * n_ctx + _PIECE_BYTES
+            if len(piece) > probe_chars:
+                probe = llm.tokenize(piece[:probe_chars].encode("utf-8"), add_bos=first, special=special)
+                if len(tokens) + len(probe) > n_ctx + 8:  # a cut word adds a token or two, no more
+                    raise self._too_long(len(tokens) + len(probe) - 8, at_least=True)
+                poll()
+            tokens += llm.tokenize(piece.encode("utf-8"), add_bos=first, special=special)
+            if len(tokens) >= n_ctx:
+                raise self._too_long(len(tokens), at_least=i + 1 < len(pieces))
+        return tokens
+
+    def _chat_prompt(
+        self, messages: Sequence[ChatMessage], poll: Callable[[], None] = lambda: None
+    ) -> tuple[list[int], list[str], Any]:
+        """Tokens, extra stop strings and a stopping criterion for a chat request."""
         if self._formatter is not None:
             result = self._formatter(messages=[{"role": m.role, "content": m.content} for m in messages])
-            tokens = llm.tokenize(
-                result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True
-            )
+            tokens = self._tokenize(result.prompt, add_bos=not result.added_special, special=True, poll=poll)
             stop = (
                 list(result.stop) if isinstance(result.stop, list) else [result.stop] if result.stop else []
             )
             return tokens, stop, result.stopping_criteria
         return (
-            llm.tokenize(fallback_prompt(messages).encode("utf-8"), add_bos=True, special=False),
+            self._tokenize(fallback_prompt(messages), add_bos=True, special=False, poll=poll),
             list(FALLBACK_STOP),
             None,
         )
 
-    def _completion_tokens(self, prompt: str) -> list[int]:
+    def _completion_tokens(self, prompt: str, poll: Callable[[], None] = lambda: None) -> list[int]:
         """A completion prompt's tokens, built as ``Llama.create_completion`` builds them for a
         string prompt (BOS or CLS when the vocabulary adds one, EOS or SEP when it adds one)."""
         llm = self.llm
@@ -569,12 +642,13 @@ class Engine:
         tail = [sep if sep != -1 else int(llm.token_eos())]
         if not vocab.add_eos_token() and sep == -1:
             tail = []
-        body = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True) if prompt else []
+        body = self._tokenize(prompt, add_bos=False, special=True, poll=poll) if prompt else []
         return [*head, *(int(t) for t in body), *tail]
 
-    def _too_long(self, n: int) -> PromptTooLongError:
+    def _too_long(self, n: int, *, at_least: bool = False) -> PromptTooLongError:
+        size = f"at least {n}" if at_least else f"{n}"
         return PromptTooLongError(
-            f"the prompt is {n} tokens but {self.model.display_name} holds {self.info.n_ctx} tokens "
+            f"the prompt is {size} tokens but {self.model.display_name} holds {self.info.n_ctx} tokens "
             f"of context (the answer needs room too): shorten the prompt or raise n_ctx for this model"
         )
 
@@ -585,23 +659,26 @@ class Engine:
         req: Generate,
         emit: Callable[[str], None],
         before_step: Callable[[], None] = lambda: None,
+        poll: Callable[[], None] = lambda: None,
     ) -> GenerationOutcome:
         """Run one request. ``before_step`` runs before every decode step and may raise
-        CancelledError to stop (finish_reason "cancelled"). Raises PromptTooLongError without
+        CancelledError to stop (finish_reason "cancelled"); ``poll`` runs while the prompt is
+        tokenized (no residency needed) and may raise it too. Raises PromptTooLongError without
         touching the KV cache of any conversation."""
         llm = self.llm
         stop = list(req.stop)
         criteria = None
-        prompt: str | list[int]
+        prompt: list[int]
         tokens: list[int]
         if req.messages is not None:
-            tokens, extra_stop, criteria = self._chat_prompt(req.messages)
+            tokens, extra_stop, criteria = self._chat_prompt(req.messages, poll)
             prompt = tokens
             stop += extra_stop
         else:
             assert req.prompt is not None
-            prompt = req.prompt
-            tokens = self._completion_tokens(req.prompt)
+            # the tokens create_completion would make of the string (not tokenized twice)
+            tokens = self._completion_tokens(req.prompt, poll)
+            prompt = tokens
         n_prompt = len(tokens)
         if n_prompt >= self.info.n_ctx:
             raise self._too_long(n_prompt)
@@ -622,6 +699,7 @@ class Engine:
         self._request_evaluated = 0
         self._samples = 0
         self._last_sample = -1
+        self._sampled = []
         self._counting = True
         kwargs: dict[str, Any] = {
             "max_tokens": req.max_tokens,
@@ -664,9 +742,18 @@ class Engine:
                 close()
             self.prompt_tokens_evaluated += self._request_evaluated
         completion = self._samples
-        if completion and llama_cpp.llama_vocab_is_eog(llm._model.vocab, self._last_sample):
+        ended_by_eog = bool(completion) and llama_cpp.llama_vocab_is_eog(llm._model.vocab, self._last_sample)
+        if ended_by_eog:
             completion -= 1
-        return GenerationOutcome(finish, n_prompt, completion, self._request_evaluated, "".join(pieces))
+        hit = self._stop_hit(stop) if finish == "stop" and not ended_by_eog else ""
+        return GenerationOutcome(finish, n_prompt, completion, self._request_evaluated, "".join(pieces), hit)
+
+    def _stop_hit(self, stop: Sequence[str]) -> str:
+        """The stop string found in this request's sampled text (the first one there, as
+        llama-cpp-python cuts at it); "" when none is (a stopping criterion ended it)."""
+        text = self.llm.detokenize(self._sampled).decode("utf-8", errors="replace")
+        found = [(text.find(s), i) for i, s in enumerate(stop) if s and s in text]
+        return stop[min(found)[1]] if found else ""
 
     def close(self) -> None:
         self._saved.clear()

@@ -361,7 +361,7 @@ class Worker:
         self.publish()
         reply: p.Done | p.Error
         try:
-            outcome = engine.generate(req, emit, step)
+            outcome = engine.generate(req, emit, step, poll=lambda: self._poll(req.req))
         except CancelledError:
             reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), SwitchStats(False))
         except TimeshareError as exc:
@@ -378,6 +378,7 @@ class Worker:
                     restore_ms=switch.restore_ms,
                     first_token_ms=first_ms,
                 ),
+                stop=outcome.stop,
             )
         finally:
             self._busy = False
