@@ -378,7 +378,6 @@ class Worker:
                     restore_ms=switch.restore_ms,
                     first_token_ms=first_ms,
                 ),
-                stop=outcome.stop,
             )
         finally:
             self._busy = False
