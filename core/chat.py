@@ -49,6 +49,8 @@ class ResultLike(Protocol):
     def usage(self) -> UsageLike: ...
     @property
     def switch(self) -> SwitchStats | None: ...
+    @property
+    def stop(self) -> str: ...  # the stop string that ended it ("": none)
 
 
 class GenerationLike(Protocol):
@@ -221,6 +223,7 @@ class ChatTurn:
             else None,
             elapsed_ms=round(elapsed * 1000.0, 3),
             tokens_per_s=round(tps, 3),
+            stop=result.stop if result.finish_reason == "stop" else "",
         )
 
 
@@ -247,13 +250,18 @@ class ChatService:
         return self.store.create_conversation(model_id, title)
 
     def model_messages(self, conversation_id: str) -> tuple[ChatMessage, ...]:
-        """What the model sees: the stored history (empty, unfinished answers left out)."""
-        return self._model_messages(self.store.messages(conversation_id))
+        """What the model sees: the conversation's system prompt (else the service's), then the
+        stored history (empty, unfinished answers left out)."""
+        conversation = self.store.get(conversation_id)
+        return self._model_messages(conversation, self.store.messages(conversation_id))
 
-    def _model_messages(self, history: Sequence[Message]) -> tuple[ChatMessage, ...]:
+    def _model_messages(
+        self, conversation: Conversation, history: Sequence[Message]
+    ) -> tuple[ChatMessage, ...]:
         out: list[ChatMessage] = []
-        if self.system_prompt:
-            out.append(ChatMessage("system", self.system_prompt))
+        system_prompt = conversation.system_prompt.strip() or self.system_prompt
+        if system_prompt:
+            out.append(ChatMessage("system", system_prompt))
         for m in history:
             if m.role == "assistant" and not m.complete and not m.content:
                 continue
@@ -263,7 +271,8 @@ class ChatService:
     def send(self, conversation_id: str, text: str, *, prewoken: bool = False, **sampling: Any) -> ChatTurn:
         """Save ``text`` as the user's message and start the model's answer.
 
-        ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop (passed to the pool).
+        ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop (passed to the pool);
+        max_tokens and temperature default to the conversation's settings (``Store.set_options``).
         ``prewoken``: the caller restored the model ahead of this request (noted in the stats).
         Raises UnknownConversationError, EmptyMessageError, and the pool's errors
         (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
@@ -293,7 +302,9 @@ class ChatService:
             while history and history[-1].role == "assistant":
                 self.store.delete_message(history.pop().id)
             # the history as it is now in the store: the trailing answers were just deleted
-            return self._answer(conversation, history[-1], self._model_messages(history), sampling, prewoken)
+            return self._answer(
+                conversation, history[-1], self._model_messages(conversation, history), sampling, prewoken
+            )
 
     def active_turn(self, conversation_id: str) -> ChatTurn | None:
         """The answer still being generated in this conversation, if any."""
@@ -327,6 +338,12 @@ class ChatService:
     ) -> ChatTurn:
         assistant = self.store.add_message(conversation.id, "assistant", "", complete=False)
         started = time.monotonic()
+        # the conversation's own settings, unless the caller gave others
+        sampling = {
+            "temperature": conversation.temperature,
+            "max_tokens": conversation.max_tokens,
+            **sampling,
+        }
         try:
             generation = self.pool.generate(
                 conversation.model_id, messages=messages, conversation=conversation.id, **sampling

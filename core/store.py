@@ -29,7 +29,11 @@ log = logging.getLogger(__name__)
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+#: a conversation's answer settings until the user changes them (the chat window's defaults)
+DEFAULT_TEMPERATURE = 0.0  # greedy
+DEFAULT_MAX_TOKENS = 512
 
 _T = TypeVar("_T")
 
@@ -55,6 +59,12 @@ _MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX messages_conversation ON messages(conversation_id, id);
     """,
+    # 2: per-conversation answer settings (existing conversations get the defaults)
+    f"""
+    ALTER TABLE conversations ADD COLUMN system_prompt TEXT NOT NULL DEFAULT '';
+    ALTER TABLE conversations ADD COLUMN temperature REAL NOT NULL DEFAULT {DEFAULT_TEMPERATURE!r};
+    ALTER TABLE conversations ADD COLUMN max_tokens INTEGER NOT NULL DEFAULT {DEFAULT_MAX_TOKENS};
+    """,
 )
 
 
@@ -66,6 +76,11 @@ class Conversation:
     created: float  # unix seconds
     updated: float
     message_count: int = 0
+    # how its answers are made: the system prompt sent first ("" none), sampling temperature (0:
+    # greedy) and the most tokens an answer may have
+    system_prompt: str = ""
+    temperature: float = DEFAULT_TEMPERATURE
+    max_tokens: int = DEFAULT_MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,7 @@ class AnswerStats:
     prewoken: bool = False  # the model was restored while the user typed (and did not switch at send)
     error: str = ""
     error_code: str = ""
+    stop: str = ""  # finish_reason "stop": the stop string that ended it ("": its end-of-turn token)
 
     def to_json(self) -> dict[str, object]:
         """The JSON object saved in the store."""
@@ -135,6 +151,7 @@ class AnswerStats:
             prewoken=data.get("prewoken") is True,
             error=text("error"),
             error_code=text("error_code"),
+            stop=text("stop"),
         )
 
 
@@ -259,6 +276,9 @@ class Store:
             created=row["created"],
             updated=row["updated"],
             message_count=row["message_count"],
+            system_prompt=row["system_prompt"],
+            temperature=row["temperature"],
+            max_tokens=row["max_tokens"],
         )
 
     @staticmethod
@@ -336,6 +356,44 @@ class Store:
         def update(db: sqlite3.Connection) -> None:
             self._touch(db, conversation_id, time.time())
             db.execute("UPDATE conversations SET model_id = ? WHERE id = ?", (model_id, conversation_id))
+
+        self._write(update)
+        return self.get(conversation_id)
+
+    def set_options(
+        self,
+        conversation_id: str,
+        *,
+        system_prompt: str | None = None,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+    ) -> Conversation:
+        """Change how the conversation's next answers are made (None: leave that one as it is).
+        Raises ValueError for a temperature below 0 or above 2, or max_tokens below 1."""
+        sets: list[str] = []
+        args: list[Any] = []
+        if system_prompt is not None:
+            sets.append("system_prompt = ?")
+            args.append(system_prompt)
+        if temperature is not None:
+            if not (isinstance(temperature, (int, float)) and 0.0 <= temperature <= 2.0):
+                raise ValueError(f"temperature must be from 0 (greedy) to 2, not {temperature!r}")
+            sets.append("temperature = ?")
+            args.append(float(temperature))
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise ValueError(f"max_tokens must be a whole number of at least 1, not {max_tokens!r}")
+            sets.append("max_tokens = ?")
+            args.append(max_tokens)
+
+        def update(db: sqlite3.Connection) -> None:
+            # not "updated": a conversation keeps its place in the list when its settings change
+            if not db.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)).fetchone():
+                raise _no_conversation(conversation_id)
+            if sets:
+                db.execute(
+                    f"UPDATE conversations SET {', '.join(sets)} WHERE id = ?", (*args, conversation_id)
+                )
 
         self._write(update)
         return self.get(conversation_id)

@@ -52,6 +52,7 @@ class FakeResult:
     finish_reason: str
     usage: Usage
     switch: SwitchStats
+    stop: str = ""
 
 
 class ScriptedGeneration:
@@ -195,6 +196,48 @@ def test_the_model_sees_the_stored_history(store: Store) -> None:
     assert store.get(conv.id).title == "kept title"
     pool.generations[1].finish()
     second.result(timeout=WAIT)
+
+
+def test_the_conversations_settings_make_its_answers(store: Store) -> None:
+    pool = ScriptedPool()
+    chat = ChatService(pool, store, system_prompt="Be brief.")
+    conv = chat.new_conversation("smol")
+    # the defaults: greedy, 512 tokens, the service's system prompt
+    first = chat.send(conv.id, "one")
+    assert pool.generations[0].kwargs["temperature"] == 0.0
+    assert pool.generations[0].kwargs["max_tokens"] == 512
+    assert pool.generations[0].kwargs["messages"][0] == ChatMessage("system", "Be brief.")
+    pool.generations[0].feed("uno")
+    pool.generations[0].finish()
+    first.result(timeout=WAIT)
+    store.set_options(conv.id, system_prompt="Answer in French.", temperature=0.8, max_tokens=64)
+    second = chat.send(conv.id, "two")
+    kwargs = pool.generations[1].kwargs
+    assert (kwargs["temperature"], kwargs["max_tokens"]) == (0.8, 64)
+    assert kwargs["messages"][0] == ChatMessage("system", "Answer in French.")
+    assert chat.model_messages(conv.id)[0] == ChatMessage("system", "Answer in French.")
+    pool.generations[1].finish()
+    second.result(timeout=WAIT)
+    # regenerate uses them too; a value given by the caller wins
+    third = chat.regenerate(conv.id, max_tokens=8)
+    kwargs = pool.generations[2].kwargs
+    assert (kwargs["temperature"], kwargs["max_tokens"]) == (0.8, 8)
+    assert kwargs["messages"][0] == ChatMessage("system", "Answer in French.")
+    pool.generations[2].finish()
+    third.result(timeout=WAIT)
+
+
+def test_the_stop_string_that_ended_an_answer_is_saved(store: Store) -> None:
+    pool = ScriptedPool()
+    chat = ChatService(pool, store)
+    conv = chat.new_conversation("smol")
+    turn = chat.send(conv.id, "hello")
+    gen = pool.generations[0]
+    gen._result = FakeResult("stop", Usage(5, 0, 5), SwitchStats(False), stop="\nUser:")
+    gen._stream.close()  # the model stopped at once
+    result = turn.result(timeout=WAIT)
+    assert (result.text, result.stats.stop) == ("", "\nUser:")
+    assert store.message(turn.assistant_message_id).stats.stop == "\nUser:"  # type: ignore[union-attr]
 
 
 def test_a_failure_mid_answer_keeps_the_partial_text_and_regenerate_answers_again(store: Store) -> None:

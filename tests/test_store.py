@@ -14,6 +14,8 @@ import pytest
 from timeshare.core import paths
 from timeshare.core.errors import StoreError, UnknownConversationError, UnknownMessageError
 from timeshare.core.store import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
     SCHEMA_VERSION,
     AnswerStats,
     Store,
@@ -236,3 +238,64 @@ def test_a_closed_store_raises_a_clear_error(tmp_path: Path) -> None:
         s.add_message(c.id, "user", "late")
     with pytest.raises(StoreError, match="is closed"):
         s.list_conversations()
+
+
+def test_a_schema_1_database_gains_the_conversation_settings(tmp_path: Path) -> None:
+    # a database as Timeshare wrote it before conversations had settings: it opens, keeps its
+    # conversations and messages, and they get the default settings
+    path = tmp_path / "conv.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE conversations (id TEXT PRIMARY KEY, model_id TEXT NOT NULL,
+            title TEXT NOT NULL DEFAULT '', created REAL NOT NULL, updated REAL NOT NULL);
+        CREATE INDEX conversations_updated ON conversations(updated DESC);
+        CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL DEFAULT '', created REAL NOT NULL,
+            complete INTEGER NOT NULL DEFAULT 1 CHECK (complete IN (0, 1)),
+            stats TEXT NOT NULL DEFAULT '{}');
+        CREATE INDEX messages_conversation ON messages(conversation_id, id);
+        INSERT INTO conversations VALUES ('c1', 'smol', 'old one', 1.0, 2.0);
+        INSERT INTO messages (conversation_id, role, content, created) VALUES ('c1', 'user', 'hi', 1.5);
+        PRAGMA user_version=1;
+        """
+    )
+    db.close()
+    with Store(path) as s:
+        (conv,) = s.list_conversations()
+        assert (conv.id, conv.title, conv.message_count) == ("c1", "old one", 1)
+        assert (conv.system_prompt, conv.temperature, conv.max_tokens) == (
+            "",
+            DEFAULT_TEMPERATURE,
+            DEFAULT_MAX_TOKENS,
+        )
+        assert [m.content for m in s.messages("c1")] == ["hi"]
+    check = sqlite3.connect(path)
+    try:
+        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    finally:
+        check.close()
+
+
+def test_conversation_settings_are_kept_and_checked(store: Store, tmp_path: Path) -> None:
+    a = store.create_conversation("smol")
+    b = store.create_conversation("smol")
+    before = store.get(a.id).updated
+    changed = store.set_options(a.id, system_prompt="Answer in French.", temperature=0.7, max_tokens=64)
+    assert (changed.system_prompt, changed.temperature, changed.max_tokens) == ("Answer in French.", 0.7, 64)
+    assert changed.updated == before  # its place in the list stays
+    # None leaves a setting as it is
+    assert store.set_options(a.id, max_tokens=100).system_prompt == "Answer in French."
+    assert store.get(b.id).system_prompt == ""
+    for bad in ({"temperature": -0.1}, {"temperature": 2.5}, {"max_tokens": 0}, {"max_tokens": 1.5}):
+        with pytest.raises(ValueError):
+            store.set_options(a.id, **bad)  # type: ignore[arg-type]
+    assert store.get(a.id).max_tokens == 100
+    with pytest.raises(UnknownConversationError):
+        store.set_options("nope", temperature=1.0)
+    store.close()
+    with Store(store.path) as again:
+        kept = again.get(a.id)
+        assert (kept.system_prompt, kept.temperature, kept.max_tokens) == ("Answer in French.", 0.7, 100)

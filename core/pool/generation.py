@@ -21,6 +21,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "cancelled"
     usage: protocol.Usage
     switch: SwitchStats
+    stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
 
 
 class Generation:
@@ -81,10 +82,10 @@ class Generation:
             self._parts.append(text)
             self._stream.put(text)
 
-    def _finish(self, finish_reason: str, usage: protocol.Usage, switch: SwitchStats) -> None:
+    def _finish(self, finish_reason: str, usage: protocol.Usage, switch: SwitchStats, stop: str = "") -> None:
         if self._stream.done:
             return
-        self._result = GenerationResult(self.model, "".join(self._parts), finish_reason, usage, switch)
+        self._result = GenerationResult(self.model, "".join(self._parts), finish_reason, usage, switch, stop)
         self._stream.close()
 
     def _fail(self, error: TimeshareError) -> None:

@@ -263,7 +263,7 @@ class PoolHandlers(PoolThread):
             prompt_tokens_evaluated=msg.usage.prompt_tokens_evaluated,
         )
         w.last_switch = switch
-        gen._finish(msg.finish_reason, msg.usage, switch)
+        gen._finish(msg.finish_reason, msg.usage, switch, msg.stop)
         self._publish(
             EventKind.REQUEST_DONE,
             w.id,

@@ -77,6 +77,7 @@ class GenerationOutcome:
     completion_tokens: int
     prompt_tokens_evaluated: int  # tokens prefilled by this request
     text: str
+    stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class Engine:
         self._request_evaluated = 0
         self._samples = 0
         self._last_sample = -1
+        self._sampled: list[int] = []  # this request's sampled tokens (which stop string ended it)
         self._markers = self._template_markers(getattr(formatter, "template", "") or "")
         self._wrap_llm()
 
@@ -222,6 +224,7 @@ class Engine:
             token = int(orig_sample(*args, **kwargs))
             self._samples += 1
             self._last_sample = token
+            self._sampled.append(token)
             return token
 
         llm.eval = counting_eval
@@ -696,6 +699,7 @@ class Engine:
         self._request_evaluated = 0
         self._samples = 0
         self._last_sample = -1
+        self._sampled = []
         self._counting = True
         kwargs: dict[str, Any] = {
             "max_tokens": req.max_tokens,
@@ -738,9 +742,18 @@ class Engine:
                 close()
             self.prompt_tokens_evaluated += self._request_evaluated
         completion = self._samples
-        if completion and llama_cpp.llama_vocab_is_eog(llm._model.vocab, self._last_sample):
+        ended_by_eog = bool(completion) and llama_cpp.llama_vocab_is_eog(llm._model.vocab, self._last_sample)
+        if ended_by_eog:
             completion -= 1
-        return GenerationOutcome(finish, n_prompt, completion, self._request_evaluated, "".join(pieces))
+        hit = self._stop_hit(stop) if finish == "stop" and not ended_by_eog else ""
+        return GenerationOutcome(finish, n_prompt, completion, self._request_evaluated, "".join(pieces), hit)
+
+    def _stop_hit(self, stop: Sequence[str]) -> str:
+        """The stop string found in this request's sampled text (the first one there, as
+        llama-cpp-python cuts at it); "" when none is (a stopping criterion ended it)."""
+        text = self.llm.detokenize(self._sampled).decode("utf-8", errors="replace")
+        found = [(text.find(s), i) for i, s in enumerate(stop) if s and s in text]
+        return stop[min(found)[1]] if found else ""
 
     def close(self) -> None:
         self._saved.clear()

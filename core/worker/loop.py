@@ -378,6 +378,7 @@ class Worker:
                     restore_ms=switch.restore_ms,
                     first_token_ms=first_ms,
                 ),
+                stop=outcome.stop,
             )
         finally:
             self._busy = False

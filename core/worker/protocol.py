@@ -163,6 +163,7 @@ class Done:
     finish_reason: FinishReason
     usage: Usage
     switch: SwitchStats  # the WIRE_FIELDS the worker measured; the pool fills in the rest
+    stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
 
 
 @dataclass(frozen=True)
