@@ -183,8 +183,9 @@ def test_not_a_gguf_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_chat_without_conversation_is_repeatable(engine: Engine) -> None:
-    # no conversation id: every request starts from an empty KV cache, so a greedy chat answer
-    # does not depend on what was asked before (the prefix of an earlier chat is not reused)
+    # no conversation id and prompts too short for the prompt cache (see test_prompt_cache.py):
+    # every request starts from an empty KV cache, so a greedy chat answer does not depend on what
+    # was asked before (the prefix of an earlier chat is not reused)
     msgs = (ChatMessage("user", "Write one sentence about the sea."),)
     first, _ = run(engine, messages=msgs, max_tokens=40)
     run(engine, messages=(ChatMessage("user", "Write one sentence about the moon."),), max_tokens=40)

@@ -164,12 +164,9 @@ def test_cache_prompt_false_equals_plain_llama(smollm2_path: Path, smol: Engine)
     assert exact.prompt_tokens_evaluated == exact.prompt_tokens and exact.text == reference
     off = _engine(smollm2_path, cache_prompt=False)  # the model setting
     try:
-        run(off, prompt=STORY, max_tokens=4)
-        o = run(off, prompt=STORY, max_tokens=16)
-        assert o.prompt_tokens_evaluated == o.prompt_tokens and o.text == reference
-        assert (
-            run(off, prompt=STORY, max_tokens=1, cache_prompt=True).prompt_tokens_evaluated == o.prompt_tokens
-        )
+        for _ in range(2):
+            o = run(off, prompt=STORY, max_tokens=1)
+            assert o.prompt_tokens_evaluated == o.prompt_tokens
     finally:
         off.close()
 
