@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import signal
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from ..core.chat import ChatService
     from ..core.pool.supervisor import Pool
     from ..core.store import Store
+    from .get_model import GetModelDialog
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class TimeshareApp(QObject):
     """Everything the user sees, around one started pool. ``shutdown()`` stops what it started."""
 
     quit_requested = Signal()
+    # POST /timeshare/v1/reload (on the API's thread) hands the re-read config to the GUI thread
+    _config_reloaded = Signal(object)
 
     def __init__(
         self,
@@ -110,6 +114,8 @@ class TimeshareApp(QObject):
         self.window.closed.connect(self._on_window_closed)
         self.settings_dialog: SettingsDialog | None = None
         self._api_factory = api_server_factory
+        self.get_model_dialog: GetModelDialog | None = None
+        self._config_reloaded.connect(self.apply_config)
         self.api: ApiServerLike | None = None
         self._tray_wait_left = TRAY_WAIT_S
         self._shut_down = False
@@ -157,7 +163,7 @@ class TimeshareApp(QObject):
         if factory is None:
             from ..core.api.server import ApiServer
 
-            factory = ApiServer
+            factory = functools.partial(ApiServer, reload=self._reload_from_api)
         try:
             server = factory(self.pool, self.config.api)
             url = server.start()
@@ -202,6 +208,8 @@ class TimeshareApp(QObject):
             dialog = self.open_settings()
             dialog.tabs.setCurrentIndex(0)
             QTimer.singleShot(0, dialog.add_from_catalog)
+        elif action.command is Command.GET_MODEL:
+            self.open_get_model()
         elif action.command is Command.SETTINGS:
             self.open_settings()
         elif action.command is Command.START_AT_LOGIN:
@@ -224,6 +232,31 @@ class TimeshareApp(QObject):
             self.settings_dialog.raise_()
             self.settings_dialog.activateWindow()
         return self.settings_dialog
+
+    def open_get_model(self, source: str = "") -> GetModelDialog:
+        """The "Get model…" dialog; a model it gets is added to the config file and applied."""
+        from .get_model import GetModelDialog
+
+        dialog = self.get_model_dialog
+        if dialog is None or not dialog.isVisible():
+            if dialog is not None:
+                dialog.deleteLater()
+            dialog = GetModelDialog(lambda: self.bridge.snapshot, self.config_path, source=source)
+            dialog.config_saved.connect(self.apply_config)
+            self.get_model_dialog = dialog
+        dialog.show()
+        if QGuiApplication.platformName() not in ("offscreen", "minimal"):  # no window manager there
+            dialog.raise_()
+            dialog.activateWindow()
+        return dialog
+
+    def _reload_from_api(self) -> tuple[Path, Config]:
+        """``POST /timeshare/v1/reload``, on the API's thread: re-read the config file; the GUI
+        thread adopts it (pool, start at login, API) as it does settings saved in Settings."""
+        path = self.config_path or paths.config_file()
+        config = config_files.load_config(path, check_paths=False)
+        emit(self._config_reloaded, config)
+        return path, config
 
     def apply_config(self, new: Config) -> None:
         """Adopt settings that were saved: pool, start at login, API."""

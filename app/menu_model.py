@@ -28,6 +28,7 @@ class Command(str, enum.Enum):
     CHAT = "chat"
     OPEN_CHAT = "open_chat"
     ADD_MODEL = "add_model"
+    GET_MODEL = "get_model"
     SETTINGS = "settings"
     START_AT_LOGIN = "start_at_login"
     SHOW_LOG = "show_log"
@@ -182,6 +183,7 @@ def menu_entries(snapshot: PoolSnapshot, *, start_at_login: bool) -> tuple[Entry
         Separator(),
         Action("Open chat", Command.OPEN_CHAT),
         Action("Add model…", Command.ADD_MODEL),
+        Action("Get model…", Command.GET_MODEL),
         Action("Settings…", Command.SETTINGS),
         Separator(),
         Action("Start at login", Command.START_AT_LOGIN, checkable=True, checked=start_at_login),

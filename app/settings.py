@@ -11,7 +11,7 @@ import copy
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
@@ -49,6 +49,9 @@ from ..core.units import human_bytes
 from .bridge import PoolBridge
 from .menu_model import display_state
 from .qt_compat import emit
+
+if TYPE_CHECKING:
+    from .get_model import GetModelDialog
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +285,9 @@ class SettingsDialog(QDialog):
         self.models_table.horizontalHeader().setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
         self.models_table.cellDoubleClicked.connect(lambda row, _c: self.edit_model(row))
         self.catalog_button = QPushButton("Add from catalog…")
+        self.get_button = QPushButton("Get model…")
+        self.get_button.setToolTip("Download a GGUF from Hugging Face or a URL")
+        self.get_button.clicked.connect(lambda: self.get_model())
         self.file_button = QPushButton("Add file…")
         self.edit_button = QPushButton("Edit…")
         self.remove_button = QPushButton("Remove")
@@ -290,7 +296,13 @@ class SettingsDialog(QDialog):
         self.edit_button.clicked.connect(lambda: self.edit_model())
         self.remove_button.clicked.connect(lambda: self.remove_model())
         row = QHBoxLayout()
-        for b in (self.catalog_button, self.file_button, self.edit_button, self.remove_button):
+        for b in (
+            self.catalog_button,
+            self.get_button,
+            self.file_button,
+            self.edit_button,
+            self.remove_button,
+        ):
             row.addWidget(b)
         row.addStretch(1)
         layout = QVBoxLayout(tab)
@@ -346,6 +358,18 @@ class SettingsDialog(QDialog):
             self._append_model(model)
             added.append(model["id"])
         return added
+
+    def get_model(self, source: str = "") -> GetModelDialog:
+        """Download a model ("Get model…"); once checked it joins the draft as a catalog pick
+        does (saved with the settings)."""
+        from .get_model import GetModelDialog
+
+        dialog = GetModelDialog(
+            lambda: self.bridge.snapshot, self.config_path, add_to_config=False, source=source, parent=self
+        )
+        dialog.pulled.connect(lambda result: self.add_from_catalog([result.entry]))
+        dialog.open()  # window-modal, without a nested event loop
+        return dialog
 
     def add_file(self, path: str | None = None) -> str | None:
         """Add a GGUF file (asks with a file picker when ``path`` is None); returns the new id."""

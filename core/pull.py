@@ -875,7 +875,7 @@ def _transfer(
     part: int,
     check_start: Callable[[], None] | None,
     cancel: threading.Event | None,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> int:
     """One GET from ``have`` on, appended to ``out``; returns the bytes now in the file. Transport
     errors propagate (the caller retries); a server that ignores the Range restarts the file."""
@@ -931,7 +931,7 @@ def _fetch(
     support: ArchSupport,
     meter: _Meter,
     cancel: threading.Event | None,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> int:
     """Make ``target.final`` hold the verified file; returns the bytes transferred."""
     name = target.remote.name
@@ -1082,13 +1082,14 @@ def pull(
     token: str | None = None,
     progress: ProgressFn | None = None,
     cancel: threading.Event | None = None,
-    chunk_size: int = CHUNK_BYTES,
+    chunk_size: int | None = None,
 ) -> PullResult:
     """Download ``choice`` (all its parts), check it, and return where it is.
 
     Raises DownloadError subclasses (not found, access, space, corrupt), CancelledError when
     ``cancel`` is set (what was downloaded is kept for the next pull to resume), and
-    UnsupportedArchitectureError. Never leaves a file that failed a check.
+    UnsupportedArchitectureError. Never leaves a file that failed a check. ``chunk_size``: bytes
+    per write (None: as they arrive, which keeps progress and Cancel prompt on a slow line).
     """
     support = supported_architectures()
     folder = Path(dest_dir).expanduser() if dest_dir is not None else None

@@ -115,6 +115,7 @@ def test_menu_has_one_submenu_per_model_then_the_app_actions() -> None:
     assert top == [
         Command.OPEN_CHAT,
         Command.ADD_MODEL,
+        Command.GET_MODEL,
         Command.SETTINGS,
         Command.START_AT_LOGIN,
         Command.SHOW_LOG,
@@ -221,7 +222,15 @@ def test_populate_builds_actions_that_report_what_was_picked(qtbot: object) -> N
     populate(menu, menu_entries(three(), start_at_login=True), picked.append)
     texts = [a.text() for a in menu.actions() if not a.isSeparator()]
     assert texts[0] == "Qwen2.5-7B holds the GPU · 2 others released"
-    assert texts[-6:] == ["Open chat", "Add model…", "Settings…", "Start at login", "Show log", "Quit"]
+    assert texts[-7:] == [
+        "Open chat",
+        "Add model…",
+        "Get model…",
+        "Settings…",
+        "Start at login",
+        "Show log",
+        "Quit",
+    ]
     login = next(a for a in menu.actions() if a.text() == "Start at login")
     assert login.isCheckable() and login.isChecked()
 

@@ -10,10 +10,12 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from _hub_util import GOOD_TOKEN, FakeHub, Repo, make_gguf, sha256
+from PySide6.QtCore import QObject, Qt, Signal
 from timeshare.core import catalog, pull
 from timeshare.core.config.files import load_config
 from timeshare.core.errors import (
@@ -26,6 +28,8 @@ from timeshare.core.errors import (
     UnsupportedArchitectureError,
 )
 from timeshare.core.llama_archs import supported_architectures
+from timeshare.core.state import PoolSnapshot
+from timeshare.core.units import human_bytes
 
 REPO = "tiny-org/Tiny-GGUF"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -465,3 +469,124 @@ def test_a_running_instance_picks_the_model_up(hub: FakeHub, ggufs: dict[str, by
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_config"
         status = httpx.get(f"{served.url}/timeshare/v1/status").json()
         assert [m["id"] for m in status["models"]] == ["tiny-q4_k_m"]
+
+
+# ---- the dialog ----------------------------------------------------------------------------
+
+
+class _StubBridge(QObject):
+    """What SettingsDialog reads of a PoolBridge: the snapshot and its change signal."""
+
+    snapshot_changed = Signal(object)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.snapshot = PoolSnapshot()
+
+
+def _look_up(qtbot: Any, dialog: Any, rows: int) -> None:
+    qtbot.mouseClick(dialog.lookup_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dialog.table.rowCount() == rows and not dialog.busy, timeout=20000)
+
+
+@pytest.mark.gui
+def test_the_dialog_lists_downloads_and_adds_the_model(
+    qtbot: Any, hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    from timeshare.app.get_model import GetModelDialog
+
+    hub.repos[REPO] = _three_quants(ggufs)
+    config_path = _config(tmp_path)
+    dialog = GetModelDialog(PoolSnapshot, config_path, source=f"hf.co/{REPO}")
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _look_up(qtbot, dialog, 3)
+    cells = [[dialog.table.item(r, c).text() for c in range(4)] for r in range(3)]
+    assert [row[0] for row in cells] == ["Q4_K_M", "Q8_0", "F16"]
+    assert (
+        cells[1][1] == human_bytes(len(ggufs["q8"]))
+        and cells[1][2] == "unknown"
+        and cells[1][3] == "Tiny-Q8_0.gguf"
+    )
+    assert "Licence (repo card): apache-2.0" in dialog.info.text()
+    assert "GPU fit unknown" in dialog.info.text()
+    selected = dialog.selected()
+    assert selected is not None and selected.label == "Q4_K_M"  # the usual default
+    dialog.table.selectRow(1)
+    with qtbot.waitSignals([dialog.pulled, dialog.config_saved], timeout=30000):
+        qtbot.mouseClick(dialog.download_button, Qt.MouseButton.LeftButton)
+    (model,) = load_config(config_path).models
+    assert model.id == "tiny-q8_0" and model.licence == "apache-2.0"
+    assert not dialog.isVisible()
+
+
+@pytest.mark.gui
+def test_the_dialog_cancels_and_the_next_download_resumes(
+    qtbot: Any, hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    from timeshare.app.get_model import GetModelDialog
+
+    hub.repos[REPO] = _three_quants(ggufs)
+    hub.faults.delay_per_chunk = 0.05  # slow enough to press Cancel mid-file
+    config_path = _config(tmp_path)
+    dialog = GetModelDialog(PoolSnapshot, config_path, source=f"{REPO}:F16")
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _look_up(qtbot, dialog, 3)
+    selected = dialog.selected()
+    assert selected is not None and selected.label == "F16"  # the one the source names
+    qtbot.mouseClick(dialog.download_button, Qt.MouseButton.LeftButton)
+    # the window stays responsive while the worker thread downloads: progress arrives
+    qtbot.waitUntil(lambda: dialog.progress.value() > 0, timeout=20000)
+    assert dialog.cancel_button.text() == "Cancel" and not dialog.download_button.isEnabled()
+    assert "KiB" in dialog.status.text()
+    qtbot.mouseClick(dialog.cancel_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not dialog.busy and dialog.problem.isVisible(), timeout=20000)
+    assert dialog.problem.text().startswith("Cancelled: what was downloaded is kept")
+    assert dialog.cancel_button.text() == "Close" and dialog.download_button.isEnabled()
+    (partial,) = (tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs").glob("*.incomplete")
+    kept = partial.stat().st_size
+    assert 0 < kept < len(ggufs["f16"])
+    assert load_config(config_path).models == ()
+
+    hub.faults.delay_per_chunk = 0
+    with qtbot.waitSignal(dialog.pulled, timeout=30000):
+        qtbot.mouseClick(dialog.download_button, Qt.MouseButton.LeftButton)
+    assert hub.seen("GET", "/cdn/")[-1].range == f"bytes={kept}-"
+    assert [m.id for m in load_config(config_path).models] == ["tiny-f16"]
+
+
+@pytest.mark.gui
+def test_the_dialog_shows_what_went_wrong(qtbot: Any, hub: FakeHub) -> None:
+    from timeshare.app.get_model import GetModelDialog
+
+    dialog = GetModelDialog(PoolSnapshot, source="tiny-org/nope")
+    qtbot.addWidget(dialog)
+    dialog.show()
+    qtbot.mouseClick(dialog.lookup_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dialog.problem.isVisible(), timeout=20000)
+    assert "tiny-org/nope was not found" in dialog.problem.text()
+    assert dialog.table.rowCount() == 0 and not dialog.download_button.isEnabled()
+    dialog.source.setText("no source")
+    qtbot.mouseClick(dialog.lookup_button, Qt.MouseButton.LeftButton)
+    assert "is not a model source" in dialog.problem.text()
+
+
+@pytest.mark.gui
+def test_settings_get_model_adds_to_the_draft(
+    qtbot: Any, hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    from timeshare.app.settings import SettingsDialog
+    from timeshare.core.config.schema import Config
+
+    hub.repos[REPO] = _three_quants(ggufs)
+    config_path = _config(tmp_path)
+    settings = SettingsDialog(Config(), _StubBridge(), config_path)  # type: ignore[arg-type]
+    qtbot.addWidget(settings)
+    assert settings.get_button.text() == "Get model…"
+    dialog = settings.get_model(f"{REPO}:Q4_K_M")
+    _look_up(qtbot, dialog, 3)
+    with qtbot.waitSignal(dialog.pulled, timeout=30000):
+        qtbot.mouseClick(dialog.download_button, Qt.MouseButton.LeftButton)
+    assert [m["id"] for m in settings.draft["models"]] == ["tiny-q4_k_m"]
+    assert load_config(config_path).models == ()  # saved with the settings, not before

@@ -1,0 +1,354 @@
+"""“Get model…”: download a GGUF from Hugging Face or a URL, with progress and Cancel, and add it.
+
+The dialog takes the same SOURCE as ``timeshare pull`` (``user/repo``, ``user/repo:Q4_K_M``,
+``user/repo/file.gguf``, ``hf.co/…``, or the URL of a ``.gguf`` file), lists the quantisations
+with their sizes and whether they fit the GPU, and downloads the chosen one. The look-up and the
+download run on a worker thread (``core/pull.py`` does the work); what they report crosses into
+Qt through signals, so the window stays responsive. Cancel keeps what was downloaded: getting the
+same model again resumes.
+
+From the tray the model is added to the config file (``config_saved`` carries the new Config);
+from Settings it goes into the dialog's draft instead (``pulled`` carries the PullResult).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QDialog,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QProgressBar,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ..core import pull
+from ..core.errors import CancelledError, ConfigError, TimeshareError
+from ..core.state import PoolSnapshot
+from ..core.units import human_bytes
+from .qt_compat import emit
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER = "user/repo, user/repo:Q4_K_M, user/repo/file.gguf, or https://…/model.gguf"
+
+
+def vram_budget(snapshot: PoolSnapshot) -> int | None:
+    """The GPU memory a model may use, when something tells it. Nothing does yet (the pool does
+    not measure the device's memory): None, and the dialog says the fit is unknown."""
+    return None
+
+
+def fit_text(size: int | None, snapshot: PoolSnapshot) -> str:
+    """The "GPU" column: "fits", "too big", or why it is unknown."""
+    backends = {m.backend for m in snapshot.models if m.backend}
+    if backends and all(b.upper().startswith("CPU") for b in backends):
+        return "CPU build: host memory"
+    fit = pull.gpu_fit(size, vram_budget(snapshot))
+    return "unknown" if fit == "unknown" else fit
+
+
+class GetModelDialog(QDialog):
+    #: the PullResult of a finished, checked download
+    pulled = Signal(object)
+    #: the Config saved with the model added (only with ``add_to_config``)
+    config_saved = Signal(object)
+
+    # from the worker thread to the GUI thread
+    _listed = Signal(object)  # Listing
+    _progressed = Signal(object)  # Progress
+    _done = Signal(object)  # PullResult
+    _failed = Signal(str, bool)  # message, whether it was a cancel
+
+    def __init__(
+        self,
+        snapshot: Callable[[], PoolSnapshot],
+        config_path: Path | None = None,
+        *,
+        add_to_config: bool = True,
+        source: str = "",
+        parent: QWidget | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Get model")
+        self.resize(760, 440)
+        self._snapshot = snapshot
+        self.config_path = config_path
+        self.add_to_config = add_to_config
+        self.listing: pull.Listing | None = None
+        self.pulled_result: pull.PullResult | None = None
+        self._worker: threading.Thread | None = None
+        self._cancel = threading.Event()
+
+        self.source = QLineEdit(source)
+        self.source.setObjectName("source")
+        self.source.setPlaceholderText(PLACEHOLDER)
+        self.source.returnPressed.connect(self.look_up)
+        self.lookup_button = QPushButton("Look up")
+        self.lookup_button.setObjectName("lookup")
+        self.lookup_button.clicked.connect(self.look_up)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Source:"))
+        row.addWidget(self.source, 1)
+        row.addWidget(self.lookup_button)
+
+        self.table = QTableWidget(0, 4)
+        self.table.setObjectName("choices")
+        self.table.setHorizontalHeaderLabels(["Quantisation", "Size", "GPU", "File"])
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.horizontalHeader().setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
+        self.table.cellDoubleClicked.connect(lambda *_: self.download())
+        self.table.itemSelectionChanged.connect(self._update_buttons)
+
+        self.info = QLabel()
+        self.info.setObjectName("info")
+        self.info.setWordWrap(True)
+        self.progress = QProgressBar()
+        self.progress.setObjectName("progress")
+        self.progress.hide()
+        self.status = QLabel()
+        self.status.setObjectName("status")
+        self.status.setWordWrap(True)
+        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.problem = QLabel()
+        self.problem.setObjectName("problem")
+        self.problem.setWordWrap(True)
+        self.problem.setStyleSheet("color: #c0392b")
+        self.problem.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.problem.hide()
+
+        self.download_button = QPushButton("Download")
+        self.download_button.setObjectName("download")
+        self.download_button.setDefault(True)
+        self.download_button.clicked.connect(self.download)
+        self.cancel_button = QPushButton("Close")
+        self.cancel_button.setObjectName("cancel")
+        self.cancel_button.clicked.connect(self._cancel_or_close)
+        buttons = QHBoxLayout()
+        buttons.addStretch(1)
+        buttons.addWidget(self.download_button)
+        buttons.addWidget(self.cancel_button)
+
+        layout = QVBoxLayout(self)
+        layout.addLayout(row)
+        layout.addWidget(self.table, 1)
+        layout.addWidget(self.info)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.status)
+        layout.addWidget(self.problem)
+        layout.addLayout(buttons)
+
+        self._listed.connect(self._on_listed)
+        self._progressed.connect(self._on_progress)
+        self._done.connect(self._on_done)
+        self._failed.connect(self._on_failed)
+        self._update_buttons()
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._worker is not None and self._worker.is_alive()
+
+    def _update_buttons(self) -> None:
+        busy = self.busy
+        self.source.setEnabled(not busy)
+        self.lookup_button.setEnabled(not busy)
+        self.table.setEnabled(not busy)
+        self.download_button.setEnabled(not busy and self.selected() is not None)
+        self.cancel_button.setText("Cancel" if busy else "Close")
+
+    def _show_problem(self, text: str) -> None:
+        self.problem.setText(text)
+        self.problem.setVisible(bool(text))
+
+    def selected(self) -> pull.Choice | None:
+        if self.listing is None:
+            return None
+        rows = {i.row() for i in self.table.selectedIndexes()}
+        return self.listing.choices[next(iter(rows))] if rows else None
+
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        self._cancel = threading.Event()
+        self._worker = threading.Thread(target=target, name=name, daemon=True)
+        self._worker.start()
+        self._update_buttons()
+
+    # ---- look-up -------------------------------------------------------------------------------
+
+    def look_up(self) -> None:
+        """Parse the source and list what it offers (on a worker thread)."""
+        if self.busy:
+            return
+        self._show_problem("")
+        try:
+            source = pull.parse_source(self.source.text())
+        except ValueError as exc:
+            self._show_problem(str(exc))
+            return
+        self.listing = None
+        self.table.setRowCount(0)
+        self.info.setText("")
+        self.status.setText(f"Looking up {source}…")
+
+        def work() -> None:
+            try:
+                emit(self._listed, pull.list_source(source))
+            except TimeshareError as exc:
+                emit(self._failed, str(exc), False)
+            except Exception as exc:  # a bug or a library's own error: shown, not lost in a thread
+                log.exception("looking up %s failed", source)
+                emit(self._failed, f"{type(exc).__name__}: {exc}", False)
+
+        self._start(work, "get-model-lookup")
+
+    def _on_listed(self, listing: pull.Listing) -> None:
+        self._worker = None
+        self.listing = listing
+        self.status.setText("")
+        snapshot = self._snapshot()
+        self.table.setRowCount(len(listing.choices))
+        for row, choice in enumerate(listing.choices):
+            parts = f" (+{len(choice.files) - 1} parts)" if len(choice.files) > 1 else ""
+            cells = [
+                choice.label,
+                human_bytes(choice.size or 0, empty="?"),
+                fit_text(choice.size, snapshot),
+                choice.filename + parts,
+            ]
+            for col, text in enumerate(cells):
+                self.table.setItem(row, col, QTableWidgetItem(text))
+        notes = []
+        if not listing.choices:
+            notes.append(f"{listing.title} has no GGUF model file.")
+        if listing.licence:
+            notes.append(f"Licence (repo card): {listing.licence}.")
+        if listing.gated:
+            notes.append(
+                "This repository is gated: accept its conditions on the hub and log in "
+                "(`hf auth login` or HF_TOKEN) before downloading."
+            )
+        if listing.choices and not any(
+            fit_text(c.size, snapshot) in ("fits", "too big") for c in listing.choices
+        ):
+            notes.append(
+                "GPU fit unknown: Timeshare does not know the GPU's memory budget yet; the size is "
+                "what the weights need."
+            )
+        self.info.setText(" ".join(notes))
+        self._select_default(listing)
+        self._update_buttons()
+
+    def _select_default(self, listing: pull.Listing) -> None:
+        if not listing.choices:
+            return
+        try:
+            wanted = pull.choose(listing)
+        except TimeshareError:
+            labels = [c.label.upper() for c in listing.choices]
+            wanted = listing.choices[labels.index("Q4_K_M")] if "Q4_K_M" in labels else listing.choices[0]
+        self.table.selectRow(listing.choices.index(wanted))
+
+    # ---- download ------------------------------------------------------------------------------
+
+    def download(self) -> None:
+        """Download the selected choice (on a worker thread)."""
+        choice = self.selected()
+        listing = self.listing
+        if self.busy or choice is None or listing is None:
+            return
+        self._show_problem("")
+        self.progress.setRange(0, 1000 if choice.size else 0)
+        self.progress.setValue(0)
+        self.progress.show()
+        self.status.setText(f"Getting {choice.filename}…")
+        cancel = threading.Event()
+
+        def work() -> None:
+            try:
+                result = pull.pull(
+                    listing, choice, progress=lambda p: emit(self._progressed, p), cancel=cancel
+                )
+            except CancelledError:
+                emit(
+                    self._failed,
+                    "Cancelled: what was downloaded is kept; get the model again to resume.",
+                    True,
+                )
+            except TimeshareError as exc:
+                emit(self._failed, str(exc), False)
+            except Exception as exc:
+                log.exception("getting %s failed", choice.filename)
+                emit(self._failed, f"{type(exc).__name__}: {exc}", False)
+            else:
+                emit(self._done, result)
+
+        self._start(work, "get-model-download")
+        self._cancel = cancel
+
+    def _on_progress(self, p: pull.Progress) -> None:
+        if not self.busy:
+            return  # a late report after cancel or failure
+        fraction = p.fraction
+        if fraction is not None:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(fraction * 1000))
+        self.status.setText(p.describe())
+
+    def _on_done(self, result: pull.PullResult) -> None:
+        self._worker = None
+        self.pulled_result = result
+        self.progress.setValue(self.progress.maximum())
+        entry = result.entry
+        text = f"Downloaded and checked {result.path.name}: {entry.architecture}, {entry.quantisation}"
+        if self.add_to_config:
+            try:
+                config, model, added = pull.add_to_config(result, self.config_path)
+            except (ConfigError, OSError) as exc:
+                self._update_buttons()
+                self._show_problem(f"The model is in {result.path}, but it was not added: {exc}")
+                return
+            text += f"; added as {model.id}." if added else f"; already configured as {model.id}."
+            if added:
+                emit(self.config_saved, config)
+        self.status.setText(text)
+        emit(self.pulled, result)
+        self._update_buttons()
+        self.accept()
+
+    def _on_failed(self, message: str, cancelled: bool) -> None:
+        self._worker = None
+        self.progress.hide()
+        self.status.setText("")
+        self._show_problem(message)
+        self._update_buttons()
+
+    # ---- closing -------------------------------------------------------------------------------
+
+    def _cancel_or_close(self) -> None:
+        if self.busy:
+            self._cancel.set()
+            self.status.setText("Cancelling…")
+        else:
+            self.reject()
+
+    def reject(self) -> None:
+        if self.busy:  # closing the window cancels the download; its partial file stays
+            self._cancel.set()
+            if self._worker is not None:
+                self._worker.join(timeout=5.0)
+        super().reject()
