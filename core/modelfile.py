@@ -7,15 +7,42 @@ done by the worker when it loads the file; the config layer words its own field-
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 from .errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 
+#: errors that say the system is short of something for now, not that the file is bad
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.ENOBUFS})
 
-def gguf_problem(path: str) -> str:
-    """Why ``path`` cannot be a GGUF model, as a sentence that says what to do; "" when it can."""
+_TRANSIENT_WORDS = {
+    errno.EMFILE: "too many open files in this process",
+    errno.ENFILE: "too many open files on this system",
+    errno.ENOMEM: "out of memory",
+    errno.EAGAIN: "out of processes or memory for now",
+    errno.ENOBUFS: "out of buffer space",
+}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an OSError is a passing shortage (open files, memory) worth retrying."""
+    return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
+
+
+def transient_text(exc: OSError) -> str:
+    """A transient OSError as what it is: "too many open files in this process (EMFILE)"."""
+    code = exc.errno if exc.errno is not None else 0
+    name = errno.errorcode.get(code, str(code))
+    return f"{_TRANSIENT_WORDS.get(code, exc.strerror or str(exc))} ({name})"
+
+
+def gguf_problem(path: str, *, raise_transient: bool = False) -> str:
+    """Why ``path`` cannot be a GGUF model, as a sentence that says what to do; "" when it can.
+
+    A passing shortage (too many open files, out of memory) is not the file's fault: it is worded
+    as what it is, or raised as the OSError with ``raise_transient`` (the caller retries)."""
     p = Path(path).expanduser()
     if not p.exists():
         return f"model file {p} does not exist: check the path, which must name a .gguf file"
@@ -25,7 +52,13 @@ def gguf_problem(path: str) -> str:
         with p.open("rb") as f:
             magic = f.read(4)
     except OSError as exc:
-        return f"model file {p} cannot be read ({exc.strerror}): check its permissions"
+        if is_transient(exc):
+            if raise_transient:
+                raise
+            return f"model file {p} cannot be opened now: {transient_text(exc)}; try again shortly"
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return f"model file {p} cannot be read ({exc.strerror}): check its permissions"
+        return f"model file {p} cannot be read ({exc.strerror or exc})"
     if magic != GGUF_MAGIC:
         return f"model file {p} is not a GGUF file (it does not start with 'GGUF'): choose a .gguf model file"
     return ""

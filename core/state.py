@@ -70,6 +70,9 @@ class ModelStatus:
     pinned: bool = False
     queued: int = 0  # requests waiting in the pool for this model
     reason: str = ""  # why FAILED, or what it waits for ("waiting for the GPU: pinned by gemma3-270m")
+    # the error code of a FAILED model's failure; "model_file": its file is missing, unreadable or
+    # not a GGUF (the tray then offers to locate the file or remove the model)
+    failure_code: str = ""
     residency_path: str = ""  # "inplace" | "rebuild" | "" (not loaded yet)
     residency_reason: str = ""  # why the rebuild path was chosen
     backend: str = ""  # "CUDA0", "CPU", ...

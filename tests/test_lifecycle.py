@@ -156,6 +156,34 @@ def test_after_crash_lasts_from_backoff_until_ready_or_a_deliberate_end() -> Non
         assert not crashed.after_crash
 
 
+def test_a_spawn_that_meets_a_passing_shortage_retries_and_keeps_the_crash_flag() -> None:
+    # too many open files (or no memory) at spawn: RETRYING, shown as starting, then spawned again
+    for start in (Phase.NEW, Phase.STOPPED, Phase.FAILED, Phase.BACKOFF):
+        lc = at(start)
+        crashed = lc.after_crash
+        lc.transition(Phase.RETRYING)
+        assert lc.model_state is ModelState.STARTING and lc.after_crash is crashed
+        lc.transition(Phase.RETRYING)  # failed again: another delay
+        lc.transition(Phase.STARTING)
+        assert lc.after_crash is crashed  # a restart after a crash is still announced as one
+    for end in (Phase.FAILED, Phase.STOPPED, Phase.REMOVED):
+        lc = at(Phase.RETRYING)
+        lc.transition(end)
+        assert not lc.after_crash
+    with pytest.raises(TransitionError):
+        at(Phase.RETRYING).transition(Phase.READY)
+
+
+def test_a_failed_model_can_be_stopped_and_started_again() -> None:
+    lc = at(Phase.FAILED)
+    lc.transition(Phase.STOPPED)  # stopped on purpose: it shows stopped, not failed
+    assert lc.model_state is ModelState.STOPPED
+    lc.transition(Phase.STARTING)
+    failed = at(Phase.FAILED)
+    failed.transition(Phase.STARTING)  # the start verb (API, CLI, the tray's Restart)
+    assert failed.model_state is ModelState.STARTING
+
+
 # ---- a worker's error codes ------------------------------------------------------------------
 
 

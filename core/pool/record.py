@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.schema import ModelConfig
-from ..errors import TimeshareError
+from ..errors import ProtocolError, TimeshareError
 from ..state import ModelStatus, SwitchStats
 from ..worker import protocol
 from .generation import Generation
@@ -27,6 +27,8 @@ class WorkerRecord:
     pinned: bool
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     reason: str = ""
+    failure_code: str = ""  # the error code of the failure while FAILED ("model_file", ...)
+    spawn_failures: int = 0  # spawns in a row that met a passing shortage (EMFILE, ENOMEM)
     epoch: int = 0  # incremented per spawn; messages and timers of an older process are ignored
     proc: subprocess.Popen[bytes] | None = None
     conn: protocol.Connection | None = None
@@ -90,8 +92,20 @@ class WorkerRecord:
                 gen._finish_cancelled()
                 continue
             gen._sent_at = time.monotonic()
-            if not self.send(gen.request):
-                self.queue.appendleft(gen)  # the exit handler deals with it
+            if self.conn is None:
+                self.queue.appendleft(gen)
+                return
+            try:
+                self.conn.send(gen.request)
+            except ProtocolError as exc:
+                # this request cannot be framed (a string that is not Unicode, a frame too big):
+                # it alone fails, the next one goes
+                log.warning("%s: request %s cannot be sent: %s", self.id, gen.req, exc)
+                gen._fail(ProtocolError(f"the request cannot be sent to {self.id}: {exc}"))
+                continue
+            except (OSError, TimeshareError) as exc:
+                log.warning("%s: could not send request %s: %s", self.id, gen.req, exc)
+                self.queue.appendleft(gen)  # the worker is gone: the exit handler deals with it
                 return
             self.inflight = gen
             self.idle_token += 1  # busy: disarm the idle timer
@@ -144,6 +158,7 @@ class WorkerRecord:
             pinned=self.pinned,
             queued=len(self.queue),
             reason=reason,
+            failure_code=self.failure_code if self.phase is Phase.FAILED else "",
             residency_path=info.residency_path if info else "",
             residency_reason=info.residency_reason if info else "",
             backend=info.backend if info else "",
