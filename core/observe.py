@@ -6,7 +6,15 @@ Product code reports through an :class:`Observer`:
 - a worker's :class:`~.arena.client.TokenClient` records each ``"token"`` interval (acquired →
   released, with ``requested``, ``handoff`` and ``previous``);
 - a worker's :class:`~.worker.residence.ArenaResidence` records each ``"resident"`` interval
-  (restore or load started → release finished).
+  (restore or load started → release finished);
+- the TokenClient also records an ``"acquired"`` point (start == end == the moment the token was
+  taken, with ``requested``) as it takes the token, so a holder killed before it could release
+  leaves the start of its last interval behind;
+- the pool's hung-holder watchdog records a ``"killed"`` point (``by="watchdog"``, ``reason``) in
+  the pool's event log just before it sends SIGKILL to a worker, under the worker's model and pid.
+  A harness that kills workers itself writes the same record (``by="harness"``). The kernel drops
+  a dead holder's lock only once it is dead, so "acquired → killed" is a lower bound of the
+  interval the killed process held the token.
 
 The default observer does nothing. The observed events happen in worker processes, which a harness
 cannot hand an object to, so the one implementation product code builds by itself is

@@ -462,9 +462,11 @@ def test_event_log_records_token_intervals(arena_dir: Path, tmp_path: Path) -> N
     with log.open("a") as f:
         f.write('{"torn": ')  # a killed writer's last line
     records = read_events(log)
-    assert [r["kind"] for r in records] == ["token", "resident"]
-    assert records[0]["start"] == grant.acquired_at and records[0]["end"] == end
-    assert records[0]["pid"] == os.getpid() and records[0]["model"] == "a"
+    assert [r["kind"] for r in records] == ["acquired", "token", "resident"]
+    # the start is written as the token is taken (a holder killed later leaves it behind)
+    assert records[0]["start"] == records[0]["end"] == grant.acquired_at
+    assert records[1]["start"] == grant.acquired_at and records[1]["end"] == end
+    assert records[1]["pid"] == os.getpid() and records[1]["model"] == "a"
 
 
 # ---- unsafe arena directories --------------------------------------------------------------------

@@ -106,6 +106,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample each worker's memory every N ms (nvidia-smi on CUDA, else RSS) and check that "
         "no two held their weights at once (0: off; default 50)",
     )
+    arena.add_argument(
+        "--chaos",
+        action="store_true",
+        help="while they contend, kill -9 a random worker every --kill-every s and SIGSTOP one (the "
+        "GPU holder if any) every --stop-every s for --stop-for s; the pool restarts them. Reports "
+        "kills, stops, restarts, watchdog kills and lost requests (memory is not sampled)",
+    )
+    arena.add_argument("--kill-every", type=float, default=20.0, metavar="S", help="(--chaos; 0: no kills)")
+    arena.add_argument("--stop-every", type=float, default=30.0, metavar="S", help="(--chaos; 0: no stops)")
+    arena.add_argument(
+        "--stop-for",
+        type=float,
+        default=None,
+        metavar="S",
+        help="(--chaos) how long a stop lasts; default 1.5 x hung-holder-s, so a stopped holder is "
+        "killed by the pool's watchdog; less than hung-holder-s: a plain stall",
+    )
+    arena.add_argument(
+        "--hung-holder-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the pool's arena.hung_holder_s (default 30; 0: no watchdog)",
+    )
     arena.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     serve = sub.add_parser("serve", help="run the pool and the OpenAI-compatible API without a GUI")

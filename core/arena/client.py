@@ -408,6 +408,12 @@ class TokenClient:
             self._grant = grant
             self._ring_generation += 1
             self._doorbell_armed.set()
+            try:  # the start of the interval, in case this process dies before it releases
+                self.observer.record(
+                    "acquired", grant.acquired_at, grant.acquired_at, requested=grant.requested_at
+                )
+            except OSError as exc:
+                log.warning("could not record the token acquisition: %s", exc)
             try:
                 self.arena._write_holder(self._holder_record(grant))
             except OSError as exc:  # the record only informs; holding the lock is what counts

@@ -19,11 +19,14 @@ unless ``TIMESHARE_VRAM_ARENA`` names one; an unsafe arena is refused with exit 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -33,15 +36,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..arena.dirs import read_holder
+from ..arena.records import WAITERS_DIR
 from ..arena.tickets import env_arena_dir
 from ..config import demo
 from ..config.schema import ArenaConfig, Config, ModelConfig, suggest_model_id
 from ..errors import ArenaError, TimeshareError
-from ..observe import read_events
-from ..state import ModelState
+from ..observe import EventLog, read_events
+from ..state import EventKind, ModelState, PoolEvent
 from .memwatch import MemCheck, MemorySampler, MemSample, check_memory, choose_source
 
 log = logging.getLogger(__name__)
+
+#: what a request may fail with under chaos (a worker killed, stopped, restarting): each is a
+#: documented error code of the pool and the API (docs/API.md); anything else is a lost request
+CHAOS_ERRORS = ("model_unavailable", "gpu_busy", "cancelled")
 
 #: short prompts whose greedy continuations are long enough to need several decode steps
 DEFAULT_PROMPTS = (
@@ -88,6 +97,10 @@ class CheckResult:
     malformed: int  # records that are not intervals (end before start, missing fields)
     handoffs: int
     handoff_ms: tuple[float, ...]  # doorbell rung (token requested) → token acquired, per handoff
+    # holdings of killed processes, closed at the kill ("acquired" → "killed" records): the process
+    # held the token at least that long (the kernel drops its lock only once it is dead)
+    killed_intervals: int = 0
+    unclosed_intervals: int = 0  # "acquired" with neither a release nor a kill recorded after it
 
     @property
     def ok(self) -> bool:
@@ -106,13 +119,30 @@ def _cross_process_overlaps(intervals: Sequence[Interval]) -> list[tuple[Interva
 
 
 def check_intervals(records: Iterable[Mapping[str, Any]]) -> CheckResult:
-    """Check the arena invariant over interval records (see the module docstring)."""
+    """Check the arena invariant over interval records (see the module docstring).
+
+    A process killed while it held the token left an ``"acquired"`` record and no ``"token"``
+    interval; when a ``"killed"`` record of its pid follows, its holding is checked as a token and
+    a resident interval from the acquisition to the kill (a lower bound of what it held)."""
     tokens: list[Interval] = []
     resident: list[Interval] = []
     handoff_ms: list[float] = []
+    acquired: list[Interval] = []
+    killed_at: dict[int, float] = {}
     malformed = 0
     for record in records:
         kind = record.get("kind")
+        if kind in ("acquired", "killed"):
+            try:
+                point = Interval.from_record(record)
+            except (KeyError, TypeError, ValueError):
+                malformed += 1
+                continue
+            if kind == "acquired":
+                acquired.append(point)
+            else:
+                killed_at[point.pid] = min(point.start, killed_at.get(point.pid, math.inf))
+            continue
         if kind not in ("token", "resident"):
             continue
         try:
@@ -129,6 +159,18 @@ def check_intervals(records: Iterable[Mapping[str, Any]]) -> CheckResult:
                 handoff_ms.append((interval.start - float(record["requested"])) * 1000.0)
         else:
             resident.append(interval)
+    released = {(t.pid, t.start) for t in tokens}
+    killed_intervals = unclosed = 0
+    for a in acquired:
+        if (a.pid, a.start) in released:
+            continue
+        end = killed_at.get(a.pid)
+        if end is None or end < a.start:
+            unclosed += 1
+            continue
+        killed_intervals += 1
+        tokens.append(Interval("token", a.model, a.pid, a.start, end))
+        resident.append(Interval("resident", a.model, a.pid, a.start, end))
     by_pid: dict[int, list[Interval]] = {}
     for t in tokens:
         by_pid.setdefault(t.pid, []).append(t)
@@ -144,6 +186,8 @@ def check_intervals(records: Iterable[Mapping[str, Any]]) -> CheckResult:
         malformed=malformed,
         handoffs=len(handoff_ms),
         handoff_ms=tuple(handoff_ms),
+        killed_intervals=killed_intervals,
+        unclosed_intervals=unclosed,
     )
 
 
@@ -204,6 +248,25 @@ class ArenaTestReport:
     memory_peak_bytes: tuple[tuple[str, int], ...] = ()
     memory_window: tuple[float, float] | None = None  # first and last sample (monotonic clock)
     memory_other_pids: tuple[int, ...] = ()  # nvidia-smi listed these, no worker's (see memwatch)
+    # --chaos: workers killed (kill -9) and stopped (SIGSTOP) while they contend; the pool restarts
+    chaos: bool = False
+    kill_every_s: float = 0.0
+    stop_every_s: float = 0.0
+    stop_for_s: float = 0.0
+    hung_holder_s: float = 0.0
+    kills: int = 0  # kill -9 by the harness
+    stops: int = 0  # SIGSTOP by the harness (SIGCONT after stop_for_s, unless killed meanwhile)
+    watchdog_kills: int = 0  # killed by the pool's hung-holder watchdog
+    crashes: int = 0  # exits the pool saw as crashes (kills of either kind)
+    restarts: int = 0  # the pool's RESTARTED events (a restart that reached Ready)
+    chaos_under_contention: int = 0  # kills and stops done while a ticket waited for the GPU
+    killed_intervals: int = 0  # holdings of killed processes checked up to their kill
+    unclosed_intervals: int = 0  # acquisitions with neither a release nor a kill recorded
+    # requests that got neither an answer nor one of documented_errors (deadlocks included)
+    lost_requests: int = 0
+    documented_errors: tuple[str, ...] = ()
+    failed_requests: tuple[tuple[str, int], ...] = ()  # documented errors met, by code
+    recovered: tuple[tuple[str, bool], ...] = ()  # per worker: answered after the chaos
 
     @property
     def ok(self) -> bool:
@@ -213,17 +276,22 @@ class ArenaTestReport:
             and self.token_overlaps == 0
             and self.deadlocks == 0
             and self.errors == 0
+            and self.lost_requests == 0
             and self.malformed_records == 0
             and self.outputs_match_reference
             and self.requests > 0
             and self.resident_intervals > 0
             and self.memory_overlaps == 0
+            and all(ok for _, ok in self.recovered)
         )
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["models"] = list(self.models)
         out["requests_by_worker"] = dict(self.requests_by_worker)
+        out["documented_errors"] = list(self.documented_errors)
+        out["failed_requests"] = dict(self.failed_requests)
+        out["recovered"] = dict(self.recovered)
         out["mismatches"] = [asdict(m) for m in self.mismatches[:10]]
         out["error_messages"] = list(self.error_messages[:10])
         for name in (
@@ -255,6 +323,7 @@ class ArenaTestReport:
             f"deadlocks            {self.deadlocks}",
             f"memory               {self._memory_text()}",
             f"errors               {self.errors}",
+            *self._chaos_lines(),
             f"outputs match        {'yes' if self.outputs_match_reference else 'NO'}",
             f"result               {'OK' if self.ok else 'FAILED'}",
         ]
@@ -266,6 +335,25 @@ class ArenaTestReport:
             lines.append(f"  mismatch {m.model} {m.prompt!r}: expected {m.expected!r}, got {m.got!r}")
         lines.extend(f"  error: {e}" for e in self.error_messages[:3])
         return "\n".join(lines)
+
+    def _chaos_lines(self) -> list[str]:
+        if not self.chaos:
+            return []
+        failed = ", ".join(f"{k}: {v}" for k, v in self.failed_requests) or "none"
+        back = ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in self.recovered)
+        return [
+            f"chaos                kill -9 every {self.kill_every_s:g} s, SIGSTOP every "
+            f"{self.stop_every_s:g} s for {self.stop_for_s:g} s (hung_holder_s {self.hung_holder_s:g})",
+            f"kills / stops        {self.kills} / {self.stops} ({self.chaos_under_contention} while a "
+            f"request waited for the GPU)",
+            f"watchdog kills       {self.watchdog_kills}",
+            f"crashes / restarts   {self.crashes} / {self.restarts}",
+            f"killed intervals     {self.killed_intervals} checked up to the kill, "
+            f"{self.unclosed_intervals} unclosed",
+            f"failed (documented)  {failed} (allowed: {', '.join(self.documented_errors)})",
+            f"lost_requests        {self.lost_requests}",
+            f"answered afterwards  {back}",
+        ]
 
     def _memory_text(self) -> str:
         if not self.memory_source:
@@ -314,10 +402,32 @@ def model_ids_for_paths(paths: Iterable[str]) -> list[str]:
     return ids
 
 
+@dataclass(frozen=True)
+class ChaosPlan:
+    """What ``--chaos`` does while the clients contend: kill -9 a random worker every
+    ``kill_every_s``; SIGSTOP one (the GPU holder when there is one, else a random worker) every
+    ``stop_every_s`` for ``stop_for_s``, then SIGCONT. A stop longer than the pool's
+    ``hung_holder_s`` exercises the watchdog (a stopped holder with someone waiting is killed and
+    restarted); a shorter one, a plain stall. 0 turns an action off."""
+
+    kill_every_s: float = 20.0
+    stop_every_s: float = 30.0
+    stop_for_s: float = 45.0
+    #: how long to wait for contention (a ticket waiting for the GPU) before each action
+    contention_wait_s: float = 10.0
+
+
 @dataclass
 class _Tally:
     requests: int = 0
     errors: list[str] = field(default_factory=list)
+    failed: dict[str, int] = field(default_factory=dict)  # documented errors by code
+    kills: int = 0
+    stops: int = 0
+    under_contention: int = 0
+    watchdog_kills: int = 0
+    crashes: int = 0
+    restarts: int = 0
     deadlocks: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     restore_ms: list[float] = field(default_factory=list)
@@ -343,6 +453,8 @@ class ArenaHarness:
         max_restarts: int = 3,
         progress: Callable[[str], None] | None = None,
         sample_memory_ms: int = 0,
+        hung_holder_s: float | None = None,
+        chaos: ChaosPlan | None = None,
     ) -> None:
         from ..pool.supervisor import Pool  # here: importing the harness module stays cheap
 
@@ -362,8 +474,20 @@ class ArenaHarness:
         self._until: Callable[[Mapping[str, int]], bool] | None = None
         self.start_s = 0.0
         self.reference_s = 0.0
+        self.recovered: dict[str, bool] = {}
         if sample_memory_ms < 0:
             raise ValueError("--sample-memory-ms must be 0 (off) or a positive number of milliseconds")
+        if chaos is not None:
+            if min(chaos.kill_every_s, chaos.stop_every_s, chaos.stop_for_s) < 0:
+                raise ValueError("--kill-every, --stop-every and --stop-for must be >= 0")
+            if sample_memory_ms:
+                self.progress("chaos: memory not sampled (the workers' pids change as they restart)")
+            sample_memory_ms = 0
+            max_restarts = max(max_restarts, 1_000_000)  # every kill is restarted (with backoff)
+        if hung_holder_s is not None and hung_holder_s < 0:
+            raise ValueError("--hung-holder-s must be >= 0 (0: off)")
+        self.chaos = chaos
+        self.documented_errors = CHAOS_ERRORS if chaos is not None else ()
         self.sample_memory_ms = sample_memory_ms
         self.memory_source = ""
         self.memory_samples: list[MemSample] = []
@@ -378,8 +502,10 @@ class ArenaHarness:
                 dir=str(arena_dir),
                 min_quantum_ms=min_quantum_ms,
                 wait_timeout_s=deadlock_s if wait_timeout_s is None else wait_timeout_s,
+                hung_holder_s=ArenaConfig.hung_holder_s if hung_holder_s is None else hung_holder_s,
             ),
         )
+        self.hung_holder_s = config.arena.hung_holder_s
         self.pool = Pool(
             config,
             arena_dir=arena_dir,
@@ -388,6 +514,17 @@ class ArenaHarness:
             event_log=str(self.event_log),
             max_restarts=max_restarts,
         )
+        self.pool.subscribe(self._on_event)
+
+    def _on_event(self, event: PoolEvent) -> None:
+        """Counts what the pool did about the chaos (the pool's event thread)."""
+        with self.tally.lock:
+            if event.kind is EventKind.CRASHED:
+                self.tally.crashes += 1
+                if event.extra.get("watchdog"):
+                    self.tally.watchdog_kills += 1
+            elif event.kind is EventKind.RESTARTED:
+                self.tally.restarts += 1
 
     def start(self, timeout: float = 300.0) -> None:
         self.progress(f"starting {len(self.plans)} workers")
@@ -451,12 +588,23 @@ class ArenaHarness:
         ]
         sampler = self._start_sampler()
         started = time.monotonic()
+        chaos_done = threading.Event()
+        chaos = None
+        if self.chaos is not None:
+            chaos = threading.Thread(
+                target=self._chaos, args=(self.chaos, deadline, chaos_done), name="arena-chaos", daemon=True
+            )
         try:
             for t in threads:
                 t.start()
+            if chaos is not None:
+                chaos.start()
             for t in threads:
                 t.join(seconds + self.deadlock_s + 30.0)
         finally:
+            chaos_done.set()
+            if chaos is not None:
+                chaos.join(60.0)  # resumes a stopped worker on its way out
             self.contention_s = time.monotonic() - started
             if sampler is not None:
                 self.memory_samples.extend(sampler.stop())
@@ -506,7 +654,10 @@ class ArenaHarness:
                 continue
             except TimeshareError as exc:
                 with tally.lock:
-                    tally.errors.append(f"{plan.id}: {type(exc).__name__}: {exc}")
+                    if exc.code in self.documented_errors:
+                        tally.failed[exc.code] = tally.failed.get(exc.code, 0) + 1
+                    else:
+                        tally.errors.append(f"{plan.id}: {type(exc).__name__} ({exc.code}): {exc}")
                 time.sleep(0.05)
                 continue
             expected = self.reference.get((plan.path, prompt))
@@ -516,6 +667,132 @@ class ArenaHarness:
                 if expected is not None and text != expected:
                     tally.mismatches.append(Mismatch(plan.id, prompt, expected, text))
             time.sleep(rng.uniform(0.0, 0.03))
+
+    # -- chaos --
+
+    def _chaos(self, plan: ChaosPlan, deadline: float, done: threading.Event) -> None:
+        """The chaos thread: kills and stops on schedule until ``deadline`` (or ``done``); a
+        stopped worker is always resumed (or already dead) when it returns."""
+        rng = random.Random(self.rng.randrange(1 << 30))
+        start = time.monotonic()
+        next_kill = start + plan.kill_every_s if plan.kill_every_s > 0 else math.inf
+        next_stop = start + plan.stop_every_s if plan.stop_every_s > 0 and plan.stop_for_s > 0 else math.inf
+        stopped: tuple[str, int, float] | None = None  # model, pid, resume at
+        try:
+            while not done.is_set():
+                now = time.monotonic()
+                if stopped is not None and now >= stopped[2]:
+                    self._resume(stopped[0], stopped[1])
+                    stopped = None
+                if now >= deadline:
+                    break
+                if now >= next_kill:
+                    self._kill_one(rng, plan, avoid=stopped[1] if stopped else None, done=done)
+                    next_kill = time.monotonic() + plan.kill_every_s
+                elif now >= next_stop and stopped is None:
+                    stopped = self._stop_one(rng, plan, done)
+                    next_stop = time.monotonic() + plan.stop_every_s
+                wake = min(next_kill, next_stop, stopped[2] if stopped else math.inf, deadline)
+                done.wait(max(0.01, wake - time.monotonic()))
+        finally:
+            if stopped is not None:
+                self._resume(stopped[0], stopped[1])
+
+    def _contended(self, plan: ChaosPlan, done: threading.Event) -> bool:
+        """Wait (up to ``plan.contention_wait_s``) until a ticket waits for the GPU."""
+        waiters = self.arena_dir / WAITERS_DIR
+        end = time.monotonic() + plan.contention_wait_s
+        while time.monotonic() < end and not done.is_set():
+            with contextlib.suppress(OSError):
+                if os.listdir(waiters):
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def _live_workers(self) -> dict[str, int]:
+        return {
+            m.id: m.pid
+            for m in self.pool.snapshot().models
+            if m.pid is not None and m.state not in (ModelState.STOPPED, ModelState.FAILED)
+        }
+
+    def _kill_one(
+        self, rng: random.Random, plan: ChaosPlan, avoid: int | None, done: threading.Event
+    ) -> None:
+        contended = self._contended(plan, done)
+        live = {k: v for k, v in self._live_workers().items() if v != avoid}
+        if not live or done.is_set():
+            return
+        model = rng.choice(sorted(live))
+        pid = live[model]
+        at = time.monotonic()
+        try:
+            # written before the signal: the interval check closes this pid's holding here
+            EventLog(self.event_log, model, pid).record("killed", at, at, by="harness")
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.progress(f"chaos: kill -9 {model} (pid {pid})")
+        with self.tally.lock:
+            self.tally.kills += 1
+            self.tally.under_contention += contended
+
+    def _stop_one(
+        self, rng: random.Random, plan: ChaosPlan, done: threading.Event
+    ) -> tuple[str, int, float] | None:
+        contended = self._contended(plan, done)
+        live = self._live_workers()
+        if not live or done.is_set():
+            return None
+        holder = read_holder(self.arena_dir)
+        by_pid = {pid: model for model, pid in live.items()}
+        if holder is not None and holder.pid in by_pid:
+            model, pid = by_pid[holder.pid], holder.pid  # the one others wait for
+        else:
+            model = rng.choice(sorted(live))
+            pid = live[model]
+        at = time.monotonic()
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return None
+        with contextlib.suppress(OSError):
+            EventLog(self.event_log, model, pid).record("stopped", at, at, by="harness")
+        self.progress(f"chaos: SIGSTOP {model} (pid {pid}) for {plan.stop_for_s:g} s")
+        with self.tally.lock:
+            self.tally.stops += 1
+            self.tally.under_contention += contended
+        return model, pid, at + plan.stop_for_s
+
+    def _resume(self, model: str, pid: int) -> None:
+        """SIGCONT, unless the pool killed it meanwhile (its pid is no longer the model's)."""
+        if self._live_workers().get(model) != pid:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        self.progress(f"chaos: SIGCONT {model} (pid {pid})")
+
+    def recover(self, timeout: float | None = None) -> dict[str, bool]:
+        """After the chaos: every worker must answer again (a killed one was restarted), with its
+        uncontended reference. Returns per worker whether it did."""
+        self.progress("after the chaos: one request per worker")
+        budget = self.deadlock_s * 2 if timeout is None else timeout
+        out: dict[str, bool] = {}
+        for plan in self.plans:
+            prompt = self.prompts[0]
+            end = time.monotonic() + budget
+            ok = False
+            while time.monotonic() < end and not ok:
+                try:
+                    ok = self.generate(plan.id, prompt) == self.reference.get((plan.path, prompt))
+                    if not ok:
+                        break
+                except (TimeoutError, TimeshareError) as exc:
+                    self.progress(f"{plan.id} after the chaos: {exc}")
+                    time.sleep(0.5)
+            out[plan.id] = ok
+        self.recovered = out
+        return out
 
     def stop(self) -> None:
         self.pool.stop(timeout=30.0)
@@ -559,6 +836,23 @@ class ArenaHarness:
             memory_peak_bytes=mem.peak_bytes if mem else (),
             memory_window=self.memory_window if mem else None,
             memory_other_pids=self.memory_other_pids,
+            chaos=self.chaos is not None,
+            kill_every_s=self.chaos.kill_every_s if self.chaos else 0.0,
+            stop_every_s=self.chaos.stop_every_s if self.chaos else 0.0,
+            stop_for_s=self.chaos.stop_for_s if self.chaos else 0.0,
+            hung_holder_s=self.hung_holder_s,
+            kills=tally.kills,
+            stops=tally.stops,
+            watchdog_kills=tally.watchdog_kills,
+            crashes=tally.crashes,
+            restarts=tally.restarts,
+            chaos_under_contention=tally.under_contention,
+            killed_intervals=check.killed_intervals,
+            unclosed_intervals=check.unclosed_intervals,
+            lost_requests=tally.deadlocks + len(tally.errors),
+            documented_errors=self.documented_errors,
+            failed_requests=tuple(sorted(tally.failed.items())),
+            recovered=tuple(sorted(self.recovered.items())),
         )
 
 
@@ -590,12 +884,36 @@ def run_arena_test(
         harness.start()
         harness.take_reference()
         harness.contend(seconds)
+        if harness.chaos is not None:
+            harness.recover()
     finally:
         harness.stop()
     report = harness.report()
     if own_work and report.ok:
         shutil.rmtree(work, ignore_errors=True)
     return report
+
+
+def chaos_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--chaos``, ``--kill-every``, ``--stop-every``, ``--stop-for`` and ``--hung-holder-s`` as
+    harness options. ``--stop-for`` defaults to 1.5 x hung_holder_s (a stopped holder outlives the
+    watchdog's patience: it is killed and restarted); give less than hung_holder_s for plain stalls."""
+    options: dict[str, Any] = {}
+    hung = getattr(args, "hung_holder_s", None)
+    if hung is not None:
+        options["hung_holder_s"] = hung
+    if not getattr(args, "chaos", False):
+        return options
+    hung_s = ArenaConfig.hung_holder_s if hung is None else hung
+    stop_for = getattr(args, "stop_for", None)
+    kill_every = getattr(args, "kill_every", None)
+    stop_every = getattr(args, "stop_every", None)
+    options["chaos"] = ChaosPlan(
+        kill_every_s=ChaosPlan.kill_every_s if kill_every is None else kill_every,
+        stop_every_s=ChaosPlan.stop_every_s if stop_every is None else stop_every,
+        stop_for_s=1.5 * hung_s if stop_for is None else stop_for,
+    )
+    return options
 
 
 def main(args: argparse.Namespace) -> int:
@@ -617,6 +935,7 @@ def main(args: argparse.Namespace) -> int:
             arena_dir=arena_dir,
             progress=progress,
             sample_memory_ms=args.sample_memory_ms,
+            **chaos_options(args),
         )
     except ArenaError as exc:
         print(f"timeshare arena-test: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ from ..config import demo
 from ..config.schema import Config, ModelConfig
 from ..errors import ModelUnavailableError, QueueFullError, UnknownModelError
 from ..modelfile import gguf_problem, is_transient, transient_text
+from ..observe import EventLog
 from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, ReleaseLevel, SwitchStats
 from ..worker import protocol
 from .codes import error_for
@@ -694,12 +695,18 @@ class PoolHandlers(PoolThread):
         w.killed_why = why
         w.reason = f"killed: it {why}"
         log.error("%s (pid %s) %s: SIGKILL to its process group", w.id, w.pid, why)
+        at = time.monotonic()
+        if self.event_log and w.pid is not None:  # observed (core/observe.py): a harness reads it
+            try:
+                EventLog(self.event_log, w.id, w.pid).record("killed", at, at, by="watchdog", reason=why)
+            except OSError as exc:
+                log.warning("could not record the kill: %s", exc)
         _signal_group(w.proc, signal.SIGKILL)
         self._publish(
             EventKind.MESSAGE,
             w.id,
             f"{w.id} {why}: killed",
-            extra={"watchdog": why, "pid": w.pid, "killed_at": time.monotonic()},
+            extra={"watchdog": why, "pid": w.pid, "killed_at": at},
         )
 
     # ---- shutdown (pool thread) ----------------------------------------------------------
