@@ -6,7 +6,12 @@ piece of pool state (workers, request queues, timers); everyone else talks to it
 
 - public methods (``generate``, ``pin``, ``sleep`` ...) post a call and wait for its answer;
 - one reader thread per worker posts each message it reads, then the worker's exit;
-- timers (restart backoff, idle release, stop escalation) run on the pool thread itself.
+- timers (restart backoff, idle release, stop escalation, the hung-holder watchdog's tick) run on
+  the pool thread itself.
+
+The hung-holder watchdog (``watchdog``): a worker of this pool that holds the GPU token, or heads
+its queue, while another process waits, and answers no status ping for ``arena.hung_holder_s``
+(a stopped or frozen process), is killed (SIGKILL to its process group) and restarted like a crash.
 
 After every change the pool thread publishes a new frozen :class:`PoolSnapshot` (read by
 ``snapshot()`` from any thread) and queues a :class:`PoolEvent`; an event thread hands events to
@@ -16,5 +21,6 @@ Modules: ``supervisor`` (:class:`Pool`, its public methods), ``handlers`` (the p
 ``lifecycle`` (a worker's states and the transitions allowed between them), ``record`` (one worker:
 process, request queue, what a snapshot shows), ``thread`` (inbox, timers, event thread),
 ``process`` (spawning, signalling, reaping, logs), ``generation`` (a caller's handle), ``configure``
-and ``codes`` (a configuration's checks, a worker's error codes as typed errors).
+and ``codes`` (a configuration's checks, a worker's error codes as typed errors), ``watchdog`` (hung
+holders).
 """
