@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from PySide6.QtCore import QObject, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication
-from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
+from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox, QSystemTrayIcon
 
 from ..core import paths
 from ..core.atomic import atomic_write_text
@@ -28,6 +28,7 @@ from ..core.config.schema import ApiConfig, Config
 from ..core.errors import ConfigError, InstanceRunningError, TimeshareError
 from ..core.instance import InstanceLock
 from ..core.logsetup import setup_logging
+from ..core.modelfile import gguf_problem
 from . import autostart, icons
 from .bridge import PoolBridge
 from .chat_window import ChatWindow
@@ -200,6 +201,10 @@ class TimeshareApp(QObject):
             self.bridge.wake(model)
         elif action.command is Command.RESTART:
             self.bridge.restart(model)
+        elif action.command is Command.LOCATE_FILE:
+            self.locate_model_file(model)
+        elif action.command is Command.REMOVE_MODEL:
+            self.remove_model(model)
         elif action.command is Command.CHAT:
             self.window.open_for_model(model)
         elif action.command is Command.OPEN_CHAT:
@@ -268,6 +273,56 @@ class TimeshareApp(QObject):
         if new.api != old.api:
             self.stop_api()
             self.start_api()
+
+    def locate_model_file(self, model_id: str) -> None:
+        """A model whose file is missing or unusable: pick the file, then save and apply (the
+        model starts again with it)."""
+        model = self.config.model(model_id)
+        if model is None:
+            return
+        old = Path(model.path).expanduser() if model.path else Path.home()
+        start = old.parent if old.parent.is_dir() else Path.home()
+        chosen, _ = QFileDialog.getOpenFileName(
+            None,
+            f"Locate the model file of {model.display_name}",
+            str(start),
+            "GGUF models (*.gguf);;All files (*)",
+        )
+        if not chosen:
+            return
+        problem = gguf_problem(chosen)
+        if problem:
+            self.notify(f"{model.display_name}: not a usable model file", problem, error=True)
+            return
+        located = dataclasses.replace(model, path=chosen, demo="")  # the file chosen, not the demo
+        models = tuple(located if m.id == model_id else m for m in self.config.models)
+        self._save_and_apply(dataclasses.replace(self.config, models=models))
+
+    def remove_model(self, model_id: str) -> None:
+        """Remove a model from the configuration (its file stays), after asking."""
+        model = self.config.model(model_id)
+        if model is None:
+            return
+        answer = QMessageBox.question(
+            None,
+            "Remove model",
+            f"Remove {model.display_name} from Timeshare? Its file is not deleted; you can add it "
+            "again in Settings.",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+            QMessageBox.StandardButton.No,
+        )
+        if answer != QMessageBox.StandardButton.Yes:
+            return
+        models = tuple(m for m in self.config.models if m.id != model_id)
+        self._save_and_apply(dataclasses.replace(self.config, models=models))
+
+    def _save_and_apply(self, new: Config) -> None:
+        try:
+            config_files.save_config(new, self.config_path)
+        except (ConfigError, OSError) as e:
+            self.notify("Could not save the configuration", str(e), error=True)
+            return
+        self.apply_config(new)
 
     def set_start_at_login(self, enabled: bool) -> None:
         new = dataclasses.replace(
@@ -376,7 +431,9 @@ def run(args: argparse.Namespace) -> int:
 
     config_path = config_files.cli_config_path(getattr(args, "config", None))
     try:
-        config = config_files.load_for_cli(getattr(args, "config", None))
+        # model files are not checked here: a missing or broken one shows as failed in the tray
+        # (with Locate file… and Remove) while the others serve
+        config = config_files.load_for_cli(getattr(args, "config", None), check_paths=False)
     except ConfigError as e:
         return _fatal(
             "Timeshare: configuration error",

@@ -9,7 +9,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..core.errors import ModelFileError
 from ..core.state import ModelState, ModelStatus, PoolSnapshot
+
+#: a FAILED model's failure_code when its file is the problem
+MODEL_FILE_FAILURE = ModelFileError.code
 
 
 class TrayState(str, enum.Enum):
@@ -25,6 +29,8 @@ class Command(str, enum.Enum):
     SLEEP = "sleep"
     WAKE = "wake"
     RESTART = "restart"
+    LOCATE_FILE = "locate_file"  # a model whose file is missing or unusable: pick the file
+    REMOVE_MODEL = "remove_model"
     CHAT = "chat"
     OPEN_CHAT = "open_chat"
     ADD_MODEL = "add_model"
@@ -168,6 +174,13 @@ def model_entries(status: ModelStatus) -> tuple[Entry, ...]:
     else:
         entries.append(Action("Restart", Command.RESTART, status.id))
     entries.append(Action("Chat…", Command.CHAT, status.id, enabled=alive))
+    if state is ModelState.FAILED and status.failure_code == MODEL_FILE_FAILURE:
+        # its file is missing, unreadable or not a GGUF: point at the file, or drop the model
+        entries += [
+            Separator(),
+            Action("Locate file…", Command.LOCATE_FILE, status.id),
+            Action("Remove", Command.REMOVE_MODEL, status.id),
+        ]
     return tuple(entries)
 
 

@@ -196,12 +196,15 @@ def test_serve_reports_a_port_in_use(tmp_path: Path, smollm2_path: Path) -> None
 
 
 def test_serve_reports_a_bad_config(tmp_path: Path) -> None:
+    # a type error refuses to start, with the field path (a missing model file does not: that
+    # model alone fails, see tests/test_reliability.py)
     config = tmp_path / "cfg.toml"
-    config.write_text("[[models]]\nid = 'x'\npath = '/nonexistent/model.gguf'\n")
+    text = "[[models]]\nid = 'x'\npath = '/nonexistent/model.gguf'\nn_ctx = 'big'\n"
+    config.write_text(text)
     done = run_cli(tmp_path / "home", "--config", str(config), "serve", "--port", "0")
     assert done.returncode == 2
-    assert "models[0].path" in done.stderr
-    assert config.read_text() == "[[models]]\nid = 'x'\npath = '/nonexistent/model.gguf'\n"
+    assert "models[0].n_ctx: must be an integer" in done.stderr
+    assert config.read_text() == text
 
 
 # ---- a served pool with both demo models and a key -----------------------------------------------

@@ -180,6 +180,25 @@ def test_failed_or_stopped_model_offers_restart_and_shows_why(state: ModelState)
     )
 
 
+def test_a_model_whose_file_failed_offers_locate_and_remove() -> None:
+    reason = "model file /m/a.gguf does not exist: check the path, which must name a .gguf file"
+    snap = PoolSnapshot(
+        models=(
+            status("a", ModelState.FAILED, reason=reason, failure_code="model_file"),
+            status("b", ModelState.FAILED, reason="b crashed 4 times within 60 s"),
+        )
+    )
+    entries = menu_entries(snap, start_at_login=False)
+    sub = submenu(entries, "a")
+    assert sub.entries[0] == Label(reason)
+    acts = actions(sub.entries)
+    assert acts[Command.LOCATE_FILE] == Action("Locate file…", Command.LOCATE_FILE, "a")
+    assert acts[Command.REMOVE_MODEL] == Action("Remove", Command.REMOVE_MODEL, "a")
+    assert acts[Command.RESTART].enabled
+    crashed = actions(submenu(entries, "b").entries)  # not a file problem: Restart only
+    assert Command.RESTART in crashed and Command.LOCATE_FILE not in crashed
+
+
 def test_loading_model_allows_chat_but_not_sleep_or_wake() -> None:
     snap = PoolSnapshot(models=(status("a", ModelState.LOADING),))
     acts = actions(submenu(menu_entries(snap, start_at_login=False), "a").entries)

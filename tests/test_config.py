@@ -206,7 +206,8 @@ def test_missing_model_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         config_files.load_config(path)
     assert problems_of(excinfo) == [
-        "models[0].path: /nowhere/x.gguf (the file of model 'a') does not exist: fix the path or remove this model"
+        "models[0].path: /nowhere/x.gguf (the file of model 'a') does not exist: "
+        "fix the path or remove this model"
     ]
     assert path.read_bytes() == before
 

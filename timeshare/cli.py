@@ -29,6 +29,7 @@ _HANDLERS = {
     "unpin": "timeshare.client:main",
     "sleep": "timeshare.client:main",
     "wake": "timeshare.client:main",
+    "start": "timeshare.client:main",
     "chat": "timeshare.client:main",
     "run": "timeshare.client:main",
     "models": "timeshare.client:main",
@@ -171,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
                 help="weights: free the weights, keep the KV cache on the GPU; weights+kv: move the "
                 "KV cache to host memory too (the default); stop: end the worker (its KV saved to disk)",
             )
+    start = client("start", "start a failed or stopped model again (with a fresh restart budget)")
+    start.add_argument("model", help="model id (see `timeshare models`)")
+    start.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="wait this long for the model to load, then report its state (default: 60)",
+    )
     chat = client("chat", "send one prompt to a model and stream the answer")
     chat.add_argument("model", help="model id (see `timeshare models`)")
     chat.add_argument("prompt", nargs="?", default="-", help="the prompt; '-' or none: read it from stdin")

@@ -1,6 +1,6 @@
 """The CLI commands that talk to a running Timeshare through its local API.
 
-`timeshare status|models|pin|unpin|sleep|wake|chat` find the API in the address file the running
+`timeshare status|models|pin|unpin|sleep|wake|start|chat` find the API in the address file the running
 instance wrote (core/api/address.py); ``--url`` overrides it. When the API needs a key,
 the key comes from ``$TIMESHARE_API_KEY`` or from api.key in the config (``--config``).
 
@@ -278,6 +278,26 @@ def _verb(api: Api, args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def _start(api: Api, args: argparse.Namespace, out: TextIO) -> int:
+    """start: a FAILED or STOPPED model is spawned again; waits up to ``--wait`` seconds for its load."""
+    reply = api.request("POST", f"/timeshare/v1/models/{args.model}/start")
+    model: dict[str, Any] = reply.get("model") or {}
+    deadline = time.monotonic() + float(getattr(args, "wait", 60.0))
+    while model.get("state") in ("starting", "loading") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        model = _model_of(api.request("GET", "/timeshare/v1/status"), args.model) or model
+    state = model.get("state", "?")
+    reason = model.get("reason") or ""
+    if state == "failed":
+        raise ClientError(f"{args.model} did not start: {reason or 'see `timeshare status`'}")
+    if state in ("starting", "loading"):
+        detail = f"; {reason}" if reason else ""
+        out.write(f"{args.model}: starting (state: {state}{detail})\n")
+        return EXIT_OK
+    out.write(f"{args.model}: started (state: {state})\n")
+    return EXIT_OK
+
+
 def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     command = args.command
     endpoint = find_endpoint(args)
@@ -290,6 +310,8 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             else:
                 show(data, out)
             return EXIT_OK
+        if command == "start":
+            return _start(api, args, out)
         if command in _VERB_DONE:  # the command is the endpoint's last path segment
             return _verb(api, args, out)
         if command == "chat":

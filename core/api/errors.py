@@ -45,8 +45,10 @@ _STATUS_BY_CODE = {
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "server_error",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import enum
 import hmac
@@ -24,12 +26,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import paths
 from ..config.files import load_config
 from ..config.schema import ApiConfig, Config
-from ..errors import ConfigError, TimeshareError, UnknownModelError
+from ..config.validate import is_loopback
+from ..errors import ConfigError, ModelUnavailableError, TimeshareError, UnknownModelError
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
@@ -42,7 +45,15 @@ from .errors import (
     timeshare_error_response,
     timeshare_error_status,
 )
-from .requests import GenerationRequest, T, parse_chat_request, parse_completion_request, read_json
+from .requests import (
+    GenerationRequest,
+    T,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json,
+    read_body,
+    read_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,15 +205,148 @@ class _AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+SHUTTING_DOWN = "Timeshare is shutting down; send the request again once it has restarted"
+_CORS_METHODS = "GET, POST, OPTIONS"
+_CORS_HEADERS = "authorization, content-type"
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name, without its port ("[::1]:8385" → "[::1]", "Example:80" → "example")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def loopback_name(name: str) -> bool:
+    """A Host name that only ever means this machine (RFC 6761: *.localhost too)."""
+    return is_loopback(name) or name.endswith(".localhost")
+
+
+class _GuardMiddleware:
+    """Pure ASGI, outermost: refuses what no legitimate client of a local API sends.
+
+    - while shutting down: 503 (JSON) to every new request;
+    - ``Host``: on a loopback bind only loopback names (a web page that rebinds its own DNS name to
+      127.0.0.1 sends its name), plus ``api.allowed_hosts``; on other binds, only checked when
+      ``api.allowed_hosts`` is set;
+    - ``Origin`` (sent by browsers, not by the CLI or SDKs): only the API's own origin or one in
+      ``api.allowed_origins``; those also get CORS answers (a preflight OPTIONS → 204), any other
+      a 403, so no web page can pin, stop or prompt the models.
+    """
+
+    def __init__(self, app: ASGIApp, api_config: ApiConfig, closing: Callable[[], bool]) -> None:
+        self.app = app
+        self.closing = closing
+        self.loopback_bind = is_loopback(api_config.host)
+        self.bind_host = _host_name(api_config.host)
+        hosts = {h.strip().lower() for h in api_config.allowed_hosts}
+        self.any_host = "*" in hosts
+        self.hosts = hosts - {"*"}
+        origins = {o.strip().lower().rstrip("/") for o in api_config.allowed_origins}
+        self.any_origin = "*" in origins
+        self.origins = origins - {"*"}
+
+    def host_allowed(self, host: str | None) -> bool:
+        if host is None or self.any_host:
+            return True  # HTTP/1.0 without Host: no browser sends that
+        name = _host_name(host)
+        if loopback_name(name) or name in self.hosts:
+            return True
+        if self.loopback_bind:
+            return False
+        return not self.hosts or name == self.bind_host
+
+    def origin_allowed(self, origin: str, host: str | None, scheme: str) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if self.any_origin or origin in self.origins:
+            return True
+        return host is not None and origin == f"{scheme}://{host.strip().lower()}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.closing():
+            await error_response(SHUTTING_DOWN, 503, ModelUnavailableError.code)(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host")
+        if not self.host_allowed(host):
+            where = "loopback" if self.loopback_bind else self.bind_host
+            message = (
+                f"The Host {host!r} does not name this Timeshare API (it listens on {where}): use the "
+                "address Timeshare printed, or add the name to api.allowed_hosts in its config."
+            )
+            await error_response(message, 403, "host_not_allowed")(scope, receive, send)
+            return
+        origin = headers.get("origin")
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+        if not self.origin_allowed(origin, host, str(scope.get("scheme", "http"))):
+            message = (
+                f"Requests from web pages at {origin} are refused: a web page may use this Timeshare "
+                "API only when its origin is listed in api.allowed_origins in Timeshare's config."
+            )
+            await error_response(message, 403, "origin_not_allowed")(scope, receive, send)
+            return
+        cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            asked = headers.get("access-control-request-headers", "").strip()
+            preflight = Response(status_code=204)
+            preflight.raw_headers += [
+                *cors,
+                (b"access-control-allow-methods", _CORS_METHODS.encode()),
+                (b"access-control-allow-headers", (asked or _CORS_HEADERS).encode("latin-1")),
+                (b"access-control-max-age", b"600"),
+            ]
+            await preflight(scope, receive, send)
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
 class _Handlers:
     def __init__(self, pool: Pool, api_config: ApiConfig, counter: SwitchCounter) -> None:
         self.pool = pool
         self.api_config = api_config
         self.counter = counter
         self.created = int(time.time())
+        # shutting down: new requests get 503, waiting ones a 503 too, streams an error event
+        self.closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed: asyncio.Event | None = None
+        self._streams: set[Generation] = set()
         # waiting for pieces of many queued generations must not starve the control endpoints,
         # which use anyio's default limiter
         self.generation_limiter = anyio.CapacityLimiter(max(256, 8 * api_config.queue_limit))
+
+    # -- shutting down --
+
+    def begin_shutdown(self) -> None:
+        """From any thread: answer what waits with 503 and end the streams with an error event."""
+        self.closing = True
+        loop, closed = self._loop, self._closed
+        if loop is not None and closed is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended already
+                loop.call_soon_threadsafe(closed.set)
+        for gen in list(self._streams):
+            gen.cancel()
+
+    def closed_event(self) -> asyncio.Event:
+        """Set once shutting down (created in the server's loop on first use)."""
+        if self._closed is None:
+            self._loop = asyncio.get_running_loop()
+            self._closed = asyncio.Event()
+            if self.closing:  # begin_shutdown ran before there was an event to set
+                self._closed.set()
+        return self._closed
 
     # -- blocking calls off the loop --
 
@@ -211,10 +355,13 @@ class _Handlers:
 
     async def wait_watching(self, request: Request, gen: Generation, func: Callable[[], T]) -> T:
         """Run ``func`` on a thread; on a client disconnect meanwhile, cancel ``gen`` and raise
-        _ClientGoneError."""
+        _ClientGoneError; when the server shuts down meanwhile, cancel it and raise
+        ModelUnavailableError (a 503)."""
         gone = False
+        shut = False
         box: list[T] = []
         failure: Exception | None = None
+        closed = self.closed_event()
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -227,7 +374,15 @@ class _Handlers:
                         tg.cancel_scope.cancel()
                         return
 
+            async def watch_shutdown() -> None:
+                nonlocal shut
+                await closed.wait()
+                shut = True
+                gen.cancel()
+                tg.cancel_scope.cancel()
+
             tg.start_soon(watch)
+            tg.start_soon(watch_shutdown)
             try:
                 box.append(
                     await anyio.to_thread.run_sync(
@@ -239,6 +394,8 @@ class _Handlers:
             tg.cancel_scope.cancel()
         if failure is not None:
             raise failure
+        if shut and not box:
+            raise ModelUnavailableError(SHUTTING_DOWN)
         if gone or not box:
             self.record_cancel_later(gen)
             raise _ClientGoneError
@@ -374,6 +531,9 @@ class _Handlers:
 
         async def events() -> AsyncIterator[dict[str, str]]:
             finished = False
+            self._streams.add(gen)
+            if self.closing:
+                gen.cancel()
             try:
                 if req.kind == "chat":
                     yield {"data": json.dumps(chunk("", None, role=True))}
@@ -388,6 +548,8 @@ class _Handlers:
                     gen.result, abandon_on_cancel=True, limiter=self.generation_limiter
                 )
                 finished = True
+                if self.closing and result.finish_reason == "cancelled":
+                    raise ModelUnavailableError(SHUTTING_DOWN)
                 final = chunk(None if req.kind == "chat" else "", _finish_reason(result.finish_reason))
                 final["timeshare"] = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
                 yield {"data": json.dumps(final)}
@@ -403,6 +565,7 @@ class _Handlers:
                 log.warning("generation on %s failed mid-stream: %s", req.model, exc)
                 yield {"data": json.dumps(error_body(str(exc), timeshare_error_status(exc), exc.code))}
             finally:
+                self._streams.discard(gen)
                 if not finished:
                     gen.cancel()
                     self.record_cancel_later(gen)
@@ -427,10 +590,14 @@ class _Handlers:
             await self.call(self.pool.pin, model_id, False)
         elif command == "wake":
             await self.call(self.pool.wake, model_id)
+        elif command == "start":
+            # a FAILED or STOPPED model, with a fresh restart budget (503 when it fails at once)
+            await self.call(self.pool.start_model, model_id)
         elif command == "sleep":
             level: object = "weights+kv"
-            if await request.body():
-                body = await read_json(request)
+            data = await read_body(request)
+            if data:
+                body = await anyio.to_thread.run_sync(parse_json, data)
                 level = body.get("level", level) if isinstance(body, dict) else None
             try:
                 release = parse_release_level(level)
@@ -561,6 +728,10 @@ def create_app(pool: Pool, api_config: ApiConfig, *, reload: ConfigReloader | No
     }
     app = Starlette(routes=routes, exception_handlers=exception_handlers)
     app.add_middleware(_AuthMiddleware, key=api_config.key)
+    # outermost (added last): a CORS preflight carries no key, and a refused Host or Origin gets
+    # no further than this
+    app.add_middleware(_GuardMiddleware, api_config=api_config, closing=lambda: handlers.closing)
+    app.state.begin_shutdown = handlers.begin_shutdown
     app.state.counter = counter
     app.state.unsubscribe = pool.subscribe(counter.on_event)
     return app

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 from starlette.requests import Request
 
 from ..worker.protocol import ChatMessage
@@ -14,6 +16,16 @@ from .errors import BadRequestError
 
 #: request bodies above this are refused with 413 before they are parsed
 MAX_BODY_BYTES = 8 * 1024 * 1024
+#: a body must arrive within this many seconds (a stalled upload would hold its connection)
+BODY_TIMEOUT_S = 60.0
+#: JSON nested deeper than this is refused (the API's own bodies nest 4 levels)
+MAX_JSON_DEPTH = 32
+#: JSON values (objects, arrays, strings, numbers ...) in one body; beyond it: 400
+MAX_JSON_VALUES = 200_000
+#: chat messages in one request
+MAX_MESSAGES = 4096
+#: stop strings in one request (OpenAI allows 4)
+MAX_STOP = 16
 #: OpenAI's default for /v1/completions
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: OpenAI lets chat run to the end of the context; a local default keeps a runaway answer bounded
@@ -142,6 +154,8 @@ def _common(body: Mapping[str, Any], kind: str, default_max_tokens: int) -> dict
         stop = tuple(stop_raw)
     else:
         raise BadRequestError("'stop' must be a string or a list of non-empty strings.", "stop")
+    if len(stop) > MAX_STOP:
+        raise BadRequestError(f"'stop' holds {len(stop)} strings; send at most {MAX_STOP}.", "stop")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise BadRequestError("'seed' must be a whole number.", "seed")
@@ -204,6 +218,12 @@ def parse_chat_request(body: object) -> GenerationRequest:
         raise BadRequestError(
             "'messages' is required: a non-empty list of {role, content} objects.", "messages"
         )
+    if len(raw) > MAX_MESSAGES:
+        raise BadRequestError(
+            f"'messages' holds {len(raw)} messages; send at most {MAX_MESSAGES} "
+            "(drop or summarise the oldest ones).",
+            "messages",
+        )
     messages = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
@@ -235,6 +255,8 @@ def parse_completion_request(body: object) -> GenerationRequest:
         )
     if not isinstance(prompt, str):
         raise BadRequestError("'prompt' is required and must be a string.", "prompt")
+    if not prompt:
+        raise BadRequestError("'prompt' is empty: give some text for the model to continue.", "prompt")
     if body.get("echo"):
         raise BadRequestError("'echo' is not supported; leave it out.", "echo")
     if body.get("suffix"):
@@ -243,31 +265,103 @@ def parse_completion_request(body: object) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, messages=None, **fields)
 
 
-async def read_json(request: Request) -> object:
+def _too_large() -> BadRequestError:
+    return BadRequestError(
+        f"The request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB; send a shorter one.",
+        code="request_too_large",
+        status=413,
+    )
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, at most MAX_BODY_BYTES (413 beyond), within BODY_TIMEOUT_S (408 after)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise BadRequestError(
-            f"The request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB; send a shorter one.",
-            code="request_too_large",
-            status=413,
-        )
+        raise _too_large()
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
+    try:
+        with anyio.fail_after(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _too_large()
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BadRequestError(
+            f"The request body did not arrive within {BODY_TIMEOUT_S:g} s; send it again.",
+            code="request_timeout",
+            status=408,
+        ) from None
+    return b"".join(chunks)
+
+
+def _bad_string(where: str) -> BadRequestError:
+    shown = where or "the request body"
+    return BadRequestError(
+        f"{shown}: the string holds a lone surrogate escape (such as \\ud800), which is not Unicode "
+        "text; send valid UTF-8 (a character outside the BMP as its surrogate pair).",
+        where or None,
+        code="invalid_string",
+    )
+
+
+def check_json(value: object) -> None:
+    """Refuse (400) JSON nested deeper than MAX_JSON_DEPTH, with more than MAX_JSON_VALUES values,
+    or holding a string that cannot be encoded as UTF-8 (a lone surrogate escape): the param
+    names the field. Iterative, so no input can exhaust the stack."""
+    stack: list[tuple[object, str, int]] = [(value, "", 1)]
+    seen = 0
+    while stack:
+        item, where, depth = stack.pop()
+        seen += 1
+        if seen > MAX_JSON_VALUES:
             raise BadRequestError(
-                f"The request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB; send a shorter one.",
-                code="request_too_large",
-                status=413,
+                f"The request body holds more than {MAX_JSON_VALUES} JSON values; send a smaller one.",
+                code="invalid_json",
             )
-        chunks.append(chunk)
-    data = b"".join(chunks)
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequestError(
+                f"The request body nests more than {MAX_JSON_DEPTH} levels deep; no field needs that.",
+                where or None,
+                code="invalid_json",
+            )
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _bad_string(where) from None
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise _bad_string(where) from None
+                stack.append((sub, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{where}[{i}]", depth + 1) for i, sub in enumerate(item))
+
+
+def parse_json(data: bytes) -> object:
+    """A request body as checked JSON (see :func:`check_json`); BadRequestError otherwise."""
     if not data:
         raise BadRequestError("The request body is empty: send a JSON object.", code="invalid_json")
     try:
-        return json.loads(data)
+        value = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequestError(
             f"The request body is not valid JSON ({exc}); send a JSON object.", code="invalid_json"
         ) from exc
+    except RecursionError:
+        raise BadRequestError(
+            f"The request body nests more than {MAX_JSON_DEPTH} levels deep; no field needs that.",
+            code="invalid_json",
+        ) from None
+    check_json(value)
+    return value
+
+
+async def read_json(request: Request) -> object:
+    """The request body as checked JSON, parsed off the event loop (a large body takes a while)."""
+    data = await read_body(request)
+    return await anyio.to_thread.run_sync(parse_json, data)

@@ -34,6 +34,15 @@ from ..logsetup import setup_logging
 from ..pool.supervisor import Pool
 from ..state import ModelState, PoolSnapshot
 from .address import ApiAddress
+from .connections import (
+    HEAD_TIMEOUT_S,
+    KEEP_ALIVE_S,
+    MAX_HEAD_BYTES,
+    GuardedH11Protocol,
+    GuardedServer,
+    connection_limit,
+    install_log_limits,
+)
 from .errors import BadRequestError
 from .handlers import HEALTH_HEADER, ConfigReloader, create_app, reload_config
 
@@ -117,7 +126,10 @@ class ApiServer:
     """uvicorn on a background thread (for the tray app and ``timeshare serve``).
 
     ``start()`` binds (port 0 picks a free port; see ``port`` / ``url``), serves, and records the
-    address in ``paths.api_address_file()``; ``stop()`` shuts down and removes the record.
+    address in ``paths.api_address_file()``; ``stop()`` answers what still waits with 503, shuts
+    down and removes the record. Connections are guarded (see connections.py): a request head must
+    arrive within ``head_timeout_s``, at most ``max_connections`` are open (default: from the
+    open-files limit).
     """
 
     def __init__(
@@ -126,6 +138,8 @@ class ApiServer:
         api_config: ApiConfig,
         *,
         address_file: Path | None = None,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+        max_connections: int | None = None,
         config_path: Path | None = None,
         reload: ConfigReloader | None = None,
     ) -> None:
@@ -134,6 +148,8 @@ class ApiServer:
         self.reload: ConfigReloader = reload or functools.partial(reload_config, pool, config_path)
         self.api_config = api_config
         self.address_file = address_file
+        self.head_timeout_s = head_timeout_s
+        self.max_connections = max_connections if max_connections is not None else connection_limit()
         self.app: Starlette | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -149,15 +165,22 @@ class ApiServer:
         self.port = int(self._sock.getsockname()[1])
         self.url = _url(self.api_config.host, self.port)
         self.app = create_app(self.pool, self.api_config, reload=self.reload)
+        install_log_limits()
         config = uvicorn.Config(
             self.app,
+            http=GuardedH11Protocol.protocol_class(
+                head_timeout_s=self.head_timeout_s, max_connections=self.max_connections
+            ),
             log_config=None,
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=3,
-            timeout_keep_alive=5,
+            timeout_keep_alive=int(KEEP_ALIVE_S),
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            # a backstop: the protocol keeps connections (so requests) within max_connections
+            limit_concurrency=self.max_connections + 16,
         )
-        self._server = uvicorn.Server(config)
+        self._server = GuardedServer(config)
         self._thread = threading.Thread(target=self._run, name="timeshare-api", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
@@ -186,6 +209,10 @@ class ApiServer:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.app is not None:
+            # requests that wait (queued or generating) get a JSON 503 and streams an error event,
+            # before uvicorn's graceful shutdown would cut them off with a bare 500
+            self.app.state.begin_shutdown()
         if self._address is not None:
             self._address.remove(self.address_file)
             self._address = None
@@ -211,7 +238,9 @@ def serve_main(args: argparse.Namespace) -> int:
     """``timeshare serve``: the pool and the API in the foreground until SIGINT/SIGTERM."""
     setup_logging(bool(getattr(args, "verbose", False)))
     try:
-        config = load_for_cli(getattr(args, "config", None))
+        # model files are not checked here: a missing or broken one makes that model FAILED (with
+        # its reason) while the others serve
+        config = load_for_cli(getattr(args, "config", None), check_paths=False)
         host = getattr(args, "host", None)
         port = getattr(args, "port", None)
         api_config = dataclasses.replace(

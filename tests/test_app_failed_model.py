@@ -1,0 +1,119 @@
+"""The tray for a model whose file is missing: Timeshare starts, the model shows as failed with
+"Locate file…" and "Remove"; both write the config and apply it (a real pool, a real worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from timeshare.core.config import files as config_files
+from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
+from timeshare.core.state import ModelState
+
+pytestmark = [pytest.mark.gui, pytest.mark.slow]
+
+WAIT_MS = 240_000
+
+
+@pytest.fixture
+def app(qtbot: Any, tmp_path: Path, timeshare_home: Path) -> Iterator[Any]:
+    from timeshare.app.application import TimeshareApp
+    from timeshare.core import paths
+    from timeshare.core.chat import ChatService
+    from timeshare.core.pool.supervisor import Pool
+    from timeshare.core.store import Store
+
+    config = Config(
+        models=(
+            ModelConfig(id="ghost", path=str(tmp_path / "gone" / "ghost.gguf"), idle_sleep_s=None),
+            ModelConfig(id="other", path=str(tmp_path / "gone" / "other.gguf")),
+        ),
+        api=ApiConfig(enabled=False),
+    )
+    config_path = paths.config_file()
+    config_files.save_config(config, config_path)  # as the user has it: the files are gone
+    pool = Pool(config, arena_dir=tmp_path / "arena")
+    pool.start()
+    store = Store(tmp_path / "c.sqlite3")
+    made = TimeshareApp(
+        config, pool, store, ChatService(pool, store), config_path=config_path, tray_available=True
+    )
+    qtbot.addWidget(made.window)
+    made.start(background=True)
+    try:
+        yield made
+    finally:
+        made.shutdown()
+        store.close()
+
+
+def _submenu_texts(app: Any, model_title_start: str) -> list[str]:
+    app.tray.rebuild_menu()
+    for action in app.tray.menu.actions():
+        menu = action.menu()
+        if menu is not None and action.text().startswith(model_title_start):
+            return [a.text() for a in menu.actions()]
+    raise AssertionError(f"no submenu {model_title_start!r}")
+
+
+def test_locate_file_and_remove_for_a_model_whose_file_is_gone(
+    qtbot: Any, app: Any, smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtWidgets import QMessageBox
+    from timeshare.app import application
+    from timeshare.app.menu_model import Action, Command
+
+    def state(model_id: str) -> ModelState | None:
+        status = app.pool.snapshot().model(model_id)
+        return None if status is None else status.state
+
+    qtbot.waitUntil(lambda: state("ghost") is ModelState.FAILED and state("other") is ModelState.FAILED)
+    texts = _submenu_texts(app, "ghost")
+    assert "Locate file…" in texts and "Remove" in texts and "Restart" in texts
+    assert any("ghost.gguf does not exist" in t for t in texts)  # the reason, naming the file
+
+    # Locate file…: the picker, then the model starts from the file chosen
+    located = tmp_path / "found" / "smol.gguf"
+    located.parent.mkdir()
+    located.symlink_to(smollm2_path)
+    asked: list[str] = []
+
+    def pick(parent: object, title: str, folder: str, filters: str) -> tuple[str, str]:
+        asked.append(title)
+        return str(located), filters.split(";;")[0]
+
+    monkeypatch.setattr(application.QFileDialog, "getOpenFileName", staticmethod(pick))
+    app.handle(Action("Locate file…", Command.LOCATE_FILE, "ghost"))
+    assert asked and "ghost" in asked[0]
+    saved = config_files.load_config(app.config_path, check_paths=False)
+    assert saved.model("ghost").path == str(located)  # type: ignore[union-attr]
+    qtbot.waitUntil(lambda: state("ghost") in (ModelState.RESIDENT, ModelState.RELEASED), timeout=WAIT_MS)
+
+    # Remove: asked first; "No" keeps it
+    answers = [QMessageBox.StandardButton.No, QMessageBox.StandardButton.Yes]
+    monkeypatch.setattr(application.QMessageBox, "question", staticmethod(lambda *a: answers.pop(0)))
+    app.handle(Action("Remove", Command.REMOVE_MODEL, "other"))
+    assert config_files.load_config(app.config_path, check_paths=False).model("other") is not None
+    app.handle(Action("Remove", Command.REMOVE_MODEL, "other"))
+    assert config_files.load_config(app.config_path, check_paths=False).model("other") is None
+    qtbot.waitUntil(lambda: state("other") is None, timeout=WAIT_MS)
+    assert state("ghost") in (ModelState.RESIDENT, ModelState.RELEASED)
+
+
+def test_a_file_that_is_not_a_model_is_refused_with_a_sentence(
+    qtbot: Any, app: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from timeshare.app import application
+    from timeshare.app.menu_model import Action, Command
+
+    bogus = tmp_path / "page.gguf"
+    bogus.write_bytes(b"<html>404</html>")
+    monkeypatch.setattr(application.QFileDialog, "getOpenFileName", staticmethod(lambda *a: (str(bogus), "")))
+    notes: list[tuple[str, str]] = []
+    monkeypatch.setattr(app, "notify", lambda title, message, error=False: notes.append((title, message)))
+    before = app.config_path.read_text()
+    app.handle(Action("Locate file…", Command.LOCATE_FILE, "ghost"))
+    assert notes and "not a GGUF file" in notes[0][1]
+    assert app.config_path.read_text() == before  # nothing written
