@@ -252,6 +252,21 @@ def test_a_split_model_downloads_whole(hub: FakeHub, ggufs: dict[str, bytes], tm
     assert [len(c.files) for c in by_part.choices] == [2]
 
 
+def test_dir_puts_hub_files_outside_the_cache_and_resumes_there(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    hub.faults.drop_after["Tiny-Q8_0.gguf"] = 16384
+    listing = pull.list_source(pull.parse_source(f"{REPO}:Q8_0"))
+    target = tmp_path / "models"
+    result = pull.pull(listing, pull.choose(listing), dest_dir=target, chunk_size=4096)
+    assert result.path == target / "Tiny-Q8_0.gguf" and result.path.read_bytes() == ggufs["q8"]
+    assert result.entry.source == "file" and result.entry.origin == REPO
+    assert sorted(p.name for p in target.iterdir()) == ["Tiny-Q8_0.gguf"]  # no partial, no sidecar
+    assert not (tmp_path / "hf" / "hub").exists()
+    assert [r.range for r in hub.seen("GET", "/cdn/")] == [None, "bytes=16384-"]
+
+
 def test_a_dropped_connection_resumes_where_it_stopped(
     hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
 ) -> None:
