@@ -13,9 +13,12 @@ import json
 import logging
 import statistics
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import TimeshareError
+
+if TYPE_CHECKING:  # importing residency loads llama_cpp: run_doctor imports it when it runs
+    from ..residency.residency import Mode
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +34,15 @@ def _default_model() -> str:
         ) from exc
 
 
-def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
-    """Run the check; returns the report (raises TimeshareError on bad input)."""
+_MEASURES = {
+    "device": "device free memory (ggml_backend_dev_memory)",
+    "rss": "process RSS (mmap threshold fixed)",
+}
+
+
+def run_doctor(model: str, cycles: int, n_ctx: int = 512, mode: Mode = "auto") -> dict[str, Any]:
+    """Run the check; returns the report (raises TimeshareError on bad input). ``mode`` forces
+    the in-place or the rebuild path (``make vulkan-check`` checks the rebuild path with it)."""
     from ..residency import Residency, ResidencyOptions
     from .residency_check import Cycles, GreedyReplay, load_for_check, run_cycles
 
@@ -50,7 +60,7 @@ def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
         _step("recording the reference: 8 greedy decode steps")
         reference = replay.run()
         _step("attaching the residency mechanism")
-        res = Residency.attach(llm, model, ResidencyOptions(mode="auto"))
+        res = Residency.attach(llm, model, ResidencyOptions(mode=mode))
         _step(f"{res.path} path on {res.backend}" + (f" ({res.reason})" if res.reason else ""))
         done = Cycles()
         for i in range(cycles):
@@ -88,8 +98,13 @@ def run_doctor(model: str, cycles: int, n_ctx: int = 512) -> dict[str, Any]:
             "host_bytes": res.host_bytes,
             "host_pinned": res.host_pinned,
             "host_note": res.host_note,
-            "memory_measure": "device free memory" if probe.gpu else "process RSS (mmap threshold fixed)",
+            "memory_measure": _MEASURES[res.memory_measure],
+            # why the measure is not the device's own report (a driver without memory usage)
+            "memory_note": res.memory_note,
         }
+        dev = res.device_memory()
+        if dev is not None:  # what ggml_backend_dev_memory says now (weights restored)
+            report["device_memory"] = {"device": dev[0], "free_bytes": dev[1], "total_bytes": dev[2]}
         res.close()
     finally:
         llm.close()
@@ -131,6 +146,7 @@ def _print_text(r: dict[str, Any]) -> None:
         f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']})",
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
         f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
+        *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
         f"release:            {r['release_ms']:.2f} ms (median)",
         f"restore:            {r['restore_ms']:.2f} ms (median), {r['restore_gbps']:.2f} GB/s",
         f"host shadow:        {r['host_bytes'] / 1e6:.1f} MB, pinned={r['host_pinned']}"

@@ -33,8 +33,11 @@ log = logging.getLogger(__name__)
 
 _PLACEHOLDER_BYTES = 64
 _VERIFY_BYTES = 4096
-#: buffer types whose bytes ggml_backend_tensor_get can read back unchanged (others repack)
-_READABLE_BUFT_PREFIXES = ("CPU", "CUDA")
+#: buffer types whose bytes ggml_backend_tensor_get can read back unchanged (others repack).
+#: Vulkan: the device buffers (VulkanN; Vulkan_Host buffers are host memory and never released)
+#: hand out data pointers from the constant vk_ptr_base (0x1000) and find their VkBuffer through
+#: the buffer's context at every use, so a swapped context is all a restored buffer needs.
+_READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
 
 
 class InPlaceUnsupportedError(Exception):
@@ -139,7 +142,11 @@ def _discover(llm: Any, layout: _ggml.TensorLayout) -> _Discovery:
 
 def _plain_copy(buft_name: str) -> bool:
     """Buffer types whose set_tensor copies bytes unchanged (CPU_REPACK and the like repack)."""
-    return buft_name == "CPU" or (buft_name.startswith("CUDA") and buft_name[4:].isdigit())
+    return (
+        buft_name == "CPU"
+        or (buft_name.startswith("CUDA") and buft_name[4:].isdigit())
+        or (buft_name.startswith("Vulkan") and buft_name[6:].isdigit())
+    )
 
 
 def _pad(n: int, align: int) -> int:

@@ -26,6 +26,9 @@ from .kv import KvSnapshot
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "inplace", "rebuild"]
+
+#: ggml device names (CUDA0, Vulkan0, ...) of the backends the in-place path was checked on
+_INPLACE_BACKENDS = ("CUDA", "Vulkan")
 Path_ = Literal["inplace", "rebuild", "none"]
 
 
@@ -147,6 +150,8 @@ class Residency:
         self._level: WorkerReleaseLevel = "weights"
         self._saved_ctx: Any = None
         self._closed = False
+        self._measure: str | None = None  # memory_measure, decided at the first release
+        self.memory_note = ""  # why memory_measure is not the device's own report, when it is not
 
     # -- construction -------------------------------------------------------------------------
 
@@ -167,7 +172,7 @@ class Residency:
                 f"llama-cpp-python {version} is not the pinned {_ggml.PINNED_VERSION}: "
                 "its ggml struct layouts are unchecked"
             )
-        if gpu is not None and not gpu.name.upper().startswith("CUDA"):
+        if gpu is not None and not gpu.name.startswith(_INPLACE_BACKENDS):
             reason = reason or f"backend {gpu.name} is not checked for in-place release"
         return ProbeResult(
             version=version,
@@ -272,9 +277,46 @@ class Residency:
 
     # -- measurements -------------------------------------------------------------------------
 
+    @property
+    def memory_measure(self) -> str:
+        """What release reports measure as freed memory: ``"device"`` (the device's free memory,
+        ``ggml_backend_dev_memory``) or ``"rss"`` (the process's resident memory: a CPU build, or
+        a device that does not report its usage -- see :attr:`memory_note`)."""
+        if self._measure is not None:
+            return self._measure
+        measure = self._choose_measure()
+        if self.weights_resident:  # only then does free == total say the device cannot tell
+            self._measure = measure
+        return measure
+
+    def _choose_measure(self) -> str:
+        if self._gpu is None or self.backend == "CPU":
+            return "rss"
+        free, total = _ggml.device_memory(self._gpu.handle)
+        if free >= total and self.weights_resident and self.weight_bytes > 0:
+            # e.g. Vulkan without VK_EXT_memory_budget (Mesa's lavapipe): ggml reports the heap
+            # size as free whatever is allocated, so a release would always measure 0 bytes
+            self.memory_note = (
+                f"{self._gpu.name} reports {free} bytes free of {total} with the weights loaded (its "
+                "driver does not report memory usage, e.g. no VK_EXT_memory_budget): measured as process "
+                "RSS instead, which is the device memory where the device is the CPU (lavapipe)"
+            )
+            log.info("%s", self.memory_note)
+            return "rss"
+        return "device"
+
+    def device_memory(self) -> tuple[str, int, int] | None:
+        """(device name, free bytes, total bytes) of the first GPU as ``ggml_backend_dev_memory``
+        reports them; None on a CPU-only build."""
+        if self._gpu is None:
+            return None
+        free, total = _ggml.device_memory(self._gpu.handle)
+        return self._gpu.name, free, total
+
     def _device_free(self) -> int | None:
-        """Free bytes of the device the weights live on (RSS, negated, on a CPU build)."""
-        if self._gpu is not None and self.backend != "CPU":
+        """Free bytes of the device the weights live on (RSS, negated, on a CPU build or a device
+        that does not report its usage)."""
+        if self.memory_measure == "device" and self._gpu is not None:
             return _ggml.device_memory(self._gpu.handle)[0]
         return -_rss_bytes()
 

@@ -1,0 +1,102 @@
+"""Residency on Vulkan: what the in-place path needs to know about the Vulkan backend, checked
+without a Vulkan device (device names, buffer types, a driver that reports no memory usage), and
+the real thing -- `timeshare doctor` in the Vulkan venv that `make vulkan-check` builds -- when
+that venv exists and TIMESHARE_VULKAN_TEST=1 (minutes on lavapipe, so not by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import llama_cpp  # noqa: F401  (before numpy; residency loads the ggml libraries)
+import pytest
+from timeshare.core.residency import Residency, _ggml
+from timeshare.core.residency import inplace as inplace_mod
+from timeshare.core.residency import residency as residency_mod
+
+ROOT = Path(__file__).resolve().parent.parent
+VULKAN_VENV = ROOT / ".venv-vulkan"
+
+
+def test_plain_copy_buffer_types() -> None:
+    # device buffers upload in one copy; host (pinned) and repacking types do not
+    assert inplace_mod._plain_copy("Vulkan0")
+    assert inplace_mod._plain_copy("Vulkan12")
+    assert inplace_mod._plain_copy("CUDA0")
+    assert inplace_mod._plain_copy("CPU")
+    assert not inplace_mod._plain_copy("Vulkan_Host")
+    assert not inplace_mod._plain_copy("CUDA_Host")
+    assert not inplace_mod._plain_copy("CPU_REPACK")
+
+
+@pytest.mark.parametrize(
+    ("name", "possible"), [("Vulkan0", True), ("CUDA0", True), ("MTL0", False), ("SYCL0", False)]
+)
+def test_probe_accepts_the_checked_backends(
+    monkeypatch: pytest.MonkeyPatch, name: str, possible: bool
+) -> None:
+    monkeypatch.setattr(_ggml, "first_gpu", lambda: _ggml.Device(1, name, _ggml.GGML_BACKEND_DEVICE_TYPE_GPU))
+    probe = Residency.probe()
+    assert probe.backend == name and probe.gpu and probe.use_mmap_for_inplace
+    assert probe.inplace_possible is possible
+    if not possible:
+        assert f"backend {name} is not checked" in probe.reason
+
+
+def _resident_on(monkeypatch: pytest.MonkeyPatch, free: int, total: int) -> Residency:
+    res = Residency()  # fields set by hand: no model is loaded
+    res._gpu = _ggml.Device(1, "Vulkan0", _ggml.GGML_BACKEND_DEVICE_TYPE_GPU)
+    res.backend = "Vulkan0"
+    res.weight_bytes = 100 << 20
+    monkeypatch.setattr(residency_mod._ggml, "device_memory", lambda _dev: (free, total))
+    return res
+
+
+def test_a_device_that_reports_no_usage_is_measured_by_rss(monkeypatch: pytest.MonkeyPatch) -> None:
+    # lavapipe (no VK_EXT_memory_budget): ggml reports the heap size as free, weights loaded or not
+    res = _resident_on(monkeypatch, 2 << 30, 2 << 30)
+    assert res.memory_measure == "rss"
+    assert "Vulkan0 reports" in res.memory_note and "VK_EXT_memory_budget" in res.memory_note
+    assert (res._device_free() or 0) < 0  # RSS, negated
+    assert res.device_memory() == ("Vulkan0", 2 << 30, 2 << 30)
+
+
+def test_a_device_that_reports_usage_is_measured_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    res = _resident_on(monkeypatch, 1 << 30, 2 << 30)
+    assert res.memory_measure == "device"
+    assert res.memory_note == ""
+    assert res._device_free() == 1 << 30
+
+
+def test_the_measure_is_decided_only_while_the_weights_are_resident(monkeypatch: pytest.MonkeyPatch) -> None:
+    res = _resident_on(monkeypatch, 2 << 30, 2 << 30)
+    res.weights_resident = False  # free == total says nothing then
+    assert res.memory_measure == "device"
+    res.weights_resident = True
+    assert res.memory_measure == "rss"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not (VULKAN_VENV / "bin" / "timeshare").exists() or os.environ.get("TIMESHARE_VULKAN_TEST") != "1",
+    reason="needs the Vulkan venv of `make vulkan-check` (.venv-vulkan) and TIMESHARE_VULKAN_TEST=1",
+)
+def test_doctor_in_place_on_vulkan(tmp_path: Path) -> None:
+    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES=os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"))
+    env["TIMESHARE_HOME"] = str(tmp_path)
+    out = subprocess.run(
+        [str(VULKAN_VENV / "bin" / "timeshare"), "doctor", "--cycles", "1", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    report = json.loads(out.stdout)
+    assert report["backend"].startswith("Vulkan"), report
+    assert report["path"] == "inplace", report["reason"]
+    assert report["bitwise_identical"] and report["kv_level_bitwise_identical"]
+    assert report["released_fraction"] > 0.9, report
