@@ -415,7 +415,7 @@ def _url_status_error(status: int, url: str) -> DownloadError:
     return DownloadError(f"{url} answered HTTP {status}; try again later")
 
 
-def _transport_error(exc: httpx.TransportError, url: str) -> DownloadError:
+def _transport_error(exc: httpx.HTTPError, url: str) -> DownloadError:
     return DownloadError(
         f"cannot reach {url} ({type(exc).__name__}: {exc}): check the connection and try again"
     )
@@ -425,7 +425,7 @@ def _head(client: httpx.Client, url: str) -> RemoteFile:
     name = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
     try:
         response = client.head(url)
-    except httpx.TransportError as exc:
+    except httpx.HTTPError as exc:  # transport errors, too many redirects, a bad URL
         raise _transport_error(exc, url) from exc
     if response.status_code in (405, 501):  # no HEAD: the GET will tell
         return RemoteFile(name, url)
@@ -1110,7 +1110,7 @@ def pull(
         for part, target in enumerate(targets, 1):
             try:
                 downloaded += _fetch(client, target, part, support, meter, cancel, chunk_size)
-            except httpx.TransportError as exc:
+            except httpx.HTTPError as exc:  # too many redirects, a bad URL (transport errors retry)
                 raise _transport_error(exc, target.get_url) from exc
             meter.base += target.final.stat().st_size
     files = tuple(t.path for t in targets)
