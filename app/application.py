@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from PySide6.QtCore import QObject, QTimer, QUrl, Signal
+from PySide6.QtCore import QEvent, QObject, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication
-from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox, QSystemTrayIcon
+from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox, QSystemTrayIcon, QWidget
 
 from ..core import paths
 from ..core.atomic import atomic_write_text
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRAY_WAIT_S = 10  # at login the desktop's tray may appear a few seconds after Timeshare starts
+FIRST_PAINT_WAIT_MS = 3000  # work deferred until the window painted waits at most this long
 LOG_FILE = "timeshare.log"
 
 
@@ -135,7 +136,12 @@ class TimeshareApp(QObject):
         else:
             log.info("no system tray: opening the chat window instead")
             self.window.show_and_raise()
-        self.start_api()
+        if self.window.isVisible() and self.config.api.enabled:
+            # the API's first start imports its server (a second or more): after the window has
+            # painted, so nobody looks at an empty window meanwhile
+            _after_first_paint(self.window, self.start_api)
+        else:
+            self.start_api()
         if self.config.notice:
             self.notify("Timeshare", self.config.notice)
 
@@ -158,7 +164,7 @@ class TimeshareApp(QObject):
             self.window.show_and_raise()
 
     def start_api(self) -> None:
-        if not self.config.api.enabled:
+        if not self.config.api.enabled or self._shut_down or self.api is not None:
             return
         factory = self._api_factory
         if factory is None:
@@ -401,6 +407,33 @@ class TimeshareApp(QObject):
             self.pool.stop(timeout=timeout)
         except Exception:
             log.exception("stopping the pool failed")
+
+
+class _FirstPaint(QObject):
+    """Calls ``then`` once, on the event loop's next turn after ``widget`` first painted (or
+    after ``FIRST_PAINT_WAIT_MS`` if it never does, on a platform that paints nothing)."""
+
+    def __init__(self, widget: QWidget, then: Callable[[], None]) -> None:
+        super().__init__(widget)
+        self._widget = widget
+        self._then: Callable[[], None] | None = then
+        widget.installEventFilter(self)
+        QTimer.singleShot(FIRST_PAINT_WAIT_MS, self._fire)
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if event.type() is QEvent.Type.Paint and self._then is not None:
+            QTimer.singleShot(0, self._fire)  # the painted window reaches the screen first
+        return False
+
+    def _fire(self) -> None:
+        then, self._then = self._then, None
+        if then is not None:
+            self._widget.removeEventFilter(self)
+            then()
+
+
+def _after_first_paint(widget: QWidget, then: Callable[[], None]) -> None:
+    _FirstPaint(widget, then)
 
 
 def _fatal(title: str, text: str) -> int:

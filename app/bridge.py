@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import QObject, Signal, Slot
 
 from ..core.errors import TimeshareError
-from ..core.state import EventKind, PoolEvent, PoolSnapshot, ReleaseLevel
+from ..core.state import EventKind, ModelState, PoolEvent, PoolSnapshot, ReleaseLevel
 from .qt_compat import emit
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ class PoolBridge(QObject):
         self.pool = pool
         self._received.connect(self._on_event)
         self._commands = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-commands")
+        # model id → (stage, fraction) of its load, from the worker's Loading messages
+        self.loading: dict[str, tuple[str, float]] = {}
         self._unsubscribe: Callable[[], None] | None = pool.subscribe(self._from_pool_thread)
         # after subscribe(): a change in between still arrives as an event
         self._snapshot = pool.snapshot()
@@ -57,6 +59,18 @@ class PoolBridge(QObject):
         if self._unsubscribe is None:  # detached: late events are dropped
             return
         self._snapshot = event.snapshot
+        stage = event.extra.get("stage")
+        if event.kind is EventKind.MESSAGE and event.model and isinstance(stage, str):
+            fraction = event.extra.get("fraction")
+            self.loading[event.model] = (
+                stage,
+                float(fraction) if isinstance(fraction, (int, float)) else 0.0,
+            )
+        loading = (ModelState.STARTING, ModelState.LOADING)
+        for model_id in list(self.loading):
+            status = event.snapshot.model(model_id)
+            if status is None or status.state not in loading:
+                del self.loading[model_id]  # loaded (or gone): a new load starts from its first stage
         emit(self.snapshot_changed, event.snapshot)
         note = notification_for(event)
         if note is not None:

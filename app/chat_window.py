@@ -3,6 +3,9 @@
 Answers stream on a Python thread that only iterates ChatService's ``ChatTurn`` and emits
 signals; everything that touches widgets runs on the GUI thread. Focusing the input or typing in
 it pre-wakes the conversation's model (restore ahead of the request) unless the setting is off.
+While the user waits (a load, the GPU, a restore, the prompt being read) a line under the
+transcript says for what and for how long. Each conversation keeps its answer settings (system
+prompt, temperature, max tokens), edited in the panel the "Answer settings" button opens.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QFocusEvent, QGuiApplication, QKeyEvent
 from PySide6.QtWidgets import (
     QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
     QHBoxLayout,
     QInputDialog,
     QLabel,
@@ -28,29 +33,43 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
+    QSpinBox,
     QSplitter,
     QTextBrowser,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from ..core.errors import TimeshareError
 from ..core.state import ModelState, PoolSnapshot
+from ..core.store import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from . import icons
 from .bridge import PoolBridge
 from .menu_model import display_state
 from .qt_compat import emit
-from .transcript import NO_CONVERSATION, answer_line, failure_line, history_markdown, with_live_answer
+from .transcript import (
+    NO_CONVERSATION,
+    answer_line,
+    failure_line,
+    history_markdown,
+    settings_summary,
+    with_live_answer,
+)
+from .waits import WaitClock, chat_wait_kind, chat_wait_line
 
 if TYPE_CHECKING:
     from ..core.chat import ChatResult, ChatService, ChatTurn
-    from ..core.store import AnswerStats, Store
+    from ..core.store import AnswerStats, Conversation, Store
 
 log = logging.getLogger(__name__)
 
 PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
 RENDER_INTERVAL_MS = 50  # streamed text is re-rendered at most 20 times a second
-MAX_TOKENS = 512  # per answer (core.api's DEFAULT_CHAT_MAX_TOKENS; importing it would load starlette)
+WAIT_TICK_MS = 500  # the waiting line's seconds are updated this often
+SAVE_PROMPT_MS = 400  # a typed system prompt is saved this long after the last key
+MAX_TOKENS_LIMIT = 32768  # the most the max-tokens box allows (the model's context limits it anyway)
 
 
 class _Stream(QObject):
@@ -129,7 +148,11 @@ class ChatWindow(QMainWindow):
         # (conversation id, its model id, Markdown of its stored messages): what render ticks reuse
         self._history: tuple[str, str, str] | None = None
         self._got_first_token = False
-        self.max_tokens = MAX_TOKENS
+        #: when set, every answer gets at most this many tokens (the tests keep answers short)
+        self.max_tokens: int | None = None
+        self._wait_clock = WaitClock()
+        self._names: tuple[tuple[str, str], ...] = ()  # (id, name) of the models the transcript names
+        self._options_for: str | None = None  # the conversation whose settings the panel shows
         self._detached = False
         self.setWindowTitle("Timeshare — Chat")
         self.setWindowIcon(icons.app_icon())
@@ -139,6 +162,13 @@ class ChatWindow(QMainWindow):
         self._render_timer.setSingleShot(True)
         self._render_timer.setInterval(RENDER_INTERVAL_MS)
         self._render_timer.timeout.connect(self._render_live)
+        self._wait_timer = QTimer(self)  # runs while the user waits: the seconds go on
+        self._wait_timer.setInterval(WAIT_TICK_MS)
+        self._wait_timer.timeout.connect(self._update_model_state)
+        self._prompt_timer = QTimer(self)
+        self._prompt_timer.setSingleShot(True)
+        self._prompt_timer.setInterval(SAVE_PROMPT_MS)
+        self._prompt_timer.timeout.connect(self._save_options)
         bridge.snapshot_changed.connect(self._on_snapshot)
         self._on_snapshot(bridge.snapshot)
         self.reload_conversations()
@@ -177,24 +207,50 @@ class ChatWindow(QMainWindow):
         self.model_state = QLabel()
         self.model_state.setObjectName("model_state")
         top.addWidget(self.model_state)
+        self.settings_button = QToolButton()
+        self.settings_button.setObjectName("answer_settings")
+        self.settings_button.setText("Answer settings")
+        self.settings_button.setCheckable(True)
+        self.settings_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.settings_button.setArrowType(Qt.ArrowType.RightArrow)
+        self.settings_button.toggled.connect(self._show_settings)
+        top.addWidget(self.settings_button)
         rv.addLayout(top)
+        second = QHBoxLayout()
         self.licence = QLabel()
         self.licence.setObjectName("licence")
         self.licence.setStyleSheet("color: gray")
-        rv.addWidget(self.licence)
+        second.addWidget(self.licence, 1)
+        self.settings_summary = QLabel()  # what the conversation's answers are made with
+        self.settings_summary.setObjectName("settings_summary")
+        self.settings_summary.setStyleSheet("color: gray")
+        second.addWidget(self.settings_summary)
+        rv.addLayout(second)
+        rv.addWidget(self._settings_panel())
 
         self.transcript = QTextBrowser()
         self.transcript.setObjectName("transcript")
         self.transcript.setOpenExternalLinks(True)
         rv.addWidget(self.transcript, 1)
 
+        # what the user waits for, in words beside the bar (an indeterminate bar shows no text)
         self.progress = QProgressBar()
         self.progress.setObjectName("progress")
-        self.progress.setRange(0, 0)  # indeterminate: a load or a restore
-        self.progress.setTextVisible(True)
+        self.progress.setRange(0, 0)  # indeterminate: a restore, the prompt; a load sets a fraction
+        self.progress.setTextVisible(False)
         self.progress.setMaximumHeight(14)
-        self.progress.hide()
-        rv.addWidget(self.progress)
+        self.progress.setFixedWidth(140)
+        self.wait_label = QLabel()
+        self.wait_label.setObjectName("waiting")
+        # a long line is cut by the window, not widening it (the whole line is its tooltip)
+        self.wait_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.wait_row = QWidget()
+        wait_layout = QHBoxLayout(self.wait_row)
+        wait_layout.setContentsMargins(0, 0, 0, 0)
+        wait_layout.addWidget(self.progress)
+        wait_layout.addWidget(self.wait_label, 1)
+        self.wait_row.hide()
+        rv.addWidget(self.wait_row)
 
         bottom = QHBoxLayout()
         self.input = _InputBox()
@@ -224,6 +280,92 @@ class ChatWindow(QMainWindow):
         self.setCentralWidget(splitter)
         self.statusBar()
 
+    def _settings_panel(self) -> QWidget:
+        """The current conversation's answer settings (hidden until "Answer settings" is pressed)."""
+        self.settings_panel = QWidget()
+        self.settings_panel.setObjectName("answer_settings_panel")
+        form = QFormLayout(self.settings_panel)
+        form.setContentsMargins(0, 0, 0, 0)
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setObjectName("system_prompt")
+        self.system_prompt.setPlaceholderText("none — e.g. “Answer in one short paragraph.”")
+        self.system_prompt.setMaximumHeight(60)
+        self.system_prompt.textChanged.connect(lambda: self._prompt_timer.start())
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setObjectName("temperature")
+        self.temperature.setRange(0.0, 2.0)
+        self.temperature.setSingleStep(0.1)
+        self.temperature.setDecimals(2)
+        self.temperature.setSpecialValueText("0 (greedy)")
+        self.temperature.setToolTip(
+            "0: the most likely words, the same answer every time; higher: more varied answers"
+        )
+        self.temperature.setValue(DEFAULT_TEMPERATURE)
+        self.temperature.valueChanged.connect(lambda _v: self._save_options())
+        self.max_tokens_box = QSpinBox()
+        self.max_tokens_box.setObjectName("max_tokens")
+        self.max_tokens_box.setRange(1, MAX_TOKENS_LIMIT)
+        self.max_tokens_box.setSuffix(" tokens")
+        self.max_tokens_box.setValue(DEFAULT_MAX_TOKENS)
+        self.max_tokens_box.setToolTip("An answer stops after this many tokens (about ¾ of a word each)")
+        self.max_tokens_box.valueChanged.connect(lambda _v: self._save_options())
+        numbers = QHBoxLayout()
+        numbers.addWidget(self.temperature)
+        numbers.addWidget(QLabel("Longest answer:"))
+        numbers.addWidget(self.max_tokens_box)
+        numbers.addStretch(1)
+        form.addRow("System prompt:", self.system_prompt)
+        form.addRow("Temperature:", numbers)
+        note = QLabel("Kept with the conversation; used from its next answer on.")
+        note.setStyleSheet("color: gray")
+        form.addRow(note)
+        self.settings_panel.hide()
+        return self.settings_panel
+
+    def _show_settings(self, shown: bool) -> None:
+        self.settings_panel.setVisible(shown)
+        self.settings_button.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+
+    def _load_options(self, conversation: Conversation | None) -> None:
+        """Show a conversation's settings in the panel (nothing is saved by doing so). With no
+        conversation the panel keeps what it shows: the first conversation made gets it."""
+        self._prompt_timer.stop()
+        self._options_for = conversation.id if conversation is not None else None
+        if conversation is None:
+            return
+        boxes = (self.system_prompt, self.temperature, self.max_tokens_box)
+        for box in boxes:
+            box.blockSignals(True)
+        self.system_prompt.setPlainText(conversation.system_prompt)
+        self.temperature.setValue(conversation.temperature)
+        self.max_tokens_box.setValue(conversation.max_tokens)
+        for box in boxes:
+            box.blockSignals(False)
+        self._show_summary(conversation)
+
+    def _show_summary(self, conversation: Conversation) -> None:
+        summary = settings_summary(conversation)
+        self.settings_button.setToolTip(f"This conversation's answers: {summary}")
+        self.settings_summary.setText(f"Answers: {summary}")
+
+    def _save_options(self) -> None:
+        """Save the panel's values to the conversation they belong to."""
+        self._prompt_timer.stop()
+        conv_id = self._options_for
+        if conv_id is None or self._detached:
+            return  # no conversation yet: the panel keeps the values for the first one
+        try:
+            conversation = self.store.set_options(
+                conv_id,
+                system_prompt=self.system_prompt.toPlainText().strip(),
+                temperature=round(self.temperature.value(), 2),
+                max_tokens=self.max_tokens_box.value(),
+            )
+        except (TimeshareError, ValueError) as e:
+            self.statusBar().showMessage(f"Could not save the answer settings: {e}", 10000)
+            return
+        self._show_summary(conversation)
+
     # ---- state from the pool -----------------------------------------------------------------
 
     def _on_snapshot(self, snapshot: PoolSnapshot) -> None:
@@ -250,6 +392,13 @@ class ChatWindow(QMainWindow):
         self.model_box.blockSignals(False)
         if current is None and self.current_conversation() is not None:
             self._select_model_of_current()
+        names = tuple((m.id, m.display_name) for m in snapshot.models)
+        if names != self._names:
+            # the transcript names each answer's model: models that arrived (the pool's first
+            # snapshot can be empty) or were renamed change what it says
+            self._names = names
+            if self._history is not None:
+                self.render_transcript()
         self._update_model_state()
 
     def _update_model_state(self) -> None:
@@ -259,27 +408,43 @@ class ChatWindow(QMainWindow):
         if status is None:
             self.model_state.setText("")
             self.licence.setText("")
-            self.progress.hide()
+            self._show_wait("", None)
             return
         text = display_state(status)
         if status.id == snapshot.holder:
             text += " · holds the GPU"
-        if status.reason:
-            text += f" · {status.reason}"
         self.model_state.setText(text)
         self.licence.setText(f"Licence: {status.licence}" if status.licence else "")
-        waiting = self._stream is not None and not self._got_first_token
-        if status.state in (ModelState.STARTING, ModelState.LOADING):
-            self.progress.setFormat(f"Loading {status.display_name}…")
-            self.progress.show()
-        elif waiting and status.id != snapshot.holder:
-            self.progress.setFormat(f"Restoring {status.display_name} to the GPU…")
-            self.progress.show()
-        elif waiting:
-            self.progress.setFormat("Thinking…")
-            self.progress.show()
+        # the wait of this window's answer; the model's own (a load, a wake) when none streams
+        answering = (
+            self._stream is not None
+            and not self._got_first_token
+            and self._stream_conversation == self.current_conversation()
+        )
+        kind = chat_wait_kind(status, snapshot.holder, answering=answering)
+        seconds = self._wait_clock.mark(status.id, kind, time.monotonic())
+        self._wait_clock.keep([status.id])
+        stage, fraction = self.bridge.loading.get(status.id, ("", 0.0))
+        line = chat_wait_line(status, snapshot.holder, answering=answering, seconds=seconds, stage=stage)
+        self._show_wait(line, fraction if kind == "loading" else None)
+
+    def _show_wait(self, line: str, fraction: float | None) -> None:
+        """Show what the user waits for (or hide the line); ``fraction`` of a load makes the bar
+        determinate."""
+        if not line:
+            self.wait_row.hide()
+            self._wait_timer.stop()
+            return
+        if fraction:
+            self.progress.setRange(0, 100)
+            self.progress.setValue(round(fraction * 100))
         else:
-            self.progress.hide()
+            self.progress.setRange(0, 0)
+        self.wait_label.setText(line)
+        self.wait_label.setToolTip(line)
+        self.wait_row.show()
+        if not self._wait_timer.isActive():
+            self._wait_timer.start()
 
     # ---- conversations -----------------------------------------------------------------------
 
@@ -303,6 +468,12 @@ class ChatWindow(QMainWindow):
         self._on_conversation_changed()
 
     def _on_conversation_changed(self) -> None:
+        if self._prompt_timer.isActive():
+            self._save_options()  # a system prompt still being typed belongs to the one left
+        conv_id = self.current_conversation()
+        if conv_id != self._options_for:
+            self.statusBar().clearMessage()  # the last answer's line belongs to the one left
+        self._load_options(self.store.get(conv_id) if conv_id is not None else None)
         self._select_model_of_current()
         self.render_transcript()
         self._update_buttons()
@@ -325,6 +496,9 @@ class ChatWindow(QMainWindow):
             self.statusBar().showMessage("Add a model first (tray menu → Add model…).", 8000)
             return None
         conv = self.store.create_conversation(model_id)
+        if self._options_for is None:  # settings chosen before there was a conversation: its own
+            self._options_for = conv.id
+            self._save_options()
         self.reload_conversations(select=conv.id)
         self.input.setFocus()
         return str(conv.id)
@@ -436,10 +610,13 @@ class ChatWindow(QMainWindow):
             conv_id = self.new_conversation()
             if conv_id is None:
                 return
+        if self._prompt_timer.isActive():
+            self._save_options()  # the system prompt just typed counts for this answer
         try:
             model_id = self.store.get(conv_id).model_id
             prewoken = model_id in self._last_prewake  # the window restored it while the user typed
-            sampling = {"max_tokens": self.max_tokens}
+            # the conversation's settings apply (ChatService reads them); the tests' cap wins
+            sampling = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
             turn = (
                 self.chat.send(conv_id, text, prewoken=prewoken, **sampling)
                 if text
@@ -495,7 +672,8 @@ class ChatWindow(QMainWindow):
             self.statusBar().showMessage(failure_line(message), 20000)
         elif result is not None:
             stats = result.stats
-            self.statusBar().showMessage(answer_line(stats), 15000)
+            if conv_id == self.current_conversation():  # not over another conversation
+                self.statusBar().showMessage(answer_line(stats), 15000)
         self._partial = ""
         self._got_first_token = False
         self._update_buttons()
@@ -546,6 +724,9 @@ class ChatWindow(QMainWindow):
     def detach(self) -> None:
         """Stop reacting to the pool and to timers (before the store closes)."""
         self._render_timer.stop()
+        self._wait_timer.stop()
+        if self._prompt_timer.isActive():
+            self._save_options()
         if self._stream is not None:
             self._stream.generation.cancel()
         with contextlib.suppress(RuntimeError, TypeError):

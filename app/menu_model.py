@@ -7,10 +7,12 @@ tests check the mapping without any tray.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..core.errors import ModelFileError
 from ..core.state import ModelState, ModelStatus, PoolSnapshot
+from .waits import model_wait, with_seconds
 
 #: a FAILED model's failure_code when its file is the problem
 MODEL_FILE_FAILURE = ModelFileError.code
@@ -74,9 +76,12 @@ Entry = Action | Label | Separator | Submenu
 
 
 def display_state(status: ModelStatus) -> str:
-    """The one word the menu shows for a model: resident, released, sleeping, busy, failed, ..."""
-    if status.busy and status.state in (ModelState.RESIDENT, ModelState.RELEASED, ModelState.SLEEPING):
+    """The one word the menu shows for a model: resident, released, sleeping, busy (answering
+    on the GPU), waiting (a request waits for the GPU), failed, ..."""
+    if status.busy and status.state is ModelState.RESIDENT:
         return "busy"
+    if status.busy and status.state in (ModelState.RELEASED, ModelState.SLEEPING):
+        return "waiting"
     return status.state.value
 
 
@@ -100,12 +105,18 @@ def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
-def tooltip(snapshot: PoolSnapshot) -> str:
-    """One line naming the holder: "SmolLM2 holds the GPU · 2 others released"."""
+def tooltip(snapshot: PoolSnapshot, waited: Mapping[str, float] | None = None) -> str:
+    """One line naming the holder and what the others wait for, with the seconds ``waited``
+    (model id → seconds, from a WaitClock): "SmolLM2 holds the GPU (pinned) · Gemma waiting for
+    the GPU: pinned by smollm2, 12 s · 1 other released"."""
     if not snapshot.models:
         return "Timeshare · no models configured"
+    waited = waited or {}
     holder = _holder(snapshot)
     others = [m for m in snapshot.models if holder is None or m.id != holder.id]
+    waits = [(m, model_wait(m, snapshot.holder)) for m in others]
+    waiting = [with_seconds(f"{m.display_name} {phrase}", waited.get(m.id)) for m, phrase in waits if phrase]
+    others = [m for m, phrase in waits if not phrase]  # counted by state below
     if holder is not None:
         head = f"{holder.display_name} holds the GPU"
         if holder.pinned:
@@ -114,7 +125,7 @@ def tooltip(snapshot: PoolSnapshot) -> str:
         head = "Switching the GPU"
     else:
         head = "No model holds the GPU"
-    parts = [head]
+    parts = [head, *waiting]
     released = sum(1 for m in others if m.state is ModelState.RELEASED)
     if released:
         if holder is not None:
@@ -143,11 +154,15 @@ def model_title(status: ModelStatus, holder: str | None) -> str:
     return title
 
 
-def model_entries(status: ModelStatus) -> tuple[Entry, ...]:
+def model_entries(status: ModelStatus, waited: float | None = None) -> tuple[Entry, ...]:
+    """A model's submenu; ``waited``: the seconds it has waited for what it waits for."""
     state = status.state
     alive = state not in (ModelState.FAILED, ModelState.STOPPED)
     entries: list[Entry] = []
-    if status.reason:
+    wait = model_wait(status, None)
+    if wait:
+        entries.append(Label(with_seconds(wait, waited)))
+    elif status.reason:
         entries.append(Label(status.reason))
     if status.licence:
         entries.append(Label(f"Licence: {status.licence}"))
@@ -184,12 +199,16 @@ def model_entries(status: ModelStatus) -> tuple[Entry, ...]:
     return tuple(entries)
 
 
-def menu_entries(snapshot: PoolSnapshot, *, start_at_login: bool) -> tuple[Entry, ...]:
-    """The whole tray menu for this snapshot, top to bottom."""
-    entries: list[Entry] = [Label(tooltip(snapshot)), Separator()]
+def menu_entries(
+    snapshot: PoolSnapshot, *, start_at_login: bool, waited: Mapping[str, float] | None = None
+) -> tuple[Entry, ...]:
+    """The whole tray menu for this snapshot, top to bottom (``waited``: as for ``tooltip``)."""
+    waited = waited or {}
+    entries: list[Entry] = [Label(tooltip(snapshot, waited)), Separator()]
     if snapshot.models:
         for status in snapshot.models:
-            entries.append(Submenu(model_title(status, snapshot.holder), status.id, model_entries(status)))
+            sub = model_entries(status, waited.get(status.id))
+            entries.append(Submenu(model_title(status, snapshot.holder), status.id, sub))
     else:
         entries.append(Label("No models yet: add one"))
     entries += [

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..core.store import AnswerStats, Message
+    from ..core.store import AnswerStats, Conversation, Message
 
 #: between the messages of the transcript
 BLOCK_SEPARATOR = "\n\n---\n\n"
@@ -18,14 +18,40 @@ BLOCK_SEPARATOR = "\n\n---\n\n"
 NO_CONVERSATION = "*No conversation yet: press **New** or start typing.*"
 
 
+def _md_escape(text: str) -> str:
+    """Plain text that Markdown shows as it is (a stop string can hold `*`, `_` or a backslash)."""
+    return "".join(f"\\{c}" if c in "\\`*_[]<>#" else c for c in text)
+
+
+def shown_text(text: str) -> str:
+    """A stop string as people can read it: a newline as \\n, in double quotes ("\\nUser:")."""
+    return '"' + text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t") + '"'
+
+
+def empty_answer_note(stats: AnswerStats) -> str:
+    """Why an answer that ended has no text; "" when it was not left empty by the model."""
+    if stats.finish_reason == "stop" and stats.stop:
+        return f"the model stopped at once: it produced the stop string {shown_text(stats.stop)}"
+    if stats.finish_reason == "stop":
+        return "the model ended its answer at once (it produced its end-of-turn token)"
+    if stats.finish_reason == "length":
+        return "the token limit was reached before any text: raise Longest answer in Answer settings"
+    return ""
+
+
 def answer_block(who: str, text: str, *, complete: bool = True, stats: AnswerStats | None = None) -> str:
-    """One answer: who wrote it, its text ("…" while there is none), whether it was cut off, and
-    its statistics line."""
+    """One answer: who wrote it, its text ("…" while there is none; why, once it ended empty),
+    whether it was cut off, and its statistics line."""
+    note = empty_answer_note(stats) if stats is not None and complete and not text.strip() else ""
+    if note:
+        text = (
+            f"*(no answer: {_md_escape(note)}; send again, reword the message or change the Answer settings)*"
+        )
     block = f"**{who}**\n\n{text or '…'}"
     if not complete:
         block += "\n\n*(interrupted)*"
     if stats is not None:
-        block += f"\n\n*{answer_line(stats)}*"
+        block += f"\n\n*{_md_escape(answer_line(stats, why_empty=not note))}*"
     return block
 
 
@@ -51,9 +77,10 @@ def with_live_answer(history: str, who: str, partial: str) -> str:
     return BLOCK_SEPARATOR.join([history, live]) if history else live
 
 
-def answer_line(stats: AnswerStats) -> str:
+def answer_line(stats: AnswerStats, *, why_empty: bool = True) -> str:
     """The line under an answer (and in the status bar when it ends): time to the first token,
-    decode rate, what the GPU switch cost, and why it ended when it did not end by itself."""
+    decode rate, what the GPU switch cost, and why it ended when it did not end by itself (and,
+    with ``why_empty``, why no text came when none did)."""
     if stats.finish_reason == "error":
         return f"failed: {stats.error}" if stats.error else "failed"
     if stats.finish_reason == "cancelled" and stats.ttft_ms is None:
@@ -61,7 +88,11 @@ def answer_line(stats: AnswerStats) -> str:
     parts = []
     if stats.ttft_ms is not None:
         parts.append(f"first token {stats.ttft_ms:.0f} ms")
-    parts.append(f"{stats.tokens_per_s:.1f} tokens/s")
+    no_text = stats.ttft_ms is None and stats.finish_reason in ("stop", "length")
+    if stats.tokens_per_s > 0 or (stats.ttft_ms is not None and stats.completion_tokens > 1):
+        parts.append(f"{stats.tokens_per_s:.1f} tokens/s")  # a rate needs two tokens
+    elif stats.ttft_ms is not None:
+        parts.append(f"{stats.completion_tokens} {'token' if stats.completion_tokens == 1 else 'tokens'}")
     if stats.switched:
         detail = f"restore {stats.restore_ms:.0f} ms"
         if stats.wait_ms:
@@ -73,8 +104,19 @@ def answer_line(stats: AnswerStats) -> str:
         parts.append("no GPU switch")
     if stats.finish_reason == "cancelled":
         parts.append("stopped")
+    elif no_text and why_empty:
+        parts.append(f"no text: {empty_answer_note(stats)}")
     elif stats.finish_reason == "length":
         parts.append("hit the token limit")
+    return " · ".join(parts)
+
+
+def settings_summary(conversation: Conversation) -> str:
+    """A conversation's answer settings in a few words: "greedy · up to 512 tokens · system prompt"."""
+    temperature = "greedy" if conversation.temperature == 0 else f"temperature {conversation.temperature:g}"
+    parts = [temperature, f"up to {conversation.max_tokens} tokens"]
+    if conversation.system_prompt.strip():
+        parts.append("system prompt")
     return " · ".join(parts)
 
 

@@ -1,11 +1,13 @@
-"""The tray icon: its image and tooltip follow the pool; its menu is rebuilt on every opening."""
+"""The tray icon: its image and tooltip follow the pool; its menu is rebuilt on every opening.
+While a model waits (loads, waits for the GPU, restores), the tooltip counts the seconds."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from ..core.state import PoolSnapshot
@@ -13,6 +15,7 @@ from . import icons
 from .bridge import PoolBridge
 from .menu_model import Action, Entry, Label, Separator, Submenu, menu_entries, tooltip, tray_state
 from .qt_compat import emit
+from .waits import WaitClock
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,11 @@ class Tray(QObject):
         self.menu.aboutToShow.connect(self.rebuild_menu)
         self.icon.setContextMenu(self.menu)
         self.icon.activated.connect(self._on_activated)
+        self._clock = WaitClock()
+        self.waited: dict[str, float] = {}  # model id → seconds it has waited (see waits.py)
+        self._tick = QTimer(self)  # runs while a model waits: the tooltip's seconds go on
+        self._tick.setInterval(1000)
+        self._tick.timeout.connect(lambda: self.update_from(self.bridge.snapshot))
         bridge.snapshot_changed.connect(self.update_from)
         bridge.notification.connect(self.notify)
         bridge.command_failed.connect(lambda what, msg: self.notify(f"Could not {what}", msg, error=True))
@@ -74,10 +82,18 @@ class Tray(QObject):
     def update_from(self, snapshot: PoolSnapshot) -> None:
         self.state = tray_state(snapshot)
         self.icon.setIcon(icons.tray_icon(self.state))
-        self.icon.setToolTip(tooltip(snapshot))
+        self.waited = self._clock.observe(snapshot, time.monotonic())
+        self.icon.setToolTip(tooltip(snapshot, self.waited))
+        if self.waited and not self._tick.isActive():
+            self._tick.start()
+        elif not self.waited:
+            self._tick.stop()
 
     def rebuild_menu(self) -> None:
-        entries = menu_entries(self.bridge.snapshot, start_at_login=self._start_at_login())
+        self.waited = self._clock.observe(self.bridge.snapshot, time.monotonic())
+        entries = menu_entries(
+            self.bridge.snapshot, start_at_login=self._start_at_login(), waited=self.waited
+        )
         populate(self.menu, entries, lambda action: emit(self.action_triggered, action))
 
     def notify(self, title: str, message: str, error: bool = False) -> None:

@@ -193,6 +193,45 @@ def test_typing_prewakes_the_conversations_model(qtbot: Any, app: Any) -> None:
     assert woken == []
 
 
+def test_waiting_for_a_pinned_model_is_said_in_the_window_and_the_tray(qtbot: Any, app: Any) -> None:
+    import re
+
+    window = app.window
+    waiting = "waiting for the GPU: pinned by gemma3-270m"
+    # Gemma takes the GPU and keeps it
+    app.bridge.pin(GEMMA, True)
+    app.bridge.wake(GEMMA)
+    qtbot.waitUntil(
+        lambda: app.bridge.snapshot.holder == GEMMA and bool(app.bridge.snapshot.model(GEMMA).pinned),
+        timeout=120_000,
+    )
+    try:
+        window.new_conversation(SMOL)
+        qtbot.keyClicks(window.input, "Hello!")
+        with qtbot.waitSignal(window.answer_finished, timeout=180_000) as blocker:
+            qtbot.keyClick(window.input, "\r")
+            # the window says what the answer waits for, then for how long
+            qtbot.waitUntil(lambda: waiting in window.wait_label.text(), timeout=120_000)
+            assert window.wait_label.text().startswith(f"SmolLM2-135M-Instruct is {waiting}")
+            assert not window.wait_row.isHidden()
+            qtbot.waitUntil(
+                lambda: re.search(r", \d+ s$", window.wait_label.text()) is not None, timeout=60_000
+            )
+            # so does the tray: who holds the GPU, who waits and how long
+            tip = app.tray.icon.toolTip
+            assert tip().startswith("Gemma-3-270M (base) holds the GPU (pinned)")
+            pattern = rf"SmolLM2-135M-Instruct {re.escape(waiting)}, \d+ s"
+            qtbot.waitUntil(lambda: re.search(pattern, tip()) is not None, timeout=60_000)
+            app.bridge.pin(GEMMA, False)  # Gemma lets go: the answer comes
+        _, stats, error = blocker.args
+        assert error == "" and stats is not None and stats.finish_reason in ("stop", "length")
+        assert window.wait_row.isHidden()
+        qtbot.waitUntil(lambda: "waiting" not in app.tray.icon.toolTip(), timeout=60_000)
+    finally:
+        app.bridge.pin(GEMMA, False)
+        qtbot.waitUntil(lambda: not app.bridge.snapshot.model(GEMMA).pinned, timeout=60_000)
+
+
 def test_stop_button_cancels_a_long_answer(qtbot: Any, app: Any) -> None:
     from PySide6.QtCore import Qt
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ from timeshare.app.menu_model import (
     tooltip,
     tray_state,
 )
+from timeshare.app.waits import WaitClock, chat_wait_kind, chat_wait_line, with_seconds
 from timeshare.core.state import ModelState, ModelStatus, PoolSnapshot
 
 
@@ -69,7 +73,7 @@ def test_tooltip_one_other_and_mixed_states() -> None:
 
 def test_tooltip_without_holder_and_without_models() -> None:
     snap = PoolSnapshot(models=(status("a", ModelState.RELEASED), status("b", ModelState.LOADING)))
-    assert tooltip(snap) == "No model holds the GPU · 1 released · 1 loading"
+    assert tooltip(snap) == "No model holds the GPU · B loading · 1 released"
     assert tooltip(PoolSnapshot()) == "Timeshare · no models configured"
     assert tooltip(PoolSnapshot(models=(status("a", ModelState.RELEASED),), switching=True)).startswith(
         "Switching the GPU"
@@ -220,7 +224,8 @@ def test_no_models_says_how_to_add_one() -> None:
         (ModelState.RELEASED, False, "released"),
         (ModelState.SLEEPING, False, "sleeping"),
         (ModelState.RESIDENT, True, "busy"),
-        (ModelState.RELEASED, True, "busy"),
+        (ModelState.RELEASED, True, "waiting"),  # a request waits for the GPU
+        (ModelState.SLEEPING, True, "waiting"),
         (ModelState.FAILED, False, "failed"),
         (ModelState.LOADING, False, "loading"),
     ],
@@ -263,3 +268,109 @@ def test_populate_builds_actions_that_report_what_was_picked(qtbot: object) -> N
     populate(menu, menu_entries(PoolSnapshot(), start_at_login=False), picked.append)
     assert "No models yet: add one" in [a.text() for a in menu.actions()]
     assert not any(a.menu() for a in menu.actions())
+
+
+# ---- what a model waits for, and for how long (app/waits.py) -----------------------------------
+
+PINNED_WAIT = "waiting for the GPU: pinned by qwen"
+
+
+def pinned_and_waiting() -> PoolSnapshot:
+    return PoolSnapshot(
+        models=(
+            status("qwen", ModelState.RESIDENT, name="Qwen2.5-7B", pinned=True),
+            status("gemma", ModelState.RELEASED, name="Gemma", busy=True, reason=PINNED_WAIT),
+            status("smol", ModelState.RELEASED),
+        ),
+        holder="qwen",
+    )
+
+
+def test_the_tooltip_says_what_a_model_waits_for_and_how_long() -> None:
+    snap = pinned_and_waiting()
+    assert tooltip(snap) == f"Qwen2.5-7B holds the GPU (pinned) · Gemma {PINNED_WAIT} · 1 other released"
+    assert tooltip(snap, {"gemma": 12.7}) == (
+        f"Qwen2.5-7B holds the GPU (pinned) · Gemma {PINNED_WAIT}, 12 s · 1 other released"
+    )
+    assert tooltip(snap, {"gemma": 0.4}).count(" s ·") == 0  # under a second: no seconds yet
+    # the menu's summary line and the model's submenu say it too
+    entries = menu_entries(snap, start_at_login=False, waited={"gemma": 12.7})
+    assert entries[0] == Label(tooltip(snap, {"gemma": 12.7}))
+    sub = submenu(entries, "gemma")
+    assert sub.text == "Gemma — waiting" and sub.entries[0] == Label(f"{PINNED_WAIT}, 12 s")
+
+
+def test_loading_and_restoring_models_are_named_with_their_seconds() -> None:
+    snap = PoolSnapshot(
+        models=(
+            status("a", ModelState.LOADING, name="A"),
+            status(
+                "b", ModelState.STARTING, name="B", reason="restarting in 2 s after a crash (exit status 9)"
+            ),
+            status("c", ModelState.SLEEPING, name="C", busy=True),  # has the GPU now, restores
+        )
+    )
+    assert tooltip(snap, {"a": 3.2, "c": 1.0}) == (
+        "No model holds the GPU · A loading, 3 s · B restarting in 2 s after a crash (exit status 9) · "
+        "C restoring to the GPU, 1 s"
+    )
+    assert submenu(menu_entries(snap, start_at_login=False), "a").entries[0] == Label("loading")
+
+
+def test_the_wait_clock_counts_each_kind_of_wait_from_its_start() -> None:
+    clock = WaitClock()
+    snap = pinned_and_waiting()
+    assert clock.observe(snap, 100.0) == {"gemma": 0.0}
+    assert clock.observe(snap, 112.5) == {"gemma": 12.5}
+    # the reason's words change (another waiter ahead left): the same wait goes on
+    moved = PoolSnapshot(
+        models=(
+            snap.models[0],
+            dataclasses.replace(snap.models[1], reason="waiting for the GPU: held by qwen"),
+        ),
+        holder="qwen",
+    )
+    assert clock.observe(moved, 113.0) == {"gemma": 13.0}
+    # answered: no wait; the next one counts from 0
+    done = PoolSnapshot(models=(dataclasses.replace(snap.models[1], busy=False, reason=""),))
+    assert clock.observe(done, 120.0) == {}
+    assert clock.observe(snap, 130.0) == {"gemma": 0.0}
+    # a load is a wait of its own kind; a model removed is forgotten
+    loading = PoolSnapshot(models=(status("gemma", ModelState.LOADING),))
+    assert clock.observe(loading, 131.0) == {"gemma": 0.0}
+    assert clock.observe(PoolSnapshot(), 140.0) == {}
+    assert clock.mark("gemma", "loading", 141.0) == 0.0
+
+
+def test_with_seconds() -> None:
+    assert with_seconds("Loading A…", 3.9) == "Loading A… 3 s"
+    assert with_seconds("waiting for the GPU", 61.0) == "waiting for the GPU, 61 s"
+    assert with_seconds("waiting", 0.9) == with_seconds("waiting", None) == "waiting"
+
+
+def test_the_chat_windows_line_while_the_user_waits() -> None:
+    snap = pinned_and_waiting()
+    gemma = snap.model("gemma")
+    assert gemma is not None
+    line = chat_wait_line(gemma, "qwen", answering=True, seconds=12.0)
+    assert line == f"Gemma is {PINNED_WAIT}, 12 s"
+    # the model has the GPU and restores; then it reads the prompt
+    restoring = dataclasses.replace(gemma, reason="")
+    assert chat_wait_line(restoring, "gemma", answering=True, seconds=0.2) == "Restoring Gemma to the GPU…"
+    holder = dataclasses.replace(gemma, reason="", state=ModelState.RESIDENT)
+    assert chat_wait_kind(holder, "gemma", answering=True) == "thinking"
+    assert chat_wait_line(holder, "gemma", answering=True, seconds=2.0) == "Gemma is reading the prompt… 2 s"
+    # a load shows with or without a request, with its stage in words
+    loading = status("smol", ModelState.LOADING, name="SmolLM2")
+    assert chat_wait_line(loading, None, answering=False, seconds=3.0, stage="model") == (
+        "Loading SmolLM2 (reading the model file)… 3 s"
+    )
+    # nothing awaited: no line
+    assert chat_wait_line(holder, "gemma", answering=False) == ""
+    assert chat_wait_line(status("x", ModelState.RELEASED), "qwen", answering=False) == ""
+
+
+def test_the_wait_words_load_no_qt() -> None:
+    code = "import sys, timeshare.app.waits; print(sorted(m for m in sys.modules if 'PySide6' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -407,7 +407,7 @@ def test_app_serves_the_api_and_shutdown_stops_it(qtbot: Any, pool: Any, tmp_pat
     app = _app_with_api(qtbot, pool, tmp_path, port)
     app.start(background=False)
     try:
-        assert app.api is not None
+        qtbot.waitUntil(lambda: app.api is not None, timeout=60_000)  # once the window painted
         reply = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
         assert reply.status_code == 200 and reply.json()["object"] == "list"
     finally:
@@ -428,8 +428,10 @@ def test_api_port_in_use_is_reported_and_the_app_keeps_running(qtbot: Any, pool:
         app = _app_with_api(qtbot, pool, tmp_path, port)
         app.start(background=False)
         try:
+            bar = app.window.statusBar()
+            qtbot.waitUntil(lambda: bar.currentMessage().startswith("The API did not start"), timeout=60_000)
             assert app.api is None
-            message = app.window.statusBar().currentMessage()
+            message = bar.currentMessage()
             assert message.startswith("The API did not start") and str(port) in message
             assert app.window.isVisible()
         finally:
@@ -455,10 +457,11 @@ def test_chat_window_shows_progress_while_a_model_loads(qtbot: Any, bare_app: An
     publish(ModelState.LOADING)
     assert window.model_box.currentData() == "m"
     assert window.model_box.currentText() == "Model M — loading"
-    assert not window.progress.isHidden() and window.progress.format() == "Loading Model M…"
+    # the words are in a label beside the bar (an indeterminate bar shows no text)
+    assert not window.wait_row.isHidden() and window.wait_label.text().startswith("Loading Model M…")
     assert window.licence.text() == "Licence: MIT"
     publish(ModelState.RESIDENT, holder="m")
-    assert window.progress.isHidden()
+    assert window.wait_row.isHidden()
     assert window.model_state.text() == "resident · holds the GPU"
     assert window.model_box.currentText() == "Model M — resident (GPU)"
 

@@ -13,9 +13,10 @@ from timeshare.app.transcript import (
     answer_line,
     failure_line,
     history_markdown,
+    settings_summary,
     with_live_answer,
 )
-from timeshare.core.store import AnswerStats, Message
+from timeshare.core.store import AnswerStats, Conversation, Message
 
 NAMES = {"smol": "SmolLM2", "gemma": "Gemma"}
 
@@ -59,7 +60,20 @@ def test_the_module_does_not_load_qt() -> None:
             AnswerStats("cancelled", ttft_ms=35.0, tokens_per_s=60.0),
             "first token 35 ms · 60.0 tokens/s · no GPU switch · stopped",
         ),
-        (AnswerStats("stop"), "0.0 tokens/s · no GPU switch"),
+        # one token: no rate (it needs two)
+        (
+            AnswerStats("stop", ttft_ms=35.0, completion_tokens=1),
+            "first token 35 ms · 1 token · no GPU switch",
+        ),
+        # no text at all: no "0.0 tokens/s", but why
+        (
+            AnswerStats("stop", completion_tokens=3, stop="\nUser:"),
+            'no GPU switch · no text: the model stopped at once: it produced the stop string "\\nUser:"',
+        ),
+        (
+            AnswerStats("stop"),
+            "no GPU switch · no text: the model ended its answer at once (it produced its end-of-turn token)",
+        ),
     ],
 )
 def test_answer_line(stats: AnswerStats, line: str) -> None:
@@ -84,6 +98,35 @@ def test_history_signs_each_answer_with_the_model_that_wrote_it() -> None:
         "**SmolLM2**\n\n…\n\n*stopped*",
     ]
     assert history_markdown([], "smol", name) == ""
+
+
+def test_an_empty_answer_says_why() -> None:
+    stop = AnswerStats("stop", model_id="gemma", completion_tokens=3, stop="\nUser:")
+    block = history_markdown([msg(1, "user", "hi"), msg(2, "assistant", "", stats=stop)], "gemma", name)
+    answer = block.split(BLOCK_SEPARATOR)[1]
+    assert "…" not in answer and "0.0 tokens/s" not in answer
+    # the stop string as people read it, escaped for Markdown (its backslash shows)
+    assert (
+        '*(no answer: the model stopped at once: it produced the stop string "\\\\nUser:"; send again, '
+        "reword the message or change the Answer settings)*" in answer
+    )
+    assert answer.endswith("*no GPU switch*")  # the note is not said twice
+    eot = answer_block("SmolLM2", " \n", stats=AnswerStats("stop"))
+    assert "ended its answer at once (it produced its end-of-turn token)" in eot
+    # a stop string holding Markdown is shown as it is
+    stars = answer_block("SmolLM2", "", stats=AnswerStats("stop", stop="**"))
+    assert 'stop string "\\*\\*"' in stars
+    # text, a stopped or an unfinished answer: no note
+    assert "no answer" not in answer_block("SmolLM2", "Hi", stats=AnswerStats("stop", ttft_ms=1.0))
+    assert "no answer" not in answer_block("SmolLM2", "", stats=AnswerStats("cancelled"))
+    assert "no answer" not in answer_block("SmolLM2", "", complete=False)
+
+
+def test_settings_summary() -> None:
+    conv = Conversation("c1", "smol", "", 0.0, 0.0)
+    assert settings_summary(conv) == "greedy · up to 512 tokens"
+    conv = Conversation("c1", "smol", "", 0.0, 0.0, system_prompt="Be brief.", temperature=0.7, max_tokens=64)
+    assert settings_summary(conv) == "temperature 0.7 · up to 64 tokens · system prompt"
 
 
 def test_the_live_answer_follows_the_history() -> None:
@@ -113,6 +156,7 @@ def test_answer_stats_round_trip_through_json() -> None:
         elapsed_ms=100.0,
         tokens_per_s=30.25,
         prewoken=False,
+        stop="\nUser:",
     )
     assert AnswerStats.from_json(json.loads(json.dumps(stats.to_json()))) == stats
     failed = AnswerStats("error", model_id="smol", error="boom", error_code="model_unavailable")
