@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from .config.schema import ModelConfig, suggest_model_id
 from .errors import ModelFileError
-from .modelfile import GGUF_MAGIC
+from .modelfile import GGUF_MAGIC, file_start
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +230,7 @@ def _check_fixed_header(path: Path) -> tuple[int, int]:
     except OSError as exc:
         raise ModelFileError(f"{path} cannot be read ({exc.strerror}): check its permissions") from exc
     if head[:4] != GGUF_MAGIC:
-        raise ModelFileError(
-            f"{path.name} is not a GGUF file (bad magic {head[:4]!r}, expected {GGUF_MAGIC!r}): "
-            "pick a .gguf model file"
-        )
+        raise ModelFileError(f"{path.name} is not a GGUF file ({file_start(head)}): pick a .gguf model file")
     if len(head) < _FIXED_HEADER.size:
         raise ModelFileError(
             f"{path.name} is truncated: the file ends at byte {size}, inside the GGUF header — re-download it"

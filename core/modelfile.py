@@ -14,6 +14,33 @@ from .errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 
+#: what a file is when it starts with these bytes instead (a download that went wrong, mostly)
+_KNOWN_STARTS = (
+    (b"<!do", "it looks like a web page: the download went wrong"),
+    (b"<htm", "it looks like a web page: the download went wrong"),
+    (b"{", "it looks like a JSON file"),
+    (b"PK\x03\x04", "it looks like a zip archive: unpack it first"),
+    (b"\x1f\x8b", "it looks like a gzip archive: unpack it first"),
+    (b"version https://git-lfs", "it is a Git LFS pointer: the model itself was not downloaded"),
+)
+
+
+def file_start(head: bytes) -> str:
+    """How a file that should be a GGUF starts, for people: "it starts with 'hell', not 'GGUF'",
+    "it is empty", "it starts with the bytes 50 4b 03 04, not 'GGUF'; it looks like a zip archive:
+    unpack it first" — never a Python bytes literal."""
+    if not head:
+        return "it is empty"
+    start = head[:4]
+    text = start.decode("ascii", errors="replace")
+    if text.isprintable() and "\ufffd" not in text:
+        shown = f"'{text}'"
+    else:
+        shown = "the bytes " + " ".join(f"{b:02x}" for b in start)
+    what = next((words for prefix, words in _KNOWN_STARTS if head.lower().startswith(prefix.lower())), "")
+    return f"it starts with {shown}, not 'GGUF'" + (f"; {what}" if what else "")
+
+
 #: errors that say the system is short of something for now, not that the file is bad
 TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.ENOBUFS})
 
@@ -50,7 +77,7 @@ def gguf_problem(path: str, *, raise_transient: bool = False) -> str:
         return f"model path {p} is not a file: point it at a .gguf file"
     try:
         with p.open("rb") as f:
-            magic = f.read(4)
+            magic = f.read(32)
     except OSError as exc:
         if is_transient(exc):
             if raise_transient:
@@ -59,8 +86,8 @@ def gguf_problem(path: str, *, raise_transient: bool = False) -> str:
         if exc.errno in (errno.EACCES, errno.EPERM):
             return f"model file {p} cannot be read ({exc.strerror}): check its permissions"
         return f"model file {p} cannot be read ({exc.strerror or exc})"
-    if magic != GGUF_MAGIC:
-        return f"model file {p} is not a GGUF file (it does not start with 'GGUF'): choose a .gguf model file"
+    if magic[:4] != GGUF_MAGIC:
+        return f"model file {p} is not a GGUF file ({file_start(magic)}): choose a .gguf model file"
     return ""
 
 

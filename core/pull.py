@@ -77,7 +77,7 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 from .llama_archs import ArchSupport, supported_architectures
-from .modelfile import GGUF_MAGIC
+from .modelfile import GGUF_MAGIC, file_start
 from .units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -756,7 +756,7 @@ def peek_architecture(head: bytes) -> str | None:
     """``general.architecture`` from a GGUF's first bytes; None when they end before it.
     Raises ValueError when they are not a GGUF's."""
     if head[:4] != GGUF_MAGIC:
-        raise ValueError(f"it starts with {head[:16]!r}, not {GGUF_MAGIC!r}")
+        raise ValueError(file_start(head))
     if len(head) < 24:
         return None
     endian = "<"

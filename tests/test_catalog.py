@@ -127,8 +127,12 @@ def test_without_file_type_the_dominant_tensor_type_is_named(tmp_path: Path) -> 
 def test_not_a_gguf(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"PK\x03\x04 this is a zip file" + bytes(100))
-    with pytest.raises(ModelFileError, match=r"x\.gguf is not a GGUF file \(bad magic b'PK\\x03\\x04'"):
+    with pytest.raises(ModelFileError) as excinfo:
         catalog.read_gguf_header(path)
+    assert str(excinfo.value) == (
+        "x.gguf is not a GGUF file (it starts with the bytes 50 4b 03 04, not 'GGUF'; it looks like a zip "
+        "archive: unpack it first): pick a .gguf model file"
+    )
 
 
 def test_empty_file(tmp_path: Path) -> None:
@@ -436,3 +440,36 @@ def test_damaged_files_give_an_entry_or_a_model_file_error(
         assert str(exc).startswith(path.name)  # names the file, then says what is wrong
     else:
         assert entry.size == len(blob)
+
+
+@pytest.mark.parametrize(
+    ("head", "words"),
+    [
+        (b"", "it is empty"),
+        (b"hello world", "it starts with 'hell', not 'GGUF'"),
+        (b"\x00\x01\xfe\xff", "it starts with the bytes 00 01 fe ff, not 'GGUF'"),
+        (
+            b"<!DOCTYPE html>",
+            "it starts with '<!DO', not 'GGUF'; it looks like a web page: the download went wrong",
+        ),
+        (
+            b"version https://git-lfs.github.com/spec/v1\n",
+            "it starts with 'vers', not 'GGUF'; it is a Git LFS pointer: the model itself was not downloaded",
+        ),
+    ],
+)
+def test_a_files_start_is_worded_for_people(head: bytes, words: str) -> None:
+    from timeshare.core.modelfile import file_start
+
+    assert file_start(head) == words
+    assert "b'" not in file_start(head)
+
+
+def test_the_cheap_model_file_check_says_how_the_file_starts(tmp_path: Path) -> None:
+    from timeshare.core.modelfile import gguf_problem
+
+    path = tmp_path / "hello.gguf"
+    path.write_bytes(b"hello")
+    assert gguf_problem(str(path)) == (
+        f"model file {path} is not a GGUF file (it starts with 'hell', not 'GGUF'): choose a .gguf model file"
+    )

@@ -226,7 +226,8 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
         config_files.load_config(path)
     (problem,) = problems_of(excinfo)
     assert problem.startswith(
-        f"models[0].path: {bogus} (the file of model 'a') is not a GGUF file (it starts with b'<htm'"
+        f"models[0].path: {bogus} (the file of model 'a') is not a GGUF file "
+        "(it starts with '<htm', not 'GGUF'; it looks like a web page: the download went wrong)"
     )
     assert bogus.read_bytes() == b"<html>404 not found</html>"
 

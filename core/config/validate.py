@@ -13,7 +13,7 @@ from typing import Any, get_args
 
 from .. import paths
 from ..errors import ConfigError
-from ..modelfile import GGUF_MAGIC
+from ..modelfile import GGUF_MAGIC, file_start
 from ..state import RELEASE_LEVELS
 from . import demo
 from .schema import (
@@ -184,15 +184,14 @@ class _Checker:
                 return None
             try:
                 with path.open("rb") as f:
-                    magic = f.read(4)
+                    magic = f.read(32)
             except OSError as exc:
                 self.problem(where, f"{path}{whose} cannot be read ({exc.strerror}): check its permissions")
                 return None
-            if magic != GGUF_MAGIC:
+            if magic[:4] != GGUF_MAGIC:
                 self.problem(
                     where,
-                    f"{path}{whose} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
-                    "pick the .gguf file itself",
+                    f"{path}{whose} is not a GGUF file ({file_start(magic)}): pick the .gguf file itself",
                 )
                 return None
         return str(path)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ModelFileError
-from ..modelfile import GGUF_MAGIC
+from ..modelfile import GGUF_MAGIC, file_start
 from . import _ggml
 
 
@@ -30,11 +30,10 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufInfo:
         raise ModelFileError(f"{p} is not a file: point the model at a .gguf file")
     size = os.path.getsize(p)
     with open(p, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
+        magic = f.read(32)
+    if magic[:4] != GGUF_MAGIC:
         raise ModelFileError(
-            f"{p} is not a GGUF model (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
-            "download the .gguf file of the model"
+            f"{p} is not a GGUF model ({file_start(magic)}): download the .gguf file of the model"
         )
     st = os.stat(p)
     # the header walk is cached per file identity: a worker load checks the same file up to
