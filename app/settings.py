@@ -61,6 +61,10 @@ CHAT_FORMATS = ("auto", "template", "fallback")
 Table = dict[str, Any]
 
 
+def _resolved(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
 def problems_text(problems: Iterable[str]) -> str:
     """Problems (e.g. a ConfigError's) as a bulleted list, one a line."""
     return "\n".join(f"• {p}" for p in problems)
@@ -74,6 +78,24 @@ def _error_label() -> QLabel:
     label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
     label.hide()
     return label
+
+
+def _clear_on_edit(problems: QLabel, *fields: QWidget) -> None:
+    """Hide ``problems`` as soon as one of ``fields`` is edited: they said what was wrong before."""
+
+    def clear() -> None:
+        problems.clear()
+        problems.hide()
+
+    for w in fields:
+        if isinstance(w, QLineEdit):
+            w.textEdited.connect(lambda _t: clear())
+        elif isinstance(w, (QSpinBox, QDoubleSpinBox)):
+            w.valueChanged.connect(lambda _v: clear())
+        elif isinstance(w, QCheckBox):
+            w.toggled.connect(lambda _c: clear())
+        elif isinstance(w, QComboBox):
+            w.currentIndexChanged.connect(lambda _i: clear())
 
 
 def _lay_out(
@@ -166,6 +188,17 @@ class ModelDialog(QDialog):
         form.addRow("Licence:", self.licence)
         self.problems = _error_label()
         _lay_out(self, [form, self.problems], QDialogButtonBox.StandardButton.Ok, self.accept)
+        _clear_on_edit(
+            self.problems,
+            self.id_edit,
+            self.name_edit,
+            self.path_edit,
+            self.n_ctx,
+            self.n_seq,
+            self.chat_format,
+            self.pinned,
+            self.idle,
+        )
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(
@@ -173,6 +206,7 @@ class ModelDialog(QDialog):
         )
         if path:
             self.path_edit.setText(path)
+            self.problems.hide()
 
     def value(self) -> Table:
         model = dict(self._original)
@@ -211,11 +245,19 @@ class ModelDialog(QDialog):
 class CatalogDialog(QDialog):
     """Pick GGUF models found on this machine (demo packages, LM Studio, HF cache, llama.cpp, Ollama)."""
 
-    def __init__(self, entries: list[catalog.CatalogEntry], parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        entries: list[catalog.CatalogEntry],
+        parent: QWidget | None = None,
+        added: Iterable[str] = (),
+    ) -> None:
+        """``added``: the resolved paths of the models already configured (shown, not selectable)."""
         super().__init__(parent)
         self.setWindowTitle("Add model from the catalog")
         self.resize(820, 380)
         self.entries = entries
+        known = set(added)
+        self.already_added = {i for i, e in enumerate(entries) if _resolved(e.path) in known}
         self.table = QTableWidget(len(entries), 6)
         self.table.setObjectName("catalog")
         self.table.setHorizontalHeaderLabels(["Name", "Size", "Quant.", "Source", "Licence", "File"])
@@ -225,10 +267,16 @@ class CatalogDialog(QDialog):
             name = e.name + (f" ({e.parameters})" if e.parameters else "")
             if not e.has_chat_template:
                 name += " — no chat template"
+            if row in self.already_added:
+                name += " — already added"
             for col, text in enumerate(
                 [name, human_bytes(e.size), e.quantisation, e.source, e.licence or "–", e.path]
             ):
-                self.table.setItem(row, col, QTableWidgetItem(text))
+                item = QTableWidgetItem(text)
+                if row in self.already_added:  # shown so people find it, greyed out: not picked again
+                    item.setFlags(item.flags() & ~(Qt.ItemFlag.ItemIsSelectable | Qt.ItemFlag.ItemIsEnabled))
+                    item.setToolTip("This model is already in Timeshare's list")
+                self.table.setItem(row, col, item)
         self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         self.table.cellDoubleClicked.connect(lambda *_: self.accept())
         empty = QLabel(
@@ -240,7 +288,7 @@ class CatalogDialog(QDialog):
         _lay_out(self, [self.table, empty], QDialogButtonBox.StandardButton.Ok, self.accept)
 
     def selected(self) -> list[catalog.CatalogEntry]:
-        rows = sorted({i.row() for i in self.table.selectedIndexes()})
+        rows = sorted({i.row() for i in self.table.selectedIndexes()} - self.already_added)
         return [self.entries[r] for r in rows]
 
 
@@ -268,6 +316,19 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._general_tab(), "General")
         self.problems = _error_label()
         _lay_out(self, [self.tabs, self.problems], QDialogButtonBox.StandardButton.Save, self.save)
+        _clear_on_edit(
+            self.problems,
+            self.quantum,
+            self.wait_timeout,
+            self.arena_dir,
+            self.api_enabled,
+            self.api_host,
+            self.api_port,
+            self.api_key,
+            self.start_at_login,
+            self.prewake,
+            self.idle_all,
+        )
         bridge.snapshot_changed.connect(self._refresh_arena)
         self._refresh_models()
         self._refresh_arena(bridge.snapshot)
@@ -342,22 +403,27 @@ class SettingsDialog(QDialog):
                 report = catalog.scan_report()
             finally:
                 QGuiApplication.restoreOverrideCursor()
-            dialog = CatalogDialog(list(report.entries), self)
+            dialog = CatalogDialog(list(report.entries), self, added=self._known_paths())
             if dialog.exec() != QDialog.DialogCode.Accepted:
                 return []
             entries = dialog.selected()
         added = []
-        known_paths = {str(Path(m["path"]).resolve()) for m in self.draft["models"]}
+        problems = []
         for entry in entries:
-            if str(Path(entry.path).resolve()) in known_paths:
-                self._show_problems([f"{entry.name} is already in the list ({entry.path})"])
+            if _resolved(entry.path) in self._known_paths():
+                problems.append(f"{entry.name} is already in the list ({entry.path})")
                 continue
             model = config_files.config_to_dict(Config(models=(entry.to_model_config(self._taken_ids()),)))[
                 "models"
             ][0]
             self._append_model(model)
             added.append(model["id"])
+        self._show_problems(problems)  # what went wrong now, if anything: older messages go
         return added
+
+    def _known_paths(self) -> set[str]:
+        """The resolved files of the models in the list."""
+        return {_resolved(m["path"]) for m in self.draft["models"] if m.get("path")}
 
     def get_model(self, source: str = "") -> GetModelDialog:
         """Download a model ("Get model…"); once checked it joins the draft as a catalog pick
@@ -399,6 +465,7 @@ class SettingsDialog(QDialog):
             return False
         self.draft["models"][row] = dialog.value()
         self._refresh_models()
+        self._show_problems([])
         return True
 
     def remove_model(self, row: int | None = None) -> bool:
@@ -415,6 +482,7 @@ class SettingsDialog(QDialog):
             return False
         del self.draft["models"][row]
         self._refresh_models()
+        self._show_problems([])
         return True
 
     # ---- arena -------------------------------------------------------------------------------

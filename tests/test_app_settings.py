@@ -158,6 +158,54 @@ def test_catalog_dialog_lists_entries(qtbot: Any, smollm2_path: Path) -> None:
     assert dialog.selected() == [entries[0]]
 
 
+def test_the_catalog_marks_the_models_already_added(qtbot: Any, smollm2_path: Path) -> None:
+    from PySide6.QtCore import Qt
+    from timeshare.app.settings import CatalogDialog
+    from timeshare.core import catalog
+
+    entries = catalog.scan(["demo"], demo_paths=[smollm2_path])
+    assert entries
+    dialog = CatalogDialog(entries, added={str(smollm2_path.resolve())})
+    qtbot.addWidget(dialog)
+    row = next(i for i, e in enumerate(entries) if Path(e.path).resolve() == smollm2_path.resolve())
+    item = dialog.table.item(row, 0)
+    assert item.text().endswith("— already added")
+    assert not item.flags() & Qt.ItemFlag.ItemIsSelectable
+    dialog.table.selectRow(row)
+    assert entries[row] not in dialog.selected()  # cannot be picked again
+
+
+def test_problems_go_once_a_later_action_or_edit_succeeds(
+    qtbot: Any,
+    bridge: Any,
+    config_path: Path,
+    tmp_path: Path,
+    smollm2_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from PySide6.QtWidgets import QMessageBox
+
+    monkeypatch.setattr(QMessageBox, "warning", lambda *a, **k: None)
+    bogus = tmp_path / "hello.gguf"
+    bogus.write_text("hello, these are not weights")
+    dialog = dialog_for(qtbot, Config(api=ApiConfig(enabled=False)), bridge, config_path)
+    dialog.show()
+    assert dialog.add_file(str(bogus)) is None
+    # worded for people: how the file starts, no Python bytes literal
+    assert (
+        "it starts with 'hell', not 'GGUF'" in dialog.problems.text() and "b'" not in dialog.problems.text()
+    )
+    assert dialog.problems.isVisible()
+    assert dialog.add_file(str(smollm2_path)) is not None  # the next action worked: the message goes
+    assert not dialog.problems.isVisible()
+    # adding the same file again says so; an edit of a field then clears it
+    assert dialog.add_file(str(smollm2_path)) is None
+    assert "already in the list" in dialog.problems.text() and dialog.problems.isVisible()
+    dialog.api_host.clear()
+    qtbot.keyClicks(dialog.api_host, "127.0.0.1")
+    assert not dialog.problems.isVisible()
+
+
 def test_model_dialog_validates_with_field_messages(
     qtbot: Any, smollm2_path: Path, config_path: Path
 ) -> None:
