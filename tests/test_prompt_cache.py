@@ -18,7 +18,13 @@ import openai
 import pytest
 from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serving, write_config
 from timeshare.core.config.schema import ModelConfig
-from timeshare.core.worker.engine import PROMPT_CACHE_MIN_TOKENS, Engine, GenerationOutcome, common_prefix
+from timeshare.core.worker.engine import (
+    BRANCH_MIN_FRACTION,
+    PROMPT_CACHE_MIN_TOKENS,
+    Engine,
+    GenerationOutcome,
+    common_prefix,
+)
 from timeshare.core.worker.protocol import ChatMessage, Generate
 
 SYSTEM = (
@@ -119,6 +125,21 @@ def test_a_prompt_that_diverges_at_k_evaluates_from_k(smol: Engine) -> None:
     # it branched: the whole story is still cached, only its last token is evaluated again
     again = run(smol, prompt=STORY, max_tokens=1)
     assert again.prompt_tokens_evaluated == 1
+
+
+def test_a_small_cut_takes_the_sequence_over_instead_of_copying_it(smol: Engine) -> None:
+    # a client that rewrites only the end of a long prompt: cutting the sequence back costs less
+    # than copying its whole KV state, so no second sequence is made
+    full = smol._completion_tokens(STORY)
+    run(smol, prompt=STORY, max_tokens=1)
+    other = STORY[: STORY.rindex(" ")] + " and the sea."
+    k = common_prefix(full, smol._completion_tokens(other))
+    assert len(full) - k < BRANCH_MIN_FRACTION * len(full)
+    o = run(smol, prompt=other, max_tokens=1)
+    assert o.prompt_tokens_evaluated == o.prompt_tokens - k
+    assert smol.cached_sequences == 1  # taken over, not copied
+    again = run(smol, prompt=STORY, max_tokens=1)  # the cut-off end is evaluated again
+    assert again.prompt_tokens_evaluated == len(full) - common_prefix(full, smol._completion_tokens(other))
 
 
 def test_an_unrelated_prompt_starts_fresh_and_evicts_the_oldest(smol: Engine) -> None:

@@ -86,10 +86,17 @@ class KVSnapshot:
 
     n_tokens: int
     input_ids: tuple[int, ...]
-    state: bytes
+    state: bytearray  # what llama_state_get_data wrote (read in place by llama_state_set_data)
     pos_min: int = 0  # the lowest position the KV still holds (above 0: a sliding window dropped some)
     prompt_len: int = 0  # the prompt of the last request on it (the tokens after it were generated)
 
+
+#: A keyless request that diverges inside a cached sequence copies it (and leaves the original
+#: cached) only when it would otherwise cut off at least this fraction of the sequence (and at
+#: least 8 tokens); below that it cuts the sequence back and goes on in it, as llama-server's slot
+#: does: a copy costs a pass over the whole KV cache (twice: out to host memory and back), the cut
+#: costs re-evaluating what was cut off if that sequence comes back.
+BRANCH_MIN_FRACTION = 0.1
 
 #: The prompt cache's similarity rule (llama-server's ``--slot-prompt-similarity`` idea): a keyless
 #: request reuses a cached sequence only when the prefix it can reuse is at least
@@ -244,15 +251,21 @@ class Engine:
     def _snapshot(self) -> KVSnapshot:
         ctx = self._state_ctx()
         size = int(llama_cpp.llama_state_get_size(ctx))
-        buf = (ctypes.c_uint8 * size)()
+        # one copy of the state (it is the whole KV cache: about 1 GB for 7.5k tokens of an 8B
+        # model): llama.cpp writes into a bytearray's own memory, which is then kept as it is
+        state = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(state)
         n = int(llama_cpp.llama_state_get_data(ctx, buf, size))
+        del buf  # releases the export of ``state``, so it may be resized
+        if n < size:
+            del state[n:]
         n_tokens = int(self.llm.n_tokens)
         ids = tuple(int(t) for t in self.llm.input_ids[:n_tokens])
-        return KVSnapshot(n_tokens, ids, bytes(buf)[:n], max(0, self._live_pos_min()), self._live_prompt_len)
+        return KVSnapshot(n_tokens, ids, state, max(0, self._live_pos_min()), self._live_prompt_len)
 
     def _load_snapshot(self, snap: KVSnapshot) -> None:
         ctx = self._state_ctx()
-        buf = (ctypes.c_uint8 * len(snap.state)).from_buffer_copy(snap.state)
+        buf = (ctypes.c_uint8 * len(snap.state)).from_buffer(snap.state)  # no copy
         if int(llama_cpp.llama_state_set_data(ctx, buf, len(snap.state))) != len(snap.state):
             raise RuntimeError("llama.cpp refused a KV snapshot")
         self.llm.input_ids[: snap.n_tokens] = snap.input_ids
@@ -339,14 +352,16 @@ class Engine:
         (its logits are needed). When the reusable prefix passes the similarity rule (see
         ``PROMPT_CACHE_MIN_TOKENS``) and the sliding window still holds it, the request continues
         that sequence: it takes it over when it extends the sequence's last prompt (the next turn
-        of a chat, a growing completion prompt, the same prompt again), else it branches: it
-        continues a copy and the original stays cached (two chats that share only a system
-        prompt). Otherwise it starts a fresh sequence from an empty KV cache. A new sequence
-        evicts the least recently used one beyond ``n_seq``. Conversations are never candidates."""
+        of a chat, a growing completion prompt, the same prompt again) or when what it would cut
+        off is small (``BRANCH_MIN_FRACTION``), else it branches: it continues a copy and the
+        original stays cached (two chats that share only a system prompt). Otherwise it starts a
+        fresh sequence from an empty KV cache. A new sequence evicts the least recently used one
+        beyond ``n_seq``. Conversations are never candidates."""
         self._load_saved_prompts()
         best: SeqKey | None = None
         best_reuse = 0
         best_prompt_len = 0
+        best_len = 0
         limit = len(tokens) - 1
         candidates: list[tuple[SeqKey, Sequence[int], int, int]] = []
         if isinstance(self.live, int):
@@ -363,15 +378,20 @@ class Engine:
             if pos_min < 0:  # the live sequence: ask the context
                 pos_min = self._live_pos_min()
             if self._window_holds(pos_min, reuse, len(ids)):
-                best, best_reuse, best_prompt_len = key, reuse, prompt_len
+                best, best_reuse, best_prompt_len, best_len = key, reuse, prompt_len, len(ids)
         if best is None or best_reuse < max(PROMPT_CACHE_MIN_TOKENS, PROMPT_CACHE_MIN_FRACTION * len(tokens)):
             self._park_live()
             self._trim(self.model.n_seq - 1)
             self.llm.reset()
             self.live = self._new_keyless()
         else:
-            # the last prompt token is evaluated again, so the same prompt takes the sequence over
-            take_over = best_reuse >= best_prompt_len - 1
+            # the last prompt token is evaluated again, so the same prompt takes the sequence over.
+            # A prompt that diverges inside the sequence's last prompt branches (the original stays
+            # cached, the request goes on in a copy) only when the part it would cut off is worth
+            # the copy: a copy costs a pass over the whole state (the KV of every token), cutting
+            # costs re-evaluating the tokens cut off if that sequence comes back
+            lost = best_len - best_reuse
+            take_over = best_reuse >= best_prompt_len - 1 or lost < max(8, BRANCH_MIN_FRACTION * best_len)
             if best == self.live:
                 if not take_over:  # the original stays as a snapshot; the copy goes on in the context
                     self._park_live()
@@ -509,7 +529,11 @@ class Engine:
             ids = struct.unpack_from(f"<{n}i", data, off)
             off += 4 * n
             snap = KVSnapshot(
-                n, tuple(ids), data[off:], int(header.get("pos_min", 0)), int(header.get("prompt_len", 0))
+                n,
+                tuple(ids),
+                bytearray(memoryview(data)[off:]),
+                int(header.get("pos_min", 0)),
+                int(header.get("prompt_len", 0)),
             )
         except (OSError, ValueError, KeyError, struct.error) as exc:
             log.warning("ignoring saved KV %s: %s", path, exc)
