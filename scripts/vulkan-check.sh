@@ -7,9 +7,11 @@
 #
 #   sh scripts/vulkan-check.sh [apt|build|check|all]      (default: all)
 #
-# VULKAN_CYCLES (doctor release/restore cycles per model, default 3), VULKAN_ARENA_SECONDS
-# (arena-test duration, default 90) and VULKAN_ARENA_WORKERS (default 2) size the check: lavapipe
-# is slow (pipelines compile on first use; ~1-2 tokens/s), so the defaults finish in minutes.
+# VULKAN_CYCLES (doctor release/restore cycles per model, default 3), VULKAN_REBUILD_CYCLES
+# (default 2), VULKAN_ARENA_SECONDS (arena-test duration, default 90), VULKAN_ARENA_WORKERS
+# (default 2) and VULKAN_SAMPLE_MEMORY_MS (arena-test RSS sampling, default 250) size the check;
+# VULKAN_VALIDATE=0 skips the run under the Khronos validation layer. lavapipe is slow (pipelines
+# compile on first use, then a few tokens/s), so the defaults finish in minutes.
 set -eu
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -28,7 +30,8 @@ VER=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml | head 
 if [ -z "${DEMO_PACKAGES:-}" ]; then
     DEMO_PACKAGES=$(sed -e ':a' -e '/\\$/N; s/\\\n//; ta' Makefile | sed -n 's/^DEMO_PACKAGES := //p')
 fi
-APT_PACKAGES="libvulkan-dev glslc glslang-tools spirv-headers mesa-vulkan-drivers vulkan-tools patch"
+APT_PACKAGES="libvulkan-dev glslc glslang-tools spirv-headers mesa-vulkan-drivers vulkan-tools \
+vulkan-validationlayers patch"
 
 # ggml skips Vulkan devices of type CPU (lavapipe) unless they are listed explicitly.
 export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
@@ -127,6 +130,19 @@ step_check() {
         "$ts" doctor --model "$m" --cycles "$CYCLES" --json >"$OUT/doctor-$i.json" 2>"$OUT/doctor-$i.log" || status=1
         summarize_doctor "$OUT/doctor-$i.json" "$(( $(date +%s) - t1 ))" || status=1
     done
+    # Khronos validation layer over one in-place cycle: a descriptor set, command buffer or
+    # pipeline that still named a destroyed VkBuffer after the restore would be reported here.
+    if [ "${VULKAN_VALIDATE:-1}" = 1 ]; then
+        first=$(echo "$models" | head -n1)
+        echo "==> timeshare doctor --model $(basename "$first") --cycles 1, under VK_LAYER_KHRONOS_validation"
+        t1=$(date +%s)
+        VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation "$ts" doctor --model "$first" --cycles 1 \
+            >"$OUT/doctor-validation.txt" 2>&1 || status=1
+        n=$(grep -c -E 'Validation (Error|Warning)|VUID-' "$OUT/doctor-validation.txt" || true)
+        grep -E '^(path|bitwise identical|weights):' "$OUT/doctor-validation.txt" | sed 's/^/    /'
+        echo "    validation messages: $n ($(( $(date +%s) - t1 )) s)"
+        [ "$n" -eq 0 ] || status=1
+    fi
     # The rebuild path on the same device (the fallback where in-place cannot be used), bitwise too.
     first=$(echo "$models" | head -n1)
     echo "==> doctor with mode=rebuild on $(basename "$first") ($REBUILD_CYCLES cycles)"
