@@ -789,6 +789,9 @@ class ArenaHarness:
                         break
                 except (TimeoutError, TimeshareError) as exc:
                     self.progress(f"{plan.id} after the chaos: {exc}")
+                    states = {m.id: m.state for m in self.pool.snapshot().models}
+                    if states.get(plan.id) is ModelState.FAILED:
+                        break  # it will not come back by itself (a load failure): said above
                     time.sleep(0.5)
             out[plan.id] = ok
         self.recovered = out
