@@ -220,6 +220,7 @@ class ChatWindow(QMainWindow):
         self.licence = QLabel()
         self.licence.setObjectName("licence")
         self.licence.setStyleSheet("color: gray")
+        self.licence.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         second.addWidget(self.licence, 1)
         self.settings_summary = QLabel()  # what the conversation's answers are made with
         self.settings_summary.setObjectName("settings_summary")
@@ -415,6 +416,7 @@ class ChatWindow(QMainWindow):
             text += " · holds the GPU"
         self.model_state.setText(text)
         self.licence.setText(f"Licence: {status.licence}" if status.licence else "")
+        self.licence.setToolTip(self.licence.text())
         # the wait of this window's answer; the model's own (a load, a wake) when none streams
         answering = (
             self._stream is not None
@@ -641,6 +643,7 @@ class ChatWindow(QMainWindow):
         stream.first_token.connect(self._on_first_token)
         stream.finished.connect(self._on_finished)
         self._stream = stream
+        self.statusBar().clearMessage()  # the previous answer's line: this one's comes at its end
         self._update_buttons()
         self._update_model_state()
         self.render_transcript()

@@ -60,6 +60,10 @@ class Worker:
         self.pinned = spec.model.pinned
         self._pending: collections.deque[_Task] = collections.deque()
         self._cancelled: set[str] = set()
+        # when each request that came while another task ran arrived, and the last wake that took
+        # the GPU (its start, its end, what it cost): a request that came meanwhile waited for it
+        self._arrived: dict[str, float] = {}
+        self._last_wake: tuple[float, float, Acquired] | None = None
         self._state: Literal["loading", "ready", "sleeping"] = "loading"
         self._busy = False
         self._status = p.WorkerStatus("loading", False, self.pinned, False)
@@ -241,7 +245,9 @@ class Worker:
         elif isinstance(task, p.Pin):
             self._set_pinned(task.pinned)
         elif isinstance(task, p.Wake):
-            self._ensure_resident(lambda: self._wait_poll(None))
+            started = time.monotonic()
+            got = self._ensure_resident(lambda: self._wait_poll(None))
+            self._last_wake = (started, time.monotonic(), got) if got.switched else None
         elif isinstance(task, p.Sleep):
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
@@ -258,6 +264,7 @@ class Worker:
         for task in list(self._pending):
             if isinstance(task, p.Generate) and task.req == req:
                 self._pending.remove(task)
+                self._arrived.pop(req, None)
                 self._send_done(task, "cancelled", p.Usage(0, 0, 0), SwitchStats(False))
                 return
         self._cancelled.add(req)
@@ -288,6 +295,8 @@ class Worker:
                 if current is not None:
                     raise CancelledError("the worker is shutting down")
             else:
+                if isinstance(task, p.Generate):
+                    self._arrived[task.req] = time.monotonic()
                 self._pending.append(task)
 
     def _wait_poll(self, current: str | None) -> None:
@@ -337,6 +346,15 @@ class Worker:
         t0 = time.monotonic()
         first: list[float] = []
         switch = Acquired(switched=False)
+        arrived = self._arrived.pop(req.req, None)
+        wake = self._last_wake
+        if arrived is not None and wake is not None and wake[0] <= arrived < wake[1]:
+            # it came while a wake (a pre-wake while the user typed) waited for the GPU and
+            # restored: it waited for that switch too, from when it came
+            waited_ms = (wake[1] - arrived) * 1000.0
+            restore_ms = min(wake[2].restore_ms, waited_ms)
+            switch = Acquired(switched=True, wait_ms=waited_ms - restore_ms, restore_ms=restore_ms)
+            t0 = arrived
 
         def step() -> None:
             nonlocal switch
