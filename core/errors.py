@@ -220,3 +220,10 @@ class UnsupportedArchitectureError(ModelFileError):
     """The GGUF's ``general.architecture`` is not one the installed llama.cpp can load."""
 
     code = "unsupported_architecture"
+
+
+class VramBudgetError(TimeshareError):
+    """A model's weights do not fit the device's VRAM budget: larger than the whole budget, or
+    only pinned models hold the rest (the message names the numbers and the pinned models)."""
+
+    code = "vram_budget"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -19,3 +21,39 @@ def human_bytes(n: int, *, empty: str = "–", largest: str = "TiB") -> str:
         value /= 1024
         step += 1
     return f"{value:.0f} B" if step == 0 else f"{value:.1f} {units[step]}"
+
+
+#: size suffixes: MB/GB... are powers of 10, MiB/GiB... powers of 2 (a bare number is bytes)
+SIZE_UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``"20GiB"`` → 21474836480, ``"12000MB"`` → 12000000000, ``"512"`` → 512 (bytes).
+
+    MB/GB/TB are 10⁶/10⁹/10¹² bytes, MiB/GiB/TiB binary (case does not matter). Raises ValueError
+    with a sentence that says what is accepted."""
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit not in SIZE_UNITS and unit != ""):
+        raise ValueError(
+            f"{text!r} is not a size: write a number with a unit, e.g. '20GiB' or '12000MB' "
+            "(MB/GB are 10^6/10^9 bytes, MiB/GiB 2^20/2^30)"
+        )
+    return int(float(match.group(1)) * SIZE_UNITS[unit or "b"])
+
+
+def decimal_bytes(n: int) -> str:
+    """``n`` bytes in decimal gigabytes for people: "8.4 GB", "0.27 GB" (two figures below 1)."""
+    gb = n / 1e9
+    return f"{gb:.2f} GB" if gb < 1 else f"{gb:.1f} GB"

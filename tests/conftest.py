@@ -1,5 +1,7 @@
 """Shared fixtures. Every test runs with TIMESHARE_HOME in a temp dir, so nothing touches the
-user's real config, data or arena."""
+user's real config, data or arena, and with TIMESHARE_VRAM_BUDGET=one-model: a config that leaves
+arena.vram_budget at "auto" gets one model at a time on the device, so the tests that assert GPU
+switching switch (the budget tests set a budget, or delete the variable)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def timeshare_home(
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("TIMESHARE_HOME", str(home))
     monkeypatch.delenv("TIMESHARE_VRAM_ARENA", raising=False)
+    monkeypatch.setenv("TIMESHARE_VRAM_BUDGET", "one-model")
     yield home
 
 

@@ -101,6 +101,13 @@ def spawn(procs: list[Proc], *args: str) -> Proc:
     return p
 
 
+def lease_file(arena_dir: Path) -> Path:
+    """The one lease in the arena (its holder keeps it flock-ed: a waiter blocks on it)."""
+    files = [p for p in (arena_dir / "leases").iterdir() if not p.name.startswith(".")]
+    assert len(files) == 1, files
+    return files[0]
+
+
 def overlaps(intervals: list[tuple[float, float, int]]) -> list[tuple[tuple[float, float, int], ...]]:
     ordered = sorted(intervals)
     return [(a, b) for a, b in itertools.pairwise(ordered) if b[0] < a[1] and a[2] != b[2]]
@@ -169,7 +176,7 @@ def test_holder_record_is_visible_and_pinned_holder_times_out_with_a_clear_error
     client = TokenClient(Arena(arena_dir), "smollm2-135m-instruct")
     # the waiting reason, on a request that cannot time out while it is read
     patient = client.request(timeout=None)
-    wait_until(lambda: blocked_flocks(arena_dir / "token") == 1, what="our request blocked in flock")
+    wait_until(lambda: blocked_flocks(lease_file(arena_dir)) == 1, what="our request blocked in flock")
     assert patient.waiting_reason() == "pinned by gemma3-270m"
     assert patient.cancel() is True
     with pytest.raises(CancelledError):
@@ -245,7 +252,7 @@ def test_kill9_of_the_holder_lets_the_waiter_take_the_token(
     client = TokenClient(Arena(arena_dir, backend=backend), "survivor")  # type: ignore[arg-type]
     req = client.request(timeout=60)
     # really blocked behind the holder: inside flock(2), queued by the kernel
-    wait_until(lambda: blocked_flocks(arena_dir / "token") == 1, what="our request blocked in flock")
+    wait_until(lambda: blocked_flocks(lease_file(arena_dir)) == 1, what="our request blocked in flock")
     assert not req.done()
     assert req.waiting_reason().startswith("held by victim")
     holder.kill9()
@@ -427,7 +434,8 @@ def test_cancel_of_the_head_waiter_blocked_in_flock(arena_dir: Path) -> None:
     holder.acquire(timeout=5)
     head = TokenClient(arena, "head")
     req = head.request(timeout=30)
-    token = arena_dir / "token"
+    token = arena_dir.parent / "lease-link"
+    os.link(lease_file(arena_dir), token)  # the lease file goes at release: its inode stays seen here
     # the kernel queued its flock behind the holder's: it is inside the blocking flock(2), the path
     # where cancel cannot interrupt the call and has to abandon the locker thread
     wait_until(lambda: blocked_flocks(token) == 1, what="the head waiter blocked in flock")

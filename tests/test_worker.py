@@ -4,9 +4,7 @@ conversations without re-prefill, KV across a stop."""
 
 from __future__ import annotations
 
-import fcntl
 import itertools
-import os
 import signal
 import struct
 import time
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 from _e_worker_util import WorkerHandle
 from timeshare.core.arena.dirs import read_holder
+from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.observe import read_events
 from timeshare.core.worker import protocol as p
@@ -198,14 +197,12 @@ def arena_dir(tmp_path: Path) -> Path:
 
 
 def token_is_free(arena_dir: Path) -> bool:
-    fd = os.open(arena_dir / "token", os.O_RDWR)
+    """No live lease on the device's budget (the GPU token of a one-model budget)."""
+    arena = Arena(arena_dir)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
+        return not [x for x in arena.leases() if x.kind == "weights"]
     finally:
-        os.close(fd)
-    return True
+        arena.close()
 
 
 def test_sigterm_releases_the_token_and_exits_zero(

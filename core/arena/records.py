@@ -88,6 +88,8 @@ class TokenGrant:
     acquired_at: float
     handoff: bool
     previous: str | None  # model that held the token when it was requested
+    bytes: int = 0  # the weight bytes leased
+    budget: int | None = None  # the device's weights budget it was granted under (None: one model)
 
     @property
     def wait_ms(self) -> float:

@@ -27,6 +27,7 @@ from .dirs import (
     pid_alive,
     resolve_arena_dir,
 )
+from .leases import LEASES_DIR, LeaseArena
 from .records import (
     _O_DIR,
     _O_FILE,
@@ -52,7 +53,7 @@ _Probe = Literal["live", "removed", "gone", "kept"]
 _SEQ_RE = re.compile(rb"^\s*(\d{0,12})\s*$")
 
 
-class Arena:
+class Arena(LeaseArena):
     """An arena directory, validated and opened. Cheap; one per process is plenty.
 
     ``backend``: "inotify", "poll", or "auto" (inotify where it exists, else polling).
@@ -75,11 +76,20 @@ class Arena:
             except OSError as exc:
                 raise UnsafeArenaError(self.path, f"its parent cannot be created ({exc.strerror})") from exc
         self._dir_fd = _open_checked_dir(self.path, create=True)
+        self._lease_cache = {}
         try:
             self._waiters_fd = _open_checked_dir(
                 self.waiters_path, create=True, dir_fd=self._dir_fd, name=WAITERS_DIR
             )
         except BaseException:
+            os.close(self._dir_fd)
+            raise
+        try:
+            self._leases_fd = _open_checked_dir(
+                self.path / LEASES_DIR, create=True, dir_fd=self._dir_fd, name=LEASES_DIR
+            )
+        except BaseException:
+            os.close(self._waiters_fd)
             os.close(self._dir_fd)
             raise
         try:
@@ -95,7 +105,7 @@ class Arena:
         return f"Arena({str(self.path)!r}, backend={self.backend!r})"
 
     def close(self) -> None:
-        for fd in (self._waiters_fd, self._dir_fd):
+        for fd in (self._leases_fd, self._waiters_fd, self._dir_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -123,7 +133,9 @@ class Arena:
           another name is not a ticket at all); a symbolic link, FIFO, socket or device node (never
           a ticket: removing one touches nothing it points to); an empty directory. A directory
           with files in it is left alone, ignored, and reported by path once.
-        - temporary files ``.holder.<pid>.<thread>.tmp`` and ``.<ticket>.tmp`` of dead pids.
+        - ``leases/``: the same, for lease files (a live holder keeps its lease locked).
+        - temporary files ``.holder.<pid>.<thread>.tmp``, ``.<ticket>.tmp`` and
+          ``.lease.<lease>.tmp`` of dead pids.
         - a holder record that is not one (garbage, a symbolic link, an empty directory...) or
           whose process is dead, removed only while the token is free (taken for an instant, so
           no new holder can be writing its record meanwhile).
@@ -132,6 +144,9 @@ class Arena:
         for name in self._listdir(self._waiters_fd):
             if self._probe(self._waiters_fd, name, remove=True) == "removed":
                 removed.append(name)
+        for name in self._listdir(self._leases_fd):
+            if self._probe(self._leases_fd, name, remove=True) == "removed":
+                removed.append(f"{LEASES_DIR}/{name}")
         for name in self._listdir(self._dir_fd):
             if name.startswith(".") and name.endswith(".tmp") and self._sweep_tmp(name):
                 removed.append(name)
@@ -151,6 +166,8 @@ class Arena:
             os.close(fd)
 
     def _where(self, dir_fd: int, name: str) -> Path:
+        if dir_fd == self._leases_fd:
+            return self.leases_path / name
         return (self.waiters_path if dir_fd == self._waiters_fd else self.path) / name
 
     def _report(self, path: Path, problem: str) -> None:
@@ -234,6 +251,9 @@ class Arena:
         if name.startswith(".holder."):
             part = name.split(".")[2]
             pid = int(part) if part.isdigit() and len(part) <= 10 else None
+        elif name.startswith(".lease."):
+            part = name[len(".lease.") :].split("-", 1)[0]
+            pid = int(part) if part.isdigit() and len(part) <= 10 else None
         else:
             ticket = Ticket.parse(name[1:-4])
             pid = ticket.pid if ticket is not None else None
@@ -262,6 +282,8 @@ class Arena:
             try:
                 fcntl.flock(token, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                return False  # someone is inside the arena lock: looked at again later
+            if self.leases():
                 return False  # someone holds the GPU: the record is theirs to rewrite
             try:
                 st = os.lstat(HOLDER_FILE, dir_fd=self._dir_fd)
@@ -329,8 +351,9 @@ class Arena:
         )
         return queue_last
 
-    def _take_ticket(self, model: str) -> tuple[Ticket, int]:
-        """Create this process's ticket; return it and the fd that keeps it locked (alive)."""
+    def _take_ticket(self, model: str, need: int | None = None) -> tuple[Ticket, int]:
+        """Create this process's ticket; return it and the fd that keeps it locked (alive).
+        ``need``: the weight bytes it asks for (None: the device to itself)."""
         seq_fd = self._open_seq()
         try:
             fcntl.flock(seq_fd, fcntl.LOCK_EX)
@@ -339,7 +362,7 @@ class Arena:
                 if last >= MAX_SEQ:
                     break
                 ticket = Ticket(last + 1, os.getpid(), model)
-                made = self._make_ticket(ticket)
+                made = self._make_ticket(ticket, need)
                 last = ticket.seq
                 if made is not None:
                     text = f"{ticket.seq}\n".encode()
@@ -353,7 +376,7 @@ class Arena:
         finally:
             os.close(seq_fd)  # drops the counter lock
 
-    def _make_ticket(self, ticket: Ticket) -> int | None:
+    def _make_ticket(self, ticket: Ticket, need: int | None = None) -> int | None:
         """Create ``ticket`` locked; its fd, or None when its name is taken (a leftover: the
         caller takes the next number)."""
         tmp = f".{ticket.name}.tmp"
@@ -368,6 +391,7 @@ class Arena:
                 "pid": ticket.pid,
                 "at": time.time(),
                 "at_monotonic": time.monotonic(),
+                "bytes": need,
             }
             os.write(fd, json.dumps(body).encode())
             try:
@@ -386,6 +410,24 @@ class Arena:
             os.close(fd)
             raise
         return fd
+
+    def ticket_need(self, ticket: Ticket) -> int | None:
+        """The weight bytes a ticket asks for; None when it wants the device to itself (or its
+        body cannot be read: the safe reading)."""
+        try:
+            fd = os.open(ticket.name, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=self._waiters_fd)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            body = json.loads(os.read(fd, 4096))
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+        need = body.get("bytes") if isinstance(body, dict) else None
+        return need if type(need) is int and need >= 0 else None
 
     def _drop_ticket(self, ticket: Ticket, fd: int) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -455,9 +497,10 @@ class Arena:
                 self._remove_odd(self._dir_fd, HOLDER_FILE, st)
 
     def _watch(self) -> _DirWatch:
+        """A watch on ``waiters/`` and ``leases/``."""
         if self.backend == "inotify":
             try:
-                return _DirWatch(self.waiters_path, "inotify")
+                return _DirWatch(self.waiters_path, "inotify", also=(self.leases_path,))
             except OSError as exc:  # e.g. fs.inotify.max_user_instances reached: same protocol, polled
                 log.warning("inotify on %s failed (%s); polling instead", self.waiters_path, exc)
         return _DirWatch(self.waiters_path, "poll")

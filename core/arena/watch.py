@@ -34,7 +34,7 @@ class _DirWatch:
     Callers rescan after every return: events only say *when* to look, never *what* is there (so a
     queue overflow or a coalesced event cannot lose anything)."""
 
-    def __init__(self, path: Path, backend: Literal["inotify", "poll"]) -> None:
+    def __init__(self, path: Path, backend: Literal["inotify", "poll"], also: tuple[Path, ...] = ()) -> None:
         self.backend = backend
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._inotify: Any = None
@@ -47,7 +47,8 @@ class _DirWatch:
             self._inotify = inotify_simple.INotify()
             mask = f.CREATE | f.MOVED_TO | f.DELETE | f.MOVED_FROM | f.DELETE_SELF | f.ONLYDIR | f.DONT_FOLLOW
             try:
-                self._inotify.add_watch(str(path), mask)
+                for watched in (path, *also):
+                    self._inotify.add_watch(str(watched), mask)
             except OSError:
                 self.close()
                 raise

@@ -31,6 +31,9 @@ class ModelConfig:
     idle_sleep_s: float | None = 600.0  # None: never release on idle
     idle_release: ReleaseLevel = "weights"
     host_shadow: HostShadow = "pinned"
+    # the GPU this model runs on (index among the GPUs, as llama.cpp's main_gpu; one VRAM budget,
+    # queue and set of leases per GPU); 0 on a single-GPU or CPU-only machine
+    device: int = 0
     licence: str = ""  # shown in model lists (filled for the demo models)
 
     @property
@@ -49,6 +52,10 @@ class ArenaConfig:
     # a worker of this pool that holds the GPU (or heads its queue) while others wait, and answers
     # no status ping for this long, is killed (SIGKILL to its process group) and restarted; 0: off
     hung_holder_s: float = 30.0
+    # weights on each GPU: "auto" (device total - others' use at start - workers' released
+    # footprints - a margin), a size ("20GiB", "12000MB"), a share ("80%") or "one-model" (one at a
+    # time); several models stay resident when they fit (docs/INTERFACES.md, arena)
+    vram_budget: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from .. import paths
+from ..arena.budget import parse_budget
 from ..errors import ConfigError
 from ..modelfile import GGUF_MAGIC, file_start
 from ..state import RELEASE_LEVELS
@@ -259,6 +260,7 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
         "pinned": lambda w, v: c.boolean(w, v),
         "idle_sleep_s": _idle_sleep_checker(c),
         "idle_release": lambda w, v: c.choice(w, v, RELEASE_LEVELS),
+        "device": lambda w, v: c.integer(w, v, minimum=0, maximum=63),
         "host_shadow": lambda w, v: c.choice(w, v, get_args(HostShadow)),
         "licence": lambda w, v: c.string(w, v),
     }
@@ -376,6 +378,7 @@ def validate(
             "wait_timeout_s": lambda w, v: c.number(w, v, minimum=0.0, strict=True),
             "restore_oom_retry_s": lambda w, v: c.number(w, v, minimum=0.0),
             "hung_holder_s": lambda w, v: c.number(w, v, minimum=0.0),
+            "vram_budget": lambda w, v: _budget(c, w, v),
         },
     )
     if isinstance(arena.dir, str):
@@ -432,6 +435,16 @@ def validate(
     if not models:
         config = replace(config, notice=_no_models_notice(path))
     return config
+
+
+def _budget(c: _Checker, where: str, value: object) -> str | None:
+    """``arena.vram_budget``: "auto", "one-model", a size or a share; kept as written."""
+    try:
+        parse_budget(value)
+    except ValueError as exc:
+        c.problem(where, str(exc))
+        return None
+    return str(value).strip()
 
 
 def _no_models_notice(path: str | Path | None) -> str:

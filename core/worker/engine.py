@@ -55,6 +55,7 @@ from ..config.schema import ModelConfig
 from ..errors import CancelledError, ModelFileError, PromptTooLongError
 from ..modelfile import check_model_file
 from ..residency import check_gguf
+from .device import llama_placement
 from .protocol import ChatMessage, FinishReason, Generate
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ class Engine:
                 n_gpu_layers=model.n_gpu_layers,
                 use_mmap=use_mmap,
                 verbose=False,
+                **llama_placement(model.device),  # one GPU: its VRAM budget counts the weights
             )
         except (ValueError, RuntimeError) as exc:
             log.error("llama.cpp failed to load %s: %s", model.path, exc)

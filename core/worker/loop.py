@@ -110,6 +110,8 @@ class Worker:
             host_pinned_bytes=res.host_bytes,
             prompt_tokens_evaluated=engine.prompt_tokens_evaluated if engine else 0,
             live_conversations=engine.conversations if engine else (),
+            lease_bytes=res.lease_bytes,
+            budget_bytes=res.budget_bytes,
         )
         with self._status_lock:
             self._status = status
@@ -222,6 +224,10 @@ class Worker:
                     backend=self.residence.backend,
                     weight_bytes=self.residence.weight_bytes,
                     host_pinned_bytes=self.residence.host_bytes,
+                    device=self.residence.device_index,
+                    device_name=self.residence.device_name,
+                    budget_setting=self.residence.budget.setting if self.residence.budget else "",
+                    budget_note=self.residence.budget_note,
                 )
             )
         )
@@ -322,6 +328,7 @@ class Worker:
         acquired = res.ensure(poll, self.spec.arena.wait_timeout_s)
         # A ring that arrives while restoring stays in the queue and is seen at the next step.
         self._quantum_start = time.monotonic()
+        res.note_use(self._busy)
         self.publish()
         return acquired
 
@@ -376,6 +383,7 @@ class Worker:
         self._busy = True
         if self.residence.holds_token:
             self._quantum_start = time.monotonic()  # the quantum counts generation, not idle holding
+            self.residence.note_use(True)
         self.publish()
         reply: p.Done | p.Error
         try:
@@ -400,6 +408,7 @@ class Worker:
             )
         finally:
             self._busy = False
+            self.residence.note_use(False)
             self.publish()  # the snapshot is current before the reply arrives
         self.send(reply)
         if self._yield_wanted and self._should_yield():

@@ -115,6 +115,10 @@ class ModelInfo:
     backend: str
     weight_bytes: int
     host_pinned_bytes: int
+    device: int = 0  # the GPU's index (models[].device); 0 on a CPU build
+    device_name: str = ""  # "CUDA0", or "CPU" (host memory plays the device)
+    budget_setting: str = ""  # the VRAM budget in force on that device ("one-model", "auto", "20GiB")
+    budget_note: str = ""  # set when that is not this model's own setting (the first one won)
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,8 @@ class WorkerStatus:
     host_pinned_bytes: int = 0
     prompt_tokens_evaluated: int = 0  # total prefill tokens since start (for no-re-prefill checks)
     live_conversations: tuple[str, ...] = ()
+    lease_bytes: int = 0  # weight bytes leased on the device's budget now
+    budget_bytes: int = 0  # the device's weights budget now (0: one model at a time)
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
 from ..arena.client import TokenClient, TokenRequest
+from ..arena.leases import device_arena_dir
 from ..arena.tickets import Arena
-from ..errors import OutOfDeviceMemoryError
+from ..errors import OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
 from ..state import WorkerReleaseLevel
+from ..units import decimal_bytes
 from . import protocol as p
+from .device import DeviceMemory, budget_setting, device_memory
 from .engine import Engine
 from .spec import WorkerSpec
 
@@ -74,6 +80,26 @@ class Residence:
     def set_pinned(self, pinned: bool) -> None:
         """A pinned holder keeps the token; waiters are told so."""
 
+    def note_use(self, busy: bool) -> None:
+        """The worker starts (``busy``) or ends using its weights (recorded for the budget's
+        least-recently-used choice, with the quantum it keeps them for)."""
+
+    #: the device and its budget, for the Ready and status messages
+    device_index = 0
+    device_name = ""
+    budget: BudgetRecord | None = None
+    budget_note = ""
+
+    @property
+    def lease_bytes(self) -> int:
+        """Weight bytes leased on the device's budget now."""
+        return 0
+
+    @property
+    def budget_bytes(self) -> int:
+        """The device's weights budget now (0: one model at a time, or no arena)."""
+        return 0
+
     def acquire(self, poll: Callable[[], None], timeout_s: float | None) -> float:
         """Take the token only (no restore); returns the wait in ms."""
         return 0.0
@@ -114,20 +140,88 @@ class Residence:
 class ArenaResidence(Residence):
     """The GPU token (core/arena.py) plus the release/restore of the weights (core/residency).
 
-    Invariant: the weights are on the device iff this worker holds the token. Restore happens only
-    after the token is granted; the token is given back only after the release has freed the
-    memory. The observer (core/observe.py) gets a "resident" interval for each stretch of
-    resident weights; the TokenClient writes the "token" intervals."""
+    Invariant: the weights are on the device iff this worker holds a lease on the device's VRAM
+    budget (the "token"; under a one-model budget exactly the old single token), and the leased
+    bytes of a device never exceed its budget. Restore happens only after the lease is granted;
+    the lease is given back only after the release has freed the memory. The observer
+    (core/observe.py) gets a "resident" interval for each stretch of resident weights; the
+    TokenClient writes the "token" intervals (with the leased bytes and the budget).
+
+    The budget: the worker measures its device (``models[].device``), computes the budget its
+    setting asks for (``arena.vram_budget``, or ``$TIMESHARE_VRAM_BUDGET`` in place of "auto")
+    and joins the device's arena, whose first member's budget is the one in force. The load runs
+    under a lease of the whole budget (one-model, auto: the device to itself, which lets an auto
+    budget measure what the worker keeps on the device while released) or of the file's size
+    (capped by the budget); once the weights are known the lease shrinks to their bytes, and a
+    model whose weights exceed the whole budget fails (VramBudgetError)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.arena = Arena(spec.arena_dir)
+        self.device: DeviceMemory = device_memory(spec.model.device)
+        self.device_index = self.device.index
+        self.device_name = self.device.name
+        setting = budget_setting(spec.arena.vram_budget)
+        wanted = compute_budget(
+            setting,
+            total=self.device.total,
+            free=self.device.free,
+            device=self.device.index,
+            device_name=self.device.name,
+            pid=os.getpid(),
+            at=time.time(),
+        )
+        base = Path(spec.arena_dir) if spec.arena_dir is not None else None
+        self.arena = Arena(device_arena_dir(base, self.device.index) if base is not None else None)
         self.observer: Observer = EventLog(spec.event_log, spec.model.id) if spec.event_log else NULL_OBSERVER
-        self.client = TokenClient(self.arena, spec.model.id, observer=self.observer, pinned=spec.model.pinned)
+        try:
+            self.client = TokenClient(
+                self.arena, spec.model.id, observer=self.observer, pinned=spec.model.pinned, budget=wanted
+            )
+        except BaseException:
+            self.arena.close()
+            raise
+        self.budget = self.client.budget
+        self.budget_note = self.client.budget_note
         self.residency: Residency | None = None
         self._request: TokenRequest | None = None
         self._resident_since: float | None = None
         self._restore_wait = ""  # set while a restore waits for device memory
+        self._free_before_load: int | None = None  # auto budgets: the device's free bytes before the load
+        self._budget_bytes = 0
+        self._budget_bytes = self._weights_budget()
+
+    def _weights_budget(self) -> int:
+        try:
+            limit = self.client.weights_budget()
+        except OSError as exc:
+            log.warning("reading the arena's leases failed: %s", exc)
+            return self._budget_bytes
+        return 0 if limit is None else limit
+
+    @property
+    def lease_bytes(self) -> int:
+        return self.client.lease_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget_bytes
+
+    def _load_need(self) -> int | None:
+        """What the load leases: the device to itself (one-model; auto, to measure the reserve),
+        or the file's bytes capped by the budget (the weights are known only once loaded)."""
+        budget = self.budget
+        if budget is None or budget.one_model or budget.kind == "auto":
+            return None
+        try:
+            size = os.path.getsize(self.spec.model.path)
+        except OSError:
+            return None
+        limit = self._weights_budget()
+        return min(size, limit)
+
+    def note_use(self, busy: bool) -> None:
+        quantum = max(0.0, float(self.spec.arena.min_quantum_ms)) / 1000.0
+        self.client.note_use(busy, time.monotonic() + quantum if busy else 0.0)
 
     @property
     def use_mmap(self) -> bool:
@@ -148,6 +242,42 @@ class ArenaResidence(Residence):
         self.backend = res.backend
         self.weight_bytes = res.weight_bytes
         self.host_bytes = res.host_bytes
+        self._fit_budget(res.weight_bytes)
+
+    def _fit_budget(self, weight_bytes: int) -> None:
+        """After the load (holding the load's lease): measure the reserve (auto), refuse weights
+        larger than the whole budget, and shrink the lease to the weights' bytes."""
+        budget = self.budget
+        assert budget is not None
+        reserve = 0
+        if budget.kind == "auto" and self._free_before_load is not None:
+            try:
+                free_now = device_memory(self.device.index).free
+            except Exception as exc:  # a measurement only: the margin covers it
+                log.warning("measuring the device after the load failed: %s", exc)
+                free_now = self._free_before_load - weight_bytes
+            footprint = max(0, self._free_before_load - free_now - weight_bytes)
+            reserve = footprint + (GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0)
+            log.info(
+                "auto VRAM budget: %s keeps %s on %s while released (measured %s + context allowance)",
+                self.spec.model.id,
+                decimal_bytes(reserve),
+                self.device.name,
+                decimal_bytes(footprint),
+            )
+        limit = self._weights_budget()
+        if not budget.one_model and weight_bytes > limit - reserve:
+            others = f", after the {decimal_bytes(reserve)} it keeps there while released" if reserve else ""
+            raise VramBudgetError(
+                f"{self.spec.model.id}'s weights take {decimal_bytes(weight_bytes)} on {self.device.name}, "
+                f"more than the whole VRAM budget of {decimal_bytes(max(0, limit - reserve))}{others} "
+                f"(arena.vram_budget = {budget.setting!r}): raise the budget, or use a smaller "
+                "quantisation or fewer GPU layers"
+            )
+        self.client.shrink(weight_bytes)
+        if reserve:
+            self.client.reserve(reserve)
+        self._budget_bytes = self._weights_budget()
 
     def start(self, enqueue_yield: Callable[[], None]) -> None:
         self.client.start_doorbell(lambda _ring: enqueue_yield())
@@ -184,10 +314,12 @@ class ArenaResidence(Residence):
         return self.weight_bytes if self.weights_resident else 0
 
     def acquire(self, poll: Callable[[], None], timeout_s: float | None) -> float:
-        """Wait for the token (on the arena's helper thread), polling; returns the wait in ms."""
+        """Wait for a lease (on the arena's helper thread), polling; returns the wait in ms. The
+        weight bytes once loaded; before that, the load's lease (:meth:`_load_need`)."""
         if self.client.holds_token:
             return 0.0
-        request = self.client.request(timeout_s)
+        need = self.weight_bytes if self.residency is not None else self._load_need()
+        request = self.client.request(timeout_s, need)
         self._request = request
         try:
             while not request.wait(0.05):
@@ -203,6 +335,12 @@ class ArenaResidence(Residence):
         # From here the weights may land on the device (load or restore): the resident interval
         # of the arena-test harness starts now and ends when a release has freed them.
         self._resident_since = time.monotonic()
+        if self.residency is None and self.budget is not None and self.budget.kind == "auto":
+            try:
+                self._free_before_load = device_memory(self.device.index).free
+            except Exception as exc:
+                log.warning("measuring the device before the load failed: %s", exc)
+        self._budget_bytes = self._weights_budget() if grant.budget is None else grant.budget
         return grant.wait_ms
 
     def ensure(self, poll: Callable[[], None], timeout_s: float) -> Acquired:
@@ -271,8 +409,9 @@ class ArenaResidence(Residence):
         return p.Released(level=level, release_ms=report.ms, freed_bytes=report.freed_bytes)
 
     def others_waiting(self) -> bool:
+        """The head of the arena's queue needs this worker's lease to go."""
         try:
-            return bool(self.client.others_waiting())
+            return self.client.asked_to_yield()
         except OSError as exc:
             log.warning("scanning the arena's waiters failed: %s", exc)
             return True  # err on the side of yielding

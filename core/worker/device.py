@@ -1,0 +1,96 @@
+"""The device a worker's weights live on, and its memory: what a VRAM budget is computed from.
+
+GPU devices are counted as llama.cpp counts them for ``main_gpu`` (the ggml devices of type GPU,
+in order: CUDA0, CUDA1...). On a build without a GPU the "device" is host memory (the in-place
+residency path frees host weight buffers there), measured from ``/proc/meminfo`` (MemTotal,
+MemAvailable), so the same budget logic runs on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..arena.budget import AUTO, BudgetSetting, parse_budget
+from ..errors import ConfigError
+from ..residency import _ggml
+
+#: replaces ``arena.vram_budget`` when that is left at its default, "auto" (tests, one-off runs)
+BUDGET_ENV = "TIMESHARE_VRAM_BUDGET"
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    index: int
+    name: str  # "CUDA0", "Vulkan1", or "CPU" (host memory)
+    gpu: bool
+    total: int
+    free: int
+
+
+def _gpus() -> list[_ggml.Device]:
+    return [d for d in _ggml.devices() if d.is_gpu]
+
+
+def _host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory."""
+    try:
+        fields = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                fields[key] = int(parts[0]) * 1024
+        return fields["MemTotal"], fields.get("MemAvailable", fields.get("MemFree", 0))
+    except (OSError, KeyError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def device_memory(index: int) -> DeviceMemory:
+    """Total and free bytes of device ``index`` now. Raises ConfigError when there is no such
+    device (``models[].device`` names a GPU this machine does not have)."""
+    gpus = _gpus()
+    if not gpus:
+        if index != 0:
+            raise ConfigError(
+                [f"models[].device = {index}: this build of llama.cpp sees no GPU (CPU only): use 0"]
+            )
+        total, free = _host_memory()
+        return DeviceMemory(0, "CPU", False, total, free)
+    if index >= len(gpus):
+        names = ", ".join(d.name for d in gpus)
+        raise ConfigError([f"models[].device = {index}: this machine has {len(gpus)} GPU(s) ({names})"])
+    dev = gpus[index]
+    free, total = _ggml.device_memory(dev.handle)
+    return DeviceMemory(index, dev.name, True, total, free)
+
+
+def budget_setting(configured: str | int) -> BudgetSetting:
+    """The budget setting a worker uses: ``arena.vram_budget``, or ``$TIMESHARE_VRAM_BUDGET`` when
+    the config leaves it at "auto". Raises ConfigError naming the bad value."""
+    try:
+        setting = parse_budget(configured)
+        env = os.environ.get(BUDGET_ENV, "").strip()
+        if env and setting == AUTO:
+            try:
+                return parse_budget(env)
+            except ValueError as exc:
+                raise ConfigError([f"${BUDGET_ENV}: {exc}"]) from None
+        return setting
+    except ValueError as exc:
+        raise ConfigError([f"arena.vram_budget: {exc}"]) from None
+
+
+def llama_placement(device: int, gpu_count: int | None = None) -> dict[str, Any]:
+    """The ``Llama(...)`` arguments that put a model on GPU ``device`` alone (split_mode none +
+    main_gpu), so that its weights count against one device's budget. Empty on a build without a
+    GPU. ``gpu_count``: for tests (the ggml devices are counted otherwise)."""
+    import llama_cpp
+
+    count = len(_gpus()) if gpu_count is None else gpu_count
+    if count == 0:
+        return {}
+    return {"split_mode": int(llama_cpp.LLAMA_SPLIT_MODE_NONE), "main_gpu": device}
