@@ -54,6 +54,12 @@ def parse_size(text: str) -> int:
 
 
 def decimal_bytes(n: int) -> str:
-    """``n`` bytes in decimal gigabytes for people: "8.4 GB", "0.27 GB" (two figures below 1)."""
-    gb = n / 1e9
-    return f"{gb:.2f} GB" if gb < 1 else f"{gb:.1f} GB"
+    """``n`` bytes in decimal units for people, as budgets are written: "8.4 GB", "270 MB",
+    "12 kB", "512 B"."""
+    if n >= 10**9:
+        return f"{n / 1e9:.1f} GB"
+    if n >= 10**6:
+        return f"{n / 1e6:.0f} MB"
+    if n >= 10**3:
+        return f"{n / 1e3:.0f} kB"
+    return f"{n} B"

@@ -2,7 +2,10 @@
 (no llama, just the token protocol), so the tests see real flock, real inotify, real kill -9.
 
 Modes (all print one line per event on stdout, flushed):
-  hold ARENA BACKEND MODEL [pinned]       acquire, print HELD, keep it until stdin closes, release
+  hold ARENA BACKEND MODEL [pinned] [bytes=N] [budget=SETTING]
+                                          acquire (N weight bytes under the budget SETTING, e.g.
+                                          "1000B"; default: one model at a time), print HELD, keep
+                                          it until stdin closes, release
   contend ARENA BACKEND MODEL LOG N       N x (acquire, hold 1-8 ms, release, pause 0-4 ms)
   once ARENA BACKEND MODEL LOG            acquire (60 s timeout), log an "order" record, release
   busy ARENA BACKEND MODEL LOG SECONDS QUANTUM_MS
@@ -19,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from timeshare.core.arena.budget import compute_budget, parse_budget
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.records import DoorbellRing
 from timeshare.core.arena.tickets import Arena
@@ -28,18 +32,26 @@ DRIVER = str(Path(__file__).resolve())
 
 
 def _client(
-    arena_dir: str, backend: str, model: str, log: str | None = None, pinned: bool = False
+    arena_dir: str,
+    backend: str,
+    model: str,
+    log: str | None = None,
+    pinned: bool = False,
+    budget: str | None = None,
 ) -> TokenClient:
     arena = Arena(arena_dir, backend=backend)  # type: ignore[arg-type]
-    return TokenClient(arena, model, observer=EventLog(log, model) if log else NULL_OBSERVER, pinned=pinned)
+    wanted = compute_budget(parse_budget(budget), total=0, free=0, pid=os.getpid()) if budget else None
+    observer = EventLog(log, model) if log else NULL_OBSERVER
+    return TokenClient(arena, model, observer=observer, pinned=pinned, budget=wanted)
 
 
 def main(argv: list[str]) -> int:
     mode, arena_dir, backend, model = argv[:4]
     rest = argv[4:]
     if mode == "hold":
-        client = _client(arena_dir, backend, model, pinned=bool(rest and rest[0] == "pinned"))
-        client.acquire(timeout=60)
+        opts = dict(r.split("=", 1) for r in rest if "=" in r)
+        client = _client(arena_dir, backend, model, pinned="pinned" in rest, budget=opts.get("budget"))
+        client.acquire(timeout=60, need=int(opts["bytes"]) if "bytes" in opts else None)
         print("HELD", flush=True)
         sys.stdin.read()  # until the test closes stdin (or kills us)
         client.release()
