@@ -117,7 +117,10 @@ def tooltip(snapshot: PoolSnapshot, waited: Mapping[str, float] | None = None) -
     waits = [(m, model_wait(m, snapshot.holder)) for m in others]
     waiting = [with_seconds(f"{m.display_name} {phrase}", waited.get(m.id)) for m, phrase in waits if phrase]
     others = [m for m, phrase in waits if not phrase]  # counted by state below
-    if holder is not None:
+    shared = devices_line(snapshot)
+    if shared:
+        head = shared
+    elif holder is not None:
         head = f"{holder.display_name} holds the GPU"
         if holder.pinned:
             head += " (pinned)"
@@ -142,6 +145,28 @@ def tooltip(snapshot: PoolSnapshot, waited: Mapping[str, float] | None = None) -
         n = sum(1 for m in others if m.state is state)
         if n:
             parts.append(f"{n} {word}")
+    return " · ".join(parts)
+
+
+def _gb(n: int) -> str:
+    value = n / 1e9
+    text = f"{value:.2f}" if value < 1 else f"{value:.1f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def devices_line(snapshot: PoolSnapshot) -> str:
+    """Where a budget lets several models stay on a GPU at once: "2 models on the GPU (8.4 of
+    20 GB)" (per GPU when there are several: "GPU 1: 2 models (8.4 of 20 GB)"); "" otherwise."""
+    parts = []
+    many = len(snapshot.devices) > 1
+    for d in snapshot.devices:
+        if len(d.holders) < 2:
+            continue
+        figures = f" ({_gb(d.leased_bytes)} of {_gb(d.budget_bytes)} GB)" if d.budget_bytes else ""
+        if many:
+            parts.append(f"GPU {d.index}: {len(d.holders)} models{figures}")
+        else:
+            parts.append(f"{len(d.holders)} models on the GPU{figures}")
     return " · ".join(parts)
 
 

@@ -86,6 +86,9 @@ class ModelStatus:
     restarts: int = 0
     last_switch: SwitchStats | None = None
     log_tail: tuple[str, ...] = ()
+    device: int = 0  # the GPU it runs on (models[].device)
+    holds_gpu: bool = False  # holds a lease on its device's VRAM budget (its weights may be there)
+    lease_bytes: int = 0  # the weight bytes of that lease
 
     @property
     def display_name(self) -> str:
@@ -94,10 +97,25 @@ class ModelStatus:
 
 
 @dataclass(frozen=True)
+class DeviceStatus:
+    """One GPU (or, on a CPU build, host memory) and its VRAM budget, as this pool's workers see
+    it. ``budget_bytes`` is None under a one-model budget (one model's weights at a time)."""
+
+    index: int
+    name: str = ""  # "CUDA0", "CPU"; "" until a worker on it has loaded
+    budget: str = ""  # the setting in force: "auto", "20GiB", "80%", "one-model"
+    budget_bytes: int | None = None
+    leased_bytes: int = 0  # weight bytes of this pool's holders on it
+    holders: tuple[str, ...] = ()  # model ids whose weights may be on it (hold a lease), in order
+    note: str = ""  # the budget in force is not the configured one (the first instance's won)
+
+
+@dataclass(frozen=True)
 class PoolSnapshot:
     models: tuple[ModelStatus, ...] = ()
-    holder: str | None = None  # id of the model whose worker holds the GPU token
+    holder: str | None = None  # the model that most recently took the GPU (of those holding it now)
     switching: bool = False  # a handoff is in progress
+    devices: tuple[DeviceStatus, ...] = ()  # per GPU: its budget and who holds it
 
     def model(self, model_id: str) -> ModelStatus | None:
         return next((m for m in self.models if m.id == model_id), None)

@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--model", metavar="PATH", help="GGUF file (default: the smallest demo model)")
     doctor.add_argument("--cycles", type=int, default=3, help="release/restore cycles (default: 3)")
     doctor.add_argument(
+        "--budget",
+        default="one-model",
+        metavar="SIZE",
+        help="also report what this VRAM budget setting gives on device 0 (auto, 20GiB, 80%%; "
+        "default one-model) and whether the model fits it",
+    )
+    doctor.add_argument(
         "--json", action="store_true", help="print only a JSON report on stdout (progress goes to stderr)"
     )
 
@@ -89,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", metavar="PATH", action="append", help="give it twice (default: the two demo models)"
     )
     bswitch.add_argument("--rounds", type=int, default=10, help="switches to measure (default: 10)")
+    bswitch.add_argument(
+        "--budget",
+        default="one-model",
+        metavar="SIZE",
+        help="the VRAM budget of the two workers (default one-model: they switch; a size that fits "
+        "both measures turns without a switch)",
+    )
     bswitch.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     arena = sub.add_parser(
@@ -130,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="S",
         help="the pool's arena.hung_holder_s (default 30; 0: no watchdog)",
+    )
+    arena.add_argument(
+        "--budget",
+        default="one-model",
+        metavar="SIZE",
+        help="the VRAM budget the workers share: one-model (the default: one at a time, overlaps must "
+        "be 0), a size such as 2GB or 20GiB, a share such as 80%%, or auto; several workers stay "
+        "resident when they fit, and budget_violations must be 0",
     )
     arena.add_argument("--json", action="store_true", help=_JSON_HELP)
 

@@ -149,6 +149,7 @@ def status_json(snapshot: PoolSnapshot, counter: SwitchCounter) -> dict[str, Any
         "object": "timeshare.status",
         "holder": snapshot.holder,
         "switching": snapshot.switching,
+        "devices": [_plain(d) for d in snapshot.devices],
         "models": [_plain(m) for m in snapshot.models],
         "switch_stats": counter.as_json(),
     }

@@ -306,7 +306,10 @@ class TokenRequest:
                 arena._unlock(lock)
             self._plan = plan
             self._waited = True
-            if not plan.possible and (plan.too_large or not client.budget.one_model):
+            # a request for the device to itself (a load under an auto budget) waits for pinned
+            # holders as under a one-model budget; one for its bytes fails at once
+            fails = plan.too_large or (not client.budget.one_model and self.need is not None)
+            if not plan.possible and fails:
                 raise VramBudgetError(_too_large(client.model, self.need, plan, client.budget))
             target = plan.victims[0] if plan.victims else (plan.pinned[0] if plan.pinned else None)
             if target is not None and (locker is None or locker.name != target.name or locker.done.is_set()):
@@ -551,12 +554,13 @@ class TokenClient:
             lock = self.arena._lock()
             assert lock is not None
             try:
+                # the new size counts from before anyone can see it (nobody is granted meanwhile)
+                at = time.monotonic()
                 record = replace(held.record, bytes=nbytes, name="")
                 name, fd = self.arena._create_lease(record)
                 self.arena._drop_lease(held.name, held.fd)
             finally:
                 self.arena._unlock(lock)
-            at = time.monotonic()
             if held.load_bytes is None:
                 held.load_bytes = held.record.bytes
             held.name, held.fd, held.record, held.shrunk_at = name, fd, replace(record, name=name), at

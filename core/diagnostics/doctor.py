@@ -40,9 +40,12 @@ _MEASURES = {
 }
 
 
-def run_doctor(model: str, cycles: int, n_ctx: int = 512, mode: Mode = "auto") -> dict[str, Any]:
+def run_doctor(
+    model: str, cycles: int, n_ctx: int = 512, mode: Mode = "auto", budget: str = "one-model"
+) -> dict[str, Any]:
     """Run the check; returns the report (raises TimeshareError on bad input). ``mode`` forces
-    the in-place or the rebuild path (``make vulkan-check`` checks the rebuild path with it)."""
+    the in-place or the rebuild path (``make vulkan-check`` checks the rebuild path with it).
+    ``budget``: the VRAM budget setting to report for device 0 (``--budget``; e.g. auto)."""
     from ..residency import Residency, ResidencyOptions
     from .residency_check import Cycles, GreedyReplay, load_for_check, run_cycles
 
@@ -105,6 +108,7 @@ def run_doctor(model: str, cycles: int, n_ctx: int = 512, mode: Mode = "auto") -
         dev = res.device_memory()
         if dev is not None:  # what ggml_backend_dev_memory says now (weights restored)
             report["device_memory"] = {"device": dev[0], "free_bytes": dev[1], "total_bytes": dev[2]}
+        report["vram_budget"] = budget_report(budget, res.weight_bytes)
         res.close()
     finally:
         llm.close()
@@ -136,6 +140,43 @@ def report_failure(command: str, exc: TimeshareError, as_json: bool) -> int:
     return 2
 
 
+def budget_report(setting: str, weight_bytes: int) -> dict[str, Any]:
+    """What ``setting`` gives on device 0 now (measured with this model loaded: an auto budget
+    counts it among what others use), and whether this model's weights fit it."""
+    from ..arena.budget import compute_budget, parse_budget
+    from ..worker.device import device_memory
+
+    try:
+        parsed = parse_budget(setting)
+    except ValueError as exc:
+        raise TimeshareError(f"--budget: {exc}") from None
+    mem = device_memory(0)
+    record = compute_budget(parsed, total=mem.total, free=mem.free + weight_bytes, device_name=mem.name)
+    limit = record.weights_budget(0)
+    return {
+        "setting": record.setting,
+        "device": mem.name,
+        "budget_bytes": limit,  # None: one model at a time
+        "device_total_bytes": mem.total,
+        "others_bytes": record.others_bytes,
+        "margin_bytes": record.margin_bytes,
+        "weights_fit": limit is None or weight_bytes <= limit,
+    }
+
+
+def _budget_line(b: dict[str, Any] | None) -> list[str]:
+    if not b:
+        return []
+    if b["budget_bytes"] is None:
+        return [f"VRAM budget:        {b['setting']} (one model's weights at a time on {b['device']})"]
+    gb = b["budget_bytes"] / 1e9
+    text = f"VRAM budget:        {b['setting']}: {gb:.2f} GB for weights on {b['device']}"
+    if b["margin_bytes"]:
+        text += f" (of {b['device_total_bytes'] / 1e9:.2f}; others {b['others_bytes'] / 1e9:.2f}, margin "
+        text += f"{b['margin_bytes'] / 1e9:.2f})"
+    return [text + ("" if b["weights_fit"] else "; this model does NOT fit")]
+
+
 def _print_text(r: dict[str, Any]) -> None:
     ok = "yes" if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else "NO"
     lines = [
@@ -151,6 +192,7 @@ def _print_text(r: dict[str, Any]) -> None:
         f"restore:            {r['restore_ms']:.2f} ms (median), {r['restore_gbps']:.2f} GB/s",
         f"host shadow:        {r['host_bytes'] / 1e6:.1f} MB, pinned={r['host_pinned']}"
         + (f" ({r['host_note']})" if r["host_note"] else ""),
+        *_budget_line(r.get("vram_budget")),
     ]
     print("\n".join(lines))
 
@@ -162,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not model:
             model = _default_model()
-        report = run_doctor(model, int(args.cycles))
+        report = run_doctor(model, int(args.cycles), budget=getattr(args, "budget", None) or "one-model")
     except TimeshareError as exc:
         return report_failure("doctor", exc, as_json)
     if as_json:

@@ -30,6 +30,7 @@ from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, ReleaseLevel
 from ..worker import protocol
 from .codes import error_for
 from .configure import restart_fields
+from .devices import device_statuses
 from .generation import Generation
 from .lifecycle import Phase
 from .process import _signal_group, read_log_tail, read_worker, spawn_worker
@@ -91,10 +92,12 @@ class PoolHandlers(PoolThread):
         extra: dict[str, object] | None = None,
     ) -> None:
         statuses = [w.model_status() for w in self._workers.values()]
+        models = tuple(s for s, _ in statuses)
         snap = PoolSnapshot(
-            models=tuple(s for s, _ in statuses),
+            models=models,
             holder=self._holder,
             switching=any(switching for _, switching in statuses),
+            devices=device_statuses(self._workers.values(), models),
         )
         worker_pinned = {w.id: w.status.pinned for w in self._workers.values() if w.status is not None}
         with self._state_cond:
@@ -272,13 +275,20 @@ class PoolHandlers(PoolThread):
         self._arm_idle(w)
 
     def _on_status(self, w: WorkerRecord, st: protocol.WorkerStatus) -> None:
+        took = st.holds_token and not (w.status is not None and w.status.holds_token)
         w.status = st
         w.lifecycle.report(st.state)  # shown while READY
-        if st.holds_token:
+        if took:  # the holder is the model that most recently took the GPU
+            w.gpu_since = time.monotonic()
             self._holder = w.id
-        elif self._holder == w.id:
-            self._holder = None
+        elif not st.holds_token and self._holder == w.id:
+            self._holder = self._latest_holder()
         self._publish(model=w.id)
+
+    def _latest_holder(self) -> str | None:
+        """Of the workers that still hold the GPU (a budget may fit several), the latest to take it."""
+        holding = [x for x in self._workers.values() if x.status is not None and x.status.holds_token]
+        return max(holding, key=lambda x: x.gpu_since).id if holding else None
 
     def _on_done(self, w: WorkerRecord, msg: protocol.Done) -> None:
         gen = w.inflight
@@ -345,9 +355,9 @@ class PoolHandlers(PoolThread):
             w.conn.close()
         w.conn = None
         w.proc = None
-        if self._holder == w.id:
-            self._holder = None
         w.status = None
+        if self._holder == w.id:
+            self._holder = self._latest_holder()
         w.log_tail = read_log_tail(w.log_path)
         log.info("worker for %s exited with status %s", w.id, code)
         hung, w.killed_why = w.killed_why, ""  # the watchdog's reason, when it killed it

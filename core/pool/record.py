@@ -45,6 +45,7 @@ class WorkerRecord:
     log_tail: tuple[str, ...] = ()
     idle_token: int = 0
     killed_why: str = ""  # set when the hung-holder watchdog killed it; the exit handler says it
+    gpu_since: float = 0.0  # monotonic: when its status first said it holds the GPU (a lease)
 
     @property
     def id(self) -> str:
@@ -172,6 +173,9 @@ class WorkerRecord:
             restarts=self.restarts,
             last_switch=self.last_switch,
             log_tail=self.log_tail,
+            device=info.device if info else self.config.device,
+            holds_gpu=alive_status is not None and alive_status.holds_token,
+            lease_bytes=alive_status.lease_bytes if alive_status and alive_status.holds_token else 0,
         )
         return status, switching
 
