@@ -1,17 +1,27 @@
-"""The VRAM arena: one GPU token that worker processes pass between them.
+"""The VRAM arena of one device: leases on its VRAM budget that worker processes take and give back.
+
+A lease is what was once the single GPU token: a worker's weights are on the device iff it holds
+one, and the leased bytes never exceed the device's budget (:mod:`.budget`: the setting, the fit
+rule; :mod:`.leases`: the files). Under a one-model budget one lease at a time is exactly the old
+token. Below, "the token" means a lease.
 
 Layout of an arena directory (mode 0700, owned by the user, never reached through a symlink):
 
-    token        the token: whoever holds an exclusive ``flock`` on it may have weights on the GPU
-    holder       JSON record of the holder (model, pid, since, pinned), written atomically by it
+    token        the arena lock: ``flock``-ed for the short critical sections of :mod:`.leases`
+    budget       the budget in force (its first member's); members hold a shared ``flock`` on it
+    leases/      one lease file per holder: ``<pid>-<n>-<model>``, ``flock``-ed by it while it holds
+    holder       JSON record of the most recent holder (model, pid, since, pinned)
     seq          ticket counter, incremented under ``flock``
-    waiters/     one ticket file per process that wants the token: ``<seq>-<pid>-<model>``
+    waiters/     one ticket file per process that wants a lease: ``<seq>-<pid>-<model>`` (its bytes)
+    device-N/    the arena of GPU N (N >= 1), laid out the same
 
 Why tickets: ``flock`` is not FIFO (a holder may re-take the lock it just dropped) and dropping it
 makes no inotify event. So a waiter takes a ticket (the counter is bumped and the ticket file is
 created under the counter's lock, so ticket order is creation order); only the head of the queue
-calls ``flock``, the others watch ``waiters/`` until every ticket ahead of theirs is gone. The head
-removes its ticket once it holds the token, which lets the next one in.
+tries to fit, the others watch ``waiters/`` until every ticket ahead of theirs is gone. The head
+takes its lease under the arena lock when its bytes fit, else blocks in ``flock`` on the lease of
+the first holder it waits for (see :mod:`.client`), and removes its ticket once it holds a lease,
+which lets the next one in.
 
 Liveness: each ticket file is ``flock``-ed by its owner for as long as it waits (the lock is taken
 on a temporary name before the file is renamed into ``waiters/``, so it is never seen unlocked).
