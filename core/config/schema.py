@@ -34,6 +34,8 @@ class ModelConfig:
     # the GPU this model runs on (index among the GPUs, as llama.cpp's main_gpu; one VRAM budget,
     # queue and set of leases per GPU); 0 on a single-GPU or CPU-only machine
     device: int = 0
+    # llama.cpp's flash attention for this model's context (false: llama-cpp-python's default)
+    flash_attn: bool = False
     licence: str = ""  # shown in model lists (filled for the demo models)
 
     @property

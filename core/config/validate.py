@@ -262,6 +262,7 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
         "idle_release": lambda w, v: c.choice(w, v, RELEASE_LEVELS),
         "device": lambda w, v: c.integer(w, v, minimum=0, maximum=63),
         "host_shadow": lambda w, v: c.choice(w, v, get_args(HostShadow)),
+        "flash_attn": lambda w, v: c.boolean(w, v),
         "licence": lambda w, v: c.string(w, v),
     }
     checked, all_ok = c.fields(where, raw, checks)

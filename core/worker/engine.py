@@ -1,12 +1,12 @@
 """The engine: one loaded GGUF model and its conversations, driven by the worker's loop thread.
 
 Nothing here is thread-safe on purpose: the worker's loop thread is the only caller. Generation
-uses llama-cpp-python's own ``create_completion(..., stream=True)`` so that a completion at
-temperature 0 from an empty KV cache equals what a plain ``Llama(path, n_ctx=...)`` produces: the
-context is built with the library's defaults (only n_ctx, n_gpu_layers, use_mmap and verbose
-differ, none of which change numerics). The caller's ``before_step`` hook runs before every resume
-of the generator (the generator only decodes when resumed): that is where the worker drains its
-queue (cancel, yield) and makes sure the weights are resident.
+runs in ``decode.Decoder`` (llama.cpp's low-level API; a completion at temperature 0 from an empty
+KV cache equals what a plain ``Llama(path, n_ctx=...).create_completion`` produces): the context is
+built with the library's defaults (only n_ctx, n_gpu_layers, use_mmap, verbose and the model's
+``flash_attn`` differ; the first three do not change numerics, ``flash_attn`` is off unless set).
+The caller's ``before_step`` hook runs before every decode step: that is where the worker drains
+its queue (cancel, yield) and makes sure the weights are resident.
 
 Sequences: the worker keeps up to ``n_seq`` token sequences with their KV: the live one in the
 context (it continues by llama-cpp-python's prefix matching: only the tokens after the common
@@ -35,33 +35,30 @@ where it would start the next turn.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import logging
-import os
 import re
-import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
-import numpy as np
 from llama_cpp import llama_chat_format
 
 from ..config.schema import ModelConfig
-from ..errors import CancelledError, ModelFileError, PromptTooLongError
+from ..errors import ModelFileError, PromptTooLongError
 from ..modelfile import check_model_file
 from ..residency import check_gguf
+from . import kv_files
+from .decode import Decoder, common_prefix
 from .device import llama_placement
+from .kv_files import KVSnapshot
 from .protocol import ChatMessage, FinishReason, Generate
 
 log = logging.getLogger(__name__)
 
 FALLBACK_STOP = ("\nUser:", "\nAssistant:", "\n\n\n")
-_KV_MAGIC = b"TSKV1\n"
 
 
 @dataclass(frozen=True)
@@ -79,17 +76,6 @@ class GenerationOutcome:
     prompt_tokens_evaluated: int  # tokens prefilled by this request
     text: str
     stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
-
-
-@dataclass(frozen=True)
-class KVSnapshot:
-    """A sequence's context state in host memory, with the token ids its KV holds."""
-
-    n_tokens: int
-    input_ids: tuple[int, ...]
-    state: bytearray  # what llama_state_get_data wrote (read in place by llama_state_set_data)
-    pos_min: int = 0  # the lowest position the KV still holds (above 0: a sliding window dropped some)
-    prompt_len: int = 0  # the prompt of the last request on it (the tokens after it were generated)
 
 
 #: A keyless request that diverges inside a cached sequence copies it (and leaves the original
@@ -125,17 +111,6 @@ _SPECIAL_ATTRS = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR
 _PROBE_CHARS_PER_TOKEN = 8
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n], dtype=np.int64)
-    y = np.asarray(b[:n], dtype=np.int64)
-    differ = np.flatnonzero(x != y)
-    return int(differ[0]) if differ.size else n
-
-
 class Engine:
     """A loaded model. Build it with ``Engine.load``; call only from one thread."""
 
@@ -161,13 +136,8 @@ class Engine:
         self._prompts_loaded = False  # the keyless sequences a stopped worker left in kv_dir
         self._n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
         self.prompt_tokens_evaluated = 0  # since start
-        self._counting = False
-        self._request_evaluated = 0
-        self._samples = 0
-        self._last_sample = -1
-        self._sampled: list[int] = []  # this request's sampled tokens (which stop string ended it)
         self._markers = self._template_markers(getattr(formatter, "template", "") or "")
-        self._wrap_llm()
+        self._decoder = Decoder(llm)
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -182,6 +152,7 @@ class Engine:
                 n_ctx=model.n_ctx,
                 n_gpu_layers=model.n_gpu_layers,
                 use_mmap=use_mmap,
+                flash_attn=model.flash_attn,
                 verbose=False,
                 **llama_placement(model.device),  # one GPU: its VRAM budget counts the weights
             )
@@ -215,29 +186,6 @@ class Engine:
             engine.info.chat_format,
         )
         return engine
-
-    def _wrap_llm(self) -> None:
-        """Count prefilled tokens and sampled tokens (instance attributes shadow the methods that
-        ``Llama.generate`` calls through ``self``)."""
-        llm = self.llm
-        orig_eval = llm.eval
-        orig_sample = llm.sample
-
-        def counting_eval(tokens: Sequence[int]) -> None:
-            if self._counting:
-                self._request_evaluated += len(tokens)
-            orig_eval(tokens)
-
-        def counting_sample(*args: Any, **kwargs: Any) -> int:
-            self._counting = False  # everything after the first sample is generation, not prefill
-            token = int(orig_sample(*args, **kwargs))
-            self._samples += 1
-            self._last_sample = token
-            self._sampled.append(token)
-            return token
-
-        llm.eval = counting_eval
-        llm.sample = counting_sample
 
     # ---- sequences --------------------------------------------------------------------------
 
@@ -300,9 +248,8 @@ class Engine:
             where = "dropped"
             if self.kv_dir is not None:
                 try:
-                    self._write_snapshot(
-                        self._kv_file(self.kv_dir, evicted), {"conversation": evicted}, snap, self._identity()
-                    )
+                    target = kv_files.kv_file(self.kv_dir, self.model.id, evicted)
+                    kv_files.write(target, self.model.id, {"conversation": evicted}, snap, self._identity())
                     where = f"moved to {self.kv_dir}"
                 except OSError as exc:
                     log.warning("could not write the KV of %s to %s: %s", evicted, self.kv_dir, exc)
@@ -434,36 +381,10 @@ class Engine:
         """Host memory held by the snapshots of the sequences that are not live."""
         return sum(len(s.state) + 4 * s.n_tokens for s in self._saved.values())
 
-    # ---- KV on disk (stop / start) ----------------------------------------------------------
+    # ---- KV on disk (stop / start; the file format is kv_files') ------------------------------
 
     def _identity(self) -> dict[str, object]:
-        st = os.stat(self.model.path)
-        return {
-            "path": os.path.abspath(self.model.path),
-            "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns,
-            "n_ctx": self.info.n_ctx,
-        }
-
-    def _kv_file(self, kv_dir: Path, conversation: str) -> Path:
-        digest = hashlib.sha256(conversation.encode()).hexdigest()[:32]
-        return kv_dir / f"{self.model.id}-{digest}.kv"
-
-    def _prompt_file(self, kv_dir: Path, rank: int) -> Path:
-        return kv_dir / f"{self.model.id}-prompt-{rank}.kvp"
-
-    def _prompt_files(self, kv_dir: Path) -> dict[int, Path]:
-        """This model's cached-prompt files in ``kv_dir``, by rank (0: the most recent)."""
-        pattern = re.compile(re.escape(self.model.id) + r"-prompt-(\d+)\.kvp")
-        found: dict[int, Path] = {}
-        try:
-            for path in kv_dir.iterdir():
-                match = pattern.fullmatch(path.name)
-                if match:
-                    found[int(match.group(1))] = path
-        except OSError:
-            pass
-        return found
+        return kv_files.identity(self.model.path, self.info.n_ctx)
 
     def save_kv(self, kv_dir: Path) -> int:
         """Write every cached sequence's KV snapshot to ``kv_dir`` (atomic per file): conversations
@@ -476,14 +397,15 @@ class Engine:
         if kv_dir == self.kv_dir:
             self._load_saved_prompts()  # those this run never needed are kept, within n_seq
         ident = self._identity()
+        mid = self.model.id
         count = 0
-        stale = self._prompt_files(kv_dir)
+        stale = kv_files.prompt_files(kv_dir, mid)
         rank = 0
         for key, snap in reversed(self._saved.items()):
             if isinstance(key, str):
-                self._write_snapshot(self._kv_file(kv_dir, key), {"conversation": key}, snap, ident)
+                kv_files.write(kv_files.kv_file(kv_dir, mid, key), mid, {"conversation": key}, snap, ident)
             else:
-                self._write_snapshot(self._prompt_file(kv_dir, rank), {"prompt": rank}, snap, ident)
+                kv_files.write(kv_files.prompt_file(kv_dir, mid, rank), mid, {"prompt": rank}, snap, ident)
                 stale.pop(rank, None)
                 rank += 1
             count += 1
@@ -492,65 +414,13 @@ class Engine:
         log.info("saved the KV of %d conversation(s) and cached prompt(s) to %s", count, kv_dir)
         return count
 
-    def _write_snapshot(
-        self, target: Path, key: dict[str, object], snap: KVSnapshot, ident: dict[str, object]
-    ) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        header = json.dumps(
-            {
-                "model": self.model.id,
-                **key,
-                "n_tokens": snap.n_tokens,
-                "pos_min": snap.pos_min,
-                "prompt_len": snap.prompt_len,
-                "file": ident,
-            }
-        ).encode()
-        tmp = target.with_suffix(".tmp")
-        with tmp.open("wb") as f:
-            f.write(_KV_MAGIC + struct.pack(">I", len(header)) + header)
-            f.write(struct.pack(f"<{snap.n_tokens}i", *snap.input_ids))
-            f.write(snap.state)
-        os.replace(tmp, target)
-
-    def _read_snapshot(self, path: Path, key: dict[str, object]) -> KVSnapshot | None:
-        """A snapshot written by ``_write_snapshot`` for ``key`` and this model file and context
-        size, or None (the file is then removed). The file is deleted once read."""
-        try:
-            data = path.read_bytes()
-            if not data.startswith(_KV_MAGIC):
-                raise ValueError("bad magic")
-            off = len(_KV_MAGIC)
-            (hlen,) = struct.unpack_from(">I", data, off)
-            off += 4
-            header = json.loads(data[off : off + hlen])
-            off += hlen
-            if any(header.get(k) != v for k, v in key.items()) or header.get("file") != self._identity():
-                raise ValueError("saved for another model file or context size")
-            n = int(header["n_tokens"])
-            ids = struct.unpack_from(f"<{n}i", data, off)
-            off += 4 * n
-            snap = KVSnapshot(
-                n,
-                tuple(ids),
-                bytearray(memoryview(data)[off:]),
-                int(header.get("pos_min", 0)),
-                int(header.get("prompt_len", 0)),
-            )
-        except (OSError, ValueError, KeyError, struct.error) as exc:
-            log.warning("ignoring saved KV %s: %s", path, exc)
-            path.unlink(missing_ok=True)
-            return None
-        path.unlink(missing_ok=True)
-        return snap
-
     def load_kv(self, kv_dir: Path, conversation: str) -> bool:
         """Bring a conversation saved by ``save_kv`` back into the host LRU (and delete the file).
         A file from another model file or context size is ignored and removed."""
-        path = self._kv_file(kv_dir, conversation)
+        path = kv_files.kv_file(kv_dir, self.model.id, conversation)
         if not path.is_file():
             return False
-        snap = self._read_snapshot(path, {"conversation": conversation})
+        snap = kv_files.read(path, {"conversation": conversation}, self._identity())
         if snap is None:
             return False
         self._saved[conversation] = snap
@@ -566,11 +436,11 @@ class Engine:
         self._prompts_loaded = True
         room = self.model.n_seq - self.cached_sequences
         loaded = 0
-        for rank, path in sorted(self._prompt_files(self.kv_dir).items()):
+        for rank, path in sorted(kv_files.prompt_files(self.kv_dir, self.model.id).items()):
             if loaded >= room:
                 path.unlink(missing_ok=True)
                 continue
-            snap = self._read_snapshot(path, {"prompt": rank})
+            snap = kv_files.read(path, {"prompt": rank}, self._identity())
             if snap is None:
                 continue
             key = self._new_keyless()
@@ -691,20 +561,17 @@ class Engine:
         CancelledError to stop (finish_reason "cancelled"); ``poll`` runs while the prompt is
         tokenized (no residency needed) and may raise it too. Raises PromptTooLongError without
         touching the KV cache of any conversation."""
-        llm = self.llm
         stop = list(req.stop)
-        criteria = None
-        prompt: list[int]
         tokens: list[int]
         if req.messages is not None:
-            tokens, extra_stop, criteria = self._chat_prompt(req.messages, poll)
-            prompt = tokens
+            # the template's end-of-turn token is an end-of-generation token of the vocabulary:
+            # the decoder stops on it (create_completion's stopping criterion checked the same id)
+            tokens, extra_stop, _criteria = self._chat_prompt(req.messages, poll)
             stop += extra_stop
         else:
             assert req.prompt is not None
             # the tokens create_completion would make of the string (not tokenized twice)
             tokens = self._completion_tokens(req.prompt, poll)
-            prompt = tokens
         n_prompt = len(tokens)
         if n_prompt >= self.info.n_ctx:
             raise self._too_long(n_prompt)
@@ -722,67 +589,27 @@ class Engine:
             # same answer bit for bit (a prefix reused from another request was computed in other
             # batches, which can change the last bits of the logits); nothing is kept afterwards.
             self._switch_to(None, fresh=True)
-        self._request_evaluated = 0
-        self._samples = 0
-        self._last_sample = -1
-        self._sampled = []
-        self._counting = True
-        kwargs: dict[str, Any] = {
-            "max_tokens": req.max_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "stop": stop,
-            "stream": True,
-            "seed": req.seed,
-        }
-        if criteria is not None:
-            kwargs["stopping_criteria"] = criteria
-        stream: Iterator[dict[str, Any]] = llm.create_completion(prompt, **kwargs)
-        finish: FinishReason = "length"
-        pieces: list[str] = []
         try:
-            while True:
-                before_step()
-                try:
-                    chunk = next(stream)
-                except StopIteration:
-                    break
-                choice = chunk["choices"][0]
-                if choice["text"]:
-                    pieces.append(choice["text"])
-                    emit(choice["text"])
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
-        except CancelledError:
-            finish = "cancelled"
-        except ValueError as exc:
-            match = re.search(r"Requested tokens \((\d+)\) exceed context window", str(exc))
-            if match:
-                raise self._too_long(int(match.group(1))) from None
-            raise
+            out = self._decoder.run(
+                tokens,
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_k=req.top_k,
+                top_p=req.top_p,
+                seed=req.seed,
+                stop=stop,
+                emit=emit,
+                before_step=before_step,
+            )
         finally:
-            self._counting = False
-            close = getattr(stream, "close", None)
-            if close is not None:
-                close()
-            self.prompt_tokens_evaluated += self._request_evaluated
-        completion = self._samples
-        ended_by_eog = bool(completion) and llama_cpp.llama_vocab_is_eog(llm._model.vocab, self._last_sample)
-        if ended_by_eog:
-            completion -= 1
-        hit = self._stop_hit(stop) if finish == "stop" and not ended_by_eog else ""
-        return GenerationOutcome(finish, n_prompt, completion, self._request_evaluated, "".join(pieces), hit)
-
-    def _stop_hit(self, stop: Sequence[str]) -> str:
-        """The stop string found in this request's sampled text (the first one there, as
-        llama-cpp-python cuts at it); "" when none is (a stopping criterion ended it)."""
-        text = self.llm.detokenize(self._sampled).decode("utf-8", errors="replace")
-        found = [(text.find(s), i) for i, s in enumerate(stop) if s and s in text]
-        return stop[min(found)[1]] if found else ""
+            self.prompt_tokens_evaluated += self._decoder.evaluated
+        return GenerationOutcome(
+            out.finish_reason, n_prompt, out.completion_tokens, out.evaluated, out.text, out.stop
+        )
 
     def close(self) -> None:
         self._saved.clear()
+        self._decoder.close()
         self.llm.close()
 
 

@@ -1,0 +1,124 @@
+"""The worker's KV snapshots (a sequence's context state with its token ids) and their files.
+
+A stopped worker writes every cached sequence to its ``kv_dir`` (``Engine.save_kv``): a
+conversation as ``<model>-<sha256 of the key>.kv``, a cached prompt of the prompt cache as
+``<model>-prompt-<rank>.kvp`` (rank 0: the most recent). A file holds a magic line, a JSON header
+(model, key, token count, the sliding window's lowest position, the last prompt's length and the
+identity of the model file and context size it was made with), the token ids and the state bytes.
+A file is read once and deleted; one made for another model file or context size is ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_KV_MAGIC = b"TSKV1\n"
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A sequence's context state in host memory, with the token ids its KV holds."""
+
+    n_tokens: int
+    input_ids: tuple[int, ...]
+    state: bytearray  # what llama_state_get_data wrote (read in place by llama_state_set_data)
+    pos_min: int = 0  # the lowest position the KV still holds (above 0: a sliding window dropped some)
+    prompt_len: int = 0  # the prompt of the last request on it (the tokens after it were generated)
+
+
+def identity(model_path: str, n_ctx: int) -> dict[str, object]:
+    """What a snapshot file must have been made with: the model file (path, size, mtime), n_ctx."""
+    st = os.stat(model_path)
+    return {
+        "path": os.path.abspath(model_path),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "n_ctx": n_ctx,
+    }
+
+
+def kv_file(kv_dir: Path, model_id: str, conversation: str) -> Path:
+    digest = hashlib.sha256(conversation.encode()).hexdigest()[:32]
+    return kv_dir / f"{model_id}-{digest}.kv"
+
+
+def prompt_file(kv_dir: Path, model_id: str, rank: int) -> Path:
+    return kv_dir / f"{model_id}-prompt-{rank}.kvp"
+
+
+def prompt_files(kv_dir: Path, model_id: str) -> dict[int, Path]:
+    """This model's cached-prompt files in ``kv_dir``, by rank (0: the most recent)."""
+    pattern = re.compile(re.escape(model_id) + r"-prompt-(\d+)\.kvp")
+    found: dict[int, Path] = {}
+    try:
+        for path in kv_dir.iterdir():
+            match = pattern.fullmatch(path.name)
+            if match:
+                found[int(match.group(1))] = path
+    except OSError:
+        pass
+    return found
+
+
+def write(
+    target: Path, model_id: str, key: dict[str, object], snap: KVSnapshot, ident: dict[str, object]
+) -> None:
+    """Write ``snap`` to ``target`` (atomically: a temporary file renamed)."""
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    header = json.dumps(
+        {
+            "model": model_id,
+            **key,
+            "n_tokens": snap.n_tokens,
+            "pos_min": snap.pos_min,
+            "prompt_len": snap.prompt_len,
+            "file": ident,
+        }
+    ).encode()
+    tmp = target.with_suffix(".tmp")
+    with tmp.open("wb") as f:
+        f.write(_KV_MAGIC + struct.pack(">I", len(header)) + header)
+        f.write(struct.pack(f"<{snap.n_tokens}i", *snap.input_ids))
+        f.write(snap.state)
+    os.replace(tmp, target)
+
+
+def read(path: Path, key: dict[str, object], ident: dict[str, object]) -> KVSnapshot | None:
+    """A snapshot written by ``write`` for ``key`` and ``ident``, or None (the file is then
+    removed). The file is deleted once read."""
+    try:
+        data = path.read_bytes()
+        if not data.startswith(_KV_MAGIC):
+            raise ValueError("bad magic")
+        off = len(_KV_MAGIC)
+        (hlen,) = struct.unpack_from(">I", data, off)
+        off += 4
+        header = json.loads(data[off : off + hlen])
+        off += hlen
+        if any(header.get(k) != v for k, v in key.items()) or header.get("file") != ident:
+            raise ValueError("saved for another model file or context size")
+        n = int(header["n_tokens"])
+        ids = struct.unpack_from(f"<{n}i", data, off)
+        off += 4 * n
+        snap = KVSnapshot(
+            n,
+            tuple(ids),
+            bytearray(memoryview(data)[off:]),
+            int(header.get("pos_min", 0)),
+            int(header.get("prompt_len", 0)),
+        )
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        log.warning("ignoring saved KV %s: %s", path, exc)
+        path.unlink(missing_ok=True)
+        return None
+    path.unlink(missing_ok=True)
+    return snap
