@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from _proc_util import alive
 from timeshare.app.transcript import answer_line
-from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
+from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.state import ModelState
 
 pytestmark = [pytest.mark.slow, pytest.mark.gui]
@@ -41,7 +41,11 @@ def demo_config(smollm2: Path, gemma3: Path | None = None) -> Config:
                 id=GEMMA, name="Gemma-3-270M (base)", path=str(gemma3), licence="Gemma Terms", n_ctx=1024
             )
         )
-    return Config(models=tuple(models), api=ApiConfig(enabled=False))
+    # one model on the GPU at a time: these tests watch the GPU change hands (the module's pool
+    # starts before the per-test TIMESHARE_VRAM_BUDGET of conftest.py is set)
+    return Config(
+        models=tuple(models), api=ApiConfig(enabled=False), arena=ArenaConfig(vram_budget="one-model")
+    )
 
 
 @pytest.fixture(scope="module")

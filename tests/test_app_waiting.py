@@ -118,9 +118,7 @@ def test_answer_settings_are_kept_per_conversation(qtbot: Any, app: Any) -> None
     qtbot.waitUntil(lambda: app.store.get(first).system_prompt == "Answer in French.", timeout=WAIT_MS)
     conv = app.store.get(first)
     assert (conv.temperature, conv.max_tokens) == (0.7, 64)
-    assert (
-        window.settings_summary.text() == "Answers: temperature 0.7 · up to 64 tokens · system prompt"
-    )
+    assert window.settings_summary.text() == "Answers: temperature 0.7 · up to 64 tokens · system prompt"
     # another conversation has its own settings; coming back shows the first one's
     second = window.new_conversation("smol")
     assert window.system_prompt.toPlainText() == "" and window.max_tokens_box.value() == 512
