@@ -218,6 +218,59 @@ def test_bitwise_check_can_fail(small_q4: llama_cpp.Llama, small_q4_path: Path, 
     res.close()
 
 
+def test_restore_rebuilds_graphs_only_when_a_weight_buffer_moved(
+    smol: llama_cpp.Llama, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's reserve after a restore (graphs built anew: a captured CUDA graph holds the
+    weights' old addresses) is forced only when a weight buffer came back elsewhere; the restore
+    records which. A move is forced by an allocator that never hands back an old address."""
+    from timeshare.core.residency import residency as residency_mod
+
+    greedy = Greedy(smol)
+    ref = greedy.run()
+    resets: list[int] = []
+    forget = residency_mod._forget_graphs
+    monkeypatch.setattr(
+        residency_mod, "_forget_graphs", lambda ctx, llm: (resets.append(1), forget(ctx, llm))[1]
+    )
+    res = Residency.attach(smol, smollm2_path, ResidencyOptions(mode="inplace"))
+    ip = res._inplace
+    assert ip is not None
+    for _ in range(3):  # the allocator's choice: back at the same place or not, the report says so
+        before = [b.base for b in ip.buffers]
+        res.release()
+        rst = res.restore()
+        assert rst.addresses_moved == (before != [b.base for b in ip.buffers])
+        assert rst.graphs_reset == rst.addresses_moved == bool(resets)
+        resets.clear()
+        assert same(greedy.run(), ref)
+
+    old = {b.base for b in ip.buffers}
+    alloc = _ggml.buft_alloc_buffer
+
+    def elsewhere(buft: int, size: int) -> int | None:
+        held: list[int] = []
+        buf = alloc(buft, size)
+        while buf is not None and int(_ggml.buffer_get_base(buf) or 0) in old:
+            held.append(buf)  # kept until a buffer at a new address is found
+            buf = alloc(buft, size)
+        for h in held:
+            _ggml.buffer_free(h)
+        return buf
+
+    res.release()
+    monkeypatch.setattr(_ggml, "buft_alloc_buffer", elsewhere)
+    rst = res.restore()
+    monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
+    assert rst.addresses_moved is True and rst.graphs_reset and resets
+    assert same(greedy.run(), ref)
+    # at the KV level the context is new: its graphs are built anew anyway
+    res.release(kv=True)
+    assert res.restore().graphs_reset is False
+    assert same(greedy.run(), ref)
+    res.close()
+
+
 def test_decoding_while_released_is_refused(smol: llama_cpp.Llama, smollm2_path: Path) -> None:
     res = Residency.attach(smol, smollm2_path)
     live = smol.ctx

@@ -182,6 +182,7 @@ class InPlace:
         self.tensor_bytes = sum(t.nbytes for b in self.buffers for t in b.tensors)
         self.shadow = self._fill_shadow(want_pinned)
         self.shadow_note = self.shadow.note
+        self.moved = False  # the last restore put a buffer at another address than before
         if verify:
             self.verified_tensors = self._verify_shadow()
         else:
@@ -405,9 +406,11 @@ class InPlace:
 
     def restore(self) -> int:
         """Restore every released buffer; on an allocation failure, release again what was
-        restored so far and raise OutOfDeviceMemoryError (the model stays released and intact)."""
+        restored so far and raise OutOfDeviceMemoryError (the model stays released and intact).
+        ``moved`` then says whether any buffer came back at another address than before."""
         lay_t = self.layout
         done: list[_Buffer] = []
+        self.moved = False
         for b in self.buffers:
             if not b.released:
                 continue
@@ -426,6 +429,8 @@ class InPlace:
             self._swap(b.ptr, new, b.layout)
             _ggml.buffer_free(new)  # the tiny placeholder memory
             base = int(_ggml.buffer_get_base(b.ptr) or 0)
+            if base != b.base:
+                self.moved = True
             b.base = base
             for t in b.tensors:
                 _ggml.write_ptr(t.ptr + lay_t.data, base + t.offset)

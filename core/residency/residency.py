@@ -56,6 +56,10 @@ class RestoreReport:
     bytes: int
     gbps: float
     level: WorkerReleaseLevel
+    #: the in-place path: whether a weight buffer came back at another address (None: not known,
+    #: another path); graphs_reset: whether the context's graphs were made to be built anew
+    addresses_moved: bool | None = None
+    graphs_reset: bool = False
 
 
 @dataclass(frozen=True)
@@ -364,25 +368,40 @@ class Residency:
             return RestoreReport(0.0, 0, 0.0, self._level)
         level = self._level
         t0 = time.perf_counter()
+        moved: bool | None = None
+        reset = False
         if self.path == "rebuild":
             nbytes = self._restore_rebuild()
         else:
             nbytes = 0
             if not self.weights_resident and self._inplace is not None:
                 nbytes = self._inplace.restore()
+                moved = self._inplace.moved
             self.weights_resident = True
             if not self.kv_resident:
                 self._new_context_with_kv()
             elif self._saved_ctx is not None:
-                _forget_graphs(self._saved_ctx.ctx, self._llm)
+                # Graphs (and captured CUDA graphs) hold the weights' addresses: they must be
+                # built anew only when a buffer moved. Every buffer back at its old address (the
+                # allocator often hands the same block back) skips the scheduler's reserve.
+                if moved is not False:
+                    _forget_graphs(self._saved_ctx.ctx, self._llm)
+                    reset = True
                 self._llm._ctx = self._saved_ctx
                 self._saved_ctx = None
         dt = time.perf_counter() - t0
         self.weights_resident = True
         self.kv_resident = True
         gbps = nbytes / 1e9 / dt if dt > 0 else 0.0
-        log.info("restored %s (%s): %.2f ms, %.2f GB/s", self.model_path, level, dt * 1000, gbps)
-        return RestoreReport(dt * 1000.0, nbytes, gbps, level)
+        log.info(
+            "restored %s (%s): %.2f ms, %.2f GB/s%s",
+            self.model_path,
+            level,
+            dt * 1000,
+            gbps,
+            "" if moved is None else f", weights {'moved' if moved else 'back at their addresses'}",
+        )
+        return RestoreReport(dt * 1000.0, nbytes, gbps, level, moved, reset)
 
     # KV level (in-place path)
 
