@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the pool's arena.hung_holder_s (default 30; 0: no watchdog)",
     )
     arena.add_argument(
+        "--deadlock-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a request not answered within S seconds counts as a deadlock (default 120)",
+    )
+    arena.add_argument(
         "--budget",
         default="one-model",
         metavar="SIZE",

@@ -457,6 +457,7 @@ class _Tally:
     crashes: int = 0
     restarts: int = 0
     deadlocks: int = 0
+    deadlocked: list[str] = field(default_factory=list)  # what each deadlock looked like
     mismatches: list[Mismatch] = field(default_factory=list)
     restore_ms: list[float] = field(default_factory=list)
     by_worker: dict[str, int] = field(default_factory=dict)
@@ -683,8 +684,18 @@ class ArenaHarness:
             try:
                 text = self.generate(plan.id, prompt)
             except TimeoutError:
+                model = next((m for m in self.pool.snapshot().models if m.id == plan.id), None)
+                seen = (
+                    f"{model.state.value}, {model.queued} queued, {model.restarts} restarts"
+                    f"{': ' + model.reason if model.reason else ''}"
+                    if model is not None
+                    else "gone"
+                )
                 with tally.lock:
                     tally.deadlocks += 1
+                    tally.deadlocked.append(
+                        f"{plan.id}: no answer within {self.deadlock_s:g} s (the model then: {seen})"
+                    )
                 continue
             except TimeshareError as exc:
                 with tally.lock:
@@ -872,7 +883,7 @@ class ArenaHarness:
             resident_intervals=check.resident_intervals,
             malformed_records=check.malformed,
             mismatches=tuple(tally.mismatches),
-            error_messages=tuple(tally.errors),
+            error_messages=tuple(tally.errors + tally.deadlocked),
             arena_dir=str(self.arena_dir),
             memory_source=self.memory_source,
             memory_interval_ms=self.sample_memory_ms if mem else 0,
@@ -955,6 +966,11 @@ def chaos_options(args: argparse.Namespace) -> dict[str, Any]:
     harness options. ``--stop-for`` defaults to 1.5 x hung_holder_s (a stopped holder outlives the
     watchdog's patience: it is killed and restarted); give less than hung_holder_s for plain stalls."""
     options: dict[str, Any] = {}
+    deadlock_s = getattr(args, "deadlock_s", None)
+    if deadlock_s is not None:
+        if deadlock_s <= 0:
+            raise ValueError("--deadlock-s must be > 0")
+        options["deadlock_s"] = deadlock_s
     hung = getattr(args, "hung_holder_s", None)
     if hung is not None:
         options["hung_holder_s"] = hung
