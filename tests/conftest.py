@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# also here, not only in the fixture below: module-scoped pools start before any function fixture
+os.environ["TIMESHARE_VRAM_BUDGET"] = "one-model"
 
 
 @pytest.fixture(autouse=True)

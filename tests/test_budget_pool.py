@@ -8,20 +8,26 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from _proc_util import wait_until
 from timeshare.app.menu_model import devices_line, tooltip
 from timeshare.core.api.handlers import SwitchCounter, status_json
+from timeshare.core.arena.leases import device_arena_dir
+from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
 from timeshare.core.diagnostics.arena_test import run_arena_test
 from timeshare.core.diagnostics.budget_check import check_budget, check_memory_budget
 from timeshare.core.diagnostics.memwatch import MemSample
-from timeshare.core.errors import VramBudgetError
+from timeshare.core.errors import ConfigError, VramBudgetError
 from timeshare.core.observe import read_events
+from timeshare.core.pool.devices import device_statuses
+from timeshare.core.pool.record import WorkerRecord
 from timeshare.core.pool.supervisor import Pool
 from timeshare.core.state import DeviceStatus, ModelState, ModelStatus, PoolSnapshot
+from timeshare.core.worker.device import llama_placement
 
 SMOL, GEMMA = "smol", "gemma"
 WAIT = 300.0  # generous: the machine may be loaded; nothing here is timed
@@ -124,6 +130,53 @@ def test_memory_budget_check_sums_the_resident_workers() -> None:
     assert check_memory_budget(samples, w, None).violations == 2  # one model at a time
 
 
+def test_several_gpus_each_have_their_own_arena_and_line() -> None:
+    """No second GPU here: the placement arguments and the per-device views, with stand-in
+    numbers (the GPU count is passed in: a mock of two GPUs)."""
+    assert llama_placement(1, gpu_count=2) == {"split_mode": 0, "main_gpu": 1}  # LLAMA_SPLIT_MODE_NONE
+    assert llama_placement(0, gpu_count=0) == {}  # a CPU build: nothing to place
+    base = Path("/run/arena")
+    assert device_arena_dir(base, 0) == base and device_arena_dir(base, 2) == base / "device-2"
+    workers = []
+    for mid, dev, holds, nbytes in (
+        ("a", 0, True, 5),
+        ("b", 1, True, 7),
+        ("c", 1, True, 9),
+        ("d", 1, False, 0),
+    ):
+        w = WorkerRecord(
+            config=ModelConfig(id=mid, path="/m.gguf", device=dev), log_path=Path("/l"), pinned=False
+        )
+        w.gpu_since = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 0.0}[mid]
+        workers.append(
+            (
+                w,
+                ModelStatus(
+                    id=mid,
+                    name=mid,
+                    path="/m",
+                    state=ModelState.RESIDENT,
+                    holds_gpu=holds,
+                    lease_bytes=nbytes,
+                ),
+            )
+        )
+    devices = device_statuses([w for w, _ in workers], [m for _, m in workers])
+    assert [(d.index, d.holders, d.leased_bytes) for d in devices] == [(0, ("a",), 5), (1, ("c", "b"), 16)]
+    shown = PoolSnapshot(
+        devices=(devices[0], replace(devices[1], budget_bytes=20 * 10**9, leased_bytes=8_400_000_000))
+    )
+    assert devices_line(shown) == "GPU 1: 2 models (8.4 of 20 GB)"
+
+
+def test_a_device_that_does_not_exist_is_a_config_error() -> None:
+    from timeshare.core.worker.device import device_memory
+
+    with pytest.raises(ConfigError, match="models\\[\\]\\.device = 7"):
+        device_memory(7)  # a CPU build has device 0 only; a GPU build names the GPUs it has
+    assert device_memory(0).total > 0
+
+
 # ---- real workers --------------------------------------------------------------------------
 
 
@@ -191,7 +244,9 @@ def test_a_budget_that_fits_one_alternates(
     for model in (SMOL, GEMMA, SMOL, GEMMA):
         text, switched = answer(pool, model)
         assert switched and text == first[model]
-        wait_until(lambda: pool.snapshot().devices[0].holders == (model,), WAIT, f"{model} alone on the GPU")
+        wait_until(
+            lambda m=model: pool.snapshot().devices[0].holders == (m,), WAIT, f"{model} alone on the GPU"
+        )
     records = read_events(tmp_path / "intervals.jsonl")
     check = check_budget(records)
     assert check.violations == 0 and check.max_holders == 1
@@ -239,3 +294,29 @@ def test_three_workers_with_a_budget_of_two(tmp_path: Path, smollm2_path: Path, 
     assert all(n > 0 for _, n in report.requests_by_worker), data  # nobody starved
     assert report.max_holders == 2, data  # two resident at once, never three
     assert report.ok, data
+
+
+def test_an_auto_budget_measures_each_worker_and_keeps_both(
+    tmp_path: Path, smollm2_path: Path, gemma3_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto on a CPU build: host memory is the device. Each worker loads with the device to itself,
+    measures what it keeps there while released and holds that as a reserve lease."""
+    monkeypatch.delenv("TIMESHARE_VRAM_BUDGET")
+    pool = start_pool(tmp_path, smollm2_path, gemma3_path, "auto")
+    pools.append(pool)
+    for model in (SMOL, GEMMA, SMOL):
+        answer(pool, model)
+    (device,) = pool.snapshot().devices
+    assert device.budget == "auto" and device.name == "CPU" and device.note == ""
+    arena = Arena(tmp_path / "arena")
+    try:
+        record = arena.budget_in_force()
+        reserves = [x for x in arena.leases() if x.kind == "reserve"]
+    finally:
+        arena.close()
+    assert record is not None and record.kind == "auto" and record.margin_bytes >= 512 * 2**20
+    assert sorted(x.model for x in reserves) == [GEMMA, SMOL]  # each measured itself
+    expected = record.bytes - sum(x.bytes for x in reserves)
+    wait_until(
+        lambda: pool.snapshot().devices[0].budget_bytes == expected, WAIT, "the reserves in the status"
+    )

@@ -13,6 +13,7 @@ from ..errors import (
     TimeshareError,
     TokenTimeoutError,
     UnknownModelError,
+    VramBudgetError,
 )
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -41,6 +42,7 @@ _STATUS_BY_CODE = {
     QueueFullError.code: 429,
     ModelUnavailableError.code: 503,
     TokenTimeoutError.code: 503,
+    VramBudgetError.code: 503,
 }
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

@@ -1,10 +1,11 @@
 """The hung-holder watchdog: a worker of this pool that blocks the GPU while others wait, and does
 not answer a status ping for ``arena.hung_holder_s``, is named for the pool to kill and restart.
 
-Blocking the GPU means holding the token (the arena's holder record names its pid; the worker's
-own last report where there is no record) while a ticket of another process waits, or holding the
+Blocking the GPU means holding a lease the head of the queue waits for (the holders its plan
+names, pinned or not: :func:`~..arena.budget.plan_fit`; the holder record, or the worker's own
+last report, where no lease can be read) while a ticket of another process waits, or holding the
 head ticket of the queue while a ticket of another process waits behind it (a stopped head waiter
-never calls ``flock``, so nobody behind it ever gets the token).
+never takes its lease, so nobody behind it ever gets one). Each device's arena is looked at.
 
 The ping is the protocol's :class:`~..worker.protocol.StatusRequest`, answered by the worker's
 reader thread (not its loop thread). That proves the process runs and its connection works: a
@@ -26,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..arena.budget import ONE_MODEL, compute_budget, plan_fit
+from ..arena.leases import device_arena_dir
 from ..arena.tickets import Arena
 from ..errors import ArenaError
 from ..worker import protocol
@@ -53,32 +56,29 @@ class HolderWatchdog:
     kill, with a sentence saying why."""
 
     def __init__(self) -> None:
-        self._arena: Arena | None = None
-        self._arena_dir: Path | None = None
+        self._arenas: dict[Path, Arena] = {}
         self._pings: dict[str, _Ping] = {}
         self._ids = itertools.count(1)
         self._open_failed = False
 
     def close(self) -> None:
-        if self._arena is not None:
-            self._arena.close()
-        self._arena = None
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()
         self._pings.clear()
 
     def _open(self, arena_dir: Path) -> Arena | None:
-        if self._arena is not None and self._arena_dir == arena_dir:
-            return self._arena
-        self.close()
+        if arena_dir in self._arenas:
+            return self._arenas[arena_dir]
         try:
-            self._arena = Arena(arena_dir)
+            self._arenas[arena_dir] = Arena(arena_dir)
         except (ArenaError, OSError) as exc:
             if not self._open_failed:
                 log.error("the hung-holder watchdog cannot open the arena %s: %s", arena_dir, exc)
             self._open_failed = True
             return None
         self._open_failed = False
-        self._arena_dir = arena_dir
-        return self._arena
+        return self._arenas[arena_dir]
 
     def answered(self, w: WorkerRecord, req: str) -> None:
         """A StatusReply came from ``w`` (pool thread)."""
@@ -91,23 +91,39 @@ class HolderWatchdog:
     ) -> list[tuple[WorkerRecord, str]]:
         """Ping each worker that blocks others; return those whose ping has gone unanswered for
         ``limit_s`` seconds while they kept blocking, each with the reason."""
+        workers = list(workers)
+        blockers: dict[str, tuple[WorkerRecord, str]] = {}
+        for device in sorted({w.info.device if w.info else w.config.device for w in workers}):
+            on_device = [w for w in workers if (w.info.device if w.info else w.config.device) == device]
+            blockers.update(self._blockers(on_device, device_arena_dir(arena_dir, device)))
+        return self._ping(blockers, limit_s)
+
+    def _blockers(self, workers: list[WorkerRecord], arena_dir: Path) -> dict[str, tuple[WorkerRecord, str]]:
         arena = self._open(arena_dir)
         if arena is None:
-            return []
+            return {}
         try:
             tickets = arena.waiters()  # sweeps stale tickets too
+            leases = [x for x in arena.leases() if x.kind == "weights"]
             holder = arena.holder()
+            need = arena.ticket_need(tickets[0]) if tickets else None
+            budget = arena.budget_record() or compute_budget(ONE_MODEL, total=0, free=0)
         except OSError as exc:
             log.warning("the hung-holder watchdog cannot read the arena %s: %s", arena_dir, exc)
-            return []
+            return {}
         alive = [w for w in workers if w.alive and w.pid is not None]
         by_pid = {w.pid: w for w in alive}
         blockers: dict[str, tuple[WorkerRecord, str]] = {}
-        if holder is not None:
-            holder_w = by_pid.get(holder.pid)
-        else:  # no record (it could not be written): the workers' own reports
-            holder_w = next((w for w in alive if w.status is not None and w.status.holds_token), None)
-        if holder_w is not None:
+        holding: list[WorkerRecord] = []
+        if tickets and leases:
+            head = tickets[0]
+            plan = plan_fit(need, [x for x in leases if x.pid != head.pid], budget, time.monotonic())
+            holding = [by_pid[x.pid] for x in (*plan.victims, *plan.pinned) if x.pid in by_pid]
+        elif holder is not None and holder.pid in by_pid:
+            holding = [by_pid[holder.pid]]
+        elif not leases:  # no lease or record could be read: the workers' own reports
+            holding = [w for w in alive if w.status is not None and w.status.holds_token][:1]
+        for holder_w in holding:
             others = [t for t in tickets if t.pid != holder_w.pid]
             if others:
                 blockers[holder_w.id] = (holder_w, f"held the GPU while {others[0].model} waited")
@@ -117,6 +133,11 @@ class HolderWatchdog:
             behind = [t for t in tickets[1:] if t.pid != head.pid]
             if head_w is not None and behind and head_w.id not in blockers:
                 blockers[head_w.id] = (head_w, f"headed the GPU queue while {behind[0].model} waited")
+        return blockers
+
+    def _ping(
+        self, blockers: dict[str, tuple[WorkerRecord, str]], limit_s: float
+    ) -> list[tuple[WorkerRecord, str]]:
         for model_id in list(self._pings):
             if model_id not in blockers:
                 del self._pings[model_id]  # it stopped blocking: its late answer does not matter

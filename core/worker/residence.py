@@ -188,7 +188,7 @@ class ArenaResidence(Residence):
         self._restore_wait = ""  # set while a restore waits for device memory
         self._free_before_load: int | None = None  # auto budgets: the device's free bytes before the load
         self._budget_bytes = 0
-        self._budget_bytes = self._weights_budget()
+        self._budget_read_at = 0.0
 
     def _weights_budget(self) -> int:
         try:
@@ -204,6 +204,11 @@ class ArenaResidence(Residence):
 
     @property
     def budget_bytes(self) -> int:
+        """The weights budget, read again at most once a second (reserves come and go)."""
+        now = time.monotonic()
+        if now - self._budget_read_at >= 1.0:
+            self._budget_read_at = now
+            self._budget_bytes = self._weights_budget()
         return self._budget_bytes
 
     def _load_need(self) -> int | None:
