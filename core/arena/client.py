@@ -543,17 +543,26 @@ class TokenClient:
                 self.arena._unlock(lock)
 
     def shrink(self, nbytes: int) -> None:
-        """Lease ``nbytes`` instead (less than now: after a load, once the real weight bytes are
-        known). The lease is replaced under the arena lock, so nobody sees both or neither."""
+        """Lease ``nbytes`` instead (after a load, once the real weight bytes are known). The lease
+        is replaced under the arena lock, so nobody sees both or neither. More than now (never
+        expected: a load leases its file's bytes) only when the rest of the budget has room, else
+        VramBudgetError."""
         with self._lock:
             held = self._held
             if held is None or nbytes == held.record.bytes:
                 return
-            if nbytes > held.record.bytes and not self.budget.one_model:
-                raise ValueError("a lease only shrinks")
             lock = self.arena._lock()
             assert lock is not None
             try:
+                if nbytes > held.record.bytes and not self.budget.one_model:
+                    others = [x for x in self.arena.leases() if x.name != held.name]
+                    plan = plan_fit(nbytes, others, self.budget, time.monotonic())
+                    if not plan.fits:
+                        raise VramBudgetError(
+                            f"{self.model}'s weights take {_gb(nbytes)}, more than the "
+                            f"{_gb(held.record.bytes)} its load reserved, and the VRAM budget has no "
+                            "room for the rest now"
+                        )
                 # the new size counts from before anyone can see it (nobody is granted meanwhile)
                 at = time.monotonic()
                 record = replace(held.record, bytes=nbytes, name="")

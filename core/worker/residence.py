@@ -222,7 +222,9 @@ class ArenaResidence(Residence):
         except OSError:
             return None
         limit = self._weights_budget()
-        return min(size, limit)
+        # the file holds the weights and more (metadata, vocabulary); a little more still, for
+        # the devices' alignment padding: the lease then only ever shrinks once they are known
+        return min(size + size // 100 + 2**20, limit)
 
     def note_use(self, busy: bool) -> None:
         quantum = max(0.0, float(self.spec.arena.min_quantum_ms)) / 1000.0
