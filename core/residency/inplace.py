@@ -429,7 +429,7 @@ class InPlace:
             self._swap(b.ptr, new, b.layout)
             _ggml.buffer_free(new)  # the tiny placeholder memory
             base = int(_ggml.buffer_get_base(b.ptr) or 0)
-            if base != b.base:
+            if base != b.base:  # never on Vulkan: its bases are the constant vk_ptr_base
                 self.moved = True
             b.base = base
             for t in b.tensors:

@@ -117,6 +117,14 @@ def _forget_graphs(ctx: Any, llm: Any) -> None:
     access on the H200 whenever cudaMalloc did not hand back the same address). Clearing the
     control vector (none is set: Llama has no API for one) is the public call that marks the
     scheduler for a new reserve, so the next decode gets fresh graphs and CUDA graphs re-capture.
+
+    Never needed on Vulkan, and never called there: a Vulkan buffer's base is the constant
+    ``vk_ptr_base``, so its tensors' data pointers never move (restore reports ``moved`` False);
+    ggml-vulkan finds the VkBuffer through the buffer's context at every dispatch and drops its
+    cached descriptor bindings whenever any VkBuffer is destroyed. It would also crash there:
+    re-creating the scheduler mid-context (this very call, even with no release at all) makes the
+    next decode segfault in ggml-vulkan 0.3.36 on lavapipe for a model with a CPU split
+    (Gemma-3-270M, whose output matrix stays on the CPU); docs/PERFORMANCE.md, Vulkan.
     """
     n_embd = int(llama_cpp.llama_model_n_embd(llm._model.model))
     rc = int(llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1))
@@ -383,7 +391,8 @@ class Residency:
             elif self._saved_ctx is not None:
                 # Graphs (and captured CUDA graphs) hold the weights' addresses: they must be
                 # built anew only when a buffer moved. Every buffer back at its old address (the
-                # allocator often hands the same block back) skips the scheduler's reserve.
+                # allocator often hands the same block back) skips the scheduler's reserve. Vulkan
+                # buffers never move (see _forget_graphs), so a Vulkan restore never resets.
                 if moved is not False:
                     _forget_graphs(self._saved_ctx.ctx, self._llm)
                     reset = True
