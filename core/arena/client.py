@@ -14,29 +14,27 @@ for the head of the queue and rings its worker when it is named.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import math
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from ..errors import ArenaError, CancelledError, TokenTimeoutError, VramBudgetError
+from ..errors import ArenaError, VramBudgetError
 from ..observe import NULL_OBSERVER, Observer
-from ..units import decimal_bytes
 from .budget import BudgetRecord, LeaseRecord, Plan, lease_bytes_for, plan_fit
 from .records import (
     _MODEL_ID_RE,
     RESCAN_INTERVAL_S,
     RING_REPEAT_S,
-    SWEEP_INTERVAL_S,
     DoorbellRing,
     HolderRecord,
     Ticket,
     TokenGrant,
 )
+from .request import TokenRequest, _gb, _Held
 from .tickets import Arena
 from .watch import _DirWatch
 
@@ -48,311 +46,6 @@ HOLDER_LOCK_TIMEOUT_S = 0.5
 
 
 # ---- a worker's side -------------------------------------------------------------------------
-
-
-@dataclass
-class _Held:
-    """The lease this client holds."""
-
-    name: str
-    fd: int
-    record: LeaseRecord
-    grant: TokenGrant
-    load_bytes: int | None = None  # the bytes before a shrink
-    shrunk_at: float | None = None
-
-
-class _Locker:
-    """Blocks in ``flock`` on another holder's lease file on its own thread: it returns when that
-    lease ends (released, or its holder killed: the kernel drops the lock), then lets go at once
-    (this process never holds another's lease) and wakes the waiter. A blocked flock cannot be
-    interrupted: a waiter that gives up simply stops looking at it."""
-
-    def __init__(self, arena: Arena, name: str, wake: Callable[[], None]) -> None:
-        self.name = name
-        self.done = threading.Event()
-        fd = arena._open_lease_for_wait(name)
-        if fd is None:
-            self.done.set()
-            return
-        threading.Thread(target=self._run, args=(fd, wake), name="arena-flock", daemon=True).start()
-
-    def _run(self, fd: int, wake: Callable[[], None]) -> None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except OSError as exc:
-            log.debug("waiting on a lease failed: %s", exc)
-        finally:
-            os.close(fd)
-            self.done.set()
-            wake()
-
-
-class TokenRequest:
-    """A pending request for a lease (the GPU "token"), served on a helper thread. Thread-safe.
-
-    ``wait(timeout)`` → True once finished; ``result()`` → :class:`TokenGrant` or raises
-    :class:`TokenTimeoutError` (message names the holder), :class:`VramBudgetError` (it cannot
-    fit: too large for the budget, or pinned models hold the rest), :class:`CancelledError` or
-    :class:`ArenaError`. ``cancel()`` gives the place in the queue up; a request that already got
-    the lease stays granted (release it through the client)."""
-
-    def __init__(self, client: TokenClient, timeout: float | None, need: int | None = None) -> None:
-        self._client = client
-        self.need = need
-        self.requested_at = time.monotonic()
-        self._deadline = None if timeout is None else self.requested_at + timeout
-        self._timeout = timeout
-        self._done = threading.Event()
-        self._cancelled = False
-        self._grant: TokenGrant | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._watch: _DirWatch | None = None
-        self._ticket: Ticket | None = None
-        self._ahead = 0
-        self._had_ahead = False
-        self._waited = False
-        self._plan: Plan | None = None
-        self._previous: str | None = None
-        self._thread: threading.Thread | None = None
-        self._next_sweep = self.requested_at + SWEEP_INTERVAL_S
-
-    # -- public --
-
-    @property
-    def ticket(self) -> Ticket | None:
-        return self._ticket
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
-
-    def result(self, timeout: float | None = None) -> TokenGrant:
-        if not self._done.wait(timeout):
-            raise TokenTimeoutError(
-                f"still waiting for the GPU after {timeout:.1f} s: {self.waiting_reason()}"
-            )
-        if self._error is not None:
-            raise self._error
-        assert self._grant is not None
-        return self._grant
-
-    def cancel(self) -> bool:
-        """Give up the place in the queue. False when the lease was already granted (then the
-        client holds it: release it there)."""
-        with self._lock:
-            if self._grant is not None:
-                return False
-            if self._done.is_set():
-                return True
-            self._cancelled = True
-            watch = self._watch
-        if watch is not None:
-            watch.wake()
-        return True
-
-    def waiting_reason(self) -> str:
-        """Why this request waits, for people: "pinned by gemma3-270m", "held by X; 2 ahead"..."""
-        if self._done.is_set():
-            return ""
-        parts = []
-        plan = self._plan
-        if plan is not None and not self._ahead:
-            parts.append(_blockers(plan, self.need, self._client.budget))
-        else:
-            holder = self._client.arena.holder()
-            if holder is not None and holder.pid != os.getpid():
-                parts.append(holder.describe())
-        if self._ahead:
-            parts.append(f"{self._ahead} ahead in the queue")
-        return "; ".join(p for p in parts if p) or "waiting for the GPU"
-
-    # -- helper thread --
-
-    def _start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name=f"arena-request-{self._client.model}", daemon=True
-        )
-        self._thread.start()
-
-    def _remaining(self) -> float:
-        return RESCAN_INTERVAL_S if self._deadline is None else self._deadline - time.monotonic()
-
-    def _sweep_now_and_then(self) -> None:
-        """Waiters sweep the arena every ``SWEEP_INTERVAL_S`` (leftovers of dead processes)."""
-        now = time.monotonic()
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + SWEEP_INTERVAL_S
-        try:
-            self._client.arena.sweep()
-        except OSError as exc:
-            log.warning("sweeping the arena %s failed: %s", self._client.arena.path, exc)
-
-    def _check(self) -> None:
-        if self._cancelled:
-            raise CancelledError("the request for the GPU was cancelled")
-        if self._deadline is not None and time.monotonic() >= self._deadline:
-            raise self._timeout_error()
-
-    def _timeout_error(self) -> TokenTimeoutError:
-        waited = f"waited {self._timeout:.1f} s for the GPU"
-        plan = self._plan
-        if plan is not None and plan.pinned and not plan.victims:
-            names = " and ".join(x.model for x in plan.pinned)
-            verb = "holds" if len(plan.pinned) == 1 else "hold"
-            return TokenTimeoutError(
-                f"{names} {verb} the GPU and {'is' if len(plan.pinned) == 1 else 'are'} pinned; "
-                f"unpin {'it' if len(plan.pinned) == 1 else 'one'} or raise arena.wait_timeout_s ({waited})"
-            )
-        if plan is not None and plan.victims and not self._ahead:
-            first = plan.victims[0]
-            return TokenTimeoutError(
-                f"{waited}: {first.model} (pid {first.pid}) holds it and has not yielded; "
-                f"try again or raise arena.wait_timeout_s"
-            )
-        holder = self._client.arena.holder()
-        if holder is not None and holder.pinned:
-            return TokenTimeoutError(
-                f"{holder.model} holds the GPU and is pinned; "
-                f"unpin it or raise arena.wait_timeout_s ({waited})"
-            )
-        if holder is not None:
-            return TokenTimeoutError(
-                f"{waited}: {holder.model} (pid {holder.pid}) holds it and has not yielded; "
-                f"try again or raise arena.wait_timeout_s"
-            )
-        return TokenTimeoutError(
-            f"{waited}: {self._ahead} other request(s) were ahead in the queue; "
-            f"try again or raise arena.wait_timeout_s"
-        )
-
-    def _run(self) -> None:
-        arena = self._client.arena
-        ticket_fd: int | None = None
-        try:
-            holder = arena.holder()
-            self._previous = holder.model if holder is not None else None
-            watch = arena._watch()  # before the first scan: nothing that appears later is missed
-            with self._lock:
-                self._watch = watch
-                cancelled = self._cancelled
-            if cancelled:
-                raise CancelledError("the request for the GPU was cancelled")
-            self._ticket, ticket_fd = arena._take_ticket(self._client.model, self.need)
-            self._client._own_tickets.add(self._ticket.name)
-            while True:  # wait until no live ticket is ahead of ours
-                self._check()
-                ahead = [t for t in arena.waiters() if t.seq < self._ticket.seq]
-                self._ahead = len(ahead)
-                self._had_ahead = self._had_ahead or bool(ahead)
-                if not ahead:
-                    break
-                self._sweep_now_and_then()
-                watch.wait(min(RESCAN_INTERVAL_S, self._remaining()))
-            held = self._fit(watch)
-            with self._lock:  # atomic against cancel(): granted, or cancelled and given back
-                cancelled = self._cancelled
-                if not cancelled:
-                    self._grant = held.grant
-            if cancelled:
-                self._client._give_back(held)
-                raise CancelledError("the request for the GPU was cancelled")
-            self._client._became_holder(held)
-            arena._drop_ticket(self._ticket, ticket_fd)  # lets the next waiter in
-            ticket_fd = None
-        except BaseException as exc:  # delivered through result()
-            if isinstance(exc, OSError):
-                exc = ArenaError(
-                    f"the arena {arena.path} became unusable while waiting for the GPU ({exc}); "
-                    f"restart Timeshare, or point TIMESHARE_VRAM_ARENA or arena.dir elsewhere"
-                )
-            self._error = exc
-            if not isinstance(exc, (CancelledError, TokenTimeoutError, VramBudgetError)):
-                log.error("waiting for the GPU token failed: %s", exc)
-        finally:
-            if ticket_fd is not None and self._ticket is not None:
-                arena._drop_ticket(self._ticket, ticket_fd)
-            if self._ticket is not None:
-                self._client._own_tickets.discard(self._ticket.name)
-            self._client._request_finished(self)  # before done: a new request() must not get this one
-            with self._lock:
-                self._done.set()
-                watch_to_close, self._watch = self._watch, None
-            if watch_to_close is not None:
-                watch_to_close.close()
-
-    def _fit(self, watch: _DirWatch) -> _Held:
-        """As the head of the queue: take a lease as soon as this request fits (see the module
-        docstring); raise VramBudgetError when it never can."""
-        client = self._client
-        arena = client.arena
-        locker: _Locker | None = None
-        while True:
-            self._check()
-            lock = arena._lock(self._check)
-            assert lock is not None
-            try:
-                now = time.monotonic()
-                leases = arena.leases()
-                plan = plan_fit(self.need, leases, client.budget, now)
-                if plan.fits:
-                    return client._create_lease(self, plan, leases)
-            finally:
-                arena._unlock(lock)
-            self._plan = plan
-            self._waited = True
-            # a request for the device to itself (a load under an auto budget) waits for pinned
-            # holders as under a one-model budget; one for its bytes fails at once
-            fails = plan.too_large or (not client.budget.one_model and self.need is not None)
-            if not plan.possible and fails:
-                raise VramBudgetError(_too_large(client.model, self.need, plan, client.budget))
-            target = plan.victims[0] if plan.victims else (plan.pinned[0] if plan.pinned else None)
-            if target is not None and (locker is None or locker.name != target.name or locker.done.is_set()):
-                locker = _Locker(arena, target.name, watch.wake)
-            if locker is None or not locker.done.is_set():
-                self._sweep_now_and_then()
-                watch.wait(min(RESCAN_INTERVAL_S, self._remaining()))
-
-
-def _gb(n: int | None) -> str:
-    return "?" if n is None else decimal_bytes(n)
-
-
-def _blockers(plan: Plan, need: int | None, budget: BudgetRecord) -> str:
-    """Who a head waiter waits for: "held by X", "pinned by Y", "held by X, Y (needs 2.1 GB of
-    the 20.0 GB budget)"."""
-    parts = []
-    if plan.victims:
-        parts.append("held by " + ", ".join(x.model for x in plan.victims))
-    if plan.pinned and not plan.victims:
-        parts.append("pinned by " + ", ".join(x.model for x in plan.pinned))
-    text = " and ".join(parts)
-    if plan.budget is not None and need is not None and text:
-        text += f" (needs {_gb(need)}; {_gb(plan.leased)} of the {_gb(plan.budget)} budget leased)"
-    return text
-
-
-def _too_large(model: str, need: int | None, plan: Plan, budget: BudgetRecord) -> str:
-    where = budget.device_name or f"device {budget.device}"
-    setting = f"arena.vram_budget = {budget.setting!r}"
-    if plan.too_large:
-        return (
-            f"{model} needs {_gb(need)} of VRAM for its weights, more than the whole budget of "
-            f"{_gb(plan.budget)} on {where} ({setting}): raise the budget, or use a smaller "
-            f"quantisation or fewer GPU layers"
-        )
-    pinned = ", ".join(f"{x.model} ({_gb(x.bytes)})" for x in plan.pinned)
-    return (
-        f"{model} needs {_gb(need)} of VRAM for its weights and cannot fit in the budget of "
-        f"{_gb(plan.budget)} on {where} ({setting}) even after every unpinned model left: pinned "
-        f"{pinned} {'holds' if len(plan.pinned) == 1 else 'hold'} the rest; unpin "
-        f"{'it' if len(plan.pinned) == 1 else 'one of them'} or raise the budget"
-    )
 
 
 class TokenClient:

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
-from ..arena.client import TokenClient, TokenRequest
+from ..arena.client import TokenClient
 from ..arena.leases import device_arena_dir
+from ..arena.request import TokenRequest
 from ..arena.tickets import Arena
 from ..errors import OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
