@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -175,6 +177,17 @@ def test_a_device_that_does_not_exist_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="models\\[\\]\\.device = 7"):
         device_memory(7)  # a CPU build has device 0 only; a GPU build names the GPUs it has
     assert device_memory(0).total > 0
+
+
+def test_the_tools_refuse_a_bad_budget(smollm2_path: Path) -> None:
+    for verb in (["arena-test", "--model", str(smollm2_path)], ["bench", "switch"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "timeshare", *verb, "--budget", "20 potatoes"],
+            capture_output=True,
+            text=True,
+            timeout=WAIT,
+        )
+        assert proc.returncode == 2 and "'20 potatoes' is not a size" in proc.stderr, (verb, proc.stderr)
 
 
 # ---- real workers --------------------------------------------------------------------------
