@@ -5,6 +5,7 @@ the status endpoint show."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -30,6 +31,8 @@ from timeshare.core.pool.record import WorkerRecord
 from timeshare.core.pool.supervisor import Pool
 from timeshare.core.state import DeviceStatus, ModelState, ModelStatus, PoolSnapshot
 from timeshare.core.worker.device import llama_placement
+
+from timeshare.client import print_status
 
 SMOL, GEMMA = "smol", "gemma"
 WAIT = 300.0  # generous: the machine may be loaded; nothing here is timed
@@ -85,6 +88,20 @@ def test_tray_and_status_show_the_holders_of_each_device() -> None:
     ]
     one = PoolSnapshot(models=models[:1], holder="a", devices=(DeviceStatus(0, holders=("a",)),))
     assert devices_line(one) == "" and tooltip(one).startswith("Alpha holds the GPU")
+
+
+def test_timeshare_status_prints_a_line_per_device() -> None:
+    out = io.StringIO()
+    device = {"index": 0, "name": "CUDA0", "budget": "20GB", "budget_bytes": 20 * 10**9}
+    device |= {"leased_bytes": 8_400_000_000, "holders": ["b", "a"], "note": ""}
+    print_status({"holder": "b", "devices": [device], "models": [{"id": "a"}, {"id": "b"}, {"id": "c"}]}, out)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == ["GPU holder: b", "GPU 0 (CUDA0): budget 20GB = 20.0 GB, 8.4 GB leased by b, a"]
+    assert [line.split()[:2] for line in lines[3:]] == [["a", "*"], ["b", "*"], ["c", "?"]]
+    one = {"index": 0, "name": "CPU", "budget": "one-model", "budget_bytes": None, "holders": ["a"]}
+    out = io.StringIO()
+    print_status({"holder": "a", "devices": [one], "models": [{"id": "a"}]}, out)
+    assert out.getvalue().splitlines()[1].split()[:2] == ["MODEL", "STATE"]  # the holder says it all
 
 
 def rec(kind: str, pid: int, start: float, end: float, **extra: object) -> dict[str, object]:

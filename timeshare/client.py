@@ -177,9 +177,33 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
         out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
+def _device_line(d: dict[str, Any]) -> str:
+    """ "GPU 0 (CUDA0): budget 20GiB = 21.5 GB, 8.4 GB leased by a, b" (one line per device)."""
+    name = f" ({d['name']})" if d.get("name") else ""
+    held = ", ".join(d.get("holders") or []) or "nobody"
+    if d.get("budget_bytes") is None:
+        budget = d.get("budget") or "?"
+        text = f"GPU {d.get('index', 0)}{name}: budget {budget} (one model at a time), held by {held}"
+    else:
+        text = (
+            f"GPU {d.get('index', 0)}{name}: budget {d.get('budget')} = {d['budget_bytes'] / 1e9:.1f} GB, "
+            f"{int(d.get('leased_bytes') or 0) / 1e9:.1f} GB leased by {held}"
+        )
+    note = f" ({d['note']})" if d.get("note") else ""
+    return text + note + "\n"
+
+
 def print_status(status: dict[str, Any], out: TextIO) -> None:
     holder = status.get("holder")
     out.write(f"GPU holder: {holder or 'none'}{'  (switching)' if status.get('switching') else ''}\n")
+    holders = {holder} if holder else set()
+    devices = status.get("devices") or []
+    # a line per GPU where it says more than the holder: a byte budget, several GPUs, a note
+    shown = len(devices) > 1 or any(d.get("budget_bytes") is not None or d.get("note") for d in devices)
+    for d in devices:
+        holders.update(d.get("holders") or [])
+        if shown:
+            out.write(_device_line(d))
     models = status.get("models") or []
     if not models:
         out.write("No models are configured.\n")
@@ -195,7 +219,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
             note = (note + "; " if note else "") + f"rebuild path: {m['residency_reason']}"
         rows.append(
             [
-                m["id"] + (" *" if m["id"] == holder else ""),
+                m["id"] + (" *" if m["id"] in holders else ""),
                 m.get("state", "?"),
                 "yes" if m.get("busy") else "no",
                 "yes" if m.get("pinned") else "no",
