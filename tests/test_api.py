@@ -343,6 +343,37 @@ def test_streamed_completion_equals_the_greedy_reference(
     assert "".join(c.choices[0].text for c in stream) == greedy_references[(GEMMA, prompt)]
 
 
+def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> None:
+    """Every field of the `timeshare` object (docs/API.md), over HTTP: a plain answer that took the
+    GPU from the other model, then a streamed one of the same model (no switch)."""
+    fields = {"switched", "wait_ms", "restore_ms", "release_ms", "first_token_ms", "prompt_tokens_evaluated"}
+    url, headers = f"{served.url}/v1/completions", served.headers()
+    body = {"prompt": "The colour of the sky is", "max_tokens": 4, "temperature": 0, "cache_prompt": False}
+    assert httpx.post(url, json=dict(body, model=SMOL), headers=headers, timeout=180).status_code == 200
+    plain = httpx.post(url, json=dict(body, model=GEMMA), headers=headers, timeout=180).json()
+    ts = plain["timeshare"]
+    assert set(ts) == fields
+    assert ts["switched"] is True and ts["restore_ms"] > 0 and ts["first_token_ms"] > 0
+    assert ts["wait_ms"] >= 0 and ts["release_ms"] >= 0
+    assert ts["prompt_tokens_evaluated"] == plain["usage"]["prompt_tokens"] > 0  # cache_prompt false
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    streamed = dict(body, model=GEMMA, stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", url, json=streamed, headers=headers, timeout=180) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    final = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(final) == 1 and all("timeshare" not in e for e in events if e is not final[0])
+    ts = final[0]["timeshare"]
+    assert set(ts) == fields
+    assert ts["switched"] is False and ts["restore_ms"] == 0 and ts["wait_ms"] == 0
+    assert ts["first_token_ms"] > 0
+    usage = events[-1]["usage"]
+    assert ts["prompt_tokens_evaluated"] == usage["prompt_tokens"] > 0
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == plain["choices"][0]["text"]  # same request, same greedy answer
+    assert usage["completion_tokens"] == plain["usage"]["completion_tokens"]
+
+
 def test_malformed_json_is_a_400_in_openai_shape(served: Served) -> None:
     for body in (b'{"model": "gemma3-270m", "prompt": ', b"", b"\xff\xfe", b"[1, 2]"):
         r = httpx.post(

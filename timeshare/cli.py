@@ -104,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
         "both measures turns without a switch)",
     )
     bswitch.add_argument("--json", action="store_true", help=_JSON_HELP)
+    bapi = bench_sub.add_parser(
+        "api", help="first token through the real API: switch vs restart, fresh process, llama-server"
+    )
+    bapi.add_argument(
+        "--model", metavar="PATH", action="append", help="GGUF file; give it twice (default: the demo models)"
+    )
+    bapi.add_argument(
+        "--context", type=int, default=1024, metavar="N", help="tokens per conversation (default: 1024)"
+    )
+    bapi.add_argument("--rounds", type=int, default=5, help="turns per model and system (default: 5)")
+    bapi.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="also measure llama-swap's way (stop, start, prefill) and both models in two llama-servers",
+    )
+    bapi.add_argument(
+        "--flash-attn", action="store_true", help="flash attention for every system (default: off)"
+    )
+    bapi.add_argument("--plot", metavar="FILE.png", help="draw the turns and the medians (needs matplotlib)")
+    bapi.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     arena = sub.add_parser(
         "arena-test", help="stress the VRAM arena with real workers and check the invariant"

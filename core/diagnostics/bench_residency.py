@@ -180,6 +180,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_switch import main as switch_main
 
         return switch_main(args)
+    if args.bench == "api":
+        from .bench_api import main as api_main
+
+        return api_main(args)
     if args.bench != "residency":
         print(
             f"timeshare bench {args.bench}: not part of this build yet (only `timeshare bench residency` is)",

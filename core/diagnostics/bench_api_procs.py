@@ -1,0 +1,356 @@
+"""The processes ``timeshare bench api`` drives and its HTTP client: ``timeshare serve`` in its own
+home, llama-server, a fresh Python process that loads a GGUF and prefills (``--fresh-child``)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import TimeshareError
+
+MAX_TOKENS = 8  # per turn: the benchmark is about the first token
+START_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 600.0
+
+
+# ---- HTTP -----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _http(port: int, method: str, path: str, body: object = None, timeout: float = 10.0) -> tuple[int, Any]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = None if body is None else json.dumps(body)
+        c.request(method, path, data, {"Content-Type": "application/json"} if data else {})
+        r = c.getresponse()
+        raw = r.read()
+        try:
+            return r.status, json.loads(raw or b"null")
+        except ValueError:
+            return r.status, None
+    finally:
+        c.close()
+
+
+def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST a streaming request; the client's view: time to the first piece of text, total time,
+    and what the last events said (usage, Timeshare's ``timeshare``, llama-server's timings)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+    t0 = time.perf_counter()
+    try:
+        c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            raise TimeshareError(f"{path} answered {r.status}: {r.read()[:300]!r}")
+        first: float | None = None
+        out: dict[str, Any] = {}
+        for raw in r:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise TimeshareError(f"{path}: error event {event['error']}")
+            choices = event.get("choices") or []
+            piece = (choices[0].get("text") if choices else None) or event.get("content")
+            if first is None and piece:
+                first = time.perf_counter() - t0
+            for key in ("usage", "timeshare", "timings"):
+                if event.get(key):
+                    out[key] = event[key]
+            if event.get("stop") is True:
+                break
+        total = time.perf_counter() - t0
+    finally:
+        c.close()
+    out["ttft_ms"] = (first if first is not None else total) * 1000.0
+    out["total_ms"] = total * 1000.0
+    return out
+
+
+def _kill_group(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM the process group (the process was started in its own session), then SIGKILL."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        except ProcessLookupError:
+            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # what its workers left in the group
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _log_tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return ""
+
+
+# ---- Timeshare ------------------------------------------------------------------------------
+
+
+class Serve:
+    """``timeshare serve`` in its own TIMESHARE_HOME, session and port."""
+
+    def __init__(self, work: Path, ids: list[str], paths: list[str], n_ctx: int, flash_attn: bool) -> None:
+        home = work / "home"
+        home.mkdir(parents=True)
+        self.log = work / "serve.log"
+        config = work / "config.toml"
+        lines = [
+            "[api]",
+            "queue_limit = 64",
+            "",
+            "[arena]",
+            'vram_budget = "one-model"  # a one-model VRAM budget: every turn of the other model switches',
+            f"wait_timeout_s = {REQUEST_TIMEOUT_S}",
+        ]
+        for mid, path in zip(ids, paths, strict=True):
+            lines += [
+                "",
+                "[[models]]",
+                f"id = {json.dumps(mid)}",
+                f"path = {json.dumps(str(Path(path).resolve()))}",
+                f"n_ctx = {n_ctx}",
+                "n_seq = 4",
+                "idle_sleep_s = false",
+                f"flash_attn = {'true' if flash_attn else 'false'}",
+            ]
+        config.write_text("\n".join(lines) + "\n")
+        env = dict(os.environ, TIMESHARE_HOME=str(home))
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "timeshare", "--config", str(config), "serve", "--port", "0"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=work,  # not a source checkout's root: `python -m` puts the cwd first on sys.path
+            )
+        self.port = 0
+        self.ids = ids
+        self._address = home / "run" / "api.json"
+
+    def wait_ready(self) -> float:
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise TimeshareError(
+                    f"timeshare serve exited ({self.proc.returncode}): {_log_tail(self.log)}"
+                )
+            if time.monotonic() - t0 > START_TIMEOUT_S:
+                raise TimeshareError(f"timeshare serve was not ready in {START_TIMEOUT_S:.0f} s")
+            if not self.port:
+                try:
+                    record = json.loads(self._address.read_text())
+                    if record.get("pid") == self.proc.pid:
+                        self.port = int(record["url"].rsplit(":", 1)[1])
+                except (OSError, ValueError, KeyError):
+                    pass
+            if self.port:
+                states = {m["id"]: m for m in self.status().get("models", [])}
+                failed = [f"{i}: {m.get('reason')}" for i, m in states.items() if m.get("state") == "failed"]
+                if failed:
+                    raise TimeshareError("a model could not be loaded: " + "; ".join(failed))
+                if all(
+                    states.get(i, {}).get("state") in ("resident", "released", "sleeping") for i in self.ids
+                ):
+                    return time.monotonic() - t0
+            time.sleep(0.1)
+
+    def status(self) -> dict[str, Any]:
+        try:
+            code, body = _http(self.port, "GET", "/timeshare/v1/status")
+        except OSError:
+            return {}
+        return body if code == 200 and isinstance(body, dict) else {}
+
+    def state(self, model: str) -> str:
+        return str(next((m["state"] for m in self.status().get("models", []) if m["id"] == model), ""))
+
+    def turn(
+        self, model: str, prompt: str, conversation: str | None, max_tokens: int = MAX_TOKENS
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if conversation is not None:
+            body["conversation"] = conversation
+        got = stream(self.port, "/v1/completions", body)
+        ts = got.get("timeshare") or {}
+        usage = got.get("usage") or {}
+        return {
+            "model": model,
+            "ttft_ms": got["ttft_ms"],
+            "total_ms": got["total_ms"],
+            "switched": bool(ts.get("switched")),
+            "restore_ms": ts.get("restore_ms"),
+            "wait_ms": ts.get("wait_ms"),
+            "worker_first_token_ms": ts.get("first_token_ms"),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "prompt_tokens_evaluated": ts.get("prompt_tokens_evaluated"),
+            "completion_tokens": usage.get("completion_tokens"),
+        }
+
+    def stop_worker(self, model: str) -> None:
+        code, body = _http(self.port, "POST", f"/timeshare/v1/models/{model}/sleep", {"level": "stop"}, 120)
+        if code != 200:
+            raise TimeshareError(f"sleep level stop of {model} answered {code}: {body}")
+        deadline = time.monotonic() + 120
+        while self.state(model) != "stopped":
+            if time.monotonic() > deadline:
+                raise TimeshareError(f"{model} did not stop within 120 s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        _kill_group(self.proc)
+
+
+def fresh_process(path: str, n_ctx: int, prompt: str, flash_attn: bool, work: Path) -> dict[str, Any]:
+    """A new Python process: load the GGUF, prefill ``prompt``, sample one token."""
+    spec = json.dumps({"path": path, "n_ctx": n_ctx, "prompt": prompt, "flash_attn": flash_attn})
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "timeshare.core.diagnostics.bench_api_procs", "--fresh-child"],
+        input=spec,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+        check=False,
+        cwd=work,
+    )
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise TimeshareError(f"the fresh process failed (exit {proc.returncode}): {tail}")
+    child: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    child["ttft_ms"] = (child.pop("first_token_at") - started) * 1000.0
+    return child
+
+
+def _fresh_child() -> int:
+    """In the fresh process (``python -m timeshare.core.diagnostics.bench_api_procs --fresh-child``)."""
+    import llama_cpp  # noqa: F401  (before anything that imports numpy)
+
+    from ..config.schema import ModelConfig
+    from ..worker.engine import Engine
+    from ..worker.protocol import Generate
+
+    spec = json.loads(sys.stdin.read())
+    t0 = time.perf_counter()
+    model = ModelConfig(
+        id="fresh", path=spec["path"], n_ctx=int(spec["n_ctx"]), flash_attn=bool(spec["flash_attn"])
+    )
+    engine = Engine.load(model)
+    load_ms = (time.perf_counter() - t0) * 1000.0
+    first: list[float] = []
+
+    def emit(_text: str) -> None:
+        if not first:
+            first.append(time.time())
+
+    req = Generate(req="fresh", prompt=spec["prompt"], max_tokens=1, temperature=0.0, cache_prompt=False)
+    outcome = engine.generate(req, emit)
+    engine.close()
+    print(
+        json.dumps(
+            {
+                "load_ms": load_ms,
+                "prompt_tokens": outcome.prompt_tokens,
+                "prompt_tokens_evaluated": outcome.prompt_tokens_evaluated,
+                "first_token_at": first[0] if first else time.time(),
+            }
+        )
+    )
+    return 0
+
+
+# ---- llama-server ---------------------------------------------------------------------------
+
+
+class LlamaServer:
+    """One llama-server process (e2e_switch.py's flags: all layers on the GPU, one slot)."""
+
+    def __init__(self, binary: str, model: str, n_ctx: int, flash_attn: bool, log_path: Path) -> None:
+        self.port = _free_port()
+        self.log = log_path
+        cmd = [binary, "-m", model, "-ngl", "999", "-c", str(n_ctx), "--port", str(self.port)]
+        cmd += ["--host", "127.0.0.1", "-np", "1", "-b", "2048", "-ub", "512"]
+        cmd += ["--flash-attn", "on" if flash_attn else "off"]
+        with log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise TimeshareError(
+                    f"llama-server exited ({self.proc.returncode}): {_log_tail(self.log, 600)}"
+                )
+            try:
+                if _http(self.port, "GET", "/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeshareError(f"llama-server was not healthy within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+
+    def turn(self, prompt: str, n_predict: int = MAX_TOKENS) -> dict[str, Any]:
+        body = {
+            "prompt": prompt,
+            "n_predict": n_predict,
+            "temperature": 0,
+            "stream": True,
+            "cache_prompt": True,
+        }
+        got = stream(self.port, "/completion", body)
+        timings = got.get("timings") or {}
+        return {
+            "ttft_ms": got["ttft_ms"],
+            "total_ms": got["total_ms"],
+            "prompt_tokens_evaluated": timings.get("prompt_n"),
+            "completion_tokens": timings.get("predicted_n"),
+            "server_tok_s": timings.get("predicted_per_second"),
+        }
+
+    def stop(self) -> None:
+        _kill_group(self.proc)
+
+
+def decode_rate(row: dict[str, Any]) -> float | None:
+    n = row.get("completion_tokens") or 0
+    span = (row["total_ms"] - row["ttft_ms"]) / 1000.0
+    return (n - 1) / span if n > 1 and span > 0 else None
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--fresh-child"]:
+    sys.exit(_fresh_child())

@@ -1,0 +1,126 @@
+"""`timeshare bench api`: the end-to-end benchmark through a real `timeshare serve`, on the demo
+models with short conversations; llama-server is played by tests/_fake_llama_server.py (this
+machine has no llama-server build), which exercises the swap and coresident runs for real
+processes and HTTP. No timing is asserted except the order the issue names: a switched turn is
+faster than a worker restart (a restart loads the model again)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from timeshare.core.diagnostics import bench_api
+from timeshare.core.errors import TimeshareError
+
+FAKE = Path(__file__).parent / "_fake_llama_server.py"
+KEYS = {"timeshare_switch", "timeshare_same", "timeshare_plain_client", "worker_restart", "fresh_process"}
+SERVER_KEYS = {"llama_swap", "llama_server_coresident"}
+
+
+def _bench(tmp_path: Path, *argv: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # the bench's work dir lands in tmp_path
+    return subprocess.run(
+        [sys.executable, "-m", "timeshare", "bench", "api", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=tmp_path,
+    )
+
+
+def _left_behind(tmp_path: Path) -> list[str]:
+    """Processes that still run from the bench: its serve, workers, fresh process, fake servers."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(FAKE) in cmdline or f"TIMESHARE_HOME={tmp_path}" in environ or f"TMPDIR={tmp_path}" in environ:
+            left.append(f"{proc.name}: {cmdline[:200]}")
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # a whole benchmark on a shared 2-core CPU: minutes
+def test_bench_api_runs_every_system_and_plots(tmp_path: Path, smollm2_path: Path, gemma3_path: Path) -> None:
+    server = tmp_path / "llama-server"
+    server.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
+    server.chmod(0o755)
+    png = tmp_path / "bench.png"
+    models = ("--model", str(smollm2_path), "--model", str(gemma3_path))
+    args = ("--context", "64", "--rounds", "3", "--json", "--plot", str(png), "--llama-server", str(server))
+    out = _bench(tmp_path, *models, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    systems = report["systems"]
+    assert set(systems) == KEYS | SERVER_KEYS
+    for key, entry in systems.items():
+        assert entry["ttft_ms_median"] > 0 and entry["samples"], key
+        assert all(s > 0 for s in entry["samples"]) and "skipped" not in entry, key
+    assert len(systems["timeshare_switch"]["samples"]) == 6 and len(systems["llama_swap"]["samples"]) == 6
+    # every turn of the switch runs took the GPU from the other model (one-model budget); the
+    # no-switch turns did not; only the new tokens were evaluated on a switched turn
+    assert all(r["switched"] for r in systems["timeshare_switch"]["rows"])
+    assert all(r["switched"] for r in systems["timeshare_plain_client"]["rows"])
+    assert not any(r["switched"] for r in systems["timeshare_same"]["rows"])
+    for r in systems["timeshare_switch"]["rows"]:
+        assert 0 < r["prompt_tokens_evaluated"] < r["prompt_tokens"]
+    # the restarted worker is model A's: compare with A's switched turns (B's restore and prefill
+    # cost more on this CPU, so the median of both models is not the comparison)
+    a = report["models"][0]["id"]
+    rows_a = [r for r in systems["timeshare_switch"]["rows"] if r["model"] == a]
+    switched_a = statistics.median(r["ttft_ms"] for r in rows_a)
+    assert switched_a < systems["worker_restart"]["ttft_ms_median"]
+    summary = report["summary"]
+    assert summary["switched_turns"] == summary["switch_turns"] == 6
+    assert summary["best_alternative"] in ("worker_restart", "fresh_process", "llama_swap")
+    decode = report["decode"]
+    assert decode["timeshare"]["tok_s"] > 0 and decode["llama_server"]["tok_s"] > 0 and decode["ratio"] > 0
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(png))
+    assert image.shape[0] > 200 and image.shape[1] > 400
+    assert report["plot"] == str(png)
+    assert not list(tmp_path.glob("timeshare-bench-api-*")), "the work dir was not removed"
+    assert _left_behind(tmp_path) == []
+
+
+def test_a_missing_llama_server_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "llama-server"
+    out = _bench(tmp_path, "--llama-server", str(missing), "--json", timeout=120)
+    assert out.returncode == 2
+    error = json.loads(out.stdout)
+    assert "no such file" in error["error"] and "llama-server" in error["error"]
+    assert "no such file" in out.stderr
+    not_exec = tmp_path / "llama-server"
+    not_exec.write_text("")
+    with pytest.raises(TimeshareError, match="not an executable"):
+        bench_api.check_llama_server(str(not_exec))
+    assert _left_behind(tmp_path) == []
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    with pytest.raises(TimeshareError, match=r"pip install 'timeshare\[bench\]'"):
+        bench_api.check_plot(str(tmp_path / "x.png"))
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    with pytest.raises(TimeshareError, match="does not exist"):
+        bench_api.check_plot(str(tmp_path / "no" / "x.png"))
+
+
+def test_bad_arguments_are_refused_before_anything_starts(smollm2_path: Path) -> None:
+    with pytest.raises(TimeshareError, match="exactly twice"):
+        bench_api.run_api_bench([str(smollm2_path)], context=64, rounds=1)
+    with pytest.raises(TimeshareError, match="--rounds"):
+        bench_api.run_api_bench([str(smollm2_path)] * 2, context=64, rounds=0)
