@@ -21,7 +21,7 @@ from ..residency import Residency, ResidencyOptions
 from ..state import WorkerReleaseLevel
 from ..units import decimal_bytes
 from . import protocol as p
-from .device import DeviceMemory, budget_setting, device_memory
+from .device import DeviceMemory, budget_setting, device_memory, own_host_bytes
 from .engine import Engine
 from .spec import WorkerSpec
 
@@ -252,6 +252,15 @@ class ArenaResidence(Residence):
         self.host_bytes = res.host_bytes
         self._fit_budget(res.weight_bytes)
 
+    def _measure_free(self) -> int:
+        """The device's free bytes, for the auto budget's reserve (free before the load minus free
+        after it, less the weights). On a GPU the driver's count; on host memory the total less
+        this process's own resident memory, since MemAvailable moves with every other process on
+        the machine (a busy machine measured a negative footprint, so no reserve at all)."""
+        if self.device.gpu:
+            return device_memory(self.device.index).free
+        return self.device.total - own_host_bytes()
+
     def _fit_budget(self, weight_bytes: int) -> None:
         """After the load (holding the load's lease): measure the reserve (auto), refuse weights
         larger than the whole budget, and shrink the lease to the weights' bytes."""
@@ -260,18 +269,19 @@ class ArenaResidence(Residence):
         reserve = 0
         if budget.kind == "auto" and self._free_before_load is not None:
             try:
-                free_now = device_memory(self.device.index).free
+                free_now = self._measure_free()
             except Exception as exc:  # a measurement only: the margin covers it
                 log.warning("measuring the device after the load failed: %s", exc)
                 free_now = self._free_before_load - weight_bytes
             footprint = max(0, self._free_before_load - free_now - weight_bytes)
             reserve = footprint + (GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0)
             log.info(
-                "auto VRAM budget: %s keeps %s on %s while released (measured %s + context allowance)",
+                "auto VRAM budget: %s keeps %s on %s while released (measured %s%s)",
                 self.spec.model.id,
                 decimal_bytes(reserve),
                 self.device.name,
                 decimal_bytes(footprint),
+                " + the driver context allowance" if self.device.gpu else ", this process's own memory",
             )
         limit = self._weights_budget()
         if not budget.one_model and weight_bytes > limit - reserve:
@@ -345,7 +355,7 @@ class ArenaResidence(Residence):
         self._resident_since = time.monotonic()
         if self.residency is None and self.budget is not None and self.budget.kind == "auto":
             try:
-                self._free_before_load = device_memory(self.device.index).free
+                self._free_before_load = self._measure_free()
             except Exception as exc:
                 log.warning("measuring the device before the load failed: %s", exc)
         self._budget_bytes = self._weights_budget() if grant.budget is None else grant.budget
