@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from timeshare.core.diagnostics.arena_test import CHAOS_ERRORS, check_intervals
+from timeshare.core.diagnostics.arena_test_chaos import CHAOS_ERRORS
+from timeshare.core.diagnostics.arena_test_checks import check_intervals
 
 SECONDS = 60
 HUNG_S = 3.0

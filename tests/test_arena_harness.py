@@ -19,12 +19,11 @@ from timeshare.core.arena.tickets import Arena
 from timeshare.core.diagnostics.arena_test import (
     ArenaHarness,
     WorkerPlan,
-    check_intervals,
     model_id_for_path,
-    percentile,
     plan_workers,
     run_arena_test,
 )
+from timeshare.core.diagnostics.arena_test_checks import check_intervals, percentile
 from timeshare.core.errors import ModelUnavailableError, TokenTimeoutError
 from timeshare.core.observe import read_events
 from timeshare.core.state import ModelState
@@ -154,7 +153,7 @@ def test_plan_workers_reuses_models_with_distinct_ids() -> None:
 
 
 def test_report_text_and_json() -> None:
-    from timeshare.core.diagnostics.arena_test import ArenaTestReport, Mismatch
+    from timeshare.core.diagnostics.arena_test_report import ArenaTestReport, Mismatch
 
     report = ArenaTestReport(
         workers=2,

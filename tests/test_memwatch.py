@@ -235,7 +235,7 @@ def test_nvidia_smi_sampler_streams_polls(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_arena_report_fails_on_a_memory_overlap_and_says_so() -> None:
-    from timeshare.core.diagnostics.arena_test import ArenaTestReport
+    from timeshare.core.diagnostics.arena_test_report import ArenaTestReport
 
     fields = dict(
         workers=2, models=("a", "b"), seconds=3.0, requests=4, reference_requests=2, errors=0,
