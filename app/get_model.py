@@ -3,7 +3,7 @@
 The dialog takes the same SOURCE as ``timeshare pull`` (``user/repo``, ``user/repo:Q4_K_M``,
 ``user/repo/file.gguf``, ``hf.co/…``, or the URL of a ``.gguf`` file), lists the quantisations
 with their sizes and whether they fit the GPU, and downloads the chosen one. The look-up and the
-download run on a worker thread (``core/pull.py`` does the work); what they report crosses into
+download run on a worker thread (``core/pull/`` does the work); what they report crosses into
 Qt through signals, so the window stays responsive. Cancel keeps what was downloaded: getting the
 same model again resumes.
 
@@ -34,8 +34,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core import pull
 from ..core.errors import CancelledError, ConfigError, TimeshareError
+from ..core.pull import add, progress, remote, sources
+from ..core.pull.download import PullResult, pull
 from ..core.state import PoolSnapshot
 from ..core.units import human_bytes
 from .qt_compat import emit
@@ -56,7 +57,7 @@ def fit_text(size: int | None, snapshot: PoolSnapshot) -> str:
     backends = {m.backend for m in snapshot.models if m.backend}
     if backends and all(b.upper().startswith("CPU") for b in backends):
         return "CPU build: host memory"
-    fit = pull.gpu_fit(size, vram_budget(snapshot))
+    fit = sources.gpu_fit(size, vram_budget(snapshot))
     return "unknown" if fit == "unknown" else fit
 
 
@@ -87,8 +88,8 @@ class GetModelDialog(QDialog):
         self._snapshot = snapshot
         self.config_path = config_path
         self.add_to_config = add_to_config
-        self.listing: pull.Listing | None = None
-        self.pulled_result: pull.PullResult | None = None
+        self.listing: sources.Listing | None = None
+        self.pulled_result: PullResult | None = None
         self._worker: threading.Thread | None = None
         self._cancel = threading.Event()
 
@@ -176,7 +177,7 @@ class GetModelDialog(QDialog):
         self.problem.setText(text)
         self.problem.setVisible(bool(text))
 
-    def selected(self) -> pull.Choice | None:
+    def selected(self) -> sources.Choice | None:
         if self.listing is None:
             return None
         rows = {i.row() for i in self.table.selectedIndexes()}
@@ -196,7 +197,7 @@ class GetModelDialog(QDialog):
             return
         self._show_problem("")
         try:
-            source = pull.parse_source(self.source.text())
+            source = sources.parse_source(self.source.text())
         except ValueError as exc:
             self._show_problem(str(exc))
             return
@@ -207,7 +208,7 @@ class GetModelDialog(QDialog):
 
         def work() -> None:
             try:
-                emit(self._listed, pull.list_source(source))
+                emit(self._listed, remote.list_source(source))
             except TimeshareError as exc:
                 emit(self._failed, str(exc), False)
             except Exception as exc:  # a bug or a library's own error: shown, not lost in a thread
@@ -216,7 +217,7 @@ class GetModelDialog(QDialog):
 
         self._start(work, "get-model-lookup")
 
-    def _on_listed(self, listing: pull.Listing) -> None:
+    def _on_listed(self, listing: sources.Listing) -> None:
         self._worker = None
         self.listing = listing
         self.status.setText("")
@@ -253,11 +254,11 @@ class GetModelDialog(QDialog):
         self._select_default(listing)
         self._update_buttons()
 
-    def _select_default(self, listing: pull.Listing) -> None:
+    def _select_default(self, listing: sources.Listing) -> None:
         if not listing.choices:
             return
         try:
-            wanted = pull.choose(listing)
+            wanted = sources.choose(listing)
         except TimeshareError:
             labels = [c.label.upper() for c in listing.choices]
             wanted = listing.choices[labels.index("Q4_K_M")] if "Q4_K_M" in labels else listing.choices[0]
@@ -280,9 +281,7 @@ class GetModelDialog(QDialog):
 
         def work() -> None:
             try:
-                result = pull.pull(
-                    listing, choice, progress=lambda p: emit(self._progressed, p), cancel=cancel
-                )
+                result = pull(listing, choice, progress=lambda p: emit(self._progressed, p), cancel=cancel)
             except CancelledError:
                 emit(
                     self._failed,
@@ -300,7 +299,7 @@ class GetModelDialog(QDialog):
         self._start(work, "get-model-download")
         self._cancel = cancel
 
-    def _on_progress(self, p: pull.Progress) -> None:
+    def _on_progress(self, p: progress.Progress) -> None:
         if not self.busy:
             return  # a late report after cancel or failure
         fraction = p.fraction
@@ -309,7 +308,7 @@ class GetModelDialog(QDialog):
             self.progress.setValue(int(fraction * 1000))
         self.status.setText(p.describe())
 
-    def _on_done(self, result: pull.PullResult) -> None:
+    def _on_done(self, result: PullResult) -> None:
         self._worker = None
         self.pulled_result = result
         self.progress.setValue(self.progress.maximum())
@@ -317,7 +316,7 @@ class GetModelDialog(QDialog):
         text = f"Downloaded and checked {result.path.name}: {entry.architecture}, {entry.quantisation}"
         if self.add_to_config:
             try:
-                config, model, added = pull.add_to_config(result, self.config_path)
+                config, model, added = add.add_to_config(result, self.config_path)
             except (ConfigError, OSError) as exc:
                 self._update_buttons()
                 self._show_problem(f"The model is in {result.path}, but it was not added: {exc}")

@@ -89,12 +89,12 @@ _STRING, _ARRAY = 8, 9
 _WANTED_STRINGS = ("general.architecture", "general.name", "general.license", "general.size_label")
 
 
-class _TruncatedError(Exception):
-    pass
+class GgufTruncatedError(Exception):
+    """The bytes end before the GGUF header does (a partial file's start, a truncated file)."""
 
 
-class _CorruptError(Exception):
-    pass
+class GgufCorruptError(Exception):
+    """The GGUF header cannot be right (an unknown value or tensor type, a bad alignment...)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,11 @@ class _Header:
     type_bytes: dict[int, int]  # ggml type -> bytes of tensor data of that type
 
 
-class _Cursor:
+class GgufCursor:
+    """Reads a GGUF header's fields from ``buf`` (bytes or a mmap) up to ``size``: raises
+    GgufTruncatedError where they end, GgufCorruptError for an unknown value type. Also used by
+    ``pull.verify`` on a download's first bytes."""
+
     def __init__(self, buf: Any, size: int, endian: str) -> None:
         self.buf = buf
         self.size = size
@@ -117,20 +121,20 @@ class _Cursor:
     def take(self, fmt: str) -> Any:
         st = struct.Struct(self.e + fmt)
         if self.pos + st.size > self.size:
-            raise _TruncatedError
+            raise GgufTruncatedError
         (value,) = st.unpack_from(self.buf, self.pos)
         self.pos += st.size
         return value
 
     def skip(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise _TruncatedError
+            raise GgufTruncatedError
         self.pos += n
 
     def string(self, keep: bool = True) -> str:
         n = self.take("Q")
         if self.pos + n > self.size:
-            raise _TruncatedError
+            raise GgufTruncatedError
         start = self.pos
         self.pos += n
         return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace") if keep else ""
@@ -141,10 +145,10 @@ class _Cursor:
         buf, pos, size = self.buf, self.pos, self.size
         for _ in range(count):
             if pos + 8 > size:
-                raise _TruncatedError
+                raise GgufTruncatedError
             pos += 8 + length(buf, pos)[0]
         if pos > size:
-            raise _TruncatedError
+            raise GgufTruncatedError
         self.pos = pos
 
     def value(self, vtype: int, keep: bool) -> Any:
@@ -163,9 +167,9 @@ class _Cursor:
                 for _ in range(count):
                     self.value(_ARRAY, False)
             else:
-                raise _CorruptError(f"unknown array element type {sub} at byte {self.pos}")
+                raise GgufCorruptError(f"unknown array element type {sub} at byte {self.pos}")
             return ("array", count)
-        raise _CorruptError(f"unknown metadata value type {vtype} at byte {self.pos}")
+        raise GgufCorruptError(f"unknown metadata value type {vtype} at byte {self.pos}")
 
 
 def _parse_header(buf: Any, size: int) -> _Header:
@@ -175,7 +179,7 @@ def _parse_header(buf: Any, size: int) -> _Header:
     version = struct.unpack_from("<I", buf, 4)[0]
     if version not in (2, 3) and struct.unpack_from(">I", buf, 4)[0] in (2, 3):
         endian = ">"  # a big-endian GGUF
-    cur = _Cursor(buf, size, endian)
+    cur = GgufCursor(buf, size, endian)
     cur.pos = 4
     version = cur.take("I")
     tensor_count = cur.take("Q")
@@ -189,13 +193,13 @@ def _parse_header(buf: Any, size: int) -> _Header:
     arch = values.get("general.architecture")
     alignment = values.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise _CorruptError(f"general.alignment is {alignment!r}, not a power of two")
+        raise GgufCorruptError(f"general.alignment is {alignment!r}, not a power of two")
     extents: list[tuple[int, int, int]] = []  # (offset, bytes, type)
     for _ in range(tensor_count):
         cur.string(keep=False)
         n_dims = cur.take("I")
         if n_dims > 4:
-            raise _CorruptError(f"a tensor has {n_dims} dimensions (at most 4)")
+            raise GgufCorruptError(f"a tensor has {n_dims} dimensions (at most 4)")
         n_elems = 1
         for _ in range(n_dims):
             n_elems *= cur.take("Q")
@@ -204,7 +208,7 @@ def _parse_header(buf: Any, size: int) -> _Header:
         try:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         except (ValueError, KeyError):
-            raise _CorruptError(f"tensor type {ggml_type} is unknown (a newer quantisation?)") from None
+            raise GgufCorruptError(f"tensor type {ggml_type} is unknown (a newer quantisation?)") from None
         extents.append((offset, n_elems * type_size // block, ggml_type))
     data_start = -(-cur.pos // alignment) * alignment
     type_bytes: Counter[int] = Counter()
@@ -275,12 +279,12 @@ def read_gguf_header(path: str | Path, source: Source = "file", *, size: int | N
     try:
         with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             header = _parse_header(buf, file_size)
-    except _TruncatedError:
+    except GgufTruncatedError:
         raise ModelFileError(
             f"{p.name} is truncated: header says {tensor_count} tensors but the file ends at byte "
             f"{file_size}, inside the header — re-download it"
         ) from None
-    except _CorruptError as exc:
+    except GgufCorruptError as exc:
         raise ModelFileError(f"{p.name} is corrupt: {exc} — re-download it") from None
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"{p.name} cannot be read ({exc}): check the file") from exc

@@ -1,4 +1,4 @@
-"""Getting models (core/pull.py, `timeshare pull`, the "Get model…" dialog) against a local server
+"""Getting models (core/pull/, `timeshare pull`, the "Get model…" dialog) against a local server
 that plays the Hugging Face hub and a plain file server (tests/_hub_util.py). Nothing reaches the
 internet; the GGUFs are tiny real ones written with the gguf package."""
 
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from _hub_util import GOOD_TOKEN, FakeHub, Repo, make_gguf, sha256
 from PySide6.QtCore import QObject, Qt, Signal
-from timeshare.core import catalog, pull
+from timeshare.core import catalog
 from timeshare.core.config.files import load_config
 from timeshare.core.errors import (
     CancelledError,
@@ -28,6 +28,7 @@ from timeshare.core.errors import (
     UnsupportedArchitectureError,
 )
 from timeshare.core.llama_archs import supported_architectures
+from timeshare.core.pull import add, download, progress, remote, sources, verify
 from timeshare.core.state import PoolSnapshot
 from timeshare.core.units import human_bytes
 
@@ -42,7 +43,7 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(pull, "RETRY_DELAY_S", 0.05)
+    monkeypatch.setattr(download, "RETRY_DELAY_S", 0.05)
     yield server
     server.close()
 
@@ -90,21 +91,21 @@ def _config(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("user/repo", pull.HubSource("user/repo")),
-        ("user/repo:Q4_K_M", pull.HubSource("user/repo", quant="Q4_K_M")),
-        ("hf.co/user/repo:q8_0", pull.HubSource("user/repo", quant="q8_0")),
-        ("huggingface.co/user/repo", pull.HubSource("user/repo")),
-        ("user/repo/sub/x-Q4_0.gguf", pull.HubSource("user/repo", "sub/x-Q4_0.gguf")),
+        ("user/repo", sources.HubSource("user/repo")),
+        ("user/repo:Q4_K_M", sources.HubSource("user/repo", quant="Q4_K_M")),
+        ("hf.co/user/repo:q8_0", sources.HubSource("user/repo", quant="q8_0")),
+        ("huggingface.co/user/repo", sources.HubSource("user/repo")),
+        ("user/repo/sub/x-Q4_0.gguf", sources.HubSource("user/repo", "sub/x-Q4_0.gguf")),
         (
             "https://huggingface.co/user/repo/resolve/main/x.gguf",
-            pull.HubSource("user/repo", "x.gguf", revision="main"),
+            sources.HubSource("user/repo", "x.gguf", revision="main"),
         ),
-        ("https://hf.co/user/repo/blob/v1/x.gguf", pull.HubSource("user/repo", "x.gguf", revision="v1")),
-        ("https://example.com/m/x.gguf", pull.UrlSource("https://example.com/m/x.gguf")),
+        ("https://hf.co/user/repo/blob/v1/x.gguf", sources.HubSource("user/repo", "x.gguf", revision="v1")),
+        ("https://example.com/m/x.gguf", sources.UrlSource("https://example.com/m/x.gguf")),
     ],
 )
-def test_sources_parse(text: str, expected: pull.Source) -> None:
-    assert pull.parse_source(text) == expected
+def test_sources_parse(text: str, expected: sources.Source) -> None:
+    assert sources.parse_source(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -113,14 +114,14 @@ def test_sources_parse(text: str, expected: pull.Source) -> None:
 )
 def test_bad_sources_say_what_a_source_is(text: str) -> None:
     with pytest.raises(ValueError):
-        pull.parse_source(text)
+        sources.parse_source(text)
 
 
 def test_quant_given_twice_must_agree() -> None:
-    assert pull.parse_source("u/r", "Q4_K_M") == pull.HubSource("u/r", quant="Q4_K_M")
-    assert pull.parse_source("u/r:q4_k_m", "Q4_K_M").quant == "q4_k_m"  # type: ignore[union-attr]
+    assert sources.parse_source("u/r", "Q4_K_M") == sources.HubSource("u/r", quant="Q4_K_M")
+    assert sources.parse_source("u/r:q4_k_m", "Q4_K_M").quant == "q4_k_m"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="two quantisations"):
-        pull.parse_source("u/r:Q8_0", "Q4_K_M")
+        sources.parse_source("u/r:Q8_0", "Q4_K_M")
 
 
 @pytest.mark.parametrize(
@@ -136,7 +137,7 @@ def test_quant_given_twice_must_agree() -> None:
     ],
 )
 def test_quant_labels_come_from_file_names(name: str, label: str) -> None:
-    assert pull.quant_label(name) == label
+    assert sources.quant_label(name) == label
 
 
 def test_architectures_come_from_the_installed_llama_cpp() -> None:
@@ -154,19 +155,19 @@ def test_a_repo_lists_its_quantisations_and_pulls_the_one_asked_for(
     hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
 ) -> None:
     hub.repos[REPO] = _three_quants(ggufs)
-    listing = pull.list_source(pull.parse_source(REPO))
+    listing = remote.list_source(sources.parse_source(REPO))
     assert [c.label for c in listing.choices] == ["Q4_K_M", "Q8_0", "F16"]  # by size; mmproj left out
     assert [c.size for c in listing.choices] == [len(ggufs["q4"]), len(ggufs["q8"]), len(ggufs["f16"])]
     assert listing.licence == "apache-2.0"
     with pytest.raises(ChooseQuantisationError) as asked:
-        pull.choose(listing)
+        sources.choose(listing)
     assert asked.value.choices == ("Q4_K_M", "Q8_0", "F16")
     with pytest.raises(RemoteNotFoundError, match="no quantisation Q2_K; it has: Q4_K_M, Q8_0, F16"):
-        pull.choose(listing, "Q2_K")
+        sources.choose(listing, "Q2_K")
 
-    choice = pull.choose(listing, "q8_0")
-    seen: list[pull.Progress] = []
-    result = pull.pull(listing, choice, progress=seen.append)
+    choice = sources.choose(listing, "q8_0")
+    seen: list[progress.Progress] = []
+    result = download.pull(listing, choice, progress=seen.append)
 
     # the Hugging Face cache layout, so `hf`, llama.cpp and the catalog share the file
     storage = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF"
@@ -188,25 +189,25 @@ def test_a_repo_lists_its_quantisations_and_pulls_the_one_asked_for(
     assert len(cdn) == 1 and cdn[0].auth is None
 
     # pulled again: nothing is downloaded, the cached file is checked and used
-    again = pull.pull(listing, choice)
+    again = download.pull(listing, choice)
     assert again.path == result.path and again.downloaded == 0
     assert len(hub.seen("GET", "/cdn/")) == 1
 
 
 def test_the_model_goes_into_the_config_once(hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path) -> None:
     hub.repos[REPO] = _three_quants(ggufs)
-    listing = pull.list_source(pull.parse_source(f"{REPO}:Q4_K_M"))
-    result = pull.pull(listing, pull.choose(listing))
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
+    result = download.pull(listing, sources.choose(listing))
     config_path = _config(tmp_path)
-    _, model, added = pull.add_to_config(result, config_path)
+    _, model, added = add.add_to_config(result, config_path)
     assert added and model.id == "tiny-q4_k_m" and model.name == "Tiny"
     assert model.path == str(result.path) and model.licence == "apache-2.0"
     assert load_config(config_path).models == (model,)
     # the same file again: left as it is; another id for it is refused only when taken
-    _, same, added_again = pull.add_to_config(result, config_path)
+    _, same, added_again = add.add_to_config(result, config_path)
     assert not added_again and same == model
     assert len(load_config(config_path).models) == 1
-    _, renamed, added_renamed = pull.add_to_config(result, config_path, model_id="tiny-two")
+    _, renamed, added_renamed = add.add_to_config(result, config_path, model_id="tiny-two")
     assert added_renamed and renamed.id == "tiny-two"
 
 
@@ -219,11 +220,11 @@ def test_without_a_config_file_the_demo_models_stay(
     demo_model = ModelConfig(id="smollm2-135m-instruct", path=str(smollm2_path), licence="Apache-2.0")
     monkeypatch.setattr(demo, "demo_model_configs", lambda: (demo_model,))
     hub.repos[REPO] = Repo({"Tiny-Q4_K_M.gguf": ggufs["mit"]}, commit=COMMIT)
-    listing = pull.list_source(pull.parse_source(REPO))
-    result = pull.pull(listing, pull.choose(listing))
+    listing = remote.list_source(sources.parse_source(REPO))
+    result = download.pull(listing, sources.choose(listing))
     assert result.entry.licence == "MIT"  # the GGUF's own licence
     target = tmp_path / "new" / "config.toml"
-    pull.add_to_config(result, target)
+    add.add_to_config(result, target)
     ids = [m.id for m in load_config(target).models]
     assert ids == ["smollm2-135m-instruct", "tiny-q4_k_m"]
 
@@ -237,9 +238,9 @@ def test_a_split_model_downloads_whole(hub: FakeHub, ggufs: dict[str, bytes], tm
         },
         commit=COMMIT,
     )
-    listing = pull.list_source(pull.parse_source(REPO))
+    listing = remote.list_source(sources.parse_source(REPO))
     assert [(c.label, len(c.files)) for c in listing.choices] == [("Q4_K_M", 2)]
-    result = pull.pull(listing, listing.choices[0])
+    result = download.pull(listing, listing.choices[0])
     snap = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "snapshots" / COMMIT / "Q4_K_M"
     assert result.files == (
         snap / "Split-Q4_K_M-00001-of-00002.gguf",
@@ -248,7 +249,7 @@ def test_a_split_model_downloads_whole(hub: FakeHub, ggufs: dict[str, bytes], tm
     assert result.path == result.files[0]
     assert result.entry.size == len(ggufs["part1"]) + len(ggufs["part2"])
     # naming the second part pulls the whole model too
-    by_part = pull.list_source(pull.parse_source(f"{REPO}/Q4_K_M/Split-Q4_K_M-00002-of-00002.gguf"))
+    by_part = remote.list_source(sources.parse_source(f"{REPO}/Q4_K_M/Split-Q4_K_M-00002-of-00002.gguf"))
     assert [len(c.files) for c in by_part.choices] == [2]
 
 
@@ -257,9 +258,9 @@ def test_dir_puts_hub_files_outside_the_cache_and_resumes_there(
 ) -> None:
     hub.repos[REPO] = _three_quants(ggufs)
     hub.faults.drop_after["Tiny-Q8_0.gguf"] = 16384
-    listing = pull.list_source(pull.parse_source(f"{REPO}:Q8_0"))
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q8_0"))
     target = tmp_path / "models"
-    result = pull.pull(listing, pull.choose(listing), dest_dir=target, chunk_size=4096)
+    result = download.pull(listing, sources.choose(listing), dest_dir=target, chunk_size=4096)
     assert result.path == target / "Tiny-Q8_0.gguf" and result.path.read_bytes() == ggufs["q8"]
     assert result.entry.source == "file" and result.entry.origin == REPO
     assert sorted(p.name for p in target.iterdir()) == ["Tiny-Q8_0.gguf"]  # no partial, no sidecar
@@ -272,8 +273,8 @@ def test_a_dropped_connection_resumes_where_it_stopped(
 ) -> None:
     hub.repos[REPO] = _three_quants(ggufs)
     hub.faults.drop_after["Tiny-F16.gguf"] = 40960  # a multiple of the chunk size
-    listing = pull.list_source(pull.parse_source(f"{REPO}:F16"))
-    result = pull.pull(listing, pull.choose(listing), chunk_size=4096)
+    listing = remote.list_source(sources.parse_source(f"{REPO}:F16"))
+    result = download.pull(listing, sources.choose(listing), chunk_size=4096)
     assert result.path.read_bytes() == ggufs["f16"]
     assert [r.range for r in hub.seen("GET", "/cdn/")] == [None, "bytes=40960-"]
 
@@ -283,16 +284,16 @@ def test_cancel_keeps_what_was_downloaded_and_the_next_pull_resumes(
 ) -> None:
     hub.repos[REPO] = _three_quants(ggufs)
     hub.faults.delay_per_chunk = 0.02  # 8 KiB every 20 ms: progress reports come mid-file
-    listing = pull.list_source(pull.parse_source(f"{REPO}:F16"))
-    choice = pull.choose(listing)
+    listing = remote.list_source(sources.parse_source(f"{REPO}:F16"))
+    choice = sources.choose(listing)
     cancel = threading.Event()
 
-    def stop_midway(p: pull.Progress) -> None:
+    def stop_midway(p: progress.Progress) -> None:
         if p.done >= 40000:
             cancel.set()
 
     with pytest.raises(CancelledError):
-        pull.pull(listing, choice, progress=stop_midway, cancel=cancel, chunk_size=4096)
+        download.pull(listing, choice, progress=stop_midway, cancel=cancel, chunk_size=4096)
     blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
     (partial,) = blobs.glob("*.incomplete")
     kept = partial.stat().st_size
@@ -300,7 +301,7 @@ def test_cancel_keeps_what_was_downloaded_and_the_next_pull_resumes(
     assert not list(blobs.glob(sha256(ggufs["f16"])))  # never used before it is whole
 
     hub.faults.delay_per_chunk = 0
-    result = pull.pull(listing, choice, chunk_size=4096)
+    result = download.pull(listing, choice, chunk_size=4096)
     assert result.path.read_bytes() == ggufs["f16"]
     assert result.downloaded == len(ggufs["f16"]) - kept
     assert hub.seen("GET", "/cdn/")[-1].range == f"bytes={kept}-"
@@ -314,9 +315,9 @@ def test_a_corrupted_download_is_refused_and_deleted(
     bad = bytearray(ggufs["q4"])
     bad[-100] ^= 0xFF  # one bit flipped in the tensor data: same size, another sha256
     hub.faults.serve_instead["Tiny-Q4_K_M.gguf"] = bytes(bad)
-    listing = pull.list_source(pull.parse_source(f"{REPO}:Q4_K_M"))
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
     with pytest.raises(CorruptDownloadError, match="sha256"):
-        pull.pull(listing, pull.choose(listing))
+        download.pull(listing, sources.choose(listing))
     storage = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF"
     assert not [p for p in (storage / "blobs").iterdir() if not p.name.endswith(".lock")]
     assert not (storage / "snapshots").exists() or not list((storage / "snapshots").rglob("*.gguf"))
@@ -325,9 +326,9 @@ def test_a_corrupted_download_is_refused_and_deleted(
 def test_a_short_download_is_refused(hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path) -> None:
     hub.repos[REPO] = _three_quants(ggufs)
     hub.faults.announce_size["Tiny-Q4_K_M.gguf"] = len(ggufs["q4"]) + 1000
-    listing = pull.list_source(pull.parse_source(f"{REPO}:Q4_K_M"))
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
     with pytest.raises(CorruptDownloadError, match=f"arrived with {len(ggufs['q4'])} bytes"):
-        pull.pull(listing, pull.choose(listing))
+        download.pull(listing, sources.choose(listing))
     blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
     assert not [p for p in blobs.iterdir() if not p.name.endswith(".lock")]
 
@@ -335,11 +336,11 @@ def test_a_short_download_is_refused(hub: FakeHub, ggufs: dict[str, bytes], tmp_
 def test_an_architecture_llama_cpp_cannot_load_is_refused_before_the_download(
     hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pull, "PEEK_BYTES", 4096)
+    monkeypatch.setattr(verify, "PEEK_BYTES", 4096)
     hub.repos[REPO] = Repo({"Alien-F32.gguf": ggufs["alien"]}, commit=COMMIT)
-    listing = pull.list_source(pull.parse_source(REPO))
+    listing = remote.list_source(sources.parse_source(REPO))
     with pytest.raises(UnsupportedArchitectureError, match=r"'nosucharch'.*cannot load"):
-        pull.pull(listing, listing.choices[0], chunk_size=4096)
+        download.pull(listing, listing.choices[0], chunk_size=4096)
     blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
     assert not [p for p in blobs.iterdir() if not p.name.endswith(".lock")]
 
@@ -350,17 +351,17 @@ def test_a_missing_repo_and_a_gated_one_say_what_to_do(
     with pytest.raises(
         RemoteNotFoundError, match=r"tiny-org/nope was not found on http://127.0.0.1:.*check the name"
     ):
-        pull.list_source(pull.parse_source("tiny-org/nope"))
+        remote.list_source(sources.parse_source("tiny-org/nope"))
     hub.repos[REPO] = Repo({"Tiny-Q4_K_M.gguf": ggufs["q4"]}, commit=COMMIT, gated=True)
-    listing = pull.list_source(pull.parse_source(REPO))
+    listing = remote.list_source(sources.parse_source(REPO))
     assert listing.gated
     with pytest.raises(RemoteAccessError, match=r"gated repository: accept its conditions.*HF_TOKEN"):
-        pull.pull(listing, listing.choices[0])
+        download.pull(listing, listing.choices[0])
     assert hub.seen("HEAD", "/resolve/")[-1].auth is None
     with pytest.raises(RemoteNotFoundError, match=r"has no GGUF file other.gguf"):
-        pull.list_source(pull.parse_source(f"{REPO}/other.gguf"))
+        remote.list_source(sources.parse_source(f"{REPO}/other.gguf"))
     monkeypatch.setenv("HF_TOKEN", GOOD_TOKEN)  # the token from its usual place
-    result = pull.pull(listing, listing.choices[0])
+    result = download.pull(listing, listing.choices[0])
     assert result.path.read_bytes() == ggufs["q4"]
 
 
@@ -368,10 +369,10 @@ def test_no_space_left_is_a_clear_error(
     hub: FakeHub, ggufs: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hub.repos[REPO] = _three_quants(ggufs)
-    monkeypatch.setattr(pull, "_free_bytes", lambda folder: 10_000)
-    listing = pull.list_source(pull.parse_source(f"{REPO}:F16"))
+    monkeypatch.setattr(download, "_free_bytes", lambda folder: 10_000)
+    listing = remote.list_source(sources.parse_source(f"{REPO}:F16"))
     with pytest.raises(NoSpaceError, match=r"not enough disk space .* Free some space"):
-        pull.pull(listing, pull.choose(listing))
+        download.pull(listing, sources.choose(listing))
     assert not hub.seen("GET", "/cdn/")
 
 
@@ -383,8 +384,8 @@ def test_a_url_downloads_into_the_models_folder(
 ) -> None:
     hub.files["Tiny-Q4_K_M.gguf"] = ggufs["q4"]
     hub.faults.drop_after["Tiny-Q4_K_M.gguf"] = 8192
-    listing = pull.list_source(pull.parse_source(f"{hub.url}/files/Tiny-Q4_K_M.gguf"))
-    result = pull.pull(listing, pull.choose(listing), chunk_size=4096)
+    listing = remote.list_source(sources.parse_source(f"{hub.url}/files/Tiny-Q4_K_M.gguf"))
+    result = download.pull(listing, sources.choose(listing), chunk_size=4096)
     assert result.path == timeshare_home / "data" / "models" / "Tiny-Q4_K_M.gguf"
     assert result.path.read_bytes() == ggufs["q4"]
     assert [r.range for r in hub.seen("GET", "/files/")] == [None, "bytes=8192-"]
@@ -394,25 +395,25 @@ def test_a_url_downloads_into_the_models_folder(
 def test_a_url_split_model_and_dir(hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path) -> None:
     hub.files["S-Q4_0-00001-of-00002.gguf"] = ggufs["part1"]
     hub.files["S-Q4_0-00002-of-00002.gguf"] = ggufs["part2"]
-    listing = pull.list_source(pull.parse_source(f"{hub.url}/files/S-Q4_0-00002-of-00002.gguf"))
-    result = pull.pull(listing, pull.choose(listing), dest_dir=tmp_path / "mine")
+    listing = remote.list_source(sources.parse_source(f"{hub.url}/files/S-Q4_0-00002-of-00002.gguf"))
+    result = download.pull(listing, sources.choose(listing), dest_dir=tmp_path / "mine")
     assert [p.name for p in result.files] == ["S-Q4_0-00001-of-00002.gguf", "S-Q4_0-00002-of-00002.gguf"]
     assert result.path.parent == tmp_path / "mine" and result.files[1].read_bytes() == ggufs["part2"]
 
 
 def test_a_url_that_is_not_a_gguf_is_refused(hub: FakeHub, timeshare_home: Path) -> None:
     hub.files["page.gguf"] = b"<!doctype html><html><body>Download page</body></html>" * 50
-    listing = pull.list_source(pull.parse_source(f"{hub.url}/files/page.gguf"))
+    listing = remote.list_source(sources.parse_source(f"{hub.url}/files/page.gguf"))
     with pytest.raises(CorruptDownloadError, match="not a GGUF model file"):
-        pull.pull(listing, pull.choose(listing))
+        download.pull(listing, sources.choose(listing))
     assert list((timeshare_home / "data" / "models").iterdir()) == []
 
 
 def test_a_url_404_and_401_say_so(hub: FakeHub) -> None:
     with pytest.raises(RemoteNotFoundError, match="was not found \\(HTTP 404\\)"):
-        pull.list_source(pull.parse_source(f"{hub.url}/files/missing.gguf"))
+        remote.list_source(sources.parse_source(f"{hub.url}/files/missing.gguf"))
     with pytest.raises(RemoteAccessError, match="refused access \\(HTTP 401\\)"):
-        pull.list_source(pull.parse_source(f"{hub.url}/files/private/x.gguf"))
+        remote.list_source(sources.parse_source(f"{hub.url}/files/private/x.gguf"))
 
 
 # ---- the command ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 SOURCE is a Hugging Face repo (``user/repo``, ``user/repo:Q4_K_M``, ``user/repo/file.gguf``;
 ``hf.co/`` in front is fine) or the ``http(s)://`` URL of a ``.gguf`` file. The work is
-``core/pull.py``'s; this prints the choices, the progress (stderr) and the outcome, adds the model
+``core/pull/``'s; this prints the choices, the progress (stderr) and the outcome, adds the model
 to the config, and asks a running Timeshare to pick it up (``POST /timeshare/v1/reload``).
 
 Exit status: 0 done (also when the model was there already), 1 failed, 2 a usage problem (a bad
@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from .core import pull
 from .core.config.files import cli_config_path
 from .core.errors import CancelledError, ChooseQuantisationError, ConfigError, TimeshareError
+from .core.pull import add, download, progress, remote, sources
 from .core.units import human_bytes
 
 EXIT_OK = 0
@@ -40,7 +40,7 @@ class ProgressPrinter:
         self.last_step = -1
         self.last_time = 0.0
 
-    def __call__(self, p: pull.Progress) -> None:
+    def __call__(self, p: progress.Progress) -> None:
         line = p.describe()
         if self.tty:
             pad = max(0, self.width - len(line))
@@ -64,7 +64,7 @@ class ProgressPrinter:
             self.width = 0
 
 
-def _print_choices(choices: Sequence[pull.Choice], err: TextIO) -> None:
+def _print_choices(choices: Sequence[sources.Choice], err: TextIO) -> None:
     rows = [("", "QUANT", "SIZE", "FILE")]
     for i, c in enumerate(choices, 1):
         files = c.filename + (f" (+{len(c.files) - 1} parts)" if len(c.files) > 1 else "")
@@ -89,16 +89,16 @@ def _ask(count: int, err: TextIO) -> int | None:
 
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
-        source = pull.parse_source(args.source, args.quant)
+        source = sources.parse_source(args.source, args.quant)
     except ValueError as exc:
         err.write(f"timeshare pull: {exc}\n")
         return EXIT_USAGE
     printer = ProgressPrinter(err)
     try:
         err.write(f"Looking up {source}…\n")
-        listing = pull.list_source(source)
+        listing = remote.list_source(source)
         try:
-            choice = pull.choose(listing, args.quant)
+            choice = sources.choose(listing, args.quant)
         except ChooseQuantisationError as exc:
             err.write(f"{listing.title} has {len(listing.choices)} quantisations:\n")
             _print_choices(listing.choices, err)
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         size = human_bytes(choice.size or 0, empty="size unknown")
         parts = f" in {len(choice.files)} parts" if len(choice.files) > 1 else ""
         err.write(f"Getting {choice.filename} ({choice.label}, {size}{parts}) from {listing.title}\n")
-        result = pull.pull(listing, choice, dest_dir=args.dir, progress=printer)
+        result = download.pull(listing, choice, dest_dir=args.dir, progress=printer)
         printer.end()
         entry = result.entry
         checks = "size, sha256" if any(f.sha256 for f in choice.files) else "size"
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EXIT_FAILED
     config_path = cli_config_path(getattr(args, "config", None))
     try:
-        _config, model, added = pull.add_to_config(result, config_path, model_id=args.id)
+        _config, model, added = add.add_to_config(result, config_path, model_id=args.id)
     except ConfigError as exc:
         err.write(f"timeshare pull: the model is in {result.path}, but it was not added: {exc}\n")
         return EXIT_FAILED

@@ -1,0 +1,200 @@
+"""Step 2 of getting a model: ask the server what a source offers (network).
+
+A repo's model info (file sizes, the LFS sha256 of each file, the licence on the repo card) comes
+through ``huggingface_hub``; a URL gets a HEAD (all the parts of a split model). The HTTP client and
+the sentences for the errors of a hub or a URL are shared with the download.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import httpx
+
+from ..errors import DownloadError, RemoteAccessError, RemoteNotFoundError
+from .sources import (
+    SPLIT_RE,
+    Choice,
+    HubSource,
+    Listing,
+    RemoteFile,
+    Source,
+    UrlSource,
+    group_choices,
+    quant_label,
+)
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+def hub_endpoint() -> str:
+    """The hub's base URL: ``HF_ENDPOINT``, read at each call (so tests can point it elsewhere)."""
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def _card_licence(info: Any) -> str:
+    card = getattr(info, "card_data", None)
+    licence = getattr(card, "license", None) if card is not None else None
+    if licence == "other":
+        licence = getattr(card, "license_name", None) or licence
+    if isinstance(licence, list):
+        licence = ", ".join(str(x) for x in licence)
+    if isinstance(licence, str) and licence:
+        return licence
+    for tag in getattr(info, "tags", None) or ():
+        if isinstance(tag, str) and tag.startswith("license:"):
+            return tag.removeprefix("license:")
+    return ""
+
+
+def hub_error(exc: Exception, repo_id: str, what: str) -> DownloadError:
+    """A huggingface_hub (or transport) error as a DownloadError whose sentence says what to do."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = hub_endpoint()
+    login = "log in with `hf auth login` or set HF_TOKEN to a token with read access"
+    if isinstance(exc, GatedRepoError):
+        return RemoteAccessError(
+            f"{repo_id} is a gated repository: accept its conditions at {endpoint}/{repo_id}, then {login}"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return RemoteNotFoundError(
+            f"{repo_id} was not found on {endpoint}: check the name (user/repo); if it is private, {login}"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return RemoteNotFoundError(f"{repo_id} has no revision {what!r} on {endpoint}")
+    if isinstance(exc, EntryNotFoundError):
+        return RemoteNotFoundError(f"{repo_id} has no file {what} on {endpoint}: check the file name")
+    if isinstance(exc, HfHubHTTPError):
+        response = getattr(exc, "response", None)
+        status = getattr(response, "status_code", 0)
+        if status in (401, 403):
+            return RemoteAccessError(f"{endpoint} refused access to {repo_id} (HTTP {status}): {login}")
+        return DownloadError(f"{endpoint} answered HTTP {status} for {repo_id} ({what}); try again later")
+    if isinstance(exc, OfflineModeIsEnabled):
+        return DownloadError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it and try again")
+    return DownloadError(
+        f"cannot reach {endpoint} ({type(exc).__name__}: {exc}): check the network connection "
+        "(and HF_ENDPOINT) and try again"
+    )
+
+
+def _list_hub(src: HubSource, token: str | None) -> Listing:
+    from huggingface_hub import HfApi, hf_hub_url
+
+    endpoint = hub_endpoint()
+    try:
+        info = HfApi(endpoint=endpoint, token=token).model_info(
+            src.repo_id, revision=src.revision, files_metadata=True
+        )
+    except Exception as exc:
+        raise hub_error(exc, src.repo_id, src.revision) from exc
+    files: list[RemoteFile] = []
+    for sibling in info.siblings or ():
+        name = sibling.rfilename
+        if not name.lower().endswith(".gguf"):
+            continue
+        lfs = sibling.lfs
+        files.append(
+            RemoteFile(
+                name=name,
+                url=hf_hub_url(src.repo_id, name, revision=src.revision, endpoint=endpoint),
+                size=lfs.size if lfs is not None else sibling.size,
+                sha256=lfs.sha256 if lfs is not None else None,
+            )
+        )
+    choices = group_choices(files)
+    if src.filename is not None:
+        wanted = [c for c in choices if any(f.name == src.filename for f in c.files)]
+        if not wanted:
+            known = ", ".join(f.name for f in files) or "none"
+            raise RemoteNotFoundError(
+                f"{src.repo_id} has no GGUF file {src.filename} (a vision projector cannot be pulled "
+                f"on its own); its GGUF files: {known}"
+            )
+        choices = tuple(wanted)
+    return Listing(
+        source=src,
+        title=src.repo_id,
+        choices=choices,
+        licence=_card_licence(info),
+        revision=src.revision,
+        gated=bool(getattr(info, "gated", False)),
+    )
+
+
+def http_client() -> httpx.Client:
+    return httpx.Client(
+        follow_redirects=True,
+        timeout=httpx.Timeout(30.0, read=60.0),
+        headers={"Accept-Encoding": "identity", "User-Agent": "timeshare-pull"},
+    )
+
+
+def url_status_error(status: int, url: str) -> DownloadError:
+    if status == 404 or status == 410:
+        return RemoteNotFoundError(f"{url} was not found (HTTP {status}): check the URL")
+    if status in (401, 403):
+        return RemoteAccessError(
+            f"{url} refused access (HTTP {status}): the server needs a login this download cannot give; "
+            "download it in a browser and add the file with Settings → Add file…"
+        )
+    return DownloadError(f"{url} answered HTTP {status}; try again later")
+
+
+def transport_error(exc: httpx.HTTPError, url: str) -> DownloadError:
+    return DownloadError(
+        f"cannot reach {url} ({type(exc).__name__}: {exc}): check the connection and try again"
+    )
+
+
+def _head(client: httpx.Client, url: str) -> RemoteFile:
+    name = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
+    try:
+        response = client.head(url)
+    except httpx.HTTPError as exc:  # transport errors, too many redirects, a bad URL
+        raise transport_error(exc, url) from exc
+    if response.status_code in (405, 501):  # no HEAD: the GET will tell
+        return RemoteFile(name, url)
+    if response.status_code >= 400:
+        raise url_status_error(response.status_code, url)
+    length = response.headers.get("Content-Length")
+    etag = response.headers.get("ETag")
+    validator = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified")
+    return RemoteFile(name, url, int(length) if length and length.isdigit() else None, None, validator)
+
+
+def _list_url(src: UrlSource) -> Listing:
+    parts = urlsplit(src.url)
+    segments = parts.path.rsplit("/", 1)
+    last = unquote(segments[-1])
+    m = SPLIT_RE.match(last)
+    urls = [src.url]
+    if m:  # a split model: all its parts, whichever part the URL names
+        total = int(m.group("total"))
+        urls = []
+        for i in range(1, total + 1):
+            name = f"{m.group('stem')}-{i:05d}-of-{total:05d}.gguf"
+            path = f"{segments[0]}/{quote(name)}" if len(segments) == 2 else quote(name)
+            urls.append(urlunsplit(parts._replace(path=path)))
+    with http_client() as client:
+        files = [_head(client, u) for u in urls]
+    label = quant_label(last) or re.sub(r"\.gguf$", "", last, flags=re.IGNORECASE)
+    return Listing(src, src.url, (Choice(label, tuple(files)),))
+
+
+def list_source(source: Source, *, token: str | None = None) -> Listing:
+    """What the source offers (network). Raises DownloadError subclasses with a sentence."""
+    if isinstance(source, HubSource):
+        return _list_hub(source, token)
+    return _list_url(source)
