@@ -173,7 +173,7 @@ class ConversationBusyError(TimeshareError):
     code = "conversation_busy"
 
 
-# ---- getting models (core/pull.py) ----------------------------------------------------------------
+# ---- getting models (core/pull/) ------------------------------------------------------------------
 
 
 class DownloadError(TimeshareError):

@@ -206,17 +206,3 @@ def link_snapshot(target: Target) -> None:
             current = ""
         if current != commit:
             atomic_write_text(ref_path, commit, backup=False, mode=0o644)
-
-
-def partial_bytes(listing: Listing, choice: Choice, dest_dir: str | os.PathLike[str] | None = None) -> int:
-    """Bytes of ``choice`` already downloaded (partial files; no network). For URL sources and
-    ``dest_dir``; the hub cache's partials are named by the ETag, which needs the network."""
-    if isinstance(listing.source, HubSource) and dest_dir is None:
-        return 0
-    folder = Path(dest_dir).expanduser() if dest_dir is not None else models_dir()
-    total = 0
-    for f in choice.files:
-        p = folder / (f.name.rsplit("/", 1)[-1] + ".part")
-        with contextlib.suppress(OSError):
-            total += p.stat().st_size
-    return total
