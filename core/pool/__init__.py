@@ -18,9 +18,9 @@ After every change the pool thread publishes a new frozen :class:`PoolSnapshot` 
 subscribers, so a slow subscriber never stalls the workers' streams.
 
 Modules: ``supervisor`` (:class:`Pool`, its public methods), ``handlers`` (the pool thread's side),
-``lifecycle`` (a worker's states and the transitions allowed between them), ``record`` (one worker:
-process, request queue, what a snapshot shows), ``thread`` (inbox, timers, event thread),
-``process`` (spawning, signalling, reaping, logs), ``generation`` (a caller's handle), ``configure``
-and ``codes`` (a configuration's checks, a worker's error codes as typed errors), ``watchdog`` (hung
-holders).
+``commands`` (the pool thread's halves of the public methods), ``lifecycle`` (a worker's states and
+the transitions allowed between them), ``record`` (one worker: process, request queue, what a
+snapshot shows), ``thread`` (inbox, timers, event thread), ``process`` (spawning, signalling,
+reaping, logs), ``generation`` (a caller's handle), ``configure`` and ``codes`` (a configuration's
+checks, a worker's error codes as typed errors), ``watchdog`` (hung holders).
 """

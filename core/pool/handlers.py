@@ -1,9 +1,10 @@
-"""The pool thread's side of the pool: the worker records and every handler that runs on the pool
-thread (worker messages and exits, requests, commands, timers, a new configuration).
+"""The pool thread's side of the pool: the worker records and what happens on the pool thread by
+itself (spawning, worker messages and exits, restarts, dispatching requests, stopping a worker, idle
+release, the hung-holder watchdog, publishing snapshots and events).
 
-:class:`~.supervisor.Pool` adds the public methods, callable from any thread, on top. Each worker's
-lifecycle is a :class:`~.lifecycle.Lifecycle` (its states and allowed transitions); its record
-(process, request queue, what a snapshot shows) is a :class:`~.record.WorkerRecord`.
+:class:`~.commands.PoolCommands` adds the pool thread's halves of the public methods on top, and
+:class:`~.supervisor.Pool` the public methods. A worker's lifecycle is a :class:`~.lifecycle.Lifecycle`
+(its states and allowed transitions), its record a :class:`~.record.WorkerRecord`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import functools
 import json
 import logging
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -23,15 +23,13 @@ from typing import Any
 from .. import errors
 from ..config import demo
 from ..config.schema import Config, ModelConfig
-from ..errors import ModelUnavailableError, QueueFullError, UnknownModelError
+from ..errors import ModelUnavailableError, UnknownModelError
 from ..modelfile import gguf_problem, is_transient, transient_text
 from ..observe import EventLog
-from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, ReleaseLevel, SwitchStats
+from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, SwitchStats
 from ..worker import protocol
 from .codes import error_for
-from .configure import restart_fields
 from .devices import device_statuses
-from .generation import Generation
 from .lifecycle import Phase
 from .process import _signal_group, read_log_tail, read_worker, spawn_worker
 from .record import WorkerRecord
@@ -40,7 +38,7 @@ from .watchdog import HolderWatchdog, tick_period
 
 log = logging.getLogger(__name__)
 
-_SHUTTING_DOWN = "Timeshare is shutting down; send again after it restarts"
+SHUTTING_DOWN = "Timeshare is shutting down; send again after it restarts"
 #: spawns that meet a passing shortage (too many open files, no memory) before the model FAILS
 SPAWN_RETRIES = 5
 SPAWN_RETRY_MAX_S = 8.0
@@ -112,14 +110,6 @@ class PoolHandlers(PoolThread):
 
     def _new_worker(self, cfg: ModelConfig) -> WorkerRecord:
         return WorkerRecord(config=cfg, log_path=self._log_dir / f"worker-{cfg.id}.log", pinned=cfg.pinned)
-
-    def _start_all(self) -> None:
-        for cfg in self._config.models:
-            self._workers[cfg.id] = self._new_worker(cfg)
-        self._publish()
-        for w in list(self._workers.values()):
-            self._spawn(w)
-        self._timers.add(tick_period(self._config.arena.hung_holder_s), self._watchdog_tick)
 
     def _model_file(self, w: WorkerRecord) -> str | None:
         """The file to load, checked; None when the model FAILED or waits to retry (done here)."""
@@ -371,7 +361,7 @@ class PoolHandlers(PoolThread):
             w.lifecycle.transition(Phase.STOPPED)
             w.reason = ""
             if self._closing:
-                w.fail_all(ModelUnavailableError(_SHUTTING_DOWN))
+                w.fail_all(ModelUnavailableError(SHUTTING_DOWN))
                 self._publish(model=w.id)
                 return
             self._publish(model=w.id, message=f"{w.id} stopped")
@@ -454,7 +444,7 @@ class PoolHandlers(PoolThread):
         w.failure_code = code
         if not w.log_tail:
             w.log_tail = read_log_tail(w.log_path)
-        w.fail_all(ModelUnavailableError(_unavailable(w)))
+        w.fail_all(ModelUnavailableError(unavailable(w)))
         log.error("%s failed: %s", w.id, reason)
         self._publish(EventKind.FAILED, w.id, reason)
 
@@ -465,36 +455,7 @@ class PoolHandlers(PoolThread):
         del self._workers[w.id]
         self._publish(model=w.id)
 
-    # ---- requests (pool thread) ----------------------------------------------------------
-
-    def _worker(self, model_id: str) -> WorkerRecord:
-        w = self._workers.get(model_id)
-        if w is None or w.removed:
-            known = ", ".join(sorted(k for k, v in self._workers.items() if not v.removed)) or "none"
-            raise UnknownModelError(f"unknown model {model_id!r}; configured models: {known}")
-        return w
-
-    def _submit(self, gen: Generation) -> None:
-        w = self._worker(gen.model)
-        if w.phase is Phase.FAILED:
-            raise ModelUnavailableError(_unavailable(w))
-        limit = self._config.api.queue_limit
-        if len(w.queue) >= limit:
-            raise QueueFullError(
-                f"{w.id} already has {len(w.queue)} requests waiting (api.queue_limit = {limit}); "
-                "retry later or raise the limit"
-            )
-        w.queue.append(gen)
-        self._wanted(w)
-        self._dispatch(w)
-
-    def _wanted(self, w: WorkerRecord) -> None:
-        """A request or a wake wants the model: start a STOPPED one on demand; one being stopped
-        starts again once it has exited."""
-        if w.phase is Phase.STOPPED:
-            self._spawn(w)
-        elif w.phase is Phase.STOPPING:
-            w.lifecycle.transition(Phase.RESTARTING)
+    # ---- dispatching (pool thread) -------------------------------------------------------
 
     def _dispatch(self, w: WorkerRecord) -> None:
         """Send the next queued request when the worker can take it; publishes the state in every
@@ -503,56 +464,7 @@ class PoolHandlers(PoolThread):
             w.send_queued()
         self._publish(model=w.id)
 
-    def _cancel(self, gen: Generation) -> None:
-        w = self._workers.get(gen.model)
-        if w is None or gen.done:
-            return
-        if gen in w.queue:
-            w.queue.remove(gen)
-            gen._finish_cancelled()
-            self._publish(model=w.id)
-        elif w.inflight is gen:
-            w.send(protocol.Cancel(gen.req))
-
-    # ---- commands (pool thread) ----------------------------------------------------------
-
-    def _command(self, w: WorkerRecord, msg: object) -> None:
-        """Send now when the worker is ready (a wake may go in during the load), else once it is."""
-        if w.ready or (w.accepting and isinstance(msg, protocol.Wake)):
-            w.send(msg)
-        else:
-            w.pending.append(msg)
-
-    def _pin(self, model_id: str, pinned: bool) -> bool:
-        """True when a Pin went to a running worker (whose confirmation pin() then awaits)."""
-        w = self._worker(model_id)
-        w.pinned = pinned
-        sent = w.ready and w.send(protocol.Pin(pinned))
-        self._publish(EventKind.MESSAGE, w.id, f"{w.id} {'pinned' if pinned else 'unpinned'}")
-        if not pinned:
-            self._arm_idle(w)
-        return sent
-
-    def _sleep(self, model_id: str, level: ReleaseLevel) -> None:
-        w = self._worker(model_id)
-        if level == "stop":
-            self._stop(w)
-            return
-        if w.phase in (Phase.STOPPED, Phase.FAILED):
-            return  # holds nothing
-        self._command(w, protocol.Sleep(level=level))
-        self._publish(EventKind.MESSAGE, w.id, f"{w.id}: sleep ({level})", extra={"level": level})
-
-    def _wake(self, model_id: str) -> None:
-        w = self._worker(model_id)
-        if w.phase is Phase.FAILED:
-            raise ModelUnavailableError(_unavailable(w))
-        self._command(w, protocol.Wake())
-        self._wanted(w)  # a stopped one starts, then wakes
-        self._publish(EventKind.MESSAGE, w.id, f"{w.id}: wake")
-
-    def _stop_model(self, model_id: str) -> None:
-        self._stop(self._worker(model_id))
+    # ---- stopping (pool thread) ----------------------------------------------------------
 
     def _stop(self, w: WorkerRecord, then: Phase = Phase.STOPPING) -> None:
         """Stop a worker on purpose: Shutdown (it saves its KV), SIGTERM and SIGKILL if it lingers.
@@ -591,58 +503,6 @@ class PoolHandlers(PoolThread):
             return
         log.warning("%s did not stop in time: %s to its process group", model_id, sig.name)
         _signal_group(w.proc, sig)
-
-    def _start_model(self, model_id: str) -> None:
-        """Start a STOPPED, FAILED (or restarting) model now, with a fresh restart budget.
-        Raises ModelUnavailableError when it fails at once (its file is still missing ...)."""
-        w = self._worker(model_id)
-        if w.alive:
-            if w.phase is Phase.STOPPING:
-                w.lifecycle.transition(Phase.RESTARTING)
-            return
-        w.crash_times.clear()  # a fresh restart budget
-        w.spawn_failures = 0
-        if w.phase is Phase.BACKOFF:
-            w.lifecycle.transition(Phase.STOPPED)  # a start, not a restart after the crash
-        self._spawn(w)
-        if w.phase is Phase.FAILED:
-            raise ModelUnavailableError(_unavailable(w))
-
-    def _apply_config(self, config: Config) -> None:
-        old = self._config
-        self._config = config
-        wanted = {m.id for m in config.models}
-        arena_changed = old.arena != config.arena
-        for model_id, gone in list(self._workers.items()):
-            if model_id in wanted or gone.removed:
-                continue
-            if gone.alive:
-                self._stop(gone, Phase.REMOVING)  # forgotten once it has exited
-            else:
-                self._forget(gone)
-        for cfg in config.models:
-            w = self._workers.get(cfg.id)
-            if w is None:
-                w = self._new_worker(cfg)
-                self._workers[cfg.id] = w
-                self._spawn(w)
-                continue
-            changed = restart_fields(w.config, cfg)
-            pinned_changed = cfg.pinned != w.config.pinned
-            w.config = cfg
-            w.log_path = self._log_dir / f"worker-{cfg.id}.log"
-            if w.phase is Phase.REMOVING:  # added back before its worker exited: start it again
-                w.lifecycle.transition(Phase.RESTARTING)
-            if pinned_changed:
-                self._pin(cfg.id, cfg.pinned)
-            if changed or arena_changed:
-                if w.phase is Phase.FAILED:
-                    w.crash_times.clear()
-                    self._spawn(w)
-                elif w.alive:
-                    self._stop(w, Phase.RESTARTING)
-            self._arm_idle(w)
-        self._publish(EventKind.MESSAGE, None, "configuration applied")
 
     # ---- idle release (pool thread) ------------------------------------------------------
 
@@ -719,30 +579,15 @@ class PoolHandlers(PoolThread):
             extra={"watchdog": why, "pid": w.pid, "killed_at": at},
         )
 
-    # ---- shutdown (pool thread) ----------------------------------------------------------
-
-    def _begin_shutdown(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
-        self._timers.clear()
-        procs = []
-        for w in self._workers.values():
-            w.fail_all(ModelUnavailableError(_SHUTTING_DOWN))
-            w.pending.clear()
-            if w.proc is not None:
-                if w.phase not in (Phase.STOPPING, Phase.REMOVING):
-                    w.lifecycle.transition(Phase.STOPPING)
-                if not w.send(protocol.Shutdown(save_kv=True)):
-                    _signal_group(w.proc, signal.SIGTERM)
-                procs.append((w.id, w.proc))
-        self._publish(EventKind.MESSAGE, None, "stopping all models")
-        return procs
+    # ---- the loop's end (pool thread) ----------------------------------------------------
 
     def _loop_ended(self) -> None:
         self._watchdog.close()
         for w in self._workers.values():  # fail whatever is still waiting (nothing should be)
-            w.fail_all(ModelUnavailableError(_SHUTTING_DOWN))
+            w.fail_all(ModelUnavailableError(SHUTTING_DOWN))
 
 
-def _unavailable(w: WorkerRecord) -> str:
+def unavailable(w: WorkerRecord) -> str:
     """Why a FAILED model does not answer, naming it by id, and what to do."""
     who = w.id if w.config.display_name == w.id else f"{w.config.display_name} ({w.id})"
     return (

@@ -1,7 +1,8 @@
 """The pool: :class:`Pool`, the supervisor of one worker process per model; its public methods.
 
-The pool thread's side (worker records, messages, exits, timers) is ``handlers.py``; a worker's
-lifecycle, its states and allowed transitions, ``lifecycle.py``.
+The pool thread's side is ``handlers.py`` (worker records, messages, exits, timers) and
+``commands.py`` (what these public methods run there); a worker's lifecycle, its states and allowed
+transitions, ``lifecycle.py``.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from ..config.schema import Config
 from ..errors import ModelUnavailableError
 from ..state import ModelState, PoolSnapshot, ReleaseLevel, parse_release_level
 from ..worker import protocol
+from .commands import PoolCommands
 from .configure import check_config
 from .generation import Generation, make_request
-from .handlers import PoolHandlers
 from .process import end_processes
 
 log = logging.getLogger(__name__)
 
 
-class Pool(PoolHandlers):
+class Pool(PoolCommands):
     """Supervisor of one worker process per configured model.
 
     One worker process per configured model (``python -m timeshare.core.worker``), spawned with a
