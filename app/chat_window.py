@@ -1,28 +1,26 @@
 """The chat window: conversations on the left, the transcript (Markdown) and the input on the right.
 
 Answers stream on a Python thread that only iterates ChatService's ``ChatTurn`` and emits
-signals; everything that touches widgets runs on the GUI thread. Focusing the input or typing in
-it pre-wakes the conversation's model (restore ahead of the request) unless the setting is off.
+signals (answer_stream.py); everything that touches widgets runs on the GUI thread. Focusing the
+input or typing in it pre-wakes the conversation's model (restore ahead of the request) unless the
+setting is off.
 While the user waits (a load, the GPU, a restore, the prompt being read) a line under the
 transcript says for what and for how long. Each conversation keeps its answer settings (system
-prompt, temperature, max tokens), edited in the panel the "Answer settings" button opens.
+prompt, temperature, max tokens), edited in the panel the "Answer settings" button opens
+(chat_widgets.py, with the input box and the model picker).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QFocusEvent, QGuiApplication, QKeyEvent
+from PySide6.QtCore import QEvent, Qt, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QGuiApplication
 from PySide6.QtWidgets import (
-    QComboBox,
-    QDoubleSpinBox,
-    QFormLayout,
     QHBoxLayout,
     QInputDialog,
     QLabel,
@@ -30,11 +28,9 @@ from PySide6.QtWidgets import (
     QListWidgetItem,
     QMainWindow,
     QMessageBox,
-    QPlainTextEdit,
     QProgressBar,
     QPushButton,
     QSizePolicy,
-    QSpinBox,
     QSplitter,
     QTextBrowser,
     QToolButton,
@@ -44,9 +40,10 @@ from PySide6.QtWidgets import (
 
 from ..core.errors import TimeshareError
 from ..core.state import ModelState, PoolSnapshot
-from ..core.store import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from . import icons
+from .answer_stream import AnswerStream
 from .bridge import PoolBridge
+from .chat_widgets import AnswerSettingsPanel, InputBox, ModelPicker
 from .menu_model import display_state
 from .qt_compat import emit
 from .transcript import (
@@ -54,70 +51,19 @@ from .transcript import (
     answer_line,
     failure_line,
     history_markdown,
-    settings_summary,
     with_live_answer,
 )
 from .waits import WaitClock, chat_wait_kind, chat_wait_line
 
 if TYPE_CHECKING:
-    from ..core.chat import ChatResult, ChatService, ChatTurn
-    from ..core.store import AnswerStats, Conversation, Store
+    from ..core.chat import ChatResult, ChatService
+    from ..core.store import AnswerStats, Store
 
 log = logging.getLogger(__name__)
 
 PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
 RENDER_INTERVAL_MS = 50  # streamed text is re-rendered at most 20 times a second
 WAIT_TICK_MS = 500  # the waiting line's seconds are updated this often
-SAVE_PROMPT_MS = 400  # a typed system prompt is saved this long after the last key
-MAX_TOKENS_LIMIT = 32768  # the most the max-tokens box allows (the model's context limits it anyway)
-
-
-class _Stream(QObject):
-    """Iterates one answer (a ChatTurn) on a Python thread; its signals reach the GUI thread queued."""
-
-    piece = Signal(str)
-    first_token = Signal()
-    finished = Signal(object, object)  # (result or None, error or None)
-
-    def __init__(self, generation: ChatTurn) -> None:
-        super().__init__()
-        self.generation = generation
-        self.first_at: float | None = None  # when the first piece arrived
-        self._thread = threading.Thread(target=self._run, name="chat-stream", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for text in self.generation:
-                if self.first_at is None:
-                    self.first_at = time.monotonic()
-                    emit(self.first_token)
-                emit(self.piece, text)
-            result = self.generation.result(timeout=30.0)
-            emit(self.finished, result, None)
-        except Exception as e:
-            emit(self.finished, None, e)
-
-
-class _InputBox(QPlainTextEdit):
-    """Enter sends, Shift+Enter makes a new line; focus is reported (pre-wake)."""
-
-    submitted = Signal()
-    focused = Signal()
-
-    def keyPressEvent(self, event: QKeyEvent) -> None:
-        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
-            event.modifiers() & Qt.KeyboardModifier.ShiftModifier
-        ):
-            emit(self.submitted)
-            return
-        super().keyPressEvent(event)
-
-    def focusInEvent(self, event: QFocusEvent) -> None:
-        super().focusInEvent(event)
-        emit(self.focused)
 
 
 class ChatWindow(QMainWindow):
@@ -142,7 +88,7 @@ class ChatWindow(QMainWindow):
         self.chat = chat
         self._prewake_enabled = prewake_enabled
         self._last_prewake: dict[str, float] = {}
-        self._stream: _Stream | None = None
+        self._stream: AnswerStream | None = None
         self._stream_conversation: str | None = None
         self._partial = ""
         # (conversation id, its model id, Markdown of its stored messages): what render ticks reuse
@@ -152,7 +98,6 @@ class ChatWindow(QMainWindow):
         self.max_tokens: int | None = None
         self._wait_clock = WaitClock()
         self._names: tuple[tuple[str, str], ...] = ()  # (id, name) of the models the transcript names
-        self._options_for: str | None = None  # the conversation whose settings the panel shows
         self._detached = False
         self.setWindowTitle("Timeshare — Chat")
         self.setWindowIcon(icons.app_icon())
@@ -165,10 +110,6 @@ class ChatWindow(QMainWindow):
         self._wait_timer = QTimer(self)  # runs while the user waits: the seconds go on
         self._wait_timer.setInterval(WAIT_TICK_MS)
         self._wait_timer.timeout.connect(self._update_model_state)
-        self._prompt_timer = QTimer(self)
-        self._prompt_timer.setSingleShot(True)
-        self._prompt_timer.setInterval(SAVE_PROMPT_MS)
-        self._prompt_timer.timeout.connect(self._save_options)
         bridge.snapshot_changed.connect(self._on_snapshot)
         self._on_snapshot(bridge.snapshot)
         self.reload_conversations()
@@ -199,7 +140,7 @@ class ChatWindow(QMainWindow):
         rv.setContentsMargins(6, 6, 6, 6)
         top = QHBoxLayout()
         top.addWidget(QLabel("Model:"))
-        self.model_box = QComboBox()
+        self.model_box = ModelPicker()
         self.model_box.setObjectName("model")
         self.model_box.setMinimumWidth(320)
         self.model_box.activated.connect(lambda _i: self._on_model_picked())
@@ -227,7 +168,10 @@ class ChatWindow(QMainWindow):
         self.settings_summary.setStyleSheet("color: gray")
         second.addWidget(self.settings_summary)
         rv.addLayout(second)
-        rv.addWidget(self._settings_panel())
+        self.settings_panel = AnswerSettingsPanel(store=self.store)
+        self.settings_panel.summary_changed.connect(self._show_summary)
+        self.settings_panel.failed.connect(lambda line: self.statusBar().showMessage(line, 10000))
+        rv.addWidget(self.settings_panel)
 
         self.transcript = QTextBrowser()
         self.transcript.setObjectName("transcript")
@@ -254,7 +198,7 @@ class ChatWindow(QMainWindow):
         rv.addWidget(self.wait_row)
 
         bottom = QHBoxLayout()
-        self.input = _InputBox()
+        self.input = InputBox()
         self.input.setObjectName("input")
         self.input.setPlaceholderText("Message (Enter sends, Shift+Enter: new line)")
         self.input.setMaximumHeight(96)
@@ -281,116 +225,19 @@ class ChatWindow(QMainWindow):
         self.setCentralWidget(splitter)
         self.statusBar()
 
-    def _settings_panel(self) -> QWidget:
-        """The current conversation's answer settings (hidden until "Answer settings" is pressed)."""
-        self.settings_panel = QWidget()
-        self.settings_panel.setObjectName("answer_settings_panel")
-        form = QFormLayout(self.settings_panel)
-        form.setContentsMargins(0, 0, 0, 0)
-        self.system_prompt = QPlainTextEdit()
-        self.system_prompt.setObjectName("system_prompt")
-        self.system_prompt.setPlaceholderText("none — e.g. “Answer in one short paragraph.”")
-        self.system_prompt.setMaximumHeight(60)
-        self.system_prompt.textChanged.connect(lambda: self._prompt_timer.start())
-        self.temperature = QDoubleSpinBox()
-        self.temperature.setObjectName("temperature")
-        self.temperature.setRange(0.0, 2.0)
-        self.temperature.setSingleStep(0.1)
-        self.temperature.setDecimals(2)
-        self.temperature.setSpecialValueText("0 (greedy)")
-        self.temperature.setToolTip(
-            "0: the most likely words, the same answer every time; higher: more varied answers"
-        )
-        self.temperature.setValue(DEFAULT_TEMPERATURE)
-        self.temperature.valueChanged.connect(lambda _v: self._save_options())
-        self.max_tokens_box = QSpinBox()
-        self.max_tokens_box.setObjectName("max_tokens")
-        self.max_tokens_box.setRange(1, MAX_TOKENS_LIMIT)
-        self.max_tokens_box.setSuffix(" tokens")
-        self.max_tokens_box.setValue(DEFAULT_MAX_TOKENS)
-        self.max_tokens_box.setToolTip("An answer stops after this many tokens (about ¾ of a word each)")
-        self.max_tokens_box.valueChanged.connect(lambda _v: self._save_options())
-        numbers = QHBoxLayout()
-        numbers.addWidget(self.temperature)
-        numbers.addWidget(QLabel("Longest answer:"))
-        numbers.addWidget(self.max_tokens_box)
-        numbers.addStretch(1)
-        form.addRow("System prompt:", self.system_prompt)
-        form.addRow("Temperature:", numbers)
-        note = QLabel("Kept with the conversation; used from its next answer on.")
-        note.setStyleSheet("color: gray")
-        form.addRow(note)
-        self.settings_panel.hide()
-        return self.settings_panel
-
     def _show_settings(self, shown: bool) -> None:
         self.settings_panel.setVisible(shown)
         self.settings_button.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
 
-    def _load_options(self, conversation: Conversation | None) -> None:
-        """Show a conversation's settings in the panel (nothing is saved by doing so). With no
-        conversation the panel keeps what it shows: the first conversation made gets it."""
-        self._prompt_timer.stop()
-        self._options_for = conversation.id if conversation is not None else None
-        if conversation is None:
-            return
-        boxes = (self.system_prompt, self.temperature, self.max_tokens_box)
-        for box in boxes:
-            box.blockSignals(True)
-        self.system_prompt.setPlainText(conversation.system_prompt)
-        self.temperature.setValue(conversation.temperature)
-        self.max_tokens_box.setValue(conversation.max_tokens)
-        for box in boxes:
-            box.blockSignals(False)
-        self._show_summary(conversation)
-
-    def _show_summary(self, conversation: Conversation) -> None:
-        summary = settings_summary(conversation)
+    def _show_summary(self, summary: str) -> None:
         self.settings_button.setToolTip(f"This conversation's answers: {summary}")
         self.settings_summary.setText(f"Answers: {summary}")
-
-    def _save_options(self) -> None:
-        """Save the panel's values to the conversation they belong to."""
-        self._prompt_timer.stop()
-        conv_id = self._options_for
-        if conv_id is None or self._detached:
-            return  # no conversation yet: the panel keeps the values for the first one
-        try:
-            conversation = self.store.set_options(
-                conv_id,
-                system_prompt=self.system_prompt.toPlainText().strip(),
-                temperature=round(self.temperature.value(), 2),
-                max_tokens=self.max_tokens_box.value(),
-            )
-        except (TimeshareError, ValueError) as e:
-            self.statusBar().showMessage(f"Could not save the answer settings: {e}", 10000)
-            return
-        self._show_summary(conversation)
 
     # ---- state from the pool -----------------------------------------------------------------
 
     def _on_snapshot(self, snapshot: PoolSnapshot) -> None:
         current = self.model_box.currentData()
-        ids = [m.id for m in snapshot.models]
-        same_models = ids == [self.model_box.itemData(i) for i in range(self.model_box.count())]
-        self.model_box.blockSignals(True)
-        if not same_models:
-            self.model_box.clear()
-        for index, m in enumerate(snapshot.models):
-            label = f"{m.display_name} — {display_state(m)}"
-            if m.id == snapshot.holder:
-                label += " (GPU)"
-            if same_models:  # relabel in place: an open popup stays open
-                self.model_box.setItemText(index, label)
-            else:
-                self.model_box.addItem(label, m.id)
-            tip = f"{m.path}\nLicence: {m.licence}" if m.licence else m.path
-            self.model_box.setItemData(index, tip, Qt.ItemDataRole.ToolTipRole)
-        if not same_models and current is not None:
-            index = self.model_box.findData(current)
-            if index >= 0:
-                self.model_box.setCurrentIndex(index)
-        self.model_box.blockSignals(False)
+        self.model_box.show_models(snapshot)
         if current is None and self.current_conversation() is not None:
             self._select_model_of_current()
         names = tuple((m.id, m.display_name) for m in snapshot.models)
@@ -470,12 +317,11 @@ class ChatWindow(QMainWindow):
         self._on_conversation_changed()
 
     def _on_conversation_changed(self) -> None:
-        if self._prompt_timer.isActive():
-            self._save_options()  # a system prompt still being typed belongs to the one left
+        self.settings_panel.save_typed()  # a system prompt still being typed belongs to the one left
         conv_id = self.current_conversation()
-        if conv_id != self._options_for:
+        if conv_id != self.settings_panel.conversation_id:
             self.statusBar().clearMessage()  # the last answer's line belongs to the one left
-        self._load_options(self.store.get(conv_id) if conv_id is not None else None)
+        self.settings_panel.load(self.store.get(conv_id) if conv_id is not None else None)
         self._select_model_of_current()
         self.render_transcript()
         self._update_buttons()
@@ -498,9 +344,9 @@ class ChatWindow(QMainWindow):
             self.statusBar().showMessage("Add a model first (tray menu → Add model…).", 8000)
             return None
         conv = self.store.create_conversation(model_id)
-        if self._options_for is None:  # settings chosen before there was a conversation: its own
-            self._options_for = conv.id
-            self._save_options()
+        if self.settings_panel.conversation_id is None:  # settings chosen before there was one: its own
+            self.settings_panel.conversation_id = conv.id
+            self.settings_panel.save()
         self.reload_conversations(select=conv.id)
         self.input.setFocus()
         return str(conv.id)
@@ -612,8 +458,7 @@ class ChatWindow(QMainWindow):
             conv_id = self.new_conversation()
             if conv_id is None:
                 return
-        if self._prompt_timer.isActive():
-            self._save_options()  # the system prompt just typed counts for this answer
+        self.settings_panel.save_typed()  # the system prompt just typed counts for this answer
         try:
             model_id = self.store.get(conv_id).model_id
             prewoken = model_id in self._last_prewake  # the window restored it while the user typed
@@ -638,7 +483,7 @@ class ChatWindow(QMainWindow):
         self._partial = ""
         self._got_first_token = False
         self._stream_conversation = conv_id
-        stream = _Stream(turn)
+        stream = AnswerStream(turn)
         stream.piece.connect(self._on_piece)
         stream.first_token.connect(self._on_first_token)
         stream.finished.connect(self._on_finished)
@@ -728,8 +573,7 @@ class ChatWindow(QMainWindow):
         """Stop reacting to the pool and to timers (before the store closes)."""
         self._render_timer.stop()
         self._wait_timer.stop()
-        if self._prompt_timer.isActive():
-            self._save_options()
+        self.settings_panel.detach()
         if self._stream is not None:
             self._stream.generation.cancel()
         with contextlib.suppress(RuntimeError, TypeError):

@@ -108,25 +108,26 @@ def test_a_load_shows_its_stage_and_fraction(qtbot: Any, app: Any) -> None:
 def test_answer_settings_are_kept_per_conversation(qtbot: Any, app: Any) -> None:
     publish(qtbot, app, model("smol", ModelState.RELEASED, "SmolLM2"))
     window = app.window
+    panel = window.settings_panel
     first = window.new_conversation("smol")
     window.settings_button.click()
     assert not window.settings_panel.isHidden()
     assert window.settings_summary.text() == "Answers: greedy · up to 512 tokens"
-    window.system_prompt.setPlainText("Answer in French.")
-    window.temperature.setValue(0.7)
-    window.max_tokens_box.setValue(64)
+    panel.system_prompt.setPlainText("Answer in French.")
+    panel.temperature.setValue(0.7)
+    panel.max_tokens_box.setValue(64)
     qtbot.waitUntil(lambda: app.store.get(first).system_prompt == "Answer in French.", timeout=WAIT_MS)
     conv = app.store.get(first)
     assert (conv.temperature, conv.max_tokens) == (0.7, 64)
     assert window.settings_summary.text() == "Answers: temperature 0.7 · up to 64 tokens · system prompt"
     # another conversation has its own settings; coming back shows the first one's
     second = window.new_conversation("smol")
-    assert window.system_prompt.toPlainText() == "" and window.max_tokens_box.value() == 512
-    window.system_prompt.setPlainText("Be brief.")
+    assert panel.system_prompt.toPlainText() == "" and panel.max_tokens_box.value() == 512
+    panel.system_prompt.setPlainText("Be brief.")
     window.reload_conversations(select=first)  # switching saves what was being typed
     assert app.store.get(second).system_prompt == "Be brief."
-    assert window.system_prompt.toPlainText() == "Answer in French."
-    assert (window.temperature.value(), window.max_tokens_box.value()) == (0.7, 64)
+    assert panel.system_prompt.toPlainText() == "Answer in French."
+    assert (panel.temperature.value(), panel.max_tokens_box.value()) == (0.7, 64)
 
 
 def test_switching_conversation_clears_the_last_answers_line(qtbot: Any, app: Any) -> None:
@@ -169,10 +170,11 @@ def test_an_empty_answer_says_which_stop_string_ended_it(qtbot: Any, app: Any) -
 def test_settings_chosen_before_the_first_conversation_become_its_own(qtbot: Any, app: Any) -> None:
     publish(qtbot, app, model("smol", ModelState.RELEASED, "SmolLM2"))
     window = app.window
+    panel = window.settings_panel
     assert window.current_conversation() is None
-    assert (window.temperature.value(), window.max_tokens_box.value()) == (0.0, 512)  # the defaults
-    window.system_prompt.setPlainText("Be brief.")
-    window.max_tokens_box.setValue(100)
+    assert (panel.temperature.value(), panel.max_tokens_box.value()) == (0.0, 512)  # the defaults
+    panel.system_prompt.setPlainText("Be brief.")
+    panel.max_tokens_box.setValue(100)
     conv_id = window.new_conversation()
     conv = app.store.get(conv_id)
     assert (conv.system_prompt, conv.max_tokens) == ("Be brief.", 100)
