@@ -272,6 +272,9 @@ class TimeshareApp(QObject):
     def apply_config(self, new: Config) -> None:
         """Adopt settings that were saved: pool, start at login, API."""
         old, self.config = self.config, new
+        dialog = self.settings_dialog
+        if dialog is not None and dialog.isVisible():
+            dialog.adopt_saved_elsewhere(old, new)  # or saving the open draft drops these models
         if new.models != old.models or new.arena != old.arena:
             self.bridge.run_command("apply the new settings", lambda: self.pool.apply_config(new))
         if new.general.start_at_login != autostart.is_enabled():

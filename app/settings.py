@@ -383,6 +383,35 @@ class SettingsDialog(QDialog):
             ):
                 self.models_table.setItem(row, col, QTableWidgetItem(str(text)))
 
+    def adopt_saved_elsewhere(self, old: Config, new: Config) -> list[str]:
+        """The config file changed while this dialog is open ("Get model…", a reload through the
+        API, a located model file): bring those model changes into the draft, so that saving the
+        draft does not undo them. A three-way merge by model id against ``old`` (what this dialog
+        was opened with, or last adopted): a model added elsewhere joins the draft (unless the
+        draft already has that id); one changed or removed elsewhere follows only where the draft
+        still holds it as it was. Returns the ids whose draft entry changed. Saving the draft
+        itself comes back here as a no-op (the draft already equals ``new``)."""
+        before = {m["id"]: m for m in config_files.config_to_dict(old)["models"]}
+        after = {m["id"]: m for m in config_files.config_to_dict(new)["models"]}
+        models: list[Table] = self.draft["models"]
+        changed: list[str] = []
+        for i in reversed(range(len(models))):
+            mid = models[i]["id"]
+            if mid in before and models[i] == before[mid] and after.get(mid) != before[mid]:
+                if mid in after:
+                    models[i] = after[mid]
+                else:
+                    del models[i]
+                changed.append(mid)
+        drafted = {m["id"] for m in models}
+        for mid, model in after.items():
+            if mid not in before and mid not in drafted:
+                models.append(model)
+                changed.append(mid)
+        if changed:
+            self._refresh_models()
+        return changed
+
     def _taken_ids(self, except_row: int | None = None) -> set[str]:
         return {m["id"] for i, m in enumerate(self.draft["models"]) if i != except_row}
 

@@ -635,3 +635,53 @@ def test_with_a_tray_closing_the_window_keeps_running_without_asking(
     assert not app.window.isVisible() and quits == []
     app.tray.clicked.emit()  # clicking the tray icon brings the window back
     assert app.window.isVisible()
+
+
+def test_a_model_added_elsewhere_while_settings_is_open_survives_saving_the_draft(
+    qtbot: Any, bare_app: Any, config_path: Path, smollm2_path: Path, gemma3_path: Path
+) -> None:
+    """The "Get model…" dialog (or a reload through the API) saves a config with a new model while
+    Settings is open: the open draft adopts it, so saving the draft does not drop it; the user's
+    own edits in the draft stay."""
+    app = bare_app(tray=True)
+    app.start(background=True)
+    commands: list[str] = []
+    app.bridge.run_command = lambda what, fn: commands.append(what)  # no workers in this test
+    first = smol_config(smollm2_path)
+    app.apply_config(first)
+    dialog = app.open_settings()
+    assert [m["id"] for m in dialog.draft["models"]] == ["smol"]
+    dialog.api_port.setValue(8123)  # an edit in the open dialog
+
+    gemma = ModelConfig(id="gemma", path=str(gemma3_path), name="Gemma")
+    renamed = dataclasses.replace(first.models[0], name="SmolLM2 (renamed elsewhere)")
+    elsewhere = dataclasses.replace(first, models=(renamed, gemma))
+    config_files.save_config(elsewhere, config_path)
+    app.apply_config(elsewhere)  # what the Get-model dialog's config_saved does
+    assert [m["id"] for m in dialog.draft["models"]] == ["smol", "gemma"]
+    assert dialog.models_table.rowCount() == 2
+    assert dialog.draft["models"][0]["name"] == "SmolLM2 (renamed elsewhere)"  # the draft had not changed it
+
+    assert dialog.save() is True
+    saved = config_files.load_config(config_path)
+    assert [m.id for m in saved.models] == ["smol", "gemma"] and saved.api.port == 8123
+    assert saved.models[0].name == "SmolLM2 (renamed elsewhere)"
+
+
+def test_adopting_changes_from_elsewhere_keeps_what_the_draft_changed(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path, gemma3_path: Path
+) -> None:
+    first = smol_config(smollm2_path)
+    dialog = dialog_for(qtbot, first, bridge, config_path)
+    dialog.draft["models"][0]["name"] = "mine"  # edited in the dialog
+    theirs = dataclasses.replace(first.models[0], name="theirs")
+    assert dialog.adopt_saved_elsewhere(first, dataclasses.replace(first, models=(theirs,))) == []
+    assert dialog.draft["models"][0]["name"] == "mine"
+    # removed elsewhere while unchanged here: it goes; the draft's own new model stays
+    dialog.draft["models"][0] = config_files.config_to_dict(first)["models"][0]
+    dialog.draft["models"].append({"id": "gemma", "path": str(gemma3_path)})
+    assert dialog.adopt_saved_elsewhere(first, dataclasses.replace(first, models=())) == ["smol"]
+    assert [m["id"] for m in dialog.draft["models"]] == ["gemma"]
+    # saving the draft itself comes back as a no-op
+    saved = dialog.validated()
+    assert saved is not None and dialog.adopt_saved_elsewhere(first, saved) == []
