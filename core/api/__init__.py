@@ -6,7 +6,9 @@ Endpoints (see docs/API.md):
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (``"stream": true`` answers with SSE and
   ends with ``data: [DONE]``), routed to a model by the ``model`` field
 - ``GET /timeshare/v1/status``: the GPU holder, every model's state, switch statistics
-- ``POST /timeshare/v1/models/{id}/pin|unpin|sleep|wake``
+- ``POST /timeshare/v1/models/{id}/pin|unpin|sleep|wake|start``, ``POST /timeshare/v1/reload``
+  (re-read the config file and apply it)
+- ``GET /health`` (no key needed): the server is up
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. The server binds to
 loopback by default; with ``api.key`` set every request needs ``Authorization: Bearer <key>``, and

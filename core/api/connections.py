@@ -4,7 +4,7 @@ broken or hostile clients, and logging that such clients cannot flood.
 - A connection must deliver each request head within ``head_timeout_s`` (a fresh connection, the
   next request on a kept-alive one, a head that trickles in byte by byte); otherwise it is closed
   (with a 408 when part of a head had arrived). Idle kept-alive connections close after
-  ``KEEP_ALIVE_S`` (uvicorn's own timer); a body that stalls is the handlers' ``BODY_TIMEOUT_S``.
+  ``KEEP_ALIVE_S`` (uvicorn's own timer); a body that stalls is ``requests.BODY_TIMEOUT_S``.
 - At most ``max_connections`` are open, derived from the open-files limit (``RLIMIT_NOFILE``) so
   that the pool's workers and files keep descriptors: a new connection beyond it closes the one
   that has waited longest without a request in progress, or, when every one is busy, gets a 503.
