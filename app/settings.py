@@ -96,6 +96,8 @@ def _clear_on_edit(problems: QLabel, *fields: QWidget) -> None:
             w.toggled.connect(lambda _c: clear())
         elif isinstance(w, QComboBox):
             w.currentIndexChanged.connect(lambda _i: clear())
+            if w.isEditable():
+                w.editTextChanged.connect(lambda _t: clear())
 
 
 def _lay_out(
@@ -320,6 +322,8 @@ class SettingsDialog(QDialog):
             self.problems,
             self.quantum,
             self.wait_timeout,
+            self.vram_budget,
+            self.hung_holder,
             self.arena_dir,
             self.api_enabled,
             self.api_host,
@@ -538,9 +542,25 @@ class SettingsDialog(QDialog):
         self.wait_timeout.setValue(float(arena.get("wait_timeout_s", 300.0)))
         self.arena_dir = QLineEdit(str(arena.get("dir") or ""))
         self.arena_dir.setPlaceholderText("default (the runtime folder)")
+        self.vram_budget = QComboBox()
+        self.vram_budget.setEditable(True)  # or a size ("20GB", "12000MiB") or a share ("80%")
+        self.vram_budget.addItems(["auto", "one-model"])
+        self.vram_budget.setCurrentText(str(arena.get("vram_budget", "auto")))
+        self.vram_budget.setToolTip(
+            "auto: what the GPU has free at start, less a margin and what each model keeps there "
+            "while asleep; one-model: one model's weights at a time; or a size (20GB, 12000MiB) "
+            "or a share (80%). Models that fit together stay on the GPU together."
+        )
+        self.hung_holder = QDoubleSpinBox()
+        self.hung_holder.setRange(0, 24 * 3600)
+        self.hung_holder.setSuffix(" s")
+        self.hung_holder.setSpecialValueText("never")
+        self.hung_holder.setValue(float(arena.get("hung_holder_s", 30.0)))
         form = QFormLayout()
         form.addRow("A busy model keeps the GPU at least:", self.quantum)
         form.addRow("A request waits for the GPU at most:", self.wait_timeout)
+        form.addRow("VRAM for model weights:", self.vram_budget)
+        form.addRow("Restart a GPU holder that stops answering after:", self.hung_holder)
         form.addRow("Arena folder:", self.arena_dir)
         layout = QVBoxLayout(tab)
         layout.addWidget(self.holder_label)
@@ -618,6 +638,8 @@ class SettingsDialog(QDialog):
         arena = draft["arena"]
         arena["min_quantum_ms"] = self.quantum.value()
         arena["wait_timeout_s"] = self.wait_timeout.value()
+        arena["vram_budget"] = self.vram_budget.currentText().strip()
+        arena["hung_holder_s"] = self.hung_holder.value()
         if self.arena_dir.text().strip():
             arena["dir"] = self.arena_dir.text().strip()
         else:

@@ -685,3 +685,22 @@ def test_adopting_changes_from_elsewhere_keeps_what_the_draft_changed(
     # saving the draft itself comes back as a no-op
     saved = dialog.validated()
     assert saved is not None and dialog.adopt_saved_elsewhere(first, saved) == []
+
+
+def test_the_vram_budget_and_the_hung_holder_timeout_are_settings(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
+) -> None:
+    dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
+    assert dialog.vram_budget.currentText() == "auto" and dialog.hung_holder.value() == 30.0
+    dialog.vram_budget.setEditText("lots")
+    assert dialog.save() is False and not config_path.exists()
+    assert "arena.vram_budget" in dialog.problems.text()
+    dialog.vram_budget.setEditText("12GB")  # typing clears the message
+    assert dialog.problems.isHidden()
+    dialog.hung_holder.setValue(0)  # shown as "never"
+    assert dialog.hung_holder.text() == "never"
+    assert dialog.save() is True
+    saved = config_files.load_config(config_path)
+    assert saved.arena.vram_budget == "12GB" and saved.arena.hung_holder_s == 0
+    again = dialog_for(qtbot, saved, bridge, config_path)
+    assert again.vram_budget.currentText() == "12GB" and again.hung_holder.value() == 0
