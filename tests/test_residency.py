@@ -546,3 +546,21 @@ def test_bench_residency_end_to_end(small_q4_path: Path) -> None:
     assert r["path"] == "inplace" and r["bitwise_identical"] and r["rebuild_bitwise_identical"]
     assert r["raw_copy_ms"] > 0 and r["reload_model_ctx_ms"] > 0 and r["rebuild_restore_ms"] > 0
     assert r["table"][0]["what"] == "in-place restore (median)"
+
+
+def test_the_residency_measures_on_the_models_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_at follows llama.cpp's main_gpu numbering (GPUs only, in order). Several GPUs cannot
+    exist on these machines, so the device list here is a stand-in (named as such): a CPU, then
+    two CUDA devices."""
+    from timeshare.core.residency import _ggml
+
+    assert _ggml.gpu_at(0) is None  # this CPU-only build has no GPU
+    gpu = _ggml.GGML_BACKEND_DEVICE_TYPE_GPU
+    fake = [
+        _ggml.Device(1, "CPU", _ggml.GGML_BACKEND_DEVICE_TYPE_CPU),
+        _ggml.Device(2, "CUDA0", gpu),
+        _ggml.Device(3, "CUDA1", gpu),
+    ]
+    monkeypatch.setattr(_ggml, "devices", lambda: fake)
+    assert _ggml.gpu_at(0) == fake[1] and _ggml.gpu_at(1) == fake[2]
+    assert _ggml.gpu_at(7) == fake[1]  # no such GPU (the worker refuses that device before loading)

@@ -209,6 +209,15 @@ def first_gpu() -> Device | None:
     return next((d for d in devices() if d.is_gpu), None)
 
 
+def gpu_at(index: int) -> Device | None:
+    """The ``index``-th GPU as llama.cpp counts them for ``main_gpu`` (the first when there is no
+    such GPU; None on a build without one)."""
+    gpus = [d for d in devices() if d.is_gpu]
+    if not gpus:
+        return None
+    return gpus[index] if 0 <= index < len(gpus) else gpus[0]
+
+
 def device_memory(dev: int) -> tuple[int, int]:
     """(free, total) bytes of a device as its backend reports them."""
     free, total = c_size_t(0), c_size_t(0)

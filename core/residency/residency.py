@@ -214,7 +214,9 @@ class Residency:
             )
         check_gguf(self.model_path)
         self._file_id = _FileId.of(self.model_path)
-        self._gpu = _ggml.first_gpu()
+        # the model's own GPU (``models[].device`` loads with split mode none and main_gpu):
+        # freed bytes and the backend name are measured there, not on GPU 0
+        self._gpu = _ggml.gpu_at(int(getattr(getattr(llm, "model_params", None), "main_gpu", 0) or 0))
         want_pinned = self._opts.host_shadow == "pinned"
         mode = self._opts.mode
         if mode not in ("auto", "inplace", "rebuild"):
