@@ -47,9 +47,17 @@ PLACEHOLDER = "user/repo, user/repo:Q4_K_M, user/repo/file.gguf, or https://…/
 
 
 def vram_budget(snapshot: PoolSnapshot) -> int | None:
-    """The GPU memory a model may use, when something tells it. Nothing does yet (the pool does
-    not measure the device's memory): None, and the dialog says the fit is unknown."""
-    return None
+    """The GPU memory a new model's weights may use: the largest weights budget of this pool's
+    GPUs (``devices[].budget_bytes``: an ``auto`` budget after the reserves, or a size or share of
+    ``arena.vram_budget``; other models are released to make room). None when nothing tells it:
+    no worker has loaded on a GPU yet, or the budget is ``one-model`` (then the dialog says the
+    fit is unknown)."""
+    budgets = [
+        d.budget_bytes
+        for d in snapshot.devices
+        if d.budget_bytes is not None and d.name and not d.name.upper().startswith("CPU")
+    ]
+    return max(budgets, default=None)
 
 
 def fit_text(size: int | None, snapshot: PoolSnapshot) -> str:
@@ -246,10 +254,13 @@ class GetModelDialog(QDialog):
         if listing.choices and not any(
             fit_text(c.size, snapshot) in ("fits", "too big") for c in listing.choices
         ):
-            notes.append(
-                "GPU fit unknown: Timeshare does not know the GPU's memory budget yet; the size is "
-                "what the weights need."
+            one_model = any(d.budget == "one-model" for d in snapshot.devices)
+            why = (
+                "with arena.vram_budget = one-model Timeshare does not measure the GPU's memory"
+                if one_model
+                else "Timeshare does not know the GPU's memory budget yet (no model has loaded on it)"
             )
+            notes.append(f"GPU fit unknown: {why}; the size is what the weights need.")
         self.info.setText(" ".join(notes))
         self._select_default(listing)
         self._update_buttons()

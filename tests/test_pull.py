@@ -606,3 +606,34 @@ def test_settings_get_model_adds_to_the_draft(
         qtbot.mouseClick(dialog.download_button, Qt.MouseButton.LeftButton)
     assert [m["id"] for m in settings.draft["models"]] == ["tiny-q4_k_m"]
     assert load_config(config_path).models == ()  # saved with the settings, not before
+
+
+@pytest.mark.gui
+def test_the_gpu_column_uses_the_pools_vram_budget(
+    qtbot: Any, hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    """With a byte budget on a GPU the column says fits / too big against the weights budget the
+    pool reports (devices[].budget_bytes); under one-model it says why it cannot tell."""
+    from timeshare.app.get_model import GetModelDialog, fit_text
+    from timeshare.core.state import DeviceStatus
+
+    q8 = len(ggufs["q8"])
+    budget = int(q8 * 1.5)  # Q4_K_M and Q8_0 fit (with the tenth for the KV cache), F16 not
+    assert len(ggufs["f16"]) * 1.1 > budget >= q8 * 1.1
+    gpu = PoolSnapshot(devices=(DeviceStatus(0, "CUDA0", "20GB", budget_bytes=budget),))
+    assert fit_text(q8, gpu) == "fits" and fit_text(len(ggufs["f16"]), gpu) == "too big"
+    hub.repos[REPO] = _three_quants(ggufs)
+    dialog = GetModelDialog(lambda: gpu, _config(tmp_path), source=f"hf.co/{REPO}")
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _look_up(qtbot, dialog, 3)
+    assert [dialog.table.item(r, 2).text() for r in range(3)] == ["fits", "fits", "too big"]
+    assert "GPU fit unknown" not in dialog.info.text()
+
+    one_model = PoolSnapshot(devices=(DeviceStatus(0, "CUDA0", "one-model"),))
+    assert fit_text(q8, one_model) == "unknown"
+    other = GetModelDialog(lambda: one_model, _config(tmp_path / "b"), source=f"hf.co/{REPO}")
+    qtbot.addWidget(other)
+    other.show()
+    _look_up(qtbot, other, 3)
+    assert "with arena.vram_budget = one-model" in other.info.text()
