@@ -292,6 +292,14 @@ def test_chat_bad_max_tokens(served: Served) -> None:
     assert done.returncode == 2 and "--max-tokens must be at least 1" in done.stderr
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C (SIGINT) does what it does in a terminal. A test run
+    started in the background by a non-interactive shell (``pytest &``) ignores SIGINT, children
+    inherit that, and Python keeps an ignored SIGINT ignored: the Ctrl-C tests would then see
+    their SIGINT vanish."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_chat_streams_and_ctrl_c_cancels(served: Served) -> None:
     before = served.status()["switch_stats"]["cancelled_by_disconnect"]  # type: ignore[index]
     with subprocess.Popen(
@@ -299,6 +307,7 @@ def test_chat_streams_and_ctrl_c_cancels(served: Served) -> None:
         env=serve_env(served.home),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_default_sigint,
     ) as proc:
         try:
             assert proc.stdout is not None
@@ -327,7 +336,15 @@ class _Terminal:
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.master, slave = pty.openpty()
-        self.proc = subprocess.Popen(argv, env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            close_fds=True,
+            preexec_fn=_default_sigint,
+        )
         os.close(slave)
         self.seen = b""
         self.pos = 0
