@@ -1,5 +1,5 @@
 """The processes ``timeshare bench api`` drives and its HTTP client: ``timeshare serve`` in its own
-home, llama-server, a fresh Python process that loads a GGUF and prefills (``--fresh-child``)."""
+home, llama-server, and the fresh process (core/diagnostics/fresh_process.py) with this bench's fields."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TimeshareError
+from . import fresh_process as fresh_process_
 
 MAX_TOKENS = 8  # per turn: the benchmark is about the first token
 START_TIMEOUT_S = 600.0
@@ -235,60 +236,11 @@ class Serve:
 
 def fresh_process(path: str, n_ctx: int, prompt: str, flash_attn: bool, work: Path) -> dict[str, Any]:
     """A new Python process: load the GGUF, prefill ``prompt``, sample one token."""
-    spec = json.dumps({"path": path, "n_ctx": n_ctx, "prompt": prompt, "flash_attn": flash_attn})
-    started = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "timeshare.core.diagnostics.bench_api_procs", "--fresh-child"],
-        input=spec,
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT_S,
-        check=False,
-        cwd=work,
+    r = fresh_process_.run(
+        path, n_ctx, prompt=prompt, flash_attn=flash_attn, timeout=START_TIMEOUT_S, cwd=work
     )
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        raise TimeshareError(f"the fresh process failed (exit {proc.returncode}): {tail}")
-    child: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    child["ttft_ms"] = (child.pop("first_token_at") - started) * 1000.0
-    return child
-
-
-def _fresh_child() -> int:
-    """In the fresh process (``python -m timeshare.core.diagnostics.bench_api_procs --fresh-child``)."""
-    import llama_cpp  # noqa: F401  (before anything that imports numpy)
-
-    from ..config.schema import ModelConfig
-    from ..worker.engine import Engine
-    from ..worker.protocol import Generate
-
-    spec = json.loads(sys.stdin.read())
-    t0 = time.perf_counter()
-    model = ModelConfig(
-        id="fresh", path=spec["path"], n_ctx=int(spec["n_ctx"]), flash_attn=bool(spec["flash_attn"])
-    )
-    engine = Engine.load(model)
-    load_ms = (time.perf_counter() - t0) * 1000.0
-    first: list[float] = []
-
-    def emit(_text: str) -> None:
-        if not first:
-            first.append(time.time())
-
-    req = Generate(req="fresh", prompt=spec["prompt"], max_tokens=1, temperature=0.0, cache_prompt=False)
-    outcome = engine.generate(req, emit)
-    engine.close()
-    print(
-        json.dumps(
-            {
-                "load_ms": load_ms,
-                "prompt_tokens": outcome.prompt_tokens,
-                "prompt_tokens_evaluated": outcome.prompt_tokens_evaluated,
-                "first_token_at": first[0] if first else time.time(),
-            }
-        )
-    )
-    return 0
+    keys = ("load_ms", "prompt_tokens", "prompt_tokens_evaluated")
+    return {**{k: r[k] for k in keys}, "ttft_ms": r["process_ttft_ms"]}
 
 
 # ---- llama-server ---------------------------------------------------------------------------
@@ -350,7 +302,3 @@ def decode_rate(row: dict[str, Any]) -> float | None:
     n = row.get("completion_tokens") or 0
     span = (row["total_ms"] - row["ttft_ms"]) / 1000.0
     return (n - 1) / span if n > 1 and span > 0 else None
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["--fresh-child"]:
-    sys.exit(_fresh_child())

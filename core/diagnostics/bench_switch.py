@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import TimeshareError
 from ..modelfile import gguf_problem
+from . import fresh_process
 
 log = logging.getLogger(__name__)
 
@@ -123,62 +124,15 @@ def _wait_state(pool: Any, model: str, state: str, timeout: float = 60.0) -> Non
 
 def _reload_in_fresh_process(path: str, n_ctx: int, messages: list[dict[str, str]]) -> dict[str, Any]:
     """A new Python process: load the GGUF, prefill the whole conversation, sample one token."""
-    spec = json.dumps({"path": path, "n_ctx": n_ctx, "messages": messages})
-    started = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "timeshare.core.diagnostics.bench_switch", "--reload-child"],
-        input=spec,
-        capture_output=True,
-        text=True,
-        timeout=LOAD_TIMEOUT_S,
-        check=False,
-    )
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-3:]
-        raise TimeshareError(f"the fresh-process reload failed (exit {proc.returncode}): {' | '.join(tail)}")
-    child: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    child["process_ttft_ms"] = (child.pop("first_token_at") - started) * 1000
-    return child
-
-
-def _reload_child() -> int:
-    """Runs in the fresh process (``python -m timeshare.core.bench_switch --reload-child``)."""
-    import llama_cpp  # noqa: F401  (before anything that pulls numpy)
-
-    from ..config.schema import ModelConfig
-    from ..worker.engine import Engine
-    from ..worker.protocol import ChatMessage, Generate
-
-    spec = json.loads(sys.stdin.read())
-    t0 = time.perf_counter()
-    engine = Engine.load(ModelConfig(id="reload", path=spec["path"], n_ctx=int(spec["n_ctx"])))
-    t1 = time.perf_counter()
-    first: list[float] = []
-
-    def emit(_text: str) -> None:
-        if not first:
-            first.append(time.perf_counter())
-            first.append(time.time())
-
-    messages = tuple(ChatMessage(role=m["role"], content=m["content"]) for m in spec["messages"])
-    outcome = engine.generate(Generate(req="reload", messages=messages, max_tokens=1, temperature=0.0), emit)
-    t2 = time.perf_counter()
-    engine.close()
-    if not first:  # the token had no text of its own
-        first = [t2, time.time()]
-    print(
-        json.dumps(
-            {
-                "load_ms": (t1 - t0) * 1000,
-                "ttft_ms": (first[0] - t0) * 1000,  # load + full prefill + first token
-                "prefill_first_token_ms": (first[0] - t1) * 1000,
-                "prompt_tokens": outcome.prompt_tokens,
-                "prefilled": outcome.prompt_tokens_evaluated,
-                "first_token_at": first[1],
-            }
-        )
-    )
-    return 0
+    r = fresh_process.run(path, n_ctx, messages=messages, timeout=LOAD_TIMEOUT_S)
+    return {
+        "load_ms": r["load_ms"],
+        "ttft_ms": r["in_process_ttft_ms"],  # load + full prefill + first token
+        "prefill_first_token_ms": r["prefill_first_token_ms"],
+        "prompt_tokens": r["prompt_tokens"],
+        "prefilled": r["prompt_tokens_evaluated"],
+        "process_ttft_ms": r["process_ttft_ms"],
+    }
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -491,7 +445,3 @@ def _fail(args: argparse.Namespace, exc: Exception) -> int:
         print(json.dumps({"error": str(exc), "code": getattr(exc, "code", "error")}))
     print(f"timeshare bench switch: {exc}", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["--reload-child"]:
-    sys.exit(_reload_child())

@@ -1,0 +1,100 @@
+"""The "fresh process" alternative that `bench switch` and `bench api` both measure: a new Python
+process loads a GGUF with the worker's own Engine, prefills a prompt (or chat messages) and
+samples one greedy token, as a tool without Timeshare would after a model change.
+
+``run`` starts ``python -m timeshare.core.diagnostics.fresh_process`` with the job as JSON on
+stdin and returns the child's figures plus ``process_ttft_ms`` (process start to the first token,
+the Python start counted).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import TimeshareError
+
+
+def run(
+    path: str,
+    n_ctx: int,
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    flash_attn: bool = False,
+    timeout: float,
+    cwd: Path | None = None,
+) -> dict[str, Any]:
+    """Load ``path``, prefill ``prompt`` (a completion) or ``messages`` (a chat), one token.
+    Returns load_ms, in_process_ttft_ms (load + prefill + token), prefill_first_token_ms,
+    prompt_tokens, prompt_tokens_evaluated and process_ttft_ms. Raises TimeshareError when the
+    child fails (its last stderr lines), subprocess.TimeoutExpired after ``timeout``."""
+    job = {"path": path, "n_ctx": n_ctx, "prompt": prompt, "messages": messages, "flash_attn": flash_attn}
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "timeshare.core.diagnostics.fresh_process"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,  # not a source checkout's root: `python -m` puts the cwd first on sys.path
+    )
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise TimeshareError(f"the fresh process failed (exit {proc.returncode}): {tail}")
+    child: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    child["process_ttft_ms"] = (child.pop("first_token_at") - started) * 1000.0
+    return child
+
+
+def _child() -> int:
+    """In the fresh process: the job from stdin, one JSON line of figures on stdout."""
+    import llama_cpp  # noqa: F401  (before anything that imports numpy)
+
+    from ..config.schema import ModelConfig
+    from ..worker.engine import Engine
+    from ..worker.protocol import ChatMessage, Generate
+
+    job = json.loads(sys.stdin.read())
+    t0 = time.perf_counter()
+    engine = Engine.load(
+        ModelConfig(id="fresh", path=job["path"], n_ctx=int(job["n_ctx"]), flash_attn=bool(job["flash_attn"]))
+    )
+    t1 = time.perf_counter()
+    first: list[float] = []
+
+    def emit(_text: str) -> None:
+        if not first:
+            first.extend((time.perf_counter(), time.time()))
+
+    if job["messages"] is not None:
+        messages = tuple(ChatMessage(role=m["role"], content=m["content"]) for m in job["messages"])
+        req = Generate(req="fresh", messages=messages, max_tokens=1, temperature=0.0, cache_prompt=False)
+    else:
+        req = Generate(req="fresh", prompt=job["prompt"], max_tokens=1, temperature=0.0, cache_prompt=False)
+    outcome = engine.generate(req, emit)
+    if not first:  # the token had no text of its own
+        first.extend((time.perf_counter(), time.time()))
+    engine.close()
+    print(
+        json.dumps(
+            {
+                "load_ms": (t1 - t0) * 1000.0,
+                "in_process_ttft_ms": (first[0] - t0) * 1000.0,
+                "prefill_first_token_ms": (first[0] - t1) * 1000.0,
+                "prompt_tokens": outcome.prompt_tokens,
+                "prompt_tokens_evaluated": outcome.prompt_tokens_evaluated,
+                "first_token_at": first[1],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())
