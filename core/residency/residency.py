@@ -134,7 +134,8 @@ def _forget_graphs(ctx: Any, llm: Any) -> None:
         )
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """This process's resident set size (``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -332,7 +333,7 @@ class Residency:
         that does not report its usage)."""
         if self.memory_measure == "device" and self._gpu is not None:
             return _ggml.device_memory(self._gpu.handle)[0]
-        return -_rss_bytes()
+        return -rss_bytes()
 
     # -- release / restore --------------------------------------------------------------------
 

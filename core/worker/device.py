@@ -49,19 +49,6 @@ def _host_memory() -> tuple[int, int]:
         return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def own_host_bytes() -> int:
-    """This process's resident anonymous memory (``RssAnon`` in ``/proc/self/status``; ``VmRSS``
-    where the kernel has no split): what a worker's load adds to host memory, free of the noise
-    other processes make in ``MemAvailable``."""
-    fields: dict[str, int] = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            fields[key] = int(parts[0]) * 1024
-    return fields.get("RssAnon", fields.get("VmRSS", 0))
-
-
 def device_memory(index: int) -> DeviceMemory:
     """Total and free bytes of device ``index`` now. Raises ConfigError when there is no such
     device (``models[].device`` names a GPU this machine does not have)."""

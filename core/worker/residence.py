@@ -18,10 +18,11 @@ from ..arena.tickets import Arena
 from ..errors import OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
+from ..residency.residency import rss_bytes
 from ..state import WorkerReleaseLevel
 from ..units import decimal_bytes
 from . import protocol as p
-from .device import DeviceMemory, budget_setting, device_memory, own_host_bytes
+from .device import DeviceMemory, budget_setting, device_memory
 from .engine import Engine
 from .spec import WorkerSpec
 
@@ -259,7 +260,7 @@ class ArenaResidence(Residence):
         the machine (a busy machine measured a negative footprint, so no reserve at all)."""
         if self.device.gpu:
             return device_memory(self.device.index).free
-        return self.device.total - own_host_bytes()
+        return self.device.total - rss_bytes()
 
     def _fit_budget(self, weight_bytes: int) -> None:
         """After the load (holding the load's lease): measure the reserve (auto), refuse weights
