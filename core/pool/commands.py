@@ -19,7 +19,7 @@ from .configure import restart_fields
 from .generation import Generation
 from .handlers import SHUTTING_DOWN, PoolHandlers, unavailable
 from .lifecycle import Phase
-from .process import _signal_group
+from .process import signal_group
 from .record import WorkerRecord
 from .watchdog import tick_period
 
@@ -183,7 +183,7 @@ class PoolCommands(PoolHandlers):
                 if w.phase not in (Phase.STOPPING, Phase.REMOVING):
                     w.lifecycle.transition(Phase.STOPPING)
                 if not w.send(protocol.Shutdown(save_kv=True)):
-                    _signal_group(w.proc, signal.SIGTERM)
+                    signal_group(w.proc, signal.SIGTERM)
                 procs.append((w.id, w.proc))
         self._publish(EventKind.MESSAGE, None, "stopping all models")
         return procs

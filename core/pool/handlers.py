@@ -31,7 +31,7 @@ from ..worker import protocol
 from .codes import error_for
 from .devices import device_statuses
 from .lifecycle import Phase
-from .process import _signal_group, read_log_tail, read_worker, spawn_worker
+from .process import read_log_tail, read_worker, signal_group, spawn_worker
 from .record import WorkerRecord
 from .thread import PoolThread
 from .watchdog import HolderWatchdog, tick_period
@@ -490,7 +490,7 @@ class PoolHandlers(PoolThread):
         w.lifecycle.transition(then)
         w.fail_queued(ModelUnavailableError(f"{w.id} was stopped; send again to start it"))
         if not w.send(protocol.Shutdown(save_kv=True)) and w.proc is not None:
-            _signal_group(w.proc, signal.SIGTERM)
+            signal_group(w.proc, signal.SIGTERM)
         self._publish(EventKind.MESSAGE, w.id, f"{w.id} stopping")
         self._timers.add(self.stop_grace_s, functools.partial(self._escalate, w.id, w.epoch, signal.SIGTERM))
         self._timers.add(
@@ -502,7 +502,7 @@ class PoolHandlers(PoolThread):
         if w is None or w.epoch != epoch or w.proc is None:
             return
         log.warning("%s did not stop in time: %s to its process group", model_id, sig.name)
-        _signal_group(w.proc, sig)
+        signal_group(w.proc, sig)
 
     # ---- idle release (pool thread) ------------------------------------------------------
 
@@ -571,7 +571,7 @@ class PoolHandlers(PoolThread):
                 EventLog(self.event_log, w.id, w.pid).record("killed", at, at, by="watchdog", reason=why)
             except OSError as exc:
                 log.warning("could not record the kill: %s", exc)
-        _signal_group(w.proc, signal.SIGKILL)
+        signal_group(w.proc, signal.SIGKILL)
         self._publish(
             EventKind.MESSAGE,
             w.id,

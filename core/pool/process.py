@@ -75,7 +75,7 @@ def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
     return True
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     """Signal the worker's process group (its own session: pgid == pid). Nothing once the worker
     was reaped: its pid, and so the group id, may belong to someone else by then."""
     if proc.returncode is not None:
@@ -146,7 +146,7 @@ def read_worker(
         log.warning("%s: worker closed its connection but did not exit: killing it", model_id)
     # the exited leader is not reaped yet, so its process group id is still ours: take any
     # process the worker left behind, then reap
-    _signal_group(proc, signal.SIGKILL)
+    signal_group(proc, signal.SIGKILL)
     on_exit(proc.wait())
 
 
@@ -159,12 +159,12 @@ def end_processes(procs: Sequence[tuple[str, subprocess.Popen[bytes]]], timeout:
     for model_id, proc in procs:
         if not _exited(proc):
             log.warning("%s did not exit after Shutdown: SIGTERM to its process group", model_id)
-            _signal_group(proc, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + timeout * 0.3
     for _, proc in procs:
         _wait(proc, deadline - time.monotonic())
     for model_id, proc in procs:
         if not _exited(proc):
             log.warning("%s ignored SIGTERM: SIGKILL to its process group", model_id)
-        _signal_group(proc, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)
         proc.wait()
