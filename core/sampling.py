@@ -1,0 +1,126 @@
+"""The one sampling contract: what a request asks of the sampler, carried unchanged from a front end
+(the HTTP API's dialects, the chat service, the CLI) through the pool to the worker.
+
+``Sampling`` is a frozen msgspec Struct, so it travels inside the pool<->worker frames as it is and
+decodes with its constraints checked. A front end builds one with ``Sampling(**fields)`` from its own
+defaults (``DEFAULTS`` below, one row per front end) and calls ``check`` before handing it on;
+the worker trusts what ``check`` accepted.
+
+Fields (llama.cpp's names and meanings; llama-server's defaults where the worker has one):
+
+- ``max_tokens``: the answer's token limit; ``None`` = until an end-of-generation token, a stop
+  string or the end of the context (a model's own cap, ``ModelConfig.max_tokens``, applies in the
+  worker).
+- ``temperature`` 0 = greedy (the chain is ``greedy`` alone); below 0 = sample from the raw
+  distribution; above 0: ``top_k``, ``top_p``, ``min_p``, ``temp``, ``dist(seed)``.
+- ``min_p`` defaults to 0.05, the value llama-cpp-python's create_completion applied to every
+  sampled request: seeded answers stay what they were.
+- ``seed`` ``None``: a random seed per request. Choice ``i`` of a request with ``n`` choices uses
+  ``seed + i``.
+- penalties (``presence_penalty``, ``frequency_penalty``, ``repeat_penalty`` over the last
+  ``repeat_last_n`` tokens) are llama.cpp's ``penalties`` sampler; neutral values leave it out of
+  the chain.
+- ``logit_bias``: (token id, bias) pairs; ``-inf`` bans a token.
+- ``grammar``: GBNF text (from ``response_format``, tools, or the ``grammar`` extension); with
+  ``grammar_triggers`` it is lazy: it applies from the first match of one of those patterns on
+  (``llama_sampler_init_grammar_lazy_patterns``); without, from the first token. Applied by
+  rejection (sample, check, mask the vocabulary only when the grammar rejects the token).
+- ``logprobs`` / ``top_logprobs``: report the sampled token's log-probability (log-softmax of the
+  raw logits) and the ``top_logprobs`` most likely alternatives per token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+
+#: the most stop strings a request may carry (the API refuses more)
+MAX_STOP = 16
+#: the most alternatives per token ``top_logprobs`` may ask for (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
+#: llama-cpp-python's min_p default (see the module docstring)
+MIN_P = 0.05
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: float = 0.0
+    top_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 40  # 0: no limit
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = MIN_P
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repeat_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    repeat_last_n: Annotated[int, msgspec.Meta(ge=-1)] = 64  # -1: the whole context
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
+    grammar_triggers: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties sampler has anything to do."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repeat_penalty != 1.0)
+
+    def for_choice(self, i: int) -> Sampling:
+        """Choice ``i`` of an ``n``-choice request: the same, seeded ``seed + i``."""
+        if i == 0 or self.seed is None:
+            return self
+        return msgspec.structs.replace(self, seed=self.seed + i)
+
+    def replace(self, **changes: object) -> Sampling:
+        return msgspec.structs.replace(self, **changes)
+
+
+def check(s: Sampling) -> Sampling:
+    """Validate a Sampling built in Python (msgspec checks constraints only when it decodes); raises
+    ValueError naming the field. Returns ``s``."""
+    try:
+        msgspec.convert(msgspec.to_builtins(s), Sampling)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"sampling: {exc}") from None
+    if not math.isfinite(s.temperature) or not -1.0 <= s.temperature <= 2.0:
+        raise ValueError(f"sampling: temperature must be from 0 to 2 (got {s.temperature!r})")
+    if len(s.stop) > MAX_STOP:
+        raise ValueError(f"sampling: at most {MAX_STOP} stop strings (got {len(s.stop)})")
+    if any(not x for x in s.stop):
+        raise ValueError("sampling: a stop string may not be empty")
+    if s.grammar_triggers and not s.grammar:
+        raise ValueError("sampling: grammar_triggers need a grammar")
+    for token, bias in s.logit_bias:
+        if token < 0 or math.isnan(bias):
+            raise ValueError(f"sampling: logit_bias entry ({token}, {bias}) is not a token id and a bias")
+    return s
+
+
+#: Each front end's defaults, in one table: where a field is absent from a request, the front
+#: end's row gives it (then Sampling's own default). "api_chat": OpenAI's chat completions (no
+#: max_tokens: until a stop or the end of the context, as OpenAI and llama-server); "api_completion":
+#: OpenAI's documented 16; "chat_window": the conversation's own settings override these.
+DEFAULTS: dict[str, dict[str, object]] = {
+    "api_chat": {"max_tokens": None, "temperature": 1.0, "top_p": 1.0},
+    "api_completion": {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0},
+    "chat_window": {"max_tokens": None, "temperature": 0.0},
+    "cli": {"max_tokens": None, "temperature": 0.2},
+    "internal": {},  # diagnostics and tests: Sampling's own defaults (greedy)
+}
+
+
+def for_front_end(front_end: str, **fields: object) -> Sampling:
+    """A checked Sampling: the front end's defaults, overridden by ``fields`` (None values of
+    fields other than max_tokens and seed mean "absent")."""
+    merged: dict[str, object] = dict(DEFAULTS[front_end])
+    for key, value in fields.items():
+        if value is None and key not in ("max_tokens", "seed", "grammar"):
+            continue
+        merged[key] = value
+    return check(Sampling(**merged))  # type: ignore[arg-type]
