@@ -34,8 +34,6 @@ it samples on until the character is complete (here: at most ``_UTF8_GRACE`` mor
 
 from __future__ import annotations
 
-import codecs
-import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +42,11 @@ import llama_cpp
 import numpy as np
 
 from ..errors import CancelledError
+from ..sampling import Sampling
 from .protocol import FinishReason
+from .sampler import Sampler
+from .textstream import TextStream
 
-#: llama-cpp-python's default min_p, which create_completion applied to every sampled request
-MIN_P = 0.05
 #: a token limit reached inside a multi-byte character: sample up to this many more tokens to
 #: finish it (create_completion did the same, without a bound)
 _UTF8_GRACE = 4
@@ -62,124 +61,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     y = np.asarray(b[:n], dtype=np.int64)
     differ = np.flatnonzero(x != y)
     return int(differ[0]) if differ.size else n
-
-
-class Sampler:
-    """A llama_sampler chain for one request (free it with ``close``)."""
-
-    def __init__(self, *, temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
-        self.chain: Any = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        if not self.chain:
-            raise RuntimeError("llama_sampler_chain_init failed")
-        self.greedy = temperature == 0.0
-        seed_u32 = llama_cpp.LLAMA_DEFAULT_SEED if seed is None else int(seed) & 0xFFFFFFFF
-        links: list[Any]
-        if self.greedy:
-            links = [llama_cpp.llama_sampler_init_greedy()]
-        elif temperature < 0.0:
-            links = [llama_cpp.llama_sampler_init_dist(seed_u32)]
-        else:
-            links = [
-                llama_cpp.llama_sampler_init_top_k(int(top_k)),
-                llama_cpp.llama_sampler_init_top_p(float(top_p), 1),
-                llama_cpp.llama_sampler_init_min_p(MIN_P, 1),
-                llama_cpp.llama_sampler_init_temp(float(temperature)),
-                llama_cpp.llama_sampler_init_dist(seed_u32),
-            ]
-        for link in links:
-            llama_cpp.llama_sampler_chain_add(self.chain, link)  # the chain owns it now
-
-    def sample(self, ctx: Any) -> int:
-        """Sample (and accept) a token from the last output of the last decode."""
-        return int(llama_cpp.llama_sampler_sample(self.chain, ctx, -1))
-
-    def close(self) -> None:
-        if self.chain:
-            llama_cpp.llama_sampler_free(self.chain)  # frees the samplers of the chain too
-            self.chain = None
-
-
-class TextStream:
-    """Token pieces to text, incrementally, with stop strings (see the module docstring)."""
-
-    def __init__(self, llm: Any, stop: Sequence[str], pieces: dict[int, bytes]) -> None:
-        self._vocab = llm._model.vocab
-        self._bos = int(llm.token_bos())
-        self._stops = [s for s in stop if s]
-        self._pieces = pieces  # token id -> bytes, shared across requests (the engine keeps it)
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
-        self._held = ""  # decoded text not emitted yet: it could be the start of a stop string
-        self._first = True
-        self._buf = ctypes.create_string_buffer(64)
-        self.stop = ""  # the stop string the text ended on
-        self.parts: list[str] = []  # everything emitted
-
-    def _piece(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
-            if n < 0:
-                self._buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
-            piece = self._buf.raw[: max(n, 0)]
-            self._pieces[token] = piece
-        return piece
-
-    def push(self, token: int) -> str:
-        """Add a sampled token; returns the text that may be emitted now ("" while held). After a
-        stop string was found, ``stop`` names it and the text before it has been returned."""
-        piece = self._piece(token)
-        if self._first:
-            self._first = False
-            if token == self._bos and piece.startswith(b" "):  # llama-cpp-python's detokenize
-                piece = piece[1:]
-        window = self._held + self._decoder.decode(piece)
-        if not self._stops:
-            self._held = ""
-            return self._out(window)
-        found = -1
-        for s in self._stops:
-            at = window.find(s)
-            if at >= 0 and (found < 0 or at < found):
-                found, self.stop = at, s
-        if found >= 0:
-            self._held = ""
-            return self._out(window[:found])
-        keep = _held_len(window, self._stops)
-        self._held = window[len(window) - keep :] if keep else ""
-        return self._out(window[: len(window) - keep])
-
-    @property
-    def incomplete(self) -> bool:
-        """Whether the text ends inside a multi-byte character (its first bytes are buffered)."""
-        return bool(self._decoder.getstate()[0])
-
-    def flush(self) -> str:
-        """The answer ended without a stop string: what was held back (an incomplete UTF-8
-        sequence at the end is dropped)."""
-        rest = self._held + self._decoder.decode(b"", final=True)
-        self._held = ""
-        return self._out(rest)
-
-    def _out(self, text: str) -> str:
-        if text:
-            self.parts.append(text)
-        return text
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
-def _held_len(text: str, stops: Sequence[str]) -> int:
-    """The longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for i in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:i]):
-                best = i
-                break
-    return best
 
 
 @dataclass(frozen=True)
@@ -246,12 +127,8 @@ class Decoder:
     def run(
         self,
         tokens: list[int],
+        sampling: Sampling,
         *,
-        max_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        seed: int | None,
         stop: Sequence[str],
         emit: Callable[[str], None],
         before_step: Callable[[], None],
@@ -261,10 +138,11 @@ class Decoder:
         (finish_reason "cancelled"; what was emitted stays the answer)."""
         llm = self.llm
         room = self._n_ctx - len(tokens)
+        max_tokens = sampling.max_tokens or 0
         if max_tokens <= 0 or max_tokens >= room:
             max_tokens = room
         text = TextStream(llm, stop, self._pieces)
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sampler = Sampler(llm, sampling)
         eog = llama_cpp.llama_vocab_is_eog
         vocab = llm._model.vocab
         finish: FinishReason = "length"

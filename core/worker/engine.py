@@ -50,6 +50,7 @@ from ..config.schema import ModelConfig
 from ..errors import ModelFileError, PromptTooLongError
 from ..modelfile import check_model_file
 from ..residency import check_gguf
+from ..sampling import Sampling
 from . import kv_files
 from .decode import Decoder, common_prefix
 from .device import llama_placement
@@ -592,11 +593,13 @@ class Engine:
         try:
             out = self._decoder.run(
                 tokens,
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_k=req.top_k,
-                top_p=req.top_p,
-                seed=req.seed,
+                Sampling(
+                    max_tokens=req.max_tokens,
+                    temperature=req.temperature,
+                    top_k=req.top_k,
+                    top_p=req.top_p,
+                    seed=req.seed,
+                ),
                 stop=stop,
                 emit=emit,
                 before_step=before_step,
