@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError
-from timeshare.core.worker.textstream import TextStream
 from timeshare.core.worker.engine import Engine, GenerationOutcome
 from timeshare.core.worker.protocol import ChatMessage, Generate
+from timeshare.core.worker.textstream import TextStream
 
 PROMPTS = (
     "The three primary colours are",
