@@ -1,0 +1,15 @@
+"""Chat formatting with tools, shared by the worker (which renders prompts) and the API (which
+builds tool grammars and parses answers): no Qt, no llama.cpp context, no I/O.
+
+- ``template``: a GGUF's Jinja chat template rendered as llama.cpp's ``--jinja`` (and
+  transformers) render it, with ``tools``; what the template can show (``TemplateCaps``, found by
+  rendering probes).
+- ``history``: OpenAI chat messages normalised for a template (content null -> "", tool-call
+  arguments as object or string, 9-character ids for Mistral templates, tool history for templates
+  without tool syntax).
+- ``families``: the tool-call formats (Hermes/Qwen, Llama 3.x, Mistral, generic JSON), detected
+  from the template text.
+- ``grammar``: GBNF forcing a family's call syntax with arguments from the functions' JSON
+  schemas (forced, or lazy with trigger patterns).
+- ``parse``: an answer split into reasoning, content and tool calls, whole or streamed.
+"""

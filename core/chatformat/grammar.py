@@ -1,0 +1,168 @@
+"""GBNF grammars for tool calls: the family's call syntax, with each function's arguments from its
+JSON schema (llama-cpp-python's ``llama_grammar.SchemaConverter``, the converter behind its
+``json_schema_to_gbnf``; llama.cpp's C++ one is not in the shipped libraries). The module is loaded
+from its file, without the ``llama_cpp`` package (whose import loads libllama).
+
+``tool_grammar`` is for ``tool_choice: required`` or a named function (the grammar applies from
+the first token, so even a small model writes a call whose arguments validate) and, with
+``tool_triggers``, for ``auto`` (lazy: it applies from the family's call marker on; the text before
+it is the message's content). Trigger patterns follow llama.cpp's lazy-grammar rule: a pattern
+matches the whole text generated so far, and the grammar starts where its first group starts.
+
+A reasoning template (``<think>``) may think first: the grammar allows one ``<think>...</think>``
+block before the calls (after ``</think>`` only, when the prompt opened the block already).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from .families import Family
+
+
+@cache
+def _llama_grammar() -> Any:
+    """llama-cpp-python's ``llama_grammar`` module (pure Python), loaded from its file without
+    importing the ``llama_cpp`` package, whose import loads libllama: the API process, which
+    builds the grammars, never loads llama.cpp."""
+    name = "timeshare_llama_grammar"
+    if name in sys.modules:
+        return sys.modules[name]
+    package = importlib.util.find_spec("llama_cpp")  # found, not imported
+    if package is None or not package.submodule_search_locations:
+        raise ToolGrammarError("llama-cpp-python is not installed: tool grammars need its llama_grammar")
+    path = f"{next(iter(package.submodule_search_locations))}/llama_grammar.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ToolGrammarError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class ToolGrammarError(ValueError):
+    """A function's parameters schema cannot be turned into a grammar (the message names it)."""
+
+
+#: text up to (not including) "</think>"
+_THINK_TEXT = (
+    'think-text ::= ( [^<] | "<" [^/] | "</" [^t] | "</t" [^h] | "</th" [^i] | "</thi" [^n] '
+    '| "</thin" [^k] | "</think" [^>] )*'
+)
+
+#: the arguments schema of a function that declares none
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    params = function.get("parameters")
+    if not isinstance(params, dict) or not params:
+        return dict(_NO_PARAMETERS)
+    return params
+
+
+def _call_schema(family: Family, function: dict[str, Any]) -> dict[str, Any]:
+    name = str(function.get("name", ""))
+    properties: dict[str, Any] = {"name": {"const": name}, family.arguments_key: _parameters(function)}
+    required = ["name", family.arguments_key]
+    if family.name == "mistral":
+        properties["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
+        required.append("id")
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+def _call_rules(family: Family, functions: Sequence[dict[str, Any]]) -> str:
+    """The GBNF rules whose rule ``tool-call`` is one call object of any of ``functions``."""
+    if not functions:
+        raise ToolGrammarError("no functions to call")
+    # the untyped converter behind llama_grammar.json_schema_to_gbnf, called with its settings
+    make: Any = _llama_grammar().SchemaConverter
+    converter: Any = make(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    schemas = [_call_schema(family, f) for f in functions]
+    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    try:
+        schema = converter.resolve_refs(schema, "tools")
+        converter.visit(schema, "tool-call")
+    except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        names = ", ".join(str(f.get("name")) for f in functions)
+        raise ToolGrammarError(
+            f"the parameters schema of {names} cannot be turned into a grammar "
+            f"({exc or type(exc).__name__}); simplify it (no remote $ref, no 'not')"
+        ) from None
+    return str(converter.format_grammar())
+
+
+def tool_grammar(
+    family: Family,
+    functions: Sequence[dict[str, Any]],
+    *,
+    parallel: bool,
+    thinks: bool = False,
+    starts_thinking: bool = False,
+    lazy: bool = False,
+) -> str:
+    """A GBNF grammar (root rule ``root``) for one call, or one or more when ``parallel`` (and the
+    family allows several), of any of ``functions`` (OpenAI function objects: name, parameters).
+    ``lazy``: for ``tool_triggers`` (the trigger starts the grammar at the call marker, after any
+    thinking), so no think block."""
+    rules = _call_rules(family, functions)
+    many = parallel and family.parallel
+    if family.name == "hermes":
+        block = '"<tool_call>" tc-nl tool-call tc-nl "</tool_call>"'
+        calls = f"{block} ( tc-ws {block} )*" if many else block
+        extra = ['tc-nl ::= ( "\\n" | " " )?', "tc-ws ::= [ \\n]{0,2}"]
+    elif family.name == "mistral":
+        calls = (
+            '"[TOOL_CALLS]" "[" tool-call ( "," " "? tool-call )* "]"'
+            if many
+            else '"[TOOL_CALLS]" "[" tool-call "]"'
+        )
+        extra = []
+    else:  # llama3, generic: the bare JSON object(s), one per line
+        calls = 'tool-call ( "\\n" tool-call )*' if many else "tool-call"
+        extra = []
+    if lazy:
+        root = f"root ::= {calls}"
+    elif starts_thinking:
+        root = f'root ::= think-text "</think>" [ \\n]{{0,2}} {calls}'
+        extra.append(_THINK_TEXT)
+    elif thinks:
+        root = f'root ::= ( "<think>" think-text "</think>" [ \\n]{{0,2}} )? {calls}'
+        extra.append(_THINK_TEXT)
+    else:
+        root = f"root ::= {calls}"
+    return "\n".join([root, *extra, rules]) + "\n"
+
+
+def tool_triggers(family: Family, *, thinks: bool = False) -> tuple[str, ...]:
+    """The lazy-grammar trigger patterns of ``auto`` (see the module docstring)."""
+    if family.name in ("llama3", "generic"):
+        # the answer itself is the call: it starts with {"name" (Llama 3.x may put <|python_tag|> first)
+        lead = r"(?:<\|python_tag\|>)?\s*" if family.name == "llama3" else r"\s*"
+        call = lead + r'(\{\s*"name")[\s\S]*'
+        if thinks:
+            return (r"\s*<think>[\s\S]*?</think>" + call, call)
+        return (call,)
+    marker = r"<tool_call>" if family.name == "hermes" else r"\[TOOL_CALLS\]"
+    if thinks:
+        return (
+            rf"\s*<think>[\s\S]*?</think>[\s\S]*?({marker})[\s\S]*",
+            rf"(?!\s*<think>)[\s\S]*?({marker})[\s\S]*",
+        )
+    return (rf"[\s\S]*?({marker})[\s\S]*",)
+
+
+def functions_of(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The function objects of OpenAI ``tools``."""
+    return [t["function"] for t in tools if isinstance(t.get("function"), dict)]
+
+
+def schema_json(function: dict[str, Any]) -> str:
+    """A function's parameters schema as JSON text (for error messages and tests)."""
+    return json.dumps(_parameters(function))
