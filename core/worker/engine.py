@@ -266,8 +266,12 @@ class Engine:
             self._trim(self.model.n_seq - 1 if conversation not in self._saved else self.model.n_seq)
             snap = self._saved.pop(conversation, None)
             if snap is not None:
-                self._load_snapshot(snap)
-                log.debug("conversation %s restored from host (%d tokens)", conversation, snap.n_tokens)
+                try:
+                    self._load_snapshot(snap)
+                    log.debug("conversation %s restored from host (%d tokens)", conversation, snap.n_tokens)
+                except RuntimeError as exc:  # the request goes on from an empty KV cache
+                    log.warning("conversation %s: %s; it is evaluated again", conversation, exc)
+                    self.llm.reset()
             self.live = conversation
         if fresh:
             self.llm.reset()

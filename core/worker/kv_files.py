@@ -3,9 +3,12 @@
 A stopped worker writes every cached sequence to its ``kv_dir`` (``Engine.save_kv``): a
 conversation as ``<model>-<sha256 of the key>.kv``, a cached prompt of the prompt cache as
 ``<model>-prompt-<rank>.kvp`` (rank 0: the most recent). A file holds a magic line, a JSON header
-(model, key, token count, the sliding window's lowest position, the last prompt's length and the
-identity of the model file and context size it was made with), the token ids and the state bytes.
-A file is read once and deleted; one made for another model file or context size is ignored.
+(model, key, token count, the sliding window's lowest position, the last prompt's length, the
+identity of the model file and context size it was made with, the length of the state and a CRC-32
+of the token ids and the state), the token ids and the state bytes. A file is read once and
+deleted; one made for another model file or context size, from an older format, or damaged
+(truncated, garbage, a flipped bit: llama.cpp would take a damaged state's KV values as they are)
+is refused with the reason in the log, and its sequence is evaluated again.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import logging
 import os
 import re
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_KV_MAGIC = b"TSKV1\n"
+_KV_MAGIC = b"TSKV2\n"
+_OLD_MAGICS = (b"TSKV1\n",)
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ def write(
 ) -> None:
     """Write ``snap`` to ``target`` (atomically: a temporary file renamed)."""
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ids = struct.pack(f"<{snap.n_tokens}i", *snap.input_ids)
     header = json.dumps(
         {
             "model": model_id,
@@ -82,42 +88,58 @@ def write(
             "pos_min": snap.pos_min,
             "prompt_len": snap.prompt_len,
             "file": ident,
+            "state_bytes": len(snap.state),
+            "crc32": zlib.crc32(snap.state, zlib.crc32(ids)),
         }
     ).encode()
     tmp = target.with_suffix(".tmp")
     with tmp.open("wb") as f:
         f.write(_KV_MAGIC + struct.pack(">I", len(header)) + header)
-        f.write(struct.pack(f"<{snap.n_tokens}i", *snap.input_ids))
+        f.write(ids)
         f.write(snap.state)
     os.replace(tmp, target)
 
 
 def read(path: Path, key: dict[str, object], ident: dict[str, object]) -> KVSnapshot | None:
-    """A snapshot written by ``write`` for ``key`` and ``ident``, or None (the file is then
-    removed). The file is deleted once read."""
+    """A snapshot written by ``write`` for ``key`` and ``ident``, or None: the file is then refused
+    (removed, with the reason in the log). The file is deleted once read."""
     try:
         data = path.read_bytes()
+        if data.startswith(_OLD_MAGICS):
+            raise ValueError("written by an older Timeshare in another format")
         if not data.startswith(_KV_MAGIC):
-            raise ValueError("bad magic")
+            raise ValueError("not a Timeshare KV snapshot (bad magic)" if data else "the file is empty")
         off = len(_KV_MAGIC)
         (hlen,) = struct.unpack_from(">I", data, off)
         off += 4
+        if off + hlen > len(data):
+            raise ValueError(f"truncated: the header needs {hlen} bytes, the file holds {len(data) - off}")
         header = json.loads(data[off : off + hlen])
         off += hlen
+        if not isinstance(header, dict):
+            raise ValueError("damaged header")
         if any(header.get(k) != v for k, v in key.items()) or header.get("file") != ident:
             raise ValueError("saved for another model file or context size")
         n = int(header["n_tokens"])
-        ids = struct.unpack_from(f"<{n}i", data, off)
-        off += 4 * n
+        state_bytes = int(header["state_bytes"])
+        if off + 4 * n + state_bytes != len(data):
+            raise ValueError(
+                f"truncated or damaged: {4 * n + state_bytes} bytes of token ids and state expected, "
+                f"{len(data) - off} found"
+            )
+        ids_bytes = memoryview(data)[off : off + 4 * n]
+        state = memoryview(data)[off + 4 * n :]
+        if zlib.crc32(state, zlib.crc32(ids_bytes)) != int(header["crc32"]):
+            raise ValueError("damaged: the checksum of the token ids and state does not match")
         snap = KVSnapshot(
             n,
-            tuple(ids),
-            bytearray(memoryview(data)[off:]),
+            struct.unpack(f"<{n}i", ids_bytes),
+            bytearray(state),
             int(header.get("pos_min", 0)),
             int(header.get("prompt_len", 0)),
         )
-    except (OSError, ValueError, KeyError, struct.error) as exc:
-        log.warning("ignoring saved KV %s: %s", path, exc)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        log.warning("ignoring saved KV %s: %s; its sequence is evaluated again", path, exc)
         path.unlink(missing_ok=True)
         return None
     path.unlink(missing_ok=True)
