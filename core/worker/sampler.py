@@ -1,57 +1,288 @@
-"""One sequence's sampler: the llama_sampler chain a request's ``Sampling`` asks for.
+"""One sequence's sampler: the llama_sampler chain a request's ``Sampling`` asks for, its grammar,
+and its logprob records.
 
 The per-sequence contract shared by the generation loop (``decode``) and the features built on the
 sampler (grammar, penalties, logit bias, logprobs): the loop owns the batch and the sequences; for
 each sequence whose logits the last ``llama_decode`` produced it calls ``sample(ctx, idx)`` with the
 row of that sequence's output in the batch (``llama_get_logits_ith`` semantics; -1 = the last row),
-and gets the token, already accepted by the chain. What else a feature records per token (a
-logprob entry, the grammar's state) lives on the Sampler, one per sequence, freed with ``close``.
+and gets the token, already accepted by the chain and the grammar. What else the Sampler records
+per token (``records``: one ``TokenLogprob`` per sampled token when logprobs are asked for) lives
+on it, one Sampler per sequence, freed with ``close``.
 
-Greedy (temperature 0) is ``greedy`` alone; otherwise ``top_k``, ``top_p``, ``min_p``, ``temp``,
-``dist(seed)``: the chain llama-cpp-python builds (its ``penalties`` and ``typical`` samplers are
-no-ops at their default values and are left out), so a seeded request answers as before.
+**The chain** (llama.cpp's order, as llama-server's ``common_sampler`` builds it), each link only
+when its setting does something, so that a request with none of them samples exactly as before:
+
+- ``logit_bias`` (when any pair is given), ``penalties`` (when ``Sampling.penalized``: repeat over
+  the last ``repeat_last_n`` tokens, -1 = the context, presence, frequency). They count the
+  tokens sampled in this answer, as OpenAI's and llama-cpp-python's penalties do (llama-server
+  also feeds the prompt to its sampler), so a greedy answer with penalties equals
+  ``create_completion``'s with the same penalties;
+- temperature 0: ``greedy``; below 0: ``dist(seed)`` on the raw distribution; above 0: ``top_k``
+  (0: none), ``top_p``, ``min_p``, ``temp``, ``dist(seed)`` (llama-cpp-python's chain: its
+  ``typical`` sampler is a no-op at its default and left out).
+
+Without a grammar the token comes from ``llama_sampler_sample`` itself.
+
+**Grammar** (GBNF, root ``root``) is applied **by rejection**, as llama-server's
+``common_sampler_sample`` does: sample from the chain, check the one token against the grammar,
+and only when the grammar rejects it mask the whole vocabulary with the grammar and sample again.
+Checking one token is cheap; masking the vocabulary costs a walk of the grammar for each of its
+tokens (``grammar_first=True`` does that at every token, for the bench that compares the two).
+Both give the same greedy answer. The dist sampler draws once more when a token was rejected, as
+llama-server's does, so seeded answers equal llama-server's, not the grammar-first ones.
+
+**Lazy grammar** (``Sampling.grammar_triggers``, llama.cpp's
+``llama_sampler_init_grammar_lazy_patterns``): the grammar does nothing until the text generated
+so far matches one of the patterns (ECMAScript regexes, searched anywhere in the generated text;
+one written ``^...$`` must match the whole text). From then on it applies, and it is fed the text
+from the start of the pattern's first non-empty capturing group (the whole match when there is
+none) on, tokens cut where that starts. The grammar must accept that text: llama.cpp aborts the
+process when it does not (a C++ exception through its C API). Example: trigger
+``<tool_call>`` with a grammar ``root ::= "<tool_call>" ...``; or trigger ``(\\{)"name"`` with a
+grammar that starts at the brace. Bad patterns are refused here (``ValueError``) before llama.cpp
+sees them.
+
+**Logprobs** (``Sampling.logprobs`` or ``top_logprobs`` > 0): for every sampled token, the
+log-softmax of the raw logits of the row it was sampled from (before bias, penalties or grammar),
+the sampled token's value and the ``top_logprobs`` most likely tokens with theirs, as a
+``TokenLogprob`` in ``records``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from ..sampling import Sampling
 
 
-class Sampler:
-    """A llama_sampler chain for one request (free it with ``close``)."""
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and its most likely alternatives (token, logprob),
+    most likely first."""
 
-    def __init__(self, llm: Any, sampling: Sampling) -> None:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+class GrammarError(ValueError):
+    """A grammar or trigger pattern llama.cpp cannot use (the message says which)."""
+
+
+def check_triggers(patterns: Sequence[str]) -> None:
+    """Refuse patterns that are not regexes (llama.cpp's std::regex would throw and abort)."""
+    for p in patterns:
+        if not p:
+            raise GrammarError("a grammar trigger pattern may not be empty")
+        try:
+            re.compile(p)
+        except re.error as exc:
+            raise GrammarError(f"grammar trigger {p!r} is not a regular expression: {exc}") from None
+
+
+class Sampler:
+    """A llama_sampler chain for one sequence (free it with ``close``)."""
+
+    def __init__(
+        self,
+        llm: Any,
+        sampling: Sampling,
+        *,
+        grammar_first: bool = False,
+    ) -> None:
+        self.records: list[TokenLogprob] = []
+        self.rejections = 0  # tokens the grammar rejected (resampled over the masked vocabulary)
+        self.grammar: Any = None
+        self.chain: Any = None
+        self._n_vocab = int(llm.n_vocab())
+        self._want_logprobs = sampling.logprobs or sampling.top_logprobs > 0
+        self._top = int(sampling.top_logprobs)
+        self._grammar_first = grammar_first
+        self._stateful = sampling.penalized  # the only link whose accept() keeps state
         temperature, top_k, top_p, seed = sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed
-        self.chain: Any = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        if not self.chain:
-            raise RuntimeError("llama_sampler_chain_init failed")
         self.greedy = temperature == 0.0
         seed_u32 = llama_cpp.LLAMA_DEFAULT_SEED if seed is None else int(seed) & 0xFFFFFFFF
-        links: list[Any]
+        links: list[Any] = []
+        if sampling.logit_bias:
+            biases = (llama_cpp.llama_logit_bias * len(sampling.logit_bias))()
+            for i, (token, bias) in enumerate(sampling.logit_bias):
+                if not 0 <= token < self._n_vocab:
+                    raise ValueError(
+                        f"logit_bias: token {token} is not in the vocabulary (0..{self._n_vocab - 1})"
+                    )
+                biases[i].token = int(token)  # type: ignore[assignment]
+                biases[i].bias = float(bias) if math.isfinite(bias) else (-math.inf if bias < 0 else math.inf)
+            links.append(llama_cpp.llama_sampler_init_logit_bias(self._n_vocab, len(biases), biases))
+        if sampling.penalized:
+            last_n = int(sampling.repeat_last_n)
+            if last_n < 0:
+                last_n = int(llm.n_ctx())
+            links.append(
+                llama_cpp.llama_sampler_init_penalties(
+                    self._n_vocab,
+                    last_n,
+                    float(sampling.repeat_penalty),
+                    float(sampling.frequency_penalty),
+                    float(sampling.presence_penalty),
+                )
+            )
         if self.greedy:
-            links = [llama_cpp.llama_sampler_init_greedy()]
+            links.append(llama_cpp.llama_sampler_init_greedy())
         elif temperature < 0.0:
-            links = [llama_cpp.llama_sampler_init_dist(seed_u32)]
+            links.append(llama_cpp.llama_sampler_init_dist(seed_u32))
         else:
-            links = [
+            links += [
                 llama_cpp.llama_sampler_init_top_k(int(top_k)),
                 llama_cpp.llama_sampler_init_top_p(float(top_p), 1),
                 llama_cpp.llama_sampler_init_min_p(float(sampling.min_p), 1),
                 llama_cpp.llama_sampler_init_temp(float(temperature)),
                 llama_cpp.llama_sampler_init_dist(seed_u32),
             ]
+        self.chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        if not self.chain:
+            for link in links:
+                llama_cpp.llama_sampler_free(link)
+            raise RuntimeError("llama_sampler_chain_init failed")
         for link in links:
             llama_cpp.llama_sampler_chain_add(self.chain, link)  # the chain owns it now
+        if sampling.grammar:
+            self.grammar = self._init_grammar(llm, sampling.grammar, sampling.grammar_triggers)
+        # the candidates array of the Python sampling path (grammar): allocated once per sequence
+        self._cur: Any = None
+        self._cur_view: Any = None
+        self._ids: Any = None
+        self._one = llama_cpp.llama_token_data()
+        self._one_p = llama_cpp.llama_token_data_array(
+            data=ctypes.pointer(self._one), size=1, selected=-1, sorted=False
+        )
+
+    def _init_grammar(self, llm: Any, grammar: str, triggers: Sequence[str]) -> Any:
+        vocab = llm._model.vocab
+        text = grammar.encode("utf-8")
+        if triggers:
+            check_triggers(triggers)
+            encoded = [t.encode("utf-8") for t in triggers]
+            patterns = (ctypes.c_char_p * len(encoded))(*encoded)
+            no_tokens = (llama_cpp.llama_token * 1)()
+            sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+                vocab, text, b"root", patterns, len(encoded), no_tokens, 0
+            )
+        else:
+            sampler = llama_cpp.llama_sampler_init_grammar(vocab, text, b"root")
+        if not sampler:
+            self.close()
+            raise GrammarError(
+                "the grammar is not valid GBNF with a 'root' rule (llama.cpp's parser refused it; "
+                "see its message in the worker log)"
+            )
+        return sampler
+
+    # ---- sampling ---------------------------------------------------------------------------
+
+    def _candidates(self, ctx: Any, idx: int) -> Any:
+        """A fresh llama_token_data_array of row ``idx``'s logits (what llama_sampler_sample builds)."""
+        if self._cur is None:
+            self._cur = (llama_cpp.llama_token_data * self._n_vocab)()
+            self._cur_view = np.ctypeslib.as_array(self._cur)
+            self._ids = np.arange(self._n_vocab, dtype=np.int32)
+        view = self._cur_view
+        view["id"] = self._ids
+        view["logit"] = self._logits(ctx, idx)
+        view["p"] = 0.0
+        return llama_cpp.llama_token_data_array(
+            data=ctypes.cast(self._cur, llama_cpp.llama_token_data_p),
+            size=self._n_vocab,
+            selected=-1,
+            sorted=False,
+        )
+
+    def _logits(self, ctx: Any, idx: int) -> Any:
+        ptr = llama_cpp.llama_get_logits_ith(ctx, idx)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp has no logits for output row {idx}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def _apply(self, sampler: Any, cur: Any) -> None:
+        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(cur))
+
+    def _selected(self, cur: Any) -> int:
+        if not 0 <= cur.selected < cur.size:
+            raise RuntimeError("the sampler chain selected no token (every candidate was masked)")
+        return int(cur.data[cur.selected].id)
+
+    def _grammar_allows(self, token: int) -> bool:
+        self._one.id = token  # type: ignore[assignment]
+        self._one.logit = 1.0
+        self._one.p = 0.0
+        one = self._one_p
+        one.data = ctypes.pointer(self._one)  # type: ignore[assignment]
+        one.size = 1
+        one.selected = -1
+        one.sorted = False
+        self._apply(self.grammar, one)
+        return bool(one.data[0].logit != -math.inf)
+
+    def _sample_with_grammar(self, ctx: Any, idx: int) -> int:
+        if self._grammar_first:
+            cur = self._candidates(ctx, idx)
+            self._apply(self.grammar, cur)
+            self._apply(self.chain, cur)
+            token = self._selected(cur)
+            llama_cpp.llama_sampler_accept(self.chain, token)
+        else:
+            if self._stateful:
+                cur = self._candidates(ctx, idx)
+                self._apply(self.chain, cur)
+                token = self._selected(cur)
+            else:
+                # llama_sampler_sample builds the same candidates in C (and accepts the token:
+                # a no-op for a chain without penalties, so a rejected token leaves no trace)
+                token = int(llama_cpp.llama_sampler_sample(self.chain, ctx, idx))
+            if not self._grammar_allows(token):
+                self.rejections += 1
+                cur = self._candidates(ctx, idx)
+                self._apply(self.grammar, cur)
+                self._apply(self.chain, cur)
+                token = self._selected(cur)
+            if self._stateful:
+                llama_cpp.llama_sampler_accept(self.chain, token)
+        llama_cpp.llama_sampler_accept(self.grammar, token)
+        return token
 
     def sample(self, ctx: Any, idx: int = -1) -> int:
         """Sample (and accept) a token from output row ``idx`` of the last decode (-1: the last)."""
-        return int(llama_cpp.llama_sampler_sample(self.chain, ctx, idx))
+        if self.grammar is None:
+            token = int(llama_cpp.llama_sampler_sample(self.chain, ctx, idx))
+        else:
+            token = self._sample_with_grammar(ctx, idx)
+        if self._want_logprobs:
+            self.records.append(self._logprob(ctx, idx, token))
+        return token
+
+    def _logprob(self, ctx: Any, idx: int, token: int) -> TokenLogprob:
+        x = self._logits(ctx, idx).astype(np.float64)
+        peak = float(x.max())
+        lse = peak + math.log(float(np.exp(x - peak).sum()))
+        top: tuple[tuple[int, float], ...] = ()
+        k = min(self._top, self._n_vocab)
+        if k > 0:
+            best = np.argpartition(-x, k - 1)[:k]
+            best = best[np.argsort(-x[best], kind="stable")]
+            top = tuple((int(t), float(x[t] - lse)) for t in best)
+        return TokenLogprob(token, float(x[token] - lse), top)
 
     def close(self) -> None:
         if self.chain:
             llama_cpp.llama_sampler_free(self.chain)  # frees the samplers of the chain too
             self.chain = None
+        if self.grammar:
+            llama_cpp.llama_sampler_free(self.grammar)
+            self.grammar = None
