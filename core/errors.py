@@ -205,9 +205,24 @@ class ChooseQuantisationError(DownloadError):
 
 
 class NoSpaceError(DownloadError):
-    """The disk the model goes to has no room for it; what was downloaded is kept for a resume."""
+    """The disk the model goes to has no room for it; what was downloaded is kept only when the
+    download can resume (the server said the size and honours Range), else deleted."""
 
     code = "no_space"
+
+
+class UnsafeNameError(DownloadError):
+    """A name from a remote (an ETag, a commit, a file name) is not a safe path component, or a
+    path would lead outside its folder: refused before anything is written."""
+
+    code = "unsafe_remote_name"
+
+
+class DownloadTooLargeError(DownloadError):
+    """A download of unknown size went past the cap (``timeshare pull --max-size``), or a server
+    sent more bytes than it announced; the partial file was deleted."""
+
+    code = "download_too_large"
 
 
 class CorruptDownloadError(DownloadError):

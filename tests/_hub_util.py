@@ -8,8 +8,12 @@ It answers what ``huggingface_hub`` calls and what ``core.pull`` fetches:
   host than 127.0.0.1, as the real CDN is) with ``X-Repo-Commit``, ``X-Linked-Etag`` (the sha256)
   and ``X-Linked-Size``; 401 ``X-Error-Code: GatedRepo`` for a gated repo without the right token;
   404 ``EntryNotFound`` for a missing file;
+  (a repo with ``lfs=False`` serves its files from the resolve URL itself, with the git blob's
+  SHA-1 as the ETag, as the hub does for small files);
 - ``GET|HEAD /cdn/{sha256}`` and ``/files/{name}``: the bytes, with ``Range`` (206), and faults on
-  demand: drop the connection after N bytes, serve other bytes than announced, go slowly.
+  demand: drop the connection after N bytes, serve other bytes than announced, go slowly, ignore
+  Range (a 200 from byte 0, no ``Accept-Ranges``), send no size and an endless body, or answer with
+  hostile ETag / X-Repo-Commit headers.
 
 Every request is recorded (method, path, Range, Authorization) for the tests to look at.
 """
@@ -63,12 +67,22 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def git_sha1(data: bytes) -> str:
+    """The git blob id of ``data`` (what the hub sends as the ETag of a file not in LFS)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+#: the most an endless body sends before the fake server gives up on the client
+ENDLESS_LIMIT = 512 << 20
+
+
 @dataclass
 class Repo:
     files: dict[str, bytes]
     commit: str = "0123456789abcdef0123456789abcdef01234567"
     gated: bool = False
     licence: str | None = None
+    lfs: bool = True  # False: small files, served by the hub itself with the git SHA-1 as ETag
 
 
 @dataclass
@@ -85,7 +99,11 @@ class Faults:
     serve_instead: dict[str, bytes] = field(default_factory=dict)  # key -> other bytes than announced
     announce_size: dict[str, int] = field(default_factory=dict)  # key -> size the hub claims
     delay_per_chunk: float = 0.0
-    ignore_range: bool = False
+    ignore_range: bool = False  # answer a Range request with a 200 from byte 0 (no Accept-Ranges)
+    endless: set[str] = field(default_factory=set)  # keys sent without a size, the bytes then zeros forever
+    linked_etag: str | None = None  # the X-Linked-Etag (or ETag) the hub sends instead of the real one
+    repo_commit: str | None = None  # the X-Repo-Commit the hub sends instead of the repo's commit
+    no_accept_ranges: bool = False  # honour Range but never say so on a 200
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -101,6 +119,8 @@ class FakeHub:
         self.files: dict[str, bytes] = {}  # /files/{name}
         self.requests: list[Seen] = []
         self.faults = Faults()
+        self.endless_sent = 0  # bytes the last endless body sent
+        self.endless_done = threading.Event()  # set when the client hung up on it
         self._lock = threading.Lock()
         hub = self
 
@@ -182,14 +202,10 @@ class FakeHub:
         siblings = []
         for name, data in repo.files.items():
             size = self.faults.announce_size.get(name, len(data))
-            siblings.append(
-                {
-                    "rfilename": name,
-                    "size": size,
-                    "blobId": hashlib.sha1(data).hexdigest(),
-                    "lfs": {"sha256": sha256(data), "size": size, "pointerSize": 134},
-                }
-            )
+            sibling: dict[str, object] = {"rfilename": name, "size": size, "blobId": git_sha1(data)}
+            if repo.lfs:
+                sibling["lfs"] = {"sha256": sha256(data), "size": size, "pointerSize": 134}
+            siblings.append(sibling)
         info: dict[str, object] = {
             "id": repo_id,
             "modelId": repo_id,
@@ -226,12 +242,16 @@ class FakeHub:
             )
         digest = sha256(data)
         size = self.faults.announce_size.get(name, len(data))
+        commit = self.faults.repo_commit if self.faults.repo_commit is not None else repo.commit
+        if not repo.lfs:  # a small file: the hub serves it itself, named by the git blob's SHA-1
+            etag = self.faults.linked_etag or f'"{git_sha1(data)}"'
+            return self._bytes(h, method, name, data, etag=etag, extra={"X-Repo-Commit": commit})
         headers = {
             "Location": f"{self.cdn}/cdn/{digest}",
-            "X-Repo-Commit": repo.commit,
-            "X-Linked-Etag": f'"{digest}"',
+            "X-Repo-Commit": commit,
+            "X-Linked-Etag": self.faults.linked_etag or f'"{digest}"',
             "X-Linked-Size": str(size),
-            "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
+            "ETag": f'"{git_sha1(data)}"',
         }
         h.send_response(302)
         for k, v in headers.items():
@@ -240,11 +260,19 @@ class FakeHub:
         h.end_headers()
 
     def _bytes(
-        self, h: BaseHTTPRequestHandler, method: str, key: str, data: bytes, etag: str | None = None
+        self,
+        h: BaseHTTPRequestHandler,
+        method: str,
+        key: str,
+        data: bytes,
+        etag: str | None = None,
+        extra: dict[str, str] | None = None,
     ) -> None:
         for name, other in self.faults.serve_instead.items():
             if key in (name, sha256(self._original(name) or b"")):
                 data = other
+        if key in self.faults.endless:
+            return self._endless(h, method, data)
         start = 0
         rng = h.headers.get("Range")
         status = 200
@@ -263,9 +291,12 @@ class FakeHub:
         h.send_response(status)
         h.send_header("Content-Type", "application/octet-stream")
         h.send_header("Content-Length", str(len(body)))
-        h.send_header("Accept-Ranges", "bytes")
+        if not self.faults.ignore_range and not (self.faults.no_accept_ranges and status == 200):
+            h.send_header("Accept-Ranges", "bytes")
         if etag:
             h.send_header("ETag", etag)
+        for k, v in (extra or {}).items():
+            h.send_header(k, v)
         if status == 206:
             h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         h.end_headers()
@@ -296,6 +327,32 @@ class FakeHub:
                     time.sleep(self.faults.delay_per_chunk)
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True
+
+    def _endless(self, h: BaseHTTPRequestHandler, method: str, data: bytes) -> None:
+        """No Content-Length, no Range: ``data``, then zeros until the client hangs up (or
+        ENDLESS_LIMIT bytes, so that a client that never stops cannot keep this thread forever)."""
+        h.send_response(200)
+        h.send_header("Content-Type", "application/octet-stream")
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.close_connection = True
+        if method == "HEAD":
+            return
+        zeros = bytes(65536)
+        sent = 0
+        try:
+            h.wfile.write(data)
+            sent = len(data)
+            while sent < ENDLESS_LIMIT:
+                h.wfile.write(zeros)
+                sent += len(zeros)
+                with self._lock:
+                    self.endless_sent = sent
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        with self._lock:
+            self.endless_sent = sent
+        self.endless_done.set()
 
     def _original(self, name: str) -> bytes | None:
         for repo in self.repos.values():

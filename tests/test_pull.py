@@ -5,6 +5,7 @@ internet; the GGUFs are tiny real ones written with the gguf package."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _hub_util import GOOD_TOKEN, FakeHub, Repo, make_gguf, sha256
+from _hub_util import GOOD_TOKEN, FakeHub, Repo, git_sha1, make_gguf, sha256
 from PySide6.QtCore import QObject, Qt, Signal
 from timeshare.core import catalog
 from timeshare.core.config.files import load_config
@@ -22,9 +23,12 @@ from timeshare.core.errors import (
     CancelledError,
     ChooseQuantisationError,
     CorruptDownloadError,
+    DownloadError,
+    DownloadTooLargeError,
     NoSpaceError,
     RemoteAccessError,
     RemoteNotFoundError,
+    UnsafeNameError,
     UnsupportedArchitectureError,
 )
 from timeshare.core.llama_archs import supported_architectures
@@ -637,3 +641,303 @@ def test_the_gpu_column_uses_the_pools_vram_budget(
     other.show()
     _look_up(qtbot, other, 3)
     assert "with arena.vram_budget = one-model" in other.info.text()
+
+
+# ---- hostile remotes: names checked before any path is built (issue 22) ---------------------
+
+
+def _tree(*roots: Path) -> dict[str, tuple[object, ...]]:
+    """Every entry under ``roots`` (links not followed): a link's target, a file's size and sha256."""
+    seen: dict[str, tuple[object, ...]] = {}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for n in dirnames + filenames:
+                p = os.path.join(dirpath, n)
+                st = os.lstat(p)
+                if stat.S_ISLNK(st.st_mode):
+                    seen[p] = ("link", os.readlink(p))
+                elif stat.S_ISDIR(st.st_mode):
+                    seen[p] = ("dir",)
+                else:
+                    seen[p] = ("file", st.st_size, sha256(Path(p).read_bytes()))
+    return seen
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Iterator[Path]:
+    """A user's file next to the cache that nothing may open for writing."""
+    path = tmp_path / "victim-of-etag.txt"
+    path.write_text("my notes\n")
+    yield path
+    assert path.read_text() == "my notes\n" and not path.is_symlink()
+
+
+def _escaped(tmp_path: Path) -> list[str]:
+    """Anything named escape-* anywhere under the test's folder, or next to it."""
+    near = [p.name for p in tmp_path.parent.iterdir() if p.name.startswith("escape")]
+    return near + [str(p) for p in tmp_path.rglob("escape*")]
+
+
+@pytest.mark.parametrize(
+    ("fault", "value"),
+    [
+        ("rfilename", "../../../../escape-hubname.gguf"),
+        ("rfilename", "{tmp}/escape-absolute.gguf"),
+        ("rfilename", "sub\\..\\..\\escape-backslash.gguf"),
+        ("rfilename", "escape-nul\x00.gguf"),
+        ("rfilename", "sub//escape-empty.gguf"),
+        ("rfilename", "./escape-dot.gguf"),
+        ("etag", "../../../../escape-etag"),
+        ("etag", "../../../../victim-of-etag.txt"),
+        ("etag", "{tmp}/escape-absolute-etag"),
+        ("etag", "E" * 64),  # upper case: not how the hub writes a digest
+        ("commit", "../../../../escape-commit"),
+        ("commit", "0123456789abcdef0123456789abcdef0123456/"),
+    ],
+)
+def test_a_hostile_hub_name_is_refused_and_nothing_is_written(
+    hub: FakeHub,
+    ggufs: dict[str, bytes],
+    tmp_path: Path,
+    timeshare_home: Path,
+    victim: Path,
+    fault: str,
+    value: str,
+) -> None:
+    value = value.replace("{tmp}", str(tmp_path))
+    files = {"Tiny-Q4_K_M.gguf": ggufs["q4"]}
+    if fault == "rfilename":
+        files = {value: ggufs["q4"]}
+    elif fault == "etag":
+        hub.faults.linked_etag = f'"{value}"'
+    else:
+        hub.faults.repo_commit = value
+    hub.repos[REPO] = Repo(files, commit=COMMIT)
+    before = _tree(tmp_path, timeshare_home)
+    with pytest.raises(UnsafeNameError) as refused:
+        listing = remote.list_source(sources.parse_source(REPO))
+        download.pull(listing, listing.choices[0])
+    message = str(refused.value)
+    assert repr(value)[:30] in message and "nothing was written" in message
+    assert _tree(tmp_path, timeshare_home) == before
+    assert _escaped(tmp_path) == []
+    assert not hub.seen("GET", "/cdn/")  # not a byte fetched
+
+
+def test_a_long_hostile_value_is_quoted_short(hub: FakeHub, ggufs: dict[str, bytes]) -> None:
+    hub.repos[REPO] = Repo({"Tiny-Q4_K_M.gguf": ggufs["q4"]}, commit=COMMIT)
+    hub.faults.linked_etag = '"' + "../" * 300 + 'x"'
+    listing = remote.list_source(sources.parse_source(REPO))
+    with pytest.raises(UnsafeNameError, match=r"sent the ETag '\.\./\.\./.*…, which is not a git SHA-1") as e:
+        download.pull(listing, listing.choices[0])
+    assert len(str(e.value)) < 400
+
+
+@pytest.mark.parametrize(
+    "url_path",
+    [
+        "/trav/..%2F..%2Fescape-url.gguf",
+        "/trav/..%5C..%5Cescape-url.gguf",  # backslashes
+        "/trav/escape%00-url.gguf",
+        "/trav/%2Ftmp%2Fescape-url.gguf",
+    ],
+)
+def test_a_url_whose_file_name_hides_a_path_is_refused(
+    hub: FakeHub, tmp_path: Path, timeshare_home: Path, victim: Path, url_path: str
+) -> None:
+    before = _tree(tmp_path, timeshare_home)
+    with pytest.raises(UnsafeNameError, match=r"sent the URL's file name '.*', which is not one file name"):
+        listing = remote.list_source(sources.parse_source(hub.url + url_path))
+        download.pull(listing, listing.choices[0], dest_dir=tmp_path / "models" / "sub")
+    assert _tree(tmp_path, timeshare_home) == before
+    assert _escaped(tmp_path) == [] and hub.requests == []  # refused before the HEAD
+
+
+@pytest.mark.parametrize(
+    "plant", ["partial-symlink", "blob-symlink", "partial-hardlink", "blobs-dir", "snapshot-dir"]
+)
+def test_a_link_planted_in_the_cache_is_not_followed(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path, timeshare_home: Path, victim: Path, plant: str
+) -> None:
+    hub.repos[REPO] = Repo({"Tiny-Q4_K_M.gguf": ggufs["q4"]}, commit=COMMIT)
+    storage = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF"
+    blob = storage / "blobs" / sha256(ggufs["q4"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if plant == "blobs-dir":
+        storage.mkdir(parents=True)
+        (storage / "blobs").symlink_to(elsewhere)
+    elif plant == "snapshot-dir":
+        (storage / "snapshots").mkdir(parents=True)
+        (storage / "snapshots" / COMMIT).symlink_to(elsewhere)
+    else:
+        blob.parent.mkdir(parents=True)
+        if plant == "partial-symlink":
+            blob.with_name(blob.name + ".incomplete").symlink_to(victim)
+        elif plant == "blob-symlink":
+            blob.symlink_to(victim)
+        else:
+            os.link(victim, blob.with_name(blob.name + ".incomplete"))
+    listing = remote.list_source(sources.parse_source(REPO))
+    before = _tree(tmp_path, timeshare_home)
+    with pytest.raises(UnsafeNameError, match=r"nothing was written"):
+        download.pull(listing, listing.choices[0])
+    assert _tree(tmp_path, timeshare_home) == before
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_the_endless_body_stops_at_the_cap_and_leaves_no_partial(
+    hub: FakeHub, ggufs: dict[str, bytes], timeshare_home: Path
+) -> None:
+    hub.files["Endless-Q4_K_M.gguf"] = ggufs["q4"]
+    hub.faults.endless.add("Endless-Q4_K_M.gguf")
+    listing = remote.list_source(sources.parse_source(f"{hub.url}/files/Endless-Q4_K_M.gguf"))
+    assert listing.choices[0].size is None  # the server says no size
+    cap = 2 << 20
+    with pytest.raises(
+        DownloadTooLargeError, match=r"did not say its size and sent more than 2\.0 MiB .*--max-size SIZE"
+    ):
+        download.pull(listing, listing.choices[0], max_size=cap)
+    assert list((timeshare_home / "data" / "models").iterdir()) == []  # no partial, no sidecar
+    # the client hung up: the server got no further than the cap and what the sockets buffer
+    assert hub.endless_done.wait(60)
+    assert cap < hub.endless_sent < cap + (32 << 20)
+
+
+def test_a_server_that_sends_more_than_it_announced_is_stopped(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    hub.faults.announce_size["Tiny-Q4_K_M.gguf"] = len(ggufs["q4"]) - 1000
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
+    seen: list[int] = []
+    with pytest.raises(DownloadTooLargeError, match=r"sent more than the \d+ bytes it announced"):
+        download.pull(listing, sources.choose(listing), progress=lambda p: seen.append(p.done))
+    assert max(seen) <= len(ggufs["q4"]) - 1000
+    blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
+    assert list(blobs.iterdir()) == []
+
+
+def _small_disk(monkeypatch: pytest.MonkeyPatch, root: Path, capacity: int, *, others: int = 1) -> None:
+    """A fake statvfs: a disk of ``capacity`` bytes holding the files under ``root``; with
+    ``others`` > 1 another program fills it as fast as the download (each byte written costs
+    ``others``)."""
+
+    def free(folder: Path) -> int:
+        used = sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+        return max(0, capacity - used * others)
+
+    monkeypatch.setattr(download, "_free_bytes", free)
+    monkeypatch.setattr(download, "SPACE_MARGIN", 16384)
+    monkeypatch.setattr(download, "SPACE_CHECK_BYTES", 8192)
+
+
+def test_a_full_disk_stops_an_endless_body_and_leaves_no_partial(
+    hub: FakeHub, ggufs: dict[str, bytes], timeshare_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub.files["Endless-Q4_K_M.gguf"] = ggufs["q4"]
+    hub.faults.endless.add("Endless-Q4_K_M.gguf")
+    _small_disk(monkeypatch, timeshare_home, 1 << 20)
+    listing = remote.list_source(sources.parse_source(f"{hub.url}/files/Endless-Q4_K_M.gguf"))
+    with pytest.raises(NoSpaceError, match=r"not enough disk space .*; what arrived was deleted"):
+        download.pull(listing, listing.choices[0])
+    assert list((timeshare_home / "data" / "models").iterdir()) == []
+
+
+def test_a_disk_that_fills_keeps_a_resumable_partial_only(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub file (size and ETag known, Range honoured) keeps what arrived for a resume, and the
+    resume is whole; a server that does not say it honours Range gets its partial deleted."""
+    hub.repos[REPO] = _three_quants(ggufs)
+    size = len(ggufs["f16"])
+    with monkeypatch.context() as m:
+        _small_disk(m, tmp_path / "hf", size + 65536, others=3)
+        listing = remote.list_source(sources.parse_source(f"{REPO}:F16"))
+        with pytest.raises(
+            NoSpaceError, match=r"not enough disk space .* kept in .*\.incomplete: get it again"
+        ):
+            download.pull(listing, sources.choose(listing), chunk_size=4096)
+    blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
+    (partial,) = blobs.glob("*.incomplete")
+    kept = partial.stat().st_size
+    assert 0 < kept < size and partial.read_bytes() == ggufs["f16"][:kept]
+    result = download.pull(listing, sources.choose(listing), chunk_size=4096)
+    assert result.path.read_bytes() == ggufs["f16"]
+    assert hub.seen("GET", "/cdn/")[-1].range == f"bytes={kept}-"
+
+    hub.faults.no_accept_ranges = True
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q8_0"))
+    with monkeypatch.context() as m:
+        _small_disk(m, tmp_path / "hf", 3 * size + len(ggufs["q8"]) + 32768, others=3)
+        with pytest.raises(NoSpaceError, match=r"what arrived was deleted"):
+            download.pull(listing, sources.choose(listing), chunk_size=4096)
+    assert not list(blobs.glob("*.incomplete"))
+
+
+def test_the_real_hub_layout_small_files_and_huggingface_hubs_own_reading(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file the hub keeps in git (not LFS) is named by its 40-digit git SHA-1 and served by the hub
+    itself, with the token; huggingface_hub's own cache reader finds what pull wrote."""
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+
+    hub.repos[REPO] = Repo({"Tiny-Q4_K_M.gguf": ggufs["q4"]}, commit=COMMIT, lfs=False, gated=True)
+    monkeypatch.setenv("HF_TOKEN", GOOD_TOKEN)
+    listing = remote.list_source(sources.parse_source(REPO))
+    result = download.pull(listing, listing.choices[0])
+    cache = tmp_path / "hf" / "hub"
+    blob_id = git_sha1(ggufs["q4"])
+    assert os.readlink(result.path) == f"../../blobs/{blob_id}"
+    assert try_to_load_from_cache(REPO, "Tiny-Q4_K_M.gguf", cache_dir=cache) == str(result.path)
+    (repo,) = scan_cache_dir(cache).repos
+    assert repo.repo_id == REPO and [r.commit_hash for r in repo.revisions] == [COMMIT]
+    (got,) = hub.seen("GET", "/resolve/")
+    assert got.auth == f"Bearer {GOOD_TOKEN}"  # the hub itself: the token goes with it
+
+
+def test_pull_and_huggingface_hub_share_the_blob_lock(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = Repo({"Tiny-Q4_K_M.gguf": ggufs["q4"]}, commit=COMMIT)
+    listing = remote.list_source(sources.parse_source(REPO))
+    lock = tmp_path / "hf" / "hub" / ".locks" / "models--tiny-org--Tiny-GGUF" / f"{sha256(ggufs['q4'])}.lock"
+    lock.parent.mkdir(parents=True)
+    script = (
+        "import filelock, sys; held = filelock.FileLock(sys.argv[1]); held.acquire(); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:  # huggingface_hub locks a blob with filelock on this path
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(DownloadError, match=r"being downloaded by another program right now"):
+            download.pull(listing, listing.choices[0])
+        holder.communicate("", timeout=30)
+    assert download.pull(listing, listing.choices[0]).path.read_bytes() == ggufs["q4"]
+
+
+def test_the_command_refuses_a_hostile_url_and_caps_an_endless_one(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    config = _config(home / "config")
+    before = config.read_text()
+    env = {k: os.environ[k] for k in ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "HF_HUB_CACHE")}
+    sub = tmp_path / "models" / "sub"
+    trav = _cli(home, "pull", f"{hub.url}/trav/..%2F..%2Fescape-url.gguf", "--dir", str(sub), env=env)
+    assert trav.returncode == 1, trav.stderr
+    assert "sent the URL's file name '../../escape-url.gguf'" in trav.stderr
+    assert _escaped(tmp_path) == [] and not (tmp_path / "models").exists()
+    assert config.read_text() == before
+
+    hub.files["Endless-Q4_K_M.gguf"] = ggufs["q4"]
+    hub.faults.endless.add("Endless-Q4_K_M.gguf")
+    capped = _cli(
+        home, "pull", f"{hub.url}/files/Endless-Q4_K_M.gguf", "--max-size", "1MiB", "--dir", str(sub), env=env
+    )
+    assert capped.returncode == 1, capped.stderr
+    assert "sent more than 1.0 MiB" in capped.stderr and "--max-size" in capped.stderr
+    assert list(sub.iterdir()) == [] and config.read_text() == before
+    bad = _cli(home, "pull", f"{hub.url}/files/x.gguf", "--max-size", "lots", env=env)
+    assert bad.returncode == 2 and "'lots' is not a size" in bad.stderr

@@ -263,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Timeshare's data dir models/ for a URL)",
     )
     pull.add_argument("--quant", metavar="Q", help="the quantisation to get from a repo (e.g. Q4_K_M)")
+    pull.add_argument(
+        "--max-size",
+        metavar="SIZE",
+        help="the most a file whose size the server does not say may have before the download "
+        "stops (default: 64GiB; e.g. 100GiB, 500MB)",
+    )
     return parser
 
 

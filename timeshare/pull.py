@@ -1,13 +1,14 @@
-"""``timeshare pull SOURCE [--id ID] [--dir DIR] [--quant Q]``: get a model and add it.
+"""``timeshare pull SOURCE [--id ID] [--dir DIR] [--quant Q] [--max-size SIZE]``: get a model and add it.
 
 SOURCE is a Hugging Face repo (``user/repo``, ``user/repo:Q4_K_M``, ``user/repo/file.gguf``;
 ``hf.co/`` in front is fine) or the ``http(s)://`` URL of a ``.gguf`` file. The work is
 ``core/pull/``'s; this prints the choices, the progress (stderr) and the outcome, adds the model
 to the config, and asks a running Timeshare to pick it up (``POST /timeshare/v1/reload``).
+``--max-size`` raises the cap on a file whose size the server does not say (64 GiB).
 
 Exit status: 0 done (also when the model was there already), 1 failed, 2 a usage problem (a bad
 source, several quantisations and no ``--quant`` without a terminal to ask on), 130 interrupted
-(what was downloaded is kept: the same command resumes).
+(what was downloaded is kept when the server can resume it: the same command resumes).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TextIO
 from .core.config.files import cli_config_path
 from .core.errors import CancelledError, ChooseQuantisationError, ConfigError, TimeshareError
 from .core.pull import add, download, progress, remote, sources
-from .core.units import human_bytes
+from .core.units import human_bytes, parse_size
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -90,6 +91,7 @@ def _ask(count: int, err: TextIO) -> int | None:
 def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         source = sources.parse_source(args.source, args.quant)
+        max_size = parse_size(args.max_size) if getattr(args, "max_size", None) else None
     except ValueError as exc:
         err.write(f"timeshare pull: {exc}\n")
         return EXIT_USAGE
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         size = human_bytes(choice.size or 0, empty="size unknown")
         parts = f" in {len(choice.files)} parts" if len(choice.files) > 1 else ""
         err.write(f"Getting {choice.filename} ({choice.label}, {size}{parts}) from {listing.title}\n")
-        result = download.pull(listing, choice, dest_dir=args.dir, progress=printer)
+        result = download.pull(listing, choice, dest_dir=args.dir, progress=printer, max_size=max_size)
         printer.end()
         entry = result.entry
         checks = "size, sha256" if any(f.sha256 for f in choice.files) else "size"
@@ -126,12 +128,13 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         )
     except CancelledError:
         printer.end()
-        err.write("timeshare pull: cancelled; run the same command again to resume\n")
+        err.write("timeshare pull: cancelled; run the same command again (it resumes where it can)\n")
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         printer.end()
         err.write(
-            "\ntimeshare pull: interrupted; what was downloaded is kept: run the same command to resume\n"
+            "\ntimeshare pull: interrupted; what was downloaded is kept when the server can resume it: "
+            "run the same command to resume\n"
         )
         return EXIT_INTERRUPTED
     except TimeshareError as exc:

@@ -15,6 +15,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import httpx
 
 from ..errors import DownloadError, RemoteAccessError, RemoteNotFoundError
+from . import names
 from .sources import (
     SPLIT_RE,
     Choice,
@@ -102,15 +103,19 @@ def _list_hub(src: HubSource, token: str | None) -> Listing:
     files: list[RemoteFile] = []
     for sibling in info.siblings or ():
         name = sibling.rfilename
-        if not name.lower().endswith(".gguf"):
+        if not isinstance(name, str) or not name.lower().endswith(".gguf"):
             continue
+        names.relative_path(name, f"{endpoint} (listing {src.repo_id})")
         lfs = sibling.lfs
+        sha = lfs.sha256 if lfs is not None else None
+        if sha is not None:
+            names.sha256(sha, f"{endpoint} (for {name})")
         files.append(
             RemoteFile(
                 name=name,
                 url=hf_hub_url(src.repo_id, name, revision=src.revision, endpoint=endpoint),
                 size=lfs.size if lfs is not None else sibling.size,
-                sha256=lfs.sha256 if lfs is not None else None,
+                sha256=sha,
             )
         )
     choices = group_choices(files)
@@ -158,8 +163,14 @@ def transport_error(exc: httpx.HTTPError, url: str) -> DownloadError:
     )
 
 
+def url_file_name(url: str) -> str:
+    """A URL's file name: its last path segment, percent-decoded, checked to be one safe file name
+    (``..%2F..%2Fx.gguf`` is refused: UnsafeNameError)."""
+    return names.component(unquote(urlsplit(url).path.rsplit("/", 1)[-1]), url, "the URL's file name")
+
+
 def _head(client: httpx.Client, url: str) -> RemoteFile:
-    name = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
+    name = url_file_name(url)
     try:
         response = client.head(url)
     except httpx.HTTPError as exc:  # transport errors, too many redirects, a bad URL
@@ -177,7 +188,7 @@ def _head(client: httpx.Client, url: str) -> RemoteFile:
 def _list_url(src: UrlSource) -> Listing:
     parts = urlsplit(src.url)
     segments = parts.path.rsplit("/", 1)
-    last = unquote(segments[-1])
+    last = url_file_name(src.url)
     m = SPLIT_RE.match(last)
     urls = [src.url]
     if m:  # a split model: all its parts, whichever part the URL names

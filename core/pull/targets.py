@@ -4,18 +4,19 @@ Hub files go into the Hugging Face cache (``models--user--repo/blobs/<etag>``, a
 ``snapshots/<commit>/<file>`` link, ``refs/<revision>``), so other tools (``hf``, llama.cpp, the
 catalog) share them; URL files go to ``<data dir>/models/`` (or ``--dir``). A :class:`Target`
 names a file's final path, its partial file (``blobs/<etag>.incomplete``, or ``<file>.part`` with a
-``.part.json`` sidecar saying what it was downloaded from) and its lock.
+``.part.json`` sidecar saying what it was downloaded from) and its lock (``filelock``, on the path
+``huggingface_hub`` locks too, so ``hf download`` and ``timeshare pull`` of one blob exclude each
+other). Every name the remote chose (the ETag, the commit, the file name) is checked by
+:mod:`names` before a path is built from it, and every path is checked to stay inside its folder
+(:meth:`Target.check`) before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
-import re
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,17 +26,14 @@ from .. import paths
 from ..atomic import atomic_write_text
 from ..catalog import default_hf_root
 from ..errors import DownloadError
+from . import names
 from .remote import hub_endpoint, hub_error
 from .sources import Choice, HubSource, Listing, RemoteFile
-
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def models_dir() -> Path:
     """Where URL downloads go without ``--dir``: ``<data dir>/models``."""
-    target = paths.data_dir() / "models"
-    target.mkdir(parents=True, exist_ok=True)
-    return target
+    return paths.data_dir() / "models"  # made when the first file is written
 
 
 @dataclass(frozen=True)
@@ -51,75 +49,111 @@ class Target:
     pointer: Path | None = None  # hub cache: snapshots/<commit>/<name> -> blobs/<etag>
     ref: tuple[Path, str] | None = None  # hub cache: (refs/<revision>, commit)
     sidecar: Path | None = None  # non-hub partials: what the partial was downloaded from
+    root: Path | None = None  # the folder every file above must stay inside (resolved)
+    lock_root: Path | None = None  # the folder the lock must stay inside
 
     @property
     def path(self) -> Path:
         """The file a user (or llama.cpp) opens."""
         return self.pointer or self.final
 
+    def check(self) -> None:
+        """Each path, resolved, stays inside its root (a link planted in the cache or the folder
+        cannot lead a write elsewhere), and a partial file there is a plain one (not a link);
+        raises UnsafeNameError."""
+        if self.root is not None:
+            for p in (
+                self.final,
+                self.partial,
+                self.pointer,
+                self.sidecar,
+                self.ref[0] if self.ref else None,
+            ):
+                if p is not None:
+                    names.inside(self.root, p)
+        names.plain_or_absent(self.partial)
+        if self.lock_root is not None:
+            names.inside(self.lock_root, self.lock)
+
+
+def repo_folder(repo_id: str) -> str:
+    """The hub cache's folder of a model repo: ``models--user--repo`` (huggingface_hub's layout)."""
+    return "models--" + repo_id.replace("/", "--")
+
 
 def hub_targets(listing: Listing, choice: Choice, dest_dir: Path | None, token: str | None) -> list[Target]:
-    from huggingface_hub import get_hf_file_metadata
-    from huggingface_hub.file_download import repo_folder_name
-    from huggingface_hub.utils._headers import build_hf_headers
+    """The targets of a hub choice (a HEAD per file: its ETag, commit, size and CDN location).
+
+    Raises UnsafeNameError, before anything is written, when the hub names a file, a blob (ETag),
+    a snapshot (commit) or a revision with something that is not a safe path component."""
+    from huggingface_hub import constants, get_hf_file_metadata, get_token
 
     src = listing.source
     assert isinstance(src, HubSource)
+    endpoint = hub_endpoint()
     root = default_hf_root()
-    storage = root / repo_folder_name(repo_id=src.repo_id, repo_type="model")
+    storage = root / repo_folder(src.repo_id)
+    revision = names.relative_path(src.revision, "the source", "the revision")
     targets = []
     for f in choice.files:
+        name = names.relative_path(f.name, endpoint)
         try:
             meta = get_hf_file_metadata(f.url, token=token)
         except Exception as exc:
             raise hub_error(exc, src.repo_id, f.name) from exc
         if not meta.etag or not meta.commit_hash:
             raise DownloadError(
-                f"{hub_endpoint()} did not say which version of {f.name} it serves (no ETag or "
+                f"{endpoint} did not say which version of {f.name} it serves (no ETag or "
                 "X-Repo-Commit header): is HF_ENDPOINT a Hugging Face hub?"
             )
-        headers = build_hf_headers(token=token)
-        headers["Accept-Encoding"] = "identity"
-        if urlsplit(meta.location).netloc != urlsplit(f.url).netloc:
-            headers.pop("authorization", None)  # a signed CDN URL: the token stays with the hub
-        size = meta.size if meta.size is not None else f.size
-        sha = f.sha256 or (meta.etag if _SHA256.match(meta.etag) else None)
-        if dest_dir is not None:
-            final = dest_dir / f.name.rsplit("/", 1)[-1]
-            targets.append(
-                Target(
-                    replace(f, validator=meta.etag),
-                    meta.location,
-                    headers,
-                    final,
-                    final.with_name(final.name + ".part"),
-                    _lock_for(final),
-                    size,
-                    sha,
-                    sidecar=final.with_name(final.name + ".part.json"),
-                )
+        etag = names.etag(meta.etag, f"{endpoint} (for {name})")
+        commit = names.commit(meta.commit_hash, f"{endpoint} (for {name})")
+        if meta.size is not None and meta.size < 0:
+            raise DownloadError(
+                f"{endpoint} announced a size of {meta.size} bytes for {name}: try again later"
             )
-            continue
-        blob = storage / "blobs" / meta.etag
-        pointer = storage / "snapshots" / meta.commit_hash / Path(*f.name.split("/"))
-        ref = (
-            (storage / "refs" / src.revision, meta.commit_hash) if src.revision != meta.commit_hash else None
-        )
-        lock = root / ".locks" / storage.name / f"{meta.etag}.lock"
-        targets.append(
-            Target(
-                f,
+        headers = {"Accept-Encoding": "identity"}
+        # the token huggingface_hub would send: HF_TOKEN, else `hf auth login`'s
+        login = token or (None if constants.HF_HUB_DISABLE_IMPLICIT_TOKEN else get_token())
+        if login and urlsplit(meta.location).netloc == urlsplit(f.url).netloc:
+            headers["authorization"] = f"Bearer {login}"  # a signed CDN URL: the token stays with the hub
+        size = meta.size if meta.size is not None else f.size
+        sha = f.sha256 or (etag if len(etag) == 64 else None)
+        remote = replace(f, validator=etag)
+        if dest_dir is not None:
+            final = dest_dir / name.rsplit("/", 1)[-1]
+            target = Target(
+                remote,
+                meta.location,
+                headers,
+                final,
+                final.with_name(final.name + ".part"),
+                _lock_for(final),
+                size,
+                sha,
+                sidecar=final.with_name(final.name + ".part.json"),
+                root=dest_dir,
+                lock_root=_locks_dir(),
+            )
+        else:
+            blob = storage / "blobs" / etag
+            ref = (storage / "refs" / revision, commit) if revision != commit else None
+            target = Target(
+                remote,
                 meta.location,
                 headers,
                 blob,
                 blob.with_name(blob.name + ".incomplete"),
-                lock,
+                root / ".locks" / storage.name / f"{etag}.lock",
                 size,
                 sha,
-                pointer=pointer,
+                pointer=storage / "snapshots" / commit / Path(*name.split("/")),
                 ref=ref,
+                root=storage,
+                lock_root=root / ".locks",
             )
-        )
+        target.check()
+        targets.append(target)
     return targets
 
 
@@ -127,45 +161,55 @@ def url_targets(choice: Choice, dest_dir: Path | None) -> list[Target]:
     folder = dest_dir if dest_dir is not None else models_dir()
     targets = []
     for f in choice.files:
-        final = folder / f.name
-        targets.append(
-            Target(
-                f,
-                f.url,
-                {"Accept-Encoding": "identity"},
-                final,
-                final.with_name(final.name + ".part"),
-                _lock_for(final),
-                f.size,
-                f.sha256,
-                sidecar=final.with_name(final.name + ".part.json"),
-            )
+        final = folder / names.component(f.name, f.url)
+        target = Target(
+            f,
+            f.url,
+            {"Accept-Encoding": "identity"},
+            final,
+            final.with_name(final.name + ".part"),
+            _lock_for(final),
+            f.size,
+            f.sha256,
+            sidecar=final.with_name(final.name + ".part.json"),
+            root=folder,
+            lock_root=_locks_dir(),
         )
+        target.check()
+        targets.append(target)
     return targets
+
+
+def _locks_dir() -> Path:
+    return paths.cache_dir() / "pull-locks"
 
 
 def _lock_for(final: Path) -> Path:
     """The lock of a download outside the hub cache: in the cache dir, not next to the model
     (a lock file is never removed: another process may be about to lock it)."""
     key = hashlib.sha1(str(final.absolute()).encode()).hexdigest()[:20]
-    return paths.cache_dir() / "pull-locks" / f"{key}.lock"
+    return _locks_dir() / f"{key}.lock"
 
 
 @contextlib.contextmanager
 def locked(target: Target) -> Iterator[None]:
+    """Hold the target's lock (``filelock``: it opens the lock file with ``O_NOFOLLOW``)."""
+    from filelock import FileLock, Timeout
+
     target.lock.parent.mkdir(parents=True, exist_ok=True)
-    with target.lock.open("a") as handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DownloadError(
-                f"{target.remote.name} is being downloaded by another program right now "
-                f"(lock {target.lock}): wait for it to finish, then try again"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    target.check()
+    lock = FileLock(target.lock, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise DownloadError(
+            f"{target.remote.name} is being downloaded by another program right now "
+            f"(lock {target.lock}): wait for it to finish, then try again"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def partial_matches(target: Target) -> bool:
@@ -190,14 +234,16 @@ def write_sidecar(target: Target) -> None:
 
 def link_snapshot(target: Target) -> None:
     """Hub cache: the snapshot link to the blob and the revision's ref (as huggingface_hub makes them)."""
+    target.check()
     if target.pointer is not None and not target.pointer.exists():
         target.pointer.parent.mkdir(parents=True, exist_ok=True)
+        target.check()
         with contextlib.suppress(FileNotFoundError):
             target.pointer.unlink()  # a dangling link
         try:
             target.pointer.symlink_to(os.path.relpath(target.final, target.pointer.parent))
         except OSError:
-            shutil.copy2(target.final, target.pointer)
+            _copy_into_place(target.final, target.pointer)
     if target.ref is not None:
         ref_path, commit = target.ref
         try:
@@ -206,3 +252,17 @@ def link_snapshot(target: Target) -> None:
             current = ""
         if current != commit:
             atomic_write_text(ref_path, commit, backup=False, mode=0o644)
+
+
+def _copy_into_place(source: Path, dest: Path) -> None:
+    """A copy where links cannot be made: a new file (O_EXCL, O_NOFOLLOW), renamed into place."""
+    temp = dest.with_name(f".{dest.name}.{os.getpid()}.copy")
+    fd = names.create_exclusive(temp)
+    try:
+        with os.fdopen(fd, "wb") as out, source.open("rb") as inp:
+            while chunk := inp.read(1 << 22):
+                out.write(chunk)
+        os.replace(temp, dest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
