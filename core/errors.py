@@ -52,6 +52,20 @@ class PromptTooLongError(TimeshareError):
     code = "context_length_exceeded"
 
 
+class InvalidSamplingError(TimeshareError):
+    """A request's sampling settings do not fit the model (e.g. a logit_bias token outside its
+    vocabulary); the message says which. The API answers 400."""
+
+    code = "invalid_sampling"
+
+
+class InvalidGrammarError(InvalidSamplingError):
+    """A request's grammar (GBNF, a JSON schema's, a trigger pattern) cannot be used; the message
+    says which part. The API answers 400."""
+
+    code = "invalid_grammar"
+
+
 class QueueFullError(TimeshareError):
     code = "queue_full"
 

@@ -19,6 +19,7 @@ import jsonschema
 import numpy as np
 import pytest
 from llama_cpp.llama_grammar import json_schema_to_gbnf
+from timeshare.core.errors import InvalidSamplingError
 from timeshare.core.sampling import Sampling
 from timeshare.core.worker.decode import Decoder
 from timeshare.core.worker.sampler import GrammarError, Sampler
@@ -145,7 +146,7 @@ def test_logit_bias_bans_and_forces(llm: Any) -> None:
     forced_token = tokens_of(llm, " banana")[0]
     forced, _ = drive(llm, prompt, Sampling(temperature=0.7, seed=1, logit_bias=((forced_token, 100.0),)), 4)
     assert forced == [forced_token] * 4
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(InvalidSamplingError, match="vocabulary"):
         Sampler(llm, Sampling(logit_bias=((10**7, 1.0),)))
 
 

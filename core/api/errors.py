@@ -7,6 +7,8 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from ..errors import (
+    InvalidGrammarError,
+    InvalidSamplingError,
     ModelUnavailableError,
     PromptTooLongError,
     QueueFullError,
@@ -39,6 +41,8 @@ class _ClientGoneError(Exception):
 _STATUS_BY_CODE = {
     UnknownModelError.code: 404,
     PromptTooLongError.code: 400,
+    InvalidGrammarError.code: 400,
+    InvalidSamplingError.code: 400,
     QueueFullError.code: 429,
     ModelUnavailableError.code: 503,
     TokenTimeoutError.code: 503,

@@ -60,6 +60,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from ..errors import InvalidGrammarError, InvalidSamplingError
 from ..sampling import Sampling
 
 
@@ -73,7 +74,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-class GrammarError(ValueError):
+class GrammarError(InvalidGrammarError, ValueError):
     """A grammar or trigger pattern llama.cpp cannot use (the message says which)."""
 
 
@@ -115,7 +116,7 @@ class Sampler:
             biases = (llama_cpp.llama_logit_bias * len(sampling.logit_bias))()
             for i, (token, bias) in enumerate(sampling.logit_bias):
                 if not 0 <= token < self._n_vocab:
-                    raise ValueError(
+                    raise InvalidSamplingError(
                         f"logit_bias: token {token} is not in the vocabulary (0..{self._n_vocab - 1})"
                     )
                 biases[i].token = int(token)  # type: ignore[assignment]
