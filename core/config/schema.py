@@ -36,6 +36,11 @@ class ModelConfig:
     device: int = 0
     # llama.cpp's flash attention for this model's context (false: llama-cpp-python's default)
     flash_attn: bool = False
+    # an embedding model: its context is made for /v1/embeddings (pooling from the GGUF, else
+    # mean) and it answers no chat or completion requests
+    embedding: bool = False
+    # the most tokens an answer of this model may have, whatever a request asks (None: the context)
+    max_tokens: int | None = None
     licence: str = ""  # shown in model lists (filled for the demo models)
 
     @property

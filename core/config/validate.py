@@ -263,6 +263,8 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
         "device": lambda w, v: c.integer(w, v, minimum=0, maximum=63),
         "host_shadow": lambda w, v: c.choice(w, v, get_args(HostShadow)),
         "flash_attn": lambda w, v: c.boolean(w, v),
+        "embedding": lambda w, v: c.boolean(w, v),
+        "max_tokens": lambda w, v: c.integer(w, v, minimum=1),
         "licence": lambda w, v: c.string(w, v),
     }
     checked, all_ok = c.fields(where, raw, checks)

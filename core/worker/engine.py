@@ -47,13 +47,14 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from ..config.schema import ModelConfig
-from ..errors import ModelFileError, PromptTooLongError
+from ..errors import InvalidSamplingError, ModelFileError, PromptTooLongError
 from ..modelfile import check_model_file
 from ..residency import check_gguf
 from ..sampling import Sampling
 from . import kv_files
 from .decode import Decoder, common_prefix
 from .device import llama_placement
+from .embed import embed_tokens
 from .kv_files import KVSnapshot
 from .protocol import ChatMessage, FinishReason, Generate
 
@@ -155,6 +156,9 @@ class Engine:
                 use_mmap=use_mmap,
                 flash_attn=model.flash_attn,
                 verbose=False,
+                # an embedding model's context pools (the GGUF's pooling type; embed.py means a
+                # causal model's tokens itself)
+                embedding=model.embedding,
                 **llama_placement(model.device),  # one GPU: its VRAM budget counts the weights
             )
         except (ValueError, RuntimeError) as exc:
@@ -166,8 +170,10 @@ class Engine:
             ) from None
         formatter = None
         want = model.chat_format
-        template = model.chat_template or llm.metadata.get("tokenizer.chat_template")
-        if want == "template" and not template:
+        template = (
+            None if model.embedding else model.chat_template or llm.metadata.get("tokenizer.chat_template")
+        )
+        if want == "template" and not template and not model.embedding:
             log.warning("%s has no chat template; using the fallback format", model.id)
         if template and want != "fallback":
             eos_id = llm.token_eos()
@@ -553,6 +559,44 @@ class Engine:
             f"of context (the answer needs room too): shorten the prompt or raise n_ctx for this model"
         )
 
+    # ---- embeddings -------------------------------------------------------------------------
+
+    def embed(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        before_step: Callable[[], None] = lambda: None,
+    ) -> tuple[list[list[float]], int]:
+        """Unit vectors for texts or token lists (see ``embed``), and the tokens they took. Texts
+        are tokenized as ``Llama.embed`` does (BOS when the vocabulary adds one, no special
+        tokens). An embedding model's context is its own; a chat model's live sequence is first
+        kept as a host snapshot (the KV of every conversation stays), then its context embeds in
+        that sequence and gives it back empty. Raises PromptTooLongError for an input over the
+        batch, InvalidSamplingError for a token id outside the vocabulary."""
+        llm = self.llm
+        n_vocab = self.info.n_vocab
+        token_lists: list[list[int]] = []
+        for item in inputs:
+            if isinstance(item, str):
+                token_lists.append(list(llm.tokenize(item.encode("utf-8"))))
+            else:
+                bad = [t for t in item if not 0 <= int(t) < n_vocab]
+                if bad:
+                    raise InvalidSamplingError(
+                        f"token {bad[0]} is not in {self.model.display_name}'s vocabulary (0..{n_vocab - 1})"
+                    )
+                token_lists.append([int(t) for t in item])
+        before_step()  # residency first: the context is about to decode
+        if self.model.embedding:
+            vectors = embed_tokens(llm, token_lists, before_step=before_step)
+        else:
+            self._park_live()  # the live sequence's KV goes to the host LRU, whole
+            try:
+                vectors = embed_tokens(llm, token_lists, seq_id=0, switch=True, before_step=before_step)
+            finally:
+                llm.n_tokens = 0  # sequence 0 is empty now; its logits are the embedding's
+                llm._requires_eval = True
+        return vectors, sum(len(t) for t in token_lists)
+
     # ---- generation -------------------------------------------------------------------------
 
     def generate(
@@ -566,6 +610,11 @@ class Engine:
         CancelledError to stop (finish_reason "cancelled"); ``poll`` runs while the prompt is
         tokenized (no residency needed) and may raise it too. Raises PromptTooLongError without
         touching the KV cache of any conversation."""
+        if self.model.embedding:
+            raise InvalidSamplingError(
+                f"{self.model.display_name} is an embedding model (embedding = true): "
+                "it answers /v1/embeddings only"
+            )
         stop = list(req.stop)
         tokens: list[int]
         if req.messages is not None:
