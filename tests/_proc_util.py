@@ -63,3 +63,20 @@ def thread_wchan(native_id: int) -> str:
         return Path(f"/proc/self/task/{native_id}/wchan").read_text().strip()
     except OSError:
         return ""
+
+
+def workers_of(home: Path) -> list[int]:
+    """The live worker processes (``-m timeshare.core.worker``) whose spec names a path under
+    ``home`` (their kv_dir is in it), found in /proc, not asked of Timeshare."""
+    found: list[int] = []
+    needle = str(home).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"timeshare.core.worker" in argv and any(needle in a for a in argv) and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return sorted(found)

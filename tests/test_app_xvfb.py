@@ -1,8 +1,9 @@
 """The real app on a real X server with a real tray host: Xvfb + trayer, `timeshare tray`.
 
 This is what `make run` does on a desktop; here the check is that the tray host embeds Timeshare's
-icon (its panel grows by the icon's width) and that the icon is painted in a state colour. Skips
-when Xvfb, trayer or xdotool are missing (.ci/run installs them).
+icon (its panel grows by the icon's width) and that the icon is painted in a state colour, and that
+a ``kill -9`` of the tray app leaves none of its workers running. Skips when Xvfb, trayer, xdotool or
+ImageMagick's ``import`` are missing (.ci/run installs them): never a check that quietly vanishes.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _proc_util import alive, wait_until, workers_of
+
+_TOOLS = ("Xvfb", "trayer", "xdotool", "import")
 
 pytestmark = [
     pytest.mark.gui,
     pytest.mark.slow,
     pytest.mark.skipif(
-        not sys.platform.startswith("linux")
-        or not all(shutil.which(t) for t in ("Xvfb", "trayer", "xdotool")),
-        reason="needs Xvfb, trayer and xdotool (apt-get install -y xvfb trayer xdotool)",
+        not sys.platform.startswith("linux") or not all(shutil.which(t) for t in _TOOLS),
+        reason="needs Xvfb, trayer, xdotool, ImageMagick (apt-get install xvfb trayer xdotool imagemagick)",
     ),
 ]
 
@@ -95,6 +98,54 @@ def x_with_tray(tmp_path: Path) -> Iterator[str]:
         _stop(xvfb)
 
 
+def _shot_colours(display: str, geometry: dict[str, int], shot: Path) -> set[int]:
+    """The RGB values of the tray area, read back from the X server (ImageMagick's import)."""
+    subprocess.run(
+        ["import", "-window", "root", "-crop",
+         f"{geometry['WIDTH']}x{geometry['HEIGHT']}+{geometry['X']}+{geometry['Y']}", str(shot)],
+        env=dict(os.environ, DISPLAY=display),
+        check=True,
+        timeout=30,
+    )  # fmt: skip
+    from PySide6.QtGui import QImage
+
+    image = QImage(str(shot))
+    assert not image.isNull()
+    return {image.pixelColor(x, y).rgb() for x in range(image.width()) for y in range(image.height())}
+
+
+def _write_config(home: Path, smollm2_path: Path) -> None:
+    config = home / "config" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        f'[api]\nenabled = false\n\n[[models]]\nid = "smol"\npath = "{smollm2_path}"\nn_ctx = 512\n'
+    )
+
+
+def _start_tray(display: str, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, DISPLAY=display, QT_QPA_PLATFORM="xcb")
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [str(Path(sys.executable).with_name("timeshare")), "tray", "--background"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_embedded(
+    display: str, panel: str, empty_width: int, app: subprocess.Popen[bytes], log: Path
+) -> dict[str, int]:
+    deadline = time.monotonic() + 60
+    geometry = _geometry(display, panel)
+    while geometry["WIDTH"] <= empty_width and time.monotonic() < deadline:
+        assert app.poll() is None, log.read_text()
+        time.sleep(0.2)
+        geometry = _geometry(display, panel)
+    assert geometry["WIDTH"] > empty_width, f"the tray icon was not embedded\n{log.read_text()}"
+    return geometry
+
+
 def test_tray_icon_appears_in_the_tray_host(
     x_with_tray: str, smollm2_path: Path, timeshare_home: Path
 ) -> None:
@@ -102,51 +153,56 @@ def test_tray_icon_appears_in_the_tray_host(
     panel = _panel(display)
     assert panel, "trayer did not show its panel"
     empty_width = _geometry(display, panel)["WIDTH"]
-
-    config = timeshare_home / "config" / "config.toml"
-    config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(
-        f'[api]\nenabled = false\n\n[[models]]\nid = "smol"\npath = "{smollm2_path}"\nn_ctx = 512\n'
-    )
-    env = dict(os.environ, DISPLAY=display, QT_QPA_PLATFORM="xcb")
+    _write_config(timeshare_home, smollm2_path)
     log = timeshare_home / "app-output.txt"
-    with log.open("wb") as out:
-        app = subprocess.Popen(
-            [str(Path(sys.executable).with_name("timeshare")), "tray", "--background"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    app = _start_tray(display, log)
     try:
-        deadline = time.monotonic() + 60
-        geometry = _geometry(display, panel)
-        while geometry["WIDTH"] <= empty_width and time.monotonic() < deadline:
-            assert app.poll() is None, log.read_text()
-            time.sleep(0.2)
-            geometry = _geometry(display, panel)
-        assert geometry["WIDTH"] > empty_width, f"the tray icon was not embedded\n{log.read_text()}"
+        geometry = _wait_embedded(display, panel, empty_width, app, log)
+        # the icon is painted in one of the state colours: wait for it (a first frame may be blank)
+        from PySide6.QtGui import QColor
+        from timeshare.app.icons import STATE_COLOURS
 
-        # the icon is painted in one of the state colours (read back from the X server)
-        if shutil.which("import"):
-            time.sleep(1.0)
-            shot = timeshare_home / "tray.png"
-            subprocess.run(
-                ["import", "-window", "root", "-crop",
-                 f"{geometry['WIDTH']}x{geometry['HEIGHT']}+{geometry['X']}+{geometry['Y']}", str(shot)],
-                env=dict(os.environ, DISPLAY=display),
-                check=True,
-                timeout=30,
-            )  # fmt: skip
-            from PySide6.QtGui import QColor, QImage
-            from timeshare.app.icons import STATE_COLOURS
-
-            image = QImage(str(shot))
-            assert not image.isNull()
-            pixels = {
-                image.pixelColor(x, y).rgb() for x in range(image.width()) for y in range(image.height())
-            }
-            wanted = {QColor(c).rgb() for c in STATE_COLOURS.values()}
-            assert pixels & wanted, "no pixel of the tray area has a state colour"
+        wanted = {QColor(c).rgb() for c in STATE_COLOURS.values()}
+        shot = timeshare_home / "tray.png"
+        wait_until(
+            lambda: _shot_colours(display, geometry, shot) & wanted,
+            30,
+            "a pixel of the tray area in a state colour",
+        )
     finally:
         _stop(app)
     assert app.returncode == 0, log.read_text()
+
+
+def test_kill9_of_the_tray_app_leaves_no_worker_and_the_next_start_is_clean(
+    x_with_tray: str, smollm2_path: Path, timeshare_home: Path
+) -> None:
+    display = x_with_tray
+    panel = _panel(display)
+    assert panel, "trayer did not show its panel"
+    empty_width = _geometry(display, panel)["WIDTH"]
+    _write_config(timeshare_home, smollm2_path)
+    log = timeshare_home / "app-output.txt"
+    app = _start_tray(display, log)
+    try:
+        _wait_embedded(display, panel, empty_width, app, log)
+        wait_until(lambda: len(workers_of(timeshare_home)) == 1, 60, "the tray's worker to start")
+        workers = workers_of(timeshare_home)
+        app.kill()  # SIGKILL: no handler, no cleanup
+        assert app.wait(30) == -9
+    finally:
+        _stop(app)
+    wait_until(lambda: not any(alive(pid) for pid in workers), 60, f"worker {workers} to exit")
+    # the panel shrinks back once the dead app's icon window is gone; then a clean second start
+    wait_until(
+        lambda: _geometry(display, panel)["WIDTH"] <= empty_width, 30, "the dead icon to leave the tray"
+    )
+    again = _start_tray(display, log)
+    try:
+        _wait_embedded(display, panel, empty_width, again, log)
+        wait_until(lambda: len(workers_of(timeshare_home)) == 1, 60, "the second start's worker")
+        assert not set(workers_of(timeshare_home)) & set(workers)
+    finally:
+        _stop(again)
+    assert again.returncode == 0, log.read_text()
+    wait_until(lambda: workers_of(timeshare_home) == [], 30, "the second start's worker to exit")
