@@ -8,9 +8,10 @@ Modes (all print one line per event on stdout, flushed):
                                           it until stdin closes, release
   contend ARENA BACKEND MODEL LOG N       N x (acquire, hold 1-8 ms, release, pause 0-4 ms)
   once ARENA BACKEND MODEL LOG            acquire (60 s timeout), log an "order" record, release
-  busy ARENA BACKEND MODEL LOG SECONDS QUANTUM_MS
-                                          always wants the GPU: holds it until the doorbell rang and
-                                          the quantum passed, releases, asks again; logs "token"
+  busy ARENA BACKEND MODEL LOG TURNS QUANTUM_MS
+                                          always wants the GPU, for TURNS turns: holds it until the
+                                          doorbell rang and the quantum passed (or, alone, 2 s),
+                                          releases, asks again; logs "token"
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
         print("DONE", flush=True)
         return 0
     if mode == "busy":
-        log, seconds, quantum = rest[0], float(rest[1]), float(rest[2]) / 1000.0
+        log, n_turns, quantum = rest[0], int(rest[1]), float(rest[2]) / 1000.0
         client = _client(arena_dir, backend, model, log)
         rang = threading.Event()
 
@@ -90,19 +91,17 @@ def main(argv: list[str]) -> int:
             rang.set()
 
         client.start_doorbell(on_waiter)
-        end = time.monotonic() + seconds
-        turns = 0
-        while time.monotonic() < end:
+        for _ in range(n_turns):
             grant = client.acquire(timeout=60)
-            turns += 1
-            while time.monotonic() < end:  # "decode" until asked to yield after the quantum
+            alone_until = grant.acquired_at + 2.0  # nobody rang: the turn ends anyway (a bound)
+            while time.monotonic() < alone_until:  # "decode" until asked to yield after the quantum
                 time.sleep(0.002)  # the behaviour: one "decode step"
                 if rang.is_set() and time.monotonic() - grant.acquired_at >= quantum:
                     break
             rang.clear()
             client.release()
         client.close()
-        print(f"TURNS {turns}", flush=True)
+        print(f"TURNS {n_turns}", flush=True)
         return 0
     print(f"unknown mode {mode}", file=sys.stderr)
     return 2

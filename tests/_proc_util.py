@@ -80,3 +80,77 @@ def workers_of(home: Path) -> list[int]:
         if b"timeshare.core.worker" in argv and any(needle in a for a in argv) and alive(int(entry.name)):
             found.append(int(entry.name))
     return sorted(found)
+
+
+def rss_of(pid: int | str = "self") -> int:
+    """Resident set size in bytes, from /proc/<pid>/statm (the kernel's figure, not Timeshare's);
+    0 once the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/statm").read_text().split()
+    except OSError:
+        return 0
+    return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def lease_holders(arena_dir: Path) -> set[int]:
+    """The pids holding a lease of the arena (the token, under a one-model budget): an exclusive
+    ``flock`` on a file in ``<arena>/leases/``, read from /proc/locks, not from Timeshare's records."""
+    try:
+        inodes = {p.stat().st_ino for p in (arena_dir / "leases").iterdir()}
+    except OSError:
+        return set()
+    holders: set[int] = set()
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        # "3: FLOCK  ADVISORY  WRITE 1234 fe:00:2146417 0 EOF" (blocked requests have "->" in [1])
+        granted = len(fields) >= 6 and fields[1] == "FLOCK" and fields[3] == "WRITE"
+        if granted and int(fields[5].rsplit(":", 1)[1]) in inodes:
+            holders.add(int(fields[4]))
+    return holders
+
+
+class ResidencyWatch:
+    """A thread that samples, every ``interval_s``, who holds a lease (before and after) and each
+    worker's RSS; ``check`` finds the samples where a worker's RSS was high (above its own minimum
+    plus half its weights) while it held no lease: weights kept without the token."""
+
+    def __init__(self, arena_dir: Path, pids: dict[str, int], interval_s: float = 0.002) -> None:
+        import threading
+
+        self.arena_dir = arena_dir
+        self.pids = dict(pids)
+        self.interval_s = interval_s
+        self.samples: list[tuple[set[int], dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="residency-watch", daemon=True)
+
+    def __enter__(self) -> ResidencyWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            before = lease_holders(self.arena_dir)
+            rss = {key: rss_of(pid) for key, pid in self.pids.items()}
+            after = lease_holders(self.arena_dir)
+            self.samples.append((before | after, rss))
+            time.sleep(self.interval_s)
+
+    def check(self, weight_bytes: dict[str, int]) -> tuple[list[str], dict[str, bool]]:
+        """(violations, high_seen per worker). A worker gone (RSS 0) is left out of its minimum."""
+        floor = {
+            key: min((rss[key] for _, rss in self.samples if rss[key] > 0), default=0) for key in self.pids
+        }
+        high_seen = dict.fromkeys(self.pids, False)
+        violations: list[str] = []
+        for i, (holders, rss) in enumerate(self.samples):
+            for key, pid in self.pids.items():
+                if rss[key] > floor[key] + weight_bytes[key] // 2:
+                    high_seen[key] = True
+                    if pid not in holders:
+                        violations.append(f"sample {i}: {key} {rss[key]} B (floor {floor[key]}), no lease")
+        return violations, high_seen

@@ -75,6 +75,12 @@ def make_small_q4_0(out: Path, tokenizer_gguf: Path, n_layers: int = 2, n_embd: 
 
 
 def load(path: Path, n_ctx: int = 256, **kwargs: Any) -> llama_cpp.Llama:
+    """Load as a worker does on a CPU build: no mmap (the weights are this process's memory) and
+    glibc told to give freed large blocks back at once (what the worker sets before loading), so
+    a release shows in the RSS."""
+    from timeshare.core.residency.hostmem import fix_malloc_mmap_threshold
+
+    fix_malloc_mmap_threshold()
     kwargs.setdefault("use_mmap", False)
     return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=64, n_gpu_layers=-1, verbose=False, **kwargs)
 

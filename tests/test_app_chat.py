@@ -193,8 +193,16 @@ def test_typing_prewakes_the_conversations_model(qtbot: Any, app: Any) -> None:
     window.prewake_requested.connect(woken.append)
     window._last_prewake.clear()
     qtbot.keyClicks(window.input, "lo")
-    qtbot.wait(300)
+    # textChanged reaches the pre-wake in the same thread, inside keyClicks: nothing to wait for
     assert woken == []
+    # the control: the same keystroke with the setting back on wakes at once, so the empty list
+    # above is the setting's doing, not a signal that had not arrived yet
+    app.config = dataclasses.replace(
+        app.config, general=dataclasses.replace(app.config.general, prewake_on_typing=True)
+    )
+    qtbot.keyClicks(window.input, "!")
+    assert woken == [SMOL]
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == SMOL, timeout=60_000)
 
 
 def test_waiting_for_a_pinned_model_is_said_in_the_window_and_the_tray(qtbot: Any, app: Any) -> None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _proc_util import wait_until
+from _proc_util import ResidencyWatch, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from timeshare.core.arena.dirs import read_holder
@@ -302,11 +302,17 @@ def test_kill9_of_the_holder_mid_decode(tmp_path: Path, smollm2_path: Path, gemm
     harness = ArenaHarness(
         plans, work_dir=tmp_path, arena_dir=tmp_path / "arena", max_tokens=8, deadlock_s=120, max_restarts=0
     )
+    watch: ResidencyWatch | None = None
+    weights = {p.id: Path(p.path).stat().st_size for p in plans}
     try:
         harness.start()
+        pool = harness.pool
+        pids = {p.id: pool.snapshot().model(p.id).pid for p in plans}  # type: ignore[union-attr]
+        # who holds a lease (/proc/locks) and each worker's RSS, sampled all along: the oracle for
+        # "weights only while holding the token", besides the intervals the workers write
+        watch = ResidencyWatch(tmp_path / "arena", pids).__enter__()  # type: ignore[arg-type]
         prompt = "The capital of France is"
         expected = harness.generate("smollm2-135m-instruct", prompt)  # uncontended reference
-        pool = harness.pool
         pool.pin("gemma3-270m")  # the holder will not yield: the waiter can only get in by its death
         counting = pool.generate("gemma3-270m", prompt="1, 2, 3, 4, 5, 6,", max_tokens=400)
         next(iter(counting))  # it is decoding now, with the token
@@ -333,10 +339,16 @@ def test_kill9_of_the_holder_mid_decode(tmp_path: Path, smollm2_path: Path, gemm
         assert dead is not None and dead.state is ModelState.FAILED and dead.restarts == 0
         arena.close()
     finally:
+        if watch is not None:
+            watch.__exit__()
         harness.stop()
     check = check_intervals(read_events(tmp_path / "intervals.jsonl"))
     assert check.ok, check
     assert check.resident_intervals >= 3
+    assert watch is not None
+    violations, high_seen = watch.check(weights)
+    assert violations == [], violations[:5]
+    assert high_seen["gemma3-270m"] and high_seen["smollm2-135m-instruct"], high_seen
 
 
 @pytest.mark.slow

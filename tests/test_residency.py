@@ -20,6 +20,7 @@ from typing import Any
 
 import llama_cpp  # before numpy
 import pytest
+from _proc_util import rss_of
 from _residency_util import Greedy, load, make_small_q4_0, same
 from timeshare.core.errors import (
     ModelFileChangedError,
@@ -65,8 +66,15 @@ def _cycle_check(llm: llama_cpp.Llama, path: Path, cycles: int = 3, **opts: Any)
     reference = greedy.run()
     res = Residency.attach(llm, path, ResidencyOptions(**opts))
     for i in range(cycles):
+        before = rss_of()
         rel = res.release()
         assert not res.weights_resident
+        # the memory really went back, as the kernel counts it (the model was loaded without mmap:
+        # its weight buffers are this process's memory): what the residency took in charge, and
+        # what it reports as freed
+        freed = before - rss_of()
+        assert res.weight_bytes > 0 and freed > 0.8 * res.weight_bytes, (i, freed, res.weight_bytes)
+        assert abs(rel.freed_bytes - freed) < 0.2 * res.weight_bytes, (rel.freed_bytes, freed)
         assert rel.level in ("weights", "weights+kv")
         rst = res.restore()
         assert res.weights_resident and res.kv_resident

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _e_worker_util import WorkerHandle
+from _proc_util import ResidencyWatch, lease_holders, rss_of
 from timeshare.core.arena.dirs import read_holder
 from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
@@ -249,11 +250,23 @@ def test_two_workers_alternate_and_the_token_moves(
     )
     handles.append(b)
     b.ready()
+    pids = {"smol": a.proc.pid, "gemma": b.proc.pid}
+    weights = {"smol": smollm2_path.stat().st_size, "gemma": gemma3_path.stat().st_size}
+    watch = ResidencyWatch(arena_dir, pids).__enter__()
     # reference answers of each model, then alternate: every answer stays the same
     ref_a, done = a.generate("a0", prompt="The capital of France is", max_tokens=8)
     assert isinstance(done, p.Done)
+    resident_a = rss_of(a.proc.pid)  # a holds the token, its weights in memory
+    assert lease_holders(arena_dir) == {a.proc.pid}
     ref_b, done = b.generate("b0", prompt="The capital of France is", max_tokens=8)
     assert isinstance(done, p.Done) and done.switch.switched
+    # b took the token: a gave its weights back, as the kernel counts a's memory (the GGUF's size
+    # stands for the weights: no mmap on this path, they were copied into the process)
+    released = next(m for m in a.seen if isinstance(m, p.Released))
+    assert lease_holders(arena_dir) == {b.proc.pid}
+    freed = resident_a - rss_of(a.proc.pid)
+    assert freed > weights["smol"] // 2, (freed, weights["smol"])
+    assert abs(released.freed_bytes - freed) < weights["smol"] // 4, (released.freed_bytes, freed)
     for i in range(1):
         text, done = a.generate(f"a{i + 1}", prompt="The capital of France is", max_tokens=8)
         assert isinstance(done, p.Done) and text == ref_a and done.switch.switched
@@ -270,8 +283,13 @@ def test_two_workers_alternate_and_the_token_moves(
     _, done_b = b.collect("cb")
     assert isinstance(done_a, p.Done) and isinstance(done_b, p.Done)
     assert done_a.usage.completion_tokens >= 10 and done_b.usage.completion_tokens >= 10
+    watch.__exit__()
     a.close()
     b.close()
+    # weights in memory only while holding a lease, from the kernel's figures (RSS, /proc/locks)
+    violations, high_seen = watch.check(weights)
+    assert violations == [], violations[:5]
+    assert high_seen == {"smol": True, "gemma": True}, (high_seen, len(watch.samples))
     intervals = read_events(log)
     tokens = sorted((r["start"], r["end"], r["model"]) for r in intervals if r["kind"] == "token")
     assert len({m for _, _, m in tokens}) == 2 and len(tokens) >= 4

@@ -9,9 +9,11 @@ cannot produce on demand. The reference output comes from the same model before 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import llama_cpp
 import pytest
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.tickets import Arena
@@ -23,6 +25,18 @@ from timeshare.core.worker.residence import ArenaResidence
 from timeshare.core.worker.spec import WorkerSpec
 
 MAX_TOKENS = 12
+
+
+def _inplace_expected() -> str:
+    """Why this build must have the in-place path ("" when it need not): the pinned version of
+    llama-cpp-python (read from pyproject.toml) on a CPU-only build, where the host weight buffers
+    play the device. A GPU build's backend may be one the in-place path does not know: a skip."""
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pinned = re.search(r'"llama-cpp-python==([0-9.]+)"', pyproject)
+    assert pinned, "pyproject.toml pins no llama-cpp-python version"
+    if llama_cpp.__version__ != pinned.group(1) or llama_cpp.llama_supports_gpu_offload():
+        return ""
+    return f"the pinned llama-cpp-python {pinned.group(1)} on a CPU build"
 
 
 Loaded = tuple[ArenaResidence, Engine, list[int]]
@@ -45,6 +59,9 @@ def loaded(tmp_path: Path, smollm2_path: Path) -> Iterator[Callable[[float], Loa
         engine = Engine.load(spec.model, use_mmap=res.use_mmap)
         res.attach(engine)
         if res.residency is None or res.path != "inplace":
+            expected = _inplace_expected()
+            if expected:  # a refusal where the path must work is a failure, not a skip
+                pytest.fail(f"{expected} must have the in-place residency, but: {res.reason}")
             pytest.skip(f"the in-place residency is not available here: {res.reason}")
         reference = greedy(engine)
         res.release(kv=False)
