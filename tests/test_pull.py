@@ -941,3 +941,140 @@ def test_the_command_refuses_a_hostile_url_and_caps_an_endless_one(
     assert list(sub.iterdir()) == [] and config.read_text() == before
     bad = _cli(home, "pull", f"{hub.url}/files/x.gguf", "--max-size", "lots", env=env)
     assert bad.returncode == 2 and "'lots' is not a size" in bad.stderr
+
+
+# ---- what is already on disk, and servers that ignore Range (issue 30) ----------------------
+
+
+def _other_version(data: bytes) -> bytes:
+    """The same GGUF with other tensor values: same size, a valid header, another sha256."""
+    changed = bytearray(data)
+    for i in range(len(changed) - 4096, len(changed), 64):
+        changed[i] ^= 0x5A
+    return bytes(changed)
+
+
+def _cancel_midway(listing: sources.Listing, at: int = 40000, **kw: Any) -> None:
+    cancel = threading.Event()
+
+    def stop(p: progress.Progress) -> None:
+        if p.done >= at:
+            cancel.set()
+
+    with pytest.raises(CancelledError):
+        download.pull(listing, sources.choose(listing), progress=stop, cancel=cancel, chunk_size=4096, **kw)
+
+
+def test_a_server_that_ignores_range_is_followed_from_byte_0(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    """A dropped connection retried against a server that answers the Range with the whole file
+    (200): the file and its sha256 start over, and the result is the hub's file, byte for byte."""
+    hub.repos[REPO] = _three_quants(ggufs)
+    hub.faults.ignore_range = True
+    hub.faults.drop_after["Tiny-F16.gguf"] = 40960
+    listing = remote.list_source(sources.parse_source(f"{REPO}:F16"))
+    result = download.pull(listing, sources.choose(listing), chunk_size=4096)
+    assert result.path.read_bytes() == ggufs["f16"]
+    assert [r.range for r in hub.seen("GET", "/cdn/")] == [None, "bytes=40960-"]
+
+
+def test_a_partial_resumed_from_a_server_that_now_ignores_range(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    """The next pull hashes the kept partial, asks for the rest, gets the whole file again: it must
+    not count the kept bytes twice."""
+    hub.repos[REPO] = _three_quants(ggufs)
+    hub.faults.delay_per_chunk = 0.01
+    listing = remote.list_source(sources.parse_source(f"{REPO}:F16"))
+    _cancel_midway(listing)
+    blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
+    (partial,) = blobs.glob("*.incomplete")
+    kept = partial.stat().st_size
+    hub.faults.delay_per_chunk = 0
+    hub.faults.ignore_range = True
+    result = download.pull(listing, sources.choose(listing), chunk_size=4096)
+    assert result.path.read_bytes() == ggufs["f16"]
+    assert hub.seen("GET", "/cdn/")[-1].range == f"bytes={kept}-"
+    assert result.downloaded == len(ggufs["f16"]) and not partial.exists()
+
+
+def test_a_url_partial_from_a_server_that_ignores_range_starts_over(
+    hub: FakeHub, ggufs: dict[str, bytes], timeshare_home: Path
+) -> None:
+    hub.files["Tiny-F16.gguf"] = ggufs["f16"]
+    hub.faults.delay_per_chunk = 0.01
+    listing = remote.list_source(sources.parse_source(f"{hub.url}/files/Tiny-F16.gguf"))
+    _cancel_midway(listing)
+    hub.faults.delay_per_chunk = 0
+    hub.faults.ignore_range = True
+    result = download.pull(listing, listing.choices[0], chunk_size=4096)
+    assert result.path.read_bytes() == ggufs["f16"]
+    assert sorted(p.name for p in result.path.parent.iterdir()) == ["Tiny-F16.gguf"]
+
+
+@pytest.mark.parametrize("damage", ["bit", "truncated", "not-a-gguf"])
+def test_a_damaged_file_already_in_the_cache_is_checked_and_downloaded_again(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path, damage: str
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q8_0"))
+    first = download.pull(listing, sources.choose(listing))
+    blob = first.path.resolve()
+    good = ggufs["q8"]
+    if damage == "bit":
+        blob.write_bytes(good[:-100] + bytes([good[-100] ^ 1]) + good[-99:])
+    elif damage == "truncated":
+        blob.write_bytes(good[: len(good) // 2])
+    else:
+        blob.write_bytes(b"<html>" + bytes(len(good) - 6))
+    again = download.pull(listing, sources.choose(listing))
+    assert again.path == first.path and blob.read_bytes() == good
+    assert again.downloaded == len(good)
+    assert len(hub.seen("GET", "/cdn/")) == 2
+
+
+def test_a_damaged_file_in_dir_is_downloaded_again(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
+    target = tmp_path / "models"
+    target.mkdir()
+    (target / "Tiny-Q4_K_M.gguf").write_bytes(_other_version(ggufs["q4"]))  # a GGUF, the right size
+    result = download.pull(listing, sources.choose(listing), dest_dir=target)
+    assert result.path.read_bytes() == ggufs["q4"] and result.downloaded == len(ggufs["q4"])
+
+
+def test_a_partial_of_another_version_is_not_resumed(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path, timeshare_home: Path
+) -> None:
+    """The server's file changed (another ETag) between a cancelled pull and the next: a URL's or a
+    --dir partial is deleted and the download starts over; in the hub cache the new version is
+    another blob, downloaded from byte 0, and the old partial is left as huggingface_hub leaves it."""
+    old, new = ggufs["f16"], _other_version(ggufs["f16"])
+    hub.faults.delay_per_chunk = 0.01
+
+    hub.files["Tiny-F16.gguf"] = old
+    url = f"{hub.url}/files/Tiny-F16.gguf"
+    _cancel_midway(remote.list_source(sources.parse_source(url)))
+    hub.files["Tiny-F16.gguf"] = new
+    hub.faults.delay_per_chunk = 0
+    listing = remote.list_source(sources.parse_source(url))
+    result = download.pull(listing, listing.choices[0], chunk_size=4096)
+    assert result.path.read_bytes() == new
+    assert hub.seen("GET", "/files/")[-1].range is None
+
+    for dest in (tmp_path / "mine", None):
+        hub.faults.delay_per_chunk = 0.01
+        hub.repos[REPO] = Repo({"Tiny-F16.gguf": old}, commit=COMMIT)
+        _cancel_midway(remote.list_source(sources.parse_source(REPO)), dest_dir=dest)
+        hub.repos[REPO] = Repo({"Tiny-F16.gguf": new}, commit="89abcdef" * 5)
+        hub.faults.delay_per_chunk = 0
+        listing = remote.list_source(sources.parse_source(REPO))
+        result = download.pull(listing, listing.choices[0], dest_dir=dest, chunk_size=4096)
+        assert result.path.read_bytes() == new
+        assert hub.seen("GET", "/cdn/")[-1].range is None
+    blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
+    assert sorted(p.name for p in blobs.iterdir()) == sorted([sha256(new), sha256(old) + ".incomplete"])
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["Tiny-F16.gguf"]

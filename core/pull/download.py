@@ -108,6 +108,7 @@ class _Partial:
     support: ArchSupport
     ranges: bool = False  # the server honours Range (a 206, or Accept-Ranges: bytes on a 200)
     spoiled: bool = False  # what is on disk cannot be the file (too long): never kept
+    received: int = 0  # bytes this pull transferred (a restart from byte 0 counts them all)
 
     def resumable(self) -> bool:
         """Whether a failed download keeps its partial for the next pull: the server said the size
@@ -206,6 +207,7 @@ def _transfer(
                 raise
             digest.update(chunk)
             have += len(chunk)
+            partial.received += len(chunk)
             meter.report(target.remote.name, part, have)
             if have >= next_space_check:
                 next_space_check = have + SPACE_CHECK_BYTES
@@ -338,7 +340,6 @@ def _fill(
                 digest.update(chunk)
     if have >= verify.PEEK_BYTES or (target.size is not None and have == target.size and have):
         _check_or_delete(target, support, first)
-    start = have
     meter.restart_rate()
     meter.report(name, part, have, force=True)
     retries = RETRIES
@@ -397,7 +398,7 @@ def _fill(
     target.check()
     os.replace(target.partial, target.final)
     _remove(target.sidecar)
-    return have - start
+    return partial.received
 
 
 def _check_or_delete(target: Target, support: ArchSupport, first: bool, out: BinaryIO | None = None) -> None:
