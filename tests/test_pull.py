@@ -5,6 +5,7 @@ internet; the GGUFs are tiny real ones written with the gguf package."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -113,11 +114,18 @@ def test_sources_parse(text: str, expected: sources.Source) -> None:
 
 
 @pytest.mark.parametrize(
-    "text",
-    ["", "justaname", "user/repo/README.md", "https://example.com/page", "user/repo:", "-x/y"],
+    ("text", "sentence"),
+    [
+        ("", "no source given: a Hugging Face repo (user/repo) or the URL of a .gguf file"),
+        ("justaname", "'justaname' is not a model source: give a Hugging Face repo (user/repo"),
+        ("user/repo/README.md", "'README.md' is not a .gguf file: name a GGUF file of the repo"),
+        ("https://example.com/page", "does not name a .gguf file: give the URL of the GGUF file itself"),
+        ("user/repo:", "nothing follows the ':'; give a quantisation, e.g. user/repo:Q4_K_M"),
+        ("-x/y", "'-x/y' is not a model source"),
+    ],
 )
-def test_bad_sources_say_what_a_source_is(text: str) -> None:
-    with pytest.raises(ValueError):
+def test_bad_sources_say_what_a_source_is(text: str, sentence: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(sentence)):
         sources.parse_source(text)
 
 
