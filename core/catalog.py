@@ -314,6 +314,20 @@ def read_gguf_header(path: str | Path, source: Source = "file", *, size: int | N
     )
 
 
+def read_chat_template(path: str | Path) -> str | None:
+    """The GGUF's ``tokenizer.chat_template`` (None: it has none), read from its header. Raises
+    ModelFileError as ``read_gguf_header`` does."""
+    p = Path(path)
+    file_size, _ = _check_fixed_header(p)
+    try:
+        with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = _parse_header(buf, file_size)
+    except (GgufTruncatedError, GgufCorruptError, OSError, ValueError) as exc:
+        raise ModelFileError(f"{p.name} cannot be read ({exc}): check the file") from None
+    template = header.values.get("tokenizer.chat_template")
+    return template if isinstance(template, str) else None
+
+
 def _display_stem(path: Path) -> str:
     m = _SPLIT_RE.match(path.name)
     return m.group("stem") if m else path.stem

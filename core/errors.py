@@ -66,6 +66,12 @@ class InvalidGrammarError(InvalidSamplingError):
     code = "invalid_grammar"
 
 
+class ChatTemplateError(TimeshareError):
+    """The model's chat template refused the messages (it raised, e.g. roles that do not alternate)."""
+
+    code = "chat_template"
+
+
 class QueueFullError(TimeshareError):
     code = "queue_full"
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from timeshare.core.chatformat.history import render
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError, ModelFileError, PromptTooLongError
 from timeshare.core.worker.engine import FALLBACK_STOP, Engine, fallback_prompt
@@ -203,14 +204,14 @@ def test_a_chat_prompt_is_tokenized_in_pieces_with_the_same_tokens(engine: Engin
         {"role": "user" if i % 2 == 0 else "assistant", "content": f"n{i}: <|im_start|> ünï\n\n  x<|im_end|>"}
         for i in range(300)
     ]
-    assert engine._formatter is not None
-    result = engine._formatter(messages=messages)
-    whole = engine.llm.tokenize(result.prompt.encode(), add_bos=not result.added_special, special=True)
-    assert len(engine._pieces(result.prompt, True)) > 10  # it was cut, into pieces it tokenizes alone
+    assert engine.template is not None
+    prompt = render(engine.template, messages)
+    whole = engine.llm.tokenize(prompt.encode(), add_bos=False, special=True)
+    assert len(engine._pieces(prompt, True)) > 10  # it was cut, into pieces it tokenizes alone
     big = dataclasses.replace(engine.info, n_ctx=10**6)
     saved, engine.info = engine.info, big
     try:
-        assert engine._tokenize(result.prompt, add_bos=not result.added_special, special=True) == whole
+        assert engine._tokenize(prompt, add_bos=False, special=True) == whole
     finally:
         engine.info = saved
 

@@ -7,6 +7,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from ..errors import (
+    ChatTemplateError,
     InvalidGrammarError,
     InvalidSamplingError,
     ModelUnavailableError,
@@ -43,6 +44,7 @@ _STATUS_BY_CODE = {
     PromptTooLongError.code: 400,
     InvalidGrammarError.code: 400,
     InvalidSamplingError.code: 400,
+    ChatTemplateError.code: 400,
     QueueFullError.code: 429,
     ModelUnavailableError.code: 503,
     TokenTimeoutError.code: 503,

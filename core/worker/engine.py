@@ -44,10 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
-from llama_cpp import llama_chat_format
 
+from ..chatformat.history import normalise, render
+from ..chatformat.template import ChatTemplate, TemplateCaps, TemplateError
 from ..config.schema import ModelConfig
-from ..errors import InvalidSamplingError, ModelFileError, PromptTooLongError
+from ..errors import ChatTemplateError, InvalidSamplingError, ModelFileError, PromptTooLongError
 from ..modelfile import check_model_file
 from ..residency import check_gguf
 from ..sampling import Sampling
@@ -116,14 +117,14 @@ _PROBE_CHARS_PER_TOKEN = 8
 class Engine:
     """A loaded model. Build it with ``Engine.load``; call only from one thread."""
 
-    def __init__(self, llm: Any, model: ModelConfig, formatter: Any | None) -> None:
+    def __init__(self, llm: Any, model: ModelConfig, template: ChatTemplate | None) -> None:
         self.llm = llm
         self.model = model
-        self._formatter = formatter  # Jinja2ChatFormatter, or None for the fallback format
+        self.template = template  # the chat template, or None for the fallback format
         self.info = EngineInfo(
             n_ctx=int(llm.n_ctx()),
             n_vocab=int(llm.n_vocab()),
-            chat_format="template" if formatter is not None else "fallback",
+            chat_format="template" if template is not None else "fallback",
         )
         # The sequence whose KV is in the context: a conversation id, a keyless sequence (int), or
         # None (scratch: nothing worth keeping, e.g. after a request with cache_prompt false).
@@ -138,7 +139,7 @@ class Engine:
         self._prompts_loaded = False  # the keyless sequences a stopped worker left in kv_dir
         self._n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
         self.prompt_tokens_evaluated = 0  # since start
-        self._markers = self._template_markers(getattr(formatter, "template", "") or "")
+        self._markers = self._template_markers(template.source if template is not None else "")
         self._decoder = Decoder(llm)
 
     # ---- loading ----------------------------------------------------------------------------
@@ -168,7 +169,7 @@ class Engine:
                 f"model file {model.path} cannot be loaded: llama.cpp could not load it "
                 "(unsupported architecture or damaged file); see the worker log"
             ) from None
-        formatter = None
+        chat_template = None
         want = model.chat_format
         template = (
             None if model.embedding else model.chat_template or llm.metadata.get("tokenizer.chat_template")
@@ -178,13 +179,18 @@ class Engine:
         if template and want != "fallback":
             eos_id = llm.token_eos()
             bos_id = llm.token_bos()
-            formatter = llama_chat_format.Jinja2ChatFormatter(
-                template=template,
-                eos_token=llm._model.token_get_text(eos_id) if eos_id != -1 else "",
-                bos_token=llm._model.token_get_text(bos_id) if bos_id != -1 else "",
-                stop_token_ids=[eos_id],
-            )
-        engine = cls(llm, model, formatter)
+            try:
+                chat_template = ChatTemplate(
+                    template,
+                    eos_token=llm._model.token_get_text(eos_id) if eos_id != -1 else "",
+                    bos_token=llm._model.token_get_text(bos_id) if bos_id != -1 else "",
+                )
+            except TemplateError as exc:
+                llm.close()
+                raise ModelFileError(
+                    f'{exc} ({model.id}); fix the model\'s chat_template or set chat_format = "fallback"'
+                ) from None
+        engine = cls(llm, model, chat_template)
         log.info(
             "loaded %s: n_ctx=%d n_vocab=%d chat=%s",
             model.id,
@@ -521,20 +527,28 @@ class Engine:
         return tokens
 
     def _chat_prompt(
-        self, messages: Sequence[ChatMessage], poll: Callable[[], None] = lambda: None
-    ) -> tuple[list[int], list[str], Any]:
-        """Tokens, extra stop strings and a stopping criterion for a chat request."""
-        if self._formatter is not None:
-            result = self._formatter(messages=[{"role": m.role, "content": m.content} for m in messages])
-            tokens = self._tokenize(result.prompt, add_bos=not result.added_special, special=True, poll=poll)
-            stop = (
-                list(result.stop) if isinstance(result.stop, list) else [result.stop] if result.stop else []
-            )
-            return tokens, stop, result.stopping_criteria
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[dict[str, Any]] = (),
+        poll: Callable[[], None] = lambda: None,
+    ) -> tuple[list[int], list[str]]:
+        """Tokens and extra stop strings for a chat request (``tools``: OpenAI tool objects)."""
+        history = [chat_message_dict(m) for m in messages]
+        if self.template is not None:
+            try:
+                prompt = render(self.template, history, tools)
+            except TemplateError as exc:
+                raise ChatTemplateError(
+                    f"the chat template of {self.model.display_name} refused these messages: {exc}"
+                ) from None
+            # the template writes BOS itself (as llama-cpp-python's formatter: added_special)
+            tokens = self._tokenize(prompt, add_bos=False, special=True, poll=poll)
+            return tokens, [self.template.eos_token]
+        # the fallback format shows only user and assistant turns: tool calls and results as text
+        plain = [ChatMessage(role=m["role"], content=m["content"]) for m in normalise(history, _NO_TOOLS)]
         return (
-            self._tokenize(fallback_prompt(messages), add_bos=True, special=False, poll=poll),
+            self._tokenize(fallback_prompt(plain), add_bos=True, special=False, poll=poll),
             list(FALLBACK_STOP),
-            None,
         )
 
     def _completion_tokens(self, prompt: str, poll: Callable[[], None] = lambda: None) -> list[int]:
@@ -620,7 +634,7 @@ class Engine:
         if req.messages is not None:
             # the template's end-of-turn token is an end-of-generation token of the vocabulary:
             # the decoder stops on it (create_completion's stopping criterion checked the same id)
-            tokens, extra_stop, _criteria = self._chat_prompt(req.messages, poll)
+            tokens, extra_stop = self._chat_prompt(req.messages, tools_of(req), poll)
             stop += extra_stop
         else:
             assert req.prompt is not None
@@ -667,6 +681,49 @@ class Engine:
         self._saved.clear()
         self._decoder.close()
         self.llm.close()
+
+
+#: what the fallback format can show of tools: nothing (calls and results become text)
+_NO_TOOLS = TemplateCaps(
+    tools=False,
+    tool_calls=False,
+    tool_responses=False,
+    object_arguments=True,
+    parallel_calls=True,
+    nine_char_ids=False,
+    thinks=False,
+    starts_thinking=False,
+)
+
+
+def chat_message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A protocol chat message as the OpenAI-shaped dict core/chatformat takes."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def tools_of(req: Generate) -> list[dict[str, Any]]:
+    """A request's tools as the OpenAI tool objects templates take."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.parameters or {"type": "object", "properties": {}},
+            },
+        }
+        for t in req.tools
+    ]
 
 
 def fallback_prompt(messages: Sequence[ChatMessage]) -> str:

@@ -38,9 +38,30 @@ MAX_FRAME = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant message made (OpenAI's ``tool_calls[]``)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as on OpenAI's wire
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model is told about (OpenAI's ``tools[].function``)."""
+
+    name: str
+    description: str = ""
+    parameters: Any = None  # its JSON Schema (an object); None: no parameters
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str  # "" for an assistant message that only calls tools
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None  # tool: the function's name
 
 
 @dataclass(frozen=True)
@@ -48,6 +69,7 @@ class Generate:
     req: str
     prompt: str | None = None  # completion mode (raw text, no template)
     messages: tuple[ChatMessage, ...] | None = None  # chat mode (template or fallback format)
+    tools: tuple[ToolSpec, ...] = ()  # chat mode: the functions the template shows
     max_tokens: int = 256
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
