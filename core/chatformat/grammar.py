@@ -144,8 +144,10 @@ def tool_triggers(family: Family, *, thinks: bool = False) -> tuple[str, ...]:
     """The lazy-grammar trigger patterns of ``auto`` (see the module docstring)."""
     if family.name in ("llama3", "generic"):
         # the answer itself is the call: it starts with {"name" (Llama 3.x may put <|python_tag|> first)
+        # the brace and the key as the grammar writes them (``"{" space``: at most one space), so
+        # the text the trigger hands the grammar is always text it accepts
         lead = r"(?:<\|python_tag\|>)?\s*" if family.name == "llama3" else r"\s*"
-        call = lead + r'(\{\s*"name")[\s\S]*'
+        call = lead + r'(\{ ?"name")[\s\S]*'
         if thinks:
             return (r"\s*<think>[\s\S]*?</think>" + call, call)
         return (call,)

@@ -1,0 +1,126 @@
+"""The tools path of /v1/chat/completions, answer side: a chat answer's text as OpenAI's message
+(``content``, ``tool_calls`` or the legacy ``function_call``, and llama-server's
+``reasoning_content``) and ``finish_reason``, whole or as stream deltas in the shape the official
+``openai`` client assembles: per call, a first delta with its ``index``, ``id``, ``type`` and
+``function.name`` (arguments ""), then its ``function.arguments`` (the whole JSON text once the
+call is complete: calls are parsed when whole).
+
+A call's id is ``call_`` and 24 letters and digits, or for the Mistral family the 9 alphanumerics
+its templates insist on (the model's own id when it wrote a valid one).
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+from typing import Any
+
+from ..chatformat.families import MISTRAL_ID
+from ..chatformat.parse import AnswerParser, Event, ParsedCall
+from .tools import ToolPlan
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _random_id(n: int) -> str:
+    return "".join(secrets.choice(_ALNUM) for _ in range(n))
+
+
+class ChatOutput:
+    """One answer's shaping (see the module docstring); ``feed`` the text pieces as they come
+    (streaming), or ``message`` the whole text."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        fmt = plan.fmt
+        self._parser = AnswerParser(
+            fmt.family,
+            tools=plan.parses_calls,
+            thinks=fmt.thinks,
+            starts_thinking=fmt.starts_thinking,
+        )
+        self._legacy = plan.request is not None and plan.request.legacy
+        self.calls: list[tuple[str, ParsedCall]] = []
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+
+    @property
+    def needed(self) -> bool:
+        """Whether the answer needs shaping at all (tools, or a thinking model)."""
+        return self.plan.parses_calls or self.plan.fmt.thinks
+
+    def _call_id(self, call: ParsedCall) -> str:
+        if self.plan.fmt.family.name == "mistral":
+            return call.id if call.id and MISTRAL_ID.match(call.id) else _random_id(9)
+        return f"call_{_random_id(24)}"
+
+    def _deltas(self, events: list[Event]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for event in events:
+            if event.kind == "content":
+                self.content.append(event.text)
+                out.append({"content": event.text})
+            elif event.kind == "reasoning":
+                self.reasoning.append(event.text)
+                out.append({"reasoning_content": event.text})
+            elif event.call is not None:
+                if self._legacy and self.calls:
+                    continue  # functions: one call per answer
+                index = len(self.calls)
+                call_id = self._call_id(event.call)
+                self.calls.append((call_id, event.call))
+                name, arguments = event.call.name, event.call.arguments
+                if self._legacy:
+                    out.append({"function_call": {"name": name, "arguments": ""}})
+                    out.append({"function_call": {"arguments": arguments}})
+                    continue
+                head = {
+                    "index": index,
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+                out.append({"tool_calls": [head]})
+                out.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+        return out
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The deltas a streamed piece of the answer makes."""
+        return self._deltas(self._parser.feed(text))
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The deltas of what was held back, at the end of the answer."""
+        return self._deltas(self._parser.finish())
+
+    def finish_reason(self, reason: str) -> str:
+        if self.calls:
+            return "function_call" if self._legacy else "tool_calls"
+        return reason
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole answer as OpenAI's assistant message."""
+        self.feed(text)
+        self.finish()
+        return self.assembled()
+
+    def assembled(self) -> dict[str, Any]:
+        """The message of what was fed and finished so far."""
+        content = "".join(self.content)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning or (self.plan.fmt.thinks and self.plan.fmt.starts_thinking):
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["content"] = content.strip() or None
+            if self._legacy:
+                _, call = self.calls[0]
+                message["function_call"] = {"name": call.name, "arguments": call.arguments}
+            else:
+                message["tool_calls"] = [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for call_id, c in self.calls
+                ]
+        return message

@@ -1,0 +1,203 @@
+"""The tools path of /v1/chat/completions: the request fields (tools, tool_choice,
+parallel_tool_calls, legacy functions), the plan per model format, and the answer's shape, whole and
+streamed (assembled by the official openai client's own stream accumulator)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from timeshare.core.api.chat_output import ChatOutput
+from timeshare.core.api.errors import BadRequestError
+from timeshare.core.api.tools import ChatFormat, ToolRequest, chat_format_of, parse_tool_request, plan
+from timeshare.core.chatformat.families import FAMILIES
+from timeshare.core.config.schema import ModelConfig
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def _fmt(family: str, thinks: bool = False) -> ChatFormat:
+    return ChatFormat(FAMILIES[family], thinks, False, True)  # type: ignore[index]
+
+
+# ---- request fields ----------------------------------------------------------------------------
+
+
+def test_tool_fields_parse() -> None:
+    req = parse_tool_request({"tools": [WEATHER]})
+    assert req == ToolRequest((WEATHER,), "auto", None, True, False)
+    named = parse_tool_request(
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    )
+    assert named is not None and (named.choice, named.named, named.parallel) == (
+        "required",
+        "get_weather",
+        False,
+    )
+    req = parse_tool_request({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    assert req is not None and (req.choice, req.parallel) == ("required", False)
+    assert parse_tool_request({"tools": [WEATHER], "tool_choice": "none"}) is None
+    assert parse_tool_request({"tools": []}) is None
+    assert parse_tool_request({}) is None
+    legacy = parse_tool_request(
+        {"functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}
+    )
+    assert legacy is not None and legacy.legacy and legacy.named == "get_weather"
+    assert legacy.tools == (WEATHER,)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only tools of type 'function'"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+            "not in",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", '"required"'),
+        ({"tool_choice": "required"}, "tool_choice", "empty"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "twice"),
+        ({"tools": [WEATHER], "functions": [WEATHER["function"]]}, "functions", "not both"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+        ({"tools": [WEATHER], "function_call": "auto"}, "function_call", "tool_choice"),
+        ({"tools": {"a": 1}}, "tools", "list"),
+    ],
+)
+def test_bad_tool_fields_are_refused_by_name(body: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(BadRequestError) as info:
+        parse_tool_request(body)
+    assert info.value.param == param
+    assert words in info.value.message
+
+
+def test_a_schema_the_converter_cannot_take_is_a_400_naming_tools() -> None:
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "https://x.test/s.json"}}}
+    req = parse_tool_request({"tools": [bad], "tool_choice": "required"})
+    with pytest.raises(BadRequestError) as info:
+        plan(req, _fmt("hermes"))
+    assert info.value.param == "tools" and "'f'" not in info.value.message and "f" in info.value.message
+
+
+# ---- plans -------------------------------------------------------------------------------------
+
+
+def test_plans_per_family() -> None:
+    auto = parse_tool_request({"tools": [WEATHER]})
+    required = parse_tool_request({"tools": [WEATHER], "tool_choice": "required"})
+    hermes = plan(auto, _fmt("hermes"))
+    assert hermes.template_tools == (WEATHER,) and not hermes.system_prompt
+    assert hermes.grammar is not None and hermes.grammar_triggers  # lazy
+    forced = plan(required, _fmt("hermes", thinks=True))
+    assert forced.grammar is not None and not forced.grammar_triggers and "<think>" in forced.grammar
+    generic = plan(required, _fmt("generic"))
+    assert generic.template_tools == ()  # the template cannot show them: the system prompt does
+    assert "get_weather" in generic.system_prompt and "only the JSON object" in generic.system_prompt
+    messages = generic.messages(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
+    assert messages[0]["content"].startswith("Be brief.\n\n") and "get_weather" in messages[0]["content"]
+    assert plan(None, _fmt("hermes")).grammar is None
+
+
+def test_chat_format_of_the_demo_models(smollm2_path: Path, tmp_path: Path) -> None:
+    smol = ModelConfig(id="smol", path=str(smollm2_path))
+    fmt = chat_format_of(smol)
+    assert (fmt.family.name, fmt.thinks, fmt.template) == ("generic", False, True)
+    qwen3 = (Path(__file__).parent / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    fmt = chat_format_of(ModelConfig(id="q", path=str(smollm2_path), chat_template=qwen3))
+    assert (fmt.family.name, fmt.thinks) == ("hermes", True)
+    fmt = chat_format_of(ModelConfig(id="f", path=str(smollm2_path), chat_format="fallback"))
+    assert (fmt.family.name, fmt.template) == ("generic", False)
+
+
+# ---- answers -----------------------------------------------------------------------------------
+
+
+def _chunks(output: ChatOutput, pieces: list[str], finish: str) -> list[dict[str, Any]]:
+    deltas = [{"role": "assistant", "content": ""}]
+    for piece in pieces:
+        deltas += output.feed(piece)
+    deltas += output.finish()
+    chunks = [
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "m",
+            "choices": [{"index": 0, "delta": d, "finish_reason": None}],
+        }
+        for d in deltas
+    ]
+    chunks.append(
+        {**chunks[0], "choices": [{"index": 0, "delta": {}, "finish_reason": output.finish_reason(finish)}]}
+    )
+    return chunks
+
+
+def _assemble(chunks: list[dict[str, Any]]) -> Any:
+    from openai.types.chat import ChatCompletionChunk
+
+    state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    return state.get_final_completion()
+
+
+def test_streamed_calls_assemble_in_the_openai_client() -> None:
+    req = parse_tool_request({"tools": [WEATHER]})
+    answer = (
+        "Checking.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    )
+    pieces = [answer[i : i + 3] for i in range(0, len(answer), 3)]
+    output = ChatOutput(plan(req, _fmt("hermes")))
+    completion = _assemble(_chunks(output, pieces, "stop"))
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    calls = choice.message.tool_calls
+    assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    assert len({c.id for c in calls}) == 2
+    # the same answer whole: the same message
+    whole = ChatOutput(plan(req, _fmt("hermes"))).message(answer)
+    assert whole["content"] == "Checking."
+    assert [c["function"] for c in whole["tool_calls"]] == [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in calls
+    ]
+
+
+def test_reasoning_content_and_legacy_function_call() -> None:
+    output = ChatOutput(plan(None, _fmt("hermes", thinks=True)))
+    message = output.message("<think>\nWhy not.\n</think>\n\nHello!")
+    assert message == {"role": "assistant", "content": "Hello!", "reasoning_content": "Why not."}
+    assert output.finish_reason("stop") == "stop"
+    legacy = parse_tool_request({"functions": [WEATHER["function"]]})
+    output = ChatOutput(plan(legacy, _fmt("generic")))
+    message = output.message('{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert message["content"] is None and "tool_calls" not in message
+    assert message["function_call"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert output.finish_reason("stop") == "function_call"
+
+
+def test_mistral_call_ids_are_nine_alphanumerics() -> None:
+    req = parse_tool_request({"tools": [WEATHER]})
+    message = ChatOutput(plan(req, _fmt("mistral"))).message(
+        '[{"name": "get_weather", "arguments": {"city": "Nice"}, "id": "Ab3dE6gH9"}, '
+        '{"name": "get_weather", "arguments": {"city": "Metz"}}]'
+    )
+    ids = [c["id"] for c in message["tool_calls"]]
+    assert ids[0] == "Ab3dE6gH9" and len(ids[1]) == 9 and ids[1].isalnum()
