@@ -31,6 +31,7 @@ from ..chatformat.history import add_system
 from ..chatformat.template import ChatTemplate, TemplateError
 from ..config.schema import ModelConfig
 from .errors import BadRequestError
+from .structured import check_schema
 
 #: OpenAI's rule for function names
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -243,6 +244,12 @@ def plan(request: ToolRequest | None, fmt: ChatFormat) -> ToolPlan:
     forced = request.choice == "required"
     if request.named is not None:
         functions = [f for f in functions if f["name"] == request.named]
+    param = "functions" if request.legacy else "tools"
+    for function in functions:
+        try:
+            check_schema(function.get("parameters", {}), f"{param}: {function['name']}.parameters")
+        except BadRequestError as exc:
+            raise BadRequestError(exc.message, param) from None
     try:
         grammar = tool_grammar(
             family,
@@ -253,7 +260,6 @@ def plan(request: ToolRequest | None, fmt: ChatFormat) -> ToolPlan:
             lazy=not forced,
         )
     except ToolGrammarError as exc:
-        param = "functions" if request.legacy else "tools"
         raise BadRequestError(f"'{param}': {exc}.", param) from None
     triggers = () if forced else tool_triggers(family, thinks=fmt.thinks and not fmt.starts_thinking)
     if family.name == "generic":

@@ -6,8 +6,11 @@ from its file, without the ``llama_cpp`` package (whose import loads libllama).
 ``tool_grammar`` is for ``tool_choice: required`` or a named function (the grammar applies from
 the first token, so even a small model writes a call whose arguments validate) and, with
 ``tool_triggers``, for ``auto`` (lazy: it applies from the family's call marker on; the text before
-it is the message's content). Trigger patterns follow llama.cpp's lazy-grammar rule: a pattern
-matches the whole text generated so far, and the grammar starts where its first group starts.
+it is the message's content). Trigger patterns follow llama.cpp's lazy-grammar rule: a pattern is
+searched in the text generated so far (these are all written ``^...$``: they match the whole answer
+so far), and the grammar starts where the first group starts and is fed everything from there (the
+rest of the token that completed the marker too). llama.cpp aborts the process when the grammar
+refuses that text, so each trigger matches only text its grammar accepts as the start of a call.
 
 A reasoning template (``<think>``) may think first: the grammar allows one ``<think>...</think>``
 block before the calls (after ``</think>`` only, when the prompt opened the block already).
@@ -143,21 +146,21 @@ def tool_grammar(
 def tool_triggers(family: Family, *, thinks: bool = False) -> tuple[str, ...]:
     """The lazy-grammar trigger patterns of ``auto`` (see the module docstring)."""
     if family.name in ("llama3", "generic"):
-        # the answer itself is the call: it starts with {"name" (Llama 3.x may put <|python_tag|> first)
-        # the brace and the key as the grammar writes them (``"{" space``: at most one space), so
-        # the text the trigger hands the grammar is always text it accepts
+        # the answer itself is the call: it starts with {"name" (Llama 3.x may put <|python_tag|>
+        # first); the brace and the key as the grammar writes them (``"{" space``: at most one
+        # space), so the text the trigger hands the grammar is always text it accepts
         lead = r"(?:<\|python_tag\|>)?\s*" if family.name == "llama3" else r"\s*"
-        call = lead + r'(\{ ?"name")[\s\S]*'
+        call = lead + r'(\{ ?"name")[\s\S]*$'
         if thinks:
-            return (r"\s*<think>[\s\S]*?</think>" + call, call)
-        return (call,)
+            return (r"^\s*<think>[\s\S]*?</think>" + call, "^" + call)
+        return ("^" + call,)
     marker = r"<tool_call>" if family.name == "hermes" else r"\[TOOL_CALLS\]"
     if thinks:
         return (
-            rf"\s*<think>[\s\S]*?</think>[\s\S]*?({marker})[\s\S]*",
-            rf"(?!\s*<think>)[\s\S]*?({marker})[\s\S]*",
+            rf"^\s*<think>[\s\S]*?</think>[\s\S]*?({marker})[\s\S]*$",
+            rf"^(?!\s*<think>)[\s\S]*?({marker})[\s\S]*$",
         )
-    return (rf"[\s\S]*?({marker})[\s\S]*",)
+    return (rf"^[\s\S]*?({marker})[\s\S]*$",)
 
 
 def functions_of(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
