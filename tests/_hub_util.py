@@ -104,6 +104,7 @@ class Faults:
     linked_etag: str | None = None  # the X-Linked-Etag (or ETag) the hub sends instead of the real one
     repo_commit: str | None = None  # the X-Repo-Commit the hub sends instead of the repo's commit
     no_accept_ranges: bool = False  # honour Range but never say so on a 200
+    no_head: set[str] = field(default_factory=set)  # keys whose HEAD is answered 405 (the GET tells)
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -273,6 +274,8 @@ class FakeHub:
                 data = other
         if key in self.faults.endless:
             return self._endless(h, method, data)
+        if method == "HEAD" and key in self.faults.no_head:
+            return self._plain(h, 405, "no HEAD here")
         start = 0
         rng = h.headers.get("Range")
         status = 200

@@ -812,6 +812,21 @@ def test_the_endless_body_stops_at_the_cap_and_leaves_no_partial(
     assert cap < hub.endless_sent < cap + (32 << 20)
 
 
+def test_a_get_that_announces_more_than_the_cap_writes_nothing(
+    hub: FakeHub, ggufs: dict[str, bytes], timeshare_home: Path
+) -> None:
+    """No size from the HEAD (405), a Content-Length past the cap on the GET: refused at once."""
+    hub.files["Tiny-Q4_K_M.gguf"] = ggufs["q4"]
+    hub.faults.no_head.add("Tiny-Q4_K_M.gguf")
+    listing = remote.list_source(sources.parse_source(f"{hub.url}/files/Tiny-Q4_K_M.gguf"))
+    assert listing.choices[0].size is None
+    with pytest.raises(DownloadTooLargeError, match=r"did not say its size and sent more than 1000 B"):
+        download.pull(listing, listing.choices[0], max_size=1000)
+    assert list((timeshare_home / "data" / "models").iterdir()) == []
+    result = download.pull(listing, listing.choices[0])  # under the default cap it comes whole
+    assert result.path.read_bytes() == ggufs["q4"]
+
+
 def test_a_server_that_sends_more_than_it_announced_is_stopped(
     hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
 ) -> None:

@@ -189,6 +189,10 @@ def _transfer(
                 response.headers.get("Accept-Ranges", "").strip().lower() == "bytes"
             )
         limit = target.size if target.size is not None else max_size
+        length = response.headers.get("Content-Length", "")
+        if target.size is None and length.isdigit() and have + int(length) > limit:
+            partial.spoiled = True  # it says now that it will be too long: not a byte written
+            raise _too_large(target, limit)
         next_space_check = have + SPACE_CHECK_BYTES
         peeked = have >= verify.PEEK_BYTES
         for chunk in response.iter_bytes(chunk_size):
