@@ -436,8 +436,9 @@ def test_pinned_memory_refused_falls_back_to_pageable(
 ) -> None:
     # Injected fault: pretend a GPU host buffer type exists and refuses the allocation (a CPU
     # machine has no pinned memory to run out of).
-    monkeypatch.setattr(hostmem, "pinned_buffer_type", lambda: 0x1)
-    monkeypatch.setattr(hostmem, "alloc_pinned", lambda size: None)
+    monkeypatch.setattr(hostmem, "pinned_buffer_type", lambda device=None: 0x1)
+    monkeypatch.setattr(hostmem, "max_pinned_bytes", lambda buft: 1 << 62)
+    monkeypatch.setattr(hostmem, "alloc_pinned", lambda buft, size: None)
     greedy = Greedy(small_q4)
     ref = greedy.run()
     res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", host_shadow="pinned"))

@@ -47,6 +47,7 @@ def run_doctor(
     the in-place or the rebuild path (``make vulkan-check`` checks the rebuild path with it).
     ``budget``: the VRAM budget setting to report for device 0 (``--budget``; e.g. auto)."""
     from ..residency import Residency, ResidencyOptions
+    from .copy_baseline import vulkan_baseline
     from .residency_check import Cycles, GreedyReplay, load_for_check, run_cycles
 
     _step(f"loading {model}")
@@ -66,12 +67,24 @@ def run_doctor(
         res = Residency.attach(llm, model, ResidencyOptions(mode=mode))
         _step(f"{res.path} path on {res.backend}" + (f" ({res.reason})" if res.reason else ""))
         done = Cycles()
+        steps: list[dict[str, dict[str, float]]] = []
+        baseline: list[dict[str, Any]] = []
+
+        def measure_baseline() -> None:  # while released: the device memory is free for it
+            _step("the copy baseline: a fenced plain-Vulkan copy host -> device (Vulkan builds)")
+            found = vulkan_baseline(res)
+            if found is not None:
+                baseline.append(found)
+
         for i in range(cycles):
             _step(f"release/restore cycle {i + 1}/{cycles}, then the replay compared bitwise")
-            one = run_cycles(res, replay, reference, 1)
+            one = run_cycles(
+                res, replay, reference, 1, while_first_released=measure_baseline if i == 0 else None
+            )
             done.releases += one.releases
             done.restores += one.restores
             done.same += one.same
+            steps.append({"release": res.release_steps, "restore": res.restore_steps})
         releases = [r.ms for r in done.releases]
         restores = [r.ms for r in done.restores]
         freed = [r.freed_bytes for r in done.releases]
@@ -100,11 +113,17 @@ def run_doctor(
             "restore_gbps": statistics.median(gbps),
             "host_bytes": res.host_bytes,
             "host_pinned": res.host_pinned,
+            "host_parts": res.host_parts,
             "host_note": res.host_note,
+            "steps": steps,  # per cycle: milliseconds of each step of release and restore
             "memory_measure": _MEASURES[res.memory_measure],
             # why the measure is not the device's own report (a driver without memory usage)
             "memory_note": res.memory_note,
         }
+        if baseline:
+            report["baseline"] = baseline[0]
+            if "gbps" in baseline[0] and baseline[0]["gbps"] > 0:
+                report["restore_vs_baseline"] = report["restore_gbps"] / baseline[0]["gbps"]
         dev = res.device_memory()
         if dev is not None:  # what ggml_backend_dev_memory says now (weights restored)
             report["device_memory"] = {"device": dev[0], "free_bytes": dev[1], "total_bytes": dev[2]}
@@ -177,6 +196,20 @@ def _budget_line(b: dict[str, Any] | None) -> list[str]:
     return [text + ("" if b["weights_fit"] else "; this model does NOT fit")]
 
 
+def _baseline_lines(r: dict[str, Any]) -> list[str]:
+    b = r.get("baseline")
+    if not b:
+        return []
+    if "error" in b:
+        return [f"copy baseline:      none ({b['error']})"]
+    return [
+        f"copy baseline:      {b['gbps']:.2f} GB/s ({b['bytes'] / 2**30:.2f} GiB, fenced vkCmdCopyBuffer on "
+        f"{b['queue']}, {b['src_memory']} -> {b['dst_memory']}); restore = "
+        f"{r.get('restore_vs_baseline', 0.0):.3f} of it",
+        f"device buffers:     {b['device_buffers']}",
+    ]
+
+
 def _print_text(r: dict[str, Any]) -> None:
     ok = "yes" if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else "NO"
     lines = [
@@ -190,8 +223,9 @@ def _print_text(r: dict[str, Any]) -> None:
         *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
         f"release:            {r['release_ms']:.2f} ms (median)",
         f"restore:            {r['restore_ms']:.2f} ms (median), {r['restore_gbps']:.2f} GB/s",
-        f"host shadow:        {r['host_bytes'] / 1e6:.1f} MB, pinned={r['host_pinned']}"
-        + (f" ({r['host_note']})" if r["host_note"] else ""),
+        f"host shadow:        {r['host_bytes'] / 1e6:.1f} MB in {r['host_parts']} allocation(s), "
+        f"pinned={r['host_pinned']}" + (f" ({r['host_note']})" if r["host_note"] else ""),
+        *_baseline_lines(r),
         *_budget_line(r.get("vram_budget")),
     ]
     print("\n".join(lines))

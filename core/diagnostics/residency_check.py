@@ -16,6 +16,7 @@ from ..errors import TimeshareError
 from ..residency.gguf_check import GgufInfo, check_gguf
 from ..residency.hostmem import fix_malloc_mmap_threshold
 from ..residency.residency import ProbeResult, ReleaseReport, Residency, RestoreReport
+from ..residency.vkenv import prefer_device_local_memory
 
 PROMPT = b"The quick brown fox jumps over the lazy dog. Once upon a time, in a quiet village,"
 
@@ -66,6 +67,7 @@ def load_for_check(model: str, cycles: int, *, failure_hint: str = "", **llama_p
         raise TimeshareError("--cycles must be at least 1")
     # a freed weight buffer must go back to the system, or RSS (the CPU build's "device memory") lies
     fix_malloc_mmap_threshold()
+    prefer_device_local_memory()  # before the first Vulkan device initialises (residency/vkenv.py)
     info = check_gguf(model)
     probe = Residency.probe()
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ from .residency import (
     ResidencyOptions,
     RestoreReport,
 )
+from .vkenv import prefer_device_local_memory
 
 __all__ = [
     "GgufInfo",
@@ -21,4 +22,5 @@ __all__ = [
     "RestoreReport",
     "check_gguf",
     "fix_malloc_mmap_threshold",
+    "prefer_device_local_memory",
 ]

@@ -54,6 +54,20 @@ class BufferLayout:
     size: int
 
 
+class _DevProps(ctypes.Structure):
+    """struct ggml_backend_dev_props (ggml-backend.h); the caps block is over-allocated."""
+
+    _fields_ = [
+        ("name", c_char_p),
+        ("description", c_char_p),
+        ("memory_free", c_size_t),
+        ("memory_total", c_size_t),
+        ("type", c_int),
+        ("device_id", c_char_p),
+        ("caps", c_bool * 16),
+    ]
+
+
 class _GgufInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", c_bool), ("ctx", c_void_p)]
 
@@ -115,6 +129,7 @@ buffer_free = _fn("ggml_backend_buffer_free", None, c_void_p)
 buft_name = _fn("ggml_backend_buft_name", c_char_p, c_void_p)
 buft_get_alignment = _fn("ggml_backend_buft_get_alignment", c_size_t, c_void_p)
 buft_get_alloc_size = _fn("ggml_backend_buft_get_alloc_size", c_size_t, c_void_p, c_void_p)
+buft_get_max_size = _fn("ggml_backend_buft_get_max_size", c_size_t, c_void_p)
 buft_get_device = _fn("ggml_backend_buft_get_device", c_void_p, c_void_p)
 _buft_alloc_buffer = _fn("ggml_backend_buft_alloc_buffer", c_void_p, c_void_p, c_size_t)
 tensor_set = _fn("ggml_backend_tensor_set", None, c_void_p, c_void_p, c_size_t, c_size_t)
@@ -130,6 +145,8 @@ dev_memory = _fn(
 )
 dev_host_buffer_type = _fn("ggml_backend_dev_host_buffer_type", c_void_p, c_void_p)
 dev_buffer_type = _fn("ggml_backend_dev_buffer_type", c_void_p, c_void_p)
+dev_description = _fn("ggml_backend_dev_description", c_char_p, c_void_p)
+_dev_get_props = _fn("ggml_backend_dev_get_props", None, c_void_p, ctypes.POINTER(_DevProps))
 
 # gguf
 _gguf_init_from_file = _fn("gguf_init_from_file", c_void_p, c_char_p, _GgufInitParams)
@@ -216,6 +233,18 @@ def gpu_at(index: int) -> Device | None:
     if not gpus:
         return None
     return gpus[index] if 0 <= index < len(gpus) else gpus[0]
+
+
+def device_id(dev: int) -> str:
+    """The device's id as its backend reports it (a PCI bus id "dddd:bb:dd.f"), or ""."""
+    props = _DevProps()
+    _dev_get_props(dev, ctypes.byref(props))
+    return props.device_id.decode() if props.device_id else ""
+
+
+def device_description(dev: int) -> str:
+    raw = dev_description(dev)
+    return raw.decode("utf-8", "replace") if raw else ""
 
 
 def device_memory(dev: int) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import mmap
@@ -48,75 +49,213 @@ def fix_malloc_mmap_threshold(threshold: int = 1 << 20) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
-def pinned_buffer_type() -> int | None:
-    """The host buffer type of the first GPU (pinned memory), or None (CPU-only build)."""
-    gpu = _ggml.first_gpu()
-    if gpu is None:
-        return None
-    buft = _ggml.dev_host_buffer_type(gpu.handle)
+def pinned_buffer_type(device: int | None = None) -> int | None:
+    """The host buffer type (pinned memory) of ``device`` (a ggml device handle; the first GPU when
+    None), or None (CPU-only build, or a device without one).
+
+    Tests replace this name to stand in a buffer type of their own."""
+    if device is None:
+        gpu = _ggml.first_gpu()
+        if gpu is None:
+            return None
+        device = gpu.handle
+    buft = _ggml.dev_host_buffer_type(device)
     return int(buft) if buft else None
 
 
-def alloc_pinned(size: int) -> int | None:
-    """A pinned host buffer (a ggml backend buffer) of ``size`` bytes, or None.
+def alloc_pinned(buft: int, size: int) -> int | None:
+    """A host buffer (a ggml backend buffer) of ``size`` bytes from the host buffer type ``buft``,
+    or None. The buffer may be of another type: ggml-vulkan's and ggml-cuda's host buffer types
+    hand back a plain CPU buffer when the pinned allocation fails (HostMemory checks the type).
 
     Tests replace this name to inject a pinned-allocation failure."""
-    buft = pinned_buffer_type()
-    if buft is None:
-        return None
     return _ggml.buft_alloc_buffer(buft, max(size, 1))
 
 
-class HostMemory:
-    """``size`` bytes at ``ptr``: pinned when possible (``pinned``), else anonymous pageable memory;
-    ``note`` says why it is not pinned when it was asked to be."""
+def max_pinned_bytes(buft: int) -> int:
+    """The largest buffer ``buft`` hands out (``ggml_backend_buft_get_max_size``): ggml-vulkan's host
+    buffer type says its suballocation block (1 GiB by default), CUDA's says SIZE_MAX."""
+    return int(_ggml.buft_get_max_size(buft))
 
-    def __init__(self, size: int, want_pinned: bool) -> None:
+
+def pack_parts(parts: Sequence[int], limit: int) -> list[int]:
+    """Consecutive ``parts`` packed greedily into segments of at most ``limit`` bytes (a part larger
+    than ``limit`` is a segment of its own): no access that stays inside a part straddles two."""
+    out: list[int] = []
+    cur = 0
+    for p in parts:
+        if cur and cur + p > limit:
+            out.append(cur)
+            cur = 0
+        cur += p
+    if cur or not out:
+        out.append(cur)
+    return out
+
+
+def _vulkan_index(name: str) -> int | None:
+    if name.startswith("Vulkan") and name[6:].isdigit():
+        return int(name[6:])
+    return None
+
+
+@dataclass
+class _Segment:
+    offset: int
+    size: int
+    ptr: int
+    buffer: int | None  # the ggml host buffer (pinned), or None: our own anonymous mmap
+    map_len: int = 0
+
+
+class HostMemory:
+    """``size`` bytes of host memory, addressed by offset (:meth:`address`, :meth:`view`): pinned
+    where the device offers a host buffer type that really gives pinned memory, else anonymous
+    pageable memory. ``pinned`` is True only when every byte is in memory of the device's own host
+    buffer type (the type of each buffer is checked: ggml's host buffer types fall back to a plain
+    CPU buffer when the pinned allocation fails); ``note`` says why not, when it was asked for.
+
+    ``parts`` (sizes that sum to ``size``): boundaries no access straddles. The memory is then
+    split over several allocations, at part boundaries, where one would exceed what the host
+    buffer type hands out (ggml-vulkan: its max allocation): one segment otherwise, so the memory
+    is contiguous (``ptr``). ``device``: the ggml device whose host buffer type to use (the
+    model's own GPU; the first GPU when None)."""
+
+    def __init__(
+        self,
+        size: int,
+        want_pinned: bool,
+        parts: Sequence[int] | None = None,
+        device: _ggml.Device | None = None,
+    ) -> None:
         self.size = size
         self.pinned = False
+        self.pinned_bytes = 0
         self.note = ""
-        self._buffer: int | None = None
-        self._map_len = 0
-        self.ptr = 0
-        if want_pinned:
-            if pinned_buffer_type() is None:
-                self.note = "no pinned host memory on this backend (CPU-only build): using pageable memory"
-            else:
-                buf = alloc_pinned(size)
-                if buf:
-                    self._buffer = buf
-                    self.ptr = int(_ggml.buffer_get_base(buf))
-                    self.pinned = True
-                else:
-                    self.note = (
-                        f"pinned host memory of {size / 1e9:.2f} GB could not be allocated: using pageable "
-                        "memory (restores will be slower; free RAM or lower the number of resident models)"
-                    )
-                    log.warning(self.note)
-        if not self.pinned:
-            length = max(size, 1)
-            addr = _libc.mmap(
-                None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+        self._segs: list[_Segment] = []
+        if parts is None:
+            parts = [size]
+        if sum(parts) != size:
+            raise ValueError(f"parts sum to {sum(parts)}, not {size}")
+        try:
+            self._allocate(size, want_pinned, parts, device)
+        except BaseException:
+            self.close()
+            raise
+        self._starts = [s.offset for s in self._segs]
+
+    def _allocate(
+        self, size: int, want_pinned: bool, parts: Sequence[int], device: _ggml.Device | None
+    ) -> None:
+        buft = pinned_buffer_type(device.handle if device is not None else None) if want_pinned else None
+        if want_pinned and buft is None:
+            self.note = "no pinned host memory on this backend (CPU-only build): using pageable memory"
+        vk_index = _vulkan_index(device.name) if device is not None else None
+        if buft is not None and vk_index not in (None, 0):
+            # ggml-vulkan registers its pinned memory with device 0 only: a copy to another device
+            # does not find it and goes through that device's staging buffer, so pinning here would
+            # cost RAM and gain nothing
+            where = device.name if device is not None else "?"
+            self.note = (
+                f"ggml-vulkan's pinned host memory belongs to Vulkan0, and this model is on {where}: "
+                "using pageable memory (restores go through ggml-vulkan's staging buffer)"
             )
-            if addr is None or addr == _MAP_FAILED:
-                err = ctypes.get_errno()
-                raise MemoryError(f"cannot allocate {size / 1e9:.2f} GB of host memory: {os.strerror(err)}")
-            self._map_len = length
-            self.ptr = int(addr)
+            buft = None
+        if buft is None:
+            self._segs.append(self._mmap(0, size))
+            return
+        limit = max_pinned_bytes(buft)
+        segs = pack_parts(parts, limit) if size > limit else [size]
+        offset = 0
+        refused: list[str] = []
+        for n in segs:
+            seg = self._pinned(buft, offset, n)
+            if seg is None:
+                seg = self._mmap(offset, n)
+                refused.append(f"{n / 1e9:.2f} GB")
+            self._segs.append(seg)
+            offset += n
+        self.pinned_bytes = sum(s.size for s in self._segs if s.buffer is not None)
+        self.pinned = not refused
+        if refused:
+            what = (
+                f"{len(refused)} of {len(segs)} parts ({', '.join(refused)})"
+                if len(segs) > 1
+                else (f"{size / 1e9:.2f} GB")
+            )
+            self.note = (
+                f"pinned host memory of {what} could not be allocated: using pageable memory there "
+                "(restores will be slower; free RAM or lower the number of resident models)"
+            )
+            log.warning(self.note)
+
+    def _pinned(self, buft: int, offset: int, n: int) -> _Segment | None:
+        buf = alloc_pinned(buft, n)
+        if not buf:
+            return None
+        if int(_ggml.buffer_get_type(buf) or 0) != buft:
+            # the host buffer type fell back to a plain CPU buffer: not pinned, so not ours to keep
+            log.info(
+                "the host buffer type handed back a %s buffer for %d bytes (pinned allocation refused)",
+                _ggml.buffer_type_name(int(_ggml.buffer_get_type(buf) or 0)),
+                n,
+            )
+            _ggml.buffer_free(buf)
+            return None
+        return _Segment(offset, n, int(_ggml.buffer_get_base(buf)), buf)
+
+    @staticmethod
+    def _mmap(offset: int, size: int) -> _Segment:
+        length = max(size, 1)
+        addr = _libc.mmap(
+            None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+        )
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise MemoryError(f"cannot allocate {size / 1e9:.2f} GB of host memory: {os.strerror(err)}")
+        return _Segment(offset, size, int(addr), None, length)
+
+    @property
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(offset, size, address) of each allocation, in order."""
+        return [(s.offset, s.size, s.ptr) for s in self._segs]
+
+    @property
+    def ptr(self) -> int:
+        """The address of byte 0 of contiguous memory (one segment)."""
+        if len(self._segs) != 1:
+            raise ValueError(f"this host memory is {len(self._segs)} separate allocations: use address()")
+        return self._segs[0].ptr
+
+    def address(self, offset: int, length: int = 1) -> int:
+        """The address of byte ``offset``; ``length`` bytes from there must lie in one allocation."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset < 0:
+            raise ValueError("host memory address out of range")
+        seg = self._segs[i]
+        if offset + length > seg.offset + max(seg.size, 1) or offset + length > max(self.size, 1):
+            raise ValueError(
+                f"host memory range {offset}+{length} is out of range or straddles two allocations"
+            )
+        return seg.ptr + (offset - seg.offset)
 
     def view(self, offset: int, length: int) -> memoryview:
         if offset < 0 or offset + length > self.size:
             raise ValueError("host memory view out of range")
-        return memoryview((ctypes.c_char * length).from_address(self.ptr + offset)).cast("B")
+        addr = self.address(offset, length)
+        return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
 
     def close(self) -> None:
-        if self._buffer:
-            _ggml.buffer_free(self._buffer)
-            self._buffer = None
-        if self._map_len:
-            _libc.munmap(self.ptr, self._map_len)
-            self._map_len = 0
-        self.ptr = 0
+        for seg in self._segs:
+            if seg.buffer:
+                _ggml.buffer_free(seg.buffer)
+                seg.buffer = None
+            if seg.map_len:
+                _libc.munmap(seg.ptr, seg.map_len)
+                seg.map_len = 0
+            seg.ptr = 0
+        self._segs = []
+        self._starts = []
 
     def __del__(self) -> None:
         if sys.is_finalizing():

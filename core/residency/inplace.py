@@ -168,6 +168,10 @@ class InPlace:
     ) -> None:
         self.path = model_path
         self._coalesce = coalesce
+        self._gpu = gpu
+        #: per-step times of the last release and restore, milliseconds (doctor reports them)
+        self.release_steps: dict[str, float] = {}
+        self.restore_steps: dict[str, float] = {}
         self._whole_ctx = 0
         self.layout = _ggml.TensorLayout()
         try:
@@ -281,6 +285,7 @@ class InPlace:
             data_off = int(_ggml.gguf_get_data_offset(meta))
             file_size = os.path.getsize(self.path)
             ranges: list[ReadRange] = []
+            parts: list[int] = []  # the shadow of each buffer: no upload or read straddles two
             offset = 0
             for b in self.buffers:
                 b.mirror = self._coalesce and _plain_copy(b.buft_name)
@@ -311,18 +316,19 @@ class InPlace:
                     ranges.append(ReadRange(src, t.shadow_offset, size))
                 if b.mirror:
                     offset = b.shadow_base + b.size
+                parts.append(offset - b.shadow_base)
         finally:
             _ggml.gguf_free(meta)
-        mem = HostMemory(offset, want_pinned)
+        mem = HostMemory(offset, want_pinned, parts, self._gpu)
         for b in self.buffers:  # alignment gaps and padding of a mirrored buffer upload as zeros
             if b.mirror:
                 pos = 0
                 for t in sorted(b.tensors, key=lambda x: x.offset):
                     if t.offset > pos:
-                        ctypes.memset(mem.ptr + b.shadow_base + pos, 0, t.offset - pos)
+                        ctypes.memset(mem.address(b.shadow_base + pos, t.offset - pos), 0, t.offset - pos)
                     pos = max(pos, t.offset + t.nbytes)
                 if b.size > pos:
-                    ctypes.memset(mem.ptr + b.shadow_base + pos, 0, b.size - pos)
+                    ctypes.memset(mem.address(b.shadow_base + pos, b.size - pos), 0, b.size - pos)
         self._make_whole_tensors()
         t0 = time.perf_counter()
         try:
@@ -332,10 +338,11 @@ class InPlace:
             raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
         dt = time.perf_counter() - t0
         log.info(
-            "host shadow: %.1f MB in %.3f s (%.2f GB/s), pinned=%s",
+            "host shadow: %.1f MB in %.3f s (%.2f GB/s), %d allocation(s), pinned=%s",
             offset / 1e6,
             dt,
             offset / 1e9 / max(dt, 1e-9),
+            len(mem.segments),
             mem.pinned,
         )
         self.shadow_fill_s = dt
@@ -367,7 +374,7 @@ class InPlace:
                 for off in {0, t.nbytes - n}:
                     _ggml.tensor_get(t.ptr, scratch, off, n)
                     if ctypes.string_at(scratch, n) != ctypes.string_at(
-                        self.shadow.ptr + t.shadow_offset + off, n
+                        self.shadow.address(t.shadow_offset + off, n), n
                     ):
                         raise ModelFileError(
                             f"{self.path} no longer holds the weights the model was loaded from "
@@ -400,9 +407,11 @@ class InPlace:
         b.released = True
 
     def release(self) -> None:
+        t0 = time.perf_counter()
         for b in self.buffers:
             if not b.released:
                 self._release_buffer(b)
+        self.release_steps = {"free_ms": (time.perf_counter() - t0) * 1000, "buffers": len(self.buffers)}
 
     def restore(self) -> int:
         """Restore every released buffer; on an allocation failure, release again what was
@@ -411,10 +420,12 @@ class InPlace:
         lay_t = self.layout
         done: list[_Buffer] = []
         self.moved = False
+        alloc_s = copy_s = 0.0
         for b in self.buffers:
             if not b.released:
                 continue
             assert b.layout is not None
+            t0 = time.perf_counter()
             new = _ggml.buft_alloc_buffer(b.buft, b.size)
             if new is None:
                 for d in done:
@@ -437,15 +448,20 @@ class InPlace:
                 _ggml.buffer_init_tensor(b.ptr, t.ptr)
             for v, off in b.views:
                 _ggml.write_ptr(v + lay_t.data, base + off)
+            t1 = time.perf_counter()
             if b.mirror:  # one copy of the whole buffer, through the buffer's own set_tensor
                 _ggml.write_ptr(b.whole + lay_t.buffer, b.ptr)
                 _ggml.write_ptr(b.whole + lay_t.data, base)
-                _ggml.tensor_set(b.whole, self.shadow.ptr + b.shadow_base, 0, b.size)
+                _ggml.tensor_set(b.whole, self.shadow.address(b.shadow_base, b.size), 0, b.size)
             else:
                 for t in b.tensors:
-                    _ggml.tensor_set(t.ptr, self.shadow.ptr + t.shadow_offset, 0, t.nbytes)
+                    _ggml.tensor_set(t.ptr, self.shadow.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
+            t2 = time.perf_counter()
+            alloc_s += t1 - t0
+            copy_s += t2 - t1
             b.released = False
             done.append(b)
+        self.restore_steps = {"alloc_ms": alloc_s * 1000, "copy_ms": copy_s * 1000, "buffers": len(done)}
         return self.tensor_bytes
 
     def close(self) -> None:
@@ -475,10 +491,17 @@ def raw_copy_seconds(inplace: InPlace, reps: int = 3) -> list[float]:
             raise OutOfDeviceMemoryError(
                 f"cannot allocate {nbytes / 1e9:.2f} GB for the raw copy measurement"
             )
+        # the shadow's allocations in order, as restore reads them (one copy each)
+        pieces: list[tuple[int, int, int]] = []
+        for off, size, addr in inplace.shadow.segments:
+            n = min(size, nbytes - off)
+            if n > 0:
+                pieces.append((addr, off, n))
         try:
             for _ in range(reps):
                 t0 = time.perf_counter()
-                _ggml.tensor_set(t, inplace.shadow.ptr, 0, nbytes)
+                for addr, off, n in pieces:
+                    _ggml.tensor_set(t, addr, off, n)
                 times.append(time.perf_counter() - t0)
         finally:
             _ggml.buffer_free(buf)

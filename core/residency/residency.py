@@ -155,6 +155,7 @@ class Residency:
         self.host_bytes = 0
         self.host_pinned = False
         self.host_note = ""
+        self.host_parts = 0  # separate host allocations of the shadow (pinned ones are per-buffer)
         self._opts = ResidencyOptions()
         self._gpu: _ggml.Device | None = None
         self._inplace: InPlace | None = None
@@ -255,6 +256,7 @@ class Residency:
         self.host_bytes = ip.shadow.size
         self.host_pinned = ip.shadow.pinned
         self.host_note = ip.shadow_note
+        self.host_parts = len(ip.shadow.segments)
         self.reason = ""
         log.info(
             "residency of %s: in-place on %s, %d buffers, %.1f MB, %d weight tensors seen, shadow pinned=%s",
@@ -291,6 +293,21 @@ class Residency:
         return self._llm.ctx if self._llm is not None else None
 
     # -- measurements -------------------------------------------------------------------------
+
+    @property
+    def device(self) -> _ggml.Device | None:
+        """The ggml device the model's weights live on (None on a CPU-only build)."""
+        return self._gpu
+
+    @property
+    def release_steps(self) -> dict[str, float]:
+        """Per-step milliseconds of the last in-place release (empty on other paths)."""
+        return dict(self._inplace.release_steps) if self._inplace is not None else {}
+
+    @property
+    def restore_steps(self) -> dict[str, float]:
+        """Per-step milliseconds of the last in-place restore: allocation, copy (empty on other paths)."""
+        return dict(self._inplace.restore_steps) if self._inplace is not None else {}
 
     @property
     def memory_measure(self) -> str:

@@ -25,7 +25,7 @@ from typing import Literal
 
 from ..errors import CancelledError, FrameError, TimeshareError
 from ..logsetup import setup_logging
-from ..residency import fix_malloc_mmap_threshold
+from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..state import SwitchStats
 from . import protocol as p
 from .engine import Engine
@@ -462,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging(spec.model.id)
     fix_malloc_mmap_threshold()  # freed weight buffers go back to the system at once (RSS drops)
+    prefer_device_local_memory()  # Vulkan: DMA uploads, not memcpy through the BAR (residency/vkenv.py)
     try:
         residence = make_residence(spec)
     except TimeshareError as exc:

@@ -1,0 +1,171 @@
+"""The host shadow's memory: split over several host allocations where the device's host buffer
+type hands out less than the whole shadow (ggml-vulkan: its max allocation), and ``host_pinned``
+true only when every byte really is in the host buffer type's memory (ggml's host buffer types
+fall back to a plain CPU buffer when the pinned allocation fails).
+
+A CPU-only build has no pinned memory, so the host buffer type is stood in by the real CPU buffer
+type of ggml (real buffers, real copies); the split is forced with a small allocation limit."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp  # before numpy
+import pytest
+from _residency_util import Greedy, load, make_small_q4_0, same
+from timeshare.core.residency import Residency, ResidencyOptions, _ggml, hostmem
+
+
+def _cpu_buft() -> int:
+    cpu = next(d for d in _ggml.devices() if d.kind == _ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
+    return int(_ggml.dev_buffer_type(cpu.handle))
+
+
+@pytest.fixture(scope="module")
+def small_q4_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    return make_small_q4_0(tmp_path_factory.mktemp("synthetic") / "small-q4_0.gguf", smollm2_path)
+
+
+@pytest.fixture
+def small_q4(small_q4_path: Path) -> Iterator[llama_cpp.Llama]:
+    llm = load(small_q4_path)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
+def stand_in_pinned(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The CPU buffer type plays the device's host buffer type; at most 1 byte per allocation, so
+    every part (each weight buffer's shadow) is an allocation of its own."""
+    buft = _cpu_buft()
+    monkeypatch.setattr(hostmem, "pinned_buffer_type", lambda device=None: buft)
+    monkeypatch.setattr(hostmem, "max_pinned_bytes", lambda _buft: 1)
+    return buft
+
+
+def test_parts_pack_into_segments_without_straddling() -> None:
+    assert hostmem.pack_parts([3, 3, 3], 6) == [6, 3]
+    assert hostmem.pack_parts([10, 2], 4) == [10, 2]  # a part above the limit stands alone
+    assert hostmem.pack_parts([1, 1, 1, 1], 100) == [4]
+    assert hostmem.pack_parts([], 4) == [0]
+
+
+def test_split_memory_is_addressed_by_offset_and_never_straddles(stand_in_pinned: int) -> None:
+    mem = hostmem.HostMemory(300, True, parts=[100, 120, 80])
+    try:
+        assert mem.pinned and mem.pinned_bytes == 300 and mem.note == ""
+        assert [(off, size) for off, size, _ in mem.segments] == [(0, 100), (100, 120), (220, 80)]
+        for off, size, addr in mem.segments:  # each allocation is a buffer of the stand-in type
+            ctypes.memset(addr, off % 251, size)
+        assert bytes(mem.view(100, 120)) == bytes([100]) * 120
+        assert mem.address(230) == mem.segments[2][2] + 10
+        with pytest.raises(ValueError, match="straddles"):
+            mem.address(90, 20)
+        with pytest.raises(ValueError, match="separate allocations"):
+            _ = mem.ptr
+        with pytest.raises(ValueError):
+            mem.view(250, 60)
+    finally:
+        mem.close()
+    with pytest.raises(ValueError, match="sum"):
+        hostmem.HostMemory(10, True, parts=[4, 4])
+
+
+def test_a_split_shadow_round_trips_bitwise(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, stand_in_pinned: int
+) -> None:
+    greedy = Greedy(small_q4)
+    ref = greedy.run()
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", host_shadow="pinned"))
+    assert res.path == "inplace"
+    assert res._inplace is not None
+    n_buffers = len(res._inplace.buffers)
+    assert n_buffers >= 2
+    assert res.host_pinned and res.host_note == ""
+    assert res.host_parts == n_buffers  # one allocation per weight buffer's shadow
+    segs = res._inplace.shadow.segments
+    assert sum(size for _, size, _ in segs) == res.host_bytes
+    for _ in range(2):
+        res.release()
+        res.restore()
+        assert same(greedy.run(), ref)
+    steps = res.restore_steps
+    assert steps["buffers"] == n_buffers and steps["copy_ms"] >= 0 and steps["alloc_ms"] >= 0
+    assert res.release_steps["buffers"] == n_buffers
+    res.close()
+
+
+def test_a_host_buffer_type_that_falls_back_is_not_reported_pinned(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Injected fault, the way ggml-vulkan and ggml-cuda fail: the host buffer type is asked for
+    # pinned memory and hands back a plain CPU buffer (ggml_backend_vk_host_buffer_type_alloc_buffer
+    # above max_buffer_size). The type asked for is a stand-in handle; what comes back is real.
+    fake = 0x1
+    handed: list[int] = []
+    freed: list[int] = []
+    cpu = _cpu_buft()
+    real_free = _ggml.buffer_free
+
+    def cpu_buffer_instead(_buft: int, size: int) -> int | None:
+        buf = _ggml.buft_alloc_buffer(cpu, max(size, 1))
+        if buf:
+            handed.append(buf)
+        return buf
+
+    def counting_free(buf: int) -> None:
+        freed.append(int(buf))
+        real_free(buf)
+
+    monkeypatch.setattr(hostmem, "pinned_buffer_type", lambda device=None: fake)
+    monkeypatch.setattr(hostmem, "max_pinned_bytes", lambda _buft: 1 << 62)
+    monkeypatch.setattr(hostmem, "alloc_pinned", cpu_buffer_instead)
+    monkeypatch.setattr(_ggml, "buffer_free", counting_free)
+    greedy = Greedy(small_q4)
+    ref = greedy.run()
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", host_shadow="pinned"))
+    assert res.path == "inplace"
+    assert not res.host_pinned  # today's lie: the fallback buffer was taken for pinned memory
+    assert "could not be allocated" in res.host_note and "pageable" in res.host_note
+    assert handed and all(b in freed for b in handed)  # the stray CPU buffer is not kept
+    res.release()
+    res.restore()
+    assert same(greedy.run(), ref)
+    res.close()
+
+
+def test_one_refused_part_of_several_is_reported(stand_in_pinned: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real = hostmem.alloc_pinned
+
+    def second_refused(buft: int, size: int) -> int | None:
+        calls["n"] += 1
+        return None if calls["n"] == 2 else real(buft, size)
+
+    monkeypatch.setattr(hostmem, "alloc_pinned", second_refused)
+    mem = hostmem.HostMemory(30, True, parts=[10, 10, 10])
+    try:
+        assert not mem.pinned and mem.pinned_bytes == 20
+        assert "1 of 3 parts" in mem.note
+        for off, size, addr in mem.segments:  # the refused part is pageable memory, still usable
+            ctypes.memset(addr, 7, size)
+        assert bytes(mem.view(10, 10)) == bytes([7]) * 10
+    finally:
+        mem.close()
+
+
+def test_pinned_memory_of_vulkan0_is_not_used_for_another_vulkan_device(stand_in_pinned: int) -> None:
+    # ggml-vulkan registers its pinned host memory with device 0 alone: an upload to Vulkan1 would
+    # not find it and would go through Vulkan1's staging buffer anyway
+    other = _ggml.Device(1, "Vulkan1", _ggml.GGML_BACKEND_DEVICE_TYPE_GPU)
+    mem = hostmem.HostMemory(64, True, parts=[32, 32], device=other)
+    try:
+        assert not mem.pinned and mem.pinned_bytes == 0
+        assert "belongs to Vulkan0" in mem.note and "Vulkan1" in mem.note
+        assert len(mem.segments) == 1  # pageable memory is one contiguous mapping
+        mem.view(0, 64)[:] = bytes(range(64))
+        assert bytes(mem.view(32, 32)) == bytes(range(32, 64))
+    finally:
+        mem.close()
