@@ -15,6 +15,7 @@ from pathlib import Path
 import llama_cpp  # before numpy
 import pytest
 from _residency_util import Greedy, load, make_small_q4_0, same
+from timeshare.core.errors import OutOfDeviceMemoryError
 from timeshare.core.residency import Residency, ResidencyOptions, _ggml, hostmem
 
 
@@ -136,7 +137,9 @@ def test_a_host_buffer_type_that_falls_back_is_not_reported_pinned(
     res.close()
 
 
-def test_one_refused_part_of_several_is_reported(stand_in_pinned: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_refused_part_of_several_is_reported(
+    stand_in_pinned: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = {"n": 0}
     real = hostmem.alloc_pinned
 
@@ -149,7 +152,7 @@ def test_one_refused_part_of_several_is_reported(stand_in_pinned: int, monkeypat
     try:
         assert not mem.pinned and mem.pinned_bytes == 20
         assert "1 of 3 parts" in mem.note
-        for off, size, addr in mem.segments:  # the refused part is pageable memory, still usable
+        for _off, size, addr in mem.segments:  # the refused part is pageable memory, still usable
             ctypes.memset(addr, 7, size)
         assert bytes(mem.view(10, 10)) == bytes([7]) * 10
     finally:
@@ -169,3 +172,50 @@ def test_pinned_memory_of_vulkan0_is_not_used_for_another_vulkan_device(stand_in
         assert bytes(mem.view(32, 32)) == bytes(range(32, 64))
     finally:
         mem.close()
+
+
+def test_buffers_allocated_and_freed_on_threads_round_trip_bitwise(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the parallel mode Vulkan takes (each allocation and free there costs time in proportion to
+    # its size), forced on the CPU build: every buffer allocated at once, uploaded as it comes back
+    greedy = Greedy(small_q4)
+    ref = greedy.run()
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", parallel_buffers=True))
+    assert res._inplace is not None and len(res._inplace.buffers) >= 2
+    for _ in range(2):
+        res.release()
+        assert all(b.released for b in res._inplace.buffers)
+        res.restore()
+        assert same(greedy.run(), ref)
+    # an allocation that fails while the others succeed: nothing is left half-restored or leaked
+    res.release()
+    real = _ggml.buft_alloc_buffer
+    live: set[int] = set()
+    real_free = _ggml.buffer_free
+    calls = {"big": 0}
+
+    def second_big_fails(buft: int, size: int) -> int | None:
+        if size > 4096:
+            calls["big"] += 1
+            if calls["big"] == 2:
+                return None
+        buf = real(buft, size)
+        if buf is not None and size > 4096:
+            live.add(buf)
+        return buf
+
+    def tracking_free(buf: int) -> None:
+        live.discard(int(buf))
+        real_free(buf)
+
+    monkeypatch.setattr(_ggml, "buft_alloc_buffer", second_big_fails)
+    monkeypatch.setattr(_ggml, "buffer_free", tracking_free)
+    with pytest.raises(OutOfDeviceMemoryError, match="stays released"):
+        res.restore()
+    assert not res.weights_resident and all(b.released for b in res._inplace.buffers)
+    assert not live  # every big allocation that came back was freed again
+    monkeypatch.setattr(_ggml, "buft_alloc_buffer", real)
+    res.restore()
+    assert same(greedy.run(), ref)
+    res.close()

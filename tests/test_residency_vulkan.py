@@ -100,3 +100,38 @@ def test_doctor_in_place_on_vulkan(tmp_path: Path) -> None:
     assert report["path"] == "inplace", report["reason"]
     assert report["bitwise_identical"] and report["kv_level_bitwise_identical"]
     assert report["released_fraction"] > 0.9, report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not (VULKAN_VENV / "bin" / "timeshare").exists() or os.environ.get("TIMESHARE_VULKAN_TEST") != "1",
+    reason="needs the Vulkan venv of `make vulkan-check` (.venv-vulkan) and TIMESHARE_VULKAN_TEST=1",
+)
+def test_a_shadow_in_vulkan_host_memory_round_trips_bitwise(tmp_path: Path) -> None:
+    # 64 MiB blocks: the model's weights are several Vulkan0 buffers and the shadow several
+    # allocations of ggml-vulkan's pinned host memory (Vulkan_Host), one per buffer; every one
+    # must really be of that type (host_pinned), and release/restore through them stays bitwise.
+    # Device buffers are device-local only (Timeshare sets GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM),
+    # so each upload is a copy from that pinned memory, and the plain-Vulkan baseline is measured.
+    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES=os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"))
+    env["TIMESHARE_HOME"] = str(tmp_path)
+    env["GGML_VK_SUBALLOCATION_BLOCK_SIZE"] = str(64 << 20)
+    out = subprocess.run(
+        [str(VULKAN_VENV / "bin" / "timeshare"), "doctor", "--cycles", "2", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    report = json.loads(out.stdout)
+    assert report["path"] == "inplace", report["reason"]
+    assert report["host_pinned"], report["host_note"]
+    assert report["host_parts"] > 1, report
+    assert report["bitwise_identical"] and report["kv_level_bitwise_identical"]
+    assert report["released_fraction"] > 0.99, report
+    base = report["baseline"]
+    assert base["gbps"] > 0 and base["bytes"] >= 1 << 30, base
+    assert base["device_buffers"].startswith("device-local only"), base
+    assert report["restore_vs_baseline"] > 0

@@ -29,6 +29,7 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
 
     from ..residency import Residency, ResidencyOptions
     from ..residency.inplace import raw_copy_seconds
+    from .copy_baseline import vulkan_baseline
     from .residency_check import GreedyReplay, load_for_check, run_cycles
 
     prefill = n_prefill if n_prefill is not None else min(2048, n_ctx // 2)
@@ -59,10 +60,14 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
             out["n_buffers"] = len(res._inplace.buffers)
             out["one_copy_buffers"] = sum(1 for b in res._inplace.buffers if b.mirror)
         raw: list[float] = []
+        baseline: list[dict[str, Any]] = []
 
         def measure_raw_copy() -> None:  # the limit, measured while the model is released
             if res.path == "inplace" and res._inplace is not None:
                 raw.extend(raw_copy_seconds(res._inplace, reps=3))
+            found = vulkan_baseline(res)  # Vulkan builds: the plain-Vulkan copy, independent of ggml
+            if found is not None:
+                baseline.append(found)
 
         done = run_cycles(res, replay, reference, cycles, while_first_released=measure_raw_copy)
         rel = [r.ms for r in done.releases]
@@ -90,6 +95,13 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
             out["best_restore_vs_raw"] = (rst_bytes / 1e9 / (out["restore_ms_min"] / 1000)) / out[
                 "raw_copy_gbps"
             ]
+        if baseline:
+            out["baseline"] = baseline[0]
+            if baseline[0].get("gbps"):
+                out["baseline_gbps"] = baseline[0]["gbps"]
+                out["restore_vs_baseline"] = out["restore_gbps"] / baseline[0]["gbps"]
+        out["release_steps"] = res.release_steps
+        out["restore_steps"] = res.restore_steps
         # alternative 1: reload from the page cache (what a process swap pays, without the process)
         res.release()
         mp = llama_cpp.llama_model_default_params()
@@ -163,6 +175,11 @@ def _print_table(r: dict[str, Any]) -> None:
         f"bitwise identical: {r['bitwise_identical']} ({r['cycles']} cycles), "
         f"rebuild bitwise identical: {r['rebuild_bitwise_identical']}"
     )
+    if "restore_vs_baseline" in r:
+        print(
+            f"restore {r['restore_gbps']:.1f} GB/s vs the plain-Vulkan copy baseline "
+            f"{r['baseline_gbps']:.1f} GB/s: {r['restore_vs_baseline']:.3f}"
+        )
     if "raw_copy_gbps" in r:
         print(
             f"restore {r['restore_gbps']:.1f} GB/s vs raw copy {r['raw_copy_gbps']:.1f} GB/s: "

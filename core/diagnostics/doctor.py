@@ -71,7 +71,9 @@ def run_doctor(
         baseline: list[dict[str, Any]] = []
 
         def measure_baseline() -> None:  # while released: the device memory is free for it
-            _step("the copy baseline: a fenced plain-Vulkan copy host -> device (Vulkan builds)")
+            if not res.backend.startswith("Vulkan"):
+                return
+            _step("the copy baseline: one fenced plain-Vulkan copy of 1 GiB, host -> device")
             found = vulkan_baseline(res)
             if found is not None:
                 baseline.append(found)

@@ -41,6 +41,9 @@ class ResidencyOptions:
     #: upload each plain-copy buffer (CPU, CUDAn) in one copy from a shadow that mirrors its
     #: layout, instead of tensor by tensor (one synchronisation per tensor on CUDA)
     coalesce_upload: bool = True
+    #: allocate and free the weight buffers on several threads at once (None: on Vulkan only,
+    #: where each allocation and free costs time in proportion to its size; CUDA stays serial)
+    parallel_buffers: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,7 @@ class Residency:
                 want_pinned,
                 self._opts.verify_shadow,
                 self._opts.coalesce_upload,
+                self._opts.parallel_buffers,
             )
         except InPlaceUnsupportedError as exc:
             reason = str(exc)

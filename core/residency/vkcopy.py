@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_float, c_uint32, c_uint64, c_void_p
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+log = logging.getLogger(__name__)
 
 VK_SUCCESS = 0
 VK_API_VERSION_1_1 = (1 << 22) | (1 << 12)
@@ -54,6 +58,7 @@ _QUEUE_COMPUTE = 0x2
 _QUEUE_TRANSFER = 0x4
 _USAGE_TRANSFER_SRC = 0x1
 _USAGE_TRANSFER_DST = 0x2
+_USAGE_STORAGE = 0x20
 _WHOLE_SIZE = (1 << 64) - 1
 _DEVICE_TYPES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 
@@ -290,6 +295,8 @@ class CopyBaseline:
     #: the largest device-local, host-visible heap (ReBAR/resizable BAR or UMA); 0 when none
     rebar_bytes: int
     memory_types: tuple[MemoryType, ...] = field(default=())
+    #: device-local allocation and free costs, milliseconds per GiB (see _allocation_costs)
+    allocation: dict[str, float] = field(default_factory=dict)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -315,6 +322,7 @@ class CopyBaseline:
             ],
             "max_allocation_bytes": self.max_allocation_bytes,
             "rebar_bytes": self.rebar_bytes,
+            "allocation": self.allocation,
             "memory_types": [m.describe() for m in self.memory_types],
         }
 
@@ -542,16 +550,47 @@ class _Device:
         vk.check(vk.vkBindBufferMemory(self.dev, buf.value, mem.value, 0), "vkBindBufferMemory")
         return buf.value, mem.value
 
-    def close(self) -> None:
+    def bound(self, nbytes: int, mtype: MemoryType) -> tuple[int, int]:
+        """A buffer bound to its own allocation the way ggml-vulkan makes a device buffer (not
+        tracked: :meth:`unbind` frees it)."""
         vk = self.vk
-        if not self.dev:
-            return
+        usage = _USAGE_TRANSFER_SRC | _USAGE_TRANSFER_DST | _USAGE_STORAGE
+        bci = _BufferCreateInfo(_ST_BUFFER_CREATE_INFO, None, 0, nbytes, usage, 0, 0, None)
+        buf = c_uint64()
+        vk.check(vk.vkCreateBuffer(self.dev, byref(bci), None, byref(buf)), "vkCreateBuffer")
+        req = _MemoryRequirements()
+        vk.vkGetBufferMemoryRequirements(self.dev, buf.value, byref(req))
+        mem = c_uint64()
+        rc = vk.vkAllocateMemory(
+            self.dev,
+            byref(_MemoryAllocateInfo(_ST_MEMORY_ALLOCATE_INFO, None, req.size, mtype.index)),
+            None,
+            byref(mem),
+        )
+        if rc != VK_SUCCESS:
+            vk.vkDestroyBuffer(self.dev, buf.value, None)
+            vk.check(rc, f"vkAllocateMemory of {req.size / 1e9:.2f} GB")
+        vk.check(vk.vkBindBufferMemory(self.dev, buf.value, mem.value, 0), "vkBindBufferMemory")
+        return buf.value, mem.value
+
+    def unbind(self, pair: tuple[int, int]) -> None:
+        self.vk.vkDestroyBuffer(self.dev, pair[0], None)
+        self.vk.vkFreeMemory(self.dev, pair[1], None)
+
+    def free_tracked(self) -> None:
+        vk = self.vk
         vk.vkDeviceWaitIdle(self.dev)
         for b in self.buffers:
             vk.vkDestroyBuffer(self.dev, b, None)
         for m in self.memories:
             vk.vkFreeMemory(self.dev, m, None)
-        vk.vkDestroyDevice(self.dev, None)
+        self.buffers, self.memories = [], []
+
+    def close(self) -> None:
+        if not self.dev:
+            return
+        self.free_tracked()
+        self.vk.vkDestroyDevice(self.dev, None)
         self.dev = 0
 
 
@@ -611,6 +650,41 @@ def _timed_copies(dev: _Device, family: int, src: int, dst: int, nbytes: int, re
         vk.vkDestroyCommandPool(dev.dev, pool.value, None)
 
 
+def _allocation_costs(dev: _Device, mtype: MemoryType, nbytes: int, pieces: int = 4) -> dict[str, float]:
+    """Milliseconds per GiB of device-local allocation (create + allocate + bind) and free (destroy
+    + free): one allocation of ``nbytes``, then ``pieces`` allocations of ``nbytes / pieces`` one
+    after the other and on ``pieces`` threads at once (what restore and release do with several
+    weight buffers). A restore cannot be faster than its allocations, a release than its frees."""
+    per_gib = GIB / nbytes * 1000
+    part = nbytes // pieces // 4096 * 4096
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    one = dev.bound(nbytes, mtype)
+    t1 = time.perf_counter()
+    dev.unbind(one)
+    t2 = time.perf_counter()
+    out["alloc_ms_per_gib"] = (t1 - t0) * per_gib
+    out["free_ms_per_gib"] = (t2 - t1) * per_gib
+    t0 = time.perf_counter()
+    pairs = [dev.bound(part, mtype) for _ in range(pieces)]
+    t1 = time.perf_counter()
+    for pair in pairs:
+        dev.unbind(pair)
+    t2 = time.perf_counter()
+    out[f"serial_{pieces}_alloc_ms_per_gib"] = (t1 - t0) * per_gib
+    out[f"serial_{pieces}_free_ms_per_gib"] = (t2 - t1) * per_gib
+    with ThreadPoolExecutor(max_workers=pieces) as pool:
+        list(pool.map(lambda _i: None, range(pieces)))  # the threads exist before the clock starts
+        t0 = time.perf_counter()
+        pairs = list(pool.map(lambda _i: dev.bound(part, mtype), range(pieces)))
+        t1 = time.perf_counter()
+        list(pool.map(dev.unbind, pairs))
+        t2 = time.perf_counter()
+    out[f"threads_{pieces}_alloc_ms_per_gib"] = (t1 - t0) * per_gib
+    out[f"threads_{pieces}_free_ms_per_gib"] = (t2 - t1) * per_gib
+    return out
+
+
 def copy_baseline(
     name: str | None = None,
     pci_bus_id: str | None = None,
@@ -658,6 +732,12 @@ def copy_baseline(
                 for fam, label in families:
                     secs = _timed_copies(dev, fam, src, dst, size, reps)
                     tries.append(CopyTry(src_type.describe(), dst_type.describe(), label, tuple(secs)))
+            dev.free_tracked()
+            try:
+                costs = _allocation_costs(dev, dst_type, size)
+            except VulkanUnavailableError as exc:  # not the baseline's business: say so
+                costs = {}
+                log.info("allocation costs not measured: %s", exc)
         finally:
             dev.close()
     finally:
@@ -676,6 +756,7 @@ def copy_baseline(
         max_allocation_bytes=d.max_alloc,
         rebar_bytes=rebar,
         memory_types=tuple(d.types),
+        allocation=costs,
     )
 
 
