@@ -1,0 +1,87 @@
+"""The plain-Vulkan copy baseline (core/residency/vkcopy.py): which device, memory types and
+queues it measures, checked on made-up device descriptions; and the real measurement through a
+Vulkan loader when TIMESHARE_VULKAN_TEST=1 (lavapipe is enough: no ggml is involved)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from timeshare.core.residency import vkcopy
+from timeshare.core.residency.vkcopy import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
+
+GIB = 1 << 30
+
+
+def _dev(
+    name: str, types: list[tuple[int, int, int]], families: list[tuple[int, int]], pci: str = ""
+) -> vkcopy._PhysDev:
+    return vkcopy._PhysDev(
+        handle=1,
+        name=name,
+        kind=2,
+        pci=pci,
+        max_alloc=4 * GIB,
+        types=[vkcopy.MemoryType(i, flags, heap, size) for i, (flags, heap, size) in enumerate(types)],
+        families=families,
+    )
+
+
+# the H200's Vulkan memory types as its driver listed them (doctor, 2026-12-01)
+H200_TYPES = [
+    (0, 1, 101 * GIB),
+    (DEVICE_LOCAL, 0, 150 * GIB),
+    (HOST_VISIBLE | HOST_COHERENT, 1, 101 * GIB),
+    (HOST_VISIBLE | HOST_COHERENT | HOST_CACHED, 1, 101 * GIB),
+    (DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT, 0, 150 * GIB),
+]
+LAVAPIPE_TYPES = [(DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT | HOST_CACHED, 0, 2 * GIB)]
+
+
+def test_a_discrete_gpu_copies_system_memory_into_plain_vram() -> None:
+    d = _dev("NVIDIA H200", H200_TYPES, [(0x7, 16), (0x4, 2)])
+    assert [t.index for t in vkcopy._host_types(d)] == [2, 3]  # never the BAR (type 4)
+    assert vkcopy._device_type(d).index == 1  # device-local, not host-visible
+    assert [label for _, label in vkcopy._queue_families(d)] == ["transfer-only family 1", "compute family 0"]
+
+
+def test_a_device_with_one_memory_type_uses_it_both_ways() -> None:
+    d = _dev("llvmpipe", LAVAPIPE_TYPES, [(0x7, 1)])
+    assert [t.index for t in vkcopy._host_types(d)] == [0]
+    assert vkcopy._device_type(d).index == 0
+    assert [label for _, label in vkcopy._queue_families(d)] == ["compute family 0"]
+
+
+def test_the_device_is_found_by_pci_id_then_by_name_and_rank() -> None:
+    a = _dev("GPU X", H200_TYPES, [(0x7, 1)], pci="0000:01:00.0")
+    b = _dev("GPU X", H200_TYPES, [(0x7, 1)], pci="0000:02:00.0")
+    c = _dev("GPU Y", H200_TYPES, [(0x7, 1)])
+    devs = [a, b, c]
+    assert vkcopy._pick_device(devs, "GPU X", "0000:02:00.0", 0) is b
+    assert vkcopy._pick_device(devs, "GPU X", None, 1) is b
+    assert vkcopy._pick_device(devs, "GPU Y", "0000:09:00.0", 0) is c
+    with pytest.raises(vkcopy.VulkanUnavailableError, match="no Vulkan device named"):
+        vkcopy._pick_device(devs, "GPU Z", None, 0)
+
+
+def test_no_memory_to_copy_from_is_a_clear_error() -> None:
+    d = _dev("odd", [(DEVICE_LOCAL, 0, GIB)], [(0x2, 1)])
+    assert vkcopy._host_types(d) == []
+    d2 = _dev("odd", [(HOST_VISIBLE | HOST_COHERENT, 0, GIB)], [(0x2, 1)])
+    with pytest.raises(vkcopy.VulkanUnavailableError, match="no device-local"):
+        vkcopy._device_type(d2)
+    assert vkcopy.flag_names(0) == "none"
+    assert vkcopy.flag_names(DEVICE_LOCAL | HOST_CACHED) == "device-local|host-cached"
+
+
+@pytest.mark.skipif(
+    os.environ.get("TIMESHARE_VULKAN_TEST") != "1", reason="needs a Vulkan loader and TIMESHARE_VULKAN_TEST=1"
+)
+def test_the_baseline_through_a_real_loader() -> None:
+    base = vkcopy.copy_baseline(nbytes=64 << 20, reps=2)
+    assert base.nbytes == 64 << 20 and base.gbps > 0
+    assert all(len(t.seconds) == 2 for t in base.tries)
+    assert base.best in base.tries and base.best.best_s == min(t.best_s for t in base.tries)
+    assert {"alloc_ms_per_gib", "free_ms_per_gib"} <= set(base.allocation)
+    rep = base.report()
+    assert rep["bytes"] == base.nbytes and rep["device"] == base.device
