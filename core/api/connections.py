@@ -8,6 +8,10 @@ broken or hostile clients, and logging that such clients cannot flood.
 - At most ``max_connections`` are open, derived from the open-files limit (``RLIMIT_NOFILE``) so
   that the pool's workers and files keep descriptors: a new connection beyond it closes the one
   that has waited longest without a request in progress, or, when every one is busy, gets a 503.
+- A request head over ``MAX_HEAD_BYTES`` is a 400 and a request target over ``MAX_TARGET_BYTES`` a
+  414, counted here as the bytes arrive (h11's own bound applies only to a head still incomplete,
+  so a whole head read in one chunk could be twice as long). A response sent before the request's
+  body was read (a 408, a 413) closes the connection at once: it cannot carry another request.
 - Malformed HTTP gets a JSON 400 in the API's error shape (uvicorn's own is plain text).
 - Accept errors (EMFILE and co.) and uvicorn's warnings are logged at most once per message every
   ``LOG_INTERVAL_S``, with the count of those left out.
@@ -19,12 +23,14 @@ import asyncio
 import http
 import json
 import logging
+import re
 import resource
 import socket
 import threading
 import time
 from typing import Any
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -34,8 +40,10 @@ log = logging.getLogger(__name__)
 
 HEAD_TIMEOUT_S = 15.0
 KEEP_ALIVE_S = 5.0
-#: bytes of a request head (request line and headers); more is a 400
+#: bytes of a request head (request line and headers, up to the blank line); more is a 400
 MAX_HEAD_BYTES = 64 * 1024
+#: bytes of the request target (path and query); more is a 414
+MAX_TARGET_BYTES = 8 * 1024
 LOG_INTERVAL_S = 10.0
 _MIN_CONNECTIONS = 16
 _MAX_CONNECTIONS = 4096
@@ -140,6 +148,60 @@ class GuardedServer(uvicorn.Server):
         await super().serve(sockets)
 
 
+# ---- the request-head meter -----------------------------------------------------------------------
+
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+#: a request line longer than this cannot hold a target within MAX_TARGET_BYTES (method, version)
+_MAX_LINE_BYTES = MAX_TARGET_BYTES + 64
+
+
+class HeadMeter:
+    """Counts one request head as its bytes arrive: :meth:`feed` says "target" (414) once the
+    request target is over ``MAX_TARGET_BYTES``, "head" (400) once the head is over
+    ``MAX_HEAD_BYTES`` without its blank line, else "" (fine so far, or the head is complete).
+    Linear in the bytes fed, however they are split."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.size = 0  # bytes of this head seen so far
+        self.complete = False
+        self._line = b""  # the request line so far (bounded by _MAX_LINE_BYTES)
+        self._line_done = False
+        self._tail = b""  # the last bytes fed, so a blank line split across chunks is found
+
+    def feed(self, data: bytes) -> str:
+        if self.complete or not data:
+            return ""
+        if not self._line_done:
+            if not self._line:
+                data = data.lstrip(b"\r\n")  # h11 skips empty lines before a request line
+                if not data:
+                    return ""
+            end = data.find(b"\n")
+            self._line += data if end < 0 else data[: end + 1]
+            if end >= 0:
+                self._line_done = True
+                if self._target_size() > MAX_TARGET_BYTES:
+                    return "target"
+            elif len(self._line) > _MAX_LINE_BYTES:
+                return "target"
+        window = self._tail + data
+        found = _BLANK_LINE.search(window)
+        if found is not None:
+            self.complete = True
+            self.size += found.end() - len(self._tail)
+        else:
+            self.size += len(data)
+            self._tail = window[-2:]
+        return "head" if self.size > MAX_HEAD_BYTES else ""
+
+    def _target_size(self) -> int:
+        parts = self._line.strip().split(b" ")
+        return len(parts[1]) if len(parts) >= 2 else 0
+
+
 # ---- the protocol ----------------------------------------------------------------------------------
 
 
@@ -153,6 +215,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head = HeadMeter()
         self._waiting_since = self.loop.time()
 
     @classmethod
@@ -232,15 +295,53 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        metered = self.waiting_for_head() and self.conn.their_state is h11.IDLE
+        if metered and not self._head_within_limits(data):
+            return
         super().data_received(data)
         if not self.waiting_for_head():
             self._cancel_head_timer()  # a request is in progress: the handlers time its body
 
     def on_response_complete(self) -> None:
+        if self.conn.their_state is not h11.DONE:
+            # the request's body was not read (a 408 for a stalled body, a 413): the connection
+            # cannot carry another request, so it closes now rather than at the keep-alive timeout
+            self.transport.close()
+        self._head.reset()
+        pipelined = self.conn.trailing_data[0]
+        if pipelined and not self.transport.is_closing() and not self._head_within_limits(pipelined):
+            return
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm_head_timer()  # the next head must come in time too (uvicorn's keep-alive
             # timer stops at the first byte of it)
+
+    # -- the head and target limits --
+
+    def _head_within_limits(self, data: bytes) -> bool:
+        """Meter the bytes of a request head; answer and close when one is over a limit."""
+        verdict = self._head.feed(data)
+        if not verdict:
+            return True
+        self._cancel_head_timer()
+        if verdict == "target":
+            answer = raw_error(
+                414,
+                "uri_too_long",
+                f"The request target (path and query) is longer than {MAX_TARGET_BYTES // 1024} KiB; "
+                "send a shorter URL (parameters go in the JSON body).",
+            )
+        else:
+            answer = raw_error(
+                400,
+                "invalid_http",
+                f"The request head (request line and headers) is over {MAX_HEAD_BYTES // 1024} KiB; "
+                "send fewer or shorter headers.",
+            )
+        log.warning("API: refused a request head over the %s limit", verdict)
+        self.transport.write(answer)
+        self.transport.close()
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
