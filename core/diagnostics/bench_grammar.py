@@ -7,7 +7,8 @@ then one token per ``llama_decode`` through the worker's ``Sampler``)
 - under the same grammar applied first (the whole vocabulary masked at every token).
 
 Prints decode tok/s (prefill excluded), the sampling ms/token of each mode, the ratios, the
-rejections, and whether both grammar modes gave the same answer (they must: greedy). ``--json`` prints JSON only.
+rejections, and whether both grammar modes gave the same answer (they must: greedy). ``--json``
+prints JSON only.
 
     python -m timeshare.core.diagnostics.bench_grammar --model PATH [--n-gpu-layers -1]
 """

@@ -45,7 +45,8 @@ sees them.
 **Logprobs** (``Sampling.logprobs`` or ``top_logprobs`` > 0): for every sampled token, the
 log-softmax of the raw logits of the row it was sampled from (before bias, penalties or grammar),
 the sampled token's value and the ``top_logprobs`` most likely tokens with theirs, as a
-``TokenLogprob`` in ``records``.
+``TokenLogprob`` in ``records`` (an end-of-generation token gets none: it is not part of the
+answer). ``take_records`` hands on those since its last call, with the text they made.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class Sampler:
         grammar_first: bool = False,
     ) -> None:
         self.records: list[TokenLogprob] = []
+        self._taken = 0  # records already handed on by take_records
+        self._vocab = llm._model.vocab
         self.rejections = 0  # tokens the grammar rejected (resampled over the masked vocabulary)
         self.grammar: Any = None
         self.chain: Any = None
@@ -264,9 +267,15 @@ class Sampler:
             token = int(llama_cpp.llama_sampler_sample(self.chain, ctx, idx))
         else:
             token = self._sample_with_grammar(ctx, idx)
-        if self._want_logprobs:
+        if self._want_logprobs and not llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self.records.append(self._logprob(ctx, idx, token))
         return token
+
+    def take_records(self) -> list[TokenLogprob]:
+        """The records since the last call (the loop hands them on with the text it emits)."""
+        taken = self.records[self._taken :]
+        self._taken = len(self.records)
+        return taken
 
     def _logprob(self, ctx: Any, idx: int, token: int) -> TokenLogprob:
         x = self._logits(ctx, idx).astype(np.float64)

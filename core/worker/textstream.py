@@ -25,6 +25,10 @@ class TextStream:
         self.stop = ""  # the stop string the text ended on
         self.parts: list[str] = []  # everything emitted
 
+    def piece(self, token: int) -> bytes:
+        """A token's text as bytes (llama_token_to_piece; cached per token id)."""
+        return self._piece(token)
+
     def _piece(self, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
