@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _e_worker_util import WorkerHandle
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.residency import Residency, ResidencyOptions
+from timeshare.core.worker import protocol as p
 from timeshare.core.worker.engine import Engine, GenerationOutcome
 from timeshare.core.worker.protocol import Generate
 
@@ -265,3 +267,48 @@ def test_a_conversation_and_a_cached_prompt_after_a_restart_are_exact(
         assert o3.prompt_tokens_evaluated == 1
     finally:
         e.close()
+
+
+@pytest.mark.slow
+def test_a_conversation_across_real_switches_answers_as_the_replay(
+    smollm2_path: Path, ref: Replay, tmp_path: Path
+) -> None:
+    # through the worker protocol, with a real arena: another worker takes the token (this one
+    # releases its weights, the KV stays), then a sleep at weights+kv (the KV to host memory);
+    # each next turn answers as the replay and evaluates what the rules say
+    arena_dir = tmp_path / "arena"
+    arena_dir.mkdir(mode=0o700)
+    a = WorkerHandle(
+        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=N_CTX), tmp_path / "a", arena_dir=arena_dir
+    )
+    b = WorkerHandle(
+        ModelConfig(id="other", path=str(smollm2_path), n_ctx=N_CTX), tmp_path / "b", arena_dir=arena_dir
+    )
+    try:
+        a.ready()
+        b.ready()
+        r = ref.fresh()
+        text = STORY
+        answer, done = a.generate("t0", prompt=text, max_tokens=ANSWER, conversation="c")
+        assert isinstance(done, p.Done)
+        evaluated, _, tokens = r.request(ref.tokens(text), ANSWER)
+        assert (done.usage.prompt_tokens_evaluated, answer) == (evaluated, ref.text(tokens))
+        for turn, (more, displace) in enumerate(
+            ((" The keeper lit a flare and", "token"), (" He rowed", "sleep"))
+        ):
+            if displace == "token":
+                _, other = b.generate(f"b{turn}", prompt="Hello", max_tokens=2)
+                assert isinstance(other, p.Done) and other.switch.switched
+                assert a.expect(p.Released).level == "weights"
+            else:
+                a.send(p.Sleep("weights+kv"))
+                assert a.expect(p.Released).level == "weights+kv"
+            text = text + answer + more
+            answer, done = a.generate(f"t{turn + 1}", prompt=text, max_tokens=ANSWER, conversation="c")
+            assert isinstance(done, p.Done) and done.switch.switched, done
+            evaluated, _, tokens = r.request(ref.tokens(text), ANSWER)
+            assert done.usage.prompt_tokens_evaluated == evaluated, (displace, done, evaluated)
+            assert answer == ref.text(tokens), (displace, answer, ref.text(tokens))
+    finally:
+        a.close()
+        b.close()
