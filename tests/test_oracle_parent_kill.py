@@ -1,5 +1,6 @@
 """``kill -9`` of `timeshare serve` (no handler runs, nothing is cleaned up): its workers must not
-outlive it, whatever they were doing (one decoding, one idle), and the next start in the same home
+outlive it, whatever they were doing (one decoding with the token pinned, one waiting for the
+token, one idle), and the next start in the same home
 must be clean (it serves the same answers, its workers are new). The workers are found in /proc
 (by their command line), not asked of Timeshare. The tray app's case is in test_app_xvfb.py."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ from _proc_util import alive, wait_until, workers_of
 pytestmark = pytest.mark.slow
 
 SMOL2 = "smollm2-second"
+SMOL3 = "smollm2-third"
 PROMPT = "The capital of France is"
 
 
@@ -34,14 +37,19 @@ def test_kill9_of_serve_leaves_no_worker_and_the_next_start_is_clean(
     tmp_path: Path, smollm2_path: Path
 ) -> None:
     home = tmp_path / "home"
-    config = write_config(home / "timeshare.toml", [(SMOL, smollm2_path), (SMOL2, smollm2_path)])
+    models = [SMOL, SMOL2, SMOL3]
+    config = write_config(home / "timeshare.toml", [(m, smollm2_path) for m in models])
     served = start_serve(home, config=config)
+    waiter_errors: list[BaseException] = []
     try:
-        served.wait_ready([SMOL, SMOL2])
+        served.wait_ready(models)
         expected = _complete(served.url, SMOL)
         workers = workers_of(home)
-        assert len(workers) == 2, workers  # the oracle sees them: it has teeth
-        # one worker mid-decode (a long streamed answer, its first piece read), the other idle
+        assert len(workers) == 3, workers  # the oracle sees them: it has teeth
+        # SMOL2 decodes a long answer holding the token (pinned: it will not yield), SMOL3 waits
+        # for the token, SMOL is idle (released)
+        r = httpx.post(f"{served.url}/timeshare/v1/models/{SMOL2}/pin", timeout=60)
+        assert r.status_code == 200, r.text
         with httpx.stream(
             "POST",
             f"{served.url}/v1/completions",
@@ -50,8 +58,27 @@ def test_kill9_of_serve_leaves_no_worker_and_the_next_start_is_clean(
         ) as stream:
             lines = stream.iter_lines()
             assert any(line.startswith("data: {") for line in lines)
+
+            def wait_for_the_token() -> None:
+                try:
+                    _complete(served.url, SMOL3)
+                except BaseException as exc:  # the server dies under it: expected
+                    waiter_errors.append(exc)
+
+            waiter = threading.Thread(target=wait_for_the_token, daemon=True)
+            waiter.start()
+            served.wait_until(
+                lambda s: any(
+                    m["id"] == SMOL3 and "waiting for the GPU" in str(m["reason"])
+                    for m in s["models"]  # type: ignore[attr-defined]
+                ),
+                f"{SMOL3} to wait for the token",
+                60,
+            )
             os.kill(served.proc.pid, signal.SIGKILL)
             assert served.proc.wait(30) == -signal.SIGKILL
+        waiter.join(60)
+        assert waiter_errors, "the waiting request was answered although its server was killed"
     finally:
         if served.proc.poll() is None:
             served.proc.kill()
@@ -60,10 +87,10 @@ def test_kill9_of_serve_leaves_no_worker_and_the_next_start_is_clean(
     assert workers_of(home) == []
     # the next start in the same home: the stale address file and arena state do not get in the way
     with serving(home, config=config) as again:
-        again.wait_ready([SMOL, SMOL2])
-        assert _complete(again.url, SMOL) == expected
-        assert _complete(again.url, SMOL2) == expected
+        again.wait_ready(models)
+        for m in models:
+            assert _complete(again.url, m) == expected, m
         fresh = workers_of(home)
-        assert len(fresh) == 2 and not set(fresh) & set(workers), (fresh, workers)
+        assert len(fresh) == 3 and not set(fresh) & set(workers), (fresh, workers)
     assert again.proc.returncode == 0, again.log_text()[-3000:]
     wait_until(lambda: workers_of(home) == [], 30, "the second run's workers to exit")
