@@ -32,6 +32,17 @@ class ConfigError(TimeshareError):
         super().__init__(where + "; ".join(self.problems))
 
 
+class DiskFullError(TimeshareError):
+    """A write Timeshare needs failed, or would, for lack of disk space (ENOSPC, EDQUOT); ``path``
+    is the file or folder. The message names what is full and where."""
+
+    code = "disk_full"
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class ModelFileError(TimeshareError):
     """A model file is missing, truncated, not a GGUF, or changed on disk after it was loaded."""
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from . import paths
 from .api.address import ApiAddress
+from .diskspace import NO_SPACE_ERRNOS, disk_full_error
 from .errors import InstanceRunningError
 
 LOCK_NAME = "instance.lock"
@@ -107,8 +108,14 @@ class InstanceLock:
             os.close(fd)
             raise
         record = json.dumps({"pid": os.getpid(), "kind": kind, "started": time.time()}) + "\n"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, record.encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+        except OSError as exc:
+            os.close(fd)  # drops the lock: nobody runs
+            if exc.errno in NO_SPACE_ERRNOS:
+                raise disk_full_error(exc, "the instance lock", path) from exc
+            raise
         return cls(fd, path, kind)
 
     @property

@@ -28,7 +28,8 @@ from ..arena.dirs import pid_alive
 from ..config.files import cli_config_path, load_for_cli
 from ..config.schema import ApiConfig
 from ..config.validate import is_loopback
-from ..errors import ApiBindError, ArenaError, ConfigError, InstanceRunningError
+from ..diskspace import check_room, disk_full_error, is_disk_full
+from ..errors import ApiBindError, ArenaError, ConfigError, DiskFullError, InstanceRunningError
 from ..instance import InstanceLock
 from ..logsetup import setup_logging
 from ..pool.supervisor import Pool
@@ -192,7 +193,15 @@ class ApiServer:
                 )
             time.sleep(0.02)
         self._address = ApiAddress.this_process(self.url, bool(self.api_config.key))
-        self._address.write(self.address_file)
+        try:
+            self._address.write(self.address_file)
+        except OSError as exc:
+            self._address = None
+            self.stop()
+            if is_disk_full(exc):
+                where = self.address_file or paths.api_address_file()
+                raise disk_full_error(exc, "the API address file", where) from exc
+            raise
         log.info("API listening on %s%s", self.url, " (key required)" if self.api_config.key else "")
         return self.url
 
@@ -251,15 +260,24 @@ def serve_main(args: argparse.Namespace) -> int:
         if not 0 <= api_config.port <= 65535:
             raise ConfigError([f"--port: {api_config.port} is not a port number (0..65535)"])
         check_bind_allowed(api_config)
-    except ConfigError as exc:
-        print(f"timeshare serve: {exc}", file=sys.stderr)
-        return 2
-    try:
+        # a full disk is one sentence before anything is written, not a traceback from the first
+        # write (the lock, the address file); a write that still fails says the same below
+        check_room(
+            {"runtime dir": paths.runtime_dir(), "data dir": paths.data_dir(), "log dir": paths.log_dir()}
+        )
         # one Timeshare per runtime dir: a second one would overwrite the first's address file
         instance = InstanceLock.acquire("serve")
+    except (ConfigError, DiskFullError) as exc:
+        print(f"timeshare serve: {exc}", file=sys.stderr)
+        return 2
     except InstanceRunningError as exc:
         print(f"timeshare serve: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        print(f"timeshare serve: {_disk_full(exc)}", file=sys.stderr)
+        return 2
     if not config.models:
         notice = str(getattr(config, "notice", "") or "")
         print(
@@ -298,8 +316,13 @@ def serve_main(args: argparse.Namespace) -> int:
             readiness.check(pool.snapshot())
         log.info("stopping")
         return 0
-    except (ArenaError, ConfigError, ApiBindError) as exc:
+    except (ArenaError, ConfigError, ApiBindError, DiskFullError) as exc:
         print(f"timeshare serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        print(f"timeshare serve: {_disk_full(exc)}", file=sys.stderr)
         return 2
     finally:
         server.stop()
@@ -307,6 +330,12 @@ def serve_main(args: argparse.Namespace) -> int:
         instance.release()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _disk_full(exc: OSError) -> DiskFullError:
+    """A write that failed for lack of space as the sentence that names the file."""
+    where = exc.filename if exc.filename is not None else "a file"
+    return disk_full_error(exc, "a file Timeshare needs", str(where))
 
 
 class _Readiness:
