@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from .errors import CancelledError, ConversationBusyError, EmptyMessageError, TimeshareError
+from .sampling import FIELDS as SAMPLING_FIELDS
+from .sampling import Sampling, for_front_end
 from .state import SwitchStats
 from .store import AnswerStats, Conversation, Message, Store
 from .stream import TextStream
@@ -65,12 +67,7 @@ class PoolLike(Protocol):
         model_id: str,
         *,
         messages: Sequence[ChatMessage] | None = ...,
-        max_tokens: int = ...,
-        temperature: float = ...,
-        top_p: float = ...,
-        top_k: int = ...,
-        seed: int | None = ...,
-        stop: Sequence[str] = ...,
+        sampling: Sampling = ...,
         conversation: str | None = ...,
     ) -> Any: ...
 
@@ -271,8 +268,9 @@ class ChatService:
     def send(self, conversation_id: str, text: str, *, prewoken: bool = False, **sampling: Any) -> ChatTurn:
         """Save ``text`` as the user's message and start the model's answer.
 
-        ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop (passed to the pool);
-        max_tokens and temperature default to the conversation's settings (``Store.set_options``).
+        ``sampling``: fields of :class:`~timeshare.core.sampling.Sampling` (the rest come from the
+        conversation's settings, ``Store.set_options``, then the "chat_window" row of
+        ``sampling.DEFAULTS``); the pool gets the Sampling they make.
         ``prewoken``: the caller restored the model ahead of this request (noted in the stats).
         Raises UnknownConversationError, EmptyMessageError, and the pool's errors
         (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
@@ -333,20 +331,17 @@ class ChatService:
         conversation: Conversation,
         user: Message,
         messages: tuple[ChatMessage, ...],
-        sampling: dict[str, Any],
+        overrides: dict[str, Any],
         prewoken: bool,
     ) -> ChatTurn:
         assistant = self.store.add_message(conversation.id, "assistant", "", complete=False)
         started = time.monotonic()
-        # the conversation's own settings, unless the caller gave others
-        sampling = {
-            "temperature": conversation.temperature,
-            "max_tokens": conversation.max_tokens,
-            **sampling,
-        }
         try:
+            # the conversation's own settings, unless the caller gave others
+            fields = {"temperature": conversation.temperature, "max_tokens": conversation.max_tokens}
+            sampling = for_front_end("chat_window", **{**fields, **overrides})
             generation = self.pool.generate(
-                conversation.model_id, messages=messages, conversation=conversation.id, **sampling
+                conversation.model_id, messages=messages, conversation=conversation.id, sampling=sampling
             )
         except BaseException:
             # nothing was generated: drop the placeholder, keep the user's message
@@ -369,13 +364,12 @@ class ChatService:
         return turn
 
 
-_SAMPLING = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"})
-
-
 def _check_sampling(sampling: dict[str, Any]) -> None:
-    unknown = set(sampling) - _SAMPLING
+    unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
-        raise TypeError(f"unknown sampling option(s) {sorted(unknown)}: use some of {sorted(_SAMPLING)}")
+        raise TypeError(
+            f"unknown sampling option(s) {sorted(unknown)}: use some of {sorted(SAMPLING_FIELDS)}"
+        )
 
 
 def _title_from(text: str) -> str:

@@ -47,10 +47,10 @@ MIN_P = 0.05
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     temperature: float = 0.0
-    top_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 40  # 0: no limit
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = MIN_P
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, lt=2**32)] | None = None
     stop: tuple[str, ...] = ()
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
@@ -102,25 +102,46 @@ def check(s: Sampling) -> Sampling:
     return s
 
 
+#: The API's default answer length for /v1/chat/completions (OpenAI lets chat run to the end of
+#: the context; a local default keeps a runaway answer bounded)
+DEFAULT_CHAT_MAX_TOKENS = 512
+#: OpenAI's documented default for /v1/completions
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: the CLI's temperature when --temperature is not given
+CLI_TEMPERATURE = 0.2
+
 #: Each front end's defaults, in one table: where a field is absent from a request, the front
-#: end's row gives it (then Sampling's own default). "api_chat": OpenAI's chat completions (no
-#: max_tokens: until a stop or the end of the context, as OpenAI and llama-server); "api_completion":
-#: OpenAI's documented 16; "chat_window": the conversation's own settings override these.
+#: end's row gives it (then Sampling's own default). What each front end did before there was a
+#: table, unchanged:
+#: - "api_chat" / "api_completion": the HTTP API (``temperature`` 1 and ``top_p`` 1 as OpenAI's);
+#: - "chat_window": the chat service; a conversation's own settings (``Store.set_options``:
+#:   temperature, max_tokens) are given as fields, so this row applies only where they are not;
+#: - "cli_chat" / "cli_run": ``timeshare chat`` and ``timeshare run`` (the body they send to the API);
+#: - "internal": ``Pool.generate`` without a sampling (diagnostics, tests): greedy, 256 tokens.
 DEFAULTS: dict[str, dict[str, object]] = {
-    "api_chat": {"max_tokens": None, "temperature": 1.0, "top_p": 1.0},
-    "api_completion": {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0},
-    "chat_window": {"max_tokens": None, "temperature": 0.0},
-    "cli": {"max_tokens": None, "temperature": 0.2},
-    "internal": {},  # diagnostics and tests: Sampling's own defaults (greedy)
+    "api_chat": {"max_tokens": DEFAULT_CHAT_MAX_TOKENS, "temperature": 1.0, "top_p": 1.0},
+    "api_completion": {"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS, "temperature": 1.0, "top_p": 1.0},
+    "chat_window": {"max_tokens": 512, "temperature": 0.0},
+    "cli_chat": {"max_tokens": 256, "temperature": CLI_TEMPERATURE},
+    "cli_run": {"max_tokens": 512, "temperature": CLI_TEMPERATURE},
+    "internal": {"max_tokens": 256},
 }
+
+#: the names of Sampling's fields
+FIELDS = frozenset(Sampling.__struct_fields__)
 
 
 def for_front_end(front_end: str, **fields: object) -> Sampling:
-    """A checked Sampling: the front end's defaults, overridden by ``fields`` (None values of
-    fields other than max_tokens and seed mean "absent")."""
+    """A checked Sampling: the front end's defaults, overridden by ``fields``; a None value means
+    "absent" (the row's default applies). Raises ValueError naming the field (an unknown name
+    included)."""
+    unknown = set(fields) - FIELDS
+    if unknown:
+        raise ValueError(f"sampling: unknown field(s) {sorted(unknown)}: use some of {sorted(FIELDS)}")
     merged: dict[str, object] = dict(DEFAULTS[front_end])
-    for key, value in fields.items():
-        if value is None and key not in ("max_tokens", "seed", "grammar"):
-            continue
-        merged[key] = value
-    return check(Sampling(**merged))  # type: ignore[arg-type]
+    merged.update((key, value) for key, value in fields.items() if value is not None)
+    try:
+        built = msgspec.convert(merged, Sampling)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"sampling: {exc}") from None
+    return check(built)

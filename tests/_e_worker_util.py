@@ -17,10 +17,18 @@ from typing import Any
 
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.errors import FrameError
+from timeshare.core.sampling import FIELDS, Sampling
 from timeshare.core.worker import protocol as p
 
 GUARD_S = 60.0  # a hang guard, not a timing assertion
 EOF = object()
+
+
+def generate_message(req: str, **fields: Any) -> p.Generate:
+    """A Generate from flat fields: the sampling ones (max_tokens 256 unless given) go into its
+    Sampling, the others (prompt, messages, conversation, cache_prompt) are its own."""
+    sampling = {name: fields.pop(name) for name in list(fields) if name in FIELDS}
+    return p.Generate(req=req, sampling=Sampling(**{"max_tokens": 256, **sampling}), **fields)
 
 
 class WorkerHandle:

@@ -66,7 +66,13 @@ def test_parse_chat_request_maps_openai_fields() -> None:
         ("system", "Be brief."),
         ("user", "Hi there"),
     ]
-    assert (req.max_tokens, req.temperature, req.stop, req.stream, req.include_usage) == (
+    assert (
+        req.sampling.max_tokens,
+        req.sampling.temperature,
+        req.sampling.stop,
+        req.stream,
+        req.include_usage,
+    ) == (
         7,
         0.0,
         ("\n",),
@@ -160,7 +166,49 @@ def test_parse_completion_request_refuses(body: dict[str, object], param: str) -
 
 def test_parse_completion_request_defaults_follow_openai() -> None:
     req = parse_completion_request({"model": GEMMA, "prompt": ["one prompt"]})
-    assert (req.prompt, req.max_tokens, req.temperature, req.stream) == ("one prompt", 16, 1.0, False)
+    assert (req.prompt, req.sampling.max_tokens, req.sampling.temperature, req.stream) == (
+        "one prompt",
+        16,
+        1.0,
+        False,
+    )
+
+
+def test_parse_chat_request_defaults_are_todays() -> None:
+    req = parse_chat_request({"model": SMOL, "messages": [{"role": "user", "content": "x"}]})
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (512, 1.0, 1.0, 40, None, ())
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [  # a schema rule broken deep in the body: the field path, and what to send instead
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"content": "y"}]},
+            "messages[1].role",
+            "messages[1].role None is not supported: use system, user or assistant.",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "messages[0].content",
+            "messages[0].content: only text parts are supported",
+        ),
+        ({"top_p": 1.5}, "top_p", "'top_p' must be a number from 0 to 1; got 1.5."),
+        ({"top_k": -1}, "top_k", "'top_k' must be a whole number of at least 0 (0: no limit)."),
+        ({"stop": ["a"] * 17}, "stop", "'stop' holds 17 strings; send at most 16."),
+        ({"stream_options": []}, "stream_options", "'stream_options' must be an object."),
+        ({"conversation": ""}, "conversation", "must be a non-empty string."),
+        ({"max_completion_tokens": True}, "max_completion_tokens", "at least 1; got True."),
+    ],
+)
+def test_schema_errors_become_sentences_naming_the_field(
+    extra: dict[str, object], param: str, message: str
+) -> None:
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(BadRequestError) as info:
+        parse_chat_request(body)
+    assert info.value.param == param
+    assert message in info.value.message and info.value.message.endswith(".")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from timeshare.core.diagnostics.arena_test import (
 from timeshare.core.diagnostics.arena_test_checks import check_intervals, percentile
 from timeshare.core.errors import ModelUnavailableError, TokenTimeoutError
 from timeshare.core.observe import read_events
+from timeshare.core.sampling import Sampling
 from timeshare.core.state import ModelState
 
 
@@ -314,11 +315,11 @@ def test_kill9_of_the_holder_mid_decode(tmp_path: Path, smollm2_path: Path, gemm
         prompt = "The capital of France is"
         expected = harness.generate("smollm2-135m-instruct", prompt)  # uncontended reference
         pool.pin("gemma3-270m")  # the holder will not yield: the waiter can only get in by its death
-        counting = pool.generate("gemma3-270m", prompt="1, 2, 3, 4, 5, 6,", max_tokens=400)
+        counting = pool.generate("gemma3-270m", prompt="1, 2, 3, 4, 5, 6,", sampling=Sampling(max_tokens=400))
         next(iter(counting))  # it is decoding now, with the token
         holder = read_holder(tmp_path / "arena")
         assert holder is not None and holder.model == "gemma3-270m" and holder.pinned
-        waiting = pool.generate("smollm2-135m-instruct", prompt=prompt, max_tokens=8)
+        waiting = pool.generate("smollm2-135m-instruct", prompt=prompt, sampling=Sampling(max_tokens=8))
         arena = Arena(tmp_path / "arena")
         wait_until(
             lambda: any(t.model == "smollm2-135m-instruct" for t in arena.waiters()),
@@ -395,7 +396,7 @@ def test_pinned_holder_makes_others_wait_visibly_and_time_out_clearly(
         harness.generate("gemma3-270m", "Hello")  # it takes the GPU and, pinned, keeps it
         holder = read_holder(tmp_path / "arena")
         assert holder is not None and holder.model == "gemma3-270m" and holder.pinned
-        gen = pool.generate("smollm2-135m-instruct", prompt="Hello", max_tokens=4)
+        gen = pool.generate("smollm2-135m-instruct", prompt="Hello", sampling=Sampling(max_tokens=4))
         reasons: set[str] = set()
 
         def finished_waiting() -> bool:  # and collect the waiting reasons shown meanwhile

@@ -29,6 +29,7 @@ from timeshare.core.observe import read_events
 from timeshare.core.pool.devices import device_statuses
 from timeshare.core.pool.record import WorkerRecord
 from timeshare.core.pool.supervisor import Pool
+from timeshare.core.sampling import Sampling
 from timeshare.core.state import DeviceStatus, ModelState, ModelStatus, PoolSnapshot
 from timeshare.core.worker.device import llama_placement
 
@@ -241,7 +242,9 @@ def pools() -> Iterator[list[Pool]]:
 
 
 def answer(pool: Pool, model: str) -> tuple[str, bool]:
-    result = pool.generate(model, prompt=PROMPT, max_tokens=8, temperature=0.0).result(timeout=WAIT)
+    result = pool.generate(model, prompt=PROMPT, sampling=Sampling(max_tokens=8, temperature=0.0)).result(
+        timeout=WAIT
+    )
     return result.text, result.switch.switched
 
 
@@ -292,7 +295,7 @@ def test_pinned_model_leaving_no_room_and_a_killed_lease_holder(
     pool.pin(SMOL)
     answer(pool, SMOL)  # resident and pinned: it never yields
     with pytest.raises(VramBudgetError) as info:  # at once, not after arena.wait_timeout_s
-        pool.generate(GEMMA, prompt=PROMPT, max_tokens=8).result(timeout=WAIT)
+        pool.generate(GEMMA, prompt=PROMPT, sampling=Sampling(max_tokens=8)).result(timeout=WAIT)
     message = str(info.value)
     assert "gemma needs" in message and f"arena.vram_budget = '{budget}'" in message
     assert "pinned smol" in message and "unpin it or raise the budget" in message

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from timeshare.core.chat import ChatService
 from timeshare.core.errors import (
@@ -28,6 +29,7 @@ from timeshare.core.errors import (
     UnknownConversationError,
     UnknownModelError,
 )
+from timeshare.core.sampling import Sampling
 from timeshare.core.state import SwitchStats
 from timeshare.core.store import Store
 from timeshare.core.stream import TextStream
@@ -101,9 +103,14 @@ class ScriptedPool:
         self.models = set(models)
         self.generations: list[ScriptedGeneration] = []
 
-    def generate(self, model_id: str, **kwargs: Any) -> ScriptedGeneration:
+    def generate(self, model_id: str, *, sampling: Sampling, **kwargs: Any) -> ScriptedGeneration:
         if model_id not in self.models:
             raise UnknownModelError(f"there is no model {model_id!r}")
+        # recorded flat: the conversation's two settings, and whatever else differs from the defaults
+        kwargs["max_tokens"], kwargs["temperature"] = sampling.max_tokens, sampling.temperature
+        kwargs.update(
+            (k, v) for k, v in msgspec.structs.asdict(sampling).items() if v != getattr(Sampling(), k)
+        )
         gen = ScriptedGeneration(model_id, kwargs)
         self.generations.append(gen)
         return gen

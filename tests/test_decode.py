@@ -14,10 +14,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from _e_worker_util import generate_message
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError
 from timeshare.core.worker.engine import Engine, GenerationOutcome
-from timeshare.core.worker.protocol import ChatMessage, Generate
+from timeshare.core.worker.protocol import ChatMessage
 from timeshare.core.worker.textstream import TextStream
 
 PROMPTS = (
@@ -46,7 +47,7 @@ def run(engine: Engine, before_step: Any = None, **fields: Any) -> GenerationOut
     fields.setdefault("cache_prompt", False)
     pieces: list[str] = []
     kwargs = {"before_step": before_step} if before_step is not None else {}
-    outcome = engine.generate(Generate(req="d", **fields), pieces.append, **kwargs)
+    outcome = engine.generate(generate_message("d", **fields), pieces.append, **kwargs)
     assert "".join(pieces) == outcome.text  # what was streamed is the answer
     return outcome
 

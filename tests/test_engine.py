@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _e_worker_util import generate_message
 from timeshare.core.chatformat.history import render
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError, ModelFileError, PromptTooLongError
+from timeshare.core.sampling import Sampling
 from timeshare.core.worker.engine import FALLBACK_STOP, Engine, fallback_prompt
 from timeshare.core.worker.protocol import ChatMessage, Generate
 
@@ -40,7 +42,7 @@ def reference(smollm2_path: Path) -> str:
 
 def run(engine: Engine, **fields: object) -> tuple[str, object]:
     pieces: list[str] = []
-    outcome = engine.generate(Generate(req="r", **fields), pieces.append)  # type: ignore[arg-type]
+    outcome = engine.generate(generate_message("r", **fields), pieces.append)  # type: ignore[arg-type]
     assert "".join(pieces) == outcome.text
     return outcome.text, outcome
 
@@ -109,7 +111,7 @@ def test_cancel_from_the_step_hook(engine: Engine) -> None:
             raise CancelledError("stop")
 
     outcome = engine.generate(
-        Generate(req="c", prompt="Count: one, two,", max_tokens=100), lambda _: None, step
+        Generate(req="c", prompt="Count: one, two,", sampling=Sampling(max_tokens=100)), lambda _: None, step
     )
     assert outcome.finish_reason == "cancelled" and outcome.completion_tokens < 10
 
@@ -225,7 +227,9 @@ def test_a_huge_chat_or_prompt_is_refused_before_all_of_it_is_tokenized(engine: 
 
     many = tuple(ChatMessage("user", "hi") for _ in range(20_000))  # once 40 s of tokenizing
     with pytest.raises(PromptTooLongError, match="at least"):
-        engine.generate(Generate(req="m", messages=many, max_tokens=4), lambda _: None, poll=poll)
+        engine.generate(
+            Generate(req="m", messages=many, sampling=Sampling(max_tokens=4)), lambda _: None, poll=poll
+        )
     assert 1 < polls < 200  # it stopped once the context was full
     with pytest.raises(PromptTooLongError, match="at least"):
         run(engine, prompt="word " * 2_000_000, max_tokens=4)
@@ -242,7 +246,9 @@ def test_a_cancel_while_the_prompt_is_tokenized_ends_the_request(engine: Engine)
 
     many = tuple(ChatMessage("user", "hi") for _ in range(20_000))
     with pytest.raises(CancelledError):  # the worker's loop answers it as "cancelled"
-        engine.generate(Generate(req="x", messages=many, max_tokens=4), lambda _: None, poll=poll)
+        engine.generate(
+            Generate(req="x", messages=many, sampling=Sampling(max_tokens=4)), lambda _: None, poll=poll
+        )
     assert calls == 4
     assert run(engine, prompt=PROMPT, max_tokens=2)[0]  # the engine carries on
 

@@ -33,6 +33,7 @@ from timeshare.core.errors import (
 from timeshare.core.pool import process as pool_process
 from timeshare.core.pool.generation import Generation
 from timeshare.core.pool.supervisor import Pool
+from timeshare.core.sampling import Sampling
 from timeshare.core.state import EventKind, ModelState, PoolEvent
 
 pytestmark = pytest.mark.slow
@@ -170,7 +171,7 @@ def shared(
 
 
 def complete(pool: Pool, model: str, prompt: str | None = None, **kw: object) -> tuple[str, Generation]:
-    gen = pool.generate(model, prompt=prompt or PROMPTS[model], max_tokens=N_TOKENS, **kw)  # type: ignore[arg-type]
+    gen = pool.generate(model, prompt=prompt or PROMPTS[model], **kw, sampling=Sampling(max_tokens=N_TOKENS))  # type: ignore[arg-type]
     streamed = "".join(gen)
     return streamed, gen
 
@@ -270,7 +271,7 @@ def test_generate_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="role system/user/assistant"):
         pool.generate("m", messages=[{"role": "robot", "content": "b"}])
     with pytest.raises(ValueError, match="max_tokens"):
-        pool.generate("m", prompt="a", max_tokens=0)
+        pool.generate("m", prompt="a", sampling=Sampling(max_tokens=0))
 
 
 # ---- the shared pool -----------------------------------------------------------------------
@@ -359,12 +360,18 @@ def test_conversation_continued_after_a_switch_is_not_prefilled_again(shared: tu
     pool, _ = shared
     conv = "conv-switch"
     history = [{"role": "user", "content": "Name a colour."}]
-    first = pool.generate(SMOLLM2_ID, messages=history, max_tokens=8, conversation=conv).result(timeout=WAIT)
+    first = pool.generate(
+        SMOLLM2_ID, messages=history, conversation=conv, sampling=Sampling(max_tokens=8)
+    ).result(timeout=WAIT)
     assert first.usage.prompt_tokens_evaluated == first.usage.prompt_tokens > 0
-    other = pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], max_tokens=4).result(timeout=WAIT)
+    other = pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], sampling=Sampling(max_tokens=4)).result(
+        timeout=WAIT
+    )
     assert other.text
     history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Another one?"}]
-    second = pool.generate(SMOLLM2_ID, messages=history, max_tokens=8, conversation=conv).result(timeout=WAIT)
+    second = pool.generate(
+        SMOLLM2_ID, messages=history, conversation=conv, sampling=Sampling(max_tokens=8)
+    ).result(timeout=WAIT)
     assert second.switch.switched
     # only the new turn was prefilled, not the conversation so far
     # (a full re-prefill would evaluate all of second.usage.prompt_tokens)
@@ -375,7 +382,7 @@ def test_prompt_longer_than_context_is_a_clear_error_and_the_model_keeps_serving
     shared: tuple[Pool, Events], reference: dict[str, str]
 ) -> None:
     pool, _ = shared
-    gen = pool.generate(SMOLLM2_ID, prompt="hello " * 3000, max_tokens=4)
+    gen = pool.generate(SMOLLM2_ID, prompt="hello " * 3000, sampling=Sampling(max_tokens=4))
     with pytest.raises(PromptTooLongError):
         gen.result(timeout=WAIT)
     with pytest.raises(PromptTooLongError):
@@ -383,15 +390,20 @@ def test_prompt_longer_than_context_is_a_clear_error_and_the_model_keeps_serving
     streamed, gen = complete(pool, SMOLLM2_ID)
     assert streamed == reference[SMOLLM2_ID]
     # stop strings end the answer early
-    stopped = pool.generate(SMOLLM2_ID, prompt=PROMPTS[SMOLLM2_ID], max_tokens=N_TOKENS, stop=["."])
+    stopped = pool.generate(
+        SMOLLM2_ID, prompt=PROMPTS[SMOLLM2_ID], sampling=Sampling(max_tokens=N_TOKENS, stop=["."])
+    )
     result = stopped.result(timeout=WAIT)
     assert result.text == reference[SMOLLM2_ID].split(".")[0] and result.finish_reason == "stop"
 
 
 def test_queue_limit_and_cancel(shared: tuple[Pool, Events], reference: dict[str, str]) -> None:
     pool, _ = shared
-    long = pool.generate(GEMMA3_ID, prompt="Once upon a time", max_tokens=2000)
-    queued = [pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], max_tokens=N_TOKENS) for _ in range(2)]
+    long = pool.generate(GEMMA3_ID, prompt="Once upon a time", sampling=Sampling(max_tokens=2000))
+    queued = [
+        pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], sampling=Sampling(max_tokens=N_TOKENS))
+        for _ in range(2)
+    ]
     with pytest.raises(QueueFullError, match="queue_limit = 2"):
         pool.generate(GEMMA3_ID, prompt="one more")
     assert pool.snapshot().model(GEMMA3_ID).queued == 2  # type: ignore[union-attr]
@@ -423,7 +435,7 @@ def test_pin_sleep_wake_stop_are_visible_in_events(
     # pinned and resident: a request for the other model waits, and the snapshot says why
     mark = events.mark()
     pool.pin(m, True)
-    waiting = pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], max_tokens=N_TOKENS)
+    waiting = pool.generate(GEMMA3_ID, prompt=PROMPTS[GEMMA3_ID], sampling=Sampling(max_tokens=N_TOKENS))
     event = events.wait_for(
         lambda e: f"pinned by {m}" in (e.snapshot.model(GEMMA3_ID).reason or ""),  # type: ignore[union-attr]
         mark,
@@ -444,7 +456,9 @@ def test_pin_sleep_wake_stop_are_visible_in_events(
     # stop keeps the conversation: the worker saves its KV and the next one restores it
     conv = "conv-stop"
     history = [{"role": "user", "content": "Say hello."}]
-    first = pool.generate(m, messages=history, max_tokens=6, conversation=conv).result(timeout=WAIT)
+    first = pool.generate(m, messages=history, conversation=conv, sampling=Sampling(max_tokens=6)).result(
+        timeout=WAIT
+    )
     pid = pool.snapshot().model(m).pid  # type: ignore[union-attr]
     assert pid
     mark = events.mark()
@@ -455,7 +469,9 @@ def test_pin_sleep_wake_stop_are_visible_in_events(
 
     mark = events.mark()
     history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Again."}]
-    gen = pool.generate(m, messages=history, max_tokens=6, conversation=conv)  # starts it on demand
+    gen = pool.generate(
+        m, messages=history, conversation=conv, sampling=Sampling(max_tokens=6)
+    )  # starts it on demand
     events.wait_for(state_is(m, ModelState.STARTING, ModelState.LOADING), mark)
     second = gen.result(timeout=WAIT)
     assert second.text
@@ -474,8 +490,8 @@ def test_crash_restarts_the_worker_and_the_conversation_continues(
     before = pool.snapshot().model(m)
     assert before is not None and before.pid
     mark = events.mark()
-    answering = pool.generate(m, prompt="Once upon a time", max_tokens=2000)
-    waiting = pool.generate(m, messages=history, max_tokens=8, conversation="conv-crash")
+    answering = pool.generate(m, prompt="Once upon a time", sampling=Sampling(max_tokens=2000))
+    waiting = pool.generate(m, messages=history, conversation="conv-crash", sampling=Sampling(max_tokens=8))
     next(iter(answering))  # mid-answer
     os.kill(before.pid, signal.SIGKILL)
     with pytest.raises(ModelUnavailableError, match="crashed while answering; it is being restarted"):
@@ -549,7 +565,7 @@ def test_idle_timer_applies_each_models_release_level(tmp_path: Path, smollm2_pa
         pool.wait_ready(timeout=WAIT)
         # "weights": only a resident model has something to release
         mark = events.mark()
-        assert pool.generate("w", prompt="Hi", max_tokens=2).result(timeout=WAIT).text
+        assert pool.generate("w", prompt="Hi", sampling=Sampling(max_tokens=2)).result(timeout=WAIT).text
         events.wait_for(
             lambda e: e.model == "w" and "idle for 0.3 s: releasing its weights" in e.message, mark
         )
@@ -561,7 +577,10 @@ def test_idle_timer_applies_each_models_release_level(tmp_path: Path, smollm2_pa
         events.wait_for(state_is("stop", ModelState.STOPPED))
         # a request brings the stopped one back
         assert (
-            pool.generate("stop", prompt="Hi", max_tokens=2).result(timeout=WAIT).usage.completion_tokens > 0
+            pool.generate("stop", prompt="Hi", sampling=Sampling(max_tokens=2))
+            .result(timeout=WAIT)
+            .usage.completion_tokens
+            > 0
         )
     finally:
         pool.stop()

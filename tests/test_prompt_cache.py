@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serving, write_config
+from _e_worker_util import generate_message
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.worker.engine import (
     BRANCH_MIN_FRACTION,
@@ -25,7 +26,7 @@ from timeshare.core.worker.engine import (
     GenerationOutcome,
     common_prefix,
 )
-from timeshare.core.worker.protocol import ChatMessage, Generate
+from timeshare.core.worker.protocol import ChatMessage
 
 SYSTEM = (
     "You are the assistant of a small bakery in a quiet town. The bakery opens at seven in the "
@@ -50,7 +51,7 @@ def _engine(path: Path, **settings: object) -> Engine:
 
 def run(engine: Engine, **fields: object) -> GenerationOutcome:
     fields.setdefault("temperature", 0.0)
-    return engine.generate(Generate(req="r", **fields), lambda _text: None)  # type: ignore[arg-type]
+    return engine.generate(generate_message("r", **fields), lambda _text: None)  # type: ignore[arg-type]
 
 
 def chat(*turns: str, system: str = SYSTEM) -> tuple[ChatMessage, ...]:

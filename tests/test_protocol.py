@@ -3,7 +3,6 @@ or crashes the reader (it raises FrameError, recoverable only when the frame bou
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 import struct
@@ -12,12 +11,13 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+import msgspec
 import pytest
 from _proc_util import thread_wchan, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from timeshare.core.errors import FrameError, ProtocolError
-from timeshare.core.state import SwitchStats
+from timeshare.core.sampling import Sampling
 from timeshare.core.worker import protocol as p
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -44,28 +44,32 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return st.floats(allow_nan=False, allow_infinity=False)
     if tp is str:
         return _text
-    assert dataclasses.is_dataclass(tp), tp
+    assert isinstance(tp, type) and issubclass(tp, msgspec.Struct), tp
     hints = typing.get_type_hints(tp)
-    wire = p.WIRE_FIELDS.get(tp)  # the other fields do not travel: they keep their defaults
-    fields = [f for f in dataclasses.fields(tp) if wire is None or f.name in wire]
-    return st.builds(tp, **{f.name: strategy_for(hints[f.name]) for f in fields})
+    return st.builds(tp, **{name: strategy_for(hints[name]) for name in tp.__struct_fields__})
 
 
 def valid_generate() -> st.SearchStrategy[p.Generate]:
     chat = st.lists(strategy_for(p.ChatMessage), min_size=1, max_size=3).map(tuple)
+    sampling = st.builds(
+        Sampling,
+        max_tokens=st.none() | st.integers(1, 4096),
+        temperature=st.floats(0, 2),
+        top_p=st.floats(0.01, 1.0),
+        top_k=st.integers(0, 100),
+        seed=st.none() | st.integers(0, 2**32 - 1),
+        stop=st.lists(_text.filter(bool), max_size=3).map(tuple),
+    )
     return st.builds(
         p.Generate,
         req=_text,
         prompt=st.none(),
         messages=chat,
-        max_tokens=st.integers(1, 4096),
-        temperature=st.floats(0, 2),
-        top_p=st.floats(0.01, 1.0),
-        top_k=st.integers(0, 100),
-        seed=st.none() | st.integers(0, 2**32 - 1),
-        stop=st.lists(_text, max_size=3).map(tuple),
+        sampling=sampling,
         conversation=st.none() | _text.filter(bool),
-    ) | st.builds(p.Generate, req=_text, prompt=_text, max_tokens=st.integers(1, 10))
+    ) | st.builds(
+        p.Generate, req=_text, prompt=_text, sampling=st.builds(Sampling, max_tokens=st.integers(1, 10))
+    )
 
 
 ANY_MESSAGE = st.one_of(
@@ -88,15 +92,14 @@ def test_every_message_round_trips(msg: object) -> None:
 
 
 def test_a_done_carries_the_switch_fields_the_worker_measured() -> None:
-    switch = SwitchStats(
-        True, wait_ms=1.5, restore_ms=2.5, release_ms=9.0, first_token_ms=3.5, prompt_tokens_evaluated=7
-    )
+    # the pool's SwitchStats adds release_ms and prompt_tokens_evaluated: not the worker's to say
+    switch = p.SwitchMeasured(True, wait_ms=1.5, restore_ms=2.5, first_token_ms=3.5)
     done = p.Done("r1", "stop", p.Usage(10, 2, 7), switch)
     obj = json.loads(p.encode(done)[4:])
     assert obj["switch"] == {"switched": True, "wait_ms": 1.5, "restore_ms": 2.5, "first_token_ms": 3.5}
     obj["switch"]["release_ms"] = 9.0  # not the worker's to say: ignored like any unknown key
     got = p.from_dict(obj)
-    assert isinstance(got, p.Done) and got.switch == SwitchStats(True, 1.5, 2.5, first_token_ms=3.5)
+    assert isinstance(got, p.Done) and got.switch == p.SwitchMeasured(True, 1.5, 2.5, first_token_ms=3.5)
 
 
 @FAST
@@ -146,9 +149,9 @@ json_values = st.recursive(
 
 @FAST
 @given(
-    st.sampled_from(sorted(p._BY_NAME)) | _text,
+    st.sampled_from(sorted(p.MESSAGE_TYPES)) | _text,
     st.dictionaries(
-        st.sampled_from(["req", "prompt", "messages", "max_tokens", "level", "status"]) | _text, json_values
+        st.sampled_from(["req", "prompt", "messages", "sampling", "level", "status"]) | _text, json_values
     ),
     st.sampled_from([1, 1, 1, 2, 0, "1", None, True]),
 )
@@ -188,11 +191,28 @@ def test_unknown_version_is_recoverable_and_names_the_request() -> None:
         (b'{"v": 1, "type": "Cancel"}', "Cancel.req: missing"),
         (b'{"v": 1, "type": "Cancel", "req": 5}', "Cancel.req: expected a string"),
         (b'{"v": 1, "type": "Sleep", "level": "deep"}', "Sleep.level: expected one of"),
-        (b'{"v": 1, "type": "Generate", "req": "a", "prompt": "x", "max_tokens": 0}', "max_tokens must be"),
+        (
+            b'{"v": 1, "type": "Generate", "req": "a", "prompt": "x", "sampling": {"max_tokens": 0}}',
+            "max_tokens: must be",
+        ),
         (b'{"v": 1, "type": "Generate", "req": "a"}', "exactly one of prompt"),
-        (b'{"v": 1, "type": "Generate", "req": "a", "prompt": "x", "temperature": NaN}', "not UTF-8 JSON"),
-        (b'{"v": 1, "type": "Generate", "req": "a", "prompt": "x", "top_p": 1e999}', "finite"),
-        (b'{"v": 1, "type": "Generate", "req": "a", "prompt": "x", "top_p": 1' + b"0" * 400 + b"}", "finite"),
+        (
+            b'{"v": 1, "type": "Generate", "req": "a", "prompt": "x", "sampling": {"temperature": NaN}}',
+            "not UTF-8 JSON",
+        ),
+        (b'{"v": 1, "type": "Generate", "req": "a", "prompt": "x", "sampling": {"top_p": 1e999}}', "finite"),
+        (
+            b'{"v": 1, "type": "Generate", "req": "a", "prompt": "x", "sampling": {"top_p": 1'
+            + b"0" * 400
+            + b"}}",
+            "finite",
+        ),
+        # the fast path (a frame as encode makes it) says the same as the slow one
+        (
+            p.encode(p.Generate(req="a", prompt="x"))[4:].replace(b'"max_tokens":256', b'"max_tokens":0'),
+            "max_tokens: must be",
+        ),
+        (p.encode(p.Cancel("a"))[4:].replace(b'"a"', b'"\\ud800"'), "not valid Unicode"),
         (b'{"v": 1, "type": "Cancel", "req": "\\ud800"}', "not valid Unicode"),
         (b"[" * 100_000 + b"]" * 100_000, "not UTF-8 JSON"),
     ],

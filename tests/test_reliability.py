@@ -36,6 +36,8 @@ from timeshare.core.pool import handlers as pool_handlers
 from timeshare.core.pool.generation import Generation, make_request
 from timeshare.core.pool.record import WorkerRecord
 from timeshare.core.pool.supervisor import Pool
+from timeshare.core.sampling import FIELDS as SAMPLING_FIELDS
+from timeshare.core.sampling import Sampling
 from timeshare.core.state import ModelState, ModelStatus
 from timeshare.core.worker import protocol
 
@@ -82,19 +84,11 @@ def test_a_request_that_cannot_be_framed_fails_alone_and_the_next_one_goes() -> 
     ],
 )
 def test_the_pool_refuses_what_cannot_reach_a_worker(fields: dict[str, object], words: str) -> None:
-    base: dict[str, object] = {
-        "prompt": None,
-        "messages": None,
-        "max_tokens": 4,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "top_k": 40,
-        "seed": None,
-        "stop": (),
-        "conversation": None,
-    }
+    base: dict[str, object] = {"prompt": None, "messages": None, "conversation": None}
+    sampling = {"max_tokens": 4, **{k: v for k, v in fields.items() if k in SAMPLING_FIELDS}}
+    rest = {k: v for k, v in fields.items() if k not in SAMPLING_FIELDS}
     with pytest.raises(ValueError, match=words):
-        make_request("r", "m", **{**base, **fields})  # type: ignore[arg-type]
+        make_request("r", "m", **{**base, **rest}, sampling=Sampling(**sampling))  # type: ignore[arg-type]
 
 
 def _m(pool: Pool) -> ModelStatus:

@@ -24,6 +24,7 @@ from timeshare.core.errors import ConfigError
 from timeshare.core.pool.record import WorkerRecord
 from timeshare.core.pool.supervisor import Pool
 from timeshare.core.pool.watchdog import HolderWatchdog, tick_period
+from timeshare.core.sampling import Sampling
 from timeshare.core.state import EventKind, PoolEvent
 from timeshare.core.worker.protocol import Connection, StatusRequest
 
@@ -78,7 +79,9 @@ def test_a_stopped_holder_is_killed_the_waiter_answered_and_it_comes_back(
         pool.wait_ready(timeout=WAIT)
 
         def answer(model: str) -> str:
-            return pool.generate(model, prompt=PROMPT, max_tokens=8).result(timeout=WAIT).text
+            return (
+                pool.generate(model, prompt=PROMPT, sampling=Sampling(max_tokens=8)).result(timeout=WAIT).text
+            )
 
         gemma_ref = answer("gemma")
         smol_ref = answer("smol")  # smol answers last: it keeps the GPU (nobody asked for it)

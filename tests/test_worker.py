@@ -18,6 +18,7 @@ from timeshare.core.arena.dirs import read_holder
 from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.observe import read_events
+from timeshare.core.sampling import Sampling
 from timeshare.core.worker import protocol as p
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,7 @@ def test_handshake_and_streamed_generation(smol: WorkerHandle) -> None:
     assert hello.model_id == "smol" and hello.pid == smol.proc.pid and hello.version == p.PROTOCOL_VERSION
     ready = next(m for m in smol.seen if isinstance(m, p.Ready))
     assert ready.info.n_ctx == 256 and ready.info.chat_format == "template" and ready.info.n_vocab > 1000
-    text, done = smol.generate("g1", prompt="Once upon a time", max_tokens=12)
+    text, done = smol.generate("g1", prompt="Once upon a time", sampling=Sampling(max_tokens=12))
     assert isinstance(done, p.Done), done
     tokens = [m for m in smol.seen if isinstance(m, p.Token) and m.req == "g1"]
     assert len(tokens) >= 2  # streamed, not one blob
@@ -62,7 +63,7 @@ def test_handshake_and_streamed_generation(smol: WorkerHandle) -> None:
 
 
 def test_chat_with_the_gguf_template_is_bounded(smol: WorkerHandle) -> None:
-    text, done = smol.generate("c1", messages=CHAT, max_tokens=60)
+    text, done = smol.generate("c1", messages=CHAT, sampling=Sampling(max_tokens=60))
     assert isinstance(done, p.Done), done
     assert text.strip()
     assert "<|im_end|>" not in text and "<|im_start|>" not in text
@@ -70,22 +71,26 @@ def test_chat_with_the_gguf_template_is_bounded(smol: WorkerHandle) -> None:
 
 
 def test_cancel_mid_generation_then_keeps_serving(smol: WorkerHandle) -> None:
-    smol.send(p.Generate(req="long", prompt="List every number from one to a thousand:", max_tokens=200))
+    smol.send(
+        p.Generate(
+            req="long", prompt="List every number from one to a thousand:", sampling=Sampling(max_tokens=200)
+        )
+    )
     smol.expect(p.Token, req="long")
     smol.send(p.Cancel("long"))
     _, done = smol.collect("long")
     assert isinstance(done, p.Done) and done.finish_reason == "cancelled"
     assert done.usage.completion_tokens < 200
     # a request cancelled while queued behind another never runs
-    smol.send(p.Generate(req="a", prompt="One", max_tokens=30))
-    smol.send(p.Generate(req="b", prompt="Two", max_tokens=30))
+    smol.send(p.Generate(req="a", prompt="One", sampling=Sampling(max_tokens=30)))
+    smol.send(p.Generate(req="b", prompt="Two", sampling=Sampling(max_tokens=30)))
     smol.send(p.Cancel("b"))
     _, done_a = smol.collect("a")
     _, done_b = smol.collect("b")
     assert isinstance(done_a, p.Done) and done_a.finish_reason == "length"
     assert isinstance(done_b, p.Done) and done_b.finish_reason == "cancelled"
     assert done_b.usage.completion_tokens == 0
-    _text, done = smol.generate("after", prompt="Hello", max_tokens=3)
+    _text, done = smol.generate("after", prompt="Hello", sampling=Sampling(max_tokens=3))
     assert isinstance(done, p.Done) and done.finish_reason == "length"
 
 
@@ -98,25 +103,25 @@ def test_garbage_frames_get_error_replies_and_the_worker_keeps_serving(smol: Wor
     smol.sock.sendall(struct.pack(">I", len(body)) + body)
     err = smol.expect(p.Error)
     assert err.req == "old" and "version 42 is not supported" in err.message
-    body = b'{"v": 1, "type": "Generate", "req": "bad", "prompt": "x", "max_tokens": -5}'
+    body = b'{"v": 1, "type": "Generate", "req": "bad", "prompt": "x", "sampling": {"max_tokens": -5}}'
     smol.sock.sendall(struct.pack(">I", len(body)) + body)
     err = smol.expect(p.Error)
     assert err.req == "bad" and "max_tokens" in err.message
     smol.send(p.Hello(pid=1, model_id="confused"))  # an event sent the wrong way
     err = smol.expect(p.Error)
     assert "not a request" in err.message
-    _, done = smol.generate("ok", prompt="Hi", max_tokens=2)
+    _, done = smol.generate("ok", prompt="Hi", sampling=Sampling(max_tokens=2))
     assert isinstance(done, p.Done)
 
 
 def test_prompt_longer_than_the_context_is_an_error_and_the_worker_serves_on(smol: WorkerHandle) -> None:
-    _, err = smol.generate("big", prompt="word " * 400, max_tokens=4)
+    _, err = smol.generate("big", prompt="word " * 400, sampling=Sampling(max_tokens=4))
     assert isinstance(err, p.Error) and err.code == "context_length_exceeded"
     assert "shorten the prompt" in err.message and "256" in err.message
     long_chat = (p.ChatMessage("user", "word " * 400),)
-    _, err = smol.generate("bigchat", messages=long_chat, max_tokens=4, conversation="x")
+    _, err = smol.generate("bigchat", messages=long_chat, conversation="x", sampling=Sampling(max_tokens=4))
     assert isinstance(err, p.Error) and err.code == "context_length_exceeded"
-    _, done = smol.generate("small", prompt="Hi", max_tokens=2)
+    _, done = smol.generate("small", prompt="Hi", sampling=Sampling(max_tokens=2))
     assert isinstance(done, p.Done)
 
 
@@ -126,7 +131,7 @@ def test_gemma_base_model_chats_in_the_fallback_format(
     w = WorkerHandle(ModelConfig(id="gemma", path=str(gemma3_path), n_ctx=512), tmp_path)
     handles.append(w)
     assert w.ready().info.chat_format == "fallback"
-    text, done = w.generate("g", messages=CHAT, max_tokens=48)
+    text, done = w.generate("g", messages=CHAT, sampling=Sampling(max_tokens=48))
     assert isinstance(done, p.Done), done
     assert text.strip(), "a base model's answer must not be empty"
     assert "User:" not in text and "Assistant:" not in text
@@ -217,7 +222,7 @@ def test_sigterm_releases_the_token_and_exits_zero(
     holder = read_holder(arena_dir)
     assert holder is not None and holder.model == "smol" and holder.pid == w.proc.pid
     assert not token_is_free(arena_dir)
-    w.send(p.Generate(req="long", prompt="Once upon a time", max_tokens=200))
+    w.send(p.Generate(req="long", prompt="Once upon a time", sampling=Sampling(max_tokens=200)))
     w.expect(p.Token, req="long")
     w.proc.send_signal(signal.SIGTERM)  # mid-generation
     _, done = w.collect("long")
@@ -254,11 +259,11 @@ def test_two_workers_alternate_and_the_token_moves(
     weights = {"smol": smollm2_path.stat().st_size, "gemma": gemma3_path.stat().st_size}
     watch = ResidencyWatch(arena_dir, pids).__enter__()
     # reference answers of each model, then alternate: every answer stays the same
-    ref_a, done = a.generate("a0", prompt="The capital of France is", max_tokens=8)
+    ref_a, done = a.generate("a0", prompt="The capital of France is", sampling=Sampling(max_tokens=8))
     assert isinstance(done, p.Done)
     resident_a = rss_of(a.proc.pid)  # a holds the token, its weights in memory
     assert lease_holders(arena_dir) == {a.proc.pid}
-    ref_b, done = b.generate("b0", prompt="The capital of France is", max_tokens=8)
+    ref_b, done = b.generate("b0", prompt="The capital of France is", sampling=Sampling(max_tokens=8))
     assert isinstance(done, p.Done) and done.switch.switched
     # b took the token: a gave its weights back, as the kernel counts a's memory (the GGUF's size
     # stands for the weights: no mmap on this path, they were copied into the process)
@@ -268,17 +273,21 @@ def test_two_workers_alternate_and_the_token_moves(
     assert freed > weights["smol"] // 2, (freed, weights["smol"])
     assert abs(released.freed_bytes - freed) < weights["smol"] // 4, (released.freed_bytes, freed)
     for i in range(1):
-        text, done = a.generate(f"a{i + 1}", prompt="The capital of France is", max_tokens=8)
+        text, done = a.generate(
+            f"a{i + 1}", prompt="The capital of France is", sampling=Sampling(max_tokens=8)
+        )
         assert isinstance(done, p.Done) and text == ref_a and done.switch.switched
-        text, done = b.generate(f"b{i + 1}", prompt="The capital of France is", max_tokens=8)
+        text, done = b.generate(
+            f"b{i + 1}", prompt="The capital of France is", sampling=Sampling(max_tokens=8)
+        )
         assert isinstance(done, p.Done) and text == ref_b and done.switch.switched
     assert any(isinstance(m, p.Released) for m in a.seen)
     holder = read_holder(arena_dir)
     assert holder is not None and holder.model == "gemma"
     # both busy at once: they alternate at token boundaries after the quantum, and both finish
     concurrent_from = time.monotonic()  # CLOCK_MONOTONIC is shared by all processes
-    a.send(p.Generate(req="ca", prompt="Once upon a time", max_tokens=30))
-    b.send(p.Generate(req="cb", prompt="Once upon a time", max_tokens=30))
+    a.send(p.Generate(req="ca", prompt="Once upon a time", sampling=Sampling(max_tokens=30)))
+    b.send(p.Generate(req="cb", prompt="Once upon a time", sampling=Sampling(max_tokens=30)))
     _, done_a = a.collect("ca")
     _, done_b = b.collect("cb")
     assert isinstance(done_a, p.Done) and isinstance(done_b, p.Done)
@@ -331,13 +340,15 @@ def test_pinned_holder_makes_the_other_wait_then_time_out(
     a.send(p.Pin(False))
     b.ready()
     a.send(p.Pin(True))
-    _, done = a.generate("a1", prompt="Hello", max_tokens=2)  # a takes the token back and stays pinned
+    _, done = a.generate(
+        "a1", prompt="Hello", sampling=Sampling(max_tokens=2)
+    )  # a takes the token back and stays pinned
     assert isinstance(done, p.Done)
-    _, err = b.generate("b1", prompt="Hello", max_tokens=2)
+    _, err = b.generate("b1", prompt="Hello", sampling=Sampling(max_tokens=2))
     assert isinstance(err, p.Error) and err.code == "gpu_busy"
     assert "pinned" in err.message and "smol" in err.message
     assert any(isinstance(m, p.WorkerStatus) and "pinned by smol" in m.waiting_reason for m in b.seen)
-    _, done = a.generate("a2", prompt="Hello", max_tokens=2)
+    _, done = a.generate("a2", prompt="Hello", sampling=Sampling(max_tokens=2))
     assert isinstance(done, p.Done) and not done.switch.switched
 
 
@@ -353,13 +364,17 @@ def test_conversation_switch_does_not_re_prefill(
     w = WorkerHandle(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=512), tmp_path, arena_dir=arena_dir)
     handles.append(w)
     w.ready()
-    text1, d1 = w.generate("c1-1", messages=chat_turns("")[0], max_tokens=20, conversation="c1")
+    text1, d1 = w.generate(
+        "c1-1", messages=chat_turns("")[0], conversation="c1", sampling=Sampling(max_tokens=20)
+    )
     assert isinstance(d1, p.Done)
     other = (p.ChatMessage("system", "You are terse."), p.ChatMessage("user", "Say something else entirely."))
-    _, d_other = w.generate("c2-1", messages=other, max_tokens=20, conversation="c2")
+    _, d_other = w.generate("c2-1", messages=other, conversation="c2", sampling=Sampling(max_tokens=20))
     assert isinstance(d_other, p.Done)
     assert set(w.status().live_conversations) == {"c1", "c2"}
-    _, d2 = w.generate("c1-2", messages=chat_turns(text1)[1], max_tokens=20, conversation="c1")
+    _, d2 = w.generate(
+        "c1-2", messages=chat_turns(text1)[1], conversation="c1", sampling=Sampling(max_tokens=20)
+    )
     assert isinstance(d2, p.Done)
     # only the new turn is prefilled, although another conversation used the context in between
     assert 0 < d2.usage.prompt_tokens_evaluated <= d2.usage.prompt_tokens - d1.usage.prompt_tokens
@@ -375,7 +390,9 @@ def test_stop_saves_kv_and_a_new_worker_continues_without_re_prefill(
     w = WorkerHandle(model, tmp_path / "first", arena_dir=arena_dir, kv_dir=kv)
     handles.append(w)
     w.ready()
-    text1, d1 = w.generate("t1", messages=chat_turns("")[0], max_tokens=20, conversation="conv")
+    text1, d1 = w.generate(
+        "t1", messages=chat_turns("")[0], conversation="conv", sampling=Sampling(max_tokens=20)
+    )
     assert isinstance(d1, p.Done)
     w.send(p.Shutdown(save_kv=True))
     assert w.wait_exit() == 0
@@ -383,7 +400,9 @@ def test_stop_saves_kv_and_a_new_worker_continues_without_re_prefill(
     w2 = WorkerHandle(model, tmp_path / "second", arena_dir=arena_dir, kv_dir=kv)
     handles.append(w2)
     w2.ready()
-    _, d2 = w2.generate("t2", messages=chat_turns(text1)[1], max_tokens=20, conversation="conv")
+    _, d2 = w2.generate(
+        "t2", messages=chat_turns(text1)[1], conversation="conv", sampling=Sampling(max_tokens=20)
+    )
     assert isinstance(d2, p.Done)
     assert 0 < d2.usage.prompt_tokens_evaluated <= d2.usage.prompt_tokens - d1.usage.prompt_tokens
     assert w2.status().prompt_tokens_evaluated == d2.usage.prompt_tokens_evaluated
@@ -395,7 +414,7 @@ def test_sleep_and_wake(
     w = WorkerHandle(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256), tmp_path, arena_dir=arena_dir)
     handles.append(w)
     w.ready()
-    ref, _ = w.generate("r0", messages=CHAT, max_tokens=10, conversation="s")
+    ref, _ = w.generate("r0", messages=CHAT, conversation="s", sampling=Sampling(max_tokens=10))
     w.send(p.Sleep("weights+kv"))
     released = w.expect(p.Released)
     assert released.level == "weights+kv"
@@ -403,7 +422,7 @@ def test_sleep_and_wake(
     assert token_is_free(arena_dir)
     w.send(p.Wake())
     w.expect(p.WorkerStatus, holds_token=True, state="resident")
-    again, done = w.generate("r1", messages=CHAT, max_tokens=10, conversation="s")
+    again, done = w.generate("r1", messages=CHAT, conversation="s", sampling=Sampling(max_tokens=10))
     assert isinstance(done, p.Done) and again == ref
     assert done.usage.prompt_tokens_evaluated <= 1  # the conversation's KV survived the sleep
     # yield, then sleep deeper while released, then stop: the conversation still reaches the disk

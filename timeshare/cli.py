@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
+from .core.sampling import DEFAULTS
 from .core.state import RELEASE_LEVELS
 
 # subcommand -> "module:function"
@@ -233,10 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat = client("chat", "send one prompt to a model and stream the answer")
     chat.add_argument("model", help="model id (see `timeshare models`)")
     chat.add_argument("prompt", nargs="?", default="-", help="the prompt; '-' or none: read it from stdin")
-    _generation_options(chat, max_tokens=256)
+    _generation_options(chat, "cli_chat")
     repl = client("run", "chat with a model interactively (one conversation; Ctrl-C stops an answer)")
     repl.add_argument("model", help="model id (see `timeshare models`)")
-    _generation_options(repl, max_tokens=512)
+    _generation_options(repl, "cli_run")
 
     desktop = sub.add_parser(
         "desktop", help="add Timeshare to the desktop's application menu (this installation)"
@@ -272,14 +273,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _generation_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def _generation_options(p: argparse.ArgumentParser, front_end: str) -> None:
+    """--max-tokens and --temperature; their defaults are ``front_end``'s row of sampling.DEFAULTS
+    (applied when the body is built)."""
+    defaults = DEFAULTS[front_end]
+    p.set_defaults(front_end=front_end)
     p.add_argument(
         "--max-tokens",
         type=int,
-        default=max_tokens,
-        help=f"stop the answer after this many tokens (default: {max_tokens})",
+        help=f"stop the answer after this many tokens (default: {defaults['max_tokens']})",
     )
-    p.add_argument("--temperature", type=float, default=0.2, help="0 for greedy (default: 0.2)")
+    p.add_argument("--temperature", type=float, help=f"0 for greedy (default: {defaults['temperature']})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

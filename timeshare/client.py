@@ -28,6 +28,7 @@ from .core import paths
 from .core.api.address import ApiAddress
 from .core.arena.dirs import pid_alive
 from .core.instance import running_instance
+from .core.sampling import for_front_end
 from .core.units import human_bytes
 
 EXIT_OK = 0
@@ -349,9 +350,9 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _check_generation_args(args: argparse.Namespace) -> None:
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise ClientError("--max-tokens must be at least 1.", EXIT_USAGE)
-    if not 0 <= getattr(args, "temperature", 0.2) <= 2:
+    if args.temperature is not None and not 0 <= args.temperature <= 2:
         raise ClientError("--temperature must be from 0 to 2.", EXIT_USAGE)
 
 
@@ -473,11 +474,13 @@ def _isatty(stream: TextIO) -> bool:
 
 
 def _generation_body(args: argparse.Namespace, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """The chat request: the options given, the rest from the command's row of sampling.DEFAULTS."""
+    sampling = for_front_end(args.front_end, max_tokens=args.max_tokens, temperature=args.temperature)
     return {
         "model": args.model,
         "messages": messages,
-        "max_tokens": args.max_tokens,
-        "temperature": getattr(args, "temperature", 0.2),
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

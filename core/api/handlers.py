@@ -35,6 +35,7 @@ from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..worker.protocol import Usage
+from . import shapes
 from .errors import (
     BadRequestError,
     _ClientGoneError,
@@ -318,40 +319,37 @@ class _Handlers:
         except BaseException:
             gen.cancel()
             raise
-        return JSONResponse(self.full_response(req, result))
+        return self.full_response(req, result)
 
-    def full_response(self, req: GenerationRequest, result: GenerationResult) -> dict[str, Any]:
-        usage = usage_json(result.usage)
+    def full_response(self, req: GenerationRequest, result: GenerationResult) -> Response:
+        usage = usage_out(result.usage)
         finish = _finish_reason(result.finish_reason)
         extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
+        shape: shapes.ChatCompletion | shapes.TextCompletion
         if req.kind == "chat":
-            return {
-                "id": _new_id("chatcmpl"),
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": result.text},
-                        "logprobs": None,
-                        "finish_reason": finish,
-                    }
-                ],
-                "usage": usage,
-                "timeshare": extras,
-            }
-        return {
-            "id": _new_id("cmpl"),
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage,
-            "timeshare": extras,
-        }
+            message = shapes.AssistantMessage("assistant", result.text)
+            shape = shapes.ChatCompletion(
+                id=_new_id("chatcmpl"),
+                object="chat.completion",
+                created=int(time.time()),
+                model=req.model,
+                system_fingerprint=None,
+                choices=[shapes.ChatChoice(0, message, None, finish)],
+                usage=usage,
+                timeshare=extras,
+            )
+        else:
+            shape = shapes.TextCompletion(
+                id=_new_id("cmpl"),
+                object="text_completion",
+                created=int(time.time()),
+                model=req.model,
+                system_fingerprint=None,
+                choices=[shapes.TextChoice(0, result.text, None, finish)],
+                usage=usage,
+                timeshare=extras,
+            )
+        return Response(shapes.encode(shape), media_type="application/json")
 
     async def stream(self, request: Request, req: GenerationRequest, gen: Generation) -> Response:
         pieces = iter(gen)
@@ -366,31 +364,33 @@ class _Handlers:
         chunk_id = _new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         created = int(time.time())
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-            if req.kind == "chat":
-                delta: dict[str, Any] = {}
-                if role:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-                obj = "chat.completion.chunk"
+        def chunk(
+            text: str | None,
+            finish: str | None,
+            role: bool = False,
+            *,
+            usage: shapes.UsageOut | None = None,
+            extras: dict[str, Any] | None = None,
+        ) -> dict[str, str]:
+            choices: list[shapes.DeltaChoice] | list[shapes.TextChoice]
+            if usage is not None:
+                choices = []
+            elif req.kind == "chat":
+                delta = shapes.Delta("assistant" if role else None, text)
+                choices = [shapes.DeltaChoice(0, delta, None, finish)]
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-                obj = "text_completion"
-            return {
-                "id": chunk_id,
-                "object": obj,
-                "created": created,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [choice],
-            }
+                choices = [shapes.TextChoice(0, text or "", None, finish)]
+            shape = shapes.Chunk(
+                id=chunk_id,
+                object="chat.completion.chunk" if req.kind == "chat" else "text_completion",
+                created=created,
+                model=req.model,
+                system_fingerprint=None,
+                choices=choices,
+                usage=usage,
+                timeshare=extras,
+            )
+            return {"data": shapes.encode(shape).decode()}
 
         async def events() -> AsyncIterator[dict[str, str]]:
             finished = False
@@ -399,11 +399,11 @@ class _Handlers:
                 gen.cancel()
             try:
                 if req.kind == "chat":
-                    yield {"data": json.dumps(chunk("", None, role=True))}
+                    yield chunk("", None, role=True)
                 piece = first
                 while piece is not end:
                     if piece:
-                        yield {"data": json.dumps(chunk(str(piece), None))}
+                        yield chunk(str(piece), None)
                     piece = await anyio.to_thread.run_sync(
                         pull, abandon_on_cancel=True, limiter=self.generation_limiter
                     )
@@ -413,14 +413,12 @@ class _Handlers:
                 finished = True
                 if self.closing and result.finish_reason == "cancelled":
                     raise ModelUnavailableError(SHUTTING_DOWN)
-                final = chunk(None if req.kind == "chat" else "", _finish_reason(result.finish_reason))
-                final["timeshare"] = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
-                yield {"data": json.dumps(final)}
+                extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
+                yield chunk(
+                    None if req.kind == "chat" else "", _finish_reason(result.finish_reason), extras=extras
+                )
                 if req.include_usage:
-                    usage_chunk = chunk(None, None)
-                    usage_chunk["choices"] = []
-                    usage_chunk["usage"] = usage_json(result.usage)
-                    yield {"data": json.dumps(usage_chunk)}
+                    yield chunk(None, None, usage=usage_out(result.usage))
                 yield {"data": "[DONE]"}
             except TimeshareError as exc:
                 # the status line has gone out already: report the error in the stream, OpenAI-style
@@ -474,17 +472,16 @@ class _Handlers:
         return JSONResponse({"ok": True, "command": command, "model": _plain(status)})
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
+def usage_out(usage: Usage) -> shapes.UsageOut:
     """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
     the KV cache already held (not evaluated again)."""
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": max(0, usage.prompt_tokens - usage.prompt_tokens_evaluated)
-        },
-    }
+    cached = max(0, usage.prompt_tokens - usage.prompt_tokens_evaluated)
+    return shapes.UsageOut(
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.prompt_tokens + usage.completion_tokens,
+        shapes.PromptTokensDetails(cached),
+    )
 
 
 def _new_id(prefix: str) -> str:

@@ -1,18 +1,29 @@
-"""Request parsing: OpenAI chat and completion bodies into one validated :class:`GenerationRequest`."""
+"""Request parsing: OpenAI chat and completion bodies into one validated :class:`GenerationRequest`
+(the shapes and their field rules are ``shapes.py``; a broken rule becomes a sentence here)."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
+import msgspec
 from starlette.requests import Request
 
+from ..sampling import (
+    MAX_STOP,
+    Sampling,
+    for_front_end,
+)
 from ..worker.protocol import ChatMessage
 from .errors import BadRequestError
+from .shapes import MAX_MESSAGES, ChatBody, CompletionBody, RequestMessage
+
+__all__ = ["MAX_MESSAGES", "GenerationRequest", "parse_chat_request", "parse_completion_request"]
 
 #: request bodies above this are refused with 413 before they are parsed
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -22,14 +33,6 @@ BODY_TIMEOUT_S = 60.0
 MAX_JSON_DEPTH = 32
 #: JSON values (objects, arrays, strings, numbers ...) in one body; beyond it: 400
 MAX_JSON_VALUES = 200_000
-#: chat messages in one request
-MAX_MESSAGES = 4096
-#: stop strings in one request (OpenAI allows 4)
-MAX_STOP = 16
-#: OpenAI's default for /v1/completions
-DEFAULT_COMPLETION_MAX_TOKENS = 16
-#: OpenAI lets chat run to the end of the context; a local default keeps a runaway answer bounded
-DEFAULT_CHAT_MAX_TOKENS = 512
 
 T = TypeVar("T")
 # ---- request parsing ---------------------------------------------------------------------------
@@ -43,56 +46,21 @@ class GenerationRequest:
     model: str
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
+    sampling: Sampling  # what the worker's sampler gets, unchanged
     stream: bool
     include_usage: bool
     conversation: str | None
     cache_prompt: bool | None  # llama-server's field; None: the model's setting
 
     def pool_fields(self) -> dict[str, Any]:
+        """``Pool.generate``'s keyword arguments."""
         return {
             "prompt": self.prompt,
             "messages": self.messages,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": self.stop,
+            "sampling": self.sampling,
             "conversation": self.conversation,
             "cache_prompt": self.cache_prompt,
         }
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value) or not low <= float(value) <= high:
-        raise BadRequestError(f"'{name}' must be a number from {low:g} to {high:g}; got {value!r}.", name)
-    return float(value)
-
-
-def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value) or value < 1:
-        raise BadRequestError(f"'{name}' must be a whole number of at least 1; got {value!r}.", name)
-    return int(value)
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
@@ -128,123 +96,149 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         )
 
 
-def _common(body: Mapping[str, Any], kind: str, default_max_tokens: int) -> dict[str, Any]:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequestError("'model' is required: the id of a model from GET /v1/models.", "model")
+# ---- a schema error as Timeshare's sentence ------------------------------------------------------
+
+# msgspec says "<what> - at `$.messages[0].role`"; a missing field is named in <what>
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+_INDEX = re.compile(r"\[(\d+)\]")
+
+_NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+
+
+def _value_at(body: object, param: str) -> object:
+    value = body
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", param):
+        if index:
+            value = value[int(index)] if isinstance(value, list) and int(index) < len(value) else None
+        else:
+            value = value.get(name) if isinstance(value, dict) else None
+    return value
+
+
+def _sentence(param: str, value: object, what: str) -> str:
+    """What to tell a client whose ``param`` (holding ``value``) broke a rule of ``shapes.py``
+    (msgspec's own words: ``what``)."""
+    top = _INDEX.sub("[]", param)
+    if top == "model":
+        return "'model' is required: the id of a model from GET /v1/models."
+    if top == "messages":
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            return (
+                f"'messages' holds {len(value)} messages; send at most {MAX_MESSAGES} "
+                "(drop or summarise the oldest ones)."
+            )
+        return "'messages' is required: a non-empty list of {role, content} objects."
+    if top == "messages[]":
+        return f"{param} must be an object with 'role' and 'content'."
+    if top == "messages[].role":
+        return f"{param} {value!r} is not supported: use system, user or assistant."
+    if top == "messages[].content":
+        if isinstance(value, list):  # a part broke the rule
+            return f'{param}: only text parts are supported (\'{{"type": "text", "text": "..."}}\').'
+        return f"{param} must be a string."
+    if top in _NUMBERS:
+        low, high = _NUMBERS[top]
+        return f"'{top}' must be a number from {low:g} to {high:g}; got {value!r}."
+    if top in ("max_tokens", "max_completion_tokens"):
+        return f"'{top}' must be a whole number of at least 1; got {value!r}."
+    if top == "top_k":
+        return "'top_k' must be a whole number of at least 0 (0: no limit)."
+    if top == "seed":
+        return "'seed' must be a whole number."
+    if top == "stop":
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            return f"'stop' holds {len(value)} strings; send at most {MAX_STOP}."
+        return "'stop' must be a string or a list of non-empty strings."
+    if top in ("stream", "cache_prompt"):
+        return f"'{top}' must be true or false."
+    if top == "stream_options":
+        return "'stream_options' must be an object."
+    if top == "conversation":
+        return "'conversation' (a Timeshare extension) must be a non-empty string."
+    if top == "prompt":
+        return "'prompt' is required and must be a string."
+    return f"'{param}': {what[:1].lower()}{what[1:]}; see docs/API.md."
+
+
+def _param_of(exc: msgspec.ValidationError) -> tuple[str, str]:
+    match = _AT.match(str(exc))
+    assert match is not None  # the pattern matches any text
+    what, path = match["what"], (match["path"] or "").lstrip(".")
+    missing = _MISSING.fullmatch(what)
+    if missing:
+        path = f"{path}.{missing['field']}" if path else missing["field"]
+    # the error names the field a client sets: a text part's own fields are its content's
+    for whole in ("stop", "stream_options"):
+        if path.startswith(whole):
+            path = whole
+    if ".content[" in path:
+        path = path[: path.index(".content[") + len(".content")]
+    return path, what
+
+
+def _decode(body: object, shape: type[T]) -> T:
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object.")
     _refuse_unsupported(body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequestError("'stream' must be true or false.", "stream")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict):
-            raise BadRequestError("'stream_options' must be an object.", "stream_options")
-        include_usage = bool(options.get("include_usage", False))
-    max_tokens = _positive_int(body, "max_tokens")
-    if kind == "chat":
-        max_tokens = _positive_int(body, "max_completion_tokens") or max_tokens
-    stop_raw = body.get("stop")
-    if stop_raw is None:
-        stop: tuple[str, ...] = ()
-    elif isinstance(stop_raw, str):
-        stop = (stop_raw,) if stop_raw else ()
-    elif isinstance(stop_raw, list) and all(isinstance(s, str) and s for s in stop_raw):
-        stop = tuple(stop_raw)
-    else:
-        raise BadRequestError("'stop' must be a string or a list of non-empty strings.", "stop")
-    if len(stop) > MAX_STOP:
-        raise BadRequestError(f"'stop' holds {len(stop)} strings; send at most {MAX_STOP}.", "stop")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise BadRequestError("'seed' must be a whole number.", "seed")
-    top_k = body.get("top_k", 40)
-    if not _is_int(top_k) or top_k < 0:
-        raise BadRequestError("'top_k' must be a whole number of at least 0 (0: no limit).", "top_k")
-    conversation = body.get("conversation")
-    if conversation is not None and (not isinstance(conversation, str) or not conversation):
-        raise BadRequestError(
-            "'conversation' (a Timeshare extension) must be a non-empty string.", "conversation"
+    try:
+        return msgspec.convert(body, shape)
+    except msgspec.ValidationError as exc:
+        param, what = _param_of(exc)
+        raise BadRequestError(_sentence(param, _value_at(body, param), what), param or None) from None
+
+
+def _request(
+    kind: str,
+    front_end: str,
+    parsed: ChatBody | CompletionBody,
+    prompt: str | None,
+    messages: tuple[ChatMessage, ...] | None,
+    max_tokens: int | None,
+) -> GenerationRequest:
+    try:
+        sampling = for_front_end(
+            front_end,
+            max_tokens=max_tokens,
+            temperature=parsed.temperature,
+            top_p=parsed.top_p,
+            top_k=parsed.top_k,
+            seed=parsed.seed,
+            stop=parsed.stop_strings,
         )
-    cache_prompt = body.get("cache_prompt")
-    if cache_prompt is not None and not isinstance(cache_prompt, bool):
-        raise BadRequestError("'cache_prompt' must be true or false.", "cache_prompt")
-    return {
-        "kind": kind,
-        "model": model,
-        "max_tokens": max_tokens or default_max_tokens,
-        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
-        "top_k": int(top_k),
-        "seed": seed,
-        "stop": stop,
-        "stream": stream,
-        "include_usage": include_usage,
-        "conversation": conversation,
-        "cache_prompt": cache_prompt,
-    }
+    except ValueError as exc:
+        raise BadRequestError(f"{exc}.") from None
+    return GenerationRequest(
+        kind=kind,
+        model=parsed.model,
+        prompt=prompt,
+        messages=messages,
+        sampling=sampling,
+        stream=parsed.stream,
+        include_usage=parsed.include_usage,
+        conversation=parsed.conversation,
+        cache_prompt=parsed.cache_prompt,
+    )
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES: dict[str, Any] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _message_text(content: object, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise BadRequestError(
-                    f"messages[{index}].content: only text parts are supported "
-                    '(\'{"type": "text", "text": "..."}\').',
-                    f"messages[{index}].content",
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise BadRequestError(f"messages[{index}].content must be a string.", f"messages[{index}].content")
+def _chat_message(m: RequestMessage) -> ChatMessage:
+    text = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+    return ChatMessage(role=_ROLES[m.role], content=text)
 
 
 def parse_chat_request(body: object) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise BadRequestError(
-            "'messages' is required: a non-empty list of {role, content} objects.", "messages"
-        )
-    if len(raw) > MAX_MESSAGES:
-        raise BadRequestError(
-            f"'messages' holds {len(raw)} messages; send at most {MAX_MESSAGES} "
-            "(drop or summarise the oldest ones).",
-            "messages",
-        )
-    messages = []
-    for i, item in enumerate(raw):
-        if not isinstance(item, dict):
-            raise BadRequestError(
-                f"messages[{i}] must be an object with 'role' and 'content'.", f"messages[{i}]"
-            )
-        role = _ROLES.get(str(item.get("role")))
-        if role is None:
-            raise BadRequestError(
-                f"messages[{i}].role {item.get('role')!r} is not supported: use system, user or assistant.",
-                f"messages[{i}].role",
-            )
-        messages.append(ChatMessage(role=role, content=_message_text(item.get("content"), i)))  # type: ignore[arg-type]
-    fields = _common(body, "chat", DEFAULT_CHAT_MAX_TOKENS)
-    return GenerationRequest(prompt=None, messages=tuple(messages), **fields)
+    parsed = _decode(body, ChatBody)
+    messages = tuple(_chat_message(m) for m in parsed.messages)
+    max_tokens = parsed.max_completion_tokens or parsed.max_tokens
+    return _request("chat", "api_chat", parsed, None, messages, max_tokens)
 
 
 def parse_completion_request(body: object) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    prompt = body.get("prompt")
+    parsed = _decode(body, CompletionBody)
+    prompt: object = parsed.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list):
@@ -253,16 +247,15 @@ def parse_completion_request(body: object) -> GenerationRequest:
             "send one request per prompt.",
             "prompt",
         )
-    if not isinstance(prompt, str):
-        raise BadRequestError("'prompt' is required and must be a string.", "prompt")
+    assert isinstance(prompt, str)
     if not prompt:
         raise BadRequestError("'prompt' is empty: give some text for the model to continue.", "prompt")
+    assert isinstance(body, dict)
     if body.get("echo"):
         raise BadRequestError("'echo' is not supported; leave it out.", "echo")
     if body.get("suffix"):
         raise BadRequestError("'suffix' is not supported; leave it out.", "suffix")
-    fields = _common(body, "completion", DEFAULT_COMPLETION_MAX_TOKENS)
-    return GenerationRequest(prompt=prompt, messages=None, **fields)
+    return _request("completion", "api_completion", parsed, prompt, None, parsed.max_tokens)
 
 
 def _too_large() -> BadRequestError:

@@ -43,6 +43,7 @@ from ..config import demo
 from ..config.schema import ArenaConfig, Config, ModelConfig, suggest_model_id
 from ..errors import ArenaError, TimeshareError
 from ..observe import read_events
+from ..sampling import Sampling
 from ..state import EventKind, ModelState, PoolEvent
 from .arena_test_chaos import CHAOS_ERRORS, ChaosInjector, ChaosPlan, chaos_options
 from .arena_test_checks import check_intervals, percentile
@@ -228,7 +229,7 @@ class ArenaHarness:
         self.budget_bytes = _budget_bytes_of(self)
 
     def generate(self, worker_id: str, prompt: str) -> str:
-        gen = self.pool.generate(worker_id, prompt=prompt, max_tokens=self.max_tokens, temperature=0.0)
+        gen = self.pool.generate(worker_id, prompt=prompt, sampling=Sampling(max_tokens=self.max_tokens))
         try:
             result = gen.result(timeout=self.deadlock_s)
         except TimeoutError:

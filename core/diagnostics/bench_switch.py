@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import TimeshareError
 from ..modelfile import gguf_problem
+from ..sampling import Sampling
 from . import fresh_process
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,7 @@ class _Turns:
             model,
             messages=messages,
             prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0.0,
+            sampling=Sampling(max_tokens=max_tokens),
             conversation=conversation,
         )
         first: float | None = None

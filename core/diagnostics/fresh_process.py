@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TimeshareError
+from ..sampling import Sampling
+
+#: the one greedy token a fresh process samples
+_ONE_TOKEN = Sampling(max_tokens=1)
 
 
 def run(
@@ -74,9 +78,9 @@ def _child() -> int:
 
     if job["messages"] is not None:
         messages = tuple(ChatMessage(role=m["role"], content=m["content"]) for m in job["messages"])
-        req = Generate(req="fresh", messages=messages, max_tokens=1, temperature=0.0, cache_prompt=False)
+        req = Generate(req="fresh", messages=messages, sampling=_ONE_TOKEN, cache_prompt=False)
     else:
-        req = Generate(req="fresh", prompt=job["prompt"], max_tokens=1, temperature=0.0, cache_prompt=False)
+        req = Generate(req="fresh", prompt=job["prompt"], sampling=_ONE_TOKEN, cache_prompt=False)
     outcome = engine.generate(req, emit)
     if not first:  # the token had no text of its own
         first.extend((time.perf_counter(), time.time()))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 from ..errors import ProtocolError, TimeshareError
+from ..sampling import Sampling
 from ..state import SwitchStats
 from ..stream import TextStream
 from ..worker import protocol
@@ -104,12 +105,7 @@ def make_request(
     *,
     prompt: str | None,
     messages: Sequence[protocol.ChatMessage | Mapping[str, str]] | None,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-    stop: Sequence[str],
+    sampling: Sampling,
     conversation: str | None,
     cache_prompt: bool | None = None,
 ) -> protocol.Generate:
@@ -117,16 +113,13 @@ def make_request(
     chat: tuple[protocol.ChatMessage, ...] | None = None
     if messages is not None:
         chat = tuple(_chat_message(m) for m in messages)
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"invalid request for {model_id}: sampling must be a Sampling, not {sampling!r}")
     request = protocol.Generate(
         req=req,
         prompt=prompt,
         messages=chat,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop),
+        sampling=sampling,
         conversation=conversation,
         cache_prompt=cache_prompt,
     )

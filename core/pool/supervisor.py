@@ -22,8 +22,10 @@ from ..arena.dirs import resolve_arena_dir
 from ..arena.tickets import check_arena_dir
 from ..config.schema import Config
 from ..errors import ModelUnavailableError
+from ..sampling import Sampling
 from ..state import ModelState, PoolSnapshot, ReleaseLevel, parse_release_level
 from ..worker import protocol
+from ..worker.protocol import INTERNAL_SAMPLING
 from .commands import PoolCommands
 from .configure import check_config
 from .generation import Generation, make_request
@@ -165,18 +167,14 @@ class Pool(PoolCommands):
         *,
         prompt: str | None = None,
         messages: Sequence[protocol.ChatMessage | Mapping[str, str]] | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 40,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
+        sampling: Sampling = INTERNAL_SAMPLING,
         conversation: str | None = None,
         cache_prompt: bool | None = None,
     ) -> Generation:
         """Queue a request for ``model_id`` (FIFO, one at a time per worker) and return its handle.
 
-        Give ``prompt`` (completion) or ``messages`` (chat: ChatMessage or {"role", "content"}).
+        Give ``prompt`` (completion) or ``messages`` (chat: ChatMessage or {"role", "content"});
+        ``sampling`` is carried to the worker unchanged (default: greedy, 256 tokens at most).
         Raises UnknownModelError, ModelUnavailableError (failed model), QueueFullError, and
         ValueError for malformed arguments. A STOPPED model is started on demand."""
         request = make_request(
@@ -184,12 +182,7 @@ class Pool(PoolCommands):
             model_id,
             prompt=prompt,
             messages=messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
+            sampling=sampling,
             conversation=conversation,
             cache_prompt=cache_prompt,
         )

@@ -51,7 +51,6 @@ from ..config.schema import ModelConfig
 from ..errors import ChatTemplateError, InvalidSamplingError, ModelFileError, PromptTooLongError
 from ..modelfile import check_model_file
 from ..residency import check_gguf
-from ..sampling import Sampling
 from . import kv_files
 from .decode import Decoder, common_prefix
 from .device import llama_placement
@@ -629,7 +628,7 @@ class Engine:
                 f"{self.model.display_name} is an embedding model (embedding = true): "
                 "it answers /v1/embeddings only"
             )
-        stop = list(req.stop)
+        stop = list(req.sampling.stop)
         tokens: list[int]
         if req.messages is not None:
             # the template's end-of-turn token is an end-of-generation token of the vocabulary:
@@ -660,13 +659,7 @@ class Engine:
         try:
             out = self._decoder.run(
                 tokens,
-                Sampling(
-                    max_tokens=req.max_tokens,
-                    temperature=req.temperature,
-                    top_k=req.top_k,
-                    top_p=req.top_p,
-                    seed=req.seed,
-                ),
+                req.sampling,
                 stop=stop,
                 emit=emit,
                 before_step=before_step,

@@ -26,7 +26,6 @@ from typing import Literal
 from ..errors import CancelledError, FrameError, TimeshareError
 from ..logsetup import setup_logging
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
-from ..state import SwitchStats
 from . import protocol as p
 from .engine import Engine
 from .residence import Acquired, Residence, make_residence
@@ -271,12 +270,12 @@ class Worker:
             if isinstance(task, p.Generate) and task.req == req:
                 self._pending.remove(task)
                 self._arrived.pop(req, None)
-                self._send_done(task, "cancelled", p.Usage(0, 0, 0), SwitchStats(False))
+                self._send_done(task, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
                 return
         self._cancelled.add(req)
 
     def _send_done(
-        self, req: p.Generate, finish: p.FinishReason, usage: p.Usage, switch: SwitchStats
+        self, req: p.Generate, finish: p.FinishReason, usage: p.Usage, switch: p.SwitchMeasured
     ) -> None:
         self.send(p.Done(req=req.req, finish_reason=finish, usage=usage, switch=switch))
 
@@ -348,7 +347,7 @@ class Worker:
         assert engine is not None
         if req.req in self._cancelled:
             self._cancelled.discard(req.req)
-            self._send_done(req, "cancelled", p.Usage(0, 0, 0), SwitchStats(False))
+            self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
             return
         t0 = time.monotonic()
         first: list[float] = []
@@ -389,7 +388,7 @@ class Worker:
         try:
             outcome = engine.generate(req, emit, step, poll=lambda: self._poll(req.req))
         except CancelledError:
-            reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), SwitchStats(False))
+            reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
         except TimeshareError as exc:
             reply = p.Error(req=req.req, code=exc.code, message=str(exc))
         else:
@@ -398,7 +397,7 @@ class Worker:
                 req.req,
                 outcome.finish_reason,
                 p.Usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.prompt_tokens_evaluated),
-                SwitchStats(
+                p.SwitchMeasured(
                     switch.switched,
                     wait_ms=switch.wait_ms,
                     restore_ms=switch.restore_ms,

@@ -4,9 +4,14 @@ CONTRACT (agreed between pool and worker; change both sides together):
 - Transport: a SOCK_STREAM socketpair; the worker gets its end as ``--ipc-fd N``.
 - Frame: 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON, an object
   ``{"v": PROTOCOL_VERSION, "type": "<MessageClass name>", ...fields}``. Max frame 16 MiB.
-- Garbage, a truncated frame, an oversize length or an unknown version/type: the receiver answers
-  ``Error(code="protocol")`` when it can and drops the connection if the stream cannot be resynced;
-  it never hangs and never crashes.
+- The messages are msgspec Structs, one tagged union on ``type`` (``Message``); a frame decodes
+  straight into its Struct with every field's type and constraint checked (a ``Generate`` also
+  passes :func:`check_generate`). Unknown keys are ignored (a newer peer may add optional fields),
+  except inside ``Sampling``, which refuses them.
+- Garbage, a truncated frame, an oversize length, an unknown version/type or an invalid field: the
+  receiver answers ``Error(code="protocol")`` when it can and drops the connection if the stream
+  cannot be resynced; it never hangs and never crashes. Strings must be Unicode (a lone surrogate
+  is refused on both sides), numbers finite.
 - Pool → worker requests carry ``req`` (a string id chosen by the pool); worker replies echo it.
 
 Flow: worker starts → ``Hello`` → ``Loading`` (0..n) → ``Ready`` (or ``Error`` + exit) → serves.
@@ -16,29 +21,33 @@ A ``WorkerStatus`` is pushed after every change of the worker's state (published
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
+import re
 import socket
 import struct
 import threading
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
+
+import msgspec
 
 from ..errors import FrameError, ProtocolError
-from ..state import SwitchStats, WorkerReleaseLevel
+from ..sampling import Sampling, for_front_end
+from ..sampling import check as check_sampling
+from ..state import WorkerReleaseLevel
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
 
 
+class _Message(msgspec.Struct, frozen=True, tag=True, tag_field="type"):
+    """A frame's body: its class name is its ``type``."""
+
+
 # ---- pool → worker -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ToolCall:
+class ToolCall(msgspec.Struct, frozen=True):
     """A call an assistant message made (OpenAI's ``tool_calls[]``)."""
 
     id: str
@@ -46,8 +55,7 @@ class ToolCall:
     arguments: str  # JSON text, as on OpenAI's wire
 
 
-@dataclass(frozen=True)
-class ToolSpec:
+class ToolSpec(msgspec.Struct, frozen=True):
     """A function the model is told about (OpenAI's ``tools[].function``)."""
 
     name: str
@@ -55,8 +63,7 @@ class ToolSpec:
     parameters: Any = None  # its JSON Schema (an object); None: no parameters
 
 
-@dataclass(frozen=True)
-class ChatMessage:
+class ChatMessage(msgspec.Struct, frozen=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str  # "" for an assistant message that only calls tools
     tool_calls: tuple[ToolCall, ...] = ()  # assistant: the calls it made
@@ -64,71 +71,60 @@ class ChatMessage:
     name: str | None = None  # tool: the function's name
 
 
-@dataclass(frozen=True)
-class Generate:
+#: a Generate's sampling when none is given: Sampling's own, 256 tokens at most
+INTERNAL_SAMPLING = for_front_end("internal")
+
+
+class Generate(_Message, frozen=True, kw_only=True):
     req: str
     prompt: str | None = None  # completion mode (raw text, no template)
     messages: tuple[ChatMessage, ...] | None = None  # chat mode (template or fallback format)
     tools: tuple[ToolSpec, ...] = ()  # chat mode: the functions the template shows
-    max_tokens: int = 256
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 40
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    sampling: Sampling = INTERNAL_SAMPLING  # carried unchanged from the front end
     conversation: str | None = None  # KV sequence key; None: the prompt cache picks one
     # keyless requests: reuse the prompt cache (None: the model's cache_prompt setting)
     cache_prompt: bool | None = None
 
 
-@dataclass(frozen=True)
-class Cancel:
+class Cancel(_Message, frozen=True):
     req: str
 
 
-@dataclass(frozen=True)
-class Pin:
+class Pin(_Message, frozen=True):
     pinned: bool
 
 
-@dataclass(frozen=True)
-class Sleep:
+class Sleep(_Message, frozen=True):
     level: WorkerReleaseLevel = "weights"
 
 
-@dataclass(frozen=True)
-class Wake:
+class Wake(_Message, frozen=True):
     """Take the GPU token and restore now, ahead of the first request (pre-warm)."""
 
 
-@dataclass(frozen=True)
-class Shutdown:
+class Shutdown(_Message, frozen=True):
     save_kv: bool = True  # save every conversation's KV to the kv dir before exiting
 
 
-@dataclass(frozen=True)
-class StatusRequest:
+class StatusRequest(_Message, frozen=True):
     req: str
 
 
 # ---- worker → pool -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Hello:
+class Hello(_Message, frozen=True):
     pid: int
     model_id: str
     version: int = PROTOCOL_VERSION
 
 
-@dataclass(frozen=True)
-class Loading:
+class Loading(_Message, frozen=True):
     stage: str  # "model" | "shadow" | "discovery" ...
     fraction: float = 0.0  # 0..1, for progress bars
 
 
-@dataclass(frozen=True)
-class ModelInfo:
+class ModelInfo(msgspec.Struct, frozen=True):
     n_ctx: int
     n_vocab: int
     chat_format: str  # "template" | "fallback"
@@ -143,8 +139,7 @@ class ModelInfo:
     budget_note: str = ""  # set when that is not this model's own setting (the first one won)
 
 
-@dataclass(frozen=True)
-class Ready:
+class Ready(_Message, frozen=True):
     info: ModelInfo
 
 
@@ -153,8 +148,7 @@ class Ready:
 WorkerState = Literal["resident", "released", "sleeping", "loading"]
 
 
-@dataclass(frozen=True)
-class WorkerStatus:
+class WorkerStatus(_Message, frozen=True):
     state: WorkerState
     busy: bool
     pinned: bool
@@ -168,34 +162,40 @@ class WorkerStatus:
     budget_bytes: int = 0  # the device's weights budget now (0: one model at a time)
 
 
-@dataclass(frozen=True)
-class Token:
+class Token(_Message, frozen=True):
     req: str
     text: str
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     prompt_tokens_evaluated: int  # prefilled in this request (0 when the KV cache had the prompt)
+
+
+class SwitchMeasured(msgspec.Struct, frozen=True):
+    """The part of a request's ``state.SwitchStats`` the worker measures; the pool adds the
+    previous holder's release_ms (from its ``Released``) and prompt_tokens_evaluated (``Usage``)."""
+
+    switched: bool
+    wait_ms: float = 0.0
+    restore_ms: float = 0.0
+    first_token_ms: float = 0.0
 
 
 #: How a generation ended: a stop string or end of sequence, max_tokens reached, or cancelled.
 FinishReason = Literal["stop", "length", "cancelled"]
 
 
-@dataclass(frozen=True)
-class Done:
+class Done(_Message, frozen=True):
     req: str
     finish_reason: FinishReason
     usage: Usage
-    switch: SwitchStats  # the WIRE_FIELDS the worker measured; the pool fills in the rest
+    switch: SwitchMeasured
     stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
 
 
-@dataclass(frozen=True)
-class Released:
+class Released(_Message, frozen=True):
     """The worker released its weights (it yielded the GPU, or was told to sleep)."""
 
     level: WorkerReleaseLevel
@@ -203,18 +203,16 @@ class Released:
     freed_bytes: int
 
 
-@dataclass(frozen=True)
-class Error:
+class Error(_Message, frozen=True):
     req: str | None
     code: str  # errors.TimeshareError.code values, or "protocol"
     message: str
     fatal: bool = False  # the worker exits after sending it
 
 
-@dataclass(frozen=True)
-class StatusReply:
+class StatusReply(_Message, frozen=True):
     req: str
-    status: WorkerStatus = field(default_factory=lambda: WorkerStatus("loading", False, False, False))
+    status: WorkerStatus = WorkerStatus("loading", False, False, False)
 
 
 # ---- framing, encoding, validation ---------------------------------------------------------
@@ -222,146 +220,141 @@ class StatusReply:
 #: pool → worker
 REQUEST_TYPES = (Generate, Cancel, Pin, Sleep, Wake, Shutdown, StatusRequest)
 #: worker → pool
-EVENT_TYPES = (
-    Hello,
-    Loading,
-    Ready,
-    WorkerStatus,
-    Token,
-    Done,
-    Released,
-    Error,
-    StatusReply,
-)
+EVENT_TYPES = (Hello, Loading, Ready, WorkerStatus, Token, Done, Released, Error, StatusReply)
 Request = Generate | Cancel | Pin | Sleep | Wake | Shutdown | StatusRequest
 Event = Hello | Loading | Ready | WorkerStatus | Token | Done | Released | Error | StatusReply
 Message = Request | Event
+#: every message class by its ``type``
+MESSAGE_TYPES: dict[str, type[_Message]] = {cls.__name__: cls for cls in (*REQUEST_TYPES, *EVENT_TYPES)}
 
-_BY_NAME: dict[str, type] = {cls.__name__: cls for cls in (*REQUEST_TYPES, *EVENT_TYPES)}
-#: Dataclasses that travel with only some of their fields (the others keep their defaults on
-#: receipt): a ``Done``'s switch carries what the worker measured; release_ms (from the previous
-#: holder's ``Released``) and prompt_tokens_evaluated (from ``Usage``) are the pool's to fill in.
-WIRE_FIELDS: dict[type, tuple[str, ...]] = {
-    SwitchStats: ("switched", "wait_ms", "restore_ms", "first_token_ms"),
-}
 _HEADER = struct.Struct(">I")
-_HINTS: dict[type, dict[str, Any]] = {}
+#: how every frame this module encodes begins: such a frame decodes in one step (the fast path)
+_PREFIX = b'{"v":%d,' % PROTOCOL_VERSION
+_encoder = msgspec.json.Encoder()
+_decoder: msgspec.json.Decoder[Message] = msgspec.json.Decoder(Message)
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = hints
-    return hints
+def _floats_in(tp: msgspec.inspect.Type, seen: set[type]) -> bool:
+    """Whether a value of this type can hold a float (msgspec encodes NaN and inf as null)."""
+    if isinstance(tp, msgspec.inspect.FloatType):
+        return True
+    if isinstance(tp, msgspec.inspect.StructType):
+        if tp.cls in seen:
+            return False
+        seen.add(tp.cls)
+        return any(_floats_in(f.type, seen) for f in tp.fields)
+    if isinstance(tp, msgspec.inspect.UnionType):
+        return any(_floats_in(t, seen) for t in tp.types)
+    if isinstance(tp, (msgspec.inspect.TupleType, msgspec.inspect.VarTupleType)):
+        items = tp.item_types if isinstance(tp, msgspec.inspect.TupleType) else (tp.item_type,)
+        return any(_floats_in(t, seen) for t in items)
+    return False
 
 
-def _convert(value: object, tp: Any, where: str) -> object:
-    """Check a decoded JSON value against a field type and convert it (lists → tuples, objects →
-    dataclasses). Raises ValueError naming the field."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if tp is type(None):
-        if value is not None:
-            raise ValueError(f"{where}: expected null")
-        return None
-    if origin is Union or origin is types.UnionType:
-        errors = []
-        for option in typing.get_args(tp):
-            try:
-                return _convert(value, option, where)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(errors[-1] if errors else f"{where}: no type matches")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
-            raise ValueError(f"{where}: expected one of {', '.join(repr(a) for a in allowed)}")
-        return value
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ValueError(f"{where}: expected a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise ValueError(f"{where}: expected {len(args)} items")
-        return tuple(
-            _convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(args, value, strict=True))
-        )
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}: expected an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: expected a number")
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise ValueError(f"{where}: expected a finite number")
-        return number
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: expected a string")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{where}: the string is not valid Unicode (lone surrogate)") from None
-        return value
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected an object")
-        return _build(tp, value, where)
-    raise ValueError(f"{where}: unsupported type {tp!r}")  # a bug in this module, not in the peer
+#: the message classes whose values may hold a float: these are checked for NaN/inf on encode
+_WITH_FLOATS = frozenset(
+    cls for cls in MESSAGE_TYPES.values() if _floats_in(msgspec.inspect.type_info(cls), set())
+)
 
 
-def _wire_fields(cls: type) -> list[dataclasses.Field[Any]]:
-    names = WIRE_FIELDS.get(cls)
-    return [f for f in dataclasses.fields(cls) if names is None or f.name in names]
+def _check_finite(value: object, where: str) -> None:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value!r} is not a finite number")
+    elif isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            _check_finite(getattr(value, name), f"{where}.{name}")
+    elif isinstance(value, tuple):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{where}[{i}]")
 
 
-def _to_json(value: object) -> object:
-    """``dataclasses.asdict`` that leaves out the fields not on the wire (``WIRE_FIELDS``)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_json(getattr(value, f.name)) for f in _wire_fields(type(value))}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_json(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_json(v) for k, v in value.items()}
-    return value
-
-
-def _build(cls: type, obj: dict[str, Any], where: str) -> object:
-    hints = _hints(cls)
-    kwargs: dict[str, object] = {}
-    for f in _wire_fields(cls):
-        if f.name in obj:
-            kwargs[f.name] = _convert(obj[f.name], hints[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ValueError(f"{where}.{f.name}: missing")
-    # Unknown keys are ignored: a newer peer may add optional fields (see the module docstring).
-    return cls(**kwargs)
-
-
-def to_dict(msg: object) -> dict[str, Any]:
-    """The JSON object of a message: ``{"v": ..., "type": ..., **fields}``."""
+def encode(msg: object) -> bytes:
+    """One frame: 4-byte big-endian length + UTF-8 JSON."""
     cls = type(msg)
-    if _BY_NAME.get(cls.__name__) is not cls:
+    if MESSAGE_TYPES.get(cls.__name__) is not cls:
         raise TypeError(f"{cls.__name__} is not a protocol message")
-    body = typing.cast(dict[str, Any], _to_json(msg))
-    return {"v": PROTOCOL_VERSION, "type": cls.__name__, **body}
+    try:
+        if cls in _WITH_FLOATS:
+            _check_finite(msg, cls.__name__)
+        body = _encoder.encode(msg)
+    except (ValueError, UnicodeEncodeError) as exc:  # NaN/inf, lone surrogates
+        raise ProtocolError(f"protocol: a {cls.__name__} message cannot be encoded: {exc}") from None
+    payload = _PREFIX + body[1:]
+    if len(payload) > MAX_FRAME:
+        raise ProtocolError(
+            f"protocol: a {cls.__name__} message is {len(payload)} bytes, over the {MAX_FRAME}-byte "
+            "frame limit; send a shorter prompt"
+        )
+    return _HEADER.pack(len(payload)) + payload
+
+
+# msgspec's validation messages, turned into this module's "<where>: <what>" sentences
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_KINDS = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "array": "a list",
+    "object": "an object",
+    "null": "null",
+}
+
+
+def _kind(name: str) -> str:
+    options = [_KINDS.get(n.strip(), n.strip()) for n in name.split("|")]
+    return " or ".join(options)
+
+
+def _sentence(exc: msgspec.ValidationError, cls: str) -> str:
+    match = _AT.match(str(exc))
+    assert match is not None  # the pattern matches any text
+    what, path = match["what"], match["path"] or ""
+    where = cls + path
+    if m := re.fullmatch(r"Object missing required field `(\w+)`", what):
+        return f"{where}.{m[1]}: missing"
+    if m := re.fullmatch(r"Expected `([^`]+)`, got `(\w+)`", what):
+        return f"{where}: expected {_kind(m[1])}"
+    if m := re.fullmatch(r"Expected `(\w+)` (.+)", what):
+        return f"{where}: must be {m[2]}"
+    if m := re.fullmatch(r"Invalid enum value (.+)", what):
+        return f"{where}: expected one of the values this version knows, not {m[1]}"
+    if what == "Number out of range":
+        return f"{where}: expected a finite number"
+    if m := re.fullmatch(r"Object contains unknown field `(\w+)`", what):
+        return f"{where}.{m[1]}: unknown field"
+    return f"{where}: {what[:1].lower()}{what[1:]}"
+
+
+def _in_range(number: float) -> bool:
+    return abs(number) < 2**64 if isinstance(number, int) else math.isfinite(number)
+
+
+def _check_json(value: object, where: str) -> None:
+    """Refuse strings that are not Unicode (lone surrogates) and numbers that are not finite:
+    ``json`` accepts both, the fast path's msgspec refuses both."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{at}: the string is not valid Unicode (lone surrogate)") from None
+        elif isinstance(item, int | float) and not isinstance(item, bool) and not _in_range(item):
+            raise ValueError(f"{at}: expected a finite number that fits 64 bits")
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                stack.append((key, at))
+                stack.append((sub, f"{at}.{key}"))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{at}[{i}]") for i, sub in enumerate(item))
 
 
 def from_dict(obj: object) -> Message:
-    """Validate a decoded JSON object and build its message. Raises FrameError (recoverable)."""
+    """Validate a decoded JSON object and build its message, naming what is wrong. Raises
+    FrameError (recoverable)."""
     if not isinstance(obj, dict):
         raise FrameError("protocol: a frame must hold a JSON object", recoverable=True)
     req = obj.get("req") if isinstance(obj.get("req"), str) else None
@@ -374,12 +367,16 @@ def from_dict(obj: object) -> Message:
             req=req,
         )
     name = obj.get("type")
-    cls = _BY_NAME.get(name) if isinstance(name, str) else None
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise FrameError(f"protocol: unknown message type {name!r}", recoverable=True, req=req)
     fields = {k: v for k, v in obj.items() if k not in ("v", "type")}
     try:
-        msg = typing.cast(Message, _build(cls, fields, cls.__name__))
+        _check_json(fields, cls.__name__)
+        try:
+            msg: Message = msgspec.convert(fields, cls)  # type: ignore[assignment]
+        except msgspec.ValidationError as exc:
+            raise ValueError(_sentence(exc, cls.__name__)) from None
         if isinstance(msg, Generate):
             check_generate(msg)
     except ValueError as exc:
@@ -388,51 +385,52 @@ def from_dict(obj: object) -> Message:
 
 
 def check_generate(msg: Generate) -> None:
-    """Semantic checks the types cannot express. Raises ValueError."""
+    """What the types cannot express: one of prompt and messages, and ``sampling.check``. Raises
+    ValueError."""
     if (msg.prompt is None) == (msg.messages is None):
         raise ValueError("give exactly one of prompt (completion) and messages (chat)")
     if msg.messages is not None and not msg.messages:
         raise ValueError("messages is empty: send at least one message")
-    if msg.max_tokens < 1:
-        raise ValueError("max_tokens must be at least 1")
-    if msg.temperature < 0:
-        raise ValueError("temperature must be 0 (greedy) or more")
-    if not 0.0 < msg.top_p <= 1.0:
-        raise ValueError("top_p must be in (0, 1]")
-    if msg.top_k < 0:
-        raise ValueError("top_k must be 0 (off) or more")
-    if msg.seed is not None and not 0 <= msg.seed < 2**32:
-        raise ValueError("seed must be in [0, 2**32)")
     if msg.conversation is not None and not msg.conversation:
         raise ValueError("conversation must be a non-empty id or null")
+    check_sampling(msg.sampling)
 
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def encode(msg: object) -> bytes:
-    """One frame: 4-byte big-endian length + UTF-8 JSON."""
-    try:
-        text = json.dumps(to_dict(msg), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        payload = text.encode("utf-8")
-    except ValueError as exc:  # NaN/inf, lone surrogates
-        raise ProtocolError(f"protocol: a {type(msg).__name__} message cannot be encoded: {exc}") from None
-    if len(payload) > MAX_FRAME:
-        raise ProtocolError(
-            f"protocol: a {type(msg).__name__} message is {len(payload)} bytes, over the {MAX_FRAME}-byte "
-            "frame limit; send a shorter prompt"
-        )
-    return _HEADER.pack(len(payload)) + payload
-
-
 def decode_payload(payload: bytes) -> Message:
-    """Decode the body of one frame. Raises FrameError (recoverable)."""
+    """Decode the body of one frame. Raises FrameError (recoverable).
+
+    A frame as :func:`encode` makes it decodes in one msgspec step; anything else (another
+    version, a bad field, not JSON) goes the slow way, which names what is wrong."""
+    if payload.startswith(_PREFIX):
+        try:
+            msg = _decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # the slow path says why
+        else:
+            if not isinstance(msg, Generate):
+                return msg
+            try:
+                check_generate(msg)
+            except ValueError as exc:
+                raise FrameError(
+                    f"protocol: invalid Generate: {exc}", recoverable=True, req=msg.req
+                ) from None
+            return msg
     try:
         obj = json.loads(payload.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FrameError(f"protocol: frame is not UTF-8 JSON ({exc})", recoverable=True) from None
     return from_dict(obj)
+
+
+def to_dict(msg: object) -> dict[str, Any]:
+    """The JSON object of a message: ``{"v": ..., "type": ..., **fields}``."""
+    result: dict[str, Any] = json.loads(encode(msg)[_HEADER.size :])
+    return result
 
 
 class FrameDecoder:

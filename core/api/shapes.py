@@ -1,0 +1,163 @@
+"""The OpenAI JSON shapes Timeshare reads and writes, as msgspec Structs: the request bodies of
+/v1/chat/completions and /v1/completions, and the completion, chunk and usage objects it answers
+with. The field rules (types, ranges, lengths) live here; ``requests.py`` turns a failed rule into
+Timeshare's sentence (the field path and what to do), and builds the one ``Sampling``.
+
+Unknown request fields are ignored, as OpenAI's own server does with fields a client adds.
+Response Structs with ``omit_defaults`` leave out what OpenAI leaves out (a delta's absent role or
+content, a chunk's usage); their required fields are always written, ``null`` included.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from ..sampling import MAX_STOP
+
+#: chat messages in one request
+MAX_MESSAGES = 4096
+
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class TextPart(msgspec.Struct, frozen=True):
+    type: Literal["text"]
+    text: str
+
+
+class RequestMessage(msgspec.Struct, frozen=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: Any = False  # read as a truth value, as before there was a schema
+
+
+class _Body(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields both endpoints share."""
+
+    model: NonEmpty
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[NonEmpty], msgspec.Meta(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    conversation: NonEmpty | None = None  # Timeshare's extension: the conversation's KV sequence
+    cache_prompt: bool | None = None  # llama-server's field; None: the model's setting
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None or self.stop == "":
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+
+class ChatBody(_Body, frozen=True, kw_only=True):
+    messages: Annotated[list[RequestMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: PositiveInt | None = None
+
+
+class CompletionBody(_Body, frozen=True, kw_only=True):
+    prompt: str | list[Any]
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int
+
+
+class UsageOut(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(msgspec.Struct, frozen=True):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct, frozen=True):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str
+
+
+class TextChoice(msgspec.Struct, frozen=True):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct, frozen=True):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChoice]
+    usage: UsageOut
+    timeshare: dict[str, Any]
+
+
+class TextCompletion(msgspec.Struct, frozen=True):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[TextChoice]
+    usage: UsageOut
+    timeshare: dict[str, Any]
+
+
+class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class DeltaChoice(msgspec.Struct, frozen=True):
+    index: int
+    delta: Delta
+    logprobs: None
+    finish_reason: str | None
+
+
+class Chunk(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A streamed ``chat.completion.chunk`` (choices of DeltaChoice) or ``text_completion``
+    (choices of TextChoice); the last ones carry ``timeshare`` and, when asked for, ``usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[DeltaChoice] | list[TextChoice]
+    usage: UsageOut | None = None
+    timeshare: dict[str, Any] | None = None
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(shape: msgspec.Struct) -> bytes:
+    """A response shape as JSON bytes."""
+    return _encoder.encode(shape)
