@@ -28,6 +28,8 @@ def generate_message(req: str, **fields: Any) -> p.Generate:
     """A Generate from flat fields: the sampling ones (max_tokens 256 unless given) go into its
     Sampling, the others (prompt, messages, conversation, cache_prompt) are its own."""
     sampling = {name: fields.pop(name) for name in list(fields) if name in FIELDS}
+    if "sampling" in fields:
+        return p.Generate(req=req, **fields)
     return p.Generate(req=req, sampling=Sampling(**{"max_tokens": 256, **sampling}), **fields)
 
 
@@ -128,7 +130,7 @@ class WorkerHandle:
         self.conn.send(msg)
 
     def generate(self, req: str, timeout: float = GUARD_S, **fields: Any) -> tuple[str, p.Done | p.Error]:
-        self.send(p.Generate(req=req, **fields))
+        self.send(generate_message(req, **fields))
         return self.collect(req, timeout)
 
     def collect(self, req: str, timeout: float = GUARD_S) -> tuple[str, p.Done | p.Error]:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import InvalidSamplingError, PromptTooLongError
+from timeshare.core.sampling import Sampling
 from timeshare.core.worker.engine import Engine
 from timeshare.core.worker.protocol import ChatMessage, Generate
 
@@ -46,7 +47,8 @@ def test_a_chat_model_embeds_and_keeps_its_conversation(smollm2_path: Path, orac
     try:
         history = [ChatMessage("user", "Name a colour.")]
         first = engine.generate(
-            Generate(req="a", messages=tuple(history), max_tokens=8, conversation="c"), lambda _: None
+            Generate(req="a", messages=tuple(history), conversation="c", sampling=Sampling(max_tokens=8)),
+            lambda _: None,
         )
         vectors, n = engine.embed(TEXTS)
         want = [oracle.embed(t, normalize=True) for t in TEXTS]
@@ -58,7 +60,8 @@ def test_a_chat_model_embeds_and_keeps_its_conversation(smollm2_path: Path, orac
         # the conversation's KV survived: the next turn evaluates only its new tokens
         history += [ChatMessage("assistant", first.text), ChatMessage("user", "Another.")]
         second = engine.generate(
-            Generate(req="b", messages=tuple(history), max_tokens=4, conversation="c"), lambda _: None
+            Generate(req="b", messages=tuple(history), conversation="c", sampling=Sampling(max_tokens=4)),
+            lambda _: None,
         )
         assert second.prompt_tokens_evaluated < second.prompt_tokens - first.prompt_tokens
         with pytest.raises(InvalidSamplingError, match="vocabulary"):
@@ -75,6 +78,8 @@ def test_an_embedding_model_entry(smollm2_path: Path, oracle: Any) -> None:
         vectors, _ = engine.embed(TEXTS)
         _close(vectors, oracle.embed(TEXTS, normalize=True))
         with pytest.raises(InvalidSamplingError, match="embedding model"):
-            engine.generate(Generate(req="x", prompt="Hello", max_tokens=4), lambda _: None)
+            engine.generate(
+                Generate(req="x", prompt="Hello", sampling=Sampling(max_tokens=4)), lambda _: None
+            )
     finally:
         engine.close()
