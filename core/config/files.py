@@ -26,16 +26,52 @@ from .validate import _no_models_notice, validate
 log = logging.getLogger(__name__)
 
 
+#: arrays and tables nested deeper than this are refused (the config's own keys nest 3 levels)
+MAX_CONFIG_DEPTH = 16
+
+
+def _too_deep(where: str) -> str:
+    return (
+        f"{where}nests arrays or tables more than {MAX_CONFIG_DEPTH} levels deep; no setting needs "
+        "that: fix the file (or move it aside to start from defaults)"
+    )
+
+
 def parse_toml(text: str, *, path: str | Path | None = None) -> dict[str, Any]:
-    """Parse TOML text; a syntax error becomes a ConfigError that names the line and column."""
+    """Parse TOML text; a syntax error becomes a ConfigError that names the line and column, and
+    nesting deeper than MAX_CONFIG_DEPTH one that names the key (tomllib recurses: thousands of
+    levels would be a RecursionError)."""
+    shown = str(path) if path is not None else None
     try:
         parsed: dict[str, Any] = tomllib.loads(text)
-        return parsed
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(
             [f"TOML syntax error: {exc} — fix the file (or move it aside to start from defaults)"],
-            path=str(path) if path is not None else None,
+            path=shown,
         ) from exc
+    except RecursionError:
+        raise ConfigError([_too_deep("")], path=shown) from None
+    where = _deepest_over_limit(parsed)
+    if where is not None:
+        short = where if len(where) <= 60 else where[:60] + "..."
+        raise ConfigError([_too_deep(f"{short}: " if short else "")], path=shown)
+    return parsed
+
+
+def _deepest_over_limit(value: object) -> str | None:
+    """The key path of the first value nested deeper than MAX_CONFIG_DEPTH, or None. Iterative."""
+    stack: list[tuple[object, str, int]] = [(value, "", 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            return where
+        if isinstance(item, dict):
+            stack.extend(
+                (sub, f"{where}.{key}" if where else str(key), depth + 1) for key, sub in item.items()
+            )
+        elif isinstance(item, list):
+            stack.extend((sub, f"{where}[{i}]", depth + 1) for i, sub in enumerate(item))
+    return None
 
 
 def default_config() -> Config:
