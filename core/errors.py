@@ -162,6 +162,14 @@ class ApiBindError(TimeshareError):
     code = "api_bind"
 
 
+class UntrustedAddressError(TimeshareError):
+    """The API address file, or the runtime dir that holds it, is not the user's own (another
+    owner, group- or world-writable, a symbolic link): the CLI does not use the address it names,
+    so it never sends the API key to a planted one."""
+
+    code = "untrusted_address"
+
+
 class InstanceRunningError(TimeshareError):
     """Another Timeshare already runs for this runtime dir (core/instance.py): ``kind`` ("serve",
     "tray" or ""), ``pid`` and ``url`` (its API, None when none is recorded) say which."""

@@ -27,6 +27,7 @@ import httpx
 from .core import paths
 from .core.api.address import ApiAddress
 from .core.arena.dirs import pid_alive
+from .core.errors import UntrustedAddressError
 from .core.instance import running_instance
 from .core.sampling import for_front_end
 from .core.units import human_bytes
@@ -83,7 +84,10 @@ def find_endpoint(args: argparse.Namespace) -> Endpoint:
         return Endpoint(url.rstrip("/"), key, "--url")
     path = paths.api_address_file()
     try:
-        address = ApiAddress.read(path)
+        # only an address file that is the user's own: the key may go to the address it names
+        address = ApiAddress.read(path, trusted_only=True)
+    except UntrustedAddressError as exc:
+        raise ClientError(str(exc)) from None
     except FileNotFoundError:
         running = running_instance()
         if running is not None:  # the tray with api.enabled = false, or one still starting
@@ -616,9 +620,11 @@ def reload_instance(args: argparse.Namespace) -> dict[str, Any] | None:
     or None when no instance runs. ClientError when one runs but cannot be asked."""
     if not getattr(args, "url", None):
         try:
-            address = ApiAddress.read(paths.api_address_file())
+            address = ApiAddress.read(paths.api_address_file(), trusted_only=True)
         except (FileNotFoundError, ValueError):
             return None
+        except UntrustedAddressError as exc:
+            raise ClientError(str(exc)) from None
         if not _pid_alive(address.pid):
             return None
     with Api(find_endpoint(args)) as api:
