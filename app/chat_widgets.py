@@ -127,10 +127,14 @@ class AnswerSettingsPanel(QWidget):
         self.temperature.valueChanged.connect(lambda _v: self.save())
         self.max_tokens_box = QSpinBox()
         self.max_tokens_box.setObjectName("max_tokens")
-        self.max_tokens_box.setRange(1, MAX_TOKENS_LIMIT)
+        self.max_tokens_box.setRange(0, MAX_TOKENS_LIMIT)
         self.max_tokens_box.setSuffix(" tokens")
-        self.max_tokens_box.setValue(DEFAULT_MAX_TOKENS)
-        self.max_tokens_box.setToolTip("An answer stops after this many tokens (about ¾ of a word each)")
+        self.max_tokens_box.setSpecialValueText("no limit")  # 0: until the answer ends
+        self.max_tokens_box.setValue(DEFAULT_MAX_TOKENS or 0)
+        self.max_tokens_box.setToolTip(
+            "An answer stops after this many tokens (about ¾ of a word each); "
+            "no limit: when the model ends it or the context is full"
+        )
         self.max_tokens_box.valueChanged.connect(lambda _v: self.save())
         numbers = QHBoxLayout()
         numbers.addWidget(self.temperature)
@@ -156,7 +160,7 @@ class AnswerSettingsPanel(QWidget):
             box.blockSignals(True)
         self.system_prompt.setPlainText(conversation.system_prompt)
         self.temperature.setValue(conversation.temperature)
-        self.max_tokens_box.setValue(conversation.max_tokens)
+        self.max_tokens_box.setValue(conversation.max_tokens or 0)
         for box in boxes:
             box.blockSignals(False)
         emit(self.summary_changed, settings_summary(conversation))

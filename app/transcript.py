@@ -114,7 +114,8 @@ def answer_line(stats: AnswerStats, *, why_empty: bool = True) -> str:
 def settings_summary(conversation: Conversation) -> str:
     """A conversation's answer settings in a few words: "greedy · up to 512 tokens · system prompt"."""
     temperature = "greedy" if conversation.temperature == 0 else f"temperature {conversation.temperature:g}"
-    parts = [temperature, f"up to {conversation.max_tokens} tokens"]
+    limit = conversation.max_tokens
+    parts = [temperature, f"up to {limit} tokens" if limit else "no length limit"]
     if conversation.system_prompt.strip():
         parts.append("system prompt")
     return " · ".join(parts)

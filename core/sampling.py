@@ -102,28 +102,29 @@ def check(s: Sampling) -> Sampling:
     return s
 
 
-#: The API's default answer length for /v1/chat/completions (OpenAI lets chat run to the end of
-#: the context; a local default keeps a runaway answer bounded)
-DEFAULT_CHAT_MAX_TOKENS = 512
 #: OpenAI's documented default for /v1/completions
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: the CLI's temperature when --temperature is not given
 CLI_TEMPERATURE = 0.2
 
 #: Each front end's defaults, in one table: where a field is absent from a request, the front
-#: end's row gives it (then Sampling's own default). What each front end did before there was a
-#: table, unchanged:
-#: - "api_chat" / "api_completion": the HTTP API (``temperature`` 1 and ``top_p`` 1 as OpenAI's);
+#: end's row gives it (then Sampling's own default):
+#: - "api_chat" / "api_completion": the HTTP API (``temperature`` 1 and ``top_p`` 1 as OpenAI's;
+#:   chat without ``max_tokens`` runs until a stop or the end of the context, as OpenAI and
+#:   llama-server; completions keep OpenAI's documented 16);
 #: - "chat_window": the chat service; a conversation's own settings (``Store.set_options``:
-#:   temperature, max_tokens) are given as fields, so this row applies only where they are not;
-#: - "cli_chat" / "cli_run": ``timeshare chat`` and ``timeshare run`` (the body they send to the API);
+#:   temperature, max_tokens) are given as fields, so this row applies only where they are not
+#:   (a conversation's "no limit" is its max_tokens None: this row's None);
+#: - "cli_chat" / "cli_run": ``timeshare chat`` and ``timeshare run`` (the body they send to the
+#:   API; no limit unless ``--max-tokens``);
 #: - "internal": ``Pool.generate`` without a sampling (diagnostics, tests): greedy, 256 tokens.
+#: A model's ``max_tokens`` setting caps every answer in the worker.
 DEFAULTS: dict[str, dict[str, object]] = {
-    "api_chat": {"max_tokens": DEFAULT_CHAT_MAX_TOKENS, "temperature": 1.0, "top_p": 1.0},
+    "api_chat": {"max_tokens": None, "temperature": 1.0, "top_p": 1.0},
     "api_completion": {"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS, "temperature": 1.0, "top_p": 1.0},
-    "chat_window": {"max_tokens": 512, "temperature": 0.0},
-    "cli_chat": {"max_tokens": 256, "temperature": CLI_TEMPERATURE},
-    "cli_run": {"max_tokens": 512, "temperature": CLI_TEMPERATURE},
+    "chat_window": {"max_tokens": None, "temperature": 0.0},
+    "cli_chat": {"max_tokens": None, "temperature": CLI_TEMPERATURE},
+    "cli_run": {"max_tokens": None, "temperature": CLI_TEMPERATURE},
     "internal": {"max_tokens": 256},
 }
 

@@ -29,11 +29,13 @@ log = logging.getLogger(__name__)
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: a conversation's answer settings until the user changes them (the chat window's defaults)
 DEFAULT_TEMPERATURE = 0.0  # greedy
-DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_TOKENS: int | None = None  # no limit: until the answer ends or the context is full
+#: schema 2's default, which schema 3 turns into "no limit" (the column keeps 0 for it)
+_OLD_DEFAULT_MAX_TOKENS = 512
 
 _T = TypeVar("_T")
 
@@ -63,7 +65,12 @@ _MIGRATIONS: tuple[str, ...] = (
     f"""
     ALTER TABLE conversations ADD COLUMN system_prompt TEXT NOT NULL DEFAULT '';
     ALTER TABLE conversations ADD COLUMN temperature REAL NOT NULL DEFAULT {DEFAULT_TEMPERATURE!r};
-    ALTER TABLE conversations ADD COLUMN max_tokens INTEGER NOT NULL DEFAULT {DEFAULT_MAX_TOKENS};
+    ALTER TABLE conversations ADD COLUMN max_tokens INTEGER NOT NULL DEFAULT {_OLD_DEFAULT_MAX_TOKENS};
+    """,
+    # 3: no answer length limit by default (0 in the column: none); conversations at schema 2's
+    # default (512, which cut long answers off) get no limit, other values are kept
+    f"""
+    UPDATE conversations SET max_tokens = 0 WHERE max_tokens = {_OLD_DEFAULT_MAX_TOKENS};
     """,
 )
 
@@ -77,10 +84,10 @@ class Conversation:
     updated: float
     message_count: int = 0
     # how its answers are made: the system prompt sent first ("" none), sampling temperature (0:
-    # greedy) and the most tokens an answer may have
+    # greedy) and the most tokens an answer may have (None: no limit)
     system_prompt: str = ""
     temperature: float = DEFAULT_TEMPERATURE
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -278,7 +285,7 @@ class Store:
             message_count=row["message_count"],
             system_prompt=row["system_prompt"],
             temperature=row["temperature"],
-            max_tokens=row["max_tokens"],
+            max_tokens=row["max_tokens"] or None,
         )
 
     @staticmethod
@@ -312,7 +319,8 @@ class Store:
 
         def insert(db: sqlite3.Connection) -> None:
             db.execute(
-                "INSERT INTO conversations (id, model_id, title, created, updated) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO conversations (id, model_id, title, created, updated, max_tokens) "
+                "VALUES (?, ?, ?, ?, ?, 0)",
                 (conv_id, model_id, title, now, now),
             )
 
@@ -368,8 +376,9 @@ class Store:
         temperature: float | None = None,
         max_tokens: int | None = None,
     ) -> Conversation:
-        """Change how the conversation's next answers are made (None: leave that one as it is).
-        Raises ValueError for a temperature below 0 or above 2, or max_tokens below 1."""
+        """Change how the conversation's next answers are made (None: leave that one as it is;
+        ``max_tokens`` 0: no limit). Raises ValueError for a temperature below 0 or above 2, or
+        max_tokens below 0."""
         sets: list[str] = []
         args: list[Any] = []
         if system_prompt is not None:
@@ -381,8 +390,10 @@ class Store:
             sets.append("temperature = ?")
             args.append(float(temperature))
         if max_tokens is not None:
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                raise ValueError(f"max_tokens must be a whole number of at least 1, not {max_tokens!r}")
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+                raise ValueError(
+                    f"max_tokens must be a whole number of at least 1 (0: no limit), not {max_tokens!r}"
+                )
             sets.append("max_tokens = ?")
             args.append(max_tokens)
 

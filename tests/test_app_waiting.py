@@ -112,7 +112,7 @@ def test_answer_settings_are_kept_per_conversation(qtbot: Any, app: Any) -> None
     first = window.new_conversation("smol")
     window.settings_button.click()
     assert not window.settings_panel.isHidden()
-    assert window.settings_summary.text() == "Answers: greedy · up to 512 tokens"
+    assert window.settings_summary.text() == "Answers: greedy · no length limit"
     panel.system_prompt.setPlainText("Answer in French.")
     panel.temperature.setValue(0.7)
     panel.max_tokens_box.setValue(64)
@@ -122,7 +122,7 @@ def test_answer_settings_are_kept_per_conversation(qtbot: Any, app: Any) -> None
     assert window.settings_summary.text() == "Answers: temperature 0.7 · up to 64 tokens · system prompt"
     # another conversation has its own settings; coming back shows the first one's
     second = window.new_conversation("smol")
-    assert panel.system_prompt.toPlainText() == "" and panel.max_tokens_box.value() == 512
+    assert panel.system_prompt.toPlainText() == "" and panel.max_tokens_box.value() == 0
     panel.system_prompt.setPlainText("Be brief.")
     window.reload_conversations(select=first)  # switching saves what was being typed
     assert app.store.get(second).system_prompt == "Be brief."
@@ -172,7 +172,7 @@ def test_settings_chosen_before_the_first_conversation_become_its_own(qtbot: Any
     window = app.window
     panel = window.settings_panel
     assert window.current_conversation() is None
-    assert (panel.temperature.value(), panel.max_tokens_box.value()) == (0.0, 512)  # the defaults
+    assert (panel.temperature.value(), panel.max_tokens_box.value()) == (0.0, 0)  # the defaults (0: no limit)
     panel.system_prompt.setPlainText("Be brief.")
     panel.max_tokens_box.setValue(100)
     conv_id = window.new_conversation()

@@ -274,9 +274,26 @@ def test_a_schema_1_database_gains_the_conversation_settings(tmp_path: Path) -> 
         assert [m.content for m in s.messages("c1")] == ["hi"]
     check = sqlite3.connect(path)
     try:
-        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     finally:
         check.close()
+
+
+def test_schema_3_turns_the_old_512_token_default_into_no_limit(tmp_path: Path) -> None:
+    path = tmp_path / "conversations.db"
+    with Store(path) as s:
+        kept = s.set_options(s.create_conversation("smol").id, max_tokens=64)
+        old = s.create_conversation("smol")
+    db = sqlite3.connect(path)
+    db.execute("UPDATE conversations SET max_tokens = 512 WHERE id = ?", (old.id,))
+    db.execute("PRAGMA user_version=2")  # as schema 2 left it
+    db.commit()
+    db.close()
+    with Store(path) as s:
+        assert s.get(old.id).max_tokens is None  # 512 was schema 2's default: now no limit
+        assert s.get(kept.id).max_tokens == 64  # a value the user chose stays
+        assert s.create_conversation("smol").max_tokens is None
+        assert s.set_options(kept.id, max_tokens=0).max_tokens is None  # 0: no limit
 
 
 def test_conversation_settings_are_kept_and_checked(store: Store, tmp_path: Path) -> None:
@@ -289,7 +306,7 @@ def test_conversation_settings_are_kept_and_checked(store: Store, tmp_path: Path
     # None leaves a setting as it is
     assert store.set_options(a.id, max_tokens=100).system_prompt == "Answer in French."
     assert store.get(b.id).system_prompt == ""
-    for bad in ({"temperature": -0.1}, {"temperature": 2.5}, {"max_tokens": 0}, {"max_tokens": 1.5}):
+    for bad in ({"temperature": -0.1}, {"temperature": 2.5}, {"max_tokens": -1}, {"max_tokens": 1.5}):
         with pytest.raises(ValueError):
             store.set_options(a.id, **bad)  # type: ignore[arg-type]
     assert store.get(a.id).max_tokens == 100

@@ -281,7 +281,8 @@ def _generation_options(p: argparse.ArgumentParser, front_end: str) -> None:
     p.add_argument(
         "--max-tokens",
         type=int,
-        help=f"stop the answer after this many tokens (default: {defaults['max_tokens']})",
+        help="stop the answer after this many tokens (default: "
+        + (f"{defaults['max_tokens']})" if defaults["max_tokens"] else "no limit: until the model ends it)"),
     )
     p.add_argument("--temperature", type=float, help=f"0 for greedy (default: {defaults['temperature']})")
 
