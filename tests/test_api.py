@@ -174,10 +174,11 @@ def test_parse_completion_request_defaults_follow_openai() -> None:
     )
 
 
-def test_parse_chat_request_defaults_are_todays() -> None:
+def test_parse_chat_request_defaults() -> None:
     req = parse_chat_request({"model": SMOL, "messages": [{"role": "user", "content": "x"}]})
     s = req.sampling
-    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (512, 1.0, 1.0, 40, None, ())
+    # no max_tokens: until a stop or the end of the context, as OpenAI and llama-server
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (None, 1.0, 1.0, 40, None, ())
 
 
 @pytest.mark.parametrize(

@@ -209,10 +209,10 @@ def test_the_conversations_settings_make_its_answers(store: Store) -> None:
     pool = ScriptedPool()
     chat = ChatService(pool, store, system_prompt="Be brief.")
     conv = chat.new_conversation("smol")
-    # the defaults: greedy, 512 tokens, the service's system prompt
+    # the defaults: greedy, no length limit, the service's system prompt
     first = chat.send(conv.id, "one")
     assert pool.generations[0].kwargs["temperature"] == 0.0
-    assert pool.generations[0].kwargs["max_tokens"] == 512
+    assert pool.generations[0].kwargs["max_tokens"] is None
     assert pool.generations[0].kwargs["messages"][0] == ChatMessage("system", "Be brief.")
     pool.generations[0].feed("uno")
     pool.generations[0].finish()
