@@ -19,9 +19,12 @@ import jsonschema
 import numpy as np
 import pytest
 from llama_cpp.llama_grammar import json_schema_to_gbnf
+from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import InvalidSamplingError
 from timeshare.core.sampling import Sampling
 from timeshare.core.worker.decode import Decoder
+from timeshare.core.worker.engine import Engine
+from timeshare.core.worker.protocol import Generate
 from timeshare.core.worker.sampler import GrammarError, Sampler
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -162,3 +165,16 @@ def test_a_lazy_grammar_applies_from_its_trigger_on(llm: Any) -> None:
     assert re.fullmatch(r"red, [a-z]+ and [a-z]+\.", text[at:]), text  # then the grammar, then the end
     with pytest.raises(GrammarError, match="regular expression"):
         Sampler(llm, Sampling(grammar=grammar, grammar_triggers=("(",)))
+
+
+def test_a_models_max_tokens_setting_caps_every_answer(smollm2_path: Path) -> None:
+    engine = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=512, max_tokens=6))
+    try:
+        for asked in (None, 50, 3):
+            out = engine.generate(
+                Generate(req="c", prompt="Count: 1, 2, 3,", sampling=Sampling(max_tokens=asked)),
+                lambda _: None,
+            )
+            assert out.completion_tokens == min(asked or 6, 6) and out.finish_reason == "length"
+    finally:
+        engine.close()

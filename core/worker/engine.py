@@ -51,6 +51,7 @@ from ..config.schema import ModelConfig
 from ..errors import ChatTemplateError, InvalidSamplingError, ModelFileError, PromptTooLongError
 from ..modelfile import check_model_file
 from ..residency import check_gguf
+from ..sampling import Sampling
 from . import kv_files
 from .decode import Decoder, common_prefix
 from .device import llama_placement
@@ -659,7 +660,7 @@ class Engine:
         try:
             out = self._decoder.run(
                 tokens,
-                req.sampling,
+                capped(req.sampling, self.model.max_tokens),
                 stop=stop,
                 emit=emit,
                 before_step=before_step,
@@ -717,6 +718,13 @@ def tools_of(req: Generate) -> list[dict[str, Any]]:
         }
         for t in req.tools
     ]
+
+
+def capped(sampling: Sampling, cap: int | None) -> Sampling:
+    """``sampling`` with its answer length limited to a model's ``max_tokens`` setting (None: none)."""
+    if cap is None or (sampling.max_tokens is not None and sampling.max_tokens <= cap):
+        return sampling
+    return sampling.replace(max_tokens=cap)
 
 
 def fallback_prompt(messages: Sequence[ChatMessage]) -> str:
