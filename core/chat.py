@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from .errors import CancelledError, ConversationBusyError, EmptyMessageError, TimeshareError
+from .errors import CancelledError, ConversationBusyError, EmptyMessageError, InvalidTextError, TimeshareError
 from .sampling import FIELDS as SAMPLING_FIELDS
 from .sampling import Sampling, for_front_end
 from .state import SwitchStats
@@ -244,6 +244,7 @@ class ChatService:
         self._starting: set[str] = set()  # conversations between the busy check and their turn
 
     def new_conversation(self, model_id: str, title: str = "") -> Conversation:
+        check_text(title, "the title")
         return self.store.create_conversation(model_id, title)
 
     def model_messages(self, conversation_id: str) -> tuple[ChatMessage, ...]:
@@ -272,12 +273,14 @@ class ChatService:
         conversation's settings, ``Store.set_options``, then the "chat_window" row of
         ``sampling.DEFAULTS``); the pool gets the Sampling they make.
         ``prewoken``: the caller restored the model ahead of this request (noted in the stats).
-        Raises UnknownConversationError, EmptyMessageError, and the pool's errors
+        Raises UnknownConversationError, EmptyMessageError, InvalidTextError (text that is not
+        Unicode: nothing is saved), and the pool's errors
         (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
         message stays saved and ``regenerate`` can answer it later.
         """
         if not isinstance(text, str) or not text.strip():
             raise EmptyMessageError("the message is empty: type something to send")
+        check_text(text, "the message")
         _check_sampling(sampling)
         conversation = self.store.get(conversation_id)
         with self._reserved(conversation_id):
@@ -362,6 +365,19 @@ class ChatService:
             for cid in [c for c, t in self._active.items() if t.done]:
                 del self._active[cid]
         return turn
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that cannot be stored or sent as UTF-8 (a lone surrogate) with a sentence
+    the chat window shows as it is (InvalidTextError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise InvalidTextError(
+            f"{what} holds a broken character (U+{code:04X} at position {exc.start + 1}: half of a "
+            "surrogate pair, as a damaged paste or input method leaves): delete it and send again"
+        ) from None
 
 
 def _check_sampling(sampling: dict[str, Any]) -> None:

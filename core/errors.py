@@ -206,6 +206,13 @@ class EmptyMessageError(TimeshareError):
     code = "invalid_request"
 
 
+class InvalidTextError(TimeshareError):
+    """Text that is not Unicode (a lone surrogate, from a broken paste or input method) cannot be
+    saved or sent; the message says where it is."""
+
+    code = "invalid_string"
+
+
 class ConversationBusyError(TimeshareError):
     """An answer is still being generated in this conversation."""
 
