@@ -15,6 +15,11 @@ from typing import Literal, TypeGuard, get_args
 #: host memory too, "stop" ends the worker (its conversations' KV saved to disk).
 ReleaseLevel = Literal["weights", "weights+kv", "stop"]
 RELEASE_LEVELS: tuple[ReleaseLevel, ...] = get_args(ReleaseLevel)
+#: The one mapping of the verbs Ollama and LM Studio users type (shared with the Ollama dialect's
+#: ``keep_alive``): ``timeshare unload M`` / ``keep_alive: 0`` = off the GPU, KV cache kept;
+#: ``timeshare stop M`` = the worker ends, its KV saved. ``load M`` = start if stopped, then wake.
+UNLOAD_LEVEL: ReleaseLevel = "weights"
+STOP_LEVEL: ReleaseLevel = "stop"
 
 #: The levels a worker carries out itself; "stop" is the pool's (it ends the worker).
 WorkerReleaseLevel = Literal["weights", "weights+kv"]

@@ -437,6 +437,20 @@ def test_malformed_json_is_a_400_in_openai_shape(served: Served) -> None:
         assert set(error) == {"message", "type", "param", "code"}
 
 
+def test_a_model_is_named_by_its_id_in_any_case_but_not_a_prefix(
+    client: openai.OpenAI, served: Served
+) -> None:
+    # (display names: test_cli's demo models have them)
+    assert client.models.retrieve(GEMMA.upper()).id == GEMMA
+    answer = client.completions.create(model=SMOL.upper(), prompt="Hello", max_tokens=2)
+    assert answer.choices[0].text
+    for prefix in ("smollm2", "gemma"):
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve(prefix)
+    unpinned = httpx.post(f"{served.url}/timeshare/v1/models/{GEMMA.upper()}/unpin", headers=served.headers())
+    assert unpinned.status_code == 200 and unpinned.json()["model"]["id"] == GEMMA
+
+
 def test_unknown_model_is_a_404_naming_the_models(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="llama-9000", messages=[{"role": "user", "content": "hi"}])

@@ -23,6 +23,7 @@ from timeshare.core.config.files import load_config
 from timeshare.core.errors import (
     CancelledError,
     ChooseQuantisationError,
+    ConfigError,
     CorruptDownloadError,
     DownloadError,
     DownloadTooLargeError,
@@ -212,7 +213,8 @@ def test_the_model_goes_into_the_config_once(hub: FakeHub, ggufs: dict[str, byte
     result = download.pull(listing, sources.choose(listing))
     config_path = _config(tmp_path)
     _, model, added = add.add_to_config(result, config_path)
-    assert added and model.id == "tiny-q4_k_m" and model.name == "Tiny"
+    # named from what was pulled (the repo and the quantisation), not from the GGUF's general.name
+    assert added and model.id == "tiny-q4_k_m" and model.name == "Tiny Q4_K_M"
     assert model.path == str(result.path) and model.licence == "apache-2.0"
     assert load_config(config_path).models == (model,)
     # the same file again: left as it is; another id for it is refused only when taken
@@ -221,6 +223,24 @@ def test_the_model_goes_into_the_config_once(hub: FakeHub, ggufs: dict[str, byte
     assert len(load_config(config_path).models) == 1
     _, renamed, added_renamed = add.add_to_config(result, config_path, model_id="tiny-two")
     assert added_renamed and renamed.id == "tiny-two"
+    assert renamed.name == "Tiny Q4_K_M (2)"  # display names stay unique too
+    with pytest.raises(ConfigError, match="--name: 'tiny q4_k_m' is already"):
+        add.add_to_config(result, config_path, model_id="tiny-three", name="tiny q4_k_m")
+    with pytest.raises(ConfigError, match="--id: 'Tiny' may contain only"):
+        add.add_to_config(result, config_path, model_id="Tiny")
+    _, named, _ = add.add_to_config(result, config_path, model_id="tiny-three", name="My tiny")
+    assert (named.id, named.name) == ("tiny-three", "My tiny")
+
+
+def test_a_file_named_in_a_repo_or_a_url_is_named_by_its_stem(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    hub.repos[REPO] = _three_quants(ggufs)
+    config_path = _config(tmp_path)
+    listing = remote.list_source(sources.parse_source(f"{REPO}/Tiny-Q8_0.gguf"))
+    result = download.pull(listing, sources.choose(listing))
+    _, model, _ = add.add_to_config(result, config_path)
+    assert (model.id, model.name) == ("tiny-q8_0", "Tiny-Q8_0")
 
 
 def test_without_a_config_file_the_demo_models_stay(
@@ -459,7 +479,7 @@ def test_the_command_pulls_adds_and_lists_quantisations(
 
     done = _cli(home, "pull", f"hf.co/{REPO}", "--quant", "Q4_K_M", "--id", "tiny", env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"Added model tiny ({tmp_path / 'hf' / 'hub'}")
+    assert done.stdout.startswith(f"Added model tiny (Tiny Q4_K_M, {tmp_path / 'hf' / 'hub'}")
     assert (
         "Checked size, sha256, GGUF header and architecture: llama, Q4_K_M, licence apache-2.0" in done.stderr
     )

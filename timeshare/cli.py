@@ -256,7 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="user/repo, user/repo:QUANT, user/repo/file.gguf (hf.co/ in front is fine), "
         "or the http(s):// URL of a .gguf file",
     )
-    pull.add_argument("--id", help="model id to use (default: suggested from the file name)")
+    pull.add_argument(
+        "--id", help="model id to use (default: from the repo and quantisation, or the file name)"
+    )
+    pull.add_argument(
+        "--name", help="display name to use (default: from the repo and quantisation, or the file name)"
+    )
     pull.add_argument(
         "--dir",
         metavar="DIR",

@@ -143,16 +143,19 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EXIT_FAILED
     config_path = cli_config_path(getattr(args, "config", None))
     try:
-        _config, model, added = add.add_to_config(result, config_path, model_id=args.id)
+        _config, model, added = add.add_to_config(
+            result, config_path, model_id=args.id, name=getattr(args, "name", None)
+        )
     except ConfigError as exc:
         err.write(f"timeshare pull: the model is in {result.path}, but it was not added: {exc}\n")
         return EXIT_FAILED
     if added:
-        out.write(f"Added model {model.id} ({result.path}) to {config_path}\n")
+        out.write(f"Added model {model.id} ({model.display_name}, {result.path}) to {config_path}\n")
     else:
         out.write(f"{result.path} is already configured as model {model.id} in {config_path}\n")
     out.flush()
-    _reload(args, model.id, err)
+    if added:  # nothing changed in the config: nothing to reload
+        _reload(args, model.id, err)
     return EXIT_OK
 
 

@@ -31,6 +31,7 @@ from .. import paths
 from ..config.files import load_config
 from ..config.schema import ApiConfig, Config
 from ..errors import ConfigError, ModelUnavailableError, TimeshareError, UnknownModelError
+from ..modelnames import resolve_api_model
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
@@ -289,11 +290,9 @@ class _Handlers:
         )
 
     async def get_model(self, request: Request) -> Response:
-        model_id = request.path_params["model_id"]
         snapshot = self.pool.snapshot()
-        status = snapshot.model(model_id)
-        if status is None:
-            raise UnknownModelError(_unknown_model_message(model_id, snapshot))
+        model_id = resolve_model(snapshot, request.path_params["model_id"])
+        status = next(m for m in snapshot.models if m.id == model_id)
         return JSONResponse(model_json(status, self.created))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -303,11 +302,9 @@ class _Handlers:
         return await self.generate(request, parse_completion_request(await read_json(request)))
 
     async def generate(self, request: Request, req: GenerationRequest) -> Response:
-        snapshot = self.pool.snapshot()
-        if snapshot.model(req.model) is None:
-            raise UnknownModelError(_unknown_model_message(req.model, snapshot))
+        model_id = resolve_model(self.pool.snapshot(), req.model)
         try:
-            gen = await self.call(partial(self.pool.generate, req.model, **req.pool_fields()))
+            gen = await self.call(partial(self.pool.generate, model_id, **req.pool_fields()))
         except ValueError as exc:  # the pool's own argument check
             raise BadRequestError(f"{exc}.") from exc
         try:
@@ -440,11 +437,8 @@ class _Handlers:
         return JSONResponse(status_json(snapshot, self.counter))
 
     async def model_command(self, request: Request) -> Response:
-        model_id = request.path_params["model_id"]
         command = request.path_params["command"]
-        snapshot = self.pool.snapshot()
-        if snapshot.model(model_id) is None:
-            raise UnknownModelError(_unknown_model_message(model_id, snapshot))
+        model_id = resolve_model(self.pool.snapshot(), request.path_params["model_id"])
         if command == "pin":
             await self.call(self.pool.pin, model_id, True)
         elif command == "unpin":
@@ -492,9 +486,14 @@ def _finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
-def _unknown_model_message(model_id: str, snapshot: PoolSnapshot) -> str:
-    known = ", ".join(m.id for m in snapshot.models) or "none are configured"
-    return f"The model {model_id!r} does not exist in this Timeshare; use one of: {known}."
+def resolve_model(snapshot: PoolSnapshot, name: str) -> str:
+    """The id of the model ``name`` names (its id or display name, any case: modelnames'
+    API rule), else UnknownModelError naming the ids."""
+    model_id = resolve_api_model(snapshot.models, name)
+    if model_id is None:
+        known = ", ".join(m.id for m in snapshot.models) or "none are configured"
+        raise UnknownModelError(f"The model {name!r} does not exist in this Timeshare; use one of: {known}.")
+    return model_id
 
 
 async def _on_bad_request(request: Request, exc: Exception) -> Response:
