@@ -324,6 +324,13 @@ def check_json(value: object) -> None:
                 item.encode("utf-8")
             except UnicodeEncodeError:
                 raise _bad_string(where) from None
+        elif isinstance(item, _LongInteger):
+            raise BadRequestError(
+                f"{where or 'the request body'}: an integer of {item.digits} digits; no field takes "
+                f"more than {MAX_INT_DIGITS} (send a shorter number).",
+                where or None,
+                code="invalid_request",
+            )
         elif isinstance(item, dict):
             for key, sub in item.items():
                 try:
@@ -335,12 +342,34 @@ def check_json(value: object) -> None:
             stack.extend((sub, f"{where}[{i}]", depth + 1) for i, sub in enumerate(item))
 
 
+#: digits of a JSON integer; a longer one is a 400 naming its field, wherever it is (no field takes
+#: more than 20, and Python's int() refuses more than 4,300: that was a 500)
+MAX_INT_DIGITS = 100
+_LONG_DIGITS = re.compile(rb"\d{%d}" % (MAX_INT_DIGITS + 1))
+
+
+class _LongInteger:
+    """An integer of the body too long to convert: check_json names its field."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _LongInteger:
+    digits = len(text) - text.startswith("-")
+    return int(text) if digits <= MAX_INT_DIGITS else _LongInteger(digits)
+
+
 def parse_json(data: bytes) -> object:
     """A request body as checked JSON (see :func:`check_json`); BadRequestError otherwise."""
     if not data:
         raise BadRequestError("The request body is empty: send a JSON object.", code="invalid_json")
     try:
-        value = json.loads(data)
+        # a run of digits longer than an integer may have (in a number or a string): parse its
+        # integers one by one, so a long one becomes a marker instead of int()'s ValueError
+        value = json.loads(data, parse_int=_parse_int) if _LONG_DIGITS.search(data) else json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequestError(
             f"The request body is not valid JSON ({exc}); send a JSON object.", code="invalid_json"

@@ -51,6 +51,11 @@ def parse_toml(text: str, *, path: str | Path | None = None) -> dict[str, Any]:
         ) from exc
     except RecursionError:
         raise ConfigError([_too_deep("")], path=shown) from None
+    except ValueError as exc:  # int()'s limit: an integer of more than 4,300 digits
+        raise ConfigError(
+            [f"holds a number that cannot be read ({exc}); no setting needs one that long: fix the file"],
+            path=shown,
+        ) from None
     where = _deepest_over_limit(parsed)
     if where is not None:
         short = where if len(where) <= 60 else where[:60] + "..."
