@@ -14,7 +14,7 @@ from PySide6.QtCore import QObject, Signal
 from .qt_compat import emit
 
 if TYPE_CHECKING:
-    from ..core.chat import ChatTurn
+    from ..core.conversations.chat import ChatTurn
 
 
 class AnswerStream(QObject):

@@ -22,13 +22,13 @@ from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox, QSystemTrayIcon, QWidget
 
 from ..core import paths
-from ..core.atomic import atomic_write_text
 from ..core.config import files as config_files
 from ..core.config.schema import ApiConfig, Config
 from ..core.errors import ConfigError, InstanceRunningError, TimeshareError
+from ..core.gguf.modelfile import gguf_problem
 from ..core.instance import InstanceLock
-from ..core.logsetup import setup_logging
-from ..core.modelfile import gguf_problem
+from ..core.util.atomic import atomic_write_text
+from ..core.util.logsetup import setup_logging
 from . import autostart, icons
 from .bridge import PoolBridge
 from .chat_window import ChatWindow
@@ -39,9 +39,9 @@ from .single_instance import SingleInstance
 from .tray import Tray
 
 if TYPE_CHECKING:
-    from ..core.chat import ChatService
+    from ..core.conversations.chat import ChatService
+    from ..core.conversations.store import Store
     from ..core.pool.supervisor import Pool
-    from ..core.store import Store
     from .get_model import GetModelDialog
 
 log = logging.getLogger(__name__)
@@ -477,9 +477,9 @@ def run(args: argparse.Namespace) -> int:
             "Fix the file (it was not changed) and start Timeshare again.",
         )
 
-    from ..core.chat import ChatService
+    from ..core.conversations.chat import ChatService
+    from ..core.conversations.store import Store
     from ..core.pool.supervisor import Pool
-    from ..core.store import Store
 
     try:
         store = Store()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..core.atomic import atomic_write_text
+from ..core.util.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

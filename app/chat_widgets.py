@@ -22,15 +22,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.conversations.store import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from ..core.errors import TimeshareError
-from ..core.store import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from .menu_model import display_state
 from .qt_compat import emit
 from .transcript import settings_summary
 
 if TYPE_CHECKING:
+    from ..core.conversations.store import Conversation, Store
     from ..core.state import PoolSnapshot
-    from ..core.store import Conversation, Store
 
 SAVE_PROMPT_MS = 400  # a typed system prompt is saved this long after the last key
 MAX_TOKENS_LIMIT = 32768  # the most the max-tokens box allows (the model's context limits it anyway)

@@ -56,8 +56,8 @@ from .transcript import (
 from .waits import WaitClock, chat_wait_kind, chat_wait_line
 
 if TYPE_CHECKING:
-    from ..core.chat import ChatResult, ChatService
-    from ..core.store import AnswerStats, Store
+    from ..core.conversations.chat import ChatResult, ChatService
+    from ..core.conversations.store import AnswerStats, Store
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..core.atomic import atomic_write_text
+from ..core.util.atomic import atomic_write_text
 from .autostart import APP_ID, DESKTOP_FILE, _desktop_exec_quote, launcher, packaged_desktop_entry
 
 ICONS = (

@@ -38,7 +38,7 @@ from ..core.errors import CancelledError, ConfigError, TimeshareError
 from ..core.pull import add, progress, remote, sources
 from ..core.pull.download import PullResult, pull
 from ..core.state import PoolSnapshot
-from ..core.units import human_bytes
+from ..core.util.units import human_bytes
 from .qt_compat import emit
 
 log = logging.getLogger(__name__)

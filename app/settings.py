@@ -39,13 +39,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core import catalog
 from ..core.config import files as config_files
 from ..core.config import validate as config_validate
 from ..core.config.schema import Config
 from ..core.errors import ConfigError, ModelFileError
+from ..core.gguf import catalog
 from ..core.state import PoolSnapshot
-from ..core.units import human_bytes
+from ..core.util.units import human_bytes
 from .bridge import PoolBridge
 from .menu_model import display_state
 from .qt_compat import emit

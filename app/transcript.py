@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..core.store import AnswerStats, Conversation, Message
+    from ..core.conversations.store import AnswerStats, Conversation, Message
 
 #: between the messages of the transcript
 BLOCK_SEPARATOR = "\n\n---\n\n"

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import DiskFullError
-from .units import human_bytes
+from .util.units import human_bytes
 
 #: the errors that say the disk (or the user's quota on it) is full
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})

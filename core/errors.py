@@ -185,7 +185,7 @@ class InstanceRunningError(TimeshareError):
         self.url = url
 
 
-# ---- conversations (core/store.py, core/chat.py) --------------------------------------------------
+# ---- conversations (core/conversations/) --------------------------------------------------
 
 
 class StoreError(TimeshareError):

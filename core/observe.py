@@ -5,7 +5,7 @@ Product code reports through an :class:`Observer`:
 
 - a worker's :class:`~.arena.client.TokenClient` records each ``"token"`` interval (acquired →
   released, with ``requested``, ``handoff`` and ``previous``);
-- a worker's :class:`~.worker.residence.ArenaResidence` records each ``"resident"`` interval
+- a worker's :class:`~.worker.tenancy.ArenaTenancy` records each ``"resident"`` interval
   (restore or load started → release finished);
 - the TokenClient also records an ``"acquired"`` point (start == end == the moment the token was
   taken, with ``requested``) as it takes the token, so a holder killed before it could release

@@ -4,7 +4,7 @@ Usage (a CUDA build of llama-cpp-python, timeshare importable, libcudart on the 
 
     python scripts/gpu_restore_oom_check.py MODEL.gguf
 
-The worker's ``ArenaResidence`` runs in this process on MODEL (loaded, greedy reference, released);
+The worker's ``ArenaTenancy`` runs in this process on MODEL (loaded, greedy reference, released);
 a "hog" child process (this file again) takes all but 2 GiB of the free device memory:
 
 A. the hog also holds the arena token and is killed with SIGKILL while our worker waits: the
@@ -84,8 +84,8 @@ def main(model_path: str) -> None:
     from timeshare.core.config.schema import ArenaConfig, ModelConfig
     from timeshare.core.errors import OutOfDeviceMemoryError
     from timeshare.core.worker.engine import Engine
-    from timeshare.core.worker.residence import ArenaResidence
     from timeshare.core.worker.spec import WorkerSpec
+    from timeshare.core.worker.tenancy import ArenaTenancy
 
     messages = Messages()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -98,7 +98,7 @@ def main(model_path: str) -> None:
         arena_dir=arena_dir,
         kv_dir=tempfile.mkdtemp(prefix="oom-kv-"),
     )
-    res = ArenaResidence(spec)
+    res = ArenaTenancy(spec)
     res.acquire(lambda: None, None)
     engine = Engine.load(spec.model, use_mmap=res.use_mmap)
     res.attach(engine)

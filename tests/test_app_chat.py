@@ -67,8 +67,8 @@ def pool(smollm2_path: Path, gemma3_path: Path, tmp_path_factory: pytest.TempPat
 @pytest.fixture
 def app(qtbot: Any, pool: Any, tmp_path: Path) -> Iterator[Any]:
     from timeshare.app.application import TimeshareApp
-    from timeshare.core.chat import ChatService
-    from timeshare.core.store import Store
+    from timeshare.core.conversations.chat import ChatService
+    from timeshare.core.conversations.store import Store
 
     store = Store(tmp_path / "conversations.sqlite3")
     ta = TimeshareApp(
@@ -375,9 +375,9 @@ def test_a_crashed_worker_is_announced_and_comes_back(qtbot: Any, app: Any) -> N
 def test_quit_stops_every_worker(qtbot: Any, smollm2_path: Path, tmp_path: Path) -> None:
     from timeshare.app.application import TimeshareApp
     from timeshare.app.menu_model import Action, Command
-    from timeshare.core.chat import ChatService
+    from timeshare.core.conversations.chat import ChatService
+    from timeshare.core.conversations.store import Store
     from timeshare.core.pool.supervisor import Pool
-    from timeshare.core.store import Store
 
     pool = Pool(demo_config(smollm2_path))
     pool.start()

@@ -21,9 +21,9 @@ WAIT_MS = 240_000
 def app(qtbot: Any, tmp_path: Path, timeshare_home: Path) -> Iterator[Any]:
     from timeshare.app.application import TimeshareApp
     from timeshare.core import paths
-    from timeshare.core.chat import ChatService
+    from timeshare.core.conversations.chat import ChatService
+    from timeshare.core.conversations.store import Store
     from timeshare.core.pool.supervisor import Pool
-    from timeshare.core.store import Store
 
     config = Config(
         models=(

@@ -135,7 +135,7 @@ def test_add_file_through_the_file_picker_then_save(
 def test_add_from_catalog_shows_the_demo_licences(
     qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
 ) -> None:
-    from timeshare.core import catalog
+    from timeshare.core.gguf import catalog
 
     entries = catalog.scan(["demo"], demo_paths=[smollm2_path])
     assert entries
@@ -148,7 +148,7 @@ def test_add_from_catalog_shows_the_demo_licences(
 
 def test_catalog_dialog_lists_entries(qtbot: Any, smollm2_path: Path) -> None:
     from timeshare.app.settings import CatalogDialog
-    from timeshare.core import catalog
+    from timeshare.core.gguf import catalog
 
     entries = catalog.scan(["demo"], demo_paths=[smollm2_path])
     dialog = CatalogDialog(entries)
@@ -161,7 +161,7 @@ def test_catalog_dialog_lists_entries(qtbot: Any, smollm2_path: Path) -> None:
 def test_the_catalog_marks_the_models_already_added(qtbot: Any, smollm2_path: Path) -> None:
     from PySide6.QtCore import Qt
     from timeshare.app.settings import CatalogDialog
-    from timeshare.core import catalog
+    from timeshare.core.gguf import catalog
 
     entries = catalog.scan(["demo"], demo_paths=[smollm2_path])
     assert entries
@@ -317,8 +317,8 @@ def test_bridge_reports_a_failed_command(qtbot: Any, bridge: Any) -> None:
 @pytest.fixture
 def bare_app(qtbot: Any, pool: Any, tmp_path: Path, config_path: Path) -> Iterator[Any]:
     from timeshare.app.application import TimeshareApp
-    from timeshare.core.chat import ChatService
-    from timeshare.core.store import Store
+    from timeshare.core.conversations.chat import ChatService
+    from timeshare.core.conversations.store import Store
 
     store = Store(tmp_path / "c.sqlite3")
     made: list[Any] = []
@@ -433,8 +433,8 @@ def _free_port() -> int:
 
 def _app_with_api(qtbot: Any, pool: Any, tmp_path: Path, port: int) -> Any:
     from timeshare.app.application import TimeshareApp
-    from timeshare.core.chat import ChatService
-    from timeshare.core.store import Store
+    from timeshare.core.conversations.chat import ChatService
+    from timeshare.core.conversations.store import Store
 
     store = Store(tmp_path / "c.sqlite3")
     app = TimeshareApp(
@@ -520,7 +520,7 @@ def test_add_model_from_the_tray_opens_the_catalog(
     from PySide6.QtWidgets import QDialog
     from timeshare.app import settings
     from timeshare.app.menu_model import Action, Command
-    from timeshare.core import catalog
+    from timeshare.core.gguf import catalog
 
     # the catalog scans only the demo package here, not this machine's model folders
     real_scan = catalog.scan_report

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from timeshare.core.config.schema import ApiConfig, Config
+from timeshare.core.conversations.store import AnswerStats
 from timeshare.core.state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot
-from timeshare.core.store import AnswerStats
 
 pytestmark = pytest.mark.gui
 
@@ -28,9 +28,9 @@ WAIT_MS = 30_000  # upper bound for a wait on a loaded machine; nothing is timed
 @pytest.fixture
 def app(qtbot: Any, tmp_path: Path, timeshare_home: Path) -> Iterator[Any]:
     from timeshare.app.application import TimeshareApp
-    from timeshare.core.chat import ChatService
+    from timeshare.core.conversations.chat import ChatService
+    from timeshare.core.conversations.store import Store
     from timeshare.core.pool.supervisor import Pool
-    from timeshare.core.store import Store
 
     pool = Pool(Config(api=ApiConfig(enabled=False)))
     store = Store(tmp_path / "c.sqlite3")

@@ -24,7 +24,7 @@ from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.records import DoorbellRing
 from timeshare.core.arena.tickets import Arena
 from timeshare.core.errors import VramBudgetError
-from timeshare.core.units import parse_size
+from timeshare.core.util.units import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = str(Path(__file__).resolve().parent / "_arena_util.py")

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from timeshare.core import catalog
-from timeshare.core.catalog import CatalogEntry
 from timeshare.core.config import demo
 from timeshare.core.config import files as config_files
 from timeshare.core.config import schema as config_schema
 from timeshare.core.config import validate as config_validate
 from timeshare.core.errors import ModelFileError
+from timeshare.core.gguf import catalog
+from timeshare.core.gguf.catalog import CatalogEntry
 
 
 def write_gguf(
@@ -459,14 +459,14 @@ def test_damaged_files_give_an_entry_or_a_model_file_error(
     ],
 )
 def test_a_files_start_is_worded_for_people(head: bytes, words: str) -> None:
-    from timeshare.core.modelfile import file_start
+    from timeshare.core.gguf.modelfile import file_start
 
     assert file_start(head) == words
     assert "b'" not in file_start(head)
 
 
 def test_the_cheap_model_file_check_says_how_the_file_starts(tmp_path: Path) -> None:
-    from timeshare.core.modelfile import gguf_problem
+    from timeshare.core.gguf.modelfile import gguf_problem
 
     path = tmp_path / "hello.gguf"
     path.write_bytes(b"hello")

@@ -20,7 +20,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from timeshare.core.chat import ChatService
+from timeshare.core.conversations.chat import ChatService
+from timeshare.core.conversations.store import Store
 from timeshare.core.errors import (
     ConversationBusyError,
     EmptyMessageError,
@@ -31,8 +32,7 @@ from timeshare.core.errors import (
 )
 from timeshare.core.sampling import Sampling
 from timeshare.core.state import SwitchStats
-from timeshare.core.store import Store
-from timeshare.core.stream import TextStream
+from timeshare.core.util.stream import TextStream
 from timeshare.core.worker.protocol import ChatMessage, Usage
 
 WAIT = 120.0  # an upper bound for waits on a loaded 2-core machine; nothing is timed

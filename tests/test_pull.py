@@ -18,7 +18,6 @@ import httpx
 import pytest
 from _hub_util import GOOD_TOKEN, FakeHub, Repo, git_sha1, make_gguf, sha256
 from PySide6.QtCore import QObject, Qt, Signal
-from timeshare.core import catalog
 from timeshare.core.config.files import load_config
 from timeshare.core.errors import (
     CancelledError,
@@ -33,10 +32,11 @@ from timeshare.core.errors import (
     UnsafeNameError,
     UnsupportedArchitectureError,
 )
-from timeshare.core.llama_archs import supported_architectures
+from timeshare.core.gguf import catalog
+from timeshare.core.gguf.llama_archs import supported_architectures
 from timeshare.core.pull import add, download, progress, remote, sources, verify
 from timeshare.core.state import PoolSnapshot
-from timeshare.core.units import human_bytes
+from timeshare.core.util.units import human_bytes
 
 REPO = "tiny-org/Tiny-GGUF"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

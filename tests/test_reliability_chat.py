@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from timeshare.core.chat import ChatService
+from timeshare.core.conversations.chat import ChatService
+from timeshare.core.conversations.store import Store
 from timeshare.core.errors import InvalidTextError, TimeshareError
-from timeshare.core.store import Store
 
 
 class _NoPool:

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 from timeshare.core import paths
-from timeshare.core.errors import StoreError, UnknownConversationError, UnknownMessageError
-from timeshare.core.store import (
+from timeshare.core.conversations.store import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     SCHEMA_VERSION,
     AnswerStats,
     Store,
 )
+from timeshare.core.errors import StoreError, UnknownConversationError, UnknownMessageError
 
 
 @pytest.fixture
@@ -208,7 +208,7 @@ def test_a_killed_process_loses_nothing_it_saved(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, signal
-        from timeshare.core.store import Store
+        from timeshare.core.conversations.store import Store
         s = Store({str(path)!r})
         c = s.create_conversation("smol", "crash")
         s.add_message(c.id, "user", "tell me a story")

@@ -16,7 +16,7 @@ from timeshare.app.transcript import (
     settings_summary,
     with_live_answer,
 )
-from timeshare.core.store import AnswerStats, Conversation, Message
+from timeshare.core.conversations.store import AnswerStats, Conversation, Message
 
 NAMES = {"smol": "SmolLM2", "gemma": "Gemma"}
 

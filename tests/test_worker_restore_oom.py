@@ -2,7 +2,7 @@
 ``arena.restore_oom_retry_s`` (issue 4: after a ``kill -9`` of the holder the kernel drops its flock
 at once, the driver frees its memory a little later). Then a clear error, the token given back.
 
-The worker's ``ArenaResidence`` runs in this process on the real SmolLM2 with the real in-place
+The worker's ``ArenaTenancy`` runs in this process on the real SmolLM2 with the real in-place
 residency and a real arena; the only fault is injected: ``_ggml.buft_alloc_buffer`` (the
 allocation of a weight buffer) answers "no memory", the one thing a machine with free memory
 cannot produce on demand. The reference output comes from the same model before any release."""
@@ -21,8 +21,8 @@ from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.errors import OutOfDeviceMemoryError, TokenTimeoutError
 from timeshare.core.residency import _ggml
 from timeshare.core.worker.engine import Engine
-from timeshare.core.worker.residence import ArenaResidence
 from timeshare.core.worker.spec import WorkerSpec
+from timeshare.core.worker.tenancy import ArenaTenancy
 
 MAX_TOKENS = 12
 
@@ -39,7 +39,7 @@ def _inplace_expected() -> str:
     return f"the pinned llama-cpp-python {pinned.group(1)} on a CPU build"
 
 
-Loaded = tuple[ArenaResidence, Engine, list[int]]
+Loaded = tuple[ArenaTenancy, Engine, list[int]]
 
 
 @pytest.fixture()
@@ -47,14 +47,14 @@ def loaded(tmp_path: Path, smollm2_path: Path) -> Iterator[Callable[[float], Loa
     """Load SmolLM2 under the token with ``restore_oom_retry_s`` = the argument, take the greedy
     reference, release: the state of a worker whose model another one displaced."""
 
-    def make(retry_s: float) -> tuple[ArenaResidence, Engine, list[int]]:
+    def make(retry_s: float) -> tuple[ArenaTenancy, Engine, list[int]]:
         spec = WorkerSpec(
             model=ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, idle_sleep_s=None),
             arena=ArenaConfig(restore_oom_retry_s=retry_s),
             arena_dir=str(tmp_path / "arena"),
             kv_dir=str(tmp_path / "kv"),
         )
-        res = ArenaResidence(spec)
+        res = ArenaTenancy(spec)
         res.acquire(lambda: None, None)
         engine = Engine.load(spec.model, use_mmap=res.use_mmap)
         res.attach(engine)
@@ -68,7 +68,7 @@ def loaded(tmp_path: Path, smollm2_path: Path) -> Iterator[Callable[[float], Loa
         made.append(res)
         return res, engine, reference
 
-    made: list[ArenaResidence] = []
+    made: list[ArenaTenancy] = []
     yield make
     for res in made:
         res.release(kv=False)

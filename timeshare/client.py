@@ -30,7 +30,7 @@ from .core.arena.dirs import pid_alive
 from .core.errors import UntrustedAddressError
 from .core.instance import running_instance
 from .core.sampling import for_front_end
-from .core.units import human_bytes
+from .core.util.units import human_bytes
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # not running, or the server refused the request

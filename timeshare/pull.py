@@ -22,7 +22,7 @@ from typing import TextIO
 from .core.config.files import cli_config_path
 from .core.errors import CancelledError, ChooseQuantisationError, ConfigError, TimeshareError
 from .core.pull import add, download, progress, remote, sources
-from .core.units import human_bytes, parse_size
+from .core.util.units import human_bytes, parse_size
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import paths
-from ..atomic import atomic_write_text
 from ..errors import UntrustedAddressError
+from ..util.atomic import atomic_write_text
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from ..config.validate import is_loopback
 from ..diskspace import check_room, disk_full_error, is_disk_full
 from ..errors import ApiBindError, ArenaError, ConfigError, DiskFullError, InstanceRunningError
 from ..instance import InstanceLock
-from ..logsetup import setup_logging
 from ..pool.supervisor import Pool
 from ..state import ModelState, PoolSnapshot
+from ..util.logsetup import setup_logging
 from .address import ApiAddress
 from .connections import (
     HEAD_TIMEOUT_S,

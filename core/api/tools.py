@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..catalog import read_chat_template
 from ..chatformat.families import Family, detect_family, generic_system_prompt
 from ..chatformat.grammar import ToolGrammarError, functions_of, tool_grammar, tool_triggers
 from ..chatformat.history import add_system
 from ..chatformat.template import ChatTemplate, TemplateError
 from ..config.schema import ModelConfig
+from ..gguf.catalog import read_chat_template
 from .errors import BadRequestError
 from .structured import check_schema
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..units import decimal_bytes, parse_size
+from ..util.units import decimal_bytes, parse_size
 
 BudgetKind = Literal["auto", "one-model", "bytes", "fraction"]
 LeaseKind = Literal["weights", "reserve"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import ArenaError, CancelledError, TokenTimeoutError, VramBudgetError
-from ..units import decimal_bytes
+from ..util.units import decimal_bytes
 from .budget import BudgetRecord, LeaseRecord, Plan, plan_fit
 from .records import RESCAN_INTERVAL_S, SWEEP_INTERVAL_S, Ticket, TokenGrant
 from .tickets import Arena

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
-from ..atomic import atomic_write_text
 from ..errors import ConfigError
+from ..util.atomic import atomic_write_text
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -14,7 +14,7 @@ from typing import Any, get_args
 from .. import paths
 from ..arena.budget import parse_budget
 from ..errors import ConfigError
-from ..modelfile import GGUF_MAGIC, file_start
+from ..gguf.modelfile import GGUF_MAGIC, file_start
 from ..state import RELEASE_LEVELS
 from . import demo
 from .schema import (

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TimeshareError
-from ..modelfile import gguf_problem
+from ..gguf.modelfile import gguf_problem
 from .bench_api_procs import MAX_TOKENS, LlamaServer, Serve, decode_rate, fresh_process
 from .bench_api_report import SYSTEMS, plot, print_table, summarise
 

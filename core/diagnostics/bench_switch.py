@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TimeshareError
-from ..modelfile import gguf_problem
+from ..gguf.modelfile import gguf_problem
 from ..sampling import Sampling
 from . import fresh_process
 

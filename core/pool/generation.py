@@ -9,7 +9,7 @@ from typing import Literal, cast
 from ..errors import ProtocolError, TimeshareError
 from ..sampling import Sampling
 from ..state import SwitchStats
-from ..stream import TextStream
+from ..util.stream import TextStream
 from ..worker import protocol
 
 # ---- generation handle ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .. import errors
 from ..config import demo
 from ..config.schema import Config, ModelConfig
 from ..errors import ModelUnavailableError, UnknownModelError
-from ..modelfile import gguf_problem, is_transient, transient_text
+from ..gguf.modelfile import gguf_problem, is_transient, transient_text
 from ..observe import EventLog
 from ..state import EventKind, ModelState, PoolEvent, PoolSnapshot, SwitchStats
 from ..worker import protocol

@@ -8,11 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import paths
-from ..catalog import model_config_from_entry
 from ..config.files import load_config, save_config
 from ..config.schema import Config, ModelConfig
 from ..config.validate import MODEL_ID_RE
 from ..errors import ConfigError
+from ..gguf.catalog import model_config_from_entry
 from ..modelnames import pulled_names, repo_label
 from .download import PullResult
 from .sources import HubSource, quant_label

@@ -38,7 +38,6 @@ from typing import BinaryIO
 
 import httpx
 
-from ..catalog import CatalogEntry, read_gguf_header
 from ..errors import (
     CancelledError,
     CorruptDownloadError,
@@ -48,8 +47,9 @@ from ..errors import (
     NoSpaceError,
     UnsupportedArchitectureError,
 )
-from ..llama_archs import ArchSupport, supported_architectures
-from ..units import human_bytes
+from ..gguf.catalog import CatalogEntry, read_gguf_header
+from ..gguf.llama_archs import ArchSupport, supported_architectures
+from ..util.units import human_bytes
 from . import (
     names,
     verify,  # verify.PEEK_BYTES is read through the module: a test sets it there

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ..units import human_bytes
+from ..util.units import human_bytes
 
 
 @dataclass(frozen=True)

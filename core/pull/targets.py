@@ -23,9 +23,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import paths
-from ..atomic import atomic_write_text
-from ..catalog import default_hf_root
 from ..errors import DownloadError
+from ..gguf.catalog import default_hf_root
+from ..util.atomic import atomic_write_text
 from . import names
 from .remote import hub_endpoint, hub_error
 from .sources import Choice, HubSource, Listing, RemoteFile

@@ -2,7 +2,7 @@
 (before the rest is downloaded), the sha256.
 
 :func:`peek_architecture` reads ``general.architecture`` with the catalog's GGUF reader
-(:class:`catalog.GgufCursor`); :func:`check_architecture` asks whether the installed llama.cpp
+(:class:`gguf.header.GgufCursor`); :func:`check_architecture` asks whether the installed llama.cpp
 loads it (``llama_archs``).
 """
 
@@ -14,10 +14,10 @@ import struct
 import threading
 from pathlib import Path
 
-from ..catalog import GgufCorruptError, GgufCursor, GgufTruncatedError
 from ..errors import CancelledError, CorruptDownloadError, UnsupportedArchitectureError
-from ..llama_archs import ArchSupport
-from ..modelfile import GGUF_MAGIC, file_start
+from ..gguf.header import GgufCorruptError, GgufCursor, GgufTruncatedError
+from ..gguf.llama_archs import ArchSupport
+from ..gguf.modelfile import GGUF_MAGIC, file_start
 from .progress import Meter
 
 log = logging.getLogger(__name__)

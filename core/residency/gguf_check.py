@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ModelFileError
-from ..modelfile import GGUF_MAGIC, file_start
+from ..gguf.modelfile import GGUF_MAGIC, file_start
 from . import _ggml
 
 

@@ -49,7 +49,7 @@ from ..chatformat.history import normalise, render
 from ..chatformat.template import ChatTemplate, TemplateCaps, TemplateError
 from ..config.schema import ModelConfig
 from ..errors import ChatTemplateError, InvalidSamplingError, ModelFileError, PromptTooLongError
-from ..modelfile import check_model_file
+from ..gguf.modelfile import check_model_file
 from ..residency import check_gguf
 from ..sampling import Sampling
 from . import kv_files

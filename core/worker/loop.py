@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import CancelledError, FrameError, TimeshareError
-from ..logsetup import setup_logging
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
+from ..util.logsetup import setup_logging
 from . import protocol as p
 from .engine import Engine
-from .residence import Acquired, Residence, make_residence
 from .spec import WorkerSpec
+from .tenancy import Acquired, Tenancy, make_tenancy
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ _Task = p.Request | _Yield | _Disconnected  # what the loop thread takes from it
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, conn: p.Connection, residence: Residence | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, conn: p.Connection, tenancy: Tenancy | None = None) -> None:
         self.spec = spec
         self.conn = conn
-        self.residence = residence or Residence()
+        self.tenancy = tenancy or Tenancy()
         self.tasks: queue.Queue[_Task] = queue.Queue()
         self.engine: Engine | None = None
         self.pinned = spec.model.pinned
@@ -93,7 +93,7 @@ class Worker:
     def publish(self) -> None:
         """Build the status snapshot (loop thread) and push it if it changed."""
         engine = self.engine
-        res = self.residence
+        res = self.tenancy
         state: p.WorkerState
         if self._state == "ready":
             state = "resident" if res.weights_resident else "released"
@@ -192,7 +192,7 @@ class Worker:
         """Load under the token (the weights land on the device), attach the residency, then
         release the weights and the token unless a request is already waiting."""
         model = self.spec.model
-        res = self.residence
+        res = self.tenancy
         self.publish()
         res.acquire(self._load_poll, None)
         try:
@@ -218,15 +218,15 @@ class Worker:
                     n_ctx=engine.info.n_ctx,
                     n_vocab=engine.info.n_vocab,
                     chat_format=engine.info.chat_format,
-                    residency_path=self.residence.path,
-                    residency_reason=self.residence.reason,
-                    backend=self.residence.backend,
-                    weight_bytes=self.residence.weight_bytes,
-                    host_pinned_bytes=self.residence.host_bytes,
-                    device=self.residence.device_index,
-                    device_name=self.residence.device_name,
-                    budget_setting=self.residence.budget.setting if self.residence.budget else "",
-                    budget_note=self.residence.budget_note,
+                    residency_path=self.tenancy.path,
+                    residency_reason=self.tenancy.reason,
+                    backend=self.tenancy.backend,
+                    weight_bytes=self.tenancy.weight_bytes,
+                    host_pinned_bytes=self.tenancy.host_bytes,
+                    device=self.tenancy.device_index,
+                    device_name=self.tenancy.device_name,
+                    budget_setting=self.tenancy.budget.setting if self.tenancy.budget else "",
+                    budget_note=self.tenancy.budget_note,
                 )
             )
         )
@@ -240,7 +240,7 @@ class Worker:
 
     def _set_pinned(self, pinned: bool) -> None:
         self.pinned = pinned
-        self.residence.set_pinned(pinned)
+        self.tenancy.set_pinned(pinned)
 
     def _dispatch(self, task: _Task) -> None:
         if isinstance(task, p.Generate):
@@ -310,15 +310,15 @@ class Worker:
 
     def _should_yield(self) -> bool:
         """Give the token up now? Not when pinned, not holding, or when the ring was stale."""
-        if self.pinned or not self.residence.holds_token:
+        if self.pinned or not self.tenancy.holds_token:
             return False
-        if not self.residence.others_waiting():
+        if not self.tenancy.others_waiting():
             self._yield_wanted = False
             return False
         return True
 
     def _ensure_resident(self, poll: Callable[[], None]) -> Acquired:
-        res = self.residence
+        res = self.tenancy
         if res.holds_token and res.weights_resident:
             return Acquired(switched=False)
         self._state = "ready"
@@ -332,9 +332,9 @@ class Worker:
         return acquired
 
     def _release(self, kv: bool) -> None:
-        if self.engine is not None and (kv or self.residence.frees_context) and self.residence.kv_resident:
+        if self.engine is not None and (kv or self.tenancy.frees_context) and self.tenancy.kv_resident:
             self.engine.park()  # the context goes away: every conversation becomes a host snapshot
-        released = self.residence.release(kv)
+        released = self.tenancy.release(kv)
         self._yield_wanted = False
         if kv:
             self._state = "sleeping"
@@ -369,7 +369,7 @@ class Worker:
             quantum_over = held_ms >= self.spec.arena.min_quantum_ms
             if self._yield_wanted and quantum_over and self._should_yield():
                 self._release(kv=False)
-            if not (self.residence.holds_token and self.residence.weights_resident):
+            if not (self.tenancy.holds_token and self.tenancy.weights_resident):
                 got = self._ensure_resident(lambda: self._wait_poll(req.req))
                 if not first:
                     switch = got
@@ -380,9 +380,9 @@ class Worker:
             self.send(p.Token(req=req.req, text=text))
 
         self._busy = True
-        if self.residence.holds_token:
+        if self.tenancy.holds_token:
             self._quantum_start = time.monotonic()  # the quantum counts generation, not idle holding
-            self.residence.note_use(True)
+            self.tenancy.note_use(True)
         self.publish()
         reply: p.Done | p.Error
         try:
@@ -407,7 +407,7 @@ class Worker:
             )
         finally:
             self._busy = False
-            self.residence.note_use(False)
+            self.tenancy.note_use(False)
             self.publish()  # the snapshot is current before the reply arrives
         self.send(reply)
         if self._yield_wanted and self._should_yield():
@@ -429,9 +429,9 @@ class Worker:
                 )
         self._pending.clear()
         try:
-            self.residence.release(kv=False)
+            self.tenancy.release(kv=False)
         finally:
-            self.residence.close()
+            self.tenancy.close()
 
 
 def _setup_logging(model_id: str) -> None:
@@ -463,13 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     fix_malloc_mmap_threshold()  # freed weight buffers go back to the system at once (RSS drops)
     prefer_device_local_memory()  # Vulkan: DMA uploads, not memcpy through the BAR (residency/vkenv.py)
     try:
-        residence = make_residence(spec)
+        tenancy = make_tenancy(spec)
     except TimeshareError as exc:
         log.error("%s", exc)
         with contextlib.suppress(OSError):
             conn.send(p.Error(req=None, code=exc.code, message=str(exc), fatal=True))
         return 2
-    worker = Worker(spec, conn, residence)
+    worker = Worker(spec, conn, tenancy)
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down", signum)

@@ -19,13 +19,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from .errors import CancelledError, ConversationBusyError, EmptyMessageError, InvalidTextError, TimeshareError
-from .sampling import FIELDS as SAMPLING_FIELDS
-from .sampling import Sampling, for_front_end
-from .state import SwitchStats
+from ..errors import (
+    CancelledError,
+    ConversationBusyError,
+    EmptyMessageError,
+    InvalidTextError,
+    TimeshareError,
+)
+from ..sampling import FIELDS as SAMPLING_FIELDS
+from ..sampling import Sampling, for_front_end
+from ..state import SwitchStats
+from ..util.stream import TextStream
+from ..worker.protocol import ChatMessage
 from .store import AnswerStats, Conversation, Message, Store
-from .stream import TextStream
-from .worker.protocol import ChatMessage
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ into libllama, and the build exports ``const char *llm_arch_name(llm_arch)``: ca
 0, 1, 2, ... until it answers "(unknown)" lists exactly the names this build accepts. It is not in
 llama.h, so it is reached by its C++ (Itanium ABI) symbol name, which Linux and macOS builds share.
 
-The list is read in a short-lived subprocess (``python -m timeshare.core.llama_archs``) so that the
+The list is read in a short-lived subprocess (``python -m timeshare.core.gguf.llama_archs``) so that the
 tray app never loads llama.cpp's libraries itself, and cached on disk per library file (path, size,
 modification time). Where the symbol is missing (another ABI, a future build that hides it), the
 architectures of the installed ``gguf`` package (llama.cpp's own Python package) stand in, and the
@@ -25,8 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths
-from .atomic import atomic_write_text
+from .. import paths
+from ..util.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def _from_library(key: str, lib: str) -> ArchSupport | None:
         pass
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "timeshare.core.llama_archs", lib],
+            [sys.executable, "-m", "timeshare.core.gguf.llama_archs", lib],
             capture_output=True,
             text=True,
             timeout=60,
@@ -142,7 +142,7 @@ def supported_architectures() -> ArchSupport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m timeshare.core.llama_archs LIB``: print the names as a JSON list."""
+    """``python -m timeshare.core.gguf.llama_archs LIB``: print the names as a JSON list."""
     args = sys.argv[1:] if argv is None else argv
     lib = Path(args[0]) if args else llama_library()
     if lib is None:

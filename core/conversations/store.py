@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from . import paths
-from .errors import StoreError, UnknownConversationError, UnknownMessageError
+from .. import paths
+from ..errors import StoreError, UnknownConversationError, UnknownMessageError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Residence: the GPU token and the weights; the policy that decides when they are on the device."""
+"""Tenancy: the GPU token and the weights; the policy that decides when they are on the device."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
 from ..residency.residency import rss_bytes
 from ..state import WorkerReleaseLevel
-from ..units import decimal_bytes
+from ..util.units import decimal_bytes
 from . import protocol as p
 from .device import DeviceMemory, budget_setting, device_memory
 from .engine import Engine
@@ -29,7 +29,7 @@ from .spec import WorkerSpec
 log = logging.getLogger(__name__)
 
 
-# ---- residence: the GPU token and the weights ------------------------------------------------
+# ---- tenancy: the GPU token and the weights ------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,15 @@ class Acquired:
     restore_ms: float = 0.0
 
 
-class Residence:
+class Tenancy:
     """The token and the weights, driven by the loop thread only.
 
-    This base class is the arena-less residence: one worker alone, weights always on the device.
-    ``ArenaResidence`` (when an arena directory is given) adds the flock token and the
+    This base class is the arena-less tenancy: one worker alone, weights always on the device.
+    ``ArenaTenancy`` (when an arena directory is given) adds the flock token and the
     release/restore of the weights.
     """
 
-    #: what the Ready message reports (ArenaResidence takes them from the attached residency)
+    #: what the Ready message reports (ArenaTenancy takes them from the attached residency)
     path = "none"
     reason = "no arena: the weights stay loaded"
     backend = "CPU"
@@ -139,7 +139,7 @@ class Residence:
         pass
 
 
-class ArenaResidence(Residence):
+class ArenaTenancy(Tenancy):
     """The GPU token (core/arena.py) plus the release/restore of the weights (core/residency).
 
     Invariant: the weights are on the device iff this worker holds a lease on the device's VRAM
@@ -461,8 +461,8 @@ class ArenaResidence(Residence):
             self.arena.close()
 
 
-def make_residence(spec: WorkerSpec) -> Residence:
-    """The arena residence when an arena directory is given, else the arena-less one."""
+def make_tenancy(spec: WorkerSpec) -> Tenancy:
+    """The arena tenancy when an arena directory is given, else the arena-less one."""
     if spec.arena_dir is None:
-        return Residence()
-    return ArenaResidence(spec)
+        return Tenancy()
+    return ArenaTenancy(spec)
