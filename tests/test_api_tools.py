@@ -5,16 +5,29 @@ streamed (assembled by the official openai client's own stream accumulator)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import jsonschema
+import openai
 import pytest
+from _api_util import SMOL, Served, serving
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from timeshare.core.api.chat_output import ChatOutput
 from timeshare.core.api.errors import BadRequestError
-from timeshare.core.api.tools import ChatFormat, ToolRequest, chat_format_of, parse_tool_request, plan
+from timeshare.core.api.tools import (
+    ChatFormat,
+    ToolRequest,
+    chat_format_of,
+    parse_tool_request,
+    plan,
+    prepare,
+)
 from timeshare.core.chatformat.families import FAMILIES
 from timeshare.core.config.schema import ModelConfig
+from timeshare.core.worker.protocol import ChatMessage, ToolSpec
 
 WEATHER = {
     "type": "function",
@@ -122,6 +135,23 @@ def test_chat_format_of_the_demo_models(smollm2_path: Path, tmp_path: Path) -> N
     assert (fmt.family.name, fmt.template) == ("generic", False)
 
 
+def test_prepare_gives_the_worker_messages_and_tool_specs(smollm2_path: Path) -> None:
+    qwen = (Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    messages = (ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi"))
+    request = parse_tool_request({"tools": [WEATHER], "tool_choice": "required"})
+    hermes = prepare(messages, request, ModelConfig(id="q", path=str(smollm2_path), chat_template=qwen))
+    assert hermes.messages == messages  # the template shows the tools itself
+    assert hermes.tools == (
+        ToolSpec("get_weather", "The weather of a city", WEATHER["function"]["parameters"]),
+    )
+    generic = prepare(messages, request, ModelConfig(id="s", path=str(smollm2_path)))
+    assert generic.tools == ()
+    assert generic.messages[0].content.startswith("Be brief.\n\nYou can call these functions")
+    assert generic.messages[1:] == messages[1:]
+    plain = prepare(messages, None, ModelConfig(id="s", path=str(smollm2_path)))
+    assert (plain.messages, plain.tools, plain.plan.grammar) == (messages, (), None)
+
+
 # ---- answers -----------------------------------------------------------------------------------
 
 
@@ -201,3 +231,158 @@ def test_mistral_call_ids_are_nine_alphanumerics() -> None:
     )
     ids = [c["id"] for c in message["tool_calls"]]
     assert ids[0] == "Ab3dE6gH9" and len(ids[1]) == 9 and ids[1].isalnum()
+
+
+# ---- end to end: timeshare serve with the real demo model, through the official clients ----------
+
+SMOL_QWEN = "smol-qwen-template"  # SmolLM2's GGUF with Qwen2.5's template (hermes family; ChatML tokens)
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+
+
+@pytest.fixture(scope="module")
+def tools_served(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[Served]:
+    home = tmp_path_factory.mktemp("tools-home")
+    qwen = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    config = home / "timeshare.toml"
+    config.write_text(
+        "\n".join(
+            [
+                "[[models]]",
+                f'id = "{SMOL}"',
+                f'path = "{smollm2_path}"',
+                "",
+                "[[models]]",
+                f'id = "{SMOL_QWEN}"',
+                f'path = "{smollm2_path}"',
+                f"chat_template = '''{qwen}'''",
+                "",
+            ]
+        )
+    )
+    with serving(home, config=config) as server:
+        server.wait_ready([SMOL, SMOL_QWEN])
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tools_client(tools_served: Served) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{tools_served.url}/v1", api_key="x", max_retries=0, timeout=180) as c:
+        yield c
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _validates(arguments: str) -> dict[str, Any]:
+    args = json.loads(arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])  # type: ignore[arg-type]
+    return args  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("model", [SMOL, SMOL_QWEN])
+def test_required_returns_a_call_whose_arguments_validate(tools_client: openai.OpenAI, model: str) -> None:
+    answer = tools_client.chat.completions.create(
+        model=model,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        temperature=0,
+        max_tokens=200,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    _validates(calls[0].function.arguments)
+    assert calls[0].id.startswith("call_")
+
+
+def test_streamed_tool_calls_assemble_in_the_client(tools_client: openai.OpenAI) -> None:
+    with tools_client.chat.completions.stream(
+        model=SMOL_QWEN,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=200,
+    ) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
+    _validates(choice.message.tool_calls[0].function.arguments)
+    # the same request, not streamed: the same call (greedy, the same grammar)
+    plain = tools_client.chat.completions.create(
+        model=SMOL_QWEN,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=200,
+        extra_body={"cache_prompt": False},
+    )
+    plain_call = plain.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert json.loads(plain_call.function.arguments) == json.loads(
+        choice.message.tool_calls[0].function.arguments
+    )
+
+
+@pytest.mark.parametrize("model", [SMOL, SMOL_QWEN])
+def test_a_tool_result_round_trip_continues_the_conversation(tools_client: openai.OpenAI, model: str) -> None:
+    first = tools_client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=200,  # type: ignore[arg-type,list-item]
+    )
+    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    history: list[dict[str, Any]] = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'},
+    ]
+    second = tools_client.chat.completions.create(
+        model=model,
+        messages=history,
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=40,  # type: ignore[arg-type,list-item]
+    )
+    reply = second.choices[0]
+    assert reply.finish_reason in ("stop", "length", "tool_calls")
+    if reply.finish_reason != "tool_calls":
+        assert reply.message.content  # the conversation goes on in text
+    # the tool result reached the prompt: the history is longer than the question alone
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10
+
+
+def test_http_refusals_name_the_field(tools_served: Served) -> None:
+    body = {
+        "model": SMOL,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "nope"}},
+    }
+    response = httpx.post(f"{tools_served.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tool_choice"
+
+
+def test_langchain_bind_tools(tools_served: Served) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather of a city."""
+        return "sunny"
+
+    chat = langchain_openai.ChatOpenAI(
+        model=SMOL, base_url=f"{tools_served.url}/v1", api_key="x", temperature=0, max_tokens=200
+    )
+    message = chat.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(message.tool_calls[0]["args"].get("city"), str)

@@ -30,6 +30,7 @@ from ..chatformat.history import add_system
 from ..chatformat.template import ChatTemplate, TemplateError
 from ..config.schema import ModelConfig
 from ..gguf.catalog import read_chat_template
+from ..worker.protocol import ChatMessage, ToolSpec
 from .errors import BadRequestError
 from .structured import check_schema
 
@@ -267,3 +268,46 @@ def plan(request: ToolRequest | None, fmt: ChatFormat) -> ToolPlan:
         prompt = generic_system_prompt(shown, required=forced, parallel=request.parallel)
         return ToolPlan(request, fmt, (), prompt, grammar, triggers)
     return ToolPlan(request, fmt, request.tools, "", grammar, triggers)
+
+
+# ---- one request, ready for the pool -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prepared:
+    plan: ToolPlan
+    messages: tuple[ChatMessage, ...]  # what the worker renders
+    tools: tuple[ToolSpec, ...]  # what the template shows
+
+
+def prepare(messages: Sequence[ChatMessage], request: ToolRequest | None, model: ModelConfig) -> Prepared:
+    """A chat request's plan on ``model`` and what the worker gets (see ``plan``). Blocking (it may
+    read the GGUF's header once): call it off the event loop. Raises BadRequestError."""
+    the_plan = plan(request, chat_format_of(model))
+    out = tuple(messages)
+    if the_plan.system_prompt:
+        if out and out[0].role == "system":
+            first = out[0]
+            text = f"{first.content}\n\n{the_plan.system_prompt}" if first.content else the_plan.system_prompt
+            out = (_with_content(first, text), *out[1:])
+        else:
+            out = (ChatMessage(role="system", content=the_plan.system_prompt), *out)
+    specs = tuple(
+        ToolSpec(
+            name=t["function"]["name"],
+            description=t["function"].get("description", ""),
+            parameters=t["function"].get("parameters"),
+        )
+        for t in the_plan.template_tools
+    )
+    return Prepared(the_plan, out, specs)
+
+
+def _with_content(message: ChatMessage, content: str) -> ChatMessage:
+    return ChatMessage(
+        role=message.role,
+        content=content,
+        tool_calls=message.tool_calls,
+        tool_call_id=message.tool_call_id,
+        name=message.name,
+    )
