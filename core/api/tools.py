@@ -191,7 +191,7 @@ def chat_format_of(model: ModelConfig) -> ChatFormat:
     if known is not None:
         return known
     source: str | None = None
-    if model.chat_format != "fallback":
+    if model.chat_format != "fallback" and not model.embedding:
         source = model.chat_template
         if source is None:
             try:
