@@ -87,7 +87,12 @@ def test_parse_chat_request_maps_openai_fields() -> None:
     [
         ({"messages": [{"role": "user", "content": "x"}]}, "model", "'model' is required"),
         ({"model": SMOL, "messages": []}, "messages", "non-empty list"),
-        ({"model": SMOL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "use system"),
+        ({"model": SMOL, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "use system"),
+        (
+            {"model": SMOL, "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+            "the id of the call",
+        ),
         ({"model": SMOL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
         (
             {"model": SMOL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -116,8 +121,8 @@ def test_parse_chat_request_maps_openai_fields() -> None:
         ),
         (
             {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-            "tools",
-            "text only",
+            "tools[0].function",
+            "must be an object",
         ),
         (
             {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
@@ -187,7 +192,7 @@ def test_parse_chat_request_defaults() -> None:
         (
             {"messages": [{"role": "user", "content": "x"}, {"content": "y"}]},
             "messages[1].role",
-            "messages[1].role None is not supported: use system, user or assistant.",
+            "messages[1].role None is not supported: use system, user, assistant or tool.",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},

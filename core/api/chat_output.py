@@ -17,7 +17,10 @@ from typing import Any
 
 from ..chatformat.families import MISTRAL_ID
 from ..chatformat.parse import AnswerParser, Event, ParsedCall
-from .tools import ToolPlan
+from ..config.schema import ModelConfig
+from .errors import BadRequestError
+from .requests import GenerationRequest
+from .tools import ToolPlan, prepare
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -124,3 +127,31 @@ class ChatOutput:
                     for call_id, c in self.calls
                 ]
         return message
+
+
+def prepare_chat(
+    req: GenerationRequest, model: ModelConfig | None
+) -> tuple[dict[str, Any], ChatOutput | None]:
+    """``Pool.generate``'s keyword arguments for a chat request on ``model`` (None: unknown here,
+    sent as it is), and the shaping its answer needs (None: plain text). Blocking (see
+    ``tools.prepare``); raises BadRequestError."""
+    fields = req.pool_fields()
+    if req.kind != "chat" or model is None or req.messages is None:
+        if req.tools is not None:
+            raise BadRequestError("'tools' go with /v1/chat/completions.", "tools")
+        return fields, None
+    prepared = prepare(req.messages, req.tools, model)
+    grammar = prepared.plan.grammar
+    if grammar is not None:
+        if req.sampling.grammar is not None:
+            raise BadRequestError(
+                "'tools' and a grammar ('response_format' or 'grammar') both constrain the answer; "
+                'send one of them (or tool_choice "none").',
+                "tools",
+            )
+        fields["sampling"] = req.sampling.replace(
+            grammar=grammar, grammar_triggers=prepared.plan.grammar_triggers
+        )
+    fields.update(messages=prepared.messages, tools=prepared.tools)
+    output = ChatOutput(prepared.plan)
+    return fields, output if output.needed else None

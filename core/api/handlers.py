@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -37,6 +38,7 @@ from ..pool.supervisor import Pool
 from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..worker.protocol import Usage
 from . import shapes
+from .chat_output import ChatOutput, prepare_chat
 from .errors import (
     BadRequestError,
     _ClientGoneError,
@@ -303,28 +305,36 @@ class _Handlers:
 
     async def generate(self, request: Request, req: GenerationRequest) -> Response:
         model_id = resolve_model(self.pool.snapshot(), req.model)
+        # the tools path (tools.py, chat_output.py): the template's tools, the grammar, the answer's shape
+        model = next((m for m in self.pool.config.models if m.id == model_id), None)
+        fields, output = await self.call(prepare_chat, req, model)
         try:
-            gen = await self.call(partial(self.pool.generate, model_id, **req.pool_fields()))
+            gen = await self.call(partial(self.pool.generate, model_id, **fields))
         except ValueError as exc:  # the pool's own argument check
             raise BadRequestError(f"{exc}.") from exc
         try:
             if req.stream:
-                return await self.stream(request, req, gen)
+                return await self.stream(request, req, gen, output)
             result = await self.wait_watching(request, gen, gen.result)
         except _ClientGoneError:
             return Response(status_code=499)
         except BaseException:
             gen.cancel()
             raise
-        return self.full_response(req, result)
+        return self.full_response(req, result, output)
 
-    def full_response(self, req: GenerationRequest, result: GenerationResult) -> Response:
+    def full_response(
+        self, req: GenerationRequest, result: GenerationResult, output: ChatOutput | None = None
+    ) -> Response:
         usage = usage_out(result.usage)
         finish = _finish_reason(result.finish_reason)
         extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
         shape: shapes.ChatCompletion | shapes.TextCompletion
         if req.kind == "chat":
             message = shapes.AssistantMessage("assistant", result.text)
+            if output is not None:
+                message = msgspec.convert(output.message(result.text), shapes.AssistantMessage)
+                finish = output.finish_reason(finish)
             shape = shapes.ChatCompletion(
                 id=_new_id("chatcmpl"),
                 object="chat.completion",
@@ -348,7 +358,9 @@ class _Handlers:
             )
         return Response(shapes.encode(shape), media_type="application/json")
 
-    async def stream(self, request: Request, req: GenerationRequest, gen: Generation) -> Response:
+    async def stream(
+        self, request: Request, req: GenerationRequest, gen: Generation, output: ChatOutput | None = None
+    ) -> Response:
         pieces = iter(gen)
         end = object()
 
@@ -368,12 +380,13 @@ class _Handlers:
             *,
             usage: shapes.UsageOut | None = None,
             extras: dict[str, Any] | None = None,
+            delta: shapes.Delta | None = None,
         ) -> dict[str, str]:
             choices: list[shapes.DeltaChoice] | list[shapes.TextChoice]
             if usage is not None:
                 choices = []
             elif req.kind == "chat":
-                delta = shapes.Delta("assistant" if role else None, text)
+                delta = delta or shapes.Delta("assistant" if role else None, text)
                 choices = [shapes.DeltaChoice(0, delta, None, finish)]
             else:
                 choices = [shapes.TextChoice(0, text or "", None, finish)]
@@ -399,7 +412,10 @@ class _Handlers:
                     yield chunk("", None, role=True)
                 piece = first
                 while piece is not end:
-                    if piece:
+                    if piece and output is not None:  # tool calls, reasoning: shaped deltas
+                        for delta in output.feed(str(piece)):
+                            yield chunk(None, None, delta=msgspec.convert(delta, shapes.Delta))
+                    elif piece:
                         yield chunk(str(piece), None)
                     piece = await anyio.to_thread.run_sync(
                         pull, abandon_on_cancel=True, limiter=self.generation_limiter
@@ -411,9 +427,12 @@ class _Handlers:
                 if self.closing and result.finish_reason == "cancelled":
                     raise ModelUnavailableError(SHUTTING_DOWN)
                 extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
-                yield chunk(
-                    None if req.kind == "chat" else "", _finish_reason(result.finish_reason), extras=extras
-                )
+                finish = _finish_reason(result.finish_reason)
+                if output is not None:
+                    for delta in output.finish():
+                        yield chunk(None, None, delta=msgspec.convert(delta, shapes.Delta))
+                    finish = output.finish_reason(finish)
+                yield chunk(None if req.kind == "chat" else "", finish, extras=extras)
                 if req.include_usage:
                     yield chunk(None, None, usage=usage_out(result.usage))
                 yield {"data": "[DONE]"}

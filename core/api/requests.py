@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from ..sampling import (
 from ..worker.protocol import ChatMessage
 from .errors import BadRequestError
 from .shapes import MAX_MESSAGES, ChatBody, CompletionBody, RequestMessage
+from .tools import ToolRequest, has_tool_fields, parse_tool_request, tool_message
 
 __all__ = ["MAX_MESSAGES", "GenerationRequest", "parse_chat_request", "parse_completion_request"]
 
@@ -51,6 +53,7 @@ class GenerationRequest:
     include_usage: bool
     conversation: str | None
     cache_prompt: bool | None  # llama-server's field; None: the model's setting
+    tools: ToolRequest | None = None  # chat: tools, tool_choice ... (None: none, or tool_choice none)
 
     def pool_fields(self) -> dict[str, Any]:
         """``Pool.generate``'s keyword arguments."""
@@ -74,11 +77,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise BadRequestError("'best_of' other than 1 is not supported; leave it out.", "best_of")
-    for name in ("tools", "functions", "tool_choice", "function_call"):
-        if body.get(name) not in (None, [], "none"):
-            raise BadRequestError(
-                f"'{name}' is not supported: Timeshare's local models answer with text only.", name
-            )
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise BadRequestError("'logprobs' is not supported; leave it out.", "logprobs")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -132,7 +130,7 @@ def _sentence(param: str, value: object, what: str) -> str:
     if top == "messages[]":
         return f"{param} must be an object with 'role' and 'content'."
     if top == "messages[].role":
-        return f"{param} {value!r} is not supported: use system, user or assistant."
+        return f"{param} {value!r} is not supported: use system, user, assistant or tool."
     if top == "messages[].content":
         if isinstance(value, list):  # a part broke the rule
             return f'{param}: only text parts are supported (\'{{"type": "text", "text": "..."}}\').'
@@ -224,16 +222,27 @@ def _request(
 _ROLES: dict[str, Any] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _chat_message(m: RequestMessage) -> ChatMessage:
-    text = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+def _chat_message(m: RequestMessage, raw: Mapping[str, Any], index: int) -> ChatMessage:
+    if m.content is None:
+        text = ""
+    else:
+        text = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+    if has_tool_fields(raw):  # the tools path (tools.py): calls, results, the legacy forms
+        return tool_message(raw, index, text)
+    if m.content is None:
+        where = f"messages[{index}].content"
+        raise BadRequestError(f"{where} must be a string (null only with tool_calls).", where)
     return ChatMessage(role=_ROLES[m.role], content=text)
 
 
 def parse_chat_request(body: object) -> GenerationRequest:
     parsed = _decode(body, ChatBody)
-    messages = tuple(_chat_message(m) for m in parsed.messages)
+    assert isinstance(body, dict)
+    raw = body["messages"]
+    messages = tuple(_chat_message(m, raw[i], i) for i, m in enumerate(parsed.messages))
     max_tokens = parsed.max_completion_tokens or parsed.max_tokens
-    return _request("chat", "api_chat", parsed, None, messages, max_tokens)
+    request = _request("chat", "api_chat", parsed, None, messages, max_tokens)
+    return dataclasses.replace(request, tools=parse_tool_request(body))
 
 
 def parse_completion_request(body: object) -> GenerationRequest:
@@ -255,6 +264,9 @@ def parse_completion_request(body: object) -> GenerationRequest:
         raise BadRequestError("'echo' is not supported; leave it out.", "echo")
     if body.get("suffix"):
         raise BadRequestError("'suffix' is not supported; leave it out.", "suffix")
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name) not in (None, [], "none"):
+            raise BadRequestError(f"'{name}' goes with /v1/chat/completions; leave it out here.", name)
     return _request("completion", "api_completion", parsed, prompt, None, parsed.max_tokens)
 
 

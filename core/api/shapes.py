@@ -31,8 +31,14 @@ class TextPart(msgspec.Struct, frozen=True):
 
 
 class RequestMessage(msgspec.Struct, frozen=True):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None  # null: an assistant message that only calls tools
+    # tool history (validated in tools.py, which reads them from the body): an assistant's calls,
+    # the call a tool message answers, the function's name; the legacy function_call
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    name: Any = None
+    function_call: Any = None
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -88,9 +94,23 @@ class UsageOut(msgspec.Struct, frozen=True):
     prompt_tokens_details: PromptTokensDetails
 
 
-class AssistantMessage(msgspec.Struct, frozen=True):
+class FunctionOut(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct, frozen=True):
+    id: str
+    type: Literal["function"]
+    function: FunctionOut
+
+
+class AssistantMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null: the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionOut | None = None  # the legacy functions' answer
+    reasoning_content: str | None = None  # a thinking model's <think> block (llama-server's field)
 
 
 class ChatChoice(msgspec.Struct, frozen=True):
@@ -129,9 +149,24 @@ class TextCompletion(msgspec.Struct, frozen=True):
     timeshare: dict[str, Any]
 
 
+class FunctionDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
 class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    function_call: FunctionDelta | None = None
+    reasoning_content: str | None = None
 
 
 class DeltaChoice(msgspec.Struct, frozen=True):

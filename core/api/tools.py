@@ -17,6 +17,7 @@ grammar that forces or lazily constrains the call syntax, and how the answer is 
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -30,7 +31,7 @@ from ..chatformat.history import add_system
 from ..chatformat.template import ChatTemplate, TemplateError
 from ..config.schema import ModelConfig
 from ..gguf.catalog import read_chat_template
-from ..worker.protocol import ChatMessage, ToolSpec
+from ..worker.protocol import ChatMessage, ToolCall, ToolSpec
 from .errors import BadRequestError
 from .structured import check_schema
 
@@ -150,7 +151,8 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
                 f"'{choice_param}' asks for a call but '{param}' is empty: give the functions.", choice_param
             )
         return None
-    parallel = body.get("parallel_tool_calls", True)
+    # llama-server's default (OpenAI's is true): a small model repeats its call when it may
+    parallel = body.get("parallel_tool_calls", False)
     if not isinstance(parallel, bool):
         raise _bad("'parallel_tool_calls' must be true or false.", "parallel_tool_calls")
     if choice == "none":
@@ -311,3 +313,64 @@ def _with_content(message: ChatMessage, content: str) -> ChatMessage:
         tool_call_id=message.tool_call_id,
         name=message.name,
     )
+
+
+# ---- tool history in messages ------------------------------------------------------------------
+
+
+def has_tool_fields(item: Mapping[str, Any]) -> bool:
+    """Whether a request message is tool history (a tool result, or an assistant's calls)."""
+    return item.get("role") in ("tool", "function") or (
+        item.get("role") == "assistant" and bool(item.get("tool_calls") or item.get("function_call"))
+    )
+
+
+def _call(obj: object, where: str) -> tuple[str, str]:
+    if not isinstance(obj, dict):
+        raise _bad(f"{where} must be an object with 'name' and 'arguments'.", where)
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise _bad(f"{where}.name must be the function's name.", f"{where}.name")
+    arguments = obj.get("arguments", "{}")
+    if isinstance(arguments, dict):  # some clients send the object itself
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(arguments, str):
+        raise _bad(f"{where}.arguments must be a JSON string.", f"{where}.arguments")
+    return name, arguments
+
+
+def tool_message(item: Mapping[str, Any], index: int, text: str) -> ChatMessage:
+    """A request message that is tool history (``has_tool_fields``) as the protocol's message;
+    ``text`` is its content ("" for null). Raises BadRequestError naming the field."""
+    where = f"messages[{index}]"
+    role = item.get("role")
+    if role in ("tool", "function"):
+        call_id = item.get("tool_call_id")
+        name = item.get("name")
+        if role == "tool" and not isinstance(call_id, str):
+            raise _bad(
+                f"{where}.tool_call_id is required: the id of the call this answers.", f"{where}.tool_call_id"
+            )
+        if role == "function" and not isinstance(name, str):
+            raise _bad(f"{where}.name is required: the function whose result this is.", f"{where}.name")
+        if name is not None and not isinstance(name, str):
+            raise _bad(f"{where}.name must be a string.", f"{where}.name")
+        return ChatMessage(
+            role="tool", content=text, tool_call_id=call_id if role == "tool" else None, name=name
+        )
+    calls: list[ToolCall] = []
+    raw = item.get("tool_calls")
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise _bad(f"{where}.tool_calls must be a list of calls.", f"{where}.tool_calls")
+        for i, call in enumerate(raw):
+            at = f"{where}.tool_calls[{i}]"
+            if not isinstance(call, dict) or not isinstance(call.get("id"), str):
+                raise _bad(f"{at} must be an object with 'id', 'type' and 'function'.", at)
+            name, arguments = _call(call.get("function"), f"{at}.function")
+            calls.append(ToolCall(id=call["id"], name=name, arguments=arguments))
+    legacy = item.get("function_call")
+    if legacy is not None:
+        name, arguments = _call(legacy, f"{where}.function_call")
+        calls.append(ToolCall(id=f"call_{index}", name=name, arguments=arguments))
+    return ChatMessage(role="assistant", content=text, tool_calls=tuple(calls))

@@ -108,6 +108,7 @@ def make_request(
     sampling: Sampling,
     conversation: str | None,
     cache_prompt: bool | None = None,
+    tools: Sequence[protocol.ToolSpec] = (),
 ) -> protocol.Generate:
     """The ``Generate`` message for ``Pool.generate``'s arguments; ValueError when they are malformed."""
     chat: tuple[protocol.ChatMessage, ...] | None = None
@@ -119,6 +120,7 @@ def make_request(
         req=req,
         prompt=prompt,
         messages=chat,
+        tools=tuple(tools),
         sampling=sampling,
         conversation=conversation,
         cache_prompt=cache_prompt,

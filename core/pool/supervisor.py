@@ -170,6 +170,7 @@ class Pool(PoolCommands):
         sampling: Sampling = INTERNAL_SAMPLING,
         conversation: str | None = None,
         cache_prompt: bool | None = None,
+        tools: Sequence[protocol.ToolSpec] = (),
     ) -> Generation:
         """Queue a request for ``model_id`` (FIFO, one at a time per worker) and return its handle.
 
@@ -185,6 +186,7 @@ class Pool(PoolCommands):
             sampling=sampling,
             conversation=conversation,
             cache_prompt=cache_prompt,
+            tools=tools,
         )
         gen = Generation(model_id, request, functools.partial(self._post, self._cancel))
         self._call(self._submit, gen)
