@@ -34,6 +34,12 @@ _HANDLERS = {
     "chat": "timeshare.client:main",
     "run": "timeshare.client:main",
     "models": "timeshare.client:main",
+    "unload": "timeshare.client:main",
+    "stop": "timeshare.client:main",
+    "load": "timeshare.client:main",
+    "show": "timeshare.client:main",
+    "reload": "timeshare.client:main",
+    "rm": "timeshare.manage:rm_main",
     "pull": "timeshare.pull:main",
     "desktop": "timeshare.app.desktop_install:main",
 }
@@ -43,6 +49,7 @@ _ALIASES = {"ps": "status", "ls": "models"}
 _CONFIG_HELP = "configuration file (default: platformdirs config dir)"
 _VERBOSE_HELP = "log debug messages (chat: also the token counts and the switch cost)"
 _JSON_HELP = "print the result as JSON on stdout"
+_MODEL_HELP = "the model: its id, display name or a unique prefix (see `timeshare ls`)"
 
 
 class _VerbParser(argparse.ArgumentParser):
@@ -205,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("wake", "restore a model's weights to the GPU ahead of a request"),
     ):
         verb_parser = client(verb, text)
-        verb_parser.add_argument("model", help="model id (see `timeshare models`)")
+        verb_parser.add_argument("model", help=_MODEL_HELP)
         if verb in ("sleep", "wake"):
             verb_parser.add_argument(
                 "--wait",
@@ -222,8 +229,30 @@ def build_parser() -> argparse.ArgumentParser:
                 help="weights: free the weights, keep the KV cache on the GPU; weights+kv: move the "
                 "KV cache to host memory too (the default); stop: end the worker (its KV saved to disk)",
             )
+    for verb, text in (
+        ("unload", "take a model off the GPU, keeping its KV cache (= sleep --level weights)"),
+        ("stop", "end a model's worker, its KV saved to disk (= sleep --level stop; load starts it)"),
+        ("load", "start a model if it is stopped or failed, then put it on the GPU (start + wake)"),
+    ):
+        lifecycle = client(verb, text)
+        lifecycle.add_argument("model", help=_MODEL_HELP)
+        lifecycle.add_argument(
+            "--wait",
+            type=float,
+            default=60.0 if verb == "load" else 5.0,
+            metavar="SECONDS",
+            help="wait this long for the model to get there, then report its state",
+        )
+    show = client("show", "a model's file, quantisation, context, template, licence and capabilities")
+    show.add_argument("model", help=_MODEL_HELP)
+    show.add_argument("--json", action="store_true", help=_JSON_HELP)
+    client("reload", "make the running Timeshare re-read its configuration file")
+    rm = client("rm", "remove a model from the configuration (the running Timeshare drops it)")
+    rm.add_argument("model", help=_MODEL_HELP)
+    rm.add_argument("--delete-file", action="store_true", help="also delete its GGUF file (asks first)")
+    rm.add_argument("--yes", action="store_true", help="with --delete-file: do not ask")
     start = client("start", "start a failed or stopped model again (with a fresh restart budget)")
-    start.add_argument("model", help="model id (see `timeshare models`)")
+    start.add_argument("model", help=_MODEL_HELP)
     start.add_argument(
         "--wait",
         type=float,
@@ -232,11 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait this long for the model to load, then report its state (default: 60)",
     )
     chat = client("chat", "send one prompt to a model and stream the answer")
-    chat.add_argument("model", help="model id (see `timeshare models`)")
+    chat.add_argument("model", help=_MODEL_HELP)
     chat.add_argument("prompt", nargs="?", default="-", help="the prompt; '-' or none: read it from stdin")
     _generation_options(chat, "cli_chat")
-    repl = client("run", "chat with a model interactively (one conversation; Ctrl-C stops an answer)")
-    repl.add_argument("model", help="model id (see `timeshare models`)")
+    repl = client(
+        "run",
+        "chat with a model interactively (one conversation; /? lists the commands); with a prompt "
+        "or piped input: one answer, then exit",
+    )
+    repl.add_argument("model", help=_MODEL_HELP)
+    repl.add_argument("prompt", nargs="?", default=None, help="answer this once and exit (else: the REPL)")
     _generation_options(repl, "cli_run")
 
     desktop = sub.add_parser(

@@ -1,8 +1,8 @@
 """The CLI commands that talk to a running Timeshare through its local API.
 
-`timeshare status|models|pin|unpin|sleep|wake|start|chat` find the API in the address file the running
-instance wrote (core/api/address.py); ``--url`` overrides it. When the API needs a key,
-the key comes from ``$TIMESHARE_API_KEY`` or from api.key in the config (``--config``).
+`timeshare status|models|pin|unpin|sleep|wake|start|chat|run|unload|stop|load|show|reload` find the
+API in the address file the running instance wrote (core/api/address.py); ``--url`` overrides it.
+When the API needs a key, the key comes from ``$TIMESHARE_API_KEY`` or from api.key in the config (``--config``).
 
 Nothing here imports Qt or llama.cpp: these commands start in a fraction of a second.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import sys
@@ -24,12 +25,14 @@ from typing import Any, TextIO
 
 import httpx
 
+from . import repl_commands
 from .core import paths
 from .core.api.address import ApiAddress
 from .core.arena.dirs import pid_alive
 from .core.errors import UntrustedAddressError
 from .core.instance import running_instance
 from .core.sampling import for_front_end
+from .core.state import STOP_LEVEL, UNLOAD_LEVEL
 from .core.util.units import human_bytes
 
 EXIT_OK = 0
@@ -40,9 +43,10 @@ EXIT_USAGE = 2
 class ClientError(Exception):
     """A message for the user; ``main`` prints it on stderr and exits with ``status``."""
 
-    def __init__(self, message: str, status: int = EXIT_FAILED) -> None:
+    def __init__(self, message: str, status: int = EXIT_FAILED, *, not_running: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.not_running = not_running  # no instance runs (``ls`` then lists the configured models)
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,9 @@ class Endpoint:
 
 def _not_running(path: Path, detail: str = "") -> ClientError:
     why = f"{path} is stale: {detail}" if detail else f"no address in {path}"
-    return ClientError(f"Timeshare is not running ({why}); start it with `timeshare` or `timeshare serve`.")
+    return ClientError(
+        f"Timeshare is not running ({why}); start it with `timeshare` or `timeshare serve`.", not_running=True
+    )
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -129,7 +135,8 @@ class Api:
             return ClientError(f"Cannot reach Timeshare at {self.endpoint.url} ({exc}); check --url.")
         return ClientError(
             f"Timeshare is not running: {self.endpoint.source} names {self.endpoint.url}, which does not "
-            f"answer ({exc}); start it with `timeshare` or `timeshare serve`."
+            f"answer ({exc}); start it with `timeshare` or `timeshare serve`.",
+            not_running=True,
         )
 
     @staticmethod
@@ -269,10 +276,10 @@ _VERB_PENDING = {"sleep": "going to sleep", "wake": "waking"}
 SLEEP_STATES = {"weights": "released", "weights+kv": "sleeping", "stop": "stopped"}
 
 
-def _target_state(args: argparse.Namespace) -> str | None:
-    if args.command == "wake":
+def _target_state(command: str, args: argparse.Namespace) -> str | None:
+    if command == "wake":
         return "resident"
-    if args.command == "sleep":
+    if command == "sleep":
         return SLEEP_STATES[getattr(args, "level", None) or "weights+kv"]
     return None  # pin, unpin: the state does not change
 
@@ -281,14 +288,14 @@ def _model_of(status: dict[str, Any], model_id: str) -> dict[str, Any]:
     return next((m for m in status.get("models") or [] if m.get("id") == model_id), {})
 
 
-def _verb(api: Api, args: argparse.Namespace, out: TextIO) -> int:
-    """pin, unpin, sleep, wake; reports the model's state after the command (wake and sleep wait
-    up to ``--wait`` seconds for the model to get there)."""
-    command = args.command
+def _verb(api: Api, args: argparse.Namespace, out: TextIO, command: str) -> int:
+    """pin, unpin, sleep, wake (``command``: the endpoint's last path segment; unload and stop are
+    sleeps, load a wake); reports the model's state after the command (wake and sleep wait up to
+    ``--wait`` seconds for the model to get there)."""
     body = {"level": args.level} if command == "sleep" and getattr(args, "level", None) else None
     reply = api.request("POST", f"/timeshare/v1/models/{args.model}/{command}", body)
     model: dict[str, Any] = reply.get("model") or {}
-    target = _target_state(args)
+    target = _target_state(command, args)
     deadline = time.monotonic() + float(getattr(args, "wait", 5.0))
     while target is not None and model.get("state") != target and model.get("state") != "failed":
         if time.monotonic() >= deadline:
@@ -297,7 +304,8 @@ def _verb(api: Api, args: argparse.Namespace, out: TextIO) -> int:
         model = _model_of(api.request("GET", "/timeshare/v1/status"), args.model) or model
     state = model.get("state", "?")
     if target is None or state == target:
-        out.write(f"{args.model}: {_VERB_DONE[command]} (state: {state})\n")
+        done = _LIFECYCLE_DONE.get(args.command) or _VERB_DONE[command]
+        out.write(f"{args.model}: {done} (state: {state})\n")
         return EXIT_OK
     reason = model.get("reason") or ""
     if state == "failed":
@@ -327,10 +335,67 @@ def _start(api: Api, args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+_LIFECYCLE_DONE = {"unload": "unloaded (off the GPU, KV cache kept)", "stop": "stopped (KV saved)"}
+
+
+def _resolve(api: Api, args: argparse.Namespace) -> None:
+    """``args.model`` as the id of the model it names (an id, a display name or a unique prefix:
+    modelnames' CLI rule), from the running instance's model list."""
+    from .core.modelnames import resolve_cli_model
+
+    listed = api.request("GET", "/v1/models").get("data") or []
+    models = [_Listed(m["id"], (m.get("timeshare") or {}).get("name") or m["id"]) for m in listed]
+    try:
+        args.model = resolve_cli_model(models, args.model)
+    except ValueError as exc:
+        raise ClientError(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class _Listed:
+    id: str
+    display_name: str
+
+
+def _load(api: Api, args: argparse.Namespace, out: TextIO) -> int:
+    """load: start the model if it is stopped or failed, then wake it (Ollama's and lms' load)."""
+    model = _model_of(api.request("GET", "/timeshare/v1/status"), args.model)
+    if model.get("state") in ("stopped", "failed"):
+        _start(api, args, io.StringIO())
+    return _verb(api, args, out, "wake")
+
+
 def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import manage
+    from .core.errors import ConfigError
+
+    try:
+        return _run_online(args, out, err)
+    except ClientError as exc:
+        if not exc.not_running or args.command not in ("models", "show"):
+            raise
+        # nothing runs: the configured models, each "not running"
+        err.write(f"({exc})\n")
+        try:
+            if args.command == "show":
+                return _show_offline(args, out)
+            data = manage.models_json(manage.configured(args))
+        except ConfigError as config_exc:
+            raise ClientError(str(config_exc)) from config_exc
+        if args.json:
+            out.write(json.dumps(data, indent=2) + "\n")
+        else:
+            print_models(data, out)
+        return EXIT_OK
+
+
+def _run_online(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from . import manage
+
     command = args.command
-    endpoint = find_endpoint(args)
-    with Api(endpoint) as api:
+    with Api(find_endpoint(args)) as api:
+        if getattr(args, "model", None) is not None:
+            _resolve(api, args)
         if command in _GET_COMMANDS:
             path, show = _GET_COMMANDS[command]
             data = api.request("GET", path)
@@ -339,15 +404,40 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             else:
                 show(data, out)
             return EXIT_OK
+        if command == "show":
+            return manage.show(args, api.request("GET", "/timeshare/v1/status"), out)
+        if command == "reload":
+            answer = api.request("POST", "/timeshare/v1/reload")
+            out.write(
+                f"Reloaded {answer.get('config')}: models {', '.join(answer.get('models') or []) or 'none'}\n"
+            )
+            return EXIT_OK
         if command == "start":
             return _start(api, args, out)
+        if command == "load":
+            return _load(api, args, out)
+        if command in _LIFECYCLE_DONE:
+            args.level = UNLOAD_LEVEL if command == "unload" else STOP_LEVEL
+            return _verb(api, args, out, "sleep")
         if command in _VERB_DONE:  # the command is the endpoint's last path segment
-            return _verb(api, args, out)
+            return _verb(api, args, out, command)
         if command == "chat":
             return _chat(api, args, out, err)
         if command == "run":
             return _repl(api, args, out, err)
     raise ClientError(f"unknown command {command!r}", EXIT_USAGE)
+
+
+def _show_offline(args: argparse.Namespace, out: TextIO) -> int:
+    from . import manage
+    from .core.errors import ConfigError
+    from .core.modelnames import resolve_cli_model
+
+    try:
+        args.model = resolve_cli_model(manage.configured(args).models, args.model)
+    except (ConfigError, ValueError) as exc:
+        raise ClientError(str(exc)) from exc
+    return manage.show(args, None, out)
 
 
 # ---- generation: chat and run --------------------------------------------------------------------
@@ -543,46 +633,63 @@ def _chat(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO, stdin: T
 
 
 REPL_PROMPT = ">>> "
-REPL_EXIT = ("/bye", "/exit")
+
+
+def _describe_model(api: Api, model_id: str) -> str:
+    try:
+        info = api.request("GET", f"/v1/models/{model_id}")
+    except ClientError as exc:
+        return f"Model {model_id}: {exc}\n"
+    extra = info.get("timeshare") or {}
+    return (
+        f"Model {model_id} ({extra.get('name') or model_id}): {extra.get('state', '?')}, "
+        f"context {extra.get('n_ctx') or '?'} tokens, chat format {extra.get('chat_format') or '?'}"
+        f"{', licence ' + extra['licence'] if extra.get('licence') else ''} "
+        f"(more: `timeshare show {model_id}`)\n"
+    )
 
 
 def _repl(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``timeshare run MODEL``: one conversation (Timeshare's ``conversation`` extension, so each
-    turn evaluates only its new tokens). Ctrl-C stops the answer in progress (or clears the line
-    being typed); Ctrl-D or /bye exits. Without a terminal, each stdin line is a turn."""
+    """``timeshare run MODEL [PROMPT]``: with a prompt, or with stdin not a terminal, one answer
+    (to the prompt, else to all of stdin) and exit, as ``ollama run`` does. Else one conversation
+    (Timeshare's ``conversation`` extension, so each turn evaluates only its new tokens) with the
+    slash commands of repl_commands (``/?`` lists them). Ctrl-C stops the answer in progress (or
+    clears the line being typed); Ctrl-D or /bye exits."""
     _check_generation_args(args)
     api.request("GET", f"/v1/models/{args.model}")  # an unknown model fails now, not at the first turn
-    interactive = _isatty(sys.stdin)
-    if interactive:
-        with contextlib.suppress(ImportError):
-            import readline  # noqa: F401  (line editing and history for input())
-        err.write(f"Chatting with {args.model}. Ctrl-C stops an answer; Ctrl-D or /bye exits.\n")
-        err.flush()
+    if getattr(args, "prompt", None) is not None or not _isatty(sys.stdin):
+        return _chat(api, args, out, err)
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    err.write(f"Chatting with {args.model}. Ctrl-C stops an answer; Ctrl-D or /bye exits; /? for help.\n")
+    err.flush()
     conversation = f"cli-run-{uuid.uuid4().hex}"
-    messages: list[dict[str, str]] = []
+    session = repl_commands.Session()
     while True:
         try:
-            if interactive:
-                line = input(REPL_PROMPT)
-            else:
-                line = sys.stdin.readline()
-                if not line:
-                    raise EOFError
+            line = input(REPL_PROMPT)
         except EOFError:
-            if interactive:
-                out.write("\n")
+            out.write("\n")
             return EXIT_OK
         except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, like a shell
             out.write("\n")
             continue
-        text = line.strip()
-        if not text:
+        line = line.strip()
+        if not line:
             continue
-        if text in REPL_EXIT:
+        outcome = repl_commands.handle(line, session, lambda: _describe_model(api, args.model))
+        if outcome.exit:
             return EXIT_OK
+        if outcome.cleared:
+            conversation = f"cli-run-{uuid.uuid4().hex}"
+        if outcome.send is None:
+            out.write(outcome.output)
+            out.flush()
+            continue
+        text = outcome.send
         answer = _Answer()
         try:
-            _turn(api, args, [*messages, {"role": "user", "content": text}], conversation, answer, out, err)
+            _turn(api, args, session, text, conversation, answer, out, err)
         except KeyboardInterrupt:  # the stream is closed: the server cancels the generation
             out.write("\n")
             err.write("[stopped]\n")
@@ -593,19 +700,24 @@ def _repl(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             err.flush()
             continue  # the turn did not happen
         if answer.text:  # what the model said, all or up to Ctrl-C, stays in the conversation
-            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
+            session.messages += [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": answer.text},
+            ]
 
 
 def _turn(
     api: Api,
     args: argparse.Namespace,
-    messages: list[dict[str, str]],
+    session: repl_commands.Session,
+    text: str,
     conversation: str,
     answer: _Answer,
     out: TextIO,
     err: TextIO,
 ) -> None:
-    body = _generation_body(args, messages)
+    body = _generation_body(args, session.request_messages(text))
+    body.update(session.parameters)  # /set parameter wins over the options and defaults
     body["conversation"] = conversation
     _stream_answer(api, args, body, out, err, answer)
     out.write("\n")
