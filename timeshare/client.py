@@ -2,7 +2,8 @@
 
 `timeshare status|models|pin|unpin|sleep|wake|start|chat|run|unload|stop|load|show|reload` find the
 API in the address file the running instance wrote (core/api/address.py); ``--url`` overrides it.
-When the API needs a key, the key comes from ``$TIMESHARE_API_KEY`` or from api.key in the config (``--config``).
+When the API needs a key, the key comes from ``$TIMESHARE_API_KEY`` or from api.key in the config
+(``--config``).
 
 Nothing here imports Qt or llama.cpp: these commands start in a fraction of a second.
 """

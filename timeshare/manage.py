@@ -65,7 +65,8 @@ def capabilities(model: ModelConfig | None, has_template: bool, template: str) -
 
 def describe(path: str, model: ModelConfig | None, status: dict[str, Any] | None) -> dict[str, Any]:
     """What ``show`` prints, from the config, the running model's status and the file's header."""
-    from .core.gguf.catalog import GgufCorruptError, GgufTruncatedError, read_chat_template, read_gguf_header
+    from .core.gguf.catalog import read_chat_template, read_gguf_header
+    from .core.gguf.header import GgufCorruptError, GgufTruncatedError
 
     info: dict[str, Any] = {"file": path}
     if model is not None:
