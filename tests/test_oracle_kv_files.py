@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,17 @@ from timeshare.core.worker import protocol as p
 pytestmark = pytest.mark.slow
 
 FIRST = (p.ChatMessage("user", "Name a fruit and say what colour it is."),)
-KEYS = ("intact", "garbage", "cut-header", "cut-ids", "cut-state", "flipped-state", "flipped-ids", "empty")
+KEYS = (
+    "intact",
+    "garbage",
+    "cut-header",
+    "cut-ids",
+    "cut-state",
+    "flipped-state",
+    "flipped-ids",
+    "empty",
+    "refused-state",  # a whole file (its checksum matches) whose state llama.cpp refuses
+)
 
 
 def _second(answer: str) -> tuple[p.ChatMessage, ...]:
@@ -59,6 +70,13 @@ def _damage(key: str, data: bytes) -> bytes:
         return bytes(ids)
     if key == "empty":
         return b""
+    if key == "refused-state":  # half a state, the header rewritten to match (the format's docstring)
+        magic_end = data.index(b"\n") + 1
+        header = json.loads(data[magic_end + 4 : header_end])
+        ids, cut = data[header_end:ids_end], data[ids_end : ids_end + state // 2]
+        header.update(state_bytes=len(cut), crc32=zlib.crc32(cut, zlib.crc32(ids)))
+        head = json.dumps(header).encode()
+        return data[:magic_end] + struct.pack(">I", len(head)) + head + ids + cut
     raise AssertionError(key)
 
 
@@ -114,9 +132,10 @@ def test_damaged_kv_files_are_refused_and_the_conversation_is_evaluated_again(
             assert done.usage.prompt_tokens_evaluated == done.usage.prompt_tokens, (key, done)
             assert text == ref, key
         log = second.log_text()
-        for key in KEYS[1:]:
+        for key in KEYS[1:-1]:
             line = next((ln for ln in log.splitlines() if by_key[key].name in ln), None)
             assert line is not None and "ignoring saved KV" in line, (key, log[-3000:])
+        assert "conversation refused-state: llama.cpp refused a KV snapshot; it is evaluated again" in log
         # and the worker keeps serving
         _, done = second.generate("after", prompt="The capital of France is", max_tokens=4)
         assert isinstance(done, p.Done)
