@@ -361,3 +361,73 @@ def test_schema_the_converter_cannot_take_is_refused_by_name() -> None:
 def test_parsed_call_keeps_the_model_id() -> None:
     text = '[{"name": "now", "arguments": {}, "id": "Ab3dE6gH9"}]'
     assert parse_answer(text, FAMILIES["mistral"], tools=True).calls == [ParsedCall("now", "{}", "Ab3dE6gH9")]
+
+
+# ---- lazy grammars through llama.cpp's own lazy sampler (a child process: llama.cpp aborts the
+# process when a trigger hands the grammar text it refuses, and that must fail this test, not end
+# the test run) ----------------------------------------------------------------------------------
+
+_LAZY_CHILD = r"""
+import ctypes, json, sys
+import llama_cpp
+from timeshare.core.chatformat.families import FAMILIES
+from timeshare.core.chatformat.grammar import tool_grammar, tool_triggers
+
+path, cases = sys.argv[1], json.loads(sys.argv[2])
+llm = llama_cpp.Llama(path, vocab_only=True, verbose=False)
+functions = json.loads(sys.argv[3])
+out = []
+for family, text in cases:
+    fam = FAMILIES[family]
+    grammar = tool_grammar(fam, functions, parallel=False, lazy=True).encode()
+    pats = [p.encode() for p in tool_triggers(fam)]
+    arr = (ctypes.c_char_p * len(pats))(*pats)
+    none = (llama_cpp.llama_token * 1)()
+    vocab = llm._model.vocab
+    s = llama_cpp.llama_sampler_init_grammar_lazy_patterns(vocab, grammar, b"root", arr, len(pats), none, 0)
+    ok = True
+    for t in llm.tokenize(text.encode(), add_bos=False, special=True):
+        data = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(t, 0.0, 0.0))
+        cur = llama_cpp.llama_token_data_array(data, 1, -1, False)
+        llama_cpp.llama_sampler_apply(s, ctypes.byref(cur))
+        if data[0].logit == float("-inf"):
+            ok = False
+            break
+        llama_cpp.llama_sampler_accept(s, t)
+    llama_cpp.llama_sampler_free(s)
+    out.append(ok)
+print(json.dumps(out))
+"""
+
+
+def test_lazy_grammars_start_at_the_marker_in_llama_cpp(smollm2_path: Path) -> None:
+    import subprocess
+    import sys
+
+    good = {
+        "hermes": "Let me look. "
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "mistral": '[TOOL_CALLS][{"name": "now", "arguments": {}, "id": "abcDEF123"}]',
+        "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "generic": '{"name": "now", "arguments": {}}',
+    }
+    bad = {
+        "hermes": 'Let me look. <tool_call>\n{"name": "get_wether"',
+        "mistral": '[TOOL_CALLS][{"name": "now", "arguments": {"x": 1}',
+        "llama3": '{"name": "get_weather", "parameters": {"town"',
+        "generic": '{"name": "nope"',
+    }
+    text = {"generic": "A plain answer, {not a call}.", "hermes": "No call: <tool_ plain text."}
+    cases = [*good.items(), *bad.items(), *text.items()]
+    child = subprocess.run(
+        [sys.executable, "-c", _LAZY_CHILD, str(smollm2_path), json.dumps(cases), json.dumps(FUNCTIONS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    n = len(good)
+    assert results[:n] == [True] * n  # calls after their marker pass
+    assert results[n : 2 * n] == [False] * n  # a wrong name or argument after the marker is refused
+    assert results[2 * n :] == [True] * len(text)  # text without a marker is left alone
