@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import re
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,7 +24,14 @@ from typing import Any, Literal
 
 from ..config.schema import ModelConfig, suggest_model_id
 from ..errors import ModelFileError
-from .header import GgufCorruptError, GgufTruncatedError, check_fixed_header, parse_header, quantisation
+from .header import (
+    GgufCorruptError,
+    GgufCursor,
+    GgufTruncatedError,
+    check_fixed_header,
+    parse_header,
+    quantisation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +135,21 @@ def read_chat_template(path: str | Path) -> str | None:
     file_size, _ = check_fixed_header(p)
     try:
         with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            header = parse_header(buf, file_size)
-    except (GgufTruncatedError, GgufCorruptError, OSError, ValueError) as exc:
+            # the metadata only (no tensor table, so no gguf package: the API process reads this)
+            endian = "<" if struct.unpack_from("<I", buf, 4)[0] in (2, 3) else ">"
+            cur = GgufCursor(buf, file_size, endian)
+            cur.pos = 4
+            cur.take("I")  # version
+            cur.take("Q")  # tensor count
+            for _ in range(cur.take("Q")):
+                key = cur.string()
+                wanted = key == "tokenizer.chat_template"
+                value = cur.value(cur.take("I"), wanted)
+                if wanted:
+                    return value if isinstance(value, str) else None
+    except (GgufTruncatedError, GgufCorruptError, OSError, ValueError, struct.error) as exc:
         raise ModelFileError(f"{p.name} cannot be read ({exc}): check the file") from None
-    template = header.values.get("tokenizer.chat_template")
-    return template if isinstance(template, str) else None
+    return None
 
 
 def _display_stem(path: Path) -> str:
