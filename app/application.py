@@ -24,12 +24,13 @@ from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox, QSystemTra
 from ..core import paths
 from ..core.config import files as config_files
 from ..core.config.schema import ApiConfig, Config
+from ..core.config.watch import ConfigWatcher
 from ..core.errors import ConfigError, InstanceRunningError, TimeshareError
 from ..core.gguf.modelfile import gguf_problem
 from ..core.instance import InstanceLock
 from ..core.util.atomic import atomic_write_text
 from ..core.util.logsetup import setup_logging
-from . import autostart, icons
+from . import autostart, icons, strings
 from .bridge import PoolBridge
 from .chat_window import ChatWindow
 from .menu_model import Action, Command
@@ -87,6 +88,8 @@ class TimeshareApp(QObject):
     quit_requested = Signal()
     # POST /timeshare/v1/reload (on the API's thread) hands the re-read config to the GUI thread
     _config_reloaded = Signal(object)
+    # the config file was edited by hand into something invalid (from the watcher's thread)
+    _config_invalid = Signal(str)
 
     def __init__(
         self,
@@ -118,6 +121,8 @@ class TimeshareApp(QObject):
         self._api_factory = api_server_factory
         self.get_model_dialog: GetModelDialog | None = None
         self._config_reloaded.connect(self.apply_config)
+        self._config_invalid.connect(self._on_config_invalid)
+        self.config_watcher: ConfigWatcher | None = None
         self.api: ApiServerLike | None = None
         self._tray_wait_left = TRAY_WAIT_S
         self._shut_down = False
@@ -144,6 +149,15 @@ class TimeshareApp(QObject):
             self.start_api()
         if self.config.notice:
             self.notify("Timeshare", self.config.notice)
+        # a config file edited by hand is applied as `timeshare reload` would
+        self.config_watcher = ConfigWatcher(
+            self.config_path or paths.config_file(),
+            self._reload_from_api,
+            lambda exc: emit(self._config_invalid, str(exc)),
+        ).start()
+
+    def _on_config_invalid(self, problem: str) -> None:
+        self.notify(strings.CONFIG_INVALID_TITLE, strings.config_invalid(problem), error=True)
 
     def _show_tray(self) -> None:
         if self.tray is None:
@@ -400,6 +414,8 @@ class TimeshareApp(QObject):
             return
         self._shut_down = True
         log.info("shutting down")
+        if self.config_watcher is not None:
+            self.config_watcher.stop()
         self.stop_api()
         self.window.detach()
         self.bridge.detach()

@@ -28,6 +28,7 @@ from ..arena.dirs import pid_alive
 from ..config.files import cli_config_path, load_for_cli
 from ..config.schema import ApiConfig
 from ..config.validate import is_loopback
+from ..config.watch import ConfigWatcher
 from ..diskspace import check_room, disk_full_error, is_disk_full
 from ..errors import ApiBindError, ArenaError, ConfigError, DiskFullError, InstanceRunningError
 from ..instance import InstanceLock
@@ -296,10 +297,14 @@ def serve_main(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     pool = Pool(config)
-    server = ApiServer(pool, api_config, config_path=cli_config_path(getattr(args, "config", None)))
+    config_path = cli_config_path(getattr(args, "config", None))
+    server = ApiServer(pool, api_config, config_path=config_path)
+    # a config file edited by hand is applied as `timeshare reload` would (an invalid one: logged)
+    watcher = ConfigWatcher(config_path, server.reload)
     try:
         url = server.start()  # bind first: a port in use fails before any worker is spawned
         pool.start()
+        watcher.start()
         print(
             f"Timeshare API on {url}/v1 — models: {', '.join(m.id for m in config.models) or 'none'}",
             flush=True,
@@ -325,6 +330,7 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"timeshare serve: {_disk_full(exc)}", file=sys.stderr)
         return 2
     finally:
+        watcher.stop()
         server.stop()
         pool.stop()
         instance.release()

@@ -3,8 +3,10 @@ atomic writes that keep the user's comments."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -308,5 +310,25 @@ def save_config(config: Config, path: str | Path | None = None, *, check_paths: 
     if text is None:
         text = config_to_toml(config)
     atomic_write_text(target, text)
+    _note_written(target, text)
     log.info("config saved to %s", target)
     return target
+
+
+# the texts this process saved, by file: the config watcher does not apply them again
+_WRITTEN: dict[str, list[str]] = {}
+_WRITTEN_LOCK = threading.Lock()
+
+
+def _note_written(target: Path, text: str) -> None:
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    with _WRITTEN_LOCK:
+        seen = _WRITTEN.setdefault(str(target.expanduser().absolute()), [])
+        seen.append(digest)
+        del seen[:-8]
+
+
+def written_by_us(path: Path, digest: str) -> bool:
+    """Whether this process saved ``path`` (``save_config``) with the text whose sha256 is ``digest``."""
+    with _WRITTEN_LOCK:
+        return digest in _WRITTEN.get(str(path.expanduser().absolute()), ())
