@@ -501,8 +501,18 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+#: how a complete answer ends: an end-of-generation token or a stop string, max_tokens or the end
+#: of the context, a finished tool call
+COMPLETE_FINISH_REASONS = ("stop", "length", "tool_calls", "function_call")
+
+
 def _finish_reason(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
+    """The finish_reason of a complete answer. An answer that ended any other way ("cancelled",
+    which the pool reports only to the caller that cancelled it) is never passed off as finished:
+    ModelUnavailableError (503, or the stream's error event)."""
+    if reason in COMPLETE_FINISH_REASONS:
+        return reason
+    raise ModelUnavailableError(f"the answer ended before it was complete ({reason}); send the request again")
 
 
 def resolve_model(snapshot: PoolSnapshot, name: str) -> str:

@@ -300,7 +300,12 @@ class PoolHandlers(PoolThread):
             prompt_tokens_evaluated=msg.usage.prompt_tokens_evaluated,
         )
         w.last_switch = switch
-        gen._finish(msg.finish_reason, msg.usage, switch, msg.stop)
+        if msg.finish_reason == "cancelled" and not gen.cancelled:
+            # the worker cut the answer short on its own (stopped, removed, restarted, shut down):
+            # an error with the reason, never a finished answer (its text so far stays in ``gen``)
+            gen._fail(ModelUnavailableError(cut_short(w, self._closing)))
+        else:
+            gen._finish(msg.finish_reason, msg.usage, switch, msg.stop)
         self._publish(
             EventKind.REQUEST_DONE,
             w.id,
@@ -325,7 +330,11 @@ class PoolHandlers(PoolThread):
         gen = w.inflight
         if gen is not None and (msg.req == gen.req or (msg.fatal and msg.req is None)):
             w.inflight = None
-            gen._fail(error_for(msg.code, msg.message))
+            message = msg.message
+            if msg.code == errors.ModelUnavailableError.code and (w.lifecycle.stopping or self._closing):
+                # "the worker is shutting down": say why, as for an answer it cut short
+                message = cut_short(w, self._closing, begun=bool(gen.text))
+            gen._fail(error_for(msg.code, message))
             self._publish(EventKind.MESSAGE, w.id, f"{w.id}: {msg.message}", extra={"code": msg.code})
             if not msg.fatal:
                 self._dispatch(w)
@@ -585,6 +594,21 @@ class PoolHandlers(PoolThread):
         self._watchdog.close()
         for w in self._workers.values():  # fail whatever is still waiting (nothing should be)
             w.fail_all(ModelUnavailableError(SHUTTING_DOWN))
+
+
+def cut_short(w: WorkerRecord, closing: bool, begun: bool = True) -> str:
+    """Why ``w``'s answer ended before it was complete (``begun``) or before it began, when the
+    caller did not cancel it."""
+    if closing:
+        return SHUTTING_DOWN
+    why = {
+        Phase.REMOVING: "was removed from the configuration",
+        Phase.RESTARTING: "is restarting",
+    }.get(w.phase, "was stopped")
+    when = "in the middle of this answer, so the answer is incomplete" if begun else "before it answered"
+    return f"{w.id} {why} {when}; send the request again" + (
+        " to start it" if w.phase is Phase.STOPPING else ""
+    )
 
 
 def unavailable(w: WorkerRecord) -> str:
