@@ -2,8 +2,8 @@
 (``content``, ``tool_calls`` or the legacy ``function_call``, and llama-server's
 ``reasoning_content``) and ``finish_reason``, whole or as stream deltas in the shape the official
 ``openai`` client assembles: per call, a first delta with its ``index``, ``id``, ``type`` and
-``function.name`` (arguments ""), then its ``function.arguments`` (the whole JSON text once the
-call is complete: calls are parsed when whole).
+``function.name`` (arguments ""), then pieces of its ``function.arguments`` as the model writes
+them (all at once for a call that comes whole, see ``chatformat.parse``).
 
 A call's id is ``call_`` and 24 letters and digits, or for the Mistral family the 9 alphanumerics
 its templates insist on (the model's own id when it wrote a valid one).
@@ -44,6 +44,8 @@ class ChatOutput:
         )
         self._legacy = plan.request is not None and plan.request.legacy
         self.calls: list[tuple[str, ParsedCall]] = []
+        self._open = False  # a call is streaming its arguments
+        self._pending_id = ""  # the id of the call being written
         self.content: list[str] = []
         self.reasoning: list[str] = []
 
@@ -66,26 +68,39 @@ class ChatOutput:
             elif event.kind == "reasoning":
                 self.reasoning.append(event.text)
                 out.append({"reasoning_content": event.text})
-            elif event.call is not None:
+            elif event.kind == "call_start" and event.call is not None:
+                self._open = not (self._legacy and self.calls)  # functions: one call per answer
+                if self._open:
+                    out.append(self._head(event.call))
+            elif event.kind == "call_arguments":
+                if self._open:
+                    out.append(self._arguments(event.text))
+            elif event.kind == "call_end" and event.call is not None:
+                if self._open:
+                    self.calls.append((self._pending_id, event.call))
+                self._open = False
+            elif event.call is not None:  # a whole call
                 if self._legacy and self.calls:
-                    continue  # functions: one call per answer
-                index = len(self.calls)
-                call_id = self._call_id(event.call)
-                self.calls.append((call_id, event.call))
-                name, arguments = event.call.name, event.call.arguments
-                if self._legacy:
-                    out.append({"function_call": {"name": name, "arguments": ""}})
-                    out.append({"function_call": {"arguments": arguments}})
                     continue
-                head = {
-                    "index": index,
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": name, "arguments": ""},
-                }
-                out.append({"tool_calls": [head]})
-                out.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+                out.append(self._head(event.call))
+                out.append(self._arguments(event.call.arguments))
+                self.calls.append((self._pending_id, event.call))
         return out
+
+    def _head(self, call: ParsedCall) -> dict[str, Any]:
+        """The first delta of a call: index, id, type, name (arguments "")."""
+        self._pending_id = self._call_id(call)
+        name = call.name
+        if self._legacy:
+            return {"function_call": {"name": name, "arguments": ""}}
+        index = len(self.calls)
+        head = {"index": index, "id": self._pending_id, "type": "function"}
+        return {"tool_calls": [{**head, "function": {"name": name, "arguments": ""}}]}
+
+    def _arguments(self, text: str) -> dict[str, Any]:
+        if self._legacy:
+            return {"function_call": {"arguments": text}}
+        return {"tool_calls": [{"index": len(self.calls), "function": {"arguments": text}}]}
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The deltas a streamed piece of the answer makes."""

@@ -1,11 +1,15 @@
 """An answer split into reasoning, content and tool calls, as it streams or whole.
 
 ``AnswerParser`` takes the answer's text piece by piece (``feed``) and returns what can be said
-now: reasoning text, content text, and whole tool calls, in order. Text that may be the start of a
-marker (``</think>``, ``<tool_call>``, ``[TOOL_CALLS]``) is held back until it is known. A call is
-returned once its JSON is complete (its name and all its arguments at once); text after the calls
-is dropped. What never parses as a call (broken JSON, a block that never closes) comes back as
-content at ``finish``, marker included, so nothing the model wrote is lost.
+now: reasoning text, content text and tool calls, in order. Text that may be the start of a
+marker (``</think>``, ``<tool_call>``, ``[TOOL_CALLS]``) is held back until it is known. A call
+whose object starts with its name (``{"name": ..., "arguments": {``) streams: ``call_start`` with
+the name once it is written, ``call_arguments`` pieces of the arguments' JSON text as they come,
+``call_end`` with the whole call (its arguments are the text as the model wrote it, so the pieces
+add up to them); any other call (arguments as a string, Mistral's, whose ids follow the arguments)
+comes whole as ``call``. Text after the calls is dropped. What never parses as a call (broken JSON,
+a block that never closes) comes back as content at ``finish``, marker included, so nothing the
+model wrote is lost (a call that started streaming and never ended is not taken back).
 
 Where calls are recognised (``tools`` true):
 
@@ -25,6 +29,7 @@ inside it is all reasoning.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,7 +50,10 @@ class ParsedCall:
     id: str | None = None  # the model's own id (Mistral writes one)
 
 
-EventKind = Literal["reasoning", "content", "call"]
+#: "call": a whole call at once; "call_start" (its name, arguments ""), "call_arguments" (a piece
+#: of its arguments' JSON text) ... "call_end" (the whole call, as "call" would have said it): a call
+#: whose arguments stream as they are written
+EventKind = Literal["reasoning", "content", "call", "call_start", "call_arguments", "call_end"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,45 @@ def _held_with_space(buf: str, marker: str) -> int:
     return n + len(rest) - len(rest.rstrip())
 
 
-def _call(obj: object, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
+#: a call object's start when its name comes first: ``{"name": "...", "arguments": `` (or parameters)
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array starting at ``text[start]`` ends (None: not yet)."""
+    depth = 0
+    in_string = False
+    escaped = False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _raw_arguments(body: str) -> str | None:
+    """The arguments of a call object as written (an object after a leading name), else None."""
+    head = _CALL_HEAD.match(body)
+    if head is None or not body[head.end() :].startswith("{"):
+        return None
+    end = _value_end(body, head.end())
+    return body[head.end() : end] if end is not None else None
+
+
+def _call(obj: object, arguments_keys: tuple[str, ...], raw: str = "") -> ParsedCall | None:
     if not isinstance(obj, dict):
         return None
     name = obj.get("name")
@@ -99,6 +145,9 @@ def _call(obj: object, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
             text = json.dumps(args, ensure_ascii=False)
     else:
         text = json.dumps(args, ensure_ascii=False)
+    written = _raw_arguments(raw) if isinstance(args, dict) else None
+    if written is not None:  # as the model wrote it: what streamed, piece by piece
+        text = written
     call_id = obj.get("id")
     return ParsedCall(name, text, call_id if isinstance(call_id, str) else None)
 
@@ -121,6 +170,7 @@ class AnswerParser:
         self._thinks = thinks
         self._raw = ""  # the calls part as written (returned as content if no call parses)
         self._in_array = False  # mistral: inside the calls' JSON array
+        self._streaming: tuple[str, str] | None = None  # the call being streamed: name, arguments sent
         self._n_calls = 0
         self._space = ""  # white space before a marker (content again if the calls fail)
         self._reasoned = False  # some reasoning text went out (leading white space is dropped)
@@ -254,11 +304,48 @@ class AnswerParser:
             out.append(Event("content", emit))
             self._buf = self._buf[len(emit) :]
 
-    def _emit_call(self, out: list[Event], obj: object) -> None:
-        call = _call(obj, self._keys)
-        if call is not None:
+    def _emit_call(self, out: list[Event], obj: object, raw: str) -> None:
+        call = _call(obj, self._keys, raw.strip())
+        streamed = self._streaming
+        self._streaming = None
+        if call is None:
+            return
+        self._n_calls += 1
+        if streamed is None:
             out.append(Event("call", call=call))
-            self._n_calls += 1
+            return
+        name, sent = streamed
+        rest = call.arguments[len(sent) :]
+        if call.name == name and call.arguments.startswith(sent) and rest:
+            out.append(Event("call_arguments", text=rest))
+        out.append(Event("call_end", call=call))
+
+    def _stream_partial(self, out: list[Event], body: str) -> None:
+        """A call still being written: its name once known, then its arguments as they come (the
+        families whose ids come after the arguments, Mistral, wait for the whole call)."""
+        if self.family.name == "mistral":
+            return
+        head = _CALL_HEAD.match(body.lstrip())
+        if head is None:
+            return
+        rest = body.lstrip()[head.end() :]
+        if not rest.startswith("{"):
+            return  # arguments as a string: whole at the end
+        if self._streaming is None:
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return
+            self._streaming = (name, "")
+            out.append(Event("call_start", call=ParsedCall(name, "")))
+        name, sent = self._streaming
+        end = _value_end(rest, 0)
+        written = rest if end is None else rest[:end]
+        # hold back white space at the end (it may belong between the arguments and the brace)
+        written = written if end is not None else written.rstrip()
+        if len(written) > len(sent):
+            out.append(Event("call_arguments", text=written[len(sent) :]))
+            self._streaming = (name, written)
 
     def _calls(self, out: list[Event]) -> None:
         if self.family.name == "hermes":
@@ -266,12 +353,15 @@ class AnswerParser:
                 start = self._buf.find(_HERMES_OPEN)
                 end = self._buf.find(_HERMES_CLOSE, start) if start >= 0 else -1
                 if end < 0:
+                    if start >= 0:
+                        self._stream_partial(out, self._buf[start + len(_HERMES_OPEN) :])
                     return
+                body = self._buf[start + len(_HERMES_OPEN) : end]
                 try:
-                    obj = json.loads(self._buf[start + len(_HERMES_OPEN) : end])
+                    obj = json.loads(body)
                 except ValueError:
                     obj = None
-                self._emit_call(out, obj)
+                self._emit_call(out, obj, body)
                 self._buf = self._buf[end + len(_HERMES_CLOSE) :]
         # JSON values one after another: objects, or (mistral) objects inside one array
         while True:
@@ -295,8 +385,9 @@ class AnswerParser:
                 obj, end = _DECODER.raw_decode(text)
             except ValueError:
                 self._buf = text  # incomplete (or broken: then it stays, and finish says so)
+                self._stream_partial(out, text)
                 return
-            self._emit_call(out, obj)
+            self._emit_call(out, obj, text[:end])
             self._buf = text[end:]
 
 
@@ -313,7 +404,7 @@ def parse_answer(
             reasoning.append(event.text)
         elif event.kind == "content":
             content.append(event.text)
-        elif event.call is not None:
+        elif event.kind in ("call", "call_end") and event.call is not None:
             answer.calls.append(event.call)
     answer.content = "".join(content)
     if reasoning or (thinks and starts_thinking):
