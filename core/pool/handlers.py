@@ -75,7 +75,11 @@ class PoolHandlers(PoolThread):
         self._last_release: tuple[str, float, float] | None = None  # (model, release_ms, monotonic)
         self._readers: list[threading.Thread] = []
         self._state_cond = threading.Condition()
-        self._snapshot = PoolSnapshot()
+        # the configured models from the first snapshot on (each "starting" until its record
+        # exists), so an API that answers before the pool thread has run lists them all
+        self._snapshot = PoolSnapshot(
+            models=tuple(self._new_worker(cfg).model_status()[0] for cfg in config.models)
+        )
         self._worker_pinned: dict[str, bool] = {}
         self._watchdog = HolderWatchdog()  # hung holders (arena.hung_holder_s)
 
