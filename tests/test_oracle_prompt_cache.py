@@ -26,12 +26,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _e_worker_util import WorkerHandle
+from _e_worker_util import WorkerHandle, generate_message
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.residency import Residency, ResidencyOptions
 from timeshare.core.worker import protocol as p
 from timeshare.core.worker.engine import Engine, GenerationOutcome
-from timeshare.core.worker.protocol import Generate
 
 N_CTX = 2048
 ANSWER = 12
@@ -128,7 +127,7 @@ def generate(engine: Engine, n_prompt: int, **fields: Any) -> tuple[GenerationOu
             captured.append(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy())
 
     fields.setdefault("temperature", 0.0)
-    outcome = engine.generate(Generate(req="r", **fields), lambda _t: None, before_step=before_step)
+    outcome = engine.generate(generate_message("r", **fields), lambda _t: None, before_step=before_step)
     assert captured, "the context never held the whole prompt before the first decode step"
     return outcome, captured[0]
 
