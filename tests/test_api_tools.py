@@ -382,3 +382,24 @@ def test_langchain_bind_tools(tools_served: Served) -> None:
     message = chat.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
     assert isinstance(message.tool_calls[0]["args"].get("city"), str)
+
+
+def test_tools_and_another_grammar_are_refused(smollm2_path: Path) -> None:
+    import dataclasses
+
+    from timeshare.core.api.chat_output import prepare_chat
+    from timeshare.core.api.requests import parse_chat_request
+
+    req = parse_chat_request({"model": SMOL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
+    model = ModelConfig(id=SMOL, path=str(smollm2_path))
+    fields, output = prepare_chat(req, model)
+    assert fields["sampling"].grammar and output is not None
+    json_only = dataclasses.replace(req, sampling=req.sampling.replace(grammar='root ::= "{}"'))
+    with pytest.raises(BadRequestError) as info:
+        prepare_chat(json_only, model)
+    assert info.value.param == "tools" and "one of them" in info.value.message
+    # a plain request keeps its fields as they were, and needs no shaping
+    plain = parse_chat_request({"model": SMOL, "messages": ASK})
+    fields, output = prepare_chat(plain, model)
+    assert output is None and fields["messages"] == plain.messages and fields["tools"] == ()
+    assert fields["sampling"] == plain.sampling
