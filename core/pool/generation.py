@@ -44,6 +44,7 @@ class Generation:
         self.cancelled = False
         # pool-thread bookkeeping
         self._sent_at = 0.0
+        self._load_crashes = 0  # the worker died this many times while this request waited for its load
 
     @property
     def req(self) -> str:

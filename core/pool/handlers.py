@@ -39,6 +39,8 @@ from .watchdog import HolderWatchdog, tick_period
 log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "Timeshare is shutting down; send again after it restarts"
+#: loads of its model a request waits through: the worker dying during the last fails it
+LOAD_TRIES = 3
 #: spawns that meet a passing shortage (too many open files, no memory) before the model FAILS
 SPAWN_RETRIES = 5
 SPAWN_RETRY_MAX_S = 8.0
@@ -390,6 +392,7 @@ class PoolHandlers(PoolThread):
         # a crash (or the watchdog killed it)
         if not was_ready:
             w.requeue_inflight()  # it was waiting for the load, not being answered
+            self._count_load_crash(w, f"it {hung}" if hung else f"exit status {code}")
         self._publish(
             EventKind.CRASHED,
             w.id,
@@ -418,6 +421,26 @@ class PoolHandlers(PoolThread):
             w.reason = f"restarting in {delay:g} s: killed because it {hung}"
         self._publish(model=w.id)
         self._timers.add(delay, functools.partial(self._restart_due, w.id, w.epoch))
+
+    def _count_load_crash(self, w: WorkerRecord, why: str) -> None:
+        """The worker died while loading: each waiting request has tried once more; one that
+        has waited through LOAD_TRIES loads fails with the reason (it was re-queued for ever when
+        the crashes were spread wider than the restart window)."""
+        waiting = list(w.queue)
+        w.queue.clear()
+        for gen in waiting:
+            gen._load_crashes += 1
+            if gen._load_crashes < LOAD_TRIES:
+                w.queue.append(gen)
+                continue
+            gen._fail(
+                ModelUnavailableError(
+                    f"{w.id} died {_times(gen._load_crashes)} while loading for this request (last: "
+                    f"{why}); see its log {w.log_path}, then send again"
+                )
+            )
+        if len(w.queue) != len(waiting):
+            self._publish(model=w.id)
 
     def _restart_due(self, model_id: str, epoch: int) -> None:
         w = self._workers.get(model_id)
