@@ -117,6 +117,7 @@ class TimeshareApp(QObject):
             self.bridge, store, chat, prewake_enabled=lambda: self.config.general.prewake_on_typing
         )
         self.window.closed.connect(self._on_window_closed)
+        self.window.action_requested.connect(self.handle)
         self.settings_dialog: SettingsDialog | None = None
         self._api_factory = api_server_factory
         self.get_model_dialog: GetModelDialog | None = None

@@ -40,11 +40,12 @@ from PySide6.QtWidgets import (
 
 from ..core.errors import TimeshareError
 from ..core.state import ModelState, PoolSnapshot
-from . import icons
+from . import icons, strings
 from .answer_stream import AnswerStream
 from .bridge import PoolBridge
 from .chat_widgets import AnswerSettingsPanel, InputBox, ModelPicker
 from .menu_model import display_state
+from .model_problem import ModelProblemBar
 from .qt_compat import emit
 from .transcript import (
     NO_CONVERSATION,
@@ -73,6 +74,8 @@ class ChatWindow(QMainWindow):
     prewake_requested = Signal(str)
     #: an answer finished: (conversation id, AnswerStats or None, error message)
     answer_finished = Signal(str, object, str)
+    #: a fix offered where a model's problem is shown (Locate file…, Restart, Remove, Unpin): an Action
+    action_requested = Signal(object)
 
     def __init__(
         self,
@@ -168,6 +171,9 @@ class ChatWindow(QMainWindow):
         self.settings_summary.setStyleSheet("color: gray")
         second.addWidget(self.settings_summary)
         rv.addLayout(second)
+        self.problem_bar = ModelProblemBar()
+        self.problem_bar.action_requested.connect(lambda action: emit(self.action_requested, action))
+        rv.addWidget(self.problem_bar)
         self.settings_panel = AnswerSettingsPanel(store=self.store)
         self.settings_panel.summary_changed.connect(self._show_summary)
         self.settings_panel.failed.connect(lambda line: self.statusBar().showMessage(line, 10000))
@@ -253,6 +259,8 @@ class ChatWindow(QMainWindow):
         snapshot = self.bridge.snapshot
         model_id = self.model_box.currentData()
         status = snapshot.model(model_id) if model_id else None
+        self.problem_bar.show_for(status, snapshot)
+        self._update_buttons()
         if status is None:
             self.model_state.setText("")
             self.licence.setText("")
@@ -260,7 +268,7 @@ class ChatWindow(QMainWindow):
             return
         text = display_state(status)
         if status.id == snapshot.holder:
-            text += " · holds the GPU"
+            text += f" · holds {strings.device_word(strings.has_gpu(snapshot))}"
         self.model_state.setText(text)
         self.licence.setText(f"Licence: {status.licence}" if status.licence else "")
         self.licence.setToolTip(self.licence.text())
@@ -437,9 +445,19 @@ class ChatWindow(QMainWindow):
 
     # ---- sending -----------------------------------------------------------------------------
 
+    def _cannot_answer(self) -> str:
+        """Why the picked model cannot answer (it FAILED: Send is off for it), else ""."""
+        model_id = self.model_box.currentData()
+        status = self.bridge.snapshot.model(model_id) if model_id else None
+        if status is None or status.state is not ModelState.FAILED:
+            return ""
+        return strings.SEND_DISABLED.format(name=status.display_name)
+
     def _update_buttons(self) -> None:
         streaming = self._stream is not None
-        self.send_button.setEnabled(not streaming)
+        blocked = self._cannot_answer()
+        self.send_button.setEnabled(not streaming and not blocked)
+        self.send_button.setToolTip(blocked)
         self.stop_button.setEnabled(streaming)
 
     def _unanswered(self, conv_id: str) -> bool:
@@ -453,6 +471,10 @@ class ChatWindow(QMainWindow):
             return
         conv_id = self.current_conversation()
         if not text and (conv_id is None or not self._unanswered(conv_id)):
+            return
+        blocked = self._cannot_answer()
+        if blocked:  # nothing is saved for a model that cannot answer; the bar says what to do
+            self.statusBar().showMessage(blocked, 20000)
             return
         if conv_id is None:
             conv_id = self.new_conversation()

@@ -7,6 +7,12 @@ words that must not be there: HTTP paths, config keys, internal terms). Display 
 
 from __future__ import annotations
 
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..core.state import PoolSnapshot
+
 CONFIG_INVALID_TITLE = "Settings file not applied"
 
 
@@ -29,3 +35,24 @@ REMOVE = "Remove"
 UNPIN = "Unpin {holder}"
 SEND_DISABLED = "{name} cannot answer until it is restarted or its file is found."
 RESTARTING = "Restarting {name}…"
+
+
+def pinned_wait(name: str, holder: str, has_gpu: bool) -> str:
+    return f"{name} waits: {holder} is pinned to {device_word(has_gpu)} and keeps it until you unpin it."
+
+
+def has_gpu(snapshot: PoolSnapshot) -> bool:
+    """Whether the models run on a GPU (a backend other than the CPU has been seen)."""
+    backends = [m.backend for m in snapshot.models if m.backend] + [
+        d.name for d in snapshot.devices if d.name
+    ]
+    return any(not b.upper().startswith("CPU") for b in backends) if backends else True
+
+
+def names_for_people(text: str, snapshot: PoolSnapshot) -> str:
+    """``text`` (a reason the pool wrote, naming models by id) with display names instead."""
+    models = sorted(snapshot.models, key=lambda m: len(m.id), reverse=True)
+    for m in models:
+        if m.display_name != m.id:
+            text = re.sub(rf"(?<![\w.-]){re.escape(m.id)}(?![\w.-])", m.display_name, text)
+    return text

@@ -117,3 +117,33 @@ def test_a_file_that_is_not_a_model_is_refused_with_a_sentence(
     app.handle(Action("Locate file…", Command.LOCATE_FILE, "ghost"))
     assert notes and "not a GGUF file" in notes[0][1]
     assert app.config_path.read_text() == before  # nothing written
+
+
+def test_the_chat_window_shows_a_failed_model_its_reason_and_fixes_and_saves_nothing(
+    qtbot: Any, app: Any
+) -> None:
+    from PySide6.QtCore import Qt
+    from timeshare.app.menu_model import Command
+
+    qtbot.waitUntil(lambda: app.pool.snapshot().model("ghost").state is ModelState.FAILED)
+    window = app.window
+    window.open_for_model("ghost")
+    bar = window.problem_bar
+    qtbot.waitUntil(lambda: not bar.isHidden())
+    assert "ghost cannot answer" in bar.label.text() and "ghost.gguf does not exist" in bar.label.text()
+    assert "timeshare start" not in bar.label.text() and "POST" not in bar.label.text()
+    for button in (bar.locate_button, bar.restart_button, bar.remove_button):
+        assert not button.isHidden(), button.text()
+    assert bar.unpin_button.isHidden()
+    assert not window.send_button.isEnabled() and "cannot answer" in window.send_button.toolTip()
+
+    # Enter in the box does not save a message the model cannot answer
+    window.input.setPlainText("hello?")
+    window.send()
+    assert all(not app.store.messages(c.id) for c in app.store.list_conversations())
+    assert "cannot answer" in window.statusBar().currentMessage()
+
+    # the fixes are the tray's actions, where the reason is
+    with qtbot.waitSignal(window.action_requested) as emitted:
+        qtbot.mouseClick(bar.restart_button, Qt.MouseButton.LeftButton)
+    assert emitted.args[0].command is Command.RESTART and emitted.args[0].model == "ghost"
