@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 
 from ..core.conversations.store import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from ..core.errors import TimeshareError
+from . import strings
 from .menu_model import display_state
 from .qt_compat import emit
 from .transcript import settings_summary
@@ -56,7 +57,7 @@ class InputBox(QPlainTextEdit):
 
 
 class ModelPicker(QComboBox):
-    """The models to chat with, each labelled with its state (and "(GPU)" on the holder)."""
+    """The models to chat with, each labelled with its state (and "holds the GPU" on the holder)."""
 
     def show_models(self, snapshot: PoolSnapshot) -> None:
         """Relabel the models in place (an open popup stays open) or, when they changed, refill
@@ -70,7 +71,7 @@ class ModelPicker(QComboBox):
         for index, m in enumerate(snapshot.models):
             label = f"{m.display_name} — {display_state(m)}"
             if m.id == snapshot.holder:
-                label += " (GPU)"
+                label += f", {strings.holds(strings.has_gpu(snapshot))}"
             if same_models:  # relabel in place: an open popup stays open
                 self.setItemText(index, label)
             else:

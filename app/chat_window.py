@@ -283,6 +283,7 @@ class ChatWindow(QMainWindow):
         self._wait_clock.keep([status.id])
         stage, fraction = self.bridge.loading.get(status.id, ("", 0.0))
         line = chat_wait_line(status, snapshot.holder, answering=answering, seconds=seconds, stage=stage)
+        line = strings.for_people(line, snapshot)  # display names; "memory" without a GPU
         self._show_wait(line, fraction if kind == "loading" else None)
 
     def _show_wait(self, line: str, fraction: float | None) -> None:

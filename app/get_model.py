@@ -256,7 +256,7 @@ class GetModelDialog(QDialog):
         ):
             one_model = any(d.budget == "one-model" for d in snapshot.devices)
             why = (
-                "with arena.vram_budget = one-model Timeshare does not measure the GPU's memory"
+                'with the setting "one model at a time" Timeshare does not measure the GPU\'s memory'
                 if one_model
                 else "Timeshare does not know the GPU's memory budget yet (no model has loaded on it)"
             )

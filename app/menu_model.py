@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..core.errors import ModelFileError
 from ..core.state import ModelState, ModelStatus, PoolSnapshot
+from . import strings
 from .waits import model_wait, with_seconds
 
 #: a FAILED model's failure_code when its file is the problem
@@ -115,19 +116,24 @@ def tooltip(snapshot: PoolSnapshot, waited: Mapping[str, float] | None = None) -
     holder = _holder(snapshot)
     others = [m for m in snapshot.models if holder is None or m.id != holder.id]
     waits = [(m, model_wait(m, snapshot.holder)) for m in others]
-    waiting = [with_seconds(f"{m.display_name} {phrase}", waited.get(m.id)) for m, phrase in waits if phrase]
+    waiting = [
+        with_seconds(strings.for_people(f"{m.display_name} {phrase}", snapshot), waited.get(m.id))
+        for m, phrase in waits
+        if phrase
+    ]
+    gpu = strings.has_gpu(snapshot)
     others = [m for m, phrase in waits if not phrase]  # counted by state below
     shared = devices_line(snapshot)
     if shared:
         head = shared
     elif holder is not None:
-        head = f"{holder.display_name} holds the GPU"
+        head = f"{holder.display_name} {strings.holds(gpu)}"
         if holder.pinned:
             head += " (pinned)"
     elif snapshot.switching:
-        head = "Switching the GPU"
+        head = strings.switching(gpu)
     else:
-        head = "No model holds the GPU"
+        head = strings.nobody_holds(gpu)
     parts = [head, *waiting]
     released = sum(1 for m in others if m.state is ModelState.RELEASED)
     if released:
@@ -166,14 +172,14 @@ def devices_line(snapshot: PoolSnapshot) -> str:
         if many:
             parts.append(f"GPU {d.index}: {len(d.holders)} models{figures}")
         else:
-            parts.append(f"{len(d.holders)} models on the GPU{figures}")
+            parts.append(f"{strings.models_together(len(d.holders), strings.has_gpu(snapshot))}{figures}")
     return " · ".join(parts)
 
 
-def model_title(status: ModelStatus, holder: str | None) -> str:
+def model_title(status: ModelStatus, holder: str | None, gpu: bool = True) -> str:
     title = f"{status.display_name} — {display_state(status)}"
     if status.id == holder:
-        title += ", holds the GPU"
+        title += f", {strings.holds(gpu)}"
     if status.pinned:
         title += ", pinned"
     return title
@@ -233,7 +239,9 @@ def menu_entries(
     if snapshot.models:
         for status in snapshot.models:
             sub = model_entries(status, waited.get(status.id))
-            entries.append(Submenu(model_title(status, snapshot.holder), status.id, sub))
+            entries.append(
+                Submenu(model_title(status, snapshot.holder, strings.has_gpu(snapshot)), status.id, sub)
+            )
     else:
         entries.append(Label("No models yet: add one"))
     entries += [

@@ -527,7 +527,7 @@ class SettingsDialog(QDialog):
         self.arena_table = QTableWidget(0, 7)
         self.arena_table.setObjectName("arena")
         self.arena_table.setHorizontalHeaderLabels(
-            ["Model", "State", "Backend", "Residency", "Device memory", "Host shadow", "Weights"]
+            ["Model", "State", "Backend", "Switching method", "Device memory", "Host shadow", "Weights"]
         )
         self.arena_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.arena_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)

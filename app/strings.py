@@ -50,9 +50,37 @@ def has_gpu(snapshot: PoolSnapshot) -> bool:
 
 
 def names_for_people(text: str, snapshot: PoolSnapshot) -> str:
-    """``text`` (a reason the pool wrote, naming models by id) with display names instead."""
+    """``text`` (a reason the pool wrote, naming models by id) with display names instead (ids
+    of one or two characters are left: they are words too)."""
     models = sorted(snapshot.models, key=lambda m: len(m.id), reverse=True)
     for m in models:
-        if m.display_name != m.id:
+        if m.display_name != m.id and len(m.id) >= 3:
             text = re.sub(rf"(?<![\w.-]){re.escape(m.id)}(?![\w.-])", m.display_name, text)
     return text
+
+
+# ---- who has the GPU (or, without one, whose weights are loaded) ---------------------------------
+
+
+def holds(gpu: bool) -> str:
+    """What the holder does: "holds the GPU", or "is loaded" where the models run in memory."""
+    return "holds the GPU" if gpu else "is loaded"
+
+
+def nobody_holds(gpu: bool) -> str:
+    return "No model holds the GPU" if gpu else "No model is loaded"
+
+
+def switching(gpu: bool) -> str:
+    return "Switching the GPU" if gpu else "Switching models"
+
+
+def models_together(n: int, gpu: bool) -> str:
+    return f"{n} models on the GPU" if gpu else f"{n} models in memory"
+
+
+def for_people(text: str, snapshot: PoolSnapshot) -> str:
+    """A sentence from the pool (model ids, "the GPU") in the GUI's words: display names, and
+    "memory" for "the GPU" on a machine without one."""
+    text = names_for_people(text, snapshot)
+    return text if has_gpu(snapshot) else text.replace("the GPU", "memory")

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from _proc_util import alive
+from timeshare.app import strings
 from timeshare.app.transcript import answer_line
 from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.state import ModelState
@@ -138,7 +139,8 @@ def test_chat_streams_switches_model_and_the_tray_follows(qtbot: Any, app: Any) 
     assert "tokens/s" in shown and "first token" in shown
 
     qtbot.waitUntil(lambda: app.bridge.snapshot.holder == SMOL, timeout=30_000)
-    assert app.tray.icon.toolTip().startswith("SmolLM2-135M-Instruct holds the GPU")
+    holds = strings.holds(strings.has_gpu(app.bridge.snapshot))  # "is loaded" without a GPU
+    assert app.tray.icon.toolTip().startswith(f"SmolLM2-135M-Instruct {holds}")
     assert window.send_button.isEnabled() and not window.stop_button.isEnabled()
 
     # switch the conversation's model: Gemma takes the GPU, the tray says so
@@ -149,7 +151,7 @@ def test_chat_streams_switches_model_and_the_tray_follows(qtbot: Any, app: Any) 
     assert error2 == ""
     assert stats2 is not None
     qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=30_000)
-    assert app.tray.icon.toolTip().startswith("Gemma-3-270M (base) holds the GPU")
+    assert app.tray.icon.toolTip().startswith(f"Gemma-3-270M (base) {holds}")
     assert "1 other released" in app.tray.icon.toolTip()
     # Gemma was released (SmolLM2 held the GPU): either the request paid the switch, or picking
     # the model pre-woke it and the switch happened while we typed; the line says which
@@ -209,7 +211,10 @@ def test_waiting_for_a_pinned_model_is_said_in_the_window_and_the_tray(qtbot: An
     import re
 
     window = app.window
-    waiting = "waiting for the GPU: pinned by gemma3-270m"
+    # the pool's reason in the GUI's words: display names, "memory" without a GPU
+    waiting = strings.for_people("waiting for the GPU: pinned by gemma3-270m", app.bridge.snapshot)
+    assert "Gemma-3-270M (base)" in waiting and "gemma3-270m" not in waiting
+    holds = strings.holds(strings.has_gpu(app.bridge.snapshot))
     # Gemma takes the GPU and keeps it
     app.bridge.pin(GEMMA, True)
     app.bridge.wake(GEMMA)
@@ -231,10 +236,13 @@ def test_waiting_for_a_pinned_model_is_said_in_the_window_and_the_tray(qtbot: An
             )
             # so does the tray: who holds the GPU, who waits and how long
             tip = app.tray.icon.toolTip
-            assert tip().startswith("Gemma-3-270M (base) holds the GPU (pinned)")
+            assert tip().startswith(f"Gemma-3-270M (base) {holds} (pinned)")
             pattern = rf"SmolLM2-135M-Instruct {re.escape(waiting)}, \d+ s"
             qtbot.waitUntil(lambda: re.search(pattern, tip()) is not None, timeout=60_000)
-            app.bridge.pin(GEMMA, False)  # Gemma lets go: the answer comes
+            # the window offers Unpin in place: Gemma lets go, the answer comes
+            unpin = window.problem_bar.unpin_button
+            assert not unpin.isHidden() and unpin.text() == "Unpin Gemma-3-270M (base)"
+            unpin.click()
         _, stats, error = blocker.args
         assert error == "" and stats is not None and stats.finish_reason in ("stop", "length")
         # the wait is in its line, whether the request or the pre-wake (typing) took the GPU

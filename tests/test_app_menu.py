@@ -288,9 +288,10 @@ def pinned_and_waiting() -> PoolSnapshot:
 
 def test_the_tooltip_says_what_a_model_waits_for_and_how_long() -> None:
     snap = pinned_and_waiting()
-    assert tooltip(snap) == f"Qwen2.5-7B holds the GPU (pinned) · Gemma {PINNED_WAIT} · 1 other released"
+    named = PINNED_WAIT.replace("by qwen", "by Qwen2.5-7B")  # display names in the GUI, not ids
+    assert tooltip(snap) == f"Qwen2.5-7B holds the GPU (pinned) · Gemma {named} · 1 other released"
     assert tooltip(snap, {"gemma": 12.7}) == (
-        f"Qwen2.5-7B holds the GPU (pinned) · Gemma {PINNED_WAIT}, 12 s · 1 other released"
+        f"Qwen2.5-7B holds the GPU (pinned) · Gemma {named}, 12 s · 1 other released"
     )
     assert tooltip(snap, {"gemma": 0.4}).count(" s ·") == 0  # under a second: no seconds yet
     # the menu's summary line and the model's submenu say it too

@@ -1,0 +1,64 @@
+"""No developer words in what the GUI shows: the string literals of app/ (docstrings and
+comments aside) hold no HTTP paths, config keys or internal terms; "GPU" only where there is one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from timeshare.app import strings
+from timeshare.core.state import ModelState, ModelStatus, PoolSnapshot
+
+APP = Path(__file__).resolve().parent.parent / "app"
+FORBIDDEN = ("POST /", "arena.", "Residency:", "/timeshare/v1", "(GPU)")
+
+
+def _shown_strings(path: Path) -> list[tuple[int, str]]:
+    """String constants of a module except docstrings (f-string parts included)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_no_http_paths_config_keys_or_internal_terms_in_the_gui() -> None:
+    found = [
+        f"{path.name}:{line}: {text!r}"
+        for path in sorted(APP.glob("*.py"))
+        for line, text in _shown_strings(path)
+        if any(word in text for word in FORBIDDEN)
+    ]
+    assert found == []
+
+
+def test_the_grep_sees_a_forbidden_word() -> None:  # the oracle works: it finds one when there is one
+    probe = APP.parent / "tests" / "_strings_probe.py"
+    probe.write_text('"""POST /x in a docstring is fine."""\nTEXT = f"run POST /timeshare/v1/{1}"\n')
+    try:
+        assert [t for _, t in _shown_strings(probe) if "POST /" in t] == ["run POST /timeshare/v1/"]
+    finally:
+        probe.unlink()
+
+
+def _status(model_id: str, name: str, backend: str) -> ModelStatus:
+    return ModelStatus(id=model_id, name=name, path="x", state=ModelState.RESIDENT, backend=backend)
+
+
+def test_gpu_only_where_there_is_one_and_display_names_for_ids() -> None:
+    reason = "waiting for the GPU: pinned by gemma3-270m"
+    cpu = PoolSnapshot(models=(_status("gemma3-270m", "Gemma 3", "CPU"), _status("smol", "Smol", "CPU")))
+    cuda = PoolSnapshot(models=(_status("gemma3-270m", "Gemma 3", "CUDA0"),))
+    assert strings.for_people(reason, cpu) == "waiting for memory: pinned by Gemma 3"
+    assert strings.for_people(reason, cuda) == "waiting for the GPU: pinned by Gemma 3"
+    assert strings.holds(strings.has_gpu(cpu)) == "is loaded"
+    assert strings.holds(strings.has_gpu(cuda)) == "holds the GPU"
+    # an id inside another word is left alone
+    assert strings.names_for_people("smol-2 and smol", cpu) == "smol-2 and Smol"
