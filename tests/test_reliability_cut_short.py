@@ -8,6 +8,7 @@ way. A real SmolLM2 worker behind an in-process API; its end-of-generation token
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import openai
 import pytest
 from _proc_util import wait_until
 from timeshare.core import sampling
+from timeshare.core.api import connections, handlers
 from timeshare.core.api.server import ApiServer
 from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.conversations.chat import ChatService
@@ -164,3 +166,39 @@ def test_the_chat_service_tells_the_users_stop_from_a_stopped_model(stack: Stack
         assert again.result(timeout=WAIT).finish_reason == "length"
     finally:
         store.close()
+
+
+def _cancelled_by_disconnect(stack: Stack) -> int:
+    status = httpx.get(f"{stack.api.url}/timeshare/v1/status", timeout=WAIT).json()
+    return int(status["switch_stats"]["cancelled_by_disconnect"])
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_a_stream_has_its_generation_cancelled(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _ready(stack)
+    monkeypatch.setattr(handlers, "SSE_WRITE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(connections, "SEND_BUFFER_BYTES", 4096)  # full after a few hundred events
+    before = _cancelled_by_disconnect(stack)
+    body = httpx.Request(
+        "POST",
+        f"{stack.api.url}/v1/completions",
+        json={"model": "smol", "prompt": "Once upon a time", "max_tokens": LONG, "stream": True},
+    )
+    assert stack.api.port is not None
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # fills after a few events
+    reader.connect(("127.0.0.1", stack.api.port))
+    try:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        content = body.read()
+        reader.sendall(f"{head}Content-Length: {len(content)}\r\n\r\n".encode() + content)
+        # ... and never reads: the generation (LONG tokens, no end-of-generation token possible)
+        # must be cancelled once a send has waited SSE_WRITE_TIMEOUT_S, not run to its end
+        wait_until(lambda: _cancelled_by_disconnect(stack) > before, 120, "the stream to be given up")
+        wait_until(lambda: not stack.pool.snapshot().model("smol").busy, WAIT, "the model to be free")
+        status = httpx.get(f"{stack.api.url}/timeshare/v1/status", timeout=WAIT).json()
+        assert status["switch_stats"]["recent_cancel_finish_reasons"][-1] == "cancelled"
+    finally:
+        reader.close()

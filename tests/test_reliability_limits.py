@@ -134,3 +134,46 @@ def test_the_documented_limits_are_the_codes_own() -> None:
     m = re.search(r"a body must arrive within (\d+) s \(408", text)
     assert m and float(m.group(1)) == requests.BODY_TIMEOUT_S
     assert "| 414 | `uri_too_long` |" in DOCS.read_text()
+
+
+def test_a_stream_whose_send_waits_past_the_write_timeout_ends_and_runs_its_cleanup() -> None:
+    # the mechanism the API's streams rely on, with a reader that never takes anything
+    import anyio
+    from timeshare.core.api.handlers import StreamResponse
+
+    cleaned: list[str] = []
+    sent: list[dict[str, object]] = []
+
+    async def events():  # type: ignore[no-untyped-def]
+        try:
+            for i in range(10**6):
+                yield {"data": str(i)}
+        finally:
+            cleaned.append("generation cancelled")  # what the API's events() does: gen.cancel()
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+        if message.get("type") == "http.response.body":
+            await anyio.sleep_forever()  # the client's buffers are full
+
+    async def receive() -> dict[str, object]:
+        await anyio.sleep_forever()
+        return {}
+
+    async def main() -> None:
+        response = StreamResponse(events(), ping=0, send_timeout=0.2)
+        scope = {"type": "http", "method": "GET", "headers": []}
+        with anyio.fail_after(30):  # returns (after 0.2 s), instead of waiting for ever
+            await response(scope, receive, send)  # type: ignore[arg-type]
+
+    anyio.run(main)
+    assert cleaned == ["generation cancelled"]
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+
+
+def test_the_documented_stream_write_timeout_is_the_codes_own() -> None:
+    from timeshare.core.api import handlers
+
+    text = " ".join(DOCS.read_text().split())
+    m = re.search(r"a streaming client that accepts no event for (\d+) s", text)
+    assert m and float(m.group(1)) == handlers.SSE_WRITE_TIMEOUT_S

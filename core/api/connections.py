@@ -20,6 +20,7 @@ broken or hostile clients, and logging that such clients cannot flood.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import json
 import logging
@@ -45,6 +46,10 @@ MAX_HEAD_BYTES = 64 * 1024
 #: bytes of the request target (path and query); more is a 414
 MAX_TARGET_BYTES = 8 * 1024
 LOG_INTERVAL_S = 10.0
+#: the kernel's send buffer of each connection: a client that stops reading a stream blocks the
+#: server's writes after about this much (then the stream's write timeout applies) instead of
+#: after the megabytes loopback autotuning allows
+SEND_BUFFER_BYTES = 256 * 1024
 _MIN_CONNECTIONS = 16
 _MAX_CONNECTIONS = 4096
 
@@ -230,6 +235,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         if len(self.connections) > self.max_connections and not self._close_longest_waiting():
             log.warning("API: %d connections are open (the limit): refusing a new one", len(self.connections))
             transport.write(

@@ -21,12 +21,13 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import msgspec
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from .. import paths
 from ..config.files import load_config
@@ -447,7 +448,7 @@ class _Handlers:
                     gen.cancel()
                     self.record_cancel_later(gen)
 
-        return EventSourceResponse(events(), ping=15)
+        return StreamResponse(events(), ping=15, send_timeout=SSE_WRITE_TIMEOUT_S)
 
     # -- Timeshare endpoints --
 
@@ -483,6 +484,24 @@ class _Handlers:
         snapshot = self.pool.snapshot()
         status = snapshot.model(model_id)
         return JSONResponse({"ok": True, "command": command, "model": _plain(status)})
+
+
+#: a streaming client that takes longer than this to accept one event (it stopped reading, its
+#: buffers are full) is given up on: its generation is cancelled and the connection closes
+SSE_WRITE_TIMEOUT_S = 30.0
+
+
+class StreamResponse(EventSourceResponse):
+    """The API's server-sent events: a send that waits longer than ``send_timeout`` ends the
+    stream; the events' own cleanup then cancels the generation (as a disconnect does)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            log.warning(
+                "a streaming client read nothing for %g s: its generation is cancelled", self.send_timeout
+            )
 
 
 def usage_out(usage: Usage) -> shapes.UsageOut:
