@@ -28,6 +28,7 @@ from ..core.config.watch import ConfigWatcher
 from ..core.errors import ConfigError, InstanceRunningError, TimeshareError
 from ..core.gguf.modelfile import gguf_problem
 from ..core.instance import InstanceLock
+from ..core.state import USER_SLEEP_LEVEL
 from ..core.util.atomic import atomic_write_text
 from ..core.util.logsetup import setup_logging
 from . import autostart, icons, strings
@@ -217,7 +218,7 @@ class TimeshareApp(QObject):
         elif action.command is Command.UNPIN:
             self.bridge.pin(model, False)
         elif action.command is Command.SLEEP:
-            self.bridge.sleep(model, "weights+kv")
+            self.bridge.sleep(model, USER_SLEEP_LEVEL)
         elif action.command is Command.WAKE:
             self.bridge.wake(model)
         elif action.command is Command.RESTART:

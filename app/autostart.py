@@ -61,7 +61,7 @@ def packaged_desktop_entry() -> str:
     return resources.files("timeshare.resources").joinpath(DESKTOP_FILE).read_text(encoding="utf-8")
 
 
-def _desktop_exec_quote(arg: str) -> str:
+def desktop_exec_quote(arg: str) -> str:
     # Desktop Entry spec: quote with double quotes when the argument has reserved characters
     if arg and not any(c in arg for c in " \t\n\"'\\><~|&;$*?#()`%="):
         return arg
@@ -81,7 +81,7 @@ def xdg_autostart_entry(template: str, command: list[str], delay_s: int = AUTOST
             in_main = stripped == "[Desktop Entry]"
         elif in_main and stripped.startswith(("Exec=", "TryExec=", "X-GNOME-Autostart")):
             if stripped.startswith("Exec="):
-                out.append("Exec=" + " ".join(_desktop_exec_quote(a) for a in command))
+                out.append("Exec=" + " ".join(desktop_exec_quote(a) for a in command))
             continue
         out.append(line)
     if in_main:

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..core.util.atomic import atomic_write_text
-from .autostart import APP_ID, DESKTOP_FILE, _desktop_exec_quote, launcher, packaged_desktop_entry
+from .autostart import APP_ID, DESKTOP_FILE, desktop_exec_quote, launcher, packaged_desktop_entry
 
 ICONS = (
     ("scalable", f"{APP_ID}.svg"),
@@ -43,7 +43,7 @@ def menu_entry(template: str, command: list[str]) -> str:
         if stripped.startswith("["):
             in_main = stripped == "[Desktop Entry]"
         elif in_main and stripped.startswith("Exec="):
-            line = "Exec=" + " ".join(_desktop_exec_quote(a) for a in command)
+            line = "Exec=" + " ".join(desktop_exec_quote(a) for a in command)
         elif in_main and stripped.startswith("TryExec="):
             line = f"TryExec={command[0]}"
         out.append(line)

@@ -154,7 +154,7 @@ def tooltip(snapshot: PoolSnapshot, waited: Mapping[str, float] | None = None) -
     return " · ".join(parts)
 
 
-def _gb(n: int) -> str:
+def gb_text(n: int) -> str:
     value = n / 1e9
     text = f"{value:.2f}" if value < 1 else f"{value:.1f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
@@ -168,7 +168,7 @@ def devices_line(snapshot: PoolSnapshot) -> str:
     for d in snapshot.devices:
         if len(d.holders) < 2:
             continue
-        figures = f" ({_gb(d.leased_bytes)} of {_gb(d.budget_bytes)} GB)" if d.budget_bytes else ""
+        figures = f" ({gb_text(d.leased_bytes)} of {gb_text(d.budget_bytes)} GB)" if d.budget_bytes else ""
         if many:
             parts.append(f"GPU {d.index}: {len(d.holders)} models{figures}")
         else:

@@ -20,6 +20,9 @@ RELEASE_LEVELS: tuple[ReleaseLevel, ...] = get_args(ReleaseLevel)
 #: ``timeshare stop M`` = the worker ends, its KV saved. ``load M`` = start if stopped, then wake.
 UNLOAD_LEVEL: ReleaseLevel = "weights"
 STOP_LEVEL: ReleaseLevel = "stop"
+#: What a user's "sleep" does when it names no level (the tray's Sleep, ``timeshare sleep``,
+#: ``POST .../sleep`` without a body): weights and KV cache off the device.
+USER_SLEEP_LEVEL: ReleaseLevel = "weights+kv"
 
 #: The levels a worker carries out itself; "stop" is the pool's (it ends the worker).
 WorkerReleaseLevel = Literal["weights", "weights+kv"]

@@ -32,9 +32,9 @@ from timeshare.core.api.requests import MAX_JSON_DEPTH, MAX_MESSAGES, parse_json
 from timeshare.core.api.server import ApiServer
 from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
 from timeshare.core.errors import ProtocolError
-from timeshare.core.pool import handlers as pool_handlers
+from timeshare.core.pool import supervisor as pool_handlers
 from timeshare.core.pool.generation import Generation, make_request
-from timeshare.core.pool.record import WorkerRecord
+from timeshare.core.pool.record import SPAWN_RETRIES, WorkerRecord
 from timeshare.core.pool.supervisor import Pool
 from timeshare.core.sampling import FIELDS as SAMPLING_FIELDS
 from timeshare.core.sampling import Sampling
@@ -126,7 +126,7 @@ def test_too_many_open_files_at_spawn_is_retried_then_reported_as_what_it_is(
         assert "ulimit -n" in status.reason and "permission" not in status.reason
         assert status.failure_code == ""  # not the file's fault: no "Locate file…"
         assert any("trying again in" in r for r in seen)  # it said so while retrying
-        assert fail["left"] == 10**6 - 1 - pool_handlers.SPAWN_RETRIES
+        assert fail["left"] == 10**6 - 1 - SPAWN_RETRIES
         fail["left"] = 2  # the shortage passes during the next start's retries
         pool.start_model("m")
         wait_until(lambda: _m(pool).pid is not None, WAIT, "the worker to be spawned")

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import __version__
 from .core.sampling import DEFAULTS
-from .core.state import RELEASE_LEVELS
+from .core.state import RELEASE_LEVELS, USER_SLEEP_LEVEL
 
 # subcommand -> "module:function"
 _HANDLERS = {
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
             verb_parser.add_argument(
                 "--level",
                 choices=RELEASE_LEVELS,
-                default="weights+kv",
+                default=USER_SLEEP_LEVEL,
                 help="weights: free the weights, keep the KV cache on the GPU; weights+kv: move the "
                 "KV cache to host memory too (the default); stop: end the worker (its KV saved to disk)",
             )

@@ -33,7 +33,7 @@ from .core.arena.dirs import pid_alive
 from .core.errors import UntrustedAddressError
 from .core.instance import running_instance
 from .core.sampling import for_front_end
-from .core.state import STOP_LEVEL, UNLOAD_LEVEL
+from .core.state import STOP_LEVEL, UNLOAD_LEVEL, USER_SLEEP_LEVEL
 from .core.util.units import human_bytes
 
 EXIT_OK = 0
@@ -281,7 +281,7 @@ def _target_state(command: str, args: argparse.Namespace) -> str | None:
     if command == "wake":
         return "resident"
     if command == "sleep":
-        return SLEEP_STATES[getattr(args, "level", None) or "weights+kv"]
+        return SLEEP_STATES[getattr(args, "level", None) or USER_SLEEP_LEVEL]
     return None  # pin, unpin: the state does not change
 
 

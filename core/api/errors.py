@@ -35,7 +35,7 @@ class BadRequestError(Exception):
         self.status = status
 
 
-class _ClientGoneError(Exception):
+class ClientGoneError(Exception):
     """The client disconnected while its request waited; its generation was cancelled."""
 
 

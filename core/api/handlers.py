@@ -36,13 +36,13 @@ from ..errors import ConfigError, ModelUnavailableError, TimeshareError, Unknown
 from ..modelnames import resolve_api_model
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
-from ..state import EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
+from ..state import USER_SLEEP_LEVEL, EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..worker.protocol import Usage
 from . import shapes
 from .chat_output import ChatOutput, prepare_chat
 from .errors import (
     BadRequestError,
-    _ClientGoneError,
+    ClientGoneError,
     error_body,
     error_response,
     timeshare_error_response,
@@ -223,7 +223,7 @@ class _Handlers:
 
     async def wait_watching(self, request: Request, gen: Generation, func: Callable[[], T]) -> T:
         """Run ``func`` on a thread; on a client disconnect meanwhile, cancel ``gen`` and raise
-        _ClientGoneError; when the server shuts down meanwhile, cancel it and raise
+        ClientGoneError; when the server shuts down meanwhile, cancel it and raise
         ModelUnavailableError (a 503)."""
         gone = False
         shut = False
@@ -266,7 +266,7 @@ class _Handlers:
             raise ModelUnavailableError(SHUTTING_DOWN)
         if gone or not box:
             self.record_cancel_later(gen)
-            raise _ClientGoneError
+            raise ClientGoneError
         return box[0]
 
     def record_cancel_later(self, gen: Generation) -> None:
@@ -317,7 +317,7 @@ class _Handlers:
             if req.stream:
                 return await self.stream(request, req, gen, output)
             result = await self.wait_watching(request, gen, gen.result)
-        except _ClientGoneError:
+        except ClientGoneError:
             return Response(status_code=499)
         except BaseException:
             gen.cancel()
@@ -469,7 +469,7 @@ class _Handlers:
             # a FAILED or STOPPED model, with a fresh restart budget (503 when it fails at once)
             await self.call(self.pool.start_model, model_id)
         elif command == "sleep":
-            level: object = "weights+kv"
+            level: object = USER_SLEEP_LEVEL
             data = await read_body(request)
             if data:
                 body = await anyio.to_thread.run_sync(parse_json, data)

@@ -26,7 +26,7 @@ from ..errors import ArenaError, VramBudgetError
 from ..observe import NULL_OBSERVER, Observer
 from .budget import BudgetRecord, LeaseRecord, Plan, lease_bytes_for, plan_fit
 from .records import (
-    _MODEL_ID_RE,
+    RECORD_MODEL_RE,
     RESCAN_INTERVAL_S,
     RING_REPEAT_S,
     DoorbellRing,
@@ -34,9 +34,9 @@ from .records import (
     Ticket,
     TokenGrant,
 )
-from .request import TokenRequest, _gb, _Held
+from .request import Held, TokenRequest, gb_text
 from .tickets import Arena
-from .watch import _DirWatch
+from .watch import DirWatch
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class TokenClient:
         pinned: bool = False,
         budget: BudgetRecord | None = None,
     ) -> None:
-        if not _MODEL_ID_RE.match(model):
+        if not RECORD_MODEL_RE.match(model):
             raise ArenaError(
                 f"model id {model!r} cannot name an arena ticket: use letters, digits and ._#+@=-"
             )
@@ -81,13 +81,13 @@ class TokenClient:
         self.observer = observer
         self._pinned = pinned
         self._lock = threading.Lock()
-        self._held: _Held | None = None
+        self._held: Held | None = None
         self._reserve: tuple[str, int, int] | None = None  # name, fd, bytes
         self._pending: TokenRequest | None = None
         self._own_tickets: set[str] = set()
         self._ring_generation = 0
         self._doorbell: threading.Thread | None = None
-        self._doorbell_watch: _DirWatch | None = None
+        self._doorbell_watch: DirWatch | None = None
         self._doorbell_stop = threading.Event()
         # Set while the doorbell has a reason to scan: this client holds a lease (only a holder
         # rings), or close() stops the doorbell. While clear the warden sleeps on it, not scanning.
@@ -145,7 +145,7 @@ class TokenClient:
             )
             self._write_lease(held)
 
-    def _write_lease(self, held: _Held) -> None:
+    def _write_lease(self, held: Held) -> None:
         try:
             self.arena._update_lease(held.fd, held.record)
         except OSError as exc:  # informs the others' choice only; the lock is what counts
@@ -198,7 +198,7 @@ class TokenClient:
             req.cancel()
             raise
 
-    def _create_lease(self, req: TokenRequest, plan: Plan, leases: list[LeaseRecord]) -> _Held:
+    def _create_lease(self, req: TokenRequest, plan: Plan, leases: list[LeaseRecord]) -> Held:
         """Under the arena lock: create the lease the plan allows, and the holder record."""
         now = time.monotonic()
         reserved = sum(x.bytes for x in leases if x.kind == "reserve")
@@ -222,9 +222,9 @@ class TokenClient:
             budget=plan.budget,
         )
         self.arena._write_holder(self._holder_record(record, grant))
-        return _Held(name=name, fd=fd, record=replace(record, name=name), grant=grant)
+        return Held(name=name, fd=fd, record=replace(record, name=name), grant=grant)
 
-    def _give_back(self, held: _Held) -> None:
+    def _give_back(self, held: Held) -> None:
         """A lease granted to a request cancelled meanwhile: nothing was ever resident under it."""
         lock = self.arena._lock(timeout=HOLDER_LOCK_TIMEOUT_S)
         try:
@@ -252,8 +252,8 @@ class TokenClient:
                     plan = plan_fit(nbytes, others, self.budget, time.monotonic())
                     if not plan.fits:
                         raise VramBudgetError(
-                            f"{self.model}'s weights take {_gb(nbytes)}, more than the "
-                            f"{_gb(held.record.bytes)} its load reserved, and the VRAM budget has no "
+                            f"{self.model}'s weights take {gb_text(nbytes)}, more than the "
+                            f"{gb_text(held.record.bytes)} its load reserved, and the VRAM budget has no "
                             "room for the rest now"
                         )
                 # the new size counts from before anyone can see it (nobody is granted meanwhile)
@@ -321,7 +321,7 @@ class TokenClient:
                     self.arena._unlock(lock)
             return end
 
-    def _record_interval(self, held: _Held, end: float) -> None:
+    def _record_interval(self, held: Held, end: float) -> None:
         grant = held.grant
         extra: dict[str, object] = {}
         if held.load_bytes is not None:
@@ -380,7 +380,7 @@ class TokenClient:
         else:
             self.arena._remove_holder()
 
-    def _became_holder(self, held: _Held) -> None:
+    def _became_holder(self, held: Held) -> None:
         grant = held.grant
         with self._lock:
             self._held = held
@@ -431,7 +431,7 @@ class TokenClient:
         if self._doorbell_watch is not None:
             self._doorbell_watch.wake()
 
-    def _doorbell_loop(self, on_waiter: Callable[[DoorbellRing], None], watch: _DirWatch) -> None:
+    def _doorbell_loop(self, on_waiter: Callable[[DoorbellRing], None], watch: DirWatch) -> None:
         # Level-triggered: while this client holds a lease the head of the queue needs, the bell
         # rings again every RING_REPEAT_S. A ring that the worker drops (it arrived while the worker
         # was restoring, or while it was pinned) must not leave a waiter waiting forever.

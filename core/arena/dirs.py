@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import paths
 from ..errors import UnsafeArenaError
-from .records import _MODEL_ID_RE, _O_DIR, _O_FILE, HOLDER_FILE, MAX_PID, HolderRecord
+from .records import HOLDER_FILE, MAX_PID, O_DIR, O_FILE, RECORD_MODEL_RE, HolderRecord
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def _check_dir_stat(path: Path, st: os.stat_result) -> None:
         raise UnsafeArenaError(path, f"it is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})")
 
 
-def _check_ancestors(path: Path) -> None:
+def check_ancestors(path: Path) -> None:
     """Refuse a path that someone else could redirect: through a symbolic link not made by root
     (root-owned system links such as /var/run -> /run are trusted), or inside a folder owned by
     another user, or inside a folder others may write without the sticky bit (/tmp is fine)."""
@@ -65,7 +65,7 @@ def _check_ancestors(path: Path) -> None:
             )
 
 
-def _open_checked_dir(path: Path, *, create: bool, dir_fd: int | None = None, name: str | None = None) -> int:
+def open_checked_dir(path: Path, *, create: bool, dir_fd: int | None = None, name: str | None = None) -> int:
     """Open (and create, mode 0700) a directory without following symlinks, then check what was
     opened: owned by us, not group/world-writable."""
     target: str = name if name is not None else str(path)
@@ -82,7 +82,7 @@ def _open_checked_dir(path: Path, *, create: bool, dir_fd: int | None = None, na
         raise UnsafeArenaError(path, "it does not exist") from exc
     _check_dir_stat(path, st)
     try:
-        fd = os.open(target, _O_DIR, dir_fd=dir_fd)
+        fd = os.open(target, O_DIR, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise UnsafeArenaError(path, "it is a symbolic link or not a directory") from exc
@@ -113,28 +113,28 @@ def read_holder(path: str | os.PathLike[str] | None = None) -> HolderRecord | No
     record is not one: a symbolic link, a directory, garbage). Reads only; never creates the arena."""
     base = Path(os.path.abspath(path)) if path is not None else resolve_arena_dir()
     try:
-        dir_fd = os.open(base, _O_DIR)
+        dir_fd = os.open(base, O_DIR)
     except OSError:
         return None
     try:
-        return _read_holder_at(dir_fd)
+        return read_holder_at(dir_fd)
     finally:
         os.close(dir_fd)
 
 
-def _read_holder_at(dir_fd: int) -> HolderRecord | None:
-    record, problem = _load_holder_at(dir_fd)
+def read_holder_at(dir_fd: int) -> HolderRecord | None:
+    record, problem = load_holder_at(dir_fd)
     if problem:
-        _warn_once(problem, "ignoring the arena's holder record: %s", problem)
+        warn_once(problem, "ignoring the arena's holder record: %s", problem)
     return record if record is not None and pid_alive(record.pid) else None
 
 
-def _load_holder_at(dir_fd: int) -> tuple[HolderRecord | None, str]:
+def load_holder_at(dir_fd: int) -> tuple[HolderRecord | None, str]:
     """The holder record as written (its pid not checked), or None and why it is not one ("" when
     there is no record). Never blocks (a FIFO named ``holder`` is not opened for a writer) and
     never raises OSError."""
     try:
-        fd = os.open(HOLDER_FILE, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=dir_fd)
+        fd = os.open(HOLDER_FILE, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=dir_fd)
     except FileNotFoundError:
         return None, ""
     except OSError as exc:
@@ -167,7 +167,7 @@ def parse_holder(raw: bytes) -> HolderRecord | None:
         return None
     model, pid, pinned = data.get("model"), data.get("pid"), data.get("pinned", False)
     since, since_monotonic = data.get("since"), data.get("since_monotonic")
-    if not (isinstance(model, str) and _MODEL_ID_RE.match(model)):
+    if not (isinstance(model, str) and RECORD_MODEL_RE.match(model)):
         return None
     if not (type(pid) is int and 0 < pid <= MAX_PID) or not isinstance(pinned, bool):
         return None
@@ -201,7 +201,7 @@ def file_kind(mode: int) -> str:
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, msg: str, *args: object) -> None:
+def warn_once(key: str, msg: str, *args: object) -> None:
     """Log a warning the first time ``key`` comes up in this process (a bad entry is looked at
     many times a second by some callers)."""
     if key in _warned:

@@ -44,7 +44,7 @@ from .budget import (
     parse_budget_record,
     parse_lease_record,
 )
-from .records import _MODEL_ID_RE, _O_FILE, MAX_PID
+from .records import MAX_PID, O_FILE, RECORD_MODEL_RE
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ LOCK_RETRY_S = 0.001
 def parse_lease_name(name: str) -> tuple[int, str] | None:
     """(pid, model) of a lease file's name, or None when it is not one."""
     match = _LEASE_RE.match(name)
-    if match is None or int(match.group(1)) > MAX_PID or not _MODEL_ID_RE.match(match.group(3)):
+    if match is None or int(match.group(1)) > MAX_PID or not RECORD_MODEL_RE.match(match.group(3)):
         return None
     return int(match.group(1)), match.group(3)
 
@@ -156,7 +156,7 @@ class LeaseArena:
     def _read_lease(self, name: str, parsed: tuple[int, str]) -> LeaseRecord | None:
         for _ in range(20):  # a frame being rewritten: read again
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=self._leases_fd)
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._leases_fd)
             except FileNotFoundError:
                 return None
             except OSError:
@@ -182,7 +182,7 @@ class LeaseArena:
             name = f"{record.pid}-{next(_serial)}-{record.model}"
             tmp = f".lease.{name}.tmp"
             try:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_FILE, 0o600, dir_fd=self._dir_fd)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=self._dir_fd)
             except FileExistsError:
                 continue
             try:
@@ -221,7 +221,7 @@ class LeaseArena:
         """An fd on another holder's lease file, to block in ``flock`` until it lets go; None
         when it is gone already."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=self._leases_fd)
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._leases_fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -242,7 +242,7 @@ class LeaseArena:
         for _ in range(5):
             try:
                 fd = os.open(
-                    BUDGET_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _O_FILE, 0o600, dir_fd=self._dir_fd
+                    BUDGET_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | O_FILE, 0o600, dir_fd=self._dir_fd
                 )
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
@@ -266,7 +266,7 @@ class LeaseArena:
         """The budget recorded in this arena (None: none yet, or garbage). Whether it is in force
         (any member alive) is :meth:`budget_in_force`."""
         try:
-            fd = os.open(BUDGET_FILE, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=self._dir_fd)
+            fd = os.open(BUDGET_FILE, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._dir_fd)
         except OSError:
             return None
         try:
@@ -285,7 +285,7 @@ class LeaseArena:
         """The recorded budget while some member lives (a member holds the record's shared lock);
         None when nobody uses the arena (or its lock stayed busy for a second)."""
         try:
-            fd = os.open(BUDGET_FILE, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=self._dir_fd)
+            fd = os.open(BUDGET_FILE, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._dir_fd)
         except OSError:
             return None
         try:

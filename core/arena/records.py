@@ -29,10 +29,10 @@ MAX_PID = 2**31 - 1
 
 Backend = Literal["auto", "inotify", "poll"]
 
-_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9._#+@=-]{1,120}$")
+RECORD_MODEL_RE = re.compile(r"^[A-Za-z0-9._#+@=-]{1,120}$")
 _TICKET_RE = re.compile(r"^(\d{12})-([1-9]\d{0,9})-(.+)$")
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_O_FILE = os.O_NOFOLLOW | os.O_CLOEXEC
+O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+O_FILE = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 # ---- records ---------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ class Ticket:
         if not match:
             return None
         pid = int(match.group(2))
-        if pid > MAX_PID or not _MODEL_ID_RE.match(match.group(3)):
+        if pid > MAX_PID or not RECORD_MODEL_RE.match(match.group(3)):
             return None
         return cls(int(match.group(1)), pid, match.group(3))
 

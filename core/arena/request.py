@@ -16,7 +16,7 @@ from ..util.units import decimal_bytes
 from .budget import BudgetRecord, LeaseRecord, Plan, plan_fit
 from .records import RESCAN_INTERVAL_S, SWEEP_INTERVAL_S, Ticket, TokenGrant
 from .tickets import Arena
-from .watch import _DirWatch
+from .watch import DirWatch
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +29,17 @@ class RequestOwner(Protocol):
     budget: BudgetRecord
     _own_tickets: set[str]
 
-    def _create_lease(self, req: TokenRequest, plan: Plan, leases: list[LeaseRecord]) -> _Held: ...
+    def _create_lease(self, req: TokenRequest, plan: Plan, leases: list[LeaseRecord]) -> Held: ...
 
-    def _give_back(self, held: _Held) -> None: ...
+    def _give_back(self, held: Held) -> None: ...
 
-    def _became_holder(self, held: _Held) -> None: ...
+    def _became_holder(self, held: Held) -> None: ...
 
     def _request_finished(self, req: TokenRequest) -> None: ...
 
 
 @dataclass
-class _Held:
+class Held:
     """The lease this client holds."""
 
     name: str
@@ -97,7 +97,7 @@ class TokenRequest:
         self._grant: TokenGrant | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._watch: _DirWatch | None = None
+        self._watch: DirWatch | None = None
         self._ticket: Ticket | None = None
         self._ahead = 0
         self._had_ahead = False
@@ -274,7 +274,7 @@ class TokenRequest:
             if watch_to_close is not None:
                 watch_to_close.close()
 
-    def _fit(self, watch: _DirWatch) -> _Held:
+    def _fit(self, watch: DirWatch) -> Held:
         """As the head of the queue: take a lease as soon as this request fits (see the module
         docstring); raise VramBudgetError when it never can."""
         client = self._client
@@ -307,7 +307,7 @@ class TokenRequest:
                 watch.wait(min(RESCAN_INTERVAL_S, self._remaining()))
 
 
-def _gb(n: int | None) -> str:
+def gb_text(n: int | None) -> str:
     return "?" if n is None else decimal_bytes(n)
 
 
@@ -321,7 +321,9 @@ def _blockers(plan: Plan, need: int | None, budget: BudgetRecord) -> str:
         parts.append("pinned by " + ", ".join(x.model for x in plan.pinned))
     text = " and ".join(parts)
     if plan.budget is not None and need is not None and text:
-        text += f" (needs {_gb(need)}; {_gb(plan.leased)} of the {_gb(plan.budget)} budget leased)"
+        text += (
+            f" (needs {gb_text(need)}; {gb_text(plan.leased)} of the {gb_text(plan.budget)} budget leased)"
+        )
     return text
 
 
@@ -330,14 +332,14 @@ def _too_large(model: str, need: int | None, plan: Plan, budget: BudgetRecord) -
     setting = f"arena.vram_budget = {budget.setting!r}"
     if plan.too_large:
         return (
-            f"{model} needs {_gb(need)} of VRAM for its weights, more than the whole budget of "
-            f"{_gb(plan.budget)} on {where} ({setting}): raise the budget, or use a smaller "
+            f"{model} needs {gb_text(need)} of VRAM for its weights, more than the whole budget of "
+            f"{gb_text(plan.budget)} on {where} ({setting}): raise the budget, or use a smaller "
             f"quantisation or fewer GPU layers"
         )
-    pinned = ", ".join(f"{x.model} ({_gb(x.bytes)})" for x in plan.pinned)
+    pinned = ", ".join(f"{x.model} ({gb_text(x.bytes)})" for x in plan.pinned)
     return (
-        f"{model} needs {_gb(need)} of VRAM for its weights and cannot fit in the budget of "
-        f"{_gb(plan.budget)} on {where} ({setting}) even after every unpinned model left: pinned "
+        f"{model} needs {gb_text(need)} of VRAM for its weights and cannot fit in the budget of "
+        f"{gb_text(plan.budget)} on {where} ({setting}) even after every unpinned model left: pinned "
         f"{pinned} {'holds' if len(plan.pinned) == 1 else 'hold'} the rest; unpin "
         f"{'it' if len(plan.pinned) == 1 else 'one of them'} or raise the budget"
     )

@@ -18,21 +18,21 @@ from typing import Literal
 
 from ..errors import ArenaError, UnsafeArenaError
 from .dirs import (
-    _check_ancestors,
-    _load_holder_at,
-    _open_checked_dir,
-    _read_holder_at,
-    _warn_once,
+    check_ancestors,
     file_kind,
+    load_holder_at,
+    open_checked_dir,
     pid_alive,
+    read_holder_at,
     resolve_arena_dir,
+    warn_once,
 )
 from .leases import LEASES_DIR, LeaseArena
 from .records import (
-    _O_DIR,
-    _O_FILE,
     HOLDER_FILE,
     MAX_SEQ,
+    O_DIR,
+    O_FILE,
     SEQ_FILE,
     TOKEN_FILE,
     WAITERS_DIR,
@@ -40,7 +40,7 @@ from .records import (
     HolderRecord,
     Ticket,
 )
-from .watch import _DirWatch, inotify_available
+from .watch import DirWatch, inotify_available
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +69,23 @@ class Arena(LeaseArena):
         elif backend == "inotify" and not inotify_available():
             raise ArenaError("inotify is not available here: use the polling backend")
         self.backend: Literal["inotify", "poll"] = backend
-        _check_ancestors(self.path)
+        check_ancestors(self.path)
         if not self.path.parent.exists():
             try:
                 self.path.parent.mkdir(parents=True, mode=0o700)
             except OSError as exc:
                 raise UnsafeArenaError(self.path, f"its parent cannot be created ({exc.strerror})") from exc
-        self._dir_fd = _open_checked_dir(self.path, create=True)
+        self._dir_fd = open_checked_dir(self.path, create=True)
         self._lease_cache = {}
         try:
-            self._waiters_fd = _open_checked_dir(
+            self._waiters_fd = open_checked_dir(
                 self.waiters_path, create=True, dir_fd=self._dir_fd, name=WAITERS_DIR
             )
         except BaseException:
             os.close(self._dir_fd)
             raise
         try:
-            self._leases_fd = _open_checked_dir(
+            self._leases_fd = open_checked_dir(
                 self.path / LEASES_DIR, create=True, dir_fd=self._dir_fd, name=LEASES_DIR
             )
         except BaseException:
@@ -112,7 +112,7 @@ class Arena(LeaseArena):
     # -- reading --
 
     def holder(self) -> HolderRecord | None:
-        return _read_holder_at(self._dir_fd)
+        return read_holder_at(self._dir_fd)
 
     def waiters(self, *, sweep: bool = True) -> list[Ticket]:
         """Live tickets in queue order; when ``sweep``, what is not a live ticket is removed where
@@ -159,7 +159,7 @@ class Arena(LeaseArena):
         # A fresh open file description per listing: os.listdir(fd) reads through a dup of the
         # fd, which shares the directory offset, so two threads listing through one fd at the
         # same time see entries twice or miss them.
-        fd = os.open(".", _O_DIR, dir_fd=dir_fd)
+        fd = os.open(".", O_DIR, dir_fd=dir_fd)
         try:
             return os.listdir(fd)
         finally:
@@ -172,7 +172,7 @@ class Arena(LeaseArena):
 
     def _report(self, path: Path, problem: str) -> None:
         """Say once per process what is wrong with an entry that is left in place."""
-        _warn_once(
+        warn_once(
             f"{path}: {problem}",
             "%s %s; it is ignored: remove it by hand (rm -r '%s') once no Timeshare uses the arena",
             path,
@@ -215,7 +215,7 @@ class Arena(LeaseArena):
     def _sweep_if_stale(self, dir_fd: int, name: str) -> _Probe:
         """A regular file: "live" while its owner holds its lock, else removed."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=dir_fd)
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=dir_fd)
         except FileNotFoundError:
             return "gone"
         except OSError as exc:  # replaced by a link meanwhile, or unreadable: the next scan says
@@ -269,7 +269,7 @@ class Arena(LeaseArena):
 
     def _sweep_holder(self) -> bool:
         """Remove a holder record that is not one, or whose process died, while the token is free."""
-        record, problem = _load_holder_at(self._dir_fd)
+        record, problem = load_holder_at(self._dir_fd)
         if record is None and not problem:
             return False  # no record
         if record is not None and pid_alive(record.pid):
@@ -312,7 +312,7 @@ class Arena(LeaseArena):
         for _ in range(5):
             try:
                 fd = os.open(
-                    SEQ_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _O_FILE, 0o600, dir_fd=self._dir_fd
+                    SEQ_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | O_FILE, 0o600, dir_fd=self._dir_fd
                 )
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
@@ -381,7 +381,7 @@ class Arena(LeaseArena):
         caller takes the next number)."""
         tmp = f".{ticket.name}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_FILE, 0o600, dir_fd=self._dir_fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=self._dir_fd)
         except FileExistsError:
             return None
         try:
@@ -415,7 +415,7 @@ class Arena(LeaseArena):
         """The weight bytes a ticket asks for; None when it wants the device to itself (or its
         body cannot be read: the safe reading)."""
         try:
-            fd = os.open(ticket.name, os.O_RDONLY | os.O_NONBLOCK | _O_FILE, dir_fd=self._waiters_fd)
+            fd = os.open(ticket.name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._waiters_fd)
         except OSError:
             return None
         try:
@@ -443,7 +443,7 @@ class Arena(LeaseArena):
         path = self.path / TOKEN_FILE
         try:
             fd = os.open(
-                TOKEN_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _O_FILE, 0o600, dir_fd=self._dir_fd
+                TOKEN_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | O_FILE, 0o600, dir_fd=self._dir_fd
             )
         except OSError as exc:
             if exc.errno == errno.ELOOP:
@@ -471,7 +471,7 @@ class Arena(LeaseArena):
         failure is logged with the path, never raised."""
         tmp = f".holder.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_FILE, 0o644, dir_fd=self._dir_fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FILE, 0o644, dir_fd=self._dir_fd)
             try:
                 os.write(fd, json.dumps(asdict(record)).encode())
             finally:
@@ -496,14 +496,14 @@ class Arena(LeaseArena):
                 st = os.lstat(HOLDER_FILE, dir_fd=self._dir_fd)
                 self._remove_odd(self._dir_fd, HOLDER_FILE, st)
 
-    def _watch(self) -> _DirWatch:
+    def _watch(self) -> DirWatch:
         """A watch on ``waiters/`` and ``leases/``."""
         if self.backend == "inotify":
             try:
-                return _DirWatch(self.waiters_path, "inotify", also=(self.leases_path,))
+                return DirWatch(self.waiters_path, "inotify", also=(self.leases_path,))
             except OSError as exc:  # e.g. fs.inotify.max_user_instances reached: same protocol, polled
                 log.warning("inotify on %s failed (%s); polling instead", self.waiters_path, exc)
-        return _DirWatch(self.waiters_path, "poll")
+        return DirWatch(self.waiters_path, "poll")
 
 
 def check_arena_dir(path: str | os.PathLike[str]) -> Path:

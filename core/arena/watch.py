@@ -28,7 +28,7 @@ def inotify_available() -> bool:
     return True
 
 
-class _DirWatch:
+class DirWatch:
     """Wait until a directory may have changed, a timeout passes or someone calls :meth:`wake`.
 
     Callers rescan after every return: events only say *when* to look, never *what* is there (so a

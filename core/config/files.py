@@ -23,7 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from . import demo
 from .schema import Config, ModelConfig
-from .validate import _no_models_notice, validate
+from .validate import no_models_notice, validate
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def default_config() -> Config:
         log.warning("demo models unavailable: %s", exc)
         models = ()
     if not models:
-        return Config(notice=_no_models_notice(None))
+        return Config(notice=no_models_notice(None))
     return Config(models=models)
 
 

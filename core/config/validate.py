@@ -436,7 +436,7 @@ def validate(
         raise ConfigError(c.problems, path=where)
     config = Config(models=tuple(models), arena=arena, api=api, general=general)
     if not models:
-        config = replace(config, notice=_no_models_notice(path))
+        config = replace(config, notice=no_models_notice(path))
     return config
 
 
@@ -450,6 +450,6 @@ def _budget(c: _Checker, where: str, value: object) -> str | None:
     return str(value).strip()
 
 
-def _no_models_notice(path: str | Path | None) -> str:
+def no_models_notice(path: str | Path | None) -> str:
     shown = path if path is not None else paths.config_file()
     return NO_MODELS_MESSAGE.format(path=shown)

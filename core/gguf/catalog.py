@@ -32,13 +32,13 @@ from .header import (
     parse_header,
     quantisation,
 )
+from .modelfile import SPLIT_RE
 
 log = logging.getLogger(__name__)
 
 Source = Literal["demo", "lmstudio", "hf", "llama.cpp", "ollama", "file"]
 ALL_SOURCES: tuple[Source, ...] = ("demo", "lmstudio", "hf", "llama.cpp", "ollama")
 
-_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 
 
@@ -153,7 +153,7 @@ def read_chat_template(path: str | Path) -> str | None:
 
 
 def _display_stem(path: Path) -> str:
-    m = _SPLIT_RE.match(path.name)
+    m = SPLIT_RE.match(path.name)
     return m.group("stem") if m else path.stem
 
 
@@ -210,7 +210,7 @@ def _gguf_files(root: Path) -> Iterator[Path]:
     for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
         for fn in filenames:
             if fn.lower().endswith(".gguf"):
-                m = _SPLIT_RE.match(fn)
+                m = SPLIT_RE.match(fn)
                 if m and int(m.group("part")) != 1:
                     continue  # later parts of a split model: loaded through the first one
                 found.append(Path(dirpath) / fn)
@@ -298,7 +298,7 @@ def _demo(paths: Sequence[Path] | None) -> Iterator[_Candidate]:
 
 
 def _split_size(path: Path) -> int | None:
-    m = _SPLIT_RE.match(path.name)
+    m = SPLIT_RE.match(path.name)
     if not m:
         return None
     total = 0

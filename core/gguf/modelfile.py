@@ -8,6 +8,7 @@ done by the worker when it loads the file; the config layer words its own field-
 from __future__ import annotations
 
 import errno
+import re
 from pathlib import Path
 
 from ..errors import ModelFileError
@@ -23,6 +24,10 @@ _KNOWN_STARTS = (
     (b"\x1f\x8b", "it looks like a gzip archive: unpack it first"),
     (b"version https://git-lfs", "it is a Git LFS pointer: the model itself was not downloaded"),
 )
+
+
+#: a split model's part: ``<stem>-00001-of-00003.gguf`` (llama.cpp's gguf-split names), any case
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
 
 
 def file_start(head: bytes) -> str:

@@ -17,10 +17,11 @@ After every change the pool thread publishes a new frozen :class:`PoolSnapshot` 
 ``snapshot()`` from any thread) and queues a :class:`PoolEvent`; an event thread hands events to
 subscribers, so a slow subscriber never stalls the workers' streams.
 
-Modules: ``supervisor`` (:class:`Pool`, its public methods), ``handlers`` (the pool thread's side),
-``commands`` (the pool thread's halves of the public methods), ``lifecycle`` (a worker's states and
-the transitions allowed between them), ``record`` (one worker: process, request queue, what a
-snapshot shows), ``thread`` (inbox, timers, event thread), ``process`` (spawning, signalling,
-reaping, logs), ``generation`` (a caller's handle), ``configure`` and ``codes`` (a configuration's
-checks, a worker's error codes as typed errors), ``watchdog`` (hung holders).
+Modules: ``supervisor`` (:class:`Pool`, one class: its public methods, then the pool thread's
+halves of them, then what the pool thread does by itself), ``actor`` (the inbox, timers and event
+thread the Pool owns), ``record`` (one worker: process, request queue, its policy for crashes,
+spawn retries and idle release, what a snapshot shows), ``lifecycle`` (a worker's states and the
+transitions allowed between them), ``process`` (spawning, signalling, reaping, logs),
+``generation`` (a caller's handle), ``configure`` and ``codes`` (a configuration's checks, a
+worker's error codes as typed errors), ``devices`` (per-device status), ``watchdog`` (hung holders).
 """

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import time
 from collections import deque
@@ -18,6 +19,24 @@ from .generation import Generation
 from .lifecycle import Lifecycle, Phase
 
 log = logging.getLogger(__name__)
+
+#: spawns that meet a passing shortage (too many open files, no memory) before the model FAILS
+SPAWN_RETRIES = 5
+SPAWN_RETRY_MAX_S = 8.0
+
+
+@dataclass(frozen=True)
+class WorkerPolicy:
+    """How the pool treats every worker's crashes, failed spawns and stops (``Pool``'s arguments)."""
+
+    restart_backoff_s: float = 0.5  # the first restart's delay; it doubles per crash in the window
+    max_restarts: int = 3  # crashes within restart_window_s before the model FAILS
+    restart_window_s: float = 60.0
+    stop_grace_s: float = 5.0  # Shutdown, then SIGTERM after this, SIGKILL after twice this
+
+    def escalation(self) -> tuple[tuple[float, signal.Signals], ...]:
+        """When a stop that is not done yet escalates, and to what."""
+        return ((self.stop_grace_s, signal.SIGTERM), (self.stop_grace_s * 2, signal.SIGKILL))
 
 
 @dataclass
@@ -82,6 +101,42 @@ class WorkerRecord:
         except (OSError, TimeshareError) as exc:
             log.warning("%s: could not send %s: %s", self.id, type(msg).__name__, exc)
             return False
+
+    # ---- policy: crashes, spawn retries, idle release ------------------------------------
+
+    def crash_backoff(self, policy: WorkerPolicy, now: float) -> float | None:
+        """A crash at ``now``: the delay before the restart, or None when the restart budget is
+        spent (``max_restarts`` crashes within ``restart_window_s``: the model FAILS)."""
+        while self.crash_times and now - self.crash_times[0] > policy.restart_window_s:
+            self.crash_times.popleft()
+        if len(self.crash_times) >= policy.max_restarts:
+            return None
+        self.crash_times.append(now)
+        self.restarts += 1
+        return float(policy.restart_backoff_s * (2 ** (len(self.crash_times) - 1)))
+
+    def spawn_retry_delay(self, policy: WorkerPolicy) -> float | None:
+        """A spawn met a passing shortage: the delay before the next attempt, or None once it has
+        lasted SPAWN_RETRIES attempts (the model FAILS; the count starts again)."""
+        self.spawn_failures += 1
+        if self.spawn_failures > SPAWN_RETRIES:
+            self.spawn_failures = 0
+            return None
+        return float(min(SPAWN_RETRY_MAX_S, policy.restart_backoff_s * (2 ** (self.spawn_failures - 1))))
+
+    def arm_idle(self) -> float | None:
+        """Disarm the idle timer; the delay of a new one when it applies now (ready, idle, a
+        configured ``idle_sleep_s``)."""
+        self.idle_token += 1
+        delay = self.config.idle_sleep_s
+        if delay is None or not self.ready or not self.idle:
+            return None
+        return delay
+
+    def idle_due(self, token: int) -> bool:
+        """Whether the idle timer armed with ``token`` still applies (not re-armed since, still
+        ready, idle and not pinned)."""
+        return self.idle_token == token and self.ready and self.idle and not self.pinned
 
     # ---- the request queue ---------------------------------------------------------------
 

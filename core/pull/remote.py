@@ -15,9 +15,9 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import httpx
 
 from ..errors import DownloadError, RemoteAccessError, RemoteNotFoundError
+from ..gguf.modelfile import SPLIT_RE
 from . import names
 from .sources import (
-    SPLIT_RE,
     Choice,
     HubSource,
     Listing,

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from ..errors import ChooseQuantisationError, RemoteNotFoundError
+from ..gguf.modelfile import SPLIT_RE
 
 log = logging.getLogger(__name__)
 
 HF_HOSTS = frozenset({"huggingface.co", "www.huggingface.co", "hf.co"})
 
-SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$", re.IGNORECASE)
 _QUANT_RE = re.compile(
     r"(?:^|[-_.])((?:UD-)?(?:I?Q[1-8](?:_[0-9A-Z]+)*|TQ[12]_0|MXFP4(?:_MOE)?|BF16|F16|F32))(?=$|[-_.])",
     re.IGNORECASE,

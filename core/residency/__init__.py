@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from ._ggml import Device as GgmlDevice
+from ._ggml import device_memory as ggml_device_memory
+from ._ggml import devices as ggml_devices
 from .gguf_check import GgufInfo, check_gguf
 from .hostmem import fix_malloc_mmap_threshold
 from .residency import (
@@ -14,6 +17,7 @@ from .residency import (
 from .vkenv import prefer_device_local_memory
 
 __all__ = [
+    "GgmlDevice",
     "GgufInfo",
     "ProbeResult",
     "ReleaseReport",
@@ -22,5 +26,7 @@ __all__ = [
     "RestoreReport",
     "check_gguf",
     "fix_malloc_mmap_threshold",
+    "ggml_device_memory",
+    "ggml_devices",
     "prefer_device_local_memory",
 ]

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..arena.budget import AUTO, BudgetSetting, parse_budget
 from ..errors import ConfigError
-from ..residency import _ggml
+from ..residency import GgmlDevice, ggml_device_memory, ggml_devices
 
 #: replaces ``arena.vram_budget`` when that is left at its default, "auto" (tests, one-off runs)
 BUDGET_ENV = "TIMESHARE_VRAM_BUDGET"
@@ -30,8 +30,8 @@ class DeviceMemory:
     free: int
 
 
-def _gpus() -> list[_ggml.Device]:
-    return [d for d in _ggml.devices() if d.is_gpu]
+def _gpus() -> list[GgmlDevice]:
+    return [d for d in ggml_devices() if d.is_gpu]
 
 
 def _host_memory() -> tuple[int, int]:
@@ -64,7 +64,7 @@ def device_memory(index: int) -> DeviceMemory:
         names = ", ".join(d.name for d in gpus)
         raise ConfigError([f"models[].device = {index}: this machine has {len(gpus)} GPU(s) ({names})"])
     dev = gpus[index]
-    free, total = _ggml.device_memory(dev.handle)
+    free, total = ggml_device_memory(dev.handle)
     return DeviceMemory(index, dev.name, True, total, free)
 
 

@@ -54,7 +54,8 @@ class WorkerSpec:
                 "arena_dir": self.arena_dir,
                 "kv_dir": self.kv_dir,
                 "event_log": self.event_log,
-            }
+            },
+            separators=(",", ":"),
         )
 
 

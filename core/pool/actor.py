@@ -1,5 +1,6 @@
-"""The pool thread's machinery: an inbox of calls, timers run on the same thread, and an event
-thread that hands events to subscribers. :class:`~.supervisor.Pool` builds on it."""
+"""The pool's actor machinery, a component the :class:`~.supervisor.Pool` owns: one thread runs the
+calls posted to its inbox and the timers due, in order; another hands events to subscribers (so a
+slow subscriber never stalls the pool thread). Nothing here knows what a worker is."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ _Item = tuple[Callable[..., object], tuple[object, ...]]
 
 
 class Timers:
-    """A heap of (due, seq, callback) run by the pool thread."""
+    """A heap of (due, seq, callback) run by the actor's thread."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
@@ -49,25 +50,32 @@ class Timers:
         self._heap.clear()
 
 
-class PoolThread:
-    """One thread owns the state; others post calls to it (``_post``) or wait for their answer
-    (``_call``). ``_running``/``_closing`` (under ``_run_lock``) say whether calls are taken."""
+class Actor:
+    """One thread owns the state; others post calls to it (``post``) or wait for their answer
+    (``call``). ``running`` and ``closing`` (under ``lock``) say whether calls are taken.
 
-    def __init__(self) -> None:
+    ``on_ended`` runs on the actor's thread once its loop has ended (after what was in the inbox).
+    """
+
+    def __init__(self, name: str, on_ended: Callable[[], None] = lambda: None) -> None:
+        self.name = name
+        self._on_ended = on_ended
         self._inbox: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # None: quit
         self._timers = Timers()
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None
         self._event_thread: threading.Thread | None = None
         self._events: queue.SimpleQueue[PoolEvent | None] = queue.SimpleQueue()
         self._subscribers: list[Callable[[PoolEvent], None]] = []
         self._sub_lock = threading.Lock()
-        self._running = False
-        self._closing = False
-        self._run_lock = threading.Lock()
+        self.running = False
+        self.closing = False
+        self.lock = threading.Lock()
+
+    # ---- events ------------------------------------------------------------------------
 
     def subscribe(self, callback: Callable[[PoolEvent], None]) -> Callable[[], None]:
-        """Call ``callback(event)`` from the pool's event thread for every event; returns the
-        function that unsubscribes. Keep callbacks short (post to your own thread/queue)."""
+        """Call ``callback(event)`` from the event thread for every event; returns the function
+        that unsubscribes. Keep callbacks short (post to your own thread/queue)."""
         with self._sub_lock:
             self._subscribers.append(callback)
 
@@ -77,37 +85,49 @@ class PoolThread:
 
         return unsubscribe
 
-    # ---- the threads ---------------------------------------------------------------------
+    def emit(self, event: PoolEvent) -> None:
+        """Queue an event for the subscribers (the event thread calls them)."""
+        self._events.put(event)
 
-    def _start_threads(self) -> None:
-        """Start the event thread and the pool thread (under ``_run_lock``, once)."""
-        self._running = True
-        self._event_thread = threading.Thread(target=self._event_loop, name="pool-events", daemon=True)
+    # ---- the threads -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the event thread and the actor's thread (the caller holds ``lock``; once)."""
+        self.running = True
+        self._event_thread = threading.Thread(
+            target=self._event_loop, name=f"{self.name}-events", daemon=True
+        )
         self._event_thread.start()
-        self._thread = threading.Thread(target=self._loop, name="pool", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self.thread.start()
 
-    def _join_threads(self) -> None:
-        """End the pool thread (after what is in its inbox), then the event thread (after the
+    def join(self) -> None:
+        """End the actor's thread (after what is in its inbox), then the event thread (after the
         events queued so far)."""
         self._inbox.put(None)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10.0)
-        with self._run_lock:
-            self._running = False
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10.0)
+        with self.lock:
+            self.running = False
         self._events.put(None)
         if self._event_thread is not None and self._event_thread is not threading.current_thread():
             self._event_thread.join(timeout=10.0)
 
-    def _post(self, fn: Callable[..., object], *args: object) -> None:
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self.thread
+
+    # ---- calls and timers ----------------------------------------------------------------
+
+    def post(self, fn: Callable[..., object], *args: object) -> None:
+        """Run ``fn(*args)`` on the actor's thread, soon; from any thread."""
         self._inbox.put((fn, args))
 
-    def _call(self, fn: Callable[..., T], *args: object, closing_ok: bool = False) -> T:
-        """Run ``fn(*args)`` on the pool thread and return its result (or raise its error)."""
-        if threading.current_thread() is self._thread:
+    def call(self, fn: Callable[..., T], *args: object, closing_ok: bool = False) -> T:
+        """Run ``fn(*args)`` on the actor's thread and return its result (or raise its error)."""
+        if self.on_thread():
             return fn(*args)
-        with self._run_lock:
-            if not self._running or (self._closing and not closing_ok):
+        with self.lock:
+            if not self.running or (self.closing and not closing_ok):
                 raise ModelUnavailableError("the pool is not running; start Timeshare first")
             fut: concurrent.futures.Future[T] = concurrent.futures.Future()
 
@@ -119,6 +139,13 @@ class PoolThread:
 
             self._inbox.put((run, ()))
         return fut.result()
+
+    def later(self, delay: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the actor's thread after ``delay`` seconds (actor's thread only)."""
+        self._timers.add(delay, callback)
+
+    def clear_timers(self) -> None:
+        self._timers.clear()
 
     def _loop(self) -> None:
         while True:
@@ -134,20 +161,13 @@ class PoolThread:
                 break
             fn, args = item
             self._guard(fn, *args)
-        self._loop_ended()
-
-    def _loop_ended(self) -> None:
-        """Called on the pool thread once its loop has ended."""
+        self._on_ended()
 
     def _guard(self, fn: Callable[..., object], *args: object) -> None:
         try:
             fn(*args)
         except Exception:
-            log.exception("pool: %s failed", getattr(fn, "__name__", fn))
-
-    def _emit(self, event: PoolEvent) -> None:
-        """Queue an event for the subscribers (the event thread calls them)."""
-        self._events.put(event)
+            log.exception("%s: %s failed", self.name, getattr(fn, "__name__", fn))
 
     def _event_loop(self) -> None:
         while True:
@@ -160,4 +180,4 @@ class PoolThread:
                 try:
                     cb(event)
                 except Exception:
-                    log.exception("pool event subscriber %r failed", cb)
+                    log.exception("%s event subscriber %r failed", self.name, cb)
