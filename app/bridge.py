@@ -2,8 +2,9 @@
 
 Pool callbacks arrive on the pool's event thread; the bridge re-emits them as Qt signals, which Qt
 queues to the GUI thread because the bridge lives there. Commands to the pool (pin, sleep, wake,
-...) run on one background thread so that a slow worker never freezes the GUI; their errors come
-back as a ``command_failed`` signal.
+starting an answer ...) run on one background thread so that a slow worker or a busy pool thread
+never freezes the GUI; their errors come back as a ``command_failed`` signal (an answer's as its
+stream's ``refused``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import QObject, Signal, Slot
 
 from ..core.errors import TimeshareError
-from ..core.state import EventKind, ModelState, PoolEvent, PoolSnapshot, ReleaseLevel
+from ..core.state import USER_SLEEP_LEVEL, EventKind, ModelState, PoolEvent, PoolSnapshot, ReleaseLevel
+from .answer_stream import AnswerStream, StreamListener
 from .qt_compat import emit
 
 if TYPE_CHECKING:
+    from ..core.conversations.chat import ChatTurn
     from ..core.pool.supervisor import Pool
 
 log = logging.getLogger(__name__)
@@ -91,12 +94,29 @@ class PoolBridge(QObject):
 
         self._commands.submit(call)
 
+    def start_answer(self, stream: AnswerStream, start: Callable[[StreamListener], ChatTurn]) -> None:
+        """Start an answer off the GUI thread (``start`` sends to the chat service, which waits
+        for the pool): its turn is attached to ``stream`` (``stream.started``), or ``stream.refused``
+        says why it could not start. The turn's own thread then feeds the stream."""
+
+        def call() -> None:
+            try:
+                turn = start(StreamListener(stream))
+            except Exception as e:
+                if not isinstance(e, (TimeshareError, ValueError)):
+                    log.exception("starting an answer failed")
+                emit(stream.refused, e)
+                return
+            stream.attach(turn)
+
+        self._commands.submit(call)
+
     def pin(self, model_id: str, pinned: bool) -> None:
         self.run_command(
             f"{'pin' if pinned else 'unpin'} {model_id}", lambda: self.pool.pin(model_id, pinned)
         )
 
-    def sleep(self, model_id: str, level: ReleaseLevel = "weights+kv") -> None:
+    def sleep(self, model_id: str, level: ReleaseLevel = USER_SLEEP_LEVEL) -> None:
         self.run_command(f"sleep {model_id}", lambda: self.pool.sleep(model_id, level=level))
 
     def wake(self, model_id: str) -> None:

@@ -1,7 +1,8 @@
 """The chat window: conversations on the left, the transcript (Markdown) and the input on the right.
 
-Answers stream on a Python thread that only iterates ChatService's ``ChatTurn`` and emits
-signals (answer_stream.py); everything that touches widgets runs on the GUI thread. Focusing the
+Send starts the answer through the bridge (``PoolBridge.start_answer``: the GUI thread never waits
+for the pool); the answer's own thread feeds an ``AnswerStream`` that only emits signals
+(answer_stream.py); everything that touches widgets runs on the GUI thread. Focusing the
 input or typing in it pre-wakes the conversation's model (restore ahead of the request) unless the
 setting is off.
 While the user waits (a load, the GPU, a restore, the prompt being read) a line under the
@@ -38,10 +39,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.errors import TimeshareError
 from ..core.state import ModelState, PoolSnapshot
 from . import icons, strings
-from .answer_stream import AnswerStream
+from .answer_stream import AnswerStream, StreamListener
 from .bridge import PoolBridge
 from .chat_widgets import AnswerSettingsPanel, InputBox, ModelPicker
 from .menu_model import display_state
@@ -57,7 +57,7 @@ from .transcript import (
 from .waits import WaitClock, chat_wait_kind, chat_wait_line
 
 if TYPE_CHECKING:
-    from ..core.conversations.chat import ChatResult, ChatService
+    from ..core.conversations.chat import ChatResult, ChatService, ChatTurn
     from ..core.conversations.store import AnswerStats, Store
 
 log = logging.getLogger(__name__)
@@ -482,31 +482,23 @@ class ChatWindow(QMainWindow):
             if conv_id is None:
                 return
         self.settings_panel.save_typed()  # the system prompt just typed counts for this answer
-        try:
-            model_id = self.store.get(conv_id).model_id
-            prewoken = model_id in self._last_prewake  # the window restored it while the user typed
-            # the conversation's settings apply (ChatService reads them); the tests' cap wins
-            sampling = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
-            turn = (
-                self.chat.send(conv_id, text, prewoken=prewoken, **sampling)
-                if text
-                else self.chat.regenerate(conv_id, prewoken=prewoken, **sampling)
-            )
-        except (TimeshareError, ValueError) as e:
-            # ChatService keeps a user message it saved; the box keeps the text only if it was not
-            if text and self._unanswered(conv_id) and self.store.messages(conv_id)[-1].content == text:
-                self.input.clear()
-            self.render_transcript()
-            self.statusBar().showMessage(f"{e} — press Send to try again", 20000)
-            QMessageBox.warning(self, "Could not send", str(e))
-            return
-        self.input.clear()
-        self.reload_conversations(select=conv_id)  # ChatService titles new conversations
-        self._last_prewake.pop(model_id, None)
+        model_id = self.store.get(conv_id).model_id
+        prewoken = model_id in self._last_prewake  # the window restored it while the user typed
+        # the conversation's settings apply (ChatService reads them); the tests' cap wins
+        sampling = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
+        chat = self.chat
+
+        def start(listener: StreamListener) -> ChatTurn:  # on the bridge's thread
+            if text:
+                return chat.send(conv_id, text, prewoken=prewoken, listener=listener, **sampling)
+            return chat.regenerate(conv_id, prewoken=prewoken, listener=listener, **sampling)
+
         self._partial = ""
         self._got_first_token = False
         self._stream_conversation = conv_id
-        stream = AnswerStream(turn)
+        stream = AnswerStream()
+        stream.started.connect(lambda: self._on_started(stream, conv_id, model_id))
+        stream.refused.connect(lambda error: self._on_refused(stream, conv_id, text, error))
         stream.piece.connect(self._on_piece)
         stream.first_token.connect(self._on_first_token)
         stream.finished.connect(self._on_finished)
@@ -514,12 +506,32 @@ class ChatWindow(QMainWindow):
         self.statusBar().clearMessage()  # the previous answer's line: this one's comes at its end
         self._update_buttons()
         self._update_model_state()
+        # the pool may be busy (another model loading, a switch): the GUI thread never waits for it
+        self.bridge.start_answer(stream, start)
+
+    def _on_started(self, stream: AnswerStream, conv_id: str, model_id: str) -> None:
+        """The answer's turn exists: the user's message is saved (and the conversation titled)."""
+        self.input.clear()
+        self.reload_conversations(select=conv_id)  # ChatService titles new conversations
+        self._last_prewake.pop(model_id, None)
         self.render_transcript()
-        stream.start()
+
+    def _on_refused(self, stream: AnswerStream, conv_id: str, text: str, error: BaseException) -> None:
+        if stream is self._stream:
+            self._stream = None
+            self._stream_conversation = None
+        self._update_buttons()
+        self._update_model_state()
+        # ChatService keeps a user message it saved; the box keeps the text only if it was not
+        if text and self._unanswered(conv_id) and self.store.messages(conv_id)[-1].content == text:
+            self.input.clear()
+        self.render_transcript()
+        self.statusBar().showMessage(f"{error} — press Send to try again", 20000)
+        QMessageBox.warning(self, "Could not send", str(error))
 
     def stop(self) -> None:
         if self._stream is not None:
-            self._stream.generation.cancel()
+            self._stream.cancel()
             self.statusBar().showMessage("Stopping…", 3000)
 
     def _on_first_token(self) -> None:
@@ -598,7 +610,7 @@ class ChatWindow(QMainWindow):
         self._wait_timer.stop()
         self.settings_panel.detach()
         if self._stream is not None:
-            self._stream.generation.cancel()
+            self._stream.cancel()
         with contextlib.suppress(RuntimeError, TypeError):
             self.bridge.snapshot_changed.disconnect(self._on_snapshot)
         self._detached = True

@@ -162,6 +162,39 @@ def test_chat_streams_switches_model_and_the_tray_follows(qtbot: Any, app: Any) 
     assert len(app.store.messages(conv)) == 4
 
 
+def test_send_returns_while_the_pool_thread_is_held(qtbot: Any, app: Any, pool: Any) -> None:
+    import threading
+
+    window = app.window
+    conv = window.new_conversation(SMOL)
+    held = threading.Event()  # the test's own: the pool thread waits on it
+    holding = threading.Event()
+    timed_out: list[bool] = []
+
+    def hold() -> None:  # runs on the pool thread (posted to its inbox)
+        holding.set()
+        timed_out.append(not held.wait(30))
+
+    pool._actor.post(hold)
+    assert holding.wait(30)
+    try:
+        qtbot.keyClicks(window.input, "Say hello.")
+        with qtbot.waitSignal(window.answer_finished, timeout=120_000) as blocker:
+            qtbot.keyClick(window.input, "\r")  # Send: it must not wait for the pool thread
+            # back on the GUI thread while the pool thread is still held: the answer is under way
+            assert not held.is_set() and not timed_out
+            assert window._stream is not None and not window.send_button.isEnabled()
+            assert window.stop_button.isEnabled()
+            held.set()
+    finally:
+        held.set()
+    assert timed_out == [False]  # the test released the pool thread, not the timeout
+    conv_id, stats, error = blocker.args
+    assert conv_id == conv and error == ""
+    assert stats is not None and stats.completion_tokens > 0
+    assert [m.role for m in app.store.messages(conv)] == ["user", "assistant"]
+
+
 def test_typing_prewakes_the_conversations_model(qtbot: Any, app: Any) -> None:
     window = app.window
     # make sure SmolLM2 is not on the GPU: wake Gemma and wait for the holder to change

@@ -90,6 +90,13 @@ class ChatResult:
     stats: AnswerStats  # what was saved with the message
 
 
+class TurnListener(Protocol):
+    """Told of an answer as its pump thread sees it (from that thread: keep it short)."""
+
+    def piece(self, text: str) -> None: ...
+    def finished(self, result: ChatResult | None, error: BaseException | None) -> None: ...
+
+
 class ChatTurn:
     """One answer being generated. Iterate it for text pieces (blocking), or wait for ``result()``.
 
@@ -111,6 +118,7 @@ class ChatTurn:
         started: float,
         flush_interval_s: float,
         prewoken: bool = False,
+        listener: TurnListener | None = None,
     ) -> None:
         self.conversation_id = conversation.id
         self.model_id = conversation.model_id
@@ -124,6 +132,8 @@ class ChatTurn:
         self._stream = TextStream()
         self._result: ChatResult | None = None
         self._cancelled = False
+        # told from the pump thread, so that a front end needs no relay thread of its own
+        self._listener = listener
         self._pump = threading.Thread(target=self._run, name=f"chat-{conversation.id[:8]}", daemon=True)
         self._pump.start()
 
@@ -162,6 +172,8 @@ class ChatTurn:
                     first_piece_at = time.monotonic()
                 parts.append(piece)
                 self._stream.put(piece)
+                if self._listener is not None:
+                    self._listener.piece(piece)
                 now = time.monotonic()
                 if now - last_flush >= self._flush_interval_s:
                     text = "".join(parts)
@@ -195,6 +207,8 @@ class ChatTurn:
                 log.warning("generation in conversation %s failed: %s", self.conversation_id, exc)
         finally:
             self._stream.close(error)
+            if self._listener is not None:
+                self._listener.finished(self._result if error is None else None, error)
 
     def _save_quietly(self, text: str, complete: bool, stats: AnswerStats) -> None:
         try:
@@ -272,13 +286,22 @@ class ChatService:
             out.append(ChatMessage(m.role, m.content))
         return tuple(out)
 
-    def send(self, conversation_id: str, text: str, *, prewoken: bool = False, **sampling: Any) -> ChatTurn:
+    def send(
+        self,
+        conversation_id: str,
+        text: str,
+        *,
+        prewoken: bool = False,
+        listener: TurnListener | None = None,
+        **sampling: Any,
+    ) -> ChatTurn:
         """Save ``text`` as the user's message and start the model's answer.
 
         ``sampling``: fields of :class:`~timeshare.core.sampling.Sampling` (the rest come from the
         conversation's settings, ``Store.set_options``, then the "chat_window" row of
         ``sampling.DEFAULTS``); the pool gets the Sampling they make.
         ``prewoken``: the caller restored the model ahead of this request (noted in the stats).
+        ``listener``: told of every piece and of the end from the turn's own thread.
         Raises UnknownConversationError, EmptyMessageError, InvalidTextError (text that is not
         Unicode: nothing is saved), and the pool's errors
         (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
@@ -293,9 +316,17 @@ class ChatService:
             user = self.store.add_message(conversation_id, "user", text)
             if not conversation.title:
                 conversation = self.store.rename(conversation_id, _title_from(text))
-            return self._answer(conversation, user, self.model_messages(conversation_id), sampling, prewoken)
+            messages = self.model_messages(conversation_id)
+            return self._answer(conversation, user, messages, sampling, prewoken, listener)
 
-    def regenerate(self, conversation_id: str, *, prewoken: bool = False, **sampling: Any) -> ChatTurn:
+    def regenerate(
+        self,
+        conversation_id: str,
+        *,
+        prewoken: bool = False,
+        listener: TurnListener | None = None,
+        **sampling: Any,
+    ) -> ChatTurn:
         """Answer the last user message again: after a failure, a crash, or to get another answer.
 
         A trailing assistant message (finished or not) is replaced.
@@ -309,9 +340,8 @@ class ChatService:
             while history and history[-1].role == "assistant":
                 self.store.delete_message(history.pop().id)
             # the history as it is now in the store: the trailing answers were just deleted
-            return self._answer(
-                conversation, history[-1], self._model_messages(conversation, history), sampling, prewoken
-            )
+            messages = self._model_messages(conversation, history)
+            return self._answer(conversation, history[-1], messages, sampling, prewoken, listener)
 
     def active_turn(self, conversation_id: str) -> ChatTurn | None:
         """The answer still being generated in this conversation, if any."""
@@ -342,6 +372,7 @@ class ChatService:
         messages: tuple[ChatMessage, ...],
         overrides: dict[str, Any],
         prewoken: bool,
+        listener: TurnListener | None,
     ) -> ChatTurn:
         assistant = self.store.add_message(conversation.id, "assistant", "", complete=False)
         started = time.monotonic()
@@ -365,6 +396,7 @@ class ChatService:
             started=started,
             flush_interval_s=self.flush_interval_s,
             prewoken=prewoken,
+            listener=listener,
         )
         with self._lock:
             self._active[conversation.id] = turn
