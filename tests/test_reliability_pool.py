@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from timeshare.core.config.schema import Config, ModelConfig
 from timeshare.core.errors import ModelUnavailableError
-from timeshare.core.pool import handlers as pool_handlers
+from timeshare.core.pool import supervisor as pool_handlers
 from timeshare.core.pool.supervisor import Pool
 from timeshare.core.sampling import Sampling
 
