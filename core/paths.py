@@ -63,11 +63,15 @@ def runtime_dir() -> Path:
     return _ensure(Path(platformdirs.user_runtime_dir(APP_NAME)))
 
 
-def default_arena_dir() -> Path:
+def arena_dir_override() -> Path | None:
+    """``$TIMESHARE_VRAM_ARENA`` (``~`` expanded), the one place it is read; None when unset. It
+    wins over ``arena.dir`` in the config (``arena.dirs.resolve_arena_dir`` applies the order)."""
     override = os.environ.get("TIMESHARE_VRAM_ARENA")
-    if override:
-        return Path(override).expanduser()
-    return runtime_dir() / "arena"
+    return Path(override).expanduser() if override else None
+
+
+def default_arena_dir() -> Path:
+    return arena_dir_override() or runtime_dir() / "arena"
 
 
 def kv_dir() -> Path:

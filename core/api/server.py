@@ -27,7 +27,7 @@ from .. import paths
 from ..arena.dirs import pid_alive
 from ..config.files import cli_config_path, load_for_cli
 from ..config.schema import ApiConfig
-from ..config.validate import is_loopback
+from ..config.validate import is_loopback, needs_key
 from ..config.watch import ConfigWatcher
 from ..diskspace import check_room, disk_full_error, is_disk_full
 from ..errors import ApiBindError, ArenaError, ConfigError, DiskFullError, InstanceRunningError
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 def check_bind_allowed(api_config: ApiConfig) -> None:
     """Refuse a non-loopback bind without a key (anyone on the network could use the models)."""
-    if not is_loopback(api_config.host) and not api_config.key:
+    if needs_key(api_config.host, api_config.key):
         raise ConfigError(
             [
                 f"api.host: {api_config.host!r} is not a loopback address, and no api.key is set. "

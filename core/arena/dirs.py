@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 def resolve_arena_dir(configured: str | None = None) -> Path:
     """The arena directory: ``$TIMESHARE_VRAM_ARENA``, else ``arena.dir`` from the config, else the
     default under the user's runtime dir."""
-    if os.environ.get("TIMESHARE_VRAM_ARENA") or not configured:
+    override = paths.arena_dir_override()
+    if override is not None or not configured:
         path = paths.default_arena_dir()
     else:
         path = Path(configured).expanduser()

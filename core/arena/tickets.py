@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
+from .. import paths
 from ..errors import ArenaError, UnsafeArenaError
 from .dirs import (
     check_ancestors,
@@ -518,9 +519,8 @@ def env_arena_dir() -> Path | None:
     """``$TIMESHARE_VRAM_ARENA`` with ``~`` expanded, checked by :func:`check_arena_dir` (raises
     :class:`UnsafeArenaError`); None when it is not set. For tools that refuse an unsafe arena
     before they load anything (arena-test, bench switch)."""
-    raw = os.environ.get("TIMESHARE_VRAM_ARENA")
-    if not raw:
+    path = paths.arena_dir_override()
+    if path is None:
         return None
-    path = Path(raw).expanduser()
     check_arena_dir(path)
     return path

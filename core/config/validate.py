@@ -334,6 +334,12 @@ def _is_ip(text: str) -> bool:
         return False
 
 
+def needs_key(host: str, key: str | None) -> bool:
+    """The loopback/key rule: a server reachable from other machines (a host that is not loopback)
+    must have an API key. Config validation and ``timeshare serve``'s bind check both apply it."""
+    return not is_loopback(host) and not key
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (a loopback address or a localhost name)."""
     if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
@@ -405,8 +411,7 @@ def validate(
     if (
         isinstance(api_raw, Mapping)
         and not any(p.startswith(("api.host", "api.key")) for p in c.problems)
-        and not is_loopback(api.host)
-        and not api.key
+        and needs_key(api.host, api.key)
     ):
         c.problem(
             "api.key",
