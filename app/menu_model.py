@@ -208,7 +208,8 @@ def model_entries(status: ModelStatus, waited: float | None = None) -> tuple[Ent
             "Sleep",
             Command.SLEEP,
             status.id,
-            enabled=state in (ModelState.RESIDENT, ModelState.RELEASED) and not status.busy,
+            # a released model is off the GPU already: nothing for Sleep to do that a user sees
+            enabled=state is ModelState.RESIDENT and not status.busy,
         )
     )
     if alive:

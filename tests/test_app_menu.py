@@ -147,7 +147,8 @@ def test_released_model_can_wake_and_shows_its_licence() -> None:
     sub = submenu(menu_entries(three(), start_at_login=False), "smol")
     assert Label("Licence: Apache-2.0") in sub.entries
     acts = actions(sub.entries)
-    assert acts[Command.WAKE].enabled and acts[Command.SLEEP].enabled
+    assert acts[Command.WAKE].enabled
+    assert not acts[Command.SLEEP].enabled  # already off the GPU (issue 29)
 
 
 def test_pinned_model_offers_unpin() -> None:

@@ -123,6 +123,8 @@ def test_sources_parse(text: str, expected: sources.Source) -> None:
         ("https://example.com/page", "does not name a .gguf file: give the URL of the GGUF file itself"),
         ("user/repo:", "nothing follows the ':'; give a quantisation, e.g. user/repo:Q4_K_M"),
         ("-x/y", "'-x/y' is not a model source"),
+        # a mistyped scheme is echoed whole (it was cut to 'htp://127.0.0.1')
+        ("htp://127.0.0.1:8999/x.gguf", "'htp://127.0.0.1:8999/x.gguf' is not a model source: htp:// is not"),
     ],
 )
 def test_bad_sources_say_what_a_source_is(text: str, sentence: str) -> None:

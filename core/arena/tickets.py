@@ -109,6 +109,8 @@ class Arena(LeaseArena):
         for fd in (self._leases_fd, self._waiters_fd, self._dir_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        # a read after close fails (EBADF) instead of reading whatever reuses the numbers
+        self._leases_fd = self._waiters_fd = self._dir_fd = -1
 
     # -- reading --
 

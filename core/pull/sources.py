@@ -98,6 +98,12 @@ def parse_source(text: str, quant: str | None = None) -> Source:
         if quant:
             raise ValueError("--quant applies to a Hugging Face repo, not to the URL of one file")
         return UrlSource(text)
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if scheme and scheme.group(1).lower() != "hf":
+        raise ValueError(
+            f"{text!r} is not a model source: {scheme.group(1)}:// is not a scheme Timeshare gets files "
+            "with; give an http(s):// URL of a .gguf file or a Hugging Face repo (user/repo)"
+        )
     for prefix in ("hf.co/", "huggingface.co/", "www.huggingface.co/", "hf://"):
         if lowered.startswith(prefix):
             text = text[len(prefix) :]

@@ -191,8 +191,11 @@ class ArenaTenancy(Tenancy):
         self._free_before_load: int | None = None  # auto budgets: the device's free bytes before the load
         self._budget_bytes = 0
         self._budget_read_at = 0.0
+        self._closed = False
 
     def _weights_budget(self) -> int:
+        if self._closed:  # the worker is ending: a last status reports what was read before
+            return self._budget_bytes
         try:
             limit = self.client.weights_budget()
         except OSError as exc:
@@ -452,6 +455,7 @@ class ArenaTenancy(Tenancy):
         return request.waiting_reason() if request is not None else ""
 
     def close(self) -> None:
+        self._closed = True
         try:
             self.client.close()
         finally:
