@@ -44,6 +44,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return st.floats(allow_nan=False, allow_infinity=False)
     if tp is str:
         return _text
+    if tp is bytes:
+        return st.binary(max_size=8)
     assert isinstance(tp, type) and issubclass(tp, msgspec.Struct), tp
     hints = typing.get_type_hints(tp)
     return st.builds(tp, **{name: strategy_for(hints[name]) for name in tp.__struct_fields__})

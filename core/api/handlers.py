@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -31,15 +31,16 @@ from starlette.types import Receive, Scope, Send
 
 from .. import paths
 from ..config.files import load_config
-from ..config.schema import ApiConfig, Config
+from ..config.schema import ApiConfig, Config, ModelConfig
 from ..errors import ConfigError, ModelUnavailableError, TimeshareError, UnknownModelError
 from ..modelnames import resolve_api_model
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import USER_SLEEP_LEVEL, EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
-from ..worker.protocol import Usage
+from ..worker.protocol import TokenLogprobs, Usage
 from . import shapes
 from .chat_output import ChatOutput, prepare_chat
+from .embeddings import embedding_response, parse_embedding_request
 from .errors import (
     BadRequestError,
     ClientGoneError,
@@ -48,6 +49,7 @@ from .errors import (
     timeshare_error_response,
     timeshare_error_status,
 )
+from .logprobs import CompletionOffsets, chat_logprobs, completion_logprobs
 from .middleware import HEALTH_PATH, SHUTTING_DOWN, AuthMiddleware, GuardMiddleware
 from .requests import (
     GenerationRequest,
@@ -159,12 +161,22 @@ def status_json(snapshot: PoolSnapshot, counter: SwitchCounter) -> dict[str, Any
     }
 
 
-def model_json(status: Any, created: int) -> dict[str, Any]:
+def capabilities(model: ModelConfig | None) -> list[str]:
+    """What a model answers (as llama-swap and LM Studio list it): an embedding model embeds only;
+    a chat model chats, completes, calls tools (its template's syntax, or the generic JSON format
+    for templates without one) and embeds (mean pooling)."""
+    if model is not None and model.embedding:
+        return ["embedding"]
+    return ["chat", "completion", "tools", "embedding"]
+
+
+def model_json(status: Any, created: int, model: ModelConfig | None = None) -> dict[str, Any]:
     return {
         "id": status.id,
         "object": "model",
         "created": created,
         "owned_by": "timeshare",
+        "capabilities": capabilities(model),
         "timeshare": {
             "name": status.name,
             "state": _plain(status.state),
@@ -289,14 +301,43 @@ class _Handlers:
     async def list_models(self, request: Request) -> Response:
         snapshot = self.pool.snapshot()
         return JSONResponse(
-            {"object": "list", "data": [model_json(m, self.created) for m in snapshot.models]}
+            {
+                "object": "list",
+                "data": [model_json(m, self.created, self._config_of(m.id)) for m in snapshot.models],
+            }
         )
 
     async def get_model(self, request: Request) -> Response:
         snapshot = self.pool.snapshot()
         model_id = resolve_model(snapshot, request.path_params["model_id"])
         status = next(m for m in snapshot.models if m.id == model_id)
-        return JSONResponse(model_json(status, self.created))
+        return JSONResponse(model_json(status, self.created, self._config_of(model_id)))
+
+    def _config_of(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.pool.config.models if m.id == model_id), None)
+
+    async def embeddings(self, request: Request) -> Response:
+        req = parse_embedding_request(await read_json(request))
+        model_id = resolve_model(self.pool.snapshot(), req.model)
+        try:
+            gen = await self.call(partial(self.pool.embed, model_id, req.inputs))
+        except ValueError as exc:  # the pool's own argument check
+            raise BadRequestError(f"{exc}.") from exc
+        try:
+            result = await self.wait_watching(request, gen, gen.result)
+        except ClientGoneError:
+            return Response(status_code=499)
+        except BaseException:
+            gen.cancel()
+            raise
+        if result.finish_reason == "cancelled":
+            raise ModelUnavailableError(
+                SHUTTING_DOWN if self.closing else f"{model_id}: the request was cancelled"
+            )
+        body = await anyio.to_thread.run_sync(
+            embedding_response, req, result.embeddings, result.usage.prompt_tokens
+        )
+        return JSONResponse(body)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.generate(request, parse_chat_request(await read_json(request)))
@@ -306,43 +347,76 @@ class _Handlers:
 
     async def generate(self, request: Request, req: GenerationRequest) -> Response:
         model_id = resolve_model(self.pool.snapshot(), req.model)
-        # the tools path (tools.py, chat_output.py): the template's tools, the grammar, the answer's shape
+        # the tools path (tools.py, chat_output.py): the template's tools, the grammar, the answer's
+        # shape; one ChatOutput per choice (it parses that choice's text as it streams)
         model = next((m for m in self.pool.config.models if m.id == model_id), None)
-        fields, output = await self.call(prepare_chat, req, model)
+        prepared = [await self.call(prepare_chat, req, model) for _ in range(req.n)]
+        outputs = [output for _, output in prepared]
+        # n choices: n generations of the same prompt, choice i seeded seed + i
+        gens: list[Generation] = []
         try:
-            gen = await self.call(partial(self.pool.generate, model_id, **fields))
-        except ValueError as exc:  # the pool's own argument check
-            raise BadRequestError(f"{exc}.") from exc
+            for i, (fields, _) in enumerate(prepared):
+                choice = dict(fields, sampling=fields["sampling"].for_choice(i))
+                gens.append(await self.call(partial(self.pool.generate, model_id, **choice)))
+        except BaseException as exc:
+            for gen in gens:
+                gen.cancel()
+            if isinstance(exc, ValueError):  # the pool's own argument check
+                raise BadRequestError(f"{exc}.") from exc
+            raise
         try:
             if req.stream:
-                return await self.stream(request, req, gen, output)
-            result = await self.wait_watching(request, gen, gen.result)
+                return await self.stream(request, req, gens, outputs)
+            results = [await self.wait_watching(request, gen, gen.result) for gen in gens]
         except ClientGoneError:
+            for gen in gens:
+                gen.cancel()
             return Response(status_code=499)
         except BaseException:
-            gen.cancel()
+            for gen in gens:
+                gen.cancel()
             raise
-        return self.full_response(req, result, output)
+        return self.full_response(req, results, outputs)
+
+    def _logprobs(
+        self,
+        req: GenerationRequest,
+        entries: Sequence[TokenLogprobs],
+        offsets: CompletionOffsets | None = None,
+    ) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        if req.kind == "chat":
+            return chat_logprobs(entries)
+        return completion_logprobs(entries, offsets)
 
     def full_response(
-        self, req: GenerationRequest, result: GenerationResult, output: ChatOutput | None = None
+        self,
+        req: GenerationRequest,
+        results: Sequence[GenerationResult],
+        outputs: Sequence[ChatOutput | None] = (),
     ) -> Response:
-        usage = usage_out(result.usage)
-        finish = _finish_reason(result.finish_reason)
-        extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
+        first = results[0]
+        usage = usage_out(_choices_usage(results))
+        extras = switch_extras(first.switch, first.usage.prompt_tokens_evaluated)
         shape: shapes.ChatCompletion | shapes.TextCompletion
         if req.kind == "chat":
-            message = shapes.AssistantMessage("assistant", result.text)
-            if output is not None:
-                message = msgspec.convert(output.message(result.text), shapes.AssistantMessage)
-                finish = output.finish_reason(finish)
+            choices = []
+            for i, r in enumerate(results):
+                finish = _finish_reason(r.finish_reason)
+                message = shapes.AssistantMessage("assistant", r.text)
+                output = outputs[i] if i < len(outputs) else None
+                if output is not None:
+                    message = msgspec.convert(output.message(r.text), shapes.AssistantMessage)
+                    finish = output.finish_reason(finish)
+                choices.append(shapes.ChatChoice(i, message, self._logprobs(req, r.logprobs), finish))
             shape = shapes.ChatCompletion(
                 id=_new_id("chatcmpl"),
                 object="chat.completion",
                 created=int(time.time()),
                 model=req.model,
                 system_fingerprint=None,
-                choices=[shapes.ChatChoice(0, message, None, finish)],
+                choices=choices,
                 usage=usage,
                 timeshare=extras,
             )
@@ -353,32 +427,45 @@ class _Handlers:
                 created=int(time.time()),
                 model=req.model,
                 system_fingerprint=None,
-                choices=[shapes.TextChoice(0, result.text, None, finish)],
+                choices=[
+                    shapes.TextChoice(
+                        i, r.text, self._logprobs(req, r.logprobs), _finish_reason(r.finish_reason)
+                    )
+                    for i, r in enumerate(results)
+                ],
                 usage=usage,
                 timeshare=extras,
             )
         return Response(shapes.encode(shape), media_type="application/json")
 
     async def stream(
-        self, request: Request, req: GenerationRequest, gen: Generation, output: ChatOutput | None = None
+        self,
+        request: Request,
+        req: GenerationRequest,
+        gens: Sequence[Generation],
+        outputs: Sequence[ChatOutput | None] = (),
     ) -> Response:
-        pieces = iter(gen)
+        """The choices' chunks, one choice after the other (each chunk names its choice's index,
+        so clients assemble them; the generations themselves run as the pool schedules them)."""
         end = object()
+        iterators = [iter(gen) for gen in gens]
 
-        def pull() -> object:
-            return next(pieces, end)
+        def puller(i: int) -> Callable[[], object]:
+            return lambda: next(iterators[i], end)
 
         # Wait for the first piece before answering, so that errors that come before any text
         # (prompt too long, GPU busy, model crashed) get a proper HTTP status instead of a 200 stream.
-        first = await self.wait_watching(request, gen, pull)
+        first = await self.wait_watching(request, gens[0], puller(0))
         chunk_id = _new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         created = int(time.time())
 
         def chunk(
+            index: int,
             text: str | None,
             finish: str | None,
             role: bool = False,
             *,
+            logprobs: dict[str, Any] | None = None,
             usage: shapes.UsageOut | None = None,
             extras: dict[str, Any] | None = None,
             delta: shapes.Delta | None = None,
@@ -388,9 +475,9 @@ class _Handlers:
                 choices = []
             elif req.kind == "chat":
                 delta = delta or shapes.Delta("assistant" if role else None, text)
-                choices = [shapes.DeltaChoice(0, delta, None, finish)]
+                choices = [shapes.DeltaChoice(index, delta, logprobs, finish)]
             else:
-                choices = [shapes.TextChoice(0, text or "", None, finish)]
+                choices = [shapes.TextChoice(index, text or "", logprobs, finish)]
             shape = shapes.Chunk(
                 id=chunk_id,
                 object="chat.completion.chunk" if req.kind == "chat" else "text_completion",
@@ -405,48 +492,75 @@ class _Handlers:
 
         async def events() -> AsyncIterator[dict[str, str]]:
             finished = False
-            self._streams.add(gen)
+            self._streams.update(gens)
             if self.closing:
-                gen.cancel()
+                for gen in gens:
+                    gen.cancel()
+            results: list[GenerationResult] = []
             try:
-                if req.kind == "chat":
-                    yield chunk("", None, role=True)
-                piece = first
-                while piece is not end:
-                    if piece and output is not None:  # tool calls, reasoning: shaped deltas
-                        for delta in output.feed(str(piece)):
-                            yield chunk(None, None, delta=msgspec.convert(delta, shapes.Delta))
-                    elif piece:
-                        yield chunk(str(piece), None)
-                    piece = await anyio.to_thread.run_sync(
-                        pull, abandon_on_cancel=True, limiter=self.generation_limiter
+                for i, gen in enumerate(gens):
+                    output = outputs[i] if i < len(outputs) else None
+                    offsets = CompletionOffsets()
+                    if req.kind == "chat":
+                        yield chunk(i, "", None, role=True)
+                    piece = (
+                        first
+                        if i == 0
+                        else await anyio.to_thread.run_sync(
+                            puller(i), abandon_on_cancel=True, limiter=self.generation_limiter
+                        )
                     )
-                result = await anyio.to_thread.run_sync(
-                    gen.result, abandon_on_cancel=True, limiter=self.generation_limiter
-                )
+                    while piece is not end:
+                        if piece:
+                            logprobs = self._logprobs(req, gen.piece_logprobs(), offsets)
+                            if output is not None:  # tool calls, reasoning: shaped deltas
+                                deltas = output.feed(str(piece))
+                                for k, delta in enumerate(deltas):
+                                    yield chunk(
+                                        i,
+                                        None,
+                                        None,
+                                        delta=msgspec.convert(delta, shapes.Delta),
+                                        logprobs=logprobs if k == 0 else None,
+                                    )
+                                if not deltas and logprobs is not None:
+                                    yield chunk(i, None, None, logprobs=logprobs)
+                            else:
+                                yield chunk(i, str(piece), None, logprobs=logprobs)
+                        piece = await anyio.to_thread.run_sync(
+                            puller(i), abandon_on_cancel=True, limiter=self.generation_limiter
+                        )
+                    result = await anyio.to_thread.run_sync(
+                        gen.result, abandon_on_cancel=True, limiter=self.generation_limiter
+                    )
+                    if self.closing and result.finish_reason == "cancelled":
+                        raise ModelUnavailableError(SHUTTING_DOWN)
+                    results.append(result)
+                    extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
+                    finish = _finish_reason(result.finish_reason)
+                    if output is not None:
+                        for delta in output.finish():
+                            yield chunk(i, None, None, delta=msgspec.convert(delta, shapes.Delta))
+                        finish = output.finish_reason(finish)
+                    yield chunk(i, None if req.kind == "chat" else "", finish, extras=extras)
                 finished = True
-                if self.closing and result.finish_reason == "cancelled":
-                    raise ModelUnavailableError(SHUTTING_DOWN)
-                extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
-                finish = _finish_reason(result.finish_reason)
-                if output is not None:
-                    for delta in output.finish():
-                        yield chunk(None, None, delta=msgspec.convert(delta, shapes.Delta))
-                    finish = output.finish_reason(finish)
-                yield chunk(None if req.kind == "chat" else "", finish, extras=extras)
                 if req.include_usage:
-                    yield chunk(None, None, usage=usage_out(result.usage))
+                    yield chunk(0, None, None, usage=usage_out(_choices_usage(results)))
                 yield {"data": "[DONE]"}
             except TimeshareError as exc:
                 # the status line has gone out already: report the error in the stream, OpenAI-style
                 finished = True
+                for gen in gens:
+                    gen.cancel()
                 log.warning("generation on %s failed mid-stream: %s", req.model, exc)
                 yield {"data": json.dumps(error_body(str(exc), timeshare_error_status(exc), exc.code))}
             finally:
-                self._streams.discard(gen)
+                self._streams.difference_update(gens)
                 if not finished:
-                    gen.cancel()
-                    self.record_cancel_later(gen)
+                    for gen in gens:
+                        if not gen.done:
+                            gen.cancel()
+                            self.record_cancel_later(gen)
 
         return StreamResponse(events(), ping=15, send_timeout=SSE_WRITE_TIMEOUT_S)
 
@@ -502,6 +616,13 @@ class StreamResponse(EventSourceResponse):
             log.warning(
                 "a streaming client read nothing for %g s: its generation is cancelled", self.send_timeout
             )
+
+
+def _choices_usage(results: Sequence[GenerationResult]) -> Usage:
+    """The usage of n choices: the prompt once (as OpenAI counts it), every choice's tokens."""
+    first = results[0].usage
+    completion = sum(r.usage.completion_tokens for r in results)
+    return Usage(first.prompt_tokens, completion, first.prompt_tokens_evaluated)
 
 
 def usage_out(usage: Usage) -> shapes.UsageOut:
@@ -622,6 +743,7 @@ def create_app(pool: Pool, api_config: ApiConfig, *, reload: ConfigReloader | No
         Route("/v1/models/{model_id}", handlers.get_model, methods=["GET"]),
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
+        Route("/v1/embeddings", handlers.embeddings, methods=["POST"]),
         Route("/timeshare/v1/status", handlers.status, methods=["GET"]),
         Route("/timeshare/v1/models/{model_id}/{command}", handlers.model_command, methods=["POST"]),
         Route("/timeshare/v1/reload", reload_endpoint, methods=["POST"]),

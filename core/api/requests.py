@@ -17,12 +17,14 @@ from starlette.requests import Request
 
 from ..sampling import (
     MAX_STOP,
+    MAX_TOP_LOGPROBS,
     Sampling,
     for_front_end,
 )
 from ..worker.protocol import ChatMessage
 from .errors import BadRequestError
-from .shapes import MAX_MESSAGES, ChatBody, CompletionBody, RequestMessage
+from .shapes import MAX_MESSAGES, MAX_N, ChatBody, CompletionBody, RequestMessage
+from .structured import response_format_grammar
 from .tools import ToolRequest, has_tool_fields, parse_tool_request, tool_message
 
 __all__ = ["MAX_MESSAGES", "GenerationRequest", "parse_chat_request", "parse_completion_request"]
@@ -54,44 +56,24 @@ class GenerationRequest:
     conversation: str | None
     cache_prompt: bool | None  # llama-server's field; None: the model's setting
     tools: ToolRequest | None = None  # chat: tools, tool_choice ... (None: none, or tool_choice none)
+    n: int = 1  # choices: n generations, choice i sampled with seed + i (Sampling.for_choice)
+    logprobs: bool = False  # the answer carries logprobs (Sampling.logprobs / top_logprobs)
 
-    def pool_fields(self) -> dict[str, Any]:
-        """``Pool.generate``'s keyword arguments."""
+    def pool_fields(self, choice: int = 0) -> dict[str, Any]:
+        """``Pool.generate``'s keyword arguments for choice ``choice``."""
         return {
             "prompt": self.prompt,
             "messages": self.messages,
-            "sampling": self.sampling,
+            "sampling": self.sampling.for_choice(choice),
             "conversation": self.conversation,
             "cache_prompt": self.cache_prompt,
         }
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise BadRequestError(
-            f"'n' = {n!r} is not supported: Timeshare generates one choice per request. "
-            "Leave 'n' out (or set it to 1) and send separate requests for more answers.",
-            "n",
-        )
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise BadRequestError("'best_of' other than 1 is not supported; leave it out.", "best_of")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise BadRequestError("'logprobs' is not supported; leave it out.", "logprobs")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise BadRequestError(f"'{name}' is not supported; leave it out or set it to 0.", name)
-    if body.get("logit_bias"):
-        raise BadRequestError("'logit_bias' is not supported; leave it out.", "logit_bias")
-    response_format = body.get("response_format")
-    if response_format is not None and (
-        not isinstance(response_format, dict) or response_format.get("type", "text") != "text"
-    ):
-        raise BadRequestError(
-            '\'response_format\' other than {"type": "text"} is not supported; leave it out.',
-            "response_format",
-        )
 
 
 # ---- a schema error as Timeshare's sentence ------------------------------------------------------
@@ -101,7 +83,13 @@ _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 _INDEX = re.compile(r"\[(\d+)\]")
 
-_NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+_NUMBERS = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+}
 
 
 def _value_at(body: object, param: str) -> object:
@@ -140,6 +128,23 @@ def _sentence(param: str, value: object, what: str) -> str:
         return f"'{top}' must be a number from {low:g} to {high:g}; got {value!r}."
     if top in ("max_tokens", "max_completion_tokens"):
         return f"'{top}' must be a whole number of at least 1; got {value!r}."
+    if top == "n":
+        return f"'n' must be a whole number from 1 to {MAX_N} (the choices to generate); got {value!r}."
+    if top == "logprobs":
+        return (
+            "'logprobs' must be true or false on /v1/chat/completions, and a whole number from 0 to "
+            f"{MAX_TOP_LOGPROBS} (the alternatives per token) on /v1/completions; got {value!r}."
+        )
+    if top == "top_logprobs":
+        return f"'top_logprobs' must be a whole number from 0 to {MAX_TOP_LOGPROBS}; got {value!r}."
+    if top.startswith("logit_bias"):
+        return "'logit_bias' must map token ids (as strings) to biases from -100 to 100."
+    if top == "repeat_penalty":
+        return f"'repeat_penalty' must be a number above 0 (1: off) and at most 10; got {value!r}."
+    if top == "repeat_last_n":
+        return "'repeat_last_n' must be a whole number of at least -1 (-1: the whole context)."
+    if top == "grammar":
+        return "'grammar' must be a string: a GBNF grammar with a 'root' rule."
     if top == "top_k":
         return "'top_k' must be a whole number of at least 0 (0: no limit)."
     if top == "seed":
@@ -194,6 +199,21 @@ def _request(
     messages: tuple[ChatMessage, ...] | None,
     max_tokens: int | None,
 ) -> GenerationRequest:
+    grammar = response_format_grammar(parsed.response_format)
+    if grammar is not None and parsed.grammar is not None:
+        raise BadRequestError(
+            "'grammar' and a JSON 'response_format' both constrain the answer; send one of them.", "grammar"
+        )
+    if parsed.grammar is not None and not parsed.grammar.strip():
+        raise BadRequestError(
+            "'grammar' is empty: give a GBNF grammar with a 'root' rule, or leave it out.", "grammar"
+        )
+    if isinstance(parsed, ChatBody):
+        if parsed.top_logprobs and not parsed.logprobs:
+            raise BadRequestError("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+        logprobs, top = bool(parsed.logprobs), parsed.top_logprobs or 0
+    else:
+        logprobs, top = parsed.logprobs is not None, parsed.logprobs or 0
     try:
         sampling = for_front_end(
             front_end,
@@ -201,8 +221,17 @@ def _request(
             temperature=parsed.temperature,
             top_p=parsed.top_p,
             top_k=parsed.top_k,
+            min_p=parsed.min_p,
             seed=parsed.seed,
             stop=parsed.stop_strings,
+            presence_penalty=parsed.presence_penalty,
+            frequency_penalty=parsed.frequency_penalty,
+            repeat_penalty=parsed.repeat_penalty,
+            repeat_last_n=parsed.repeat_last_n,
+            logit_bias=_logit_bias(parsed.logit_bias),
+            grammar=grammar if grammar is not None else parsed.grammar,
+            logprobs=logprobs or None,
+            top_logprobs=top or None,
         )
     except ValueError as exc:
         raise BadRequestError(f"{exc}.") from None
@@ -216,7 +245,25 @@ def _request(
         include_usage=parsed.include_usage,
         conversation=parsed.conversation,
         cache_prompt=parsed.cache_prompt,
+        n=parsed.n or 1,
+        logprobs=logprobs,
     )
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's ``{"token id": bias}`` as Sampling's pairs (the bias is added to the logit: -100
+    bans a token in practice, +100 all but forces it)."""
+    if not raw:
+        return None
+    pairs: list[tuple[int, float]] = []
+    for key, bias in raw.items():
+        if not key.isdigit():
+            raise BadRequestError(
+                f'logit_bias: {key!r} is not a token id (the keys are token ids, as strings: "15339").',
+                "logit_bias",
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 _ROLES: dict[str, Any] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

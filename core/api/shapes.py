@@ -14,13 +14,17 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..sampling import MAX_STOP
+from ..sampling import MAX_STOP, MAX_TOP_LOGPROBS
 
 #: chat messages in one request
 MAX_MESSAGES = 4096
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+#: choices per request (``n``)
+MAX_N = 8
 
 # ---- requests ------------------------------------------------------------------------------------
 
@@ -59,6 +63,16 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True):
     stream_options: StreamOptions | None = None
     conversation: NonEmpty | None = None  # Timeshare's extension: the conversation's KV sequence
     cache_prompt: bool | None = None  # llama-server's field; None: the model's setting
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    response_format: Any = None  # checked by structured.py (its sentences name the part)
+    # llama-server's extensions
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] | None = None
+    repeat_last_n: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    grammar: str | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -74,10 +88,13 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True):
 class ChatBody(_Body, frozen=True, kw_only=True):
     messages: Annotated[list[RequestMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
 
 
 class CompletionBody(_Body, frozen=True, kw_only=True):
     prompt: str | list[Any]
+    logprobs: TopLogprobs | None = None  # the legacy field: how many alternatives per token
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -116,14 +133,14 @@ class AssistantMessage(msgspec.Struct, frozen=True, omit_defaults=True):
 class ChatChoice(msgspec.Struct, frozen=True):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: dict[str, Any] | None  # logprobs.py's shapes
     finish_reason: str
 
 
 class TextChoice(msgspec.Struct, frozen=True):
     index: int
     text: str
-    logprobs: None
+    logprobs: dict[str, Any] | None
     finish_reason: str | None
 
 
@@ -172,7 +189,7 @@ class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
 class DeltaChoice(msgspec.Struct, frozen=True):
     index: int
     delta: Delta
-    logprobs: None
+    logprobs: dict[str, Any] | None
     finish_reason: str | None
 
 

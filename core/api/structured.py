@@ -79,7 +79,8 @@ def json_object_grammar() -> str:
 
 
 def _refuse(where: str, what: str) -> BadRequestError:
-    return BadRequestError(f"{where}: {what}", "response_format")
+    message = f"{where}: {what}"
+    return BadRequestError(message if message.endswith(".") else message + ".", "response_format")
 
 
 def check_schema(schema: object, where: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -23,6 +24,10 @@ class GenerationResult:
     usage: protocol.Usage
     switch: SwitchStats
     stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
+    # per sampled token, when the request asked for logprobs (Sampling.logprobs / top_logprobs)
+    logprobs: tuple[protocol.TokenLogprobs, ...] = ()
+    # an Embed request's vectors, in its inputs' order
+    embeddings: tuple[tuple[float, ...], ...] = ()
 
 
 class Generation:
@@ -33,13 +38,20 @@ class Generation:
     """
 
     def __init__(
-        self, model: str, request: protocol.Generate, on_cancel: Callable[[Generation], None]
+        self,
+        model: str,
+        request: protocol.Generate | protocol.Embed,
+        on_cancel: Callable[[Generation], None],
     ) -> None:
         self.model = model
         self.request = request
         self._on_cancel = on_cancel  # posts the cancel to the pool thread
         self._stream = TextStream()
         self._parts: list[str] = []
+        self._logprobs: list[protocol.TokenLogprobs] = []
+        # each streamed piece's logprob entries, in the pieces' order (see ``piece_logprobs``)
+        self._piece_logprobs: collections.deque[tuple[protocol.TokenLogprobs, ...]] = collections.deque()
+        self._embeddings: list[tuple[float, ...]] = []
         self._result: GenerationResult | None = None
         self.cancelled = False
         # pool-thread bookkeeping
@@ -79,15 +91,34 @@ class Generation:
 
     # -- called on the pool thread only --
 
-    def _feed(self, text: str) -> None:
+    def piece_logprobs(self) -> tuple[protocol.TokenLogprobs, ...]:
+        """The logprob entries of the piece the iterator gave last (call once per piece, from the
+        one thread that iterates)."""
+        return self._piece_logprobs.popleft() if self._piece_logprobs else ()
+
+    def _feed(self, text: str, logprobs: tuple[protocol.TokenLogprobs, ...] = ()) -> None:
+        self._logprobs.extend(logprobs)
         if text:
             self._parts.append(text)
+            self._piece_logprobs.append(logprobs)
             self._stream.put(text)
+
+    def _add_embeddings(self, data: tuple[tuple[float, ...], ...]) -> None:
+        self._embeddings.extend(data)
 
     def _finish(self, finish_reason: str, usage: protocol.Usage, switch: SwitchStats, stop: str = "") -> None:
         if self._stream.done:
             return
-        self._result = GenerationResult(self.model, "".join(self._parts), finish_reason, usage, switch, stop)
+        self._result = GenerationResult(
+            self.model,
+            "".join(self._parts),
+            finish_reason,
+            usage,
+            switch,
+            stop,
+            tuple(self._logprobs),
+            tuple(self._embeddings),
+        )
         self._stream.close()
 
     def _fail(self, error: TimeshareError) -> None:
@@ -134,6 +165,26 @@ def make_request(
         protocol.encode(request)  # a string that is not Unicode (a lone surrogate) or a frame too big
     except ValueError as exc:
         raise ValueError(f"invalid request for {model_id}: {exc}") from None
+    except ProtocolError as exc:
+        raise ValueError(f"invalid request for {model_id}: {str(exc).removeprefix('protocol: ')}") from None
+    return request
+
+
+def make_embed_request(req: str, model_id: str, inputs: Sequence[str | Sequence[int]]) -> protocol.Embed:
+    """The ``Embed`` message for ``Pool.embed``; ValueError when the inputs are malformed."""
+    items: list[str | tuple[int, ...]] = []
+    for item in inputs:
+        if isinstance(item, str):
+            items.append(item)
+        elif all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in item):
+            items.append(tuple(int(t) for t in item))
+        else:
+            raise ValueError(f"invalid request for {model_id}: an input must be a string or token ids")
+    if not items or not all(items):
+        raise ValueError(f"invalid request for {model_id}: give at least one non-empty input")
+    request = protocol.Embed(req=req, inputs=tuple(items))
+    try:
+        protocol.encode(request)
     except ProtocolError as exc:
         raise ValueError(f"invalid request for {model_id}: {str(exc).removeprefix('protocol: ')}") from None
     return request

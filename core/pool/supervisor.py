@@ -48,7 +48,7 @@ from .actor import Actor
 from .codes import error_for
 from .configure import check_config, restart_fields
 from .devices import device_statuses
-from .generation import Generation, make_request
+from .generation import Generation, make_embed_request, make_request
 from .lifecycle import Phase
 from .process import end_processes, read_log_tail, read_worker, signal_group, spawn_worker
 from .record import WorkerPolicy, WorkerRecord
@@ -234,6 +234,15 @@ class Pool:
             cache_prompt=cache_prompt,
             tools=tools,
         )
+        gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
+        self._actor.call(self._submit, gen)
+        return gen
+
+    def embed(self, model_id: str, inputs: Sequence[str | Sequence[int]]) -> Generation:
+        """Queue an embedding request (texts or token-id lists) for ``model_id``, in the same
+        queue as its generations; ``result().embeddings`` holds the unit vectors in order and
+        ``usage.prompt_tokens`` the tokens embedded. Raises as ``generate`` does."""
+        request = make_embed_request(f"r{next(self._req_ids)}", model_id, inputs)
         gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
         self._actor.call(self._submit, gen)
         return gen
@@ -558,7 +567,10 @@ class Pool:
             return
         if isinstance(msg, protocol.Token):
             if w.inflight is not None and w.inflight.req == msg.req:
-                w.inflight._feed(msg.text)
+                w.inflight._feed(msg.text, msg.logprobs)
+        elif isinstance(msg, protocol.Embeddings):
+            if w.inflight is not None and w.inflight.req == msg.req:
+                w.inflight._add_embeddings(msg.data)
         elif isinstance(msg, protocol.WorkerStatus):
             self._on_status(w, msg)
         elif isinstance(msg, protocol.StatusReply):
@@ -676,7 +688,7 @@ class Pool:
                 "prompt_tokens": msg.usage.prompt_tokens,
                 "completion_tokens": msg.usage.completion_tokens,
                 "prompt_tokens_evaluated": msg.usage.prompt_tokens_evaluated,
-                "conversation": gen.request.conversation,
+                "conversation": getattr(gen.request, "conversation", None),
             },
         )
         self._dispatch(w)

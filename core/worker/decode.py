@@ -44,12 +44,18 @@ import numpy as np
 from ..errors import CancelledError
 from ..sampling import Sampling
 from .protocol import FinishReason
-from .sampler import Sampler
+from .sampler import Sampler, TokenLogprob
 from .textstream import TextStream
 
 #: a token limit reached inside a multi-byte character: sample up to this many more tokens to
 #: finish it (create_completion did the same, without a bound)
 _UTF8_GRACE = 4
+
+
+def usable_n_ctx(llm: Any) -> int:
+    """The tokens a context holds: llama.cpp pads n_ctx up to a multiple of 256, but
+    llama-cpp-python's ``input_ids`` (which the KV bookkeeping follows) has the size asked for."""
+    return min(int(llm.n_ctx()), len(llm.input_ids))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -82,7 +88,7 @@ class Decoder:
         self._batch.seq_id[0][0] = 0
         self._batch.logits[0] = 1
         self._pieces: dict[int, bytes] = {}
-        self._n_ctx = int(llm.n_ctx())
+        self._n_ctx = usable_n_ctx(llm)
         self._n_batch = max(1, int(llm.n_batch))
         self.evaluated = 0  # prompt tokens the current (or last) request prefilled
 
@@ -132,6 +138,7 @@ class Decoder:
         stop: Sequence[str],
         emit: Callable[[str], None],
         before_step: Callable[[], None],
+        records: Callable[[list[TokenLogprob]], None] | None = None,
     ) -> Decoded:
         """Prefill ``tokens`` (what the context does not hold yet) and generate. ``before_step``
         runs before every prefill chunk and every decode step and may raise CancelledError
@@ -165,6 +172,8 @@ class Decoder:
                 completion += 1
                 piece = text.push(token)
                 if piece:
+                    if records is not None:
+                        records(sampler.take_records())  # the tokens this piece completes
                     emit(piece)
                 if text.stop:
                     finish = "stop"
@@ -182,5 +191,7 @@ class Decoder:
         if finish != "cancelled" and not text.stop:
             rest = text.flush()
             if rest:
+                if records is not None:
+                    records(sampler.take_records())
                 emit(rest)
         return Decoded(finish, completion, self.evaluated, text.text, text.stop)

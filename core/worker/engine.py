@@ -53,13 +53,18 @@ from ..gguf.modelfile import check_model_file
 from ..residency import check_gguf
 from ..sampling import Sampling
 from . import kv_files
-from .decode import Decoder, common_prefix
+from .decode import Decoder, common_prefix, usable_n_ctx
 from .device import llama_placement
 from .embed import embed_tokens
 from .kv_files import KVSnapshot
-from .protocol import ChatMessage, FinishReason, Generate
+from .protocol import ChatMessage, FinishReason, Generate, LogprobAlt, TokenLogprobs
+from .sampler import TokenLogprob
+from .textstream import token_piece
 
 log = logging.getLogger(__name__)
+
+#: the lowest logprob written (OpenAI's floor for impossible tokens)
+LOGPROB_FLOOR = -9999.0
 
 FALLBACK_STOP = ("\nUser:", "\nAssistant:", "\n\n\n")
 
@@ -122,7 +127,7 @@ class Engine:
         self.model = model
         self.template = template  # the chat template, or None for the fallback format
         self.info = EngineInfo(
-            n_ctx=int(llm.n_ctx()),
+            n_ctx=usable_n_ctx(llm),
             n_vocab=int(llm.n_vocab()),
             chat_format="template" if template is not None else "fallback",
         )
@@ -141,6 +146,7 @@ class Engine:
         self.prompt_tokens_evaluated = 0  # since start
         self._markers = self._template_markers(template.source if template is not None else "")
         self._decoder = Decoder(llm)
+        self._lp_pieces: dict[int, bytes] = {}  # token -> bytes, for logprob entries
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -573,6 +579,24 @@ class Engine:
             f"of context (the answer needs room too): shorten the prompt or raise n_ctx for this model"
         )
 
+    def _wire_logprobs(self, records: Sequence[TokenLogprob]) -> list[TokenLogprobs]:
+        """Sampler records as protocol entries, with each token's text as bytes (logprobs below
+        -9999 are written as -9999, OpenAI's floor, so the wire stays finite)."""
+        vocab = self.llm._model.vocab
+        cache = self._lp_pieces
+
+        def piece(token: int) -> bytes:
+            return token_piece(vocab, token, cache)
+
+        return [
+            TokenLogprobs(
+                piece(r.token),
+                max(r.logprob, LOGPROB_FLOOR),
+                tuple(LogprobAlt(piece(t), max(lp, LOGPROB_FLOOR)) for t, lp in r.top),
+            )
+            for r in records
+        ]
+
     # ---- embeddings -------------------------------------------------------------------------
 
     def embed(
@@ -619,11 +643,14 @@ class Engine:
         emit: Callable[[str], None],
         before_step: Callable[[], None] = lambda: None,
         poll: Callable[[], None] = lambda: None,
+        logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
     ) -> GenerationOutcome:
         """Run one request. ``before_step`` runs before every decode step and may raise
         CancelledError to stop (finish_reason "cancelled"); ``poll`` runs while the prompt is
-        tokenized (no residency needed) and may raise it too. Raises PromptTooLongError without
-        touching the KV cache of any conversation."""
+        tokenized (no residency needed) and may raise it too. When the request asks for logprobs,
+        ``logprobs`` gets the entries of the tokens each piece completes, just before ``emit``
+        gets that piece. Raises PromptTooLongError without touching the KV cache of any
+        conversation."""
         if self.model.embedding:
             raise InvalidSamplingError(
                 f"{self.model.display_name} is an embedding model (embedding = true): "
@@ -664,6 +691,7 @@ class Engine:
                 stop=stop,
                 emit=emit,
                 before_step=before_step,
+                records=None if logprobs is None else (lambda rs: logprobs(self._wire_logprobs(rs))),
             )
         finally:
             self.prompt_tokens_evaluated += self._decoder.evaluated

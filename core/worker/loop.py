@@ -27,9 +27,12 @@ from ..errors import CancelledError, FrameError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..util.logsetup import setup_logging
 from . import protocol as p
-from .engine import Engine
+from .engine import Engine, GenerationOutcome
 from .spec import WorkerSpec
 from .tenancy import Acquired, Tenancy, make_tenancy
+
+#: numbers per Embeddings frame (a frame holds at most MAX_FRAME bytes; a float takes ~20)
+EMBED_FRAME_VALUES = 256 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +234,7 @@ class Worker:
             )
         )
         self._poll(None)
-        work_waiting = any(isinstance(t, (p.Generate, p.Wake)) for t in self._pending)
+        work_waiting = any(isinstance(t, (p.Generate, p.Embed, p.Wake)) for t in self._pending)
         if not self.pinned and (not work_waiting or self._yield_wanted):
             self._release(kv=False)  # a pinned model keeps the GPU once it has it
         else:
@@ -243,7 +246,7 @@ class Worker:
         self.tenancy.set_pinned(pinned)
 
     def _dispatch(self, task: _Task) -> None:
-        if isinstance(task, p.Generate):
+        if isinstance(task, (p.Generate, p.Embed)):
             self._generate(task)
         elif isinstance(task, p.Cancel):
             self._cancel_queued(task.req)
@@ -267,7 +270,7 @@ class Worker:
 
     def _cancel_queued(self, req: str) -> None:
         for task in list(self._pending):
-            if isinstance(task, p.Generate) and task.req == req:
+            if isinstance(task, (p.Generate, p.Embed)) and task.req == req:
                 self._pending.remove(task)
                 self._arrived.pop(req, None)
                 self._send_done(task, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
@@ -275,7 +278,7 @@ class Worker:
         self._cancelled.add(req)
 
     def _send_done(
-        self, req: p.Generate, finish: p.FinishReason, usage: p.Usage, switch: p.SwitchMeasured
+        self, req: p.Generate | p.Embed, finish: p.FinishReason, usage: p.Usage, switch: p.SwitchMeasured
     ) -> None:
         self.send(p.Done(req=req.req, finish_reason=finish, usage=usage, switch=switch))
 
@@ -300,7 +303,7 @@ class Worker:
                 if current is not None:
                     raise CancelledError("the worker is shutting down")
             else:
-                if isinstance(task, p.Generate):
+                if isinstance(task, (p.Generate, p.Embed)):
                     self._arrived[task.req] = time.monotonic()
                 self._pending.append(task)
 
@@ -342,7 +345,7 @@ class Worker:
             self.send(released)
         self.publish()
 
-    def _generate(self, req: p.Generate) -> None:
+    def _generate(self, req: p.Generate | p.Embed) -> None:
         engine = self.engine
         assert engine is not None
         if req.req in self._cancelled:
@@ -374,10 +377,13 @@ class Worker:
                 if not first:
                     switch = got
 
+        logprobs: list[p.TokenLogprobs] = []  # those of the text emitted next
+
         def emit(text: str) -> None:
             if not first:
                 first.append(time.monotonic())
-            self.send(p.Token(req=req.req, text=text))
+            self.send(p.Token(req=req.req, text=text, logprobs=tuple(logprobs)))
+            logprobs.clear()
 
         self._busy = True
         if self.tenancy.holds_token:
@@ -386,7 +392,12 @@ class Worker:
         self.publish()
         reply: p.Done | p.Error
         try:
-            outcome = engine.generate(req, emit, step, poll=lambda: self._poll(req.req))
+            if isinstance(req, p.Embed):
+                outcome = self._embed(req, step)
+            else:
+                outcome = engine.generate(
+                    req, emit, step, poll=lambda: self._poll(req.req), logprobs=logprobs.extend
+                )
         except CancelledError:
             reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
         except TimeshareError as exc:
@@ -413,6 +424,17 @@ class Worker:
         if self._yield_wanted and self._should_yield():
             self._release(kv=False)  # between requests the quantum does not apply
 
+    def _embed(self, req: p.Embed, step: Callable[[], None]) -> GenerationOutcome:
+        """Embed, sending the vectors in ``Embeddings`` frames of at most EMBED_FRAME_VALUES
+        numbers; the outcome makes the ``Done`` (usage.prompt_tokens: the tokens embedded)."""
+        engine = self.engine
+        assert engine is not None
+        vectors, n_tokens = engine.embed(req.inputs, step)
+        per_frame = max(1, EMBED_FRAME_VALUES // max(1, len(vectors[0]) if vectors else 1))
+        for i in range(0, len(vectors), per_frame):
+            self.send(p.Embeddings(req=req.req, data=tuple(tuple(v) for v in vectors[i : i + per_frame])))
+        return GenerationOutcome("stop", n_tokens, 0, n_tokens, "")
+
     def _shutdown(self, save_kv: bool) -> None:
         self._stopping = True
         self._poll(None)  # requests still in the queue get their error below
@@ -423,7 +445,7 @@ class Worker:
             except Exception:
                 log.exception("saving the KV snapshots failed")
         for task in list(self._pending):
-            if isinstance(task, p.Generate):
+            if isinstance(task, (p.Generate, p.Embed)):
                 self.send(
                     p.Error(req=task.req, code="model_unavailable", message="the worker is shutting down")
                 )

@@ -86,6 +86,14 @@ class Generate(_Message, frozen=True, kw_only=True):
     cache_prompt: bool | None = None
 
 
+class Embed(_Message, frozen=True):
+    """Embed texts or token-id lists (core/worker/embed.py); answered by ``Embeddings``, then a
+    ``Done`` (usage.prompt_tokens: the tokens embedded)."""
+
+    req: str
+    inputs: tuple[str | tuple[int, ...], ...]
+
+
 class Cancel(_Message, frozen=True):
     req: str
 
@@ -162,9 +170,34 @@ class WorkerStatus(_Message, frozen=True):
     budget_bytes: int = 0  # the device's weights budget now (0: one model at a time)
 
 
-class Token(_Message, frozen=True):
+class LogprobAlt(msgspec.Struct, frozen=True, array_like=True):
+    """An alternative token: its text as bytes and its log-probability."""
+
+    piece: bytes
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A sampled token's log-probability (log-softmax of the raw logits) and the most likely
+    alternatives, most likely first (core/worker/sampler.py measures them)."""
+
+    piece: bytes
+    logprob: float
+    top: tuple[LogprobAlt, ...] = ()
+
+
+class Token(_Message, frozen=True, omit_defaults=True):
     req: str
     text: str
+    # the tokens whose text this piece completes, when the request asked for logprobs
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+class Embeddings(_Message, frozen=True):
+    """The vectors of an ``Embed``, in its order (unit length)."""
+
+    req: str
+    data: tuple[tuple[float, ...], ...]
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -218,11 +251,11 @@ class StatusReply(_Message, frozen=True):
 # ---- framing, encoding, validation ---------------------------------------------------------
 
 #: pool → worker
-REQUEST_TYPES = (Generate, Cancel, Pin, Sleep, Wake, Shutdown, StatusRequest)
+REQUEST_TYPES = (Generate, Embed, Cancel, Pin, Sleep, Wake, Shutdown, StatusRequest)
 #: worker → pool
-EVENT_TYPES = (Hello, Loading, Ready, WorkerStatus, Token, Done, Released, Error, StatusReply)
-Request = Generate | Cancel | Pin | Sleep | Wake | Shutdown | StatusRequest
-Event = Hello | Loading | Ready | WorkerStatus | Token | Done | Released | Error | StatusReply
+EVENT_TYPES = (Hello, Loading, Ready, WorkerStatus, Token, Embeddings, Done, Released, Error, StatusReply)
+Request = Generate | Embed | Cancel | Pin | Sleep | Wake | Shutdown | StatusRequest
+Event = Hello | Loading | Ready | WorkerStatus | Token | Embeddings | Done | Released | Error | StatusReply
 Message = Request | Event
 #: every message class by its ``type``
 MESSAGE_TYPES: dict[str, type[_Message]] = {cls.__name__: cls for cls in (*REQUEST_TYPES, *EVENT_TYPES)}

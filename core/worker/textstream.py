@@ -21,7 +21,6 @@ class TextStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         self._held = ""  # decoded text not emitted yet: it could be the start of a stop string
         self._first = True
-        self._buf = ctypes.create_string_buffer(64)
         self.stop = ""  # the stop string the text ended on
         self.parts: list[str] = []  # everything emitted
 
@@ -30,15 +29,7 @@ class TextStream:
         return self._piece(token)
 
     def _piece(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
-            if n < 0:
-                self._buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
-            piece = self._buf.raw[: max(n, 0)]
-            self._pieces[token] = piece
-        return piece
+        return token_piece(self._vocab, token, self._pieces)
 
     def push(self, token: int) -> str:
         """Add a sampled token; returns the text that may be emitted now ("" while held). After a
@@ -84,6 +75,21 @@ class TextStream:
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+
+def token_piece(vocab: Any, token: int, cache: dict[int, bytes]) -> bytes:
+    """A token's text as bytes (``llama_token_to_piece``, special tokens as nothing), cached in
+    ``cache``."""
+    piece = cache.get(token)
+    if piece is None:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+        piece = buf.raw[: max(n, 0)]
+        cache[token] = piece
+    return piece
 
 
 def _held_len(text: str, stops: Sequence[str]) -> int:
