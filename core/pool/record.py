@@ -48,6 +48,7 @@ class WorkerRecord:
     reason: str = ""
     failure_code: str = ""  # the error code of the failure while FAILED ("model_file", ...)
     spawn_failures: int = 0  # spawns in a row that met a passing shortage (EMFILE, ENOMEM)
+    disk_retries: int = 0  # starts tried on its own since it failed for a full disk
     epoch: int = 0  # incremented per spawn; messages and timers of an older process are ignored
     proc: subprocess.Popen[bytes] | None = None
     conn: protocol.Connection | None = None

@@ -28,6 +28,7 @@ from ..arena.dirs import resolve_arena_dir
 from ..arena.tickets import check_arena_dir
 from ..config import demo
 from ..config.schema import Config, ModelConfig
+from ..diskspace import MIN_FREE_BYTES, free_bytes
 from ..errors import ModelUnavailableError, QueueFullError, UnknownModelError
 from ..gguf.modelfile import gguf_problem, is_transient, transient_text
 from ..observe import EventLog
@@ -59,6 +60,12 @@ log = logging.getLogger(__name__)
 SHUTTING_DOWN = "Timeshare is shutting down; send again after it restarts"
 #: loads of its model a request waits through: the worker dying during the last fails it
 LOAD_TRIES = 3
+#: a model that failed for a full disk is started again on its own once the disk has room: it looks
+#: after this long, doubling up to DISK_RETRY_MAX_S between looks
+DISK_RETRY_FIRST_S = 1.0
+DISK_RETRY_MAX_S = 60.0
+#: the words of ENOSPC and EDQUOT (os.strerror) and of DiskFullError in a failure's reason
+_DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "disk is full")
 
 
 class Pool:
@@ -619,6 +626,7 @@ class Pool:
 
     def _on_ready(self, w: WorkerRecord, msg: protocol.Ready) -> None:
         w.info = msg.info
+        w.disk_retries = 0
         if w.phase not in (Phase.STARTING, Phase.LOADING):
             self._publish(model=w.id)  # being stopped: nothing more goes to it
             return
@@ -830,9 +838,40 @@ class Pool:
         w.failure_code = code
         if not w.log_tail:
             w.log_tail = read_log_tail(w.log_path)
+        disk_full = code == errors.DiskFullError.code or any(words in reason for words in _DISK_FULL_WORDS)
+        if disk_full and not w.alive:  # (a live process's epoch must not change under it)
+            delay = self._arm_disk_retry(w)
+            w.reason = (
+                f"{reason} (the disk is full: Timeshare starts it again on its own once there is room; "
+                f"next look in {delay:g} s)"
+            )
         w.fail_all(ModelUnavailableError(unavailable(w)))
-        log.error("%s failed: %s", w.id, reason)
-        self._publish(EventKind.FAILED, w.id, reason)
+        log.error("%s failed: %s", w.id, w.reason)
+        self._publish(EventKind.FAILED, w.id, w.reason)
+
+    def _arm_disk_retry(self, w: WorkerRecord) -> float:
+        """Look again after a bounded backoff whether the disks the worker writes have room."""
+        w.disk_retries += 1
+        delay = min(DISK_RETRY_MAX_S, DISK_RETRY_FIRST_S * float(2 ** min(w.disk_retries - 1, 16)))
+        w.epoch += 1  # timers of an earlier failure do nothing
+        self._after(delay, w, Phase.FAILED, self._disk_retry_due)
+        return delay
+
+    def _disk_retry_due(self, w: WorkerRecord) -> None:
+        if self._actor.closing:
+            return
+        try:
+            room = all(free_bytes(folder) >= MIN_FREE_BYTES for folder in (self._log_dir, self._kv_root))
+        except OSError:
+            room = True  # cannot ask: let the start find out
+        if not room:
+            delay = self._arm_disk_retry(w)
+            w.reason = w.reason.rsplit("; next look in", 1)[0] + f"; next look in {delay:g} s)"
+            self._publish(model=w.id)
+            return
+        log.info("%s: the disk has room again: starting it", w.id)
+        self._publish(EventKind.MESSAGE, w.id, f"{w.id}: the disk has room again, starting it")
+        self._spawn(w)
 
     def _forget(self, w: WorkerRecord) -> None:
         """REMOVED: out of the configuration and, with no process left, out of the pool."""
