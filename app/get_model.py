@@ -39,6 +39,7 @@ from ..core.pull import add, progress, remote, sources
 from ..core.pull.download import PullResult, pull
 from ..core.state import PoolSnapshot
 from ..core.util.units import human_bytes
+from . import strings
 from .qt_compat import emit
 
 log = logging.getLogger(__name__)
@@ -332,9 +333,14 @@ class GetModelDialog(QDialog):
                 self._update_buttons()
                 self._show_problem(f"The model is in {result.path}, but it was not added: {exc}")
                 return
-            text += f"; added as {model.id}." if added else f"; already configured as {model.id}."
             if added:
                 emit(self.config_saved, config)
+            # the tray's dialog stays open with the outcome: closing it is the user's "OK"
+            self.status.setText(strings.pulled(model.display_name, added, text))
+            emit(self.pulled, result)
+            self._update_buttons()
+            self.cancel_button.setFocus()
+            return
         self.status.setText(text)
         emit(self.pulled, result)
         self._update_buttons()

@@ -84,3 +84,10 @@ def for_people(text: str, snapshot: PoolSnapshot) -> str:
     "memory" for "the GPU" on a machine without one."""
     text = names_for_people(text, snapshot)
     return text if has_gpu(snapshot) else text.replace("the GPU", "memory")
+
+
+def pulled(name: str, added: bool, checked: str) -> str:
+    """Get model…'s last line: what was downloaded and what became of it."""
+    if added:
+        return f"{checked}. Added {name}: it is starting now, and you can chat with it from the tray."
+    return f"{checked}. It was already set up as {name}: nothing changed."
