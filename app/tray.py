@@ -47,6 +47,26 @@ def populate(menu: QMenu, entries: tuple[Entry, ...], on_action: Callable[[Actio
             qaction.triggered.connect(lambda _checked=False, a=entry: on_action(a))
 
 
+def relabel(menu: QMenu, entries: tuple[Entry, ...]) -> bool:
+    """Rewrite the texts of ``menu``'s items in place from ``entries`` (an open menu stays open,
+    its submenus too); False when the entries no longer match the items (rebuild instead)."""
+    actions = menu.actions()
+    if len(actions) != len(entries):
+        return False
+    for qaction, entry in zip(actions, entries, strict=True):
+        if isinstance(entry, Separator) != qaction.isSeparator():
+            return False
+        if isinstance(entry, Separator):
+            continue
+        sub = qaction.menu()
+        if isinstance(entry, Submenu) != (sub is not None):
+            return False
+        qaction.setText(entry.text)
+        if isinstance(entry, Submenu) and isinstance(sub, QMenu) and not relabel(sub, entry.entries):
+            return False
+    return True
+
+
 class Tray(QObject):
     #: a menu_model.Action the user picked
     action_triggered = Signal(object)
@@ -84,6 +104,9 @@ class Tray(QObject):
         self.icon.setIcon(icons.tray_icon(self.state))
         self.waited = self._clock.observe(snapshot, time.monotonic())
         self.icon.setToolTip(tooltip(snapshot, self.waited))
+        if self.menu.isVisible():  # an open menu's wait seconds go on too (they stood still)
+            entries = menu_entries(snapshot, start_at_login=self._start_at_login(), waited=self.waited)
+            relabel(self.menu, entries)
         if self.waited and not self._tick.isActive():
             self._tick.start()
         elif not self.waited:

@@ -376,3 +376,22 @@ def test_the_wait_words_load_no_qt() -> None:
     code = "import sys, timeshare.app.waits; print(sorted(m for m in sys.modules if 'PySide6' in m))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_an_open_menu_counts_the_wait_in_place(qtbot: Any) -> None:
+    """The menu's wait counter stood still while the menu was open (the tooltip went on)."""
+    from PySide6.QtWidgets import QMenu
+    from timeshare.app.tray import populate, relabel
+
+    menu = QMenu()
+    snap = pinned_and_waiting()
+    populate(menu, menu_entries(snap, start_at_login=False, waited={"gemma": 13.0}), lambda a: None)
+    assert ", 13 s" in menu.actions()[0].text()
+    gemma = next(a for a in menu.actions() if a.menu() is not None and a.text().startswith("Gemma"))
+    before = gemma.menu()
+    assert relabel(menu, menu_entries(snap, start_at_login=False, waited={"gemma": 37.0}))
+    assert ", 37 s" in menu.actions()[0].text() and ", 13 s" not in menu.actions()[0].text()
+    assert gemma.menu() is before  # the same submenu (an open one stays open)
+    # a model added meanwhile: the items no longer match, the caller rebuilds
+    more = dataclasses.replace(snap, models=(*snap.models, status("new", ModelState.LOADING)))
+    assert not relabel(menu, menu_entries(more, start_at_login=False))
