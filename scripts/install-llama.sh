@@ -10,7 +10,12 @@ if [ "$have" = "$VER" ]; then
     exit 0
 fi
 log=.venv/llama-build.log
-echo "==> building llama-cpp-python $VER from source (several minutes; CMAKE_ARGS='${CMAKE_ARGS:-}')"
+# pip reuses a wheel it built before (its cache; whatever CMAKE_ARGS were then): seconds, not minutes
+if "$PY" -m pip cache list "llama_cpp_python-$VER-*" 2>/dev/null | grep -q "llama_cpp_python-$VER-"; then
+    echo "==> installing llama-cpp-python $VER from the wheel pip built before (its cache)"
+else
+    echo "==> building llama-cpp-python $VER from source (several minutes; CMAKE_ARGS='${CMAKE_ARGS:-}')"
+fi
 echo "    full log: $log"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || echo 2)}"
 set +e
