@@ -511,7 +511,7 @@ def test_health_answers_without_the_key(served: Served) -> None:
 
 
 def test_unknown_endpoint_is_a_404_in_openai_shape(served: Served) -> None:
-    r = httpx.get(f"{served.url}/v1/embeddings", headers=served.headers(), timeout=30)
+    r = httpx.get(f"{served.url}/v1/audio/speech", headers=served.headers(), timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
     r = httpx.get(f"{served.url}/v1/completions", headers=served.headers(), timeout=30)
     assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
