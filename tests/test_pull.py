@@ -1126,3 +1126,22 @@ def test_a_partial_of_another_version_is_not_resumed(
     blobs = tmp_path / "hf" / "hub" / "models--tiny-org--Tiny-GGUF" / "blobs"
     assert sorted(p.name for p in blobs.iterdir()) == sorted([sha256(new), sha256(old) + ".incomplete"])
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["Tiny-F16.gguf"]
+
+
+def test_a_second_url_with_the_same_file_name_gets_its_own_file(
+    hub: FakeHub, ggufs: dict[str, bytes], timeshare_home: Path
+) -> None:
+    hub.files["a/model.gguf"] = ggufs["q4"]
+    hub.files["b/model.gguf"] = ggufs["q8"]
+    first = download.pull(*_listed(f"{hub.url}/files/a/model.gguf"))
+    second = download.pull(*_listed(f"{hub.url}/files/b/model.gguf"))
+    # it silently reused the first URL's file
+    assert first.path.name == "model.gguf" and second.path.name == "model-2.gguf"
+    assert first.path.read_bytes() == ggufs["q4"] and second.path.read_bytes() == ggufs["q8"]
+    again = download.pull(*_listed(f"{hub.url}/files/b/model.gguf"))  # the same URL again: its file
+    assert again.path == second.path and again.downloaded == 0
+
+
+def _listed(url: str) -> tuple[sources.Listing, sources.Choice]:
+    listing = remote.list_source(sources.parse_source(url))
+    return listing, sources.choose(listing)

@@ -62,6 +62,7 @@ from .targets import (
     hub_targets,
     link_snapshot,
     locked,
+    note_url_origins,
     partial_matches,
     url_targets,
     write_sidecar,
@@ -466,6 +467,8 @@ def pull(
             meter.base += target.final.stat().st_size
     files = tuple(t.path for t in targets)
     entry = _final_check(files, targets, support)
+    if not isinstance(listing.source, HubSource):
+        note_url_origins(targets)
     entry = replace(
         entry,
         source="hf" if isinstance(listing.source, HubSource) and folder is None else "file",

@@ -157,11 +157,44 @@ def hub_targets(listing: Listing, choice: Choice, dest_dir: Path | None, token: 
     return targets
 
 
+def _origins_file() -> Path:
+    """Which URL each file a URL pull wrote came from (data dir; the folders hold only models)."""
+    return paths.data_dir() / "pulled-urls.json"
+
+
+def _origins() -> dict[str, str]:
+    try:
+        record = json.loads(_origins_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in record.items()} if isinstance(record, dict) else {}
+
+
+def note_url_origins(targets: list[Target]) -> None:
+    """Remember the URL of each file just pulled (so another URL's file of that name gets its own)."""
+    record = _origins()
+    record.update({str(t.final.absolute()): t.get_url for t in targets})
+    atomic_write_text(_origins_file(), json.dumps(record, indent=1) + "\n", backup=False, mode=0o644)
+
+
+def _free_name(folder: Path, name: str, url: str, origins: dict[str, str]) -> Path:
+    """``folder/name``, unless a file of that name came from another URL: then ``stem-2.gguf``, …
+    (a file there whose origin is not recorded is taken to be this URL's, as before)."""
+    stem, dot, ext = name.rpartition(".") if "." in name else (name, "", "")
+    candidate, n = folder / name, 2
+    while candidate.exists() and origins.get(str(candidate.absolute()), url) != url:
+        candidate = folder / f"{stem}-{n}{dot}{ext}"
+        n += 1
+    return candidate
+
+
 def url_targets(choice: Choice, dest_dir: Path | None) -> list[Target]:
     folder = dest_dir if dest_dir is not None else models_dir()
     targets = []
+    # a split model's parts keep their names (llama.cpp finds the parts by them)
+    origins = _origins() if len(choice.files) == 1 else {}
     for f in choice.files:
-        final = folder / names.component(f.name, f.url)
+        final = _free_name(folder, names.component(f.name, f.url), f.url, origins)
         target = Target(
             f,
             f.url,
