@@ -8,11 +8,13 @@ head ticket of the queue while a ticket of another process waits behind it (a st
 never takes its lease, so nobody behind it ever gets one). Each device's arena is looked at.
 
 The ping is the protocol's :class:`~..worker.protocol.StatusRequest`, answered by the worker's
-reader thread (not its loop thread). That proves the process runs and its connection works: a
-process that is stopped (SIGSTOP, a debugger), frozen or dead answers nothing. It does not prove
-the loop thread makes progress: a loop thread inside one long llama call (a prefill of thousands
-of tokens on a CPU takes minutes, and calls back nothing meanwhile) is busy, not hung, and must not
-be killed; waiters bound such a wait with ``arena.wait_timeout_s``.
+loop thread (its reader thread only queues it): between decode steps and prefill chunks, while it
+loads or waits for the GPU, and when idle. So the answer proves the loop thread makes progress: a
+process that is stopped (SIGSTOP, a debugger), frozen or dead answers nothing, and neither does
+one whose loop thread hangs while the process still runs (its reader would have answered). A loop
+thread inside one llama call that calls back nothing for longer than ``arena.hung_holder_s``
+while another model waits for the GPU counts as hung too (raise ``hung_holder_s`` for models that
+need longer single calls).
 
 Pool thread only. One ping is outstanding per worker at a time, so a stopped worker's socket
 buffer never fills with pings (a full buffer would block the pool thread's sends).

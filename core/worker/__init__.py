@@ -9,9 +9,10 @@ JSON = {"model": {ModelConfig fields}, "arena": {ArenaConfig fields}, "arena_dir
 Threads:
 - the **loop thread** owns the Engine (the llama objects), the residency and the conversations;
   every request, release and restore runs there;
-- the **reader thread** decodes frames from the pool and enqueues them; it answers StatusRequest
-  itself from the immutable status snapshot the loop thread publishes, and answers undecodable
-  frames with ``Error(code="protocol")`` (or ends the session when the stream cannot be resynced);
+- the **reader thread** decodes frames from the pool and enqueues them (StatusRequest, the
+  watchdog's ping, too: the loop thread answers it, so a hung loop thread is seen), and answers
+  undecodable frames with ``Error(code="protocol")`` (or ends the session when the stream cannot
+  be resynced);
 - the **warden thread** (arena) only enqueues a "yield" task when another worker rings;
 - the main thread waits, and turns SIGTERM/SIGINT into a Shutdown task.
 """

@@ -140,9 +140,9 @@ class Worker:
             if msg is None:
                 self.tasks.put(_Disconnected("the pool closed the connection"))
                 return
-            if isinstance(msg, p.StatusRequest):
-                self.send(p.StatusReply(req=msg.req, status=self.status()))
-            elif isinstance(msg, p.REQUEST_TYPES):
+            # a StatusRequest (the watchdog's ping) goes to the loop thread like every request:
+            # its answer proves the loop thread makes progress, not only that this thread runs
+            if isinstance(msg, p.REQUEST_TYPES):
                 self.tasks.put(msg)
             else:
                 self.send(
@@ -184,6 +184,10 @@ class Worker:
                 self.send(p.Error(req=req, code=code, message=str(exc) or type(exc).__name__))
             self.publish()
         return self._exit_code
+
+    def _answer_ping(self, task: p.StatusRequest) -> None:
+        """The watchdog's ping, answered on the loop thread (see core/pool/watchdog.py)."""
+        self.send(p.StatusReply(req=task.req, status=self.status()))
 
     def _load_poll(self) -> None:
         self._poll(None)
@@ -246,7 +250,9 @@ class Worker:
         self.tenancy.set_pinned(pinned)
 
     def _dispatch(self, task: _Task) -> None:
-        if isinstance(task, (p.Generate, p.Embed)):
+        if isinstance(task, p.StatusRequest):
+            self._answer_ping(task)
+        elif isinstance(task, (p.Generate, p.Embed)):
             self._generate(task)
         elif isinstance(task, p.Cancel):
             self._cancel_queued(task.req)
@@ -289,7 +295,9 @@ class Worker:
                 task = self.tasks.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(task, p.Cancel):
+            if isinstance(task, p.StatusRequest):
+                self._answer_ping(task)  # between decode steps, while loading or waiting
+            elif isinstance(task, p.Cancel):
                 if task.req == current:
                     raise CancelledError(f"request {current} cancelled")
                 self._cancel_queued(task.req)
