@@ -526,8 +526,9 @@ class ChatWindow(QMainWindow):
         if text and self._unanswered(conv_id) and self.store.messages(conv_id)[-1].content == text:
             self.input.clear()
         self.render_transcript()
-        self.statusBar().showMessage(f"{error} — press Send to try again", 20000)
-        QMessageBox.warning(self, "Could not send", str(error))
+        said = strings.for_people(str(error), self.bridge.snapshot)  # no CLI or HTTP advice
+        self.statusBar().showMessage(f"{said} — press Send to try again", 20000)
+        QMessageBox.warning(self, "Could not send", said)
 
     def stop(self) -> None:
         if self._stream is not None:

@@ -82,7 +82,7 @@ def models_together(n: int, gpu: bool) -> str:
 def for_people(text: str, snapshot: PoolSnapshot) -> str:
     """A sentence from the pool (model ids, "the GPU") in the GUI's words: display names, and
     "memory" for "the GPU" on a machine without one."""
-    text = names_for_people(text, snapshot)
+    text = re.sub(r" \(to start it: [^)]*\)", "", names_for_people(text, snapshot))  # CLI/HTTP advice
     return text if has_gpu(snapshot) else text.replace("the GPU", "memory")
 
 

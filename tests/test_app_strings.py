@@ -62,3 +62,12 @@ def test_gpu_only_where_there_is_one_and_display_names_for_ids() -> None:
     assert strings.holds(strings.has_gpu(cuda)) == "holds the GPU"
     # an id inside another word is left alone
     assert strings.names_for_people("smol-2 and smol", cpu) == "smol-2 and Smol"
+
+
+def test_the_pools_cli_and_http_advice_is_not_shown_in_the_gui() -> None:
+    snap = PoolSnapshot(models=(_status("ghost", "Ghost", "CUDA0"),))
+    said = (
+        "ghost is not available: its file is gone (to start it: `timeshare start ghost`, "
+        "POST /timeshare/v1/models/ghost/start, or Restart in the tray)"
+    )
+    assert strings.for_people(said, snap) == "Ghost is not available: its file is gone"

@@ -396,8 +396,8 @@ class Pool:
         if w.phase is Phase.BACKOFF:
             w.lifecycle.transition(Phase.STOPPED)  # a start, not a restart after the crash
         self._spawn(w)
-        if w.phase is Phase.FAILED:
-            raise ModelUnavailableError(unavailable(w))
+        if w.phase is Phase.FAILED:  # (not "to start it: timeshare start": that was the start)
+            raise ModelUnavailableError(unavailable(w, started=True))
 
     def _apply_config(self, config: Config) -> None:
         old = self._config
@@ -1035,9 +1035,12 @@ def cut_short(w: WorkerRecord, closing: bool, begun: bool = True) -> str:
     )
 
 
-def unavailable(w: WorkerRecord) -> str:
-    """Why a FAILED model does not answer, naming it by id, and what to do."""
+def unavailable(w: WorkerRecord, *, started: bool = False) -> str:
+    """Why a FAILED model does not answer, naming it by id, and what to do (``started``: a
+    start just failed, so only why)."""
     who = w.id if w.config.display_name == w.id else f"{w.config.display_name} ({w.id})"
+    if started:
+        return f"{who} did not start: {w.reason}"
     return (
         f"{who} is not available: {w.reason} (to start it: `timeshare start {w.id}`, "
         f"POST /timeshare/v1/models/{w.id}/start, or Restart in the tray)"
