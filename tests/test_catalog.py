@@ -130,8 +130,8 @@ def test_not_a_gguf(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError) as excinfo:
         catalog.read_gguf_header(path)
     assert str(excinfo.value) == (
-        "x.gguf is not a GGUF file (it starts with the bytes 50 4b 03 04, not 'GGUF'; it looks like a zip "
-        "archive: unpack it first): pick a .gguf model file"
+        f"model file {path} is not a GGUF file (it starts with the bytes 50 4b 03 04, not 'GGUF'; it "
+        "looks like a zip archive: unpack it first): choose a .gguf model file"
     )
 
 
@@ -437,7 +437,8 @@ def test_damaged_files_give_an_entry_or_a_model_file_error(
     try:
         entry = catalog.read_gguf_header(path)
     except ModelFileError as exc:
-        assert str(exc).startswith(path.name)  # names the file, then says what is wrong
+        # names the file, then says what is wrong (not a GGUF at all: the one GGUF-check wording)
+        assert str(exc).startswith((path.name, f"model file {path} "))
     else:
         assert entry.size == len(blob)
 

@@ -206,15 +206,15 @@ def test_missing_model_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         config_files.load_config(path)
     assert problems_of(excinfo) == [
-        "models[0].path: /nowhere/x.gguf (the file of model 'a') does not exist: "
-        "fix the path or remove this model"
+        "models[0].path: model file /nowhere/x.gguf (of model 'a') does not exist: "
+        "check the path, which must name a .gguf file"
     ]
     assert path.read_bytes() == before
 
 
 def test_model_path_that_is_a_folder(tmp_path: Path) -> None:
     path = write(tmp_path / "config.toml", f'[[models]]\nid = "a"\npath = "{tmp_path}"\n')
-    with pytest.raises(ConfigError, match=r"models\[0\]\.path: .* is not a regular file"):
+    with pytest.raises(ConfigError, match=r"models\[0\]\.path: .* is a folder, not a file"):
         config_files.load_config(path)
 
 
@@ -226,7 +226,7 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
         config_files.load_config(path)
     (problem,) = problems_of(excinfo)
     assert problem.startswith(
-        f"models[0].path: {bogus} (the file of model 'a') is not a GGUF file "
+        f"models[0].path: model file {bogus} (of model 'a') is not a GGUF file "
         "(it starts with '<htm', not 'GGUF'; it looks like a web page: the download went wrong)"
     )
     assert bogus.read_bytes() == b"<html>404 not found</html>"

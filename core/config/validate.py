@@ -14,7 +14,7 @@ from typing import Any, get_args
 from .. import paths
 from ..arena.budget import parse_budget
 from ..errors import ConfigError
-from ..gguf.modelfile import GGUF_MAGIC, file_start
+from ..gguf.modelfile import gguf_problem
 from ..state import RELEASE_LEVELS
 from . import demo
 from .schema import (
@@ -175,25 +175,11 @@ class _Checker:
         path = Path(text).expanduser()
         if not path.is_absolute() and self.base_dir is not None:
             path = self.base_dir / path
-        whose = f" (the file of model {model_id!r})" if model_id else ""
         if self.check_paths:
-            if not path.exists():
-                self.problem(where, f"{path}{whose} does not exist: fix the path or remove this model")
-                return None
-            if not path.is_file():
-                self.problem(where, f"{path}{whose} is not a regular file (a GGUF model file is expected)")
-                return None
-            try:
-                with path.open("rb") as f:
-                    magic = f.read(32)
-            except OSError as exc:
-                self.problem(where, f"{path}{whose} cannot be read ({exc.strerror}): check its permissions")
-                return None
-            if magic[:4] != GGUF_MAGIC:
-                self.problem(
-                    where,
-                    f"{path}{whose} is not a GGUF file ({file_start(magic)}): pick the .gguf file itself",
-                )
+            # the one GGUF file check and its wording (core/gguf/modelfile.py)
+            problem = gguf_problem(str(path), model_id=model_id)
+            if problem:
+                self.problem(where, problem)
                 return None
         return str(path)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelFileError
-from .modelfile import GGUF_MAGIC, file_start
+from .modelfile import gguf_problem, read_gguf_start
 
 _FIXED_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata KV count
 
@@ -159,18 +159,11 @@ def parse_header(buf: Any, size: int) -> Header:
 
 def check_fixed_header(path: Path) -> tuple[int, int]:
     """Clear errors for a missing, non-GGUF or unsupported file; returns (file size, tensor count)."""
+    head = read_gguf_start(path, _FIXED_HEADER.size)  # the one GGUF file check and its wording
     try:
         size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(_FIXED_HEADER.size)
-    except FileNotFoundError as exc:
-        raise ModelFileError(f"{path} does not exist: check the path (or remove the model)") from exc
-    except IsADirectoryError as exc:
-        raise ModelFileError(f"{path} is a folder, not a GGUF file: pick the .gguf file inside it") from exc
-    except OSError as exc:
-        raise ModelFileError(f"{path} cannot be read ({exc.strerror}): check its permissions") from exc
-    if head[:4] != GGUF_MAGIC:
-        raise ModelFileError(f"{path.name} is not a GGUF file ({file_start(head)}): pick a .gguf model file")
+    except OSError as exc:  # gone or unreadable since: say it the same way
+        raise ModelFileError(gguf_problem(str(path)) or f"{path} cannot be read ({exc.strerror})") from exc
     if len(head) < _FIXED_HEADER.size:
         raise ModelFileError(
             f"{path.name} is truncated: the file ends at byte {size}, inside the GGUF header — re-download it"

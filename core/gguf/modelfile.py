@@ -1,13 +1,17 @@
 """The cheap check of a model file that every room does before anything expensive.
 
-It reads four bytes, never numpy or llama.cpp, so the pool, the engine and the benchmarks can
-call it anywhere. The full check (header, truncated tensor data) is ``residency.check_gguf``,
-done by the worker when it loads the file; the config layer words its own field-path messages.
+It reads a few bytes, never numpy or llama.cpp, so config validation, the pool, the engine, the
+catalog, the benchmarks and the app's "Locate file…" call it anywhere: :func:`read_gguf_start` is
+the ONE "is this a readable GGUF file?" check and its sentences are the one wording of it
+(:func:`gguf_problem` and :func:`check_model_file` are its two other shapes). The deeper checks
+build on it: the header (``gguf.header.check_fixed_header``: version, truncated header) and the
+tensor data (``residency.check_gguf``: truncated file), done when the worker loads the file.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import re
 from pathlib import Path
 
@@ -70,34 +74,62 @@ def transient_text(exc: OSError) -> str:
     return f"{_TRANSIENT_WORDS.get(code, exc.strerror or str(exc))} ({name})"
 
 
-def gguf_problem(path: str, *, raise_transient: bool = False) -> str:
-    """Why ``path`` cannot be a GGUF model, as a sentence that says what to do; "" when it can.
+def read_gguf_start(
+    path: str | os.PathLike[str],
+    size: int = 32,
+    *,
+    model_id: str | None = None,
+    raise_transient: bool = False,
+) -> bytes:
+    """The first ``size`` bytes of ``path`` once they prove it a readable GGUF file; otherwise
+    ModelFileError with the one sentence that says what is wrong and what to do.
 
-    A passing shortage (too many open files, out of memory) is not the file's fault: it is worded
-    as what it is, or raised as the OSError with ``raise_transient`` (the caller retries)."""
+    ``model_id`` names the model whose file it is in the sentence. A passing shortage (too many
+    open files, out of memory) is not the file's fault: it is worded as what it is, or raised as
+    the OSError with ``raise_transient`` (the caller retries)."""
     p = Path(path).expanduser()
+    whose = f" (of model {model_id!r})" if model_id else ""
     if not p.exists():
-        return f"model file {p} does not exist: check the path, which must name a .gguf file"
+        raise ModelFileError(
+            f"model file {p}{whose} does not exist: check the path, which must name a .gguf file"
+        )
+    if p.is_dir():
+        raise ModelFileError(
+            f"model path {p}{whose} is a folder, not a file: point it at the .gguf file inside it"
+        )
     if not p.is_file():
-        return f"model path {p} is not a file: point it at a .gguf file"
+        raise ModelFileError(f"model path {p}{whose} is not a file: point it at a .gguf file")
     try:
         with p.open("rb") as f:
-            magic = f.read(32)
+            head = f.read(max(size, 32))
     except OSError as exc:
         if is_transient(exc):
             if raise_transient:
                 raise
-            return f"model file {p} cannot be opened now: {transient_text(exc)}; try again shortly"
+            raise ModelFileError(
+                f"model file {p}{whose} cannot be opened now: {transient_text(exc)}; try again shortly"
+            ) from exc
         if exc.errno in (errno.EACCES, errno.EPERM):
-            return f"model file {p} cannot be read ({exc.strerror}): check its permissions"
-        return f"model file {p} cannot be read ({exc.strerror or exc})"
-    if magic[:4] != GGUF_MAGIC:
-        return f"model file {p} is not a GGUF file ({file_start(magic)}): choose a .gguf model file"
+            raise ModelFileError(
+                f"model file {p}{whose} cannot be read ({exc.strerror}): check its permissions"
+            ) from exc
+        raise ModelFileError(f"model file {p}{whose} cannot be read ({exc.strerror or exc})") from exc
+    if head[:4] != GGUF_MAGIC:
+        raise ModelFileError(
+            f"model file {p}{whose} is not a GGUF file ({file_start(head)}): choose a .gguf model file"
+        )
+    return head[:size]
+
+
+def gguf_problem(path: str, *, model_id: str | None = None, raise_transient: bool = False) -> str:
+    """Why ``path`` cannot be a GGUF model (:func:`read_gguf_start`'s sentence); "" when it can."""
+    try:
+        read_gguf_start(path, model_id=model_id, raise_transient=raise_transient)
+    except ModelFileError as exc:
+        return str(exc)
     return ""
 
 
-def check_model_file(path: str) -> None:
-    """Fail early and clearly on a model file that is missing or not a GGUF at all."""
-    problem = gguf_problem(path)
-    if problem:
-        raise ModelFileError(problem)
+def check_model_file(path: str | os.PathLike[str]) -> None:
+    """Fail early and clearly (ModelFileError) on a model file that is missing or not a GGUF."""
+    read_gguf_start(path)

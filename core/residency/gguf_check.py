@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ModelFileError
-from ..gguf.modelfile import GGUF_MAGIC, file_start
+from ..gguf.modelfile import check_model_file
 from . import _ggml
 
 
@@ -24,17 +24,8 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufInfo:
     """Raise ModelFileError (a sentence saying what to do) unless ``path`` is a readable GGUF file
     whose tensor data is all there."""
     p = os.fspath(path)
-    if not os.path.exists(p):
-        raise ModelFileError(f"model file {p} does not exist: check the path in the model's settings")
-    if not os.path.isfile(p):
-        raise ModelFileError(f"{p} is not a file: point the model at a .gguf file")
+    check_model_file(p)  # the one "is this a readable GGUF file?" check and its wording
     size = os.path.getsize(p)
-    with open(p, "rb") as f:
-        magic = f.read(32)
-    if magic[:4] != GGUF_MAGIC:
-        raise ModelFileError(
-            f"{p} is not a GGUF model ({file_start(magic)}): download the .gguf file of the model"
-        )
     st = os.stat(p)
     # the header walk is cached per file identity: a worker load checks the same file up to
     # twice (Engine.load, Residency.attach); a file whose size, inode or mtime changed is read again
