@@ -347,7 +347,12 @@ class SettingsDialog(QDialog):
         self.models_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.models_table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.models_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.models_table.horizontalHeader().setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
+        header = self.models_table.horizontalHeader()
+        # names and ids whole (they were cut); a long file path is elided in the middle instead
+        for column in range(4):
+            header.setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
+        self.models_table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         self.models_table.cellDoubleClicked.connect(lambda row, _c: self.edit_model(row))
         self.catalog_button = QPushButton("Add from catalog…")
         self.get_button = QPushButton("Get model…")
@@ -385,7 +390,9 @@ class SettingsDialog(QDialog):
             for col, text in enumerate(
                 [m.get("name") or m["id"], m["id"], state, m.get("licence") or "–", m["path"]]
             ):
-                self.models_table.setItem(row, col, QTableWidgetItem(str(text)))
+                item = QTableWidgetItem(str(text))
+                item.setToolTip(str(text))
+                self.models_table.setItem(row, col, item)
 
     def adopt_saved_elsewhere(self, old: Config, new: Config) -> list[str]:
         """The config file changed while this dialog is open ("Get model…", a reload through the

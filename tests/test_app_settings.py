@@ -511,7 +511,7 @@ def test_chat_window_shows_progress_while_a_model_loads(qtbot: Any, bare_app: An
     publish(ModelState.RESIDENT, holder="m")
     assert window.wait_row.isHidden()
     assert window.model_state.text() == "resident · holds the GPU"
-    assert window.model_box.currentText() == "Model M — resident (GPU)"
+    assert window.model_box.currentText() == "Model M — resident, holds the GPU"
 
 
 def test_add_model_from_the_tray_opens_the_catalog(
@@ -704,3 +704,19 @@ def test_the_vram_budget_and_the_hung_holder_timeout_are_settings(
     assert saved.arena.vram_budget == "12GB" and saved.arena.hung_holder_s == 0
     again = dialog_for(qtbot, saved, bridge, config_path)
     assert again.vram_budget.currentText() == "12GB" and again.hung_holder.value() == 0
+
+
+def test_the_models_table_shows_names_and_ids_whole(qtbot: Any, bridge: Any, config_path: Path) -> None:
+    long_name = "SmolLM2 135M 8k Lc100K Mix1 Ep2 Instruct Q8_0 (pulled from a mirror)"
+    long_id = "smollm2-135m-8k-lc100k-mix1-ep2-instruct-q8_0-from-a-mirror"
+    model = ModelConfig(id=long_id, name=long_name, path="/models/" + "deep/" * 20 + "x.gguf")
+    dialog = dialog_for(qtbot, Config(models=(model,), api=ApiConfig(enabled=False)), bridge, config_path)
+    dialog.resize(900, 500)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    table = dialog.models_table
+    metrics = table.fontMetrics()
+    for column, text in ((0, long_name), (1, long_id)):
+        assert table.item(0, column).text() == text
+        assert table.columnWidth(column) >= metrics.horizontalAdvance(text), column  # not cut
+    assert table.item(0, 4).toolTip() == model.path  # the elided path whole on hover
