@@ -9,6 +9,10 @@ Endpoints (see docs/API.md):
 - ``POST /timeshare/v1/models/{id}/pin|unpin|sleep|wake|start``, ``POST /timeshare/v1/reload``
   (re-read the config file and apply it)
 - ``GET /health`` (no key needed): the server is up
+- the Anthropic Messages API (``anthropic``): ``POST /v1/messages``, ``/v1/messages/count_tokens``
+- the Ollama API (``ollama``, ``ollama_models``, ``ollama_pull``): ``GET /``, ``/api/version``,
+  ``/api/tags``, ``/api/ps``, ``POST /api/chat``, ``/api/generate``, ``/api/show``, ``/api/pull``,
+  ``/api/embed``, ``DELETE /api/delete``; each dialect answers errors in its own shape
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. The server binds to
 loopback by default; with ``api.key`` set every request needs ``Authorization: Bearer <key>``, and

@@ -1,4 +1,6 @@
-"""API errors: OpenAI-shaped JSON bodies and the HTTP status of each Timeshare error."""
+"""API errors: the JSON body of each dialect (OpenAI's by default; the Anthropic and Ollama routes
+answer in their own shapes, chosen by the request path) and the HTTP status of each Timeshare
+error."""
 
 from __future__ import annotations
 
@@ -74,16 +76,57 @@ def error_body(message: str, status: int, code: str | None, param: str | None = 
     }
 
 
-def error_response(message: str, status: int, code: str | None, param: str | None = None) -> JSONResponse:
+#: Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def dialect_of(path: str) -> str:
+    """Which dialect's error shape a request path gets: "anthropic" (/v1/messages...), "ollama"
+    (/api/..., and / where Ollama clients probe), else "openai"."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    if path == "/" or path == "/api" or path.startswith("/api/"):
+        return "ollama"
+    return "openai"
+
+
+def dialect_body(
+    dialect: str, message: str, status: int, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    """The error body in ``dialect``'s shape: Anthropic's ``{"type": "error", "error": {"type",
+    "message"}}``, Ollama's ``{"error": message}``, else OpenAI's (``error_body``)."""
+    if dialect == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    if dialect == "ollama":
+        return {"error": message}
+    return error_body(message, status, code, param)
+
+
+def error_response(
+    message: str, status: int, code: str | None, param: str | None = None, *, path: str = ""
+) -> JSONResponse:
+    """The error answer; ``path`` (the request's) picks the dialect's shape (``dialect_of``)."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(error_body(message, status, code, param), status_code=status, headers=headers)
+    body = dialect_body(dialect_of(path), message, status, code, param)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def timeshare_error_status(exc: TimeshareError) -> int:
     return _STATUS_BY_CODE.get(exc.code, 500)
 
 
-def timeshare_error_response(exc: TimeshareError, param: str | None = None) -> JSONResponse:
+def timeshare_error_response(
+    exc: TimeshareError, param: str | None = None, *, path: str = ""
+) -> JSONResponse:
     if param is None and isinstance(exc, UnknownModelError):
         param = "model"
-    return error_response(str(exc), timeshare_error_status(exc), exc.code, param)
+    return error_response(str(exc), timeshare_error_status(exc), exc.code, param, path=path)

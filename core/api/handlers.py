@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import enum
 import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,7 +36,7 @@ from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import USER_SLEEP_LEVEL, EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..worker.protocol import TokenLogprobs, Usage
-from . import shapes
+from . import anthropic, ollama, ollama_models, shapes
 from .chat_output import ChatOutput, prepare_chat
 from .embeddings import embedding_response, parse_embedding_request
 from .errors import (
@@ -49,6 +47,8 @@ from .errors import (
     timeshare_error_response,
     timeshare_error_status,
 )
+from .extras import plain as _plain
+from .extras import switch_extras
 from .logprobs import CompletionOffsets, chat_logprobs, completion_logprobs
 from .middleware import HEALTH_PATH, SHUTTING_DOWN, AuthMiddleware, GuardMiddleware
 from .requests import (
@@ -65,26 +65,6 @@ log = logging.getLogger(__name__)
 
 
 # ---- serialisation -----------------------------------------------------------------------------
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return value
-
-
-def switch_extras(switch: SwitchStats | None, prompt_tokens_evaluated: int | None = None) -> dict[str, Any]:
-    """The ``timeshare`` field added to completion responses: what the request cost in GPU switching."""
-    extras: dict[str, Any] = _plain(switch) if switch is not None else {"switched": False}
-    if prompt_tokens_evaluated is not None:
-        extras["prompt_tokens_evaluated"] = prompt_tokens_evaluated
-    return extras
 
 
 @dataclass
@@ -193,8 +173,11 @@ def model_json(status: Any, created: int, model: ModelConfig | None = None) -> d
 
 
 class _Handlers:
-    def __init__(self, pool: Pool, api_config: ApiConfig, counter: SwitchCounter) -> None:
+    def __init__(
+        self, pool: Pool, api_config: ApiConfig, counter: SwitchCounter, config_path: Path | None = None
+    ) -> None:
         self.pool = pool
+        self.config_path = config_path  # the config file the dialects' model routes edit
         self.api_config = api_config
         self.counter = counter
         self.created = int(time.time())
@@ -280,6 +263,17 @@ class _Handlers:
             self.record_cancel_later(gen)
             raise ClientGoneError
         return box[0]
+
+    @contextlib.contextmanager
+    def streaming(self, gen: Generation) -> Iterator[None]:
+        """While a stream of ``gen`` is being sent: a shutdown ends it (cancelled, an error event)."""
+        self._streams.add(gen)
+        if self.closing:
+            gen.cancel()
+        try:
+            yield
+        finally:
+            self._streams.discard(gen)
 
     def record_cancel_later(self, gen: Generation) -> None:
         """Count a disconnect and note how the cancelled generation ended (for the status page)."""
@@ -667,14 +661,14 @@ def resolve_model(snapshot: PoolSnapshot, name: str) -> str:
 
 async def _on_bad_request(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BadRequestError)
-    return error_response(exc.message, exc.status, exc.code, exc.param)
+    return error_response(exc.message, exc.status, exc.code, exc.param, path=request.url.path)
 
 
 async def _on_timeshare_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, TimeshareError)
     if timeshare_error_status(exc) >= 500:
         log.warning("%s %s failed: %s", request.method, request.url.path, exc)
-    return timeshare_error_response(exc)
+    return timeshare_error_response(exc, path=request.url.path)
 
 
 async def _on_http_exception(request: Request, exc: Exception) -> Response:
@@ -683,17 +677,20 @@ async def _on_http_exception(request: Request, exc: Exception) -> Response:
         message = (
             f"There is no endpoint {request.method} {request.url.path}; see GET /v1/models and docs/API.md."
         )
-        return error_response(message, 404, "unknown_url")
+        return error_response(message, 404, "unknown_url", path=request.url.path)
     if exc.status_code == 405:
         message = f"{request.method} is not allowed on {request.url.path}."
-        return error_response(message, 405, "method_not_allowed")
-    return error_response(str(exc.detail), exc.status_code, None)
+        return error_response(message, 405, "method_not_allowed", path=request.url.path)
+    return error_response(str(exc.detail), exc.status_code, None, path=request.url.path)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("%s %s crashed", request.method, request.url.path, exc_info=exc)
     return error_response(
-        f"Internal error in Timeshare ({type(exc).__name__}: {exc}); see its log.", 500, "internal"
+        f"Internal error in Timeshare ({type(exc).__name__}: {exc}); see its log.",
+        500,
+        "internal",
+        path=request.url.path,
     )
 
 
@@ -727,11 +724,18 @@ async def _reload(reloader: ConfigReloader) -> Response:
     return JSONResponse({"ok": True, "config": str(path), "models": [m.id for m in config.models]})
 
 
-def create_app(pool: Pool, api_config: ApiConfig, *, reload: ConfigReloader | None = None) -> Starlette:
+def create_app(
+    pool: Pool,
+    api_config: ApiConfig,
+    *,
+    reload: ConfigReloader | None = None,
+    config_path: Path | None = None,
+) -> Starlette:
     """The Starlette app over ``pool``. ``app.state.unsubscribe()`` detaches its switch counter.
-    ``reload`` serves ``POST /timeshare/v1/reload`` (default: :func:`reload_config` of the user's file)."""
+    ``reload`` serves ``POST /timeshare/v1/reload`` (default: :func:`reload_config` of the user's file);
+    ``config_path``: the file Ollama's pull and delete edit (default: the user's)."""
     counter = SwitchCounter()
-    handlers = _Handlers(pool, api_config, counter)
+    handlers = _Handlers(pool, api_config, counter, config_path)
     reloader: ConfigReloader = reload or partial(reload_config, pool, None)
 
     async def reload_endpoint(request: Request) -> Response:
@@ -748,6 +752,8 @@ def create_app(pool: Pool, api_config: ApiConfig, *, reload: ConfigReloader | No
         Route("/timeshare/v1/models/{model_id}/{command}", handlers.model_command, methods=["POST"]),
         Route("/timeshare/v1/reload", reload_endpoint, methods=["POST"]),
     ]
+    # the other dialects, thin translations onto the same handlers
+    routes += anthropic.routes(handlers) + ollama.routes(handlers) + ollama_models.routes(handlers)
     exception_handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         BadRequestError: _on_bad_request,
         TimeshareError: _on_timeshare_error,

@@ -1,6 +1,8 @@
 """What every request passes before the handlers (pure ASGI, so disconnects still reach them):
 the guard (503 while shutting down, the ``Host`` and ``Origin`` checks, CORS answers) and the key
-check (``Authorization: Bearer <api.key>``). ``create_app`` in ``handlers`` installs both."""
+check (``Authorization: Bearer <api.key>``, or ``x-api-key: <api.key>`` as Anthropic's clients
+send it). Refusals come in the dialect's error shape (``errors.dialect_of`` the path).
+``create_app`` in ``handlers`` installs both."""
 
 from __future__ import annotations
 
@@ -30,29 +32,32 @@ class AuthMiddleware:
         if scope["type"] != "http" or self.key is None or scope["path"] == HEALTH_PATH:
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        header = headers.get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
+        if not header and b"x-api-key" in headers:  # Anthropic's clients send the key this way
+            header, scheme, token = headers[b"x-api-key"], b"bearer", headers[b"x-api-key"]
         if not header:
             message = (
                 "This Timeshare API needs a key: send it as 'Authorization: Bearer <key>' "
                 "(the key is api.key in Timeshare's config)."
             )
-            await error_response(message, 401, "missing_api_key")(scope, receive, send)
+            await error_response(message, 401, "missing_api_key", path=scope["path"])(scope, receive, send)
             return
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
             message = (
                 "Incorrect API key: send the key from api.key in Timeshare's config "
                 "as 'Authorization: Bearer <key>'."
             )
-            await error_response(message, 401, "invalid_api_key")(scope, receive, send)
+            await error_response(message, 401, "invalid_api_key", path=scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
 #: the 503 while shutting down: the guard's to new requests, the handlers' to those waiting
 SHUTTING_DOWN = "Timeshare is shutting down; send the request again once it has restarted"
-_CORS_METHODS = "GET, POST, OPTIONS"
-_CORS_HEADERS = "authorization, content-type"
+_CORS_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
+_CORS_HEADERS = "authorization, content-type, x-api-key, anthropic-version"
 
 
 def _host_name(host: str) -> str:
@@ -113,7 +118,9 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         if self.closing():
-            await error_response(SHUTTING_DOWN, 503, ModelUnavailableError.code)(scope, receive, send)
+            await error_response(SHUTTING_DOWN, 503, ModelUnavailableError.code, path=scope["path"])(
+                scope, receive, send
+            )
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host")
@@ -123,7 +130,7 @@ class GuardMiddleware:
                 f"The Host {host!r} does not name this Timeshare API (it listens on {where}): use the "
                 "address Timeshare printed, or add the name to api.allowed_hosts in its config."
             )
-            await error_response(message, 403, "host_not_allowed")(scope, receive, send)
+            await error_response(message, 403, "host_not_allowed", path=scope["path"])(scope, receive, send)
             return
         origin = headers.get("origin")
         if origin is None:
@@ -134,7 +141,7 @@ class GuardMiddleware:
                 f"Requests from web pages at {origin} are refused: a web page may use this Timeshare "
                 "API only when its origin is listed in api.allowed_origins in Timeshare's config."
             )
-            await error_response(message, 403, "origin_not_allowed")(scope, receive, send)
+            await error_response(message, 403, "origin_not_allowed", path=scope["path"])(scope, receive, send)
             return
         cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:

@@ -149,6 +149,7 @@ class ApiServer:
         # POST /timeshare/v1/reload: ``reload``, else re-read ``config_path`` (default: the user's)
         self.reload: ConfigReloader = reload or functools.partial(reload_config, pool, config_path)
         self.api_config = api_config
+        self.config_path = config_path
         self.address_file = address_file
         self.head_timeout_s = head_timeout_s
         self.max_connections = max_connections if max_connections is not None else connection_limit()
@@ -166,7 +167,7 @@ class ApiServer:
         self._sock = _bind(self.api_config.host, self.api_config.port)
         self.port = int(self._sock.getsockname()[1])
         self.url = _url(self.api_config.host, self.port)
-        self.app = create_app(self.pool, self.api_config, reload=self.reload)
+        self.app = create_app(self.pool, self.api_config, reload=self.reload, config_path=self.config_path)
         install_log_limits()
         config = uvicorn.Config(
             self.app,

@@ -1,0 +1,606 @@
+"""The Ollama API's generation routes on the pool: ``POST /api/chat`` and ``POST /api/generate``
+(NDJSON streaming by default, ``"stream": false`` for one object), a thin translation onto the
+OpenAI surface's GenerationRequest, Sampling, tools path, structured output and guards
+(``dialect``); and ``GET /``, ``HEAD /``, ``GET /api/version``. The model routes (tags, show, ps,
+pull, delete, embed) are ``ollama_models``.
+
+What is mapped, ignored and refused is listed in docs/API.md ("Ollama API"); the request rules
+are the Structs below, ``options`` the table ``OPTIONS``. Model names: the Timeshare id,
+``id:latest`` and the name ``/api/tags`` shows (``resolve``). ``keep_alive``: 0 = release the
+model's weights after the answer (sleep level "weights", its KV kept), a duration = the model's
+idle timer (``idle_sleep_s``, in memory until the config is reloaded), negative = no idle
+release; it never pins. Errors are Ollama's ``{"error": "..."}`` (``errors.dialect_body``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import re
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import anyio.to_thread
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..chatformat.parse import Event
+from ..errors import ModelUnavailableError, TimeshareError, UnknownModelError
+from ..pool.generation import GenerationResult
+from ..sampling import MAX_STOP, for_front_end
+from ..state import PoolSnapshot
+from ..worker.protocol import ChatMessage, ToolCall
+from .dialect import Host, Turn, start
+from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
+from .extras import switch_extras
+from .middleware import SHUTTING_DOWN
+from .requests import GenerationRequest, read_json
+from .shapes import MAX_MESSAGES
+from .structured import json_object_grammar, schema_grammar
+from .tools import ToolRequest, parse_tool_request
+
+#: what GET /api/version answers: the Ollama API version this translation follows
+OLLAMA_VERSION = "0.12.0"
+#: the tag a Timeshare id is shown with in /api/tags (Ollama's names are name:tag)
+TAG = "latest"
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+# ---- request shapes ------------------------------------------------------------------------------
+
+
+class FunctionCall(msgspec.Struct, frozen=True):
+    name: NonEmpty
+    arguments: dict[str, Any] | str = msgspec.field(default_factory=dict)
+
+
+class OllamaToolCall(msgspec.Struct, frozen=True):
+    function: FunctionCall
+
+
+class OllamaMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[Any] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None  # an earlier answer's reasoning: not shown to the model again
+
+
+class _Body(msgspec.Struct, frozen=True, kw_only=True):
+    model: NonEmpty
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    stream: bool = True
+    keep_alive: str | float | None = None
+    think: Any = None  # a thinking model thinks anyway; its reasoning comes back as "thinking"
+
+
+class ChatBody(_Body, frozen=True, kw_only=True):
+    messages: Annotated[list[OllamaMessage], msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(
+        default_factory=list
+    )
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateBody(_Body, frozen=True, kw_only=True):
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+
+
+_RULES = {
+    "model": "'model' is required: a name from GET /api/tags (the Timeshare id, or id:latest).",
+    "messages": f"'messages' must be a list of at most {MAX_MESSAGES} {{role, content}} objects.",
+    "format": "'format' must be \"json\" or a JSON schema object.",
+    "options": "'options' must be an object (see docs/API.md for the options Timeshare maps).",
+    "stream": "'stream' must be true or false.",
+    "keep_alive": '\'keep_alive\' must be a duration such as "5m", "1h", "300s", a number of '
+    "seconds, 0 or -1.",
+    "tools": '\'tools\' must be a list of {"type": "function", "function": {...}} objects.',
+    "prompt": "'prompt' must be a string.",
+    "context": "'context' must be the list of integers an earlier /api/generate answer gave.",
+}
+
+
+def decode(body: object, shape: type[msgspec.Struct]) -> Any:
+    """A request body as ``shape``; BadRequestError naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    try:
+        return msgspec.convert(body, shape)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        path = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else ""
+        if not path and "missing required field" in text:
+            path = text.split("`")[1]
+        top = path.split(".")[0].split("[")[0]
+        if top == "messages" and path != "messages":
+            what = text.split(" - at ")[0]
+            raise BadRequestError(
+                f'{path}: {what}; a message is {{"role": "system" | "user" | "assistant" | '
+                '"tool", "content": "..."}.',
+                path,
+            ) from None
+        raise BadRequestError(
+            _RULES.get(top, f"'{path or 'body'}': {text}; see docs/API.md."), top or None
+        ) from None
+
+
+# ---- names ---------------------------------------------------------------------------------------
+
+
+def shown_name(model_id: str) -> str:
+    """The name /api/tags shows for a Timeshare id."""
+    return model_id if ":" in model_id else f"{model_id}:{TAG}"
+
+
+def resolve(name: str, snapshot: PoolSnapshot) -> str:
+    """The Timeshare id an Ollama client's model name means (the id, ``id:latest``, the name
+    /api/tags shows); UnknownModelError naming the known ones otherwise."""
+    for m in snapshot.models:
+        if name in (m.id, shown_name(m.id)):
+            return m.id
+    known = ", ".join(shown_name(m.id) for m in snapshot.models) or "none are configured"
+    raise UnknownModelError(f"model {name!r} not found; use one of: {known} (GET /api/tags lists them).")
+
+
+# ---- options -------------------------------------------------------------------------------------
+
+#: Ollama option → Sampling field (the same meaning)
+OPTIONS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+}
+#: options Timeshare accepts and ignores (the model's own settings decide: never a reload)
+IGNORED_OPTIONS = (
+    "num_ctx",
+    "num_batch",
+    "num_gpu",
+    "main_gpu",
+    "num_thread",
+    "num_keep",
+    "use_mmap",
+    "use_mlock",
+    "numa",
+    "low_vram",
+    "f16_kv",
+    "vocab_only",
+    "typical_p",
+    "tfs_z",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "penalize_newline",
+)
+
+
+def sampling_fields(options: dict[str, Any] | None) -> dict[str, Any]:
+    """``options`` as Sampling fields (num_predict and stop included); 400 naming the option."""
+    fields: dict[str, Any] = {}
+    for name, value in (options or {}).items():
+        if name in IGNORED_OPTIONS or value is None:
+            continue
+        if name == "num_predict":
+            if not isinstance(value, int) or isinstance(value, bool) or value in (0,) or value < -2:
+                raise BadRequestError(
+                    f"options.num_predict must be a whole number of at least 1, or -1 (no limit) or "
+                    f"-2 (fill the context); got {value!r}.",
+                    "options.num_predict",
+                )
+            fields["max_tokens"] = value if value > 0 else None
+        elif name == "stop":
+            stop = [value] if isinstance(value, str) else value
+            if (
+                not isinstance(stop, list)
+                or not all(isinstance(s, str) and s for s in stop)
+                or len(stop) > MAX_STOP
+            ):
+                raise BadRequestError(
+                    f"options.stop must be a list of at most {MAX_STOP} non-empty strings.", "options.stop"
+                )
+            fields["stop"] = tuple(stop)
+        elif name in OPTIONS:
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise BadRequestError(f"options.{name} must be a number; got {value!r}.", f"options.{name}")
+            fields[OPTIONS[name]] = int(value) if name in ("top_k", "seed", "repeat_last_n") else float(value)
+        else:
+            raise BadRequestError(
+                f"options.{name} is not an option Timeshare knows; see docs/API.md (Ollama API) for "
+                "the options it maps and ignores.",
+                f"options.{name}",
+            )
+    return fields
+
+
+def _sampling(body: _Body, grammar: str | None) -> Any:
+    fields = sampling_fields(body.options)
+    if grammar is not None:
+        fields["grammar"] = grammar
+    try:
+        return for_front_end("api_ollama", **fields)
+    except ValueError as exc:
+        raise BadRequestError(f"options: {exc}.", "options") from None
+
+
+def format_grammar(fmt: str | dict[str, Any] | None) -> str | None:
+    """``format``: "json" = one JSON object (llama.cpp's JSON grammar); a schema = its grammar
+    (structured output's converter and refusals); "" or absent = text."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return json_object_grammar()
+    if isinstance(fmt, dict):
+        try:
+            return schema_grammar(fmt, "format")
+        except BadRequestError as exc:
+            raise BadRequestError(exc.message, "format") from None
+    raise BadRequestError(_RULES["format"], "format")
+
+
+# ---- keep_alive ----------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: str | float | None) -> float | None:
+    """``keep_alive`` in seconds (Go's duration syntax, or a number of seconds); None: absent."""
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
+        raise BadRequestError(_RULES["keep_alive"], "keep_alive")
+    negative = text.startswith("-")
+    total = sum(abs(float(n)) * _UNIT_S[u] for n, u in parts)
+    return -total if negative else total
+
+
+def apply_keep_alive(host: Host, model_id: str, seconds: float | None) -> None:
+    """A duration or negative keep_alive as the model's idle timer (blocking; before the answer)."""
+    if seconds is None or seconds == 0:
+        return
+    config = host.pool.config
+    model = config.model(model_id)
+    wanted = None if seconds < 0 else seconds
+    if model is None or model.idle_sleep_s == wanted:
+        return
+    models = tuple(
+        dataclasses.replace(m, idle_sleep_s=wanted) if m.id == model_id else m for m in config.models
+    )
+    host.pool.apply_config(dataclasses.replace(config, models=models))
+
+
+def release_now(host: Host, model_id: str) -> None:
+    """keep_alive 0: let go of the weights now (KV kept), as ``timeshare unload`` does."""
+    host.pool.sleep(model_id, level="weights")
+
+
+# ---- translation ---------------------------------------------------------------------------------
+
+
+def _refuse_images(images: list[Any] | None, where: str) -> None:
+    if images:
+        raise BadRequestError(
+            f"{where}: images are not supported: Timeshare's local models read text only; send text.",
+            where,
+        )
+
+
+def _arguments(value: dict[str, Any] | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def chat_messages(messages: list[OllamaMessage]) -> tuple[ChatMessage, ...]:
+    out: list[ChatMessage] = []
+    pending: list[tuple[str, str]] = []  # (call id, name) of the last assistant's calls
+    for i, m in enumerate(messages):
+        _refuse_images(m.images, f"messages[{i}].images")
+        if m.role == "tool":
+            call_id = next((cid for cid, name in pending if name == m.tool_name), None)
+            if call_id is None and pending:
+                call_id = pending[0][0]
+            pending = [p for p in pending if p[0] != call_id]
+            out.append(
+                ChatMessage(
+                    role="tool", content=m.content, tool_call_id=call_id or f"call_{i}", name=m.tool_name
+                )
+            )
+            continue
+        calls = tuple(
+            ToolCall(id=f"call_{i}_{j}", name=c.function.name, arguments=_arguments(c.function.arguments))
+            for j, c in enumerate(m.tool_calls or ())
+        )
+        if calls:
+            pending = [(c.id, c.name) for c in calls]
+        out.append(ChatMessage(role=m.role, content=m.content, tool_calls=calls))
+    return tuple(out)
+
+
+def tool_request(tools: list[dict[str, Any]] | None) -> ToolRequest | None:
+    if not tools:
+        return None
+    return parse_tool_request({"tools": tools})
+
+
+class Contexts:
+    """/api/generate's ``context``: an answer's conversation so far (its messages), kept under an
+    opaque number the client sends back (the last ``limit``); it doubles as the KV conversation,
+    so the next turn evaluates only its new tokens."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[int, tuple[str, tuple[ChatMessage, ...], str]] = OrderedDict()
+        self.limit = limit
+
+    def put(self, model_id: str, messages: tuple[ChatMessage, ...], conversation: str) -> list[int]:
+        key = secrets.randbits(52) | 1
+        with self._lock:
+            self._kept[key] = (model_id, messages, conversation)
+            while len(self._kept) > self.limit:
+                self._kept.popitem(last=False)
+        return [key]
+
+    def get(self, model_id: str, context: list[int]) -> tuple[tuple[ChatMessage, ...], str]:
+        with self._lock:
+            kept = self._kept.get(context[-1]) if context else None
+        if kept is None or kept[0] != model_id:
+            raise BadRequestError(
+                "'context' is not one this Timeshare gave for this model (it keeps the last "
+                f"{self.limit}, and forgets them when it restarts): send the conversation again "
+                "without 'context', or use /api/chat.",
+                "context",
+            )
+        return kept[1], kept[2]
+
+
+def _request(
+    model_id: str, body: _Body, messages: Any, prompt: str | None, conversation: str | None
+) -> GenerationRequest:
+    return GenerationRequest(
+        kind="chat" if prompt is None else "completion",
+        model=model_id,
+        prompt=prompt,
+        messages=messages,
+        sampling=_sampling(body, format_grammar(body.format)),
+        stream=body.stream,
+        include_usage=False,
+        conversation=conversation,
+        cache_prompt=None,
+    )
+
+
+# ---- answers -------------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _message(events: list[Event]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    for e in events:
+        if e.kind == "content":
+            message["content"] += e.text
+        elif e.kind == "reasoning":
+            message["thinking"] = message.get("thinking", "") + e.text
+        elif e.call is not None:
+            try:
+                arguments = json.loads(e.call.arguments or "{}")
+            except ValueError:
+                arguments = {}
+            message.setdefault("tool_calls", []).append(
+                {"function": {"name": e.call.name, "arguments": arguments}}
+            )
+    return message
+
+
+def _stats(turn: Turn, result: GenerationResult) -> dict[str, Any]:
+    t = turn.timings
+    load_ns = int(result.switch.restore_ms * 1e6) if result.switch.switched else 0
+    return {
+        "done_reason": "length" if result.finish_reason == "length" else "stop",
+        "total_duration": t.total_ns,
+        "load_duration": load_ns,
+        "prompt_eval_count": result.usage.prompt_tokens_evaluated,
+        "prompt_eval_duration": max(0, t.to_first_ns - load_ns),
+        "eval_count": result.usage.completion_tokens,
+        "eval_duration": t.after_first_ns,
+        "timeshare": switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
+        | {"prompt_tokens": result.usage.prompt_tokens},
+    }
+
+
+class Routes:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.contexts = Contexts()
+
+    async def root(self, request: Request) -> Response:
+        return PlainTextResponse("Ollama is running")
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": OLLAMA_VERSION})
+
+    async def chat(self, request: Request) -> Response:
+        body: ChatBody = decode(await read_json(request), ChatBody)
+        model_id = resolve(body.model, self.host.pool.snapshot())
+        keep = keep_alive_seconds(body.keep_alive)
+        if not body.messages:  # Ollama's way to load (or, keep_alive 0, unload) a model
+            return await self._load_only(model_id, keep, {"message": {"role": "assistant", "content": ""}})
+        messages = chat_messages(body.messages)
+        tools = tool_request(body.tools)
+        req = await anyio.to_thread.run_sync(lambda: _request(model_id, body, messages, None, None))
+
+        def shape(events: list[Event]) -> dict[str, Any]:
+            return {"message": _message(events)}
+
+        return await self._answer(request, req, keep, shape, None, tools)
+
+    async def generate(self, request: Request) -> Response:
+        body: GenerateBody = decode(await read_json(request), GenerateBody)
+        model_id = resolve(body.model, self.host.pool.snapshot())
+        keep = keep_alive_seconds(body.keep_alive)
+        _refuse_images(body.images, "images")
+        if body.template:
+            raise BadRequestError(
+                "'template' is not supported: Timeshare renders prompts with the model's own chat "
+                "template (its GGUF's); leave 'template' out, or send 'raw': true with the prompt "
+                "already formatted.",
+                "template",
+            )
+        if body.suffix:
+            raise BadRequestError("'suffix' (fill-in-the-middle) is not supported; leave it out.", "suffix")
+        if not body.prompt and body.context is None:
+            return await self._load_only(model_id, keep, {"response": ""})
+        if body.raw:
+            if body.context:
+                raise BadRequestError("'context' goes with templated prompts, not 'raw': true.", "context")
+            req = await anyio.to_thread.run_sync(lambda: _request(model_id, body, None, body.prompt, None))
+            history: tuple[ChatMessage, ...] | None = None
+        else:
+            earlier, conversation = (
+                self.contexts.get(model_id, body.context)
+                if body.context
+                else ((), f"ollama-context-{secrets.token_hex(8)}")
+            )
+            if body.system is not None:
+                earlier = (
+                    ChatMessage(role="system", content=body.system),
+                    *(m for m in earlier if m.role != "system"),
+                )
+            messages = (*earlier, ChatMessage(role="user", content=body.prompt))
+            history = messages
+            req = await anyio.to_thread.run_sync(
+                lambda: _request(model_id, body, messages, None, conversation)
+            )
+
+        def shape(events: list[Event]) -> dict[str, Any]:
+            return {"response": "".join(e.text for e in events if e.kind == "content")}
+
+        return await self._answer(request, req, keep, shape, history, None)
+
+    async def _load_only(self, model_id: str, keep: float | None, empty: dict[str, Any]) -> Response:
+        if keep == 0:
+            await self.host.call(release_now, self.host, model_id)
+            reason = "unload"
+        else:
+            await self.host.call(apply_keep_alive, self.host, model_id, keep)
+            await self.host.call(self.host.pool.wake, model_id)
+            reason = "load"
+        return JSONResponse(
+            {
+                "model": shown_name(model_id),
+                "created_at": _now(),
+                **empty,
+                "done": True,
+                "done_reason": reason,
+            }
+        )
+
+    async def _answer(
+        self,
+        request: Request,
+        req: GenerationRequest,
+        keep: float | None,
+        shape: Any,
+        history: tuple[ChatMessage, ...] | None,
+        tools: ToolRequest | None,
+    ) -> Response:
+        await self.host.call(apply_keep_alive, self.host, req.model, keep)
+        turn = await start(self.host, request, req, tools)
+        name = shown_name(req.model)
+
+        def finish(result: GenerationResult) -> dict[str, Any]:
+            extra: dict[str, Any] = {}
+            if history is not None and req.prompt is None:
+                answer = ChatMessage(role="assistant", content=result.text)
+                kept = (*history, answer)
+                extra["context"] = self.contexts.put(req.model, kept, req.conversation or "")
+            return {**extra, **_stats(turn, result)}
+
+        async def after() -> None:
+            if keep == 0:
+                await self.host.call(release_now, self.host, req.model)
+
+        if not req.stream:
+            try:
+                result = await turn.result()
+            except ClientGoneError:
+                return Response(status_code=499)
+            events = turn.events(result.text) + turn.final_events()
+            answer = {"model": name, "created_at": _now(), **shape(events), "done": True, **finish(result)}
+            await after()
+            return JSONResponse(answer)
+        try:
+            first = await turn.first()
+        except ClientGoneError:
+            return Response(status_code=499)
+        host = self.host
+
+        def line(obj: dict[str, Any]) -> bytes:
+            return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+        def chunk(events: list[Event]) -> bytes | None:
+            if not events:
+                return None
+            return line({"model": name, "created_at": _now(), **shape(events), "done": False})
+
+        async def lines() -> AsyncIterator[bytes]:
+            with host.streaming(turn.gen):
+                try:
+                    if first is not None:
+                        out = chunk(turn.events(first))
+                        if out:
+                            yield out
+                        async for piece in turn.rest():
+                            out = chunk(turn.events(piece))
+                            if out:
+                                yield out
+                    result = await turn.stream_result()
+                    if host.closing and result.finish_reason == "cancelled":
+                        raise ModelUnavailableError(SHUTTING_DOWN)
+                    tail = turn.final_events()
+                    last = shape(tail) if tail else shape([])
+                    yield line({"model": name, "created_at": _now(), **last, "done": True, **finish(result)})
+                    await after()
+                except TimeshareError as exc:
+                    turn.finished = True
+                    yield line(dialect_body("ollama", str(exc), timeshare_error_status(exc), exc.code))
+                finally:
+                    turn.abandon()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def routes(host: Host) -> list[Route]:
+    r = Routes(host)
+    return [
+        Route("/", r.root, methods=["GET", "HEAD"]),
+        Route("/api/version", r.version, methods=["GET"]),
+        Route("/api/chat", r.chat, methods=["POST"]),
+        Route("/api/generate", r.generate, methods=["POST"]),
+    ]

@@ -1,0 +1,352 @@
+"""The Ollama API's model routes on the pool: ``GET /api/tags`` (every configured model: name,
+size, digest and details read from its GGUF by the catalog's reader), ``POST /api/show``
+(template, parameters, model info, capabilities), ``GET /api/ps`` (the models with a worker:
+VRAM size, ``expires_at`` from the idle timer), ``POST /api/pull`` (the pull code's streamed
+progress, then the model joins the config), ``DELETE /api/delete`` (removes the model from the
+config; the file stays unless ``"delete_file": true``), ``POST /api/embed`` and
+``/api/embeddings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import paths
+from ..config.files import load_config, save_config
+from ..errors import TimeshareError
+from ..gguf.catalog import CatalogEntry, read_chat_template, read_gguf_header
+from ..state import EventKind, ModelState, ModelStatus, PoolEvent
+from .dialect import Host
+from .errors import BadRequestError
+from .ollama import IGNORED_OPTIONS, OPTIONS, decode, resolve, shown_name
+from .ollama_pull import pull_lines
+from .requests import read_json
+
+#: a model's expires_at when its idle release is off (Ollama shows a far future the same way)
+NEVER = "2318-01-01T00:00:00Z"
+_WITH_WORKER = (ModelState.RESIDENT, ModelState.RELEASED, ModelState.SLEEPING)
+
+
+class NameBody(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = ""
+    name: str = ""  # older clients send "name"
+    verbose: bool = False
+    delete_file: bool = False  # Timeshare's extension to /api/delete
+
+    @property
+    def which(self) -> str:
+        if not (self.model or self.name):
+            raise BadRequestError("'model' is required: a name from GET /api/tags.", "model")
+        return self.model or self.name
+
+
+class PullBody(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = ""
+    name: str = ""
+    stream: bool = True
+    insecure: bool = False
+
+
+def _iso(seconds: float) -> str:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _family(architecture: str) -> str:
+    return architecture or "unknown"
+
+
+class Files:
+    """What the GGUF files say (header and sha256), cached while a file is unchanged."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._headers: dict[tuple[str, int, int], CatalogEntry] = {}
+        self._digests: dict[tuple[str, int, int], str] = {}
+
+    @staticmethod
+    def _key(path: str) -> tuple[str, int, int]:
+        st = Path(path).stat()
+        return (path, st.st_mtime_ns, st.st_size)
+
+    def header(self, path: str) -> CatalogEntry:
+        key = self._key(path)
+        with self._lock:
+            known = self._headers.get(key)
+        if known is None:
+            known = read_gguf_header(path)
+            with self._lock:
+                self._headers[key] = known
+        return known
+
+    def digest(self, path: str) -> str:
+        """``sha256:<hex>`` of the file: a Hugging Face cache blob is named by it already."""
+        resolved = Path(path).resolve()
+        if resolved.parent.name == "blobs" and len(resolved.name) == 64:
+            return f"sha256:{resolved.name}"
+        key = self._key(path)
+        with self._lock:
+            known = self._digests.get(key)
+        if known is None:
+            h = hashlib.sha256()
+            with resolved.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            known = f"sha256:{h.hexdigest()}"
+            with self._lock:
+                self._digests[key] = known
+        return known
+
+
+class LastUse:
+    """When each model last finished a request (the pool's REQUEST_DONE events): the start of its
+    idle timer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at: dict[str, float] = {}
+
+    def on_event(self, event: PoolEvent) -> None:
+        if event.kind is EventKind.REQUEST_DONE and event.model is not None:
+            with self._lock:
+                self._at[event.model] = time.time()
+
+    def get(self, model_id: str) -> float | None:
+        with self._lock:
+            return self._at.get(model_id)
+
+
+class ModelRoutes:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.files = Files()
+        self.last_use = LastUse()
+        self.started = time.time()
+        host.pool.subscribe(self.last_use.on_event)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/api/tags", self.tags, methods=["GET"]),
+            Route("/api/show", self.show, methods=["POST"]),
+            Route("/api/ps", self.ps, methods=["GET"]),
+            Route("/api/pull", self.pull, methods=["POST"]),
+            Route("/api/delete", self.delete, methods=["DELETE"]),
+            Route("/api/embed", self.embed, methods=["POST"]),
+            Route("/api/embeddings", self.embed, methods=["POST"]),
+        ]
+
+    # -- what the files say --
+
+    def _details(self, path: str) -> tuple[dict[str, Any], CatalogEntry | None]:
+        try:
+            entry = self.files.header(path)
+        except (OSError, TimeshareError):
+            return {
+                "format": "gguf",
+                "family": "",
+                "families": None,
+                "parameter_size": "",
+                "quantization_level": "",
+            }, None
+        family = _family(entry.architecture)
+        return {
+            "parent_model": "",
+            "format": "gguf",
+            "family": family,
+            "families": [family],
+            "parameter_size": entry.parameters,
+            "quantization_level": entry.quantisation,
+        }, entry
+
+    def _tag(self, status: ModelStatus) -> dict[str, Any]:
+        details, entry = self._details(status.path)
+        try:
+            st = Path(status.path).stat()
+            size, modified = (entry.size if entry else st.st_size), st.st_mtime
+            digest = self.files.digest(status.path)
+        except OSError:
+            size, modified, digest = 0, self.started, ""
+        return {
+            "name": shown_name(status.id),
+            "model": shown_name(status.id),
+            "modified_at": _iso(modified),
+            "size": size,
+            "digest": digest.removeprefix("sha256:"),
+            "details": details,
+            "timeshare": {"id": status.id, "name": status.display_name, "state": status.state.value},
+        }
+
+    async def tags(self, request: Request) -> Response:
+        snapshot = self.host.pool.snapshot()
+        models = await anyio.to_thread.run_sync(lambda: [self._tag(m) for m in snapshot.models])
+        return JSONResponse({"models": models})
+
+    def _show(self, model_id: str, status: ModelStatus) -> dict[str, Any]:
+        config = self.host.pool.config.model(model_id)
+        details, entry = self._details(status.path)
+        try:
+            template = read_chat_template(status.path) or ""
+        except (OSError, TimeshareError):
+            template = ""
+        if config is not None and config.chat_template:
+            template = config.chat_template
+        info: dict[str, Any] = {"general.architecture": details.get("family", "")}
+        if entry is not None:
+            arch = entry.architecture
+            info.update(
+                {
+                    "general.name": entry.name,
+                    "general.size_label": entry.parameters,
+                    "general.license": entry.licence,
+                    f"{arch}.context_length": entry.context_length,
+                }
+            )
+        capabilities = ["completion"]
+        if config is not None and config.embedding:
+            capabilities = ["embedding"]
+        # tools: once the tools path serves this dialect (see docs/API.md)
+        parameters = [f"num_ctx {status.n_ctx}"] if status.n_ctx else []
+        return {
+            "license": entry.licence if entry else "",
+            "modelfile": f"# Timeshare model {model_id}\nFROM {status.path}\n",
+            "parameters": "\n".join(parameters),
+            "template": template,
+            "details": details,
+            "model_info": info,
+            "capabilities": capabilities,
+            "modified_at": _iso(Path(status.path).stat().st_mtime) if Path(status.path).exists() else "",
+            "timeshare": {
+                "id": model_id,
+                "state": status.state.value,
+                "n_ctx": status.n_ctx,
+                "options": {
+                    "mapped": sorted([*OPTIONS, "num_predict", "stop"]),
+                    "ignored": list(IGNORED_OPTIONS),
+                    "num_ctx": "ignored: the context is the model's n_ctx setting (never a reload)",
+                },
+            },
+        }
+
+    async def show(self, request: Request) -> Response:
+        body: NameBody = decode(await read_json(request), NameBody)
+        snapshot = self.host.pool.snapshot()
+        model_id = resolve(body.which, snapshot)
+        status = snapshot.model(model_id)
+        assert status is not None
+        return JSONResponse(await anyio.to_thread.run_sync(self._show, model_id, status))
+
+    def _expires(self, status: ModelStatus) -> str:
+        config = self.host.pool.config.model(status.id)
+        idle = config.idle_sleep_s if config is not None else None
+        if idle is None or status.pinned:
+            return NEVER
+        last = self.last_use.get(status.id) or self.started
+        return _iso(last + idle)
+
+    async def ps(self, request: Request) -> Response:
+        snapshot = self.host.pool.snapshot()
+        out = []
+        for m in snapshot.models:
+            if m.state not in _WITH_WORKER:
+                continue
+            tag = await anyio.to_thread.run_sync(self._tag, m)
+            out.append(
+                {
+                    "name": tag["name"],
+                    "model": tag["model"],
+                    "size": max(tag["size"], m.device_bytes),
+                    "digest": tag["digest"],
+                    "details": tag["details"],
+                    "expires_at": self._expires(m),
+                    "size_vram": m.device_bytes,
+                    "context_length": m.n_ctx,
+                    "timeshare": {
+                        "id": m.id,
+                        "state": m.state.value,
+                        "holds_gpu": m.holds_gpu,
+                        "pinned": m.pinned,
+                        "weight_bytes": m.weight_bytes,
+                    },
+                }
+            )
+        return JSONResponse({"models": out})
+
+    # -- config changes --
+
+    def _config_path(self) -> Path:
+        return self.host.config_path or paths.config_file()
+
+    def _delete(self, model_id: str, delete_file: bool) -> None:
+        path = self._config_path()
+        config = load_config(path, check_paths=False)
+        model = config.model(model_id)
+        if model is None:
+            raise BadRequestError(
+                f"model {model_id!r} is not in {path} (it comes from elsewhere, such as the demo "
+                "models): remove it there.",
+                "model",
+                status=404,
+            )
+        save_config(
+            dataclasses.replace(config, models=tuple(m for m in config.models if m.id != model_id)), path
+        )
+        self.host.pool.apply_config(load_config(path, check_paths=False))
+        if delete_file:
+            Path(model.path).unlink(missing_ok=True)
+
+    async def delete(self, request: Request) -> Response:
+        body: NameBody = decode(await read_json(request), NameBody)
+        model_id = resolve(body.which, self.host.pool.snapshot())
+        await anyio.to_thread.run_sync(self._delete, model_id, body.delete_file)
+        return Response(status_code=200)
+
+    async def pull(self, request: Request) -> Response:
+        body: PullBody = decode(await read_json(request), PullBody)
+        name = body.model or body.name
+        if not name:
+            raise BadRequestError(
+                "'model' is required: hf.co/ORG/REPO:QUANT or the URL of a .gguf file.", "model"
+            )
+        lines = pull_lines(self.host, name, self._config_path())
+        if body.stream:
+            return StreamingResponse(_aiter(lines), media_type="application/x-ndjson")
+        last: dict[str, Any] = {}
+        async for item in _aiter(lines, raw=True):
+            last = item
+        if "error" in last:
+            raise BadRequestError(str(last["error"]), "model")
+        return JSONResponse(last)
+
+    async def embed(self, request: Request) -> Response:
+        raise BadRequestError(
+            "Embeddings are not served on the Ollama API yet: the pool's embedding path has not "
+            "landed in this build; see docs/API.md.",
+            status=501,
+        )
+
+
+async def _aiter(items: Iterator[dict[str, Any]], raw: bool = False) -> AsyncIterator[Any]:
+    end = object()
+    while True:
+        item = await anyio.to_thread.run_sync(next, items, end, abandon_on_cancel=True)
+        if item is end:
+            return
+        yield item if raw else json.dumps(item).encode() + b"\n"
+
+
+def routes(host: Host) -> list[Route]:
+    return ModelRoutes(host).routes()

@@ -1,0 +1,179 @@
+"""The Ollama API and the Anthropic Messages API on `timeshare serve`, through the real clients
+from PyPI (``ollama``, ``anthropic``) against the demo models, one server for the module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import ollama
+import pytest
+from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serving, write_config
+
+pytestmark = pytest.mark.slow
+
+KEY = "dialects-key"
+#: a short answer keeps the module fast (the demo models are tiny; greedy answers are fixed)
+N = 12
+#: this SDK has no temperature argument any more (the API still takes the field)
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def served(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, gemma3_path: Path
+) -> Iterator[Served]:
+    home = tmp_path_factory.mktemp("dialects-home")
+    seed_gemma_cache(home, gemma3_path)
+    config = write_config(
+        home / "elsewhere" / "timeshare.toml", [(SMOL, smollm2_path), (GEMMA, gemma3_path)], key=KEY
+    )
+    with serving(home, config=config, key=KEY) as server:
+        server.wait_ready([SMOL, GEMMA])
+        yield server
+        assert server.proc.poll() is None, server.log_text()[-3000:]
+    assert server.proc.returncode == 0, server.log_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def claude(served: Served) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=served.url, api_key=KEY, max_retries=0, timeout=180) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llama(served: Served) -> Iterator[ollama.Client]:
+    with ollama.Client(host=served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=180) as c:
+        yield c
+
+
+def _openai_greedy(served: Served, model: str, messages: list[dict[str, str]], n: int = N) -> str:
+    """The oracle: the same conversation through the OpenAI surface, greedy."""
+    body = {"model": model, "messages": messages, "max_tokens": n, "temperature": 0}
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=body, headers=served.headers(), timeout=180)
+    r.raise_for_status()
+    text: str = r.json()["choices"][0]["message"]["content"]
+    return text
+
+
+# ---- Anthropic -----------------------------------------------------------------------------------
+
+
+def test_anthropic_create_matches_the_openai_surface(served: Served, claude: anthropic.Anthropic) -> None:
+    system = "You are terse."
+    question = "Name a colour."
+    message = claude.messages.create(
+        model=SMOL,
+        max_tokens=N,
+        extra_body=GREEDY,
+        system=system,
+        messages=[{"role": "user", "content": question}],
+    )
+    expected = _openai_greedy(
+        served, SMOL, [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    )
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "text"
+    assert message.content[0].text == expected
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.output_tokens >= 1 and message.usage.input_tokens > 5
+    assert "switched" in message.model_extra["timeshare"]  # type: ignore[index]
+
+
+def test_anthropic_stream_assembled_by_the_sdk(served: Served, claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": "Count to five."}]
+    with claude.messages.stream(model=SMOL, max_tokens=N, extra_body=GREEDY, messages=messages) as stream:  # type: ignore[arg-type]
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "content_block_delta" in kinds
+    assert final.content[0].text == _openai_greedy(served, SMOL, messages)  # type: ignore[union-attr]
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == N
+
+
+def test_anthropic_stop_sequence_and_count_tokens(claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": "Write the numbers 1 2 3 4 5 6 7 8 9 with spaces."}]
+    free = claude.messages.create(model=SMOL, max_tokens=40, extra_body=GREEDY, messages=messages)  # type: ignore[arg-type]
+    text = free.content[0].text  # type: ignore[union-attr]
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]
+    cut = claude.messages.create(
+        model=SMOL,
+        max_tokens=40,
+        extra_body=GREEDY,
+        messages=messages,
+        stop_sequences=[stop],  # type: ignore[arg-type]
+    )
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
+    counted = claude.messages.count_tokens(model=SMOL, messages=messages)  # type: ignore[arg-type]
+    assert counted.input_tokens == free.usage.input_tokens
+
+
+def test_anthropic_errors_are_the_sdks_own(served: Served, claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert "nope" in missing.value.message and missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(
+            model=SMOL,
+            max_tokens=5,
+            messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}],  # type: ignore[list-item]
+        )
+    assert "image" in bad.value.message
+    wrong = anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        wrong.messages.create(model=SMOL, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    wrong.close()
+    # max_tokens is required, as Anthropic requires it
+    r = httpx.post(
+        f"{served.url}/v1/messages",
+        json={"model": SMOL, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"x-api-key": KEY},
+    )
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
+
+
+# ---- Ollama --------------------------------------------------------------------------------------
+
+
+def test_ollama_root_and_version(served: Served) -> None:
+    assert httpx.get(served.url + "/", headers=served.headers()).text == "Ollama is running"
+    assert httpx.head(served.url + "/", headers=served.headers()).status_code == 200
+    assert httpx.get(served.url + "/api/version", headers=served.headers()).json()["version"]
+
+
+def test_ollama_chat_whole_and_streamed(served: Served, llama: ollama.Client) -> None:
+    messages = [{"role": "user", "content": "Say hello."}]
+    options = {"temperature": 0, "num_predict": N, "repeat_penalty": 1.0}
+    whole = llama.chat(model=f"{SMOL}:latest", messages=messages, options=options, stream=False)
+    expected = _openai_greedy(served, SMOL, messages)
+    assert whole.message.role == "assistant" and whole.message.content == expected
+    assert whole.done and whole.done_reason == "length"
+    assert whole.eval_count == N and (whole.eval_duration or 0) > 0
+    assert (whole.total_duration or 0) >= (whole.eval_duration or 0)
+    assert whole.prompt_eval_count is not None
+    parts = list(llama.chat(model=SMOL, messages=messages, options=options, stream=True))
+    assert len(parts) >= 2 and parts[-1].done and not parts[0].done
+    assert "".join(p.message.content or "" for p in parts) == expected
+    assert parts[-1].eval_count == N
+
+
+def test_ollama_errors_are_the_clients_own(served: Served, llama: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as missing:
+        llama.chat(model="nope:latest", messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.status_code == 404 and "nope" in missing.value.error
+    with pytest.raises(ollama.ResponseError) as images:
+        llama.chat(model=SMOL, messages=[{"role": "user", "content": "hi", "images": ["aGk="]}])
+    assert images.value.status_code == 400 and "images" in images.value.error
+    r = httpx.post(f"{served.url}/api/chat", content=b"{not json", headers=served.headers())
+    assert r.status_code == 400 and set(r.json()) == {"error"}
+    r = httpx.post(f"{served.url}/api/chat", json={"model": SMOL}, headers={})
+    assert r.status_code == 401 and set(r.json()) == {"error"}
+    assert httpx.get(f"{served.url}/api/version", headers=served.headers()).status_code == 200
