@@ -3,11 +3,13 @@ from PyPI (``ollama``, ``anthropic``) against the demo models, one server for th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
 import httpx
+import jsonschema
 import ollama
 import pytest
 from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serving, write_config
@@ -177,3 +179,113 @@ def test_ollama_errors_are_the_clients_own(served: Served, llama: ollama.Client)
     r = httpx.post(f"{served.url}/api/chat", json={"model": SMOL}, headers={})
     assert r.status_code == 401 and set(r.json()) == {"error"}
     assert httpx.get(f"{served.url}/api/version", headers=served.headers()).status_code == 200
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    first = claude.messages.create(
+        model=SMOL,
+        max_tokens=60,
+        messages=[ask],  # type: ignore[list-item]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body=GREEDY,
+    )
+    assert first.stop_reason == "tool_use"
+    calls = [b for b in first.content if b.type == "tool_use"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert set(calls[0].input) == {"city"} and isinstance(calls[0].input["city"], str)  # type: ignore[arg-type]
+    assert calls[0].id.startswith("toolu_")
+    # the streamed form of the same call, assembled by the SDK
+    with claude.messages.stream(
+        model=SMOL,
+        max_tokens=60,
+        messages=[ask],  # type: ignore[list-item]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "any"},
+        extra_body=GREEDY,
+    ) as stream:
+        streamed = stream.get_final_message()
+    streamed_calls = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed.stop_reason == "tool_use" and streamed_calls[0].input == calls[0].input  # type: ignore[union-attr]
+    # the result goes back as a tool_result block; the answer is text
+    second = claude.messages.create(
+        model=SMOL,
+        max_tokens=N,
+        messages=[
+            ask,  # type: ignore[list-item]
+            {"role": "assistant", "content": [c.model_dump() for c in calls]},  # type: ignore[misc]
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "Sunny, 24 C"}],
+            },
+        ],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "none"},
+        extra_body=GREEDY,
+    )
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert second.content[0].type == "text" and second.content[0].text  # type: ignore[union-attr]
+
+
+def test_ollama_tool_call_and_format_schema(served: Served, llama: ollama.Client) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            **{k: v for k, v in WEATHER.items() if k != "input_schema"},
+            "parameters": WEATHER["input_schema"],
+        },
+    }
+    options = {"temperature": 0, "num_predict": 60}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # Ollama has no tool_choice; Timeshare's extension forces the call (a grammar from the first
+    # token), and the client's own response type reads the answer
+    body = {"model": SMOL, "messages": messages, "tools": [tool], "tool_choice": "required", "stream": False}
+    r = httpx.post(
+        f"{served.url}/api/chat", json={**body, "options": options}, headers=served.headers(), timeout=180
+    )
+    forced = ollama.ChatResponse.model_validate(r.raise_for_status().json())
+    calls = forced.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert set(calls[0].function.arguments) == {"city"} and isinstance(
+        calls[0].function.arguments["city"], str
+    )
+    # auto, through the client: a call or text, never a broken call
+    auto = llama.chat(model=SMOL, messages=messages, tools=[tool], options=options)
+    for call in auto.message.tool_calls or []:
+        assert call.function.name == "get_weather" and set(call.function.arguments) == {"city"}
+    # the call and its result back in the history: the answer is text
+    history = [
+        *messages,
+        {"role": "assistant", "content": "", "tool_calls": [c.model_dump() for c in calls]},
+        {"role": "tool", "content": "Sunny, 24 C", "tool_name": "get_weather"},
+    ]
+    after = llama.chat(model=SMOL, messages=history, tools=[tool], options={**options, "num_predict": N})
+    assert after.message.content and not after.message.tool_calls
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    answer = llama.chat(
+        model=SMOL,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        format=schema,
+        options=options,
+    )
+    jsonschema.validate(json.loads(answer.message.content or ""), schema)
+    plain = llama.generate(model=SMOL, prompt="Give me a JSON object.", format="json", options=options)
+    assert isinstance(json.loads(plain.response), dict)

@@ -13,6 +13,7 @@ the server shutting down (503).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from ..errors import UnknownModelError
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import PoolSnapshot
+from .chat_output import prepare_chat
 from .errors import BadRequestError
 from .requests import GenerationRequest
 from .tools import ToolRequest
@@ -189,20 +191,25 @@ class Turn:
 async def start(
     host: Host, request: Request, req: GenerationRequest, tools: ToolRequest | None = None
 ) -> Turn:
-    """Queue ``req`` on the pool (``tools``: the request's tools, validated by the tools path)."""
+    """Queue ``req`` on the pool with ``tools`` (validated by the tools path), prepared as
+    /v1/chat/completions prepares a chat (``chat_output.prepare_chat``: the template's tools, the
+    call grammar, the answer's parser)."""
     started = time.monotonic()
     snapshot = host.pool.snapshot()
     if snapshot.model(req.model) is None:
         raise unknown_model(req.model, snapshot)
     if tools is not None:
-        raise BadRequestError(
-            "'tools' are not served on this dialect yet: Timeshare's tool calling reaches the pool "
-            "through /v1/chat/completions only for now; leave 'tools' out.",
-            "tools",
-        )
-    fields = req.pool_fields()
+        req = dataclasses.replace(req, tools=tools)
+    model = model_config(host.pool, req.model)
+    fields, output = await host.call(prepare_chat, req, model)
     try:
         gen = await host.call(partial(host.pool.generate, req.model, **fields))
     except ValueError as exc:  # the pool's own argument check
         raise BadRequestError(f"{exc}.") from exc
-    return Turn(host, request, req, gen, None, started)
+    parser = None
+    if output is not None:
+        fmt = output.plan.fmt
+        parser = AnswerParser(
+            fmt.family, tools=output.plan.parses_calls, thinks=fmt.thinks, starts_thinking=fmt.starts_thinking
+        )
+    return Turn(host, request, req, gen, parser, started)

@@ -86,6 +86,7 @@ class ChatBody(_Body, frozen=True, kw_only=True):
         default_factory=list
     )
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # Timeshare's extension: OpenAI's tool_choice ("auto" when absent)
 
 
 class GenerateBody(_Body, frozen=True, kw_only=True):
@@ -340,10 +341,15 @@ def chat_messages(messages: list[OllamaMessage]) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
-def tool_request(tools: list[dict[str, Any]] | None) -> ToolRequest | None:
+def tool_request(tools: list[dict[str, Any]] | None, choice: Any = None) -> ToolRequest | None:
+    """Ollama's ``tools`` (OpenAI's function tools) through the tools path; ``choice`` is the
+    ``tool_choice`` extension (Ollama has none: ``auto``)."""
     if not tools:
         return None
-    return parse_tool_request({"tools": tools})
+    body: dict[str, Any] = {"tools": tools}
+    if choice is not None:
+        body["tool_choice"] = choice
+    return parse_tool_request(body)
 
 
 class Contexts:
@@ -452,7 +458,7 @@ class Routes:
         if not body.messages:  # Ollama's way to load (or, keep_alive 0, unload) a model
             return await self._load_only(model_id, keep, {"message": {"role": "assistant", "content": ""}})
         messages = chat_messages(body.messages)
-        tools = tool_request(body.tools)
+        tools = tool_request(body.tools, body.tool_choice)
         req = await anyio.to_thread.run_sync(lambda: _request(model_id, body, messages, None, None))
 
         def shape(events: list[Event]) -> dict[str, Any]:

@@ -215,10 +215,9 @@ class ModelRoutes:
                     f"{arch}.context_length": entry.context_length,
                 }
             )
-        capabilities = ["completion"]
+        capabilities = ["completion", "tools"]
         if config is not None and config.embedding:
             capabilities = ["embedding"]
-        # tools: once the tools path serves this dialect (see docs/API.md)
         parameters = [f"num_ctx {status.n_ctx}"] if status.n_ctx else []
         return {
             "license": entry.licence if entry else "",
