@@ -199,7 +199,10 @@ class TimeshareApp(QObject):
             self.notify("The API did not start", f"{e}: change the port in Settings → API", error=True)
             return
         self.api = server
-        log.info("API at %s", url)
+        log.info("API at %s (OpenAI, Anthropic and Ollama dialects)", url)
+        refused = getattr(server, "ollama_refused", "")  # api.ollama_listen's port was taken
+        if refused:
+            self.notify("The Ollama listener is off", refused, error=True)
 
     def stop_api(self) -> None:
         if self.api is not None:

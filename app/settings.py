@@ -329,6 +329,7 @@ class SettingsDialog(QDialog):
             self.api_host,
             self.api_port,
             self.api_key,
+            self.api_ollama,
             self.start_at_login,
             self.prewake,
             self.idle_all,
@@ -616,7 +617,17 @@ class SettingsDialog(QDialog):
         form.addRow("Address:", self.api_host)
         form.addRow("Port:", self.api_port)
         form.addRow("Key:", self.api_key)
-        note = QLabel("Clients use http://ADDRESS:PORT/v1 with the key as a bearer token.")
+        self.api_ollama = QLineEdit(str(api.get("ollama_listen") or ""))
+        self.api_ollama.setPlaceholderText("off (Ollama's own address: 127.0.0.1:11434)")
+        self.api_ollama.setToolTip(
+            "A second address for clients that speak only Ollama's API (api.ollama_listen, "
+            "HOST:PORT). Every dialect is also served on the address above."
+        )
+        form.addRow("Ollama listener:", self.api_ollama)
+        note = QLabel(
+            "Clients use http://ADDRESS:PORT/v1 (OpenAI), /v1/messages (Anthropic) or /api (Ollama), "
+            "with the key as a bearer token or x-api-key."
+        )
         note.setStyleSheet("color: gray")
         form.addRow(note)
         return tab
@@ -659,6 +670,10 @@ class SettingsDialog(QDialog):
             api["key"] = self.api_key.text()
         else:
             api.pop("key", None)
+        if self.api_ollama.text().strip():
+            api["ollama_listen"] = self.api_ollama.text().strip()
+        else:
+            api.pop("ollama_listen", None)
         draft["general"]["start_at_login"] = self.start_at_login.isChecked()
         draft["general"]["prewake_on_typing"] = self.prewake.isChecked()
         if self.idle_all.value() != self._idle_initial:

@@ -3,6 +3,8 @@ from PyPI (``ollama``, ``anthropic``) against the demo models, one server for th
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import jsonschema
 import ollama
 import pytest
 from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serving, write_config
+from _hub_util import FakeHub, make_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -289,3 +292,121 @@ def test_ollama_tool_call_and_format_schema(served: Served, llama: ollama.Client
     jsonschema.validate(json.loads(answer.message.content or ""), schema)
     plain = llama.generate(model=SMOL, prompt="Give me a JSON object.", format="json", options=options)
     assert isinstance(json.loads(plain.response), dict)
+
+
+def test_ollama_list_show_ps(served: Served, llama: ollama.Client, smollm2_path: Path) -> None:
+    listed = {m.model: m for m in llama.list().models}
+    assert set(listed) == {f"{SMOL}:latest", f"{GEMMA}:latest"}
+    smol = listed[f"{SMOL}:latest"]
+    assert smol.size == smollm2_path.stat().st_size
+    assert smol.digest == hashlib.sha256(smollm2_path.read_bytes()).hexdigest()  # an oracle of its own
+    assert smol.details is not None and smol.details.format == "gguf" and smol.details.family == "llama"
+    assert smol.details.quantization_level and smol.details.parameter_size
+    shown = llama.show(SMOL)
+    assert "{%" in (shown.template or "") and "completion" in (shown.capabilities or [])
+    assert (shown.modelinfo or {})["general.architecture"] == "llama"
+    assert "num_ctx" in (shown.parameters or "")
+    running = {m.model: m for m in llama.ps().models}
+    assert f"{SMOL}:latest" in running and running[f"{SMOL}:latest"].expires_at is not None
+
+
+def test_ollama_generate_context_and_keep_alive(served: Served, llama: ollama.Client) -> None:
+    options = {"temperature": 0, "num_predict": N}
+    first = llama.generate(model=SMOL, prompt="My name is Ada.", options=options)
+    assert first.context and first.response
+    again = llama.generate(model=SMOL, prompt="What is my name?", context=first.context, options=options)
+    assert again.response
+    # the context holds the first turn: only the new turn's tokens are evaluated
+    assert (again.prompt_eval_count or 0) < again.model_extra["timeshare"]["prompt_tokens"]  # type: ignore[index]
+    raw = llama.generate(model=SMOL, prompt="The capital of France is", raw=True, options=options)
+    body = {"model": SMOL, "prompt": "The capital of France is", "max_tokens": N, "temperature": 0}
+    r = httpx.post(f"{served.url}/v1/completions", json=body, headers=served.headers(), timeout=180)
+    assert raw.response == r.json()["choices"][0]["text"]
+    with pytest.raises(ollama.ResponseError) as template:
+        llama.generate(model=SMOL, prompt="hi", template="{{ .Prompt }}")
+    assert template.value.status_code == 400 and "template" in template.value.error
+    with pytest.raises(ollama.ResponseError) as unknown:
+        llama.generate(model=SMOL, prompt="hi", context=[12345])
+    assert unknown.value.status_code == 400 and "context" in unknown.value.error
+    # keep_alive 0: the weights go now (KV kept), the model stays listed with no VRAM
+    llama.generate(model=SMOL, prompt="", keep_alive=0)
+    assert served.model_status(SMOL)["state"] in ("released", "sleeping")
+    assert served.model_status(SMOL)["pinned"] is False
+    llama.generate(model=SMOL, prompt="", keep_alive="1h")  # a duration sets the idle timer
+    expires = next(m.expires_at for m in llama.ps().models if m.model == f"{SMOL}:latest")
+    assert expires is not None and expires.year == dt.datetime.now(dt.timezone.utc).year
+
+
+def test_a_switch_mid_conversation_keeps_the_prompt_cache(served: Served, llama: ollama.Client) -> None:
+    options = {"temperature": 0, "num_predict": N}
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    first = llama.chat(model=SMOL, messages=messages, options=options)
+    llama.chat(model=GEMMA, messages=[{"role": "user", "content": "Hi"}], options=options)  # takes the GPU
+    messages += [
+        {"role": "assistant", "content": first.message.content},
+        {"role": "user", "content": "More."},
+    ]
+    second = llama.chat(model=SMOL, messages=messages, options=options)
+    extras = second.model_extra["timeshare"]  # type: ignore[index]
+    assert extras["switched"] is True
+    # the first turn's prompt was in the KV cache: it is not evaluated again
+    new_tokens = extras["prompt_tokens"] - first.model_extra["timeshare"]["prompt_tokens"]  # type: ignore[index]
+    assert 0 < (second.prompt_eval_count or 0) <= new_tokens
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api/chat", {"model": SMOL, "messages": "hi"}),
+        ("/api/chat", {"model": SMOL, "messages": [{"role": "wizard", "content": "x"}]}),
+        (
+            "/api/chat",
+            {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "options": {"bogus": 1}},
+        ),
+        ("/api/chat", {"model": SMOL, "messages": [], "keep_alive": "forever"}),
+        ("/api/chat", {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "format": {"not": {}}}),
+        ("/api/generate", {"model": SMOL, "prompt": 5}),
+        ("/api/generate", {"model": SMOL, "prompt": "x", "options": {"num_predict": -7}}),
+        ("/api/show", {}),
+        ("/v1/messages", {"model": SMOL, "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/messages", {"model": SMOL, "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}),
+        (
+            "/v1/messages",
+            {"model": SMOL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "x"}]}]},
+        ),
+        ("/v1/messages/count_tokens", {"model": SMOL, "messages": []}),
+    ],
+)
+def test_hostile_inputs_are_clear_4xx(served: Served, path: str, body: object) -> None:
+    r = httpx.post(f"{served.url}{path}", json=body, headers=served.headers(), timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    answer = r.json()
+    message = answer["error"]["message"] if path.startswith("/v1") else answer["error"]
+    assert isinstance(message, str) and len(message) > 20
+    if path.startswith("/v1"):
+        assert answer["type"] == "error"
+    assert httpx.get(f"{served.url}/api/version", headers=served.headers()).status_code == 200
+
+
+def test_ollama_pull_from_a_url_then_delete(served: Served, llama: ollama.Client, tmp_path: Path) -> None:
+    hub = FakeHub()
+    try:
+        data = make_gguf(tmp_path / "Tiny-Q4_K_M.gguf")
+        hub.files["Tiny-Q4_K_M.gguf"] = data
+        events = list(llama.pull(f"{hub.url}/files/Tiny-Q4_K_M.gguf", stream=True))
+    finally:
+        hub.close()
+    statuses = [e.status for e in events]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success", statuses
+    done = [e for e in events if e.completed is not None]
+    assert done and done[-1].completed == len(data) and done[-1].total == len(data)
+    pulled = events[-1].model_extra["timeshare"]  # type: ignore[index]
+    assert Path(pulled["path"]).read_bytes() == data
+    assert f"{pulled['id']}:latest" in {m.model for m in llama.list().models}
+    assert pulled["id"] in (served.config.read_text() if served.config else "")  # type: ignore[union-attr]
+    llama.delete(pulled["id"])
+    assert pulled["id"] not in {m.model.split(":")[0] for m in llama.list().models if m.model}
+    assert Path(pulled["path"]).exists()  # the file stays unless asked
+    with pytest.raises(ollama.ResponseError) as bad:
+        llama.pull("hf.co/", stream=False)
+    assert bad.value.status_code == 400

@@ -217,6 +217,11 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         holders.update(d.get("holders") or [])
         if shown:
             out.write(_device_line(d))
+    for name, where in (status.get("served") or {}).items():
+        urls = ", ".join(where.get("urls") or [])
+        out.write(f"Serving {name} ({where.get('paths', '')}) at {urls}\n")
+        if where.get("refused"):
+            out.write(f"  {where['refused']}\n")
     models = status.get("models") or []
     if not models:
         out.write("No models are configured.\n")

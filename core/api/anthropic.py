@@ -370,7 +370,9 @@ def _blocks(events: list[Event]) -> list[dict[str, Any]]:
     """Events as Anthropic content blocks (adjacent text joined)."""
     blocks: list[dict[str, Any]] = []
     for event in events:
-        if event.kind == "call" and event.call is not None:
+        if event.kind in ("call_start", "call_arguments"):
+            continue  # the whole call follows as call_end
+        if event.kind in ("call", "call_end") and event.call is not None:
             try:
                 arguments = json.loads(event.call.arguments or "{}")
             except ValueError:
@@ -448,6 +450,21 @@ class Routes:
                 nonlocal index, open_kind, called
                 out: list[dict[str, str]] = []
                 for e in parsed:
+                    if e.kind == "call_start" and e.call is not None:  # its input streams
+                        out += close()
+                        index += 1
+                        called = True
+                        open_kind = "tool_use"
+                        block = {"type": "tool_use", "id": _tool_id(), "name": e.call.name, "input": {}}
+                        out.append(event("content_block_start", {"index": index, "content_block": block}))
+                        continue
+                    if e.kind == "call_arguments":
+                        delta = {"type": "input_json_delta", "partial_json": e.text}
+                        out.append(event("content_block_delta", {"index": index, "delta": delta}))
+                        continue
+                    if e.kind == "call_end":
+                        out += close()
+                        continue
                     if e.kind == "call" and e.call is not None:
                         out += close()
                         index += 1

@@ -130,8 +130,11 @@ class SwitchCounter:
             }
 
 
-def status_json(snapshot: PoolSnapshot, counter: SwitchCounter) -> dict[str, Any]:
+def status_json(
+    snapshot: PoolSnapshot, counter: SwitchCounter, served: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
+        "served": served or {},  # which dialects, where (the server fills it in)
         "object": "timeshare.status",
         "holder": snapshot.holder,
         "switching": snapshot.switching,
@@ -178,6 +181,7 @@ class _Handlers:
     ) -> None:
         self.pool = pool
         self.config_path = config_path  # the config file the dialects' model routes edit
+        self.served: dict[str, Any] = {}  # which dialects are served where (ApiServer fills it)
         self.api_config = api_config
         self.counter = counter
         self.created = int(time.time())
@@ -562,7 +566,7 @@ class _Handlers:
 
     async def status(self, request: Request) -> Response:
         snapshot = self.pool.snapshot()
-        return JSONResponse(status_json(snapshot, self.counter))
+        return JSONResponse(status_json(snapshot, self.counter, self.served))
 
     async def model_command(self, request: Request) -> Response:
         command = request.path_params["command"]
@@ -767,5 +771,6 @@ def create_app(
     app.add_middleware(GuardMiddleware, api_config=api_config, closing=lambda: handlers.closing)
     app.state.begin_shutdown = handlers.begin_shutdown
     app.state.counter = counter
+    app.state.served = handlers.served
     app.state.unsubscribe = pool.subscribe(counter.on_event)
     return app

@@ -413,7 +413,7 @@ def _message(events: list[Event]) -> dict[str, Any]:
             message["content"] += e.text
         elif e.kind == "reasoning":
             message["thinking"] = message.get("thinking", "") + e.text
-        elif e.call is not None:
+        elif e.kind in ("call", "call_end") and e.call is not None:  # (call_start/arguments: parts)
             try:
                 arguments = json.loads(e.call.arguments or "{}")
             except ValueError:

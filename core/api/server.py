@@ -27,7 +27,7 @@ from .. import paths
 from ..arena.dirs import pid_alive
 from ..config.files import cli_config_path, load_for_cli
 from ..config.schema import ApiConfig
-from ..config.validate import is_loopback, needs_key
+from ..config.validate import is_loopback, needs_key, split_listen
 from ..config.watch import ConfigWatcher
 from ..diskspace import check_room, disk_full_error, is_disk_full
 from ..errors import ApiBindError, ArenaError, ConfigError, DiskFullError, InstanceRunningError
@@ -161,6 +161,10 @@ class ApiServer:
         self.port: int | None = None
         self.url: str | None = None
         self._address: ApiAddress | None = None
+        # api.ollama_listen: the second listener's URL, or why it was refused
+        self._ollama_sock: socket.socket | None = None
+        self.ollama_url: str | None = None
+        self.ollama_refused: str = ""
 
     def start(self, timeout: float = 15.0) -> str:
         check_bind_allowed(self.api_config)
@@ -168,6 +172,8 @@ class ApiServer:
         self.port = int(self._sock.getsockname()[1])
         self.url = _url(self.api_config.host, self.port)
         self.app = create_app(self.pool, self.api_config, reload=self.reload, config_path=self.config_path)
+        self._bind_ollama()
+        self.app.state.served.update(served_dialects(self.url, self.ollama_url, self.ollama_refused))
         install_log_limits()
         config = uvicorn.Config(
             self.app,
@@ -207,10 +213,30 @@ class ApiServer:
         log.info("API listening on %s%s", self.url, " (key required)" if self.api_config.key else "")
         return self.url
 
+    def _bind_ollama(self) -> None:
+        """``api.ollama_listen``: a second socket for Ollama-only clients. A taken port (a real
+        Ollama, most likely) is refused with a sentence in the log and the status; the API serves on."""
+        if not self.api_config.ollama_listen:
+            return
+        host, port = split_listen(self.api_config.ollama_listen)
+        try:
+            self._ollama_sock = _bind(host, port)
+        except ApiBindError as exc:
+            self.ollama_refused = (
+                f"The Ollama listener (api.ollama_listen = {self.api_config.ollama_listen!r}) is off: "
+                f"{host}:{port} is taken ({exc}). Stop the program there (a real Ollama?), or set "
+                f"another address in Settings → API; the Ollama API is still served on {self.url}."
+            )
+            log.warning("%s", self.ollama_refused)
+            return
+        self.ollama_url = _url(host, int(self._ollama_sock.getsockname()[1]))
+        log.info("Ollama API also listening on %s", self.ollama_url)
+
     def _run(self) -> None:
         assert self._server is not None and self._sock is not None
         try:
-            self._server.run(sockets=[self._sock])
+            sockets = [self._sock] + ([self._ollama_sock] if self._ollama_sock is not None else [])
+            self._server.run(sockets=sockets)
         except BaseException as exc:  # uvicorn exits with SystemExit on startup failures
             self._crash = exc
             log.error("API server stopped: %r", exc)
@@ -237,9 +263,24 @@ class ApiServer:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._ollama_sock is not None:
+            self._ollama_sock.close()
+            self._ollama_sock = None
         if self.app is not None:
             self.app.state.unsubscribe()
             self.app = None
+
+
+def served_dialects(url: str, ollama_url: str | None, ollama_refused: str = "") -> dict[str, object]:
+    """Which dialects are served where (the status's ``served``)."""
+    ollama: dict[str, object] = {"urls": [url] + ([ollama_url] if ollama_url else []), "paths": "/api/*"}
+    if ollama_refused:
+        ollama["refused"] = ollama_refused
+    return {
+        "openai": {"urls": [url], "paths": "/v1/chat/completions, /v1/completions, /v1/models"},
+        "anthropic": {"urls": [url], "paths": "/v1/messages"},
+        "ollama": ollama,
+    }
 
 
 # ---- `timeshare serve` -------------------------------------------------------------------------

@@ -78,6 +78,9 @@ class ApiConfig:
     # web origins ("http://localhost:3000") whose pages may call the API (CORS); "*" allows any.
     # A request carrying another Origin is refused with 403.
     allowed_origins: tuple[str, ...] = ()
+    # a second listener for Ollama-only clients, on Ollama's address ("127.0.0.1:11434"); empty: off.
+    # It serves the same app (every dialect, the same key and guards).
+    ollama_listen: str = ""
 
 
 @dataclass(frozen=True)

@@ -286,6 +286,26 @@ _HOST_NAME_RE = re.compile(r"^(\*|[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?|\[[0-9a-f:.]
 _ORIGIN_RE = re.compile(r"^[a-z][a-z0-9+.-]*://[^/?#\s]+$")
 
 
+def split_listen(text: str) -> tuple[str, int]:
+    """A listen address "host:port" ("[::1]:11434" for IPv6) as (host, port); ValueError."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f'{text!r} is not host:port (such as "127.0.0.1:11434")')
+    return host.strip("[]"), int(port)
+
+
+def _listen_address(c: _Checker, where: str, value: object) -> str | None:
+    text = c.string(where, value)
+    if not text:
+        return text
+    try:
+        split_listen(text)
+    except ValueError as exc:
+        c.problem(where, f"{exc}; leave it empty to turn the listener off")
+        return None
+    return text.strip()
+
+
 def _host_checker(c: _Checker) -> Any:
     def check(where: str, text: str) -> None:
         name = text.strip().lower()
@@ -391,9 +411,15 @@ def validate(
             "queue_limit": lambda w, v: c.integer(w, v, minimum=1),
             "allowed_hosts": lambda w, v: c.string_list(w, v, _host_checker(c)),
             "allowed_origins": lambda w, v: c.string_list(w, v, _origin_checker(c)),
+            "ollama_listen": lambda w, v: _listen_address(c, w, v),
         },
     )
     api_raw = raw.get("api", {})
+    if api.ollama_listen and not api.key and not is_loopback(split_listen(api.ollama_listen)[0]):
+        c.problem(
+            "api.ollama_listen",
+            f"{api.ollama_listen!r} is reachable from other machines: set api.key, or listen on 127.0.0.1",
+        )
     if (
         isinstance(api_raw, Mapping)
         and not any(p.startswith(("api.host", "api.key")) for p in c.problems)
