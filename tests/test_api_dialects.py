@@ -8,12 +8,14 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
 import jsonschema
 import ollama
 import pytest
+import tomllib
 from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serving, write_config
 from _hub_util import FakeHub, make_gguf
 
@@ -146,6 +148,14 @@ def test_anthropic_errors_are_the_sdks_own(served: Served, claude: anthropic.Ant
 
 
 # ---- Ollama --------------------------------------------------------------------------------------
+
+
+def _ollama(served: Served, path: str, **body: object) -> dict[str, Any]:
+    """A whole (not streamed) greedy answer as JSON (the client's types drop the timeshare field)."""
+    body = {"stream": False, "options": {"temperature": 0, "num_predict": N}, **body}
+    r = httpx.post(f"{served.url}{path}", json=body, headers=served.headers(), timeout=180)
+    answer: dict[str, Any] = r.raise_for_status().json()
+    return answer
 
 
 def test_ollama_root_and_version(served: Served) -> None:
@@ -314,11 +324,13 @@ def test_ollama_generate_context_and_keep_alive(served: Served, llama: ollama.Cl
     options = {"temperature": 0, "num_predict": N}
     first = llama.generate(model=SMOL, prompt="My name is Ada.", options=options)
     assert first.context and first.response
-    again = llama.generate(model=SMOL, prompt="What is my name?", context=first.context, options=options)
-    assert again.response
+    again = _ollama(served, "/api/generate", model=SMOL, prompt="What is my name?", context=first.context)
+    assert again["response"] and again["context"] != first.context
     # the context holds the first turn: only the new turn's tokens are evaluated
-    assert (again.prompt_eval_count or 0) < again.model_extra["timeshare"]["prompt_tokens"]  # type: ignore[index]
-    raw = llama.generate(model=SMOL, prompt="The capital of France is", raw=True, options=options)
+    assert 0 < again["prompt_eval_count"] < again["timeshare"]["prompt_tokens"]
+    # Ollama's default repeat_penalty (1.1) off, to compare with the OpenAI surface's answer
+    plain = {**options, "repeat_penalty": 1.0}
+    raw = llama.generate(model=SMOL, prompt="The capital of France is", raw=True, options=plain)
     body = {"model": SMOL, "prompt": "The capital of France is", "max_tokens": N, "temperature": 0}
     r = httpx.post(f"{served.url}/v1/completions", json=body, headers=served.headers(), timeout=180)
     assert raw.response == r.json()["choices"][0]["text"]
@@ -339,19 +351,22 @@ def test_ollama_generate_context_and_keep_alive(served: Served, llama: ollama.Cl
 
 def test_a_switch_mid_conversation_keeps_the_prompt_cache(served: Served, llama: ollama.Client) -> None:
     options = {"temperature": 0, "num_predict": N}
-    messages = [{"role": "user", "content": "Tell me about the sea."}]
-    first = llama.chat(model=SMOL, messages=messages, options=options)
+    # the prompt cache reuses a prefix of 64 tokens or more (docs/API.md)
+    system = "You are a patient guide to the oceans of the world. " * 8
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me about the sea."}]
+    first = _ollama(served, "/api/chat", model=SMOL, messages=messages)
+    assert first["prompt_eval_count"] >= 80
     llama.chat(model=GEMMA, messages=[{"role": "user", "content": "Hi"}], options=options)  # takes the GPU
     messages += [
-        {"role": "assistant", "content": first.message.content},
+        {"role": "assistant", "content": first["message"]["content"]},
         {"role": "user", "content": "More."},
     ]
-    second = llama.chat(model=SMOL, messages=messages, options=options)
-    extras = second.model_extra["timeshare"]  # type: ignore[index]
-    assert extras["switched"] is True
+    second = _ollama(served, "/api/chat", model=SMOL, messages=messages)
+    assert second["timeshare"]["switched"] is True
     # the first turn's prompt was in the KV cache: it is not evaluated again
-    new_tokens = extras["prompt_tokens"] - first.model_extra["timeshare"]["prompt_tokens"]  # type: ignore[index]
-    assert 0 < (second.prompt_eval_count or 0) <= new_tokens
+    new_tokens = second["timeshare"]["prompt_tokens"] - first["timeshare"]["prompt_tokens"]
+    assert 0 < second["prompt_eval_count"] <= new_tokens
+    assert second["load_duration"] > 0 and second["total_duration"] >= second["load_duration"]
 
 
 @pytest.mark.parametrize(
@@ -400,13 +415,17 @@ def test_ollama_pull_from_a_url_then_delete(served: Served, llama: ollama.Client
     assert statuses[0] == "pulling manifest" and statuses[-1] == "success", statuses
     done = [e for e in events if e.completed is not None]
     assert done and done[-1].completed == len(data) and done[-1].total == len(data)
-    pulled = events[-1].model_extra["timeshare"]  # type: ignore[index]
-    assert Path(pulled["path"]).read_bytes() == data
-    assert f"{pulled['id']}:latest" in {m.model for m in llama.list().models}
-    assert pulled["id"] in (served.config.read_text() if served.config else "")  # type: ignore[union-attr]
-    llama.delete(pulled["id"])
-    assert pulled["id"] not in {m.model.split(":")[0] for m in llama.list().models if m.model}
-    assert Path(pulled["path"]).exists()  # the file stays unless asked
+    assert served.config is not None
+    added = [m for m in tomllib.loads(served.config.read_text())["models"] if m["id"] not in (SMOL, GEMMA)]
+    assert len(added) == 1 and Path(added[0]["path"]).read_bytes() == data
+    pulled = added[0]["id"]
+    assert f"{pulled}:latest" in {m.model for m in llama.list().models}
+    llama.delete(f"{pulled}:latest")
+    # the pool stops and forgets it (on its own thread)
+    served.wait_until(lambda st: pulled not in [m["id"] for m in st["models"]], "the model to go", 60)
+    assert f"{pulled}:latest" not in {m.model for m in llama.list().models}
+    assert pulled not in [m["id"] for m in tomllib.loads(served.config.read_text())["models"]]
+    assert Path(added[0]["path"]).exists()  # the file stays unless asked
     with pytest.raises(ollama.ResponseError) as bad:
         llama.pull("hf.co/", stream=False)
     assert bad.value.status_code == 400
