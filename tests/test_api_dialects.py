@@ -429,3 +429,22 @@ def test_ollama_pull_from_a_url_then_delete(served: Served, llama: ollama.Client
     with pytest.raises(ollama.ResponseError) as bad:
         llama.pull("hf.co/", stream=False)
     assert bad.value.status_code == 400
+
+
+def test_ollama_embed_is_the_pools_embedding(served: Served, llama: ollama.Client) -> None:
+    texts = ["The sea is blue.", "Bonjour"]
+    answer = llama.embed(model=SMOL, input=texts)
+    assert len(answer.embeddings) == 2
+    for vector in answer.embeddings:
+        assert abs(sum(x * x for x in vector) - 1.0) < 1e-4  # unit vectors
+    r = httpx.post(
+        f"{served.url}/v1/embeddings",
+        json={"model": SMOL, "input": texts},
+        headers=served.headers(),
+        timeout=180,
+    )
+    reference = [d["embedding"] for d in r.json()["data"]]
+    for ours, theirs in zip(answer.embeddings, reference, strict=True):
+        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-5
+    legacy = llama.embeddings(model=SMOL, prompt=texts[0])
+    assert max(abs(a - b) for a, b in zip(legacy.embedding, reference[0], strict=True)) < 1e-5

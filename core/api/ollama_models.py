@@ -32,7 +32,9 @@ from ..errors import TimeshareError
 from ..gguf.catalog import CatalogEntry, read_chat_template, read_gguf_header
 from ..state import EventKind, ModelState, ModelStatus, PoolEvent
 from .dialect import Host
-from .errors import BadRequestError
+from .embeddings import MAX_INPUTS
+from .errors import BadRequestError, ClientGoneError
+from .extras import switch_extras
 from .ollama import IGNORED_OPTIONS, OPTIONS, decode, resolve, shown_name
 from .ollama_pull import pull_lines
 from .requests import read_json
@@ -53,6 +55,14 @@ class NameBody(msgspec.Struct, frozen=True, kw_only=True):
         if not (self.model or self.name):
             raise BadRequestError("'model' is required: a name from GET /api/tags.", "model")
         return self.model or self.name
+
+
+class EmbedBody(NameBody, frozen=True, kw_only=True):
+    input: str | list[str] | None = None
+    prompt: str | None = None  # /api/embeddings
+    truncate: bool = True  # ignored: an input longer than the context is an error, never cut
+    options: dict[str, Any] | None = None  # ignored
+    keep_alive: str | float | None = None  # ignored here
 
 
 class PullBody(msgspec.Struct, frozen=True, kw_only=True):
@@ -331,10 +341,42 @@ class ModelRoutes:
         return JSONResponse(last)
 
     async def embed(self, request: Request) -> Response:
-        raise BadRequestError(
-            "Embeddings are not served on the Ollama API yet: the pool's embedding path has not "
-            "landed in this build; see docs/API.md.",
-            status=501,
+        """``/api/embed`` (``input``: a string or a list) and the older ``/api/embeddings``
+        (``prompt``: one string): the pool's embeddings (unit vectors, as /v1/embeddings)."""
+        legacy = request.url.path.endswith("/embeddings")
+        body: EmbedBody = decode(await read_json(request), EmbedBody)
+        model_id = resolve(body.which, self.host.pool.snapshot())
+        raw = body.prompt if legacy else body.input
+        inputs = [raw] if isinstance(raw, str) else list(raw or [])
+        field = "prompt" if legacy else "input"
+        if not inputs or any(not isinstance(x, str) or not x for x in inputs):
+            raise BadRequestError(
+                f"'{field}' is required: a non-empty string (or, for input, a list of them).", field
+            )
+        if len(inputs) > MAX_INPUTS:
+            raise BadRequestError(f"'{field}' holds {len(inputs)} inputs; send at most {MAX_INPUTS}.", field)
+        started = time.monotonic()
+        try:
+            gen = await self.host.call(self.host.pool.embed, model_id, tuple(inputs))
+        except ValueError as exc:
+            raise BadRequestError(f"{exc}.") from exc
+        try:
+            result = await self.host.wait_watching(request, gen, gen.result)
+        except ClientGoneError:
+            return Response(status_code=499)
+        vectors = [[float(x) for x in v] for v in result.embeddings]
+        if legacy:
+            return JSONResponse({"embedding": vectors[0]})
+        switch = result.switch
+        return JSONResponse(
+            {
+                "model": shown_name(model_id),
+                "embeddings": vectors,
+                "total_duration": int((time.monotonic() - started) * 1e9),
+                "load_duration": int(switch.restore_ms * 1e6) if switch.switched else 0,
+                "prompt_eval_count": result.usage.prompt_tokens,
+                "timeshare": switch_extras(switch, result.usage.prompt_tokens_evaluated),
+            }
         )
 
 
