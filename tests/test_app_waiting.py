@@ -21,7 +21,8 @@ from timeshare.core.state import EventKind, ModelState, ModelStatus, PoolEvent, 
 
 pytestmark = pytest.mark.gui
 
-PINNED = "waiting for the GPU: pinned by gemma3-270m"
+PINNED = "waiting for the GPU: pinned by gemma3-270m"  # the pool's reason (ids)
+SHOWN = "waiting for the GPU: pinned by Gemma"  # what the GUI shows: display names
 WAIT_MS = 30_000  # upper bound for a wait on a loaded machine; nothing is timed
 
 
@@ -74,14 +75,14 @@ def test_a_model_waiting_for_a_pinned_one_says_so_with_its_seconds(qtbot: Any, a
     assert window.model_box.currentData() == "smol"
     # the window: the words beside the bar, then the seconds counting
     assert not window.wait_row.isHidden()
-    assert window.wait_label.text().startswith(f"SmolLM2 is {PINNED}")
+    assert window.wait_label.text().startswith(f"SmolLM2 is {SHOWN}")
     assert window.model_box.currentText() == "SmolLM2 — waiting"
     qtbot.waitUntil(lambda: re.search(r", \d+ s$", window.wait_label.text()) is not None, timeout=WAIT_MS)
     # the tray: who holds the GPU, who waits for it and for how long
     tip = app.tray.icon.toolTip
-    assert tip().startswith(f"Gemma holds the GPU (pinned) · SmolLM2 {PINNED}")
+    assert tip().startswith(f"Gemma holds the GPU (pinned) · SmolLM2 {SHOWN}")
     qtbot.waitUntil(
-        lambda: re.search(rf"SmolLM2 {re.escape(PINNED)}, \d+ s", tip()) is not None, timeout=WAIT_MS
+        lambda: re.search(rf"SmolLM2 {re.escape(SHOWN)}, \d+ s", tip()) is not None, timeout=WAIT_MS
     )
     # the wait is over: the line goes, the tooltip stops counting
     publish(qtbot, app, model("smol", ModelState.RELEASED, "SmolLM2"), gemma, holder="gemma3-270m")
