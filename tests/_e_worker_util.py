@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
+from timeshare.core.config.vram_budget import resolve_arena
 from timeshare.core.errors import FrameError
 from timeshare.core.sampling import FIELDS, Sampling
 from timeshare.core.worker import protocol as p
@@ -51,7 +52,7 @@ class WorkerHandle:
         spec = spec_override or json.dumps(
             {
                 "model": asdict(model),
-                "arena": asdict(arena or ArenaConfig()),
+                "arena": asdict(resolve_arena(arena or ArenaConfig())),  # as the pool does
                 "arena_dir": str(arena_dir) if arena_dir else None,
                 "kv_dir": str(self.kv_dir),
                 "event_log": str(event_log) if event_log else None,

@@ -310,3 +310,22 @@ def test_many_clients_never_exceed_the_budget(arena_dir: Path, clients: list[Tok
     assert not any(t.is_alive() for t in threads)
     assert 0 < worst[0] <= 1000
     arena.close()
+
+
+def test_the_budget_variable_replaces_auto_in_the_spec_and_the_worker_never_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from timeshare.core.config.schema import ArenaConfig
+    from timeshare.core.config.vram_budget import resolve_arena
+    from timeshare.core.errors import ConfigError
+    from timeshare.core.worker.device import budget_setting
+
+    monkeypatch.setenv("TIMESHARE_VRAM_BUDGET", "one-model")
+    assert resolve_arena(ArenaConfig()).vram_budget == "one-model"
+    assert resolve_arena(ArenaConfig(vram_budget="2GiB")).vram_budget == "2GiB"  # only "auto" yields
+    assert budget_setting("auto").kind == "auto"  # the worker takes its spec's value as it is
+    monkeypatch.setenv("TIMESHARE_VRAM_BUDGET", "20 potatoes")
+    with pytest.raises(ConfigError, match=r"^\$TIMESHARE_VRAM_BUDGET: "):
+        resolve_arena(ArenaConfig())
+    monkeypatch.delenv("TIMESHARE_VRAM_BUDGET")
+    assert resolve_arena(ArenaConfig()).vram_budget == "auto"

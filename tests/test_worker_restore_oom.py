@@ -18,6 +18,7 @@ import pytest
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
+from timeshare.core.config.vram_budget import resolve_arena
 from timeshare.core.errors import OutOfDeviceMemoryError, TokenTimeoutError
 from timeshare.core.residency import _ggml
 from timeshare.core.worker.engine import Engine
@@ -50,7 +51,7 @@ def loaded(tmp_path: Path, smollm2_path: Path) -> Iterator[Callable[[float], Loa
     def make(retry_s: float) -> tuple[ArenaTenancy, Engine, list[int]]:
         spec = WorkerSpec(
             model=ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, idle_sleep_s=None),
-            arena=ArenaConfig(restore_oom_retry_s=retry_s),
+            arena=resolve_arena(ArenaConfig(restore_oom_retry_s=retry_s)),  # as the pool does
             arena_dir=str(tmp_path / "arena"),
             kv_dir=str(tmp_path / "kv"),
         )

@@ -28,6 +28,7 @@ from ..arena.dirs import resolve_arena_dir
 from ..arena.tickets import check_arena_dir
 from ..config import demo
 from ..config.schema import Config, ModelConfig
+from ..config.vram_budget import resolve_arena
 from ..diskspace import MIN_FREE_BYTES, free_bytes
 from ..errors import ModelUnavailableError, QueueFullError, UnknownModelError
 from ..gguf.modelfile import gguf_problem, is_transient, transient_text
@@ -523,9 +524,14 @@ class Pool:
         path = self._model_file(w)
         if path is None:
             return
+        try:  # $TIMESHARE_VRAM_BUDGET is read here, at each spawn, and the worker gets the result
+            arena = resolve_arena(self._config.arena)
+        except errors.ConfigError as exc:
+            self._set_failed(w, f"{exc}: fix it and start {w.id} again", errors.ConfigError.code)
+            return
         spec = WorkerSpec(
             model=replace(w.config, path=path),
-            arena=self._config.arena,
+            arena=arena,
             arena_dir=str(self.arena_dir),
             kv_dir=str(self._kv_root / w.id),
             event_log=self.event_log,

@@ -13,12 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..arena.budget import AUTO, BudgetSetting, parse_budget
+from ..arena.budget import BudgetSetting, parse_budget
 from ..errors import ConfigError
 from ..residency import GgmlDevice, ggml_device_memory, ggml_devices
-
-#: replaces ``arena.vram_budget`` when that is left at its default, "auto" (tests, one-off runs)
-BUDGET_ENV = "TIMESHARE_VRAM_BUDGET"
 
 
 @dataclass(frozen=True)
@@ -69,17 +66,11 @@ def device_memory(index: int) -> DeviceMemory:
 
 
 def budget_setting(configured: str | int) -> BudgetSetting:
-    """The budget setting a worker uses: ``arena.vram_budget``, or ``$TIMESHARE_VRAM_BUDGET`` when
-    the config leaves it at "auto". Raises ConfigError naming the bad value."""
+    """The budget setting a worker uses: its spec's ``arena.vram_budget``, which the pool resolved
+    (``$TIMESHARE_VRAM_BUDGET`` in place of "auto": core/config/vram_budget.py, the one reader of
+    that variable). Raises ConfigError naming the bad value."""
     try:
-        setting = parse_budget(configured)
-        env = os.environ.get(BUDGET_ENV, "").strip()
-        if env and setting == AUTO:
-            try:
-                return parse_budget(env)
-            except ValueError as exc:
-                raise ConfigError([f"${BUDGET_ENV}: {exc}"]) from None
-        return setting
+        return parse_budget(configured)
     except ValueError as exc:
         raise ConfigError([f"arena.vram_budget: {exc}"]) from None
 

@@ -150,8 +150,9 @@ class ArenaTenancy(Tenancy):
     TokenClient writes the "token" intervals (with the leased bytes and the budget).
 
     The budget: the worker measures its device (``models[].device``), computes the budget its
-    setting asks for (``arena.vram_budget``, or ``$TIMESHARE_VRAM_BUDGET`` in place of "auto")
-    and joins the device's arena, whose first member's budget is the one in force. The load runs
+    setting asks for (its spec's ``arena.vram_budget``, which the pool resolved: core/config/
+    vram_budget.py puts ``$TIMESHARE_VRAM_BUDGET`` in place of "auto") and joins the device's
+    arena, whose first member's budget is the one in force. The load runs
     under a lease of the whole budget (one-model, auto: the device to itself, which lets an auto
     budget measure what the worker keeps on the device while released) or of the file's size
     (capped by the budget); once the weights are known the lease shrinks to their bytes, and a
