@@ -171,6 +171,14 @@ class ModelDialog(QDialog):
         self.n_seq = QSpinBox()
         self.n_seq.setRange(1, 256)
         self.n_seq.setValue(int(model.get("n_seq", 4)))
+        self.parallel = QSpinBox()
+        self.parallel.setRange(0, 64)
+        self.parallel.setSpecialValueText("auto (4 on a GPU, 2 on a CPU)")
+        self.parallel.setValue(int(model.get("parallel", 0)))
+        self.parallel.setToolTip(
+            "Requests answered at once, decoded together. Each has the whole context, so the "
+            "KV cache is context tokens × this (kept on the GPU while the model is released)."
+        )
         self.chat_format = QComboBox()
         self.chat_format.addItems(CHAT_FORMATS)
         self.chat_format.setCurrentText(str(model.get("chat_format", "auto")))
@@ -184,6 +192,7 @@ class ModelDialog(QDialog):
         form.addRow("GGUF file:", path_row)
         form.addRow("Context tokens:", self.n_ctx)
         form.addRow("Conversations kept live:", self.n_seq)
+        form.addRow("Answers at once:", self.parallel)
         form.addRow("Chat format:", self.chat_format)
         form.addRow("Pinned:", self.pinned)
         form.addRow("Release when idle after:", self.idle)
@@ -197,6 +206,7 @@ class ModelDialog(QDialog):
             self.path_edit,
             self.n_ctx,
             self.n_seq,
+            self.parallel,
             self.chat_format,
             self.pinned,
             self.idle,
@@ -221,6 +231,10 @@ class ModelDialog(QDialog):
             pinned=self.pinned.isChecked(),
             idle_sleep_s=_idle_seconds(self.idle.value()),
         )
+        if self.parallel.value():
+            model["parallel"] = self.parallel.value()
+        else:
+            model.pop("parallel", None)  # auto
         name = self.name_edit.text().strip()
         if name:
             model["name"] = name

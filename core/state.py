@@ -77,6 +77,8 @@ class ModelStatus:
     busy: bool = False
     pinned: bool = False
     queued: int = 0  # requests waiting in the pool for this model
+    active: int = 0  # requests its worker decodes together now (continuous batching)
+    parallel: int = 0  # how many it may decode together (0: not loaded yet)
     reason: str = ""  # why FAILED, or what it waits for ("waiting for the GPU: pinned by gemma3-270m")
     # the error code of a FAILED model's failure; "model_file": its file is missing, unreadable or
     # not a GGUF (the tray then offers to locate the file or remove the model)

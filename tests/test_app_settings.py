@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from timeshare.core.config import files as config_files
 from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
+from timeshare.core.errors import ConfigError
 from timeshare.core.state import EventKind, ModelState, ModelStatus, PoolEvent, PoolSnapshot
 
 pytestmark = pytest.mark.gui
@@ -233,6 +234,21 @@ def test_model_dialog_validates_with_field_messages(
     assert value["id"] == "smol-2" and value["idle_sleep_s"] == 120.0
     assert value["licence"] == "Apache-2.0"  # kept
     assert dialog.licence.text() == "Apache-2.0"
+    # parallel: auto (0) is shown as such and not written; a number is, and the config layer takes it
+    assert (
+        dialog.parallel.value() == 0 and dialog.parallel.text().startswith("auto") and "parallel" not in value
+    )
+    dialog.parallel.setValue(3)
+    value = dialog.value()
+    assert value["parallel"] == 3
+    # the config layer takes it (and refuses what is not a count)
+    config = smol_config(smollm2_path)
+    config = dataclasses.replace(config, models=(dataclasses.replace(config.models[0], parallel=3),))
+    config_path.write_text(config_files.config_to_toml(config))
+    assert config_files.load_config(config_path).models[0].parallel == 3
+    config_path.write_text(config_files.config_to_toml(config).replace("parallel = 3", "parallel = -1"))
+    with pytest.raises(ConfigError, match="parallel"):
+        config_files.load_config(config_path)
 
 
 def test_edit_and_remove_model(

@@ -114,7 +114,7 @@ def test_a_stop_string_split_across_tokens(smol: Engine) -> None:
     greedy = run(smol, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
     llm = smol.llm
     n_prompt = greedy.prompt_tokens
-    sampled = [int(t) for t in llm.input_ids[n_prompt : llm.n_tokens]]  # all but the last token
+    sampled = list(smol.kv_tokens()[n_prompt:])  # all but the last token
     pieces = [llm.detokenize([t]).decode() for t in sampled]
     # a stop string made of the end of one token and the start of the next (and of a third)
     for i in range(2, len(pieces) - 2):
@@ -170,10 +170,10 @@ def test_cancel_mid_answer_keeps_the_bookkeeping(smol: Engine) -> None:
     cut = run(smol, step, prompt=prompt, max_tokens=40, temperature=0.0)
     assert cut.finish_reason == "cancelled"
     assert 0 < cut.completion_tokens < full.completion_tokens and full.text.startswith(cut.text)
-    llm = smol.llm
-    # the KV holds the prompt and every sampled token but the last, as input_ids says
-    assert llm.n_tokens == cut.prompt_tokens + cut.completion_tokens - 1
-    assert list(llm.input_ids[: cut.prompt_tokens]) == smol._completion_tokens(prompt)
+    # the KV holds the prompt and every sampled token but the last
+    held = smol.kv_tokens()
+    assert len(held) == cut.prompt_tokens + cut.completion_tokens - 1
+    assert list(held[: cut.prompt_tokens]) == smol._completion_tokens(prompt)
     # a conversation continued after a cancel evaluates only the new tokens
     conv = run(smol, prompt=prompt, max_tokens=6, conversation="k", cache_prompt=None)
     more = run(smol, prompt=prompt + conv.text + " and", max_tokens=4, conversation="k", cache_prompt=None)

@@ -68,7 +68,7 @@ def test_a_request_that_cannot_be_framed_fails_alone_and_the_next_one_goes() -> 
     bad, good = _gen("r1", "hi \ud800"), _gen("r2", "hello")
     w.queue.extend([bad, good])
     w.send_queued()
-    assert bad.done and not w.queue and w.inflight is good and conn.sent == [good.request]
+    assert bad.done and not w.queue and list(w.inflight.values()) == [good] and conn.sent == [good.request]
     with pytest.raises(ProtocolError, match="cannot be sent to m"):
         bad.result(timeout=1)
 

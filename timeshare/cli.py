@@ -133,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     bapi.add_argument("--plot", metavar="FILE.png", help="draw the turns and the medians (needs matplotlib)")
     bapi.add_argument("--json", action="store_true", help=_JSON_HELP)
 
+    bpar = bench_sub.add_parser(
+        "parallel", help="concurrent streams on one model: aggregate tok/s and first token (batching)"
+    )
+    bpar.add_argument("--model", metavar="PATH", help="GGUF file (default: the SmolLM2 demo model)")
+    bpar.add_argument(
+        "--concurrency", default="1,2,4,8", metavar="N,N,...", help="streams at once (default: 1,2,4,8)"
+    )
+    bpar.add_argument("--tokens", type=int, default=128, help="completion tokens per request (default: 128)")
+    bpar.add_argument("--prompt-words", type=int, default=32, help="words per prompt (default: 32)")
+    bpar.add_argument("--n-ctx", type=int, default=2048, help="context per request (default: 2048)")
+    bpar.add_argument("--baseline", action="store_true", help="also run each N with parallel = 1")
+    bpar.add_argument("--llama-server", metavar="PATH", help="also llama-server -np N on the same model")
+    bpar.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
+    bpar.add_argument("--json", action="store_true", help=_JSON_HELP)
+
     arena = sub.add_parser(
         "arena-test", help="stress the VRAM arena with real workers and check the invariant"
     )

@@ -227,7 +227,20 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write("No models are configured.\n")
         return
     stats = (status.get("switch_stats") or {}).get("per_model", {})
-    rows = [["MODEL", "STATE", "BUSY", "PINNED", "QUEUED", "WEIGHTS", "SWITCHES", "LAST RESTORE", "NOTE"]]
+    rows = [
+        [
+            "MODEL",
+            "STATE",
+            "BUSY",
+            "ACTIVE",
+            "PINNED",
+            "QUEUED",
+            "WEIGHTS",
+            "SWITCHES",
+            "LAST RESTORE",
+            "NOTE",
+        ]
+    ]
     for m in models:
         tally = stats.get(m["id"], {})
         last = m.get("last_switch") or {}
@@ -240,6 +253,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
                 m["id"] + (" *" if m["id"] in holders else ""),
                 m.get("state", "?"),
                 "yes" if m.get("busy") else "no",
+                f"{m.get('active', 0)}/{m['parallel']}" if m.get("parallel") else "-",  # answered together
                 "yes" if m.get("pinned") else "no",
                 str(m.get("queued", 0)),
                 human_bytes(int(m.get("weight_bytes") or 0), empty="-", largest="GiB"),

@@ -24,9 +24,14 @@ def plain(value: Any) -> Any:
     return value
 
 
-def switch_extras(switch: SwitchStats | None, prompt_tokens_evaluated: int | None = None) -> dict[str, Any]:
-    """The ``timeshare`` field added to completion responses: what the request cost in GPU switching."""
+def switch_extras(
+    switch: SwitchStats | None, prompt_tokens_evaluated: int | None = None, batch_size: int | None = None
+) -> dict[str, Any]:
+    """The ``timeshare`` field added to completion responses: what the request cost in GPU switching,
+    and the most requests its model decoded together while it ran (``batch_size``)."""
     extras: dict[str, Any] = plain(switch) if switch is not None else {"switched": False}
     if prompt_tokens_evaluated is not None:
         extras["prompt_tokens_evaluated"] = prompt_tokens_evaluated
+    if batch_size is not None:
+        extras["batch_size"] = batch_size
     return extras

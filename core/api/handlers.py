@@ -396,7 +396,9 @@ class _Handlers:
     ) -> Response:
         first = results[0]
         usage = usage_out(_choices_usage(results))
-        extras = switch_extras(first.switch, first.usage.prompt_tokens_evaluated)
+        extras = switch_extras(
+            first.switch, first.usage.prompt_tokens_evaluated, max(r.batch_size for r in results)
+        )
         shape: shapes.ChatCompletion | shapes.TextCompletion
         if req.kind == "chat":
             choices = []
@@ -534,7 +536,9 @@ class _Handlers:
                     if self.closing and result.finish_reason == "cancelled":
                         raise ModelUnavailableError(SHUTTING_DOWN)
                     results.append(result)
-                    extras = switch_extras(result.switch, result.usage.prompt_tokens_evaluated)
+                    extras = switch_extras(
+                        result.switch, result.usage.prompt_tokens_evaluated, result.batch_size
+                    )
                     finish = _finish_reason(result.finish_reason)
                     if output is not None:
                         for delta in output.finish():

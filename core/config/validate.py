@@ -240,6 +240,7 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
         "n_ctx": lambda w, v: c.integer(w, v, minimum=1),
         "n_gpu_layers": lambda w, v: c.integer(w, v, minimum=-1),
         "n_seq": lambda w, v: c.integer(w, v, minimum=1, maximum=256),
+        "parallel": lambda w, v: c.integer(w, v, minimum=0, maximum=64),
         "cache_prompt": lambda w, v: c.boolean(w, v),
         "chat_template": lambda w, v: c.string(w, v, allow_empty=False),
         "chat_format": lambda w, v: c.choice(w, v, get_args(ChatFormat)),

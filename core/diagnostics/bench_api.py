@@ -65,7 +65,7 @@ _WORDS = [
 ]
 
 
-def _words(seed: int, n: int) -> str:
+def word_salad(seed: int, n: int) -> str:
     out, x = [], seed
     for _ in range(n):
         x = (x * 1103515245 + 12345) & 0x7FFFFFFF
@@ -95,12 +95,14 @@ class Conversations:
 
             n = context
             for _ in range(3):  # words per token differ by tokenizer: converge on the size
-                n = max(1, round(n * context / max(1, count(_words(i + 1, n)))))
-            self.base.append(_words(i + 1, n))
+                n = max(1, round(n * context / max(1, count(word_salad(i + 1, n)))))
+            self.base.append(word_salad(i + 1, n))
             self.tokens.append(count)
 
     def prompt(self, i: int, r: int) -> str:
-        turns = "".join(f"\nUser: {_words(100 * r + k + 7 * i, 25)}\nAssistant: ok." for k in range(r + 1))
+        turns = "".join(
+            f"\nUser: {word_salad(100 * r + k + 7 * i, 25)}\nAssistant: ok." for k in range(r + 1)
+        )
         return self.base[i] + turns + "\nUser: go on\nAssistant:"
 
     def n_ctx(self, last_round: int) -> int:

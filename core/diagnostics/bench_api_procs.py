@@ -114,7 +114,9 @@ def _log_tail(path: Path, n: int = 1500) -> str:
 class Serve:
     """``timeshare serve`` in its own TIMESHARE_HOME, session and port."""
 
-    def __init__(self, work: Path, ids: list[str], paths: list[str], n_ctx: int, flash_attn: bool) -> None:
+    def __init__(
+        self, work: Path, ids: list[str], paths: list[str], n_ctx: int, flash_attn: bool, parallel: int = 0
+    ) -> None:
         home = work / "home"
         home.mkdir(parents=True)
         self.log = work / "serve.log"
@@ -137,6 +139,7 @@ class Serve:
                 "n_seq = 4",
                 "idle_sleep_s = false",
                 f"flash_attn = {'true' if flash_attn else 'false'}",
+                f"parallel = {parallel}",  # 0: the build's default
             ]
         config.write_text("\n".join(lines) + "\n")
         env = dict(os.environ, TIMESHARE_HOME=str(home))
@@ -247,13 +250,16 @@ def fresh_process(path: str, n_ctx: int, prompt: str, flash_attn: bool, work: Pa
 
 
 class LlamaServer:
-    """One llama-server process (e2e_switch.py's flags: all layers on the GPU, one slot)."""
+    """One llama-server process (e2e_switch.py's flags: all layers on the GPU, one slot, or
+    ``parallel`` slots sharing ``n_ctx``)."""
 
-    def __init__(self, binary: str, model: str, n_ctx: int, flash_attn: bool, log_path: Path) -> None:
+    def __init__(
+        self, binary: str, model: str, n_ctx: int, flash_attn: bool, log_path: Path, parallel: int = 1
+    ) -> None:
         self.port = _free_port()
         self.log = log_path
         cmd = [binary, "-m", model, "-ngl", "999", "-c", str(n_ctx), "--port", str(self.port)]
-        cmd += ["--host", "127.0.0.1", "-np", "1", "-b", "2048", "-ub", "512"]
+        cmd += ["--host", "127.0.0.1", "-np", str(parallel), "-b", "2048", "-ub", "512"]
         cmd += ["--flash-attn", "on" if flash_attn else "off"]
         with log_path.open("ab") as out:
             self.proc = subprocess.Popen(
@@ -276,13 +282,13 @@ class LlamaServer:
                 raise TimeshareError(f"llama-server was not healthy within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
 
-    def turn(self, prompt: str, n_predict: int = MAX_TOKENS) -> dict[str, Any]:
+    def turn(self, prompt: str, n_predict: int = MAX_TOKENS, cache_prompt: bool = True) -> dict[str, Any]:
         body = {
             "prompt": prompt,
             "n_predict": n_predict,
             "temperature": 0,
             "stream": True,
-            "cache_prompt": True,
+            "cache_prompt": cache_prompt,
         }
         got = stream(self.port, "/completion", body)
         timings = got.get("timings") or {}

@@ -201,6 +201,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_api import main as api_main
 
         return api_main(args)
+    if args.bench == "parallel":
+        from .bench_parallel import main as parallel_main
+
+        return parallel_main(args)
     if args.bench != "residency":
         print(
             f"timeshare bench {args.bench}: not part of this build yet (only `timeshare bench residency` is)",

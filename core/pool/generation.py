@@ -28,6 +28,7 @@ class GenerationResult:
     logprobs: tuple[protocol.TokenLogprobs, ...] = ()
     # an Embed request's vectors, in its inputs' order
     embeddings: tuple[tuple[float, ...], ...] = ()
+    batch_size: int = 1  # the most requests its worker decoded together while it ran
 
 
 class Generation:
@@ -57,6 +58,7 @@ class Generation:
         # pool-thread bookkeeping
         self._sent_at = 0.0
         self._load_crashes = 0  # the worker died this many times while this request waited for its load
+        self._resent = False  # sent again after its worker crashed before answering it
 
     @property
     def req(self) -> str:
@@ -106,7 +108,14 @@ class Generation:
     def _add_embeddings(self, data: tuple[tuple[float, ...], ...]) -> None:
         self._embeddings.extend(data)
 
-    def _finish(self, finish_reason: str, usage: protocol.Usage, switch: SwitchStats, stop: str = "") -> None:
+    def _finish(
+        self,
+        finish_reason: str,
+        usage: protocol.Usage,
+        switch: SwitchStats,
+        stop: str = "",
+        batch_size: int = 1,
+    ) -> None:
         if self._stream.done:
             return
         self._result = GenerationResult(
@@ -118,6 +127,7 @@ class Generation:
             stop,
             tuple(self._logprobs),
             tuple(self._embeddings),
+            batch_size,
         )
         self._stream.close()
 

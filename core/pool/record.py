@@ -56,7 +56,8 @@ class WorkerRecord:
     info: protocol.ModelInfo | None = None  # from Ready (None until this spawn is ready)
     status: protocol.WorkerStatus | None = None
     queue: deque[Generation] = field(default_factory=deque)
-    inflight: Generation | None = None
+    # sent, no Done yet, by req: up to ``capacity`` at once (the worker decodes them together)
+    inflight: dict[str, Generation] = field(default_factory=dict)
     restarts: int = 0
     crash_times: deque[float] = field(default_factory=deque)
     fatal: protocol.Error | None = None
@@ -141,9 +142,16 @@ class WorkerRecord:
 
     # ---- the request queue ---------------------------------------------------------------
 
+    @property
+    def capacity(self) -> int:
+        """How many requests may be in flight: the worker's ``parallel`` once it is ready (one
+        before: a crash during the load sends them again)."""
+        return max(1, self.info.parallel) if self.info is not None else 1
+
     def send_queued(self) -> None:
-        """Send the next queued request if none is in flight (cancelled ones are finished on the way)."""
-        while self.inflight is None and self.queue:
+        """Send queued requests while fewer than ``capacity`` are in flight (cancelled ones are
+        finished on the way)."""
+        while len(self.inflight) < self.capacity and self.queue:
             gen = self.queue.popleft()
             if gen.cancelled:
                 gen._finish_cancelled()
@@ -164,19 +172,25 @@ class WorkerRecord:
                 log.warning("%s: could not send request %s: %s", self.id, gen.req, exc)
                 self.queue.appendleft(gen)  # the worker is gone: the exit handler deals with it
                 return
-            self.inflight = gen
+            self.inflight[gen.req] = gen
             self.idle_token += 1  # busy: disarm the idle timer
 
-    def requeue_inflight(self) -> None:
-        """The request in flight was waiting for the load, not being answered: first in line again."""
-        if self.inflight is not None:
-            self.queue.appendleft(self.inflight)
-            self.inflight = None
+    def requeue_inflight(self, only_unanswered: bool = False) -> list[Generation]:
+        """Requests in flight go back to the head of the queue, in the order they were sent:
+        all of them (they waited for the load, nothing was answered), or ``only_unanswered``:
+        those that have streamed nothing yet and were not sent again once already. Returns them."""
+        back = [g for g in self.inflight.values() if not only_unanswered or (not g.text and not g._resent)]
+        for gen in reversed(back):
+            del self.inflight[gen.req]
+            if only_unanswered:
+                gen._resent = True
+            self.queue.appendleft(gen)
+        return back
 
     def fail_inflight(self, error: TimeshareError) -> None:
-        if self.inflight is not None:
-            self.inflight._fail(error)
-            self.inflight = None
+        inflight, self.inflight = self.inflight, {}
+        for gen in inflight.values():
+            gen._fail(error)
 
     def fail_queued(self, error: TimeshareError) -> None:
         while self.queue:
@@ -188,7 +202,7 @@ class WorkerRecord:
 
     @property
     def idle(self) -> bool:
-        return self.inflight is None and not self.queue
+        return not self.inflight and not self.queue
 
     # ---- what a snapshot shows -----------------------------------------------------------
 
@@ -198,7 +212,7 @@ class WorkerRecord:
         info = self.info
         # the worker's reports count once it is ready, until it exits
         alive_status = st if (st is not None and info is not None and self.alive) else None
-        busy = self.inflight is not None  # the pool's own knowledge: it sent a request, no Done yet
+        busy = bool(self.inflight)  # the pool's own knowledge: it sent a request, no Done yet
         switching = alive_status is not None and busy and not alive_status.holds_token
         reason = self.reason
         waits = st is not None and self.alive and st.waiting_reason and (busy or info is None)
@@ -214,6 +228,8 @@ class WorkerRecord:
             busy=busy,
             pinned=self.pinned,
             queued=len(self.queue),
+            active=alive_status.active if alive_status else 0,
+            parallel=info.parallel if info else 0,
             reason=reason,
             failure_code=self.failure_code if self.phase is Phase.FAILED else "",
             residency_path=info.residency_path if info else "",

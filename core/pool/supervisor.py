@@ -341,7 +341,7 @@ class Pool:
             w.queue.remove(gen)
             gen._finish_cancelled()
             self._publish(model=w.id)
-        elif w.inflight is gen:
+        elif w.inflight.get(gen.req) is gen:
             w.send(protocol.Cancel(gen.req))
 
     # ---- commands (pool thread) ----------------------------------------------------------
@@ -579,11 +579,13 @@ class Pool:
         if w is None or w.epoch != epoch:
             return
         if isinstance(msg, protocol.Token):
-            if w.inflight is not None and w.inflight.req == msg.req:
-                w.inflight._feed(msg.text, msg.logprobs)
+            gen = w.inflight.get(msg.req)
+            if gen is not None:
+                gen._feed(msg.text, msg.logprobs)
         elif isinstance(msg, protocol.Embeddings):
-            if w.inflight is not None and w.inflight.req == msg.req:
-                w.inflight._add_embeddings(msg.data)
+            gen = w.inflight.get(msg.req)
+            if gen is not None:
+                gen._add_embeddings(msg.data)
         elif isinstance(msg, protocol.WorkerStatus):
             self._on_status(w, msg)
         elif isinstance(msg, protocol.StatusReply):
@@ -666,11 +668,10 @@ class Pool:
         return max(holding, key=lambda x: x.gpu_since).id if holding else None
 
     def _on_done(self, w: WorkerRecord, msg: protocol.Done) -> None:
-        gen = w.inflight
-        if gen is None or gen.req != msg.req:
+        gen = w.inflight.pop(msg.req, None)
+        if gen is None:
             log.warning("%s: Done for unknown request %s", w.id, msg.req)
             return
-        w.inflight = None
         release_ms = 0.0
         if msg.switch.switched and self._last_release is not None:
             holder, ms, at = self._last_release
@@ -690,7 +691,7 @@ class Pool:
             # an error with the reason, never a finished answer (its text so far stays in ``gen``)
             gen._fail(ModelUnavailableError(cut_short(w, self._actor.closing)))
         else:
-            gen._finish(msg.finish_reason, msg.usage, switch, msg.stop)
+            gen._finish(msg.finish_reason, msg.usage, switch, msg.stop, msg.batch_size)
         self._publish(
             EventKind.REQUEST_DONE,
             w.id,
@@ -703,6 +704,7 @@ class Pool:
                 "completion_tokens": msg.usage.completion_tokens,
                 "prompt_tokens_evaluated": msg.usage.prompt_tokens_evaluated,
                 "conversation": getattr(gen.request, "conversation", None),
+                "batch_size": msg.batch_size,
             },
         )
         self._dispatch(w)
@@ -712,16 +714,18 @@ class Pool:
         if msg.fatal:
             w.fatal = msg
             log.error("%s: fatal worker error (%s): %s", w.id, msg.code, msg.message)
-        gen = w.inflight
-        if gen is not None and (msg.req == gen.req or (msg.fatal and msg.req is None)):
-            w.inflight = None
-            message = msg.message
-            if msg.code == errors.ModelUnavailableError.code and (
-                w.lifecycle.stopping or self._actor.closing
-            ):
-                # "the worker is shutting down": say why, as for an answer it cut short
-                message = cut_short(w, self._actor.closing, begun=bool(gen.text))
-            gen._fail(error_for(msg.code, message))
+        failed = [w.inflight.pop(msg.req)] if msg.req in w.inflight else []
+        if msg.fatal and msg.req is None:
+            failed, w.inflight = list(w.inflight.values()), {}
+        if failed:
+            for gen in failed:
+                message = msg.message
+                if msg.code == errors.ModelUnavailableError.code and (
+                    w.lifecycle.stopping or self._actor.closing
+                ):
+                    # "the worker is shutting down": say why, as for an answer it cut short
+                    message = cut_short(w, self._actor.closing, begun=bool(gen.text))
+                gen._fail(error_for(msg.code, message))
             self._publish(EventKind.MESSAGE, w.id, f"{w.id}: {msg.message}", extra={"code": msg.code})
             if not msg.fatal:
                 self._dispatch(w)
@@ -772,17 +776,29 @@ class Pool:
             return
         # a crash (or the watchdog killed it)
         if not was_ready:
-            w.requeue_inflight()  # it was waiting for the load, not being answered
+            w.requeue_inflight()  # they were waiting for the load, not being answered
             self._count_load_crash(w, f"it {hung}" if hung else f"exit status {code}")
+        else:
+            # each request in flight on its own: one that had streamed nothing yet is sent again
+            # after the restart (once: a second crash with it in flight fails it); one that had
+            # streamed part of its answer fails, saying so
+            again = w.requeue_inflight(only_unanswered=True)
+            if again:
+                log.info("%s: %d request(s) in flight had no answer yet: sent again", w.id, len(again))
         self._publish(
             EventKind.CRASHED,
             w.id,
             f"{w.id} was killed: it {hung}" if hung else f"{w.id} crashed (exit status {code})",
             extra={"exit_code": code, "log_tail": list(w.log_tail), **({"watchdog": hung} if hung else {})},
         )
-        w.fail_inflight(
-            ModelUnavailableError(f"{w.id} crashed while answering; it is being restarted — send again")
-        )
+        for gen in list(w.inflight.values()):
+            del w.inflight[gen.req]
+            said = (
+                f"while answering ({len(gen.text)} characters streamed)"
+                if gen.text
+                else "again before answering (this request was in flight at both crashes)"
+            )
+            gen._fail(ModelUnavailableError(f"{w.id} crashed {said}; it is being restarted — send again"))
         delay = w.crash_backoff(self._policy, time.monotonic())
         if delay is None:
             self._set_failed(

@@ -1,35 +1,37 @@
-"""The generation loop: one request's prefill, sampling and incremental text, driven through
-llama-cpp-python's low-level API (``llama_decode`` of one token, ``llama_sampler_sample``).
+"""The generation loop: continuous batching over the live sequences of one llama context, driven
+through llama-cpp-python's low-level API (``llama_decode`` of one batch per step,
+``Sampler.sample`` per sequence).
 
 ``Llama.create_completion`` costs more per token than the GPU does on a fast device: it copies
 Python lists, re-detokenizes the whole answer at every token and checks stop strings against all
 of it. On an H200 (8B F16) it ran at 43-72 tok/s where a plain low-level loop ran at 175. This
-loop does what it did, in the same order, with the same numerics:
+loop does what it did, in the same order, with the same numerics, for several sequences at once:
 
-- **prefill**: the prefix matching of ``Llama.generate`` (only the tokens after the common prefix
-  of the context's ``input_ids`` and the prompt are evaluated; a prompt the context holds exactly,
-  with live logits, samples at once), then ``Llama.eval`` in ``n_batch`` chunks: the same batches,
-  so the same logits, and ``llm.input_ids``/``n_tokens`` (which the prompt cache and the KV
-  snapshots rely on) stay right;
-- **sampling**: a ``llama_sampler`` chain built once per request. Greedy (temperature 0) is
-  ``greedy`` alone; otherwise ``top_k``, ``top_p``, ``min_p`` 0.05, ``temp``, ``dist(seed)``: the
-  chain llama-cpp-python builds (its ``penalties`` and ``typical`` samplers are no-ops at their
-  default values and are left out), so a seeded request answers as before;
-- **decode**: one token per ``llama_decode`` in a batch allocated once (position ``n_tokens``,
-  sequence 0, logits on); the token a generation ends on is not evaluated (as before: the KV holds
-  the prompt and every answer token but the last);
-- **text**: each token's piece (``llama_token_to_piece``, cached per token id) goes through an
-  incremental UTF-8 decoder (a character split across tokens comes out whole; an incomplete one at
-  the end is dropped, as llama-cpp-python drops it); stop strings are searched only in the text
-  not yet emitted plus the new piece, and a suffix that could start a stop string is held back
-  until the next token decides. The answer ends at the earliest stop string (ties: the first in
-  the list), which is reported.
+- **sequences**: the context holds up to ``n_seq_max`` sequences (``parallel``), each in its own
+  KV stream (``kv_unified = false``: a sequence's attention never sees the others' cells, so its
+  logits do not depend on what else is in the batch; with a unified cache they did, at the last
+  bits). A sequence (``Live``) has its seq id, the token ids its KV holds (``ids``, the engine's
+  list, kept current here), its Sampler, TextStream, emit callback, token limit and finish reason;
+- **prefill**: the prefix matching of ``Llama.generate`` per sequence (only the tokens after the
+  common prefix of the sequence's ``ids`` and the prompt are evaluated, the last prompt token
+  always, since its logits are needed), in chunks of ``n_batch``: alone, the same batches as
+  ``Llama.eval``, so the same logits;
+- **steps**: each ``step`` is one ``llama_decode``: one token for every sequence that is decoding,
+  then prefill chunks of the sequences that joined, in join order, up to ``n_batch`` tokens in all
+  (a joining prompt is chunked and interleaved with the others' decode steps: no stream stalls for
+  longer than one chunk); then each sequence whose logits the step produced samples from its own
+  output row (``Sampler.sample(ctx, idx)``). Sequences join (``start``) and leave (finished,
+  ``cancel``) between steps; the token a generation ends on is not evaluated (the KV holds the
+  prompt and every answer token but the last);
+- **text**: each token's piece goes through the sequence's ``TextStream`` (incremental UTF-8, stop
+  strings; see textstream.py). The answer ends at the earliest stop string, which is reported.
 
 Greedy answers are bit-for-bit those of ``create_completion`` (tests/test_decode.py compares them
-on both demo models), including its way with a token limit reached inside a multi-byte character:
-it samples on until the character is complete (here: at most ``_UTF8_GRACE`` more tokens), so
-``completion_tokens`` may exceed ``max_tokens`` by a few. One difference: a request without
-``seed`` gets a random one (llama-cpp-python derived it from the previous request's).
+on both demo models), alone and in a batch (tests/test_batch.py), including its way with a token
+limit reached inside a multi-byte character: it samples on until the character is complete (here:
+at most ``_UTF8_GRACE`` more tokens), so ``completion_tokens`` may exceed ``max_tokens`` by a few.
+One difference: a request without ``seed`` gets a random one (llama-cpp-python derived it from the
+previous request's).
 """
 
 from __future__ import annotations
@@ -52,12 +54,6 @@ from .textstream import TextStream
 _UTF8_GRACE = 4
 
 
-def usable_n_ctx(llm: Any) -> int:
-    """The tokens a context holds: llama.cpp pads n_ctx up to a multiple of 256, but
-    llama-cpp-python's ``input_ids`` (which the KV bookkeeping follows) has the size asked for."""
-    return min(int(llm.n_ctx()), len(llm.input_ids))
-
-
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
@@ -76,122 +72,282 @@ class Decoded:
     evaluated: int  # prompt tokens this request prefilled
     text: str
     stop: str  # the stop string that ended it, or ""
+    batch_size: int = 1  # the most sequences decoded together while it ran
+    logprobs: tuple[TokenLogprob, ...] = ()  # the Sampler's records (when logprobs were asked for)
+
+
+class Live:
+    """One live sequence of the batch (see the module docstring). Built by ``Decoder.start``."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        ids: list[int],
+        pending: list[int],
+        sampler: Sampler,
+        text: TextStream,
+        emit: Callable[[str], None],
+        max_tokens: int,
+        room: int,
+        tag: object,
+        records: Callable[[list[TokenLogprob]], None] | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.ids = ids  # the tokens the sequence's KV holds (the caller's list, kept current)
+        self.pending = pending  # prompt tokens still to prefill
+        self.sampler = sampler
+        self.text = text
+        self.emit = emit
+        self.max_tokens = max_tokens
+        self.room = room
+        self.tag = tag  # the caller's
+        self.records = records  # gets the Sampler's records of the tokens each piece completes
+        self.n_prompt = 0
+        self.evaluated = 0
+        self.completion = 0
+        self.token = -1  # sampled, evaluated at the next step (-1: none)
+        self.finish: FinishReason | None = None
+        self.batch_size = 0  # the most sequences in one step while this one was live
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def emit_piece(self, piece: str) -> None:
+        """Emit a piece of text, its tokens' logprob records first (when asked for)."""
+        if self.records is not None:
+            self.records(self.sampler.take_records())
+        self.emit(piece)
+
+    def outcome(self) -> Decoded:
+        assert self.finish is not None
+        return Decoded(
+            self.finish,
+            self.completion,
+            self.evaluated,
+            self.text.text,
+            self.text.stop,
+            max(1, self.batch_size),
+            tuple(self.sampler.records),
+        )
 
 
 class Decoder:
-    """The loop, for one ``Llama`` (reuses a one-token batch across requests)."""
+    """The batch of one ``Llama``'s context: its live sequences and the llama_batch (allocated once)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
-        self._batch: Any = llama_cpp.llama_batch_init(1, 0, 1)
-        self._batch.n_seq_id[0] = 1
-        self._batch.seq_id[0][0] = 0
-        self._batch.logits[0] = 1
-        self._pieces: dict[int, bytes] = {}
-        self._n_ctx = usable_n_ctx(llm)
+        ctx = llm.ctx
+        self.n_seq = max(1, int(llama_cpp.llama_n_seq_max(ctx)))
+        self._n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx))  # per sequence
         self._n_batch = max(1, int(llm.n_batch))
-        self.evaluated = 0  # prompt tokens the current (or last) request prefilled
+        self._batch: Any = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+        self._pieces: dict[int, bytes] = {}
+        self.live: list[Live] = []  # in join order
+        self.decodes = 0  # llama_decode calls since start (what batching saves, counted)
+        # llama.cpp decodes a batch of more than one token with n_threads_batch: a step of decode
+        # tokens only (one per sequence) gets the generation threads instead, as one sequence's
+        # step does (llama-server's default: the same count for both). On a CPU with every core
+        # busy, a step of 4 tokens on llama-cpp-python's default cpu_count threads took 877 ms
+        # where its generation threads (cpu_count // 2) took 72 ms (2 cores, load 7); the
+        # thread count does not change the numbers (the answers stay bit for bit)
+        self._threads = (int(getattr(llm, "n_threads", 0) or 0), int(getattr(llm, "n_threads_batch", 0) or 0))
+        self._step_threads: tuple[int, int] | None = None
+        self._threads_ctx: Any = None
 
     def close(self) -> None:
+        for live in list(self.live):
+            self.cancel(live)
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
 
-    def _to_evaluate(self, tokens: list[int]) -> list[int]:
-        """``Llama.generate``'s prefix matching: cut the context back to the longest common prefix
-        with the prompt (keeping at least the last prompt token to evaluate, unless the context
-        holds exactly the prompt with live logits) and return the tokens left to evaluate."""
-        llm = self.llm
-        n = int(llm.n_tokens)
-        if n > 0:
-            prefix = common_prefix(llm.input_ids[:n], tokens)
-            consumed = prefix == len(tokens)
-            if consumed and n == len(tokens) and not llm._requires_eval:
-                return []
-            reuse = prefix - 1 if consumed else prefix
-            if reuse > 0 and llm._ctx.kv_cache_seq_rm(-1, reuse, -1):
-                llm.n_tokens = reuse
-                llm._requires_eval = True
-                return tokens[reuse:]
-        llm.reset()
-        return tokens
+    # ---- joining and leaving ----------------------------------------------------------------
 
-    def _decode_one(self, token: int) -> None:
-        llm = self.llm
-        n = int(llm.n_tokens)
+    def _to_evaluate(self, seq_id: int, ids: list[int], tokens: list[int]) -> list[int]:
+        """``Llama.generate``'s prefix matching for one sequence: cut its KV back to the longest
+        common prefix with the prompt, keeping at least the last prompt token to evaluate, and
+        return the tokens left to evaluate (``ids`` is cut to match)."""
+        memory = llama_cpp.llama_get_memory(self.llm.ctx)
+        if ids:
+            prefix = common_prefix(ids, tokens)
+            reuse = min(prefix, len(tokens) - 1)
+            if reuse > 0 and (reuse >= len(ids) or llama_cpp.llama_memory_seq_rm(memory, seq_id, reuse, -1)):
+                del ids[reuse:]
+                return tokens[reuse:]
+        llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+        ids.clear()
+        return list(tokens)
+
+    def start(
+        self,
+        seq_id: int,
+        ids: list[int],
+        tokens: list[int],
+        sampling: Sampling,
+        *,
+        stop: Sequence[str],
+        emit: Callable[[str], None],
+        tag: object = None,
+        records: Callable[[list[TokenLogprob]], None] | None = None,
+    ) -> Live:
+        """A sequence joins the batch at the next step: ``tokens`` is its prompt, ``ids`` the
+        tokens sequence ``seq_id``'s KV holds now (cut back to the common prefix, then kept
+        current). Needs the context (the weights need not be resident)."""
+        if any(live.seq_id == seq_id for live in self.live):
+            raise RuntimeError(f"sequence {seq_id} is already in the batch")
+        room = self._n_ctx - len(tokens)
+        max_tokens = sampling.max_tokens or 0
+        if max_tokens <= 0 or max_tokens >= room:
+            max_tokens = room
+        sampler = Sampler(self.llm, sampling)
+        try:
+            pending = self._to_evaluate(seq_id, ids, tokens)
+        except BaseException:
+            sampler.close()
+            raise
+        text = TextStream(self.llm, stop, self._pieces)
+        live = Live(seq_id, ids, pending, sampler, text, emit, max_tokens, room, tag, records)
+        live.n_prompt = len(tokens)
+        self.live.append(live)
+        return live
+
+    def cancel(self, live: Live, finish: FinishReason = "cancelled") -> None:
+        """``live`` leaves the batch now (what was emitted stays its answer)."""
+        if live in self.live:
+            self.live.remove(live)
+        if live.finish is None:
+            live.finish = finish
+        live.sampler.close()
+
+    def _finish(self, live: Live, finish: FinishReason) -> None:
+        live.finish = finish
+        self.live.remove(live)
+        live.sampler.close()
+        if not live.text.stop:
+            rest = live.text.flush()
+            if rest:
+                live.emit_piece(rest)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[Live]:
+        """One ``llama_decode`` over the live sequences (see the module docstring); returns those
+        that finished in it. Needs the weights resident. Raises RuntimeError when llama_decode
+        fails (the sequences' KV is then unknown: the caller cancels them all)."""
+        if not self.live:
+            return []
         batch = self._batch
-        batch.n_tokens = 1
-        batch.token[0] = token
-        batch.pos[0] = n
-        rc = int(llama_cpp.llama_decode(llm.ctx, batch))
+        n = 0
+        outputs: list[tuple[Live, int]] = []
+        taken: list[tuple[Live, int, bool]] = []  # (sequence, tokens taken, from its prompt)
+        for live in self.live:
+            live.batch_size = max(live.batch_size, len(self.live))
+            if live.token >= 0:
+                self._put(n, live.token, len(live.ids), live.seq_id, True)
+                outputs.append((live, n))
+                taken.append((live, 1, False))
+                n += 1
+        for live in self.live:
+            budget = self._n_batch - n
+            if budget <= 0:
+                break
+            if not live.pending:
+                continue
+            k = min(budget, len(live.pending))
+            last = k == len(live.pending)
+            base = len(live.ids)
+            for j in range(k):
+                self._put(n, live.pending[j], base + j, live.seq_id, last and j == k - 1)
+                n += 1
+            if last:
+                outputs.append((live, n - 1))
+            taken.append((live, k, True))
+        if n == 0:
+            return []
+        batch.n_tokens = n
+        self._set_threads(prefill=any(prompt for _live, _k, prompt in taken))
+        rc = int(llama_cpp.llama_decode(self.llm.ctx, batch))
+        self.decodes += 1
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
-        llm.input_ids[n] = token
-        llm.n_tokens = n + 1
-        llm._requires_eval = False
+        for live, k, prompt in taken:
+            if prompt:
+                live.ids.extend(live.pending[:k])
+                del live.pending[:k]
+                live.evaluated += k
+            else:
+                live.ids.append(live.token)
+                live.token = -1
+        ctx = self.llm.ctx
+        eog = llama_cpp.llama_vocab_is_eog
+        vocab = self.llm._model.vocab
+        finished: list[Live] = []
+        for live, row in outputs:
+            token = live.sampler.sample(ctx, row)
+            if eog(vocab, token):
+                self._finish(live, "stop")
+                finished.append(live)
+                continue
+            live.completion += 1
+            piece = live.text.push(token)
+            if piece:
+                live.emit_piece(piece)
+            if live.text.stop:
+                self._finish(live, "stop")
+                finished.append(live)
+            elif live.completion >= live.max_tokens and (
+                not live.text.incomplete or live.completion >= min(live.room, live.max_tokens + _UTF8_GRACE)
+            ):
+                self._finish(live, "length")
+                finished.append(live)
+            else:
+                live.token = token
+        return finished
+
+    def _set_threads(self, *, prefill: bool) -> None:
+        gen, batch = self._threads
+        if gen <= 0 or batch <= 0:
+            return
+        want = (gen, batch) if prefill else (gen, gen)
+        ctx = self.llm.ctx
+        if want != self._step_threads or ctx is not self._threads_ctx:
+            llama_cpp.llama_set_n_threads(ctx, *want)
+            self._step_threads = want
+            self._threads_ctx = ctx  # a rebuilt context starts from the defaults again
+
+    def _put(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
+        batch = self._batch
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq_id
+        batch.logits[i] = 1 if logits else 0
+
+    # ---- one sequence alone -----------------------------------------------------------------
 
     def run(
         self,
+        seq_id: int,
+        ids: list[int],
         tokens: list[int],
         sampling: Sampling,
         *,
         stop: Sequence[str],
         emit: Callable[[str], None],
         before_step: Callable[[], None],
-        records: Callable[[list[TokenLogprob]], None] | None = None,
     ) -> Decoded:
-        """Prefill ``tokens`` (what the context does not hold yet) and generate. ``before_step``
-        runs before every prefill chunk and every decode step and may raise CancelledError
-        (finish_reason "cancelled"; what was emitted stays the answer)."""
-        llm = self.llm
-        room = self._n_ctx - len(tokens)
-        max_tokens = sampling.max_tokens or 0
-        if max_tokens <= 0 or max_tokens >= room:
-            max_tokens = room
-        text = TextStream(llm, stop, self._pieces)
-        sampler = Sampler(llm, sampling)
-        eog = llama_cpp.llama_vocab_is_eog
-        vocab = llm._model.vocab
-        finish: FinishReason = "length"
-        self.evaluated = 0
-        completion = 0
+        """Prefill ``tokens`` in sequence ``seq_id`` (what ``ids`` does not hold yet) and generate,
+        stepping the batch until this sequence is done. ``before_step`` runs before every step and
+        may raise CancelledError (finish_reason "cancelled"; what was emitted stays the answer)."""
+        live = self.start(seq_id, ids, tokens, sampling, stop=stop, emit=emit)
         try:
-            pending = self._to_evaluate(tokens)
-            if not pending:
+            while not live.done:
                 before_step()
-            for i in range(0, len(pending), self._n_batch):
-                before_step()
-                chunk = pending[i : i + self._n_batch]
-                llm.eval(chunk)
-                self.evaluated += len(chunk)
-            while True:
-                token = sampler.sample(llm.ctx)
-                if eog(vocab, token):
-                    finish = "stop"
-                    break
-                completion += 1
-                piece = text.push(token)
-                if piece:
-                    if records is not None:
-                        records(sampler.take_records())  # the tokens this piece completes
-                    emit(piece)
-                if text.stop:
-                    finish = "stop"
-                    break
-                if completion >= max_tokens and (
-                    not text.incomplete or completion >= min(room, max_tokens + _UTF8_GRACE)
-                ):
-                    break
-                before_step()
-                self._decode_one(token)
+                self.step()
         except CancelledError:
-            finish = "cancelled"
-        finally:
-            sampler.close()
-        if finish != "cancelled" and not text.stop:
-            rest = text.flush()
-            if rest:
-                if records is not None:
-                    records(sampler.take_records())
-                emit(rest)
-        return Decoded(finish, completion, self.evaluated, text.text, text.stop)
+            self.cancel(live)
+        except BaseException:
+            self.cancel(live)
+            raise
+        return live.outcome()

@@ -27,6 +27,18 @@ class DeviceMemory:
     free: int
 
 
+#: sequences a model decodes together when ``models[].parallel`` is 0 (auto): on a GPU a step of
+#: four sequences costs little more than a step of one (the weights are read once per step); on a
+#: CPU a step costs about its tokens' compute (docs/PERFORMANCE.md, continuous batching)
+GPU_PARALLEL = 4
+CPU_PARALLEL = 2
+
+
+def default_parallel() -> int:
+    """``parallel`` for a model whose setting is 0 (auto): GPU_PARALLEL on a GPU build, else CPU_PARALLEL."""
+    return GPU_PARALLEL if _gpus() else CPU_PARALLEL
+
+
 def _gpus() -> list[GgmlDevice]:
     return [d for d in ggml_devices() if d.is_gpu]
 

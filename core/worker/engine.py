@@ -34,27 +34,34 @@ where it would start the next turn.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
+from llama_cpp import _internals
 
 from ..chatformat.history import normalise, render
 from ..chatformat.template import ChatTemplate, TemplateCaps, TemplateError
 from ..config.schema import ModelConfig
-from ..errors import ChatTemplateError, InvalidSamplingError, ModelFileError, PromptTooLongError
+from ..errors import (
+    CancelledError,
+    ChatTemplateError,
+    InvalidSamplingError,
+    ModelFileError,
+    PromptTooLongError,
+)
 from ..gguf.modelfile import check_model_file
 from ..residency import check_gguf
 from ..sampling import Sampling
 from . import kv_files
-from .decode import Decoder, common_prefix, usable_n_ctx
-from .device import llama_placement
+from .decode import Decoder, Live, common_prefix
+from .device import default_parallel, llama_placement
 from .embed import embed_tokens
 from .kv_files import KVSnapshot
 from .protocol import ChatMessage, FinishReason, Generate, LogprobAlt, TokenLogprobs
@@ -74,6 +81,7 @@ class EngineInfo:
     n_ctx: int
     n_vocab: int
     chat_format: str  # "template" | "fallback"
+    parallel: int = 1  # sequences the context decodes together
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,33 @@ class GenerationOutcome:
     prompt_tokens_evaluated: int  # tokens prefilled by this request
     text: str
     stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
+    batch_size: int = 1  # the most sequences decoded together while it ran
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per sampled token when the request asked for them
+
+
+#: A sequence's key: a conversation id (str) or a keyless sequence of the prompt cache (int).
+SeqKey = str | int
+
+
+@dataclass(eq=False)
+class Slot:
+    """One sequence of the context (seq id ``seq_id``): whose it is and the tokens its KV holds."""
+
+    seq_id: int
+    key: SeqKey | None = None  # None: empty (or, while busy, a scratch sequence kept by nobody)
+    ids: list[int] = field(default_factory=list)  # the tokens its KV holds
+    prompt_len: int = 0  # the prompt of the last request on it (the tokens after it were generated)
+    busy: bool = False  # in the batch
+    dirty: bool = False  # its KV may hold cells ``ids`` does not say (emptied when next used)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A tokenized request, ready to join the batch."""
+
+    req: Generate
+    tokens: list[int]
+    stop: tuple[str, ...]
 
 
 #: A keyless request that diverges inside a cached sequence copies it (and leaves the original
@@ -101,9 +136,6 @@ BRANCH_MIN_FRACTION = 0.1
 #: GPU anyway: it goes in a single batch).
 PROMPT_CACHE_MIN_TOKENS = 64
 PROMPT_CACHE_MIN_FRACTION = 0.25
-
-#: A sequence's key: a conversation id (str) or a keyless sequence of the prompt cache (int).
-SeqKey = str | int
 
 #: Prompts are tokenized in pieces: llama.cpp's special-token split rescans the text after each
 #: special token it finds, so one call is quadratic in their number (20k chat messages took 40 s),
@@ -126,27 +158,32 @@ class Engine:
         self.llm = llm
         self.model = model
         self.template = template  # the chat template, or None for the fallback format
+        ctx = llm.ctx
+        self.parallel = max(1, int(llama_cpp.llama_n_seq_max(ctx)))
         self.info = EngineInfo(
-            n_ctx=usable_n_ctx(llm),
+            n_ctx=int(llama_cpp.llama_n_ctx_seq(ctx)),  # per sequence: every request has all of it
             n_vocab=int(llm.n_vocab()),
             chat_format="template" if template is not None else "fallback",
+            parallel=self.parallel,
         )
-        # The sequence whose KV is in the context: a conversation id, a keyless sequence (int), or
-        # None (scratch: nothing worth keeping, e.g. after a request with cache_prompt false).
-        self.live: SeqKey | None = None
         self.kv_dir: Path | None = None  # where a stopped worker left its sequences' KV (see save_kv)
         # While the weights are released the residency hides the context behind a guard; state
         # I/O (which touches only the KV cache) then goes through the context this returns.
         self.state_ctx: Callable[[], Any] | None = None
-        self._saved: OrderedDict[SeqKey, KVSnapshot] = OrderedDict()  # LRU: most recent last
+        # the context's sequences (seq ids 0..parallel-1) and the others, as host snapshots
+        self._slots = [Slot(i) for i in range(self.parallel)]
+        self._saved: dict[SeqKey, KVSnapshot] = {}
+        self._used: dict[SeqKey, int] = {}  # when each cached sequence was last used (LRU)
+        self._tick = 0
         self._next_keyless = 0
-        self._live_prompt_len = 0  # KVSnapshot.prompt_len of the live sequence
         self._prompts_loaded = False  # the keyless sequences a stopped worker left in kv_dir
         self._n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
         self.prompt_tokens_evaluated = 0  # since start
         self._markers = self._template_markers(template.source if template is not None else "")
         self._decoder = Decoder(llm)
+        self._last: Slot | None = None
         self._lp_pieces: dict[int, bytes] = {}  # token -> bytes, for logprob entries
+        self._lives: dict[Live, Slot] = {}  # the batch's sequences and their slots
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -155,10 +192,11 @@ class Engine:
         """Load the GGUF. Raises ModelFileError with a sentence saying what to do."""
         check_model_file(model.path)
         check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
+        parallel = 1 if model.embedding else model.parallel or default_parallel()
         try:
             llm = llama_cpp.Llama(
                 model_path=model.path,
-                n_ctx=model.n_ctx,
+                n_ctx=model.n_ctx * parallel,  # each sequence has the model's whole n_ctx
                 n_gpu_layers=model.n_gpu_layers,
                 use_mmap=use_mmap,
                 flash_attn=model.flash_attn,
@@ -175,6 +213,8 @@ class Engine:
                 f"model file {model.path} cannot be loaded: llama.cpp could not load it "
                 "(unsupported architecture or damaged file); see the worker log"
             ) from None
+        if parallel > 1:
+            _sequences(llm, parallel)
         chat_template = None
         want = model.chat_format
         template = (
@@ -198,9 +238,10 @@ class Engine:
                 ) from None
         engine = cls(llm, model, chat_template)
         log.info(
-            "loaded %s: n_ctx=%d n_vocab=%d chat=%s",
+            "loaded %s: n_ctx=%d x %d sequences, n_vocab=%d chat=%s",
             model.id,
             engine.info.n_ctx,
+            engine.parallel,
             engine.info.n_vocab,
             engine.info.chat_format,
         )
@@ -212,57 +253,119 @@ class Engine:
         """The llama_context pointer for state I/O (see ``state_ctx``)."""
         return self.state_ctx() if self.state_ctx is not None else self.llm.ctx
 
-    def _live_pos_min(self) -> int:
-        """The lowest position the context's KV holds (-1: empty)."""
-        memory = llama_cpp.llama_get_memory(self._state_ctx())
-        return int(llama_cpp.llama_memory_seq_pos_min(memory, 0))
+    def _memory(self) -> Any:
+        return llama_cpp.llama_get_memory(self._state_ctx())
 
-    def _snapshot(self) -> KVSnapshot:
+    def _pos_min(self, slot: Slot) -> int:
+        """The lowest position the slot's KV holds (-1: empty)."""
+        return int(llama_cpp.llama_memory_seq_pos_min(self._memory(), slot.seq_id))
+
+    def _snapshot(self, slot: Slot) -> KVSnapshot:
+        """A host copy of one sequence's KV (``llama_state_seq_get_data``: that sequence only)."""
         ctx = self._state_ctx()
-        size = int(llama_cpp.llama_state_get_size(ctx))
-        # one copy of the state (it is the whole KV cache: about 1 GB for 7.5k tokens of an 8B
-        # model): llama.cpp writes into a bytearray's own memory, which is then kept as it is
+        size = int(llama_cpp.llama_state_seq_get_size(ctx, slot.seq_id))
+        # one copy of the state: llama.cpp writes into a bytearray's own memory, kept as it is
         state = bytearray(size)
         buf = (ctypes.c_uint8 * size).from_buffer(state)
-        n = int(llama_cpp.llama_state_get_data(ctx, buf, size))
+        n = int(llama_cpp.llama_state_seq_get_data(ctx, buf, size, slot.seq_id))
         del buf  # releases the export of ``state``, so it may be resized
         if n < size:
             del state[n:]
-        n_tokens = int(self.llm.n_tokens)
-        ids = tuple(int(t) for t in self.llm.input_ids[:n_tokens])
-        return KVSnapshot(n_tokens, ids, state, max(0, self._live_pos_min()), self._live_prompt_len)
+        ids = tuple(slot.ids)
+        return KVSnapshot(len(ids), ids, state, max(0, self._pos_min(slot)), slot.prompt_len)
 
-    def _load_snapshot(self, snap: KVSnapshot) -> None:
+    def _load_snapshot(self, slot: Slot, snap: KVSnapshot) -> None:
+        """Put a host snapshot into the slot's sequence (whatever it held is dropped)."""
+        self._clear(slot)
         ctx = self._state_ctx()
         buf = (ctypes.c_uint8 * len(snap.state)).from_buffer(snap.state)  # no copy
-        if int(llama_cpp.llama_state_set_data(ctx, buf, len(snap.state))) != len(snap.state):
+        if int(llama_cpp.llama_state_seq_set_data(ctx, buf, len(snap.state), slot.seq_id)) != len(snap.state):
             raise RuntimeError("llama.cpp refused a KV snapshot")
-        self.llm.input_ids[: snap.n_tokens] = snap.input_ids
-        self.llm.n_tokens = snap.n_tokens
-        self.llm._requires_eval = True
-        self._live_prompt_len = snap.prompt_len
+        slot.ids[:] = snap.input_ids
+        slot.prompt_len = snap.prompt_len
+
+    def _clear(self, slot: Slot) -> None:
+        """Empty the slot's sequence (its KV cells too)."""
+        if slot.ids or slot.dirty:
+            llama_cpp.llama_memory_seq_rm(self._memory(), slot.seq_id, -1, -1)
+        slot.ids.clear()
+        slot.dirty = False
+        slot.prompt_len = 0
+
+    def _touch(self, key: SeqKey) -> None:
+        self._tick += 1
+        self._used[key] = self._tick
+
+    def _slot_of(self, key: SeqKey) -> Slot | None:
+        return next((s for s in self._slots if s.key == key), None)
+
+    def _recent(self) -> list[SeqKey]:
+        """Every cached sequence's key (in a slot or a host snapshot), most recent first."""
+        keys = [s.key for s in self._slots if s.key is not None] + list(self._saved)
+        return sorted(keys, key=lambda k: self._used.get(k, 0), reverse=True)
 
     def park(self) -> None:
-        """Move the live sequence into the host LRU (before the context is freed)."""
-        self._park_live()
-
-    def _park_live(self) -> None:
-        """Keep the live sequence's KV as a host snapshot before the context is reused."""
-        if self.live is None:
-            return
-        self._saved[self.live] = self._snapshot()
-        self._saved.move_to_end(self.live)
-        self.live = None
+        """Move the idle slots' sequences into the host LRU (before the context is freed); the
+        sequences of a running batch stay (the residency keeps every sequence's KV)."""
+        for slot in self._slots:
+            if not slot.busy:
+                try:
+                    self._park(slot)
+                except Exception:  # the others are still worth keeping
+                    log.exception("could not snapshot the sequence %s", slot.key)
+                    slot.key = None
+                    slot.ids.clear()
         self._trim(self.model.n_seq)
 
-    def _trim(self, keep: int) -> None:
-        """LRU beyond ``n_seq``: the least recently used conversations go to ``kv_dir`` (so they
-        still come back without a re-prefill), or are dropped when there is no kv_dir; keyless
-        sequences of the prompt cache are dropped."""
-        while len(self._saved) > max(keep, 0):
-            evicted, snap = self._saved.popitem(last=False)
-            if isinstance(evicted, int):
-                log.debug("a cached prompt of %d tokens left the KV cache (n_seq=%d)", snap.n_tokens, keep)
+    def _park(self, slot: Slot) -> None:
+        """Keep the slot's sequence as a host snapshot and empty the slot."""
+        if slot.key is not None and slot.ids:
+            self._saved[slot.key] = self._snapshot(slot)
+        elif slot.key is not None:
+            self._used.pop(slot.key, None)
+        slot.key = None
+        self._clear(slot)
+
+    def _free_slot(self, exclude: Slot | None = None) -> Slot | None:
+        """An idle slot for a new sequence, emptied: an empty one, else the least recently used
+        one's sequence goes to the host LRU. None when every other slot is in the batch."""
+        idle = [s for s in self._slots if not s.busy and s is not exclude]
+        if not idle:
+            return None
+        empty = [s for s in idle if s.key is None]
+        slot = (
+            empty[0]
+            if empty
+            else min(idle, key=lambda s: self._used.get(s.key, 0) if s.key is not None else 0)
+        )
+        self._park(slot)
+        return slot
+
+    def _trim(self, keep: int, protect: Slot | None = None) -> None:
+        """LRU beyond ``n_seq``: the least recently used sequences (never one in the batch) leave
+        the KV cache: conversations go to ``kv_dir`` (so they still come back without a
+        re-prefill), or are dropped when there is no kv_dir; keyless sequences of the prompt cache
+        are dropped."""
+        keep = max(keep, 1)
+        while True:
+            keys = self._recent()
+            if len(keys) <= keep:
+                return
+            busy = {s.key for s in self._slots if s.busy or s is protect}
+            victims = [k for k in keys if k not in busy]
+            if not victims:
+                return
+            evicted = victims[-1]
+            slot = self._slot_of(evicted)
+            if slot is not None:
+                snap = self._snapshot(slot) if isinstance(evicted, str) and slot.ids else None
+                slot.key = None
+                self._clear(slot)
+            else:
+                snap = self._saved.pop(evicted)
+            self._used.pop(evicted, None)
+            if isinstance(evicted, int) or snap is None:
+                log.debug("a cached prompt left the KV cache (n_seq=%d)", keep)
                 continue
             where = "dropped"
             if self.kv_dir is not None:
@@ -274,25 +377,34 @@ class Engine:
                     log.warning("could not write the KV of %s to %s: %s", evicted, self.kv_dir, exc)
             log.info("conversation %s left the KV cache (n_seq=%d): %s", evicted, self.model.n_seq, where)
 
-    def _switch_to(self, conversation: str | None, *, fresh: bool) -> None:
-        if conversation is not None and conversation == self.live:
-            return
-        self._park_live()
-        if conversation is not None:
+    def _take_slot(self, exclude: Slot | None = None) -> Slot:
+        slot = self._free_slot(exclude)
+        if slot is None:
+            raise RuntimeError("every sequence of the context is in the batch")  # the worker admits fewer
+        return slot
+
+    def _claim_conversation(self, conversation: str, tokens: Sequence[int]) -> Slot:
+        """The conversation's own sequence, in a slot (from the host LRU or kv_dir when it is not
+        in one), to be continued from its longest common prefix with ``tokens``."""
+        slot = self._slot_of(conversation)
+        if slot is None:
             if conversation not in self._saved and self.kv_dir is not None:
                 self.load_kv(self.kv_dir, conversation)
-            self._trim(self.model.n_seq - 1 if conversation not in self._saved else self.model.n_seq)
+            slot = self._take_slot()
             snap = self._saved.pop(conversation, None)
             if snap is not None:
                 try:
-                    self._load_snapshot(snap)
+                    self._load_snapshot(slot, snap)
                     log.debug("conversation %s restored from host (%d tokens)", conversation, snap.n_tokens)
                 except RuntimeError as exc:  # the request goes on from an empty KV cache
                     log.warning("conversation %s: %s; it is evaluated again", conversation, exc)
-                    self.llm.reset()
-            self.live = conversation
-        if fresh:
-            self.llm.reset()
+                    self._clear(slot)
+                    slot.dirty = True
+            slot.key = conversation
+        self._touch(conversation)
+        self._trim(self.model.n_seq, protect=slot)
+        self._keep_window(slot, tokens)
+        return slot
 
     def _window_holds(self, pos_min: int, reuse: int, n_tokens: int) -> bool:
         """Whether a sequence of ``n_tokens`` whose KV starts at ``pos_min`` can be cut back to
@@ -303,23 +415,24 @@ class Engine:
             return True
         return pos_min <= max(0, reuse - self._n_swa)
 
-    def _keep_window(self, tokens: Sequence[int]) -> None:
-        """Before continuing the live sequence with ``tokens``: start it over from an empty KV
-        cache when the reuse llama-cpp-python would make is not possible (``_window_holds``)."""
-        n_tokens = int(self.llm.n_tokens)
-        reuse = min(common_prefix(self.llm.input_ids[:n_tokens], tokens), len(tokens) - 1)
-        if not self._window_holds(self._live_pos_min(), reuse, n_tokens):
+    def _keep_window(self, slot: Slot, tokens: Sequence[int]) -> None:
+        """Before continuing the slot's sequence with ``tokens``: start it over from an empty KV
+        cache when the reuse the decoder would make is not possible (``_window_holds``)."""
+        reuse = min(common_prefix(slot.ids, tokens), len(tokens) - 1)
+        if not self._window_holds(self._pos_min(slot), reuse, len(slot.ids)):
             log.info("the sliding window no longer holds position %d: evaluating from scratch", reuse)
-            self.llm.reset()
+            key = slot.key
+            self._clear(slot)
+            slot.key = key
 
     def _new_keyless(self) -> int:
         self._next_keyless += 1
         return self._next_keyless
 
-    def _use_prompt_cache(self, tokens: Sequence[int]) -> None:
-        """Make live the keyless sequence a keyless request with prompt ``tokens`` continues.
+    def _use_prompt_cache(self, tokens: Sequence[int]) -> Slot:
+        """The slot a keyless request with prompt ``tokens`` continues.
 
-        The candidate is the cached keyless sequence (the live one or a host snapshot) with the
+        The candidate is the cached keyless sequence (idle in a slot, or a host snapshot) with the
         longest common prefix with the prompt (ties: the most recent), less the last prompt token
         (its logits are needed). When the reusable prefix passes the similarity rule (see
         ``PROMPT_CACHE_MIN_TOKENS``) and the sliding window still holds it, the request continues
@@ -328,80 +441,92 @@ class Engine:
         off is small (``BRANCH_MIN_FRACTION``), else it branches: it continues a copy and the
         original stays cached (two chats that share only a system prompt). Otherwise it starts a
         fresh sequence from an empty KV cache. A new sequence evicts the least recently used one
-        beyond ``n_seq``. Conversations are never candidates."""
+        beyond ``n_seq``. Conversations, and sequences in the batch, are never candidates."""
         self._load_saved_prompts()
         best: SeqKey | None = None
         best_reuse = 0
         best_prompt_len = 0
         best_len = 0
         limit = len(tokens) - 1
-        candidates: list[tuple[SeqKey, Sequence[int], int, int]] = []
-        if isinstance(self.live, int):
-            n_live = int(self.llm.n_tokens)
-            candidates.append((self.live, self.llm.input_ids[:n_live], -1, self._live_prompt_len))
-        for key in reversed(self._saved):
-            if isinstance(key, int):
+        for key in self._recent():
+            if not isinstance(key, int):
+                continue
+            slot = self._slot_of(key)
+            if slot is not None:
+                if slot.busy:
+                    continue
+                ids: Sequence[int] = slot.ids
+                pos_min, prompt_len = -1, slot.prompt_len
+            else:
                 snap = self._saved[key]
-                candidates.append((key, snap.input_ids, snap.pos_min, snap.prompt_len))
-        for key, ids, pos_min, prompt_len in candidates:
+                ids, pos_min, prompt_len = snap.input_ids, snap.pos_min, snap.prompt_len
             reuse = min(common_prefix(ids, tokens), limit)
             if reuse <= best_reuse:
                 continue
-            if pos_min < 0:  # the live sequence: ask the context
-                pos_min = self._live_pos_min()
+            if slot is not None:  # in the context: ask it
+                pos_min = self._pos_min(slot)
             if self._window_holds(pos_min, reuse, len(ids)):
                 best, best_reuse, best_prompt_len, best_len = key, reuse, prompt_len, len(ids)
         if best is None or best_reuse < max(PROMPT_CACHE_MIN_TOKENS, PROMPT_CACHE_MIN_FRACTION * len(tokens)):
-            self._park_live()
-            self._trim(self.model.n_seq - 1)
-            self.llm.reset()
-            self.live = self._new_keyless()
+            slot = self._take_slot()
+            slot.key = self._new_keyless()
         else:
             # the last prompt token is evaluated again, so the same prompt takes the sequence over.
             # A prompt that diverges inside the sequence's last prompt branches (the original stays
             # cached, the request goes on in a copy) only when the part it would cut off is worth
-            # the copy: a copy costs a pass over the whole state (the KV of every token), cutting
-            # costs re-evaluating the tokens cut off if that sequence comes back
+            # the copy: a copy costs a pass over the sequence's KV (twice: out to host memory and
+            # back), cutting costs re-evaluating the tokens cut off if that sequence comes back
             lost = best_len - best_reuse
             take_over = best_reuse >= best_prompt_len - 1 or lost < max(8, BRANCH_MIN_FRACTION * best_len)
-            if best == self.live:
-                if not take_over:  # the original stays as a snapshot; the copy goes on in the context
-                    self._park_live()
-                    self._trim(self.model.n_seq - 1)
-                    self.live = self._new_keyless()
+            source = self._slot_of(best)
+            if source is not None:
+                if take_over:
+                    slot = source
+                else:
+                    self._touch(best)  # the original stays cached, as the most recent
+                    other = self._free_slot(exclude=source)
+                    if other is None:  # the original goes to host memory, the copy stays here
+                        self._saved[best] = self._snapshot(source)
+                        slot = source
+                    else:
+                        slot = other
+                        self._load_snapshot(slot, self._snapshot(source))
+                    slot.key = self._new_keyless()
             else:
-                self._park_live()
                 if take_over:
                     snap = self._saved.pop(best)
-                    self.live = best
+                    new_key: SeqKey = best
                 else:
                     snap = self._saved[best]
-                    self._saved.move_to_end(best)
-                    self.live = self._new_keyless()
-                self._trim(self.model.n_seq - 1)
-                self._load_snapshot(snap)
+                    self._touch(best)
+                    new_key = self._new_keyless()
+                slot = self._take_slot()
+                self._load_snapshot(slot, snap)
+                slot.key = new_key
             log.debug(
                 "prompt cache: %d of %d prompt tokens reused (%s)",
                 best_reuse,
                 len(tokens),
                 "taken over" if take_over else "branched",
             )
-        self._live_prompt_len = len(tokens)
+        assert slot.key is not None
+        self._touch(slot.key)
+        self._trim(self.model.n_seq, protect=slot)
+        return slot
 
     @property
     def conversations(self) -> tuple[str, ...]:
         """The conversations whose KV is cached, most recent first."""
-        keys = ((self.live,) if self.live is not None else ()) + tuple(reversed(self._saved))
-        return tuple(k for k in keys if isinstance(k, str))
+        return tuple(k for k in self._recent() if isinstance(k, str))
 
     @property
     def cached_sequences(self) -> int:
         """How many sequences (conversations and cached prompts) the worker keeps, live included."""
-        return len(self._saved) + (1 if self.live is not None else 0)
+        return len(self._recent())
 
     @property
     def snapshot_bytes(self) -> int:
-        """Host memory held by the snapshots of the sequences that are not live."""
+        """Host memory held by the snapshots of the sequences that are not in a slot."""
         return sum(len(s.state) + 4 * s.n_tokens for s in self._saved.values())
 
     # ---- KV on disk (stop / start; the file format is kv_files') ------------------------------
@@ -412,11 +537,13 @@ class Engine:
     def save_kv(self, kv_dir: Path) -> int:
         """Write every cached sequence's KV snapshot to ``kv_dir`` (atomic per file): conversations
         by key, cached prompts by rank (older cached-prompt files are replaced). Returns how many."""
-        try:
-            self._park_live()
-        except Exception:  # the others are still worth saving
-            log.exception("could not snapshot the live sequence %s", self.live)
-            self.live = None
+        for slot in self._slots:
+            try:
+                self._park(slot)
+            except Exception:  # the others are still worth saving
+                log.exception("could not snapshot the sequence %s", slot.key)
+                slot.key = None
+                slot.ids.clear()
         if kv_dir == self.kv_dir:
             self._load_saved_prompts()  # those this run never needed are kept, within n_seq
         ident = self._identity()
@@ -424,7 +551,8 @@ class Engine:
         count = 0
         stale = kv_files.prompt_files(kv_dir, mid)
         rank = 0
-        for key, snap in reversed(self._saved.items()):
+        for key in self._recent():
+            snap = self._saved[key]
             if isinstance(key, str):
                 kv_files.write(kv_files.kv_file(kv_dir, mid, key), mid, {"conversation": key}, snap, ident)
             else:
@@ -447,7 +575,7 @@ class Engine:
         if snap is None:
             return False
         self._saved[conversation] = snap
-        self._saved.move_to_end(conversation)
+        self._touch(conversation)
         log.info("conversation %s: KV loaded from disk (%d tokens)", conversation, snap.n_tokens)
         return True
 
@@ -459,6 +587,7 @@ class Engine:
         self._prompts_loaded = True
         room = self.model.n_seq - self.cached_sequences
         loaded = 0
+        oldest = min(self._used.values(), default=0)
         for rank, path in sorted(kv_files.prompt_files(self.kv_dir, self.model.id).items()):
             if loaded >= room:
                 path.unlink(missing_ok=True)
@@ -468,7 +597,7 @@ class Engine:
                 continue
             key = self._new_keyless()
             self._saved[key] = snap
-            self._saved.move_to_end(key, last=False)
+            self._used[key] = oldest - 1 - loaded  # older than everything this run used
             loaded += 1
         if loaded:
             log.info("%d cached prompt(s) loaded from %s", loaded, self.kv_dir)
@@ -606,10 +735,11 @@ class Engine:
     ) -> tuple[list[list[float]], int]:
         """Unit vectors for texts or token lists (see ``embed``), and the tokens they took. Texts
         are tokenized as ``Llama.embed`` does (BOS when the vocabulary adds one, no special
-        tokens). An embedding model's context is its own; a chat model's live sequence is first
-        kept as a host snapshot (the KV of every conversation stays), then its context embeds in
-        that sequence and gives it back empty. Raises PromptTooLongError for an input over the
-        batch, InvalidSamplingError for a token id outside the vocabulary."""
+        tokens). An embedding model's context is its own; a chat model's least recently used idle
+        sequence is first kept as a host snapshot (the KV of every conversation stays), then its
+        context embeds in that sequence and gives it back empty (never while a batch decodes).
+        Raises PromptTooLongError for an input over the batch, InvalidSamplingError for a token id
+        outside the vocabulary."""
         llm = self.llm
         n_vocab = self.info.n_vocab
         token_lists: list[list[int]] = []
@@ -627,30 +757,23 @@ class Engine:
         if self.model.embedding:
             vectors = embed_tokens(llm, token_lists, before_step=before_step)
         else:
-            self._park_live()  # the live sequence's KV goes to the host LRU, whole
+            if self._decoder.live:
+                raise RuntimeError("embeddings while a batch is decoding")  # the worker runs them between
+            slot = self._take_slot()  # its sequence (the least recently used) goes to the host LRU
             try:
-                vectors = embed_tokens(llm, token_lists, seq_id=0, switch=True, before_step=before_step)
+                vectors = embed_tokens(
+                    llm, token_lists, seq_id=slot.seq_id, switch=True, before_step=before_step
+                )
             finally:
-                llm.n_tokens = 0  # sequence 0 is empty now; its logits are the embedding's
-                llm._requires_eval = True
+                slot.ids.clear()  # the sequence is empty now (embed_tokens removed its cells)
+                slot.dirty = True
         return vectors, sum(len(t) for t in token_lists)
 
     # ---- generation -------------------------------------------------------------------------
 
-    def generate(
-        self,
-        req: Generate,
-        emit: Callable[[str], None],
-        before_step: Callable[[], None] = lambda: None,
-        poll: Callable[[], None] = lambda: None,
-        logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
-    ) -> GenerationOutcome:
-        """Run one request. ``before_step`` runs before every decode step and may raise
-        CancelledError to stop (finish_reason "cancelled"); ``poll`` runs while the prompt is
-        tokenized (no residency needed) and may raise it too. When the request asks for logprobs,
-        ``logprobs`` gets the entries of the tokens each piece completes, just before ``emit``
-        gets that piece. Raises PromptTooLongError without touching the KV cache of any
-        conversation."""
+    def prepare(self, req: Generate, poll: Callable[[], None] = lambda: None) -> Prepared:
+        """Tokenize a request (no residency needed). ``poll`` runs between pieces and may raise
+        CancelledError. Raises PromptTooLongError without touching the KV cache of any sequence."""
         if self.model.embedding:
             raise InvalidSamplingError(
                 f"{self.model.display_name} is an embedding model (embedding = true): "
@@ -667,42 +790,178 @@ class Engine:
             assert req.prompt is not None
             # the tokens create_completion would make of the string (not tokenized twice)
             tokens = self._completion_tokens(req.prompt, poll)
-        n_prompt = len(tokens)
-        if n_prompt >= self.info.n_ctx:
-            raise self._too_long(n_prompt)
-        before_step()  # residency first: switching sequences touches the context
+        if len(tokens) >= self.info.n_ctx:
+            raise self._too_long(len(tokens))
+        return Prepared(req, tokens, tuple(stop))
+
+    @property
+    def free_slots(self) -> int:
+        """How many more sequences may join the batch now."""
+        return sum(1 for s in self._slots if not s.busy)
+
+    @property
+    def active(self) -> list[Live]:
+        """The sequences in the batch, in join order."""
+        return list(self._decoder.live)
+
+    @property
+    def decodes(self) -> int:
+        """llama_decode calls since the model loaded."""
+        return self._decoder.decodes
+
+    def busy_with(self, conversation: str) -> bool:
+        """Whether that conversation's sequence is in the batch (it is never decoded twice at once)."""
+        return any(s.busy and s.key == conversation for s in self._slots)
+
+    def start(
+        self,
+        prepared: Prepared,
+        emit: Callable[[str], None],
+        logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
+    ) -> Live:
+        """The request joins the batch (at the next ``step``) in the sequence its KV rules pick:
+        the conversation's own, the prompt cache's, or (``cache_prompt`` false) an empty one.
+        Needs the context (call after making the weights resident)."""
+        req = prepared.req
+        tokens = prepared.tokens
+        if req.conversation is not None and self.busy_with(req.conversation):
+            raise RuntimeError(f"conversation {req.conversation} is already being answered")
         cache_prompt = self.model.cache_prompt if req.cache_prompt is None else req.cache_prompt
         if req.conversation is not None:
             # the conversation's own sequence, continued from its longest common prefix
-            self._switch_to(req.conversation, fresh=False)
-            self._keep_window(tokens)
-            self._live_prompt_len = len(tokens)
+            slot = self._claim_conversation(req.conversation, tokens)
         elif cache_prompt:
-            self._use_prompt_cache(tokens)
+            slot = self._use_prompt_cache(tokens)
         else:
             # From an empty KV cache, exactly like a fresh Llama, so the same request gives the
             # same answer bit for bit (a prefix reused from another request was computed in other
             # batches, which can change the last bits of the logits); nothing is kept afterwards.
-            self._switch_to(None, fresh=True)
+            slot = self._take_slot()
+        slot.prompt_len = len(tokens)
+        slot.busy = True
         try:
-            out = self._decoder.run(
+            live = self._decoder.start(
+                slot.seq_id,
+                slot.ids,
                 tokens,
                 capped(req.sampling, self.model.max_tokens),
-                stop=stop,
+                stop=prepared.stop,
                 emit=emit,
-                before_step=before_step,
                 records=None if logprobs is None else (lambda rs: logprobs(self._wire_logprobs(rs))),
             )
-        finally:
-            self.prompt_tokens_evaluated += self._decoder.evaluated
+        except BaseException:
+            self._end(slot)
+            raise
+        self._lives[live] = slot
+        return live
+
+    def step(self) -> list[Live]:
+        """One decode step of the batch; returns the sequences that finished in it (their
+        ``outcome(live)`` is ready). Needs the weights resident. A failed llama_decode ends every
+        sequence of the batch (their KV is unknown) and raises RuntimeError."""
+        try:
+            done = self._decoder.step()
+        except BaseException:
+            for live in list(self._decoder.live):
+                slot = self._lives[live]
+                self.cancel(live)
+                slot.key = None
+                slot.ids.clear()
+                slot.dirty = True
+            raise
+        for live in done:
+            self._leave(live)
+        return done
+
+    def cancel(self, live: Live) -> None:
+        """``live`` leaves the batch now (finish_reason "cancelled")."""
+        self._decoder.cancel(live)
+        self._leave(live)
+
+    def _leave(self, live: Live) -> None:
+        slot = self._lives.pop(live, None)
+        if slot is not None:
+            self.prompt_tokens_evaluated += live.evaluated
+            self._end(slot)
+
+    def _end(self, slot: Slot) -> None:
+        slot.busy = False
+        self._last = slot
+        if slot.key is not None:  # (a scratch sequence is nobody's: emptied when next used)
+            self._touch(slot.key)
+
+    def kv_tokens(self) -> tuple[int, ...]:
+        """The tokens the KV of the last finished request's sequence holds (its prompt and every
+        answer token but the last), until another request uses that sequence."""
+        return tuple(self._last.ids) if self._last is not None else ()
+
+    def outcome(self, live: Live) -> GenerationOutcome:
+        out = live.outcome()
         return GenerationOutcome(
-            out.finish_reason, n_prompt, out.completion_tokens, out.evaluated, out.text, out.stop
+            out.finish_reason,
+            live.n_prompt,
+            out.completion_tokens,
+            out.evaluated,
+            out.text,
+            out.stop,
+            out.batch_size,
+            out.logprobs,
         )
+
+    def generate(
+        self,
+        req: Generate,
+        emit: Callable[[str], None],
+        before_step: Callable[[], None] = lambda: None,
+        poll: Callable[[], None] = lambda: None,
+        logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
+    ) -> GenerationOutcome:
+        """Run one request alone (stepping the batch until it is done). ``before_step`` runs before
+        every decode step and may raise CancelledError to stop (finish_reason "cancelled");
+        ``poll`` runs while the prompt is tokenized (no residency needed) and may raise it too.
+        When the request asks for logprobs, ``logprobs`` gets the entries of the tokens each piece
+        completes, just before ``emit`` gets that piece. Raises PromptTooLongError without touching
+        the KV cache of any conversation."""
+        prepared = self.prepare(req, poll)
+        before_step()  # residency first: choosing the sequence touches the context
+        live = self.start(prepared, emit, logprobs)
+        try:
+            while not live.done:
+                before_step()
+                self.step()
+        except CancelledError:
+            self.cancel(live)
+        except BaseException:
+            if not live.done:
+                self.cancel(live)
+            raise
+        return self.outcome(live)
 
     def close(self) -> None:
         self._saved.clear()
         self._decoder.close()
         self.llm.close()
+
+
+def _sequences(llm: Any, parallel: int) -> None:
+    """Give ``llm`` a context of ``parallel`` sequences, each in its own KV stream (``kv_unified``
+    false: a sequence's logits do not depend on the others in the batch; with a unified cache 3 of
+    4 greedy answers differed from their solo runs). llama-cpp-python's constructor takes neither
+    setting: its context is replaced by one made with them (``context_params`` keeps them, so the
+    residency's rebuilds make the same)."""
+    params = llm.context_params
+    params.n_seq_max = parallel
+    params.kv_unified = False
+    llm._ctx.close()  # first: the two KV caches never exist at once
+    try:
+        ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=llm.verbose)
+    except ValueError as exc:
+        llm.close()
+        raise ModelFileError(
+            f"the context of {parallel} sequences could not be created ({exc}): lower parallel or n_ctx"
+        ) from None
+    llm._stack.enter_context(contextlib.closing(ctx))
+    llm._ctx = ctx
 
 
 #: what the fallback format can show of tools: nothing (calls and results become text)

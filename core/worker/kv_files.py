@@ -1,4 +1,4 @@
-"""The worker's KV snapshots (a sequence's context state with its token ids) and their files.
+"""The worker's KV snapshots (one sequence's KV state with its token ids) and their files.
 
 A stopped worker writes every cached sequence to its ``kv_dir`` (``Engine.save_kv``): a
 conversation as ``<model>-<sha256 of the key>.kv``, a cached prompt of the prompt cache as
@@ -35,19 +35,22 @@ class KVSnapshot:
 
     n_tokens: int
     input_ids: tuple[int, ...]
-    state: bytearray  # what llama_state_get_data wrote (read in place by llama_state_set_data)
+    state: bytearray  # what llama_state_seq_get_data wrote (read in place by llama_state_seq_set_data)
     pos_min: int = 0  # the lowest position the KV still holds (above 0: a sliding window dropped some)
     prompt_len: int = 0  # the prompt of the last request on it (the tokens after it were generated)
 
 
 def identity(model_path: str, n_ctx: int) -> dict[str, object]:
-    """What a snapshot file must have been made with: the model file (path, size, mtime), n_ctx."""
+    """What a snapshot file must have been made with: the model file (path, size, mtime), n_ctx
+    (per sequence) and the state's kind (one sequence's: files of whole-context states, written
+    before the context held several sequences, are ignored)."""
     st = os.stat(model_path)
     return {
         "path": os.path.abspath(model_path),
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
         "n_ctx": n_ctx,
+        "state": "sequence",
     }
 
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -27,7 +27,8 @@ from ..errors import CancelledError, FrameError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..util.logsetup import setup_logging
 from . import protocol as p
-from .engine import Engine, GenerationOutcome
+from .decode import Live
+from .engine import Engine
 from .spec import WorkerSpec
 from .tenancy import Acquired, Tenancy, make_tenancy
 
@@ -52,6 +53,17 @@ class _Disconnected:
 _Task = p.Request | _Yield | _Disconnected  # what the loop thread takes from its queue
 
 
+@dataclass
+class _Running:
+    """A request in the batch: when it started, its first token, the GPU switch it waited for."""
+
+    req: p.Generate
+    t0: float
+    first: float | None = None
+    switch: Acquired = field(default_factory=lambda: Acquired(switched=False))
+    live: Live | None = None
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, conn: p.Connection, tenancy: Tenancy | None = None) -> None:
         self.spec = spec
@@ -61,7 +73,10 @@ class Worker:
         self.engine: Engine | None = None
         self.pinned = spec.model.pinned
         self._pending: collections.deque[_Task] = collections.deque()
-        self._cancelled: set[str] = set()
+        self._cancelled: set[str] = set()  # cancelled before they joined the batch
+        self._running: dict[str, _Running] = {}  # the requests in the batch, by req
+        self._to_cancel: set[str] = set()  # requests in the batch cancelled since the last step
+        self._stop_batch = False  # a shutdown came while the batch ran: every request ends
         # when each request that came while another task ran arrived, and the last wake that took
         # the GPU (its start, its end, what it cost): a request that came meanwhile waited for it
         self._arrived: dict[str, float] = {}
@@ -112,6 +127,7 @@ class Worker:
             host_pinned_bytes=res.host_bytes,
             prompt_tokens_evaluated=engine.prompt_tokens_evaluated if engine else 0,
             live_conversations=engine.conversations if engine else (),
+            active=len(self._running),
             lease_bytes=res.lease_bytes,
             budget_bytes=res.budget_bytes,
         )
@@ -190,7 +206,7 @@ class Worker:
         self.send(p.StatusReply(req=task.req, status=self.status()))
 
     def _load_poll(self) -> None:
-        self._poll(None)
+        self._poll()
         self.publish()
         if any(isinstance(t, (p.Shutdown, _Disconnected)) for t in self._pending):
             raise CancelledError("shutdown requested while loading")
@@ -234,10 +250,11 @@ class Worker:
                     device_name=self.tenancy.device_name,
                     budget_setting=self.tenancy.budget.setting if self.tenancy.budget else "",
                     budget_note=self.tenancy.budget_note,
+                    parallel=engine.parallel,
                 )
             )
         )
-        self._poll(None)
+        self._poll()
         work_waiting = any(isinstance(t, (p.Generate, p.Embed, p.Wake)) for t in self._pending)
         if not self.pinned and (not work_waiting or self._yield_wanted):
             self._release(kv=False)  # a pinned model keeps the GPU once it has it
@@ -252,15 +269,17 @@ class Worker:
     def _dispatch(self, task: _Task) -> None:
         if isinstance(task, p.StatusRequest):
             self._answer_ping(task)
-        elif isinstance(task, (p.Generate, p.Embed)):
+        elif isinstance(task, p.Generate):
             self._generate(task)
+        elif isinstance(task, p.Embed):
+            self._embed(task)
         elif isinstance(task, p.Cancel):
             self._cancel_queued(task.req)
         elif isinstance(task, p.Pin):
             self._set_pinned(task.pinned)
         elif isinstance(task, p.Wake):
             started = time.monotonic()
-            got = self._ensure_resident(lambda: self._wait_poll(None))
+            got = self._ensure_resident(self._wait_poll)
             self._last_wake = (started, time.monotonic(), got) if got.switched else None
         elif isinstance(task, p.Sleep):
             self._release(kv=task.level == "weights+kv")
@@ -288,8 +307,9 @@ class Worker:
     ) -> None:
         self.send(p.Done(req=req.req, finish_reason=finish, usage=usage, switch=switch))
 
-    def _poll(self, current: str | None) -> None:
-        """Drain the queue between decode steps (and while waiting for the token)."""
+    def _poll(self) -> None:
+        """Drain the queue between decode steps (and while waiting for the token). A cancel of a
+        request in the batch, or a shutdown while one runs, takes effect at the next step."""
         while True:
             try:
                 task = self.tasks.get_nowait()
@@ -298,9 +318,10 @@ class Worker:
             if isinstance(task, p.StatusRequest):
                 self._answer_ping(task)  # between decode steps, while loading or waiting
             elif isinstance(task, p.Cancel):
-                if task.req == current:
-                    raise CancelledError(f"request {current} cancelled")
-                self._cancel_queued(task.req)
+                if task.req in self._running:
+                    self._to_cancel.add(task.req)
+                else:
+                    self._cancel_queued(task.req)
             elif isinstance(task, p.Pin):
                 self._set_pinned(task.pinned)
                 self.publish()
@@ -308,15 +329,15 @@ class Worker:
                 self._yield_wanted = True
             elif isinstance(task, (p.Shutdown, _Disconnected)):
                 self._pending.appendleft(task)
-                if current is not None:
-                    raise CancelledError("the worker is shutting down")
+                if self._running:
+                    self._stop_batch = True
             else:
                 if isinstance(task, (p.Generate, p.Embed)):
                     self._arrived[task.req] = time.monotonic()
                 self._pending.append(task)
 
-    def _wait_poll(self, current: str | None) -> None:
-        self._poll(current)
+    def _wait_poll(self) -> None:
+        self._poll()
         self.publish()  # waiting_reason becomes visible
 
     def _should_yield(self) -> bool:
@@ -353,16 +374,107 @@ class Worker:
             self.send(released)
         self.publish()
 
-    def _generate(self, req: p.Generate | p.Embed) -> None:
+    def _generate(self, req: p.Generate) -> None:
+        """Answer ``req`` and every request that joins while it runs (continuous batching): the
+        batch steps until no sequence is left in it."""
+        self._pending.appendleft(req)
         engine = self.engine
         assert engine is not None
+        try:
+            while True:
+                try:
+                    self._before_step()
+                except CancelledError:  # shutting down, or nothing left to wait for the GPU for
+                    self._end_all_cancelled()
+                    break
+                except TimeshareError as exc:  # the GPU could not be had (gpu_busy, out of memory)
+                    for req in self._admissible():  # those waiting to join fail with the batch
+                        self._pending.remove(req)
+                        self._arrived.pop(req.req, None)
+                        self.send(p.Error(req=req.req, code=exc.code, message=str(exc)))
+                    self._fail_all(exc.code, str(exc))
+                    continue  # requests that came meanwhile try again
+                if not self._running:
+                    break
+                try:
+                    done = engine.step()
+                except Exception as exc:  # llama_decode failed: every sequence of the batch ended
+                    log.exception("a decode step failed")
+                    self._fail_all("internal", str(exc) or type(exc).__name__)
+                    continue
+                for live in done:
+                    self._finish(live)
+        finally:
+            if self._busy:
+                self._busy = False
+                self.tenancy.note_use(False)
+            self.publish()
+        if self._yield_wanted and self._should_yield():
+            self._release(kv=False)  # between requests the quantum does not apply
+
+    def _admissible(self) -> list[p.Generate]:
+        """The requests that may join the batch now, in arrival order: the Generates at the head of
+        the queue (up to the first other task, which waits for the batch to end), as many as the
+        context has free sequences, skipping one whose conversation is being answered (a
+        conversation is never decoded twice at once)."""
+        engine = self.engine
+        assert engine is not None
+        room = engine.free_slots
+        out: list[p.Generate] = []
+        for task in self._pending:
+            if len(out) >= room or not isinstance(task, p.Generate):
+                break
+            conv = task.conversation
+            if conv is not None and (engine.busy_with(conv) or any(g.conversation == conv for g in out)):
+                continue
+            out.append(task)
+        return out
+
+    def _before_step(self) -> None:
+        """Between two decode steps: drain the queue (cancels, pins, new requests), yield the GPU
+        when asked and the quantum is over, make the weights resident again, admit new requests.
+        Raises CancelledError when the batch must end (shutdown; every request left while waiting
+        for the GPU), a TimeshareError when the GPU cannot be had."""
+        started = time.monotonic()  # a request admitted now waited for this step's switch too
+        self._poll()
+        self._apply_cancels()
+        if self._stop_batch:
+            raise CancelledError("the worker is shutting down")
+        if not self._running and not self._admissible():
+            return
+        held_ms = (time.monotonic() - self._quantum_start) * 1000.0
+        quantum_over = held_ms >= self.spec.arena.min_quantum_ms
+        if self._yield_wanted and quantum_over and self._should_yield():
+            self._release(kv=False)  # every sequence pauses; the restore resumes them all
+        got: Acquired | None = None
+        if not (self.tenancy.holds_token and self.tenancy.weights_resident):
+            got = self._ensure_resident(self._batch_wait_poll)
+            for run in self._running.values():
+                if run.first is None:
+                    run.switch = got
+        for req in self._admissible():
+            self._admit(req, got, started)
+
+    def _batch_wait_poll(self) -> None:
+        """``poll`` while waiting for the GPU with a batch: cancels take effect at once; the wait
+        ends (CancelledError) when nothing is left to wait for."""
+        self._poll()
+        self._apply_cancels()
+        self.publish()  # waiting_reason becomes visible
+        if self._stop_batch or (not self._running and not self._admissible()):
+            raise CancelledError("nothing is waiting for the GPU any more")
+
+    def _admit(self, req: p.Generate, got: Acquired | None, started: float) -> None:
+        """``req`` joins the batch (tokenized now; its prefill runs in the next steps). ``got``:
+        the GPU switch this step waited for, if any (the request waited for it too)."""
+        engine = self.engine
+        assert engine is not None
+        self._pending.remove(req)
         if req.req in self._cancelled:
             self._cancelled.discard(req.req)
             self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
             return
-        t0 = time.monotonic()
-        first: list[float] = []
-        switch = Acquired(switched=False)
+        run = _Running(req, started)
         arrived = self._arrived.pop(req.req, None)
         wake = self._last_wake
         if arrived is not None and wake is not None and wake[0] <= arrived < wake[1]:
@@ -370,82 +482,158 @@ class Worker:
             # restored: it waited for that switch too, from when it came
             waited_ms = (wake[1] - arrived) * 1000.0
             restore_ms = min(wake[2].restore_ms, waited_ms)
-            switch = Acquired(switched=True, wait_ms=waited_ms - restore_ms, restore_ms=restore_ms)
-            t0 = arrived
+            run.switch = Acquired(switched=True, wait_ms=waited_ms - restore_ms, restore_ms=restore_ms)
+            run.t0 = arrived
+        if got is not None:
+            run.switch = got
 
-        def step() -> None:
-            nonlocal switch
-            self._poll(req.req)
-            held_ms = (time.monotonic() - self._quantum_start) * 1000.0
-            quantum_over = held_ms >= self.spec.arena.min_quantum_ms
-            if self._yield_wanted and quantum_over and self._should_yield():
-                self._release(kv=False)
-            if not (self.tenancy.holds_token and self.tenancy.weights_resident):
-                got = self._ensure_resident(lambda: self._wait_poll(req.req))
-                if not first:
-                    switch = got
+        def poll() -> None:
+            self._poll()
+            if req.req in self._cancelled or self._stop_batch:
+                raise CancelledError(f"request {req.req} cancelled")
 
         logprobs: list[p.TokenLogprobs] = []  # those of the text emitted next
 
         def emit(text: str) -> None:
-            if not first:
-                first.append(time.monotonic())
+            if run.first is None:
+                run.first = time.monotonic()
             self.send(p.Token(req=req.req, text=text, logprobs=tuple(logprobs)))
             logprobs.clear()
 
-        self._busy = True
-        if self.tenancy.holds_token:
-            self._quantum_start = time.monotonic()  # the quantum counts generation, not idle holding
+        try:
+            prepared = engine.prepare(req, poll)
+            run.live = engine.start(prepared, emit, logprobs.extend)
+        except CancelledError:
+            self._cancelled.discard(req.req)
+            self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
+            return
+        except TimeshareError as exc:
+            self.send(p.Error(req=req.req, code=exc.code, message=str(exc)))
+            return
+        except Exception as exc:
+            log.exception("request %s could not start", req.req)
+            self.send(p.Error(req=req.req, code="internal", message=str(exc) or type(exc).__name__))
+            return
+        self._running[req.req] = run
+        if not self._busy:
+            self._busy = True
+            if self.tenancy.holds_token:
+                self._quantum_start = time.monotonic()  # the quantum counts generation, not idle holding
             self.tenancy.note_use(True)
         self.publish()
+
+    def _finish(self, live: Live) -> None:
+        engine = self.engine
+        assert engine is not None
+        req_id = next(r for r, run in self._running.items() if run.live is live)
+        run = self._running.pop(req_id)
+        outcome = engine.outcome(live)
+        first_ms = (run.first - run.t0) * 1000.0 if run.first is not None else 0.0
+        if not self._running:
+            self._busy = False
+            self.tenancy.note_use(False)
+        self.publish()  # the snapshot is current before the reply arrives
+        self.send(
+            p.Done(
+                req_id,
+                outcome.finish_reason,
+                p.Usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.prompt_tokens_evaluated),
+                p.SwitchMeasured(
+                    run.switch.switched,
+                    wait_ms=run.switch.wait_ms,
+                    restore_ms=run.switch.restore_ms,
+                    first_token_ms=first_ms,
+                ),
+                stop=outcome.stop,
+                batch_size=outcome.batch_size,
+            )
+        )
+
+    def _apply_cancels(self) -> None:
+        """Cancelled requests leave the batch now (no context needed: their KV stays as it is)."""
+        engine = self.engine
+        while self._to_cancel:
+            req_id = self._to_cancel.pop()
+            run = self._running.pop(req_id, None)
+            if run is None:
+                continue
+            if run.live is not None and engine is not None:
+                engine.cancel(run.live)
+            self._send_done(run.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
+        if not self._running and self._busy:
+            self._busy = False
+            self.tenancy.note_use(False)
+            self.publish()
+
+    def _end_all_cancelled(self) -> None:
+        self._to_cancel.update(self._running)
+        self._apply_cancels()
+        self._stop_batch = False
+
+    def _fail_all(self, code: str, message: str) -> None:
+        """Every request of the batch fails with the same error (their sequences leave it)."""
+        engine = self.engine
+        for req_id, run in list(self._running.items()):
+            if run.live is not None and engine is not None and not run.live.done:
+                engine.cancel(run.live)
+            self.send(p.Error(req=req_id, code=code, message=message))
+        self._running.clear()
+        if self._busy:
+            self._busy = False
+            self.tenancy.note_use(False)
+        self.publish()
+
+    def _embed(self, req: p.Embed) -> None:
+        """An Embed request, between batches (its context switches to embeddings): the vectors go
+        in ``Embeddings`` frames of at most EMBED_FRAME_VALUES numbers, then a ``Done``
+        (usage.prompt_tokens: the tokens embedded)."""
+        engine = self.engine
+        assert engine is not None
+        if req.req in self._cancelled:
+            self._cancelled.discard(req.req)
+            self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
+            return
+        self._arrived.pop(req.req, None)
+        switch = Acquired(switched=False)
+
+        def step() -> None:
+            nonlocal switch
+            self._poll()
+            if req.req in self._cancelled or self._stop_batch:
+                self._cancelled.discard(req.req)
+                self._stop_batch = False
+                raise CancelledError(f"request {req.req} cancelled")
+            if not (self.tenancy.holds_token and self.tenancy.weights_resident):
+                switch = self._ensure_resident(self._wait_poll)
+
         reply: p.Done | p.Error
+        self._busy = True
+        self.tenancy.note_use(True)
+        self.publish()
         try:
-            if isinstance(req, p.Embed):
-                outcome = self._embed(req, step)
-            else:
-                outcome = engine.generate(
-                    req, emit, step, poll=lambda: self._poll(req.req), logprobs=logprobs.extend
-                )
+            vectors, n_tokens = engine.embed(req.inputs, step)
+            per_frame = max(1, EMBED_FRAME_VALUES // max(1, len(vectors[0]) if vectors else 1))
+            for i in range(0, len(vectors), per_frame):
+                self.send(p.Embeddings(req=req.req, data=tuple(tuple(v) for v in vectors[i : i + per_frame])))
+            reply = p.Done(
+                req.req,
+                "stop",
+                p.Usage(n_tokens, 0, n_tokens),
+                p.SwitchMeasured(switch.switched, wait_ms=switch.wait_ms, restore_ms=switch.restore_ms),
+            )
         except CancelledError:
             reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
         except TimeshareError as exc:
             reply = p.Error(req=req.req, code=exc.code, message=str(exc))
-        else:
-            first_ms = (first[0] - t0) * 1000.0 if first else 0.0
-            reply = p.Done(
-                req.req,
-                outcome.finish_reason,
-                p.Usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.prompt_tokens_evaluated),
-                p.SwitchMeasured(
-                    switch.switched,
-                    wait_ms=switch.wait_ms,
-                    restore_ms=switch.restore_ms,
-                    first_token_ms=first_ms,
-                ),
-                stop=outcome.stop,
-            )
         finally:
             self._busy = False
             self.tenancy.note_use(False)
-            self.publish()  # the snapshot is current before the reply arrives
+            self.publish()
         self.send(reply)
-        if self._yield_wanted and self._should_yield():
-            self._release(kv=False)  # between requests the quantum does not apply
-
-    def _embed(self, req: p.Embed, step: Callable[[], None]) -> GenerationOutcome:
-        """Embed, sending the vectors in ``Embeddings`` frames of at most EMBED_FRAME_VALUES
-        numbers; the outcome makes the ``Done`` (usage.prompt_tokens: the tokens embedded)."""
-        engine = self.engine
-        assert engine is not None
-        vectors, n_tokens = engine.embed(req.inputs, step)
-        per_frame = max(1, EMBED_FRAME_VALUES // max(1, len(vectors[0]) if vectors else 1))
-        for i in range(0, len(vectors), per_frame):
-            self.send(p.Embeddings(req=req.req, data=tuple(tuple(v) for v in vectors[i : i + per_frame])))
-        return GenerationOutcome("stop", n_tokens, 0, n_tokens, "")
 
     def _shutdown(self, save_kv: bool) -> None:
         self._stopping = True
-        self._poll(None)  # requests still in the queue get their error below
+        self._poll()  # requests still in the queue get their error below
         engine = self.engine
         if save_kv and engine is not None:
             try:

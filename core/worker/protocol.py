@@ -145,6 +145,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     device_name: str = ""  # "CUDA0", or "CPU" (host memory plays the device)
     budget_setting: str = ""  # the VRAM budget in force on that device ("one-model", "auto", "20GiB")
     budget_note: str = ""  # set when that is not this model's own setting (the first one won)
+    parallel: int = 1  # requests the worker answers at once (sequences of its context)
 
 
 class Ready(_Message, frozen=True):
@@ -168,6 +169,7 @@ class WorkerStatus(_Message, frozen=True):
     live_conversations: tuple[str, ...] = ()
     lease_bytes: int = 0  # weight bytes leased on the device's budget now
     budget_bytes: int = 0  # the device's weights budget now (0: one model at a time)
+    active: int = 0  # requests in the batch now (sequences being decoded or prefilled)
 
 
 class LogprobAlt(msgspec.Struct, frozen=True, array_like=True):
@@ -226,6 +228,7 @@ class Done(_Message, frozen=True):
     usage: Usage
     switch: SwitchMeasured
     stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
+    batch_size: int = 1  # the most requests decoded together while it ran (continuous batching)
 
 
 class Released(_Message, frozen=True):

@@ -1,0 +1,233 @@
+"""``timeshare bench parallel``: concurrent streams on one model through the real API (issue 24).
+
+For each concurrency N (``--concurrency 1,2,4,8``) it starts its own ``timeshare serve`` with one
+model and ``parallel = N`` (each request has the model's whole ``--n-ctx``), sends N streamed greedy
+``/v1/completions`` at once (distinct prompts of about ``--prompt-words`` words, ``--tokens`` tokens
+each, no prompt cache), and reports per N: the aggregate decode rate (all completion tokens over the
+time from the first request sent to the last one done), each request's first-token latency at the
+client and when it finished, and the largest ``batch_size`` the answers report. ``--baseline``
+also runs each N with ``parallel = 1`` (one request at a time: the queue before batching);
+``--llama-server PATH`` the same N streams against ``llama-server -np N -c n_ctx×N`` on the same
+model (llama-server's slots are its continuous batching). Prints a table, or ``--json`` one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import TimeshareError
+from ..gguf.modelfile import gguf_problem
+from .bench_api import word_salad
+from .bench_api_procs import LlamaServer, Serve, stream
+
+SYSTEMS = ("timeshare", "timeshare_parallel_1", "llama_server")
+
+
+def _prompts(n: int, words: int) -> list[str]:
+    return [f"Story {i}: {word_salad(1000 + i, words)}. Continue the story:" for i in range(n)]
+
+
+def _at_once(n: int, one: Callable[[int], dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
+    """Run ``one(i)`` for i < n on n threads released together; the rows (with their start and end
+    relative to the release) and the wall time from the release to the last end."""
+    barrier = threading.Barrier(n + 1)
+    rows: list[dict[str, Any] | BaseException] = [RuntimeError("not run")] * n
+    t0 = 0.0
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            start = time.perf_counter()
+            row = one(i)
+            row["start_ms"] = (start - t0) * 1000.0
+            row["end_ms"] = (time.perf_counter() - t0) * 1000.0
+            rows[i] = row
+        except BaseException as exc:
+            rows[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    barrier.wait()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for r in rows:
+        if isinstance(r, BaseException):
+            raise TimeshareError(f"a concurrent request failed: {r}") from r
+    return [r for r in rows if isinstance(r, dict)], wall
+
+
+def _summary(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    tokens = sum(int(r.get("completion_tokens") or 0) for r in rows)
+    ttft = [float(r["ttft_ms"]) for r in rows]
+    return {
+        "requests": len(rows),
+        "completion_tokens": tokens,
+        "wall_s": wall_s,
+        "aggregate_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "ttft_ms_median": statistics.median(ttft),
+        "ttft_ms_max": max(ttft),
+        "done_at_ms": sorted(float(r["end_ms"]) for r in rows),
+        "batch_size_max": max(int(r.get("batch_size") or 1) for r in rows),
+        "rows": rows,
+    }
+
+
+def _timeshare(
+    model: str, n: int, parallel: int, args: argparse.Namespace, work: Path, prompts: list[str]
+) -> dict[str, Any]:
+    serve = Serve(work, ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel)
+    try:
+        serve.wait_ready()
+
+        def one(i: int) -> dict[str, Any]:
+            body = {
+                "model": "m",
+                "prompt": prompts[i],
+                "max_tokens": int(args.tokens),
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "cache_prompt": False,
+            }
+            got = stream(serve.port, "/v1/completions", body)
+            usage = got.get("usage") or {}
+            ts = got.get("timeshare") or {}
+            return {
+                "ttft_ms": got["ttft_ms"],
+                "total_ms": got["total_ms"],
+                "completion_tokens": usage.get("completion_tokens"),
+                "batch_size": ts.get("batch_size"),
+            }
+
+        one(0)  # warm: the first request after the load restores the weights
+        rows, wall = _at_once(n, one)
+        return _summary(rows, wall)
+    finally:
+        serve.close()
+
+
+def _llama_server(
+    model: str, n: int, args: argparse.Namespace, work: Path, prompts: list[str]
+) -> dict[str, Any]:
+    server = LlamaServer(
+        args.llama_server,
+        model,
+        int(args.n_ctx) * n,
+        bool(args.flash_attn),
+        work / f"llama-server-{n}.log",
+        parallel=n,
+    )
+    try:
+        server.wait_healthy()
+
+        def one(i: int) -> dict[str, Any]:
+            row = server.turn(prompts[i], n_predict=int(args.tokens), cache_prompt=False)
+            return row
+
+        one(0)
+        rows, wall = _at_once(n, one)
+        return _summary(rows, wall)
+    finally:
+        server.stop()
+
+
+def run_parallel_bench(
+    model: str, args: argparse.Namespace, progress: Callable[[str], None] = lambda _m: None
+) -> dict[str, Any]:
+    levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    if not levels or min(levels) < 1:
+        raise TimeshareError("--concurrency takes counts of at least 1, e.g. 1,2,4,8")
+    report: dict[str, Any] = {
+        "model": model,
+        "n_ctx": int(args.n_ctx),
+        "tokens": int(args.tokens),
+        "prompt_words": int(args.prompt_words),
+        "cpus": os.cpu_count(),
+        "load_before": os.getloadavg(),
+        "levels": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="timeshare-bench-parallel-") as tmp:
+        for n in levels:
+            prompts = _prompts(n, int(args.prompt_words))
+            level: dict[str, Any] = {}
+            progress(f"{n} stream(s): timeshare, parallel {n}")
+            level["timeshare"] = _timeshare(model, n, n, args, Path(tmp) / f"ts-{n}", prompts)
+            if args.baseline and n > 1:
+                progress(f"{n} stream(s): timeshare, parallel 1 (one at a time)")
+                level["timeshare_parallel_1"] = _timeshare(model, n, 1, args, Path(tmp) / f"ts1-{n}", prompts)
+            if args.llama_server:
+                progress(f"{n} stream(s): llama-server -np {n}")
+                level["llama_server"] = _llama_server(model, n, args, Path(tmp), prompts)
+            report["levels"][str(n)] = level
+    report["load_after"] = os.getloadavg()
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(
+        f"model {report['model']}, {report['tokens']} tokens per request, n_ctx {report['n_ctx']}, "
+        f"{report['cpus']} CPUs, load {report['load_before'][0]:.1f} before, "
+        f"{report['load_after'][0]:.1f} after"
+    )
+    head = f"{'N':>3}  {'system':<22} {'tok/s':>8} {'ratio':>6} {'TTFT med':>9} {'TTFT max':>9} {'batch':>5}"
+    print(head + "  done at (s)")
+    for n, level in report["levels"].items():
+        base = level.get("llama_server")
+        for system in SYSTEMS:
+            s = level.get(system)
+            if s is None:
+                continue
+            ratio = (
+                f"{s['aggregate_tok_s'] / base['aggregate_tok_s']:.2f}"
+                if base and system != "llama_server"
+                else ""
+            )
+            done = ", ".join(f"{t / 1000.0:.2f}" for t in s["done_at_ms"])
+            print(
+                f"{n:>3}  {system:<22} {s['aggregate_tok_s']:>8.1f} {ratio:>6} {s['ttft_ms_median']:>7.0f}ms "
+                f"{s['ttft_ms_max']:>7.0f}ms {s['batch_size_max']:>5}  {done}"
+            )
+
+
+def main(args: argparse.Namespace) -> int:
+    """The ``timeshare bench parallel`` handler. Exit 0: it ran; 2: it could not run."""
+    from ..config import demo
+    from .bench_api import check_llama_server
+    from .doctor import report_failure
+
+    def progress(msg: str) -> None:
+        print(f"bench parallel: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        if args.llama_server:
+            check_llama_server(args.llama_server)
+        try:
+            model = args.model or str(demo.smollm2_path())
+        except demo.DemoUnavailableError as exc:
+            raise TimeshareError(f"{exc}; give a model with --model PATH") from None
+        problem = gguf_problem(model)
+        if problem:
+            raise TimeshareError(problem)
+        report = run_parallel_bench(model, args, progress)
+    except (TimeshareError, subprocess.TimeoutExpired, OSError) as exc:
+        err = exc if isinstance(exc, TimeshareError) else TimeshareError(str(exc))
+        return report_failure("bench parallel", err, bool(args.json))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
