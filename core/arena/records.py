@@ -29,6 +29,13 @@ MAX_PID = 2**31 - 1
 
 Backend = Literal["auto", "inotify", "poll"]
 
+#: the model name a ticket or lease file may carry. Deliberately looser than the config's model-id
+#: rule (``config.validate.MODEL_ID_RE``, the one rule for ids people give): the arena directory is
+#: shared by every pool and worker on the machine (other configs, other Timeshare versions, the
+#: arena harness's ``model#2`` ids), and the name is only ever a part of a file name there
+#: (``<seq>-<pid>-<model>``), so this is a file-name safety check (no ``/``, no NUL, no spaces,
+#: bounded length), never the id rule itself: a record that another version wrote with a wider
+#: name is still read and honoured, not ignored.
 RECORD_MODEL_RE = re.compile(r"^[A-Za-z0-9._#+@=-]{1,120}$")
 _TICKET_RE = re.compile(r"^(\d{12})-([1-9]\d{0,9})-(.+)$")
 O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
