@@ -151,7 +151,11 @@ def test_status(served: Served) -> None:
     done = run_cli(served.home, "status")
     assert done.returncode == 0
     assert done.stdout.startswith("GPU holder: ")
-    table = done.stdout.splitlines()[1:]
+    lines = done.stdout.splitlines()[1:]
+    # which dialects are served where, then the table
+    serving = [line for line in lines if line.startswith("Serving ")]
+    assert serving and all(served.url in line for line in serving), done.stdout
+    table = lines[len(serving) :]
     assert table[0].split()[:3] == ["MODEL", "STATE", "BUSY"]
     assert {row.split()[0] for row in table[1:]} == {SMOL, GEMMA}
 
