@@ -3,6 +3,7 @@ the two demo models (real workers, real llama-cpp-python), plus the request pars
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -410,7 +411,15 @@ def test_streamed_completion_equals_the_greedy_reference(
 def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> None:
     """Every field of the `timeshare` object (docs/API.md), over HTTP: a plain answer that took the
     GPU from the other model, then a streamed one of the same model (no switch)."""
-    fields = {"switched", "wait_ms", "restore_ms", "release_ms", "first_token_ms", "prompt_tokens_evaluated"}
+    fields = {
+        "switched",
+        "wait_ms",
+        "restore_ms",
+        "release_ms",
+        "first_token_ms",
+        "prompt_tokens_evaluated",
+        "batch_size",
+    }
     url, headers = f"{served.url}/v1/completions", served.headers()
     body = {"prompt": "The colour of the sky is", "max_tokens": 4, "temperature": 0, "cache_prompt": False}
     assert httpx.post(url, json=dict(body, model=SMOL), headers=headers, timeout=180).status_code == 200
@@ -419,6 +428,7 @@ def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> N
     assert set(ts) == fields
     assert ts["switched"] is True and ts["restore_ms"] > 0 and ts["first_token_ms"] > 0
     assert ts["wait_ms"] >= 0 and ts["release_ms"] >= 0
+    assert ts["batch_size"] == 1  # it answered alone
     assert ts["prompt_tokens_evaluated"] == plain["usage"]["prompt_tokens"] > 0  # cache_prompt false
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     streamed = dict(body, model=GEMMA, stream=True, stream_options={"include_usage": True})
@@ -572,12 +582,24 @@ def test_full_queue_is_a_429_and_a_disconnect_cancels(served: Served) -> None:
         with lock:
             codes.append(r.status_code)
 
-    with httpx.stream(
-        "POST", f"{served.url}/v1/completions", json=long_body, headers=served.headers(), timeout=300
-    ) as stream:
-        assert stream.status_code == 200
-        lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data: "))  # the long generation is in flight
+    # every slot of the batch busy with a long generation (a model answers `parallel` at once)
+    slots = int(served.model_status(GEMMA)["parallel"])  # type: ignore[call-overload]
+    readers = []  # kept: a reader that is collected closes its stream
+    with contextlib.ExitStack() as streams:
+        for _ in range(slots):
+            stream = streams.enter_context(
+                httpx.stream(
+                    "POST",
+                    f"{served.url}/v1/completions",
+                    json=long_body,
+                    headers=served.headers(),
+                    timeout=300,
+                )
+            )
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            readers.append(lines)
+            next(line for line in lines if line.startswith("data: "))  # this one is in flight
         threads = [threading.Thread(target=short_request) for _ in range(burst)]
         for t in threads:
             t.start()
@@ -587,7 +609,7 @@ def test_full_queue_is_a_429_and_a_disconnect_cancels(served: Served) -> None:
             timeout=120,
         )
         assert served.model_status(GEMMA)["busy"] is True
-    # leaving the block closed the connection: the long generation must be cancelled, and the queue drains
+    # leaving the block closed the connections: the long generations must be cancelled, and the queue drains
     for t in threads:
         t.join(300)
     assert sorted(codes) == [200] * QUEUE_LIMIT + [429] * (burst - QUEUE_LIMIT)
