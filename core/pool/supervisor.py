@@ -142,7 +142,14 @@ class Pool:
             if self._actor.closing:
                 raise ModelUnavailableError("this pool was stopped; create a new Pool to start again")
             # validates (creating it if missing) owner, mode and symlinks; raises ArenaError
-            self.arena_dir = check_arena_dir(self._resolve_arena_dir())
+            try:
+                self.arena_dir = check_arena_dir(self._resolve_arena_dir())
+            except errors.ArenaError:
+                # nothing will start: the first snapshot's "starting" models are not listed
+                with self._state_cond:
+                    self._snapshot = PoolSnapshot()
+                    self._state_cond.notify_all()
+                raise
             self._log_dir = Path(self._log_dir_arg) if self._log_dir_arg else paths.log_dir()
             self._log_dir.mkdir(parents=True, exist_ok=True)
             self._kv_root = Path(self._kv_dir_arg) if self._kv_dir_arg else paths.kv_dir()
