@@ -673,7 +673,7 @@ def test_the_gpu_column_uses_the_pools_vram_budget(
     qtbot.addWidget(other)
     other.show()
     _look_up(qtbot, other, 3)
-    assert "with arena.vram_budget = one-model" in other.info.text()
+    assert 'with the setting "one model at a time"' in other.info.text()
 
 
 # ---- hostile remotes: names checked before any path is built (issue 22) ---------------------
