@@ -112,6 +112,9 @@ def ref(smollm2_path: Path) -> Iterator[Replay]:
 
 
 def _engine(path: Path, **settings: Any) -> Engine:
+    # The model's default ``parallel`` (several sequences, kv_unified false, n_ctx per sequence):
+    # the product's own configuration. Each sequence has its own KV stream of N_CTX cells, so a
+    # plain one-sequence Llama of N_CTX stays an independent and exact oracle for it.
     return Engine.load(ModelConfig(id="smol", path=str(path), n_ctx=N_CTX, **settings))
 
 
@@ -122,7 +125,12 @@ def generate(engine: Engine, n_prompt: int, **fields: Any) -> tuple[GenerationOu
     llm = engine.llm
 
     def before_step() -> None:
-        if not captured and int(llm.n_tokens) == n_prompt:
+        # The engine decodes its sequences through one multi-sequence context (continuous
+        # batching), so ``llm.n_tokens`` no longer says what a sequence holds: the request's live
+        # sequence does (its KV's tokens and the prompt tokens still to prefill). It is alone in
+        # the batch, so the context's last output row is its last prompt token's.
+        live = engine.active
+        if not captured and live and not live[0].pending and len(live[0].ids) == n_prompt:
             row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
             captured.append(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy())
 
