@@ -135,7 +135,13 @@ def test_penalties_equal_create_completion(llm: Any, smollm2_path: Path) -> None
         tokens = tokens[1:]
     llm.reset()
     out = decoder.run(
-        tokens, Sampling(max_tokens=40, **penalties), stop=(), emit=lambda _: None, before_step=lambda: None
+        0,
+        [],
+        tokens,
+        Sampling(max_tokens=40, **penalties),
+        stop=(),
+        emit=lambda _: None,
+        before_step=lambda: None,
     )
     decoder.close()
     assert out.text == want_text
