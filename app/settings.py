@@ -173,7 +173,7 @@ class ModelDialog(QDialog):
         self.n_seq.setValue(int(model.get("n_seq", 4)))
         self.parallel = QSpinBox()
         self.parallel.setRange(0, 64)
-        self.parallel.setSpecialValueText("auto (4 on a GPU, 2 on a CPU)")
+        self.parallel.setSpecialValueText("auto (4 on a GPU, 1 on a CPU)")
         self.parallel.setValue(int(model.get("parallel", 0)))
         self.parallel.setToolTip(
             "Requests answered at once, decoded together. Each has the whole context, so the "

@@ -25,7 +25,7 @@ class ModelConfig:
     n_gpu_layers: int = -1  # -1: all layers (ignored by a CPU build)
     n_seq: int = 4  # KV sequences (conversations, cached prompts) a worker keeps (LRU beyond)
     # requests answered at once (continuous batching; each has the whole n_ctx, so the context's
-    # KV is n_ctx x parallel); 0: auto (4 on a GPU build, 2 on a CPU-only one)
+    # KV is n_ctx x parallel); 0: auto (4 on a GPU build, 1 on a CPU-only one)
     parallel: int = 0
     cache_prompt: bool = True  # keyless requests reuse the longest cached prefix (docs/API.md)
     chat_template: str | None = None  # Jinja override; None: the GGUF's own, or the fallback format
