@@ -47,8 +47,7 @@ from .errors import (
     timeshare_error_response,
     timeshare_error_status,
 )
-from .extras import plain as _plain
-from .extras import switch_extras
+from .extras import plain, switch_extras
 from .logprobs import CompletionOffsets, chat_logprobs, completion_logprobs
 from .middleware import HEALTH_PATH, SHUTTING_DOWN, AuthMiddleware, GuardMiddleware
 from .requests import (
@@ -121,7 +120,7 @@ class SwitchCounter:
                     "mean_wait_ms": t.wait_ms / n if t.switches else 0.0,
                     "mean_restore_ms": t.restore_ms / n if t.switches else 0.0,
                     "mean_release_ms": t.release_ms / n if t.switches else 0.0,
-                    "last": _plain(t.last),
+                    "last": plain(t.last),
                 }
             return {
                 "per_model": per_model,
@@ -138,8 +137,8 @@ def status_json(
         "object": "timeshare.status",
         "holder": snapshot.holder,
         "switching": snapshot.switching,
-        "devices": [_plain(d) for d in snapshot.devices],
-        "models": [_plain(m) for m in snapshot.models],
+        "devices": [plain(d) for d in snapshot.devices],
+        "models": [plain(m) for m in snapshot.models],
         "switch_stats": counter.as_json(),
     }
 
@@ -162,7 +161,7 @@ def model_json(status: Any, created: int, model: ModelConfig | None = None) -> d
         "capabilities": capabilities(model),
         "timeshare": {
             "name": status.name,
-            "state": _plain(status.state),
+            "state": plain(status.state),
             "pinned": status.pinned,
             "chat_format": status.chat_format,
             "licence": status.licence,
@@ -599,7 +598,7 @@ class _Handlers:
             raise HTTPException(404)
         snapshot = self.pool.snapshot()
         status = snapshot.model(model_id)
-        return JSONResponse({"ok": True, "command": command, "model": _plain(status)})
+        return JSONResponse({"ok": True, "command": command, "model": plain(status)})
 
 
 #: a streaming client that takes longer than this to accept one event (it stopped reading, its
