@@ -41,7 +41,7 @@ from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_er
 from .extras import switch_extras
 from .middleware import SHUTTING_DOWN
 from .requests import GenerationRequest, read_json
-from .shapes import MAX_MESSAGES
+from .shapes import MAX_MESSAGES, schema_error_path
 from .structured import json_object_grammar, schema_grammar
 from .tools import ToolRequest, parse_tool_request
 
@@ -121,9 +121,7 @@ def decode(body: object, shape: type[msgspec.Struct]) -> Any:
         return msgspec.convert(body, shape)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        path = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else ""
-        if not path and "missing required field" in text:
-            path = text.split("`")[1]
+        path = schema_error_path(exc)
         top = path.split(".")[0].split("[")[0]
         if top == "messages" and path != "messages":
             what = text.split(" - at ")[0]

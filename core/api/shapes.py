@@ -213,3 +213,12 @@ _encoder = msgspec.json.Encoder()
 def encode(shape: msgspec.Struct) -> bytes:
     """A response shape as JSON bytes."""
     return _encoder.encode(shape)
+
+
+def schema_error_path(exc: msgspec.ValidationError) -> str:
+    """The field path a msgspec validation error names ("messages[0].role"), or ""."""
+    text = str(exc)
+    path = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else ""
+    if not path and "missing required field" in text:
+        path = text.split("`")[1]
+    return path
