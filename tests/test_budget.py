@@ -140,7 +140,9 @@ def test_two_fit_at_once_and_a_third_evicts_the_least_recently_used(
     b.start_doorbell(rings["b"].append)
     req = c.request(timeout=TIMEOUT, need=400)
     wait_until(lambda: rings["a"], TIMEOUT, "a asked to yield")
-    assert not req.done() and req.waiting_reason().startswith("held by a (needs 400 B")
+    # the ring comes with c's ticket; the reason with c's first fit plan, a moment later
+    wait_until(lambda: req.waiting_reason().startswith("held by a (needs 400 B"), TIMEOUT, "c's reason")
+    assert not req.done()
     assert not rings["b"] and not b.asked_to_yield()
     a.release()
     grant = req.result(timeout=TIMEOUT)

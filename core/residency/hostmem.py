@@ -49,6 +49,21 @@ def fix_malloc_mmap_threshold(threshold: int = 1 << 20) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
+def trim_heap() -> bool:
+    """Give the free memory at the top and in the holes of glibc's heap back to the system
+    (``malloc_trim(0)``): a weight buffer served from the heap (glibc's dynamic mmap threshold has
+    grown, or :func:`fix_malloc_mmap_threshold` came after the load) leaves RSS unchanged when
+    freed until the heap is trimmed. Returns False where malloc_trim does not exist (not glibc)."""
+    try:
+        malloc_trim = _libc.malloc_trim
+    except AttributeError:
+        return False
+    malloc_trim.restype = ctypes.c_int
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim(0)
+    return True
+
+
 def pinned_buffer_type(device: int | None = None) -> int | None:
     """The host buffer type (pinned memory) of ``device`` (a ggml device handle; the first GPU when
     None), or None (CPU-only build, or a device without one).

@@ -18,7 +18,7 @@ import llama_cpp
 
 from ..errors import ModelFileChangedError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
-from . import _ggml
+from . import _ggml, hostmem
 from .gguf_check import check_gguf
 from .inplace import InPlace, InPlaceUnsupportedError
 from .kv import KvSnapshot
@@ -366,6 +366,11 @@ class Residency:
         if not self.weights_resident and (not kv or not self.kv_resident):
             return ReleaseReport(0.0, 0, self._level)
         llm = self._llm
+        if self.memory_measure == "rss":
+            # host memory freed into a hole of glibc's heap goes back to the system only when the
+            # heap is trimmed (a CPU release is for that memory): trimmed before and after, so the
+            # report counts only what this release freed
+            hostmem.trim_heap()
         before = self._device_free()
         t0 = time.perf_counter()
         if self.path == "rebuild":
@@ -385,6 +390,8 @@ class Residency:
                     self._saved_ctx = llm._ctx
                     llm._ctx = _Released("context")
             self._level = "weights" if self.kv_resident else "weights+kv"
+        if self.memory_measure == "rss":
+            hostmem.trim_heap()
         ms = (time.perf_counter() - t0) * 1000.0
         after = self._device_free()
         self.weights_resident = False
