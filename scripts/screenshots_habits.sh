@@ -8,26 +8,10 @@
 # Needs what scripts/screenshots.sh needs. Usage: sh scripts/screenshots_habits.sh
 set -eu
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-OUT=${OUT:-$ROOT/docs/screenshots}
+NAME=screenshots_habits.sh
 DISPLAY_NUM=${DISPLAY_NUM:-:78}
-for tool in Xvfb trayer xdotool import convert; do
-    command -v "$tool" >/dev/null || { echo "screenshots_habits.sh: $tool is missing" >&2; exit 2; }
-done
-mkdir -p "$OUT"
-WORK=$(mktemp -d)
-PIDS=""
-cleanup() {
-    for pid in $PIDS; do kill "$pid" 2>/dev/null || true; done
-    for pid in $PIDS; do wait "$pid" 2>/dev/null || true; done
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-export TIMESHARE_HOME="$WORK/home"
-export TIMESHARE_VRAM_BUDGET=one-model
-PY=.venv/bin/python
-TS=.venv/bin/timeshare
+. scripts/screenshots_lib.sh
+shots_setup Xvfb trayer xdotool import convert
 
 # the files a user would pull, served over HTTP as a model host would
 mkdir -p "$WORK/www"
@@ -38,52 +22,27 @@ www = sys.argv[1]
 os.symlink(demo.smollm2_path(), os.path.join(www, "SmolLM2-135M-Instruct-Q4_1.gguf"))
 os.symlink(demo.gemma3_path(), os.path.join(www, "gemma-3-270m-Q4_K_M.gguf"))
 EOF
-PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])")
+PORT=$(shots_free_port)
 $PY -m http.server "$PORT" --bind 127.0.0.1 --directory "$WORK/www" >"$WORK/www.log" 2>&1 &
-PIDS="$!"
+PIDS="$! $PIDS"
 sleep 1
 # a config with one model whose file has gone (a deleted download), then two pulls
-$PY - <<'EOF'
-import socket
+$PY - "$(shots_free_port)" <<'EOF'
+import sys
 from timeshare.core.config import files, schema
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
 gone = schema.ModelConfig(id="llama-3.2-1b-instruct-q4_k_m", name="Llama-3.2-1B-Instruct Q4_K_M",
                           path="/home/user/models/Llama-3.2-1B-Instruct-Q4_K_M.gguf")
-files.save_config(schema.Config(models=(gone,), api=schema.ApiConfig(port=port)))
+files.save_config(schema.Config(models=(gone,), api=schema.ApiConfig(port=int(sys.argv[1]))))
 EOF
 $TS pull "http://127.0.0.1:$PORT/SmolLM2-135M-Instruct-Q4_1.gguf"
 $TS pull "http://127.0.0.1:$PORT/gemma-3-270m-Q4_K_M.gguf"
 $TS ls
 
-Xvfb "$DISPLAY_NUM" -screen 0 1280x800x24 -nolisten tcp >"$WORK/xvfb.log" 2>&1 &
-PIDS="$! $PIDS"
-export DISPLAY="$DISPLAY_NUM"
-for _ in $(seq 50); do xdotool getdisplaygeometry >/dev/null 2>&1 && break; sleep 0.1; done
-xsetroot -solid '#3b4252' 2>/dev/null || true
-trayer --edge top --align right --widthtype request --height 32 --SetDockType true \
-    --transparent true --alpha 0 --tint 0x2e3440 --expand true >"$WORK/trayer.log" 2>&1 &
-PIDS="$! $PIDS"
-sleep 1
-QT_QPA_PLATFORM=xcb $TS >"$WORK/app.log" 2>&1 &
-APP=$!
-PIDS="$APP $PIDS"
-WIN=""
-for _ in $(seq 100); do
-    WIN=$(xdotool search --name "Timeshare — Chat" 2>/dev/null | head -1 || true)
-    [ -n "$WIN" ] && break
-    sleep 0.2
-done
-[ -n "$WIN" ] || { echo "no chat window"; cat "$WORK/app.log"; exit 1; }
-xdotool windowmove "$WIN" 40 60 windowsize "$WIN" 1000 620
-for _ in $(seq 600); do
-    $TS status --json 2>/dev/null | $PY -c "
-import json, sys
-m = {x['id']: x['state'] for x in json.load(sys.stdin)['models']}
-sys.exit(0 if m.get('llama-3.2-1b-instruct-q4_k_m') == 'failed' and list(m.values()).count('failed') == 1 and all(v in ('resident', 'released', 'failed') for v in m.values()) else 1)" 2>/dev/null && break
-    sleep 0.5
-done
+shots_start_desktop
+shots_start_app
+# the pulled models loaded, the one whose file is gone failed
+GONE=llama-3.2-1b-instruct-q4_k_m
+shots_wait_for "m['$GONE']['state'] == 'failed' and [x['state'] for x in s['models']].count('failed') == 1 and all(x['state'] in ('resident', 'released', 'failed') for x in s['models'])"
 # pick the failed model (the first entry of the model selector)
 xdotool windowfocus --sync "$WIN" 2>/dev/null || true
 xdotool mousemove --window "$WIN" 450 16 click 1
@@ -95,13 +54,7 @@ xdotool type --delay 20 "Hello?"
 sleep 1
 import -window root "$OUT/chat-failed-model.png"
 
-TRAY=$(xdotool search --onlyvisible --name '^panel$' 2>/dev/null | head -1 || true)
-if [ -n "$TRAY" ]; then
-    eval "$(xdotool getwindowgeometry --shell "$TRAY")"
-    TRAY_X=$((X + WIDTH / 2)) TRAY_Y=$((Y + HEIGHT / 2))
-else
-    TRAY_X=$(($(xdotool getdisplaygeometry | cut -d' ' -f1) - 16)) TRAY_Y=16
-fi
+shots_tray_xy
 xdotool mousemove "$TRAY_X" "$TRAY_Y" click 3
 sleep 1.5
 import -window root "$OUT/tray-pulled.png"
