@@ -8,8 +8,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import llama_cpp
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # also here, not only in the fixture below: module-scoped pools start before any function fixture
@@ -44,3 +48,23 @@ def gemma3_path(demo_cache: Path) -> Path:
     from timeshare.core.config import demo
 
     return demo.gemma3_path(cache=demo_cache)
+
+
+# ---- residency: a small synthetic Q4_0 model (imported when a test asks: llama_cpp is heavy) ----
+
+
+@pytest.fixture(scope="session")
+def small_q4_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    from _residency_util import make_small_q4_0
+
+    return make_small_q4_0(tmp_path_factory.mktemp("synthetic") / "small-q4_0.gguf", smollm2_path)
+
+
+@pytest.fixture
+def small_q4(small_q4_path: Path) -> Iterator[llama_cpp.Llama]:
+    """The small Q4_0 model loaded as a CPU worker loads it (see _residency_util.load)."""
+    from _residency_util import load
+
+    llm = load(small_q4_path)
+    yield llm
+    llm.close()

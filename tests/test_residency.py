@@ -23,7 +23,7 @@ from typing import Any
 import llama_cpp  # before numpy
 import pytest
 from _proc_util import rss_of
-from _residency_util import Greedy, load, make_small_q4_0, same
+from _residency_util import Greedy, load, same
 from timeshare.core.errors import (
     ModelFileChangedError,
     ModelFileError,
@@ -41,21 +41,9 @@ from timeshare.core.residency import inplace as inplace_mod
 from timeshare.core.residency.hostmem import fix_malloc_mmap_threshold
 
 
-@pytest.fixture(scope="session")
-def small_q4_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    return make_small_q4_0(tmp_path_factory.mktemp("synthetic") / "small-q4_0.gguf", smollm2_path)
-
-
 @pytest.fixture
 def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
     llm = load(smollm2_path)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture
-def small_q4(small_q4_path: Path) -> Iterator[llama_cpp.Llama]:
-    llm = load(small_q4_path)
     yield llm
     llm.close()
 

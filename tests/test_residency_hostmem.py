@@ -9,12 +9,11 @@ type of ggml (real buffers, real copies); the split is forced with a small alloc
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cpp  # before numpy
 import pytest
-from _residency_util import Greedy, load, make_small_q4_0, same
+from _residency_util import Greedy, same
 from timeshare.core.errors import OutOfDeviceMemoryError
 from timeshare.core.residency import Residency, ResidencyOptions, _ggml, hostmem
 
@@ -22,18 +21,6 @@ from timeshare.core.residency import Residency, ResidencyOptions, _ggml, hostmem
 def _cpu_buft() -> int:
     cpu = next(d for d in _ggml.devices() if d.kind == _ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
     return int(_ggml.dev_buffer_type(cpu.handle))
-
-
-@pytest.fixture(scope="module")
-def small_q4_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    return make_small_q4_0(tmp_path_factory.mktemp("synthetic") / "small-q4_0.gguf", smollm2_path)
-
-
-@pytest.fixture
-def small_q4(small_q4_path: Path) -> Iterator[llama_cpp.Llama]:
-    llm = load(small_q4_path)
-    yield llm
-    llm.close()
 
 
 @pytest.fixture
