@@ -16,7 +16,7 @@ $(PY):
 
 # llama-cpp-python compiles llama.cpp (minutes): built once, with progress, and never again
 # while the pinned version is installed. CMAKE_ARGS selects the GPU backend (see README).
-$(VENV)/.stamp-llama: $(PY) scripts/install-llama.sh pyproject.toml
+$(VENV)/.stamp-llama: $(PY) scripts/install-llama.sh scripts/build_progress.sh pyproject.toml
 	PY=$(PY) sh scripts/install-llama.sh
 	touch $@
 

@@ -18,21 +18,6 @@ else
 fi
 echo "    full log: $log"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || echo 2)}"
-set +e
-"$PY" -m pip install --progress-bar off -v "llama-cpp-python==$VER" >"$log" 2>&1 &
-pid=$!
-last=""
-while kill -0 "$pid" 2>/dev/null; do
-    sleep 5
-    step=$(grep -oE '^ *\[[0-9]+/[0-9]+\]' "$log" | tail -n1 | tr -d ' ')
-    if [ -n "$step" ] && [ "$step" != "$last" ]; then echo "    compiling llama.cpp $step"; last=$step; fi
-done
-wait "$pid"
-rc=$?
-set -e
-if [ "$rc" -ne 0 ]; then
-    tail -n 40 "$log"
-    echo "llama-cpp-python failed to build (exit $rc); see $log" >&2
-    exit "$rc"
-fi
+. "$(dirname "$0")/build_progress.sh"
+build_with_progress "$log" llama-cpp-python 5 "$PY" -m pip install --progress-bar off -v "llama-cpp-python==$VER"
 echo "==> llama-cpp-python $VER installed"

@@ -14,6 +14,7 @@
 # compile on first use, then a few tokens/s), so the defaults finish in minutes.
 set -eu
 cd "$(dirname "$0")/.."
+. scripts/build_progress.sh
 PYTHON=${PYTHON:-python3}
 VENV=${VULKAN_VENV:-.venv-vulkan}
 PY=$VENV/bin/python
@@ -83,24 +84,8 @@ step_build() {
         echo "    full log: $log"
         export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || echo 2)}"
         t0=$(date +%s)
-        set +e
-        CMAKE_ARGS="-DGGML_VULKAN=on ${CMAKE_ARGS:-}" \
-            "$PY" -m pip install --progress-bar off -v --force-reinstall --no-deps "$tree" >"$log" 2>&1 &
-        pid=$!
-        last=""
-        while kill -0 "$pid" 2>/dev/null; do
-            sleep 10
-            stepno=$(grep -oE '^ *\[[0-9]+/[0-9]+\]' "$log" | tail -n1 | tr -d ' ')
-            if [ -n "$stepno" ] && [ "$stepno" != "$last" ]; then echo "    compiling $stepno"; last=$stepno; fi
-        done
-        wait "$pid"
-        rc=$?
-        set -e
-        if [ "$rc" -ne 0 ]; then
-            tail -n 40 "$log"
-            echo "llama-cpp-python (Vulkan) failed to build (exit $rc); see $log" >&2
-            exit "$rc"
-        fi
+        build_with_progress "$log" "llama-cpp-python (Vulkan)" 10 env CMAKE_ARGS="-DGGML_VULKAN=on ${CMAKE_ARGS:-}" \
+            "$PY" -m pip install --progress-bar off -v --force-reinstall --no-deps "$tree"
         echo "==> built in $(( $(date +%s) - t0 )) s" | tee -a "$log"
         touch "$VENV/.stamp-vulkan"
     fi
