@@ -13,6 +13,7 @@ from .residency import (
     Residency,
     ResidencyOptions,
     RestoreReport,
+    WeightPart,
 )
 from .vkenv import prefer_device_local_memory
 
@@ -24,6 +25,7 @@ __all__ = [
     "Residency",
     "ResidencyOptions",
     "RestoreReport",
+    "WeightPart",
     "check_gguf",
     "fix_malloc_mmap_threshold",
     "ggml_device_memory",

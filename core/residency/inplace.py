@@ -12,6 +12,15 @@
 4. release: swap ``context``/``size`` of each buffer with a tiny placeholder of the same type and free
    the placeholder (which now owns the device memory);
 5. restore: allocate, swap back, relocate every tensor's ``data``, ``init_tensor``, upload.
+
+Layer parts (``parts`` > 1, issue 28): at attach the weights of each released buffer move into up
+to ``parts`` buffers of the same type, each holding a run of consecutive layers (``blk.<i>.*``;
+the tensors outside the layers join the first layer's part). The model's own buffers are freed
+first (their structs keep a tiny placeholder, which the model frees at close), then every part
+buffer is allocated, its tensors' ``buffer``/``data`` pointed into it, ``init_tensor``-ed and
+uploaded from the host shadow (laid out per part) -- a restore at attach, so the device holds
+the model once at any time. The part buffers' structs belong to the in-place path (freed when
+the model closes); release and restore then swap placeholders per part, from the last layer down.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +50,7 @@ _VERIFY_BYTES = 4096
 #: hand out data pointers from the constant vk_ptr_base (0x1000) and find their VkBuffer through
 #: the buffer's context at every use, so a swapped context is all a restored buffer needs.
 _READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
+_LAYER = re.compile(r"blk\.(\d+)\.")
 
 
 class InPlaceUnsupportedError(Exception):
@@ -70,6 +82,52 @@ class _Buffer:
     mirror: bool = False
     shadow_base: int = 0
     whole: int = 0  # a private I8 tensor spanning the buffer, for the one-copy upload
+    #: a layer part's buffer, made by the in-place path (its tensors' ``buffer`` field points at
+    #: it); False: one of the model's own buffers (parts=1)
+    owned: bool = False
+
+
+@dataclass
+class Part:
+    """A run of consecutive layers and the buffers (one per buffer type) that hold them."""
+
+    index: int
+    first_layer: int
+    last_layer: int
+    buffers: list[_Buffer]
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.size for b in self.buffers)
+
+    @property
+    def resident(self) -> bool:
+        return not any(b.released for b in self.buffers)
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index of a tensor named ``blk.<i>.*``; None for the tensors outside the layers."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def split_runs(sizes: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` index ranges of up to ``n`` runs of consecutive ``sizes``, none empty: each run
+    in turn takes entries while that brings its sum nearer to an even share of what is left (so a
+    big first entry -- the layer with the embeddings -- leaves the others evenly split)."""
+    k = max(1, min(n, len(sizes)))
+    runs: list[tuple[int, int]] = []
+    lo = 0
+    for left in range(k, 1, -1):  # runs still to make, this one included
+        target = sum(sizes[lo:]) / left
+        acc, hi = sizes[lo], lo + 1
+        while hi < len(sizes) - (left - 1) and abs(acc + sizes[hi] - target) <= abs(acc - target):
+            acc += sizes[hi]
+            hi += 1
+        runs.append((lo, hi))
+        lo = hi
+    runs.append((lo, len(sizes)))
+    return runs
 
 
 class _Discovery:
@@ -167,6 +225,7 @@ class InPlace:
         verify: bool,
         coalesce: bool = True,
         parallel: bool | None = None,
+        parts: int = 1,
     ) -> None:
         self.path = model_path
         self._coalesce = coalesce
@@ -184,7 +243,24 @@ class InPlace:
             raise InPlaceUnsupportedError(str(exc)) from exc
         disc = _discover(llm, self.layout)
         self.n_weight_tensors_seen = len(disc.weights)
-        self.buffers = self._plan(disc, gpu)
+        originals = self._plan(disc, gpu)
+        #: the model's own weight buffers; with parts > 1 they are emptied by split()
+        self.originals = originals
+        self.parts_note = ""  # why fewer layer parts than asked for, when so
+        if parts > 1 and any(b.buft_name.startswith("Vulkan") for b in originals):
+            self.parts_note = (
+                "layer parts are not checked on Vulkan (its graphs cannot be reset safely after "
+                "the weights move: see _forget_graphs): whole buffers are released there"
+            )
+            parts = 1
+        if parts > 1:
+            self.parts, self.buffers = self._split_plan(originals, parts)
+        else:
+            self.buffers = originals
+            layers = [x for b in originals for t in b.tensors if (x := layer_of(t.name)) is not None]
+            self.parts = [Part(0, min(layers, default=0), max(layers, default=0), list(originals))]
+        #: split() has still to move the weights into the part buffers
+        self.split_pending = parts > 1
         self.backend = self._backend_name(gpu)
         self.weight_bytes = sum(b.size for b in self.buffers)
         self.tensor_bytes = sum(t.nbytes for b in self.buffers for t in b.tensors)
@@ -247,6 +323,72 @@ class InPlace:
                     f"the {b.buft_name} weight buffer's size field is not where the probe found it"
                 )
         return list(by_buf.values())
+
+    def _split_plan(self, originals: list[_Buffer], n: int) -> tuple[list[Part], list[_Buffer]]:
+        """Up to ``n`` parts of consecutive layers with near-equal bytes (the tensors outside the
+        layers count with the first layer), and their buffers: one per part and original buffer
+        holding any of its tensors, laid out as ggml-alloc lays out a buffer (each tensor at an
+        aligned offset, its allocation size padded to the alignment)."""
+        lay = self.layout
+        padded: dict[int, int] = {}
+        layer_bytes: dict[int, int] = {}
+        outside = 0
+        for o in originals:
+            align = int(_ggml.buft_get_alignment(o.buft))
+            for t in o.tensors:
+                size = _pad(int(_ggml.buft_get_alloc_size(o.buft, t.ptr)), align)
+                padded[t.ptr] = size
+                layer = layer_of(t.name)
+                if layer is None:
+                    outside += size
+                else:
+                    layer_bytes[layer] = layer_bytes.get(layer, 0) + size
+        layers = sorted(layer_bytes)
+        if not layers:
+            raise InPlaceUnsupportedError(
+                "no blk.<i> layer tensors among the weights: no layer parts to make"
+            )
+        sizes = [layer_bytes[x] for x in layers]
+        sizes[0] += outside
+        runs = split_runs(sizes, n)
+        part_of = {x: j for j, (lo, hi) in enumerate(runs) for x in layers[lo:hi]}
+
+        def part_index(name: str) -> int:
+            layer = layer_of(name)
+            return part_of[layers[0] if layer is None else layer]
+
+        parts = [Part(j, layers[lo], layers[hi - 1], []) for j, (lo, hi) in enumerate(runs)]
+        home: dict[int, tuple[_Buffer, int]] = {}  # tensor -> (its part buffer, offset there)
+        units: list[_Buffer] = []
+        for part in parts:
+            for o in originals:
+                mine = sorted(
+                    (t for t in o.tensors if part_index(t.name) == part.index), key=lambda x: x.offset
+                )
+                if not mine:
+                    continue
+                u = _Buffer(0, o.buft, o.buft_name, 0, 0, layout=o.layout, released=True, owned=True)
+                pos = 0
+                for t in mine:
+                    u.tensors.append(_Tensor(t.ptr, t.name, pos, t.nbytes))
+                    home[t.ptr] = (u, pos)
+                    pos += padded[t.ptr]
+                u.size = pos
+                part.buffers.append(u)
+                units.append(u)
+        for o in originals:
+            orig_offset = {t.ptr: t.offset for t in o.tensors}
+            for v, off in o.views:
+                root = v
+                while root and root not in orig_offset:  # a view leads to its weight
+                    root = _ggml.read_ptr(root + lay.view_src)
+                if not root:
+                    raise InPlaceUnsupportedError(
+                        f"a view into the {o.buft_name} weight buffer has no weight tensor under it"
+                    )
+                u, pos = home[root]
+                u.views.append((v, pos + off - orig_offset[root]))
+        return parts, units
 
     def _check_complete(self, b: _Buffer) -> None:
         align = int(_ggml.buft_get_alignment(b.buft))
@@ -431,23 +573,102 @@ class InPlace:
     def _release_buffer(self, b: _Buffer) -> None:
         _ggml.buffer_free(self._detach_buffer(b))  # frees the weights' memory
 
-    def release(self) -> None:
-        t0 = time.perf_counter()
-        todo = [b for b in self.buffers if not b.released]
-        if self._parallel():
-            held: list[int] = []
-            try:
-                for b in todo:
-                    held.append(self._detach_buffer(b))
-            finally:  # what was detached is freed, also when a placeholder failed
-                list(self._pool().map(_ggml.buffer_free, held))
-        else:
-            for b in todo:
-                self._release_buffer(b)
-        self.release_steps = {"free_ms": (time.perf_counter() - t0) * 1000, "buffers": len(todo)}
+    # -- layer parts --------------------------------------------------------------------------
 
-    def _out_of_memory(self, b: _Buffer) -> OutOfDeviceMemoryError:
-        need = sum(x.size for x in self.buffers)
+    def split(self) -> None:
+        """Move the weights from the model's own buffers into the part buffers (parts > 1; once,
+        at attach): make each part buffer's struct (holding a placeholder), free the model's
+        buffers' memory (their structs keep a placeholder), then restore every part from the
+        shadow. Raises OutOfDeviceMemoryError with every part released (the model stays
+        released: restore() later), ResidencyError when a placeholder cannot be made (nothing
+        changed)."""
+        if not self.split_pending:
+            return
+        made: list[_Buffer] = []
+
+        def unmake() -> None:
+            for m in made:
+                _ggml.buffer_free(m.ptr)
+                m.ptr = 0
+
+        for b in self.buffers:
+            ph = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
+            if ph is None:
+                unmake()
+                raise ResidencyError(
+                    f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} buffer for a layer part: "
+                    "the model keeps its own buffers"
+                )
+            b.ptr = ph
+            made.append(b)
+            _ggml.buffer_set_usage(ph, _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)  # the scheduler's rules
+            assert b.layout is not None
+            if _ggml.read_size(ph + b.layout.size) != _PLACEHOLDER_BYTES:
+                unmake()
+                raise ResidencyError(
+                    f"a fresh {b.buft_name} buffer's size field is not where the probe found it: "
+                    "the model keeps its own buffers"
+                )
+        for o in self.originals:
+            self._release_buffer(o)  # the model's struct keeps the placeholder, freed at its close
+        self.split_pending = False
+        self.restore()
+
+    def part_buffers(self) -> list[int]:
+        """The part buffers' structs (parts > 1): whoever closes the model frees them with it."""
+        return [b.ptr for b in self.buffers if b.owned and b.ptr]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the resident parts' buffers (``ggml_backend_buffer_get_size``, padding in)."""
+        return sum(p.bytes for p in self.parts if p.resident)
+
+    def parts_to_release(self, keep_bytes: int | None) -> list[Part]:
+        """The resident parts a release down to ``keep_bytes`` frees, from the last layer down
+        (all of them for None)."""
+        resident = self.resident_bytes
+        out: list[Part] = []
+        for p in reversed(self.parts):
+            if keep_bytes is not None and resident <= keep_bytes:
+                break
+            if p.resident:
+                out.append(p)
+                resident -= p.bytes
+        return out
+
+    def release(self, keep_bytes: int | None = None) -> int:
+        """Release parts from the last layer down until at most ``keep_bytes`` stay resident (all
+        with None); returns the bytes released. A placeholder that cannot be made: what this
+        call released is restored again and ResidencyError raised."""
+        t0 = time.perf_counter()
+        chosen = self.parts_to_release(keep_bytes)
+        todo = [b for p in chosen for b in p.buffers if not b.released]
+        done: list[_Buffer] = []
+        try:
+            if self._parallel():
+                held: list[int] = []
+                try:
+                    for b in todo:
+                        held.append(self._detach_buffer(b))
+                        done.append(b)
+                finally:  # what was detached is freed, also when a placeholder failed
+                    list(self._pool().map(_ggml.buffer_free, held))
+            else:
+                for b in todo:
+                    self._release_buffer(b)
+                    done.append(b)
+        except ResidencyError:
+            self._restore(done)  # undo this call: the lease still covers those bytes
+            raise
+        self.release_steps = {
+            "free_ms": (time.perf_counter() - t0) * 1000,
+            "buffers": len(todo),
+            "parts": len(chosen),
+        }
+        return sum(b.size for b in done)
+
+    def _out_of_memory(self, b: _Buffer, todo: list[_Buffer]) -> OutOfDeviceMemoryError:
+        need = sum(x.size for x in todo)
         return OutOfDeviceMemoryError(
             f"not enough {b.buft_name} memory to restore the model's weights "
             f"({need / 1e9:.2f} GB needed, a {b.size / 1e9:.2f} GB buffer failed): the model stays "
@@ -456,13 +677,16 @@ class InPlace:
         )
 
     def restore(self) -> int:
-        """Restore every released buffer; on an allocation failure, release again what was
-        restored so far and raise OutOfDeviceMemoryError (the model stays released and intact).
-        ``moved`` then says whether any buffer came back at another address than before.
+        """Restore every released buffer (parts in layer order); on an allocation failure,
+        release again what this call restored and raise OutOfDeviceMemoryError (the model stays
+        as released as it was, and intact). Returns the bytes uploaded. ``moved`` then says
+        whether any buffer came back at another address than before.
 
         In parallel mode every buffer is allocated at once on the pool's threads and each is
         uploaded as soon as its allocation is back (the copies overlap the later allocations)."""
-        todo = [b for b in self.buffers if b.released]
+        return self._restore([b for b in self.buffers if b.released])
+
+    def _restore(self, todo: list[_Buffer]) -> int:
         t_start = time.perf_counter()
         copy_s = 0.0
         self.moved = False
@@ -482,7 +706,7 @@ class InPlace:
                         _ggml.buffer_free(extra)
                 for d in done:
                     self._release_buffer(d)
-                raise self._out_of_memory(b)
+                raise self._out_of_memory(b, todo)
             t1 = time.perf_counter()
             self._attach_buffer(b, new)
             copy_s += time.perf_counter() - t1
@@ -493,7 +717,7 @@ class InPlace:
             "copy_ms": copy_s * 1000,
             "buffers": len(done),
         }
-        return self.tensor_bytes
+        return sum(t.nbytes for b in done for t in b.tensors)
 
     def _attach_buffer(self, b: _Buffer, new: int) -> None:
         """Put the fresh allocation ``new`` under ``b``, relocate its tensors and upload them."""
@@ -506,9 +730,13 @@ class InPlace:
             self.moved = True
         b.base = base
         for t in b.tensors:
+            if b.owned:  # a layer part: the tensor moved in from the model's buffer at split()
+                _ggml.write_ptr(t.ptr + lay_t.buffer, b.ptr)
             _ggml.write_ptr(t.ptr + lay_t.data, base + t.offset)
             _ggml.buffer_init_tensor(b.ptr, t.ptr)
         for v, off in b.views:
+            if b.owned:
+                _ggml.write_ptr(v + lay_t.buffer, b.ptr)
             _ggml.write_ptr(v + lay_t.data, base + off)
         if b.mirror:  # one copy of the whole buffer, through the buffer's own set_tensor
             _ggml.write_ptr(b.whole + lay_t.buffer, b.ptr)

@@ -44,13 +44,33 @@ class ResidencyOptions:
     #: allocate and free the weight buffers on several threads at once (None: on Vulkan only,
     #: where each allocation and free costs time in proportion to its size; CUDA stays serial)
     parallel_buffers: bool | None = None
+    #: layer parts of the in-place path (issue 28): 1 = the model's own weight buffers, released
+    #: and restored whole; N > 1 = each buffer's weights held as up to N runs of consecutive
+    #: layers (made at attach), so ``release(keep_bytes=...)`` can free only the last layers
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class WeightPart:
+    """One run of consecutive layers of the weights (the tensors outside the layers belong to
+    the first layer's part); ``bytes``: its buffers' exact sizes (alignment padding in)."""
+
+    index: int
+    first_layer: int
+    last_layer: int
+    bytes: int
+    resident: bool
 
 
 @dataclass(frozen=True)
 class ReleaseReport:
     ms: float
+    #: what the memory measure (device free memory, or RSS) says this call freed
     freed_bytes: int
     level: WorkerReleaseLevel
+    #: exact bytes of the weight parts this call released, and of those resident after it
+    released_bytes: int = 0
+    resident_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,6 +179,8 @@ class Residency:
         self.host_pinned = False
         self.host_note = ""
         self.host_parts = 0  # separate host allocations of the shadow (pinned ones are per-buffer)
+        self.parts_note = ""  # why the in-place path has fewer layer parts than asked for
+        self._n_layer = 0
         self._opts = ResidencyOptions()
         self._gpu: _ggml.Device | None = None
         self._inplace: InPlace | None = None
@@ -218,6 +240,7 @@ class Residency:
                 "models with a LoRA adapter cannot be released yet: load it without the adapter"
             )
         check_gguf(self.model_path)
+        self._n_layer = int(llama_cpp.llama_model_n_layer(llm._model.model))
         self._file_id = _FileId.of(self.model_path)
         # the model's own GPU (``models[].device`` loads with split mode none and main_gpu):
         # freed bytes and the backend name are measured there, not on GPU 0
@@ -226,6 +249,8 @@ class Residency:
         mode = self._opts.mode
         if mode not in ("auto", "inplace", "rebuild"):
             raise ValueError(f"mode must be auto, inplace or rebuild, not {mode!r}")
+        if self._opts.parts < 1:
+            raise ValueError(f"parts must be at least 1, not {self._opts.parts}")
         if mode == "rebuild":
             self._use_rebuild("rebuild path asked for (mode=rebuild)")
             return self
@@ -242,6 +267,7 @@ class Residency:
                 self._opts.verify_shadow,
                 self._opts.coalesce_upload,
                 self._opts.parallel_buffers,
+                self._opts.parts,
             )
         except InPlaceUnsupportedError as exc:
             reason = str(exc)
@@ -254,6 +280,8 @@ class Residency:
             self._fallback(mode, reason)
             return self
         ip = self._inplace
+        if ip.split_pending:
+            self._split(ip)
         self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
@@ -261,17 +289,43 @@ class Residency:
         self.host_pinned = ip.shadow.pinned
         self.host_note = ip.shadow_note
         self.host_parts = len(ip.shadow.segments)
+        self.parts_note = ip.parts_note
         self.reason = ""
         log.info(
-            "residency of %s: in-place on %s, %d buffers, %.1f MB, %d weight tensors seen, shadow pinned=%s",
+            "residency of %s: in-place on %s, %d buffers in %d part(s), %.1f MB, %d weight tensors seen, "
+            "shadow pinned=%s",
             self.model_path,
             self.backend,
             len(ip.buffers),
+            len(ip.parts),
             self.weight_bytes / 1e6,
             ip.n_weight_tensors_seen,
             self.host_pinned,
         )
         return self
+
+    def _split(self, ip: InPlace) -> None:
+        """Move the weights into their layer parts (InPlace.split); the part buffers are freed
+        with the model (its ExitStack). The graphs are built anew: every weight moved. Out of
+        memory there leaves the model released (restore() brings it back)."""
+        llm = self._llm
+
+        def free_parts(ptrs: list[int]) -> None:
+            for ptr in ptrs:
+                _ggml.buffer_free(ptr)
+
+        try:
+            ip.split()
+        except OutOfDeviceMemoryError as exc:
+            log.warning("%s: the model stays released until a restore", exc)
+            self._saved_ctx = llm._ctx
+            llm._ctx = _Released("context")
+            self.weights_resident = False
+        finally:
+            if not ip.split_pending:  # the parts' structs exist: the model's close frees them
+                llm._stack.callback(free_parts, ip.part_buffers())
+        if self.weights_resident:
+            _forget_graphs(llm.ctx, llm)
 
     def _fallback(self, mode: Mode, reason: str) -> None:
         if mode == "inplace":
@@ -295,6 +349,31 @@ class Residency:
         if self._saved_ctx is not None:
             return self._saved_ctx.ctx
         return self._llm.ctx if self._llm is not None else None
+
+    # -- layer parts --------------------------------------------------------------------------
+
+    def parts(self) -> list[WeightPart]:
+        """The weights' layer parts in layer order (one part on the rebuild path, or with
+        ``parts=1``)."""
+        if self._inplace is not None:
+            return [
+                WeightPart(p.index, p.first_layer, p.last_layer, p.bytes, p.resident)
+                for p in self._inplace.parts
+            ]
+        return [WeightPart(0, 0, max(self._n_layer - 1, 0), self.weight_bytes, self.weights_resident)]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Exact bytes of the resident parts (what a lease must cover); ``weight_bytes`` when all
+        are resident, 0 when released."""
+        if self._inplace is not None:
+            return self._inplace.resident_bytes
+        return self.weight_bytes if self.weights_resident else 0
+
+    @property
+    def partly_resident(self) -> bool:
+        """Some but not all of the layer parts are resident (restore before computing)."""
+        return self._inplace is not None and 0 < self._inplace.resident_bytes < self.weight_bytes
 
     # -- measurements -------------------------------------------------------------------------
 
@@ -358,13 +437,31 @@ class Residency:
 
     # -- release / restore --------------------------------------------------------------------
 
-    def release(self, kv: bool = False) -> ReleaseReport:
+    def release(self, kv: bool = False, keep_bytes: int | None = None) -> ReleaseReport:
         """Free the weights (and with ``kv=True`` the context and its KV cache, saved to host
         memory first). Idempotent; a deeper release of a released model frees the KV cache too.
-        The rebuild path always frees both."""
+        The rebuild path always frees both.
+
+        ``keep_bytes``: release layer parts from the last layer down only until at most that many
+        bytes of weights stay resident (:attr:`resident_bytes`); None releases all. With any part
+        released the context is set aside like a whole release: restore() before computing. The
+        rebuild path (one part) releases everything unless ``keep_bytes`` covers the model; the
+        ``none`` path (mmapped CPU weights, nothing to free) ignores it."""
         self._check_open()
-        if not self.weights_resident and (not kv or not self.kv_resident):
-            return ReleaseReport(0.0, 0, self._level)
+        if keep_bytes is not None and keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be at least 0 (or None: release all), not {keep_bytes}")
+        ip = self._inplace
+        if ip is not None:
+            weights_todo = bool(ip.parts_to_release(keep_bytes))
+        elif self.path == "rebuild":
+            weights_todo = self.weights_resident and (
+                kv or keep_bytes is None or keep_bytes < self.weight_bytes
+            )
+        else:
+            weights_todo = self.weights_resident
+        kv_todo = kv and self.kv_resident
+        if not weights_todo and not kv_todo:
+            return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
         if self.memory_measure == "rss":
             # host memory freed into a hole of glibc's heap goes back to the system only when the
@@ -372,36 +469,43 @@ class Residency:
             # report counts only what this release freed
             hostmem.trim_heap()
         before = self._device_free()
+        resident_before = self.resident_bytes
         t0 = time.perf_counter()
         if self.path == "rebuild":
             self._release_rebuild()
             self._level = "weights+kv"
+            self.weights_resident = False
         else:
-            if kv and self.kv_resident:
+            if kv_todo:
                 self._snapshot_kv_and_free_context()
-            if self.weights_resident:
-                if self._inplace is not None:
-                    try:
-                        self._inplace.release()
-                    except ResidencyError:
-                        self._inplace.restore()  # undo the buffers released so far
-                        raise
-                if self.kv_resident:
+            if weights_todo:
+                if ip is not None:
+                    ip.release(keep_bytes)  # undoes its own releases on a ResidencyError
+                if self.kv_resident and self._saved_ctx is None:
                     self._saved_ctx = llm._ctx
                     llm._ctx = _Released("context")
+                self.weights_resident = ip is not None and ip.resident_bytes == self.weight_bytes
             self._level = "weights" if self.kv_resident else "weights+kv"
         if self.memory_measure == "rss":
             hostmem.trim_heap()
         ms = (time.perf_counter() - t0) * 1000.0
         after = self._device_free()
-        self.weights_resident = False
         freed = (after - before) if (before is not None and after is not None) else 0
-        log.info("released %s (%s): %.2f ms, %.1f MB freed", self.model_path, self._level, ms, freed / 1e6)
-        return ReleaseReport(ms, freed, self._level)
+        resident = self.resident_bytes
+        log.info(
+            "released %s (%s): %.2f ms, %.1f MB freed, %.1f MB of weights resident",
+            self.model_path,
+            self._level,
+            ms,
+            freed / 1e6,
+            resident / 1e6,
+        )
+        return ReleaseReport(ms, freed, self._level, resident_before - resident, resident)
 
     def restore(self) -> RestoreReport:
-        """Bring the weights (and the KV cache) back; the same ``llm`` works as before. Raises
-        OutOfDeviceMemoryError (the model stays released) or ModelFileChangedError."""
+        """Bring the weights (every released part) and the KV cache back; the same ``llm`` works
+        as before. ``bytes``: what this call uploaded. Raises OutOfDeviceMemoryError (the model
+        stays as released as it was) or ModelFileChangedError."""
         self._check_open()
         if self.weights_resident and self.kv_resident:
             return RestoreReport(0.0, 0, 0.0, self._level)
@@ -434,10 +538,11 @@ class Residency:
         self.kv_resident = True
         gbps = nbytes / 1e9 / dt if dt > 0 else 0.0
         log.info(
-            "restored %s (%s): %.2f ms, %.2f GB/s%s",
+            "restored %s (%s): %.2f ms, %.1f MB, %.2f GB/s%s",
             self.model_path,
             level,
             dt * 1000,
+            nbytes / 1e6,
             gbps,
             "" if moved is None else f", weights {'moved' if moved else 'back at their addresses'}",
         )
