@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,10 @@ from timeshare.core.arena.budget import (
     BudgetRecord,
     LeaseRecord,
     compute_budget,
+    decode_record,
+    encode_record,
     parse_budget,
+    parse_lease_record,
     plan_fit,
 )
 from timeshare.core.arena.client import TokenClient
@@ -121,6 +125,53 @@ def test_plan_with_pinned_holders_in_the_way() -> None:
     one = BudgetRecord(setting="one-model", kind="one-model", bytes=0)
     waits = plan_fit(10, [a], one, now=0.0)
     assert not waits.possible and not waits.too_large  # one model at a time: waits for an unpin
+
+
+def test_a_partial_victim_is_asked_to_free_only_what_the_request_lacks() -> None:
+    budget = BudgetRecord(setting="100B", kind="bytes", bytes=100)
+    a = lease("a", 50, used_at=1.0, partial=True)
+    b = lease("b", 40, used_at=2.0, partial=True)
+    plan = plan_fit(30, [a, b], budget, now=10.0)  # 10 free: 20 lacking, all from the LRU holder
+    assert not plan.fits and plan.possible and [v.name for v in plan.victims] == ["a"]
+    assert plan.frees == (20,) and plan.asked("a") == 20 and plan.asked("b") == 0 and plan.partial
+    plan = plan_fit(70, [a, b], budget, now=10.0)  # 60 lacking: a goes whole, b frees the rest
+    assert [v.name for v in plan.victims] == ["a", "b"] and plan.frees == (50, 10)
+    whole = replace(a, partial=False)  # a holder without parts frees its whole lease
+    assert plan_fit(30, [whole, b], budget, now=10.0).frees == (50,)
+    assert not plan_fit(30, [whole, b], budget, now=10.0).partial
+
+
+def test_a_request_for_the_device_or_a_one_model_budget_never_asks_for_part() -> None:
+    bytes_budget = BudgetRecord(setting="100B", kind="bytes", bytes=100)
+    one = BudgetRecord(setting="one-model", kind="one-model", bytes=0)
+    a = lease("a", 50, used_at=1.0, partial=True)
+    assert plan_fit(None, [a], bytes_budget, now=0.0).frees == (50,)
+    assert plan_fit(10, [a], one, now=0.0).frees == (50,)
+    assert not plan_fit(10, [a], one, now=0.0).partial
+
+
+def test_a_partly_released_holder_needs_room_only_for_what_it_lost() -> None:
+    budget = BudgetRecord(setting="100B", kind="bytes", bytes=100)
+    mine = LeaseRecord(model="m", pid=7, bytes=30, used_at=0.0, name="mine", partial=True)
+    other = lease("o", 60, used_at=5.0, partial=True)
+    # m holds 30 of its 50: it needs 20 more and 10 are free, so o frees 10 (never m itself)
+    plan = plan_fit(50, [mine, other], budget, now=10.0, requester=(7, "m"))
+    assert not plan.fits and [v.name for v in plan.victims] == ["o"] and plan.frees == (10,)
+    assert plan.own == 30 and plan.leased == 60
+    assert plan_fit(40, [mine, other], budget, now=10.0, requester=(7, "m")).fits
+    # judged for someone else, m's lease is a victim like any other (least recently used first)
+    assert plan_fit(50, [mine, other], budget, now=10.0).victims[0].name == "mine"
+    # a pinned other leaves no room: impossible, and m is never its own victim
+    pinned = replace(other, pinned=True, bytes=70)
+    never = plan_fit(50, [mine, pinned], budget, now=10.0, requester=(7, "m"))
+    assert not never.possible and never.victims == () and [p.name for p in never.pinned] == ["o"]
+
+
+def test_the_partial_flag_travels_in_the_lease_record() -> None:
+    record = LeaseRecord(model="m", pid=3, bytes=10, partial=True)
+    assert parse_lease_record(decode_record(encode_record(record.to_json()))) == record
+    assert parse_lease_record({"model": "m", "pid": 3, "bytes": 10}) == replace(record, partial=False)
+    assert parse_lease_record({"model": "m", "pid": 3, "bytes": 10, "partial": "yes"}) is None
 
 
 # ---- clients of one arena ----------------------------------------------------------------------

@@ -21,9 +21,18 @@ computed (:class:`BudgetRecord`); every later member uses that record (a differe
 reported, never silently used) until the last member has gone.
 
 Leases: a resident worker holds a lease of its weight bytes (:class:`LeaseRecord`). The invariant
-is *a worker's weights are on the device iff it holds a lease, and the leased bytes of a device
+is *a worker's weights on the device are covered by its lease, and the leased bytes of a device
 never exceed its budget*. :func:`plan_fit` is the one rule, shared by the waiter (does it fit,
-whom must it wait for) and the holders (am I asked to leave).
+whom must it wait for) and the holders (am I asked to leave, and how much must I free).
+
+Partial leases: a holder whose weights are held in layer parts (``models[].weight_parts``, the
+in-place path) marks its lease ``partial``. Under a byte budget such a victim is asked to free
+only the bytes the requester still lacks (:attr:`Plan.frees`); it releases parts from its last
+layer down until its resident bytes are at most its lease less that, replaces its lease by one of
+its resident bytes and stays a holder. Before it computes again it asks for its whole weights
+through the same queue: the request counts the bytes it still holds as its own
+(``plan_fit(requester=...)``), so it needs room only for what it lost. A one-model budget, and
+any request for the device to itself, always asks whole leases to go.
 """
 
 from __future__ import annotations
@@ -175,9 +184,10 @@ class LeaseRecord:
     """One lease on a device's budget. ``kind`` "weights": a worker's weights are on the device;
     "reserve": what a worker keeps there while released (auto budgets only; never evicted).
 
-    ``bytes`` never changes (a lease that shrinks is replaced). The rest is rewritten in place by
-    its holder: ``pinned``; ``busy`` and ``quantum_until`` (monotonic: the holder keeps the GPU at
-    least until then while it generates); ``used_at`` (monotonic: its last use, for LRU)."""
+    ``bytes`` never changes (a lease that shrinks or grows is replaced). The rest is rewritten in
+    place by its holder: ``pinned``; ``busy`` and ``quantum_until`` (monotonic: the holder keeps
+    the GPU at least until then while it generates); ``used_at`` (monotonic: its last use, for
+    LRU); ``partial``: the holder can free part of it (layer parts, see the module docstring)."""
 
     model: str
     pid: int
@@ -189,6 +199,7 @@ class LeaseRecord:
     busy: bool = False
     quantum_until: float = 0.0
     used_at: float = 0.0
+    partial: bool = False
     name: str = field(default="", compare=False)  # the lease file's name (not stored in it)
 
     def in_quantum(self, now: float) -> bool:
@@ -270,9 +281,10 @@ def parse_lease_record(data: dict[str, Any] | None, name: str = "") -> LeaseReco
     try:
         model, kind = data.get("model"), data.get("kind", "weights")
         pinned, busy = data.get("pinned", False), data.get("busy", False)
+        partial = data.get("partial", False)
         if not isinstance(model, str) or kind not in ("weights", "reserve"):
             return None
-        if not isinstance(pinned, bool) or not isinstance(busy, bool):
+        if not isinstance(pinned, bool) or not isinstance(busy, bool) or not isinstance(partial, bool):
             return None
         return LeaseRecord(
             model=model,
@@ -285,6 +297,7 @@ def parse_lease_record(data: dict[str, Any] | None, name: str = "") -> LeaseReco
             busy=busy,
             quantum_until=_num(data, "quantum_until"),
             used_at=_num(data, "used_at"),
+            partial=partial,
             name=name,
         )
     except ValueError:
@@ -298,11 +311,13 @@ def parse_lease_record(data: dict[str, Any] | None, name: str = "") -> LeaseReco
 class Plan:
     """What :func:`plan_fit` decided for one request.
 
-    ``fits``: take the lease now. Otherwise ``victims`` are the holders asked to leave (least
+    ``fits``: take the lease now. Otherwise ``victims`` are the holders asked to make room (least
     recently used first, unpinned only: idle ones, then busy ones past their quantum, then busy
-    ones inside it, who leave when it ends); ``pinned`` the pinned holders in the way;
-    ``possible`` is False when the request cannot fit even after every unpinned holder left
-    (``too_large``: not even on an empty device)."""
+    ones inside it, who leave when it ends) and ``frees`` the bytes each must free (its whole
+    lease, or for a ``partial`` lease under a byte budget only what the request still lacks);
+    ``pinned`` the pinned holders in the way; ``possible`` is False when the request cannot fit
+    even after every unpinned holder left (``too_large``: not even on an empty device). ``own``:
+    the weight bytes the requester already holds (a partly released holder asking for the rest)."""
 
     fits: bool
     victims: tuple[LeaseRecord, ...] = ()
@@ -311,6 +326,20 @@ class Plan:
     too_large: bool = False
     budget: int | None = None  # the weights' budget it was judged against (None: one model)
     leased: int = 0  # weight bytes leased by others
+    frees: tuple[int, ...] = ()  # per victim, in order: the bytes it is asked to free
+    own: int = 0
+
+    def asked(self, name: str) -> int:
+        """The bytes the lease ``name`` is asked to free (0: it is not a victim)."""
+        for victim, nbytes in zip(self.victims, self.frees, strict=True):
+            if victim.name == name:
+                return nbytes
+        return 0
+
+    @property
+    def partial(self) -> bool:
+        """Some victim is asked to free less than its whole lease."""
+        return any(n < v.bytes for v, n in zip(self.victims, self.frees, strict=True))
 
 
 def lru_order(leases: Sequence[LeaseRecord], now: float) -> list[LeaseRecord]:
@@ -319,32 +348,52 @@ def lru_order(leases: Sequence[LeaseRecord], now: float) -> list[LeaseRecord]:
     return sorted(leases, key=lambda x: (x.in_quantum(now), x.busy, x.used_at, x.since_monotonic, x.name))
 
 
-def plan_fit(need: int | None, leases: Sequence[LeaseRecord], budget: BudgetRecord, now: float) -> Plan:
-    """Does a request for ``need`` weight bytes fit beside ``leases`` (the live leases of others),
-    and if not, whom must it wait for? ``need`` None: the request wants the device to itself
-    (every other weights lease gone), as does every request under a one-model budget."""
-    weights = [x for x in leases if x.kind == "weights"]
+def plan_fit(
+    need: int | None,
+    leases: Sequence[LeaseRecord],
+    budget: BudgetRecord,
+    now: float,
+    requester: tuple[int, str] | None = None,
+) -> Plan:
+    """Does a request for ``need`` weight bytes fit beside ``leases`` (the live leases), and if
+    not, whom must it wait for and how much must each free? ``need`` None: the request wants the
+    device to itself (every other weights lease gone), as does every request under a one-model
+    budget. ``requester`` (pid, model): the weights leases it holds itself are its own (never
+    victims; under a byte budget they count towards ``need``, so a partly released holder asking
+    for its whole weights needs room for the rest only)."""
+    weights, own = [], 0
+    for x in leases:
+        if x.kind != "weights":
+            continue
+        if requester is not None and (x.pid, x.model) == requester:
+            own += x.bytes
+        else:
+            weights.append(x)
     reserved = sum(x.bytes for x in leases if x.kind == "reserve")
     limit = budget.weights_budget(reserved)
     leased = sum(x.bytes for x in weights)
     pinned = tuple(x for x in weights if x.pinned)
     order = [x for x in lru_order(weights, now) if not x.pinned]
+    common: dict[str, Any] = {"budget": limit, "leased": leased, "own": own}
     if limit is None or need is None:
         if not weights:
-            return Plan(True, budget=limit, leased=leased)
-        return Plan(False, tuple(order), pinned, possible=not pinned, budget=limit, leased=leased)
+            return Plan(True, **common)
+        return Plan(False, tuple(order), pinned, possible=not pinned, frees=tuple(x.bytes for x in order), **common)
     if need > limit:
-        return Plan(False, (), pinned, possible=False, too_large=True, budget=limit, leased=leased)
-    free = limit - leased
-    if need <= free:
-        return Plan(True, budget=limit, leased=leased)
+        return Plan(False, (), pinned, possible=False, too_large=True, **common)
+    lacking = need + leased - limit  # its own bytes count towards need: the rest must fit beside the others
+    if lacking <= 0:
+        return Plan(True, **common)
     victims: list[LeaseRecord] = []
+    frees: list[int] = []
     for lease in order:
         victims.append(lease)
-        free += lease.bytes
-        if need <= free:
-            return Plan(False, tuple(victims), pinned, budget=limit, leased=leased)
-    return Plan(False, tuple(victims), pinned, possible=False, budget=limit, leased=leased)
+        take = lacking if lease.partial and lacking < lease.bytes else lease.bytes
+        frees.append(take)
+        lacking -= take
+        if lacking <= 0:
+            return Plan(False, tuple(victims), pinned, frees=tuple(frees), **common)
+    return Plan(False, tuple(victims), pinned, possible=False, frees=tuple(frees), **common)
 
 
 def lease_bytes_for(need: int | None, budget: BudgetRecord, reserved: int) -> int:
