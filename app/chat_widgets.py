@@ -69,7 +69,7 @@ class ModelPicker(QComboBox):
         if not same_models:
             self.clear()
         for index, m in enumerate(snapshot.models):
-            label = f"{m.display_name} — {display_state(m)}"
+            label = f"{m.display_name} — {display_state(m, strings.has_gpu(snapshot))}"
             if m.id == snapshot.holder:
                 label += f", {strings.holds(strings.has_gpu(snapshot))}"
             if same_models:  # relabel in place: an open popup stays open

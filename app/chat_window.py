@@ -266,7 +266,7 @@ class ChatWindow(QMainWindow):
             self.licence.setText("")
             self._show_wait("", None)
             return
-        text = display_state(status)
+        text = display_state(status, strings.has_gpu(snapshot))
         if status.id == snapshot.holder:
             text += f" · holds {strings.device_word(strings.has_gpu(snapshot))}"
         self.model_state.setText(text)

@@ -76,13 +76,16 @@ class Submenu:
 Entry = Action | Label | Separator | Submenu
 
 
-def display_state(status: ModelStatus) -> str:
-    """The one word the menu shows for a model: resident, released, sleeping, busy (answering
-    on the GPU), waiting (a request waits for the GPU), failed, ..."""
+def display_state(status: ModelStatus, gpu: bool = True) -> str:
+    """The words the menu shows for a model's state: resident, released, sleeping, busy (answering
+    on the GPU), waiting (a request waits for the GPU), failed, "partly on the GPU (62 %)" (a
+    released model that freed only some layer parts; "in memory" where ``gpu`` is False) ..."""
     if status.busy and status.state is ModelState.RESIDENT:
         return "busy"
     if status.busy and status.state in (ModelState.RELEASED, ModelState.SLEEPING):
         return "waiting"
+    if status.state is ModelState.RELEASED and status.partly_resident:
+        return strings.partly_on(status.resident_fraction, gpu)
     return status.state.value
 
 
@@ -177,7 +180,7 @@ def devices_line(snapshot: PoolSnapshot) -> str:
 
 
 def model_title(status: ModelStatus, holder: str | None, gpu: bool = True) -> str:
-    title = f"{status.display_name} — {display_state(status)}"
+    title = f"{status.display_name} — {display_state(status, gpu)}"
     if status.id == holder:
         title += f", {strings.holds(gpu)}"
     if status.pinned:

@@ -46,6 +46,7 @@ from ..core.errors import ConfigError, ModelFileError
 from ..core.gguf import catalog
 from ..core.state import PoolSnapshot
 from ..core.util.units import human_bytes
+from . import strings
 from .bridge import PoolBridge
 from .menu_model import display_state
 from .qt_compat import emit
@@ -401,7 +402,11 @@ class SettingsDialog(QDialog):
         self.models_table.setRowCount(len(models))
         for row, m in enumerate(models):
             status = snapshot.model(m["id"])
-            state = display_state(status) if status else "not started (save to start it)"
+            state = (
+                display_state(status, strings.has_gpu(snapshot))
+                if status
+                else "not started (save to start it)"
+            )
             for col, text in enumerate(
                 [m.get("name") or m["id"], m["id"], state, m.get("licence") or "–", m["path"]]
             ):
@@ -600,7 +605,7 @@ class SettingsDialog(QDialog):
             residency = m.residency_path + (f" ({m.residency_reason})" if m.residency_reason else "")
             cells = [
                 m.display_name + (" ★" if m.id == snapshot.holder else ""),
-                display_state(m),
+                display_state(m, strings.has_gpu(snapshot)),
                 m.backend or "–",
                 residency or "–",
                 human_bytes(m.device_bytes),

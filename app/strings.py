@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from ..core.state import resident_percent
+
 if TYPE_CHECKING:
     from ..core.state import PoolSnapshot
 
@@ -73,6 +75,12 @@ def nobody_holds(gpu: bool) -> str:
 
 def switching(gpu: bool) -> str:
     return "Switching the GPU" if gpu else "Switching models"
+
+
+def partly_on(fraction: float, gpu: bool) -> str:
+    """A model that made room for another by freeing only some of its layers: "partly on the GPU
+    (62 %)", "partly in memory (62 %)" on a machine without a GPU."""
+    return f"partly {'on the GPU' if gpu else 'in memory'} ({resident_percent(fraction)} %)"
 
 
 def models_together(n: int, gpu: bool) -> str:

@@ -66,6 +66,9 @@ class SwitchStats:
     release_ms: float = 0.0  # the previous holder's release, as it reported it (0 if unknown)
     first_token_ms: float = 0.0  # request received by the worker → first token
     prompt_tokens_evaluated: int = 0  # tokens actually prefilled (0 when the KV cache had them)
+    # weight bytes the restore moved: all of them after a whole release, only the lost layer
+    # parts after a partial one (a byte budget: models[].weight_parts)
+    restored_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,24 @@ class ModelStatus:
     device: int = 0  # the GPU it runs on (models[].device)
     holds_gpu: bool = False  # holds a lease on its device's VRAM budget (its weights may be there)
     lease_bytes: int = 0  # the weight bytes of that lease
+    # the share of its weights on the device: 1.0 resident, 0.0 released; in between a RELEASED
+    # model that made room for another by freeing only some layer parts ("partly on the GPU")
+    resident_fraction: float = 0.0
+
+    @property
+    def partly_resident(self) -> bool:
+        return 0.0 < self.resident_fraction < 1.0
 
     @property
     def display_name(self) -> str:
         """What people see: the name, or the id when the model has none."""
         return self.name or self.id
+
+
+def resident_percent(fraction: float) -> int:
+    """A partly resident share as people read it: a whole percent from 1 to 99 (never 0 or 100,
+    which would say released or resident)."""
+    return min(99, max(1, round(fraction * 100)))
 
 
 @dataclass(frozen=True)

@@ -95,13 +95,19 @@ def test_every_message_round_trips(msg: object) -> None:
 
 def test_a_done_carries_the_switch_fields_the_worker_measured() -> None:
     # the pool's SwitchStats adds release_ms and prompt_tokens_evaluated: not the worker's to say
-    switch = p.SwitchMeasured(True, wait_ms=1.5, restore_ms=2.5, first_token_ms=3.5)
+    switch = p.SwitchMeasured(True, wait_ms=1.5, restore_ms=2.5, first_token_ms=3.5, restored_bytes=4096)
     done = p.Done("r1", "stop", p.Usage(10, 2, 7), switch)
     obj = json.loads(p.encode(done)[4:])
-    assert obj["switch"] == {"switched": True, "wait_ms": 1.5, "restore_ms": 2.5, "first_token_ms": 3.5}
+    assert obj["switch"] == {
+        "switched": True,
+        "wait_ms": 1.5,
+        "restore_ms": 2.5,
+        "first_token_ms": 3.5,
+        "restored_bytes": 4096,  # only what a partial release lost, after one
+    }
     obj["switch"]["release_ms"] = 9.0  # not the worker's to say: ignored like any unknown key
     got = p.from_dict(obj)
-    assert isinstance(got, p.Done) and got.switch == p.SwitchMeasured(True, 1.5, 2.5, first_token_ms=3.5)
+    assert isinstance(got, p.Done) and got.switch == p.SwitchMeasured(True, 1.5, 2.5, 3.5, 4096)
 
 
 @FAST

@@ -130,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     bapi.add_argument(
         "--flash-attn", action="store_true", help="flash attention for every system (default: off)"
     )
+    bapi.add_argument(
+        "--budget",
+        default="one-model",
+        metavar="SIZE",
+        help="the VRAM budget of timeshare's systems (default one-model: a switch moves the whole "
+        "model; a size below both models' weights: a switch moves only the layer parts that lack "
+        "room, and the rows report restored_bytes)",
+    )
+    bapi.add_argument(
+        "--switch-only", action="store_true", help="measure the switched turns only (timeshare_switch)"
+    )
     bapi.add_argument("--plot", metavar="FILE.png", help="draw the turns and the medians (needs matplotlib)")
     bapi.add_argument("--json", action="store_true", help=_JSON_HELP)
 

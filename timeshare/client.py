@@ -33,7 +33,7 @@ from .core.arena.dirs import pid_alive
 from .core.errors import UntrustedAddressError
 from .core.instance import running_instance
 from .core.sampling import for_front_end
-from .core.state import STOP_LEVEL, UNLOAD_LEVEL, USER_SLEEP_LEVEL
+from .core.state import STOP_LEVEL, UNLOAD_LEVEL, USER_SLEEP_LEVEL, resident_percent
 from .core.util.units import human_bytes
 
 EXIT_OK = 0
@@ -206,6 +206,17 @@ def _device_line(d: dict[str, Any]) -> str:
     return text + note + "\n"
 
 
+def _state_text(m: dict[str, Any]) -> str:
+    """A model's STATE cell: its state, or for a released model that freed only some layer parts
+    "partly on the GPU (62 %)" ("in memory" where the models run on the CPU)."""
+    state = str(m.get("state", "?"))
+    fraction = m.get("resident_fraction")
+    if state == "released" and isinstance(fraction, (int, float)) and 0.0 < fraction < 1.0:
+        where = "in memory" if str(m.get("backend") or "").upper().startswith("CPU") else "on the GPU"
+        return f"partly {where} ({resident_percent(fraction)} %)"
+    return state
+
+
 def print_status(status: dict[str, Any], out: TextIO) -> None:
     holder = status.get("holder")
     out.write(f"GPU holder: {holder or 'none'}{'  (switching)' if status.get('switching') else ''}\n")
@@ -251,7 +262,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         rows.append(
             [
                 m["id"] + (" *" if m["id"] in holders else ""),
-                m.get("state", "?"),
+                _state_text(m),
                 "yes" if m.get("busy") else "no",
                 f"{m.get('active', 0)}/{m['parallel']}" if m.get("parallel") else "-",  # answered together
                 "yes" if m.get("pinned") else "no",

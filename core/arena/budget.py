@@ -378,7 +378,9 @@ def plan_fit(
     if limit is None or need is None:
         if not weights:
             return Plan(True, **common)
-        return Plan(False, tuple(order), pinned, possible=not pinned, frees=tuple(x.bytes for x in order), **common)
+        return Plan(
+            False, tuple(order), pinned, possible=not pinned, frees=tuple(x.bytes for x in order), **common
+        )
     if need > limit:
         return Plan(False, (), pinned, possible=False, too_large=True, **common)
     lacking = need + leased - limit  # its own bytes count towards need: the rest must fit beside the others

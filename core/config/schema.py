@@ -34,6 +34,10 @@ class ModelConfig:
     idle_sleep_s: float | None = 600.0  # None: never release on idle
     idle_release: ReleaseLevel = "weights"
     host_shadow: HostShadow = "pinned"
+    # under a byte VRAM budget (not one-model), hold the released weights in this many parts of
+    # consecutive layers (the in-place path), so that a model making room for another frees only
+    # the parts it needs, from its last layer down; 1: whole buffers (a switch moves all the weights)
+    weight_parts: int = 8
     # the GPU this model runs on (index among the GPUs, as llama.cpp's main_gpu; one VRAM budget,
     # queue and set of leases per GPU); 0 on a single-GPU or CPU-only machine
     device: int = 0

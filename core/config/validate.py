@@ -249,6 +249,7 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
         "idle_release": lambda w, v: c.choice(w, v, RELEASE_LEVELS),
         "device": lambda w, v: c.integer(w, v, minimum=0, maximum=63),
         "host_shadow": lambda w, v: c.choice(w, v, get_args(HostShadow)),
+        "weight_parts": lambda w, v: c.integer(w, v, minimum=1, maximum=256),
         "flash_attn": lambda w, v: c.boolean(w, v),
         "embedding": lambda w, v: c.boolean(w, v),
         "max_tokens": lambda w, v: c.integer(w, v, minimum=1),

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..arena.budget import parse_budget
 from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
 from .bench_api_procs import MAX_TOKENS, LlamaServer, Serve, decode_rate, fresh_process
@@ -148,8 +149,12 @@ def run_api_bench(
     llama_server: str | None = None,
     flash_attn: bool = False,
     progress: Callable[[str], None] | None = None,
+    budget: str = "one-model",
+    switch_only: bool = False,
 ) -> dict[str, Any]:
-    """Run the whole benchmark; returns the JSON report. Raises TimeshareError when it cannot run."""
+    """Run the whole benchmark; returns the JSON report. Raises TimeshareError when it cannot run.
+    ``budget``: the VRAM budget of the timeshare systems (a byte budget below both models makes
+    each switch a partial one); ``switch_only``: measure the switched turns only."""
     from .arena_test import model_ids_for_paths
 
     if len(models) != 2:
@@ -163,6 +168,12 @@ def run_api_bench(
     for path in models:
         if problem := gguf_problem(path):
             raise TimeshareError(problem)
+    try:
+        parse_budget(budget)
+    except ValueError as exc:
+        raise TimeshareError(f"--budget {budget!r}: {exc}") from None
+    if switch_only and llama_server:
+        raise TimeshareError("--switch-only measures the switched turns only: leave out --llama-server")
     binary = check_llama_server(llama_server) if llama_server else None
     say = progress or (lambda _msg: None)
     ids = model_ids_for_paths(models)
@@ -179,14 +190,15 @@ def run_api_bench(
         "rounds": rounds,
         "max_tokens": MAX_TOKENS,
         "flash_attn": flash_attn,
-        "budget": "one-model",
+        "budget": budget,
+        "switch_only": switch_only,
         "llama_server": binary,
     }
     work = Path(tempfile.mkdtemp(prefix="timeshare-bench-api-"))
     ok = False
     try:
-        say(f"starting timeshare serve (n_ctx {n_ctx}, one-model VRAM budget)")
-        serve = Serve(work, ids, models, n_ctx, flash_attn)
+        say(f"starting timeshare serve (n_ctx {n_ctx}, VRAM budget {budget})")
+        serve = Serve(work, ids, models, n_ctx, flash_attn, budget=budget)
         try:
             report["serve_ready_s"] = serve.wait_ready()
             status = {m["id"]: m for m in serve.status().get("models", [])}
@@ -197,12 +209,16 @@ def run_api_bench(
                     "file_bytes": os.path.getsize(path),
                     "backend": status.get(mid, {}).get("backend"),
                     "residency_path": status.get(mid, {}).get("residency_path"),
+                    "weight_bytes": status.get(mid, {}).get("weight_bytes"),
                 }
                 for mid, path in zip(ids, models, strict=True)
             ]
-            _timeshare_phases(serve, ids, conv, rounds, n_restarts, rows, decode, say)
+            _timeshare_phases(serve, ids, conv, rounds, n_restarts, rows, decode, say, switch_only)
         finally:
             serve.close()
+        if switch_only:
+            ok = True
+            return _summarised(report, rows, skipped, decode)
         say("fresh process: load the GGUF, prefill the conversation, sample a token")
         for k in range(max(2, min(FRESH, rounds))):
             i = k % 2
@@ -218,6 +234,15 @@ def run_api_bench(
             shutil.rmtree(work, ignore_errors=True)
         else:
             say(f"the logs are kept in {work}")
+    return _summarised(report, rows, skipped, decode)
+
+
+def _summarised(
+    report: dict[str, Any],
+    rows: dict[str, list[dict[str, Any]]],
+    skipped: dict[str, str],
+    decode: dict[str, Any],
+) -> dict[str, Any]:
     summarise(report, rows, skipped, decode)
     return report
 
@@ -231,8 +256,10 @@ def _timeshare_phases(
     rows: dict[str, list[dict[str, Any]]],
     decode: dict[str, Any],
     say: Callable[[str], None],
+    switch_only: bool = False,
 ) -> None:
-    for key, conversation in (("timeshare_switch", "bench-switch"), ("timeshare_plain_client", None)):
+    systems = (("timeshare_switch", "bench-switch"), ("timeshare_plain_client", None))
+    for key, conversation in systems[:1] if switch_only else systems:
         say(f"{key}: the first turn of each conversation (full prefill, not counted)")
         for i, mid in enumerate(ids):
             serve.turn(mid, conv.prompt(i, 0), conversation and f"{conversation}-{mid}")
@@ -240,7 +267,12 @@ def _timeshare_phases(
             for i, mid in enumerate(ids):
                 row = serve.turn(mid, conv.prompt(i, r), conversation and f"{conversation}-{mid}")
                 rows[key].append(dict(row, round=r))
-                say(f"{key} {mid} turn {r}: {row['ttft_ms']:.1f} ms, switched {row['switched']}")
+                moved = (
+                    f", restored {row['restored_bytes'] / 1e9:.3f} GB" if row.get("restored_bytes") else ""
+                )
+                say(f"{key} {mid} turn {r}: {row['ttft_ms']:.1f} ms, switched {row['switched']}{moved}")
+    if switch_only:
+        return
     a = ids[0]
     say("timeshare_same: consecutive turns of one model")
     serve.turn(a, conv.prompt(0, 0), "bench-same")
@@ -350,6 +382,8 @@ def main(args: argparse.Namespace) -> int:
             llama_server=args.llama_server,
             flash_attn=bool(args.flash_attn),
             progress=progress,
+            budget=str(getattr(args, "budget", None) or "one-model"),
+            switch_only=bool(getattr(args, "switch_only", False)),
         )
         if args.plot:
             plot(report, args.plot)

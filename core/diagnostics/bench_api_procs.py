@@ -115,7 +115,14 @@ class Serve:
     """``timeshare serve`` in its own TIMESHARE_HOME, session and port."""
 
     def __init__(
-        self, work: Path, ids: list[str], paths: list[str], n_ctx: int, flash_attn: bool, parallel: int = 0
+        self,
+        work: Path,
+        ids: list[str],
+        paths: list[str],
+        n_ctx: int,
+        flash_attn: bool,
+        parallel: int = 0,
+        budget: str = "one-model",
     ) -> None:
         home = work / "home"
         home.mkdir(parents=True)
@@ -126,7 +133,9 @@ class Serve:
             "queue_limit = 64",
             "",
             "[arena]",
-            'vram_budget = "one-model"  # a one-model VRAM budget: every turn of the other model switches',
+            # one-model: every turn of the other model switches, moving all of its weights; a byte
+            # budget below both models' weights: each switch moves only the layer parts that lack room
+            f"vram_budget = {json.dumps(budget)}",
             f"wait_timeout_s = {REQUEST_TIMEOUT_S}",
         ]
         for mid, path in zip(ids, paths, strict=True):
@@ -216,6 +225,7 @@ class Serve:
             "total_ms": got["total_ms"],
             "switched": bool(ts.get("switched")),
             "restore_ms": ts.get("restore_ms"),
+            "restored_bytes": ts.get("restored_bytes"),
             "wait_ms": ts.get("wait_ms"),
             "worker_first_token_ms": ts.get("first_token_ms"),
             "prompt_tokens": usage.get("prompt_tokens"),

@@ -60,12 +60,23 @@ def summarise(
     srv_rate = decode.get("llama_server", {}).get("tok_s")
     decode["ratio"] = ts_rate / srv_rate if ts_rate and srv_rate else None
     switched = [r for r in rows["timeshare_switch"] if r["switched"]]
+    weights = {m["id"]: int(m.get("weight_bytes") or 0) for m in report.get("models", [])}
     report["systems"] = systems
     report["decode"] = decode
     report["summary"] = {
         "switched_turns": len(switched),
         "switch_turns": len(rows["timeshare_switch"]),
         "switch_restore_ms_median": median([float(r["restore_ms"] or 0.0) for r in switched]),
+        # weight bytes each switched turn restored: the whole model under a one-model budget, only
+        # the layer parts a partial release took under a byte budget (and its share of the model)
+        "switch_restored_bytes_median": median([float(r.get("restored_bytes") or 0) for r in switched]),
+        "switch_restored_fraction_median": median(
+            [
+                float(r.get("restored_bytes") or 0) / weights[r["model"]]
+                for r in switched
+                if weights.get(r["model"])
+            ]
+        ),
         "switch_prompt_tokens_evaluated_median": median(
             [float(r["prompt_tokens_evaluated"] or 0) for r in switched]
         ),
@@ -93,7 +104,14 @@ def print_table(r: dict[str, Any]) -> None:
         f"conversations of about {r['context']} tokens, n_ctx {r['n_ctx']}, {r['rounds']} rounds, "
         f"{r['max_tokens']} tokens per turn, flash_attn {r['flash_attn']}; "
         f"{s['switched_turns']} of {s['switch_turns']} switch turns switched"
+        f" (VRAM budget {r.get('budget', 'one-model')})"
     )
+    if s.get("switch_restored_bytes_median") is not None:
+        share = s.get("switch_restored_fraction_median")
+        print(
+            f"weights restored per switched turn (median): {s['switch_restored_bytes_median'] / 1e9:.3f} GB"
+            + (f" = {share:.3f} x the model" if share is not None else "")
+        )
     head = f"{'first streamed token at the client':50} {'n':>3} {'median ms':>11}"
     print(f"{head} {'x switch':>9} {'x best alt':>10}")
     for e in r["systems"].values():

@@ -248,6 +248,7 @@ class WorkerRecord:
             device=info.device if info else self.config.device,
             holds_gpu=alive_status is not None and alive_status.holds_token,
             lease_bytes=alive_status.lease_bytes if alive_status and alive_status.holds_token else 0,
+            resident_fraction=alive_status.resident_fraction if alive_status and self.alive else 0.0,
         )
         return status, switching
 

@@ -691,6 +691,7 @@ class Pool:
             release_ms=release_ms,
             first_token_ms=msg.switch.first_token_ms,
             prompt_tokens_evaluated=msg.usage.prompt_tokens_evaluated,
+            restored_bytes=msg.switch.restored_bytes,
         )
         w.last_switch = switch
         if msg.finish_reason == "cancelled" and not gen.cancelled:

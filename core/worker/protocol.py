@@ -170,6 +170,9 @@ class WorkerStatus(_Message, frozen=True):
     lease_bytes: int = 0  # weight bytes leased on the device's budget now
     budget_bytes: int = 0  # the device's weights budget now (0: one model at a time)
     active: int = 0  # requests in the batch now (sequences being decoded or prefilled)
+    # the share of its weights on the device now: 1.0 resident, 0.0 released, in between partly
+    # released (state "released": it restores what it lost before it computes anything)
+    resident_fraction: float = 0.0
 
 
 class LogprobAlt(msgspec.Struct, frozen=True, array_like=True):
@@ -216,6 +219,7 @@ class SwitchMeasured(msgspec.Struct, frozen=True):
     wait_ms: float = 0.0
     restore_ms: float = 0.0
     first_token_ms: float = 0.0
+    restored_bytes: int = 0  # weight bytes the restore moved (a partly released model: what it lost)
 
 
 #: How a generation ended: a stop string or end of sequence, max_tokens reached, or cancelled.
@@ -237,6 +241,7 @@ class Released(_Message, frozen=True):
     level: WorkerReleaseLevel
     release_ms: float
     freed_bytes: int
+    resident_bytes: int = 0  # weight bytes still on the device (a partial release; 0: all released)
 
 
 class Error(_Message, frozen=True):
