@@ -12,6 +12,9 @@ residency was attached. Allocation failures are injected by replacing ``_ggml.bu
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -388,3 +391,44 @@ def test_keep_bytes_on_the_rebuild_path(smol: llama_cpp.Llama, smollm2_path: Pat
     res.close()
     with pytest.raises(ValueError, match="parts"):
         Residency.attach(smol, smollm2_path, ResidencyOptions(parts=0))
+
+
+# --- the doctor ----------------------------------------------------------------------------------
+
+
+def test_doctor_partial_json_end_to_end() -> None:
+    exe = Path(sys.executable).parent / "timeshare"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "timeshare.cli"]
+    out = subprocess.run(
+        [*cmd, "doctor", "--partial", "--parts", "4", "--cycles", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "doctor: pattern: release down to 70 %" in out.stderr
+    r = json.loads(out.stdout)
+    assert r["mode"] == "partial" and r["path"] == "inplace" and r["backend"] == "CPU"
+    assert r["bitwise_identical"] is True and r["after_split_bitwise_identical"] is True
+    assert len(r["layer_parts"]) == 4 and r["parts_1"]["parts"] == 1 and r["parts_4"]["parts"] == 4
+    whole, parts = r["parts_1"], r["parts_4"]
+    # one part: a release down to half releases everything; four parts: only the last layers
+    assert whole["released_bytes"] == whole["restored_bytes"] > 0
+    assert 0 < parts["released_bytes"] < 0.75 * parts["weight_bytes"]
+    assert parts["released_bytes"] >= parts["weight_bytes"] - parts["keep_bytes"]
+    assert r["restored_bytes_ratio"] < 0.75
+    steps = r["pattern"]
+    assert [s["step"] for s in steps] == [
+        "keep 70 %",
+        "keep 30 %",
+        "restore",
+        "keep 0 %",
+        "restore",
+        "keep 50 % +kv",
+        "restore",
+    ]
+    assert all(s["bitwise_identical"] for s in steps if s["step"] == "restore")
+    # the memory really went: RSS fell by the released parts' bytes (within a page per buffer)
+    for s in steps:
+        if s["step"] in ("keep 70 %", "keep 0 %"):
+            assert abs(s["freed_bytes"] - s["released_bytes"]) < 1 << 20, s

@@ -89,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
         "default one-model) and whether the model fits it",
     )
     doctor.add_argument(
+        "--partial",
+        action="store_true",
+        help="check the layer parts instead: partial releases and restores compared bitwise, and "
+        "release/restore times of whole buffers against --parts parts at 50 %% kept",
+    )
+    doctor.add_argument(
+        "--parts", type=int, default=8, metavar="N", help="layer parts for --partial (default: 8)"
+    )
+    doctor.add_argument(
         "--json", action="store_true", help="print only a JSON report on stdout (progress goes to stderr)"
     )
 

@@ -240,11 +240,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not model:
             model = _default_model()
-        report = run_doctor(model, int(args.cycles), budget=getattr(args, "budget", None) or "one-model")
+        if getattr(args, "partial", False):
+            from .partial_check import print_partial, run_partial_check
+
+            report = run_partial_check(model, int(args.cycles), int(getattr(args, "parts", 8)), _step)
+        else:
+            report = run_doctor(model, int(args.cycles), budget=getattr(args, "budget", None) or "one-model")
     except TimeshareError as exc:
         return report_failure("doctor", exc, as_json)
     if as_json:
         print(json.dumps(report))
+    elif report.get("mode") == "partial":
+        print_partial(report)
     else:
         _print_text(report)
-    return 0 if report["bitwise_identical"] and report["kv_level_bitwise_identical"] else 1
+    return 0 if report["bitwise_identical"] and report.get("kv_level_bitwise_identical", True) else 1
