@@ -52,8 +52,8 @@ def free_bytes(cud: Any) -> int:
 def hog_main(arena_dir: str, hold_token: bool, free_after_s: float) -> None:
     cud = cudart()
     if hold_token:
+        from timeshare.core.arena.arena import Arena
         from timeshare.core.arena.client import TokenClient
-        from timeshare.core.arena.tickets import Arena
 
         TokenClient(Arena(arena_dir), "hog").acquire(timeout=30)
     size = free_bytes(cud) - KEEP_FREE

@@ -23,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
+from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import compute_budget, parse_budget
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.records import DoorbellRing
-from timeshare.core.arena.tickets import Arena
 from timeshare.core.observe import NULL_OBSERVER, EventLog
 
 DRIVER = str(Path(__file__).resolve())

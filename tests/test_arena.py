@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from _proc_util import blocked_flocks, wait_until
+from timeshare.core.arena.arena import Arena, check_arena_dir
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.dirs import read_holder, resolve_arena_dir
 from timeshare.core.arena.records import DoorbellRing, Ticket
-from timeshare.core.arena.tickets import Arena, check_arena_dir
 from timeshare.core.arena.watch import inotify_available
 from timeshare.core.errors import ArenaError, CancelledError, TokenTimeoutError, UnsafeArenaError
 from timeshare.core.observe import EventLog, read_events

@@ -14,8 +14,8 @@ import pytest
 from _proc_util import ResidencyWatch, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.dirs import read_holder
-from timeshare.core.arena.tickets import Arena
 from timeshare.core.diagnostics.arena_test import (
     ArenaHarness,
     WorkerPlan,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 from _proc_util import wait_until
+from timeshare.core.arena.arena import Arena, check_arena_dir
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.dirs import read_holder
 from timeshare.core.arena.records import SWEEP_INTERVAL_S, Ticket
-from timeshare.core.arena.tickets import Arena, check_arena_dir
 from timeshare.core.errors import ArenaError
 
 TIMEOUT = 60.0  # generous: the machine may be loaded; nothing here is timed

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _proc_util import blocked_flocks, wait_until
+from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import (
     BudgetRecord,
     LeaseRecord,
@@ -26,7 +27,6 @@ from timeshare.core.arena.budget import (
 )
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.records import DoorbellRing
-from timeshare.core.arena.tickets import Arena
 from timeshare.core.errors import VramBudgetError
 from timeshare.core.util.units import parse_size
 
@@ -339,12 +339,12 @@ def test_many_clients_never_exceed_the_budget(arena_dir: Path, clients: list[Tok
 
     def observe() -> None:
         while not stop.is_set():
-            lock = arena._lock()
+            lock = arena.dir.lock()
             assert lock is not None
             try:
                 worst[0] = max(worst[0], sum(x.bytes for x in arena.leases() if x.kind == "weights"))
             finally:
-                arena._unlock(lock)
+                arena.dir.unlock(lock)
 
     def run(m: str) -> None:
         for _ in range(15):

@@ -18,8 +18,8 @@ import pytest
 from _proc_util import wait_until
 from timeshare.app.menu_model import devices_line, tooltip
 from timeshare.core.api.handlers import SwitchCounter, status_json
-from timeshare.core.arena.leases import device_arena_dir
-from timeshare.core.arena.tickets import Arena
+from timeshare.core.arena.arena import Arena
+from timeshare.core.arena.dirs import device_arena_dir
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
 from timeshare.core.diagnostics.arena_test import run_arena_test
 from timeshare.core.diagnostics.budget_check import check_budget, check_memory_budget

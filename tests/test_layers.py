@@ -306,12 +306,8 @@ def test_no_private_names_cross_modules() -> None:
     assert private_imports(source_modules()) == []
 
 
-#: towers not taken apart yet (issue 21): nothing may join this list
-KNOWN_TOWERS = ["timeshare.core.arena.tickets.Arena inherits timeshare.core.arena.leases.LeaseArena"]
-
-
 def test_no_class_inherits_a_product_class_of_another_module() -> None:
-    assert cross_module_inheritance(source_modules()) == KNOWN_TOWERS
+    assert cross_module_inheritance(source_modules()) == []
 
 
 def test_the_composition_checks_catch_what_they_are_for(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from _proc_util import alive, wait_until
+from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.dirs import read_holder
-from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
 from timeshare.core.config.validate import validate
 from timeshare.core.errors import ConfigError

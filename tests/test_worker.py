@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from _e_worker_util import WorkerHandle
 from _proc_util import ResidencyWatch, lease_holders, rss_of
+from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.dirs import read_holder
-from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.observe import read_events
 from timeshare.core.sampling import Sampling

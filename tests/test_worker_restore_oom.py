@@ -15,8 +15,8 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
+from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.client import TokenClient
-from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.config.vram_budget import resolve_arena
 from timeshare.core.errors import OutOfDeviceMemoryError, TokenTimeoutError

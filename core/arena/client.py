@@ -24,6 +24,7 @@ from dataclasses import replace
 
 from ..errors import ArenaError, VramBudgetError
 from ..observe import NULL_OBSERVER, Observer
+from .arena import Arena
 from .budget import BudgetRecord, LeaseRecord, Plan, lease_bytes_for, plan_fit
 from .records import (
     RECORD_MODEL_RE,
@@ -35,7 +36,6 @@ from .records import (
     TokenGrant,
 )
 from .request import Held, TokenRequest, gb_text
-from .tickets import Arena
 from .watch import DirWatch
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class TokenClient:
     (level-triggered: a dropped ring, e.g. one that came while restoring, is heard again).
     ``budget``: the budget this client would record if it is the arena's first member (None: one
     model at a time); :attr:`budget` is the one in force, :attr:`budget_note` says when they differ.
+
+    It is the :class:`~.request.LeaseOwner` of its requests: the methods of "the requests' side"
+    are called by a request's helper thread, never by the worker.
     """
 
     def __init__(
@@ -92,7 +95,7 @@ class TokenClient:
         # Set while the doorbell has a reason to scan: this client holds a lease (only a holder
         # rings), or close() stops the doorbell. While clear the warden sleeps on it, not scanning.
         self._doorbell_armed = threading.Event()
-        self.budget, self._budget_fd, self.budget_note = arena._join_budget(budget)
+        self.budget, self._budget_fd, self.budget_note = arena.lease_files.join_budget(budget)
 
     # -- state --
 
@@ -147,7 +150,7 @@ class TokenClient:
 
     def _write_lease(self, held: Held) -> None:
         try:
-            self.arena._update_lease(held.fd, held.record)
+            self.arena.lease_files.update(held.fd, held.record)
         except OSError as exc:  # informs the others' choice only; the lock is what counts
             log.warning("could not update the lease %s: %s", held.name, exc)
 
@@ -180,13 +183,11 @@ class TokenClient:
         with self._lock:
             if self._pending is not None and not self._pending.done():
                 return self._pending
-            req = TokenRequest(self, timeout, need)
             if self._held is not None:
-                req._grant = self._held.grant
-                req._done.set()
-                return req
+                return TokenRequest.granted(self, self._held.grant)
+            req = TokenRequest(self, timeout, need)
             self._pending = req
-        req._start()
+        req.start()
         return req
 
     def acquire(self, timeout: float | None = None, need: int | None = None) -> TokenGrant:
@@ -198,43 +199,6 @@ class TokenClient:
             req.cancel()
             raise
 
-    def _create_lease(self, req: TokenRequest, plan: Plan, leases: list[LeaseRecord]) -> Held:
-        """Under the arena lock: create the lease the plan allows, and the holder record."""
-        now = time.monotonic()
-        reserved = sum(x.bytes for x in leases if x.kind == "reserve")
-        record = LeaseRecord(
-            model=self.model,
-            pid=os.getpid(),
-            bytes=lease_bytes_for(req.need, self.budget, reserved),
-            since=time.time(),
-            since_monotonic=now,
-            pinned=self._pinned,
-            used_at=now,
-        )
-        name, fd = self.arena._create_lease(record)
-        grant = TokenGrant(
-            model=self.model,
-            requested_at=req.requested_at,
-            acquired_at=now,
-            handoff=req._waited or req._had_ahead or (self.budget.one_model and req._previous is not None),
-            previous=req._previous,
-            bytes=record.bytes,
-            budget=plan.budget,
-        )
-        self.arena._write_holder(self._holder_record(record, grant))
-        return Held(name=name, fd=fd, record=replace(record, name=name), grant=grant)
-
-    def _give_back(self, held: Held) -> None:
-        """A lease granted to a request cancelled meanwhile: nothing was ever resident under it."""
-        lock = self.arena._lock(timeout=HOLDER_LOCK_TIMEOUT_S)
-        try:
-            self.arena._drop_lease(held.name, held.fd)
-            if lock is not None:
-                self._rewrite_holder_record(exclude=held.name)
-        finally:
-            if lock is not None:
-                self.arena._unlock(lock)
-
     def shrink(self, nbytes: int) -> None:
         """Lease ``nbytes`` instead (after a load, once the real weight bytes are known). The lease
         is replaced under the arena lock, so nobody sees both or neither. More than now (never
@@ -244,7 +208,7 @@ class TokenClient:
             held = self._held
             if held is None or nbytes == held.record.bytes:
                 return
-            lock = self.arena._lock()
+            lock = self.arena.dir.lock()
             assert lock is not None
             try:
                 if nbytes > held.record.bytes and not self.budget.one_model:
@@ -259,10 +223,10 @@ class TokenClient:
                 # the new size counts from before anyone can see it (nobody is granted meanwhile)
                 at = time.monotonic()
                 record = replace(held.record, bytes=nbytes, name="")
-                name, fd = self.arena._create_lease(record)
-                self.arena._drop_lease(held.name, held.fd)
+                name, fd = self.arena.lease_files.create(record)
+                self.arena.lease_files.drop(held.name, held.fd)
             finally:
-                self.arena._unlock(lock)
+                self.arena.dir.unlock(lock)
             if held.load_bytes is None:
                 held.load_bytes = held.record.bytes
             held.name, held.fd, held.record, held.shrunk_at = name, fd, replace(record, name=name), at
@@ -276,7 +240,7 @@ class TokenClient:
         """Hold a "reserve" lease of ``nbytes`` for as long as this client lives: what the worker
         keeps on the device while released (auto budgets). Replaces an earlier one."""
         with self._lock:
-            lock = self.arena._lock()
+            lock = self.arena.dir.lock()
             assert lock is not None
             try:
                 old = self._reserve
@@ -293,12 +257,12 @@ class TokenClient:
                         pinned=True,
                         used_at=now,
                     )
-                    name, fd = self.arena._create_lease(record)
+                    name, fd = self.arena.lease_files.create(record)
                     self._reserve = (name, fd, nbytes)
                 if old is not None:
-                    self.arena._drop_lease(old[0], old[1])
+                    self.arena.lease_files.drop(old[0], old[1])
             finally:
-                self.arena._unlock(lock)
+                self.arena.dir.unlock(lock)
 
     def release(self) -> float | None:
         """End the lease; returns the monotonic time the holding ended (None if not held)."""
@@ -310,15 +274,15 @@ class TokenClient:
             self._doorbell_armed.clear()
             lock = None
             try:
-                lock = self.arena._lock(timeout=HOLDER_LOCK_TIMEOUT_S)
+                lock = self.arena.dir.lock(timeout=HOLDER_LOCK_TIMEOUT_S)
                 if lock is not None:
                     self._rewrite_holder_record(exclude=held.name)
                 end = time.monotonic()
                 self._record_interval(held, end)
             finally:  # whatever happened above, the lease goes back
-                self.arena._drop_lease(held.name, held.fd)
+                self.arena.lease_files.drop(held.name, held.fd)
                 if lock is not None:
-                    self.arena._unlock(lock)
+                    self.arena.dir.unlock(lock)
             return end
 
     def _record_interval(self, held: Held, end: float) -> None:
@@ -357,15 +321,15 @@ class TokenClient:
         held = self._held
         if held is None:
             return
-        lock = self.arena._lock(timeout=HOLDER_LOCK_TIMEOUT_S)
+        lock = self.arena.dir.lock(timeout=HOLDER_LOCK_TIMEOUT_S)
         if lock is None:
             return
         try:
             current = self.arena.holder()
             if current is None or (current.pid == os.getpid() and current.model == self.model):
-                self.arena._write_holder(self._holder_record(held.record, held.grant))
+                self.arena.write_holder(self._holder_record(held.record, held.grant))
         finally:
-            self.arena._unlock(lock)
+            self.arena.dir.unlock(lock)
 
     def _rewrite_holder_record(self, exclude: str) -> None:
         """Under the arena lock, as a lease ends: the holder record names the most recent other
@@ -376,11 +340,56 @@ class TokenClient:
         others = [x for x in self.arena.leases() if x.kind == "weights" and x.name != exclude]
         if others:
             latest = max(others, key=lambda x: x.since_monotonic)
-            self.arena._write_holder(self._holder_record(latest))
+            self.arena.write_holder(self._holder_record(latest))
         else:
-            self.arena._remove_holder()
+            self.arena.remove_holder()
 
-    def _became_holder(self, held: Held) -> None:
+    # -- the requests' side (LeaseOwner: called on a request's helper thread) --
+
+    def ticket_taken(self, ticket: Ticket) -> None:
+        self._own_tickets.add(ticket.name)
+
+    def ticket_gone(self, ticket: Ticket) -> None:
+        self._own_tickets.discard(ticket.name)
+
+    def create_lease(self, req: TokenRequest, plan: Plan, leases: list[LeaseRecord]) -> Held:
+        """Under the arena lock: create the lease the plan allows, and the holder record."""
+        now = time.monotonic()
+        reserved = sum(x.bytes for x in leases if x.kind == "reserve")
+        record = LeaseRecord(
+            model=self.model,
+            pid=os.getpid(),
+            bytes=lease_bytes_for(req.need, self.budget, reserved),
+            since=time.time(),
+            since_monotonic=now,
+            pinned=self._pinned,
+            used_at=now,
+        )
+        name, fd = self.arena.lease_files.create(record)
+        grant = TokenGrant(
+            model=self.model,
+            requested_at=req.requested_at,
+            acquired_at=now,
+            handoff=req.waited or (self.budget.one_model and req.previous is not None),
+            previous=req.previous,
+            bytes=record.bytes,
+            budget=plan.budget,
+        )
+        self.arena.write_holder(self._holder_record(record, grant))
+        return Held(name=name, fd=fd, record=replace(record, name=name), grant=grant)
+
+    def give_back(self, held: Held) -> None:
+        """A lease granted to a request cancelled meanwhile: nothing was ever resident under it."""
+        lock = self.arena.dir.lock(timeout=HOLDER_LOCK_TIMEOUT_S)
+        try:
+            self.arena.lease_files.drop(held.name, held.fd)
+            if lock is not None:
+                self._rewrite_holder_record(exclude=held.name)
+        finally:
+            if lock is not None:
+                self.arena.dir.unlock(lock)
+
+    def became_holder(self, held: Held) -> None:
         grant = held.grant
         with self._lock:
             self._held = held
@@ -401,7 +410,7 @@ class TokenClient:
         if self._doorbell_watch is not None:
             self._doorbell_watch.wake()
 
-    def _request_finished(self, req: TokenRequest) -> None:
+    def request_finished(self, req: TokenRequest) -> None:
         with self._lock:
             if self._pending is req:
                 self._pending = None
@@ -411,7 +420,7 @@ class TokenClient:
     def start_doorbell(self, on_waiter: Callable[[DoorbellRing], None]) -> None:
         if self._doorbell is not None:
             return
-        self._doorbell_watch = self.arena._watch()
+        self._doorbell_watch = self.arena.watch()
         self._doorbell_stop.clear()
         with self._lock:  # close() leaves it set; armed again only while holding
             if self._held is None:
@@ -483,7 +492,7 @@ class TokenClient:
         self.release()
         with self._lock:
             if self._reserve is not None:
-                self.arena._drop_lease(self._reserve[0], self._reserve[1])
+                self.arena.lease_files.drop(self._reserve[0], self._reserve[1])
                 self._reserve = None
             if self._budget_fd >= 0:
                 with contextlib.suppress(OSError):

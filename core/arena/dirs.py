@@ -1,18 +1,34 @@
-"""Directory safety: where the arena lives, the checks that make it trustworthy, reading the holder."""
+"""The arena's directory: where it lives, the checks that make it trustworthy, the opened
+directory (:class:`ArenaDir`: its fds, its entries, the arena lock) and reading the holder record."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import logging
 import math
 import os
 import stat
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from .. import paths
-from ..errors import UnsafeArenaError
-from .records import HOLDER_FILE, MAX_PID, O_DIR, O_FILE, RECORD_MODEL_RE, HolderRecord
+from ..errors import ArenaError, UnsafeArenaError
+from .records import (
+    HOLDER_FILE,
+    LEASES_DIR,
+    MAX_PID,
+    O_DIR,
+    O_FILE,
+    RECORD_MODEL_RE,
+    TOKEN_FILE,
+    WAITERS_DIR,
+    HolderRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +45,12 @@ def resolve_arena_dir(configured: str | None = None) -> Path:
     else:
         path = Path(configured).expanduser()
     return Path(os.path.abspath(path))
+
+
+def device_arena_dir(base: Path, device: int) -> Path:
+    """The arena of GPU ``device``: the arena directory itself for device 0, ``device-N`` inside
+    it for the others (one budget, queue and set of leases per device)."""
+    return base if device == 0 else base / f"device-{device}"
 
 
 def _check_dir_stat(path: Path, st: os.stat_result) -> None:
@@ -94,6 +116,232 @@ def open_checked_dir(path: Path, *, create: bool, dir_fd: int | None = None, nam
         os.close(fd)
         raise
     return fd
+
+
+#: what a look at one directory entry found (:meth:`ArenaDir.probe`)
+Probe = Literal["live", "removed", "gone", "kept"]
+#: the arena lock is retried this often while another process holds it (it is held for microseconds)
+LOCK_RETRY_S = 0.001
+#: open flags of a record file: read-write, created 0600, never through a link, never blocking
+_O_RECORD = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | O_FILE
+#: what opening a name that is not a regular file fails with (a link, a folder, a socket...)
+_NOT_REGULAR = (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP)
+
+
+class ArenaDir:
+    """One arena directory, checked and opened: the fds of it and of ``waiters/`` and ``leases/``,
+    listing and judging their entries, opening its record files, and the arena lock.
+
+    What the ticket queue (:class:`~.tickets.TicketQueue`), the lease files
+    (:class:`~.leases.LeaseFiles`) and the :class:`~.arena.Arena` share. Every entry is opened
+    relative to these fds, only as a regular file, never through a link and never blocking.
+    Opening raises :class:`UnsafeArenaError` (naming the path and the reason) for a directory that
+    someone else could redirect or write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.waiters_path = path / WAITERS_DIR
+        self.leases_path = path / LEASES_DIR
+        check_ancestors(path)
+        if not path.parent.exists():
+            try:
+                path.parent.mkdir(parents=True, mode=0o700)
+            except OSError as exc:
+                raise UnsafeArenaError(path, f"its parent cannot be created ({exc.strerror})") from exc
+        self.fd = open_checked_dir(path, create=True)
+        self.waiters_fd = self.leases_fd = -1
+        try:
+            self.waiters_fd = open_checked_dir(
+                self.waiters_path, create=True, dir_fd=self.fd, name=WAITERS_DIR
+            )
+            self.leases_fd = open_checked_dir(self.leases_path, create=True, dir_fd=self.fd, name=LEASES_DIR)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for fd in (self.leases_fd, self.waiters_fd, self.fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        # a read after close fails (EBADF) instead of reading whatever reuses the numbers
+        self.leases_fd = self.waiters_fd = self.fd = -1
+
+    # -- entries --
+
+    @staticmethod
+    def listdir(dir_fd: int) -> list[str]:
+        """The names in one of the directories (``fd``, ``waiters_fd``, ``leases_fd``)."""
+        # A fresh open file description per listing: os.listdir(fd) reads through a dup of the
+        # fd, which shares the directory offset, so two threads listing through one fd at the
+        # same time see entries twice or miss them.
+        fd = os.open(".", O_DIR, dir_fd=dir_fd)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def where(self, dir_fd: int, name: str) -> Path:
+        """The path of an entry, for messages."""
+        if dir_fd == self.leases_fd:
+            return self.leases_path / name
+        return (self.waiters_path if dir_fd == self.waiters_fd else self.path) / name
+
+    def report(self, path: Path, problem: str) -> None:
+        """Say once per process what is wrong with an entry that is left in place."""
+        warn_once(
+            f"{path}: {problem}",
+            "%s %s; it is ignored: remove it by hand (rm -r '%s') once no Timeshare uses the arena",
+            path,
+            problem,
+            path,
+        )
+
+    def probe(self, dir_fd: int, name: str, *, remove: bool) -> Probe:
+        """Look at one entry of ``waiters/`` or ``leases/``: "live" (a regular file, locked by its
+        owner when ``remove``), "removed" (stale or never one: removed now), "gone" (vanished
+        meanwhile) or "kept" (not a live entry, but left in place)."""
+        try:
+            st = os.lstat(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return "gone"
+        if stat.S_ISREG(st.st_mode):
+            return self.sweep_if_stale(dir_fd, name) if remove else "live"
+        if not remove:
+            return "kept"
+        return "removed" if self.remove_odd(dir_fd, name, st) else "kept"
+
+    def remove_odd(self, dir_fd: int, name: str, st: os.stat_result) -> bool:
+        """Remove an entry that is not a regular file (no process can own it through the arena's
+        protocol, which only opens regular files without following links). True when removed."""
+        path = self.where(dir_fd, name)
+        kind = file_kind(st.st_mode)
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                os.rmdir(name, dir_fd=dir_fd)
+            else:
+                os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            self.report(path, f"is {kind} that cannot be removed ({exc.strerror})")
+            return False
+        log.warning("removed %s from the arena: it was %s, not one of its files", path, kind)
+        return True
+
+    def sweep_if_stale(self, dir_fd: int, name: str) -> Probe:
+        """A regular file: "live" while its owner holds its lock, else removed."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return "gone"
+        except OSError as exc:  # replaced by a link meanwhile, or unreadable: the next scan says
+            self.report(self.where(dir_fd, name), f"cannot be opened ({exc.strerror})")
+            return "kept"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return "kept"  # replaced meanwhile: looked at again by the next scan
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return "live"  # its owner is alive and holds it
+            # Nobody holds it: its owner died (a live owner keeps the lock from before the file
+            # got its public name until after it is unlinked), or it never was one of ours.
+            try:
+                now = os.lstat(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                return "gone"
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return "kept"  # a new file took the name: not the one we locked
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
+            log.info("swept stale arena entry %s", name)
+            return "removed"
+        finally:
+            os.close(fd)
+
+    # -- record files --
+
+    def open_record(self, name: str, what: str, *, replace: bool) -> int:
+        """The arena's file ``name`` (created 0600 if missing) opened read-write, a regular file.
+
+        Something else in its place (a symbolic link, FIFO, socket, device node or directory):
+        with ``replace`` it is removed when nothing can hold the file through it (an empty
+        directory; the arena's files are only opened without following links) and the file is
+        made again, and a directory with files in it is an :class:`ArenaError`; without
+        ``replace`` (the token: a process could still hold the GPU through the file that name had
+        before, and a new one beside it would let two processes hold it) it is an ArenaError that
+        names what is there. ``what`` names the file in the error ("ticket counter")."""
+        path = self.path / name
+        for _ in range(5):
+            try:
+                fd = os.open(name, _O_RECORD, 0o600, dir_fd=self.fd)
+            except OSError as exc:
+                if exc.errno not in _NOT_REGULAR:
+                    raise
+            else:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    return fd
+                os.close(fd)
+            try:
+                st = os.lstat(name, dir_fd=self.fd)
+            except FileNotFoundError:
+                continue
+            if not replace:
+                raise self._not_regular(path, what, file_kind(st.st_mode))
+            if not self.remove_odd(self.fd, name, st):
+                break
+        if not replace:
+            raise self._not_regular(path, what, "not a regular file")
+        raise ArenaError(
+            f"the arena's {what} {path} is not a regular file and cannot be replaced; "
+            f"stop every Timeshare that uses {self.path}, remove it (rm -r '{path}') and start again"
+        )
+
+    def _not_regular(self, path: Path, what: str, kind: str) -> ArenaError:
+        return ArenaError(
+            f"the arena's {what} {path} is {kind}, not a regular file, so no model can take the GPU: "
+            f"stop every Timeshare that uses {self.path}, remove it (rm -r '{path}') and start again, "
+            f"or point TIMESHARE_VRAM_ARENA or arena.dir elsewhere"
+        )
+
+    def open_token(self) -> int:
+        """The token file: :meth:`open_record` that never replaces it."""
+        return self.open_record(TOKEN_FILE, "token", replace=False)
+
+    # -- the arena lock --
+
+    def lock(self, check: Callable[[], None] | None = None, timeout: float | None = None) -> int | None:
+        """Take the arena lock (``flock`` on the token file); its fd, or None when ``timeout``
+        passed. ``check`` runs while it is retried (it may raise: cancel, deadline). Never blocks
+        in the kernel: a process stopped inside a critical section (SIGSTOP) must not freeze its
+        waiters' cancel and deadline. Give it back with :meth:`unlock`."""
+        fd = self.open_token()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return fd
+                except BlockingIOError:
+                    pass
+                if check is not None:
+                    check()
+                if deadline is not None and time.monotonic() >= deadline:
+                    os.close(fd)
+                    return None
+                time.sleep(LOCK_RETRY_S)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+
+    @staticmethod
+    def unlock(fd: int) -> None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def pid_alive(pid: int) -> bool:

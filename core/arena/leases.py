@@ -1,6 +1,6 @@
-"""Leases on a device's VRAM budget, on disk: the lease files, the budget record, the arena lock.
+"""The lease files and the budget record of one arena: :class:`LeaseFiles`.
 
-Files (beside the ticket queue of :mod:`.tickets`):
+Files (beside the ticket queue of :mod:`.tickets`; the arena lock is :meth:`.dirs.ArenaDir.lock`):
 
     token        the arena lock: held (``flock``) only for the short critical sections that read
                  the live leases and create one, record the budget or rewrite the holder record
@@ -30,7 +30,6 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
 from ..errors import ArenaError
 from .budget import (
@@ -44,17 +43,14 @@ from .budget import (
     parse_budget_record,
     parse_lease_record,
 )
-from .records import MAX_PID, O_FILE, RECORD_MODEL_RE
+from .dirs import ArenaDir
+from .records import BUDGET_FILE, MAX_PID, O_FILE, RECORD_MODEL_RE
 
 log = logging.getLogger(__name__)
 
-LEASES_DIR = "leases"
-BUDGET_FILE = "budget"
 #: a lease file's name: ``<pid>-<serial>-<model>``
 _LEASE_RE = re.compile(r"^([1-9]\d{0,9})-(\d{1,9})-(.+)$")
 _serial = itertools.count(1)
-#: the arena lock is retried this often while another process holds it (it is held for microseconds)
-LOCK_RETRY_S = 0.001
 
 
 def parse_lease_name(name: str) -> tuple[int, str] | None:
@@ -65,98 +61,43 @@ def parse_lease_name(name: str) -> tuple[int, str] | None:
     return int(match.group(1)), match.group(3)
 
 
-def device_arena_dir(base: Path, device: int) -> Path:
-    """The arena of GPU ``device``: the arena directory itself for device 0, ``device-N`` inside
-    it for the others (one budget, queue and set of leases per device)."""
-    return base if device == 0 else base / f"device-{device}"
+class LeaseFiles:
+    """The lease files (``leases/``) and the budget record of one :class:`~.dirs.ArenaDir`:
+    listing the live leases, creating, rewriting and ending one, and joining the budget in force.
+    Creating a lease, joining and reading whether a budget is in force happen under the arena
+    lock (:meth:`~.dirs.ArenaDir.lock`); the callers of :meth:`create` and :meth:`drop` take it."""
 
-
-class LeaseArena:
-    """The lease half of :class:`~.tickets.Arena` (a mixin: the Arena opens the directories)."""
-
-    path: Path
-    _dir_fd: int
-    _leases_fd: int
-    _lease_cache: dict[str, LeaseRecord]
-
-    # provided by Arena
-    def _open_token(self) -> int:
-        raise NotImplementedError
-
-    def _probe(self, dir_fd: int, name: str, *, remove: bool) -> str:
-        raise NotImplementedError
-
-    def _report(self, path: Path, problem: str) -> None:
-        raise NotImplementedError
-
-    def _remove_odd(self, dir_fd: int, name: str, st: os.stat_result) -> bool:
-        raise NotImplementedError
-
-    @staticmethod
-    def _listdir(dir_fd: int) -> list[str]:
-        raise NotImplementedError
-
-    @property
-    def leases_path(self) -> Path:
-        return self.path / LEASES_DIR
-
-    # -- the arena lock --
-
-    def _lock(self, check: Callable[[], None] | None = None, timeout: float | None = None) -> int | None:
-        """Take the arena lock; its fd, or None when ``timeout`` passed. ``check`` runs while it
-        is retried (it may raise: cancel, deadline). Never blocks in the kernel: a process stopped
-        inside a critical section (SIGSTOP) must not freeze its waiters' cancel and deadline."""
-        fd = self._open_token()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return fd
-                except BlockingIOError:
-                    pass
-                if check is not None:
-                    check()
-                if deadline is not None and time.monotonic() >= deadline:
-                    os.close(fd)
-                    return None
-                time.sleep(LOCK_RETRY_S)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise
-
-    @staticmethod
-    def _unlock(fd: int) -> None:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    def __init__(self, directory: ArenaDir) -> None:
+        self.dir = directory
+        #: the last good record of each live lease (a frame being rewritten reads as garbage)
+        self._cache: dict[str, LeaseRecord] = {}
 
     # -- leases --
 
-    def leases(self, *, sweep: bool = True) -> list[LeaseRecord]:
+    def live(self, *, sweep: bool = True) -> list[LeaseRecord]:
         """The live leases (a lease whose lock anyone can take belongs to a dead process and is
         removed when ``sweep``). A live lease whose record cannot be read is reported and left out."""
         out = []
-        for name in self._listdir(self._leases_fd):
+        d = self.dir
+        for name in d.listdir(d.leases_fd):
             parsed = parse_lease_name(name)
-            state = self._probe(self._leases_fd, name, remove=sweep)
+            state = d.probe(d.leases_fd, name, remove=sweep)
             if state != "live" or parsed is None:
                 if state == "live" and parsed is None:
-                    self._report(self.leases_path / name, "is not a lease")
+                    d.report(d.leases_path / name, "is not a lease")
                 continue
             record = self._read_lease(name, parsed)
             if record is not None:
                 out.append(record)
         live = {r.name for r in out}
-        for gone in [n for n in self._lease_cache if n not in live]:
-            del self._lease_cache[gone]
+        for gone in [n for n in self._cache if n not in live]:
+            del self._cache[gone]
         return out
 
     def _read_lease(self, name: str, parsed: tuple[int, str]) -> LeaseRecord | None:
         for _ in range(20):  # a frame being rewritten: read again
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._leases_fd)
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self.dir.leases_fd)
             except FileNotFoundError:
                 return None
             except OSError:
@@ -167,61 +108,63 @@ class LeaseArena:
                 os.close(fd)
             record = parse_lease_record(decode_record(raw), name)
             if record is not None and (record.pid, record.model) == parsed:
-                self._lease_cache[name] = record
+                self._cache[name] = record
                 return record
             time.sleep(0.0005)
-        cached = self._lease_cache.get(name)
+        cached = self._cache.get(name)
         if cached is not None:
             return cached
-        self._report(self.leases_path / name, "is a live lease whose record cannot be read")
+        self.dir.report(self.dir.leases_path / name, "is a live lease whose record cannot be read")
         return None
 
-    def _create_lease(self, record: LeaseRecord) -> tuple[str, int]:
-        """Create a lease file for ``record`` (under the arena lock), locked; its name and fd."""
+    def create(self, record: LeaseRecord) -> tuple[str, int]:
+        """Create a lease file for ``record`` (under the arena lock), locked; its name and the fd
+        that holds it (the lease lasts until :meth:`drop`, or this process's death)."""
+        dir_fd, leases_fd = self.dir.fd, self.dir.leases_fd
         for _ in range(1000):
             name = f"{record.pid}-{next(_serial)}-{record.model}"
             tmp = f".lease.{name}.tmp"
             try:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=self._dir_fd)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_FILE, 0o600, dir_fd=dir_fd)
             except FileExistsError:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.pwrite(fd, encode_record(record.to_json()), 0)
                 try:
-                    os.lstat(name, dir_fd=self._leases_fd)
+                    os.lstat(name, dir_fd=leases_fd)
                 except FileNotFoundError:
                     pass
                 else:  # a leftover with this name: take the next serial
-                    os.unlink(tmp, dir_fd=self._dir_fd)
+                    os.unlink(tmp, dir_fd=dir_fd)
                     os.close(fd)
                     continue
-                os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._leases_fd)
+                os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=leases_fd)
             except BaseException:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=self._dir_fd)
+                    os.unlink(tmp, dir_fd=dir_fd)
                 os.close(fd)
                 raise
             return name, fd
-        raise ArenaError(f"no lease name is free in {self.leases_path}: empty it and start again")
+        raise ArenaError(f"no lease name is free in {self.dir.leases_path}: empty it and start again")
 
     @staticmethod
-    def _update_lease(fd: int, record: LeaseRecord) -> None:
+    def update(fd: int, record: LeaseRecord) -> None:
         """Rewrite a held lease's record in place (one pwrite of a fixed-size frame)."""
         os.pwrite(fd, encode_record(record.to_json()), 0)
 
-    def _drop_lease(self, name: str, fd: int) -> None:
+    def drop(self, name: str, fd: int) -> None:
         """End a lease: the file goes first, then the lock (a waiter blocked on it wakes)."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=self._leases_fd)
+            os.unlink(name, dir_fd=self.dir.leases_fd)
         os.close(fd)
-        self._lease_cache.pop(name, None)
+        self._cache.pop(name, None)
 
-    def _open_lease_for_wait(self, name: str) -> int | None:
+    def open_for_wait(self, name: str) -> int | None:
         """An fd on another holder's lease file, to block in ``flock`` until it lets go; None
         when it is gone already."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._leases_fd)
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self.dir.leases_fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -235,38 +178,11 @@ class LeaseArena:
 
     # -- the budget record --
 
-    def _open_budget(self) -> int:
-        """The budget record, a regular file (a link, FIFO or empty directory in its place is
-        removed: nothing can hold a budget through it; a directory with files is an ArenaError)."""
-        path = self.path / BUDGET_FILE
-        for _ in range(5):
-            try:
-                fd = os.open(
-                    BUDGET_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | O_FILE, 0o600, dir_fd=self._dir_fd
-                )
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
-                    raise
-            else:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    return fd
-                os.close(fd)
-            try:
-                st = os.lstat(BUDGET_FILE, dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                continue
-            if not self._remove_odd(self._dir_fd, BUDGET_FILE, st):
-                break
-        raise ArenaError(
-            f"the arena's budget record {path} is not a regular file and cannot be replaced; "
-            f"stop every Timeshare that uses {self.path}, remove it (rm -r '{path}') and start again"
-        )
-
     def budget_record(self) -> BudgetRecord | None:
         """The budget recorded in this arena (None: none yet, or garbage). Whether it is in force
         (any member alive) is :meth:`budget_in_force`."""
         try:
-            fd = os.open(BUDGET_FILE, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._dir_fd)
+            fd = os.open(BUDGET_FILE, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self.dir.fd)
         except OSError:
             return None
         try:
@@ -285,11 +201,11 @@ class LeaseArena:
         """The recorded budget while some member lives (a member holds the record's shared lock);
         None when nobody uses the arena (or its lock stayed busy for a second)."""
         try:
-            fd = os.open(BUDGET_FILE, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self._dir_fd)
+            fd = os.open(BUDGET_FILE, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=self.dir.fd)
         except OSError:
             return None
         try:
-            lock = self._lock(timeout=1.0)  # members join under it: no join sees our probe's lock
+            lock = self.dir.lock(timeout=1.0)  # members join under it: no join sees our probe's lock
             if lock is None:
                 return None
             try:
@@ -297,24 +213,25 @@ class LeaseArena:
             except BlockingIOError:
                 return self.budget_record()
             finally:
-                self._unlock(lock)
+                self.dir.unlock(lock)
             return None  # nobody holds it: no member
         finally:
             os.close(fd)
 
-    def _join_budget(
+    def join_budget(
         self, wanted: BudgetRecord | None, check: Callable[[], None] | None = None
     ) -> tuple[BudgetRecord, int, str]:
         """Become a member: the budget in force, the fd holding the record's shared lock (keep it
-        open for as long as this member lives) and a note when ``wanted`` was not used."""
-        fd = self._open_budget()
+        open for as long as this member lives, then close it) and a note when ``wanted`` was not
+        used."""
+        fd = self.dir.open_record(BUDGET_FILE, "budget record", replace=True)
         try:
-            lock = self._lock(check)
+            lock = self.dir.lock(check)
             assert lock is not None
             try:
                 return self._join_locked(fd, wanted)
             finally:
-                self._unlock(lock)
+                self.dir.unlock(lock)
         except BaseException:
             os.close(fd)
             raise
@@ -331,7 +248,7 @@ class LeaseArena:
             if not first:
                 log.warning(
                     "the arena's budget record %s is not one while Timeshare uses it; recording %s",
-                    self.path / BUDGET_FILE,
+                    self.dir.path / BUDGET_FILE,
                     mine.setting,
                 )
             os.pwrite(fd, encode_record(_record_json(mine)), 0)
@@ -342,7 +259,7 @@ class LeaseArena:
         if wanted is not None and not same_setting(record, wanted):
             note = (
                 f"the VRAM budget in force on this device is {record.setting!r} (set by pid "
-                f"{record.pid}, the first Timeshare process of the arena {self.path}), not this "
+                f"{record.pid}, the first Timeshare process of the arena {self.dir.path}), not this "
                 f"model's {wanted.setting!r}: "
                 "stop every Timeshare that uses the arena to change it"
             )

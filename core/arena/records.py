@@ -11,6 +11,8 @@ TOKEN_FILE = "token"
 HOLDER_FILE = "holder"
 SEQ_FILE = "seq"
 WAITERS_DIR = "waiters"
+LEASES_DIR = "leases"
+BUDGET_FILE = "budget"
 
 #: how often waiters and the doorbell rescan ``waiters/`` even without an event (a ticket created
 #: before the watch existed, a waiter killed with -9: its file does not go away by itself)

@@ -13,29 +13,43 @@ from typing import Protocol
 
 from ..errors import ArenaError, CancelledError, TokenTimeoutError, VramBudgetError
 from ..util.units import decimal_bytes
+from .arena import Arena
 from .budget import BudgetRecord, LeaseRecord, Plan, plan_fit
 from .records import RESCAN_INTERVAL_S, SWEEP_INTERVAL_S, Ticket, TokenGrant
-from .tickets import Arena
 from .watch import DirWatch
 
 log = logging.getLogger(__name__)
 
 
-class RequestOwner(Protocol):
-    """What a :class:`TokenRequest` needs of its client (:class:`~.client.TokenClient`)."""
+class LeaseOwner(Protocol):
+    """Whom a :class:`TokenRequest` is served for: the one that will hold the lease it gets
+    (:class:`~.client.TokenClient`). The request's helper thread calls these, in this order:
+
+    - :meth:`ticket_taken` once its ticket is in the queue, :meth:`ticket_gone` once it left it
+      (the owner's doorbell does not ring for its own tickets);
+    - as the head of the queue, under the arena lock, when the plan fits: :meth:`create_lease`,
+      which creates the lease file (and the holder record) and returns what is then held;
+    - then either :meth:`became_holder` (granted) or, when the request was cancelled meanwhile,
+      :meth:`give_back` (nothing was ever resident under that lease);
+    - last, whatever happened, :meth:`request_finished` (before the request reads as done).
+
+    None of them may block for long: they run on the request's thread, the first under the lock."""
 
     arena: Arena
     model: str
     budget: BudgetRecord
-    _own_tickets: set[str]
 
-    def _create_lease(self, req: TokenRequest, plan: Plan, leases: list[LeaseRecord]) -> Held: ...
+    def ticket_taken(self, ticket: Ticket) -> None: ...
 
-    def _give_back(self, held: Held) -> None: ...
+    def ticket_gone(self, ticket: Ticket) -> None: ...
 
-    def _became_holder(self, held: Held) -> None: ...
+    def create_lease(self, req: TokenRequest, plan: Plan, leases: list[LeaseRecord]) -> Held: ...
 
-    def _request_finished(self, req: TokenRequest) -> None: ...
+    def give_back(self, held: Held) -> None: ...
+
+    def became_holder(self, held: Held) -> None: ...
+
+    def request_finished(self, req: TokenRequest) -> None: ...
 
 
 @dataclass
@@ -59,7 +73,7 @@ class _Locker:
     def __init__(self, arena: Arena, name: str, wake: Callable[[], None]) -> None:
         self.name = name
         self.done = threading.Event()
-        fd = arena._open_lease_for_wait(name)
+        fd = arena.lease_files.open_for_wait(name)
         if fd is None:
             self.done.set()
             return
@@ -86,7 +100,7 @@ class TokenRequest:
     :class:`ArenaError`. ``cancel()`` gives the place in the queue up; a request that already got
     the lease stays granted (release it through the client)."""
 
-    def __init__(self, client: RequestOwner, timeout: float | None, need: int | None = None) -> None:
+    def __init__(self, client: LeaseOwner, timeout: float | None, need: int | None = None) -> None:
         self._client = client
         self.need = need
         self.requested_at = time.monotonic()
@@ -107,11 +121,29 @@ class TokenRequest:
         self._thread: threading.Thread | None = None
         self._next_sweep = self.requested_at + SWEEP_INTERVAL_S
 
+    @classmethod
+    def granted(cls, client: LeaseOwner, grant: TokenGrant) -> TokenRequest:
+        """A request that is done already: the lease ``client`` holds (``grant``)."""
+        req = cls(client, None)
+        req._grant = grant
+        req._done.set()
+        return req
+
     # -- public --
 
     @property
     def ticket(self) -> Ticket | None:
         return self._ticket
+
+    @property
+    def previous(self) -> str | None:
+        """The model that held the token when this request was made (None: nobody)."""
+        return self._previous
+
+    @property
+    def waited(self) -> bool:
+        """Whether anyone was ahead in the queue, or it had to wait for holders to leave."""
+        return self._waited or self._had_ahead
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -161,7 +193,8 @@ class TokenRequest:
 
     # -- helper thread --
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Serve it on its helper thread (once; the client does)."""
         self._thread = threading.Thread(
             target=self._run, name=f"arena-request-{self._client.model}", daemon=True
         )
@@ -225,14 +258,14 @@ class TokenRequest:
         try:
             holder = arena.holder()
             self._previous = holder.model if holder is not None else None
-            watch = arena._watch()  # before the first scan: nothing that appears later is missed
+            watch = arena.watch()  # before the first scan: nothing that appears later is missed
             with self._lock:
                 self._watch = watch
                 cancelled = self._cancelled
             if cancelled:
                 raise CancelledError("the request for the GPU was cancelled")
-            self._ticket, ticket_fd = arena._take_ticket(self._client.model, self.need)
-            self._client._own_tickets.add(self._ticket.name)
+            self._ticket, ticket_fd = arena.queue.take(self._client.model, self.need)
+            self._client.ticket_taken(self._ticket)
             while True:  # wait until no live ticket is ahead of ours
                 self._check()
                 ahead = [t for t in arena.waiters() if t.seq < self._ticket.seq]
@@ -248,10 +281,10 @@ class TokenRequest:
                 if not cancelled:
                     self._grant = held.grant
             if cancelled:
-                self._client._give_back(held)
+                self._client.give_back(held)
                 raise CancelledError("the request for the GPU was cancelled")
-            self._client._became_holder(held)
-            arena._drop_ticket(self._ticket, ticket_fd)  # lets the next waiter in
+            self._client.became_holder(held)
+            arena.queue.drop(self._ticket, ticket_fd)  # lets the next waiter in
             ticket_fd = None
         except BaseException as exc:  # delivered through result()
             if isinstance(exc, OSError):
@@ -264,10 +297,10 @@ class TokenRequest:
                 log.error("waiting for the GPU token failed: %s", exc)
         finally:
             if ticket_fd is not None and self._ticket is not None:
-                arena._drop_ticket(self._ticket, ticket_fd)
+                arena.queue.drop(self._ticket, ticket_fd)
             if self._ticket is not None:
-                self._client._own_tickets.discard(self._ticket.name)
-            self._client._request_finished(self)  # before done: a new request() must not get this one
+                self._client.ticket_gone(self._ticket)
+            self._client.request_finished(self)  # before done: a new request() must not get this one
             with self._lock:
                 self._done.set()
                 watch_to_close, self._watch = self._watch, None
@@ -282,16 +315,16 @@ class TokenRequest:
         locker: _Locker | None = None
         while True:
             self._check()
-            lock = arena._lock(self._check)
+            lock = arena.dir.lock(self._check)
             assert lock is not None
             try:
                 now = time.monotonic()
                 leases = arena.leases()
                 plan = plan_fit(self.need, leases, client.budget, now)
                 if plan.fits:
-                    return client._create_lease(self, plan, leases)
+                    return client.create_lease(self, plan, leases)
             finally:
-                arena._unlock(lock)
+                arena.dir.unlock(lock)
             self._plan = plan
             self._waited = True
             # a request for the device to itself (a load under an auto budget) waits for pinned

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..arena.arena import env_arena_dir
 from ..arena.budget import parse_budget
-from ..arena.tickets import env_arena_dir
 from ..config import demo
 from ..config.schema import ArenaConfig, Config, ModelConfig, suggest_model_id
 from ..errors import ArenaError, TimeshareError

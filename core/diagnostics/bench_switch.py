@@ -152,8 +152,8 @@ def run_switch_bench(
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError on bad input or a
     model that cannot be served. ``budget``: the workers' VRAM budget (one-model: they switch)."""
+    from ..arena.arena import env_arena_dir
     from ..arena.budget import parse_budget
-    from ..arena.tickets import env_arena_dir
     from ..config.schema import ArenaConfig, Config, ModelConfig
     from ..pool.supervisor import Pool
     from .arena_test import model_ids_for_paths

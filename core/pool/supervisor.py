@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import errors, paths
+from ..arena.arena import check_arena_dir
 from ..arena.dirs import resolve_arena_dir
-from ..arena.tickets import check_arena_dir
 from ..config import demo
 from ..config.schema import Config, ModelConfig
 from ..config.vram_budget import resolve_arena

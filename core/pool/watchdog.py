@@ -29,9 +29,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..arena.arena import Arena
 from ..arena.budget import ONE_MODEL, compute_budget, plan_fit
-from ..arena.leases import device_arena_dir
-from ..arena.tickets import Arena
+from ..arena.dirs import device_arena_dir
 from ..errors import ArenaError
 from ..worker import protocol
 from .record import WorkerRecord

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..arena.arena import Arena
 from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
 from ..arena.client import TokenClient
-from ..arena.leases import device_arena_dir
+from ..arena.dirs import device_arena_dir
 from ..arena.request import TokenRequest
-from ..arena.tickets import Arena
 from ..errors import OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
