@@ -18,7 +18,9 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +34,7 @@ from timeshare.core.api.requests import MAX_JSON_DEPTH, MAX_MESSAGES, parse_json
 from timeshare.core.api.server import ApiServer
 from timeshare.core.config.schema import ApiConfig, Config, ModelConfig
 from timeshare.core.errors import ProtocolError
+from timeshare.core.pool import filecheck
 from timeshare.core.pool import supervisor as pool_handlers
 from timeshare.core.pool.generation import Generation, make_request
 from timeshare.core.pool.record import SPAWN_RETRIES, WorkerRecord
@@ -139,7 +142,7 @@ def test_a_model_file_that_cannot_be_opened_for_lack_of_descriptors_is_retried(
     tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # before: "cannot be read (Too many open files): check its permissions", and FAILED for good
-    real = pool_handlers.gguf_problem
+    real = filecheck.gguf_problem
     left = {"n": 2}
 
     def problem(path: str, **kwargs: bool) -> str:
@@ -148,7 +151,7 @@ def test_a_model_file_that_cannot_be_opened_for_lack_of_descriptors_is_retried(
             raise OSError(errno.EMFILE, "Too many open files")
         return real(path, **kwargs)
 
-    monkeypatch.setattr(pool_handlers, "gguf_problem", problem)
+    monkeypatch.setattr(filecheck, "gguf_problem", problem)
     config = Config(models=(ModelConfig(id="m", path=str(smollm2_path)),))
     pool = Pool(config, arena_dir=tmp_path / "arena", restart_backoff_s=0.01, worker_argv=_fake_worker_argv())
     pool.start()
@@ -157,6 +160,77 @@ def test_a_model_file_that_cannot_be_opened_for_lack_of_descriptors_is_retried(
         assert left["n"] == 0
     finally:
         pool.stop()
+
+
+_LEASE_HOLDER = """
+import fcntl, os, signal, sys
+signal.signal(signal.SIGIO, lambda *_: print("break", flush=True))  # someone opens the file
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+print("held", flush=True)
+sys.stdin.readline()
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+print("released", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_pool_thread_answers_while_a_model_file_check_blocks(tmp_path: Path) -> None:
+    """A model file whose open() blocks (here: another process holds a write lease on it, so the
+    kernel holds every open back until that process lets go, as a slow or hung filesystem would)
+    is checked off the pool thread: the pool keeps answering meanwhile, and the check's result
+    still arrives (the file is no GGUF: the model FAILS saying so)."""
+    slow = tmp_path / "slow.gguf"
+    slow.write_bytes(b"this is not a model, it only opens slowly\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LEASE_HOLDER, str(slow)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    pool = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        config = Config(
+            models=(
+                ModelConfig(id="slow", path=str(slow)),
+                ModelConfig(id="other", path=str(tmp_path / "missing.gguf")),
+            )
+        )
+        pool = Pool(config, arena_dir=tmp_path / "arena", worker_argv=_fake_worker_argv())
+        pool.start()
+        assert holder.stdout.readline().strip() == "break"  # the check is blocked in open() now
+        answered = threading.Event()
+
+        def stop_other() -> None:
+            assert pool is not None
+            pool.stop_model("other")  # a call the pool thread must answer
+            answered.set()
+
+        threading.Thread(target=stop_other, daemon=True).start()
+        # (the kernel breaks a lease by itself after fs.lease-break-time, 45 s by default)
+        assert answered.wait(30.0), "the pool thread did not answer while a model file check blocked"
+        assert holder.poll() is None  # the lease is still held: the check is still waiting
+        snap = pool.snapshot()
+        other, waiting = snap.model("other"), snap.model("slow")
+        assert other is not None and other.state is ModelState.STOPPED
+        assert waiting is not None and waiting.state is not ModelState.FAILED
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "released"
+        wait_until(
+            lambda: (m := pool.snapshot().model("slow")) is not None and m.state is ModelState.FAILED,
+            WAIT,
+            "the slow model's check to arrive",
+        )
+        failed = pool.snapshot().model("slow")
+        assert failed is not None and "not a GGUF file" in failed.reason, failed
+    finally:
+        if pool is not None:
+            pool.stop()
+        holder.kill()
+        holder.communicate()  # waits, and closes the pipes
 
 
 # ---- the API in-process, over an empty pool ----------------------------------------------------------

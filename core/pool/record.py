@@ -67,6 +67,7 @@ class WorkerRecord:
     idle_token: int = 0
     killed_why: str = ""  # set when the hung-holder watchdog killed it; the exit handler says it
     gpu_since: float = 0.0  # monotonic: when its status first said it holds the GPU (a lease)
+    file_check: object | None = None  # the token of the model-file check under way (pool/filecheck.py)
 
     @property
     def id(self) -> str:

