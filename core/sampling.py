@@ -32,6 +32,7 @@ Fields (llama.cpp's names and meanings; llama-server's defaults where the worker
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Annotated
 
 import msgspec
@@ -135,13 +136,23 @@ DEFAULTS: dict[str, dict[str, object]] = {
 FIELDS = frozenset(Sampling.__struct_fields__)
 
 
+def unknown_fields(names: Iterable[str], what: str = "sampling option") -> str:
+    """The sentence that refuses the names among ``names`` that are not Sampling's fields ("" when
+    every one is): "unknown sampling option(s) ['temprature']: use some of [...]". Each front end
+    raises it as its own error."""
+    unknown = set(names) - FIELDS
+    if not unknown:
+        return ""
+    return f"unknown {what}(s) {sorted(unknown)}: use some of {sorted(FIELDS)}"
+
+
 def for_front_end(front_end: str, **fields: object) -> Sampling:
     """A checked Sampling: the front end's defaults, overridden by ``fields``; a None value means
     "absent" (the row's default applies). Raises ValueError naming the field (an unknown name
     included)."""
-    unknown = set(fields) - FIELDS
+    unknown = unknown_fields(fields, "field")
     if unknown:
-        raise ValueError(f"sampling: unknown field(s) {sorted(unknown)}: use some of {sorted(FIELDS)}")
+        raise ValueError(f"sampling: {unknown}")
     merged: dict[str, object] = dict(DEFAULTS[front_end])
     merged.update((key, value) for key, value in fields.items() if value is not None)
     try:

@@ -26,8 +26,7 @@ from ..errors import (
     InvalidTextError,
     TimeshareError,
 )
-from ..sampling import FIELDS as SAMPLING_FIELDS
-from ..sampling import Sampling, for_front_end
+from ..sampling import Sampling, for_front_end, unknown_fields
 from ..state import SwitchStats
 from ..util.stream import TextStream
 from ..worker.protocol import ChatMessage
@@ -419,11 +418,9 @@ def check_text(text: str, what: str) -> None:
 
 
 def _check_sampling(sampling: dict[str, Any]) -> None:
-    unknown = set(sampling) - SAMPLING_FIELDS
+    unknown = unknown_fields(sampling)
     if unknown:
-        raise TypeError(
-            f"unknown sampling option(s) {sorted(unknown)}: use some of {sorted(SAMPLING_FIELDS)}"
-        )
+        raise TypeError(unknown)  # as for any unexpected keyword argument
 
 
 def _title_from(text: str) -> str:
