@@ -131,6 +131,24 @@ def test_parts_one_keeps_the_models_own_buffers(smol: llama_cpp.Llama, smollm2_p
     res.close()
 
 
+def test_one_layer_is_released_whole(tmp_path: Path, smollm2_path: Path) -> None:
+    path = make_small_q4_0(tmp_path / "one-layer.gguf", smollm2_path, n_layers=1)
+    llm = load(path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res, ip = _attach(llm, path)
+        assert "1 blk.<i> layer(s)" in res.parts_note and ip.buffers is ip.originals
+        assert len(res.parts()) == 1 and not ip.part_buffers()
+        res.release(keep_bytes=res.weight_bytes // 2)
+        assert not res.weights_resident and res.resident_bytes == 0
+        res.restore()
+        assert same(greedy.run(), ref)
+        res.close()
+    finally:
+        llm.close()
+
+
 # --- memory --------------------------------------------------------------------------------------
 
 

@@ -253,9 +253,11 @@ class InPlace:
                 "the weights move: see _forget_graphs): whole buffers are released there"
             )
             parts = 1
-        if parts > 1:
-            self.parts, self.buffers = self._split_plan(originals, parts)
+        split = self._split_plan(originals, parts) if parts > 1 else None
+        if split is not None:
+            self.parts, self.buffers = split
         else:
+            parts = 1
             self.buffers = originals
             layers = [x for b in originals for t in b.tensors if (x := layer_of(t.name)) is not None]
             self.parts = [Part(0, min(layers, default=0), max(layers, default=0), list(originals))]
@@ -324,11 +326,12 @@ class InPlace:
                 )
         return list(by_buf.values())
 
-    def _split_plan(self, originals: list[_Buffer], n: int) -> tuple[list[Part], list[_Buffer]]:
+    def _split_plan(self, originals: list[_Buffer], n: int) -> tuple[list[Part], list[_Buffer]] | None:
         """Up to ``n`` parts of consecutive layers with near-equal bytes (the tensors outside the
         layers count with the first layer), and their buffers: one per part and original buffer
         holding any of its tensors, laid out as ggml-alloc lays out a buffer (each tensor at an
-        aligned offset, its allocation size padded to the alignment)."""
+        aligned offset, its allocation size padded to the alignment). None (``parts_note`` says
+        why) when the weights make fewer than two parts."""
         lay = self.layout
         padded: dict[int, int] = {}
         layer_bytes: dict[int, int] = {}
@@ -344,10 +347,9 @@ class InPlace:
                 else:
                     layer_bytes[layer] = layer_bytes.get(layer, 0) + size
         layers = sorted(layer_bytes)
-        if not layers:
-            raise InPlaceUnsupportedError(
-                "no blk.<i> layer tensors among the weights: no layer parts to make"
-            )
+        if len(layers) < 2:
+            self.parts_note = f"{len(layers)} blk.<i> layer(s) among the weights: released whole"
+            return None
         sizes = [layer_bytes[x] for x in layers]
         sizes[0] += outside
         runs = split_runs(sizes, n)
