@@ -582,3 +582,65 @@ def test_the_residency_measures_on_the_models_own_gpu(monkeypatch: pytest.Monkey
     monkeypatch.setattr(_ggml, "devices", lambda: fake)
     assert _ggml.gpu_at(0) == fake[1] and _ggml.gpu_at(1) == fake[2]
     assert _ggml.gpu_at(7) == fake[1]  # no such GPU (the worker refuses that device before loading)
+
+
+# --- a deferred host shadow (issue 29: a restarted worker answers first) ------------------------
+
+
+def test_deferred_shadow_is_made_by_the_first_release_bitwise(
+    small_q4: llama_cpp.Llama, small_q4_path: Path
+) -> None:
+    greedy = Greedy(small_q4)
+    reference = greedy.run()
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", defer_shadow=True))
+    try:
+        assert res.path == "inplace" and res.shadow_pending
+        assert res.host_bytes == 0  # nothing allocated for it yet
+        assert set(res.attach_steps) >= {"discover_ms", "plan_ms"}
+        assert same(greedy.run(), reference)  # the model answers before any shadow exists
+        rel = res.release()
+        assert not res.weights_resident and not res.shadow_pending
+        assert res.host_bytes > 0 and rel.freed_bytes > 0
+        assert set(res.attach_steps) >= {"shadow_alloc_ms", "shadow_read_ms", "verify_ms"}
+        res.restore()
+        assert same(greedy.run(), reference), "logits differ after the deferred shadow's cycle"
+        res.release()
+        res.restore()
+        assert same(greedy.run(), reference)
+    finally:
+        res.close()
+
+
+def test_deferred_shadow_filled_on_request(small_q4: llama_cpp.Llama, small_q4_path: Path) -> None:
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", defer_shadow=True))
+    try:
+        res.fill_shadow()
+        assert not res.shadow_pending and res.host_bytes > 0
+        ip = res._inplace
+        assert ip is not None and ip.verified_tensors > 0
+        res.fill_shadow()  # once
+        assert res.host_bytes > 0
+    finally:
+        res.close()
+
+
+def test_file_changed_before_a_deferred_shadow_keeps_the_model(tmp_path: Path, small_q4_path: Path) -> None:
+    """The spot check runs when the shadow is made: a file changed after the load refuses the
+    release (ModelFileError) and the model stays loaded and answering, bitwise as before."""
+    path = _copy(small_q4_path, tmp_path / "m.gguf")
+    llm = load(path)
+    try:
+        greedy = Greedy(llm)
+        reference = greedy.run()
+        res = Residency.attach(llm, path, ResidencyOptions(mode="inplace", defer_shadow=True))
+        info = check_gguf(path)
+        with path.open("r+b") as f:  # same size, different weights
+            f.seek(info.data_offset + 64)
+            f.write(os.urandom(256))
+        with pytest.raises(ModelFileError, match="no longer holds the weights"):
+            res.release()
+        assert res.weights_resident and res.shadow_pending and res.host_bytes == 0
+        assert same(greedy.run(), reference)
+        res.close()
+    finally:
+        llm.close()

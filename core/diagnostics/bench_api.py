@@ -210,6 +210,7 @@ def run_api_bench(
                     "backend": status.get(mid, {}).get("backend"),
                     "residency_path": status.get(mid, {}).get("residency_path"),
                     "weight_bytes": status.get(mid, {}).get("weight_bytes"),
+                    "worker": serve.worker_phases(mid),  # its start's phases (attach steps)
                 }
                 for mid, path in zip(ids, models, strict=True)
             ]
@@ -285,7 +286,8 @@ def _timeshare_phases(
         say(f"worker restart {k + 1}/{n_restarts}: sleep level stop, then the turn")
         serve.stop_worker(a)
         row = serve.turn(a, conv.prompt(0, rounds + 1 + k), f"bench-switch-{a}")
-        rows["worker_restart"].append(dict(row, round=rounds + 1 + k))
+        # where the restart's time went, from the worker's own log (startup phases, KV read)
+        rows["worker_restart"].append(dict(row, round=rounds + 1 + k, worker=serve.worker_phases(a)))
 
 
 def _llama_server_phases(

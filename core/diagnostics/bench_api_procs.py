@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,9 @@ from ..errors import TimeshareError
 from . import fresh_process as fresh_process_
 
 MAX_TOKENS = 8  # per turn: the benchmark is about the first token
+_STARTUP_RE = re.compile(r"startup phases \(ms\)[^{]*(\{.*\})\s*$")
+_FILLED_RE = re.compile(r"filled \(deferred\) in (\d+) ms")
+_KV_READ_RE = re.compile(r"KV loaded from disk \((\d+) tokens, ([\d.]+) MB in (\d+) ms\)")
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0
 
@@ -108,6 +112,25 @@ def _log_tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
+def worker_log_phases(text: str) -> dict[str, Any]:
+    """What a worker log says of the worker's last start: its "startup phases" line
+    (core/worker/loop.py: ``startup``), its last KV file read (the engine's "KV loaded from disk":
+    ``kv_tokens``, ``kv_mb``, ``kv_read_ms``) and a deferred host shadow made since (the
+    residency's "filled (deferred)": ``deferred_shadow_ms``)."""
+    out: dict[str, Any] = {}
+    for line in reversed(text.splitlines()):
+        if "startup" not in out and (m := _STARTUP_RE.search(line)):
+            with contextlib.suppress(ValueError):
+                out["startup"] = json.loads(m.group(1))
+        if "kv_read_ms" not in out and (m := _KV_READ_RE.search(line)):
+            out["kv_tokens"], out["kv_mb"], out["kv_read_ms"] = int(m[1]), float(m[2]), float(m[3])
+        if "deferred_shadow_ms" not in out and (m := _FILLED_RE.search(line)):
+            out["deferred_shadow_ms"] = float(m[1])
+        if "starting worker" in line:
+            break  # the last start only
+    return out
+
+
 # ---- Timeshare ------------------------------------------------------------------------------
 
 
@@ -165,6 +188,7 @@ class Serve:
         self.port = 0
         self.ids = ids
         self._address = home / "run" / "api.json"
+        self._logs = home / "log"
 
     def wait_ready(self) -> float:
         t0 = time.monotonic()
@@ -232,6 +256,14 @@ class Serve:
             "prompt_tokens_evaluated": ts.get("prompt_tokens_evaluated"),
             "completion_tokens": usage.get("completion_tokens"),
         }
+
+    def worker_phases(self, model: str) -> dict[str, Any]:
+        """:func:`worker_log_phases` of ``model``'s worker log ({} when there is none)."""
+        try:
+            text = (self._logs / f"worker-{model}.log").read_text(errors="replace")
+        except OSError:
+            return {}
+        return worker_log_phases(text)
 
     def stop_worker(self, model: str) -> None:
         code, body = _http(self.port, "POST", f"/timeshare/v1/models/{model}/sleep", {"level": "stop"}, 120)

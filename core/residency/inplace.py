@@ -8,7 +8,9 @@
    dangling pointer, so an incomplete buffer refuses the in-place path;
 3. host shadow: the GGUF file bytes of every released tensor (``set_tensor`` repacks them where the
    buffer type wants it), in pinned host memory, filled with parallel reads, spot-checked against
-   the loaded weights;
+   the loaded weights; at attach, or (``defer_shadow``) later by :meth:`InPlace.fill_shadow`,
+   which the first release calls if nobody did before: pinning and reading a model's weights takes
+   seconds on an 8B model, which a request waiting for a just-started worker need not wait for;
 4. release: swap ``context``/``size`` of each buffer with a tiny placeholder of the same type and free
    the placeholder (which now owns the device memory);
 5. restore: allocate, swap back, relocate every tensor's ``data``, ``init_tensor``, upload.
@@ -226,6 +228,7 @@ class InPlace:
         coalesce: bool = True,
         parallel: bool | None = None,
         parts: int = 1,
+        defer_shadow: bool = False,
     ) -> None:
         self.path = model_path
         self._coalesce = coalesce
@@ -235,15 +238,23 @@ class InPlace:
         #: per-step times of the last release and restore, milliseconds (doctor reports them)
         self.release_steps: dict[str, float] = {}
         self.restore_steps: dict[str, float] = {}
+        #: milliseconds of attach's steps (discover, plan) and of the shadow's (alloc, read, verify)
+        self.attach_steps: dict[str, float] = {}
         self._whole_ctx = 0
         self.layout = _ggml.TensorLayout()
         try:
             _ggml.probe_tensor_layout(self.layout)
         except _ggml.LayoutMismatchError as exc:
             raise InPlaceUnsupportedError(str(exc)) from exc
+        t0 = time.perf_counter()
         disc = _discover(llm, self.layout)
+        t1 = time.perf_counter()
         self.n_weight_tensors_seen = len(disc.weights)
         originals = self._plan(disc, gpu)
+        self.attach_steps = {
+            "discover_ms": (t1 - t0) * 1000.0,
+            "plan_ms": (time.perf_counter() - t1) * 1000.0,
+        }
         #: the model's own weight buffers; with parts > 1 they are emptied by split()
         self.originals = originals
         self.parts_note = ""  # why fewer layer parts than asked for, when so
@@ -266,13 +277,46 @@ class InPlace:
         self.backend = self._backend_name(gpu)
         self.weight_bytes = sum(b.size for b in self.buffers)
         self.tensor_bytes = sum(t.nbytes for b in self.buffers for t in b.tensors)
-        self.shadow = self._fill_shadow(want_pinned)
-        self.shadow_note = self.shadow.note
+        self._want_pinned = want_pinned
+        self._verify = verify
+        self._shadow: HostMemory | None = None
+        self.shadow_note = ""
+        self.verified_tensors = 0
         self.moved = False  # the last restore put a buffer at another address than before
-        if verify:
-            self.verified_tensors = self._verify_shadow()
-        else:
-            self.verified_tensors = 0
+        if not defer_shadow or self.split_pending:  # split() uploads the parts from the shadow
+            self.fill_shadow()
+
+    # -- shadow -------------------------------------------------------------------------------
+
+    @property
+    def shadow_pending(self) -> bool:
+        """The host shadow is deferred and not filled yet (see :meth:`fill_shadow`)."""
+        return self._shadow is None
+
+    @property
+    def shadow(self) -> HostMemory:
+        """The host shadow, filled now if it was deferred."""
+        return self.fill_shadow()
+
+    def fill_shadow(self) -> HostMemory:
+        """Allocate the host shadow, fill it from the file and spot-check it against the loaded
+        weights (which must be resident: nothing is released before the shadow exists); once. A
+        file that no longer holds the loaded weights raises ModelFileError and leaves no shadow."""
+        if self._shadow is not None:
+            return self._shadow
+        shadow = self._fill_shadow(self._want_pinned)
+        self._shadow = shadow
+        t0 = time.perf_counter()
+        try:
+            if self._verify:
+                self.verified_tensors = self._verify_shadow()
+        except BaseException:
+            self._shadow = None
+            shadow.close()
+            raise
+        self.attach_steps["verify_ms"] = (time.perf_counter() - t0) * 1000.0
+        self.shadow_note = shadow.note
+        return shadow
 
     # -- plan ---------------------------------------------------------------------------------
 
@@ -423,7 +467,7 @@ class InPlace:
                     return str(raw.decode())
         return gpu.name
 
-    # -- shadow -------------------------------------------------------------------------------
+    # the shadow's allocation and read (fill_shadow above)
 
     def _fill_shadow(self, want_pinned: bool) -> HostMemory:
         meta = _ggml.gguf_open_meta(self.path)
@@ -467,7 +511,9 @@ class InPlace:
                 parts.append(offset - b.shadow_base)
         finally:
             _ggml.gguf_free(meta)
+        t_alloc = time.perf_counter()
         mem = HostMemory(offset, want_pinned, parts, self._gpu)
+        self.attach_steps["shadow_alloc_ms"] = (time.perf_counter() - t_alloc) * 1000.0
         for b in self.buffers:  # alignment gaps and padding of a mirrored buffer upload as zeros
             if b.mirror:
                 pos = 0
@@ -485,6 +531,7 @@ class InPlace:
             mem.close()
             raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
         dt = time.perf_counter() - t0
+        self.attach_steps["shadow_read_ms"] = dt * 1000.0
         log.info(
             "host shadow: %.1f MB in %.3f s (%.2f GB/s), %d allocation(s), pinned=%s",
             offset / 1e6,
@@ -642,6 +689,7 @@ class InPlace:
         """Release parts from the last layer down until at most ``keep_bytes`` stay resident (all
         with None); returns the bytes released. A placeholder that cannot be made: what this
         call released is restored again and ResidencyError raised."""
+        self.fill_shadow()  # a deferred shadow first: nothing is released that could not come back
         t0 = time.perf_counter()
         chosen = self.parts_to_release(keep_bytes)
         todo = [b for p in chosen for b in p.buffers if not b.released]
@@ -753,7 +801,9 @@ class InPlace:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        self.shadow.close()
+        if self._shadow is not None:
+            self._shadow.close()
+            self._shadow = None
         if self._whole_ctx:
             _ggml.ggml_free(self._whole_ctx)
             self._whole_ctx = 0

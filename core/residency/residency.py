@@ -48,6 +48,9 @@ class ResidencyOptions:
     #: and restored whole; N > 1 = each buffer's weights held as up to N runs of consecutive
     #: layers (made at attach), so ``release(keep_bytes=...)`` can free only the last layers
     parts: int = 1
+    #: the in-place path allocates and fills the host shadow later (fill_shadow, or the first
+    #: release), not at attach: a worker started for a waiting request answers it first
+    defer_shadow: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,7 @@ class Residency:
                 self._opts.coalesce_upload,
                 self._opts.parallel_buffers,
                 self._opts.parts,
+                self._opts.defer_shadow,
             )
         except InPlaceUnsupportedError as exc:
             reason = str(exc)
@@ -285,22 +289,19 @@ class Residency:
         self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
-        self.host_bytes = ip.shadow.size
-        self.host_pinned = ip.shadow.pinned
-        self.host_note = ip.shadow_note
-        self.host_parts = len(ip.shadow.segments)
+        self._note_shadow()
         self.parts_note = ip.parts_note
         self.reason = ""
         log.info(
             "residency of %s: in-place on %s, %d buffers in %d part(s), %.1f MB, %d weight tensors seen, "
-            "shadow pinned=%s",
+            "shadow %s",
             self.model_path,
             self.backend,
             len(ip.buffers),
             len(ip.parts),
             self.weight_bytes / 1e6,
             ip.n_weight_tensors_seen,
-            self.host_pinned,
+            "deferred" if ip.shadow_pending else f"pinned={self.host_pinned}",
         )
         return self
 
@@ -326,6 +327,45 @@ class Residency:
                 llm._stack.callback(free_parts, ip.part_buffers())
         if self.weights_resident:
             _forget_graphs(llm.ctx, llm)
+
+    def _note_shadow(self) -> None:
+        ip = self._inplace
+        if ip is None or ip.shadow_pending:
+            return
+        self.host_bytes = ip.shadow.size
+        self.host_pinned = ip.shadow.pinned
+        self.host_note = ip.shadow_note
+        self.host_parts = len(ip.shadow.segments)
+
+    @property
+    def shadow_pending(self) -> bool:
+        """The in-place path's host shadow was deferred (``defer_shadow``) and is not filled yet."""
+        return self._inplace is not None and self._inplace.shadow_pending
+
+    def fill_shadow(self) -> None:
+        """Fill a deferred host shadow now (the weights are resident: the first release fills it
+        otherwise). Nothing to do on other paths or when it is filled. Raises ModelFileError when
+        the file no longer holds the loaded weights (no shadow then: the model stays loaded)."""
+        self._check_open()
+        ip = self._inplace
+        if ip is None or not ip.shadow_pending:
+            return
+        t0 = time.perf_counter()
+        ip.fill_shadow()
+        self._note_shadow()
+        log.info(
+            "host shadow of %s filled (deferred) in %.0f ms: %.1f MB, pinned=%s",
+            self.model_path,
+            (time.perf_counter() - t0) * 1000.0,
+            self.host_bytes / 1e6,
+            self.host_pinned,
+        )
+
+    @property
+    def attach_steps(self) -> dict[str, float]:
+        """Milliseconds of the in-place attach's steps (discover, plan; shadow alloc, read and
+        verify once filled); empty on other paths."""
+        return dict(self._inplace.attach_steps) if self._inplace is not None else {}
 
     def _fallback(self, mode: Mode, reason: str) -> None:
         if mode == "inplace":
@@ -463,6 +503,8 @@ class Residency:
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
+        if self.weights_resident:
+            self.fill_shadow()  # a deferred shadow first (its host memory is not this release's)
         if self.memory_measure == "rss":
             # host memory freed into a hole of glibc's heap goes back to the system only when the
             # heap is trimmed (a CPU release is for that memory): trimmed before and after, so the

@@ -38,6 +38,7 @@ import contextlib
 import ctypes
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -571,12 +572,19 @@ class Engine:
         path = kv_files.kv_file(kv_dir, self.model.id, conversation)
         if not path.is_file():
             return False
+        t0 = time.perf_counter()
         snap = kv_files.read(path, {"conversation": conversation}, self._identity())
         if snap is None:
             return False
         self._saved[conversation] = snap
         self._touch(conversation)
-        log.info("conversation %s: KV loaded from disk (%d tokens)", conversation, snap.n_tokens)
+        log.info(
+            "conversation %s: KV loaded from disk (%d tokens, %.1f MB in %.0f ms)",
+            conversation,
+            snap.n_tokens,
+            len(snap.state) / 1e6,
+            (time.perf_counter() - t0) * 1000.0,
+        )
         return True
 
     def _load_saved_prompts(self) -> None:

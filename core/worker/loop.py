@@ -11,6 +11,7 @@ import argparse
 import collections
 import contextlib
 import faulthandler
+import json
 import logging
 import os
 import queue
@@ -190,6 +191,10 @@ class Worker:
             )
             return 2
         while not self._stopping:
+            if not self._pending and self.tasks.empty() and self.tenancy.shadow_pending:
+                self._fill_shadow()  # idle: the deferred host shadow (a restart answered first)
+                self.publish()
+                continue
             task = self._pending.popleft() if self._pending else self.tasks.get()
             try:
                 self._dispatch(task)
@@ -213,11 +218,18 @@ class Worker:
 
     def _load(self) -> None:
         """Load under the token (the weights land on the device), attach the residency, then
-        release the weights and the token unless a request is already waiting."""
+        release the weights and the token unless a request is already waiting. A request that
+        is already waiting (a stopped model's next turn) is answered before the host shadow is
+        made: the loop makes it when it is next idle, or the first release does."""
         model = self.spec.model
         res = self.tenancy
+        phases: dict[str, float] = {}
+        if (age := process_age_s()) is not None:
+            phases["process_start_to_loop_ms"] = age * 1000.0  # interpreter, imports, arena
         self.publish()
+        t0 = time.monotonic()
         res.acquire(self._load_poll, None)
+        t1 = time.monotonic()
         try:
             self.send(p.Loading("model", 0.0))
             # On a CPU build the host weight buffers play the device; they can only be released
@@ -226,11 +238,23 @@ class Worker:
             self.engine.kv_dir = Path(self.spec.kv_dir)
             engine_ref = self.engine
             self.engine.state_ctx = lambda: res.state_ctx(engine_ref)
+            t2 = time.monotonic()
             self.send(p.Loading("residency", 0.5))
-            res.attach(self.engine)
+            self._poll()
+            waiting = any(isinstance(t, (p.Generate, p.Embed)) for t in self._pending)
+            res.attach(self.engine, defer_shadow=waiting)
         except BaseException:
             res.release(kv=False)
             raise
+        t3 = time.monotonic()
+        phases |= {"gpu_wait_ms": (t1 - t0) * 1000.0, "load_ms": (t2 - t1) * 1000.0}
+        phases["attach_ms"] = (t3 - t2) * 1000.0
+        phases |= {f"attach_{k}": round(v, 1) for k, v in res.attach_steps.items()}
+        log.info(
+            "startup phases (ms)%s: %s",
+            " (host shadow deferred for the waiting request)" if res.shadow_pending else "",
+            json.dumps({k: round(v, 1) for k, v in phases.items()}),
+        )
         engine = self.engine
         self._state = "ready"
         res.set_pinned(self.pinned)
@@ -363,7 +387,25 @@ class Worker:
         self.publish()
         return acquired
 
+    def _fill_shadow(self) -> bool:
+        """Make a deferred host shadow (the weights must be resident). False when the model file no
+        longer holds the loaded weights: the worker then ends as a failed load does (its weights
+        could not come back after a release)."""
+        if not (self.tenancy.shadow_pending and self.tenancy.weights_resident):
+            return True
+        try:
+            self.tenancy.fill_shadow()
+            return True
+        except TimeshareError as exc:
+            log.error("cannot keep %s: %s", self.spec.model.id, exc)
+            self.send(p.Error(req=None, code=exc.code, message=str(exc), fatal=True))
+            self._exit_code = 2
+            self._stopping = True
+            return False
+
     def _release(self, kv: bool) -> None:
+        if not self._fill_shadow():
+            return
         if self.engine is not None and (kv or self.tenancy.frees_context) and self.tenancy.kv_resident:
             self.engine.park()  # the context goes away: every conversation becomes a host snapshot
         released = self.tenancy.release(kv)
@@ -650,6 +692,18 @@ class Worker:
             self.tenancy.release(kv=False)
         finally:
             self.tenancy.close()
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (``/proc/self/stat``'s start time against the boot
+    clock, 10 ms steps); None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        start_ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def _setup_logging(model_id: str) -> None:

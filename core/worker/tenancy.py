@@ -76,8 +76,23 @@ class Tenancy:
     def start(self, enqueue_yield: Callable[[], None]) -> None:
         """Begin watching the doorbell (warden thread)."""
 
-    def attach(self, engine: Engine) -> None:
-        """Attach the release/restore mechanism to a freshly loaded model."""
+    def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
+        """Attach the release/restore mechanism to a freshly loaded model; ``defer_shadow``: the
+        host copy the weights come back from is made later (:meth:`fill_shadow`)."""
+
+    @property
+    def shadow_pending(self) -> bool:
+        """A deferred host shadow is still to be made (:meth:`fill_shadow`)."""
+        return False
+
+    def fill_shadow(self) -> None:
+        """Make a deferred host shadow now (the weights resident). Raises ModelFileError when the
+        file no longer holds the loaded weights."""
+
+    @property
+    def attach_steps(self) -> dict[str, float]:
+        """Milliseconds of the attach's steps (the worker logs them)."""
+        return {}
 
     def set_pinned(self, pinned: bool) -> None:
         """A pinned holder keeps the token; waiters are told so."""
@@ -244,11 +259,12 @@ class ArenaTenancy(Tenancy):
     def frees_context(self) -> bool:
         return self.residency is not None and self.residency.path == "rebuild"
 
-    def attach(self, engine: Engine) -> None:
+    def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""
-        res = Residency.attach(
-            engine.llm, engine.model.path, ResidencyOptions(mode="auto", host_shadow=engine.model.host_shadow)
+        options = ResidencyOptions(
+            mode="auto", host_shadow=engine.model.host_shadow, defer_shadow=defer_shadow
         )
+        res = Residency.attach(engine.llm, engine.model.path, options)
         self.residency = res
         self.path = res.path
         self.reason = res.reason
@@ -256,6 +272,20 @@ class ArenaTenancy(Tenancy):
         self.weight_bytes = res.weight_bytes
         self.host_bytes = res.host_bytes
         self._fit_budget(res.weight_bytes)
+
+    @property
+    def shadow_pending(self) -> bool:
+        return self.residency is not None and self.residency.shadow_pending
+
+    def fill_shadow(self) -> None:
+        res = self.residency
+        if res is not None and res.shadow_pending and res.weights_resident:
+            res.fill_shadow()
+            self.host_bytes = res.host_bytes
+
+    @property
+    def attach_steps(self) -> dict[str, float]:
+        return self.residency.attach_steps if self.residency is not None else {}
 
     def _measure_free(self) -> int:
         """The device's free bytes, for the auto budget's reserve (free before the load minus free

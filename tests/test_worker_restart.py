@@ -1,0 +1,104 @@
+"""A stopped model's next turn (issue 29, wake from stop): the worker is started for a request that
+is already waiting. It answers that request before it makes its host shadow (the copy its
+weights come back from: seconds of pinning and reading on an 8B model), makes it when next idle,
+and from then on releases and restores as any worker. The oracle: the same turns answered by a
+worker that never stopped (greedy: the same text), and the worker's own log and status."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _e_worker_util import WorkerHandle
+from timeshare.core.config.schema import ArenaConfig, ModelConfig
+from timeshare.core.diagnostics.bench_api_procs import worker_log_phases
+from timeshare.core.sampling import Sampling
+from timeshare.core.worker import protocol as p
+
+pytestmark = pytest.mark.slow
+
+FIRST = (p.ChatMessage("user", "Name a fruit and say what colour it is."),)
+
+
+def _second(answer: str) -> tuple[p.ChatMessage, ...]:
+    return (*FIRST, p.ChatMessage("assistant", answer), p.ChatMessage("user", "And a vegetable?"))
+
+
+def _third(answer: str, second: str) -> tuple[p.ChatMessage, ...]:
+    return (*_second(answer), p.ChatMessage("assistant", second), p.ChatMessage("user", "And a tree?"))
+
+
+@pytest.fixture
+def handles() -> Iterator[list[WorkerHandle]]:
+    made: list[WorkerHandle] = []
+    yield made
+    for h in made:
+        h.close()
+
+
+def test_a_restart_answers_first_then_makes_its_shadow(
+    smollm2_path: Path, tmp_path: Path, handles: list[WorkerHandle]
+) -> None:
+    model = ModelConfig(id="smol", path=str(smollm2_path), n_ctx=512)
+    arena_dir = tmp_path / "arena"
+    arena_dir.mkdir(mode=0o700)
+    arena = ArenaConfig(vram_budget="one-model")
+    kv = tmp_path / "kv"
+
+    # the oracle: one worker that never stops answers three turns
+    ref = WorkerHandle(model, tmp_path / "ref", arena_dir=arena_dir, arena=arena, kv_dir=tmp_path / "kv-ref")
+    handles.append(ref)
+    ref.ready()
+    a1, _ = ref.generate("r1", messages=FIRST, max_tokens=12, conversation="c")
+    a2, _ = ref.generate("r2", messages=_second(a1), max_tokens=12, conversation="c")
+    a3, _ = ref.generate("r3", messages=_third(a1, a2), max_tokens=12, conversation="c")
+    ref.send(p.Shutdown(save_kv=False))
+    assert ref.wait_exit() == 0
+    ref_log = ref.log_text()
+    assert "startup phases (ms): {" in ref_log and "host shadow deferred" not in ref_log
+    assert "attach_shadow_alloc_ms" in worker_log_phases(ref_log)["startup"]  # made at attach
+
+    first = WorkerHandle(model, tmp_path / "first", arena_dir=arena_dir, arena=arena, kv_dir=kv)
+    handles.append(first)
+    first.ready()
+    got1, _ = first.generate("f1", messages=FIRST, max_tokens=12, conversation="c")
+    assert got1 == a1
+    first.send(p.Shutdown(save_kv=True))  # `timeshare stop`: the worker ends, its KV saved
+    assert first.wait_exit() == 0
+    assert list(kv.glob("smol-*.kv"))
+
+    # the next turn is waiting when the new worker starts (the pool sends it at Hello)
+    second = WorkerHandle(model, tmp_path / "second", arena_dir=arena_dir, arena=arena, kv_dir=kv)
+    handles.append(second)
+    second.send(
+        p.Generate(req="s2", messages=_second(a1), sampling=Sampling(max_tokens=12), conversation="c")
+    )
+    ready = second.ready()
+    assert ready.info.host_pinned_bytes == 0  # no shadow yet
+    got2, done = second.collect("s2")
+    assert isinstance(done, p.Done), done
+    assert got2 == a2
+    assert 0 < done.usage.prompt_tokens_evaluated < done.usage.prompt_tokens // 2  # the KV came from disk
+    # idle: the shadow is made (the status says so), then a release and restore work as always
+    for _ in range(600):  # a hang guard, not a timing: the status once the loop was idle
+        if second.status().host_pinned_bytes > 0:
+            break
+        time.sleep(0.1)
+    assert second.status().host_pinned_bytes > 0
+    log = second.log_text()
+    assert "host shadow deferred for the waiting request" in log
+    assert "filled (deferred)" in log
+    assert "KV loaded from disk" in log
+    # what `bench api` reads of it for its worker_restart rows
+    phases = worker_log_phases(log)
+    assert phases["kv_tokens"] > 0 and phases["kv_read_ms"] >= 0 and phases["deferred_shadow_ms"] >= 0
+    startup = phases["startup"]
+    assert startup["load_ms"] > 0 and startup["attach_discover_ms"] > 0
+    assert "attach_shadow_alloc_ms" not in startup  # deferred: not part of the start
+    second.send(p.Sleep("weights"))
+    second.expect(p.Released)
+    got3, done3 = second.generate("s3", messages=_third(a1, a2), max_tokens=12, conversation="c")
+    assert isinstance(done3, p.Done) and done3.switch.switched
+    assert got3 == a3
