@@ -194,3 +194,35 @@ def test_flash_attn_is_a_model_setting(smollm2_path: Path, tmp_path: Path) -> No
         assert run(engine, prompt=PROMPTS[0], max_tokens=4, temperature=0.0).completion_tokens > 0
     finally:
         engine.close()
+
+
+def test_special_tokens_render_as_llama_server_renders_them(gemma3_path: Path) -> None:
+    """Answers carry a token's text as llama-server's does (common_token_to_piece with special
+    false unless --special): control tokens (``<end_of_turn>``, ``<pad>``) as nothing, user-defined
+    ones as their text -- Gemma-3's ``<start_of_image>``, which its base model writes in chats, is
+    streamed by llama-server too. The oracle is the vocabulary's own token attributes."""
+    from llama_cpp import _internals
+    from timeshare.core.worker.textstream import token_piece
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = _internals.LlamaModel(path_model=str(gemma3_path), params=params, verbose=False)
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model.model)
+        cache: dict[int, bytes] = {}
+        kinds = {"control": 0, "user-defined": 0}
+        for tok in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
+            attr = int(llama_cpp.llama_vocab_get_attr(vocab, tok))
+            if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
+                assert token_piece(vocab, tok, cache) == b"", model.token_get_text(tok)
+                kinds["control"] += 1
+            elif attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED:
+                assert token_piece(vocab, tok, cache) == model.token_get_text(tok).encode(), tok
+                kinds["user-defined"] += 1
+        assert kinds["control"] > 0 and kinds["user-defined"] > 0, kinds
+        image = model.tokenize(b"<start_of_image>", add_bos=False, special=True)
+        assert len(image) == 1 and token_piece(vocab, image[0], cache) == b"<start_of_image>"
+        turn_end = model.tokenize(b"<end_of_turn>", add_bos=False, special=True)
+        assert len(turn_end) == 1 and token_piece(vocab, turn_end[0], cache) == b""
+    finally:
+        model.close()
