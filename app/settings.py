@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtCore import Qt, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
+    QGroupBox,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -39,6 +40,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core import paths
 from ..core.config import files as config_files
 from ..core.config import validate as config_validate
 from ..core.config.schema import Config
@@ -140,6 +142,48 @@ def _idle_box(minutes: float) -> QDoubleSpinBox:
     box.setSpecialValueText("never")
     box.setValue(minutes)
     return box
+
+
+def _note(text: str) -> QLabel:
+    """A grey explanatory line under a group's fields."""
+    label = QLabel(text)
+    label.setWordWrap(True)
+    label.setStyleSheet("color: gray")
+    return label
+
+
+def _form() -> QFormLayout:
+    """A group's form whose number fields keep their own width (text fields still fill the row)."""
+    form = QFormLayout()
+    form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
+    return form
+
+
+def _boxes(groups: Sequence[tuple[str, QLayout]]) -> QWidget:
+    """A settings tab: titled group boxes stacked from the top, the space left below them."""
+    tab = QWidget()
+    column = QVBoxLayout(tab)
+    for title, layout in groups:
+        box = QGroupBox(title)
+        box.setLayout(layout)
+        column.addWidget(box)
+    column.addStretch(1)
+    return tab
+
+
+def _path_row(path: Path) -> QWidget:
+    """A folder or file the app uses, selectable, with a button that opens its folder."""
+    row = QWidget()
+    layout = QHBoxLayout(row)
+    layout.setContentsMargins(0, 0, 0, 0)
+    shown = QLabel(str(path))
+    shown.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    folder = path if path.is_dir() else path.parent
+    button = QPushButton("Open folder")
+    button.clicked.connect(lambda: QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder))))
+    layout.addWidget(shown, 1)
+    layout.addWidget(button)
+    return row
 
 
 class ModelDialog(QDialog):
@@ -345,6 +389,9 @@ class SettingsDialog(QDialog):
             self.api_port,
             self.api_key,
             self.api_ollama,
+            self.api_allowed_hosts,
+            self.api_allowed_origins,
+            self.api_queue_limit,
             self.start_at_login,
             self.prewake,
             self.idle_all,
@@ -620,52 +667,128 @@ class SettingsDialog(QDialog):
     # ---- API and general ---------------------------------------------------------------------
 
     def _api_tab(self) -> QWidget:
-        tab = QWidget()
         api = self.draft["api"]
-        self.api_enabled = QCheckBox("Serve the OpenAI-compatible API")
+        self.api_enabled = QCheckBox("Serve the API to other programs on this computer")
         self.api_enabled.setChecked(bool(api.get("enabled", True)))
         self.api_host = QLineEdit(str(api.get("host", "127.0.0.1")))
+        self.api_host.setToolTip("127.0.0.1: this computer only; 0.0.0.0: every network (needs a key)")
         self.api_port = QSpinBox()
         self.api_port.setRange(1, 65535)
         self.api_port.setValue(int(api.get("port", 8385)))
+        self.api_url = QLabel()
+        self.api_url.setObjectName("api_url")
+        self.api_url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.api_host.setMaximumWidth(280)
+        self.api_port.setMinimumWidth(90)
+        address = QHBoxLayout()
+        address.addWidget(self.api_host)
+        address.addWidget(QLabel("Port:"))
+        address.addWidget(self.api_port)
+        address.addStretch(1)
+        server = QFormLayout()
+        server.addRow(self.api_enabled)
+        server.addRow("Address:", address)
+        server.addRow("Clients connect to:", self.api_url)
+
         self.api_key = QLineEdit(str(api.get("key") or ""))
-        self.api_key.setPlaceholderText("none (only allowed on 127.0.0.1)")
+        self.api_key.setPlaceholderText("none (allowed only on 127.0.0.1)")
         self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
-        form = QFormLayout(tab)
-        form.addRow(self.api_enabled)
-        form.addRow("Address:", self.api_host)
-        form.addRow("Port:", self.api_port)
-        form.addRow("Key:", self.api_key)
+        self.api_allowed_hosts = QLineEdit(", ".join(str(h) for h in api.get("allowed_hosts", ())))
+        self.api_allowed_hosts.setPlaceholderText("only localhost and 127.0.0.1")
+        self.api_allowed_hosts.setToolTip(
+            "Other names this computer is reached by (comma-separated), or * for any: guards "
+            "against web pages that rename themselves to reach it (DNS rebinding)"
+        )
+        self.api_allowed_origins = QLineEdit(", ".join(str(o) for o in api.get("allowed_origins", ())))
+        self.api_allowed_origins.setPlaceholderText("none: web pages may not call the API")
+        self.api_allowed_origins.setToolTip(
+            "Web pages that may call the API from a browser (comma-separated), e.g. "
+            "http://localhost:3000, or * for any"
+        )
+        access = QFormLayout()
+        access.addRow("Key:", self.api_key)
+        access.addRow("Other host names:", self.api_allowed_hosts)
+        access.addRow("Web pages allowed:", self.api_allowed_origins)
+        access.addRow(
+            _note("Clients send the key as a bearer token (OpenAI, Ollama) or as x-api-key (Anthropic).")
+        )
+
         self.api_ollama = QLineEdit(str(api.get("ollama_listen") or ""))
         self.api_ollama.setPlaceholderText("off (Ollama's own address: 127.0.0.1:11434)")
         self.api_ollama.setToolTip(
-            "A second address for clients that speak only Ollama's API (api.ollama_listen, "
-            "HOST:PORT). Every dialect is also served on the address above."
+            "A second address (HOST:PORT) for programs that expect Ollama at its own address. "
+            "Every dialect is also served on the address above."
         )
-        form.addRow("Ollama listener:", self.api_ollama)
-        note = QLabel(
-            "Clients use http://ADDRESS:PORT/v1 (OpenAI), /v1/messages (Anthropic) or /api (Ollama), "
-            "with the key as a bearer token or x-api-key."
+        self.api_queue_limit = QSpinBox()
+        self.api_queue_limit.setRange(1, 100000)
+        self.api_queue_limit.setValue(int(api.get("queue_limit", 16)))
+        self.api_queue_limit.setSuffix(" requests per model")
+        self.api_queue_limit.setMinimumWidth(200)
+        self.api_queue_limit.setToolTip(
+            "More requests waiting for one model are refused (busy) until it catches up"
         )
-        note.setStyleSheet("color: gray")
-        form.addRow(note)
-        return tab
+        clients = _form()
+        clients.addRow("Ollama's address too:", self.api_ollama)
+        clients.addRow("Waiting requests, at most:", self.api_queue_limit)
+
+        self.api_enabled.toggled.connect(self._show_api_url)
+        self.api_host.textChanged.connect(self._show_api_url)
+        self.api_port.valueChanged.connect(self._show_api_url)
+        self._show_api_url()
+        return _boxes(
+            [
+                ("Server", server),
+                ("Access", access),
+                ("Clients", clients),
+            ]
+        )
+
+    def _show_api_url(self, *_args: object) -> None:
+        if not self.api_enabled.isChecked():
+            self.api_url.setText("nothing: the API is off")
+            return
+        host = self.api_host.text().strip() or "127.0.0.1"
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        if ":" in shown:
+            shown = f"[{shown}]"
+        base = f"http://{shown}:{self.api_port.value()}"
+        self.api_url.setText(f"{base}/v1 (OpenAI) · {base} (Anthropic, Ollama)")
 
     def _general_tab(self) -> QWidget:
-        tab = QWidget()
         general = self.draft["general"]
         self.start_at_login = QCheckBox("Start Timeshare when I log in")
         self.start_at_login.setChecked(bool(general.get("start_at_login", False)))
-        self.prewake = QCheckBox("Restore a model while I type to it (pre-wake)")
+        startup = QFormLayout()
+        startup.addRow(self.start_at_login)
+
+        self.prewake = QCheckBox("Load a model back while I type to it, so it answers sooner")
         self.prewake.setChecked(bool(general.get("prewake_on_typing", True)))
+        chat = QFormLayout()
+        chat.addRow(self.prewake)
+
         first = self.draft["models"][0].get("idle_sleep_s", 600.0) if self.draft["models"] else 600.0
         self._idle_initial = _idle_minutes(first)
         self.idle_all = _idle_box(self._idle_initial)
-        form = QFormLayout(tab)
-        form.addRow(self.start_at_login)
-        form.addRow(self.prewake)
-        form.addRow("Release idle models after (all models):", self.idle_all)
-        return tab
+        self.idle_all.setMinimumWidth(120)
+        idle = _form()
+        idle.addRow("Release models idle for:", self.idle_all)
+        idle.addRow(_note("For every model (each model's own setting is on the Models tab, under Edit…)."))
+
+        files = QFormLayout()
+        for label, path in (
+            ("Settings file:", self.config_path or paths.config_file()),
+            ("Logs:", paths.log_dir()),
+            ("Chats and saved context:", paths.data_dir()),
+        ):
+            files.addRow(label, _path_row(Path(path)))
+        return _boxes(
+            [
+                ("Startup", startup),
+                ("Chat window", chat),
+                ("Idle models", idle),
+                ("Files", files),
+            ]
+        )
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -693,6 +816,16 @@ class SettingsDialog(QDialog):
             api["ollama_listen"] = self.api_ollama.text().strip()
         else:
             api.pop("ollama_listen", None)
+        api["queue_limit"] = self.api_queue_limit.value()
+        for key, line in (
+            ("allowed_hosts", self.api_allowed_hosts),
+            ("allowed_origins", self.api_allowed_origins),
+        ):
+            items = [x.strip() for x in line.text().split(",") if x.strip()]
+            if items:
+                api[key] = items
+            else:
+                api.pop(key, None)
         draft["general"]["start_at_login"] = self.start_at_login.isChecked()
         draft["general"]["prewake_on_typing"] = self.prewake.isChecked()
         if self.idle_all.value() != self._idle_initial:

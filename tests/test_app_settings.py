@@ -95,6 +95,47 @@ def test_general_settings_round_trip(qtbot: Any, bridge: Any, config_path: Path,
     assert loaded.arena.min_quantum_ms == 500
 
 
+def test_api_settings_round_trip_every_api_option(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
+) -> None:
+    """The API tab holds every API option of the config (no more, no fewer): queue limit, other
+    host names and web origins (comma-separated lists), the Ollama listener; the address clients
+    use is shown as it is typed."""
+    from timeshare.app.settings import SettingsDialog
+
+    assert {f.name for f in dataclasses.fields(ApiConfig)} == {
+        "enabled",
+        "host",
+        "port",
+        "key",
+        "queue_limit",
+        "allowed_hosts",
+        "allowed_origins",
+        "ollama_listen",
+    }  # a new API option needs its field on the tab
+    dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
+    assert "nothing: the API is off" in dialog.api_url.text()  # smol_config has the API off
+    dialog.api_enabled.setChecked(True)
+    dialog.api_port.setValue(8123)
+    assert dialog.api_url.text().startswith("http://127.0.0.1:8123/v1 (OpenAI)")
+    dialog.api_queue_limit.setValue(3)
+    dialog.api_allowed_hosts.setText(" ts.lan, box.local ,")
+    dialog.api_allowed_origins.setText("http://localhost:3000")
+    dialog.api_ollama.setText("127.0.0.1:11434")
+    assert dialog.save()
+    loaded = config_files.load_config(config_path)
+    assert loaded.api.enabled and loaded.api.port == 8123 and loaded.api.queue_limit == 3
+    assert loaded.api.allowed_hosts == ("ts.lan", "box.local")
+    assert loaded.api.allowed_origins == ("http://localhost:3000",)
+    assert loaded.api.ollama_listen == "127.0.0.1:11434"
+    again = SettingsDialog(loaded, bridge, config_path)
+    qtbot.addWidget(again)
+    assert again.api_allowed_hosts.text() == "ts.lan, box.local" and again.api_queue_limit.value() == 3
+    again.api_allowed_hosts.clear()  # empty: the default again
+    assert again.save()
+    assert config_files.load_config(config_path).api.allowed_hosts == ()
+
+
 def test_add_file_rejects_a_non_gguf_with_a_sentence(
     qtbot: Any, bridge: Any, config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
