@@ -191,7 +191,8 @@ class Worker:
             )
             return 2
         while not self._stopping:
-            if not self._pending and self.tasks.empty() and self.tenancy.shadow_pending:
+            idle = not self._pending and self.tasks.empty()
+            if idle and self.tenancy.shadow_pending and self.tenancy.weights_resident:
                 self._fill_shadow()  # idle: the deferred host shadow (a restart answered first)
                 self.publish()
                 continue
