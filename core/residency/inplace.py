@@ -1,7 +1,9 @@
 """The in-place path: free a loaded model's device weight buffers and put them back, in place.
 
 1. discovery: a throwaway context with ``cb_eval`` runs one warm-up decode; every ``src`` of a graph
-   node whose buffer is used for WEIGHTS is a weight tensor (views lead to their ``view_src``);
+   node whose buffer is used for WEIGHTS is a weight tensor (views lead to their ``view_src``; the
+   views themselves are the graph's own, freed with the throwaway context -- the live context's
+   are built anew whenever a buffer moved, see residency._forget_graphs -- and never written);
 2. plan: group by buffer, keep the buffers to release (device buffers; on a CPU-only build the host
    weight buffers of a model loaded without mmap) and check that the tensors found fill each
    buffer exactly as ggml-alloc laid it out -- a tensor the graph did not show would keep a
@@ -77,7 +79,6 @@ class _Buffer:
     base: int
     layout: _ggml.BufferLayout | None = None
     tensors: list[_Tensor] = field(default_factory=list)
-    views: list[tuple[int, int]] = field(default_factory=list)  # (tensor, offset) of views into it
     released: bool = False
     #: the shadow mirrors the buffer's layout and restore uploads it in one copy (buffer types
     #: whose set_tensor is a plain copy); otherwise it is packed and uploaded tensor by tensor
@@ -138,7 +139,6 @@ class _Discovery:
     def __init__(self, layout: _ggml.TensorLayout) -> None:
         self.layout = layout
         self.weights: set[int] = set()
-        self.views: set[int] = set()
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
 
     def _is_weight_buffer(self, buf: int) -> bool:
@@ -157,8 +157,6 @@ class _Discovery:
                 parent = _ggml.read_ptr(root + lay.view_src)
                 if not parent:
                     break
-                if self._is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
-                    self.views.add(root)
                 root = parent
             if self._is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
                 self.weights.add(root)
@@ -345,10 +343,6 @@ class InPlace:
             )
         if not by_buf:
             raise InPlaceUnsupportedError("no weight buffer on the device to release (is n_gpu_layers 0?)")
-        for v in sorted(disc.views):
-            buf = _ggml.read_ptr(v + lay.buffer)
-            if buf in by_buf:
-                by_buf[buf].views.append((v, _ggml.read_ptr(v + lay.data) - by_buf[buf].base))
         for b in by_buf.values():
             if not any(b.buft_name.startswith(p) for p in _READABLE_BUFT_PREFIXES):
                 raise InPlaceUnsupportedError(
@@ -376,7 +370,6 @@ class InPlace:
         holding any of its tensors, laid out as ggml-alloc lays out a buffer (each tensor at an
         aligned offset, its allocation size padded to the alignment). None (``parts_note`` says
         why) when the weights make fewer than two parts."""
-        lay = self.layout
         padded: dict[int, int] = {}
         layer_bytes: dict[int, int] = {}
         outside = 0
@@ -404,7 +397,6 @@ class InPlace:
             return part_of[layers[0] if layer is None else layer]
 
         parts = [Part(j, layers[lo], layers[hi - 1], []) for j, (lo, hi) in enumerate(runs)]
-        home: dict[int, tuple[_Buffer, int]] = {}  # tensor -> (its part buffer, offset there)
         units: list[_Buffer] = []
         for part in parts:
             for o in originals:
@@ -417,23 +409,10 @@ class InPlace:
                 pos = 0
                 for t in mine:
                     u.tensors.append(_Tensor(t.ptr, t.name, pos, t.nbytes))
-                    home[t.ptr] = (u, pos)
                     pos += padded[t.ptr]
                 u.size = pos
                 part.buffers.append(u)
                 units.append(u)
-        for o in originals:
-            orig_offset = {t.ptr: t.offset for t in o.tensors}
-            for v, off in o.views:
-                root = v
-                while root and root not in orig_offset:  # a view leads to its weight
-                    root = _ggml.read_ptr(root + lay.view_src)
-                if not root:
-                    raise InPlaceUnsupportedError(
-                        f"a view into the {o.buft_name} weight buffer has no weight tensor under it"
-                    )
-                u, pos = home[root]
-                u.views.append((v, pos + off - orig_offset[root]))
         return parts, units
 
     def _check_complete(self, b: _Buffer) -> None:
@@ -784,10 +763,6 @@ class InPlace:
                 _ggml.write_ptr(t.ptr + lay_t.buffer, b.ptr)
             _ggml.write_ptr(t.ptr + lay_t.data, base + t.offset)
             _ggml.buffer_init_tensor(b.ptr, t.ptr)
-        for v, off in b.views:
-            if b.owned:
-                _ggml.write_ptr(v + lay_t.buffer, b.ptr)
-            _ggml.write_ptr(v + lay_t.data, base + off)
         if b.mirror:  # one copy of the whole buffer, through the buffer's own set_tensor
             _ggml.write_ptr(b.whole + lay_t.buffer, b.ptr)
             _ggml.write_ptr(b.whole + lay_t.data, base)
