@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import llama_cpp  # noqa: F401  (before numpy; residency loads the ggml libraries)
 import pytest
@@ -18,6 +19,28 @@ from timeshare.core.residency import residency as residency_mod
 
 ROOT = Path(__file__).resolve().parent.parent
 VULKAN_VENV = ROOT / ".venv-vulkan"
+#: the tests that run `timeshare doctor` in the Vulkan venv (minutes on lavapipe)
+needs_vulkan_venv = pytest.mark.skipif(
+    not (VULKAN_VENV / "bin" / "timeshare").exists() or os.environ.get("TIMESHARE_VULKAN_TEST") != "1",
+    reason="needs the Vulkan venv of `make vulkan-check` (.venv-vulkan) and TIMESHARE_VULKAN_TEST=1",
+)
+
+
+def _vulkan_doctor(home: Path, cycles: int, **env_extra: str) -> dict[str, Any]:
+    """`timeshare doctor --cycles N --json` in the Vulkan venv, in its own home; its report."""
+    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES=os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"))
+    env["TIMESHARE_HOME"] = str(home)
+    env.update(env_extra)
+    out = subprocess.run(
+        [str(VULKAN_VENV / "bin" / "timeshare"), "doctor", "--cycles", str(cycles), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report
 
 
 def test_plain_copy_buffer_types() -> None:
@@ -80,22 +103,9 @@ def test_the_measure_is_decided_only_while_the_weights_are_resident(monkeypatch:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(
-    not (VULKAN_VENV / "bin" / "timeshare").exists() or os.environ.get("TIMESHARE_VULKAN_TEST") != "1",
-    reason="needs the Vulkan venv of `make vulkan-check` (.venv-vulkan) and TIMESHARE_VULKAN_TEST=1",
-)
+@needs_vulkan_venv
 def test_doctor_in_place_on_vulkan(tmp_path: Path) -> None:
-    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES=os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"))
-    env["TIMESHARE_HOME"] = str(tmp_path)
-    out = subprocess.run(
-        [str(VULKAN_VENV / "bin" / "timeshare"), "doctor", "--cycles", "1", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    report = json.loads(out.stdout)
+    report = _vulkan_doctor(tmp_path, 1)
     assert report["backend"].startswith("Vulkan"), report
     assert report["path"] == "inplace", report["reason"]
     assert report["bitwise_identical"] and report["kv_level_bitwise_identical"]
@@ -104,28 +114,14 @@ def test_doctor_in_place_on_vulkan(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(
-    not (VULKAN_VENV / "bin" / "timeshare").exists() or os.environ.get("TIMESHARE_VULKAN_TEST") != "1",
-    reason="needs the Vulkan venv of `make vulkan-check` (.venv-vulkan) and TIMESHARE_VULKAN_TEST=1",
-)
+@needs_vulkan_venv
 def test_a_shadow_in_vulkan_host_memory_round_trips_bitwise(tmp_path: Path) -> None:
     # 64 MiB blocks: the model's weights are several Vulkan0 buffers and the shadow several
     # allocations of ggml-vulkan's pinned host memory (Vulkan_Host), one per buffer; every one
     # must really be of that type (host_pinned), and release/restore through them stays bitwise.
     # Device buffers are device-local only (Timeshare sets GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM),
     # so each upload is a copy from that pinned memory, and the plain-Vulkan baseline is measured.
-    env = dict(os.environ, GGML_VK_VISIBLE_DEVICES=os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"))
-    env["TIMESHARE_HOME"] = str(tmp_path)
-    env["GGML_VK_SUBALLOCATION_BLOCK_SIZE"] = str(64 << 20)
-    out = subprocess.run(
-        [str(VULKAN_VENV / "bin" / "timeshare"), "doctor", "--cycles", "2", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    report = json.loads(out.stdout)
+    report = _vulkan_doctor(tmp_path, 2, GGML_VK_SUBALLOCATION_BLOCK_SIZE=str(64 << 20))
     assert report["path"] == "inplace", report["reason"]
     assert report["host_pinned"], report["host_note"]
     assert report["host_parts"] > 1, report
