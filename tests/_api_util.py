@@ -180,3 +180,33 @@ def run_cli(
         timeout=timeout,
         check=False,
     )
+
+
+@contextmanager
+def serving_demo_models(
+    home: Path,
+    smollm2_path: Path,
+    gemma3_path: Path,
+    *,
+    key: str | None = None,
+    queue_limit: int | None = None,
+    config_file: bool = True,
+) -> Iterator[Served]:
+    """`timeshare serve` in ``home`` with both demo models (SMOL, GEMMA) loaded. With
+    ``config_file`` a config outside the home names them (with ``key`` and ``queue_limit``);
+    without, serve falls back to the demo models. On exit it checks that the server was still
+    running when its user was done, and that SIGTERM stopped it with exit 0."""
+    seed_gemma_cache(home, gemma3_path)
+    config = None
+    if config_file:
+        config = write_config(
+            home / "elsewhere" / "timeshare.toml",
+            [(SMOL, smollm2_path), (GEMMA, gemma3_path)],
+            key=key,
+            queue_limit=queue_limit,
+        )
+    with serving(home, config=config, key=key) as server:
+        server.wait_ready([SMOL, GEMMA])
+        yield server
+        assert server.proc.poll() is None, server.log_text()[-3000:]
+    assert server.proc.returncode == 0, server.log_text()[-3000:]

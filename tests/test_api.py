@@ -21,8 +21,7 @@ from _api_util import (
     SMOL,
     Served,
     run_cli,
-    seed_gemma_cache,
-    serving,
+    serving_demo_models,
     write_config,
 )
 from timeshare.core.api.errors import BadRequestError
@@ -280,18 +279,8 @@ def served(
     tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, gemma3_path: Path
 ) -> Iterator[Served]:
     home = tmp_path_factory.mktemp("api-home")
-    seed_gemma_cache(home, gemma3_path)
-    config = write_config(
-        home / "elsewhere" / "timeshare.toml",
-        [(SMOL, smollm2_path), (GEMMA, gemma3_path)],
-        key=KEY,
-        queue_limit=QUEUE_LIMIT,
-    )
-    with serving(home, config=config, key=KEY) as server:
-        server.wait_ready([SMOL, GEMMA])
+    with serving_demo_models(home, smollm2_path, gemma3_path, key=KEY, queue_limit=QUEUE_LIMIT) as server:
         yield server
-        assert server.proc.poll() is None, server.log_text()[-3000:]
-    assert server.proc.returncode == 0, server.log_text()[-3000:]
 
 
 @pytest.fixture(scope="module")

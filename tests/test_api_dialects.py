@@ -16,7 +16,7 @@ import jsonschema
 import ollama
 import pytest
 import tomllib
-from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serving, write_config
+from _api_util import GEMMA, SMOL, Served, serving_demo_models
 from _hub_util import FakeHub, make_gguf
 
 pytestmark = pytest.mark.slow
@@ -33,15 +33,8 @@ def served(
     tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, gemma3_path: Path
 ) -> Iterator[Served]:
     home = tmp_path_factory.mktemp("dialects-home")
-    seed_gemma_cache(home, gemma3_path)
-    config = write_config(
-        home / "elsewhere" / "timeshare.toml", [(SMOL, smollm2_path), (GEMMA, gemma3_path)], key=KEY
-    )
-    with serving(home, config=config, key=KEY) as server:
-        server.wait_ready([SMOL, GEMMA])
+    with serving_demo_models(home, smollm2_path, gemma3_path, key=KEY) as server:
         yield server
-        assert server.proc.poll() is None, server.log_text()[-3000:]
-    assert server.proc.returncode == 0, server.log_text()[-3000:]
 
 
 @pytest.fixture(scope="module")

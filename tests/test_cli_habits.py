@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serve_env, serving
+from _api_util import GEMMA, SMOL, Served, serve_env, serving_demo_models
 
 from timeshare.repl_commands import HELP, Session, handle
 
@@ -134,9 +134,8 @@ def served(
     tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, gemma3_path: Path
 ) -> Iterator[Served]:
     home = tmp_path_factory.mktemp("habits-home")
-    seed_gemma_cache(home, gemma3_path)
-    with serving(home) as server:  # the demo models, with their display names
-        server.wait_ready([SMOL, GEMMA])
+    # no config file: the demo models, with their display names
+    with serving_demo_models(home, smollm2_path, gemma3_path, config_file=False) as server:
         yield server
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _api_util import GEMMA, SMOL, Served, seed_gemma_cache, serving, write_config
+from _api_util import GEMMA, SMOL, Served, serving_demo_models
 from _e_worker_util import generate_message
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.worker.engine import (
@@ -280,12 +280,8 @@ def served(
     tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path, gemma3_path: Path
 ) -> Iterator[Served]:
     home = tmp_path_factory.mktemp("prompt-cache-home")
-    seed_gemma_cache(home, gemma3_path)
-    config = write_config(home / "timeshare.toml", [(SMOL, smollm2_path), (GEMMA, gemma3_path)])
-    with serving(home, config=config) as server:
-        server.wait_ready([SMOL, GEMMA])
+    with serving_demo_models(home, smollm2_path, gemma3_path) as server:
         yield server
-    assert server.proc.returncode == 0, server.log_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
