@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from _e_worker_util import generate_message as Generate
+from _llama_oracle import plain_completions
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.worker import decode
 from timeshare.core.worker.decode import Live
@@ -31,23 +32,9 @@ PROMPTS = (
 N = 50
 
 
-def _reference(path: Path, prompts: tuple[str, ...], max_tokens: int) -> list[str]:
-    """What a fresh plain Llama answers alone (create_completion, greedy), one per prompt."""
-    llm = llama_cpp.Llama(str(path), n_ctx=2048, verbose=False)
-    try:
-        out = []
-        for p in prompts:
-            llm.reset()
-            r = llm.create_completion(p, max_tokens=max_tokens, temperature=0.0)
-            out.append(r["choices"][0]["text"])  # type: ignore[index]
-        return out
-    finally:
-        llm.close()
-
-
 @pytest.fixture(scope="module")
 def reference(smollm2_path: Path) -> list[str]:
-    return _reference(smollm2_path, PROMPTS, N)
+    return plain_completions(smollm2_path, PROMPTS, N)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +132,7 @@ def test_chunked_prefill_interleaves_with_the_others_decode_steps(
     smollm2_path: Path, decodes: list[int]
 ) -> None:
     long_prompt = " ".join(f"word{i}" for i in range(120))  # several chunks of 64
-    ref = _reference(smollm2_path, (PROMPTS[0], long_prompt), 20)
+    ref = plain_completions(smollm2_path, (PROMPTS[0], long_prompt), 20)
     llm = llama_cpp.Llama(str(smollm2_path), n_ctx=2048 * 2, n_batch=64, verbose=False)
     from timeshare.core.worker.engine import _sequences  # the load's own context of 2 sequences
 

@@ -6,7 +6,7 @@ flight fails each that had streamed part of its answer and sends again the one i
 from __future__ import annotations
 
 # isort: off
-import llama_cpp  # before anything that imports numpy
+import llama_cpp  # noqa: F401  (before anything that imports numpy)
 # isort: on
 
 import os
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from _e_worker_util import WorkerHandle, generate_message
+from _llama_oracle import plain_completions
 from _proc_util import alive
 from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.errors import ModelUnavailableError
@@ -39,16 +40,7 @@ WAIT = 180.0  # a hang guard for a 2-core machine; nothing is timed
 @pytest.fixture(scope="module")
 def reference(smollm2_path: Path) -> list[str]:
     """What a fresh plain Llama answers alone (create_completion, greedy), one per prompt."""
-    llm = llama_cpp.Llama(str(smollm2_path), n_ctx=N_CTX, verbose=False)
-    try:
-        out = []
-        for prompt in PROMPTS:
-            llm.reset()
-            r = llm.create_completion(prompt, max_tokens=N, temperature=0.0)
-            out.append(r["choices"][0]["text"])  # type: ignore[index]
-        return out
-    finally:
-        llm.close()
+    return plain_completions(smollm2_path, PROMPTS, N, n_ctx=N_CTX)
 
 
 @pytest.fixture
@@ -164,14 +156,7 @@ def test_a_pool_answers_parallel_requests_together_and_a_crash_treats_each_on_it
 
 def test_four_concurrent_callers_of_a_pool_get_the_solo_answers(smollm2_path: Path, tmp_path: Path) -> None:
     prompts = (*PROMPTS, "def fibonacci(n):\n")
-    llm = llama_cpp.Llama(str(smollm2_path), n_ctx=N_CTX, verbose=False)
-    try:
-        want = []
-        for q in prompts:
-            llm.reset()
-            want.append(llm.create_completion(q, max_tokens=24, temperature=0.0)["choices"][0]["text"])  # type: ignore[index]
-    finally:
-        llm.close()
+    want = plain_completions(smollm2_path, prompts, 24, n_ctx=N_CTX)
     config = Config(
         models=(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=N_CTX, parallel=4, idle_sleep_s=None),),
         arena=ArenaConfig(wait_timeout_s=WAIT),

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from _e_worker_util import generate_message
+from _llama_oracle import plain_completions
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError
 from timeshare.core.worker.engine import Engine, GenerationOutcome
@@ -52,27 +53,12 @@ def run(engine: Engine, before_step: Any = None, **fields: Any) -> GenerationOut
     return outcome
 
 
-def _reference(path: Path, prompts: tuple[str, ...], **kwargs: Any) -> list[str]:
-    """What a fresh plain Llama answers (create_completion), one per prompt. The context is reset
-    before each (else create_completion reuses the BOS token the prompts share: other batches)."""
-    llm = llama_cpp.Llama(str(path), n_ctx=2048, verbose=False)
-    answers: list[str] = []
-    try:
-        for p in prompts:
-            llm.reset()
-            out = llm.create_completion(p, max_tokens=MAX_TOKENS, **kwargs)
-            answers.append(str(out["choices"][0]["text"]))  # type: ignore[index]
-    finally:
-        llm.close()
-    return answers
-
-
 @pytest.mark.parametrize("which", ["smol", "gemma"])
 def test_greedy_equals_create_completion_bit_for_bit(
     which: str, smollm2_path: Path, gemma3_path: Path
 ) -> None:
     path = dict(_models(smollm2_path, gemma3_path))[which]
-    refs = _reference(path, PROMPTS, temperature=0)
+    refs = plain_completions(path, PROMPTS, MAX_TOKENS, temperature=0)
     engine = Engine.load(ModelConfig(id=which, path=str(path), n_ctx=2048))
     try:
         for prompt, ref in zip(PROMPTS, refs, strict=True):
@@ -92,7 +78,7 @@ def test_seeded_sampling_equals_create_completion_and_honours_the_seed(
     smol: Engine, smollm2_path: Path
 ) -> None:
     prompt = PROMPTS[0]
-    ref = _reference(smollm2_path, (prompt,), seed=7, **SAMPLED)[0]
+    ref = plain_completions(smollm2_path, (prompt,), MAX_TOKENS, seed=7, **SAMPLED)[0]
     first = run(smol, prompt=prompt, max_tokens=MAX_TOKENS, seed=7, **SAMPLED)
     assert first.text == ref  # the same chain as llama-cpp-python's, the same seed
     assert run(smol, prompt=prompt, max_tokens=MAX_TOKENS, seed=7, **SAMPLED).text == first.text
