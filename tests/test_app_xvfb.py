@@ -122,6 +122,16 @@ def _write_config(home: Path, smollm2_path: Path) -> None:
     )
 
 
+def _before_the_tray(display: str, home: Path, smollm2_path: Path) -> tuple[str, int, Path]:
+    """trayer's panel and its width with no icon yet; a config of SmolLM2 in ``home``; the app's
+    log file."""
+    panel = _panel(display)
+    assert panel, "trayer did not show its panel"
+    empty_width = _geometry(display, panel)["WIDTH"]
+    _write_config(home, smollm2_path)
+    return panel, empty_width, home / "app-output.txt"
+
+
 def _start_tray(display: str, log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, DISPLAY=display, QT_QPA_PLATFORM="xcb")
     with log.open("ab") as out:
@@ -150,11 +160,7 @@ def test_tray_icon_appears_in_the_tray_host(
     x_with_tray: str, smollm2_path: Path, timeshare_home: Path
 ) -> None:
     display = x_with_tray
-    panel = _panel(display)
-    assert panel, "trayer did not show its panel"
-    empty_width = _geometry(display, panel)["WIDTH"]
-    _write_config(timeshare_home, smollm2_path)
-    log = timeshare_home / "app-output.txt"
+    panel, empty_width, log = _before_the_tray(display, timeshare_home, smollm2_path)
     app = _start_tray(display, log)
     try:
         geometry = _wait_embedded(display, panel, empty_width, app, log)
@@ -178,11 +184,7 @@ def test_kill9_of_the_tray_app_leaves_no_worker_and_the_next_start_is_clean(
     x_with_tray: str, smollm2_path: Path, timeshare_home: Path
 ) -> None:
     display = x_with_tray
-    panel = _panel(display)
-    assert panel, "trayer did not show its panel"
-    empty_width = _geometry(display, panel)["WIDTH"]
-    _write_config(timeshare_home, smollm2_path)
-    log = timeshare_home / "app-output.txt"
+    panel, empty_width, log = _before_the_tray(display, timeshare_home, smollm2_path)
     app = _start_tray(display, log)
     try:
         _wait_embedded(display, panel, empty_width, app, log)
