@@ -376,6 +376,32 @@ def test_out_of_memory_while_splitting_leaves_the_model_released(
     res.close()
 
 
+def test_a_placeholder_refused_at_the_split_leaves_the_model_as_loaded(
+    smol: llama_cpp.Llama, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    greedy = Greedy(smol)
+    ref = greedy.run()
+    real = _ggml.buft_alloc_buffer
+    made = {"n": 0}
+
+    def third_placeholder_fails(buft: int, size: int) -> int | None:
+        # Injected fault: the third 64-byte buffer of a part (the layout probe's are larger)
+        if size == 64:
+            made["n"] += 1
+            if made["n"] == 3:
+                return None
+        return real(buft, size)
+
+    monkeypatch.setattr(_ggml, "buft_alloc_buffer", third_placeholder_fails)
+    with pytest.raises(ResidencyError, match="keeps its own buffers"):
+        Residency.attach(smol, smollm2_path, ResidencyOptions(mode="inplace", parts=8))
+    monkeypatch.undo()
+    assert same(greedy.run(), ref)  # nothing moved: the model computes from its own buffers
+    res, _ = _attach(smol, smollm2_path)  # and a later attach splits it
+    assert same(greedy.run(), ref)
+    res.close()
+
+
 def test_the_model_outlives_its_residency(smollm2_path: Path) -> None:
     """The part buffers belong to the model (freed when it closes): a model whose residency was
     closed while resident keeps computing, and closes cleanly."""

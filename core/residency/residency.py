@@ -322,6 +322,10 @@ class Residency:
             self._saved_ctx = llm._ctx
             llm._ctx = _Released("context")
             self.weights_resident = False
+        except ResidencyError:  # nothing moved (a placeholder could not be made): the shadow goes
+            ip.close()
+            self._inplace = None
+            raise
         finally:
             if not ip.split_pending:  # the parts' structs exist: the model's close frees them
                 llm._stack.callback(free_parts, ip.part_buffers())
