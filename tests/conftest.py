@@ -14,6 +14,7 @@ import pytest
 
 if TYPE_CHECKING:
     import llama_cpp
+    from _e_worker_util import WorkerHandle
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # also here, not only in the fixture below: module-scoped pools start before any function fixture
@@ -48,6 +49,15 @@ def gemma3_path(demo_cache: Path) -> Path:
     from timeshare.core.config import demo
 
     return demo.gemma3_path(cache=demo_cache)
+
+
+@pytest.fixture
+def handles() -> Iterator[list[WorkerHandle]]:
+    """The worker handles (tests/_e_worker_util.py) a test appends here are closed after it."""
+    made: list[WorkerHandle] = []
+    yield made
+    for h in made:
+        h.close()
 
 
 # ---- residency: a small synthetic Q4_0 model (imported when a test asks: llama_cpp is heavy) ----

@@ -12,7 +12,6 @@ import llama_cpp  # noqa: F401  (before anything that imports numpy)
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,6 @@ WAIT = 180.0  # a hang guard for a 2-core machine; nothing is timed
 def reference(smollm2_path: Path) -> list[str]:
     """What a fresh plain Llama answers alone (create_completion, greedy), one per prompt."""
     return plain_completions(smollm2_path, PROMPTS, N, n_ctx=N_CTX)
-
-
-@pytest.fixture
-def handles() -> Iterator[list[WorkerHandle]]:
-    made: list[WorkerHandle] = []
-    yield made
-    for h in made:
-        h.close()
 
 
 def test_a_gpu_switch_in_the_middle_of_a_batch_of_three(

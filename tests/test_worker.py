@@ -37,14 +37,6 @@ def smol(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     w.close()
 
 
-@pytest.fixture
-def handles() -> Iterator[list[WorkerHandle]]:
-    made: list[WorkerHandle] = []
-    yield made
-    for h in made:
-        h.close()
-
-
 def test_handshake_and_streamed_generation(smol: WorkerHandle) -> None:
     hello = next(m for m in smol.seen if isinstance(m, p.Hello))
     assert hello.model_id == "smol" and hello.pid == smol.proc.pid and hello.version == p.PROTOCOL_VERSION

@@ -7,7 +7,6 @@ worker that never stopped (greedy: the same text), and the worker's own log and 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,14 +27,6 @@ def _second(answer: str) -> tuple[p.ChatMessage, ...]:
 
 def _third(answer: str, second: str) -> tuple[p.ChatMessage, ...]:
     return (*_second(answer), p.ChatMessage("assistant", second), p.ChatMessage("user", "And a tree?"))
-
-
-@pytest.fixture
-def handles() -> Iterator[list[WorkerHandle]]:
-    made: list[WorkerHandle] = []
-    yield made
-    for h in made:
-        h.close()
 
 
 def test_a_restart_answers_first_then_makes_its_shadow(
