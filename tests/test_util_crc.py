@@ -68,3 +68,24 @@ def test_kv_file_round_trip_in_chunks(tmp_path: Path, monkeypatch: pytest.Monkey
     target.write_bytes(raw)
     assert kv_files.read(target, {"conversation": "x"}, ident) is None
     assert not target.exists()
+
+
+def test_kv_file_read_ahead_checks_the_identity_when_it_is_known(tmp_path: Path) -> None:
+    """A restarted worker reads a conversation's file while its model loads, before the identity
+    (the context size llama.cpp settles on) is known: the result is read()'s, checked then."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    ident = kv_files.identity(str(model), 512)
+    snap = KVSnapshot(2, (7, 8), bytearray(os.urandom(9000)), prompt_len=1)
+    target = tmp_path / "kv" / "m-x.kv"
+    kv_files.write(target, "m", {"conversation": "x"}, snap, ident)
+    ahead = kv_files.ReadAhead(target, {"conversation": "x"})
+    got = ahead.result(ident)
+    assert got is not None and got.state == snap.state and got.input_ids == (7, 8)
+    assert not target.exists()
+    kv_files.write(target, "m", {"conversation": "x"}, snap, ident)
+    other = kv_files.identity(str(model), 1024)  # another context size: refused once known
+    assert kv_files.ReadAhead(target, {"conversation": "x"}).result(other) is None
+    assert not target.exists()
+    kv_files.write(target, "m", {"conversation": "x"}, snap, ident)
+    assert kv_files.ReadAhead(target, {"conversation": "y"}).result(ident) is None  # another key

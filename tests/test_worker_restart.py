@@ -2,7 +2,8 @@
 is already waiting. It answers that request before it makes its host shadow (the copy its
 weights come back from: seconds of pinning and reading on an 8B model), makes it when next idle,
 and from then on releases and restores as any worker. The oracle: the same turns answered by a
-worker that never stopped (greedy: the same text), and the worker's own log and status."""
+worker that never stopped (greedy: the same text), and the worker's own log and status. Its
+conversation's KV file is read while the model loads (the request is there already)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def test_a_restart_answers_first_then_makes_its_shadow(
     # what `bench api` reads of it for its worker_restart rows
     phases = worker_log_phases(log)
     assert phases["kv_tokens"] > 0 and phases["kv_read_ms"] >= 0 and phases["deferred_shadow_ms"] >= 0
+    assert phases["kv_read_ahead"]  # the request came while the model loaded: its KV was read then
     startup = phases["startup"]
     assert startup["load_ms"] > 0 and startup["attach_discover_ms"] > 0
     assert "attach_shadow_alloc_ms" not in startup  # deferred: not part of the start

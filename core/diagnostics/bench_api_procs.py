@@ -22,7 +22,7 @@ from . import fresh_process as fresh_process_
 MAX_TOKENS = 8  # per turn: the benchmark is about the first token
 _STARTUP_RE = re.compile(r"startup phases \(ms\)[^{]*(\{.*\})\s*$")
 _FILLED_RE = re.compile(r"filled \(deferred\) in (\d+) ms")
-_KV_READ_RE = re.compile(r"KV loaded from disk \((\d+) tokens, ([\d.]+) MB in (\d+) ms\)")
+_KV_READ_RE = re.compile(r"KV loaded from disk \((\d+) tokens, ([\d.]+) MB in (\d+) ms")
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0
 
@@ -115,7 +115,8 @@ def _log_tail(path: Path, n: int = 1500) -> str:
 def worker_log_phases(text: str) -> dict[str, Any]:
     """What a worker log says of the worker's last start: its "startup phases" line
     (core/worker/loop.py: ``startup``), its last KV file read (the engine's "KV loaded from disk":
-    ``kv_tokens``, ``kv_mb``, ``kv_read_ms``) and a deferred host shadow made since (the
+    ``kv_tokens``, ``kv_mb``, ``kv_read_ms``: what the request waited for it, and ``kv_read_ahead``:
+    it was read while the model loaded) and a deferred host shadow made since (the
     residency's "filled (deferred)": ``deferred_shadow_ms``)."""
     out: dict[str, Any] = {}
     for line in reversed(text.splitlines()):
@@ -124,6 +125,7 @@ def worker_log_phases(text: str) -> dict[str, Any]:
                 out["startup"] = json.loads(m.group(1))
         if "kv_read_ms" not in out and (m := _KV_READ_RE.search(line)):
             out["kv_tokens"], out["kv_mb"], out["kv_read_ms"] = int(m[1]), float(m[2]), float(m[3])
+            out["kv_read_ahead"] = "read while the model loaded" in line
         if "deferred_shadow_ms" not in out and (m := _FILLED_RE.search(line)):
             out["deferred_shadow_ms"] = float(m[1])
         if "starting worker" in line:

@@ -168,6 +168,8 @@ class Engine:
             parallel=self.parallel,
         )
         self.kv_dir: Path | None = None  # where a stopped worker left its sequences' KV (see save_kv)
+        #: conversations' KV files being read ahead (the worker starts them while the model loads)
+        self.read_ahead: dict[str, kv_files.ReadAhead] = {}
         # While the weights are released the residency hides the context behind a guard; state
         # I/O (which touches only the KV cache) then goes through the context this returns.
         self.state_ctx: Callable[[], Any] | None = None
@@ -570,20 +572,27 @@ class Engine:
         """Bring a conversation saved by ``save_kv`` back into the host LRU (and delete the file).
         A file from another model file or context size is ignored and removed."""
         path = kv_files.kv_file(kv_dir, self.model.id, conversation)
-        if not path.is_file():
+        ahead = self.read_ahead.pop(conversation, None)
+        if ahead is not None and ahead.path != path:
+            ahead = None
+        if ahead is None and not path.is_file():
             return False
         t0 = time.perf_counter()
-        snap = kv_files.read(path, {"conversation": conversation}, self._identity())
+        if ahead is not None:
+            snap = ahead.result(self._identity())
+        else:
+            snap = kv_files.read(path, {"conversation": conversation}, self._identity())
         if snap is None:
             return False
         self._saved[conversation] = snap
         self._touch(conversation)
         log.info(
-            "conversation %s: KV loaded from disk (%d tokens, %.1f MB in %.0f ms)",
+            "conversation %s: KV loaded from disk (%d tokens, %.1f MB in %.0f ms%s)",
             conversation,
             snap.n_tokens,
             len(snap.state) / 1e6,
             (time.perf_counter() - t0) * 1000.0,
+            ", read while the model loaded" if ahead is not None else "",
         )
         return True
 

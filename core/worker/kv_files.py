@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,45 @@ def read(path: Path, key: dict[str, object], ident: dict[str, object]) -> KVSnap
     The state (most of the file: about 1 GB for a 7,500-token chat on an 8B model) is read straight
     into the snapshot's own buffer in chunks on several threads, each chunk's CRC taken as it
     arrives (core/util/crc.py), so it is read once and copied never."""
+    return _finish(path, _read_file(path, key, ident), ident)
+
+
+class ReadAhead:
+    """One conversation's file read on a thread of its own, before its model file's identity is
+    known (a restarted worker reads the KV of the request that started it while the model loads);
+    :meth:`result` is what :func:`read` would have returned."""
+
+    def __init__(self, path: Path, key: dict[str, object]) -> None:
+        self.path = path
+        self._got: tuple[dict[str, object], KVSnapshot] | str = "not read"
+        self._thread = threading.Thread(target=self._run, args=(key,), name="kv-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self, key: dict[str, object]) -> None:
+        self._got = _read_file(self.path, key, None)
+
+    def result(self, ident: dict[str, object]) -> KVSnapshot | None:
+        self._thread.join()
+        return _finish(self.path, self._got, ident)
+
+
+def _finish(
+    path: Path, got: tuple[dict[str, object], KVSnapshot] | str, ident: dict[str, object]
+) -> KVSnapshot | None:
+    if not isinstance(got, str) and got[0].get("file") != ident:
+        got = "saved for another model file or context size"
+    if isinstance(got, str):
+        log.warning("ignoring saved KV %s: %s; its sequence is evaluated again", path, got)
+        path.unlink(missing_ok=True)
+        return None
+    path.unlink(missing_ok=True)
+    return got[1]
+
+
+def _read_file(
+    path: Path, key: dict[str, object], ident: dict[str, object] | None
+) -> tuple[dict[str, object], KVSnapshot] | str:
+    """The header and snapshot of ``path``, or why it is refused (``ident`` None: not checked)."""
     try:
         with path.open("rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
@@ -130,7 +170,9 @@ def read(path: Path, key: dict[str, object], ident: dict[str, object]) -> KVSnap
             off += hlen
             if not isinstance(header, dict):
                 raise ValueError("damaged header")
-            if any(header.get(k) != v for k, v in key.items()) or header.get("file") != ident:
+            if any(header.get(k) != v for k, v in key.items()) or (
+                ident is not None and header.get("file") != ident
+            ):
                 raise ValueError("saved for another model file or context size")
             n = int(header["n_tokens"])
             state_bytes = int(header["state_bytes"])
@@ -152,11 +194,8 @@ def read(path: Path, key: dict[str, object], ident: dict[str, object]) -> KVSnap
             int(header.get("prompt_len", 0)),
         )
     except (OSError, EOFError, ValueError, KeyError, TypeError, struct.error) as exc:
-        log.warning("ignoring saved KV %s: %s; its sequence is evaluated again", path, exc)
-        path.unlink(missing_ok=True)
-        return None
-    path.unlink(missing_ok=True)
-    return snap
+        return str(exc) or type(exc).__name__
+    return header, snap
 
 
 def _read_exactly(f: BinaryIO, n: int) -> bytes:

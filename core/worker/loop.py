@@ -27,6 +27,7 @@ from typing import Literal
 from ..errors import CancelledError, FrameError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..util.logsetup import setup_logging
+from . import kv_files
 from . import protocol as p
 from .decode import Live
 from .engine import Engine
@@ -92,6 +93,9 @@ class Worker:
         self._exit_code = 0
         self._stopping = False
         self._connected = True
+        # KV files read ahead while the model loads, by conversation (reader thread; see read_loop)
+        self._ahead: dict[str, kv_files.ReadAhead] = {}
+        self._ahead_lock = threading.Lock()
 
     # ---- sending ----------------------------------------------------------------------------
 
@@ -160,6 +164,8 @@ class Worker:
             # a StatusRequest (the watchdog's ping) goes to the loop thread like every request:
             # its answer proves the loop thread makes progress, not only that this thread runs
             if isinstance(msg, p.REQUEST_TYPES):
+                if isinstance(msg, p.Generate) and msg.conversation is not None:
+                    self._read_ahead(msg.conversation)
                 self.tasks.put(msg)
             else:
                 self.send(
@@ -167,6 +173,16 @@ class Worker:
                         req=None, code="protocol", message=f"protocol: {type(msg).__name__} is not a request"
                     )
                 )
+
+    def _read_ahead(self, conversation: str) -> None:
+        """A request for ``conversation`` came while the model loads (a stopped model's next turn):
+        its KV file, if there is one, is read now on a thread of its own, not after the load."""
+        with self._ahead_lock:
+            if self.engine is not None or conversation in self._ahead or len(self._ahead) >= 2:
+                return
+            path = kv_files.kv_file(Path(self.spec.kv_dir), self.spec.model.id, conversation)
+            if path.is_file():
+                self._ahead[conversation] = kv_files.ReadAhead(path, {"conversation": conversation})
 
     # ---- loop thread ------------------------------------------------------------------------
 
@@ -235,7 +251,11 @@ class Worker:
             self.send(p.Loading("model", 0.0))
             # On a CPU build the host weight buffers play the device; they can only be released
             # when they are not an mmap of the file (core/residency says which).
-            self.engine = Engine.load(model, use_mmap=res.use_mmap)
+            engine = Engine.load(model, use_mmap=res.use_mmap)
+            with self._ahead_lock:  # the reads started while it loaded go to the engine
+                engine.read_ahead.update(self._ahead)
+                self._ahead.clear()
+                self.engine = engine
             self.engine.kv_dir = Path(self.spec.kv_dir)
             engine_ref = self.engine
             self.engine.state_ctx = lambda: res.state_ctx(engine_ref)
