@@ -4,6 +4,7 @@ comments aside) hold no HTTP paths, config keys or internal terms; "GPU" only wh
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from timeshare.app import strings
@@ -11,6 +12,8 @@ from timeshare.core.state import ModelState, ModelStatus, PoolSnapshot
 
 APP = Path(__file__).resolve().parent.parent / "app"
 FORBIDDEN = ("POST /", "arena.", "Residency:", "/timeshare/v1", "(GPU)")
+#: a config key as the settings file spells it (api.ollama_listen, models[].idle_sleep_s, ...)
+CONFIG_KEY = re.compile(r"\b(api|arena|general|models)(\[\])?\.[a-z_]+")
 
 
 def _shown_strings(path: Path) -> list[tuple[int, str]]:
@@ -34,7 +37,7 @@ def test_no_http_paths_config_keys_or_internal_terms_in_the_gui() -> None:
         f"{path.name}:{line}: {text!r}"
         for path in sorted(APP.glob("*.py"))
         for line, text in _shown_strings(path)
-        if any(word in text for word in FORBIDDEN)
+        if any(word in text for word in FORBIDDEN) or CONFIG_KEY.search(text)
     ]
     assert found == []
 
@@ -44,6 +47,8 @@ def test_the_grep_sees_a_forbidden_word() -> None:  # the oracle works: it finds
     probe.write_text('"""POST /x in a docstring is fine."""\nTEXT = f"run POST /timeshare/v1/{1}"\n')
     try:
         assert [t for _, t in _shown_strings(probe) if "POST /" in t] == ["run POST /timeshare/v1/"]
+        probe.write_text('TIP = "A second address (api.ollama_listen, HOST:PORT)"\n')
+        assert [t for _, t in _shown_strings(probe) if CONFIG_KEY.search(t)]
     finally:
         probe.unlink()
 
