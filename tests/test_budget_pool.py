@@ -126,6 +126,21 @@ def test_budget_checker_counts_leases_over_the_budget() -> None:
     ]
     assert check_budget(shrunk).violations == 1
     assert check_budget([shrunk[0], rec("token", 2, 2.0, 3.0, bytes=700, budget=1000)]).violations == 0
+    # a lease that a partial release shrank and a request for the rest grew back: each size counts
+    # from its moment (sizes: [[at, bytes], ...] from the start)
+    resized = rec("token", 1, 0.0, 10.0, bytes=800, budget=1000, sizes=[[0.0, 800], [2.0, 300], [6.0, 800]])
+    assert check_budget([resized, rec("token", 2, 2.5, 5.5, bytes=700, budget=1000)]).violations == 0
+    assert check_budget([resized, rec("token", 2, 1.5, 5.5, bytes=700, budget=1000)]).violations == 1
+    assert check_budget([resized, rec("token", 2, 2.5, 6.5, bytes=700, budget=1000)]).violations == 1
+    # a killed holder's resizes (shrunk and resized points) up to the kill
+    grown = [
+        rec("acquired", 1, 0.0, 0.0, bytes=800, budget=1000),
+        rec("shrunk", 1, 2.0, 2.0, bytes=300),
+        rec("resized", 1, 6.0, 6.0, bytes=800),
+        rec("killed", 1, 8.0, 8.0),
+    ]
+    assert check_budget([*grown, rec("token", 2, 2.5, 5.5, bytes=700, budget=1000)]).violations == 0
+    assert check_budget([*grown, rec("token", 2, 2.5, 7.0, bytes=700, budget=1000)]).violations == 1
     # a holder killed before it released: its acquisition up to the kill
     killed = [
         rec("acquired", 1, 0.0, 0.0, bytes=800, budget=1000),

@@ -5,9 +5,10 @@ arena-test report's ``budget_violations``:
 
 - the interval log (:func:`check_budget`): every lease a worker held is a segment of constant bytes
   on its device: a ``"token"`` record (acquired → released, ``bytes``, ``budget``, ``device``; a
-  lease that shrank after its load carries ``load_bytes`` until ``shrunk_at``), or for a holder
-  killed before it released, its ``"acquired"`` point (and any ``"shrunk"`` points) up to its
-  ``"killed"`` record. A violation is a moment where the segments of one device overlap with more
+  lease that changed size carries ``sizes``, ``[[at, bytes], ...]`` from its start: it shrank
+  after its load, a partial release shrank it, a request for the rest grew it back; older records
+  carry ``load_bytes`` until ``shrunk_at``), or for a holder killed before it released, its
+  ``"acquired"`` point (and any ``"shrunk"``/``"resized"`` points) up to its ``"killed"`` record. A violation is a moment where the segments of one device overlap with more
   bytes than the budget recorded in them (under a one-model budget, ``budget`` null: two segments
   at once);
 - the memory samples (:func:`check_memory_budget`): a sample where the summed weight bytes of the
@@ -72,7 +73,7 @@ def lease_segments(records: Iterable[Mapping[str, Any]]) -> list[Segment]:
             continue
         if kind == "acquired":
             acquired.append(r)
-        elif kind == "shrunk":
+        elif kind in ("shrunk", "resized"):
             shrunk.setdefault(pid, []).append((start, int(_num(r, "bytes", 0.0) or 0)))
         elif kind == "killed":
             killed[pid] = min(start, killed.get(pid, math.inf))
@@ -83,7 +84,11 @@ def lease_segments(records: Iterable[Mapping[str, Any]]) -> list[Segment]:
             budget = _budget(r)
             model = str(r.get("model", ""))
             cut = _num(r, "shrunk_at")
-            if cut is not None and start <= cut <= end:
+            sizes = _sizes(r.get("sizes"), start, end)
+            if sizes:
+                for (at, size), (nxt, _) in zip(sizes, [*sizes[1:], (end, 0)], strict=True):
+                    out.append(Segment(device, pid, model, at, nxt, size, budget))
+            elif cut is not None and start <= cut <= end:
                 load = int(_num(r, "load_bytes", float(nbytes)) or 0)
                 out.append(Segment(device, pid, model, start, cut, load, budget))
                 out.append(Segment(device, pid, model, cut, end, nbytes, budget))
@@ -103,6 +108,24 @@ def lease_segments(records: Iterable[Mapping[str, Any]]) -> list[Segment]:
             out.append(Segment(device, pid, model, t, at, nbytes, budget))
             t, nbytes = at, new
         out.append(Segment(device, pid, model, t, end, nbytes, budget))
+    return out
+
+
+def _sizes(raw: object, start: float, end: float) -> list[tuple[float, int]]:
+    """A token record's ``sizes`` (``[[at, bytes], ...]``, in order, within its interval); [] when
+    absent or not that shape."""
+    if not isinstance(raw, list):
+        return []
+    out: list[tuple[float, int]] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2):
+            return []
+        at, size = item
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not isinstance(size, int):
+            return []
+        if not (start <= at <= end) or (out and at < out[-1][0]):
+            return []
+        out.append((float(at), size))
     return out
 
 
