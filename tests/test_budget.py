@@ -133,7 +133,7 @@ def test_a_partial_victim_is_asked_to_free_only_what_the_request_lacks() -> None
     b = lease("b", 40, used_at=2.0, partial=True)
     plan = plan_fit(30, [a, b], budget, now=10.0)  # 10 free: 20 lacking, all from the LRU holder
     assert not plan.fits and plan.possible and [v.name for v in plan.victims] == ["a"]
-    assert plan.frees == (20,) and plan.asked("a") == 20 and plan.asked("b") == 0 and plan.partial
+    assert plan.frees == (20,) and plan.asked("a") == 20 and plan.asked("b") is None and plan.partial
     plan = plan_fit(70, [a, b], budget, now=10.0)  # 60 lacking: a goes whole, b frees the rest
     assert [v.name for v in plan.victims] == ["a", "b"] and plan.frees == (50, 10)
     whole = replace(a, partial=False)  # a holder without parts frees its whole lease

@@ -163,6 +163,10 @@ def test_memory_budget_check_sums_the_resident_workers() -> None:
     check = check_memory_budget(samples, w, 1000)
     assert check.violations == 1 and check.max_resident == 2 and check.max_resident_bytes == 1100
     assert check_memory_budget(samples, w, None).violations == 2  # one model at a time
+    # a partly released worker counts what it holds, never more than its weights
+    partly = [sample(0.0), sample(1.0, a=400, b=350), sample(2.0, a=900, b=600)]
+    check = check_memory_budget(partly, w, 1000)
+    assert check.violations == 0 and check.max_resident_bytes == 1000
 
 
 def test_several_gpus_each_have_their_own_arena_and_line() -> None:

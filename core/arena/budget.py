@@ -329,12 +329,12 @@ class Plan:
     frees: tuple[int, ...] = ()  # per victim, in order: the bytes it is asked to free
     own: int = 0
 
-    def asked(self, name: str) -> int:
-        """The bytes the lease ``name`` is asked to free (0: it is not a victim)."""
+    def asked(self, name: str) -> int | None:
+        """The bytes the lease ``name`` is asked to free (None: it is not a victim)."""
         for victim, nbytes in zip(self.victims, self.frees, strict=True):
             if victim.name == name:
                 return nbytes
-        return 0
+        return None
 
     @property
     def partial(self) -> bool:

@@ -83,6 +83,7 @@ class TokenClient:
         self.model = model
         self.observer = observer
         self._pinned = pinned
+        self._partial = False
         self._lock = threading.Lock()
         self._held: Held | None = None
         self._reserve: tuple[str, int, int] | None = None  # name, fd, bytes
@@ -135,6 +136,17 @@ class TokenClient:
                 self._update_holder_record(keep_mine=True)
         self.poke_doorbell()
 
+    def set_partial(self, partial: bool) -> None:
+        """Record whether this client's worker can free part of its lease (layer parts): the
+        plan then asks it, under a byte budget, for only the bytes a request lacks."""
+        with self._lock:
+            self._partial = partial
+            held = self._held
+            if held is not None and held.record.partial != partial:
+                held.record = replace(held.record, partial=partial)
+                self._write_lease(held)
+        self.poke_doorbell()
+
     def note_use(self, busy: bool, quantum_until: float = 0.0) -> None:
         """The worker started (``busy``, keeping the GPU at least until ``quantum_until``) or
         finished using its weights: recorded in its lease for the others' least-recently-used
@@ -158,33 +170,48 @@ class TokenClient:
         """Live tickets of other requesters (sweeps stale ones)."""
         return tuple(t for t in self.arena.waiters() if t.name not in self._own_tickets)
 
-    def asked_to_yield(self, others: tuple[Ticket, ...] | None = None) -> bool:
-        """The head of the queue needs this client's lease to go (it is named by the plan of
-        :func:`~.budget.plan_fit`, judged as if this client were unpinned: the caller checks its
-        own pin)."""
+    def asked_to_yield(self, waiters: tuple[Ticket, ...] | None = None) -> bool:
+        """The head of the queue needs this client's lease to go, or part of it
+        (:meth:`asked_to_free`)."""
+        return self.asked_to_free(waiters) is not None
+
+    def asked_to_free(self, waiters: tuple[Ticket, ...] | None = None) -> int | None:
+        """The weight bytes the head of the queue (``waiters``: every live ticket in queue order)
+        asks this client to free: its whole lease, or for a partial lease under a byte budget only
+        what the head lacks; None when not asked (it is not named by the plan of
+        :func:`~.budget.plan_fit`, the head is this client's own request, or the head can never
+        fit). Judged as if this client were unpinned: the caller checks its own pin."""
         held = self._held
         if held is None:
-            return False
-        if others is None:
-            others = self.others_waiting()
-        if not others:
-            return False
-        head = others[0]
+            return None
+        if waiters is None:
+            waiters = tuple(self.arena.waiters())
+        if not waiters or waiters[0].name in self._own_tickets:
+            return None
+        head = waiters[0]
         need = self.arena.ticket_need(head)
         # judged as if unpinned: a pinned holder hears the bell too (and ignores it while pinned),
         # so that unpinning yields at the next ring
         leases = [replace(x, pinned=False) if x.name == held.name else x for x in self.arena.leases()]
-        plan = plan_fit(need, leases, self.budget, time.monotonic())
-        return not plan.fits and plan.possible and any(v.name == held.name for v in plan.victims)
+        plan = plan_fit(need, leases, self.budget, time.monotonic(), requester=(head.pid, head.model))
+        if plan.fits or not plan.possible:
+            return None
+        return plan.asked(held.name)
 
     # -- leases --
 
     def request(self, timeout: float | None = None, need: int | None = None) -> TokenRequest:
+        """A request for ``need`` weight bytes (see the class docstring). A holder whose lease is
+        smaller than ``need`` under a byte budget (a partial release shrank it) asks for the rest
+        through the queue like any request: the bytes it holds count as its own, and once it fits
+        its lease grows to ``need``."""
         with self._lock:
             if self._pending is not None and not self._pending.done():
                 return self._pending
-            if self._held is not None:
-                return TokenRequest.granted(self, self._held.grant)
+            held = self._held
+            grows = held is not None and need is not None and held.record.bytes < need
+            if held is not None and not (grows and not self.budget.one_model):
+                return TokenRequest.granted(self, held.grant)
             req = TokenRequest(self, timeout, need)
             self._pending = req
         req.start()
@@ -227,14 +254,19 @@ class TokenClient:
                 self.arena.lease_files.drop(held.name, held.fd)
             finally:
                 self.arena.dir.unlock(lock)
-            if held.load_bytes is None:
-                held.load_bytes = held.record.bytes
-            held.name, held.fd, held.record, held.shrunk_at = name, fd, replace(record, name=name), at
-            held.grant = replace(held.grant, bytes=nbytes)
-            try:  # for a holder killed later: its bytes from here on
-                self.observer.record("shrunk", at, at, bytes=nbytes, device=self.budget.device)
-            except OSError as exc:
-                log.warning("could not record the lease's new size: %s", exc)
+            self._resized(held, name, fd, record, at, "shrunk")
+
+    def _resized(self, held: Held, name: str, fd: int, record: LeaseRecord, at: float, kind: str) -> None:
+        """``held`` is now the lease file ``name`` of ``record``'s bytes, from ``at`` on."""
+        if not held.sizes:
+            held.sizes.append((held.grant.acquired_at, held.record.bytes))
+        held.sizes.append((at, record.bytes))
+        held.name, held.fd, held.record = name, fd, replace(record, name=name)
+        held.grant = replace(held.grant, bytes=record.bytes)
+        try:  # for a holder killed later: its bytes from here on
+            self.observer.record(kind, at, at, bytes=record.bytes, device=self.budget.device)
+        except OSError as exc:
+            log.warning("could not record the lease's new size: %s", exc)
 
     def reserve(self, nbytes: int) -> None:
         """Hold a "reserve" lease of ``nbytes`` for as long as this client lives: what the worker
@@ -288,8 +320,8 @@ class TokenClient:
     def _record_interval(self, held: Held, end: float) -> None:
         grant = held.grant
         extra: dict[str, object] = {}
-        if held.load_bytes is not None:
-            extra = {"load_bytes": held.load_bytes, "shrunk_at": held.shrunk_at}
+        if held.sizes:
+            extra = {"sizes": [[at, nbytes] for at, nbytes in held.sizes]}
         try:
             self.observer.record(
                 "token",
@@ -356,14 +388,16 @@ class TokenClient:
         """Under the arena lock: create the lease the plan allows, and the holder record."""
         now = time.monotonic()
         reserved = sum(x.bytes for x in leases if x.kind == "reserve")
+        # a holder growing back: a lease of the rest beside its own, merged into it once granted
         record = LeaseRecord(
             model=self.model,
             pid=os.getpid(),
-            bytes=lease_bytes_for(req.need, self.budget, reserved),
+            bytes=lease_bytes_for(req.need, self.budget, reserved) - plan.own,
             since=time.time(),
             since_monotonic=now,
             pinned=self._pinned,
             used_at=now,
+            partial=self._partial,
         )
         name, fd = self.arena.lease_files.create(record)
         grant = TokenGrant(
@@ -392,6 +426,10 @@ class TokenClient:
     def became_holder(self, held: Held) -> None:
         grant = held.grant
         with self._lock:
+            if self._held is not None:  # it grew back: one lease of both, from the grant on
+                self._merge(self._held, held)
+                self._ring_generation += 1
+                return
             self._held = held
             self._ring_generation += 1
             self._doorbell_armed.set()
@@ -409,6 +447,21 @@ class TokenClient:
                 log.warning("could not record the token acquisition: %s", exc)
         if self._doorbell_watch is not None:
             self._doorbell_watch.wake()
+
+    def _merge(self, held: Held, extra: Held) -> None:
+        """Replace ``held`` and the ``extra`` lease a request for the rest was granted by one lease
+        of both (under the arena lock, so nobody sees both or neither); the holding goes on."""
+        lock = self.arena.dir.lock()
+        assert lock is not None
+        try:
+            record = replace(held.record, bytes=held.record.bytes + extra.record.bytes, name="")
+            name, fd = self.arena.lease_files.create(record)
+            self.arena.lease_files.drop(extra.name, extra.fd)
+            self.arena.lease_files.drop(held.name, held.fd)
+        finally:
+            self.arena.dir.unlock(lock)
+        # the holding (its grant, its token interval) goes on from its first acquisition
+        self._resized(held, name, fd, record, extra.grant.acquired_at, "resized")
 
     def request_finished(self, req: TokenRequest) -> None:
         with self._lock:
@@ -453,8 +506,9 @@ class TokenClient:
                 self._doorbell_armed.wait()
                 continue
             try:
-                others = self.others_waiting()
-                asked = self.asked_to_yield(others)
+                waiters = tuple(self.arena.waiters())
+                others = tuple(t for t in waiters if t.name not in self._own_tickets)
+                asked = self.asked_to_yield(waiters)
             except OSError as exc:
                 log.warning("scanning %s failed: %s", self.arena.waiters_path, exc)
                 others, asked = (), False

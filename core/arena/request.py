@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import ArenaError, CancelledError, TokenTimeoutError, VramBudgetError
@@ -60,8 +60,9 @@ class Held:
     fd: int
     record: LeaseRecord
     grant: TokenGrant
-    load_bytes: int | None = None  # the bytes before a shrink
-    shrunk_at: float | None = None
+    #: the lease's sizes over time, ``(monotonic, bytes)`` from its grant, when it changed: it shrank
+    #: after a load or a partial release, or grew back (empty: it kept its first size)
+    sizes: list[tuple[float, int]] = field(default_factory=list)
 
 
 class _Locker:
@@ -320,7 +321,9 @@ class TokenRequest:
             try:
                 now = time.monotonic()
                 leases = arena.leases()
-                plan = plan_fit(self.need, leases, client.budget, now)
+                # the bytes this process holds for this model count as its own (a partly
+                # released holder asking for the rest); they are never its victims
+                plan = plan_fit(self.need, leases, client.budget, now, requester=(os.getpid(), client.model))
                 if plan.fits:
                     return client.create_lease(self, plan, leases)
             finally:

@@ -109,6 +109,9 @@ class _Tally:
     deadlocked: list[str] = field(default_factory=list)  # what each deadlock looked like
     mismatches: list[Mismatch] = field(default_factory=list)
     restore_ms: list[float] = field(default_factory=list)
+    # per switched request: the weight bytes its restore moved, and their share of its model's
+    restored_bytes: list[int] = field(default_factory=list)
+    restored_fraction: list[float] = field(default_factory=list)
     by_worker: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -140,6 +143,7 @@ class ArenaHarness:
         parse_budget(budget)  # ValueError: said before anything starts
         self.budget = budget
         self.budget_bytes: int | None = None  # the device's, once the workers are up
+        self.weight_bytes: dict[str, int] = {}  # each worker's, once they are up
         self.plans = tuple(plans)
         self.work_dir = work_dir
         self.arena_dir = arena_dir
@@ -227,6 +231,7 @@ class ArenaHarness:
         if failed:
             raise TimeshareError("workers failed to start: " + "; ".join(failed))
         self.budget_bytes = _budget_bytes_of(self)
+        self.weight_bytes = {m.id: m.weight_bytes for m in snap.models}
 
     def generate(self, worker_id: str, prompt: str) -> str:
         gen = self.pool.generate(worker_id, prompt=prompt, sampling=Sampling(max_tokens=self.max_tokens))
@@ -236,8 +241,12 @@ class ArenaHarness:
             gen.cancel()
             raise
         if result.switch.switched:
+            weights = self.weight_bytes.get(worker_id, 0)
             with self.tally.lock:
                 self.tally.restore_ms.append(result.switch.restore_ms)
+                self.tally.restored_bytes.append(result.switch.restored_bytes)
+                if weights > 0:
+                    self.tally.restored_fraction.append(result.switch.restored_bytes / weights)
         return result.text
 
     def take_reference(self) -> None:
@@ -432,6 +441,9 @@ class ArenaHarness:
             handoff_ms_p50=_round(percentile(check.handoff_ms, 50)),
             handoff_ms_p99=_round(percentile(check.handoff_ms, 99)),
             restore_ms_p50=_round(percentile(tally.restore_ms, 50)),
+            restored_bytes_p50=_int_or_none(percentile([float(b) for b in tally.restored_bytes], 50)),
+            restored_fraction_p50=_round(percentile(tally.restored_fraction, 50)),
+            partial_restores=sum(1 for f in tally.restored_fraction if 0.0 < f < 1.0),
             start_s=round(self.start_s, 3),
             reference_s=round(self.reference_s, 3),
             requests_by_worker=tuple((p.id, tally.by_worker.get(p.id, 0)) for p in self.plans),
@@ -477,6 +489,10 @@ def _budget_bytes_of(harness: ArenaHarness) -> int | None:
         if d.index == 0 and d.budget and d.budget != "one-model":
             return d.budget_bytes
     return harness.budget_bytes
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _round(value: float | None) -> float | None:

@@ -37,6 +37,12 @@ class ArenaTestReport:
     resident_intervals: int
     malformed_records: int
     restore_ms_p50: float | None = None  # restore of the weights, as requests that switched report it
+    # the weight bytes those restores moved (all of a model after a whole release, only the lost
+    # layer parts after a partial one: a byte budget) and their share of the model; the switched
+    # requests whose restore moved only part of their model
+    restored_bytes_p50: int | None = None
+    restored_fraction_p50: float | None = None
+    partial_restores: int = 0
     start_s: float = 0.0  # starting the workers
     reference_s: float = 0.0  # taking the uncontended reference
     requests_by_worker: tuple[tuple[str, int], ...] = ()
@@ -136,7 +142,7 @@ class ArenaTestReport:
             f"per worker           {', '.join(f'{k}: {v}' for k, v in self.requests_by_worker)}",
             f"handoffs             {self.handoffs}",
             f"handoff p50 / p99    {ms(self.handoff_ms_p50)} / {ms(self.handoff_ms_p99)} (doorbell → token)",
-            f"restore p50          {ms(self.restore_ms_p50)}",
+            f"restore p50          {ms(self.restore_ms_p50)}{self._restored_text()}",
             f"intervals            {self.token_intervals} token, {self.resident_intervals} resident",
             f"overlaps             {self.overlaps}",
             f"outside_token        {self.outside_token}",
@@ -178,6 +184,15 @@ class ArenaTestReport:
             f"lost_requests        {self.lost_requests}",
             f"answered afterwards  {back}",
         ]
+
+    def _restored_text(self) -> str:
+        if self.restored_bytes_p50 is None:
+            return ""
+        fraction = self.restored_fraction_p50
+        share = "" if fraction is None else f" = {fraction:.2f} x the model"
+        return (
+            f", {self.restored_bytes_p50 / 1e6:.1f} MB moved{share}; {self.partial_restores} partial restores"
+        )
 
     def _budget_text(self) -> str:
         if self.one_model:

@@ -8,12 +8,14 @@ arena-test report's ``budget_violations``:
   lease that changed size carries ``sizes``, ``[[at, bytes], ...]`` from its start: it shrank
   after its load, a partial release shrank it, a request for the rest grew it back; older records
   carry ``load_bytes`` until ``shrunk_at``), or for a holder killed before it released, its
-  ``"acquired"`` point (and any ``"shrunk"``/``"resized"`` points) up to its ``"killed"`` record. A violation is a moment where the segments of one device overlap with more
-  bytes than the budget recorded in them (under a one-model budget, ``budget`` null: two segments
+  ``"acquired"`` point (and any ``"shrunk"``/``"resized"`` points) up to its ``"killed"`` record.
+  A violation is a moment where the segments of one device overlap with more bytes than the
+  budget recorded in them (under a one-model budget, ``budget`` null: two segments
   at once);
-- the memory samples (:func:`check_memory_budget`): a sample where the summed weight bytes of the
-  workers judged resident (above their minimum + ½ their weight bytes, as memwatch's check
-  judges them) exceed the budget (one-model: where two are resident).
+- the memory samples (:func:`check_memory_budget`): a sample where the weight bytes of the workers
+  judged resident (above their minimum + ½ their weight bytes, as memwatch's check judges them),
+  each counted as what it holds above its minimum up to its weight bytes (a partly released
+  worker holds only some of its layers), sum above the budget (one-model: where two are resident).
 """
 
 from __future__ import annotations
@@ -203,11 +205,12 @@ def check_memory_budget(
     violations = max_n = max_bytes = 0
     for sample in samples:
         high = []
+        total = 0
         for key in keys:
             v = value(sample, key)
             if v is not None and v > baseline[key] + fraction * weight_bytes[key]:
                 high.append(key)
-        total = sum(weight_bytes[k] for k in high)
+                total += min(weight_bytes[key], v - baseline[key])
         max_n, max_bytes = max(max_n, len(high)), max(max_bytes, total)
         if (budget is None and len(high) > 1) or (budget is not None and total > budget):
             violations += 1

@@ -129,6 +129,7 @@ class Worker:
             holds_token=res.holds_token,
             waiting_reason=res.waiting_reason(),
             device_bytes=res.device_bytes,
+            resident_fraction=res.resident_fraction if state != "loading" else 0.0,
             host_pinned_bytes=res.host_bytes,
             prompt_tokens_evaluated=engine.prompt_tokens_evaluated if engine else 0,
             live_conversations=engine.conversations if engine else (),
@@ -330,7 +331,7 @@ class Worker:
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
             if self._should_yield():
-                self._release(kv=False)
+                self._give_way()
         elif isinstance(task, p.Shutdown):
             self._shutdown(task.save_kv)
         elif isinstance(task, _Disconnected):
@@ -437,6 +438,17 @@ class Worker:
             self.send(released)
         self.publish()
 
+    def _give_way(self) -> None:
+        """The head of the queue needs room: free what it asks for (all of the weights, or only
+        some layer parts; the KV cache stays)."""
+        if self.engine is not None and self.tenancy.frees_context and self.tenancy.kv_resident:
+            self.engine.park()  # the rebuild path frees the context: every conversation to the host
+        released = self.tenancy.give_way()
+        self._yield_wanted = False
+        if released is not None:
+            self.send(released)
+        self.publish()
+
     def _generate(self, req: p.Generate) -> None:
         """Answer ``req`` and every request that joins while it runs (continuous batching): the
         batch steps until no sequence is left in it."""
@@ -473,7 +485,7 @@ class Worker:
                 self.tenancy.note_use(False)
             self.publish()
         if self._yield_wanted and self._should_yield():
-            self._release(kv=False)  # between requests the quantum does not apply
+            self._give_way()  # between requests the quantum does not apply
 
     def _admissible(self) -> list[p.Generate]:
         """The requests that may join the batch now, in arrival order: the Generates at the head of
@@ -508,7 +520,7 @@ class Worker:
         held_ms = (time.monotonic() - self._quantum_start) * 1000.0
         quantum_over = held_ms >= self.spec.arena.min_quantum_ms
         if self._yield_wanted and quantum_over and self._should_yield():
-            self._release(kv=False)  # every sequence pauses; the restore resumes them all
+            self._give_way()  # every sequence pauses; the restore resumes them all
         got: Acquired | None = None
         if not (self.tenancy.holds_token and self.tenancy.weights_resident):
             got = self._ensure_resident(self._batch_wait_poll)
@@ -545,7 +557,12 @@ class Worker:
             # restored: it waited for that switch too, from when it came
             waited_ms = (wake[1] - arrived) * 1000.0
             restore_ms = min(wake[2].restore_ms, waited_ms)
-            run.switch = Acquired(switched=True, wait_ms=waited_ms - restore_ms, restore_ms=restore_ms)
+            run.switch = Acquired(
+                switched=True,
+                wait_ms=waited_ms - restore_ms,
+                restore_ms=restore_ms,
+                restored_bytes=wake[2].restored_bytes,
+            )
             run.t0 = arrived
         if got is not None:
             run.switch = got
@@ -605,6 +622,7 @@ class Worker:
                     run.switch.switched,
                     wait_ms=run.switch.wait_ms,
                     restore_ms=run.switch.restore_ms,
+                    restored_bytes=run.switch.restored_bytes,
                     first_token_ms=first_ms,
                 ),
                 stop=outcome.stop,
@@ -682,7 +700,12 @@ class Worker:
                 req.req,
                 "stop",
                 p.Usage(n_tokens, 0, n_tokens),
-                p.SwitchMeasured(switch.switched, wait_ms=switch.wait_ms, restore_ms=switch.restore_ms),
+                p.SwitchMeasured(
+                    switch.switched,
+                    wait_ms=switch.wait_ms,
+                    restore_ms=switch.restore_ms,
+                    restored_bytes=switch.restored_bytes,
+                ),
             )
         except CancelledError:
             reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,10 +16,10 @@ from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
 from ..arena.client import TokenClient
 from ..arena.dirs import device_arena_dir
 from ..arena.request import TokenRequest
-from ..errors import OutOfDeviceMemoryError, VramBudgetError
+from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
-from ..residency.residency import rss_bytes
+from ..residency.residency import RestoreReport, rss_bytes
 from ..state import WorkerReleaseLevel
 from ..util.units import decimal_bytes
 from . import protocol as p
@@ -37,6 +38,7 @@ class Acquired:
     switched: bool
     wait_ms: float = 0.0
     restore_ms: float = 0.0
+    restored_bytes: int = 0  # weight bytes the restore moved (only what a partial release lost)
 
 
 class Tenancy:
@@ -58,6 +60,11 @@ class Tenancy:
     def device_bytes(self) -> int:
         """Bytes of weights on the device now (0 without an arena: nothing to report)."""
         return 0
+
+    @property
+    def resident_fraction(self) -> float:
+        """The share of the weights on the device now (1.0 without an arena: always loaded)."""
+        return 1.0
 
     def state_ctx(self, engine: Engine) -> Any:
         """The llama_context for KV snapshots: the engine's own."""
@@ -143,6 +150,11 @@ class Tenancy:
         """Release the weights (and the KV cache when ``kv``) and give the token back."""
         return None
 
+    def give_way(self) -> p.Released | None:
+        """Make the room the head of the queue asks this worker for: the whole lease, or (a
+        partial lease) only the layer parts it needs. None when nobody asks any more."""
+        return None
+
     def waiting_reason(self) -> str:
         return ""
 
@@ -208,6 +220,10 @@ class ArenaTenancy(Tenancy):
         self._budget_bytes = 0
         self._budget_read_at = 0.0
         self._closed = False
+        self._pinned = spec.model.pinned
+        # set by the doorbell (warden thread): a partly released holder waiting to grow back looks
+        # at it while it waits, so that it makes room for the head of the queue meanwhile
+        self._rung = threading.Event()
 
     def _weights_budget(self) -> int:
         if self._closed:  # the worker is ending: a last status reports what was read before
@@ -259,10 +275,29 @@ class ArenaTenancy(Tenancy):
     def frees_context(self) -> bool:
         return self.residency is not None and self.residency.path == "rebuild"
 
+    def _weight_parts(self) -> int:
+        """The parts the released weights are held in: ``models[].weight_parts`` under a byte
+        budget, 1 (whole buffers, as before parts existed) under a one-model budget, where a
+        switch always moves the whole model."""
+        budget = self.budget
+        if budget is None or budget.one_model:
+            return 1
+        return max(1, int(self.spec.model.weight_parts))
+
+    @property
+    def partial(self) -> bool:
+        """This worker can free part of its weights (layer parts on the in-place path, under a
+        byte budget)."""
+        res = self.residency
+        return res is not None and res.path == "inplace" and self._weight_parts() > 1 and len(res.parts()) > 1
+
     def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""
         options = ResidencyOptions(
-            mode="auto", host_shadow=engine.model.host_shadow, defer_shadow=defer_shadow
+            mode="auto",
+            host_shadow=engine.model.host_shadow,
+            defer_shadow=defer_shadow,
+            parts=self._weight_parts(),
         )
         res = Residency.attach(engine.llm, engine.model.path, options)
         self.residency = res
@@ -272,6 +307,7 @@ class ArenaTenancy(Tenancy):
         self.weight_bytes = res.weight_bytes
         self.host_bytes = res.host_bytes
         self._fit_budget(res.weight_bytes)
+        self.client.set_partial(self.partial)
 
     @property
     def shadow_pending(self) -> bool:
@@ -333,9 +369,14 @@ class ArenaTenancy(Tenancy):
         self._budget_bytes = self._weights_budget()
 
     def start(self, enqueue_yield: Callable[[], None]) -> None:
-        self.client.start_doorbell(lambda _ring: enqueue_yield())
+        def ring(_ring: object) -> None:
+            self._rung.set()
+            enqueue_yield()
+
+        self.client.start_doorbell(ring)
 
     def set_pinned(self, pinned: bool) -> None:
+        self._pinned = pinned
         self.client.set_pinned(pinned)
 
     @property
@@ -364,54 +405,101 @@ class ArenaTenancy(Tenancy):
 
     @property
     def device_bytes(self) -> int:
-        return self.weight_bytes if self.weights_resident else 0
+        res = self.residency
+        if res is None:
+            return self.weight_bytes if self.client.holds_token else 0
+        return res.resident_bytes
+
+    @property
+    def resident_fraction(self) -> float:
+        res = self.residency
+        if res is None or res.weight_bytes <= 0:
+            return 1.0 if self.weights_resident else 0.0
+        return min(1.0, res.resident_bytes / res.weight_bytes)
+
+    def _covered(self) -> bool:
+        """Holds a lease of all its weights (a partly released holder holds less)."""
+        if not self.client.holds_token:
+            return False
+        return self.residency is None or self.client.lease_bytes >= self.residency.weight_bytes
 
     def acquire(self, poll: Callable[[], None], timeout_s: float | None) -> float:
         """Wait for a lease (on the arena's helper thread), polling; returns the wait in ms. The
-        weight bytes once loaded; before that, the load's lease (:meth:`_load_need`)."""
-        if self.client.holds_token:
+        weight bytes once loaded; before that, the load's lease (:meth:`_load_need`). A partly
+        released holder asks for its whole weights: the bytes it holds count as its own, so it
+        waits for room for the rest only; while it waits it still makes room for the head of the
+        queue when asked (two partly released holders must never wait for each other), and asks
+        again after it has."""
+        if self._covered():
             return 0.0
         need = self.weight_bytes if self.residency is not None else self._load_need()
-        request = self.client.request(timeout_s, need)
-        self._request = request
-        try:
-            while not request.wait(0.05):
-                poll()
-        except BaseException:
-            # Give the place in the queue up; if it was granted just now, cancel() is False and
-            # the token is kept with the exception: the caller releases or uses it.
-            request.cancel()
-            raise
-        finally:
-            self._request = None
-        grant = request.result()
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
+        rounds = 0
+        while True:
+            rounds += 1
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            request = self.client.request(left, need)
+            self._request = request
+            gave_way = False
+            try:
+                while not request.wait(0.05):
+                    poll()
+                    if self._rung.is_set() and self.client.holds_token and not self._pinned:
+                        self._rung.clear()
+                        if self.client.asked_to_free() is not None and request.cancel():
+                            request.wait()  # its thread has given back what it took meanwhile
+                            gave_way = True
+                            break
+            except BaseException:
+                # Give the place in the queue up; if it was granted just now, cancel() is False and
+                # the token is kept with the exception: the caller releases or uses it.
+                request.cancel()
+                raise
+            finally:
+                self._request = None
+            if gave_way:
+                self.give_way()
+                continue
+            grant = request.result()
+            if self._covered() or self.residency is None:
+                break
+            if rounds >= 1000:  # never expected: a granted request always covers the weights
+                raise ArenaError(
+                    f"{self.spec.model.id} holds {self.client.lease_bytes} bytes of its "
+                    f"{self.weight_bytes} after its request was granted"
+                )
+        wait_ms = grant.wait_ms if rounds == 1 else (time.monotonic() - started) * 1000.0
         # From here the weights may land on the device (load or restore): the resident interval
-        # of the arena-test harness starts now and ends when a release has freed them.
-        self._resident_since = time.monotonic()
+        # of the arena-test harness starts now (a partly released holder's goes on) and ends when
+        # a release has freed them all.
+        if self._resident_since is None:
+            self._resident_since = time.monotonic()
         if self.residency is None and self.budget is not None and self.budget.kind == "auto":
             try:
                 self._free_before_load = self._measure_free()
             except Exception as exc:
                 log.warning("measuring the device before the load failed: %s", exc)
         self._budget_bytes = self._weights_budget() if grant.budget is None else grant.budget
-        return grant.wait_ms
+        return wait_ms
 
     def ensure(self, poll: Callable[[], None], timeout_s: float) -> Acquired:
-        held = self.client.holds_token
+        held = self._covered() and self.weights_resident
         wait_ms = self.acquire(poll, timeout_s)
         restore_ms = 0.0
+        restored = 0
         res = self.residency
         if res is not None and not res.weights_resident:
             try:
-                restore_ms = self._restore(res, poll)
+                report = self._restore(res, poll)
             except BaseException:
-                self._end_resident()
-                self.client.release()  # the model stays released: the invariant holds
+                self.release(kv=False)  # what is left goes too: the model stays released, the invariant holds
                 raise
-        return Acquired(switched=not held, wait_ms=wait_ms, restore_ms=restore_ms)
+            restore_ms, restored = report.ms, report.bytes
+        return Acquired(switched=not held, wait_ms=wait_ms, restore_ms=restore_ms, restored_bytes=restored)
 
-    def _restore(self, res: Residency, poll: Callable[[], None]) -> float:
-        """Restore the weights (holding the token); returns the successful attempt's ms.
+    def _restore(self, res: Residency, poll: Callable[[], None]) -> RestoreReport:
+        """Restore the weights (holding the token); returns the successful attempt's report.
 
         Out of device memory is retried, keeping the token, for ``arena.restore_oom_retry_s``: after
         a ``kill -9`` of the holder the kernel drops its flock at once but the driver frees its
@@ -426,7 +514,7 @@ class ArenaTenancy(Tenancy):
             while True:
                 attempts += 1
                 try:
-                    return res.restore().ms
+                    return res.restore()
                 except OutOfDeviceMemoryError as exc:
                     left = deadline - time.monotonic()
                     if left <= 0.0:
@@ -451,7 +539,7 @@ class ArenaTenancy(Tenancy):
     def release(self, kv: bool) -> p.Released | None:
         res = self.residency
         report = None
-        if res is not None and (res.weights_resident or (kv and res.kv_resident)):
+        if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
             report = res.release(kv=kv)
         self._end_resident()
         if self.client.release() is None and report is None:
@@ -460,6 +548,43 @@ class ArenaTenancy(Tenancy):
         if report is None:
             return p.Released(level=level, release_ms=0.0, freed_bytes=0)
         return p.Released(level=level, release_ms=report.ms, freed_bytes=report.freed_bytes)
+
+    def give_way(self) -> p.Released | None:
+        """Free what the head of the queue asks for (see :meth:`Tenancy.give_way`): a partial
+        lease asked for less than it holds releases parts from its last layer down until its
+        resident bytes are at most its lease less the ask, then leases exactly those (the
+        resident interval goes on: it still has weights on the device); anything else, or a
+        release that left nothing resident, gives the whole lease back."""
+        if self._pinned or not self.client.holds_token:
+            return None
+        try:
+            ask = self.client.asked_to_free()
+        except OSError as exc:
+            log.warning("scanning the arena's waiters failed: %s", exc)
+            ask = self.client.lease_bytes  # err on the side of yielding
+        if ask is None:
+            return None
+        res = self.residency
+        lease = self.client.lease_bytes
+        if res is None or not self.partial or ask >= lease:
+            return self.release(kv=False)
+        report = res.release(keep_bytes=lease - ask)
+        if res.resident_bytes <= 0:
+            return self.release(kv=False)
+        self.client.shrink(res.resident_bytes)
+        log.info(
+            "made room for the head of the queue: released %s of %s, %s stays on %s",
+            decimal_bytes(report.released_bytes),
+            self.spec.model.id,
+            decimal_bytes(res.resident_bytes),
+            self.device_name or "the device",
+        )
+        return p.Released(
+            level="weights",
+            release_ms=report.ms,
+            freed_bytes=report.freed_bytes,
+            resident_bytes=res.resident_bytes,
+        )
 
     def others_waiting(self) -> bool:
         """The head of the arena's queue needs this worker's lease to go."""
