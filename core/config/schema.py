@@ -37,7 +37,7 @@ class ModelConfig:
     # under a byte VRAM budget (not one-model), hold the released weights in this many parts of
     # consecutive layers (the in-place path), so that a model making room for another frees only
     # the parts it needs, from its last layer down; 1: whole buffers (a switch moves all the weights)
-    weight_parts: int = 8
+    weight_parts: int = 16
     # the GPU this model runs on (index among the GPUs, as llama.cpp's main_gpu; one VRAM budget,
     # queue and set of leases per GPU); 0 on a single-GPU or CPU-only machine
     device: int = 0
