@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from _proc_util import wait_until
 from timeshare.app.menu_model import display_state, model_title
+from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import compute_budget, parse_budget
 from timeshare.core.arena.client import TokenClient
-from timeshare.core.arena.tickets import Arena
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
 from timeshare.core.diagnostics.arena_test import run_arena_test
 from timeshare.core.diagnostics.budget_check import check_budget
