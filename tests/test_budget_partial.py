@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import compute_budget, parse_budget
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
-from timeshare.core.diagnostics.arena_test import run_arena_test
+from timeshare.core.diagnostics.arena_test import ArenaHarness, plan_workers
 from timeshare.core.diagnostics.budget_check import check_budget
 from timeshare.core.errors import VramBudgetError
 from timeshare.core.observe import read_events
@@ -203,17 +203,30 @@ def test_three_workers_on_a_budget_that_forces_partial_releases(
 ) -> None:
     # smol, gemma, smol-2: both smols fit whole, gemma fits only beside part of one of them
     budget = str(os.path.getsize(gemma3_path) + os.path.getsize(smollm2_path) * 6 // 10)
-    report = run_arena_test(
-        [(SMOL, str(smollm2_path)), (GEMMA, str(gemma3_path))],
-        workers=3,
-        seconds=8.0,
-        work_dir=tmp_path / "work",
+    plans = plan_workers(3, [(SMOL, str(smollm2_path)), (GEMMA, str(gemma3_path))])
+    harness = ArenaHarness(
+        plans,
+        work_dir=tmp_path,
+        arena_dir=tmp_path / "arena",
+        max_tokens=8,
         min_quantum_ms=20.0,
         budget=budget,
     )
+
+    def enough(done: Mapping[str, int]) -> bool:  # every worker answered twice, some after a partial restore
+        partial = any(0.0 < f < 1.0 for f in harness.tally.restored_fraction)
+        return partial and len(done) == 3 and min(done.values()) >= 2
+
+    try:
+        harness.start()
+        harness.take_reference()
+        harness.contend(240.0, until=enough)  # bounded; a loaded machine is slow, nothing is timed
+    finally:
+        harness.stop()
+    report = harness.report()
     data = report.to_json()
-    assert report.budget_violations == 0, data
+    assert report.budget_violations == 0 and report.max_holders >= 2, data
     assert report.outputs_match_reference and report.deadlocks == 0 and report.errors == 0, data
-    assert all(n > 0 for _, n in report.requests_by_worker), data  # nobody starved
+    assert min(n for _, n in report.requests_by_worker) >= 2, data  # nobody starved
     assert report.partial_restores > 0, data  # some switches moved only what a partial release took
     assert report.ok, data
