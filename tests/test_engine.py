@@ -4,7 +4,7 @@ conversations as KV snapshots (LRU, disk), prompt too long, cancel."""
 from __future__ import annotations
 
 # isort: off
-import llama_cpp  # before anything that imports numpy
+import llama_cpp  # noqa: F401  (before anything that imports numpy)
 # isort: on
 
 import dataclasses
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _e_worker_util import generate_message
+from _llama_oracle import plain_completions
 from timeshare.core.chatformat.history import render
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError, ModelFileError, PromptTooLongError
@@ -32,12 +33,7 @@ def engine(smollm2_path: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_path: Path) -> str:
-    llm = llama_cpp.Llama(str(smollm2_path), n_ctx=2048, verbose=False)
-    try:
-        out = llm.create_completion(PROMPT, max_tokens=24, temperature=0)
-        return str(out["choices"][0]["text"])
-    finally:
-        llm.close()
+    return plain_completions(smollm2_path, (PROMPT,), 24)[0]
 
 
 def run(engine: Engine, **fields: object) -> tuple[str, object]:

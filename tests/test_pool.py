@@ -106,15 +106,12 @@ def group_alive(pgid: int) -> bool:
 @pytest.fixture(scope="module")
 def reference(smollm2_path: Path, gemma3_path: Path) -> dict[str, str]:
     """Greedy completions from plain llama-cpp-python, the answers the pool must reproduce."""
-    import llama_cpp
+    from _llama_oracle import plain_completions  # llama_cpp: only in this fixture
 
-    out = {}
-    for model_id, path in ((SMOLLM2_ID, smollm2_path), (GEMMA3_ID, gemma3_path)):
-        llm = llama_cpp.Llama(str(path), n_ctx=2048, verbose=False)
-        result = llm.create_completion(PROMPTS[model_id], max_tokens=N_TOKENS, temperature=0)
-        out[model_id] = result["choices"][0]["text"]  # type: ignore[index]
-        llm.close()
-    return out
+    return {
+        model_id: plain_completions(path, (PROMPTS[model_id],), N_TOKENS)[0]
+        for model_id, path in ((SMOLLM2_ID, smollm2_path), (GEMMA3_ID, gemma3_path))
+    }
 
 
 @pytest.fixture(scope="module")
