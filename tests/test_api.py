@@ -408,6 +408,7 @@ def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> N
         "first_token_ms",
         "prompt_tokens_evaluated",
         "batch_size",
+        "restored_bytes",
     }
     url, headers = f"{served.url}/v1/completions", served.headers()
     body = {"prompt": "The colour of the sky is", "max_tokens": 4, "temperature": 0, "cache_prompt": False}
@@ -418,6 +419,7 @@ def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> N
     assert ts["switched"] is True and ts["restore_ms"] > 0 and ts["first_token_ms"] > 0
     assert ts["wait_ms"] >= 0 and ts["release_ms"] >= 0
     assert ts["batch_size"] == 1  # it answered alone
+    assert ts["restored_bytes"] > 0  # the weights it had lost came back
     assert ts["prompt_tokens_evaluated"] == plain["usage"]["prompt_tokens"] > 0  # cache_prompt false
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     streamed = dict(body, model=GEMMA, stream=True, stream_options={"include_usage": True})
@@ -429,6 +431,7 @@ def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> N
     ts = final[0]["timeshare"]
     assert set(ts) == fields
     assert ts["switched"] is False and ts["restore_ms"] == 0 and ts["wait_ms"] == 0
+    assert ts["restored_bytes"] == 0
     assert ts["first_token_ms"] > 0
     usage = events[-1]["usage"]
     assert ts["prompt_tokens_evaluated"] == usage["prompt_tokens"] > 0
