@@ -1,0 +1,184 @@
+"""Continuous batching on the real Gemma-3-270M demo model (CPU build): a sequence's greedy tokens
+are the same whether it decodes alone or joins a batch where another Gemma-3 sequence is already
+decoding: a prompt longer than the sliding window, the next turn of a conversation continued from
+its cached prefix, and a conversation restored from a host snapshot.
+
+Gemma-3-270M's Q4_K tensors are the ones llama.cpp's CPU backend repacks (AVX2) and its
+sliding-window attention is the other thing a batch could change; SmolLM2's Q4_1 is neither, so
+tests/test_batch.py alone cannot see either. The oracle is a fresh plain ``Llama`` with the engine's
+own model parameters, driven through llama-cpp-python's ``Llama.generate`` (its own prefix matching
+for the second turn) with the token ids the engine prepared, so tokenization is not what is
+compared."""
+
+from __future__ import annotations
+
+# isort: off
+import llama_cpp  # before anything that imports numpy
+# isort: on
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+from _e_worker_util import generate_message as Generate
+from timeshare.core.config.schema import ModelConfig
+from timeshare.core.worker.decode import Live
+from timeshare.core.worker.engine import Engine
+
+N_CTX = 1024  # per sequence: room for a prompt longer than the sliding window
+SHORT = ("The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):")
+N = 16
+
+
+def _window(path: Path) -> int:
+    field = gguf.GGUFReader(str(path)).fields["gemma3.attention.sliding_window"]
+    return int(field.parts[field.data[0]][0])
+
+
+class Oracle:
+    """A fresh plain Llama (the engine's model parameters, one sequence) answering token ids."""
+
+    def __init__(self, path: Path) -> None:
+        self.llm = llama_cpp.Llama(str(path), n_ctx=N_CTX, verbose=False)
+
+    def answer(self, tokens: list[int], n: int, *, reset: bool = True) -> list[int]:
+        """Greedy ids after ``tokens`` (``reset``: from an empty KV cache; else llama-cpp-python's
+        prefix matching continues what the context holds)."""
+        if reset:
+            self.llm.reset()
+        out: list[int] = []
+        for token in self.llm.generate(tokens, temp=0.0, reset=True):
+            if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, token):
+                break
+            out.append(int(token))
+            if len(out) == n:
+                break
+        return out
+
+
+@pytest.fixture(scope="module")
+def gemma2(gemma3_path: Path) -> Iterator[Engine]:
+    e = Engine.load(ModelConfig(id="gemma", path=str(gemma3_path), n_ctx=N_CTX, parallel=2, n_seq=4))
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def oracle(gemma3_path: Path, gemma2: Engine) -> Iterator[Oracle]:
+    # the oracle lays the weights out as the engine did (llama-cpp-python's Llama takes no
+    # use_extra_bufts: its default model parameters are given the engine's)
+    real = llama_cpp.llama_cpp.llama_model_default_params
+    extra = bool(gemma2.llm.model_params.use_extra_bufts)
+
+    def same() -> Any:
+        p = real()
+        p.use_extra_bufts = extra
+        return p
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama_cpp.llama_cpp, "llama_model_default_params", same)
+        o = Oracle(gemma3_path)
+    yield o
+    o.llm.close()
+
+
+class Batch:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.live: dict[str, Live] = {}
+
+    def join(self, name: str, **fields: Any) -> Live:
+        fields.setdefault("cache_prompt", False)
+        fields.setdefault("max_tokens", N)
+        prepared = self.engine.prepare(Generate(req=name, logprobs=True, **fields))
+        live = self.engine.start(prepared, lambda _piece: None)
+        self.live[name] = live
+        return live
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.engine.step()
+
+    def run(self) -> None:
+        while self.engine.active:
+            self.engine.step()
+
+    def ids(self, name: str) -> list[int]:
+        """The answer's token ids (the sampler's records: one per sampled token)."""
+        return [r.token for r in self.live[name].sampler.records]
+
+
+def _long_prompt(window: int) -> str:
+    return "Notes: " + " ".join(f"item {i} is {['red', 'blue', 'green'][i % 3]};" for i in range(window // 4))
+
+
+def test_the_sliding_window_is_read_from_the_gguf(gemma3_path: Path, gemma2: Engine) -> None:
+    window = _window(gemma3_path)
+    assert window == int(llama_cpp.llama_model_n_swa(gemma2.llm.model)) > 0
+
+
+def test_a_sequence_joining_a_decoding_gemma3_one_answers_as_alone(
+    gemma3_path: Path, gemma2: Engine, oracle: Oracle
+) -> None:
+    window = _window(gemma3_path)
+    long = _long_prompt(window)
+    cases = [(SHORT[0], SHORT[1], 3), (SHORT[2], SHORT[1], 1), (SHORT[1], long, 2), (long, SHORT[2], 5)]
+    for first, second, lag in cases:
+        b = Batch(gemma2)
+        a = b.join("a", prompt=first)
+        b.steps(lag)  # a is decoding when b joins
+        assert a.completion >= 1 and not a.done
+        late = b.join("b", prompt=second)
+        b.run()
+        tokens_a = gemma2.prepare(Generate(req="t", prompt=first)).tokens
+        tokens_b = gemma2.prepare(Generate(req="t", prompt=second)).tokens
+        if second is long or first is long:
+            assert max(len(tokens_a), len(tokens_b)) > window + 16  # the window is crossed
+        assert late.batch_size == 2
+        assert b.ids("a") == oracle.answer(tokens_a, N), (first, second, lag)
+        assert b.ids("b") == oracle.answer(tokens_b, N), (first, second, lag)
+
+
+def test_a_second_turn_and_a_restored_conversation_in_a_batch_answer_as_alone(
+    gemma3_path: Path, gemma2: Engine, oracle: Oracle
+) -> None:
+    window = _window(gemma3_path)
+    system = _long_prompt(window) + "\nAnswer in one short sentence."
+    turn1 = f"{system}\nUser: Which colour is item 7?\nAssistant:"
+    # turn 1 alone; the oracle does the same turn in its own context
+    b = Batch(gemma2)
+    b.join("t1", prompt=turn1, conversation="chat-1", cache_prompt=None)
+    b.run()
+    answer1 = gemma2.outcome(b.live["t1"]).text
+    tokens1 = gemma2.prepare(Generate(req="t", prompt=turn1)).tokens
+    assert len(tokens1) > window + 16
+    assert b.ids("t1") == oracle.answer(tokens1, N)
+    turn2 = f"{turn1}{answer1}\nUser: And item 8?\nAssistant:"
+    tokens2 = gemma2.prepare(Generate(req="t", prompt=turn2)).tokens
+    # turn 2 of chat-1 joins while another sequence decodes: it continues its cached prefix
+    b2 = Batch(gemma2)
+    b2.join("other", prompt=SHORT[1])
+    b2.steps(2)
+    t2 = b2.join("t2", prompt=turn2, conversation="chat-1", cache_prompt=None)
+    b2.run()
+    assert gemma2.outcome(t2).prompt_tokens_evaluated < len(tokens2) // 2  # the prefix was reused
+    expected2 = oracle.answer(tokens2, N, reset=False)  # llama-cpp-python continues its turn 1
+    assert b2.ids("t2") == expected2
+    assert b2.ids("other") == oracle.answer(gemma2.prepare(Generate(req="t", prompt=SHORT[1])).tokens, N)
+    # two other conversations take both sequences: chat-1 goes to a host snapshot
+    for i, prompt in enumerate(SHORT[:2]):
+        b3 = Batch(gemma2)
+        b3.join(f"c{i}", prompt=prompt, conversation=f"chat-x{i}", cache_prompt=None)
+        b3.run()
+    assert "chat-1" in gemma2.conversations and not any(s.key == "chat-1" for s in gemma2._slots)
+    # chat-1's turn 2 again (a regenerate): restored from the snapshot, joining a decoding sequence
+    b4 = Batch(gemma2)
+    b4.join("other", prompt=SHORT[2])
+    b4.steps(3)
+    t2b = b4.join("t2b", prompt=turn2, conversation="chat-1", cache_prompt=None)
+    b4.run()
+    assert gemma2.outcome(t2b).prompt_tokens_evaluated < len(tokens2) // 2  # restored, not re-prefilled
+    assert b4.ids("t2b") == expected2
+    assert b4.ids("other") == oracle.answer(gemma2.prepare(Generate(req="t", prompt=SHORT[2])).tokens, N)
