@@ -1,14 +1,17 @@
 """Continuous batching on the real Gemma-3-270M demo model (CPU build): a sequence's greedy tokens
 are the same whether it decodes alone or joins a batch where another Gemma-3 sequence is already
 decoding: a prompt longer than the sliding window, the next turn of a conversation continued from
-its cached prefix, and a conversation restored from a host snapshot.
+its cached prefix, and a conversation restored from a host snapshot; and a host snapshot of a
+sequence longer than the window, which holds only the window's positions in the SWA layers, is
+never cut back and continued (a prompt diverging inside it starts over).
 
 Gemma-3-270M's Q4_K tensors are the ones llama.cpp's CPU backend repacks (AVX2) and its
 sliding-window attention is the other thing a batch could change; SmolLM2's Q4_1 is neither, so
 tests/test_batch.py alone cannot see either. The oracle is a fresh plain ``Llama`` with the engine's
 own model parameters, driven through llama-cpp-python's ``Llama.generate`` (its own prefix matching
-for the second turn) with the token ids the engine prepared, so tokenization is not what is
-compared."""
+for a next turn) with the token ids the engine prepared, so tokenization is not what is compared.
+Before the fixes, a prompt joining the batch differed at its 4th token (repacked weights) and the
+diverging prompt at its 3rd (the window's lost positions)."""
 
 from __future__ import annotations
 
@@ -145,7 +148,7 @@ def test_a_second_turn_and_a_restored_conversation_in_a_batch_answer_as_alone(
     gemma3_path: Path, gemma2: Engine, oracle: Oracle
 ) -> None:
     window = _window(gemma3_path)
-    system = _long_prompt(window) + "\nAnswer in one short sentence."
+    system = _long_prompt(window // 2) + "\nAnswer in one short sentence."
     turn1 = f"{system}\nUser: Which colour is item 7?\nAssistant:"
     # turn 1 alone; the oracle does the same turn in its own context
     b = Batch(gemma2)
@@ -153,10 +156,10 @@ def test_a_second_turn_and_a_restored_conversation_in_a_batch_answer_as_alone(
     b.run()
     answer1 = gemma2.outcome(b.live["t1"]).text
     tokens1 = gemma2.prepare(Generate(req="t", prompt=turn1)).tokens
-    assert len(tokens1) > window + 16
     assert b.ids("t1") == oracle.answer(tokens1, N)
     turn2 = f"{turn1}{answer1}\nUser: And item 8?\nAssistant:"
     tokens2 = gemma2.prepare(Generate(req="t", prompt=turn2)).tokens
+    assert len(tokens2) + N < window  # the sliding window holds the whole conversation
     # turn 2 of chat-1 joins while another sequence decodes: it continues its cached prefix
     b2 = Batch(gemma2)
     b2.join("other", prompt=SHORT[1])
@@ -173,12 +176,47 @@ def test_a_second_turn_and_a_restored_conversation_in_a_batch_answer_as_alone(
         b3.join(f"c{i}", prompt=prompt, conversation=f"chat-x{i}", cache_prompt=None)
         b3.run()
     assert "chat-1" in gemma2.conversations and not any(s.key == "chat-1" for s in gemma2._slots)
-    # chat-1's turn 2 again (a regenerate): restored from the snapshot, joining a decoding sequence
+    # chat-1's turn 2 again (a regenerate): restored from the snapshot (llama_state_seq_set_data),
+    # cut back to the prompt, joining a decoding sequence
     b4 = Batch(gemma2)
     b4.join("other", prompt=SHORT[2])
     b4.steps(3)
     t2b = b4.join("t2b", prompt=turn2, conversation="chat-1", cache_prompt=None)
     b4.run()
-    assert gemma2.outcome(t2b).prompt_tokens_evaluated < len(tokens2) // 2  # restored, not re-prefilled
+    assert gemma2.outcome(t2b).prompt_tokens_evaluated == 1  # restored: only the last prompt token again
     assert b4.ids("t2b") == expected2
     assert b4.ids("other") == oracle.answer(gemma2.prepare(Generate(req="t", prompt=SHORT[2])).tokens, N)
+
+
+def test_a_host_snapshot_holds_only_the_sliding_window_so_a_diverging_prompt_starts_over(
+    gemma3_path: Path, gemma2: Engine, oracle: Oracle
+) -> None:
+    """``llama_state_seq_get_data`` leaves out the cells the sliding window masks: a Gemma-3
+    sequence longer than the window comes back from a host snapshot with only its last n_swa
+    positions in the SWA layers. A keyless prompt that diverges inside it would attend to positions
+    that are gone (its answer differed from the 3rd token): it is evaluated from scratch."""
+    window = _window(gemma3_path)
+    notes = _long_prompt(window)
+    first = notes + " Which colour is item 7? Answer:"
+    second = notes + " Which colour is item 9? Answer:"
+    b = Batch(gemma2)
+    b.join("k1", prompt=first, cache_prompt=None)
+    b.run()
+    held = list(b.live["k1"].ids)
+    tokens2 = gemma2.prepare(Generate(req="t", prompt=second)).tokens
+    shared = next(i for i, (x, y) in enumerate(zip(held, tokens2, strict=False)) if x != y)
+    assert shared > window + 64 and len(held) - shared > 2  # long shared prefix, diverging inside
+    gemma2.park()  # every idle sequence goes to a host snapshot
+    b2 = Batch(gemma2)
+    b2.join("other", prompt=SHORT[0])
+    b2.steps(2)
+    k2 = b2.join("k2", prompt=second, cache_prompt=None)
+    b2.run()
+    assert b2.ids("k2") == oracle.answer(tokens2, N)
+    assert gemma2.outcome(k2).prompt_tokens_evaluated == len(tokens2)
+    # what the window still holds is reused: the same prompt continued (the next request extends it)
+    third = second + gemma2.outcome(k2).text + " And item 10? Answer:"
+    tokens3 = gemma2.prepare(Generate(req="t", prompt=third)).tokens
+    k3 = gemma2.generate(Generate(req="k3", prompt=third, max_tokens=N, logprobs=True), lambda _p: None)
+    assert k3.prompt_tokens_evaluated < len(tokens3) // 4
+    assert [r.token for r in k3.logprobs] == oracle.answer(tokens3, N)

@@ -4,7 +4,8 @@ Nothing here is thread-safe on purpose: the worker's loop thread is the only cal
 runs in ``decode.Decoder`` (llama.cpp's low-level API; a completion at temperature 0 from an empty
 KV cache equals what a plain ``Llama(path, n_ctx=...).create_completion`` produces): the context is
 built with the library's defaults (only n_ctx, n_gpu_layers, use_mmap, verbose and the model's
-``flash_attn`` differ; the first three do not change numerics, ``flash_attn`` is off unless set).
+``flash_attn`` differ; the first three do not change numerics, ``flash_attn`` is off unless set;
+a context of several sequences also loads the weights unrepacked: see ``batch_invariant``).
 The caller's ``before_step`` hook runs before every decode step: that is where the worker drains
 its queue (cancel, yield) and makes sure the weights are resident.
 
@@ -39,7 +40,7 @@ import ctypes
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,18 +198,19 @@ class Engine:
         check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
         parallel = 1 if model.embedding else model.parallel or default_parallel()
         try:
-            llm = llama_cpp.Llama(
-                model_path=model.path,
-                n_ctx=model.n_ctx * parallel,  # each sequence has the model's whole n_ctx
-                n_gpu_layers=model.n_gpu_layers,
-                use_mmap=use_mmap,
-                flash_attn=model.flash_attn,
-                verbose=False,
-                # an embedding model's context pools (the GGUF's pooling type; embed.py means a
-                # causal model's tokens itself)
-                embedding=model.embedding,
-                **llama_placement(model.device),  # one GPU: its VRAM budget counts the weights
-            )
+            with _model_defaults(**batch_invariant(parallel)):
+                llm = llama_cpp.Llama(
+                    model_path=model.path,
+                    n_ctx=model.n_ctx * parallel,  # each sequence has the model's whole n_ctx
+                    n_gpu_layers=model.n_gpu_layers,
+                    use_mmap=use_mmap,
+                    flash_attn=model.flash_attn,
+                    verbose=False,
+                    # an embedding model's context pools (the GGUF's pooling type; embed.py means a
+                    # causal model's tokens itself)
+                    embedding=model.embedding,
+                    **llama_placement(model.device),  # one GPU: its VRAM budget counts the weights
+                )
         except (ValueError, RuntimeError) as exc:
             log.error("llama.cpp failed to load %s: %s", model.path, exc)
             # check_gguf proved the header and the tensor data whole: llama.cpp refused it otherwise
@@ -275,7 +277,17 @@ class Engine:
         if n < size:
             del state[n:]
         ids = tuple(slot.ids)
-        return KVSnapshot(len(ids), ids, state, max(0, self._pos_min(slot)), slot.prompt_len)
+        pos_min = self._restored_pos_min(len(ids), self._pos_min(slot))
+        return KVSnapshot(len(ids), ids, state, pos_min, slot.prompt_len)
+
+    def _restored_pos_min(self, n_tokens: int, pos_min: int) -> int:
+        """The lowest position a snapshot of a sequence of ``n_tokens`` (whose KV starts at
+        ``pos_min``) holds once it is restored. ``llama_state_seq_get_data`` leaves out the cells a
+        sliding window masks (llama-kv-cache.cpp's state_write: the SWA layers of a sequence keep
+        only its last ``n_swa`` positions, however many the context held), so a restored Gemma-3
+        sequence longer than the window can be continued, not cut back (``_window_holds``)."""
+        pos_min = max(0, pos_min)
+        return max(pos_min, n_tokens - self._n_swa) if self._n_swa > 0 else pos_min
 
     def _load_snapshot(self, slot: Slot, snap: KVSnapshot) -> None:
         """Put a host snapshot into the slot's sequence (whatever it held is dropped)."""
@@ -462,7 +474,8 @@ class Engine:
                 pos_min, prompt_len = -1, slot.prompt_len
             else:
                 snap = self._saved[key]
-                ids, pos_min, prompt_len = snap.input_ids, snap.pos_min, snap.prompt_len
+                ids, prompt_len = snap.input_ids, snap.prompt_len
+                pos_min = self._restored_pos_min(snap.n_tokens, snap.pos_min)  # (files of older runs)
             reuse = min(common_prefix(ids, tokens), limit)
             if reuse <= best_reuse:
                 continue
@@ -513,6 +526,9 @@ class Engine:
                 "taken over" if take_over else "branched",
             )
         assert slot.key is not None
+        # the window rule on what the slot holds now: a copy made through a snapshot holds less
+        # than its source did (see _restored_pos_min)
+        self._keep_window(slot, tokens)
         self._touch(slot.key)
         self._trim(self.model.n_seq, protect=slot)
         return slot
@@ -958,6 +974,49 @@ class Engine:
         self._saved.clear()
         self._decoder.close()
         self.llm.close()
+
+
+def batch_invariant(parallel: int) -> dict[str, Any]:
+    """The model parameters a context of ``parallel`` sequences loads its weights with, so that a
+    sequence's numbers do not depend on what else is in its batch.
+
+    llama.cpp's CPU backend repacks some weight types into interleaved layouts ("extra" buffer
+    types, CPU_REPACK: Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2; more on ARM), and its matmul over a
+    repacked weight computes the rows of a ubatch in groups of four with one kernel (gemm) and the
+    rows left over with another (gemv), whose float sums differ in the last bits. Alone, a
+    sequence's rows fall the same way every time; in a batch its rows sit after (and, split
+    equally per sequence by a non-unified KV cache, between) other sequences' rows, so they go
+    through the other kernel: Gemma-3-270M Q4_K_M's greedy answers joining a batch differed from
+    their solo ones at the 4th token (tests/test_batch_gemma.py). Without repacking, every weight
+    row is computed by the same vec_dot (one row) or tinyBLAS (several) kernel whatever its
+    neighbours, and the answers are the solo ones. The price: prefill on a CPU without the repacked
+    kernels (docs/PERFORMANCE.md). One sequence keeps llama.cpp's defaults (nothing to vary)."""
+    return {} if parallel <= 1 else {"use_extra_bufts": False}
+
+
+@contextlib.contextmanager
+def _model_defaults(**fields: Any) -> Iterator[None]:
+    """llama-cpp-python's ``Llama`` sets only the model parameters it has arguments for, on top of
+    ``llama_model_default_params()``: for the constructor's duration that function returns the
+    defaults with ``fields`` set (``llm.model_params`` keeps them, so the residency's reload makes
+    the same). The worker's loop thread is the only one loading a model."""
+    if not fields:
+        yield
+        return
+    module: Any = llama_cpp.llama_cpp
+    real = module.llama_model_default_params
+
+    def defaults() -> Any:
+        params = real()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    module.llama_model_default_params = defaults
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = real
 
 
 def _sequences(llm: Any, parallel: int) -> None:
