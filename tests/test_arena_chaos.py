@@ -1,7 +1,8 @@
 """``timeshare arena-test --chaos``: real workers under random contention while the harness kills
 (kill -9) and stops (SIGSTOP, longer than hung_holder_s, so the pool's watchdog kills a stopped
 holder) workers; the pool restarts them. The arena invariant holds, every answered request equals
-its uncontended reference, no request is lost, and every worker answers again afterwards."""
+its uncontended reference (batched ones too: each worker answers two at once), no request is lost,
+and every worker answers again afterwards."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from timeshare.core.diagnostics.arena_test_checks import check_intervals
 SECONDS = 60
 HUNG_S = 3.0
 STOP_FOR_S = 5.0  # > HUNG_S: a stopped holder with someone waiting is killed by the watchdog
+PARALLEL = 2  # the clients outnumber the workers: answers are batched too (and must still match)
 
 
 def test_killed_holdings_are_checked_up_to_the_kill() -> None:
@@ -67,6 +69,8 @@ def test_chaos_run_loses_nothing_and_keeps_the_invariant(
             str(STOP_FOR_S),
             "--hung-holder-s",
             str(HUNG_S),
+            "--parallel",
+            str(PARALLEL),
             "--json",
         ],
         capture_output=True,
@@ -90,6 +94,7 @@ def test_chaos_run_loses_nothing_and_keeps_the_invariant(
     assert data["documented_errors"] == list(CHAOS_ERRORS)
     assert data["outputs_match_reference"] is True, summary
     assert data["requests"] > 0 and data["handoffs"] > 0, summary
+    assert data["parallel"] == PARALLEL, summary
     # the chaos happened, while the workers contended, and the pool brought every worker back
     assert data["chaos"] is True
     assert data["kills"] >= 3 and data["stops"] >= 2, summary

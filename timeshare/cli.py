@@ -223,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
         "be 0), a size such as 2GB or 20GiB, a share such as 80%%, or auto; several workers stay "
         "resident when they fit, and budget_violations must be 0",
     )
+    arena.add_argument(
+        "--parallel",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each worker's models[].parallel: requests it answers at once, decoded together (0: auto, "
+        "the default); the clients outnumber the workers, so N > 1 batches",
+    )
     arena.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     serve = sub.add_parser("serve", help="run the pool and the OpenAI-compatible API without a GUI")

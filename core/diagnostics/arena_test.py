@@ -112,6 +112,7 @@ class _Tally:
     # per switched request: the weight bytes its restore moved, and their share of its model's
     restored_bytes: list[int] = field(default_factory=list)
     restored_fraction: list[float] = field(default_factory=list)
+    batched: int = 0  # answers decoded together with another (batch_size > 1)
     by_worker: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -137,10 +138,13 @@ class ArenaHarness:
         hung_holder_s: float | None = None,
         chaos: ChaosPlan | None = None,
         budget: str = "one-model",
+        parallel: int = 0,
     ) -> None:
         from ..pool.supervisor import Pool  # here: importing the harness module stays cheap
 
         parse_budget(budget)  # ValueError: said before anything starts
+        if parallel < 0:
+            raise ValueError("--parallel must be >= 0 (0: auto)")
         self.budget = budget
         self.budget_bytes: int | None = None  # the device's, once the workers are up
         self.weight_bytes: dict[str, int] = {}  # each worker's, once they are up
@@ -182,7 +186,8 @@ class ArenaHarness:
         self.memory_window: tuple[float, float] | None = None  # first and last sample (monotonic)
         config = Config(
             models=tuple(
-                ModelConfig(id=p.id, path=p.path, n_ctx=512, n_seq=2, idle_sleep_s=None) for p in self.plans
+                ModelConfig(id=p.id, path=p.path, n_ctx=512, n_seq=2, parallel=parallel, idle_sleep_s=None)
+                for p in self.plans
             ),
             arena=ArenaConfig(
                 dir=str(arena_dir),
@@ -193,6 +198,7 @@ class ArenaHarness:
             ),
         )
         self.hung_holder_s = config.arena.hung_holder_s
+        self.parallel = parallel
         self.pool = Pool(
             config,
             arena_dir=arena_dir,
@@ -240,13 +246,15 @@ class ArenaHarness:
         except TimeoutError:
             gen.cancel()
             raise
-        if result.switch.switched:
-            weights = self.weight_bytes.get(worker_id, 0)
-            with self.tally.lock:
+        weights = self.weight_bytes.get(worker_id, 0)
+        with self.tally.lock:
+            if result.switch.switched:
                 self.tally.restore_ms.append(result.switch.restore_ms)
                 self.tally.restored_bytes.append(result.switch.restored_bytes)
                 if weights > 0:
                     self.tally.restored_fraction.append(result.switch.restored_bytes / weights)
+            if result.batch_size > 1:
+                self.tally.batched += 1
         return result.text
 
     def take_reference(self) -> None:
@@ -430,6 +438,8 @@ class ArenaHarness:
             models=tuple(p.id for p in self.plans),
             seconds=round(self.contention_s, 3),
             requests=tally.requests,
+            parallel=self.parallel,
+            batched_requests=tally.batched,
             reference_requests=self.reference_requests,
             errors=len(tally.errors),
             handoffs=check.handoffs,
@@ -553,6 +563,7 @@ def main(args: argparse.Namespace) -> int:
             progress=progress,
             sample_memory_ms=args.sample_memory_ms,
             budget=getattr(args, "budget", None) or "one-model",
+            parallel=getattr(args, "parallel", 0) or 0,
             **chaos_options(args),
         )
     except ArenaError as exc:

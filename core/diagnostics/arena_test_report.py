@@ -43,6 +43,8 @@ class ArenaTestReport:
     restored_bytes_p50: int | None = None
     restored_fraction_p50: float | None = None
     partial_restores: int = 0
+    parallel: int = 0  # each worker's models[].parallel (0: auto)
+    batched_requests: int = 0  # answers decoded together with others (their batch_size > 1)
     start_s: float = 0.0  # starting the workers
     reference_s: float = 0.0  # taking the uncontended reference
     requests_by_worker: tuple[tuple[str, int], ...] = ()
@@ -140,6 +142,8 @@ class ArenaTestReport:
             f"requests             {self.requests} under contention in {self.seconds:.1f} s "
             f"(+{self.reference_requests} reference)",
             f"per worker           {', '.join(f'{k}: {v}' for k, v in self.requests_by_worker)}",
+            f"batched              {self.batched_requests} answered in a batch "
+            f"(parallel {self.parallel or 'auto'})",
             f"handoffs             {self.handoffs}",
             f"handoff p50 / p99    {ms(self.handoff_ms_p50)} / {ms(self.handoff_ms_p99)} (doorbell → token)",
             f"restore p50          {ms(self.restore_ms_p50)}{self._restored_text()}",
