@@ -29,10 +29,10 @@ class DeviceMemory:
 
 #: sequences a model decodes together when ``models[].parallel`` is 0 (auto): on a GPU a step of
 #: four sequences costs little more than a step of one (the weights are read once per step); on a
-#: CPU a step costs about its tokens' compute (docs/PERFORMANCE.md, continuous batching: 2 streams
-#: 3.8 tok/s batched vs 4.5 one at a time on the dev machine), and Gemma-3's greedy answers in a
-#: batch were seen to differ from its solo answers (arena-test --chaos, 2 of 3 runs): one at a time
-#: is the CPU default until that is fixed; a number in the setting still batches
+#: CPU a step costs about its tokens' compute, so two streams batched were no faster than one at a
+#: time (docs/PERFORMANCE.md, continuous batching: SmolLM2 0.84-1.16x in 3 runs, Gemma-3 0.63x)
+#: for twice the KV: one at a time is the CPU default; a number in the setting still batches (with
+#: the solo answers: see engine.batch_invariant)
 GPU_PARALLEL = 4
 CPU_PARALLEL = 1
 
