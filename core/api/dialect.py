@@ -30,7 +30,7 @@ from ..config.schema import ModelConfig
 from ..errors import UnknownModelError
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
-from ..state import PoolSnapshot
+from ..state import ModelStatus, PoolSnapshot
 from .chat_output import prepare_chat
 from .errors import BadRequestError
 from .requests import GenerationRequest
@@ -56,11 +56,15 @@ class Host(Protocol):
     def streaming(self, gen: Generation) -> contextlib.AbstractContextManager[None]: ...
 
 
-def model_config(pool: Pool, model_id: str) -> ModelConfig | None:
-    return next((m for m in pool.config.models if m.id == model_id), None)
+def listing(pool: Pool) -> list[tuple[ModelStatus, ModelConfig | None]]:
+    """The models every dialect lists (GET /v1/models, /api/tags, /api/ps), in the pool's order:
+    each one's status, all from one snapshot, and its configuration (None: removed meanwhile)."""
+    config = pool.config
+    return [(status, config.model(status.id)) for status in pool.snapshot().models]
 
 
 def unknown_model(name: str, snapshot: PoolSnapshot) -> UnknownModelError:
+    """The OpenAI and Anthropic dialects' answer to a model name that names none."""
     known = ", ".join(m.id for m in snapshot.models) or "none are configured"
     return UnknownModelError(f"The model {name!r} does not exist in this Timeshare; use one of: {known}.")
 
@@ -200,7 +204,7 @@ async def start(
         raise unknown_model(req.model, snapshot)
     if tools is not None:
         req = dataclasses.replace(req, tools=tools)
-    model = model_config(host.pool, req.model)
+    model = host.pool.config.model(req.model)
     fields, output = await host.call(prepare_chat, req, model)
     try:
         gen = await host.call(partial(host.pool.generate, req.model, **fields))

@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from .. import paths
 from ..config.files import load_config
 from ..config.schema import ApiConfig, Config, ModelConfig
-from ..errors import ConfigError, ModelUnavailableError, TimeshareError, UnknownModelError
+from ..errors import ConfigError, ModelUnavailableError, TimeshareError
 from ..modelnames import resolve_api_model
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
@@ -38,6 +38,7 @@ from ..state import USER_SLEEP_LEVEL, EventKind, PoolEvent, PoolSnapshot, Switch
 from ..worker.protocol import TokenLogprobs, Usage
 from . import anthropic, ollama, ollama_models, shapes
 from .chat_output import ChatOutput, prepare_chat
+from .dialect import listing, unknown_model
 from .embeddings import embedding_response, parse_embedding_request
 from .errors import (
     BadRequestError,
@@ -296,11 +297,10 @@ class _Handlers:
     # -- OpenAI endpoints --
 
     async def list_models(self, request: Request) -> Response:
-        snapshot = self.pool.snapshot()
         return JSONResponse(
             {
                 "object": "list",
-                "data": [model_json(m, self.created, self._config_of(m.id)) for m in snapshot.models],
+                "data": [model_json(m, self.created, config) for m, config in listing(self.pool)],
             }
         )
 
@@ -308,10 +308,7 @@ class _Handlers:
         snapshot = self.pool.snapshot()
         model_id = resolve_model(snapshot, request.path_params["model_id"])
         status = next(m for m in snapshot.models if m.id == model_id)
-        return JSONResponse(model_json(status, self.created, self._config_of(model_id)))
-
-    def _config_of(self, model_id: str) -> ModelConfig | None:
-        return next((m for m in self.pool.config.models if m.id == model_id), None)
+        return JSONResponse(model_json(status, self.created, self.pool.config.model(model_id)))
 
     async def embeddings(self, request: Request) -> Response:
         req = parse_embedding_request(await read_json(request))
@@ -661,8 +658,7 @@ def resolve_model(snapshot: PoolSnapshot, name: str) -> str:
     API rule), else UnknownModelError naming the ids."""
     model_id = resolve_api_model(snapshot.models, name)
     if model_id is None:
-        known = ", ".join(m.id for m in snapshot.models) or "none are configured"
-        raise UnknownModelError(f"The model {name!r} does not exist in this Timeshare; use one of: {known}.")
+        raise unknown_model(name, snapshot)
     return model_id
 
 

@@ -28,10 +28,11 @@ from starlette.routing import Route
 
 from .. import paths
 from ..config.files import load_config, save_config
+from ..config.schema import ModelConfig
 from ..errors import TimeshareError
 from ..gguf.catalog import CatalogEntry, read_chat_template, read_gguf_header
 from ..state import EventKind, ModelState, ModelStatus, PoolEvent
-from .dialect import Host
+from .dialect import Host, listing
 from .embeddings import MAX_INPUTS
 from .errors import BadRequestError, ClientGoneError
 from .extras import switch_extras
@@ -201,8 +202,8 @@ class ModelRoutes:
         }
 
     async def tags(self, request: Request) -> Response:
-        snapshot = self.host.pool.snapshot()
-        models = await anyio.to_thread.run_sync(lambda: [self._tag(m) for m in snapshot.models])
+        listed = listing(self.host.pool)
+        models = await anyio.to_thread.run_sync(lambda: [self._tag(m) for m, _ in listed])
         return JSONResponse({"models": models})
 
     def _show(self, model_id: str, status: ModelStatus) -> dict[str, Any]:
@@ -258,8 +259,7 @@ class ModelRoutes:
         assert status is not None
         return JSONResponse(await anyio.to_thread.run_sync(self._show, model_id, status))
 
-    def _expires(self, status: ModelStatus) -> str:
-        config = self.host.pool.config.model(status.id)
+    def _expires(self, status: ModelStatus, config: ModelConfig | None) -> str:
         idle = config.idle_sleep_s if config is not None else None
         if idle is None or status.pinned:
             return NEVER
@@ -267,9 +267,8 @@ class ModelRoutes:
         return _iso(last + idle)
 
     async def ps(self, request: Request) -> Response:
-        snapshot = self.host.pool.snapshot()
         out = []
-        for m in snapshot.models:
+        for m, config in listing(self.host.pool):
             if m.state not in _WITH_WORKER:
                 continue
             tag = await anyio.to_thread.run_sync(self._tag, m)
@@ -280,7 +279,7 @@ class ModelRoutes:
                     "size": max(tag["size"], m.device_bytes),
                     "digest": tag["digest"],
                     "details": tag["details"],
-                    "expires_at": self._expires(m),
+                    "expires_at": self._expires(m, config),
                     "size_vram": m.device_bytes,
                     "context_length": m.n_ctx,
                     "timeshare": {

@@ -1,4 +1,4 @@
-"""A model's file, found and checked before its worker starts: :func:`check_model_file`.
+"""A model's file, found and checked before its worker starts: :func:`find_model_file`.
 
 It reads the disk (a GGUF header, or a demo model assembled again: seconds) and may block on a
 slow or hung filesystem, so it never runs on the pool's thread: the pool runs it on a one-shot
@@ -33,7 +33,7 @@ class FileCheck:
         return bool(self.path) and not self.problem and self.transient is None
 
 
-def check_model_file(config: ModelConfig) -> FileCheck:
+def find_model_file(config: ModelConfig) -> FileCheck:
     """Find (a demo model by reference: found now, and Gemma assembled again if its cache was
     cleared) and check the file ``config`` loads. Never raises for the file's sake."""
     path = config.path

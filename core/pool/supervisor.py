@@ -49,7 +49,7 @@ from .actor import Actor
 from .codes import error_for
 from .configure import check_config, restart_fields
 from .devices import device_statuses
-from .filecheck import FileCheck, check_model_file
+from .filecheck import FileCheck, find_model_file
 from .generation import Generation, make_embed_request, make_request
 from .lifecycle import Phase
 from .process import end_processes, read_log_tail, read_worker, signal_group, spawn_worker
@@ -292,7 +292,7 @@ class Pool:
         """Start a stopped or failed model now; raises ModelUnavailableError when it fails at once
         (its file is still missing...). Its file is checked on the calling thread."""
         config = self._actor.call(self._config_of, model_id)
-        self._actor.call(self._start_model, model_id, check_model_file(config))
+        self._actor.call(self._start_model, model_id, find_model_file(config))
 
     def apply_config(self, config: Config) -> None:
         """Adopt a new configuration: start added models, stop removed ones, restart models whose
@@ -301,7 +301,7 @@ class Pool:
         of its config makes its own, off the pool thread)."""
         check_config(config)
         old = self._config
-        checks = {cfg.id: check_model_file(cfg) for cfg in config.models if old.model(cfg.id) != cfg}
+        checks = {cfg.id: find_model_file(cfg) for cfg in config.models if old.model(cfg.id) != cfg}
         self._actor.call(self._apply_config, config, checks)
 
     # ==== on the pool thread: the halves of the public methods ====
@@ -586,7 +586,7 @@ class Pool:
         config = w.config
 
         def check() -> None:
-            result = check_model_file(config)
+            result = find_model_file(config)
             self._actor.post(self._file_checked, w.id, token, result)
 
         threading.Thread(target=check, name=f"pool-file-check-{w.id}", daemon=True).start()
