@@ -297,11 +297,15 @@ class Pool:
     def apply_config(self, config: Config) -> None:
         """Adopt a new configuration: start added models, stop removed ones, restart models whose
         load-time settings changed; pin and idle settings apply without a restart. The files of
-        added and changed models are checked on the calling thread (a start that finds no check
-        of its config makes its own, off the pool thread)."""
+        added models and of those whose load-time settings changed are checked on the calling
+        thread (a start that finds no check of its config makes its own, off the pool thread)."""
         check_config(config)
         old = self._config
-        checks = {cfg.id: find_model_file(cfg) for cfg in config.models if old.model(cfg.id) != cfg}
+        checks = {
+            cfg.id: find_model_file(cfg)
+            for cfg in config.models
+            if (before := old.model(cfg.id)) is None or restart_fields(before, cfg)
+        }
         self._actor.call(self._apply_config, config, checks)
 
     # ==== on the pool thread: the halves of the public methods ====
