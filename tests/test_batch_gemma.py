@@ -1,9 +1,9 @@
 """Continuous batching on the real Gemma-3-270M demo model (CPU build): a sequence's greedy tokens
 are the same whether it decodes alone or joins a batch where another Gemma-3 sequence is already
 decoding: a prompt longer than the sliding window, the next turn of a conversation continued from
-its cached prefix, and a conversation restored from a host snapshot; and a host snapshot of a
-sequence longer than the window, which holds only the window's positions in the SWA layers, is
-never cut back and continued (a prompt diverging inside it starts over).
+its cached prefix, a conversation restored from a host snapshot, four sequences at once; and a
+host snapshot of a sequence longer than the window, which holds only the window's positions in the
+SWA layers, is never cut back and continued (a prompt diverging inside it starts over).
 
 Gemma-3-270M's Q4_K tensors are the ones llama.cpp's CPU backend repacks (AVX2) and its
 sliding-window attention is the other thing a batch could change; SmolLM2's Q4_1 is neither, so
@@ -220,3 +220,23 @@ def test_a_host_snapshot_holds_only_the_sliding_window_so_a_diverging_prompt_sta
     k3 = gemma2.generate(Generate(req="k3", prompt=third, max_tokens=N, logprobs=True), lambda _p: None)
     assert k3.prompt_tokens_evaluated < len(tokens3) // 4
     assert [r.token for r in k3.logprobs] == oracle.answer(tokens3, N)
+
+
+def test_four_gemma3_sequences_decode_as_alone(gemma3_path: Path, oracle: Oracle) -> None:
+    """Four sequences: every decode step has four rows, the repacked kernels' group size (with
+    repacked weights these steps went through gemm where a solo step goes through gemv)."""
+    prompts = (*SHORT, _long_prompt(160) + " Item 7 is")
+    e = Engine.load(ModelConfig(id="gemma4", path=str(gemma3_path), n_ctx=N_CTX, parallel=4))
+    try:
+        for order in ((0, 1, 2, 3), (3, 2, 1, 0)):
+            b = Batch(e)
+            for k, i in enumerate(order):
+                b.join(str(i), prompt=prompts[i])
+                b.steps(k % 3)  # joining at different steps
+            b.run()
+            for i in order:
+                assert b.live[str(i)].batch_size == 4
+                tokens = e.prepare(Generate(req="t", prompt=prompts[i])).tokens
+                assert b.ids(str(i)) == oracle.answer(tokens, N), (order, i)
+    finally:
+        e.close()
