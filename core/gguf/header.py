@@ -108,9 +108,12 @@ class GgufCursor:
         raise GgufCorruptError(f"unknown metadata value type {vtype} at byte {self.pos}")
 
 
-def parse_header(buf: Any, size: int) -> Header:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+def parse_metadata(buf: Any, size: int) -> tuple[GgufCursor, int, int, int, dict[str, Any]]:
+    """The fixed header and the metadata of ``buf`` (its first ``size`` bytes): (cursor at the
+    tensor table, version, tensor count, metadata count, values). Raises GgufTruncatedError when
+    the metadata goes on past ``size`` (the first bytes of a remote file: read more)."""
+    if size < _FIXED_HEADER.size:
+        raise GgufTruncatedError
     endian = "<"
     version = struct.unpack_from("<I", buf, 4)[0]
     if version not in (2, 3) and struct.unpack_from(">I", buf, 4)[0] in (2, 3):
@@ -126,6 +129,13 @@ def parse_header(buf: Any, size: int) -> Header:
         vtype = cur.take("I")
         keep = key in _WANTED_STRINGS or key == "tokenizer.chat_template"
         values[key] = cur.value(vtype, keep)
+    return cur, version, tensor_count, kv_count, values
+
+
+def parse_header(buf: Any, size: int) -> Header:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    cur, version, tensor_count, kv_count, values = parse_metadata(buf, size)
     arch = values.get("general.architecture")
     alignment = values.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..arena.budget import BudgetSetting, parse_budget
+from ..config.parallel import auto_parallel
 from ..errors import ConfigError
 from ..residency import GgmlDevice, ggml_device_memory, ggml_devices
 
@@ -27,19 +28,9 @@ class DeviceMemory:
     free: int
 
 
-#: sequences a model decodes together when ``models[].parallel`` is 0 (auto): on a GPU a step of
-#: four sequences costs little more than a step of one (the weights are read once per step); on a
-#: CPU a step costs about its tokens' compute, so two streams batched were no faster than one at a
-#: time (docs/PERFORMANCE.md, continuous batching: SmolLM2 0.84-1.16x in 3 runs, Gemma-3 0.63x)
-#: for twice the KV: one at a time is the CPU default; a number in the setting still batches (with
-#: the solo answers: see engine.batch_invariant)
-GPU_PARALLEL = 4
-CPU_PARALLEL = 1
-
-
 def default_parallel() -> int:
-    """``parallel`` for a model whose setting is 0 (auto): GPU_PARALLEL on a GPU build, else CPU_PARALLEL."""
-    return GPU_PARALLEL if _gpus() else CPU_PARALLEL
+    """``parallel`` for a model whose setting is 0 (auto) on this build (config.parallel)."""
+    return auto_parallel(bool(_gpus()))
 
 
 def _gpus() -> list[GgmlDevice]:
