@@ -2,7 +2,8 @@
 
 A repo's model info (file sizes, the LFS sha256 of each file, the licence on the repo card) comes
 through ``huggingface_hub``; a URL gets a HEAD (all the parts of a split model). The HTTP client and
-the sentences for the errors of a hub or a URL are shared with the download.
+the sentences for the errors of a hub or a URL are shared with the download. ``remote_metadata``
+reads a file's GGUF metadata with a bounded Range request (the "Get model…" dialog's KV estimate).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import httpx
 
 from ..errors import DownloadError, RemoteAccessError, RemoteNotFoundError
+from ..gguf.header import GgufCorruptError, GgufTruncatedError, parse_metadata
 from ..gguf.modelfile import SPLIT_RE
 from . import names
 from .sources import (
@@ -209,3 +211,55 @@ def list_source(source: Source, *, token: str | None = None) -> Listing:
     if isinstance(source, HubSource):
         return _list_hub(source, token)
     return _list_url(source)
+
+
+#: the most bytes ``remote_metadata`` reads of a file (a 262k-token vocabulary's metadata is ~6 MB)
+METADATA_LIMIT = 32 * 1024 * 1024
+_METADATA_FIRST = 1024 * 1024
+
+
+def remote_metadata(
+    file: RemoteFile, *, hub: bool, token: str | None = None, limit: int = METADATA_LIMIT
+) -> dict[str, Any] | str:
+    """The GGUF metadata (``header.parse_metadata``'s values) of a remote file, read from its first
+    bytes with a Range request (at most ``limit`` bytes, also from a server that ignores Range), or
+    why it could not be read: a sentence (network, HTTP status, not a GGUF, metadata longer than the
+    limit). ``hub``: the file is on the hub, so the hub's token goes with the request (only to the
+    hub: httpx drops it on a redirect to the CDN)."""
+    headers = {"Range": f"bytes=0-{limit - 1}"}
+    if hub:
+        from huggingface_hub import constants, get_token
+
+        login = token or (None if constants.HF_HUB_DISABLE_IMPLICIT_TOKEN else get_token())
+        if login:
+            headers["authorization"] = f"Bearer {login}"
+    buf = bytearray()
+    want = _METADATA_FIRST
+    try:
+        with http_client() as client, client.stream("GET", file.url, headers=headers) as response:
+            if response.status_code >= 400:
+                return f"the server answered HTTP {response.status_code}"
+            for chunk in response.iter_bytes():
+                buf += chunk
+                if len(buf) < min(want, limit):
+                    continue
+                if not buf.startswith(b"GGUF"):
+                    return "the file does not start like a GGUF"
+                try:
+                    return parse_metadata(bytes(buf), min(len(buf), limit))[4]
+                except GgufTruncatedError:
+                    if len(buf) >= limit:
+                        return f"its metadata is longer than {limit // (1024 * 1024)} MiB"
+                    want = min(want * 4, limit)
+    except httpx.HTTPError as exc:
+        return f"it could not be read ({type(exc).__name__})"
+    except GgufCorruptError as exc:
+        return f"its header is damaged ({exc})"
+    if not buf.startswith(b"GGUF"):
+        return "the file does not start like a GGUF"
+    try:
+        return parse_metadata(bytes(buf), len(buf))[4]
+    except GgufTruncatedError:
+        return "the file ends inside its metadata"
+    except GgufCorruptError as exc:
+        return f"its header is damaged ({exc})"

@@ -221,12 +221,13 @@ def choose(listing: Listing, quant: str | None = None) -> Choice:
 # ---- fit ------------------------------------------------------------------------------------
 
 
-def gpu_fit(size: int | None, vram_budget: int | None) -> str:
+def gpu_fit(size: int | None, vram_budget: int | None, kv_bytes: int | None = None) -> str:
     """Whether a model of ``size`` bytes fits a GPU budget, in words ("fits", "too big", "unknown").
 
-    The weights need their size in device memory, plus the KV cache and compute buffers (a tenth
-    more is counted). Without a budget (nothing measures the device memory yet) it is "unknown".
+    The weights need their size in device memory, a tenth more for the compute buffers, and the KV
+    cache: ``kv_bytes`` (``gguf.kvcache``; None: not known, the weights alone are compared). Without
+    a budget (nothing measures the device memory yet) it is "unknown".
     """
     if size is None or vram_budget is None or vram_budget <= 0:
         return "unknown"
-    return "fits" if size * 1.1 <= vram_budget else "too big"
+    return "fits" if size * 1.1 + (kv_bytes or 0) <= vram_budget else "too big"
