@@ -2,7 +2,9 @@
 
 The dialog takes the same SOURCE as ``timeshare pull`` (``user/repo``, ``user/repo:Q4_K_M``,
 ``user/repo/file.gguf``, ``hf.co/…``, or the URL of a ``.gguf`` file), lists the quantisations
-with their sizes and whether they fit the GPU, and downloads the chosen one. The look-up and the
+with their sizes and whether they fit the GPU (the weights, a tenth for compute buffers, and the KV
+cache of a new model entry: ``n_ctx`` × the GPU's auto ``parallel`` cells, from the GGUF metadata
+read with a Range request), and downloads the chosen one. The look-up and the
 download run on a worker thread (``core/pull/`` does the work); what they report crosses into
 Qt through signals, so the window stays responsive. Cancel keeps what was downloaded: getting the
 same model again resumes.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -34,7 +37,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.config.parallel import auto_parallel
+from ..core.config.schema import ModelConfig
 from ..core.errors import CancelledError, ConfigError, TimeshareError
+from ..core.gguf.kvcache import KvShape, kv_shape
 from ..core.pull import add, progress, remote, sources
 from ..core.pull.download import PullResult, pull
 from ..core.state import PoolSnapshot
@@ -61,13 +67,63 @@ def vram_budget(snapshot: PoolSnapshot) -> int | None:
     return max(budgets, default=None)
 
 
-def fit_text(size: int | None, snapshot: PoolSnapshot) -> str:
-    """The "GPU" column: "fits", "too big", or why it is unknown."""
+#: the column's text when the weights fit but the KV cache could not be told (no guess is made)
+WEIGHTS_FIT = "weights fit; KV unknown"
+
+
+@dataclass(frozen=True)
+class KvEstimate:
+    """The KV cache a new entry of the looked-up model needs on a GPU, or why it is not known."""
+
+    bytes: int | None
+    n_ctx: int = 0
+    parallel: int = 0
+    why: str = ""  # when bytes is None
+
+    @classmethod
+    def of(cls, shape: KvShape | str) -> KvEstimate:
+        """For a new model entry: the config's default ``n_ctx``, ``parallel`` auto on a GPU."""
+        if isinstance(shape, str):
+            return cls(None, why=shape)
+        n_ctx, parallel = ModelConfig.n_ctx, auto_parallel(gpu=True)
+        return cls(shape.bytes(n_ctx, parallel), n_ctx, parallel)
+
+    def describe(self) -> str:
+        if self.bytes is None:
+            return f"KV cache unknown ({self.why}): the GPU column counts the weights only."
+        return (
+            f"The GPU column counts the weights, a tenth for compute buffers and a KV cache of "
+            f"{human_bytes(self.bytes)} (n_ctx {self.n_ctx} × {self.parallel} sequences, "
+            "the new entry's defaults)."
+        )
+
+
+def fit_text(size: int | None, snapshot: PoolSnapshot, kv: KvEstimate | None = None) -> str:
+    """The "GPU" column: "fits", "too big", "weights fit; KV unknown", or why it is unknown."""
     backends = {m.backend for m in snapshot.models if m.backend}
     if backends and all(b.upper().startswith("CPU") for b in backends):
         return "CPU build: host memory"
-    fit = sources.gpu_fit(size, vram_budget(snapshot))
-    return "unknown" if fit == "unknown" else fit
+    kv_bytes = kv.bytes if kv is not None else None
+    fit = sources.gpu_fit(size, vram_budget(snapshot), kv_bytes)
+    if fit == "fits" and kv_bytes is None:
+        return WEIGHTS_FIT
+    return fit
+
+
+def look_up_kv(listing: sources.Listing) -> KvEstimate | None:
+    """The KV estimate of the listing's model, from the metadata of one file (network: a Range
+    request of the first part of the default choice; the quantisations of a repo are one model, so
+    their KV caches are the same). None when the listing has no choice."""
+    if not listing.choices:
+        return None
+    try:
+        choice = sources.choose(listing)
+    except TimeshareError:
+        choice = listing.choices[0]
+    values = remote.remote_metadata(choice.files[0], hub=isinstance(listing.source, sources.HubSource))
+    if isinstance(values, str):
+        return KvEstimate(None, why=f"the header of {choice.filename} could not be read: {values}")
+    return KvEstimate.of(kv_shape(values))
 
 
 class GetModelDialog(QDialog):
@@ -77,7 +133,7 @@ class GetModelDialog(QDialog):
     config_saved = Signal(object)
 
     # from the worker thread to the GUI thread
-    _listed = Signal(object)  # Listing
+    _listed = Signal(object, object)  # Listing, KvEstimate | None
     _progressed = Signal(object)  # Progress
     _done = Signal(object)  # PullResult
     _failed = Signal(str, bool)  # message, whether it was a cancel
@@ -98,6 +154,7 @@ class GetModelDialog(QDialog):
         self.config_path = config_path
         self.add_to_config = add_to_config
         self.listing: sources.Listing | None = None
+        self.kv: KvEstimate | None = None  # the looked-up model's KV cache
         self.pulled_result: PullResult | None = None
         self._worker: threading.Thread | None = None
         self._cancel = threading.Event()
@@ -217,7 +274,8 @@ class GetModelDialog(QDialog):
 
         def work() -> None:
             try:
-                emit(self._listed, remote.list_source(source))
+                listing = remote.list_source(source)
+                emit(self._listed, listing, look_up_kv(listing))
             except TimeshareError as exc:
                 emit(self._failed, str(exc), False)
             except Exception as exc:  # a bug or a library's own error: shown, not lost in a thread
@@ -226,9 +284,10 @@ class GetModelDialog(QDialog):
 
         self._start(work, "get-model-lookup")
 
-    def _on_listed(self, listing: sources.Listing) -> None:
+    def _on_listed(self, listing: sources.Listing, kv: KvEstimate | None) -> None:
         self._worker = None
         self.listing = listing
+        self.kv = kv
         self.status.setText("")
         snapshot = self._snapshot()
         self.table.setRowCount(len(listing.choices))
@@ -237,7 +296,7 @@ class GetModelDialog(QDialog):
             cells = [
                 choice.label,
                 human_bytes(choice.size or 0, empty="?"),
-                fit_text(choice.size, snapshot),
+                fit_text(choice.size, snapshot, kv),
                 choice.filename + parts,
             ]
             for col, text in enumerate(cells):
@@ -253,7 +312,7 @@ class GetModelDialog(QDialog):
                 "(`hf auth login` or HF_TOKEN) before downloading."
             )
         if listing.choices and not any(
-            fit_text(c.size, snapshot) in ("fits", "too big") for c in listing.choices
+            fit_text(c.size, snapshot, kv) in ("fits", "too big", WEIGHTS_FIT) for c in listing.choices
         ):
             one_model = any(d.budget == "one-model" for d in snapshot.devices)
             why = (
@@ -262,6 +321,8 @@ class GetModelDialog(QDialog):
                 else "Timeshare does not know the GPU's memory budget yet (no model has loaded on it)"
             )
             notes.append(f"GPU fit unknown: {why}; the size is what the weights need.")
+        elif listing.choices and kv is not None:
+            notes.append(kv.describe())
         self.info.setText(" ".join(notes))
         self._select_default(listing)
         self._update_buttons()

@@ -42,6 +42,7 @@ def make_gguf(
     licence: str | None = None,
     floats: int = 4096,
     file_type: int | None = 15,  # LlamaFileType.MOSTLY_Q4_K_M
+    uint32s: dict[str, int] | None = None,  # more metadata ("llama.block_count": 30, ...)
 ) -> bytes:
     """Write a small, valid GGUF (one f32 tensor of ``floats`` values) and return its bytes."""
     import numpy as np
@@ -55,6 +56,8 @@ def make_gguf(
     if file_type is not None:
         writer.add_file_type(file_type)
     writer.add_context_length(256)
+    for key, value in (uint32s or {}).items():
+        writer.add_uint32(key, value)
     writer.add_tensor("weights", np.arange(floats, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

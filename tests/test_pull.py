@@ -651,21 +651,24 @@ def test_the_gpu_column_uses_the_pools_vram_budget(
 ) -> None:
     """With a byte budget on a GPU the column says fits / too big against the weights budget the
     pool reports (devices[].budget_bytes); under one-model it says why it cannot tell."""
-    from timeshare.app.get_model import GetModelDialog, fit_text
+    from timeshare.app.get_model import WEIGHTS_FIT, GetModelDialog, fit_text
     from timeshare.core.state import DeviceStatus
 
     q8 = len(ggufs["q8"])
-    budget = int(q8 * 1.5)  # Q4_K_M and Q8_0 fit (with the tenth for the KV cache), F16 not
+    budget = int(q8 * 1.5)  # Q4_K_M and Q8_0 fit (with the tenth for compute buffers), F16 not
     assert len(ggufs["f16"]) * 1.1 > budget >= q8 * 1.1
     gpu = PoolSnapshot(devices=(DeviceStatus(0, "CUDA0", "20GB", budget_bytes=budget),))
-    assert fit_text(q8, gpu) == "fits" and fit_text(len(ggufs["f16"]), gpu) == "too big"
+    assert fit_text(q8, gpu) == WEIGHTS_FIT and fit_text(len(ggufs["f16"]), gpu) == "too big"
     hub.repos[REPO] = _three_quants(ggufs)
     dialog = GetModelDialog(lambda: gpu, _config(tmp_path), source=f"hf.co/{REPO}")
     qtbot.addWidget(dialog)
     dialog.show()
     _look_up(qtbot, dialog, 3)
-    assert [dialog.table.item(r, 2).text() for r in range(3)] == ["fits", "fits", "too big"]
+    # these tiny files have no layers or heads: the KV cache is not guessed, the weights are compared
+    assert [dialog.table.item(r, 2).text() for r in range(3)] == [WEIGHTS_FIT, WEIGHTS_FIT, "too big"]
     assert "GPU fit unknown" not in dialog.info.text()
+    assert "KV cache unknown (the file has no llama.block_count" in dialog.info.text()
+    assert hub.seen("GET", "/cdn/")[-1].range == f"bytes=0-{remote.METADATA_LIMIT - 1}"
 
     one_model = PoolSnapshot(devices=(DeviceStatus(0, "CUDA0", "one-model"),))
     assert fit_text(q8, one_model) == "unknown"
@@ -674,6 +677,63 @@ def test_the_gpu_column_uses_the_pools_vram_budget(
     other.show()
     _look_up(qtbot, other, 3)
     assert 'with the setting "one model at a time"' in other.info.text()
+
+
+#: SmolLM2-135M's attention: 30 layers of 3 KV heads of 64 (the embedding 576 over 9 heads)
+SMOL_SHAPE = {
+    "llama.block_count": 30,
+    "llama.attention.head_count": 9,
+    "llama.attention.head_count_kv": 3,
+    "llama.embedding_length": 576,
+}
+
+
+@pytest.mark.gui
+def test_the_gpu_column_counts_the_kv_cache_of_a_new_entry(
+    qtbot: Any, hub: FakeHub, tmp_path: Path
+) -> None:
+    """The KV cache of n_ctx 2048 x 4 sequences (a new entry's defaults on a GPU) is read from the
+    looked-up file's metadata and counted: a budget the weights fit with room to spare for one
+    sequence's cache says "too big" for one quantisation and "fits" for the smaller."""
+    from timeshare.app.get_model import GetModelDialog, fit_text
+    from timeshare.core.gguf.kvcache import KvShape
+    from timeshare.core.state import DeviceStatus
+
+    q4 = make_gguf(tmp_path / "k4.gguf", name="Smol", floats=8192, file_type=15, uint32s=SMOL_SHAPE)
+    q8 = make_gguf(tmp_path / "k8.gguf", name="Smol", floats=65536, file_type=7, uint32s=SMOL_SHAPE)
+    kv = KvShape(30, 3, 64, 64).bytes(2048, 4)
+    assert kv == 30 * 3 * 128 * 2 * 8192  # 180 MiB: K and V, f16, 8192 cells
+    budget = int(len(q4) * 1.1) + kv + 1  # Q4_K_M fits with its cache; Q8_0 does not
+    assert len(q8) * 1.1 + kv > budget and len(q8) * 1.1 + kv // 4 < budget
+    gpu = PoolSnapshot(devices=(DeviceStatus(0, "CUDA0", "20GB", budget_bytes=budget),))
+    hub.repos["smol-org/Smol-GGUF"] = Repo({"Smol-Q4_K_M.gguf": q4, "Smol-Q8_0.gguf": q8})
+    dialog = GetModelDialog(lambda: gpu, _config(tmp_path), source="hf.co/smol-org/Smol-GGUF")
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _look_up(qtbot, dialog, 2)
+    cells = {dialog.table.item(r, 0).text(): dialog.table.item(r, 2).text() for r in range(2)}
+    assert cells == {"Q4_K_M": "fits", "Q8_0": "too big"}
+    assert dialog.kv is not None and dialog.kv.bytes == kv
+    assert f"a KV cache of {human_bytes(kv)} (n_ctx 2048 × 4 sequences" in dialog.info.text()
+    # the header is read once, for the default choice, from its first bytes
+    (read,) = [r for r in hub.seen("GET", "/cdn/") if r.range is not None]
+    assert read.range == f"bytes=0-{remote.METADATA_LIMIT - 1}"
+    assert fit_text(len(q8), gpu, dialog.kv) == "too big"
+
+
+def test_a_remote_header_that_cannot_be_read_says_why(hub: FakeHub, ggufs: dict[str, bytes]) -> None:
+    hub.files["page.gguf"] = b"<html>not a model</html>"
+    hub.files["Tiny-Q8_0.gguf"] = ggufs["q8"]
+    page = remote.RemoteFile("page.gguf", f"{hub.url}/files/page.gguf")
+    assert remote.remote_metadata(page, hub=False) == "the file does not start like a GGUF"
+    gone = remote.RemoteFile("gone.gguf", f"{hub.url}/files/gone.gguf")
+    assert remote.remote_metadata(gone, hub=False) == "the server answered HTTP 404"
+    tiny = remote.RemoteFile("Tiny-Q8_0.gguf", f"{hub.url}/files/Tiny-Q8_0.gguf")
+    values = remote.remote_metadata(tiny, hub=False)
+    assert isinstance(values, dict) and values["general.architecture"] == "llama"
+    assert remote.remote_metadata(tiny, hub=False, limit=64) == f"its metadata is longer than {human_bytes(64)}"
+    hub.faults.ignore_range = True  # a 200 of the whole file: read up to what the header needs
+    assert remote.remote_metadata(tiny, hub=False) == values
 
 
 # ---- hostile remotes: names checked before any path is built (issue 22) ---------------------

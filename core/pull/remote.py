@@ -18,6 +18,7 @@ import httpx
 from ..errors import DownloadError, RemoteAccessError, RemoteNotFoundError
 from ..gguf.header import GgufCorruptError, GgufTruncatedError, parse_metadata
 from ..gguf.modelfile import SPLIT_RE
+from ..util.units import human_bytes
 from . import names
 from .sources import (
     Choice,
@@ -249,7 +250,7 @@ def remote_metadata(
                     return parse_metadata(bytes(buf), min(len(buf), limit))[4]
                 except GgufTruncatedError:
                     if len(buf) >= limit:
-                        return f"its metadata is longer than {limit // (1024 * 1024)} MiB"
+                        return f"its metadata is longer than {human_bytes(limit)}"
                     want = min(want * 4, limit)
     except httpx.HTTPError as exc:
         return f"it could not be read ({type(exc).__name__})"
