@@ -110,16 +110,22 @@ def fit_text(size: int | None, snapshot: PoolSnapshot, kv: KvEstimate | None = N
     return fit
 
 
+def default_choice(listing: sources.Listing) -> sources.Choice:
+    """The choice the dialog selects first: the one the source names, else Q4_K_M, else the first."""
+    try:
+        return sources.choose(listing)
+    except TimeshareError:
+        labels = [c.label.upper() for c in listing.choices]
+        return listing.choices[labels.index("Q4_K_M")] if "Q4_K_M" in labels else listing.choices[0]
+
+
 def look_up_kv(listing: sources.Listing) -> KvEstimate | None:
     """The KV estimate of the listing's model, from the metadata of one file (network: a Range
     request of the first part of the default choice; the quantisations of a repo are one model, so
     their KV caches are the same). None when the listing has no choice."""
     if not listing.choices:
         return None
-    try:
-        choice = sources.choose(listing)
-    except TimeshareError:
-        choice = listing.choices[0]
+    choice = default_choice(listing)
     values = remote.remote_metadata(choice.files[0], hub=isinstance(listing.source, sources.HubSource))
     if isinstance(values, str):
         return KvEstimate(None, why=f"the header of {choice.filename} could not be read: {values}")
@@ -330,12 +336,7 @@ class GetModelDialog(QDialog):
     def _select_default(self, listing: sources.Listing) -> None:
         if not listing.choices:
             return
-        try:
-            wanted = sources.choose(listing)
-        except TimeshareError:
-            labels = [c.label.upper() for c in listing.choices]
-            wanted = listing.choices[labels.index("Q4_K_M")] if "Q4_K_M" in labels else listing.choices[0]
-        self.table.selectRow(listing.choices.index(wanted))
+        self.table.selectRow(listing.choices.index(default_choice(listing)))
 
     # ---- download ------------------------------------------------------------------------------
 

@@ -689,9 +689,7 @@ SMOL_SHAPE = {
 
 
 @pytest.mark.gui
-def test_the_gpu_column_counts_the_kv_cache_of_a_new_entry(
-    qtbot: Any, hub: FakeHub, tmp_path: Path
-) -> None:
+def test_the_gpu_column_counts_the_kv_cache_of_a_new_entry(qtbot: Any, hub: FakeHub, tmp_path: Path) -> None:
     """The KV cache of n_ctx 2048 x 4 sequences (a new entry's defaults on a GPU) is read from the
     looked-up file's metadata and counted: a budget the weights fit with room to spare for one
     sequence's cache says "too big" for one quantisation and "fits" for the smaller."""
@@ -731,7 +729,9 @@ def test_a_remote_header_that_cannot_be_read_says_why(hub: FakeHub, ggufs: dict[
     tiny = remote.RemoteFile("Tiny-Q8_0.gguf", f"{hub.url}/files/Tiny-Q8_0.gguf")
     values = remote.remote_metadata(tiny, hub=False)
     assert isinstance(values, dict) and values["general.architecture"] == "llama"
-    assert remote.remote_metadata(tiny, hub=False, limit=64) == f"its metadata is longer than {human_bytes(64)}"
+    assert (
+        remote.remote_metadata(tiny, hub=False, limit=64) == f"its metadata is longer than {human_bytes(64)}"
+    )
     hub.faults.ignore_range = True  # a 200 of the whole file: read up to what the header needs
     assert remote.remote_metadata(tiny, hub=False) == values
 
