@@ -153,7 +153,7 @@ EOF2
     TIMESHARE_VRAM_BUDGET=one-model \
         "$PY" - "$WORKERS" "$SECONDS_" "$SAMPLE_MS" "$DEADLOCK_S" >"$OUT/arena-test.json" 2>"$OUT/arena-test.log" <<'EOF2' || status=1
 import json, sys
-from timeshare.core.arena.tickets import env_arena_dir
+from timeshare.core.arena.arena import env_arena_dir
 from timeshare.core.diagnostics.arena_test import default_models, run_arena_test
 workers, seconds, sample_ms, deadlock_s = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 report = run_arena_test(
