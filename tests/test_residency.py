@@ -644,3 +644,60 @@ def test_file_changed_before_a_deferred_shadow_keeps_the_model(tmp_path: Path, s
         res.close()
     finally:
         llm.close()
+
+
+def _shadow_bytes(res: Residency) -> dict[str, bytes]:
+    """Every released tensor's bytes in the host shadow, by name."""
+    ip = res._inplace
+    assert ip is not None
+    return {
+        t.name: bytes(ip.shadow.view(t.shadow_offset, t.nbytes)) for b in ip.buffers for t in b.tensors
+    }
+
+
+def test_a_deferred_shadow_in_slices_stops_between_them_and_a_release_builds_the_rest(
+    small_q4: llama_cpp.Llama, small_q4_path: Path
+) -> None:
+    """The slices of a deferred shadow (issue 29: the other model's request must not wait for a
+    whole shadow): ``stop`` is asked after each slice; a stopped build leaves the shadow pending
+    and the model answering; the release builds only the slices left, then releases. The
+    shadow's bytes are those of a shadow made at attach (one slice per buffer), and the model
+    comes back bitwise."""
+    greedy = Greedy(small_q4)
+    reference = greedy.run()
+    slice_bytes = 64 << 10
+    opts = ResidencyOptions(mode="inplace", defer_shadow=True, shadow_slice_bytes=slice_bytes)
+    res = Residency.attach(small_q4, small_q4_path, opts)
+    try:
+        assert res.shadow_pending and res.shadow_slices == (0, 0)
+        asked = []
+
+        def stop() -> bool:
+            asked.append(res.shadow_slices[0])
+            return len(asked) == 3
+
+        assert res.fill_shadow(stop) is False  # stopped after its third slice
+        built, total = res.shadow_slices
+        assert asked == [1, 2, 3] and built == 3
+        assert total >= 8, f"a {res.weight_bytes} B model in {slice_bytes} B slices makes {total}"
+        assert res.shadow_pending and res.host_bytes == 0
+        assert same(greedy.run(), reference)  # the model answers with its shadow half made
+        assert res.fill_shadow(lambda: True) is False  # one more slice, then stopped again
+        assert res.shadow_slices == (4, total)
+        res.release()  # builds the remaining slices (total - 4), then releases
+        assert not res.weights_resident and not res.shadow_pending
+        assert res.shadow_slices == (total, total)
+        assert res.host_parts == total and res.host_bytes > 0  # one host allocation per slice
+        ip = res._inplace
+        assert ip is not None and ip.verified_tensors > 0  # every slice spot-checked
+        res.restore()
+        assert same(greedy.run(), reference), "logits differ after a shadow built in slices"
+        sliced = _shadow_bytes(res)
+    finally:
+        res.close()
+    whole = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace"))
+    try:
+        assert whole.shadow_slices[0] == 1 and whole.host_parts < total
+        assert _shadow_bytes(whole) == sliced  # the same bytes, only in more allocations
+    finally:
+        whole.close()

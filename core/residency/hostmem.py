@@ -132,9 +132,13 @@ class HostMemory:
 
     ``parts`` (sizes that sum to ``size``): boundaries no access straddles. The memory is then
     split over several allocations, at part boundaries, where one would exceed what the host
-    buffer type hands out (ggml-vulkan: its max allocation): one segment otherwise, so the memory
-    is contiguous (``ptr``). ``device``: the ggml device whose host buffer type to use (the
-    model's own GPU; the first GPU when None)."""
+    buffer type hands out (ggml-vulkan: its max allocation) or ``max_segment``: one segment
+    otherwise, so the memory is contiguous (``ptr``). ``device``: the ggml device whose host
+    buffer type to use (the model's own GPU; the first GPU when None).
+
+    ``lazy``: the segments are planned but not allocated; :meth:`allocate_next` allocates them
+    one at a time (a deferred shadow built in slices, between which its owner can stop), and
+    ``complete`` says when all are. An address in a segment not allocated yet is refused."""
 
     def __init__(
         self,
@@ -142,25 +146,41 @@ class HostMemory:
         want_pinned: bool,
         parts: Sequence[int] | None = None,
         device: _ggml.Device | None = None,
+        max_segment: int | None = None,
+        lazy: bool = False,
     ) -> None:
         self.size = size
         self.pinned = False
         self.pinned_bytes = 0
         self.note = ""
         self._segs: list[_Segment] = []
+        self._plan: list[int] = []  # the size of each segment, allocated or not
+        self._buft: int | None = None
+        self._refused: list[str] = []
         if parts is None:
             parts = [size]
         if sum(parts) != size:
             raise ValueError(f"parts sum to {sum(parts)}, not {size}")
-        try:
-            self._allocate(size, want_pinned, parts, device)
-        except BaseException:
-            self.close()
-            raise
-        self._starts = [s.offset for s in self._segs]
+        self._plan_segments(size, want_pinned, parts, device, max_segment)
+        starts = [0]
+        for n in self._plan[:-1]:
+            starts.append(starts[-1] + n)
+        self._starts = starts
+        if not lazy:
+            try:
+                while self.allocate_next() is not None:
+                    pass
+            except BaseException:
+                self.close()
+                raise
 
-    def _allocate(
-        self, size: int, want_pinned: bool, parts: Sequence[int], device: _ggml.Device | None
+    def _plan_segments(
+        self,
+        size: int,
+        want_pinned: bool,
+        parts: Sequence[int],
+        device: _ggml.Device | None,
+        max_segment: int | None,
     ) -> None:
         buft = pinned_buffer_type(device.handle if device is not None else None) if want_pinned else None
         if want_pinned and buft is None:
@@ -176,27 +196,48 @@ class HostMemory:
                 "using pageable memory (restores go through ggml-vulkan's staging buffer)"
             )
             buft = None
-        if buft is None:
-            self._segs.append(self._mmap(0, size))
-            return
-        limit = max_pinned_bytes(buft)
-        segs = pack_parts(parts, limit) if size > limit else [size]
-        offset = 0
-        refused: list[str] = []
-        for n in segs:
-            seg = self._pinned(buft, offset, n)
-            if seg is None:
-                seg = self._mmap(offset, n)
-                refused.append(f"{n / 1e9:.2f} GB")
-            self._segs.append(seg)
-            offset += n
+        self._buft = buft
+        limit = max_pinned_bytes(buft) if buft is not None else size
+        if max_segment is not None:
+            limit = min(limit, max(1, max_segment))
+        self._plan = pack_parts(parts, limit) if size > limit else [size]
+
+    @property
+    def complete(self) -> bool:
+        """Every planned segment is allocated."""
+        return len(self._segs) == len(self._plan)
+
+    @property
+    def n_segments(self) -> int:
+        """Segments planned (allocated or not)."""
+        return len(self._plan)
+
+    def allocate_next(self) -> tuple[int, int] | None:
+        """Allocate the next planned segment; its (offset, size), or None when all were."""
+        i = len(self._segs)
+        if i >= len(self._plan):
+            return None
+        offset, n = self._starts[i], self._plan[i]
+        buft = self._buft
+        seg = self._pinned(buft, offset, n) if buft is not None else None
+        if seg is None:
+            seg = self._mmap(offset, n)
+            if buft is not None:
+                self._refused.append(f"{n / 1e9:.2f} GB")
+        self._segs.append(seg)
+        if self.complete and buft is not None:
+            self._finish()
+        return offset, n
+
+    def _finish(self) -> None:
         self.pinned_bytes = sum(s.size for s in self._segs if s.buffer is not None)
+        refused = self._refused
         self.pinned = not refused
         if refused:
             what = (
-                f"{len(refused)} of {len(segs)} parts ({', '.join(refused)})"
-                if len(segs) > 1
-                else (f"{size / 1e9:.2f} GB")
+                f"{len(refused)} of {len(self._plan)} parts ({', '.join(refused)})"
+                if len(self._plan) > 1
+                else (f"{self.size / 1e9:.2f} GB")
             )
             self.note = (
                 f"pinned host memory of {what} could not be allocated: using pageable memory there "
@@ -238,8 +279,8 @@ class HostMemory:
     @property
     def ptr(self) -> int:
         """The address of byte 0 of contiguous memory (one segment)."""
-        if len(self._segs) != 1:
-            raise ValueError(f"this host memory is {len(self._segs)} separate allocations: use address()")
+        if len(self._plan) != 1 or not self._segs:
+            raise ValueError(f"this host memory is {len(self._plan)} separate allocations: use address()")
         return self._segs[0].ptr
 
     def address(self, offset: int, length: int = 1) -> int:
@@ -247,6 +288,8 @@ class HostMemory:
         i = bisect.bisect_right(self._starts, offset) - 1
         if i < 0 or offset < 0:
             raise ValueError("host memory address out of range")
+        if i >= len(self._segs):
+            raise ValueError(f"host memory at {offset} is in a segment not allocated yet")
         seg = self._segs[i]
         if offset + length > seg.offset + max(seg.size, 1) or offset + length > max(self.size, 1):
             raise ValueError(
@@ -270,6 +313,7 @@ class HostMemory:
                 seg.map_len = 0
             seg.ptr = 0
         self._segs = []
+        self._plan = []
         self._starts = []
 
     def __del__(self) -> None:

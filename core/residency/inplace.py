@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +55,11 @@ _VERIFY_BYTES = 4096
 #: the buffer's context at every use, so a swapped context is all a restored buffer needs.
 _READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
 _LAYER = re.compile(r"blk\.(\d+)\.")
+
+
+#: a deferred shadow is built in slices of at most this many bytes (each: its own host allocation,
+#: read and spot check), between which a waiting request stops the build (ResidencyOptions)
+SHADOW_SLICE_BYTES = 256 << 20
 
 
 class InPlaceUnsupportedError(Exception):
@@ -88,6 +93,22 @@ class _Buffer:
     #: a layer part's buffer, made by the in-place path (its tensors' ``buffer`` field points at
     #: it); False: one of the model's own buffers (parts=1)
     owned: bool = False
+
+
+@dataclass
+class _ShadowBuild:
+    """A host shadow under construction: its memory (segments allocated one slice at a time) and
+    what each slice must do once allocated (zero the gaps, read the tensors, spot-check them)."""
+
+    mem: HostMemory
+    ranges: list[ReadRange]  # the file's bytes of every tensor, by shadow offset
+    gaps: list[tuple[int, int]]  # (offset, length) of the alignment gaps and padding (zeros)
+    tensors: list[tuple[_Buffer, _Tensor]]  # the tensors to spot-check
+    sliced: bool  # one segment per slice (deferred), or every segment in one slice
+    slices: int = 0  # slices built
+    alloc_s: float = 0.0
+    read_s: float = 0.0
+    verify_s: float = 0.0
 
 
 @dataclass
@@ -227,6 +248,7 @@ class InPlace:
         parallel: bool | None = None,
         parts: int = 1,
         defer_shadow: bool = False,
+        shadow_slice_bytes: int = SHADOW_SLICE_BYTES,
     ) -> None:
         self.path = model_path
         self._coalesce = coalesce
@@ -278,8 +300,13 @@ class InPlace:
         self._want_pinned = want_pinned
         self._verify = verify
         self._shadow: HostMemory | None = None
+        self._build: _ShadowBuild | None = None
+        #: a deferred shadow is built in slices of at most this many bytes
+        self._slice_bytes = shadow_slice_bytes if defer_shadow and not self.split_pending else None
         self.shadow_note = ""
         self.verified_tensors = 0
+        self._shadow_slices = (0, 0)
+        self.shadow_fill_s = 0.0
         self.moved = False  # the last restore put a buffer at another address than before
         if not defer_shadow or self.split_pending:  # split() uploads the parts from the shadow
             self.fill_shadow()
@@ -293,28 +320,62 @@ class InPlace:
 
     @property
     def shadow(self) -> HostMemory:
-        """The host shadow, filled now if it was deferred."""
-        return self.fill_shadow()
+        """The host shadow, filled now (all of its slices) if it was deferred."""
+        mem = self.fill_shadow()
+        assert mem is not None  # no stop: built to the end
+        return mem
 
-    def fill_shadow(self) -> HostMemory:
+    @property
+    def shadow_slices(self) -> tuple[int, int]:
+        """(built, total) slices of the host shadow: (0, 0) before its build started."""
+        if self._build is not None:
+            return self._build.slices, self._build.mem.n_segments
+        if self._shadow is not None:
+            return self._shadow_slices
+        return 0, 0
+
+    def fill_shadow(self, stop: Callable[[], bool] | None = None) -> HostMemory | None:
         """Allocate the host shadow, fill it from the file and spot-check it against the loaded
         weights (which must be resident: nothing is released before the shadow exists); once. A
-        file that no longer holds the loaded weights raises ModelFileError and leaves no shadow."""
+        deferred shadow is built in slices (``shadow_slice_bytes`` each: allocation, read, spot
+        check); ``stop`` is asked after each slice, and True leaves the rest for a later call
+        (returns None then; the shadow stays pending). A file that no longer holds the loaded
+        weights raises ModelFileError and leaves no shadow (a later call starts again)."""
         if self._shadow is not None:
             return self._shadow
-        shadow = self._fill_shadow(self._want_pinned)
-        self._shadow = shadow
-        t0 = time.perf_counter()
+        build = self._build
         try:
-            if self._verify:
-                self.verified_tensors = self._verify_shadow()
+            if build is None:
+                self.verified_tensors = 0
+                build = self._build = self._plan_shadow(self._want_pinned)
+            while not build.mem.complete:
+                self._build_slice(build)
+                if not build.mem.complete and stop is not None and stop():
+                    return None
         except BaseException:
-            self._shadow = None
-            shadow.close()
+            self._build = None
+            if build is not None:
+                build.mem.close()
             raise
-        self.attach_steps["verify_ms"] = (time.perf_counter() - t0) * 1000.0
-        self.shadow_note = shadow.note
-        return shadow
+        self._build = None
+        mem = build.mem
+        self._shadow = mem
+        self._shadow_slices = (build.slices, build.mem.n_segments)
+        self.attach_steps["shadow_alloc_ms"] = build.alloc_s * 1000.0
+        self.attach_steps["shadow_read_ms"] = build.read_s * 1000.0
+        self.attach_steps["verify_ms"] = build.verify_s * 1000.0
+        self.shadow_fill_s = build.read_s
+        self.shadow_note = mem.note
+        log.info(
+            "host shadow: %.1f MB, read in %.3f s (%.2f GB/s), %d allocation(s) in %d slice(s), pinned=%s",
+            mem.size / 1e6,
+            build.read_s,
+            mem.size / 1e9 / max(build.read_s, 1e-9),
+            len(mem.segments),
+            build.slices,
+            mem.pinned,
+        )
+        return mem
 
     # -- plan ---------------------------------------------------------------------------------
 
@@ -448,7 +509,11 @@ class InPlace:
 
     # the shadow's allocation and read (fill_shadow above)
 
-    def _fill_shadow(self, want_pinned: bool) -> HostMemory:
+    def _plan_shadow(self, want_pinned: bool) -> _ShadowBuild:
+        """Lay the shadow out (each tensor's place in it and in the file) and plan its host
+        memory's segments, allocating none yet: per buffer (a mirrored buffer uploads in one copy
+        per segment), or, for a deferred shadow, per slice of at most ``_slice_bytes`` cut at
+        tensor boundaries."""
         meta = _ggml.gguf_open_meta(self.path)
         if meta is None:
             raise ModelFileError(f"{self.path} is not a readable GGUF file: re-download it")
@@ -457,6 +522,7 @@ class InPlace:
             file_size = os.path.getsize(self.path)
             ranges: list[ReadRange] = []
             parts: list[int] = []  # the shadow of each buffer: no upload or read straddles two
+            units: list[int] = []  # each tensor's span: no read or spot check straddles two
             offset = 0
             for b in self.buffers:
                 b.mirror = self._coalesce and _plain_copy(b.buft_name)
@@ -484,43 +550,73 @@ class InPlace:
                     else:
                         t.shadow_offset = offset
                         offset += size
+                        units.append(size)
                     ranges.append(ReadRange(src, t.shadow_offset, size))
                 if b.mirror:
                     offset = b.shadow_base + b.size
+                    cuts = sorted({0, *(t.offset for t in b.tensors if 0 < t.offset < b.size)})
+                    units.extend(hi - lo for lo, hi in zip(cuts, [*cuts[1:], b.size]))
                 parts.append(offset - b.shadow_base)
         finally:
             _ggml.gguf_free(meta)
-        t_alloc = time.perf_counter()
-        mem = HostMemory(offset, want_pinned, parts, self._gpu)
-        self.attach_steps["shadow_alloc_ms"] = (time.perf_counter() - t_alloc) * 1000.0
+        gaps: list[tuple[int, int]] = []
         for b in self.buffers:  # alignment gaps and padding of a mirrored buffer upload as zeros
             if b.mirror:
                 pos = 0
                 for t in sorted(b.tensors, key=lambda x: x.offset):
                     if t.offset > pos:
-                        ctypes.memset(mem.address(b.shadow_base + pos, t.offset - pos), 0, t.offset - pos)
+                        gaps.append((b.shadow_base + pos, t.offset - pos))
                     pos = max(pos, t.offset + t.nbytes)
                 if b.size > pos:
-                    ctypes.memset(mem.address(b.shadow_base + pos, b.size - pos), 0, b.size - pos)
-        self._make_whole_tensors()
-        t0 = time.perf_counter()
-        try:
-            parallel_read(self.path, mem, sorted(ranges, key=lambda r: r.file_offset))
-        except (OSError, EOFError) as exc:
-            mem.close()
-            raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
-        dt = time.perf_counter() - t0
-        self.attach_steps["shadow_read_ms"] = dt * 1000.0
-        log.info(
-            "host shadow: %.1f MB in %.3f s (%.2f GB/s), %d allocation(s), pinned=%s",
-            offset / 1e6,
-            dt,
-            offset / 1e9 / max(dt, 1e-9),
-            len(mem.segments),
-            mem.pinned,
+                    gaps.append((b.shadow_base + pos, b.size - pos))
+        sliced = self._slice_bytes is not None
+        mem = HostMemory(
+            offset,
+            want_pinned,
+            units if sliced else parts,
+            self._gpu,
+            max_segment=self._slice_bytes,
+            lazy=True,
         )
-        self.shadow_fill_s = dt
-        return mem
+        try:
+            if not self._whole_ctx:
+                self._make_whole_tensors()
+        except BaseException:
+            mem.close()
+            raise
+        verify = [] if not self._verify else [
+            (b, t) for b in self.buffers if not b.buft_name.endswith("_REPACK") for t in b.tensors
+        ]
+        return _ShadowBuild(mem, sorted(ranges, key=lambda r: r.mem_offset), gaps, verify, sliced)
+
+    def _build_slice(self, build: _ShadowBuild) -> None:
+        """Allocate the next slice's segment (all of them, unsliced), zero its gaps, read its
+        tensors from the file and spot-check them against the loaded weights."""
+        mem = build.mem
+        t0 = time.perf_counter()
+        spans: list[tuple[int, int]] = []
+        while (got := mem.allocate_next()) is not None:
+            spans.append(got)
+            if build.sliced:
+                break
+        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
+        t1 = time.perf_counter()
+        build.alloc_s += t1 - t0
+        for off, n in build.gaps:
+            if lo <= off < hi:
+                ctypes.memset(mem.address(off, n), 0, n)
+        mine = [r for r in build.ranges if lo <= r.mem_offset < hi]
+        try:
+            parallel_read(self.path, mem, sorted(mine, key=lambda r: r.file_offset))
+        except (OSError, EOFError) as exc:
+            raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
+        t2 = time.perf_counter()
+        build.read_s += t2 - t1
+        self.verified_tensors += self._verify_tensors(
+            mem, [(b, t) for b, t in build.tensors if lo <= t.shadow_offset < hi]
+        )
+        build.verify_s += time.perf_counter() - t2
+        build.slices += 1
 
     def _make_whole_tensors(self) -> None:
         mirrored = [b for b in self.buffers if b.mirror]
@@ -533,29 +629,23 @@ class InPlace:
         for b in mirrored:
             b.whole = int(_ggml.ggml_new_tensor_1d(ctx, _ggml.GGML_TYPE_I8, b.size))
 
-    def _verify_shadow(self) -> int:
-        """Compare the first and last bytes of every readable weight with the shadow: the file on
-        disk must still be the one the model was loaded from."""
+    def _verify_tensors(self, mem: HostMemory, tensors: list[tuple[_Buffer, _Tensor]]) -> int:
+        """Compare the first and last bytes of each of ``tensors`` (readable ones: repacked
+        layouts cannot be read back as file bytes) with the shadow: the file on disk must still
+        be the one the model was loaded from."""
         checked = 0
         scratch = (ctypes.c_char * _VERIFY_BYTES)()
-        for b in self.buffers:
-            # every buffer has a readable type (_plan refuses the others); repacked layouts cannot
-            # be read back as file bytes
-            if b.buft_name.endswith("_REPACK"):
-                continue
-            for t in b.tensors:
-                n = min(_VERIFY_BYTES, t.nbytes)
-                for off in {0, t.nbytes - n}:
-                    _ggml.tensor_get(t.ptr, scratch, off, n)
-                    if ctypes.string_at(scratch, n) != ctypes.string_at(
-                        self.shadow.address(t.shadow_offset + off, n), n
-                    ):
-                        raise ModelFileError(
-                            f"{self.path} no longer holds the weights the model was loaded from "
-                            f"(tensor {t.name} differs): the file was replaced or modified after loading; "
-                            "restart the model"
-                        )
-                checked += 1
+        for _b, t in tensors:
+            n = min(_VERIFY_BYTES, t.nbytes)
+            for off in {0, t.nbytes - n}:
+                _ggml.tensor_get(t.ptr, scratch, off, n)
+                if ctypes.string_at(scratch, n) != ctypes.string_at(mem.address(t.shadow_offset + off, n), n):
+                    raise ModelFileError(
+                        f"{self.path} no longer holds the weights the model was loaded from "
+                        f"(tensor {t.name} differs): the file was replaced or modified after loading; "
+                        "restart the model"
+                    )
+            checked += 1
         return checked
 
     # -- release / restore --------------------------------------------------------------------
@@ -766,7 +856,11 @@ class InPlace:
         if b.mirror:  # one copy of the whole buffer, through the buffer's own set_tensor
             _ggml.write_ptr(b.whole + lay_t.buffer, b.ptr)
             _ggml.write_ptr(b.whole + lay_t.data, base)
-            _ggml.tensor_set(b.whole, self.shadow.address(b.shadow_base, b.size), 0, b.size)
+            shadow = self.shadow
+            for off, size, _addr in shadow.segments:  # one copy per host allocation it spans
+                lo, hi = max(off, b.shadow_base), min(off + size, b.shadow_base + b.size)
+                if lo < hi:
+                    _ggml.tensor_set(b.whole, shadow.address(lo, hi - lo), lo - b.shadow_base, hi - lo)
         else:
             for t in b.tensors:
                 _ggml.tensor_set(t.ptr, self.shadow.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
@@ -779,6 +873,9 @@ class InPlace:
         if self._shadow is not None:
             self._shadow.close()
             self._shadow = None
+        if self._build is not None:
+            self._build.mem.close()
+            self._build = None
         if self._whole_ctx:
             _ggml.ggml_free(self._whole_ctx)
             self._whole_ctx = 0

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
@@ -20,7 +21,7 @@ from ..errors import ModelFileChangedError, OutOfDeviceMemoryError, ResidencyErr
 from ..state import WorkerReleaseLevel
 from . import _ggml, hostmem
 from .gguf_check import check_gguf
-from .inplace import InPlace, InPlaceUnsupportedError
+from .inplace import SHADOW_SLICE_BYTES, InPlace, InPlaceUnsupportedError
 from .kv import KvSnapshot
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ class ResidencyOptions:
     #: the in-place path allocates and fills the host shadow later (fill_shadow, or the first
     #: release), not at attach: a worker started for a waiting request answers it first
     defer_shadow: bool = False
+    #: a deferred shadow is built in slices of at most this many bytes (each its own host
+    #: allocation, read and spot check): ``fill_shadow(stop)`` stops between two, so a request
+    #: that arrives meanwhile waits for one slice, and a release builds only the slices left
+    shadow_slice_bytes: int = SHADOW_SLICE_BYTES
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,7 @@ class Residency:
         self._opts = ResidencyOptions()
         self._gpu: _ggml.Device | None = None
         self._inplace: InPlace | None = None
+        self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
         self._kv: KvSnapshot | None = None
         self._file_id: _FileId | None = None
         self._level: WorkerReleaseLevel = "weights"
@@ -272,6 +278,7 @@ class Residency:
                 self._opts.parallel_buffers,
                 self._opts.parts,
                 self._opts.defer_shadow,
+                self._opts.shadow_slice_bytes,
             )
         except InPlaceUnsupportedError as exc:
             reason = str(exc)
@@ -346,24 +353,47 @@ class Residency:
         """The in-place path's host shadow was deferred (``defer_shadow``) and is not filled yet."""
         return self._inplace is not None and self._inplace.shadow_pending
 
-    def fill_shadow(self) -> None:
+    @property
+    def shadow_slices(self) -> tuple[int, int]:
+        """(built, total) slices of the in-place path's host shadow ((0, 0) before its build
+        started, and on other paths)."""
+        return self._inplace.shadow_slices if self._inplace is not None else (0, 0)
+
+    def fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
         """Fill a deferred host shadow now (the weights are resident: the first release fills it
-        otherwise). Nothing to do on other paths or when it is filled. Raises ModelFileError when
-        the file no longer holds the loaded weights (no shadow then: the model stays loaded)."""
+        otherwise), slice by slice; ``stop``, asked after each slice, True: leave the rest for a
+        later call (returns False: still pending). True when the shadow is complete (also on
+        other paths: nothing to do). Raises ModelFileError when the file no longer holds the
+        loaded weights (no shadow then: the model stays loaded)."""
         self._check_open()
         ip = self._inplace
         if ip is None or not ip.shadow_pending:
-            return
+            return True
+        before, total = ip.shadow_slices
         t0 = time.perf_counter()
-        ip.fill_shadow()
+        done = ip.fill_shadow(stop) is not None
+        built, total = ip.shadow_slices
+        self._shadow_build_s += time.perf_counter() - t0
+        if not done:
+            log.info(
+                "host shadow of %s: %d of %d slices built, paused (a request is waiting)",
+                self.model_path,
+                built,
+                total,
+            )
+            return False
         self._note_shadow()
         log.info(
-            "host shadow of %s filled (deferred) in %.0f ms: %.1f MB, pinned=%s",
+            "host shadow of %s filled (deferred) in %.0f ms: %.1f MB, pinned=%s, %d slices, "
+            "%d of them in this call",
             self.model_path,
-            (time.perf_counter() - t0) * 1000.0,
+            self._shadow_build_s * 1000.0,
             self.host_bytes / 1e6,
             self.host_pinned,
+            built,
+            built - before,
         )
+        return True
 
     @property
     def attach_steps(self) -> dict[str, float]:
@@ -507,8 +537,17 @@ class Residency:
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
-        if self.weights_resident:
-            self.fill_shadow()  # a deferred shadow first (its host memory is not this release's)
+        if self.weights_resident and self.shadow_pending:
+            # a deferred shadow first, the slices not built yet (its host memory is not this
+            # release's): nothing is released that could not come back
+            built, total = self.shadow_slices
+            log.info(
+                "release of %s: building the host shadow's remaining slices first (%d of %d built)",
+                self.model_path,
+                built,
+                total,
+            )
+            self.fill_shadow()
         if self.memory_measure == "rss":
             # host memory freed into a hole of glibc's heap goes back to the system only when the
             # heap is trimmed (a CPU release is for that memory): trimmed before and after, so the

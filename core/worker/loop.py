@@ -210,7 +210,9 @@ class Worker:
         while not self._stopping:
             idle = not self._pending and self.tasks.empty()
             if idle and self.tenancy.shadow_pending and self.tenancy.weights_resident:
-                self._fill_shadow()  # idle: the deferred host shadow (a restart answered first)
+                # idle: the deferred host shadow (a restart answered first), slice by slice; a
+                # request or a ring that arrives stops it between two (a release builds the rest)
+                self._fill_shadow(stop=lambda: not self.tasks.empty() or self._yield_wanted)
                 self.publish()
                 continue
             task = self._pending.popleft() if self._pending else self.tasks.get()
@@ -409,14 +411,15 @@ class Worker:
         self.publish()
         return acquired
 
-    def _fill_shadow(self) -> bool:
-        """Make a deferred host shadow (the weights must be resident). False when the model file no
-        longer holds the loaded weights: the worker then ends as a failed load does (its weights
-        could not come back after a release)."""
+    def _fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Make a deferred host shadow (the weights must be resident), all of it or, with
+        ``stop``, until it says so between two slices. False when the model file no longer holds
+        the loaded weights: the worker then ends as a failed load does (its weights could not
+        come back after a release)."""
         if not (self.tenancy.shadow_pending and self.tenancy.weights_resident):
             return True
         try:
-            self.tenancy.fill_shadow()
+            self.tenancy.fill_shadow(stop)
             return True
         except TimeshareError as exc:
             log.error("cannot keep %s: %s", self.spec.model.id, exc)

@@ -33,6 +33,26 @@ log = logging.getLogger(__name__)
 # ---- tenancy: the GPU token and the weights ------------------------------------------------
 
 
+#: the environment variable that sets a deferred host shadow's slice size, in MiB (tests use
+#: small slices so a small model's shadow is several)
+SHADOW_SLICE_ENV = "TIMESHARE_SHADOW_SLICE_MIB"
+
+
+def shadow_slice_bytes() -> int:
+    """A deferred host shadow's slice size: ``TIMESHARE_SHADOW_SLICE_MIB`` (MiB; fractions
+    allowed), else the residency's default (256 MiB)."""
+    raw = os.environ.get(SHADOW_SLICE_ENV, "").strip()
+    if raw:
+        try:
+            mib = float(raw)
+        except ValueError:
+            mib = 0.0
+        if mib > 0:
+            return max(1, int(mib * (1 << 20)))
+        log.warning("%s=%r is not a positive number of MiB: using the default", SHADOW_SLICE_ENV, raw)
+    return ResidencyOptions.shadow_slice_bytes
+
+
 @dataclass(frozen=True)
 class Acquired:
     switched: bool
@@ -92,9 +112,12 @@ class Tenancy:
         """A deferred host shadow is still to be made (:meth:`fill_shadow`)."""
         return False
 
-    def fill_shadow(self) -> None:
-        """Make a deferred host shadow now (the weights resident). Raises ModelFileError when the
-        file no longer holds the loaded weights."""
+    def fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Make a deferred host shadow now (the weights resident), slice by slice: ``stop``,
+        asked after each slice, True leaves the rest for later (returns False). True when no
+        shadow is pending. Raises ModelFileError when the file no longer holds the loaded
+        weights."""
+        return True
 
     @property
     def attach_steps(self) -> dict[str, float]:
@@ -297,6 +320,7 @@ class ArenaTenancy(Tenancy):
             mode="auto",
             host_shadow=engine.model.host_shadow,
             defer_shadow=defer_shadow,
+            shadow_slice_bytes=shadow_slice_bytes(),
             parts=self._weight_parts(),
         )
         res = Residency.attach(engine.llm, engine.model.path, options)
@@ -313,11 +337,13 @@ class ArenaTenancy(Tenancy):
     def shadow_pending(self) -> bool:
         return self.residency is not None and self.residency.shadow_pending
 
-    def fill_shadow(self) -> None:
+    def fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
         res = self.residency
-        if res is not None and res.shadow_pending and res.weights_resident:
-            res.fill_shadow()
-            self.host_bytes = res.host_bytes
+        if res is None or not (res.shadow_pending and res.weights_resident):
+            return True
+        done = res.fill_shadow(stop)
+        self.host_bytes = res.host_bytes
+        return done
 
     @property
     def attach_steps(self) -> dict[str, float]:
