@@ -370,8 +370,15 @@ class Residency:
         if ip is None or not ip.shadow_pending:
             return True
         before, total = ip.shadow_slices
+
+        def stop_after_slice() -> bool:
+            built, total = ip.shadow_slices
+            if built == 1:
+                log.info("host shadow of %s: building %d slices", self.model_path, total)
+            return stop is not None and stop()
+
         t0 = time.perf_counter()
-        done = ip.fill_shadow(stop) is not None
+        done = ip.fill_shadow(stop_after_slice if stop is not None else None) is not None
         built, total = ip.shadow_slices
         self._shadow_build_s += time.perf_counter() - t0
         if not done:

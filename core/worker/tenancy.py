@@ -567,6 +567,7 @@ class ArenaTenancy(Tenancy):
         report = None
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
             report = res.release(kv=kv)
+            self.host_bytes = res.host_bytes  # a deferred shadow is made by the release if not before
         self._end_resident()
         if self.client.release() is None and report is None:
             return None
@@ -595,6 +596,7 @@ class ArenaTenancy(Tenancy):
         if res is None or not self.partial or ask >= lease:
             return self.release(kv=False)
         report = res.release(keep_bytes=lease - ask)
+        self.host_bytes = res.host_bytes
         if res.resident_bytes <= 0:
             return self.release(kv=False)
         self.client.shrink(res.resident_bytes)
