@@ -206,3 +206,58 @@ def test_buffers_allocated_and_freed_on_threads_round_trip_bitwise(
     res.restore()
     assert same(greedy.run(), ref)
     res.close()
+
+
+def test_lazy_memory_allocates_one_segment_at_a_time_and_pins_later(stand_in_pinned: int) -> None:
+    """A deferred shadow's memory (issue 29): planned at once, allocated a segment at a time;
+    segments allocated pageable on purpose (a release that cannot wait for pinning) are pinned
+    later, their bytes kept."""
+    mem = hostmem.HostMemory(30, True, parts=[10, 10, 10], lazy=True)
+    try:
+        assert mem.n_segments == 3 and not mem.complete and mem.segments == []
+        with pytest.raises(ValueError, match="not allocated yet"):
+            mem.address(0)
+        assert mem.allocate_next() == (0, 10)
+        ctypes.memset(mem.address(0), 1, 10)
+        assert mem.allocate_next(pin=False) == (10, 10)
+        assert mem.allocate_next(pin=False) == (20, 10)
+        assert mem.allocate_next() is None and mem.complete
+        assert not mem.pinned and mem.pinned_bytes == 10 and mem.to_pin == 2 and mem.note == ""
+        mem.view(10, 10)[:] = bytes(range(10))
+        mem.view(20, 10)[:] = bytes(range(10, 20))
+        assert mem.pin_next() and mem.to_pin == 1 and not mem.pinned
+        assert mem.pin_next() and mem.to_pin == 0
+        assert not mem.pin_next()
+        assert mem.pinned and mem.pinned_bytes == 30
+        assert bytes(mem.view(0, 10)) == bytes([1]) * 10
+        assert bytes(mem.view(10, 10)) + bytes(mem.view(20, 10)) == bytes(range(20))
+    finally:
+        mem.close()
+
+
+def test_a_release_during_a_sliced_shadow_goes_pageable_then_pins_when_idle_bitwise(
+    small_q4: llama_cpp.Llama, small_q4_path: Path, stand_in_pinned: int
+) -> None:
+    """A release that comes while a deferred shadow is half built (issue 29): the slices left
+    are read into pageable memory (no pinning to wait for), the model comes back bitwise from
+    that, and pin_shadow later moves those allocations into pinned memory, bitwise again."""
+    greedy = Greedy(small_q4)
+    reference = greedy.run()
+    opts = ResidencyOptions(mode="inplace", defer_shadow=True, shadow_slice_bytes=64 << 10)
+    res = Residency.attach(small_q4, small_q4_path, opts)
+    try:
+        assert res.fill_shadow(lambda: res.shadow_slices[0] >= 2) is False
+        total = res.shadow_slices[1]
+        res.release()
+        assert not res.shadow_pending and res.shadow_to_pin == total - 2
+        assert not res.host_pinned
+        res.restore()
+        assert same(greedy.run(), reference), "logits differ after a restore from pageable slices"
+        assert res.pin_shadow(lambda: True) is False and res.shadow_to_pin == total - 3
+        assert res.pin_shadow() is True and res.shadow_to_pin == 0
+        assert res.host_pinned and res.host_note == ""
+        res.release()
+        res.restore()
+        assert same(greedy.run(), reference), "logits differ after the pageable slices were pinned"
+    finally:
+        res.close()

@@ -157,6 +157,7 @@ class HostMemory:
         self._plan: list[int] = []  # the size of each segment, allocated or not
         self._buft: int | None = None
         self._refused: list[str] = []
+        self._to_pin: list[int] = []  # segments made pageable on purpose (allocate_next(pin=False))
         if parts is None:
             parts = [size]
         if sum(parts) != size:
@@ -212,38 +213,69 @@ class HostMemory:
         """Segments planned (allocated or not)."""
         return len(self._plan)
 
-    def allocate_next(self) -> tuple[int, int] | None:
-        """Allocate the next planned segment; its (offset, size), or None when all were."""
+    def allocate_next(self, pin: bool = True) -> tuple[int, int] | None:
+        """Allocate the next planned segment; its (offset, size), or None when all were. ``pin``
+        False: pageable memory now (a fresh mapping costs far less than pinning it), pinned
+        later by :meth:`pin_next` (``to_pin`` counts those segments)."""
         i = len(self._segs)
         if i >= len(self._plan):
             return None
         offset, n = self._starts[i], self._plan[i]
         buft = self._buft
-        seg = self._pinned(buft, offset, n) if buft is not None else None
+        seg = self._pinned(buft, offset, n) if buft is not None and pin else None
         if seg is None:
             seg = self._mmap(offset, n)
-            if buft is not None:
+            if buft is not None and pin:
                 self._refused.append(f"{n / 1e9:.2f} GB")
+            elif buft is not None:
+                self._to_pin.append(i)
         self._segs.append(seg)
         if self.complete and buft is not None:
             self._finish()
         return offset, n
 
+    @property
+    def to_pin(self) -> int:
+        """Segments made pageable by ``allocate_next(pin=False)`` and not pinned yet."""
+        return len(self._to_pin)
+
+    def pin_next(self) -> bool:
+        """Move the first segment made pageable on purpose into pinned memory (same offset and
+        bytes; the pageable mapping is freed). False when none is left. A refused pinned
+        allocation leaves that segment pageable for good (``note`` says so)."""
+        if not self._to_pin or self._buft is None:
+            return False
+        i = self._to_pin.pop(0)
+        old = self._segs[i]
+        seg = self._pinned(self._buft, old.offset, old.size)
+        if seg is None:
+            self._refused.append(f"{old.size / 1e9:.2f} GB")
+        else:
+            ctypes.memmove(seg.ptr, old.ptr, old.size)
+            self._segs[i] = seg
+            if old.map_len:
+                _libc.munmap(old.ptr, old.map_len)
+        if self.complete:
+            self._finish()
+        return True
+
     def _finish(self) -> None:
         self.pinned_bytes = sum(s.size for s in self._segs if s.buffer is not None)
         refused = self._refused
-        self.pinned = not refused
+        self.pinned = not refused and not self._to_pin
         if refused:
             what = (
                 f"{len(refused)} of {len(self._plan)} parts ({', '.join(refused)})"
                 if len(self._plan) > 1
                 else (f"{self.size / 1e9:.2f} GB")
             )
-            self.note = (
+            note = (
                 f"pinned host memory of {what} could not be allocated: using pageable memory there "
                 "(restores will be slower; free RAM or lower the number of resident models)"
             )
-            log.warning(self.note)
+            if note != self.note:
+                self.note = note
+                log.warning(note)
 
     def _pinned(self, buft: int, offset: int, n: int) -> _Segment | None:
         buf = alloc_pinned(buft, n)

@@ -334,13 +334,15 @@ class InPlace:
             return self._shadow_slices
         return 0, 0
 
-    def fill_shadow(self, stop: Callable[[], bool] | None = None) -> HostMemory | None:
+    def fill_shadow(self, stop: Callable[[], bool] | None = None, pin: bool = True) -> HostMemory | None:
         """Allocate the host shadow, fill it from the file and spot-check it against the loaded
         weights (which must be resident: nothing is released before the shadow exists); once. A
         deferred shadow is built in slices (``shadow_slice_bytes`` each: allocation, read, spot
         check); ``stop`` is asked after each slice, and True leaves the rest for a later call
-        (returns None then; the shadow stays pending). A file that no longer holds the loaded
-        weights raises ModelFileError and leaves no shadow (a later call starts again)."""
+        (returns None then; the shadow stays pending). ``pin`` False (a release that cannot wait
+        for the pinning, seconds on an 8B model): the slices left go to pageable memory, pinned
+        later by :meth:`pin_shadow`. A file that no longer holds the loaded weights raises
+        ModelFileError and leaves no shadow (a later call starts again)."""
         if self._shadow is not None:
             return self._shadow
         build = self._build
@@ -349,7 +351,7 @@ class InPlace:
                 self.verified_tensors = 0
                 build = self._build = self._plan_shadow(self._want_pinned)
             while not build.mem.complete:
-                self._build_slice(build)
+                self._build_slice(build, pin)
                 if not build.mem.complete and stop is not None and stop():
                     return None
         except BaseException:
@@ -376,6 +378,28 @@ class InPlace:
             mem.pinned,
         )
         return mem
+
+    @property
+    def shadow_to_pin(self) -> int:
+        """Segments of a complete shadow that a release made pageable, still to be pinned."""
+        return self._shadow.to_pin if self._shadow is not None else 0
+
+    def pin_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Pin the segments a release made pageable, one per step (allocation and copy; the
+        shadow stays complete throughout, so nothing ever waits for this); ``stop`` is asked
+        after each. True when none is left."""
+        mem = self._shadow
+        if mem is None:
+            return True
+        t0 = time.perf_counter()
+        while mem.pin_next():
+            if mem.to_pin and stop is not None and stop():
+                break
+        self.attach_steps["shadow_pin_ms"] = self.attach_steps.get("shadow_pin_ms", 0.0) + (
+            time.perf_counter() - t0
+        ) * 1000.0
+        self.shadow_note = mem.note
+        return mem.to_pin == 0
 
     # -- plan ---------------------------------------------------------------------------------
 
@@ -589,13 +613,13 @@ class InPlace:
         ]
         return _ShadowBuild(mem, sorted(ranges, key=lambda r: r.mem_offset), gaps, verify, sliced)
 
-    def _build_slice(self, build: _ShadowBuild) -> None:
+    def _build_slice(self, build: _ShadowBuild, pin: bool = True) -> None:
         """Allocate the next slice's segment (all of them, unsliced), zero its gaps, read its
         tensors from the file and spot-check them against the loaded weights."""
         mem = build.mem
         t0 = time.perf_counter()
         spans: list[tuple[int, int]] = []
-        while (got := mem.allocate_next()) is not None:
+        while (got := mem.allocate_next(pin)) is not None:
             spans.append(got)
             if build.sliced:
                 break
@@ -758,7 +782,8 @@ class InPlace:
         """Release parts from the last layer down until at most ``keep_bytes`` stay resident (all
         with None); returns the bytes released. A placeholder that cannot be made: what this
         call released is restored again and ResidencyError raised."""
-        self.fill_shadow()  # a deferred shadow first: nothing is released that could not come back
+        # a deferred shadow first: nothing is released that could not come back
+        self.fill_shadow(pin=False)
         t0 = time.perf_counter()
         chosen = self.parts_to_release(keep_bytes)
         todo = [b for p in chosen for b in p.buffers if not b.released]

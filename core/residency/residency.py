@@ -359,12 +359,14 @@ class Residency:
         started, and on other paths)."""
         return self._inplace.shadow_slices if self._inplace is not None else (0, 0)
 
-    def fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
+    def fill_shadow(self, stop: Callable[[], bool] | None = None, pin: bool = True) -> bool:
         """Fill a deferred host shadow now (the weights are resident: the first release fills it
         otherwise), slice by slice; ``stop``, asked after each slice, True: leave the rest for a
         later call (returns False: still pending). True when the shadow is complete (also on
-        other paths: nothing to do). Raises ModelFileError when the file no longer holds the
-        loaded weights (no shadow then: the model stays loaded)."""
+        other paths: nothing to do). ``pin`` False: the slices left go to pageable memory (a
+        release cannot wait for seconds of pinning), pinned later by :meth:`pin_shadow`. Raises
+        ModelFileError when the file no longer holds the loaded weights (no shadow then: the
+        model stays loaded)."""
         self._check_open()
         ip = self._inplace
         if ip is None or not ip.shadow_pending:
@@ -378,7 +380,7 @@ class Residency:
             return stop is not None and stop()
 
         t0 = time.perf_counter()
-        done = ip.fill_shadow(stop_after_slice if stop is not None else None) is not None
+        done = ip.fill_shadow(stop_after_slice if stop is not None else None, pin) is not None
         built, total = ip.shadow_slices
         self._shadow_build_s += time.perf_counter() - t0
         if not done:
@@ -392,15 +394,40 @@ class Residency:
         self._note_shadow()
         log.info(
             "host shadow of %s filled (deferred) in %.0f ms: %.1f MB, pinned=%s, %d slices, "
-            "%d of them in this call",
+            "%d of them in this call%s",
             self.model_path,
             self._shadow_build_s * 1000.0,
             self.host_bytes / 1e6,
             self.host_pinned,
             built,
             built - before,
+            f", {ip.shadow_to_pin} pageable until pinned" if ip.shadow_to_pin else "",
         )
         return True
+
+    @property
+    def shadow_to_pin(self) -> int:
+        """Allocations of the host shadow a release made pageable (it could not wait for the
+        pinning), still to be pinned by :meth:`pin_shadow`."""
+        return self._inplace.shadow_to_pin if self._inplace is not None else 0
+
+    def pin_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Pin what a release left pageable, one allocation at a time (``stop`` asked after
+        each; the shadow is complete throughout). True when nothing is left to pin."""
+        self._check_open()
+        ip = self._inplace
+        if ip is None or not ip.shadow_to_pin:
+            return True
+        done = ip.pin_shadow(stop)
+        self._note_shadow()
+        if done:
+            log.info(
+                "host shadow of %s pinned (the part a release made pageable) in %.0f ms, pinned=%s",
+                self.model_path,
+                ip.attach_steps.get("shadow_pin_ms", 0.0),
+                self.host_pinned,
+            )
+        return done
 
     @property
     def attach_steps(self) -> dict[str, float]:
@@ -554,7 +581,7 @@ class Residency:
                 built,
                 total,
             )
-            self.fill_shadow()
+            self.fill_shadow(pin=False)
         if self.memory_measure == "rss":
             # host memory freed into a hole of glibc's heap goes back to the system only when the
             # heap is trimmed (a CPU release is for that memory): trimmed before and after, so the

@@ -215,6 +215,11 @@ class Worker:
                 self._fill_shadow(stop=lambda: not self.tasks.empty() or self._yield_wanted)
                 self.publish()
                 continue
+            if idle and self.tenancy.shadow_to_pin:
+                # idle: pin what a release made pageable (it could not wait for the pinning)
+                self.tenancy.pin_shadow(stop=lambda: not self.tasks.empty())
+                self.publish()
+                continue
             task = self._pending.popleft() if self._pending else self.tasks.get()
             try:
                 self._dispatch(task)

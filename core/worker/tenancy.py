@@ -120,6 +120,15 @@ class Tenancy:
         return True
 
     @property
+    def shadow_to_pin(self) -> int:
+        """Allocations of the host shadow a release left pageable, to pin when idle."""
+        return 0
+
+    def pin_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Pin them, one at a time (``stop`` asked after each); True when none is left."""
+        return True
+
+    @property
     def attach_steps(self) -> dict[str, float]:
         """Milliseconds of the attach's steps (the worker logs them)."""
         return {}
@@ -344,6 +353,13 @@ class ArenaTenancy(Tenancy):
         done = res.fill_shadow(stop)
         self.host_bytes = res.host_bytes
         return done
+
+    @property
+    def shadow_to_pin(self) -> int:
+        return self.residency.shadow_to_pin if self.residency is not None else 0
+
+    def pin_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
+        return self.residency is None or self.residency.pin_shadow(stop)
 
     @property
     def attach_steps(self) -> dict[str, float]:
