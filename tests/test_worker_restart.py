@@ -8,11 +8,13 @@ conversation's KV file is read while the model loads (the request is there alrea
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from _e_worker_util import WorkerHandle
+from _e_worker_util import WorkerHandle, generate_message
+from _proc_util import wait_until
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.diagnostics.bench_api_procs import worker_log_phases
 from timeshare.core.sampling import Sampling
@@ -157,7 +159,16 @@ def test_a_shadow_built_in_slices_yields_to_the_other_models_request(
         if "slices" in second.log_text():
             break
         time.sleep(0.002)
-    b2, done_b2 = b.generate("b2", messages=ask, max_tokens=8)
+    # the restarted worker is frozen (SIGSTOP) in the middle of its build while b's request takes
+    # its ticket, so the ring is waiting for it when it goes on: no race with a fast build
+    second.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert "filled (deferred)" not in second.log_text(), "the build ended before it could be paused"
+        b.send(generate_message("b2", messages=ask, sampling=Sampling(max_tokens=8)))
+        wait_until(lambda: any(arena_dir.rglob("waiters/*")), 60, "b's ticket in the arena")
+    finally:
+        second.proc.send_signal(signal.SIGCONT)
+    b2, done_b2 = b.collect("b2")
     assert isinstance(done_b2, p.Done) and done_b2.switch.switched
     assert b2 == b1
     second.expect(p.Released)
