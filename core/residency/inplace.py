@@ -160,6 +160,9 @@ class _Discovery:
     def __init__(self, layout: _ggml.TensorLayout) -> None:
         self.layout = layout
         self.weights: set[int] = set()
+        #: graph nodes' sources that were views of a weight (a reused graph keeps their
+        #: ``buffer``/``data`` from when it was built)
+        self.weight_views = 0
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
 
     def _is_weight_buffer(self, buf: int) -> bool:
@@ -181,6 +184,8 @@ class _Discovery:
                 root = parent
             if self._is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
                 self.weights.add(root)
+                if root != src:
+                    self.weight_views += 1
         return False  # observe only: the whole split runs at once
 
 
@@ -278,10 +283,12 @@ class InPlace:
         #: the model's own weight buffers; with parts > 1 they are emptied by split()
         self.originals = originals
         self.parts_note = ""  # why fewer layer parts than asked for, when so
-        if parts > 1 and any(b.buft_name.startswith("Vulkan") for b in originals):
+        if parts > 1 and disc.weight_views and any(b.buft_name.startswith("Vulkan") for b in originals):
+            # the split moves the weights without resetting the graphs on Vulkan (see
+            # Residency._split): a reused graph's view of a weight would still name the old buffer
             self.parts_note = (
-                "layer parts are not checked on Vulkan (its graphs cannot be reset safely after "
-                "the weights move: see _forget_graphs): whole buffers are released there"
+                f"the graphs view the weights ({disc.weight_views} view(s)) and graphs cannot be reset "
+                "on Vulkan after the weights move: whole buffers are released"
             )
             parts = 1
         split = self._split_plan(originals, parts) if parts > 1 else None

@@ -314,8 +314,13 @@ class Residency:
 
     def _split(self, ip: InPlace) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed
-        with the model (its ExitStack). The graphs are built anew: every weight moved. Out of
-        memory there leaves the model released (restore() brings it back)."""
+        with the model (its ExitStack). The graphs are built anew (every weight moved), except on
+        Vulkan, where that reset itself breaks the context (see _forget_graphs) and is not needed:
+        ggml-vulkan reads each weight's ``buffer`` and ``data`` (vk_ptr_base + its offset in the
+        part) from the tensor at every dispatch and drops its cached descriptor bindings when the
+        model's own VkBuffers are destroyed, and the weights' tensor structs are the ones the
+        graphs name (none of them is a view). Out of memory there leaves the model released
+        (restore() brings it back)."""
         llm = self._llm
 
         def free_parts(ptrs: list[int]) -> None:
@@ -336,7 +341,7 @@ class Residency:
         finally:
             if not ip.split_pending:  # the parts' structs exist: the model's close frees them
                 llm._stack.callback(free_parts, ip.part_buffers())
-        if self.weights_resident:
+        if self.weights_resident and not ip.backend.startswith("Vulkan"):
             _forget_graphs(llm.ctx, llm)
 
     def _note_shadow(self) -> None:
