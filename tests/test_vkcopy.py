@@ -83,5 +83,24 @@ def test_the_baseline_through_a_real_loader() -> None:
     assert all(len(t.seconds) == 2 for t in base.tries)
     assert base.best in base.tries and base.best.best_s == min(t.best_s for t in base.tries)
     assert {"alloc_ms_per_gib", "free_ms_per_gib"} <= set(base.allocation)
+    # a restore's allocations pipelined with its copies, and a free in another process (a fresh
+    # interpreter running vkcopy.py --hold) while this one allocates: both measured, both sane
+    alloc = base.allocation
+    assert alloc["pipelined_8_restore_ms_per_gib"] >= alloc["pipelined_8_copy_ms_per_gib"] > 0, alloc
+    assert alloc["cross_process_4_alloc_ms_per_gib"] > 0 and alloc["cross_process_4_free_ms_per_gib"] > 0
     rep = base.report()
     assert rep["bytes"] == base.nbytes and rep["device"] == base.device
+
+
+def test_a_holding_process_that_fails_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the two-process measurement's other side exits without allocating (here: `false` in place
+    # of the interpreter): an error that says so, nothing allocated on this side
+    class _NoDevice:
+        d = _dev("GPU X", H200_TYPES, [(0x7, 1)])
+
+        def bound(self, nbytes: int, mtype: vkcopy.MemoryType) -> tuple[int, int]:
+            raise AssertionError("nothing is allocated before the other side is ready")
+
+    monkeypatch.setattr(vkcopy.sys, "executable", "false")
+    with pytest.raises(vkcopy.VulkanUnavailableError, match="did not allocate"):
+        vkcopy._free_while_allocating(_NoDevice(), 0, vkcopy.MemoryType(1, DEVICE_LOCAL, 0, GIB), 64 << 20)  # type: ignore[arg-type]

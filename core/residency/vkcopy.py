@@ -20,9 +20,15 @@ same path. Everything it creates is destroyed before it returns.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import json
 import logging
+import os
+import select
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_float, c_uint32, c_uint64, c_void_p
@@ -56,6 +62,7 @@ HOST_CACHED = 0x8
 _QUEUE_GRAPHICS = 0x1
 _QUEUE_COMPUTE = 0x2
 _QUEUE_TRANSFER = 0x4
+_POOL_RESET_COMMAND_BUFFER = 0x2
 _USAGE_TRANSFER_SRC = 0x1
 _USAGE_TRANSFER_DST = 0x2
 _USAGE_STORAGE = 0x20
@@ -685,6 +692,190 @@ def _allocation_costs(dev: _Device, mtype: MemoryType, nbytes: int, pieces: int 
     return out
 
 
+class _Copier:
+    """One queue of ``family``, a command buffer and a fence: fenced copies one at a time."""
+
+    def __init__(self, dev: _Device, family: int) -> None:
+        vk = self.vk = dev.vk
+        self.dev = dev.dev
+        self.queue = c_void_p()
+        vk.vkGetDeviceQueue(self.dev, family, 0, byref(self.queue))
+        self.pool = c_uint64()
+        self.fence = c_uint64()
+        info = _CommandPoolCreateInfo(_ST_COMMAND_POOL_CREATE_INFO, None, _POOL_RESET_COMMAND_BUFFER, family)
+        vk.check(vk.vkCreateCommandPool(self.dev, byref(info), None, byref(self.pool)), "vkCreateCommandPool")
+        try:
+            self.cb = c_void_p()
+            alloc = _CommandBufferAllocateInfo(_ST_COMMAND_BUFFER_ALLOCATE_INFO, None, self.pool.value, 0, 1)
+            vk.check(
+                vk.vkAllocateCommandBuffers(self.dev, byref(alloc), byref(self.cb)),
+                "vkAllocateCommandBuffers",
+            )
+            fci = _FenceCreateInfo(_ST_FENCE_CREATE_INFO, None, 0)
+            vk.check(vk.vkCreateFence(self.dev, byref(fci), None, byref(self.fence)), "vkCreateFence")
+        except BaseException:
+            self.close()
+            raise
+
+    def copy(self, src: int, src_offset: int, dst: int, nbytes: int) -> None:
+        vk = self.vk
+        begin = _CommandBufferBeginInfo(_ST_COMMAND_BUFFER_BEGIN_INFO, None, 0, None)
+        vk.check(vk.vkBeginCommandBuffer(self.cb, byref(begin)), "vkBeginCommandBuffer")  # resets it
+        vk.vkCmdCopyBuffer(self.cb, src, dst, 1, byref(_BufferCopy(src_offset, 0, nbytes)))
+        vk.check(vk.vkEndCommandBuffer(self.cb), "vkEndCommandBuffer")
+        cbs = (c_void_p * 1)(self.cb.value)
+        submit = _SubmitInfo(_ST_SUBMIT_INFO, None, 0, None, None, 1, cbs, 0, None)
+        vk.check(vk.vkQueueSubmit(self.queue, 1, byref(submit), self.fence.value), "vkQueueSubmit")
+        vk.check(vk.vkWaitForFences(self.dev, 1, byref(self.fence), 1, _WHOLE_SIZE), "vkWaitForFences")
+        vk.check(vk.vkResetFences(self.dev, 1, byref(self.fence)), "vkResetFences")
+
+    def close(self) -> None:
+        if self.fence.value:
+            self.vk.vkDestroyFence(self.dev, self.fence.value, None)
+            self.fence = c_uint64()
+        if self.pool.value:
+            self.vk.vkDestroyCommandPool(self.dev, self.pool.value, None)
+            self.pool = c_uint64()
+
+
+def _pipelined_restore(
+    dev: _Device, family: int, src: int, mtype: MemoryType, nbytes: int, pieces: int = 8
+) -> dict[str, float]:
+    """A restore as it could best go with fresh allocations, in plain Vulkan: ``pieces``
+    device-local buffers allocated one after the other on a thread while the caller copies into
+    each (from ``src``, fenced) as soon as its allocation is back. Milliseconds per GiB of the
+    whole and of the copies in it: the whole near max(alloc, copy) means the driver allocates and
+    copies at once (so restore can hide its allocations); near alloc + copy, it does one at a
+    time (no ordering in the restore can reach the copy's speed while it allocates)."""
+    part = nbytes // pieces // 4096 * 4096
+    per_gib = GIB / (part * pieces) * 1000
+    copier = _Copier(dev, family)
+    pairs: list[tuple[int, int]] = []
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(lambda: None).result()  # the thread exists before the clock starts
+            t0 = time.perf_counter()
+            futures = [pool.submit(dev.bound, part, mtype) for _ in range(pieces)]
+            copy_s = 0.0
+            try:
+                for i, f in enumerate(futures):
+                    pairs.append(f.result())
+                    t1 = time.perf_counter()
+                    copier.copy(src, i * part, pairs[-1][0], part)
+                    copy_s += time.perf_counter() - t1
+                total_s = time.perf_counter() - t0
+            finally:  # what was allocated is freed, also after a failure
+                for f in futures[len(pairs) :]:
+                    with contextlib.suppress(VulkanUnavailableError):
+                        pairs.append(f.result())
+    finally:
+        copier.close()
+        for pair in pairs:
+            dev.unbind(pair)
+    return {
+        f"pipelined_{pieces}_restore_ms_per_gib": total_s * per_gib,
+        f"pipelined_{pieces}_copy_ms_per_gib": copy_s * per_gib,
+    }
+
+
+def _hold_main(argv: list[str]) -> int:
+    """The other process of :func:`_free_while_allocating`: allocate, say ``ready``, wait for a
+    line, free, print the free's seconds as JSON."""
+    name, pci, ordinal, type_index, part, pieces = (
+        argv[0] or None,
+        argv[1] or None,
+        int(argv[2]),
+        int(argv[3]),
+        int(argv[4]),
+        int(argv[5]),
+    )
+    vk, inst = _instance(b"timeshare-baseline-holder")
+    try:
+        d = _pick_device(_physical_devices(vk, inst), name, pci, ordinal)
+        dev = _Device(vk, d, [_queue_families(d)[0][0]])
+        try:
+            mtype = d.types[type_index]
+            pairs = [dev.bound(part, mtype) for _ in range(pieces)]
+            print("ready", flush=True)
+            sys.stdin.readline()
+            t0 = time.perf_counter()
+            for pair in pairs:
+                dev.unbind(pair)
+            print(json.dumps({"free_s": time.perf_counter() - t0}), flush=True)
+        finally:
+            dev.close()
+    finally:
+        vk.vkDestroyInstance(inst, None)
+    return 0
+
+
+def _free_while_allocating(
+    dev: _Device, ordinal: int, mtype: MemoryType, nbytes: int, pieces: int = 4, timeout_s: float = 120.0
+) -> dict[str, float]:
+    """A switch's two sides at once: another process (a fresh interpreter running this file)
+    holds ``pieces`` device-local buffers of ``nbytes / pieces`` and frees them while this one
+    allocates as many (what a holder's release and a requester's restore would do if the
+    requester did not wait for the free). Milliseconds per GiB of both: this side's allocation
+    near the uncontended ``serial_*_alloc_ms_per_gib`` means the driver frees in one process while
+    it allocates in another (a streamed hand-over could hide the free); near alloc + free, it
+    does one at a time."""
+    d = dev.d
+    part = nbytes // pieces // 4096 * 4096
+    per_gib = GIB / (part * pieces) * 1000
+    args = [d.name, d.pci, str(ordinal), str(mtype.index), str(part), str(pieces)]
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--hold", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    pairs: list[tuple[int, int]] = []
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], timeout_s)
+        if not ready or child.stdout.readline().strip() != "ready":
+            raise VulkanUnavailableError("the holding process did not allocate its buffers")
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        t0 = time.perf_counter()
+        for _ in range(pieces):
+            pairs.append(dev.bound(part, mtype))
+        alloc_s = time.perf_counter() - t0
+        out, _ = child.communicate(timeout=timeout_s)
+        free_s = float(json.loads(out.strip().splitlines()[-1])["free_s"])
+    except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired) as exc:
+        raise VulkanUnavailableError(f"the two-process measurement failed: {exc}") from exc
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        child.stdin.close()
+        child.stdout.close()
+        for pair in pairs:
+            dev.unbind(pair)
+    return {
+        f"cross_process_{pieces}_alloc_ms_per_gib": alloc_s * per_gib,
+        f"cross_process_{pieces}_free_ms_per_gib": free_s * per_gib,
+    }
+
+
+def _instance(app_name: bytes) -> tuple[_Vk, c_void_p]:
+    vk = _Vk()
+    app = _AppInfo(_ST_APPLICATION_INFO, None, app_name, 1, b"timeshare", 1, VK_API_VERSION_1_1)
+    ici = _InstanceCreateInfo(_ST_INSTANCE_CREATE_INFO, None, 0, ctypes.pointer(app), 0, None, 0, None)
+    inst = c_void_p()
+    vk.check(vk.vkCreateInstance(byref(ici), None, byref(inst)), "vkCreateInstance")
+    return vk, inst
+
+
+def _physical_devices(vk: _Vk, inst: c_void_p) -> list[_PhysDev]:
+    n = c_uint32(0)
+    vk.check(vk.vkEnumeratePhysicalDevices(inst, byref(n), None), "vkEnumeratePhysicalDevices")
+    handles = (c_void_p * max(n.value, 1))()
+    vk.check(vk.vkEnumeratePhysicalDevices(inst, byref(n), handles), "vkEnumeratePhysicalDevices")
+    return [_describe(vk, int(handles[i] or 0)) for i in range(n.value)]
+
+
 def copy_baseline(
     name: str | None = None,
     pci_bus_id: str | None = None,
@@ -696,18 +887,9 @@ def copy_baseline(
     Vulkan device name) at ``pci_bus_id`` (preferred when both sides know it); ``ordinal`` picks
     among devices of the same name. ``nbytes`` is clamped to the device's largest allocation.
     Raises VulkanUnavailableError."""
-    vk = _Vk()
-    app = _AppInfo(_ST_APPLICATION_INFO, None, b"timeshare-baseline", 1, b"timeshare", 1, VK_API_VERSION_1_1)
-    ici = _InstanceCreateInfo(_ST_INSTANCE_CREATE_INFO, None, 0, ctypes.pointer(app), 0, None, 0, None)
-    inst = c_void_p()
-    vk.check(vk.vkCreateInstance(byref(ici), None, byref(inst)), "vkCreateInstance")
+    vk, inst = _instance(b"timeshare-baseline")
     try:
-        n = c_uint32(0)
-        vk.check(vk.vkEnumeratePhysicalDevices(inst, byref(n), None), "vkEnumeratePhysicalDevices")
-        handles = (c_void_p * max(n.value, 1))()
-        vk.check(vk.vkEnumeratePhysicalDevices(inst, byref(n), handles), "vkEnumeratePhysicalDevices")
-        devs = [_describe(vk, int(handles[i] or 0)) for i in range(n.value)]
-        d = _pick_device(devs, name, pci_bus_id, ordinal)
+        d = _pick_device(_physical_devices(vk, inst), name, pci_bus_id, ordinal)
         size = min(nbytes, d.max_alloc) if d.max_alloc else nbytes
         families = _queue_families(d)
         dst_type = _device_type(d)
@@ -723,6 +905,7 @@ def copy_baseline(
         try:
             dst, _ = dev.buffer(size, _USAGE_TRANSFER_DST, dst_type)
             tries: list[CopyTry] = []
+            paths: list[tuple[MemoryType, int]] = []  # each try's source type and queue family
             for src_type in _host_types(d):
                 src, mem = dev.buffer(size, _USAGE_TRANSFER_SRC, src_type)
                 ptr = c_void_p()
@@ -732,12 +915,19 @@ def copy_baseline(
                 for fam, label in families:
                     secs = _timed_copies(dev, fam, src, dst, size, reps)
                     tries.append(CopyTry(src_type.describe(), dst_type.describe(), label, tuple(secs)))
+                    paths.append((src_type, fam))
             dev.free_tracked()
-            try:
-                costs = _allocation_costs(dev, dst_type, size)
-            except VulkanUnavailableError as exc:  # not the baseline's business: say so
-                costs = {}
-                log.info("allocation costs not measured: %s", exc)
+            costs: dict[str, float] = {}
+            try:  # not the baseline's business: a failure is logged, the baseline stands
+                costs.update(_allocation_costs(dev, dst_type, size))
+                if tries:
+                    src_type, fam = paths[min(range(len(tries)), key=lambda i: tries[i].best_s)]
+                    src, _ = dev.buffer(size, _USAGE_TRANSFER_SRC, src_type)
+                    costs.update(_pipelined_restore(dev, fam, src, dst_type, size))
+                    dev.free_tracked()
+                costs.update(_free_while_allocating(dev, ordinal, dst_type, size))
+            except VulkanUnavailableError as exc:
+                log.info("allocation costs not (all) measured: %s", exc)
         finally:
             dev.close()
     finally:
@@ -773,6 +963,6 @@ def baseline_for_ggml_device(dev: Any, nbytes: int = GIB, reps: int = 5) -> Copy
 
 
 if __name__ == "__main__":  # python -m timeshare.core.residency.vkcopy: the baseline on device 0
-    import json
-
+    if sys.argv[1:2] == ["--hold"]:  # the other process of _free_while_allocating
+        sys.exit(_hold_main(sys.argv[2:]))
     print(json.dumps(copy_baseline().report(), indent=1))
