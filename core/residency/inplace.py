@@ -586,7 +586,7 @@ class InPlace:
                 if b.mirror:
                     offset = b.shadow_base + b.size
                     cuts = sorted({0, *(t.offset for t in b.tensors if 0 < t.offset < b.size)})
-                    units.extend(hi - lo for lo, hi in zip(cuts, [*cuts[1:], b.size]))
+                    units.extend(hi - lo for lo, hi in zip(cuts, [*cuts[1:], b.size], strict=True))
                 parts.append(offset - b.shadow_base)
         finally:
             _ggml.gguf_free(meta)
