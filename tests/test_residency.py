@@ -650,9 +650,7 @@ def _shadow_bytes(res: Residency) -> dict[str, bytes]:
     """Every released tensor's bytes in the host shadow, by name."""
     ip = res._inplace
     assert ip is not None
-    return {
-        t.name: bytes(ip.shadow.view(t.shadow_offset, t.nbytes)) for b in ip.buffers for t in b.tensors
-    }
+    return {t.name: bytes(ip.shadow.view(t.shadow_offset, t.nbytes)) for b in ip.buffers for t in b.tensors}
 
 
 def test_a_deferred_shadow_in_slices_stops_between_them_and_a_release_builds_the_rest(

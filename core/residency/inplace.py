@@ -402,9 +402,9 @@ class InPlace:
         while mem.pin_next():
             if mem.to_pin and stop is not None and stop():
                 break
-        self.attach_steps["shadow_pin_ms"] = self.attach_steps.get("shadow_pin_ms", 0.0) + (
-            time.perf_counter() - t0
-        ) * 1000.0
+        self.attach_steps["shadow_pin_ms"] = (
+            self.attach_steps.get("shadow_pin_ms", 0.0) + (time.perf_counter() - t0) * 1000.0
+        )
         self.shadow_note = mem.note
         return mem.to_pin == 0
 
@@ -615,9 +615,11 @@ class InPlace:
         except BaseException:
             mem.close()
             raise
-        verify = [] if not self._verify else [
-            (b, t) for b in self.buffers if not b.buft_name.endswith("_REPACK") for t in b.tensors
-        ]
+        verify = (
+            []
+            if not self._verify
+            else [(b, t) for b in self.buffers if not b.buft_name.endswith("_REPACK") for t in b.tensors]
+        )
         return _ShadowBuild(mem, sorted(ranges, key=lambda r: r.mem_offset), gaps, verify, sliced)
 
     def _build_slice(self, build: _ShadowBuild, pin: bool = True) -> None:
