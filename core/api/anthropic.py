@@ -35,12 +35,12 @@ from ..chatformat.parse import Event
 from ..errors import ModelUnavailableError, TimeshareError
 from ..sampling import MAX_STOP, for_front_end
 from ..worker.protocol import ChatMessage, ToolCall
-from .dialect import Host, Turn, start
+from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
 from .extras import switch_extras
 from .middleware import SHUTTING_DOWN
 from .requests import GenerationRequest, read_json
-from .shapes import MAX_MESSAGES, schema_error_path
+from .shapes import MAX_MESSAGES
 from .structured import schema_grammar
 from .tools import ToolRequest, parse_tool_request
 
@@ -164,23 +164,10 @@ _RULES = {
 }
 
 
-def _decode(body: object, shape: type[msgspec.Struct]) -> Any:
-    if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    try:
-        return msgspec.convert(body, shape)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        path = schema_error_path(exc)
-        top = path.split(".")[0].split("[")[0]
-        if top == "messages" and path != "messages":
-            raise BadRequestError(
-                f'{path}: {text.split(" - at ")[0]}; a message is {{"role": "user" | "assistant", '
-                '"content": a string or a list of text, tool_use and tool_result blocks}.',
-                path,
-            ) from None
-        sentence = _RULES.get(top, f"'{path or 'body'}': {text}; see docs/API.md.")
-        raise BadRequestError(sentence, top or None) from None
+_MESSAGE = (
+    'a message is {"role": "user" | "assistant", "content": a string or a list of text, tool_use '
+    "and tool_result blocks}."
+)
 
 
 # ---- translation ---------------------------------------------------------------------------------
@@ -299,7 +286,7 @@ def _refuse_unsupported(body: _Prompt) -> None:
 def translate(body: object) -> tuple[GenerationRequest, ToolRequest | None]:
     """A /v1/messages body as the GenerationRequest the pool runs and its tools. BadRequestError
     naming the field."""
-    parsed: MessagesBody = _decode(body, MessagesBody)
+    parsed: MessagesBody = decode_body(body, MessagesBody, _RULES, _MESSAGE)
     _refuse_unsupported(parsed)
     grammar = None
     if parsed.output_config is not None and parsed.output_config.format is not None:
@@ -542,7 +529,9 @@ class Routes:
 
     async def count_tokens(self, request: Request) -> Response:
         body = await read_json(request)
-        parsed: CountTokensBody = await anyio.to_thread.run_sync(partial(_decode, body, CountTokensBody))
+        parsed: CountTokensBody = await anyio.to_thread.run_sync(
+            partial(decode_body, body, CountTokensBody, _RULES, _MESSAGE)
+        )
         _refuse_unsupported(parsed)
         tools = _tool_request(parsed)
         req = GenerationRequest(

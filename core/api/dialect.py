@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
+import msgspec
 from starlette.requests import Request
 
 from ..chatformat.parse import AnswerParser, Event
@@ -34,6 +35,7 @@ from ..state import ModelStatus, PoolSnapshot
 from .chat_output import prepare_chat
 from .errors import BadRequestError
 from .requests import GenerationRequest
+from .shapes import schema_error_path
 from .tools import ToolRequest
 
 T = TypeVar("T")
@@ -217,3 +219,21 @@ async def start(
             fmt.family, tools=output.plan.parses_calls, thinks=fmt.thinks, starts_thinking=fmt.starts_thinking
         )
     return Turn(host, request, req, gen, parser, started)
+
+
+def decode_body(body: object, shape: type[msgspec.Struct], rules: dict[str, str], message: str) -> Any:
+    """A dialect's request body as ``shape``; otherwise BadRequestError naming the field: the
+    dialect's sentence for a top-level field (``rules``), for a message's field the path, what
+    was wrong and ``message`` (what a message of this dialect is)."""
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    try:
+        return msgspec.convert(body, shape)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        path = schema_error_path(exc)
+        top = path.split(".")[0].split("[")[0]
+        if top == "messages" and path != "messages":
+            raise BadRequestError(f"{path}: {text.split(' - at ')[0]}; {message}", path) from None
+        sentence = rules.get(top, f"'{path or 'body'}': {text}; see docs/API.md.")
+        raise BadRequestError(sentence, top or None) from None

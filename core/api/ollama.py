@@ -36,12 +36,12 @@ from ..pool.generation import GenerationResult
 from ..sampling import MAX_STOP, for_front_end
 from ..state import PoolSnapshot
 from ..worker.protocol import ChatMessage, ToolCall
-from .dialect import Host, Turn, start
+from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
 from .extras import switch_extras
 from .middleware import SHUTTING_DOWN
 from .requests import GenerationRequest, read_json
-from .shapes import MAX_MESSAGES, schema_error_path
+from .shapes import MAX_MESSAGES
 from .structured import json_object_grammar, schema_grammar
 from .tools import ToolRequest, parse_tool_request
 
@@ -113,26 +113,12 @@ _RULES = {
 }
 
 
+_MESSAGE = 'a message is {"role": "system" | "user" | "assistant" | "tool", "content": "..."}.'
+
+
 def decode(body: object, shape: type[msgspec.Struct]) -> Any:
     """A request body as ``shape``; BadRequestError naming the field otherwise."""
-    if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    try:
-        return msgspec.convert(body, shape)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        path = schema_error_path(exc)
-        top = path.split(".")[0].split("[")[0]
-        if top == "messages" and path != "messages":
-            what = text.split(" - at ")[0]
-            raise BadRequestError(
-                f'{path}: {what}; a message is {{"role": "system" | "user" | "assistant" | '
-                '"tool", "content": "..."}.',
-                path,
-            ) from None
-        raise BadRequestError(
-            _RULES.get(top, f"'{path or 'body'}': {text}; see docs/API.md."), top or None
-        ) from None
+    return decode_body(body, shape, _RULES, _MESSAGE)
 
 
 # ---- names ---------------------------------------------------------------------------------------
