@@ -15,6 +15,7 @@ import pytest
 if TYPE_CHECKING:
     import llama_cpp
     from _e_worker_util import WorkerHandle
+    from timeshare.core.pool.supervisor import Pool
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # also here, not only in the fixture below: module-scoped pools start before any function fixture
@@ -78,3 +79,12 @@ def small_q4(small_q4_path: Path) -> Iterator[llama_cpp.Llama]:
     llm = load(small_q4_path)
     yield llm
     llm.close()
+
+
+@pytest.fixture
+def pools() -> Iterator[list[Pool]]:
+    """Pools a test started (tests/_budget_pool_util.start_pool), stopped after it."""
+    made: list[Pool] = []
+    yield made
+    for p in made:
+        p.stop()

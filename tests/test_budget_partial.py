@@ -10,16 +10,16 @@ from __future__ import annotations
 import io
 import os
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from _budget_pool_util import GEMMA, SMOL, WAIT, start_pool
 from _proc_util import wait_until
 from timeshare.app.menu_model import display_state, model_title
 from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import compute_budget, parse_budget
 from timeshare.core.arena.client import TokenClient
-from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
 from timeshare.core.diagnostics.arena_test import ArenaHarness, plan_workers
 from timeshare.core.diagnostics.budget_check import check_budget
 from timeshare.core.errors import VramBudgetError
@@ -31,8 +31,6 @@ from timeshare.core.state import ModelState, ModelStatus
 
 from timeshare.client import print_status
 
-SMOL, GEMMA = "smol", "gemma"
-WAIT = 300.0  # generous: the machine may be loaded; nothing here is timed
 PROMPT = "The capital of France is"
 
 
@@ -67,36 +65,6 @@ def test_a_partly_released_model_is_shown_with_its_share() -> None:
 
 
 # ---- real workers --------------------------------------------------------------------------
-
-
-def start_pool(home: Path, smollm2: Path, gemma3: Path, budget: str, **pool_kw: object) -> Pool:
-    config = Config(
-        models=(
-            ModelConfig(id=SMOL, path=str(smollm2), n_ctx=256, idle_sleep_s=None),
-            ModelConfig(id=GEMMA, path=str(gemma3), n_ctx=256, idle_sleep_s=None),
-        ),
-        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget=budget),
-    )
-    pool = Pool(
-        config,
-        arena_dir=home / "arena",
-        log_dir=home / "log",
-        kv_dir=home / "kv",
-        event_log=str(home / "intervals.jsonl"),
-        **pool_kw,  # type: ignore[arg-type]
-    )
-    pool.start()
-    pool.wait_ready(timeout=WAIT)
-    assert all(m.state is not ModelState.FAILED for m in pool.snapshot().models), pool.snapshot()
-    return pool
-
-
-@pytest.fixture
-def pools() -> Iterator[list[Pool]]:
-    made: list[Pool] = []
-    yield made
-    for p in made:
-        p.stop()
 
 
 def answer(pool: Pool, model: str) -> GenerationResult:

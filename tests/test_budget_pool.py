@@ -10,17 +10,17 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from _budget_pool_util import GEMMA, SMOL, WAIT, start_pool
 from _proc_util import wait_until
 from timeshare.app.menu_model import devices_line, tooltip
 from timeshare.core.api.handlers import SwitchCounter, status_json
 from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.dirs import device_arena_dir
-from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
+from timeshare.core.config.schema import ModelConfig
 from timeshare.core.diagnostics.arena_test import run_arena_test
 from timeshare.core.diagnostics.budget_check import check_budget, check_memory_budget
 from timeshare.core.diagnostics.memwatch import MemSample
@@ -35,8 +35,6 @@ from timeshare.core.worker.device import llama_placement
 
 from timeshare.client import print_status
 
-SMOL, GEMMA = "smol", "gemma"
-WAIT = 300.0  # generous: the machine may be loaded; nothing here is timed
 PROMPT = "The capital of France is"
 
 
@@ -228,36 +226,6 @@ def test_the_tools_refuse_a_bad_budget(smollm2_path: Path) -> None:
 
 
 # ---- real workers --------------------------------------------------------------------------
-
-
-def start_pool(home: Path, smollm2: Path, gemma3: Path, budget: str, **pool_kw: object) -> Pool:
-    config = Config(
-        models=(
-            ModelConfig(id=SMOL, path=str(smollm2), n_ctx=256, idle_sleep_s=None),
-            ModelConfig(id=GEMMA, path=str(gemma3), n_ctx=256, idle_sleep_s=None),
-        ),
-        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget=budget),
-    )
-    pool = Pool(
-        config,
-        arena_dir=home / "arena",
-        log_dir=home / "log",
-        kv_dir=home / "kv",
-        event_log=str(home / "intervals.jsonl"),
-        **pool_kw,  # type: ignore[arg-type]
-    )
-    pool.start()
-    pool.wait_ready(timeout=WAIT)
-    assert all(m.state is not ModelState.FAILED for m in pool.snapshot().models), pool.snapshot()
-    return pool
-
-
-@pytest.fixture
-def pools() -> Iterator[list[Pool]]:
-    made: list[Pool] = []
-    yield made
-    for p in made:
-        p.stop()
 
 
 def answer(pool: Pool, model: str) -> tuple[str, bool]:
