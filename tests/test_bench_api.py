@@ -125,3 +125,49 @@ def test_bad_arguments_are_refused_before_anything_starts(smollm2_path: Path) ->
         bench_api.run_api_bench([str(smollm2_path)], context=64, rounds=1)
     with pytest.raises(TimeshareError, match="--rounds"):
         bench_api.run_api_bench([str(smollm2_path)] * 2, context=64, rounds=0)
+
+
+@pytest.mark.timeout(600)
+def test_a_terminated_bench_stops_what_it_started(
+    tmp_path: Path, smollm2_path: Path, gemma3_path: Path
+) -> None:
+    """`timeout N timeshare bench api ...` sends SIGTERM: the bench ends as on Ctrl-C, and its
+    serve and workers (each in its own session, which the signal does not reach) are stopped,
+    not left holding the GPU."""
+    import contextlib
+    import signal
+    import time
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    models = ("--model", str(smollm2_path), "--model", str(gemma3_path))
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "timeshare", "bench", "api", *models, "--context", "64", "--rounds", "50"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not any("core.worker" in p for p in _left_behind(tmp_path)):
+            assert bench.poll() is None, "the bench ended before its serve started"
+            assert time.monotonic() < deadline, "the bench's serve never started"
+            time.sleep(0.5)
+        time.sleep(2.0)  # workers starting too
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=180)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    try:
+        assert bench.returncode == 130, err[-2000:]
+        assert "interrupted (SIGTERM)" in err
+        deadline = time.monotonic() + 60
+        while _left_behind(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _left_behind(tmp_path) == []
+    finally:  # a failure here must not leave a serve and its workers running
+        for line in _left_behind(tmp_path):
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,11 @@ _HANDLERS = {
     "pull": "timeshare.pull:main",
     "desktop": "timeshare.app.desktop_install:main",
 }
+#: commands that start servers or workers of their own, each in its own session (so that a Ctrl-C
+#: in the terminal reaches only this process, which stops them in order): SIGTERM and SIGHUP end
+#: these as Ctrl-C does, so their finally blocks stop what they started. Before, `timeout 300
+#: timeshare bench api ...` ending the run left its `timeshare serve` and workers holding the GPU.
+_CLEAN_UP_ON_TERMINATE = {"bench", "arena-test", "doctor"}
 # alias -> the subcommand it stands for
 _ALIASES = {"ps": "status", "ls": "models"}
 
@@ -377,13 +383,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "tray" and not hasattr(args, "background"):
         args.background = False
     module_name, func_name = _HANDLERS[command].split(":")
+    clean_up = command in _CLEAN_UP_ON_TERMINATE
+    if clean_up:
+        _terminate_as_interrupt()
     try:
         handler = getattr(importlib.import_module(module_name), func_name)
         result = handler(args)
         sys.stdout.flush()  # a broken pipe shows here, not at exit
     except BrokenPipeError:
         return _broken_pipe()
+    except KeyboardInterrupt as exc:
+        if not clean_up:
+            raise
+        why = f" ({exc})" if str(exc) else ""
+        print(f"timeshare {command}: interrupted{why}; what it started has been stopped", file=sys.stderr)
+        return 130
     return int(result or 0)
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does; a second
+    one of the same signal ends the process at once (the default action)."""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
 
 
 def _broken_pipe() -> int:
