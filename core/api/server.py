@@ -310,17 +310,8 @@ def serve_main(args: argparse.Namespace) -> int:
         )
         # one Timeshare per runtime dir: a second one would overwrite the first's address file
         instance = InstanceLock.acquire("serve")
-    except (ConfigError, DiskFullError) as exc:
-        print(f"timeshare serve: {exc}", file=sys.stderr)
-        return 2
-    except InstanceRunningError as exc:
-        print(f"timeshare serve: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        if not is_disk_full(exc):
-            raise
-        print(f"timeshare serve: {_disk_full(exc)}", file=sys.stderr)
-        return 2
+    except (ConfigError, DiskFullError, InstanceRunningError, OSError) as exc:
+        return _refused(exc)
     if not config.models:
         notice = str(getattr(config, "notice", "") or "")
         print(
@@ -363,14 +354,8 @@ def serve_main(args: argparse.Namespace) -> int:
             readiness.check(pool.snapshot())
         log.info("stopping")
         return 0
-    except (ArenaError, ConfigError, ApiBindError, DiskFullError) as exc:
-        print(f"timeshare serve: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        if not is_disk_full(exc):
-            raise
-        print(f"timeshare serve: {_disk_full(exc)}", file=sys.stderr)
-        return 2
+    except (ArenaError, ConfigError, ApiBindError, DiskFullError, OSError) as exc:
+        return _refused(exc)
     finally:
         watcher.stop()
         server.stop()
@@ -378,6 +363,18 @@ def serve_main(args: argparse.Namespace) -> int:
         instance.release()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _refused(exc: Exception) -> int:
+    """Say in one line why serve cannot run, and return its exit status: 1 when another instance
+    runs, 2 for the configuration, the arena, the address or a full disk. Any other OSError is a
+    bug: re-raised, with its traceback."""
+    if isinstance(exc, OSError):
+        if not is_disk_full(exc):
+            raise exc
+        exc = _disk_full(exc)
+    print(f"timeshare serve: {exc}", file=sys.stderr)
+    return 1 if isinstance(exc, InstanceRunningError) else 2
 
 
 def _disk_full(exc: OSError) -> DiskFullError:
