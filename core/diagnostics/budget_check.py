@@ -189,17 +189,10 @@ def check_memory_budget(
     minimum + ``fraction`` × their weight bytes) sum above ``budget`` (None: one model at a time,
     a violation is two resident at once)."""
     keys = [k for k, w in weight_bytes.items() if w > 0]
-
-    def value(sample: MemSample, key: str) -> int | None:
-        got = sample.get(key)
-        if got is None and missing_as_zero and key not in sample.unmeasured:
-            return 0
-        return got
-
     baseline: dict[str, int] = {}
     for sample in samples:
         for key in keys:
-            v = value(sample, key)
+            v = sample.value(key, missing_as_zero)
             if v is not None:
                 baseline[key] = min(v, baseline.get(key, v))
     violations = max_n = max_bytes = 0
@@ -207,7 +200,7 @@ def check_memory_budget(
         high = []
         total = 0
         for key in keys:
-            v = value(sample, key)
+            v = sample.value(key, missing_as_zero)
             if v is not None and v > baseline[key] + fraction * weight_bytes[key]:
                 high.append(key)
                 total += min(weight_bytes[key], v - baseline[key])

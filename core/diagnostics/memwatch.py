@@ -50,6 +50,14 @@ class MemSample:
     def get(self, key: str) -> int | None:
         return next((b for k, b in self.bytes_by if k == key), None)
 
+    def value(self, key: str, missing_as_zero: bool) -> int | None:
+        """``key``'s bytes; a worker not seen counts as 0 with ``missing_as_zero`` (a sampler that
+        lists only the processes holding memory), unless it was seen without a figure."""
+        got = self.get(key)
+        if got is None and missing_as_zero and key not in self.unmeasured:
+            return 0
+        return got
+
 
 @dataclass(frozen=True)
 class MemCheck:
@@ -78,18 +86,11 @@ def check_memory(
     ``missing_as_zero``: a worker missing from a sample holds no memory (nvidia-smi lists only
     processes with a context); otherwise it was just not measured."""
     keys = list(weight_bytes)
-
-    def value(sample: MemSample, key: str) -> int | None:
-        got = sample.get(key)
-        if got is None and missing_as_zero and key not in sample.unmeasured:
-            return 0
-        return got
-
     baseline: dict[str, int] = {}
     peak: dict[str, int] = {}
     for sample in samples:
         for key in keys:
-            v = value(sample, key)
+            v = sample.value(key, missing_as_zero)
             if v is None:
                 continue
             baseline[key] = min(v, baseline.get(key, v))
@@ -101,7 +102,7 @@ def check_memory(
     for sample in samples:
         high = []
         for key in keys:
-            v = value(sample, key)
+            v = sample.value(key, missing_as_zero)
             if v is None or weight_bytes[key] <= 0:
                 continue
             if v > baseline[key] + threshold[key]:
