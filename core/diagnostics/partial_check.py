@@ -16,6 +16,9 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+#: the prompt of the first decode after a restore (restore + prefill timed together)
+PREFILL_TOKENS = 128
+
 #: the pattern after the timed cycles: (what, keep fraction of the weights, with the KV cache)
 PATTERN: list[tuple[str, float, bool]] = [
     ("release", 0.7, False),
@@ -30,6 +33,97 @@ PATTERN: list[tuple[str, float, bool]] = [
 
 def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
+
+
+def _last_logits(llm: Any) -> bytes:
+    import llama_cpp
+    import numpy as np
+
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return bytes(np.ctypeslib.as_array(ptr, shape=(int(llm.n_vocab()),)).tobytes())
+
+
+def first_decode_after_restore(
+    llm: Any, res: Any, cycles: int, step: Callable[[str], None], n_prompt: int = PREFILL_TOKENS
+) -> dict[str, Any]:
+    """Restore of all the parts + the first decode (a prefill of ``n_prompt`` tokens from an
+    empty KV cache) timed together, synchronous and overlapped restores in turn (``cycles`` of
+    each), every prefill's last logits and 4 greedy steps after it compared bitwise with the
+    same with the weights never released; and the raw copy of the weights (the limit) and the
+    prefill alone, for the ratios."""
+    import time
+
+    import llama_cpp  # noqa: F401  (before numpy)
+    import numpy as np
+
+    from ..residency.inplace import raw_copy_seconds
+    from .residency_check import PROMPT
+
+    tokens = list(llm.tokenize(PROMPT))
+    tokens = (tokens * (n_prompt // max(len(tokens), 1) + 1))[:n_prompt]
+
+    def greedy_after_prefill() -> list[bytes]:
+        """The prefill's last logits and those of 4 greedy steps after it."""
+        out = [_last_logits(llm)]
+        for _ in range(4):
+            row = np.frombuffer(out[-1], dtype=np.float32)
+            llm.eval([int(row.argmax())])
+            out.append(_last_logits(llm))
+        return out
+
+    step(f"first decode after a restore: the reference ({n_prompt}-token prefill, weights resident)")
+    resident_s = []
+    reference: list[bytes] = []
+    for _ in range(max(2, cycles)):
+        llm.n_tokens = 0  # eval() drops every KV cell from n_tokens on
+        t0 = time.perf_counter()
+        llm.eval(tokens)
+        resident_s.append(time.perf_counter() - t0)
+        reference = greedy_after_prefill()
+    raw: list[float] = []
+    rows: dict[str, list[float]] = {"sync": [], "overlapped": []}
+    restore_ms: dict[str, list[float]] = {"sync": [], "overlapped": []}
+    gate: dict[str, float] = {}
+    same: list[bool] = []
+    overlapped_seen = False
+    for i in range(cycles):
+        for mode in ("sync", "overlapped"):
+            step(f"first decode after a {mode} restore, cycle {i + 1}/{cycles}")
+            res.release()
+            if not raw:
+                raw = raw_copy_seconds(res._inplace, reps=3) if res._inplace is not None else []
+            llm.n_tokens = 0
+            t0 = time.perf_counter()
+            rst = res.restore(overlap=mode == "overlapped")
+            llm.eval(tokens)
+            dt = time.perf_counter() - t0
+            res.settle()
+            overlapped_seen = overlapped_seen or rst.overlapped
+            if rst.overlapped:
+                gate = dict(res.last_overlap)
+            same.append(greedy_after_prefill() == reference)
+            rows[mode].append(dt * 1000)
+            restore_ms[mode].append(rst.ms)
+    sync_ms, ovl_ms = _median(rows["sync"]), _median(rows["overlapped"])
+    raw_ms = min(raw) * 1000 if raw else 0.0
+    prefill_ms = _median(resident_s) * 1000
+    return {
+        "prompt_tokens": n_prompt,
+        "overlap_available": bool(res.overlap_available),
+        "overlap_note": res.overlap_note,
+        "overlapped": overlapped_seen,
+        "sync_ms": sync_ms,
+        "overlapped_ms": ovl_ms,
+        "ratio": ovl_ms / sync_ms if sync_ms else 0.0,
+        "restore_sync_ms": _median(restore_ms["sync"]),
+        "restore_overlapped_ms": _median(restore_ms["overlapped"]),
+        "prefill_ms": prefill_ms,
+        "raw_copy_ms": raw_ms,
+        "sync_over_raw_plus_prefill": sync_ms / (raw_ms + prefill_ms) if raw_ms else 0.0,
+        "overlapped_minus_raw_ms": ovl_ms - raw_ms if raw_ms else 0.0,
+        "gate": gate,
+        "bitwise_identical": all(same) and bool(same),
+    }
 
 
 def run_partial_check(
@@ -67,7 +161,7 @@ def run_partial_check(
             for i in range(cycles):
                 step(f"{label}: release down to 50 % and restore, cycle {i + 1}/{cycles}")
                 rel = res.release(keep_bytes=keep)
-                rst = res.restore()
+                rst = res.restore(overlap=False)  # the restore's own time (item 3 of issue 28)
                 ok = replay.run() == reference
                 same.append(ok)
                 rel_ms.append(rel.ms)
@@ -131,13 +225,16 @@ def run_partial_check(
                     )
                 else:
                     step("pattern: restore, then the replay compared bitwise")
-                    rst = res.restore()
+                    rst = res.restore()  # overlapped where possible: the replay's first decode is gated
                     ok = replay.run() == reference
+                    res.settle()
                     same.append(ok)
                     pattern.append(
                         {"step": "restore", "ms": rst.ms, "bytes": rst.bytes, "bitwise_identical": ok}
                     )
             report["pattern"] = pattern
+            report["first_decode"] = first_decode_after_restore(llm, res, cycles, step)
+            same.append(report["first_decode"]["bitwise_identical"])
         finally:
             res.close()
     finally:
@@ -190,4 +287,21 @@ def print_partial(r: dict[str, Any]) -> None:
                 f"  {s['step'] + ':':17} {s['ms']:.2f} ms, released {s['released_bytes'] / 1e6:.1f} MB "
                 f"(freed {s['freed_bytes'] / 1e6:.1f} MB), resident {s['resident_bytes'] / 1e6:.1f} MB"
             )
+    fd = r.get("first_decode")
+    if fd:
+        g = fd.get("gate") or {}
+        lines.append(
+            f"restore + first decode ({fd['prompt_tokens']}-token prefill): synchronous {fd['sync_ms']:.1f} ms, "
+            f"overlapped {fd['overlapped_ms']:.1f} ms (x{fd['ratio']:.3f}); raw copy {fd['raw_copy_ms']:.1f} ms, "
+            f"prefill alone {fd['prefill_ms']:.1f} ms; bitwise {'yes' if fd['bitwise_identical'] else 'NO'}"
+        )
+        if fd["overlapped"]:
+            lines.append(
+                f"  overlapped:       allocation {fd['restore_overlapped_ms']:.2f} ms, then "
+                f"{g.get('pending_bytes_at_first_node', 0) / 1e6:.1f} MB still uploading at the first node; "
+                f"the gate waited {g.get('gate_waits', 0):.0f} times, {g.get('gate_wait_ms', 0):.1f} ms, "
+                f"{g.get('gate_ranges', 0):.0f} early ranges; uploads {g.get('uploads_ms', 0):.1f} ms"
+            )
+        else:
+            lines.append(f"  overlapped restore off: {fd['overlap_note']}")
     print("\n".join(lines))

@@ -159,6 +159,22 @@ gguf_get_data_offset = _fn("gguf_get_data_offset", c_size_t, c_void_p)
 gguf_get_n_tensors = _fn("gguf_get_n_tensors", c_int64, c_void_p)
 
 
+def _fn_optional(name: str, restype: Any, *argtypes: Any) -> Any | None:
+    try:
+        return _fn(name, restype, *argtypes)
+    except OSError:
+        return None
+
+
+# the scheduler's eval callback (public ggml API) and two of llama_context's C++ accessors, which
+# libllama exports (it is built with default symbol visibility): the eval hook of an overlapped
+# restore (residency/evalhook.py) finds the context's cparams and scheduler through them
+sched_set_eval_callback = _fn("ggml_backend_sched_set_eval_callback", None, c_void_p, c_void_p, c_void_p)
+ctx_get_cparams = _fn_optional("_ZNK13llama_context11get_cparamsEv", c_void_p, c_void_p)
+ctx_get_sched = _fn_optional("_ZNK13llama_context9get_schedEv", c_void_p, c_void_p)
+ctx_sched_reserve = _fn_optional("_ZN13llama_context13sched_reserveEv", None, c_void_p)
+
+
 def buft_alloc_buffer(buft: int, size: int) -> int | None:
     """Allocate a backend buffer; None when the backend cannot (out of memory).
 

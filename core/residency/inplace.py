@@ -42,7 +42,8 @@ from typing import Any
 import llama_cpp
 
 from ..errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
-from . import _ggml
+from . import _ggml, evalhook
+from .gate import PartGate
 from .hostmem import HostMemory, ReadRange, parallel_read
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,10 @@ class _Discovery:
         #: ``buffer``/``data`` from when it was built)
         self.weight_views = 0
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
+        #: where an eval hook goes in a live context (overlapped restores); None: not usable,
+        #: ``hook_note`` says why
+        self.hook: evalhook.HookLayout | None = None
+        self.hook_note = "not probed"
 
     def _is_weight_buffer(self, buf: int) -> bool:
         return bool(buf) and int(_ggml.buffer_get_usage(buf)) == _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS
@@ -189,9 +194,11 @@ class _Discovery:
         return False  # observe only: the whole split runs at once
 
 
-def _discover(llm: Any, layout: _ggml.TensorLayout) -> _Discovery:
+def _discover(llm: Any, layout: _ggml.TensorLayout, probe_hook: bool = False) -> _Discovery:
     """One warm-up decode of one token in a throwaway context that has the callback (``llm``: a
-    ``llama_cpp.Llama``, untyped)."""
+    ``llama_cpp.Llama``, untyped). ``probe_hook``: then find and check, in that context, where an
+    eval hook goes in a live context (residency/evalhook.py; a few more one- and two-token
+    decodes)."""
     disc = _Discovery(layout)
     src_params = llm.context_params
     params = llama_cpp.llama_context_params()
@@ -202,7 +209,8 @@ def _discover(llm: Any, layout: _ggml.TensorLayout) -> _Discovery:
     params.n_seq_max = 1
     params.embeddings = False
     params.cb_eval = disc.callback
-    params.cb_eval_user_data = ctypes.c_void_p()
+    marker = ctypes.c_char(b"d")  # a user-data pointer the hook probe looks for
+    params.cb_eval_user_data = ctypes.c_void_p(ctypes.addressof(marker))
     model = llm._model.model
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
@@ -212,12 +220,29 @@ def _discover(llm: Any, layout: _ggml.TensorLayout) -> _Discovery:
         token = int(llama_cpp.llama_vocab_bos(vocab))
         if token < 0:
             token = 0
-        tokens = (llama_cpp.llama_token * 1)(token)
-        rc = int(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 1)))
-        if rc != 0:
-            raise InPlaceUnsupportedError(
-                f"the warm-up decode for weight discovery failed (llama_decode returned {rc})"
-            )
+
+        def decode(n: int) -> None:
+            tokens = (llama_cpp.llama_token * n)(*([token] * n))
+            rc = int(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, n)))
+            if rc != 0:
+                raise InPlaceUnsupportedError(
+                    f"the warm-up decode for weight discovery failed (llama_decode returned {rc})"
+                )
+
+        decode(1)
+        if probe_hook:
+            n_embd = int(llama_cpp.llama_model_n_embd(model))
+
+            def reset_graphs() -> None:  # what Residency does when buffers moved
+                llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1)
+
+            try:
+                cb = int(ctypes.cast(disc.callback, ctypes.c_void_p).value or 0)
+                hook = evalhook.find_layout(int(ctx), cb, ctypes.addressof(marker))
+                evalhook.verify(int(ctx), hook, decode, reset_graphs)
+                disc.hook, disc.hook_note = hook, ""
+            except evalhook.HookUnavailableError as exc:
+                disc.hook_note = str(exc)
     finally:
         llama_cpp.llama_free(ctx)
     if not disc.weights:
@@ -254,6 +279,7 @@ class InPlace:
         parts: int = 1,
         defer_shadow: bool = False,
         shadow_slice_bytes: int = SHADOW_SLICE_BYTES,
+        overlap: bool = False,
     ) -> None:
         self.path = model_path
         self._coalesce = coalesce
@@ -271,9 +297,29 @@ class InPlace:
             _ggml.probe_tensor_layout(self.layout)
         except _ggml.LayoutMismatchError as exc:
             raise InPlaceUnsupportedError(str(exc)) from exc
+        vulkan = gpu is not None and gpu.name.startswith("Vulkan")
         t0 = time.perf_counter()
-        disc = _discover(llm, self.layout)
+        disc = _discover(llm, self.layout, probe_hook=overlap and not vulkan)
         t1 = time.perf_counter()
+        #: where the upload gate goes in the live context (None: restores stay synchronous,
+        #: ``overlap_note`` says why)
+        self.hook = disc.hook
+        self.overlap_note = disc.hook_note if overlap else "off (ResidencyOptions.overlap_restore)"
+        if overlap and vulkan:
+            self.overlap_note = (
+                "Vulkan: restores stay synchronous (ggml-vulkan's uploads and graph computes from two "
+                "threads are not checked to be safe, and its graphs cannot be reset: see _forget_graphs)"
+            )
+        #: the overlapped restore in progress: its gate, the parts still to upload (not started
+        #: yet, or their futures), the placeholders to free once the uploads are done
+        self.gate: PartGate | None = None
+        self._to_upload: list[tuple[Part, list[_Buffer]]] = []
+        self._uploads: list[Future[float]] = []
+        self._spent: list[int] = []
+        self._uploader_pool: ThreadPoolExecutor | None = None
+        self._restore_t0 = 0.0
+        self._uploads_t0 = 0.0
+        self._uploads_end = 0.0
         self.n_weight_tensors_seen = len(disc.weights)
         originals = self._plan(disc, gpu)
         self.attach_steps = {
@@ -398,6 +444,7 @@ class InPlace:
         mem = self._shadow
         if mem is None:
             return True
+        self.finish_uploads()  # pinning replaces the segments the uploads read from
         t0 = time.perf_counter()
         while mem.pin_next():
             if mem.to_pin and stop is not None and stop():
@@ -791,6 +838,7 @@ class InPlace:
         """Release parts from the last layer down until at most ``keep_bytes`` stay resident (all
         with None); returns the bytes released. A placeholder that cannot be made: what this
         call released is restored again and ResidencyError raised."""
+        self.finish_uploads()  # an overlapped restore's uploads are over before anything is freed
         # a deferred shadow first: nothing is released that could not come back
         self.fill_shadow(pin=False)
         t0 = time.perf_counter()
@@ -829,29 +877,87 @@ class InPlace:
             "(release or stop another model) and try again"
         )
 
-    def restore(self) -> int:
+    def restore(self, overlap: bool = False) -> int:
         """Restore every released buffer (parts in layer order); on an allocation failure,
         release again what this call restored and raise OutOfDeviceMemoryError (the model stays
         as released as it was, and intact). Returns the bytes uploaded. ``moved`` then says
         whether any buffer came back at another address than before.
 
-        In parallel mode every buffer is allocated at once on the pool's threads and each is
-        uploaded as soon as its allocation is back (the copies overlap the later allocations)."""
-        return self._restore([b for b in self.buffers if b.released])
+        Each part's upload runs on the upload thread as soon as its buffers are allocated, so the
+        copies overlap the allocations that follow (in parallel mode every buffer is allocated at
+        once on the pool's threads and each is uploaded as soon as its allocation is back).
 
-    def _restore(self, todo: list[_Buffer]) -> int:
-        t_start = time.perf_counter()
-        copy_s = 0.0
+        ``overlap`` (with at least two parts to restore and a usable eval hook): allocate every
+        buffer and point its tensors into it, upload nothing yet and return; :attr:`gate` then
+        holds the parts' readiness, :meth:`start_uploads` starts the uploads in layer order and
+        :meth:`finish_uploads` waits for them (anything but a gated decode calls it first)."""
+        self.finish_uploads()
+        return self._restore([b for b in self.buffers if b.released], overlap)
+
+    def _part_groups(self, todo: list[_Buffer]) -> list[tuple[Part, list[_Buffer]]]:
+        mine = {id(b) for b in todo}
+        groups = [(p, [b for b in p.buffers if id(b) in mine]) for p in self.parts]
+        return [(p, bufs) for p, bufs in groups if bufs]
+
+    def _uploader(self) -> ThreadPoolExecutor:
+        if self._uploader_pool is None:
+            # one thread: the parts upload in layer order (on CUDA from its own per-thread stream,
+            # beside the compute streams of the decoding thread)
+            self._uploader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="residency-upload")
+        return self._uploader_pool
+
+    def _restore(self, todo: list[_Buffer], overlap: bool = False) -> int:
+        self._restore_t0 = t_start = time.perf_counter()
         self.moved = False
         if self._parallel():
-            futures: list[Future[int | None]] = [
-                self._pool().submit(_ggml.buft_alloc_buffer, b.buft, b.size) for b in todo
-            ]
-        else:
-            futures = []
+            return self._restore_parallel(todo, t_start)
+        groups = self._part_groups(todo)
+        background = overlap and self.hook is not None and len(groups) >= 2
+        shadow = self.shadow
+        done: list[_Buffer] = []
+        for part, bufs in groups:
+            for b in bufs:
+                new = _ggml.buft_alloc_buffer(b.buft, b.size)
+                if new is None:
+                    self._to_upload = []
+                    self._wait_uploads()
+                    self._free_spent()
+                    for d in done:
+                        self._release_buffer(d)
+                    raise self._out_of_memory(b, todo)
+                # the placeholder is freed after the uploads: on CUDA cudaFree waits for the device
+                self._spent.append(self._relocate(b, new))
+                done.append(b)
+            if background:
+                self._to_upload.append((part, bufs))
+            else:
+                self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, None, part.index))
+        alloc_s = time.perf_counter() - t_start
+        nbytes = sum(t.nbytes for b in done for t in b.tensors)
+        self.restore_steps = {"alloc_ms": alloc_s * 1000, "buffers": len(done), "overlapped": float(background)}
+        if background:
+            self.gate = PartGate(
+                self.layout,
+                [
+                    (p.index, p.first_layer, sum(b.size for b in bufs), [t.ptr for b in bufs for t in b.tensors])
+                    for p, bufs in self._to_upload
+                ],
+            )
+            self.restore_steps["pending_bytes"] = float(nbytes)
+            return nbytes
+        self.finish_uploads()
+        return nbytes
+
+    def _restore_parallel(self, todo: list[_Buffer], t_start: float) -> int:
+        """Vulkan: every buffer allocated at once on the pool's threads, each uploaded (on this
+        thread) as soon as its allocation is back."""
+        copy_s = 0.0
+        futures: list[Future[int | None]] = [
+            self._pool().submit(_ggml.buft_alloc_buffer, b.buft, b.size) for b in todo
+        ]
         done: list[_Buffer] = []
         for i, b in enumerate(todo):
-            new = futures[i].result() if futures else _ggml.buft_alloc_buffer(b.buft, b.size)
+            new = futures[i].result()
             if new is None:
                 for f in futures[i + 1 :]:  # the other allocations that came back are not needed
                     extra = f.result()
@@ -869,15 +975,84 @@ class InPlace:
             "alloc_ms": (total_s - copy_s) * 1000,  # allocation (not overlapped with copies) and relocation
             "copy_ms": copy_s * 1000,
             "buffers": len(done),
+            "total_ms": total_s * 1000,
         }
         return sum(t.nbytes for b in done for t in b.tensors)
 
-    def _attach_buffer(self, b: _Buffer, new: int) -> None:
-        """Put the fresh allocation ``new`` under ``b``, relocate its tensors and upload them."""
+    @property
+    def uploads_pending(self) -> bool:
+        """An overlapped restore's uploads are not all known to be complete (finish_uploads)."""
+        return bool(self._to_upload or self._uploads)
+
+    def start_uploads(self) -> None:
+        """Start the uploads of an overlapped restore, in layer order (the gate is installed)."""
+        todo, self._to_upload = self._to_upload, []
+        if not todo:
+            return
+        shadow = self.shadow
+        self._uploads_t0 = time.perf_counter()
+        for part, bufs in todo:
+            self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, self.gate, part.index))
+
+    def _upload_part(self, bufs: list[_Buffer], shadow: HostMemory, gate: PartGate | None, idx: int) -> float:
+        """One part's uploads (on the upload thread); returns their seconds. The gate learns of
+        the part in any case (a failed upload is raised by finish_uploads)."""
+        t0 = time.perf_counter()
+        try:
+            for b in bufs:
+                self._upload(b, shadow)
+        finally:
+            self._uploads_end = time.perf_counter()
+            if gate is not None:
+                gate.set_ready(idx)
+        return self._uploads_end - t0
+
+    def _wait_uploads(self) -> tuple[float, BaseException | None]:
+        copy_s, error = 0.0, None
+        for f in self._uploads:
+            try:
+                copy_s += f.result()
+            except BaseException as exc:  # raised once every upload is over
+                error = error or exc
+        self._uploads = []
+        return copy_s, error
+
+    def _free_spent(self) -> None:
+        for ph in self._spent:
+            _ggml.buffer_free(ph)
+        self._spent = []
+
+    def finish_uploads(self) -> None:
+        """Wait for the uploads of the last restore (starting those not started) and free its
+        placeholders; a no-op when none is pending. Then ``restore_steps`` has ``copy_ms`` (the
+        upload thread's time) and ``wait_ms`` (how long this call waited); ``total_ms`` of a
+        synchronous restore is its whole time."""
+        if not self._uploads and not self._to_upload and not self._spent:
+            return
+        self.start_uploads()
+        t0 = time.perf_counter()
+        copy_s, error = self._wait_uploads()
+        t1 = time.perf_counter()
+        self._free_spent()
+        steps = self.restore_steps
+        steps["copy_ms"] = copy_s * 1000
+        steps["wait_ms"] = (t1 - t0) * 1000
+        if steps.get("overlapped"):
+            # from the start of the uploads to the end of the last one
+            steps["uploads_ms"] = max(0.0, self._uploads_end - self._uploads_t0) * 1000
+        else:
+            steps["total_ms"] = (time.perf_counter() - self._restore_t0) * 1000
+        self.gate = None
+        self._uploads_t0 = 0.0
+        if error is not None:
+            raise ResidencyError(f"uploading the restored weights failed: {error}") from error
+
+    def _relocate(self, b: _Buffer, new: int) -> int:
+        """Put the fresh allocation ``new`` under ``b`` and relocate its tensors (no upload);
+        returns the placeholder that now holds the tiny memory, for the caller to free."""
         assert b.layout is not None
         lay_t = self.layout
         self._swap(b.ptr, new, b.layout)
-        _ggml.buffer_free(new)  # the tiny placeholder memory
         base = int(_ggml.buffer_get_base(b.ptr) or 0)
         if base != b.base:  # never on Vulkan: its bases are the constant vk_ptr_base
             self.moved = True
@@ -887,20 +1062,36 @@ class InPlace:
                 _ggml.write_ptr(t.ptr + lay_t.buffer, b.ptr)
             _ggml.write_ptr(t.ptr + lay_t.data, base + t.offset)
             _ggml.buffer_init_tensor(b.ptr, t.ptr)
-        if b.mirror:  # one copy of the whole buffer, through the buffer's own set_tensor
+        if b.mirror:
             _ggml.write_ptr(b.whole + lay_t.buffer, b.ptr)
             _ggml.write_ptr(b.whole + lay_t.data, base)
-            shadow = self.shadow
-            for off, size, _addr in shadow.segments:  # one copy per host allocation it spans
+        b.released = False
+        return new
+
+    def _upload(self, b: _Buffer, shadow: HostMemory) -> None:
+        """Copy ``b``'s bytes from the host shadow, through the buffer's own set_tensor: a
+        mirrored buffer in one copy per host allocation it spans, others tensor by tensor."""
+        if b.mirror:
+            for off, size, _addr in shadow.segments:
                 lo, hi = max(off, b.shadow_base), min(off + size, b.shadow_base + b.size)
                 if lo < hi:
                     _ggml.tensor_set(b.whole, shadow.address(lo, hi - lo), lo - b.shadow_base, hi - lo)
         else:
             for t in b.tensors:
-                _ggml.tensor_set(t.ptr, self.shadow.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
-        b.released = False
+                _ggml.tensor_set(t.ptr, shadow.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
+
+    def _attach_buffer(self, b: _Buffer, new: int) -> None:
+        """Put the fresh allocation ``new`` under ``b``, relocate its tensors and upload them."""
+        _ggml.buffer_free(self._relocate(b, new))  # the tiny placeholder memory
+        self._upload(b, self.shadow)
 
     def close(self) -> None:
+        try:
+            self.finish_uploads()
+        finally:
+            if self._uploader_pool is not None:
+                self._uploader_pool.shutdown(wait=True)
+                self._uploader_pool = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

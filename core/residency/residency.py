@@ -19,7 +19,7 @@ import llama_cpp
 
 from ..errors import ModelFileChangedError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
-from . import _ggml, hostmem
+from . import _ggml, evalhook, hostmem
 from .gguf_check import check_gguf
 from .inplace import SHADOW_SLICE_BYTES, InPlace, InPlaceUnsupportedError
 from .kv import KvSnapshot
@@ -56,6 +56,18 @@ class ResidencyOptions:
     #: allocation, read and spot check): ``fill_shadow(stop)`` stops between two, so a request
     #: that arrives meanwhile waits for one slice, and a release builds only the slices left
     shadow_slice_bytes: int = SHADOW_SLICE_BYTES
+    #: overlapped restore (issue 28): with layer parts, ``restore()`` returns once the released
+    #: parts are allocated and the first decode after it computes each part's layers as soon as
+    #: that part has arrived (uploads in layer order on another thread, an eval-callback gate for
+    #: that one decode: see residency/gate.py). None (auto): on for a GPU build where the
+    #: attach-time probe passes (CUDA; never Vulkan), off on the CPU build, where the copy and the
+    #: compute share the same cores (measured slower there: docs/PERFORMANCE.md); True: on wherever
+    #: the probe passes (the CPU tests); False: off. ``TIMESHARE_OVERLAP_RESTORE`` = 0 / 1 overrides
+    overlap_restore: bool | None = None
+
+
+#: the environment variable that turns overlapped restores off ("0")
+OVERLAP_ENV = "TIMESHARE_OVERLAP_RESTORE"
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,10 @@ class RestoreReport:
     #: another path); graphs_reset: whether the context's graphs were made to be built anew
     addresses_moved: bool | None = None
     graphs_reset: bool = False
+    #: the uploads go on after this call returned (``ms`` is then the allocation only):
+    #: ``pending_bytes`` were still to upload; the next decode waits for each part it reaches
+    overlapped: bool = False
+    pending_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,10 @@ class Residency:
         self._saved_ctx: Any = None
         self._closed = False
         self._measure: str | None = None  # memory_measure, decided at the first release
+        self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
+        self._gated_ctx = 0  # the context the upload gate is installed in (0: none)
+        #: what the last overlapped restore's gate saw, once settled (see :meth:`settle`)
+        self.last_overlap: dict[str, float] = {}
         self.memory_note = ""  # why memory_measure is not the device's own report, when it is not
 
     # -- construction -------------------------------------------------------------------------
@@ -267,6 +287,9 @@ class Residency:
         if not probe.inplace_possible:
             self._fallback(mode, probe.reason)
             return self
+        wanted = self._overlap_wanted()
+        # the eval-hook probe (a few tiny decodes at attach) only where overlap would be used
+        overlap_probe = self._opts.parts > 1 and (wanted is True or (wanted is None and self._gpu is not None))
         try:
             self._inplace = InPlace(
                 llm,
@@ -279,6 +302,7 @@ class Residency:
                 self._opts.parts,
                 self._opts.defer_shadow,
                 self._opts.shadow_slice_bytes,
+                overlap_probe,
             )
         except InPlaceUnsupportedError as exc:
             reason = str(exc)
@@ -298,10 +322,22 @@ class Residency:
         self.weight_bytes = ip.weight_bytes
         self._note_shadow()
         self.parts_note = ip.parts_note
+        if wanted is False:
+            self.overlap_note = f"off (ResidencyOptions.overlap_restore=False or {OVERLAP_ENV}=0)"
+        elif wanted is None and self._gpu is None:
+            self.overlap_note = (
+                "off on the CPU build: the copy and the compute share the same cores, so overlapping them "
+                f"is slower (docs/PERFORMANCE.md); ResidencyOptions.overlap_restore=True or {OVERLAP_ENV}=1 "
+                "turns it on"
+            )
+        elif len(ip.parts) < 2:
+            self.overlap_note = "one layer part: nothing to overlap (ResidencyOptions.parts > 1)"
+        else:
+            self.overlap_note = "" if ip.hook is not None else ip.overlap_note
         self.reason = ""
         log.info(
             "residency of %s: in-place on %s, %d buffers in %d part(s), %.1f MB, %d weight tensors seen, "
-            "shadow %s",
+            "shadow %s, overlapped restore %s",
             self.model_path,
             self.backend,
             len(ip.buffers),
@@ -309,8 +345,15 @@ class Residency:
             self.weight_bytes / 1e6,
             ip.n_weight_tensors_seen,
             "deferred" if ip.shadow_pending else f"pinned={self.host_pinned}",
+            f"off ({self.overlap_note})" if self.overlap_note else "on",
         )
         return self
+
+    def _overlap_wanted(self) -> bool | None:
+        env = os.environ.get(OVERLAP_ENV, "")
+        if env in ("0", "1"):
+            return env == "1"
+        return self._opts.overlap_restore
 
     def _split(self, ip: InPlace) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed
@@ -423,6 +466,7 @@ class Residency:
         ip = self._inplace
         if ip is None or not ip.shadow_to_pin:
             return True
+        self.settle()
         done = ip.pin_shadow(stop)
         self._note_shadow()
         if done:
@@ -561,6 +605,7 @@ class Residency:
         rebuild path (one part) releases everything unless ``keep_bytes`` covers the model; the
         ``none`` path (mmapped CPU weights, nothing to free) ignores it."""
         self._check_open()
+        self.settle()  # an overlapped restore's uploads are over before anything is freed
         if keep_bytes is not None and keep_bytes < 0:
             raise ValueError(f"keep_bytes must be at least 0 (or None: release all), not {keep_bytes}")
         ip = self._inplace
@@ -626,51 +671,124 @@ class Residency:
         )
         return ReleaseReport(ms, freed, self._level, resident_before - resident, resident)
 
-    def restore(self) -> RestoreReport:
+    @property
+    def overlap_available(self) -> bool:
+        """Restores may overlap their uploads with the next decode (:attr:`overlap_note` says
+        why not)."""
+        return self.path == "inplace" and not self.overlap_note
+
+    def restore(self, overlap: bool | None = None) -> RestoreReport:
         """Bring the weights (every released part) and the KV cache back; the same ``llm`` works
         as before. ``bytes``: what this call uploaded. Raises OutOfDeviceMemoryError (the model
-        stays as released as it was) or ModelFileChangedError."""
+        stays as released as it was) or ModelFileChangedError.
+
+        ``overlap`` (None: as the options say, when :attr:`overlap_available`): with two or more
+        parts to bring back, return once they are allocated and the tensors point into them; the
+        parts then upload in layer order on another thread while the next decode runs, waiting
+        (the upload gate, installed in the context for it) before the first node that reads a
+        part still on its way. :meth:`settle` after that decode waits for the rest and takes the
+        gate out again; every other call of this object that touches the weights settles first.
+        The report says ``overlapped`` and how many bytes were still to upload."""
         self._check_open()
+        self.settle()
         if self.weights_resident and self.kv_resident:
             return RestoreReport(0.0, 0, 0.0, self._level)
+        if overlap is None:
+            overlap = self.overlap_available
+        overlap = overlap and self.overlap_available
         level = self._level
         t0 = time.perf_counter()
         moved: bool | None = None
         reset = False
+        ip = self._inplace
         if self.path == "rebuild":
             nbytes = self._restore_rebuild()
         else:
             nbytes = 0
-            if not self.weights_resident and self._inplace is not None:
-                nbytes = self._inplace.restore()
-                moved = self._inplace.moved
+            if not self.weights_resident and ip is not None:
+                nbytes = ip.restore(overlap=overlap)
+                moved = ip.moved
             self.weights_resident = True
-            if not self.kv_resident:
-                self._new_context_with_kv()
-            elif self._saved_ctx is not None:
-                # Graphs (and captured CUDA graphs) hold the weights' addresses: they must be
-                # built anew only when a buffer moved. Every buffer back at its old address (the
-                # allocator often hands the same block back) skips the scheduler's reserve. Vulkan
-                # buffers never move (see _forget_graphs), so a Vulkan restore never resets.
-                if moved is not False:
-                    _forget_graphs(self._saved_ctx.ctx, self._llm)
-                    reset = True
-                self._llm._ctx = self._saved_ctx
-                self._saved_ctx = None
+            try:
+                if not self.kv_resident:
+                    self._new_context_with_kv()
+                elif self._saved_ctx is not None:
+                    # Graphs (and captured CUDA graphs) hold the weights' addresses: they must be
+                    # built anew only when a buffer moved. Every buffer back at its old address (the
+                    # allocator often hands the same block back) skips the scheduler's reserve.
+                    # Vulkan buffers never move (see _forget_graphs), so a Vulkan restore never resets.
+                    if moved is not False:
+                        _forget_graphs(self._saved_ctx.ctx, self._llm)
+                        reset = True
+                    self._llm._ctx = self._saved_ctx
+                    self._saved_ctx = None
+            except BaseException:
+                if ip is not None:
+                    ip.finish_uploads()
+                raise
+        pending = 0
+        if ip is not None and ip.gate is not None and ip.hook is not None:
+            ctx = int(self._llm.ctx)
+            pending = ip.gate.pending_bytes
+            if reset:  # now, not in the decode: a reserve frees compute buffers (on CUDA a device-wide wait)
+                evalhook.reserve_now(ctx)
+            evalhook.install(ctx, ip.hook, ip.gate.pointer)
+            self._gated_ctx = ctx
+            ip.start_uploads()
         dt = time.perf_counter() - t0
         self.weights_resident = True
         self.kv_resident = True
-        gbps = nbytes / 1e9 / dt if dt > 0 else 0.0
+        gbps = nbytes / 1e9 / dt if dt > 0 and not pending else 0.0
         log.info(
-            "restored %s (%s): %.2f ms, %.1f MB, %.2f GB/s%s",
+            "restored %s (%s): %.2f ms, %.1f MB, %.2f GB/s%s%s",
             self.model_path,
             level,
             dt * 1000,
             nbytes / 1e6,
             gbps,
             "" if moved is None else f", weights {'moved' if moved else 'back at their addresses'}",
+            f", overlapped ({pending / 1e6:.1f} MB uploading on)" if pending else "",
         )
-        return RestoreReport(dt * 1000.0, nbytes, gbps, level, moved, reset)
+        return RestoreReport(dt * 1000.0, nbytes, gbps, level, moved, reset, bool(pending), pending)
+
+    @property
+    def uploads_pending(self) -> bool:
+        """An overlapped restore's uploads or its gate are still to be settled."""
+        return self._gated_ctx != 0 or (self._inplace is not None and self._inplace.uploads_pending)
+
+    def settle(self) -> None:
+        """After the first decode that followed an overlapped restore (or before anything else
+        touches the weights): wait for the uploads still going and take the upload gate out of
+        the context, so no later decode pays for a callback. A no-op otherwise (cheap: call it
+        after every decode). :attr:`last_overlap` then holds what the gate saw."""
+        ip = self._inplace
+        if ip is None or (not self._gated_ctx and not ip.uploads_pending):
+            return
+        gate = ip.gate
+        try:
+            ip.finish_uploads()
+        finally:
+            if self._gated_ctx:
+                assert ip.hook is not None
+                evalhook.clear(self._gated_ctx, ip.hook)
+                self._gated_ctx = 0
+        if gate is not None:
+            st = gate.stats
+            steps = ip.restore_steps
+            self.last_overlap = {
+                "alloc_ms": steps.get("alloc_ms", 0.0),
+                "uploads_ms": steps.get("uploads_ms", 0.0),
+                "copy_ms": steps.get("copy_ms", 0.0),
+                "settle_wait_ms": steps.get("wait_ms", 0.0),
+                "pending_bytes": steps.get("pending_bytes", 0.0),
+                "pending_bytes_at_first_node": float(st.pending_bytes_at_start),
+                "gate_calls": float(st.calls),
+                "gate_waits": float(st.waits),
+                "gate_wait_ms": st.wait_s * 1000,
+                "gate_ranges": float(st.ranges),
+            }
+            if gate.error is not None:
+                raise ResidencyError(f"the upload gate failed: {gate.error}") from gate.error
 
     # KV level (in-place path)
 
@@ -787,6 +905,10 @@ class Residency:
         using it (a model closed while released can only be freed)."""
         if self._closed:
             return
+        try:
+            self.settle()
+        except ResidencyError:
+            log.exception("the last overlapped restore of %s failed", self.model_path)
         self._closed = True
         if self._saved_ctx is not None and self.weights_resident:
             self._llm._ctx = self._saved_ctx

@@ -481,6 +481,7 @@ class Worker:
                     break
                 try:
                     done = engine.step()
+                    self.tenancy.settle()  # after a restore's first decode: uploads done, gate out
                 except Exception as exc:  # llama_decode failed: every sequence of the batch ended
                     log.exception("a decode step failed")
                     self._fail_all("internal", str(exc) or type(exc).__name__)
@@ -701,6 +702,7 @@ class Worker:
         self.publish()
         try:
             vectors, n_tokens = engine.embed(req.inputs, step)
+            self.tenancy.settle()
             per_frame = max(1, EMBED_FRAME_VALUES // max(1, len(vectors[0]) if vectors else 1))
             for i in range(0, len(vectors), per_frame):
                 self.send(p.Embeddings(req=req.req, data=tuple(tuple(v) for v in vectors[i : i + per_frame])))

@@ -182,6 +182,10 @@ class Tenancy:
         """Release the weights (and the KV cache when ``kv``) and give the token back."""
         return None
 
+    def settle(self) -> None:
+        """After a decode: the uploads of an overlapped restore are complete and its gate is out
+        of the context (a no-op, and cheap, otherwise: called after every decode step)."""
+
     def give_way(self) -> p.Released | None:
         """Make the room the head of the queue asks this worker for: the whole lease, or (a
         partial lease) only the layer parts it needs. None when nobody asks any more."""
@@ -345,6 +349,11 @@ class ArenaTenancy(Tenancy):
     @property
     def shadow_pending(self) -> bool:
         return self.residency is not None and self.residency.shadow_pending
+
+    def settle(self) -> None:
+        res = self.residency
+        if res is not None:
+            res.settle()
 
     def fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
         res = self.residency

@@ -1,0 +1,291 @@
+"""Overlapped restore (issue 28, item 2) on the CPU build, with real models: ``restore()`` returns
+once the released parts are allocated, the parts upload in layer order on the upload thread, and
+the first decode after it waits (the upload gate, an eval callback installed for that decode) at
+the first node that reads a part still on its way.
+
+Oracles: the raw logits bytes of 8 greedy decode steps replayed from the same KV prefix, taken
+before the residency was attached (the weights never released); the gate's own counters (how
+often it was called and waited); the context's cparams field the hook writes (read through the
+layout the attach-time probe found). Slow uploads are made by wrapping ``_ggml.tensor_set`` on
+the upload thread (the only way to hold a copy back on demand): the wrapper lets part 0's copy
+go only once the gate has been called, so the decode must reach a part that is not there yet.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp  # before numpy
+import pytest
+from _residency_util import Greedy, load, make_small_q4_0, same
+from timeshare.core.residency import Residency, ResidencyOptions, _ggml
+from timeshare.core.residency.gate import PartGate
+from timeshare.core.residency.residency import OVERLAP_ENV
+
+
+@pytest.fixture(scope="module")
+def q4_8_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """Random Q4_0 weights in 8 Llama layers: CPU_REPACK (per-tensor uploads) beside plain CPU."""
+    return make_small_q4_0(tmp_path_factory.mktemp("synthetic") / "q4_0-8.gguf", smollm2_path, n_layers=8)
+
+
+def _attach(llm: llama_cpp.Llama, path: Path, parts: int = 8, **kw: Any) -> Residency:
+    res = Residency.attach(llm, path, ResidencyOptions(mode="inplace", parts=parts, overlap_restore=True, **kw))
+    assert res.overlap_available, res.overlap_note
+    return res
+
+
+def _gate(res: Residency) -> PartGate:
+    ip = res._inplace
+    assert ip is not None and ip.gate is not None
+    return ip.gate
+
+
+def _hook_installed(res: Residency, llm: llama_cpp.Llama) -> bool:
+    """The context's cparams.cb_eval as the hook layout locates it (non-null: a callback set)."""
+    ip = res._inplace
+    assert ip is not None and ip.hook is not None
+    cparams = int(_ggml.ctx_get_cparams(llm.ctx) or 0)
+    return _ggml.read_ptr(cparams + ip.hook.cb_eval) != 0
+
+
+Hold = Callable[[Callable[[], bool] | None], None]
+
+
+@pytest.fixture
+def held_uploads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Hold]:
+    """``hold(go)``: from now on each copy of the upload thread waits until ``go()`` is true (and
+    then a little more); ``hold(None)``: copies run freely again."""
+    real = _ggml.tensor_set
+    state: dict[str, Callable[[], bool] | None] = {"go": None}
+
+    def slow_set(tensor: int, data: int, offset: int, size: int) -> None:
+        go = state["go"]
+        if go is not None and threading.current_thread().name.startswith("residency-upload"):
+            deadline = time.monotonic() + 60.0  # a safety net only
+            while not go() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.002)
+        real(tensor, data, offset, size)
+
+    monkeypatch.setattr(_ggml, "tensor_set", slow_set)
+
+    def hold(go: Callable[[], bool] | None) -> None:
+        state["go"] = go
+
+    yield hold
+    state["go"] = None
+
+
+def _gate_called(res: Residency) -> Callable[[], bool]:
+    """True once the current overlapped restore's gate has been called."""
+    ip = res._inplace
+    assert ip is not None
+
+    def go() -> bool:
+        gate = ip.gate
+        return gate is None or gate.stats.calls > 0
+
+    return go
+
+
+def _overlapped_cycle(
+    res: Residency, llm: llama_cpp.Llama, greedy: Greedy, ref: list[Any], keep: int | None = None
+) -> PartGate:
+    """Release (down to ``keep``), restore overlapped, replay, settle; checks the report, the
+    output and that the gate ran and is gone afterwards. Returns the gate."""
+    released = res.release(keep_bytes=keep).released_bytes
+    rst = res.restore()
+    assert rst.overlapped and rst.pending_bytes > 0
+    # the tensors' bytes of the released parts (the report counts what this restore uploads)
+    assert rst.bytes <= released
+    gate = _gate(res)
+    assert _hook_installed(res, llm)
+    out = greedy.run()
+    res.settle()
+    assert same(out, ref)
+    assert gate.stats.calls > 0, "uploads were pending and the gate never ran"
+    assert gate.left == 0
+    assert not _hook_installed(res, llm) and not res.uploads_pending
+    calls = gate.stats.calls
+    assert same(greedy.run(), ref)
+    assert gate.stats.calls == calls  # no callback on the decodes after the first
+    return gate
+
+
+def test_overlapped_restore_smollm2_bitwise(smollm2_path: Path) -> None:
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        assert same(greedy.run(), ref)
+        for _ in range(2):  # all parts
+            _overlapped_cycle(res, llm, greedy, ref)
+        # a partial release: only the released parts upload, and the gate knows only those
+        parts = res.parts()
+        keep = sum(p.bytes for p in parts[:5])
+        gate = _overlapped_cycle(res, llm, greedy, ref, keep=keep)
+        assert set(gate._events) == {5, 6, 7}
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_overlapped_restore_gemma3_bitwise(gemma3_path: Path) -> None:
+    llm = load(gemma3_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, gemma3_path)
+        _overlapped_cycle(res, llm, greedy, ref)
+        _overlapped_cycle(res, llm, greedy, ref, keep=sum(p.bytes for p in res.parts()[:1]))
+        res.close()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("coalesce", [True, False], ids=["one-copy", "per-tensor"])
+def test_overlapped_restore_repacked_q4_0_bitwise(q4_8_path: Path, coalesce: bool) -> None:
+    llm = load(q4_8_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, q4_8_path, parts=4, coalesce_upload=coalesce)
+        _overlapped_cycle(res, llm, greedy, ref)
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_the_gate_waits_for_slow_uploads(smollm2_path: Path, held_uploads: Hold) -> None:
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        for _ in range(2):
+            res.release()
+            held_uploads(_gate_called(res))  # no copy before the decode has reached the gate
+            rst = res.restore()
+            assert rst.overlapped
+            gate = _gate(res)
+            out = greedy.run()
+            res.settle()
+            held_uploads(None)
+            assert same(out, ref)
+            st = gate.stats
+            assert st.waits >= 1 and 0 in st.waited_parts  # part 0 could not be there at the first node
+            assert st.pending_bytes_at_start == rst.pending_bytes  # nothing was in at the first node
+            assert res.last_overlap["gate_waits"] == st.waits
+            assert same(greedy.run(), ref)
+        res.close()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("keep_parts", [None, 3], ids=["all", "partial"])
+def test_release_right_after_an_overlapped_restore(
+    smollm2_path: Path, held_uploads: Hold, keep_parts: int | None
+) -> None:
+    """A release before the first decode, while the uploads are held back: it waits for them
+    (every part in before anything is freed), then releases; the model restores and decodes
+    bitwise afterwards."""
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        parts = res.parts()
+        keep = None if keep_parts is None else sum(p.bytes for p in parts[:keep_parts])
+        for _ in range(2):
+            res.release()
+            let_go = threading.Event()
+            held_uploads(let_go.is_set)
+            rst = res.restore()
+            assert rst.overlapped and res.uploads_pending
+            gate = _gate(res)
+            assert gate.left == len(gate._events)  # none is in yet
+            threading.Timer(0.05, let_go.set).start()
+            rel = res.release(keep_bytes=keep)
+            held_uploads(None)
+            assert gate.left == 0 and gate.stats.calls == 0  # all uploaded, no decode ran
+            assert not res.uploads_pending
+            assert rel.resident_bytes == (0 if keep is None else keep) == res.resident_bytes
+            res.restore()
+            assert same(greedy.run(), ref)
+            res.settle()
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_kv_release_then_overlapped_restore(smollm2_path: Path) -> None:
+    """A release of the weights and the context (KV snapshot): the restore makes a new context
+    and the gate goes into that one."""
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        res.release(kv=True)
+        rst = res.restore()
+        assert rst.overlapped and _hook_installed(res, llm)
+        out = greedy.run()
+        res.settle()
+        assert same(out, ref) and not _hook_installed(res, llm)
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_synchronous_restore_has_no_gate(smollm2_path: Path) -> None:
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        res.release()
+        rst = res.restore(overlap=False)
+        assert not rst.overlapped and rst.pending_bytes == 0 and not res.uploads_pending
+        assert not _hook_installed(res, llm)
+        steps = res.restore_steps
+        assert steps["buffers"] == 8 and steps["copy_ms"] > 0 and steps["total_ms"] >= steps["alloc_ms"]
+        assert same(greedy.run(), ref)
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_auto_is_off_on_the_cpu_build(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """None (the default) leaves it off on a CPU build (measured slower there), the variable
+    overrides the option both ways, and one part has nothing to overlap."""
+    llm = load(smollm2_path)
+    try:
+        res = Residency.attach(llm, smollm2_path, ResidencyOptions(mode="inplace", parts=8))
+        assert not res.overlap_available and "CPU build" in res.overlap_note
+        res.release()
+        assert not res.restore().overlapped
+        res.close()
+        monkeypatch.setenv(OVERLAP_ENV, "1")
+        res = Residency.attach(llm, smollm2_path, ResidencyOptions(mode="inplace", parts=8))
+        assert res.overlap_available
+        res.close()
+        monkeypatch.setenv(OVERLAP_ENV, "0")
+        res = Residency.attach(
+            llm, smollm2_path, ResidencyOptions(mode="inplace", parts=8, overlap_restore=True)
+        )
+        assert not res.overlap_available and OVERLAP_ENV in res.overlap_note
+        res.close()
+        monkeypatch.delenv(OVERLAP_ENV)
+        res = Residency.attach(llm, smollm2_path, ResidencyOptions(mode="inplace", overlap_restore=True))
+        assert not res.overlap_available and "one layer part" in res.overlap_note
+        res.release()
+        assert not res.restore().overlapped
+        res.close()
+    finally:
+        llm.close()
