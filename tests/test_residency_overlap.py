@@ -34,7 +34,9 @@ def q4_8_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> P
 
 
 def _attach(llm: llama_cpp.Llama, path: Path, parts: int = 8, **kw: Any) -> Residency:
-    res = Residency.attach(llm, path, ResidencyOptions(mode="inplace", parts=parts, overlap_restore=True, **kw))
+    res = Residency.attach(
+        llm, path, ResidencyOptions(mode="inplace", parts=parts, overlap_restore=True, **kw)
+    )
     assert res.overlap_available, res.overlap_note
     return res
 
@@ -289,3 +291,57 @@ def test_auto_is_off_on_the_cpu_build(smollm2_path: Path, monkeypatch: pytest.Mo
         res.close()
     finally:
         llm.close()
+
+
+def test_split_at_the_first_release(smollm2_path: Path) -> None:
+    """``split_at_release`` (a one-model budget's parts): attach moves nothing and may defer the
+    shadow; the first release frees the model's own buffers whole (RSS drops by them), the next
+    restore allocates the parts (overlapped) and decodes bitwise; partial releases work after it."""
+    from _proc_util import rss_of
+    from timeshare.core.residency import hostmem
+
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = Residency.attach(
+            llm,
+            smollm2_path,
+            ResidencyOptions(
+                mode="inplace", parts=8, overlap_restore=True, split_at_release=True, defer_shadow=True
+            ),
+        )
+        ip = res._inplace
+        assert ip is not None and ip.split_pending and res.shadow_pending
+        assert res.weights_resident and not res.partly_resident and res.resident_bytes == res.weight_bytes
+        assert all(p.resident for p in res.parts()) and len(res.parts()) == 8
+        assert same(greedy.run(), ref)  # nothing moved at attach
+        assert res.fill_shadow()  # (a release would build it first; its memory would hide the drop)
+        hostmem.trim_heap()
+        before = rss_of()
+        rel = res.release(keep_bytes=res.weight_bytes // 2)  # the first release is whole
+        hostmem.trim_heap()
+        assert not ip.split_pending and rel.resident_bytes == 0 == res.resident_bytes
+        assert not any(p.resident for p in res.parts())
+        assert before - rss_of() > 0.9 * sum(o.size for o in ip.originals)
+        rst = res.restore()
+        assert rst.overlapped and rst.addresses_moved
+        out = greedy.run()
+        res.settle()
+        assert same(out, ref)
+        _overlapped_cycle(res, llm, greedy, ref, keep=sum(p.bytes for p in res.parts()[:4]))
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_split_at_release_never_released(smollm2_path: Path) -> None:
+    """A model closed before its first release: no part buffer was ever made."""
+    llm = load(smollm2_path)
+    res = Residency.attach(
+        llm, smollm2_path, ResidencyOptions(mode="inplace", parts=8, split_at_release=True)
+    )
+    ip = res._inplace
+    assert ip is not None and ip.split_pending and ip.part_buffers() == []
+    res.close()
+    llm.close()

@@ -291,8 +291,9 @@ def print_partial(r: dict[str, Any]) -> None:
     if fd:
         g = fd.get("gate") or {}
         lines.append(
-            f"restore + first decode ({fd['prompt_tokens']}-token prefill): synchronous {fd['sync_ms']:.1f} ms, "
-            f"overlapped {fd['overlapped_ms']:.1f} ms (x{fd['ratio']:.3f}); raw copy {fd['raw_copy_ms']:.1f} ms, "
+            f"restore + first decode ({fd['prompt_tokens']}-token prefill): "
+            f"synchronous {fd['sync_ms']:.1f} ms, overlapped {fd['overlapped_ms']:.1f} ms "
+            f"(x{fd['ratio']:.3f}); raw copy {fd['raw_copy_ms']:.1f} ms, "
             f"prefill alone {fd['prefill_ms']:.1f} ms; bitwise {'yes' if fd['bitwise_identical'] else 'NO'}"
         )
         if fd["overlapped"]:

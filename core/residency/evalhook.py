@@ -63,7 +63,7 @@ def find_layout(ctx: int, cb: int, user: int) -> HookLayout:
     reason = missing_symbols()
     if reason:
         raise HookUnavailableError(reason)
-    cp = int(_ggml.ctx_get_cparams(ctx) or 0)
+    cp = _cparams(ctx)
     if not cp:
         raise HookUnavailableError("llama_context::get_cparams returned null")
     words = (ctypes.c_uint64 * (_SCAN_BYTES // 8)).from_address(cp)
@@ -76,11 +76,19 @@ def find_layout(ctx: int, cb: int, user: int) -> HookLayout:
     return HookLayout(hits[0])
 
 
+def _cparams(ctx: int) -> int:
+    get = _ggml.ctx_get_cparams
+    assert get is not None  # missing_symbols() was checked
+    return int(get(ctx) or 0)
+
+
 def _set(ctx: int, layout: HookLayout, cb: int, user: int) -> None:
-    cp = int(_ggml.ctx_get_cparams(ctx) or 0)
+    cp = _cparams(ctx)
     _ggml.write_ptr(cp + layout.cb_eval, cb)
     _ggml.write_ptr(cp + layout.cb_eval + 8, user)
-    sched = _ggml.ctx_get_sched(ctx)
+    get_sched = _ggml.ctx_get_sched
+    assert get_sched is not None
+    sched = get_sched(ctx)
     if sched:
         _ggml.sched_set_eval_callback(sched, cb or None, user or None)
 
@@ -100,11 +108,14 @@ def reserve_now(ctx: int) -> None:
     """Do the scheduler's pending reserve now (``llama_context::sched_reserve``; a no-op when none
     is pending) rather than inside the next decode: a reserve frees the old compute buffers, which
     on CUDA waits for the whole device -- uploads in flight included."""
-    if _ggml.ctx_sched_reserve is not None:
-        _ggml.ctx_sched_reserve(ctx)
+    reserve = _ggml.ctx_sched_reserve
+    if reserve is not None:
+        reserve(ctx)
 
 
-def verify(ctx: int, layout: HookLayout, decode: Callable[[int], None], reset_graphs: Callable[[], None]) -> None:
+def verify(
+    ctx: int, layout: HookLayout, decode: Callable[[int], None], reset_graphs: Callable[[], None]
+) -> None:
     """Check the hook on ``ctx`` (a throwaway context that just decoded one token): installed, it
     is called on a reused graph (one token again), a rebuilt one (two tokens) and after a reserve
     (``reset_graphs``, then one token); after clear(), never -- on a reused graph, a rebuilt one
@@ -119,24 +130,32 @@ def verify(ctx: int, layout: HookLayout, decode: Callable[[int], None], reset_gr
 
     cb_obj = llama_cpp.ggml_backend_sched_eval_callback(counted)
     cb = int(ctypes.cast(cb_obj, ctypes.c_void_p).value or 0)
-    steps: list[tuple[str, Callable[[], None], bool]] = [
-        ("a reused graph", lambda: decode(1), True),
-        ("a rebuilt graph", lambda: decode(2), True),
-        ("after a reserve", lambda: (reset_graphs(), decode(1)), True),
+
+    def one() -> None:
+        decode(1)
+
+    def two() -> None:
+        decode(2)
+
+    def reserved() -> None:
+        reset_graphs()
+        decode(1)
+
+    cases: list[tuple[str, Callable[[], None]]] = [
+        ("a reused graph", one),
+        ("a rebuilt graph", two),
+        ("after a reserve", reserved),
     ]
     install(ctx, layout, cb, user)
-    for what, run, _ in steps:
+    for what, run in cases:
         calls.clear()
         run()
         if not calls or any(u != user for u in calls):
             clear(ctx, layout)
             raise HookUnavailableError(f"an installed eval hook was not called (or not as set) on {what}")
     clear(ctx, layout)
-    for what, run, _ in [
-        ("a reused graph", lambda: decode(1), False),
-        ("a rebuilt graph", lambda: decode(2), False),
-        ("after a reserve", lambda: (reset_graphs(), decode(2)), False),
-    ]:
+    # cleared after a one-token decode: one token reuses that graph, two rebuild, then a reserve
+    for what, run in cases:
         calls.clear()
         run()
         if calls:

@@ -280,6 +280,7 @@ class InPlace:
         defer_shadow: bool = False,
         shadow_slice_bytes: int = SHADOW_SLICE_BYTES,
         overlap: bool = False,
+        split_at_release: bool = False,
     ) -> None:
         self.path = model_path
         self._coalesce = coalesce
@@ -355,13 +356,18 @@ class InPlace:
         self._shadow: HostMemory | None = None
         self._build: _ShadowBuild | None = None
         #: a deferred shadow is built in slices of at most this many bytes
-        self._slice_bytes = shadow_slice_bytes if defer_shadow and not self.split_pending else None
+        #: the split waits for the first release, which frees the model's own buffers and leaves
+        #: every part released (the next restore allocates and fills them): no device copy at
+        #: attach, and the shadow may be deferred; that first release is whole
+        self.split_at_release = split_at_release and self.split_pending
+        eager_split = self.split_pending and not self.split_at_release
+        self._slice_bytes = shadow_slice_bytes if defer_shadow and not eager_split else None
         self.shadow_note = ""
         self.verified_tensors = 0
         self._shadow_slices = (0, 0)
         self.shadow_fill_s = 0.0
         self.moved = False  # the last restore put a buffer at another address than before
-        if not defer_shadow or self.split_pending:  # split() uploads the parts from the shadow
+        if not defer_shadow or eager_split:  # split() uploads the parts from the shadow
             self.fill_shadow()
 
     # -- shadow -------------------------------------------------------------------------------
@@ -773,7 +779,7 @@ class InPlace:
 
     # -- layer parts --------------------------------------------------------------------------
 
-    def split(self) -> None:
+    def split(self, restore: bool = True) -> None:
         """Move the weights from the model's own buffers into the part buffers (parts > 1; once,
         at attach): make each part buffer's struct (holding a placeholder), free the model's
         buffers' memory (their structs keep a placeholder), then restore every part from the
@@ -810,7 +816,8 @@ class InPlace:
         for o in self.originals:
             self._release_buffer(o)  # the model's struct keeps the placeholder, freed at its close
         self.split_pending = False
-        self.restore()
+        if restore:
+            self.restore()
 
     def part_buffers(self) -> list[int]:
         """The part buffers' structs (parts > 1): whoever closes the model frees them with it."""
@@ -818,12 +825,19 @@ class InPlace:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the resident parts' buffers (``ggml_backend_buffer_get_size``, padding in)."""
+        """Bytes of the resident parts' buffers (``ggml_backend_buffer_get_size``, padding in);
+        all of them while a split waits for the first release (the model's own buffers hold the
+        weights)."""
+        if self.split_pending:
+            return self.weight_bytes
         return sum(p.bytes for p in self.parts if p.resident)
 
     def parts_to_release(self, keep_bytes: int | None) -> list[Part]:
         """The resident parts a release down to ``keep_bytes`` frees, from the last layer down
-        (all of them for None)."""
+        (all of them for None; all, or none when ``keep_bytes`` covers the model, while a split
+        waits for the first release)."""
+        if self.split_pending:
+            return list(reversed(self.parts)) if keep_bytes is None or keep_bytes < self.weight_bytes else []
         resident = self.resident_bytes
         out: list[Part] = []
         for p in reversed(self.parts):
@@ -842,6 +856,16 @@ class InPlace:
         # a deferred shadow first: nothing is released that could not come back
         self.fill_shadow(pin=False)
         t0 = time.perf_counter()
+        if self.split_pending:  # split_at_release: the model's buffers go, every part is released
+            if not self.parts_to_release(keep_bytes):
+                return 0
+            self.split(restore=False)
+            self.release_steps = {
+                "free_ms": (time.perf_counter() - t0) * 1000,
+                "buffers": len(self.originals),
+                "parts": len(self.parts),
+            }
+            return self.weight_bytes
         chosen = self.parts_to_release(keep_bytes)
         todo = [b for p in chosen for b in p.buffers if not b.released]
         done: list[_Buffer] = []
@@ -931,15 +955,26 @@ class InPlace:
             if background:
                 self._to_upload.append((part, bufs))
             else:
-                self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, None, part.index))
+                self._uploads.append(
+                    self._uploader().submit(self._upload_part, bufs, shadow, None, part.index)
+                )
         alloc_s = time.perf_counter() - t_start
         nbytes = sum(t.nbytes for b in done for t in b.tensors)
-        self.restore_steps = {"alloc_ms": alloc_s * 1000, "buffers": len(done), "overlapped": float(background)}
+        self.restore_steps = {
+            "alloc_ms": alloc_s * 1000,
+            "buffers": len(done),
+            "overlapped": float(background),
+        }
         if background:
             self.gate = PartGate(
                 self.layout,
                 [
-                    (p.index, p.first_layer, sum(b.size for b in bufs), [t.ptr for b in bufs for t in b.tensors])
+                    (
+                        p.index,
+                        p.first_layer,
+                        sum(b.size for b in bufs),
+                        [t.ptr for b in bufs for t in b.tensors],
+                    )
                     for p, bufs in self._to_upload
                 ],
             )
@@ -992,7 +1027,9 @@ class InPlace:
         shadow = self.shadow
         self._uploads_t0 = time.perf_counter()
         for part, bufs in todo:
-            self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, self.gate, part.index))
+            self._uploads.append(
+                self._uploader().submit(self._upload_part, bufs, shadow, self.gate, part.index)
+            )
 
     def _upload_part(self, bufs: list[_Buffer], shadow: HostMemory, gate: PartGate | None, idx: int) -> float:
         """One part's uploads (on the upload thread); returns their seconds. The gate learns of

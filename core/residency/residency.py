@@ -64,6 +64,11 @@ class ResidencyOptions:
     #: compute share the same cores (measured slower there: docs/PERFORMANCE.md); True: on wherever
     #: the probe passes (the CPU tests); False: off. ``TIMESHARE_OVERLAP_RESTORE`` = 0 / 1 overrides
     overlap_restore: bool | None = None
+    #: with ``parts`` > 1: move the weights into the parts at the first release (which is then
+    #: whole: the model's own buffers are freed, every part released; the next restore allocates
+    #: them) instead of at attach (a device copy, and a shadow made at attach). For a one-model
+    #: budget, where every release is whole and the parts serve overlapped restores only
+    split_at_release: bool = False
 
 
 #: the environment variable that turns overlapped restores off ("0")
@@ -289,7 +294,9 @@ class Residency:
             return self
         wanted = self._overlap_wanted()
         # the eval-hook probe (a few tiny decodes at attach) only where overlap would be used
-        overlap_probe = self._opts.parts > 1 and (wanted is True or (wanted is None and self._gpu is not None))
+        overlap_probe = self._opts.parts > 1 and (
+            wanted is True or (wanted is None and self._gpu is not None)
+        )
         try:
             self._inplace = InPlace(
                 llm,
@@ -303,6 +310,7 @@ class Residency:
                 self._opts.defer_shadow,
                 self._opts.shadow_slice_bytes,
                 overlap_probe,
+                self._opts.split_at_release,
             )
         except InPlaceUnsupportedError as exc:
             reason = str(exc)
@@ -315,7 +323,7 @@ class Residency:
             self._fallback(mode, reason)
             return self
         ip = self._inplace
-        if ip.split_pending:
+        if ip.split_pending and not ip.split_at_release:
             self._split(ip)
         self.path = "inplace"
         self.backend = ip.backend
@@ -365,11 +373,6 @@ class Residency:
         graphs name (none of them is a view). Out of memory there leaves the model released
         (restore() brings it back)."""
         llm = self._llm
-
-        def free_parts(ptrs: list[int]) -> None:
-            for ptr in ptrs:
-                _ggml.buffer_free(ptr)
-
         try:
             ip.split()
         except OutOfDeviceMemoryError as exc:
@@ -382,10 +385,19 @@ class Residency:
             self._inplace = None
             raise
         finally:
-            if not ip.split_pending:  # the parts' structs exist: the model's close frees them
-                llm._stack.callback(free_parts, ip.part_buffers())
+            if not ip.split_pending:
+                self._own_part_buffers(ip)
         if self.weights_resident and not ip.backend.startswith("Vulkan"):
             _forget_graphs(llm.ctx, llm)
+
+    def _own_part_buffers(self, ip: InPlace) -> None:
+        """The parts' structs exist (the split happened): the model's close frees them."""
+
+        def free_parts(ptrs: list[int]) -> None:
+            for ptr in ptrs:
+                _ggml.buffer_free(ptr)
+
+        self._llm._stack.callback(free_parts, ip.part_buffers())
 
     def _note_shadow(self) -> None:
         ip = self._inplace
@@ -512,10 +524,11 @@ class Residency:
     def parts(self) -> list[WeightPart]:
         """The weights' layer parts in layer order (one part on the rebuild path, or with
         ``parts=1``)."""
-        if self._inplace is not None:
+        ip = self._inplace
+        if ip is not None:
             return [
-                WeightPart(p.index, p.first_layer, p.last_layer, p.bytes, p.resident)
-                for p in self._inplace.parts
+                WeightPart(p.index, p.first_layer, p.last_layer, p.bytes, p.resident or ip.split_pending)
+                for p in ip.parts
             ]
         return [WeightPart(0, 0, max(self._n_layer - 1, 0), self.weight_bytes, self.weights_resident)]
 
@@ -649,7 +662,10 @@ class Residency:
                 self._snapshot_kv_and_free_context()
             if weights_todo:
                 if ip is not None:
+                    splitting = ip.split_pending  # split_at_release: this release splits
                     ip.release(keep_bytes)  # undoes its own releases on a ResidencyError
+                    if splitting and not ip.split_pending:
+                        self._own_part_buffers(ip)
                 if self.kv_resident and self._saved_ctx is None:
                     self._saved_ctx = llm._ctx
                     llm._ctx = _Released("context")

@@ -19,7 +19,7 @@ from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
-from ..residency.residency import RestoreReport, rss_bytes
+from ..residency.residency import OVERLAP_ENV, RestoreReport, rss_bytes
 from ..state import WorkerReleaseLevel
 from ..util.units import decimal_bytes
 from . import protocol as p
@@ -327,14 +327,25 @@ class ArenaTenancy(Tenancy):
         res = self.residency
         return res is not None and res.path == "inplace" and self._weight_parts() > 1 and len(res.parts()) > 1
 
+    def _overlap_parts(self) -> int:
+        """Layer parts under a one-model budget: ``models[].weight_parts`` where restores overlap
+        the first decode (a CUDA build, or ``TIMESHARE_OVERLAP_RESTORE=1``), split at the first
+        release (every release stays whole); 1 elsewhere."""
+        env = os.environ.get(OVERLAP_ENV, "")
+        on = env == "1" or (env != "0" and Residency.probe().backend.startswith("CUDA"))
+        return max(1, int(self.spec.model.weight_parts)) if on else 1
+
     def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""
+        one_model = self.budget is None or self.budget.one_model
+        parts = self._overlap_parts() if one_model else self._weight_parts()
         options = ResidencyOptions(
             mode="auto",
             host_shadow=engine.model.host_shadow,
             defer_shadow=defer_shadow,
             shadow_slice_bytes=shadow_slice_bytes(),
-            parts=self._weight_parts(),
+            parts=parts,
+            split_at_release=one_model and parts > 1,
         )
         res = Residency.attach(engine.llm, engine.model.path, options)
         self.residency = res
