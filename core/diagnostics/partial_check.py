@@ -4,9 +4,14 @@ machine's backend.
 Loads the model as the doctor does, records the reference (8 greedy decode steps), then:
 1. whole buffers (``parts=1``): ``cycles`` releases down to half the weights (which with one part
    releases everything) and restores, each followed by the replay compared bitwise;
-2. ``parts=N``: the same cycles (about half the weights move), then a pattern of partial
-   releases and restores (keep 70 %, 30 %, restore, keep 0, restore, keep 50 % with the KV cache,
-   restore), each restore followed by the replay compared bitwise.
+2. ``parts=N``: the same cycles (about half the weights move; synchronous restores), then a
+   pattern of partial releases and restores (keep 70 %, 30 %, restore, keep 0, restore, keep 50 %
+   with the KV cache, restore), each restore (overlapped where the probe passes) followed by the
+   replay compared bitwise;
+3. the first decode after a restore (issue 28, item 2): restore of every part + a 128-token
+   prefill timed together, synchronous and overlapped in turn, each compared bitwise with the
+   never-released prefill and 4 greedy steps after it; beside them the raw copy and the prefill
+   alone.
 Reports the release/restore milliseconds and bytes of both, and every step of the pattern.
 """
 
@@ -193,7 +198,11 @@ def run_partial_check(
         finally:
             whole.close()
         step(f"attaching with {parts} layer parts (the weights move into them)")
-        res = Residency.attach(llm, model, ResidencyOptions(mode="inplace", parts=parts))
+        # overlapped restores on wherever the probe passes (also the CPU build, where they are off
+        # by default): the pattern's restores and the first-decode section measure them
+        res = Residency.attach(
+            llm, model, ResidencyOptions(mode="inplace", parts=parts, overlap_restore=True)
+        )
         try:
             report.update(path=res.path, backend=res.backend, parts_note=res.parts_note)
             report["memory_measure"] = res.memory_measure

@@ -853,6 +853,7 @@ class InPlace:
         with None); returns the bytes released. A placeholder that cannot be made: what this
         call released is restored again and ResidencyError raised."""
         self.finish_uploads()  # an overlapped restore's uploads are over before anything is freed
+        self._free_spent()  # the last restore's placeholders (kept out of its time)
         # a deferred shadow first: nothing is released that could not come back
         self.fill_shadow(pin=False)
         t0 = time.perf_counter()
@@ -949,7 +950,8 @@ class InPlace:
                     for d in done:
                         self._release_buffer(d)
                     raise self._out_of_memory(b, todo)
-                # the placeholder is freed after the uploads: on CUDA cudaFree waits for the device
+                # the placeholder is freed at the next release: on CUDA cudaFree waits for the
+                # whole device (the uploads in flight), and it is time a restore need not take
                 self._spent.append(self._relocate(b, new))
                 done.append(b)
             if background:
@@ -961,7 +963,10 @@ class InPlace:
         alloc_s = time.perf_counter() - t_start
         nbytes = sum(t.nbytes for b in done for t in b.tensors)
         self.restore_steps = {
-            "alloc_ms": alloc_s * 1000,
+            "alloc_ms": alloc_s * 1000,  # allocation and relocation (the copies run meanwhile)
+            "copy_ms": 0.0,
+            "wait_ms": 0.0,
+            "total_ms": alloc_s * 1000,
             "buffers": len(done),
             "overlapped": float(background),
         }
@@ -1060,17 +1065,16 @@ class InPlace:
         self._spent = []
 
     def finish_uploads(self) -> None:
-        """Wait for the uploads of the last restore (starting those not started) and free its
-        placeholders; a no-op when none is pending. Then ``restore_steps`` has ``copy_ms`` (the
+        """Wait for the uploads of the last restore (starting those not started); a no-op when
+        none is pending. Then ``restore_steps`` has ``copy_ms`` (the
         upload thread's time) and ``wait_ms`` (how long this call waited); ``total_ms`` of a
         synchronous restore is its whole time."""
-        if not self._uploads and not self._to_upload and not self._spent:
+        if not self._uploads and not self._to_upload:
             return
         self.start_uploads()
         t0 = time.perf_counter()
         copy_s, error = self._wait_uploads()
         t1 = time.perf_counter()
-        self._free_spent()
         steps = self.restore_steps
         steps["copy_ms"] = copy_s * 1000
         steps["wait_ms"] = (t1 - t0) * 1000
@@ -1125,6 +1129,7 @@ class InPlace:
     def close(self) -> None:
         try:
             self.finish_uploads()
+            self._free_spent()
         finally:
             if self._uploader_pool is not None:
                 self._uploader_pool.shutdown(wait=True)
