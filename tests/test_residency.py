@@ -120,8 +120,8 @@ def test_incomplete_discovery_refuses_the_inplace_path(
 ) -> None:
     real = inplace_mod._discover
 
-    def drop_one(llm: Any, layout: Any) -> Any:  # injected: the warm-up graph "missed" a weight
-        disc = real(llm, layout)
+    def drop_one(llm: Any, layout: Any, *args: Any) -> Any:  # injected: the warm-up graph "missed" a weight
+        disc = real(llm, layout, *args)
         disc.weights.discard(max(disc.weights))
         return disc
 

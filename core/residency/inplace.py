@@ -300,7 +300,7 @@ class InPlace:
             raise InPlaceUnsupportedError(str(exc)) from exc
         vulkan = gpu is not None and gpu.name.startswith("Vulkan")
         t0 = time.perf_counter()
-        disc = _discover(llm, self.layout, probe_hook=overlap and not vulkan)
+        disc = _discover(llm, self.layout, overlap and not vulkan)
         t1 = time.perf_counter()
         #: where the upload gate goes in the live context (None: restores stay synchronous,
         #: ``overlap_note`` says why)
