@@ -345,3 +345,41 @@ def test_split_at_release_never_released(smollm2_path: Path) -> None:
     assert ip is not None and ip.split_pending and ip.part_buffers() == []
     res.close()
     llm.close()
+
+
+def test_workers_switch_with_overlapped_restores(
+    smollm2_path: Path, gemma3_path: Path, tmp_path: Path, handles: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two real workers alternating under the one-model budget with overlapped restores forced on
+    (as a CUDA build has them): each holds its weight parts (split at its first release), every
+    switched turn restores overlapped, and every answer equals the model's first one."""
+    from _e_worker_util import WorkerHandle
+    from timeshare.core.config.schema import ArenaConfig, ModelConfig
+    from timeshare.core.sampling import Sampling
+    from timeshare.core.worker import protocol as p
+
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    arena_dir = tmp_path / "arena"
+    arena_dir.mkdir(mode=0o700)
+    arena = ArenaConfig(min_quantum_ms=50.0, wait_timeout_s=120.0)
+    workers = {}
+    for mid, path in (("smol", smollm2_path), ("gemma", gemma3_path)):
+        w = WorkerHandle(
+            ModelConfig(id=mid, path=str(path), n_ctx=256), tmp_path / mid, arena_dir=arena_dir, arena=arena
+        )
+        handles.append(w)
+        w.ready()
+        workers[mid] = w
+    sampling = Sampling(max_tokens=8)
+    refs = {}
+    for mid, w in workers.items():
+        refs[mid], done = w.generate(f"{mid}0", prompt="The capital of France is", sampling=sampling)
+        assert isinstance(done, p.Done)
+    for i in range(1, 3):
+        for mid, w in workers.items():
+            text, done = w.generate(f"{mid}{i}", prompt="The capital of France is", sampling=sampling)
+            assert isinstance(done, p.Done) and done.switch.switched and text == refs[mid], (mid, i)
+    for mid, w in workers.items():
+        log = w.log_text()
+        assert "overlapped restore on" in log, log[-2000:]
+        assert log.count("overlapped (") >= 2, (mid, log[-2000:])
