@@ -314,6 +314,7 @@ class InPlace:
         #: the overlapped restore in progress: its gate, the parts still to upload (not started
         #: yet, or their futures), the placeholders to free once the uploads are done
         self.gate: PartGate | None = None
+        self._retired_gate: PartGate | None = None
         self._to_upload: list[tuple[Part, list[_Buffer]]] = []
         self._uploads: list[Future[float]] = []
         self._spent: list[int] = []
@@ -1083,7 +1084,9 @@ class InPlace:
             steps["uploads_ms"] = max(0.0, self._uploads_end - self._uploads_t0) * 1000
         else:
             steps["total_ms"] = (time.perf_counter() - self._restore_t0) * 1000
-        self.gate = None
+        # kept alive until the next restore: the context may still hold its callback pointer
+        # until whoever installed it clears it (Residency.settle)
+        self._retired_gate, self.gate = self.gate, None
         self._uploads_t0 = 0.0
         if error is not None:
             raise ResidencyError(f"uploading the restored weights failed: {error}") from error

@@ -743,8 +743,10 @@ class Residency:
                     ip.finish_uploads()
                 raise
         pending = 0
+        if ip is not None and ip.gate is not None and not (ip.hook is not None and self._live_ctx()):
+            ip.finish_uploads()  # no context to gate (never expected): synchronous
         if ip is not None and ip.gate is not None and ip.hook is not None:
-            ctx = int(self._llm.ctx)
+            ctx = self._live_ctx()
             pending = ip.gate.pending_bytes
             if reset:  # now, not in the decode: a reserve frees compute buffers (on CUDA a device-wide wait)
                 evalhook.reserve_now(ctx)
@@ -767,6 +769,14 @@ class Residency:
         )
         return RestoreReport(dt * 1000.0, nbytes, gbps, level, moved, reset, bool(pending), pending)
 
+    def _live_ctx(self) -> int:
+        """The llama_context handle ``llm`` computes in now (0: none, or released)."""
+        try:
+            ctx = self._llm._ctx.ctx if self._llm is not None else None
+        except (AttributeError, ResidencyError):
+            return 0
+        return int(ctx or 0)
+
     @property
     def uploads_pending(self) -> bool:
         """An overlapped restore's uploads or its gate are still to be settled."""
@@ -786,7 +796,8 @@ class Residency:
         finally:
             if self._gated_ctx:
                 assert ip.hook is not None
-                evalhook.clear(self._gated_ctx, ip.hook)
+                if self._live_ctx() == self._gated_ctx:  # (a context freed meanwhile has no hook)
+                    evalhook.clear(self._gated_ctx, ip.hook)
                 self._gated_ctx = 0
         if gate is not None:
             st = gate.stats
