@@ -195,6 +195,16 @@ def read_ptr(addr: int) -> int:
     return int(value) if value else 0
 
 
+def view_root(tensor: int, layout: TensorLayout) -> int:
+    """The tensor a view (of a view ...) of ``tensor`` looks at; ``tensor`` itself if it is none."""
+    root = tensor
+    while True:
+        parent = read_ptr(root + layout.view_src)
+        if not parent:
+            return root
+        root = parent
+
+
 def write_ptr(addr: int, value: int) -> None:
     ctypes.c_void_p.from_address(addr).value = value or None
 

@@ -93,12 +93,7 @@ class PartGate:
         got = self._part_of.get(t)
         if got is not None:
             return got
-        root = t
-        while True:
-            parent = _ggml.read_ptr(root + self._lay.view_src)
-            if not parent:
-                break
-            root = parent
+        root = _ggml.view_root(t, self._lay)
         return self._part_of.get(root, -1) if root != t else -1
 
     def _wait(self, idx: int) -> None:

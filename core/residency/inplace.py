@@ -181,12 +181,7 @@ class _Discovery:
             src = _ggml.read_ptr(tensor + lay.src + 8 * i)
             if not src:
                 continue
-            root = src
-            while True:  # a view of a weight leads to the weight
-                parent = _ggml.read_ptr(root + lay.view_src)
-                if not parent:
-                    break
-                root = parent
+            root = _ggml.view_root(src, lay)  # a view of a weight leads to the weight
             if self._is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
                 self.weights.add(root)
                 if root != src:
