@@ -587,9 +587,18 @@ def test_the_residency_measures_on_the_models_own_gpu(monkeypatch: pytest.Monkey
 # --- a deferred host shadow (issue 29: a restarted worker answers first) ------------------------
 
 
-def test_deferred_shadow_is_made_by_the_first_release_bitwise(
+def _readable_tensors(res: Residency) -> int:
+    """The tensors a spot check can compare (repacked layouts cannot be read back as file bytes)."""
+    ip = res._inplace
+    assert ip is not None
+    return len([t for b in ip.buffers if not b.buft_name.endswith("_REPACK") for t in b.tensors])
+
+
+def test_deferred_shadow_released_first_comes_back_from_the_file_bitwise(
     small_q4: llama_cpp.Llama, small_q4_path: Path
 ) -> None:
+    """A release before the deferred shadow was built reads none of it (it checks the tensors
+    against the file); the restore builds it from the file, and the model comes back bitwise."""
     greedy = Greedy(small_q4)
     reference = greedy.run()
     res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", defer_shadow=True))
@@ -599,10 +608,14 @@ def test_deferred_shadow_is_made_by_the_first_release_bitwise(
         assert set(res.attach_steps) >= {"discover_ms", "plan_ms"}
         assert same(greedy.run(), reference)  # the model answers before any shadow exists
         rel = res.release()
-        assert not res.weights_resident and not res.shadow_pending
-        assert res.host_bytes > 0 and rel.freed_bytes > 0
+        assert not res.weights_resident and res.shadow_pending and res.shadow_fillable
+        assert res.host_bytes == 0 and rel.freed_bytes > 0  # nothing read for the release
+        ip = res._inplace
+        assert ip is not None and ip.shadow_from_file
+        assert ip.verified_tensors == _readable_tensors(res) > 0  # each checked against the file
+        res.restore()  # builds the shadow from the file first
+        assert not res.shadow_pending and res.host_bytes > 0
         assert set(res.attach_steps) >= {"shadow_alloc_ms", "shadow_read_ms", "verify_ms"}
-        res.restore()
         assert same(greedy.run(), reference), "logits differ after the deferred shadow's cycle"
         res.release()
         res.restore()
@@ -646,6 +659,95 @@ def test_file_changed_before_a_deferred_shadow_keeps_the_model(tmp_path: Path, s
         llm.close()
 
 
+def _rewrite_keeping_identity(path: Path, offset: int, data: bytes) -> bytes:
+    """Overwrite ``data`` at ``offset`` and put the modification time back: the file's identity
+    (device, inode, size, mtime) stays, so only a comparison of bytes can see the change. Returns
+    the bytes it replaced."""
+    st = path.stat()
+    with path.open("r+b") as f:
+        f.seek(offset)
+        old = f.read(len(data))
+        f.seek(offset)
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return old
+
+
+def _last_tensor_offset(res: Residency, path: Path) -> tuple[str, int]:
+    """The name and file offset of the readable tensor (not repacked) whose shadow slice is built
+    last."""
+    ip = res._inplace
+    assert ip is not None
+    readable = [t for b in ip.buffers if not b.buft_name.endswith("_REPACK") for t in b.tensors]
+    t = max(readable, key=lambda t: t.shadow_offset)
+    info = check_gguf(path)
+    meta = _ggml.gguf_open_meta(str(path))
+    try:
+        tid = int(_ggml.gguf_find_tensor(meta, t.name.encode()))
+        return t.name, info.data_offset + int(_ggml.gguf_get_tensor_offset(meta, tid))
+    finally:
+        _ggml.gguf_free(meta)
+
+
+def test_a_release_checks_the_shadow_slices_left_against_the_file(tmp_path: Path, smollm2_path: Path) -> None:
+    """A release during a half-built deferred shadow reads none of the slices left, but it does
+    compare each of their tensors' first and last bytes with the file: a tensor changed on disk
+    (the file's identity kept, so only the bytes tell) refuses the release, and the model stays
+    loaded and answering, bitwise."""
+    path = _copy(smollm2_path, tmp_path / "m.gguf")  # no repacked tensors: all readable
+    llm = load(path)
+    try:
+        greedy = Greedy(llm)
+        reference = greedy.run()
+        opts = ResidencyOptions(mode="inplace", defer_shadow=True, shadow_slice_bytes=4 << 20)
+        res = Residency.attach(llm, path, opts)
+        assert res.fill_shadow(lambda: res.shadow_slices[0] >= 2) is False
+        name, offset = _last_tensor_offset(res, path)
+        _rewrite_keeping_identity(path, offset, os.urandom(64))
+        with pytest.raises(ModelFileError, match=f"tensor {name} differs"):
+            res.release()
+        assert res.weights_resident and res.shadow_pending and res.shadow_slices[0] == 2
+        assert same(greedy.run(), reference)
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_a_file_changed_after_a_release_refuses_the_rest_of_the_shadow_and_keeps_it(
+    tmp_path: Path, small_q4_path: Path
+) -> None:
+    """After a release with the shadow half built, the slices left come from the file: written
+    to since (its modification time moved), it is refused (ModelFileChangedError) by the idle
+    build and by the restore, and the model stays released with what was built; the same file
+    back (bytes and identity) lets the restore finish the shadow, bitwise."""
+    path = _copy(small_q4_path, tmp_path / "m.gguf")
+    llm = load(path)
+    try:
+        greedy = Greedy(llm)
+        reference = greedy.run()
+        opts = ResidencyOptions(mode="inplace", defer_shadow=True, shadow_slice_bytes=64 << 10)
+        res = Residency.attach(llm, path, opts)
+        assert res.fill_shadow(lambda: res.shadow_slices[0] >= 2) is False
+        res.release()
+        st = path.stat()
+        _name, offset = _last_tensor_offset(res, path)
+        old = _rewrite_keeping_identity(path, offset, os.urandom(64))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        with pytest.raises(ModelFileChangedError, match="was replaced or modified"):
+            res.fill_shadow()
+        assert res.shadow_pending and res.shadow_slices[0] == 2  # what was built is kept
+        with pytest.raises(ModelFileChangedError):
+            res.restore()
+        assert not res.weights_resident and res.shadow_pending
+        _rewrite_keeping_identity(path, offset, old)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        res.restore()
+        assert not res.shadow_pending and same(greedy.run(), reference)
+        res.close()
+    finally:
+        llm.close()
+
+
 def _shadow_bytes(res: Residency) -> dict[str, bytes]:
     """Every released tensor's bytes in the host shadow, by name."""
     ip = res._inplace
@@ -682,12 +784,16 @@ def test_a_deferred_shadow_in_slices_stops_between_them_and_a_release_builds_the
         assert same(greedy.run(), reference)  # the model answers with its shadow half made
         assert res.fill_shadow(lambda: True) is False  # one more slice, then stopped again
         assert res.shadow_slices == (4, total)
-        res.release()  # builds the remaining slices (total - 4), then releases
-        assert not res.weights_resident and not res.shadow_pending
-        assert res.shadow_slices == (total, total)
+        res.release()  # reads none of the slices left: checks them against the file
+        assert not res.weights_resident and res.shadow_pending
+        assert res.shadow_slices == (4, total) and res.host_bytes == 0
+        assert res.fill_shadow(lambda: True) is False  # released: a slice from the file alone
+        assert res.shadow_slices == (5, total)
+        assert res.fill_shadow() is True  # the rest
+        assert res.shadow_slices == (total, total) and not res.shadow_pending
         assert res.host_parts == total and res.host_bytes > 0  # one host allocation per slice
         ip = res._inplace
-        assert ip is not None and ip.verified_tensors > 0  # every slice spot-checked
+        assert ip is not None and ip.verified_tensors == _readable_tensors(res) > 0  # each once
         res.restore()
         assert same(greedy.run(), reference), "logits differ after a shadow built in slices"
         sliced = _shadow_bytes(res)

@@ -238,9 +238,10 @@ def test_lazy_memory_allocates_one_segment_at_a_time_and_pins_later(stand_in_pin
 def test_a_release_during_a_sliced_shadow_goes_pageable_then_pins_when_idle_bitwise(
     small_q4: llama_cpp.Llama, small_q4_path: Path, stand_in_pinned: int
 ) -> None:
-    """A release that comes while a deferred shadow is half built (issue 29): the slices left
-    are read into pageable memory (no pinning to wait for), the model comes back bitwise from
-    that, and pin_shadow later moves those allocations into pinned memory, bitwise again."""
+    """A restore that comes while a deferred shadow is half built and the model released (issue
+    29): the slices left are read from the file into pageable memory (no pinning to wait for),
+    the model comes back bitwise from that, and pin_shadow later moves those allocations into
+    pinned memory, bitwise again."""
     greedy = Greedy(small_q4)
     reference = greedy.run()
     opts = ResidencyOptions(mode="inplace", defer_shadow=True, shadow_slice_bytes=64 << 10)
@@ -249,9 +250,10 @@ def test_a_release_during_a_sliced_shadow_goes_pageable_then_pins_when_idle_bitw
         assert res.fill_shadow(lambda: res.shadow_slices[0] >= 2) is False
         total = res.shadow_slices[1]
         res.release()
+        assert res.shadow_pending and res.shadow_to_pin == 0  # the release read nothing
+        res.restore()
         assert not res.shadow_pending and res.shadow_to_pin == total - 2
         assert not res.host_pinned
-        res.restore()
         assert same(greedy.run(), reference), "logits differ after a restore from pageable slices"
         assert res.pin_shadow(lambda: True) is False and res.shadow_to_pin == total - 3
         assert res.pin_shadow() is True and res.shadow_to_pin == 0

@@ -316,7 +316,7 @@ def test_split_at_the_first_release(smollm2_path: Path) -> None:
         assert res.weights_resident and not res.partly_resident and res.resident_bytes == res.weight_bytes
         assert all(p.resident for p in res.parts()) and len(res.parts()) == 8
         assert same(greedy.run(), ref)  # nothing moved at attach
-        assert res.fill_shadow()  # (a release would build it first; its memory would hide the drop)
+        assert res.fill_shadow()  # (else the restore would build it; its memory would hide the drop)
         hostmem.trim_heap()
         before = rss_of()
         rel = res.release(keep_bytes=res.weight_bytes // 2)  # the first release is whole

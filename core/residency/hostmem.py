@@ -213,6 +213,13 @@ class HostMemory:
         """Segments planned (allocated or not)."""
         return len(self._plan)
 
+    @property
+    def allocated_end(self) -> int:
+        """The offset of the first byte in a segment not allocated yet (``size`` when complete):
+        segments are allocated in order, so every byte before it is allocated."""
+        i = len(self._segs)
+        return self._starts[i] if i < len(self._plan) else self.size
+
     def allocate_next(self, pin: bool = True) -> tuple[int, int] | None:
         """Allocate the next planned segment; its (offset, size), or None when all were. ``pin``
         False: pageable memory now (a fresh mapping costs far less than pinning it), pinned

@@ -10,9 +10,11 @@
    dangling pointer, so an incomplete buffer refuses the in-place path;
 3. host shadow: the GGUF file bytes of every released tensor (``set_tensor`` repacks them where the
    buffer type wants it), in pinned host memory, filled with parallel reads, spot-checked against
-   the loaded weights; at attach, or (``defer_shadow``) later by :meth:`InPlace.fill_shadow`,
-   which the first release calls if nobody did before: pinning and reading a model's weights takes
-   seconds on an 8B model, which a request waiting for a just-started worker need not wait for;
+   the loaded weights; at attach, or (``defer_shadow``) later by :meth:`InPlace.fill_shadow`:
+   pinning and reading a model's weights takes seconds on an 8B model, which a request waiting
+   for a just-started worker need not wait for, nor another model whose turn makes this one
+   release before its shadow is built (the release then spot-checks the slices left against the
+   file, :meth:`InPlace.check_pending_shadow`, and they are read from the file afterwards);
 4. release: swap ``context``/``size`` of each buffer with a tiny placeholder of the same type and free
    the placeholder (which now owns the device memory);
 5. restore: allocate, swap back, relocate every tensor's ``data``, ``init_tensor``, upload.
@@ -41,7 +43,8 @@ from typing import Any
 
 import llama_cpp
 
-from ..errors import ModelFileError, OutOfDeviceMemoryError, ResidencyError
+from ..errors import ModelFileChangedError, ModelFileError, OutOfDeviceMemoryError, ResidencyError
+from ..util.fileid import FileId
 from . import _ggml, evalhook
 from .gate import PartGate
 from .hostmem import HostMemory, ReadRange, parallel_read
@@ -106,6 +109,10 @@ class _ShadowBuild:
     gaps: list[tuple[int, int]]  # (offset, length) of the alignment gaps and padding (zeros)
     tensors: list[tuple[_Buffer, _Tensor]]  # the tensors to spot-check
     sliced: bool  # one segment per slice (deferred), or every segment in one slice
+    #: a release came before the build was done: the tensors of the slices left were checked
+    #: against the file then (the weights they would be compared with are gone now), and the file
+    #: must still be this one when each of them is read
+    from_file: FileId | None = None
     slices: int = 0  # slices built
     alloc_s: float = 0.0
     read_s: float = 0.0
@@ -278,6 +285,9 @@ class InPlace:
         split_at_release: bool = False,
     ) -> None:
         self.path = model_path
+        #: the file the weights were loaded from (just before this): what a shadow built after a
+        #: release must still read
+        self._file_id = FileId.of(model_path)
         self._coalesce = coalesce
         self._gpu = gpu
         self._parallel_opt = parallel  # None: Vulkan buffers only (see _parallel)
@@ -374,9 +384,17 @@ class InPlace:
         return self._shadow is None
 
     @property
+    def shadow_from_file(self) -> bool:
+        """A release came while the shadow was pending: its slices left are read from the file
+        alone (:meth:`check_pending_shadow`)."""
+        return self._build is not None and self._build.from_file is not None
+
+    @property
     def shadow(self) -> HostMemory:
-        """The host shadow, filled now (all of its slices) if it was deferred."""
-        mem = self.fill_shadow()
+        """The host shadow, filled now (all of its slices) if it was deferred: a restore cannot
+        wait for seconds of pinning, so the slices left go to pageable memory (pinned later by
+        :meth:`pin_shadow`)."""
+        mem = self.fill_shadow(pin=False)
         assert mem is not None  # no stop: built to the end
         return mem
 
@@ -397,7 +415,9 @@ class InPlace:
         (returns None then; the shadow stays pending). ``pin`` False (a release that cannot wait
         for the pinning, seconds on an 8B model): the slices left go to pageable memory, pinned
         later by :meth:`pin_shadow`. A file that no longer holds the loaded weights raises
-        ModelFileError and leaves no shadow (a later call starts again)."""
+        ModelFileError and leaves no shadow (a later call starts again). After a release
+        (:meth:`check_pending_shadow`) the slices left are read from the file alone, which must
+        still be the one checked then (ModelFileError otherwise, the shadow still pending)."""
         if self._shadow is not None:
             return self._shadow
         build = self._build
@@ -409,6 +429,13 @@ class InPlace:
                 self._build_slice(build, pin)
                 if not build.mem.complete and stop is not None and stop():
                     return None
+        except ModelFileError:
+            if build is not None and build.from_file is not None:
+                raise  # the weights are released: what was built stays (the file may come back)
+            self._build = None
+            if build is not None:
+                build.mem.close()
+            raise
         except BaseException:
             self._build = None
             if build is not None:
@@ -671,10 +698,77 @@ class InPlace:
         )
         return _ShadowBuild(mem, sorted(ranges, key=lambda r: r.mem_offset), gaps, verify, sliced)
 
+    def check_pending_shadow(self) -> int:
+        """Before a release that comes while the host shadow is still to be built (deferred, maybe
+        half built): spot-check the tensors of the slices not built yet against the file -- the
+        first and last bytes of each, read from the file and from the loaded weights -- so that
+        they can be read from the file alone later (idle, or by the next restore), rather than
+        before this release (seconds of reading and pinning an 8B model that the model asking for
+        the GPU would wait for). Returns the tensors checked (0: no shadow pending). Raises
+        ModelFileError when the file no longer holds the loaded weights (nothing changed: the
+        release must not go on)."""
+        if self._shadow is not None:
+            return 0
+        build = self._build
+        if build is None:
+            self.verified_tensors = 0
+            build = self._build = self._plan_shadow(self._want_pinned)
+        if build.from_file is not None:
+            return 0
+        try:
+            file_id = FileId.of(self.path)
+        except OSError as exc:
+            raise ModelFileError(f"{self.path} is gone ({exc.strerror}): restart the model") from exc
+        lo = build.mem.allocated_end
+        left = [(b, t) for b, t in build.tensors if t.shadow_offset >= lo]
+        src = {r.mem_offset: r.file_offset for r in build.ranges}
+        t0 = time.perf_counter()
+        if file_id != self._file_id:
+            raise self._changed(left[0][1].name if left else "?")
+        scratch = (ctypes.c_char * _VERIFY_BYTES)()
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as exc:
+            raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
+        try:
+            for _b, t in left:
+                n = min(_VERIFY_BYTES, t.nbytes)
+                for off in {0, t.nbytes - n}:
+                    _ggml.tensor_get(t.ptr, scratch, off, n)
+                    if ctypes.string_at(scratch, n) != os.pread(fd, n, src[t.shadow_offset] + off):
+                        raise self._changed(t.name)
+        except OSError as exc:
+            raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        build.verify_s += time.perf_counter() - t0
+        self.verified_tensors += len(left)
+        build.tensors = [(b, t) for b, t in build.tensors if t.shadow_offset < lo]
+        build.from_file = file_id
+        return len(left)
+
+    def _changed(self, name: str) -> ModelFileError:
+        return ModelFileError(
+            f"{self.path} no longer holds the weights the model was loaded from "
+            f"(tensor {name} differs): the file was replaced or modified after loading; "
+            "restart the model"
+        )
+
     def _build_slice(self, build: _ShadowBuild, pin: bool = True) -> None:
         """Allocate the next slice's segment (all of them, unsliced), zero its gaps, read its
-        tensors from the file and spot-check them against the loaded weights."""
+        tensors from the file and spot-check them against the loaded weights (after a release:
+        check that the file is still the one they were checked against then)."""
         mem = build.mem
+        if build.from_file is not None:
+            try:
+                same = FileId.of(self.path) == build.from_file
+            except OSError:
+                same = False
+            if not same:
+                raise ModelFileChangedError(
+                    f"{self.path} was replaced or modified after the model was loaded, and its "
+                    "released weights were to be read from it: restart the model"
+                )
         t0 = time.perf_counter()
         spans: list[tuple[int, int]] = []
         while (got := mem.allocate_next(pin)) is not None:
@@ -722,11 +816,7 @@ class InPlace:
             for off in {0, t.nbytes - n}:
                 _ggml.tensor_get(t.ptr, scratch, off, n)
                 if ctypes.string_at(scratch, n) != ctypes.string_at(mem.address(t.shadow_offset + off, n), n):
-                    raise ModelFileError(
-                        f"{self.path} no longer holds the weights the model was loaded from "
-                        f"(tensor {t.name} differs): the file was replaced or modified after loading; "
-                        "restart the model"
-                    )
+                    raise self._changed(t.name)
             checked += 1
         return checked
 
@@ -850,8 +940,9 @@ class InPlace:
         call released is restored again and ResidencyError raised."""
         self.finish_uploads()  # an overlapped restore's uploads are over before anything is freed
         self._free_spent()  # the last restore's placeholders (kept out of its time)
-        # a deferred shadow first: nothing is released that could not come back
-        self.fill_shadow(pin=False)
+        # a deferred shadow's slices not built yet: checked against the file, which they are
+        # read from later -- nothing is released that could not come back
+        self.check_pending_shadow()
         t0 = time.perf_counter()
         if self.split_pending:  # split_at_release: the model's buffers go, every part is released
             if not self.parts_to_release(keep_bytes):

@@ -19,6 +19,7 @@ import llama_cpp
 
 from ..errors import ModelFileChangedError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
+from ..util.fileid import FileId
 from . import _ggml, evalhook, hostmem
 from .gguf_check import check_gguf
 from .inplace import SHADOW_SLICE_BYTES, InPlace, InPlaceUnsupportedError
@@ -49,12 +50,14 @@ class ResidencyOptions:
     #: and restored whole; N > 1 = each buffer's weights held as up to N runs of consecutive
     #: layers (made at attach), so ``release(keep_bytes=...)`` can free only the last layers
     parts: int = 1
-    #: the in-place path allocates and fills the host shadow later (fill_shadow, or the first
-    #: release), not at attach: a worker started for a waiting request answers it first
+    #: the in-place path allocates and fills the host shadow later (fill_shadow, before or after
+    #: the first release; the next restore fills what is left), not at attach: a worker started
+    #: for a waiting request answers it first
     defer_shadow: bool = False
     #: a deferred shadow is built in slices of at most this many bytes (each its own host
     #: allocation, read and spot check): ``fill_shadow(stop)`` stops between two, so a request
-    #: that arrives meanwhile waits for one slice, and a release builds only the slices left
+    #: that arrives meanwhile waits for one slice; a release checks the slices left against the
+    #: file (first and last bytes of each tensor) and leaves them to be read from it later
     shadow_slice_bytes: int = SHADOW_SLICE_BYTES
     #: overlapped restore (issue 28): with layer parts, ``restore()`` returns once the released
     #: parts are allocated and the first decode after it computes each part's layers as soon as
@@ -130,19 +133,6 @@ class ProbeResult:
     use_mmap_for_inplace: bool
 
 
-@dataclass(frozen=True)
-class _FileId:
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, path: str) -> _FileId:
-        st = os.stat(path)
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 class _Released:
     """Stands in for a Llama's context (or model) while it is released: any use is an error, so
     nothing can decode on freed weights."""
@@ -215,7 +205,7 @@ class Residency:
         self._inplace: InPlace | None = None
         self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
         self._kv: KvSnapshot | None = None
-        self._file_id: _FileId | None = None
+        self._file_id: FileId | None = None
         self._level: WorkerReleaseLevel = "weights"
         self._saved_ctx: Any = None
         self._closed = False
@@ -275,7 +265,7 @@ class Residency:
             )
         check_gguf(self.model_path)
         self._n_layer = int(llama_cpp.llama_model_n_layer(llm._model.model))
-        self._file_id = _FileId.of(self.model_path)
+        self._file_id = FileId.of(self.model_path)
         # the model's own GPU (``models[].device`` loads with split mode none and main_gpu):
         # freed bytes and the backend name are measured there, not on GPU 0
         self._gpu = _ggml.gpu_at(int(getattr(getattr(llm, "model_params", None), "main_gpu", 0) or 0))
@@ -419,18 +409,30 @@ class Residency:
         started, and on other paths)."""
         return self._inplace.shadow_slices if self._inplace is not None else (0, 0)
 
+    @property
+    def shadow_fillable(self) -> bool:
+        """A deferred host shadow is pending and :meth:`fill_shadow` can build it now: the weights
+        are resident (each slice is checked against them), or a release checked the slices left
+        against the file (they are read from it alone)."""
+        ip = self._inplace
+        return ip is not None and ip.shadow_pending and (self.weights_resident or ip.shadow_from_file)
+
     def fill_shadow(self, stop: Callable[[], bool] | None = None, pin: bool = True) -> bool:
-        """Fill a deferred host shadow now (the weights are resident: the first release fills it
-        otherwise), slice by slice; ``stop``, asked after each slice, True: leave the rest for a
+        """Fill a deferred host shadow now, slice by slice (before the first release, or after it
+        from the file: see :attr:`shadow_fillable`; the next restore fills what is left);
+        ``stop``, asked after each slice, True: leave the rest for a
         later call (returns False: still pending). True when the shadow is complete (also on
         other paths: nothing to do). ``pin`` False: the slices left go to pageable memory (a
-        release cannot wait for seconds of pinning), pinned later by :meth:`pin_shadow`. Raises
-        ModelFileError when the file no longer holds the loaded weights (no shadow then: the
-        model stays loaded)."""
+        restore cannot wait for seconds of pinning), pinned later by :meth:`pin_shadow`. Raises
+        ModelFileError when the file no longer holds the loaded weights (before a release: no
+        shadow then, the model stays loaded; after one, ModelFileChangedError: the model stays
+        released, what was built is kept)."""
         self._check_open()
         ip = self._inplace
         if ip is None or not ip.shadow_pending:
             return True
+        if not (self.weights_resident or ip.shadow_from_file):
+            raise ResidencyError("the deferred host shadow cannot be built: the weights are released")
         before, total = ip.shadow_slices
 
         def stop_after_slice() -> bool:
@@ -634,17 +636,22 @@ class Residency:
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
-        if self.weights_resident and self.shadow_pending:
-            # a deferred shadow first, the slices not built yet (its host memory is not this
-            # release's): nothing is released that could not come back
+        if ip is not None and self.weights_resident and self.shadow_pending:
+            # a deferred shadow's slices not built yet: checked against the file now (nothing
+            # is released that could not come back), read from it later -- idle, or by the next
+            # restore -- not before this release, which another model may be waiting for
+            t1 = time.perf_counter()
+            checked = ip.check_pending_shadow()
             built, total = self.shadow_slices
             log.info(
-                "release of %s: building the host shadow's remaining slices first (%d of %d built)",
+                "release of %s: %d of %d host shadow slices built; the rest will be read from the "
+                "file (%d tensors checked against it in %.1f ms)",
                 self.model_path,
                 built,
                 total,
+                checked,
+                (time.perf_counter() - t1) * 1000.0,
             )
-            self.fill_shadow(pin=False)
         if self.memory_measure == "rss":
             # host memory freed into a hole of glibc's heap goes back to the system only when the
             # heap is trimmed (a CPU release is for that memory): trimmed before and after, so the
@@ -722,6 +729,8 @@ class Residency:
         else:
             nbytes = 0
             if not self.weights_resident and ip is not None:
+                if ip.shadow_pending:  # a release came before its deferred shadow was built
+                    self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
                 nbytes = ip.restore(overlap=overlap)
                 moved = ip.moved
             self.weights_resident = True
@@ -887,7 +896,7 @@ class Residency:
 
         llm = self._llm
         try:
-            now = _FileId.of(self.model_path)
+            now = FileId.of(self.model_path)
         except OSError as exc:
             raise ModelFileChangedError(
                 f"{self.model_path} is gone ({exc.strerror}): the model stays released; put the file back or "

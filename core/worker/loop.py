@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..errors import CancelledError, FrameError, TimeshareError
+from ..errors import CancelledError, FrameError, ModelFileError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..util.logsetup import setup_logging
 from . import kv_files
@@ -209,9 +209,10 @@ class Worker:
             return 2
         while not self._stopping:
             idle = not self._pending and self.tasks.empty()
-            if idle and self.tenancy.shadow_pending and self.tenancy.weights_resident:
+            if idle and self.tenancy.shadow_pending:
                 # idle: the deferred host shadow (a restart answered first), slice by slice; a
-                # request or a ring that arrives stops it between two (a release builds the rest)
+                # request or a ring that arrives stops it between two (a release checks the rest
+                # against the file, and they are read from it here afterwards, or by the restore)
                 self._fill_shadow(stop=lambda: not self.tasks.empty() or self._yield_wanted)
                 self.publish()
                 continue
@@ -245,7 +246,8 @@ class Worker:
         """Load under the token (the weights land on the device), attach the residency, then
         release the weights and the token unless a request is already waiting. A request that
         is already waiting (a stopped model's next turn) is answered before the host shadow is
-        made: the loop makes it when it is next idle, or the first release does."""
+        made: the loop makes it when it is next idle (after a release too: from the file), or
+        the next restore does."""
         model = self.spec.model
         res = self.tenancy
         phases: dict[str, float] = {}
@@ -417,28 +419,36 @@ class Worker:
         return acquired
 
     def _fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
-        """Make a deferred host shadow (the weights must be resident), all of it or, with
-        ``stop``, until it says so between two slices. False when the model file no longer holds
-        the loaded weights: the worker then ends as a failed load does (its weights could not
-        come back after a release)."""
-        if not (self.tenancy.shadow_pending and self.tenancy.weights_resident):
+        """Make a deferred host shadow, all of it or, with ``stop``, until it says so between two
+        slices. False when the model file no longer holds the loaded weights (see
+        :meth:`_file_lost`)."""
+        if not self.tenancy.shadow_pending:
             return True
         try:
             self.tenancy.fill_shadow(stop)
             return True
         except TimeshareError as exc:
-            log.error("cannot keep %s: %s", self.spec.model.id, exc)
-            self.send(p.Error(req=None, code=exc.code, message=str(exc), fatal=True))
-            self._exit_code = 2
-            self._stopping = True
+            self._file_lost(exc)
             return False
 
+    def _file_lost(self, exc: TimeshareError) -> None:
+        """The model file no longer holds the loaded weights, so released weights could not come
+        back: the worker ends as a failed load does (every request with it; its exit frees the
+        GPU for the others)."""
+        log.error("cannot keep %s: %s", self.spec.model.id, exc)
+        self.send(p.Error(req=None, code=exc.code, message=str(exc), fatal=True))
+        self._exit_code = 2
+        self._stopping = True
+        self._stop_batch = True
+
     def _release(self, kv: bool) -> None:
-        if not self._fill_shadow():
-            return
         if self.engine is not None and (kv or self.tenancy.frees_context) and self.tenancy.kv_resident:
             self.engine.park()  # the context goes away: every conversation becomes a host snapshot
-        released = self.tenancy.release(kv)
+        try:
+            released = self.tenancy.release(kv)
+        except ModelFileError as exc:  # a deferred shadow's check at the release
+            self._file_lost(exc)
+            return
         self._yield_wanted = False
         if kv:
             self._state = "sleeping"
@@ -451,7 +461,11 @@ class Worker:
         some layer parts; the KV cache stays)."""
         if self.engine is not None and self.tenancy.frees_context and self.tenancy.kv_resident:
             self.engine.park()  # the rebuild path frees the context: every conversation to the host
-        released = self.tenancy.give_way()
+        try:
+            released = self.tenancy.give_way()
+        except ModelFileError as exc:  # a deferred shadow's check at the release
+            self._file_lost(exc)
+            return
         self._yield_wanted = False
         if released is not None:
             self.send(released)
@@ -530,6 +544,8 @@ class Worker:
         quantum_over = held_ms >= self.spec.arena.min_quantum_ms
         if self._yield_wanted and quantum_over and self._should_yield():
             self._give_way()  # every sequence pauses; the restore resumes them all
+            if self._stop_batch:
+                raise CancelledError("the worker is ending: its model file changed")
         got: Acquired | None = None
         if not (self.tenancy.holds_token and self.tenancy.weights_resident):
             got = self._ensure_resident(self._batch_wait_poll)

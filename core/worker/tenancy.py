@@ -109,11 +109,13 @@ class Tenancy:
 
     @property
     def shadow_pending(self) -> bool:
-        """A deferred host shadow is still to be made (:meth:`fill_shadow`)."""
+        """A deferred host shadow is still to be made, and can be now (:meth:`fill_shadow`): the
+        weights are resident, or were released after the slices left were checked against the
+        file."""
         return False
 
     def fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
-        """Make a deferred host shadow now (the weights resident), slice by slice: ``stop``,
+        """Make a deferred host shadow now, slice by slice: ``stop``,
         asked after each slice, True leaves the rest for later (returns False). True when no
         shadow is pending. Raises ModelFileError when the file no longer holds the loaded
         weights."""
@@ -359,7 +361,7 @@ class ArenaTenancy(Tenancy):
 
     @property
     def shadow_pending(self) -> bool:
-        return self.residency is not None and self.residency.shadow_pending
+        return self.residency is not None and self.residency.shadow_fillable
 
     def settle(self) -> None:
         res = self.residency
@@ -368,7 +370,7 @@ class ArenaTenancy(Tenancy):
 
     def fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
         res = self.residency
-        if res is None or not (res.shadow_pending and res.weights_resident):
+        if res is None or not res.shadow_fillable:
             return True
         done = res.fill_shadow(stop)
         self.host_bytes = res.host_bytes
@@ -603,7 +605,7 @@ class ArenaTenancy(Tenancy):
         report = None
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
             report = res.release(kv=kv)
-            self.host_bytes = res.host_bytes  # a deferred shadow is made by the release if not before
+            self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
         self._end_resident()
         if self.client.release() is None and report is None:
             return None
