@@ -624,6 +624,23 @@ def test_deferred_shadow_released_first_comes_back_from_the_file_bitwise(
         res.close()
 
 
+def test_a_final_release_neither_checks_nor_builds_a_deferred_shadow(
+    small_q4: llama_cpp.Llama, small_q4_path: Path
+) -> None:
+    """A worker that ends frees its device memory before its token goes (release(final=True)):
+    no host shadow is checked or built for weights that never come back, and a restore is refused."""
+    res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", defer_shadow=True))
+    try:
+        rel = res.release(final=True)
+        ip = res._inplace
+        assert ip is not None and ip.verified_tensors == 0 and not ip.shadow_from_file
+        assert rel.freed_bytes > 0 and not res.weights_resident and res.host_bytes == 0
+        with pytest.raises(ResidencyError, match="released for good"):
+            res.restore()
+    finally:
+        res.close()
+
+
 def test_deferred_shadow_filled_on_request(small_q4: llama_cpp.Llama, small_q4_path: Path) -> None:
     res = Residency.attach(small_q4, small_q4_path, ResidencyOptions(mode="inplace", defer_shadow=True))
     try:

@@ -934,15 +934,17 @@ class InPlace:
                 resident -= p.bytes
         return out
 
-    def release(self, keep_bytes: int | None = None) -> int:
+    def release(self, keep_bytes: int | None = None, final: bool = False) -> int:
         """Release parts from the last layer down until at most ``keep_bytes`` stay resident (all
         with None); returns the bytes released. A placeholder that cannot be made: what this
-        call released is restored again and ResidencyError raised."""
+        call released is restored again and ResidencyError raised. ``final``: never restored
+        (the process is ending), so a deferred shadow is not checked against the file."""
         self.finish_uploads()  # an overlapped restore's uploads are over before anything is freed
         self._free_spent()  # the last restore's placeholders (kept out of its time)
-        # a deferred shadow's slices not built yet: checked against the file, which they are
-        # read from later -- nothing is released that could not come back
-        self.check_pending_shadow()
+        if not final:
+            # a deferred shadow's slices not built yet: checked against the file, which they are
+            # read from later -- nothing is released that could not come back
+            self.check_pending_shadow()
         t0 = time.perf_counter()
         if self.split_pending:  # split_at_release: the model's buffers go, every part is released
             if not self.parts_to_release(keep_bytes):

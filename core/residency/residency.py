@@ -206,6 +206,7 @@ class Residency:
         self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
         self._kv: KvSnapshot | None = None
         self._file_id: FileId | None = None
+        self._final = False  # release(final=True): never restored
         self._level: WorkerReleaseLevel = "weights"
         self._saved_ctx: Any = None
         self._closed = False
@@ -609,7 +610,7 @@ class Residency:
 
     # -- release / restore --------------------------------------------------------------------
 
-    def release(self, kv: bool = False, keep_bytes: int | None = None) -> ReleaseReport:
+    def release(self, kv: bool = False, keep_bytes: int | None = None, final: bool = False) -> ReleaseReport:
         """Free the weights (and with ``kv=True`` the context and its KV cache, saved to host
         memory first). Idempotent; a deeper release of a released model frees the KV cache too.
         The rebuild path always frees both.
@@ -618,7 +619,11 @@ class Residency:
         bytes of weights stay resident (:attr:`resident_bytes`); None releases all. With any part
         released the context is set aside like a whole release: restore() before computing. The
         rebuild path (one part) releases everything unless ``keep_bytes`` covers the model; the
-        ``none`` path (mmapped CPU weights, nothing to free) ignores it."""
+        ``none`` path (mmapped CPU weights, nothing to free) ignores it.
+
+        ``final``: the weights will never be restored (the process is ending and frees its device
+        memory first): a deferred host shadow is neither checked nor built, and a later
+        restore() raises ResidencyError."""
         self._check_open()
         self.settle()  # an overlapped restore's uploads are over before anything is freed
         if keep_bytes is not None and keep_bytes < 0:
@@ -636,7 +641,9 @@ class Residency:
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
-        if ip is not None and self.weights_resident and self.shadow_pending:
+        if final:
+            self._final = True
+        elif ip is not None and self.weights_resident and self.shadow_pending:
             # a deferred shadow's slices not built yet: checked against the file now (nothing
             # is released that could not come back), read from it later -- idle, or by the next
             # restore -- not before this release, which another model may be waiting for
@@ -670,7 +677,7 @@ class Residency:
             if weights_todo:
                 if ip is not None:
                     splitting = ip.split_pending  # split_at_release: this release splits
-                    ip.release(keep_bytes)  # undoes its own releases on a ResidencyError
+                    ip.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
                     if splitting and not ip.split_pending:
                         self._own_part_buffers(ip)
                 if self.kv_resident and self._saved_ctx is None:
@@ -716,6 +723,8 @@ class Residency:
         self.settle()
         if self.weights_resident and self.kv_resident:
             return RestoreReport(0.0, 0, 0.0, self._level)
+        if self._final:
+            raise ResidencyError("the model was released for good (release(final=True)): it is not restored")
         if overlap is None:
             overlap = self.overlap_available
         overlap = overlap and self.overlap_available

@@ -759,7 +759,9 @@ class Worker:
                 )
         self._pending.clear()
         try:
-            self.tenancy.release(kv=False)
+            # final: the device memory is freed before the token goes (the next worker may be
+            # waiting for it), with no check of a deferred shadow: nothing is restored any more
+            self.tenancy.release(kv=False, final=True)
         finally:
             self.tenancy.close()
 

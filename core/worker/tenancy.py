@@ -180,8 +180,10 @@ class Tenancy:
         raise CancelledError). Raises TokenTimeoutError after ``timeout_s``."""
         return Acquired(switched=False)
 
-    def release(self, kv: bool) -> p.Released | None:
-        """Release the weights (and the KV cache when ``kv``) and give the token back."""
+    def release(self, kv: bool, final: bool = False) -> p.Released | None:
+        """Release the weights (and the KV cache when ``kv``) and give the token back. ``final``:
+        the worker is ending and will not restore them (a deferred host shadow is not checked
+        against the file first)."""
         return None
 
     def settle(self) -> None:
@@ -600,11 +602,11 @@ class ArenaTenancy(Tenancy):
             if attempts > 1:
                 log.info("restore: %d attempts", attempts)
 
-    def release(self, kv: bool) -> p.Released | None:
+    def release(self, kv: bool, final: bool = False) -> p.Released | None:
         res = self.residency
         report = None
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
-            report = res.release(kv=kv)
+            report = res.release(kv=kv, final=final)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
         self._end_resident()
         if self.client.release() is None and report is None:
