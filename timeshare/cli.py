@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     bapi.add_argument(
         "--switch-only", action="store_true", help="measure the switched turns only (timeshare_switch)"
     )
+    bapi.add_argument(
+        "--keep-logs", action="store_true", help="keep the work folder with serve's and the workers' logs"
+    )
     bapi.add_argument("--plot", metavar="FILE.png", help="draw the turns and the medians (needs matplotlib)")
     bapi.add_argument("--json", action="store_true", help=_JSON_HELP)
 

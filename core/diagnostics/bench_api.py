@@ -151,10 +151,13 @@ def run_api_bench(
     progress: Callable[[str], None] | None = None,
     budget: str = "one-model",
     switch_only: bool = False,
+    keep_logs: bool = False,
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError when it cannot run.
     ``budget``: the VRAM budget of the timeshare systems (a byte budget below both models makes
-    each switch a partial one); ``switch_only``: measure the switched turns only."""
+    each switch a partial one); ``switch_only``: measure the switched turns only; ``keep_logs``:
+    keep the work folder (serve's and the workers' logs) also when the run succeeds (the
+    report's ``work`` says where)."""
     from .arena_test import model_ids_for_paths
 
     if len(models) != 2:
@@ -195,6 +198,8 @@ def run_api_bench(
         "llama_server": binary,
     }
     work = Path(tempfile.mkdtemp(prefix="timeshare-bench-api-"))
+    if keep_logs:
+        report["work"] = str(work)
     ok = False
     try:
         say(f"starting timeshare serve (n_ctx {n_ctx}, VRAM budget {budget})")
@@ -231,7 +236,7 @@ def run_api_bench(
             )
         ok = True
     finally:
-        if ok:
+        if ok and not keep_logs:
             shutil.rmtree(work, ignore_errors=True)
         else:
             say(f"the logs are kept in {work}")
@@ -386,6 +391,7 @@ def main(args: argparse.Namespace) -> int:
             progress=progress,
             budget=str(getattr(args, "budget", None) or "one-model"),
             switch_only=bool(getattr(args, "switch_only", False)),
+            keep_logs=bool(getattr(args, "keep_logs", False)),
         )
         if args.plot:
             plot(report, args.plot)
