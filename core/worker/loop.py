@@ -217,7 +217,7 @@ class Worker:
                 self.publish()
                 continue
             if idle and self.tenancy.shadow_to_pin:
-                # idle: pin what a release made pageable (it could not wait for the pinning)
+                # idle: pin what was made pageable (a restore or a released build could not wait)
                 self.tenancy.pin_shadow(stop=lambda: not self.tasks.empty())
                 self.publish()
                 continue

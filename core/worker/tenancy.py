@@ -374,7 +374,9 @@ class ArenaTenancy(Tenancy):
         res = self.residency
         if res is None or not res.shadow_fillable:
             return True
-        done = res.fill_shadow(stop)
+        # released (the slices left come from the file): pageable first, so the shadow is whole
+        # soon (a restore then waits for none of it), pinned afterwards while idle (pin_shadow)
+        done = res.fill_shadow(stop, pin=res.weights_resident)
         self.host_bytes = res.host_bytes
         return done
 
