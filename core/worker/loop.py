@@ -746,22 +746,27 @@ class Worker:
     def _shutdown(self, save_kv: bool) -> None:
         self._stopping = True
         self._poll()  # requests still in the queue get their error below
-        engine = self.engine
-        if save_kv and engine is not None:
-            try:
-                engine.save_kv(Path(self.spec.kv_dir))
-            except Exception:
-                log.exception("saving the KV snapshots failed")
         for task in list(self._pending):
             if isinstance(task, (p.Generate, p.Embed)):
                 self.send(
                     p.Error(req=task.req, code="model_unavailable", message="the worker is shutting down")
                 )
         self._pending.clear()
+        engine = self.engine
         try:
-            # final: the device memory is freed before the token goes (the next worker may be
-            # waiting for it), with no check of a deferred shadow: nothing is restored any more
-            self.tenancy.release(kv=False, final=True)
+            # the GPU first: the weights are freed and the token given back before the KV is
+            # saved (a second for a long chat), so another model need not wait for that; final:
+            # no check of a deferred shadow, nothing is restored any more. The KV cache stays
+            # until the process ends, as a released model's does, and the snapshots read only it.
+            try:
+                self.tenancy.release(kv=False, final=True)
+            except Exception:  # the KV is still worth saving; the exit frees the rest
+                log.exception("releasing the GPU before the exit failed")
+            if save_kv and engine is not None:
+                try:
+                    engine.save_kv(Path(self.spec.kv_dir))
+                except Exception:
+                    log.exception("saving the KV snapshots failed")
         finally:
             self.tenancy.close()
 
