@@ -541,7 +541,8 @@ def test_doctor_reports_a_bad_model_file(tmp_path: Path) -> None:
     assert "does not exist" in out.stderr
 
 
-def test_bench_residency_end_to_end(small_q4_path: Path) -> None:
+@pytest.mark.parametrize("parts", [1, 2])
+def test_bench_residency_end_to_end(small_q4_path: Path, parts: int) -> None:
     out = subprocess.run(
         [
             *_timeshare(),
@@ -553,6 +554,8 @@ def test_bench_residency_end_to_end(small_q4_path: Path) -> None:
             "256",
             "--cycles",
             "2",
+            "--parts",
+            str(parts),
             "--json",
         ],
         capture_output=True,
@@ -564,6 +567,17 @@ def test_bench_residency_end_to_end(small_q4_path: Path) -> None:
     assert r["path"] == "inplace" and r["bitwise_identical"] and r["rebuild_bitwise_identical"]
     assert r["raw_copy_ms"] > 0 and r["reload_model_ctx_ms"] > 0 and r["rebuild_restore_ms"] > 0
     assert r["table"][0]["what"] == "in-place restore (median)"
+    assert r["parts"] == parts and len(r["restore_ms_all"]) == len(r["restore_steps_all"]) == 2
+    assert len(r["raw_copy_ms_reps"]) == 3 and r["raw_copy_ms"] == min(r["raw_copy_ms_reps"])
+    for steps in r["restore_steps_all"]:  # synchronous, every part uploaded by its own copy
+        assert steps["overlapped"] == 0.0 and steps["parts"] == parts
+        assert steps["first_alloc_ms"] <= steps["first_upload_at_ms"] <= steps["total_ms"]
+        assert steps["upload_wall_ms"] >= steps["copy_ms"] - 1e-6
+    probe = r["copy_probe"]
+    for case in ("reused", "thread_copy", "fresh_copy", "pause_after_free_copy", "pause_after_alloc_copy"):
+        assert len(probe[f"{case}_ms"]) == 3 and all(x > 0 for x in probe[f"{case}_ms"])
+        assert probe[f"{case}_median_ms"] == sorted(probe[f"{case}_ms"])[1]
+    assert probe["bytes"] == r["restore_bytes"]
 
 
 def test_the_residency_measures_on_the_models_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import llama_cpp  # before numpy
 import pytest
 from _residency_util import Greedy, load, make_small_q4_0, same
+from timeshare.core.errors import OutOfDeviceMemoryError, ResidencyError
 from timeshare.core.residency import Residency, ResidencyOptions, _ggml
 from timeshare.core.residency.gate import PartGate
 from timeshare.core.residency.residency import OVERLAP_ENV
@@ -383,3 +384,113 @@ def test_workers_switch_with_overlapped_restores(
         log = w.log_text()
         assert "overlapped restore on" in log, log[-2000:]
         assert log.count("overlapped (") >= 2, (mid, log[-2000:])
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+def test_uploads_start_while_later_parts_allocate(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """The copy engine starts after the first part's allocation, not after the last one's: the
+    last part's allocation is held until a copy has begun on the upload thread (which never
+    happens before it if the uploads start only once ``restore()`` returns); ``restore_steps``
+    then shows the first copy starting before the allocations were over, and the output is
+    bitwise."""
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        n_parts = len(res.parts())
+        real_alloc, real_set = _ggml.buft_alloc_buffer, _ggml.tensor_set
+        copying = threading.Event()
+        seen = {"big": 0, "copy_before_last_alloc": False}
+
+        def alloc(buft: int, size: int) -> int | None:
+            if size > 1 << 20:  # a part's buffer (placeholders and probes are tiny)
+                seen["big"] += 1
+                if seen["big"] == n_parts:  # the last part: wait for a copy already running
+                    seen["copy_before_last_alloc"] = copying.wait(timeout=30.0)
+            return real_alloc(buft, size)
+
+        def upload(tensor: int, data: int, offset: int, size: int) -> None:
+            if threading.current_thread().name.startswith("residency-upload"):
+                copying.set()
+            real_set(tensor, data, offset, size)
+
+        for _ in range(2):
+            res.release()
+            seen["big"], seen["copy_before_last_alloc"] = 0, False
+            copying.clear()
+            monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
+            monkeypatch.setattr(_ggml, "tensor_set", upload)
+            try:
+                rst = res.restore(overlap=overlap)
+                out = greedy.run()
+            finally:
+                res.settle()  # the uploads are over before anything can close the model
+                monkeypatch.setattr(_ggml, "buft_alloc_buffer", real_alloc)
+                monkeypatch.setattr(_ggml, "tensor_set", real_set)
+            assert rst.overlapped == overlap
+            assert seen["big"] == n_parts and seen["copy_before_last_alloc"]
+            assert same(out, ref)
+            steps = res.restore_steps
+            assert steps["parts"] == n_parts
+            assert 0.0 <= steps["first_alloc_ms"] <= steps["first_upload_at_ms"] < steps["alloc_ms"]
+            assert steps["upload_gaps_ms"] >= 0.0 and steps["copy_ms"] <= steps["upload_wall_ms"] + 1e-6
+            if overlap:
+                assert res.last_overlap["first_upload_at_ms"] == steps["first_upload_at_ms"]
+                assert res.last_overlap["first_node_at_ms"] >= steps["returned_ms"] > 0.0
+        res.close()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("keep_parts", [None, 5], ids=["all", "partial"])
+def test_out_of_memory_during_an_overlapped_restore(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, keep_parts: int | None
+) -> None:
+    """An allocation refused at the third part of an overlapped restore (the first two already
+    uploading): OutOfDeviceMemoryError, the model exactly as released as before (the same parts,
+    the same resident bytes: a lease stays exact), no gate installed, no upload pending, no
+    decode possible; the next restore is overlapped again and bitwise."""
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        parts = res.parts()
+        keep = None if keep_parts is None else sum(p.bytes for p in parts[:keep_parts])
+        real = _ggml.buft_alloc_buffer
+        calls = {"big": 0}
+
+        def failing(buft: int, size: int) -> int | None:
+            if size > 1 << 20:
+                calls["big"] += 1
+                if calls["big"] > 2:
+                    return None
+            return real(buft, size)
+
+        for _ in range(2):
+            res.release(keep_bytes=keep)
+            before = ([p.resident for p in res.parts()], res.resident_bytes)
+            assert before[1] == (0 if keep is None else keep)
+            calls["big"] = 0
+            monkeypatch.setattr(_ggml, "buft_alloc_buffer", failing)
+            with pytest.raises(OutOfDeviceMemoryError, match="stays released"):
+                res.restore(overlap=True)
+            monkeypatch.setattr(_ggml, "buft_alloc_buffer", real)
+            assert calls["big"] == 3
+            assert ([p.resident for p in res.parts()], res.resident_bytes) == before
+            assert not res.uploads_pending  # nor a gated context
+            ip = res._inplace
+            assert ip is not None and ip.gate is None
+            with pytest.raises(ResidencyError):
+                llm.eval([1])
+            rst = res.restore()
+            assert rst.overlapped
+            out = greedy.run()
+            res.settle()
+            assert same(out, ref) and res.resident_bytes == res.weight_bytes
+        res.close()
+    finally:
+        llm.close()

@@ -113,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     bres.add_argument("--model", metavar="PATH", required=True, help="GGUF file to measure")
     bres.add_argument("--cycles", type=int, default=5, help="release/restore cycles (default: 5)")
     bres.add_argument("--n-ctx", type=int, default=8192, help="context size (default: 8192)")
+    bres.add_argument(
+        "--parts",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hold the weights in N layer parts (default 1: the model's own buffers)",
+    )
+    bres.add_argument(
+        "--no-copy-probe",
+        action="store_true",
+        help="skip the copies under a restore's conditions (fresh buffers, pauses, another thread)",
+    )
     bres.add_argument("--json", action="store_true", help=_JSON_HELP)
     bswitch = bench_sub.add_parser("switch", help="two workers alternating: switch time vs process restart")
     bswitch.add_argument(

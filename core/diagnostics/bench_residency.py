@@ -24,11 +24,15 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
 
-def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | None = None) -> dict[str, Any]:
+def run_residency_bench(
+    model: str, cycles: int, n_ctx: int, n_prefill: int | None = None, parts: int = 1, probe_copy: bool = True
+) -> dict[str, Any]:
+    """``parts``: the layer parts the weights are held in (1: the model's own buffers);
+    ``probe_copy``: also copy the shadow under a restore's conditions (rawcopy.copy_probe)."""
     import llama_cpp  # before numpy
 
     from ..residency import Residency, ResidencyOptions
-    from ..residency.inplace import raw_copy_seconds
+    from ..residency.rawcopy import copy_probe, raw_copy_seconds
     from .copy_baseline import vulkan_baseline
     from .residency_check import GreedyReplay, load_for_check, run_cycles
 
@@ -50,9 +54,10 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
         out["prefill_s"] = time.perf_counter() - t0
         reference = replay.run()
         t0 = time.perf_counter()
-        res = Residency.attach(llm, model, ResidencyOptions(mode="auto"))
+        res = Residency.attach(llm, model, ResidencyOptions(mode="auto", parts=parts, overlap_restore=False))
         out["attach_s"] = time.perf_counter() - t0
         out.update(path=res.path, reason=res.reason, backend=res.backend, weight_bytes=res.weight_bytes)
+        out["parts"] = len(res.parts())
         out.update(host_bytes=res.host_bytes, host_pinned=res.host_pinned, host_note=res.host_note)
         if res._inplace is not None:
             out["shadow_fill_s"] = res._inplace.shadow_fill_s
@@ -65,11 +70,21 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
         def measure_raw_copy() -> None:  # the limit, measured while the model is released
             if res.path == "inplace" and res._inplace is not None:
                 raw.extend(raw_copy_seconds(res._inplace, reps=3))
+                if probe_copy:
+                    out["copy_probe"] = copy_probe(res._inplace)
             found = vulkan_baseline(res)  # Vulkan builds: the plain-Vulkan copy, independent of ggml
             if found is not None:
                 baseline.append(found)
 
-        done = run_cycles(res, replay, reference, cycles, while_first_released=measure_raw_copy)
+        steps: list[dict[str, float]] = []
+        done = run_cycles(
+            res,
+            replay,
+            reference,
+            cycles,
+            while_first_released=measure_raw_copy,
+            after_restore=lambda: steps.append(dict(res.restore_steps)),
+        )
         rel = [r.ms for r in done.releases]
         rst = [r.ms for r in done.restores]
         freed = [r.freed_bytes for r in done.releases]
@@ -82,6 +97,7 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
             release_ms_max=max(rel),
             restore_ms=_median(rst),
             restore_ms_min=min(rst),
+            restore_ms_all=rst,  # cycle 0 follows the raw copy measurement, the others a release
             restore_bytes=rst_bytes,
             released_bytes=int(statistics.median(freed)),
             released_fraction=statistics.median(freed) / res.weight_bytes if res.weight_bytes else 0.0,
@@ -90,6 +106,7 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
         if raw:
             best = min(raw)
             out["raw_copy_ms"] = best * 1000
+            out["raw_copy_ms_reps"] = [x * 1000 for x in raw]  # the first into fresh memory
             out["raw_copy_gbps"] = rst_bytes / 1e9 / best
             out["restore_vs_raw"] = out["restore_gbps"] / out["raw_copy_gbps"]
             out["best_restore_vs_raw"] = (rst_bytes / 1e9 / (out["restore_ms_min"] / 1000)) / out[
@@ -102,6 +119,7 @@ def run_residency_bench(model: str, cycles: int, n_ctx: int, n_prefill: int | No
                 out["restore_vs_baseline"] = out["restore_gbps"] / baseline[0]["gbps"]
         out["release_steps"] = res.release_steps
         out["restore_steps"] = res.restore_steps
+        out["restore_steps_all"] = steps
         # alternative 1: reload from the page cache (what a process swap pays, without the process)
         res.release()
         mp = llama_cpp.llama_model_default_params()
@@ -212,7 +230,9 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        report = run_residency_bench(args.model, int(args.cycles), int(args.n_ctx))
+        report = run_residency_bench(
+            args.model, int(args.cycles), int(args.n_ctx), parts=int(args.parts), probe_copy=not args.no_copy_probe
+        )
     except TimeshareError as exc:
         return report_failure("bench", exc, bool(args.json))
     if args.json:

@@ -61,7 +61,7 @@ def first_decode_after_restore(
     import llama_cpp  # noqa: F401  (before numpy)
     import numpy as np
 
-    from ..residency.inplace import raw_copy_seconds
+    from ..residency.rawcopy import raw_copy_seconds
     from .residency_check import PROMPT
 
     tokens = list(llm.tokenize(PROMPT))

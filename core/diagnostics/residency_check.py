@@ -98,14 +98,18 @@ def run_cycles(
     cycles: int,
     *,
     while_first_released: Callable[[], None] | None = None,
+    after_restore: Callable[[], None] | None = None,
 ) -> Cycles:
     """``cycles`` release/restore cycles, each followed by a replay compared bitwise with
-    ``reference``. ``while_first_released`` runs once, between the first release and its restore."""
+    ``reference``. ``while_first_released`` runs once, between the first release and its restore;
+    ``after_restore`` after each restore (before its replay)."""
     out = Cycles()
     for i in range(cycles):
         out.releases.append(res.release())
         if i == 0 and while_first_released is not None:
             while_first_released()
         out.restores.append(res.restore())
+        if after_restore is not None:
+            after_restore()
         out.same.append(replay.run() == reference)
     return out

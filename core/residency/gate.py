@@ -42,6 +42,9 @@ class GateStats:
     #: bytes of the parts not yet uploaded when ggml first asked (-1: never asked)
     pending_bytes_at_start: int = -1
     waited_parts: list[int] = field(default_factory=list)
+    #: perf_counter() of the first ask, and of the end of the last wait (0.0: none)
+    first_ask_t: float = 0.0
+    last_wait_end_t: float = 0.0
 
 
 class PartGate:
@@ -103,7 +106,8 @@ class PartGate:
         t0 = time.perf_counter()
         ev.wait()
         st = self.stats
-        st.wait_s += time.perf_counter() - t0
+        st.last_wait_end_t = time.perf_counter()
+        st.wait_s += st.last_wait_end_t - t0
         st.waits += 1
         st.waited_parts.append(idx)
 
@@ -116,6 +120,7 @@ class PartGate:
             return False
         try:
             if st.pending_bytes_at_start < 0:
+                st.first_ask_t = time.perf_counter()
                 st.pending_bytes_at_start = self.pending_bytes
             srcs = (ctypes.c_void_p * _ggml.GGML_MAX_SRC).from_address(tensor + self._lay.src)
             for s in srcs:

@@ -316,17 +316,16 @@ class InPlace:
                 "Vulkan: restores stay synchronous (ggml-vulkan's uploads and graph computes from two "
                 "threads are not checked to be safe, and its graphs cannot be reset: see _forget_graphs)"
             )
-        #: the overlapped restore in progress: its gate, the parts still to upload (not started
-        #: yet, or their futures), the placeholders to free once the uploads are done
+        #: the restore in progress: its gate (overlapped), its parts' uploads (futures), the
+        #: placeholders to free at the next release
         self.gate: PartGate | None = None
         self._retired_gate: PartGate | None = None
-        self._to_upload: list[tuple[Part, list[_Buffer]]] = []
         self._uploads: list[Future[float]] = []
+        #: (start, end) of each part's upload of the last restore, in order (the upload thread)
+        self._upload_spans: list[tuple[float, float]] = []
         self._spent: list[int] = []
         self._uploader_pool: ThreadPoolExecutor | None = None
         self._restore_t0 = 0.0
-        self._uploads_t0 = 0.0
-        self._uploads_end = 0.0
         self.n_weight_tensors_seen = len(disc.weights)
         originals = self._plan(disc, gpu)
         self.attach_steps = {
@@ -1002,9 +1001,13 @@ class InPlace:
         once on the pool's threads and each is uploaded as soon as its allocation is back).
 
         ``overlap`` (with at least two parts to restore and a usable eval hook): allocate every
-        buffer and point its tensors into it, upload nothing yet and return; :attr:`gate` then
-        holds the parts' readiness, :meth:`start_uploads` starts the uploads in layer order and
-        :meth:`finish_uploads` waits for them (anything but a gated decode calls it first)."""
+        buffer, point its tensors into it and return with the uploads running (the first since
+        the first part's allocation); :attr:`gate` holds the parts' readiness (made before the
+        first upload) and :meth:`finish_uploads` waits for them (anything but a gated decode
+        calls it first). Every buffer is allocated before this returns: the caller decides from
+        ``moved`` whether the graphs must be rebuilt, and a graph's views of a weight take their
+        data pointer when the graph is allocated, so no address may change after the decode
+        started."""
         self.finish_uploads()
         return self._restore([b for b in self.buffers if b.released], overlap)
 
@@ -1021,6 +1024,12 @@ class InPlace:
         return self._uploader_pool
 
     def _restore(self, todo: list[_Buffer], overlap: bool = False) -> int:
+        """Allocate and relocate the buffers of ``todo`` part by part in layer order, each part's
+        upload submitted to the upload thread as soon as its buffers are in place (the copies
+        overlap the allocations that follow, overlapped or not: the copy engine starts after the
+        first part's allocation, not after the last one's). Overlapped (``background``): the
+        gate exists before the first upload is submitted (an upload marks its part ready there)
+        and this returns with the uploads running; synchronous: it waits for them."""
         self._restore_t0 = t_start = time.perf_counter()
         self.moved = False
         if self._parallel():
@@ -1028,51 +1037,56 @@ class InPlace:
         groups = self._part_groups(todo)
         background = overlap and self.hook is not None and len(groups) >= 2
         shadow = self.shadow
+        self._upload_spans = []
+        gate: PartGate | None = None
+        if background:
+            # the tensors' struct pointers never change: the gate can be made before any allocation
+            gate = self.gate = PartGate(
+                self.layout,
+                [
+                    (p.index, p.first_layer, sum(b.size for b in bufs), [t.ptr for b in bufs for t in b.tensors])
+                    for p, bufs in groups
+                ],
+            )
         done: list[_Buffer] = []
+        first_alloc_s = alloc_max_s = 0.0
         for part, bufs in groups:
             for b in bufs:
+                t_a = time.perf_counter()
                 new = _ggml.buft_alloc_buffer(b.buft, b.size)
                 if new is None:
-                    self._to_upload = []
-                    self._wait_uploads()
+                    # the uploads submitted so far end first (they write into buffers given back now)
+                    _copy_s, _error = self._wait_uploads()
+                    self.gate = None
                     self._free_spent()
                     for d in done:
                         self._release_buffer(d)
                     raise self._out_of_memory(b, todo)
+                alloc_max_s = max(alloc_max_s, time.perf_counter() - t_a)
                 # the placeholder is freed at the next release: on CUDA cudaFree waits for the
                 # whole device (the uploads in flight), and it is time a restore need not take
                 self._spent.append(self._relocate(b, new))
                 done.append(b)
-            if background:
-                self._to_upload.append((part, bufs))
-            else:
-                self._uploads.append(
-                    self._uploader().submit(self._upload_part, bufs, shadow, None, part.index)
-                )
+            if not first_alloc_s:
+                first_alloc_s = time.perf_counter() - t_start
+            self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, gate, part.index))
         alloc_s = time.perf_counter() - t_start
         nbytes = sum(t.nbytes for b in done for t in b.tensors)
         self.restore_steps = {
             "alloc_ms": alloc_s * 1000,  # allocation and relocation (the copies run meanwhile)
+            # before the first copy could start: the first part's allocation and relocation
+            "first_alloc_ms": first_alloc_s * 1000,
+            "alloc_max_ms": alloc_max_s * 1000,  # the slowest single buffer allocation
             "copy_ms": 0.0,
             "wait_ms": 0.0,
             "total_ms": alloc_s * 1000,
             "buffers": len(done),
+            "parts": len(groups),
             "overlapped": float(background),
         }
         if background:
-            self.gate = PartGate(
-                self.layout,
-                [
-                    (
-                        p.index,
-                        p.first_layer,
-                        sum(b.size for b in bufs),
-                        [t.ptr for b in bufs for t in b.tensors],
-                    )
-                    for p, bufs in self._to_upload
-                ],
-            )
-            self.restore_steps["pending_bytes"] = float(nbytes)
+            assert gate is not None
+            self.restore_steps["pending_bytes"] = float(gate.pending_bytes)
             return nbytes
         self.finish_uploads()
         return nbytes
@@ -1111,19 +1125,7 @@ class InPlace:
     @property
     def uploads_pending(self) -> bool:
         """An overlapped restore's uploads are not all known to be complete (finish_uploads)."""
-        return bool(self._to_upload or self._uploads)
-
-    def start_uploads(self) -> None:
-        """Start the uploads of an overlapped restore, in layer order (the gate is installed)."""
-        todo, self._to_upload = self._to_upload, []
-        if not todo:
-            return
-        shadow = self.shadow
-        self._uploads_t0 = time.perf_counter()
-        for part, bufs in todo:
-            self._uploads.append(
-                self._uploader().submit(self._upload_part, bufs, shadow, self.gate, part.index)
-            )
+        return bool(self._uploads)
 
     def _upload_part(self, bufs: list[_Buffer], shadow: HostMemory, gate: PartGate | None, idx: int) -> float:
         """One part's uploads (on the upload thread); returns their seconds. The gate learns of
@@ -1133,10 +1135,11 @@ class InPlace:
             for b in bufs:
                 self._upload(b, shadow)
         finally:
-            self._uploads_end = time.perf_counter()
+            t1 = time.perf_counter()
+            self._upload_spans.append((t0, t1))  # one writer: the upload thread
             if gate is not None:
                 gate.set_ready(idx)
-        return self._uploads_end - t0
+        return t1 - t0
 
     def _wait_uploads(self) -> tuple[float, BaseException | None]:
         copy_s, error = 0.0, None
@@ -1154,28 +1157,42 @@ class InPlace:
         self._spent = []
 
     def finish_uploads(self) -> None:
-        """Wait for the uploads of the last restore (starting those not started); a no-op when
-        none is pending. Then ``restore_steps`` has ``copy_ms`` (the
-        upload thread's time) and ``wait_ms`` (how long this call waited); ``total_ms`` of a
-        synchronous restore is its whole time."""
-        if not self._uploads and not self._to_upload:
+        """Wait for the uploads of the last restore; a no-op when none is pending. Then
+        ``restore_steps`` has ``copy_ms`` (the upload thread's busy time), ``wait_ms`` (how long
+        this call waited), ``first_upload_at_ms`` (from the restore's start to its first copy),
+        ``upload_wall_ms`` (first copy's start to last copy's end) and ``upload_gaps_ms`` (the
+        upload thread idle in between: waiting for allocations); ``total_ms`` of a synchronous
+        restore is its whole time, ``uploads_ms`` of an overlapped one its upload wall time."""
+        if not self._uploads:
             return
-        self.start_uploads()
         t0 = time.perf_counter()
         copy_s, error = self._wait_uploads()
         t1 = time.perf_counter()
         steps = self.restore_steps
         steps["copy_ms"] = copy_s * 1000
         steps["wait_ms"] = (t1 - t0) * 1000
+        spans = self._upload_spans
+        if spans:
+            wall = max(e for _s, e in spans) - spans[0][0]
+            steps["first_upload_at_ms"] = (spans[0][0] - self._restore_t0) * 1000
+            steps["upload_wall_ms"] = wall * 1000
+            steps["upload_gaps_ms"] = max(0.0, wall - copy_s) * 1000
         if steps.get("overlapped"):
             # from the start of the uploads to the end of the last one
-            steps["uploads_ms"] = max(0.0, self._uploads_end - self._uploads_t0) * 1000
+            steps["uploads_ms"] = steps.get("upload_wall_ms", 0.0)
+            if self.gate is not None and self.gate.stats.first_ask_t:
+                st = self.gate.stats
+                # when the decode's first node was asked about, and got past its last wait
+                steps["first_node_at_ms"] = (st.first_ask_t - self._restore_t0) * 1000
+                if st.last_wait_end_t:
+                    steps["last_wait_end_at_ms"] = (st.last_wait_end_t - self._restore_t0) * 1000
+            if spans:
+                steps["last_upload_end_at_ms"] = (max(e for _s, e in spans) - self._restore_t0) * 1000
         else:
             steps["total_ms"] = (time.perf_counter() - self._restore_t0) * 1000
         # kept alive until the next restore: the context may still hold its callback pointer
         # until whoever installed it clears it (Residency.settle)
         self._retired_gate, self.gate = self.gate, None
-        self._uploads_t0 = 0.0
         if error is not None:
             raise ResidencyError(f"uploading the restored weights failed: {error}") from error
 
@@ -1238,41 +1255,3 @@ class InPlace:
             _ggml.ggml_free(self._whole_ctx)
             self._whole_ctx = 0
 
-
-def raw_copy_seconds(inplace: InPlace, reps: int = 3) -> list[float]:
-    """The limit restore is measured against: one copy of the same byte count from the same host
-    shadow into one fresh buffer of the same device buffer type, through the same ggml call
-    (``ggml_backend_tensor_set``). Run it while the model is released (it needs the memory)."""
-    # the device's own buffer type (an "extra" type like CPU_REPACK would repack the bytes)
-    biggest = max(inplace.buffers, key=lambda b: b.size)
-    dev = _ggml.buft_get_device(biggest.buft)
-    buft = int(_ggml.dev_buffer_type(dev)) if dev else biggest.buft
-    nbytes = inplace.tensor_bytes
-    ctx = _ggml.ggml_init(_ggml.GgmlInitParams(1 << 16, None, True))
-    if not ctx:
-        raise ResidencyError("ggml_init failed")
-    times: list[float] = []
-    try:
-        t = _ggml.ggml_new_tensor_1d(ctx, _ggml.GGML_TYPE_I8, nbytes)
-        buf = _ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
-        if not buf:
-            raise OutOfDeviceMemoryError(
-                f"cannot allocate {nbytes / 1e9:.2f} GB for the raw copy measurement"
-            )
-        # the shadow's allocations in order, as restore reads them (one copy each)
-        pieces: list[tuple[int, int, int]] = []
-        for off, size, addr in inplace.shadow.segments:
-            n = min(size, nbytes - off)
-            if n > 0:
-                pieces.append((addr, off, n))
-        try:
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for addr, off, n in pieces:
-                    _ggml.tensor_set(t, addr, off, n)
-                times.append(time.perf_counter() - t0)
-        finally:
-            _ggml.buffer_free(buf)
-    finally:
-        _ggml.ggml_free(ctx)
-    return times

@@ -767,10 +767,14 @@ class Residency:
             ctx = self._live_ctx()
             pending = ip.gate.pending_bytes
             if reset:  # now, not in the decode: a reserve frees compute buffers (on CUDA a device-wide wait)
+                t_r = time.perf_counter()
                 evalhook.reserve_now(ctx)
+                ip.restore_steps["reserve_ms"] = (time.perf_counter() - t_r) * 1000
             evalhook.install(ctx, ip.hook, ip.gate.pointer)
             self._gated_ctx = ctx
-            ip.start_uploads()
+        if ip is not None and moved is not None:
+            # from the restore's start until the caller may decode (the uploads may still run)
+            ip.restore_steps["returned_ms"] = (time.perf_counter() - t0) * 1000
         dt = time.perf_counter() - t0
         self.weights_resident = True
         self.kv_resident = True
@@ -825,6 +829,14 @@ class Residency:
                 "uploads_ms": steps.get("uploads_ms", 0.0),
                 "copy_ms": steps.get("copy_ms", 0.0),
                 "settle_wait_ms": steps.get("wait_ms", 0.0),
+                "first_alloc_ms": steps.get("first_alloc_ms", 0.0),
+                "first_upload_at_ms": steps.get("first_upload_at_ms", 0.0),
+                "upload_gaps_ms": steps.get("upload_gaps_ms", 0.0),
+                "reserve_ms": steps.get("reserve_ms", 0.0),
+                "returned_ms": steps.get("returned_ms", 0.0),
+                "first_node_at_ms": steps.get("first_node_at_ms", 0.0),
+                "last_wait_end_at_ms": steps.get("last_wait_end_at_ms", 0.0),
+                "last_upload_end_at_ms": steps.get("last_upload_end_at_ms", 0.0),
                 "pending_bytes": steps.get("pending_bytes", 0.0),
                 "pending_bytes_at_first_node": float(st.pending_bytes_at_start),
                 "gate_calls": float(st.calls),
