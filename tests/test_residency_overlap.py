@@ -494,3 +494,50 @@ def test_out_of_memory_during_an_overlapped_restore(
         res.close()
     finally:
         llm.close()
+
+
+def test_uploads_after_every_allocation_on_request(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMESHARE_UPLOAD_AFTER_ALLOC=1 (the A/B switch for GPU runs): no copy begins before every
+    part is allocated; bitwise either way."""
+    from timeshare.core.residency.inplace import UPLOAD_AFTER_ALLOC_ENV
+
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        n_parts = len(res.parts())
+        real_alloc, real_set = _ggml.buft_alloc_buffer, _ggml.tensor_set
+        seen = {"big": 0, "at_first_copy": -1}
+
+        def alloc(buft: int, size: int) -> int | None:
+            if size > 1 << 20:
+                seen["big"] += 1
+            return real_alloc(buft, size)
+
+        def upload(tensor: int, data: int, offset: int, size: int) -> None:
+            if seen["at_first_copy"] < 0 and threading.current_thread().name.startswith("residency-upload"):
+                seen["at_first_copy"] = seen["big"]
+            real_set(tensor, data, offset, size)
+
+        monkeypatch.setenv(UPLOAD_AFTER_ALLOC_ENV, "1")
+        for overlap in (True, False):
+            res.release()
+            seen["big"], seen["at_first_copy"] = 0, -1
+            monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
+            monkeypatch.setattr(_ggml, "tensor_set", upload)
+            try:
+                rst = res.restore(overlap=overlap)
+                out = greedy.run()
+            finally:
+                res.settle()
+                monkeypatch.setattr(_ggml, "buft_alloc_buffer", real_alloc)
+                monkeypatch.setattr(_ggml, "tensor_set", real_set)
+            assert rst.overlapped == overlap and res.restore_steps["upload_after_alloc"] == 1.0
+            assert seen["at_first_copy"] == n_parts
+            assert same(out, ref)
+        res.close()
+    finally:
+        llm.close()

@@ -231,7 +231,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         report = run_residency_bench(
-            args.model, int(args.cycles), int(args.n_ctx), parts=int(args.parts), probe_copy=not args.no_copy_probe
+            args.model,
+            int(args.cycles),
+            int(args.n_ctx),
+            parts=int(args.parts),
+            probe_copy=not args.no_copy_probe,
         )
     except TimeshareError as exc:
         return report_failure("bench", exc, bool(args.json))

@@ -89,6 +89,7 @@ def first_decode_after_restore(
     rows: dict[str, list[float]] = {"sync": [], "overlapped": []}
     restore_ms: dict[str, list[float]] = {"sync": [], "overlapped": []}
     gate: dict[str, float] = {}
+    sync_steps: dict[str, float] = {}
     same: list[bool] = []
     overlapped_seen = False
     for i in range(cycles):
@@ -106,6 +107,8 @@ def first_decode_after_restore(
             overlapped_seen = overlapped_seen or rst.overlapped
             if rst.overlapped:
                 gate = dict(res.last_overlap)
+            else:
+                sync_steps = dict(res.restore_steps)
             same.append(greedy_after_prefill() == reference)
             rows[mode].append(dt * 1000)
             restore_ms[mode].append(rst.ms)
@@ -124,6 +127,8 @@ def first_decode_after_restore(
         "restore_overlapped_ms": _median(restore_ms["overlapped"]),
         "prefill_ms": prefill_ms,
         "raw_copy_ms": raw_ms,
+        "raw_copy_ms_reps": [x * 1000 for x in raw],  # the first into fresh memory
+        "sync_steps": sync_steps,  # the last synchronous restore's restore_steps
         "sync_over_raw_plus_prefill": sync_ms / (raw_ms + prefill_ms) if raw_ms else 0.0,
         "overlapped_minus_raw_ms": ovl_ms - raw_ms if raw_ms else 0.0,
         "gate": gate,
@@ -311,6 +316,13 @@ def print_partial(r: dict[str, Any]) -> None:
                 f"{g.get('pending_bytes_at_first_node', 0) / 1e6:.1f} MB still uploading at the first node; "
                 f"the gate waited {g.get('gate_waits', 0):.0f} times, {g.get('gate_wait_ms', 0):.1f} ms, "
                 f"{g.get('gate_ranges', 0):.0f} early ranges; uploads {g.get('uploads_ms', 0):.1f} ms"
+            )
+            lines.append(
+                f"  from the restore: first copy at {g.get('first_upload_at_ms', 0):.2f} ms, returned at "
+                f"{g.get('returned_ms', 0):.2f} ms, first node at {g.get('first_node_at_ms', 0):.2f} ms, "
+                f"last copy done at {g.get('last_upload_end_at_ms', 0):.1f} ms, last wait over at "
+                f"{g.get('last_wait_end_at_ms', 0):.1f} ms; "
+                f"upload thread idle {g.get('upload_gaps_ms', 0):.2f} ms"
             )
         else:
             lines.append(f"  overlapped restore off: {fd['overlap_note']}")

@@ -61,6 +61,10 @@ _READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
 
+#: "1": a restore submits its uploads only once every part is allocated (the order before the
+#: uploads started with the first part: an A/B switch for measuring the two on a GPU)
+UPLOAD_AFTER_ALLOC_ENV = "TIMESHARE_UPLOAD_AFTER_ALLOC"
+
 #: a deferred shadow is built in slices of at most this many bytes (each: its own host allocation,
 #: read and spot check), between which a waiting request stops the build (ResidencyOptions)
 SHADOW_SLICE_BYTES = 256 << 20
@@ -1044,12 +1048,19 @@ class InPlace:
             gate = self.gate = PartGate(
                 self.layout,
                 [
-                    (p.index, p.first_layer, sum(b.size for b in bufs), [t.ptr for b in bufs for t in b.tensors])
+                    (
+                        p.index,
+                        p.first_layer,
+                        sum(b.size for b in bufs),
+                        [t.ptr for b in bufs for t in b.tensors],
+                    )
                     for p, bufs in groups
                 ],
             )
         done: list[_Buffer] = []
         first_alloc_s = alloc_max_s = 0.0
+        later = os.environ.get(UPLOAD_AFTER_ALLOC_ENV) == "1"
+        held: list[tuple[Part, list[_Buffer]]] = []
         for part, bufs in groups:
             for b in bufs:
                 t_a = time.perf_counter()
@@ -1069,7 +1080,10 @@ class InPlace:
                 done.append(b)
             if not first_alloc_s:
                 first_alloc_s = time.perf_counter() - t_start
-            self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, gate, part.index))
+            held.append((part, bufs))
+            if not later:
+                self._submit_uploads(held, shadow, gate)
+        self._submit_uploads(held, shadow, gate)
         alloc_s = time.perf_counter() - t_start
         nbytes = sum(t.nbytes for b in done for t in b.tensors)
         self.restore_steps = {
@@ -1083,6 +1097,7 @@ class InPlace:
             "buffers": len(done),
             "parts": len(groups),
             "overlapped": float(background),
+            "upload_after_alloc": float(later),
         }
         if background:
             assert gate is not None
@@ -1090,6 +1105,14 @@ class InPlace:
             return nbytes
         self.finish_uploads()
         return nbytes
+
+    def _submit_uploads(
+        self, held: list[tuple[Part, list[_Buffer]]], shadow: HostMemory, gate: PartGate | None
+    ) -> None:
+        """Hand the parts in ``held`` to the upload thread, in order, and empty it."""
+        for part, bufs in held:
+            self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, gate, part.index))
+        held.clear()
 
     def _restore_parallel(self, todo: list[_Buffer], t_start: float) -> int:
         """Vulkan: every buffer allocated at once on the pool's threads, each uploaded (on this
@@ -1254,4 +1277,3 @@ class InPlace:
         if self._whole_ctx:
             _ggml.ggml_free(self._whole_ctx)
             self._whole_ctx = 0
-

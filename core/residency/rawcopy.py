@@ -33,7 +33,9 @@ class _Target:
         self.buf = int(_ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft) or 0)
         if not self.buf:
             _ggml.ggml_free(self.ctx)
-            raise OutOfDeviceMemoryError(f"cannot allocate {nbytes / 1e9:.2f} GB for the raw copy measurement")
+            raise OutOfDeviceMemoryError(
+                f"cannot allocate {nbytes / 1e9:.2f} GB for the raw copy measurement"
+            )
 
     def free(self) -> None:
         if self.buf:
