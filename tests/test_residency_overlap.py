@@ -541,3 +541,34 @@ def test_uploads_after_every_allocation_on_request(
         res.close()
     finally:
         llm.close()
+
+
+def test_each_overlapped_restore_logs_its_timeline(
+    smollm2_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """settle() logs one line per overlapped restore carrying ``last_overlap``, which bench api
+    reads back from the worker logs (worker_log_overlaps); the timeline is in order."""
+    import logging
+
+    from timeshare.core.diagnostics.bench_api_procs import worker_log_overlaps
+
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        seen: list[dict[str, float]] = []
+        with caplog.at_level(logging.INFO, logger="timeshare.core.residency.residency"):
+            for keep in (None, res.weight_bytes // 2):
+                _overlapped_cycle(res, llm, greedy, ref, keep)
+                seen.append(dict(res.last_overlap))
+        res.close()
+    finally:
+        llm.close()
+    got = worker_log_overlaps(caplog.text)
+    assert len(got) == 2
+    for line, lo in zip(got, seen, strict=True):
+        assert line == {k: round(v, 3) for k, v in lo.items()}
+        assert line["gate_calls"] > 0
+        assert 0.0 < line["first_upload_at_ms"] <= line["last_upload_end_at_ms"]
+        assert line["returned_ms"] <= line["first_node_at_ms"]

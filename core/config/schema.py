@@ -36,8 +36,10 @@ class ModelConfig:
     host_shadow: HostShadow = "pinned"
     # under a byte VRAM budget (not one-model), hold the released weights in this many parts of
     # consecutive layers (the in-place path), so that a model making room for another frees only
-    # the parts it needs, from its last layer down; 1: whole buffers (a switch moves all the weights)
-    weight_parts: int = 16
+    # the parts it needs, from its last layer down; 1: whole buffers (a switch moves all the weights).
+    # 32: one layer per part on models of up to 32 layers (a switch moves the overflow rounded up to
+    # one layer: 0.523 x an 8B model under a 1.5 x budget, 0.552 x with 16 parts, docs/PERFORMANCE.md)
+    weight_parts: int = 32
     # the GPU this model runs on (index among the GPUs, as llama.cpp's main_gpu; one VRAM budget,
     # queue and set of leases per GPU); 0 on a single-GPU or CPU-only machine
     device: int = 0

@@ -220,6 +220,8 @@ def run_api_bench(
                 for mid, path in zip(ids, models, strict=True)
             ]
             _timeshare_phases(serve, ids, conv, rounds, n_restarts, rows, decode, say, switch_only)
+            # each overlapped restore's gate and timeline, as the workers logged them
+            report["overlaps"] = {mid: serve.worker_overlaps(mid) for mid in ids}
         finally:
             serve.close()
         if switch_only:

@@ -22,6 +22,7 @@ from . import fresh_process as fresh_process_
 MAX_TOKENS = 8  # per turn: the benchmark is about the first token
 _STARTUP_RE = re.compile(r"startup phases \(ms\)[^{]*(\{.*\})\s*$")
 _FILLED_RE = re.compile(r"filled \(deferred\) in (\d+) ms")
+_OVERLAP_RE = re.compile(r"overlapped restore settled \(.*?\): (\{.*\})\s*$")
 _KV_READ_RE = re.compile(r"KV loaded from disk \((\d+) tokens, ([\d.]+) MB in (\d+) ms")
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0
@@ -130,6 +131,17 @@ def worker_log_phases(text: str) -> dict[str, Any]:
             out["deferred_shadow_ms"] = float(m[1])
         if "starting worker" in line:
             break  # the last start only
+    return out
+
+
+def worker_log_overlaps(text: str) -> list[dict[str, float]]:
+    """Every "overlapped restore settled" line of a worker log, in order: the residency's
+    ``last_overlap`` (the upload gate's counts and the restore's timeline, ms from its start)."""
+    out: list[dict[str, float]] = []
+    for line in text.splitlines():
+        if m := _OVERLAP_RE.search(line):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(m.group(1)))
     return out
 
 
@@ -266,6 +278,14 @@ class Serve:
         except OSError:
             return {}
         return worker_log_phases(text)
+
+    def worker_overlaps(self, model: str) -> list[dict[str, float]]:
+        """:func:`worker_log_overlaps` of ``model``'s worker log ([] when there is none)."""
+        try:
+            text = (self._logs / f"worker-{model}.log").read_text(errors="replace")
+        except OSError:
+            return []
+        return worker_log_overlaps(text)
 
     def stop_worker(self, model: str) -> None:
         code, body = _http(self.port, "POST", f"/timeshare/v1/models/{model}/sleep", {"level": "stop"}, 120)

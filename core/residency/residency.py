@@ -8,6 +8,7 @@ The worker's loop thread is the only caller of a ``Residency`` (one owner, no lo
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -844,6 +845,13 @@ class Residency:
                 "gate_wait_ms": st.wait_s * 1000,
                 "gate_ranges": float(st.ranges),
             }
+            # one line per overlapped restore, its timeline from the restore's start (bench api
+            # collects them from the worker logs)
+            log.info(
+                "overlapped restore settled (%s): %s",
+                self.model_path,
+                json.dumps({k: round(v, 3) for k, v in self.last_overlap.items()}),
+            )
             if gate.error is not None:
                 raise ResidencyError(f"the upload gate failed: {gate.error}") from gate.error
 
