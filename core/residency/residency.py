@@ -112,8 +112,10 @@ class RestoreReport:
     #: another path); graphs_reset: whether the context's graphs were made to be built anew
     addresses_moved: bool | None = None
     graphs_reset: bool = False
-    #: the uploads go on after this call returned (``ms`` is then the allocation only):
-    #: ``pending_bytes`` were still to upload; the next decode waits for each part it reaches
+    #: the uploads go on after this call returned (``ms`` is then the allocation only) and the
+    #: next decode waits for each part it reaches that is not in yet: ``pending_bytes`` were
+    #: still to upload as it returned (the uploads began with the first part's allocation, so
+    #: some, or even all, may be over by then)
     overlapped: bool = False
     pending_bytes: int = 0
 
@@ -761,25 +763,26 @@ class Residency:
                 if ip is not None:
                     ip.finish_uploads()
                 raise
-        pending = 0
+        pending, overlapped = 0, False
         if ip is not None and ip.gate is not None and not (ip.hook is not None and self._live_ctx()):
             ip.finish_uploads()  # no context to gate (never expected): synchronous
         if ip is not None and ip.gate is not None and ip.hook is not None:
             ctx = self._live_ctx()
-            pending = ip.gate.pending_bytes
             if reset:  # now, not in the decode: a reserve frees compute buffers (on CUDA a device-wide wait)
                 t_r = time.perf_counter()
                 evalhook.reserve_now(ctx)
                 ip.restore_steps["reserve_ms"] = (time.perf_counter() - t_r) * 1000
             evalhook.install(ctx, ip.hook, ip.gate.pointer)
             self._gated_ctx = ctx
+            # the uploads began with the first part's allocation: some may be over already
+            pending, overlapped = ip.gate.pending_bytes, True
         if ip is not None and moved is not None:
             # from the restore's start until the caller may decode (the uploads may still run)
             ip.restore_steps["returned_ms"] = (time.perf_counter() - t0) * 1000
         dt = time.perf_counter() - t0
         self.weights_resident = True
         self.kv_resident = True
-        gbps = nbytes / 1e9 / dt if dt > 0 and not pending else 0.0
+        gbps = nbytes / 1e9 / dt if dt > 0 and not overlapped else 0.0
         log.info(
             "restored %s (%s): %.2f ms, %.1f MB, %.2f GB/s%s%s",
             self.model_path,
@@ -788,9 +791,9 @@ class Residency:
             nbytes / 1e6,
             gbps,
             "" if moved is None else f", weights {'moved' if moved else 'back at their addresses'}",
-            f", overlapped ({pending / 1e6:.1f} MB uploading on)" if pending else "",
+            f", overlapped ({pending / 1e6:.1f} MB uploading on)" if overlapped else "",
         )
-        return RestoreReport(dt * 1000.0, nbytes, gbps, level, moved, reset, bool(pending), pending)
+        return RestoreReport(dt * 1000.0, nbytes, gbps, level, moved, reset, overlapped, pending)
 
     def _live_ctx(self) -> int:
         """The llama_context handle ``llm`` computes in now (0: none, or released)."""
