@@ -130,6 +130,12 @@ class WorkerHandle:
             self._sent_at[msg.req] = len(self.seen)
         self.conn.send(msg)
 
+    def send_bytes(self, data: bytes, reqs: tuple[str, ...] = ()) -> None:
+        """Raw bytes on the pipe (frames, or part of one); ``reqs``: the Generates they begin."""
+        for req in reqs:
+            self._sent_at[req] = len(self.seen)
+        self.sock.sendall(data)
+
     def generate(self, req: str, timeout: float = GUARD_S, **fields: Any) -> tuple[str, p.Done | p.Error]:
         self.send(generate_message(req, **fields))
         return self.collect(req, timeout)

@@ -409,6 +409,16 @@ def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> N
         "prompt_tokens_evaluated",
         "batch_size",
         "restored_bytes",
+        "timings",
+    }
+    timing_fields = {
+        "queue_ms",
+        "steps_before",
+        "prefill_steps",
+        "prefill_ms",
+        "first_token_ms",
+        "step_sequences",
+        "step_prompts",
     }
     url, headers = f"{served.url}/v1/completions", served.headers()
     body = {"prompt": "The colour of the sky is", "max_tokens": 4, "temperature": 0, "cache_prompt": False}
@@ -419,6 +429,10 @@ def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> N
     assert ts["switched"] is True and ts["restore_ms"] > 0 and ts["first_token_ms"] > 0
     assert ts["wait_ms"] >= 0 and ts["release_ms"] >= 0
     assert ts["batch_size"] == 1  # it answered alone
+    t = ts["timings"]  # where its first token went in the worker: prefilled alone, in one step
+    assert set(t) == timing_fields
+    assert (t["steps_before"], t["prefill_steps"], t["step_sequences"], t["step_prompts"]) == (0, 1, 1, 1)
+    assert t["first_token_ms"] >= t["queue_ms"] + t["prefill_ms"] and t["prefill_ms"] > 0
     assert ts["restored_bytes"] > 0  # the weights it had lost came back
     assert ts["prompt_tokens_evaluated"] == plain["usage"]["prompt_tokens"] > 0  # cache_prompt false
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -433,6 +447,7 @@ def test_the_timeshare_object_in_plain_and_streamed_answers(served: Served) -> N
     assert ts["switched"] is False and ts["restore_ms"] == 0 and ts["wait_ms"] == 0
     assert ts["restored_bytes"] == 0
     assert ts["first_token_ms"] > 0
+    assert set(ts["timings"]) == timing_fields and ts["timings"]["step_prompts"] == 1
     usage = events[-1]["usage"]
     assert ts["prompt_tokens_evaluated"] == usage["prompt_tokens"] > 0
     text = "".join(e["choices"][0]["text"] for e in events if e["choices"])

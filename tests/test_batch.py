@@ -119,8 +119,16 @@ def test_a_request_joining_mid_batch_and_chunked_prefill(smol4: Engine, referenc
         b.step()
     assert len(b.text["a"]) >= 5 and not b.live["a"].done
     late = b.join("c", prompt=PROMPTS[2])
+    before = smol4.decodes
     b.step()  # the late prompt is prefilled in this step, with a token each for a and b
     assert late.evaluated == late.n_prompt and late.completion == 1
+    # the timings the worker reports: a and b were prefilled together in the first step, c alone
+    # in a step of three sequences
+    a = b.live["a"]
+    assert a.first_step == b.live["b"].first_step == before - 10
+    assert (a.step_prompts, a.step_sequences, a.prefill_steps) == (2, 2, 1)
+    assert (late.first_step, late.step_prompts, late.step_sequences, late.prefill_steps) == (before, 1, 3, 1)
+    assert late.prefill_end >= late.prefill_start > a.prefill_end > 0
     for _ in range(5):
         b.step()
     b.join("d", prompt=PROMPTS[3])

@@ -174,3 +174,34 @@ def test_four_concurrent_callers_of_a_pool_get_the_solo_answers(smollm2_path: Pa
         assert [got.get(i) for i in range(4)] == want
     finally:
         pool.stop()
+
+
+def test_a_burst_of_four_is_prefilled_in_one_step(
+    smollm2_path: Path, tmp_path: Path, handles: list[WorkerHandle], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Four requests reach the worker together, the last one's frame cut in two around a pause:
+    # the worker takes what is still on its way before the first step (the unread half frame), so
+    # the four prompts are prefilled in one llama_decode, as llama-server's slots do. The gather
+    # cap is long here so that the pause (for the old loop, which started at once) is not a race.
+    monkeypatch.setenv("TIMESHARE_BATCH_GATHER_MS", "60000")
+    prompts = (*PROMPTS, "def fibonacci(n):\n")
+    want = plain_completions(smollm2_path, prompts, 8, n_ctx=N_CTX)
+    w = WorkerHandle(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=N_CTX, parallel=4), tmp_path / "w")
+    handles.append(w)
+    w.ready()
+    names = tuple(f"r{i}" for i in range(4))
+    frames = b"".join(
+        p.encode(generate_message(name, prompt=q, max_tokens=8, cache_prompt=False))
+        for name, q in zip(names, prompts, strict=True)
+    )
+    w.send_bytes(frames[:-16], names)
+    threading.Event().wait(0.5)  # the worker has the first three and half of the fourth
+    w.send_bytes(frames[-16:])
+    answers = [w.collect(name, WAIT) for name in names]
+    assert [text for text, _done in answers] == want
+    for _text, done in answers:
+        assert isinstance(done, p.Done) and done.timings is not None, done
+        t = done.timings
+        assert (t.steps_before, t.prefill_steps, t.step_prompts, t.step_sequences) == (0, 1, 4, 4), t
+        assert t.first_token_ms >= t.queue_ms + t.prefill_ms > 0, t
+        assert done.batch_size == 4

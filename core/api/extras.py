@@ -9,6 +9,7 @@ import enum
 from typing import Any
 
 from ..state import SwitchStats
+from ..worker.protocol import Timings
 
 
 def plain(value: Any) -> Any:
@@ -25,13 +26,19 @@ def plain(value: Any) -> Any:
 
 
 def switch_extras(
-    switch: SwitchStats | None, prompt_tokens_evaluated: int | None = None, batch_size: int | None = None
+    switch: SwitchStats | None,
+    prompt_tokens_evaluated: int | None = None,
+    batch_size: int | None = None,
+    timings: Timings | None = None,
 ) -> dict[str, Any]:
     """The ``timeshare`` field added to completion responses: what the request cost in GPU switching,
-    and the most requests its model decoded together while it ran (``batch_size``)."""
+    the most requests its model decoded together while it ran (``batch_size``) and where its first
+    token went in the worker (``timings``, see docs/API.md)."""
     extras: dict[str, Any] = plain(switch) if switch is not None else {"switched": False}
     if prompt_tokens_evaluated is not None:
         extras["prompt_tokens_evaluated"] = prompt_tokens_evaluated
     if batch_size is not None:
         extras["batch_size"] = batch_size
+    if timings is not None:
+        extras["timings"] = {f: getattr(timings, f) for f in timings.__struct_fields__}
     return extras

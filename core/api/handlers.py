@@ -393,7 +393,10 @@ class _Handlers:
         first = results[0]
         usage = usage_out(_choices_usage(results))
         extras = switch_extras(
-            first.switch, first.usage.prompt_tokens_evaluated, max(r.batch_size for r in results)
+            first.switch,
+            first.usage.prompt_tokens_evaluated,
+            max(r.batch_size for r in results),
+            first.timings,
         )
         shape: shapes.ChatCompletion | shapes.TextCompletion
         if req.kind == "chat":
@@ -533,7 +536,7 @@ class _Handlers:
                         raise ModelUnavailableError(SHUTTING_DOWN)
                     results.append(result)
                     extras = switch_extras(
-                        result.switch, result.usage.prompt_tokens_evaluated, result.batch_size
+                        result.switch, result.usage.prompt_tokens_evaluated, result.batch_size, result.timings
                     )
                     finish = _finish_reason(result.finish_reason)
                     if output is not None:

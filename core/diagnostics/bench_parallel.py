@@ -5,7 +5,10 @@ model and ``parallel = N`` (each request has the model's whole ``--n-ctx``), sen
 ``/v1/completions`` at once (distinct prompts of about ``--prompt-words`` words, ``--tokens`` tokens
 each, no prompt cache), and reports per N: the aggregate decode rate (all completion tokens over the
 time from the first request sent to the last one done), each request's first-token latency at the
-client and when it finished, and the largest ``batch_size`` the answers report. ``--baseline``
+client and when it finished, and the largest ``batch_size`` the answers report; for Timeshare also
+each answer's ``timeshare.timings`` (where its first token went in the worker: queue_ms,
+steps_before, prefill_steps, prefill_ms, first_token_ms, step_sequences, step_prompts; see
+docs/API.md) and their medians (``timings_median``). ``--baseline``
 also runs each N with ``parallel = 1`` (one request at a time: the queue before batching);
 ``--llama-server PATH`` the same N streams against ``llama-server -np N -c n_ctx×N`` on the same
 model (llama-server's slots are its continuous batching). Prints a table, or ``--json`` one object.
@@ -83,7 +86,25 @@ def _summary(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "done_at_ms": sorted(float(r["end_ms"]) for r in rows),
         "batch_size_max": max(int(r.get("batch_size") or 1) for r in rows),
         "rows": rows,
-    }
+    } | _timings_median(rows)
+
+
+def _timings_median(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each worker timing over the rows that report them ({} when none does)."""
+    timed = [r["timings"] for r in rows if isinstance(r.get("timings"), dict)]
+    if not timed:
+        return {}
+    keys = [k for k in timed[0] if all(isinstance(t.get(k), int | float) for t in timed)]
+    medians = {k: statistics.median(float(t[k]) for t in timed) for k in keys}
+    # what the first token took outside the worker (HTTP, the API, the pool, the pipes)
+    outside = [
+        float(r["ttft_ms"]) - float(r["timings"]["first_token_ms"])
+        for r in rows
+        if isinstance(r.get("timings"), dict) and "first_token_ms" in r["timings"]
+    ]
+    if outside:
+        medians["outside_worker_ms"] = statistics.median(outside)
+    return {"timings_median": medians}
 
 
 def _timeshare(
@@ -111,6 +132,7 @@ def _timeshare(
                 "total_ms": got["total_ms"],
                 "completion_tokens": usage.get("completion_tokens"),
                 "batch_size": ts.get("batch_size"),
+                "timings": ts.get("timings"),
             }
 
         one(0)  # warm: the first request after the load restores the weights
@@ -201,6 +223,14 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{n:>3}  {system:<22} {s['aggregate_tok_s']:>8.1f} {ratio:>6} {s['ttft_ms_median']:>7.0f}ms "
                 f"{s['ttft_ms_max']:>7.0f}ms {s['batch_size_max']:>5}  {done}"
             )
+            tm = s.get("timings_median")
+            if tm:
+                print(
+                    f"{'':>5}worker medians: queue {tm['queue_ms']:.1f} ms, {tm['steps_before']:.0f} steps "
+                    f"before, prefill {tm['prefill_steps']:.0f} step(s) {tm['prefill_ms']:.1f} ms with "
+                    f"{tm['step_prompts']:.0f} prompt(s), first token {tm['first_token_ms']:.1f} ms "
+                    f"(+{tm.get('outside_worker_ms', 0.0):.1f} ms outside the worker)"
+                )
 
 
 def main(args: argparse.Namespace) -> int:

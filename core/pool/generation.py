@@ -29,6 +29,7 @@ class GenerationResult:
     # an Embed request's vectors, in its inputs' order
     embeddings: tuple[tuple[float, ...], ...] = ()
     batch_size: int = 1  # the most requests its worker decoded together while it ran
+    timings: protocol.Timings | None = None  # where its first token went, as its worker measured it
 
 
 class Generation:
@@ -115,6 +116,7 @@ class Generation:
         switch: SwitchStats,
         stop: str = "",
         batch_size: int = 1,
+        timings: protocol.Timings | None = None,
     ) -> None:
         if self._stream.done:
             return
@@ -128,6 +130,7 @@ class Generation:
             tuple(self._logprobs),
             tuple(self._embeddings),
             batch_size,
+            timings,
         )
         self._stream.close()
 

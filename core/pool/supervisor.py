@@ -722,7 +722,7 @@ class Pool:
             # an error with the reason, never a finished answer (its text so far stays in ``gen``)
             gen._fail(ModelUnavailableError(cut_short(w, self._actor.closing)))
         else:
-            gen._finish(msg.finish_reason, msg.usage, switch, msg.stop, msg.batch_size)
+            gen._finish(msg.finish_reason, msg.usage, switch, msg.stop, msg.batch_size, msg.timings)
         self._publish(
             EventKind.REQUEST_DONE,
             w.id,

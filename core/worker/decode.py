@@ -29,13 +29,15 @@ loop does what it did, in the same order, with the same numerics, for several se
 Greedy answers are bit-for-bit those of ``create_completion`` (tests/test_decode.py compares them
 on both demo models), alone and in a batch (tests/test_batch.py), including its way with a token
 limit reached inside a multi-byte character: it samples on until the character is complete (here:
-at most ``_UTF8_GRACE`` more tokens), so ``completion_tokens`` may exceed ``max_tokens`` by a few.
+at most ``UTF8_GRACE`` more tokens), so ``completion_tokens`` may exceed ``max_tokens`` by a few.
 One difference: a request without ``seed`` gets a random one (llama-cpp-python derived it from the
 previous request's).
 """
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,12 +48,12 @@ import numpy as np
 from ..errors import CancelledError
 from ..sampling import Sampling
 from .protocol import FinishReason
-from .sampler import Sampler, TokenLogprob
+from .sampler import GreedyRows, Sampler, TokenLogprob
 from .textstream import TextStream
 
 #: a token limit reached inside a multi-byte character: sample up to this many more tokens to
 #: finish it (create_completion did the same, without a bound)
-_UTF8_GRACE = 4
+UTF8_GRACE = 4
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -108,6 +110,13 @@ class Live:
         self.token = -1  # sampled, evaluated at the next step (-1: none)
         self.finish: FinishReason | None = None
         self.batch_size = 0  # the most sequences in one step while this one was live
+        # where its first token's time went (the worker's ``Timings``; monotonic clock):
+        self.first_step = -1  # the Decoder's ``decodes`` before its first prefill step (-1: none yet)
+        self.prefill_steps = 0  # steps its prompt was spread over (so far)
+        self.prefill_start = 0.0  # its first prefill step began (before the batch was filled)
+        self.prefill_end = 0.0  # the step that evaluated its last prompt token returned
+        self.step_sequences = 0  # sequences in its first prefill step
+        self.step_prompts = 0  # prompts prefilled (in part) in its first prefill step, its own included
 
     @property
     def done(self) -> bool:
@@ -132,6 +141,33 @@ class Live:
         )
 
 
+class _Batch:
+    """A llama_batch of ``size`` tokens, one sequence id each, over numpy arrays: a step fills
+    whole slices (``token``, ``pos``, ``seq``, ``logits``) instead of one ctypes write per field
+    and token. Freed with the object (llama_batch_free is not for it)."""
+
+    def __init__(self, size: int) -> None:
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        self.token = np.zeros(size, dtype=np.int32)
+        self.pos = np.zeros(size, dtype=np.int32)
+        self.seq = np.zeros(size, dtype=np.int32)  # token i's one sequence id: seq_id[i] points here
+        self.logits = np.zeros(size, dtype=np.int8)
+        self.n_seq_id = np.ones(size, dtype=np.int32)
+        self.arange = np.arange(size, dtype=np.int32)
+        self._seq_ptrs = (i32 * (size + 1))()
+        base = self.seq.ctypes.data
+        for i in range(size):
+            self._seq_ptrs[i] = ctypes.cast(base + 4 * i, i32)
+        struct: Any = llama_cpp.llama_batch()
+        struct.n_tokens = 0
+        struct.token = self.token.ctypes.data_as(i32)
+        struct.pos = self.pos.ctypes.data_as(i32)
+        struct.n_seq_id = self.n_seq_id.ctypes.data_as(i32)
+        struct.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32))
+        struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.struct = struct
+
+
 class Decoder:
     """The batch of one ``Llama``'s context: its live sequences and the llama_batch (allocated once)."""
 
@@ -141,7 +177,9 @@ class Decoder:
         self.n_seq = max(1, int(llama_cpp.llama_n_seq_max(ctx)))
         self._n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx))  # per sequence
         self._n_batch = max(1, int(llm.n_batch))
-        self._batch: Any = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+        self._n_vocab = int(llm.n_vocab())
+        self._batch: Any = _Batch(self._n_batch)
+        self._greedy = GreedyRows(self._n_vocab)
         self._pieces: dict[int, bytes] = {}
         self.live: list[Live] = []  # in join order
         self.decodes = 0  # llama_decode calls since start (what batching saves, counted)
@@ -158,9 +196,7 @@ class Decoder:
     def close(self) -> None:
         for live in list(self.live):
             self.cancel(live)
-        if self._batch is not None:
-            llama_cpp.llama_batch_free(self._batch)
-            self._batch = None
+        self._batch = None  # (its arrays are numpy's: freed with it)
 
     # ---- joining and leaving ----------------------------------------------------------------
 
@@ -237,17 +273,22 @@ class Decoder:
         fails (the sequences' KV is then unknown: the caller cancels them all)."""
         if not self.live:
             return []
-        batch = self._batch
-        n = 0
+        started = time.monotonic()
+        b = self._batch
         outputs: list[tuple[Live, int]] = []
-        taken: list[tuple[Live, int, bool]] = []  # (sequence, tokens taken, from its prompt)
+        taken: list[tuple[Live, int]] = []  # (sequence, prompt tokens taken)
+        size = len(self.live)
+        decoding = [live for live in self.live if live.token >= 0]
+        n = len(decoding)
+        if n:
+            # one token per decoding sequence: filled as whole arrays (numpy views of the batch)
+            b.token[:n] = [live.token for live in decoding]
+            b.pos[:n] = [len(live.ids) for live in decoding]
+            b.seq[:n] = [live.seq_id for live in decoding]
+            b.logits[:n] = 1
+            outputs = [(live, i) for i, live in enumerate(decoding)]
         for live in self.live:
-            live.batch_size = max(live.batch_size, len(self.live))
-            if live.token >= 0:
-                self._put(n, live.token, len(live.ids), live.seq_id, True)
-                outputs.append((live, n))
-                taken.append((live, 1, False))
-                n += 1
+            live.batch_size = max(live.batch_size, size)
         for live in self.live:
             budget = self._n_batch - n
             if budget <= 0:
@@ -257,34 +298,56 @@ class Decoder:
             k = min(budget, len(live.pending))
             last = k == len(live.pending)
             base = len(live.ids)
-            for j in range(k):
-                self._put(n, live.pending[j], base + j, live.seq_id, last and j == k - 1)
-                n += 1
+            b.token[n : n + k] = live.pending[:k]
+            b.pos[n : n + k] = b.arange[:k]
+            b.pos[n : n + k] += base
+            b.seq[n : n + k] = live.seq_id
+            b.logits[n : n + k] = 0
+            n += k
             if last:
+                b.logits[n - 1] = 1
                 outputs.append((live, n - 1))
-            taken.append((live, k, True))
+            taken.append((live, k))
         if n == 0:
             return []
-        batch.n_tokens = n
-        self._set_threads(prefill=any(prompt for _live, _k, prompt in taken))
-        rc = int(llama_cpp.llama_decode(self.llm.ctx, batch))
+        b.struct.n_tokens = n
+        self._set_threads(prefill=bool(taken))
+        rc = int(llama_cpp.llama_decode(self.llm.ctx, b.struct))
+        ended = time.monotonic()
+        step = self.decodes
         self.decodes += 1
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
-        for live, k, prompt in taken:
-            if prompt:
-                live.ids.extend(live.pending[:k])
-                del live.pending[:k]
-                live.evaluated += k
-            else:
-                live.ids.append(live.token)
-                live.token = -1
+        for live in decoding:
+            live.ids.append(live.token)
+            live.token = -1
+        for live, k in taken:
+            if live.first_step < 0:
+                live.first_step = step
+                live.prefill_start = started
+                live.step_sequences = size
+                live.step_prompts = len(taken)
+            live.prefill_steps += 1
+            live.ids.extend(live.pending[:k])
+            del live.pending[:k]
+            live.evaluated += k
+            if not live.pending:
+                live.prefill_end = ended
         ctx = self.llm.ctx
         eog = llama_cpp.llama_vocab_is_eog
         vocab = self.llm._model.vocab
+        # plain greedy sequences: one argmax over their rows (the greedy sampler's token, see
+        # sampler.GreedyRows); None where it cannot say (a NaN): the sampler chain decides
+        fast = [(live, row) for live, row in outputs if live.sampler.plain_greedy]
+        picked: dict[Live, int | None] = {}
+        if fast:
+            tokens = self._greedy.tokens(ctx, [row for _live, row in fast])
+            picked = {live: token for (live, _row), token in zip(fast, tokens, strict=True)}
         finished: list[Live] = []
         for live, row in outputs:
-            token = live.sampler.sample(ctx, row)
+            token = picked.get(live)
+            if token is None:
+                token = live.sampler.sample(ctx, row)
             if eog(vocab, token):
                 self._finish(live, "stop")
                 finished.append(live)
@@ -297,7 +360,7 @@ class Decoder:
                 self._finish(live, "stop")
                 finished.append(live)
             elif live.completion >= live.max_tokens and (
-                not live.text.incomplete or live.completion >= min(live.room, live.max_tokens + _UTF8_GRACE)
+                not live.text.incomplete or live.completion >= min(live.room, live.max_tokens + UTF8_GRACE)
             ):
                 self._finish(live, "length")
                 finished.append(live)
@@ -315,14 +378,6 @@ class Decoder:
             llama_cpp.llama_set_n_threads(ctx, *want)
             self._step_threads = want
             self._threads_ctx = ctx  # a rebuilt context starts from the defaults again
-
-    def _put(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
-        batch = self._batch
-        batch.token[i] = token
-        batch.pos[i] = pos
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq_id
-        batch.logits[i] = 1 if logits else 0
 
     # ---- one sequence alone -----------------------------------------------------------------
 

@@ -37,6 +37,24 @@ from .tenancy import Acquired, Tenancy, make_tenancy
 #: numbers per Embeddings frame (a frame holds at most MAX_FRAME bytes; a float takes ~20)
 EMBED_FRAME_VALUES = 256 * 1024
 
+
+def _env_ms(name: str, default_ms: float) -> float:
+    """Seconds from an environment variable in milliseconds (a benchmark's knob), else the default."""
+    try:
+        return max(0.0, float(os.environ.get(name, default_ms))) / 1000.0
+    except ValueError:
+        return default_ms / 1000.0
+
+
+#: A burst of requests joins one prefill step (llama-server prefills all of a step's new prompts
+#: in one batch): before a step that admits requests the loop takes what is still on its way, for
+#: at most GATHER_S in all, while bytes of another message are unread on the pipe (or being
+#: decoded by the reader thread) or the latest request arrived less than GATHER_QUIET_S ago.
+#: TIMESHARE_BATCH_GATHER_MS and TIMESHARE_BATCH_QUIET_MS (milliseconds) override them, for
+#: benchmarks and tests.
+GATHER_S = _env_ms("TIMESHARE_BATCH_GATHER_MS", 5.0)
+GATHER_QUIET_S = _env_ms("TIMESHARE_BATCH_QUIET_MS", 1.0)
+
 log = logging.getLogger(__name__)
 
 # ---- internal tasks ------------------------------------------------------------------------
@@ -64,6 +82,9 @@ class _Running:
     first: float | None = None
     switch: Acquired = field(default_factory=lambda: Acquired(switched=False))
     live: Live | None = None
+    arrived: float = 0.0  # the reader thread took it off the pipe
+    arrival_step: int = 0  # the Decoder's ``decodes`` then (steps begun before it came)
+    joined: float = 0.0  # it joined the batch (tokenized, its sequence chosen)
 
 
 class Worker:
@@ -83,6 +104,10 @@ class Worker:
         # the GPU (its start, its end, what it cost): a request that came meanwhile waited for it
         self._arrived: dict[str, float] = {}
         self._last_wake: tuple[float, float, Acquired] | None = None
+        # each Generate's arrival as the reader thread saw it (monotonic, the decode steps begun
+        # by then): written by the reader thread, taken by the loop thread when it joins
+        self._received: dict[str, tuple[float, int]] = {}
+        self._last_received = 0.0
         self._state: Literal["loading", "ready", "sleeping"] = "loading"
         self._busy = False
         self._status = p.WorkerStatus("loading", False, self.pinned, False)
@@ -165,8 +190,13 @@ class Worker:
             # a StatusRequest (the watchdog's ping) goes to the loop thread like every request:
             # its answer proves the loop thread makes progress, not only that this thread runs
             if isinstance(msg, p.REQUEST_TYPES):
-                if isinstance(msg, p.Generate) and msg.conversation is not None:
-                    self._read_ahead(msg.conversation)
+                if isinstance(msg, p.Generate):
+                    now = time.monotonic()
+                    engine = self.engine
+                    self._received[msg.req] = (now, engine.decodes if engine is not None else 0)
+                    self._last_received = now
+                    if msg.conversation is not None:
+                        self._read_ahead(msg.conversation)
                 self.tasks.put(msg)
             else:
                 self.send(
@@ -349,6 +379,7 @@ class Worker:
             self._shutdown(save_kv=True)
 
     def _cancel_queued(self, req: str) -> None:
+        self._received.pop(req, None)
         for task in list(self._pending):
             if isinstance(task, (p.Generate, p.Embed)) and task.req == req:
                 self._pending.remove(task)
@@ -370,26 +401,49 @@ class Worker:
                 task = self.tasks.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(task, p.StatusRequest):
-                self._answer_ping(task)  # between decode steps, while loading or waiting
-            elif isinstance(task, p.Cancel):
-                if task.req in self._running:
-                    self._to_cancel.add(task.req)
-                else:
-                    self._cancel_queued(task.req)
-            elif isinstance(task, p.Pin):
-                self._set_pinned(task.pinned)
-                self.publish()
-            elif isinstance(task, _Yield):
-                self._yield_wanted = True
-            elif isinstance(task, (p.Shutdown, _Disconnected)):
-                self._pending.appendleft(task)
-                if self._running:
-                    self._stop_batch = True
+            self._take(task)
+
+    def _take(self, task: _Task) -> None:
+        """One task off the queue, between decode steps (see ``_poll``)."""
+        if isinstance(task, p.StatusRequest):
+            self._answer_ping(task)  # between decode steps, while loading or waiting
+        elif isinstance(task, p.Cancel):
+            if task.req in self._running:
+                self._to_cancel.add(task.req)
             else:
-                if isinstance(task, (p.Generate, p.Embed)):
-                    self._arrived[task.req] = time.monotonic()
-                self._pending.append(task)
+                self._cancel_queued(task.req)
+        elif isinstance(task, p.Pin):
+            self._set_pinned(task.pinned)
+            self.publish()
+        elif isinstance(task, _Yield):
+            self._yield_wanted = True
+        elif isinstance(task, (p.Shutdown, _Disconnected)):
+            self._pending.appendleft(task)
+            if self._running:
+                self._stop_batch = True
+        else:
+            if isinstance(task, (p.Generate, p.Embed)):
+                self._arrived[task.req] = time.monotonic()
+            self._pending.append(task)
+
+    def _gather(self) -> None:
+        """Requests of a burst still on their way join this step (see GATHER_S)."""
+        start = time.monotonic()
+        while True:
+            now = time.monotonic()
+            left = start + GATHER_S - now
+            quiet = self._last_received + GATHER_QUIET_S - now
+            if self._stop_batch or any(isinstance(t, (p.Shutdown, _Disconnected)) for t in self._pending):
+                return
+            unread = self.conn.unread()
+            if left <= 0 or (not unread and quiet <= 0):
+                return
+            try:
+                task = self.tasks.get(timeout=min(left, quiet if not unread else 0.0002))
+            except queue.Empty:
+                continue
+            self._take(task)
+            self._poll()
 
     def _wait_poll(self) -> None:
         self._poll()
@@ -488,6 +542,7 @@ class Worker:
                     for req in self._admissible():  # those waiting to join fail with the batch
                         self._pending.remove(req)
                         self._arrived.pop(req.req, None)
+                        self._received.pop(req.req, None)
                         self.send(p.Error(req=req.req, code=exc.code, message=str(exc)))
                     self._fail_all(exc.code, str(exc))
                     continue  # requests that came meanwhile try again
@@ -538,8 +593,11 @@ class Worker:
         self._apply_cancels()
         if self._stop_batch:
             raise CancelledError("the worker is shutting down")
-        if not self._running and not self._admissible():
+        joining = bool(self._admissible())
+        if not self._running and not joining:
             return
+        if joining:
+            self._gather()  # the rest of a burst joins the same prefill step
         held_ms = (time.monotonic() - self._quantum_start) * 1000.0
         quantum_over = held_ms >= self.spec.arena.min_quantum_ms
         if self._yield_wanted and quantum_over and self._should_yield():
@@ -552,8 +610,11 @@ class Worker:
             for run in self._running.values():
                 if run.first is None:
                     run.switch = got
-        for req in self._admissible():
+        admitted = self._admissible()
+        for req in admitted:
             self._admit(req, got, started)
+        if admitted:
+            self.publish()  # once for all who joined (the pool hears of the batch once per step)
 
     def _batch_wait_poll(self) -> None:
         """``poll`` while waiting for the GPU with a batch: cancels take effect at once; the wait
@@ -570,17 +631,18 @@ class Worker:
         engine = self.engine
         assert engine is not None
         self._pending.remove(req)
+        arrived, arrival_step = self._received.pop(req.req, (started, engine.decodes))
         if req.req in self._cancelled:
             self._cancelled.discard(req.req)
             self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
             return
-        run = _Running(req, started)
-        arrived = self._arrived.pop(req.req, None)
+        run = _Running(req, started, arrived=arrived, arrival_step=arrival_step)
+        arrived_loop = self._arrived.pop(req.req, None)
         wake = self._last_wake
-        if arrived is not None and wake is not None and wake[0] <= arrived < wake[1]:
+        if arrived_loop is not None and wake is not None and wake[0] <= arrived_loop < wake[1]:
             # it came while a wake (a pre-wake while the user typed) waited for the GPU and
             # restored: it waited for that switch too, from when it came
-            waited_ms = (wake[1] - arrived) * 1000.0
+            waited_ms = (wake[1] - arrived_loop) * 1000.0
             restore_ms = min(wake[2].restore_ms, waited_ms)
             run.switch = Acquired(
                 switched=True,
@@ -588,7 +650,7 @@ class Worker:
                 restore_ms=restore_ms,
                 restored_bytes=wake[2].restored_bytes,
             )
-            run.t0 = arrived
+            run.t0 = arrived_loop
         if got is not None:
             run.switch = got
 
@@ -619,13 +681,13 @@ class Worker:
             log.exception("request %s could not start", req.req)
             self.send(p.Error(req=req.req, code="internal", message=str(exc) or type(exc).__name__))
             return
+        run.joined = time.monotonic()
         self._running[req.req] = run
         if not self._busy:
             self._busy = True
             if self.tenancy.holds_token:
                 self._quantum_start = time.monotonic()  # the quantum counts generation, not idle holding
             self.tenancy.note_use(True)
-        self.publish()
 
     def _finish(self, live: Live) -> None:
         engine = self.engine
@@ -652,6 +714,7 @@ class Worker:
                 ),
                 stop=outcome.stop,
                 batch_size=outcome.batch_size,
+                timings=timings_of(run, live),
             )
         )
 
@@ -752,6 +815,7 @@ class Worker:
                     p.Error(req=task.req, code="model_unavailable", message="the worker is shutting down")
                 )
         self._pending.clear()
+        self._received.clear()
         engine = self.engine
         try:
             # the GPU first: the weights are freed and the token given back before the KV is
@@ -769,6 +833,21 @@ class Worker:
                     log.exception("saving the KV snapshots failed")
         finally:
             self.tenancy.close()
+
+
+def timings_of(run: _Running, live: Live) -> p.Timings:
+    """Where a finished request's first token went (``protocol.Timings``)."""
+    ms = 1000.0
+    first = run.first if run.first is not None else run.arrived
+    return p.Timings(
+        queue_ms=max(0.0, run.joined - run.arrived) * ms,
+        steps_before=max(0, live.first_step - run.arrival_step) if live.first_step >= 0 else 0,
+        prefill_steps=live.prefill_steps,
+        prefill_ms=max(0.0, live.prefill_end - live.prefill_start) * ms if live.prefill_end else 0.0,
+        first_token_ms=max(0.0, first - run.arrived) * ms,
+        step_sequences=live.step_sequences,
+        step_prompts=live.step_prompts,
+    )
 
 
 def process_age_s() -> float | None:

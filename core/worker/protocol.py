@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import re
+import select
 import socket
 import struct
 import threading
@@ -222,6 +223,20 @@ class SwitchMeasured(msgspec.Struct, frozen=True):
     restored_bytes: int = 0  # weight bytes the restore moved (a partly released model: what it lost)
 
 
+class Timings(msgspec.Struct, frozen=True):
+    """Where a generation's first token went, as its worker measured it (continuous batching,
+    issue 24; milliseconds on the worker's monotonic clock, from when its reader thread got the
+    request off the pipe)."""
+
+    queue_ms: float = 0.0  # arrival → joined the batch (tokenized, its sequence chosen)
+    steps_before: int = 0  # decode steps it waited for (under way at its arrival or begun later)
+    prefill_steps: int = 0  # decode steps its prompt was spread over
+    prefill_ms: float = 0.0  # its first prefill step began → its last prompt token's step returned
+    first_token_ms: float = 0.0  # arrival → its first token was sent
+    step_sequences: int = 0  # sequences in its first prefill step (itself included)
+    step_prompts: int = 0  # prompts prefilled in that step (itself included)
+
+
 #: How a generation ended: a stop string or end of sequence, max_tokens reached, or cancelled.
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -233,6 +248,7 @@ class Done(_Message, frozen=True):
     switch: SwitchMeasured
     stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
     batch_size: int = 1  # the most requests decoded together while it ran (continuous batching)
+    timings: Timings | None = None  # where its first token went (None: an embedding, a cancelled one)
 
 
 class Released(_Message, frozen=True):
@@ -485,6 +501,11 @@ class FrameDecoder:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
+    @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet taken as messages."""
+        return len(self._buf)
+
     def next(self) -> Message | None:
         """The next complete message, None if more bytes are needed. Raises FrameError."""
         if self._broken:
@@ -554,6 +575,18 @@ class Connection:
                 self._eof = True
             else:
                 self._decoder.feed(chunk)
+
+    def unread(self) -> bool:
+        """Whether more is on its way to ``recv``: bytes readable on the socket, or fed to the
+        decoder and not yet a message. From any thread (a hint: the reader thread may take them
+        meanwhile); True at the end of the stream too."""
+        if self._decoder.buffered:
+            return True
+        try:
+            readable, _w, _x = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

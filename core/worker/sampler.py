@@ -21,7 +21,15 @@ when its setting does something, so that a request with none of them samples exa
   (0: none), ``top_p``, ``min_p``, ``temp``, ``dist(seed)`` (llama-cpp-python's chain: its
   ``typical`` sampler is a no-op at its default and left out).
 
-Without a grammar the token comes from ``llama_sampler_sample`` itself.
+Without a grammar the token comes from ``llama_sampler_sample`` itself, except for **plain greedy**
+(``plain_greedy``: temperature 0 and nothing else: no bias, penalties, grammar or logprobs): the
+chain is then llama.cpp's greedy sampler alone, whose token is the first index of the row's
+largest logit (it scans with a strict ``>``, so ties go to the lowest id, and a NaN never wins
+unless it is logit 0). ``GreedyRows`` takes it with one numpy ``argmax`` over every such row of
+a step (argmax too returns the first maximum), handing back None for a row holding a NaN
+(argmax would pick the NaN): that row goes through the chain. Greedy's ``accept`` keeps no state,
+so skipping the chain leaves nothing behind. On an 8B model (128k vocabulary) the chain builds
+and scans 128k candidates per sequence and step in C; the argmax is a fraction of that.
 
 **Grammar** (GBNF, root ``root``) is applied **by rejection**, as llama-server's
 ``common_sampler_sample`` does: sample from the chain, check the one token against the grammar,
@@ -88,6 +96,50 @@ def check_triggers(patterns: Sequence[str]) -> None:
             re.compile(p)
         except re.error as exc:
             raise GrammarError(f"grammar trigger {p!r} is not a regular expression: {exc}") from None
+
+
+class GreedyRows:
+    """The greedy sampler's token for output rows of the last decode, by one argmax (see the
+    module docstring); one per context's batch (it keeps a numpy view of the logits buffer while
+    its address and the rows asked for stay the same: building the view cost more than the
+    argmax)."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self._view: tuple[int, int, Any] | None = None  # (base address, rows, the array)
+
+    def _block(self, base: int, rows: int) -> Any:
+        view = self._view
+        if view is None or view[0] != base or view[1] != rows:
+            buf = (ctypes.c_float * (rows * self.n_vocab)).from_address(base)
+            view = (base, rows, np.frombuffer(memoryview(buf), dtype=np.float32).reshape(rows, self.n_vocab))
+            self._view = view
+        return view[2]
+
+    def tokens(self, ctx: Any, rows: Sequence[int]) -> list[int | None]:
+        """The token of each of ``rows`` (``llama_get_logits_ith`` indices), None for a row with
+        a NaN logit (the chain decides). llama.cpp keeps a decode's outputs in one buffer, in the
+        batch's order: one argmax over the block that holds the rows."""
+        if not rows:
+            return []
+        addrs: list[int] = []
+        for row in rows:
+            addr = ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, row), ctypes.c_void_p).value
+            if not addr:
+                raise RuntimeError(f"llama.cpp has no logits for output row {row}")
+            addrs.append(addr)
+        stride = 4 * self.n_vocab
+        base = min(addrs)
+        at = [(a - base) // stride for a in addrs]
+        if any(a - base != k * stride for a, k in zip(addrs, at, strict=True)):
+            raise RuntimeError("llama.cpp's output rows are not whole rows of one buffer")
+        block = self._block(base, max(at) + 1)
+        best = block.argmax(axis=1)
+        out: list[int | None] = []
+        for k in at:
+            token = int(best[k])
+            out.append(None if math.isnan(float(block[k, token])) else token)
+        return out
 
 
 class Sampler:
@@ -159,6 +211,11 @@ class Sampler:
             llama_cpp.llama_sampler_chain_add(self.chain, link)  # the chain owns it now
         if sampling.grammar:
             self.grammar = self._init_grammar(llm, sampling.grammar, sampling.grammar_triggers)
+        # the chain is llama.cpp's greedy sampler alone and nothing else is asked of the row:
+        # its token is ``GreedyRows``' (see the module docstring)
+        self.plain_greedy = (
+            self.greedy and len(links) == 1 and self.grammar is None and not self._want_logprobs
+        )
         # the candidates array of the Python sampling path (grammar): allocated once per sequence
         self._cur: Any = None
         self._cur_view: Any = None
