@@ -3,6 +3,7 @@
 Usage (the CPU build is enough; a GPU build measures the same thing):
 
     .venv/bin/python scripts/bench_step_host.py [--model PATH] [--streams 8] [--tokens 64] [--rounds 3]
+        [--n-ctx 512] [--flash-attn]
 
 Loads the model with ``parallel = --streams`` and answers ``--streams`` greedy requests together,
 stepping the batch two ways, alternately, in one run:
@@ -196,9 +197,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--flash-attn", action="store_true")
     args = ap.parse_args()
     path = args.model or str(demo.smollm2_path())
-    engine = Engine.load(ModelConfig(id="m", path=path, n_ctx=args.n_ctx, parallel=args.streams))
+    config = ModelConfig(
+        id="m", path=path, n_ctx=args.n_ctx, parallel=args.streams, flash_attn=args.flash_attn
+    )
+    engine = Engine.load(config)
     legacy = LegacyStep(engine._decoder)
     got: dict[str, dict[str, list[float]]] = {"before": {"d": [], "p": []}, "after": {"d": [], "p": []}}
     answers: dict[str, list[str]] = {}
