@@ -121,6 +121,7 @@ class TokenRequest:
         self._previous: str | None = None
         self._thread: threading.Thread | None = None
         self._next_sweep = self.requested_at + SWEEP_INTERVAL_S
+        self._said = ""  # what the log last said this request waits for (each reason once)
 
     @classmethod
     def granted(cls, client: LeaseOwner, grant: TokenGrant) -> TokenRequest:
@@ -274,6 +275,7 @@ class TokenRequest:
                 self._had_ahead = self._had_ahead or bool(ahead)
                 if not ahead:
                     break
+                self._say("queued behind " + ", ".join(f"{t.model} (pid {t.pid})" for t in ahead))
                 self._sweep_now_and_then()
                 watch.wait(min(RESCAN_INTERVAL_S, self._remaining()))
             held = self._fit(watch)
@@ -308,6 +310,18 @@ class TokenRequest:
             if watch_to_close is not None:
                 watch_to_close.close()
 
+    def _say(self, why: str) -> None:
+        """Log once per reason what this request waits for (the ms since it was made): a wait the
+        doorbell does not end shows in the worker's log with its cause."""
+        if why != self._said:
+            self._said = why
+            log.info(
+                "%s waits for the GPU: %s (%.0f ms after its request)",
+                self._client.model,
+                why,
+                (time.monotonic() - self.requested_at) * 1000.0,
+            )
+
     def _fit(self, watch: DirWatch) -> Held:
         """As the head of the queue: take a lease as soon as this request fits (see the module
         docstring); raise VramBudgetError when it never can."""
@@ -330,6 +344,10 @@ class TokenRequest:
                 arena.dir.unlock(lock)
             self._plan = plan
             self._waited = True
+            self._say(
+                _blockers(plan, self.need, client.budget)
+                or f"no named holder (leases: {', '.join(f'{x.model}/{x.kind}/pid {x.pid}' for x in leases)})"
+            )
             # a request for the device to itself (a load under an auto budget) waits for pinned
             # holders as under a one-model budget; one for its bytes fails at once
             fails = plan.too_large or (not client.budget.one_model and self.need is not None)

@@ -99,6 +99,9 @@ def copy_probe(inplace: InPlace, reps: int = 3, pause_s: float = 0.5) -> dict[st
       scrubbing it, while the copy runs);
     - ``pause_after_alloc_copy_ms``: a pause between the allocation and the copy instead (fast
       here only: the allocation leaves work behind it);
+    - ``short_pause_after_free_copy_ms``: a 50 ms pause after the free (how long that work takes);
+    - ``cleared_copy_ms`` (and ``cleared_clear_ms``): the fresh buffer cleared on the device
+      (``ggml_backend_buffer_clear``: every page touched from the GPU side) before the copy;
     - ``thread_copy_ms``: into the reused buffer from another thread (the restore's uploads run
       on the upload thread), after one warm-up copy there."""
     pieces = _pieces(inplace)
@@ -125,7 +128,11 @@ def copy_probe(inplace: InPlace, reps: int = 3, pause_s: float = 0.5) -> dict[st
             raise errors[0]
         out["thread_copy_ms"] = _ms(got)
 
-        def fresh(before_alloc: float, after_alloc: float) -> tuple[list[float], list[float]]:
+        clears: list[float] = []
+
+        def fresh(
+            before_alloc: float, after_alloc: float, clear: bool = False
+        ) -> tuple[list[float], list[float]]:
             nonlocal target
             allocs: list[float] = []
             copies: list[float] = []
@@ -136,6 +143,10 @@ def copy_probe(inplace: InPlace, reps: int = 3, pause_s: float = 0.5) -> dict[st
                 target = _Target(buft, nbytes)
                 allocs.append(time.perf_counter() - t0)
                 time.sleep(after_alloc)
+                if clear:
+                    t1 = time.perf_counter()
+                    _ggml.buffer_clear(target.buf, 0)  # synchronous on CUDA (a memset, then a sync)
+                    clears.append(time.perf_counter() - t1)
                 copies.append(_copy(target.tensor, pieces))
             return _ms(allocs), _ms(copies)
 
@@ -143,11 +154,14 @@ def copy_probe(inplace: InPlace, reps: int = 3, pause_s: float = 0.5) -> dict[st
             ("fresh", lambda: fresh(0.0, 0.0)),
             ("pause_after_free", lambda: fresh(pause_s, 0.0)),
             ("pause_after_alloc", lambda: fresh(0.0, pause_s)),
+            ("short_pause_after_free", lambda: fresh(0.05, 0.0)),
+            ("cleared", lambda: fresh(0.0, 0.0, clear=True)),
         ]
         for name, run in cases:
             allocs, copies = run()
             out[f"{name}_alloc_ms"] = allocs
             out[f"{name}_copy_ms"] = copies
+        out["cleared_clear_ms"] = _ms(clears)
     finally:
         target.free()
     for key in [k for k in out if k.endswith("_ms")]:
