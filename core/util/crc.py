@@ -10,6 +10,7 @@ matrix that runs the CRC register over ``n`` zero bytes. A KV snapshot of a 7,50
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import zlib
 from collections.abc import Callable, Sequence
@@ -84,7 +85,7 @@ def crc32_chunks(size: int, task: Callable[[int, int], int], start: int = 0, chu
     return out
 
 
-def crc32(data: bytes | bytearray | memoryview, start: int = 0) -> int:
+def crc32(data: bytes | bytearray | memoryview | mmap.mmap, start: int = 0) -> int:
     """``zlib.crc32(data, start)``, on several threads for a large buffer."""
     view = memoryview(data).cast("B")
     return crc32_chunks(len(view), lambda a, b: zlib.crc32(view[a:b]), start)

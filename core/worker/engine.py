@@ -269,13 +269,12 @@ class Engine:
         """A host copy of one sequence's KV (``llama_state_seq_get_data``: that sequence only)."""
         ctx = self._state_ctx()
         size = int(llama_cpp.llama_state_seq_get_size(ctx, slot.seq_id))
-        # one copy of the state: llama.cpp writes into a bytearray's own memory, kept as it is
-        state = bytearray(size)
+        # one copy of the state: llama.cpp writes into the buffer's own memory, kept as it is
+        state = kv_files.state_buffer(size)
         buf = (ctypes.c_uint8 * size).from_buffer(state)
         n = int(llama_cpp.llama_state_seq_get_data(ctx, buf, size, slot.seq_id))
         del buf  # releases the export of ``state``, so it may be resized
-        if n < size:
-            del state[n:]
+        state = kv_files.truncated(state, n)
         ids = tuple(slot.ids)
         pos_min = self._restored_pos_min(len(ids), self._pos_min(slot))
         return KVSnapshot(len(ids), ids, state, pos_min, slot.prompt_len)
