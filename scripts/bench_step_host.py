@@ -37,7 +37,7 @@ from timeshare.core.config import demo
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.sampling import Sampling
 from timeshare.core.worker import decode
-from timeshare.core.worker.decode import UTF8_GRACE, Decoder, Live
+from timeshare.core.worker.decode import Decoder, Live
 from timeshare.core.worker.engine import Engine
 from timeshare.core.worker.protocol import Generate
 
@@ -58,7 +58,7 @@ class LegacyStep:
 
     def __init__(self, decoder: Decoder) -> None:
         self.d = decoder
-        self.batch = llama_cpp.llama_batch_init(decoder._n_batch, 0, 1)
+        self.batch = llama_cpp.llama_batch_init(decoder.n_batch, 0, 1)
 
     def close(self) -> None:
         llama_cpp.llama_batch_free(self.batch)
@@ -86,7 +86,7 @@ class LegacyStep:
                 taken.append((live, 1, False))
                 n += 1
         for live in d.live:
-            budget = d._n_batch - n
+            budget = d.n_batch - n
             if budget <= 0:
                 break
             if not live.pending:
@@ -103,7 +103,7 @@ class LegacyStep:
         if n == 0:
             return []
         self.batch.n_tokens = n
-        d._set_threads(prefill=any(prompt for _l, _k, prompt in taken))
+        d.set_threads(prefill=any(prompt for _l, _k, prompt in taken))
         rc = int(llama_cpp.llama_decode(d.llm.ctx, self.batch))
         d.decodes += 1
         if rc != 0:
@@ -117,29 +117,10 @@ class LegacyStep:
                 live.ids.append(live.token)
                 live.token = -1
         ctx = d.llm.ctx
-        eog = llama_cpp.llama_vocab_is_eog
-        vocab = d.llm._model.vocab
         finished: list[Live] = []
         for live, row in outputs:
-            token = live.sampler.sample(ctx, row)
-            if eog(vocab, token):
-                d._finish(live, "stop")
+            if d.accept(live, live.sampler.sample(ctx, row)):
                 finished.append(live)
-                continue
-            live.completion += 1
-            piece = live.text.push(token)
-            if piece:
-                live.emit_piece(piece)
-            if live.text.stop:
-                d._finish(live, "stop")
-                finished.append(live)
-            elif live.completion >= live.max_tokens and (
-                not live.text.incomplete or live.completion >= min(live.room, live.max_tokens + UTF8_GRACE)
-            ):
-                d._finish(live, "length")
-                finished.append(live)
-            else:
-                live.token = token
         return finished
 
 

@@ -29,7 +29,7 @@ loop does what it did, in the same order, with the same numerics, for several se
 Greedy answers are bit-for-bit those of ``create_completion`` (tests/test_decode.py compares them
 on both demo models), alone and in a batch (tests/test_batch.py), including its way with a token
 limit reached inside a multi-byte character: it samples on until the character is complete (here:
-at most ``UTF8_GRACE`` more tokens), so ``completion_tokens`` may exceed ``max_tokens`` by a few.
+at most ``_UTF8_GRACE`` more tokens), so ``completion_tokens`` may exceed ``max_tokens`` by a few.
 One difference: a request without ``seed`` gets a random one (llama-cpp-python derived it from the
 previous request's).
 """
@@ -53,7 +53,7 @@ from .textstream import TextStream
 
 #: a token limit reached inside a multi-byte character: sample up to this many more tokens to
 #: finish it (create_completion did the same, without a bound)
-UTF8_GRACE = 4
+_UTF8_GRACE = 4
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -176,9 +176,9 @@ class Decoder:
         ctx = llm.ctx
         self.n_seq = max(1, int(llama_cpp.llama_n_seq_max(ctx)))
         self._n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx))  # per sequence
-        self._n_batch = max(1, int(llm.n_batch))
+        self.n_batch = max(1, int(llm.n_batch))  # tokens per step at most
         self._n_vocab = int(llm.n_vocab())
-        self._batch: Any = _Batch(self._n_batch)
+        self._batch: Any = _Batch(self.n_batch)
         self._greedy = GreedyRows(self._n_vocab)
         self._pieces: dict[int, bytes] = {}
         self.live: list[Live] = []  # in join order
@@ -290,7 +290,7 @@ class Decoder:
         for live in self.live:
             live.batch_size = max(live.batch_size, size)
         for live in self.live:
-            budget = self._n_batch - n
+            budget = self.n_batch - n
             if budget <= 0:
                 break
             if not live.pending:
@@ -311,7 +311,7 @@ class Decoder:
         if n == 0:
             return []
         b.struct.n_tokens = n
-        self._set_threads(prefill=bool(taken))
+        self.set_threads(prefill=bool(taken))
         rc = int(llama_cpp.llama_decode(self.llm.ctx, b.struct))
         ended = time.monotonic()
         step = self.decodes
@@ -334,8 +334,6 @@ class Decoder:
             if not live.pending:
                 live.prefill_end = ended
         ctx = self.llm.ctx
-        eog = llama_cpp.llama_vocab_is_eog
-        vocab = self.llm._model.vocab
         # plain greedy sequences: one argmax over their rows (the greedy sampler's token, see
         # sampler.GreedyRows); None where it cannot say (a NaN): the sampler chain decides
         fast = [(live, row) for live, row in outputs if live.sampler.plain_greedy]
@@ -348,27 +346,34 @@ class Decoder:
             token = picked.get(live)
             if token is None:
                 token = live.sampler.sample(ctx, row)
-            if eog(vocab, token):
-                self._finish(live, "stop")
+            if self.accept(live, token):
                 finished.append(live)
-                continue
-            live.completion += 1
-            piece = live.text.push(token)
-            if piece:
-                live.emit_piece(piece)
-            if live.text.stop:
-                self._finish(live, "stop")
-                finished.append(live)
-            elif live.completion >= live.max_tokens and (
-                not live.text.incomplete or live.completion >= min(live.room, live.max_tokens + UTF8_GRACE)
-            ):
-                self._finish(live, "length")
-                finished.append(live)
-            else:
-                live.token = token
         return finished
 
-    def _set_threads(self, *, prefill: bool) -> None:
+    def accept(self, live: Live, token: int) -> bool:
+        """Take ``live``'s sampled ``token``: it ends the sequence (end of generation, a stop
+        string, the token limit -- past it only to finish a multi-byte character) or is evaluated
+        at the next step. True when the sequence ended."""
+        if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, token):
+            self._finish(live, "stop")
+            return True
+        live.completion += 1
+        piece = live.text.push(token)
+        if piece:
+            live.emit_piece(piece)
+        if live.text.stop:
+            self._finish(live, "stop")
+            return True
+        if live.completion >= live.max_tokens and (
+            not live.text.incomplete or live.completion >= min(live.room, live.max_tokens + _UTF8_GRACE)
+        ):
+            self._finish(live, "length")
+            return True
+        live.token = token
+        return False
+
+    def set_threads(self, *, prefill: bool) -> None:
+        """The thread counts of a step with prompt tokens (``prefill``) or of decode tokens only."""
         gen, batch = self._threads
         if gen <= 0 or batch <= 0:
             return
