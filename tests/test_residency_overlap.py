@@ -544,6 +544,52 @@ def test_uploads_after_every_allocation_on_request(
         llm.close()
 
 
+def test_clears_each_buffer_before_its_upload_on_request(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMESHARE_RESTORE_CLEAR=1 (the A/B switch for GPU runs): every restored buffer is cleared
+    once, after its allocation and before any copy into it; the output stays bitwise."""
+    from timeshare.core.residency.inplace import CLEAR_BEFORE_UPLOAD_ENV
+
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        real_clear, real_set = _ggml.buffer_clear, _ggml.tensor_set
+        cleared: list[int] = []
+        copied_before_clear: list[int] = []
+
+        def clear(buf: int, value: int) -> None:
+            cleared.append(buf)
+            real_clear(buf, value)
+
+        def upload(tensor: int, data: int, offset: int, size: int) -> None:
+            if not cleared:
+                copied_before_clear.append(tensor)
+            real_set(tensor, data, offset, size)
+
+        monkeypatch.setenv(CLEAR_BEFORE_UPLOAD_ENV, "1")
+        for overlap in (True, False):
+            res.release()
+            cleared.clear()
+            monkeypatch.setattr(_ggml, "buffer_clear", clear)
+            monkeypatch.setattr(_ggml, "tensor_set", upload)
+            try:
+                res.restore(overlap=overlap)
+                out = greedy.run()
+            finally:
+                res.settle()
+                monkeypatch.setattr(_ggml, "buffer_clear", real_clear)
+                monkeypatch.setattr(_ggml, "tensor_set", real_set)
+            assert len(cleared) == len(set(cleared)) == res.restore_steps["buffers"]
+            assert not copied_before_clear
+            assert same(out, ref)
+        res.close()
+    finally:
+        llm.close()
+
+
 def test_each_overlapped_restore_logs_its_timeline(
     smollm2_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -65,6 +65,11 @@ _LAYER = re.compile(r"blk\.(\d+)\.")
 #: uploads started with the first part: an A/B switch for measuring the two on a GPU)
 UPLOAD_AFTER_ALLOC_ENV = "TIMESHARE_UPLOAD_AFTER_ALLOC"
 
+#: "1": each restored buffer is cleared on the device (ggml_backend_buffer_clear) right after its
+#: allocation, before its upload: an A/B switch for GPU runs measuring whether touching fresh
+#: memory from the GPU side first avoids the driver's penalty on a copy into it (issue 28)
+CLEAR_BEFORE_UPLOAD_ENV = "TIMESHARE_RESTORE_CLEAR"
+
 #: a deferred shadow is built in slices of at most this many bytes (each: its own host allocation,
 #: read and spot check), between which a waiting request stops the build (ResidencyOptions)
 SHADOW_SLICE_BYTES = 256 << 20
@@ -1060,6 +1065,8 @@ class InPlace:
         done: list[_Buffer] = []
         first_alloc_s = alloc_max_s = 0.0
         later = os.environ.get(UPLOAD_AFTER_ALLOC_ENV) == "1"
+        clear = os.environ.get(CLEAR_BEFORE_UPLOAD_ENV) == "1"
+        clear_s = 0.0
         held: list[tuple[Part, list[_Buffer]]] = []
         for part, bufs in groups:
             for b in bufs:
@@ -1074,6 +1081,10 @@ class InPlace:
                         self._release_buffer(d)
                     raise self._out_of_memory(b, todo)
                 alloc_max_s = max(alloc_max_s, time.perf_counter() - t_a)
+                if clear:
+                    t_c = time.perf_counter()
+                    _ggml.buffer_clear(new, 0)
+                    clear_s += time.perf_counter() - t_c
                 # the placeholder is freed at the next release: on CUDA cudaFree waits for the
                 # whole device (the uploads in flight), and it is time a restore need not take
                 self._spent.append(self._relocate(b, new))
@@ -1098,6 +1109,7 @@ class InPlace:
             "parts": len(groups),
             "overlapped": float(background),
             "upload_after_alloc": float(later),
+            "clear_ms": clear_s * 1000,  # TIMESHARE_RESTORE_CLEAR=1 only
         }
         if background:
             assert gate is not None

@@ -1,0 +1,406 @@
+"""Why a host->device copy into just-allocated memory is slower (issue 28, item 3): a CUDA-only probe.
+
+Usage (on a machine with an NVIDIA GPU and the CUDA runtime; no model needed):
+
+    python3 scripts/copy_penalty_probe.py [--gb 4.22] [--reps 4] [--json]
+
+`bench residency`'s copy_probe measured, on the H200, a 4.22 GB pinned copy through ggml at
+76.3 ms into a buffer allocated once and 85.5 ms into a buffer allocated right after the previous
+one was freed; a 0.5 s pause after the free or after the allocation removed the difference. A
+switch always copies into memory the other model has just freed, so this is on every switched
+turn. This script talks to libcudart directly (ctypes, no ggml) so that each condition is one
+change from the last, and it can ask what ggml cannot: whether another process's free slows a
+copy into memory allocated long before (the driver scrubbing freed memory on a copy engine the
+copy shares), or whether only memory allocated after the free is slow (its pages being mapped).
+
+Each case prints the median copy milliseconds of ``--reps`` copies of ``--gb`` GB from one pinned
+host buffer (``cudaHostAlloc``) with ``cudaMemcpy`` (synchronous), and GB/s:
+
+- ``reused``: into one buffer allocated once (the limit);
+- ``fresh_after_free``: free the previous buffer, allocate, copy (a restore after a release, in-process);
+- ``fresh_never_freed``: allocate more memory without freeing any first (new pages, no free before);
+- ``reused_after_other_free``: allocate and free another buffer of the same size, then copy into
+  the old reused one at once (a free's aftermath slowing a copy elsewhere);
+- ``fresh_after_free_memset``: as fresh_after_free, with a ``cudaMemset`` of the new buffer before
+  the copy (its time in ``memset_ms``);
+- ``fresh_after_free_sleep_N``: N ms between the free and the allocation (how long the work lasts);
+- ``fresh_after_free_chunks_2streams``: the copy in 64 MiB chunks alternating over two streams;
+- ``cross_process_fresh``: another process frees the same size, then this one allocates and copies
+  (what a switch does);
+- ``cross_process_reused``: another process frees, this one copies into its old buffer;
+- ``cross_process_fresh_memset``: the switch with a memset of the new buffer first.
+
+Prints JSON with ``--json``. A probe: it asserts nothing; the figures go to docs/PERFORMANCE.md."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+H2D = 1
+CHUNK = 64 << 20
+
+
+def _cudart() -> ctypes.CDLL:
+    names = [ctypes.util.find_library("cudart")]
+    for pattern in (
+        "/usr/local/cuda/lib64/libcudart.so*",
+        "/usr/local/cuda*/targets/x86_64-linux/lib/libcudart.so*",
+        "/usr/lib/x86_64-linux-gnu/libcudart.so*",
+    ):
+        names.extend(sorted(glob.glob(pattern)))
+    for name in names:
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise SystemExit("libcudart not found: this probe needs the CUDA runtime (an NVIDIA GPU machine)")
+
+
+RT = _cudart()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        RT.cudaGetErrorString.restype = ctypes.c_char_p
+        raise SystemExit(f"{what} failed: {RT.cudaGetErrorString(rc).decode()} ({rc})")
+
+
+def malloc(n: int) -> int:
+    p = ctypes.c_void_p()
+    _check(RT.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n)), f"cudaMalloc({n})")
+    return int(p.value or 0)
+
+
+def free(p: int) -> None:
+    _check(RT.cudaFree(ctypes.c_void_p(p)), "cudaFree")
+
+
+def memset(p: int, n: int) -> float:
+    t0 = time.perf_counter()
+    _check(RT.cudaMemset(ctypes.c_void_p(p), 0, ctypes.c_size_t(n)), "cudaMemset")
+    _check(RT.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+    return time.perf_counter() - t0
+
+
+def host_alloc(n: int) -> int:
+    p = ctypes.c_void_p()
+    _check(RT.cudaHostAlloc(ctypes.byref(p), ctypes.c_size_t(n), 0), f"cudaHostAlloc({n})")
+    return int(p.value or 0)
+
+
+def copy(dst: int, src: int, n: int) -> float:
+    t0 = time.perf_counter()
+    _check(RT.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(n), H2D), "cudaMemcpy")
+    return time.perf_counter() - t0
+
+
+def copy_2streams(dst: int, src: int, n: int, streams: list[int]) -> float:
+    t0 = time.perf_counter()
+    off = 0
+    i = 0
+    while off < n:
+        k = min(CHUNK, n - off)
+        _check(
+            RT.cudaMemcpyAsync(
+                ctypes.c_void_p(dst + off), ctypes.c_void_p(src + off), ctypes.c_size_t(k), H2D,
+                ctypes.c_void_p(streams[i % len(streams)]),
+            ),
+            "cudaMemcpyAsync",
+        )
+        off += k
+        i += 1
+    _check(RT.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+    return time.perf_counter() - t0
+
+
+KERNEL = r"""
+extern "C" __global__ void cp16(const uint4* __restrict__ s, uint4* __restrict__ d, unsigned long long n) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
+        d[i] = a; d[i + stride] = b; d[i + 2 * stride] = c; d[i + 3 * stride] = e;
+    }
+    for (; i < n; i += stride) d[i] = s[i];
+}
+"""
+
+
+class SmCopy:
+    """A host->device copy done by the SMs (a kernel reading mapped pinned host memory), not by a
+    copy engine: NVRTC compiles the kernel, the driver API launches it."""
+
+    def __init__(self) -> None:
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        nvrtc = None
+        for name in [ctypes.util.find_library("nvrtc"), *sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*"))]:
+            if name:
+                try:
+                    nvrtc = ctypes.CDLL(name)
+                    break
+                except OSError:
+                    continue
+        if nvrtc is None:
+            raise RuntimeError("libnvrtc not found")
+        prog = ctypes.c_void_p()
+        if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), KERNEL.encode(), b"cp.cu", 0, None, None):
+            raise RuntimeError("nvrtcCreateProgram failed")
+        opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
+        if nvrtc.nvrtcCompileProgram(prog, 1, opts):
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"nvrtc: {log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetPTX(prog, ptx)
+        self.mod = ctypes.c_void_p()
+        rc = self.cu.cuModuleLoadData(ctypes.byref(self.mod), ptx)
+        if rc:
+            raise RuntimeError(f"cuModuleLoadData failed ({rc})")
+        self.fn = ctypes.c_void_p()
+        rc = self.cu.cuModuleGetFunction(ctypes.byref(self.fn), self.mod, b"cp16")
+        if rc:
+            raise RuntimeError(f"cuModuleGetFunction failed ({rc})")
+
+    def copy(self, dst: int, src_dev: int, n: int, blocks: int, threads: int) -> float:
+        a_s, a_d, a_n = ctypes.c_void_p(src_dev), ctypes.c_void_p(dst), ctypes.c_uint64(n // 16)
+        params = (ctypes.c_void_p * 3)(
+            ctypes.cast(ctypes.byref(a_s), ctypes.c_void_p),
+            ctypes.cast(ctypes.byref(a_d), ctypes.c_void_p),
+            ctypes.cast(ctypes.byref(a_n), ctypes.c_void_p),
+        )
+        t0 = time.perf_counter()
+        rc = self.cu.cuLaunchKernel(self.fn, blocks, 1, 1, threads, 1, 1, 0, None, params, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel failed ({rc})")
+        _check(RT.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        return time.perf_counter() - t0
+
+
+def device_pointer(host: int) -> int:
+    p = ctypes.c_void_p()
+    _check(RT.cudaHostGetDevicePointer(ctypes.byref(p), ctypes.c_void_p(host), 0), "cudaHostGetDevicePointer")
+    return int(p.value or 0)
+
+
+def holder(n: int) -> None:
+    """The other process: allocate and touch n bytes, say so, free them when asked, say so."""
+    _check(RT.cudaSetDevice(0), "cudaSetDevice")
+    p = malloc(n)
+    memset(p, n)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    free(p)
+    _check(RT.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+    print("freed", flush=True)
+    sys.stdin.readline()
+
+
+class Other:
+    """A holder process with n bytes on the device until free() is called."""
+
+    def __init__(self, n: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--holder", str(n)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit("the holder process did not start")
+
+    def free(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("free\n")
+        self.proc.stdin.flush()
+        if self.proc.stdout.readline().strip() != "freed":
+            raise SystemExit("the holder process did not free")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def med_ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1000, 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=4.22)
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--holder", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.holder:
+        holder(args.holder)
+        return
+    n = int(args.gb * 1e9) & ~4095
+    _check(RT.cudaSetDevice(0), "cudaSetDevice")
+    src = host_alloc(n)
+    ctypes.memset(src, 0x5A, n)
+    out: dict[str, Any] = {"bytes": n, "reps": args.reps}
+    cases: dict[str, list[float]] = {}
+
+    def note(name: str, xs: list[float]) -> None:
+        cases[name] = xs
+        print(f"{name}: {med_ms(xs)} ms ({n / statistics.median(xs) / 1e9:.1f} GB/s)", file=sys.stderr, flush=True)
+
+    reused = malloc(n)
+    copy(reused, src, n)
+    note("reused", [copy(reused, src, n) for _ in range(args.reps)])
+
+    xs = []
+    cur = malloc(n)
+    for _ in range(args.reps):
+        free(cur)
+        cur = malloc(n)
+        xs.append(copy(cur, src, n))
+    note("fresh_after_free", xs)
+
+    xs = []
+    extra: list[int] = []
+    for _ in range(args.reps):
+        p = malloc(n)
+        extra.append(p)
+        xs.append(copy(p, src, n))
+    note("fresh_never_freed", xs)
+    for p in extra:
+        free(p)
+
+    xs = []
+    for _ in range(args.reps):
+        p = malloc(n)
+        memset(p, n)
+        free(p)
+        xs.append(copy(reused, src, n))
+    note("reused_after_other_free", xs)
+
+    xs, ms = [], []
+    for _ in range(args.reps):
+        free(cur)
+        cur = malloc(n)
+        ms.append(memset(cur, n))
+        xs.append(copy(cur, src, n))
+    note("fresh_after_free_memset", xs)
+    out["memset_ms"] = med_ms(ms)
+
+    for pause in (0.005, 0.02, 0.05, 0.2):
+        xs = []
+        for _ in range(args.reps):
+            free(cur)
+            time.sleep(pause)
+            cur = malloc(n)
+            xs.append(copy(cur, src, n))
+        note(f"fresh_after_free_sleep_{int(pause * 1000)}", xs)
+
+    streams = []
+    for _ in range(2):
+        s = ctypes.c_void_p()
+        _check(RT.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreate")
+        streams.append(int(s.value or 0))
+    xs = []
+    for _ in range(args.reps):
+        free(cur)
+        cur = malloc(n)
+        xs.append(copy_2streams(cur, src, n, streams))
+    note("fresh_after_free_chunks_2streams", xs)
+    xs = [copy_2streams(reused, src, n, streams) for _ in range(args.reps)]
+    note("reused_chunks_2streams", xs)
+    free(cur)
+
+    for frac in (0.25, 1.0):
+        xs = []
+        m = int(n * frac) & ~4095
+        for _ in range(args.reps):
+            p = malloc(m)
+            memset(p, m)
+            free(p)
+            xs.append(copy(reused, src, n))
+        note(f"reused_after_other_free_{frac:g}x", xs)
+
+    try:
+        sm = SmCopy()
+        src_dev = device_pointer(src)
+        best: tuple[float, int, int] | None = None
+        for blocks, threads in ((132 * 4, 256), (132 * 8, 256), (132 * 16, 256), (132 * 4, 1024), (132 * 32, 128)):
+            sm.copy(reused, src_dev, n, blocks, threads)
+            t = statistics.median([sm.copy(reused, src_dev, n, blocks, threads) for _ in range(2)])
+            print(f"sm copy {blocks}x{threads}: {t * 1000:.2f} ms", file=sys.stderr, flush=True)
+            out.setdefault("sm_configs_ms", {})[f"{blocks}x{threads}"] = round(t * 1000, 2)
+            if best is None or t < best[0]:
+                best = (t, blocks, threads)
+        assert best is not None
+        _t, bl, th = best
+        out["sm_config"] = f"{bl}x{th}"
+        note("sm_reused", [sm.copy(reused, src_dev, n, bl, th) for _ in range(args.reps)])
+        xs = []
+        for _ in range(args.reps):
+            p = malloc(n)
+            memset(p, n)
+            free(p)
+            xs.append(sm.copy(reused, src_dev, n, bl, th))
+        note("sm_reused_after_other_free", xs)
+        xs = []
+        cur = malloc(n)
+        for _ in range(args.reps):
+            free(cur)
+            cur = malloc(n)
+            xs.append(sm.copy(cur, src_dev, n, bl, th))
+        note("sm_fresh_after_free", xs)
+        free(cur)
+        # the bytes arrived: the kernel copy is a copy
+        chk = (ctypes.c_uint8 * 4096)()
+        _check(RT.cudaMemcpy(chk, ctypes.c_void_p(reused + n - 4096), ctypes.c_size_t(4096), 2), "cudaMemcpy D2H")
+        out["sm_copy_exact"] = all(b == 0x5A for b in chk)
+    except (RuntimeError, OSError) as exc:
+        out["sm_error"] = str(exc)
+        print(f"sm copy: {exc}", file=sys.stderr, flush=True)
+
+    for name in ("cross_process_fresh", "cross_process_reused", "cross_process_fresh_memset"):
+        xs, ms = [], []
+        for _ in range(args.reps):
+            other = Other(n)
+            try:
+                other.free()
+                if name == "cross_process_reused":
+                    xs.append(copy(reused, src, n))
+                else:
+                    p = malloc(n)
+                    if name.endswith("memset"):
+                        ms.append(memset(p, n))
+                    xs.append(copy(p, src, n))
+                    free(p)
+            finally:
+                other.close()
+        note(name, xs)
+        if ms:
+            out["cross_process_memset_ms"] = med_ms(ms)
+    free(reused)
+
+    out["median_ms"] = {k: med_ms(v) for k, v in cases.items()}
+    out["ms"] = {k: [round(x * 1000, 2) for x in v] for k, v in cases.items()}
+    base = out["median_ms"]["reused"]
+    out["vs_reused"] = {k: round(base / v, 3) for k, v in out["median_ms"].items()}
+    if args.json:
+        print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    main()
