@@ -114,7 +114,10 @@ def copy_2streams(dst: int, src: int, n: int, streams: list[int]) -> float:
         k = min(CHUNK, n - off)
         _check(
             RT.cudaMemcpyAsync(
-                ctypes.c_void_p(dst + off), ctypes.c_void_p(src + off), ctypes.c_size_t(k), H2D,
+                ctypes.c_void_p(dst + off),
+                ctypes.c_void_p(src + off),
+                ctypes.c_size_t(k),
+                H2D,
                 ctypes.c_void_p(streams[i % len(streams)]),
             ),
             "cudaMemcpyAsync",
@@ -145,7 +148,10 @@ class SmCopy:
     def __init__(self) -> None:
         self.cu = ctypes.CDLL("libcuda.so.1")
         nvrtc = None
-        for name in [ctypes.util.find_library("nvrtc"), *sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*"))]:
+        for name in [
+            ctypes.util.find_library("nvrtc"),
+            *sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*")),
+        ]:
             if name:
                 try:
                     nvrtc = ctypes.CDLL(name)
@@ -192,6 +198,18 @@ class SmCopy:
         return time.perf_counter() - t0
 
 
+def _product_smcopy() -> Any:
+    """core/residency/smcopy.py loaded on its own (the package would import llama_cpp)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core", "residency", "smcopy.py")
+    spec = importlib.util.spec_from_file_location("timeshare_smcopy", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def device_pointer(host: int) -> int:
     p = ctypes.c_void_p()
     _check(RT.cudaHostGetDevicePointer(ctypes.byref(p), ctypes.c_void_p(host), 0), "cudaHostGetDevicePointer")
@@ -217,7 +235,9 @@ class Other:
     def __init__(self, n: int) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--holder", str(n)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":
@@ -259,7 +279,11 @@ def main() -> None:
 
     def note(name: str, xs: list[float]) -> None:
         cases[name] = xs
-        print(f"{name}: {med_ms(xs)} ms ({n / statistics.median(xs) / 1e9:.1f} GB/s)", file=sys.stderr, flush=True)
+        print(
+            f"{name}: {med_ms(xs)} ms ({n / statistics.median(xs) / 1e9:.1f} GB/s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     reused = malloc(n)
     copy(reused, src, n)
@@ -338,7 +362,13 @@ def main() -> None:
         sm = SmCopy()
         src_dev = device_pointer(src)
         best: tuple[float, int, int] | None = None
-        for blocks, threads in ((132 * 4, 256), (132 * 8, 256), (132 * 16, 256), (132 * 4, 1024), (132 * 32, 128)):
+        for blocks, threads in (
+            (132 * 4, 256),
+            (132 * 8, 256),
+            (132 * 16, 256),
+            (132 * 4, 1024),
+            (132 * 32, 128),
+        ):
             sm.copy(reused, src_dev, n, blocks, threads)
             t = statistics.median([sm.copy(reused, src_dev, n, blocks, threads) for _ in range(2)])
             print(f"sm copy {blocks}x{threads}: {t * 1000:.2f} ms", file=sys.stderr, flush=True)
@@ -364,11 +394,51 @@ def main() -> None:
             xs.append(sm.copy(cur, src_dev, n, bl, th))
         note("sm_fresh_after_free", xs)
         free(cur)
+        # the product's lane (core/residency/smcopy.py, its PTX JIT-compiled by the driver) beside
+        # the copy engine, part by part as a restore uploads (32 parts), the kernel taking `share`
+        lane = _product_smcopy().KernelCopier(0)
+        ce_stream = streams[0]
+
+        def hybrid(dst: int, share: float, parts: int = 32) -> float:
+            t0 = time.perf_counter()
+            step = (n // parts) & ~4095
+            off = 0
+            while off < n:
+                m = min(step, n - off)
+                k = int(m * share) // 4096 * 4096
+                if k:
+                    lane.copy(dst + off, src_dev + off, k)
+                _check(
+                    RT.cudaMemcpyAsync(
+                        ctypes.c_void_p(dst + off + k),
+                        ctypes.c_void_p(src + off + k),
+                        ctypes.c_size_t(m - k),
+                        H2D,
+                        ctypes.c_void_p(ce_stream),
+                    ),
+                    "cudaMemcpyAsync",
+                )
+                _check(RT.cudaStreamSynchronize(ctypes.c_void_p(ce_stream)), "cudaStreamSynchronize")
+                lane.wait()
+                off += m
+            return time.perf_counter() - t0
+
+        for share in (0.0, 0.25, 0.4, 0.5):
+            note(f"hybrid_{share:g}_reused", [hybrid(reused, share) for _ in range(args.reps)])
+            xs = []
+            for _ in range(args.reps):
+                p = malloc(n)
+                memset(p, n)
+                free(p)
+                xs.append(hybrid(reused, share))
+            note(f"hybrid_{share:g}_after_other_free", xs)
         # the bytes arrived: the kernel copy is a copy
         chk = (ctypes.c_uint8 * 4096)()
-        _check(RT.cudaMemcpy(chk, ctypes.c_void_p(reused + n - 4096), ctypes.c_size_t(4096), 2), "cudaMemcpy D2H")
+        _check(
+            RT.cudaMemcpy(chk, ctypes.c_void_p(reused + n - 4096), ctypes.c_size_t(4096), 2), "cudaMemcpy D2H"
+        )
         out["sm_copy_exact"] = all(b == 0x5A for b in chk)
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, ValueError) as exc:
         out["sm_error"] = str(exc)
         print(f"sm copy: {exc}", file=sys.stderr, flush=True)
 

@@ -13,6 +13,7 @@ go only once the gate has been called, so the decode must reach a part that is n
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -588,6 +589,125 @@ def test_clears_each_buffer_before_its_upload_on_request(
         res.close()
     finally:
         llm.close()
+
+
+class _MemmoveLane:
+    """A stand-in for smcopy.KernelCopier, which needs a CUDA GPU (none on CI): on the CPU build
+    the device is host memory, so a memmove into the real buffer is the same copy. It records each
+    copy and refuses one queued after wait() without a new part, as the kernel's stream would not."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+        self.waits = 0
+
+    def device_pointer(self, host_base: int) -> int:
+        return host_base
+
+    def copy(self, dst: int, src_dev: int, n: int) -> None:
+        assert n % 16 == 0 and dst % 16 == 0 and src_dev % 16 == 0
+        ctypes.memmove(dst, src_dev, n)
+        self.copies.append((dst, src_dev, n))
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+def test_kernel_lane_takes_its_share_of_each_large_copy(
+    q4_8_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMESHARE_UPLOAD_SM_SHARE=0.4: each copy of at least MIN_SPLIT_BYTES is split at 40 %
+    (rounded down to 4 KiB); the lane gets the head, set_tensor the tail, every byte lands once
+    (the output is bitwise), and each part waits for the lane before it is marked ready."""
+    from timeshare.core.residency import smcopy
+    from timeshare.core.residency.hostmem import HostMemory
+    from timeshare.core.residency.inplace import InPlace, plain_copy
+
+    monkeypatch.setattr(smcopy, "MIN_SPLIT_BYTES", 64 << 10)  # the 8-layer test model's copies are small
+    llm = load(q4_8_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, q4_8_path)
+        lane = _MemmoveLane()
+        real_set = _ggml.tensor_set
+        ce: list[int] = []
+
+        pairs: list[tuple[int, int]] = []  # (the lane's head, set_tensor's tail) of each split copy
+
+        def upload(tensor: int, data: int, offset: int, size: int) -> None:
+            ce.append(size)
+            if len(pairs) < len(lane.copies):
+                pairs.append((lane.copies[-1][2], size))
+            real_set(tensor, data, offset, size)
+
+        def base_of(self: HostMemory, offset: int) -> int | None:  # the CPU build's shadow is pageable
+            return next(a for o, n, a in self.segments if o <= offset < o + n)
+
+        def lane_for(self: InPlace, b: Any) -> _MemmoveLane | None:
+            # CUDA buffers hold the file's bytes as they are; a repacking CPU buffer does not
+            return lane if plain_copy(_ggml.buffer_type_name(b.buft)) else None
+
+        monkeypatch.setattr(InPlace, "_kernel_lane", lane_for)
+        monkeypatch.setattr(HostMemory, "pinned_segment", base_of)
+        monkeypatch.setattr(_ggml, "tensor_set", upload)
+        monkeypatch.setenv(smcopy.SHARE_ENV, "0.4")
+        for overlap in (True, False):
+            res.release()
+            lane.copies.clear()
+            ce.clear()
+            rst = res.restore(overlap=overlap)
+            out = greedy.run()
+            res.settle()
+            assert rst.overlapped == overlap and same(out, ref)
+            moved = sum(n for _d, _s, n in lane.copies)
+            assert lane.copies and moved + sum(ce) == res.weight_bytes
+            assert len(pairs) == len(lane.copies)
+            for head, tail in pairs:
+                assert head == smcopy.split_point(head + tail, 0.4) > 0
+            pairs.clear()
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_kernel_lane_is_off_without_cuda(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU device the share asks for nothing: no driver is loaded, the copies are unchanged."""
+    from timeshare.core.residency import smcopy
+
+    made: list[int] = []
+    monkeypatch.setattr(smcopy, "kernel_copier", lambda ordinal: made.append(ordinal))
+    monkeypatch.setenv(smcopy.SHARE_ENV, "0.5")
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        res.release()
+        res.restore()
+        res.settle()
+        assert same(greedy.run(), ref) and not made
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_kernel_lane_share_and_split_rules() -> None:
+    from timeshare.core.residency import smcopy
+
+    assert smcopy.cuda_device_of("CUDA0") == 0 and smcopy.cuda_device_of("CUDA12") == 12
+    assert smcopy.cuda_device_of("CUDA_Host") is None and smcopy.cuda_device_of("Vulkan0") is None
+    assert smcopy.split_point(smcopy.MIN_SPLIT_BYTES - 1, 0.5) == 0
+    assert smcopy.split_point(100 << 20, 0.0) == 0
+    k = smcopy.split_point((100 << 20) + 123, 0.4)
+    assert k % 4096 == 0 and (100 << 20) * 0.4 - 4096 < k <= (100 << 20) * 0.4
+
+
+def test_kernel_lane_share_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from timeshare.core.residency import smcopy
+
+    for raw, want in (("0.4", 0.4), ("2", 0.9), ("-1", 0.0), ("x", 0.0), ("", smcopy.DEFAULT_SHARE)):
+        monkeypatch.setenv(smcopy.SHARE_ENV, raw)
+        assert smcopy.share_from_env() == want
 
 
 def test_each_overlapped_restore_logs_its_timeline(

@@ -45,13 +45,13 @@ def _vulkan_doctor(home: Path, cycles: int, *args: str, **env_extra: str) -> dic
 
 def test_plain_copy_buffer_types() -> None:
     # device buffers upload in one copy; host (pinned) and repacking types do not
-    assert inplace_mod._plain_copy("Vulkan0")
-    assert inplace_mod._plain_copy("Vulkan12")
-    assert inplace_mod._plain_copy("CUDA0")
-    assert inplace_mod._plain_copy("CPU")
-    assert not inplace_mod._plain_copy("Vulkan_Host")
-    assert not inplace_mod._plain_copy("CUDA_Host")
-    assert not inplace_mod._plain_copy("CPU_REPACK")
+    assert inplace_mod.plain_copy("Vulkan0")
+    assert inplace_mod.plain_copy("Vulkan12")
+    assert inplace_mod.plain_copy("CUDA0")
+    assert inplace_mod.plain_copy("CPU")
+    assert not inplace_mod.plain_copy("Vulkan_Host")
+    assert not inplace_mod.plain_copy("CUDA_Host")
+    assert not inplace_mod.plain_copy("CPU_REPACK")
 
 
 @pytest.mark.parametrize(

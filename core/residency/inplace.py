@@ -45,7 +45,7 @@ import llama_cpp
 
 from ..errors import ModelFileChangedError, ModelFileError, OutOfDeviceMemoryError, ResidencyError
 from ..util.fileid import FileId
-from . import _ggml, evalhook
+from . import _ggml, evalhook, smcopy
 from .gate import PartGate
 from .hostmem import HostMemory, ReadRange, parallel_read
 
@@ -261,7 +261,7 @@ def _discover(llm: Any, layout: _ggml.TensorLayout, probe_hook: bool = False) ->
     return disc
 
 
-def _plain_copy(buft_name: str) -> bool:
+def plain_copy(buft_name: str) -> bool:
     """Buffer types whose set_tensor copies bytes unchanged (CPU_REPACK and the like repack)."""
     return (
         buft_name == "CPU"
@@ -333,6 +333,7 @@ class InPlace:
         #: (start, end) of each part's upload of the last restore, in order (the upload thread)
         self._upload_spans: list[tuple[float, float]] = []
         self._spent: list[int] = []
+        self._sm_share = 0.0  # the kernel lane's share of each upload (smcopy; set at each restore)
         self._uploader_pool: ThreadPoolExecutor | None = None
         self._restore_t0 = 0.0
         self.n_weight_tensors_seen = len(disc.weights)
@@ -640,7 +641,7 @@ class InPlace:
             units: list[int] = []  # each tensor's span: no read or spot check straddles two
             offset = 0
             for b in self.buffers:
-                b.mirror = self._coalesce and _plain_copy(b.buft_name)
+                b.mirror = self._coalesce and plain_copy(b.buft_name)
                 b.shadow_base = offset
                 for t in b.tensors:
                     tid = int(_ggml.gguf_find_tensor(meta, t.name.encode()))
@@ -1041,6 +1042,7 @@ class InPlace:
         and this returns with the uploads running; synchronous: it waits for them."""
         self._restore_t0 = t_start = time.perf_counter()
         self.moved = False
+        self._sm_share = smcopy.share_from_env()
         if self._parallel():
             return self._restore_parallel(todo, t_start)
         groups = self._part_groups(todo)
@@ -1254,15 +1256,51 @@ class InPlace:
 
     def _upload(self, b: _Buffer, shadow: HostMemory) -> None:
         """Copy ``b``'s bytes from the host shadow, through the buffer's own set_tensor: a
-        mirrored buffer in one copy per host allocation it spans, others tensor by tensor."""
+        mirrored buffer in one copy per host allocation it spans, others tensor by tensor. With
+        a kernel lane (CUDA, ``TIMESHARE_UPLOAD_SM_SHARE`` > 0, pinned shadow) the first share of
+        each large copy is queued to the copy kernel first and the rest goes through set_tensor
+        meanwhile; this returns once both are done."""
+        pieces: list[
+            tuple[int, int, int, int, int]
+        ] = []  # tensor, shadow offset, tensor offset, bytes, device address
         if b.mirror:
             for off, size, _addr in shadow.segments:
                 lo, hi = max(off, b.shadow_base), min(off + size, b.shadow_base + b.size)
                 if lo < hi:
-                    _ggml.tensor_set(b.whole, shadow.address(lo, hi - lo), lo - b.shadow_base, hi - lo)
+                    pieces.append((b.whole, lo, lo - b.shadow_base, hi - lo, b.base + lo - b.shadow_base))
         else:
             for t in b.tensors:
-                _ggml.tensor_set(t.ptr, shadow.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
+                pieces.append((t.ptr, t.shadow_offset, 0, t.nbytes, b.base + t.offset))
+        lane = self._kernel_lane(b)
+        queued = False
+        try:
+            for tensor, soff, toff, n, dst in pieces:
+                host = shadow.address(soff, n)
+                k = 0
+                if lane is not None:
+                    seg = shadow.pinned_segment(soff)
+                    k = (
+                        smcopy.split_point(n, self._sm_share)
+                        if seg is not None and host % 16 == 0 == dst % 16
+                        else 0
+                    )
+                    if k:
+                        assert seg is not None
+                        lane.copy(dst, lane.device_pointer(seg) + (host - seg), k)
+                        queued = True
+                if n > k:
+                    _ggml.tensor_set(tensor, host + k, toff + k, n - k)
+        finally:
+            if queued:
+                assert lane is not None
+                lane.wait()
+
+    def _kernel_lane(self, b: _Buffer) -> smcopy.KernelCopier | None:
+        """The copy kernel for ``b``'s device when this restore splits its uploads, else None."""
+        if self._sm_share <= 0.0:
+            return None
+        ordinal = smcopy.cuda_device_of(_ggml.buffer_type_name(b.buft))
+        return None if ordinal is None else smcopy.kernel_copier(ordinal)
 
     def _attach_buffer(self, b: _Buffer, new: int) -> None:
         """Put the fresh allocation ``new`` under ``b``, relocate its tensors and upload them."""
