@@ -6,9 +6,16 @@ any process, the NVIDIA driver clears the freed memory on a copy engine for a wh
 takes 86 ms instead of 76 ms, into fresh or old memory alike, with a memset first or on two
 streams. A switch always copies right after the other model freed its weights, so it always pays.
 A copy done by a kernel that reads the pinned host memory over the bus (zero-copy) does not use a
-copy engine: 82.2 ms for the same bytes, free or no free. Run beside the copy engine (each part's
-first ``share`` of bytes by the kernel, the rest by ggml's own copy), the two fill the bus while
-the engine is slowed.
+copy engine: 82.2 ms for the same bytes, free or no free. The idea was to run it beside the copy
+engine (each part's first ``share`` of bytes by the kernel, the rest by ggml's own copy) so that
+the two fill the bus while the engine is slowed.
+
+**Measured, it does not pay** (H200, one run, docs/PERFORMANCE.md "fifth session"): the two
+share the bus rather than add up, so a one-model switched turn took 98.5 ms with share 0, 99.0
+with 0.25 and 101.0 with 0.5; a synchronous restore 86.7 vs 88.5 ms (0.5); the F16 8B's restore
+and first decode 300.9 vs 314.9 ms (0.5); bitwise in every case. The lane therefore stays off by
+default (DEFAULT_SHARE 0): ``TIMESHARE_UPLOAD_SM_SHARE`` turns it on for measuring it on other
+GPUs and buses, and the probe script uses this module.
 
 :class:`KernelCopier` launches that kernel (PTX in this file, JIT-compiled by the driver: no CUDA
 toolkit needed) on its own stream through the CUDA driver API (``libcuda.so.1``, which ggml-cuda
