@@ -28,7 +28,13 @@ host buffer (``cudaHostAlloc``) with ``cudaMemcpy`` (synchronous), and GB/s:
 - ``cross_process_fresh``: another process frees the same size, then this one allocates and copies
   (what a switch does);
 - ``cross_process_reused``: another process frees, this one copies into its old buffer;
-- ``cross_process_fresh_memset``: the switch with a memset of the new buffer first.
+- ``cross_process_fresh_memset``: the switch with a memset of the new buffer first;
+- ``reused_after_other_free_{0.25,1}x``: the freed buffer a quarter of the size, or the same;
+- ``sm_*``: the copy done by the product's copy kernel (core/residency/smcopy.py) instead of a
+  copy engine, reused / after another free / into fresh memory after a free (``sm_copy_exact``:
+  the last 4 KiB read back);
+- ``hybrid_{share}_*``: the kernel taking ``share`` of each of 32 parts beside the copy engine, as
+  ``TIMESHARE_UPLOAD_SM_SHARE`` makes a restore do.
 
 Prints JSON with ``--json``. A probe: it asserts nothing; the figures go to docs/PERFORMANCE.md."""
 
@@ -128,76 +134,6 @@ def copy_2streams(dst: int, src: int, n: int, streams: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-KERNEL = r"""
-extern "C" __global__ void cp16(const uint4* __restrict__ s, uint4* __restrict__ d, unsigned long long n) {
-    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
-        d[i] = a; d[i + stride] = b; d[i + 2 * stride] = c; d[i + 3 * stride] = e;
-    }
-    for (; i < n; i += stride) d[i] = s[i];
-}
-"""
-
-
-class SmCopy:
-    """A host->device copy done by the SMs (a kernel reading mapped pinned host memory), not by a
-    copy engine: NVRTC compiles the kernel, the driver API launches it."""
-
-    def __init__(self) -> None:
-        self.cu = ctypes.CDLL("libcuda.so.1")
-        nvrtc = None
-        for name in [
-            ctypes.util.find_library("nvrtc"),
-            *sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*")),
-        ]:
-            if name:
-                try:
-                    nvrtc = ctypes.CDLL(name)
-                    break
-                except OSError:
-                    continue
-        if nvrtc is None:
-            raise RuntimeError("libnvrtc not found")
-        prog = ctypes.c_void_p()
-        if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), KERNEL.encode(), b"cp.cu", 0, None, None):
-            raise RuntimeError("nvrtcCreateProgram failed")
-        opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
-        if nvrtc.nvrtcCompileProgram(prog, 1, opts):
-            size = ctypes.c_size_t()
-            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"nvrtc: {log.value.decode(errors='replace')}")
-        size = ctypes.c_size_t()
-        nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
-        ptx = ctypes.create_string_buffer(size.value)
-        nvrtc.nvrtcGetPTX(prog, ptx)
-        self.mod = ctypes.c_void_p()
-        rc = self.cu.cuModuleLoadData(ctypes.byref(self.mod), ptx)
-        if rc:
-            raise RuntimeError(f"cuModuleLoadData failed ({rc})")
-        self.fn = ctypes.c_void_p()
-        rc = self.cu.cuModuleGetFunction(ctypes.byref(self.fn), self.mod, b"cp16")
-        if rc:
-            raise RuntimeError(f"cuModuleGetFunction failed ({rc})")
-
-    def copy(self, dst: int, src_dev: int, n: int, blocks: int, threads: int) -> float:
-        a_s, a_d, a_n = ctypes.c_void_p(src_dev), ctypes.c_void_p(dst), ctypes.c_uint64(n // 16)
-        params = (ctypes.c_void_p * 3)(
-            ctypes.cast(ctypes.byref(a_s), ctypes.c_void_p),
-            ctypes.cast(ctypes.byref(a_d), ctypes.c_void_p),
-            ctypes.cast(ctypes.byref(a_n), ctypes.c_void_p),
-        )
-        t0 = time.perf_counter()
-        rc = self.cu.cuLaunchKernel(self.fn, blocks, 1, 1, threads, 1, 1, 0, None, params, None)
-        if rc:
-            raise RuntimeError(f"cuLaunchKernel failed ({rc})")
-        _check(RT.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-        return time.perf_counter() - t0
-
-
 def _product_smcopy() -> Any:
     """core/residency/smcopy.py loaded on its own (the package would import llama_cpp)."""
     import importlib.util
@@ -208,12 +144,6 @@ def _product_smcopy() -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def device_pointer(host: int) -> int:
-    p = ctypes.c_void_p()
-    _check(RT.cudaHostGetDevicePointer(ctypes.byref(p), ctypes.c_void_p(host), 0), "cudaHostGetDevicePointer")
-    return int(p.value or 0)
 
 
 def holder(n: int) -> None:
@@ -359,44 +289,35 @@ def main() -> None:
         note(f"reused_after_other_free_{frac:g}x", xs)
 
     try:
-        sm = SmCopy()
-        src_dev = device_pointer(src)
-        best: tuple[float, int, int] | None = None
-        for blocks, threads in (
-            (132 * 4, 256),
-            (132 * 8, 256),
-            (132 * 16, 256),
-            (132 * 4, 1024),
-            (132 * 32, 128),
-        ):
-            sm.copy(reused, src_dev, n, blocks, threads)
-            t = statistics.median([sm.copy(reused, src_dev, n, blocks, threads) for _ in range(2)])
-            print(f"sm copy {blocks}x{threads}: {t * 1000:.2f} ms", file=sys.stderr, flush=True)
-            out.setdefault("sm_configs_ms", {})[f"{blocks}x{threads}"] = round(t * 1000, 2)
-            if best is None or t < best[0]:
-                best = (t, blocks, threads)
-        assert best is not None
-        _t, bl, th = best
-        out["sm_config"] = f"{bl}x{th}"
-        note("sm_reused", [sm.copy(reused, src_dev, n, bl, th) for _ in range(args.reps)])
+        # the product's copy kernel (core/residency/smcopy.py, its PTX JIT-compiled by the driver)
+        lane = _product_smcopy().KernelCopier(0)
+        src_dev = lane.device_pointer(src)
+
+        def sm_copy(dst: int) -> float:
+            t0 = time.perf_counter()
+            lane.copy(dst, src_dev, n)
+            lane.wait()
+            return time.perf_counter() - t0
+
+        sm_copy(reused)
+        note("sm_reused", [sm_copy(reused) for _ in range(args.reps)])
         xs = []
         for _ in range(args.reps):
             p = malloc(n)
             memset(p, n)
             free(p)
-            xs.append(sm.copy(reused, src_dev, n, bl, th))
+            xs.append(sm_copy(reused))
         note("sm_reused_after_other_free", xs)
         xs = []
         cur = malloc(n)
         for _ in range(args.reps):
             free(cur)
             cur = malloc(n)
-            xs.append(sm.copy(cur, src_dev, n, bl, th))
+            xs.append(sm_copy(cur))
         note("sm_fresh_after_free", xs)
         free(cur)
-        # the product's lane (core/residency/smcopy.py, its PTX JIT-compiled by the driver) beside
-        # the copy engine, part by part as a restore uploads (32 parts), the kernel taking `share`
-        lane = _product_smcopy().KernelCopier(0)
+        # the same kernel beside the copy engine, part by part as a restore uploads (32 parts),
+        # the kernel taking `share` of each part
         ce_stream = streams[0]
 
         def hybrid(dst: int, share: float, parts: int = 32) -> float:

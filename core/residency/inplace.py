@@ -1260,9 +1260,8 @@ class InPlace:
         a kernel lane (CUDA, ``TIMESHARE_UPLOAD_SM_SHARE`` > 0, pinned shadow) the first share of
         each large copy is queued to the copy kernel first and the rest goes through set_tensor
         meanwhile; this returns once both are done."""
-        pieces: list[
-            tuple[int, int, int, int, int]
-        ] = []  # tensor, shadow offset, tensor offset, bytes, device address
+        # (tensor, shadow offset, offset in the tensor, bytes, device address)
+        pieces: list[tuple[int, int, int, int, int]] = []
         if b.mirror:
             for off, size, _addr in shadow.segments:
                 lo, hi = max(off, b.shadow_base), min(off + size, b.shadow_base + b.size)
@@ -1276,16 +1275,11 @@ class InPlace:
         try:
             for tensor, soff, toff, n, dst in pieces:
                 host = shadow.address(soff, n)
+                seg = shadow.pinned_segment(soff) if lane is not None else None
                 k = 0
-                if lane is not None:
-                    seg = shadow.pinned_segment(soff)
-                    k = (
-                        smcopy.split_point(n, self._sm_share)
-                        if seg is not None and host % 16 == 0 == dst % 16
-                        else 0
-                    )
+                if lane is not None and seg is not None and host % 16 == 0 == dst % 16:
+                    k = smcopy.split_point(n, self._sm_share)
                     if k:
-                        assert seg is not None
                         lane.copy(dst, lane.device_pointer(seg) + (host - seg), k)
                         queued = True
                 if n > k:

@@ -42,6 +42,8 @@ DEFAULT_SHARE = 0.0
 #: a copy smaller than this goes through ggml alone (a kernel launch is not worth it)
 MIN_SPLIT_BYTES = 4 << 20
 _ALIGN = 4096
+#: the grid: 4 blocks of 256 threads per SM (on the H200, 528 x 256 up to 4,224 x 128 blocks all
+#: copied 4.22 GB in 82.1-82.6 ms: the bus, not the grid, sets the pace)
 _BLOCKS_PER_SM = 4
 _THREADS = 256
 
