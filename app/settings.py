@@ -43,7 +43,8 @@ from PySide6.QtWidgets import (
 from ..core import paths
 from ..core.config import files as config_files
 from ..core.config import validate as config_validate
-from ..core.config.schema import Config
+from ..core.config.meta import FieldMeta, describe
+from ..core.config.schema import ApiConfig, ArenaConfig, Config, GeneralConfig, ModelConfig
 from ..core.errors import ConfigError, ModelFileError
 from ..core.gguf import catalog
 from ..core.state import PoolSnapshot
@@ -58,10 +59,53 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CHAT_FORMATS = ("auto", "template", "fallback")
+#: the idle spin boxes show minutes (``idle_sleep_s`` holds seconds)
+IDLE_UNIT = "min"
 
 #: TOML-shaped data, as ``config_files.config_to_dict`` makes it (its values are whatever TOML holds)
 Table = dict[str, Any]
+
+
+def _meta(cls: type, name: str) -> FieldMeta:
+    """What the config layer says about field ``name`` of ``cls`` (label, unit, range, help)."""
+    return describe(cls, name).meta
+
+
+def _initial(table: Table, cls: type, name: str) -> Any:
+    """The draft's value of ``name``, or the field's default (``config/schema.py``)."""
+    return table.get(name, describe(cls, name).default)
+
+
+def _label(cls: type, name: str) -> str:
+    return f"{_meta(cls, name).label}:"
+
+
+def _spin(box: QSpinBox | QDoubleSpinBox, cls: type, name: str, value: object) -> None:
+    """``box`` set up from the field's metadata: range, unit, special value, tooltip; then ``value``."""
+    meta = _meta(cls, name)
+    low = meta.minimum if meta.minimum is not None else 0
+    high = meta.top if meta.top is not None else low
+    if isinstance(box, QSpinBox):
+        box.setRange(int(low), int(high))
+        box.setValue(int(value))  # type: ignore[call-overload]
+    else:
+        box.setRange(float(low), float(high))
+        box.setValue(float(value))  # type: ignore[arg-type]
+    if meta.unit:
+        box.setSuffix(f" {meta.unit}")
+    if meta.special:
+        box.setSpecialValueText(meta.special)
+    if meta.help:
+        box.setToolTip(meta.help)
+
+
+def _text(edit: QLineEdit, cls: type, name: str) -> None:
+    """A text field's placeholder (what empty means) and tooltip from the field's metadata."""
+    meta = _meta(cls, name)
+    if meta.special:
+        edit.setPlaceholderText(meta.special)
+    if meta.help:
+        edit.setToolTip(meta.help)
 
 
 def _resolved(path: str) -> str:
@@ -135,11 +179,13 @@ def _idle_seconds(minutes: float) -> float | bool:
 
 
 def _idle_box(minutes: float) -> QDoubleSpinBox:
+    """``idle_sleep_s`` in minutes (the config holds seconds)."""
+    meta = _meta(ModelConfig, "idle_sleep_s")
     box = QDoubleSpinBox()
-    box.setRange(0, 7 * 24 * 60)
+    box.setRange((meta.minimum or 0) / 60.0, (meta.top or 0) / 60.0)
     box.setDecimals(1)
-    box.setSuffix(" min")
-    box.setSpecialValueText("never")
+    box.setSuffix(f" {IDLE_UNIT}")
+    box.setSpecialValueText(meta.special)
     box.setValue(minutes)
     return box
 
@@ -203,7 +249,7 @@ class ModelDialog(QDialog):
         self._config_path = config_path
         form = QFormLayout()
         self.id_edit = QLineEdit(str(model.get("id", "")))
-        self.name_edit = QLineEdit(str(model.get("name", "")))
+        self.name_edit = QLineEdit(str(_initial(model, ModelConfig, "name")))
         self.path_edit = QLineEdit(str(model.get("path", "")))
         browse = QPushButton("Browse…")
         browse.clicked.connect(self._browse)
@@ -211,37 +257,29 @@ class ModelDialog(QDialog):
         path_row.addWidget(self.path_edit, 1)
         path_row.addWidget(browse)
         self.n_ctx = QSpinBox()
-        self.n_ctx.setRange(1, 1 << 20)
-        self.n_ctx.setValue(int(model.get("n_ctx", 2048)))
+        _spin(self.n_ctx, ModelConfig, "n_ctx", _initial(model, ModelConfig, "n_ctx"))
         self.n_seq = QSpinBox()
-        self.n_seq.setRange(1, 256)
-        self.n_seq.setValue(int(model.get("n_seq", 4)))
+        _spin(self.n_seq, ModelConfig, "n_seq", _initial(model, ModelConfig, "n_seq"))
         self.parallel = QSpinBox()
-        self.parallel.setRange(0, 64)
-        self.parallel.setSpecialValueText("auto (4 on a GPU, 1 on a CPU)")
-        self.parallel.setValue(int(model.get("parallel", 0)))
-        self.parallel.setToolTip(
-            "Requests answered at once, decoded together. Each has the whole context, so the "
-            "KV cache is context tokens × this (kept on the GPU while the model is released)."
-        )
+        _spin(self.parallel, ModelConfig, "parallel", _initial(model, ModelConfig, "parallel"))
         self.chat_format = QComboBox()
-        self.chat_format.addItems(CHAT_FORMATS)
-        self.chat_format.setCurrentText(str(model.get("chat_format", "auto")))
-        self.pinned = QCheckBox("Keep the GPU once it has it")
-        self.pinned.setChecked(bool(model.get("pinned", False)))
-        self.idle = _idle_box(_idle_minutes(model.get("idle_sleep_s", 600.0)))
-        self.licence = QLabel(str(model.get("licence", "")) or "–")
+        self.chat_format.addItems(_meta(ModelConfig, "chat_format").choices)
+        self.chat_format.setCurrentText(str(_initial(model, ModelConfig, "chat_format")))
+        self.pinned = QCheckBox(_meta(ModelConfig, "pinned").help)
+        self.pinned.setChecked(bool(_initial(model, ModelConfig, "pinned")))
+        self.idle = _idle_box(_idle_minutes(_initial(model, ModelConfig, "idle_sleep_s")))
+        self.licence = QLabel(str(_initial(model, ModelConfig, "licence")) or "–")
         self.licence.setObjectName("licence")
-        form.addRow("Id (used by the API):", self.id_edit)
-        form.addRow("Name:", self.name_edit)
-        form.addRow("GGUF file:", path_row)
-        form.addRow("Context tokens:", self.n_ctx)
-        form.addRow("Conversations kept live:", self.n_seq)
-        form.addRow("Answers at once:", self.parallel)
-        form.addRow("Chat format:", self.chat_format)
-        form.addRow("Pinned:", self.pinned)
-        form.addRow("Release when idle after:", self.idle)
-        form.addRow("Licence:", self.licence)
+        form.addRow(_label(ModelConfig, "id"), self.id_edit)
+        form.addRow(_label(ModelConfig, "name"), self.name_edit)
+        form.addRow(_label(ModelConfig, "path"), path_row)
+        form.addRow(_label(ModelConfig, "n_ctx"), self.n_ctx)
+        form.addRow(_label(ModelConfig, "n_seq"), self.n_seq)
+        form.addRow(_label(ModelConfig, "parallel"), self.parallel)
+        form.addRow(_label(ModelConfig, "chat_format"), self.chat_format)
+        form.addRow(_label(ModelConfig, "pinned"), self.pinned)
+        form.addRow(_label(ModelConfig, "idle_sleep_s"), self.idle)
+        form.addRow(_label(ModelConfig, "licence"), self.licence)
         self.problems = _error_label()
         _lay_out(self, [form, self.problems], QDialogButtonBox.StandardButton.Ok, self.accept)
         _clear_on_edit(
@@ -607,35 +645,27 @@ class SettingsDialog(QDialog):
         self.arena_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         arena = self.draft["arena"]
         self.quantum = QDoubleSpinBox()
-        self.quantum.setRange(0, 60000)
-        self.quantum.setSuffix(" ms")
-        self.quantum.setValue(float(arena.get("min_quantum_ms", 250.0)))
+        _spin(self.quantum, ArenaConfig, "min_quantum_ms", _initial(arena, ArenaConfig, "min_quantum_ms"))
         self.wait_timeout = QDoubleSpinBox()
-        self.wait_timeout.setRange(0, 24 * 3600)
-        self.wait_timeout.setSuffix(" s")
-        self.wait_timeout.setValue(float(arena.get("wait_timeout_s", 300.0)))
+        _spin(
+            self.wait_timeout, ArenaConfig, "wait_timeout_s", _initial(arena, ArenaConfig, "wait_timeout_s")
+        )
         self.arena_dir = QLineEdit(str(arena.get("dir") or ""))
-        self.arena_dir.setPlaceholderText("default (the runtime folder)")
+        self.arena_dir.setPlaceholderText(_meta(ArenaConfig, "dir").special)
+        budget = _meta(ArenaConfig, "vram_budget")
         self.vram_budget = QComboBox()
         self.vram_budget.setEditable(True)  # or a size ("20GB", "12000MiB") or a share ("80%")
-        self.vram_budget.addItems(["auto", "one-model"])
-        self.vram_budget.setCurrentText(str(arena.get("vram_budget", "auto")))
-        self.vram_budget.setToolTip(
-            "auto: what the GPU has free at start, less a margin and what each model keeps there "
-            "while asleep; one-model: one model's weights at a time; or a size (20GB, 12000MiB) "
-            "or a share (80%). Models that fit together stay on the GPU together."
-        )
+        self.vram_budget.addItems(budget.choices)
+        self.vram_budget.setCurrentText(str(_initial(arena, ArenaConfig, "vram_budget")))
+        self.vram_budget.setToolTip(budget.help)
         self.hung_holder = QDoubleSpinBox()
-        self.hung_holder.setRange(0, 24 * 3600)
-        self.hung_holder.setSuffix(" s")
-        self.hung_holder.setSpecialValueText("never")
-        self.hung_holder.setValue(float(arena.get("hung_holder_s", 30.0)))
+        _spin(self.hung_holder, ArenaConfig, "hung_holder_s", _initial(arena, ArenaConfig, "hung_holder_s"))
         form = QFormLayout()
-        form.addRow("A busy model keeps the GPU at least:", self.quantum)
-        form.addRow("A request waits for the GPU at most:", self.wait_timeout)
-        form.addRow("VRAM for model weights:", self.vram_budget)
-        form.addRow("Restart a GPU holder that stops answering after:", self.hung_holder)
-        form.addRow("Arena folder:", self.arena_dir)
+        form.addRow(_label(ArenaConfig, "min_quantum_ms"), self.quantum)
+        form.addRow(_label(ArenaConfig, "wait_timeout_s"), self.wait_timeout)
+        form.addRow(_label(ArenaConfig, "vram_budget"), self.vram_budget)
+        form.addRow(_label(ArenaConfig, "hung_holder_s"), self.hung_holder)
+        form.addRow(_label(ArenaConfig, "dir"), self.arena_dir)
         layout = QVBoxLayout(tab)
         layout.addWidget(self.holder_label)
         layout.addWidget(self.arena_table)
@@ -668,13 +698,12 @@ class SettingsDialog(QDialog):
 
     def _api_tab(self) -> QWidget:
         api = self.draft["api"]
-        self.api_enabled = QCheckBox("Serve the API to other programs on this computer")
-        self.api_enabled.setChecked(bool(api.get("enabled", True)))
-        self.api_host = QLineEdit(str(api.get("host", "127.0.0.1")))
-        self.api_host.setToolTip("127.0.0.1: this computer only; 0.0.0.0: every network (needs a key)")
+        self.api_enabled = QCheckBox(_meta(ApiConfig, "enabled").label)
+        self.api_enabled.setChecked(bool(_initial(api, ApiConfig, "enabled")))
+        self.api_host = QLineEdit(str(_initial(api, ApiConfig, "host")))
+        _text(self.api_host, ApiConfig, "host")
         self.api_port = QSpinBox()
-        self.api_port.setRange(1, 65535)
-        self.api_port.setValue(int(api.get("port", 8385)))
+        _spin(self.api_port, ApiConfig, "port", _initial(api, ApiConfig, "port"))
         self.api_url = QLabel()
         self.api_url.setObjectName("api_url")
         self.api_url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -682,54 +711,41 @@ class SettingsDialog(QDialog):
         self.api_port.setMinimumWidth(90)
         address = QHBoxLayout()
         address.addWidget(self.api_host)
-        address.addWidget(QLabel("Port:"))
+        address.addWidget(QLabel(_label(ApiConfig, "port")))
         address.addWidget(self.api_port)
         address.addStretch(1)
         server = QFormLayout()
         server.addRow(self.api_enabled)
-        server.addRow("Address:", address)
+        server.addRow(_label(ApiConfig, "host"), address)
         server.addRow("Clients connect to:", self.api_url)
 
         self.api_key = QLineEdit(str(api.get("key") or ""))
-        self.api_key.setPlaceholderText("none (allowed only on 127.0.0.1)")
+        self.api_key.setPlaceholderText(_meta(ApiConfig, "key").special)
         self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
-        self.api_allowed_hosts = QLineEdit(", ".join(str(h) for h in api.get("allowed_hosts", ())))
-        self.api_allowed_hosts.setPlaceholderText("only localhost and 127.0.0.1")
-        self.api_allowed_hosts.setToolTip(
-            "Other names this computer is reached by (comma-separated), or * for any: guards "
-            "against web pages that rename themselves to reach it (DNS rebinding)"
+        self.api_allowed_hosts = QLineEdit(
+            ", ".join(str(h) for h in _initial(api, ApiConfig, "allowed_hosts"))
         )
-        self.api_allowed_origins = QLineEdit(", ".join(str(o) for o in api.get("allowed_origins", ())))
-        self.api_allowed_origins.setPlaceholderText("none: web pages may not call the API")
-        self.api_allowed_origins.setToolTip(
-            "Web pages that may call the API from a browser (comma-separated), e.g. "
-            "http://localhost:3000, or * for any"
+        _text(self.api_allowed_hosts, ApiConfig, "allowed_hosts")
+        self.api_allowed_origins = QLineEdit(
+            ", ".join(str(o) for o in _initial(api, ApiConfig, "allowed_origins"))
         )
+        _text(self.api_allowed_origins, ApiConfig, "allowed_origins")
         access = QFormLayout()
-        access.addRow("Key:", self.api_key)
-        access.addRow("Other host names:", self.api_allowed_hosts)
-        access.addRow("Web pages allowed:", self.api_allowed_origins)
+        access.addRow(_label(ApiConfig, "key"), self.api_key)
+        access.addRow(_label(ApiConfig, "allowed_hosts"), self.api_allowed_hosts)
+        access.addRow(_label(ApiConfig, "allowed_origins"), self.api_allowed_origins)
         access.addRow(
             _note("Clients send the key as a bearer token (OpenAI, Ollama) or as x-api-key (Anthropic).")
         )
 
         self.api_ollama = QLineEdit(str(api.get("ollama_listen") or ""))
-        self.api_ollama.setPlaceholderText("off (Ollama's own address: 127.0.0.1:11434)")
-        self.api_ollama.setToolTip(
-            "A second address (HOST:PORT) for programs that expect Ollama at its own address. "
-            "Every dialect is also served on the address above."
-        )
+        _text(self.api_ollama, ApiConfig, "ollama_listen")
         self.api_queue_limit = QSpinBox()
-        self.api_queue_limit.setRange(1, 100000)
-        self.api_queue_limit.setValue(int(api.get("queue_limit", 16)))
-        self.api_queue_limit.setSuffix(" requests per model")
+        _spin(self.api_queue_limit, ApiConfig, "queue_limit", _initial(api, ApiConfig, "queue_limit"))
         self.api_queue_limit.setMinimumWidth(200)
-        self.api_queue_limit.setToolTip(
-            "More requests waiting for one model are refused (busy) until it catches up"
-        )
         clients = _form()
-        clients.addRow("Ollama's address too:", self.api_ollama)
-        clients.addRow("Waiting requests, at most:", self.api_queue_limit)
+        clients.addRow(_label(ApiConfig, "ollama_listen"), self.api_ollama)
+        clients.addRow(_label(ApiConfig, "queue_limit"), self.api_queue_limit)
 
         self.api_enabled.toggled.connect(self._show_api_url)
         self.api_host.textChanged.connect(self._show_api_url)
@@ -747,7 +763,7 @@ class SettingsDialog(QDialog):
         if not self.api_enabled.isChecked():
             self.api_url.setText("nothing: the API is off")
             return
-        host = self.api_host.text().strip() or "127.0.0.1"
+        host = self.api_host.text().strip() or str(describe(ApiConfig, "host").default)
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         if ":" in shown:
             shown = f"[{shown}]"
@@ -756,17 +772,17 @@ class SettingsDialog(QDialog):
 
     def _general_tab(self) -> QWidget:
         general = self.draft["general"]
-        self.start_at_login = QCheckBox("Start Timeshare when I log in")
-        self.start_at_login.setChecked(bool(general.get("start_at_login", False)))
+        self.start_at_login = QCheckBox(_meta(GeneralConfig, "start_at_login").label)
+        self.start_at_login.setChecked(bool(_initial(general, GeneralConfig, "start_at_login")))
         startup = QFormLayout()
         startup.addRow(self.start_at_login)
 
-        self.prewake = QCheckBox("Load a model back while I type to it, so it answers sooner")
-        self.prewake.setChecked(bool(general.get("prewake_on_typing", True)))
+        self.prewake = QCheckBox(_meta(GeneralConfig, "prewake_on_typing").label)
+        self.prewake.setChecked(bool(_initial(general, GeneralConfig, "prewake_on_typing")))
         chat = QFormLayout()
         chat.addRow(self.prewake)
 
-        first = self.draft["models"][0].get("idle_sleep_s", 600.0) if self.draft["models"] else 600.0
+        first = _initial(self.draft["models"][0] if self.draft["models"] else {}, ModelConfig, "idle_sleep_s")
         self._idle_initial = _idle_minutes(first)
         self.idle_all = _idle_box(self._idle_initial)
         self.idle_all.setMinimumWidth(120)

@@ -95,6 +95,46 @@ def test_general_settings_round_trip(qtbot: Any, bridge: Any, config_path: Path,
     assert loaded.arena.min_quantum_ms == 500
 
 
+def test_the_settings_fields_come_from_the_config_metadata(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
+) -> None:
+    """Initial values, ranges, units and labels are the config layer's (core/config/schema.py): a
+    draft that leaves a key out shows the field's default, not a number of the dialog's own."""
+    from PySide6.QtWidgets import QLabel
+    from timeshare.app.settings import ModelDialog
+    from timeshare.core.config.meta import describe
+    from timeshare.core.config.schema import ArenaConfig
+
+    dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
+    for box, cls, name in (
+        (dialog.quantum, ArenaConfig, "min_quantum_ms"),
+        (dialog.wait_timeout, ArenaConfig, "wait_timeout_s"),
+        (dialog.hung_holder, ArenaConfig, "hung_holder_s"),
+        (dialog.api_port, ApiConfig, "port"),
+        (dialog.api_queue_limit, ApiConfig, "queue_limit"),
+    ):
+        d = describe(cls, name)
+        assert box.value() == d.default, name
+        assert (box.minimum(), box.maximum()) == (d.meta.minimum, d.meta.top), name
+        assert box.suffix() == (f" {d.meta.unit}" if d.meta.unit else ""), name
+        assert box.specialValueText() == d.meta.special, name
+    # a form row's label is a QLabel whose buddy is the field
+    labels = [w.text() for w in dialog.findChildren(QLabel) if w.buddy() is dialog.quantum]
+    assert labels == [describe(ArenaConfig, "min_quantum_ms").meta.label + ":"]
+
+    # a model table without the optional keys shows the defaults
+    model = ModelDialog({"id": "m", "path": str(smollm2_path)}, set(), config_path)
+    qtbot.addWidget(model)
+    for box, name in ((model.n_ctx, "n_ctx"), (model.n_seq, "n_seq"), (model.parallel, "parallel")):
+        d = describe(ModelConfig, name)
+        assert box.value() == d.default and box.maximum() == d.meta.top, name
+    assert model.idle.value() * 60 == describe(ModelConfig, "idle_sleep_s").default
+    assert model.chat_format.currentText() == describe(ModelConfig, "chat_format").default
+    assert [model.chat_format.itemText(i) for i in range(model.chat_format.count())] == list(
+        describe(ModelConfig, "chat_format").meta.choices
+    )
+
+
 def test_api_settings_round_trip_every_api_option(
     qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
 ) -> None:

@@ -1,56 +1,143 @@
-"""The settings contract: the dataclasses every layer codes against."""
+"""The settings contract: the dataclasses every layer codes against.
+
+Each field is declared once with its default and what it means to a person (``meta.FieldMeta``:
+label, unit, range, help); validation and the Settings dialogs read both from here.
+"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
-from ..state import ReleaseLevel
+from ..state import RELEASE_LEVELS, ReleaseLevel
+from .meta import META_KEY, FieldMeta, setting
 
 HostShadow = Literal["pinned", "pageable"]
 ChatFormat = Literal["auto", "template", "fallback"]
 
+DAY_S = 24 * 3600.0
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    id: str  # stable identifier, used by the API's `model` field: [a-z0-9._-]+
-    path: str  # GGUF file (for a demo model: where its file is expected; see ``demo``)
+    # stable identifier, used by the API's `model` field: [a-z0-9._-]+
+    id: str = field(metadata={META_KEY: FieldMeta("Id (used by the API)")})
+    # GGUF file (for a demo model: where its file is expected; see ``demo``)
+    path: str = field(metadata={META_KEY: FieldMeta("GGUF file")})
     # a demo model by reference ("smollm2-135m-instruct", "gemma3-270m"): its file is found (and
     # Gemma assembled) when the model starts, and the config file holds this instead of a path
-    demo: str = ""
-    name: str = ""  # display name; defaults to id
-    n_ctx: int = 2048  # context tokens per conversation sequence
-    n_gpu_layers: int = -1  # -1: all layers (ignored by a CPU build)
-    n_seq: int = 4  # KV sequences (conversations, cached prompts) a worker keeps (LRU beyond)
-    # requests answered at once (continuous batching; each has the whole n_ctx, so the context's
-    # KV is n_ctx x parallel); 0: auto (4 on a GPU build, 1 on a CPU-only one)
-    parallel: int = 0
-    cache_prompt: bool = True  # keyless requests reuse the longest cached prefix (docs/API.md)
-    chat_template: str | None = None  # Jinja override; None: the GGUF's own, or the fallback format
-    chat_format: ChatFormat = "auto"  # auto: the GGUF's template if it has one, else the fallback
-    pinned: bool = False  # a pinned model keeps the GPU once it has it
-    idle_sleep_s: float | None = 600.0  # None: never release on idle
-    idle_release: ReleaseLevel = "weights"
-    host_shadow: HostShadow = "pinned"
+    demo: str = setting("", FieldMeta("Demo model"))
+    name: str = setting("", FieldMeta("Name", "The name shown in menus and lists; the id when empty"))
+    n_ctx: int = setting(
+        2048,
+        FieldMeta(
+            "Context tokens", "Context tokens per conversation sequence", "tokens", 1, ui_maximum=1 << 20
+        ),
+    )
+    n_gpu_layers: int = setting(
+        -1, FieldMeta("Layers on the GPU", "-1: all layers (ignored by a CPU build)", minimum=-1)
+    )
+    n_seq: int = setting(
+        4,
+        FieldMeta(
+            "Conversations kept live",
+            "KV sequences (conversations, cached prompts) a worker keeps (least recently used beyond)",
+            minimum=1,
+            maximum=256,
+        ),
+    )
+    # (each request has the whole n_ctx, so the context's KV is n_ctx x parallel)
+    parallel: int = setting(
+        0,
+        FieldMeta(
+            "Answers at once",
+            "Requests answered at once, decoded together. Each has the whole context, so the "
+            "KV cache is context tokens × this (kept on the GPU while the model is released).",
+            minimum=0,
+            maximum=64,
+            special="auto (4 on a GPU, 1 on a CPU)",
+        ),
+    )
+    cache_prompt: bool = setting(
+        True, FieldMeta("Prompt cache", "Keyless requests reuse the longest cached prefix (docs/API.md)")
+    )
+    chat_template: str | None = setting(
+        None,
+        FieldMeta("Chat template", "A Jinja override; none: the GGUF's own, or the fallback format"),
+    )
+    chat_format: ChatFormat = setting(
+        "auto",
+        FieldMeta(
+            "Chat format",
+            "auto: the GGUF's template if it has one, else the fallback format",
+            choices=get_args(ChatFormat),
+        ),
+    )
+    pinned: bool = setting(False, FieldMeta("Pinned", "Keep the GPU once it has it"))
+    idle_sleep_s: float | None = setting(
+        600.0,
+        FieldMeta(
+            "Release when idle after",
+            "Release the model's weights after this long without a request",
+            "s",
+            0,
+            ui_maximum=7 * DAY_S,
+            special="never",  # None in the dataclass, false in the file
+        ),
+    )
+    idle_release: ReleaseLevel = setting(
+        "weights", FieldMeta("Idle release level", "What an idle release frees", choices=RELEASE_LEVELS)
+    )
+    host_shadow: HostShadow = setting(
+        "pinned",
+        FieldMeta(
+            "Host copy of the weights", "Pinned host memory restores faster", choices=get_args(HostShadow)
+        ),
+    )
     # under a byte VRAM budget (not one-model), hold the released weights in this many parts of
     # consecutive layers (the in-place path), so that a model making room for another frees only
     # the parts it needs, from its last layer down; 1: whole buffers (a switch moves all the weights).
     # 32: one layer per part on models of up to 32 layers (a switch moves the overflow rounded up to
     # one layer: 0.523 x an 8B model under a 1.5 x budget, 0.552 x with 16 parts, docs/PERFORMANCE.md)
-    weight_parts: int = 32
-    # the GPU this model runs on (index among the GPUs, as llama.cpp's main_gpu; one VRAM budget,
-    # queue and set of leases per GPU); 0 on a single-GPU or CPU-only machine
-    device: int = 0
-    # llama.cpp's flash attention for this model's context (false: llama-cpp-python's default)
-    flash_attn: bool = False
-    # an embedding model: its context is made for /v1/embeddings (pooling from the GGUF, else
-    # mean) and it answers no chat or completion requests
-    embedding: bool = False
-    # the most tokens an answer of this model may have, whatever a request asks (None: the context)
-    max_tokens: int | None = None
-    licence: str = ""  # shown in model lists (filled for the demo models)
+    weight_parts: int = setting(
+        32,
+        FieldMeta(
+            "Weight parts",
+            "The released weights are held in this many parts of consecutive layers, so that "
+            "making room for another model frees only the parts it needs; 1: whole buffers",
+            minimum=1,
+            maximum=256,
+        ),
+    )
+    # one VRAM budget, queue and set of leases per GPU
+    device: int = setting(
+        0,
+        FieldMeta(
+            "GPU",
+            "The GPU this model runs on (its index, as llama.cpp's main_gpu); 0 on a single-GPU machine",
+            minimum=0,
+            maximum=63,
+        ),
+    )
+    flash_attn: bool = setting(
+        False, FieldMeta("Flash attention", "llama.cpp's flash attention for this model's context")
+    )
+    # its context is made for /v1/embeddings (pooling from the GGUF, else mean)
+    embedding: bool = setting(
+        False, FieldMeta("Embedding model", "It answers /v1/embeddings and no chat or completion requests")
+    )
+    max_tokens: int | None = setting(
+        None,
+        FieldMeta(
+            "Longest answer",
+            "The most tokens an answer of this model may have, whatever a request asks (none: the context)",
+            "tokens",
+            1,
+        ),
+    )
+    licence: str = setting("", FieldMeta("Licence", "Shown in model lists (filled for the demo models)"))
 
     @property
     def display_name(self) -> str:
@@ -59,43 +146,130 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ArenaConfig:
-    dir: str | None = None  # None: platformdirs runtime dir /arena (or $TIMESHARE_VRAM_ARENA)
-    min_quantum_ms: float = 250.0  # a busy holder keeps the GPU at least this long before yielding
-    wait_timeout_s: float = 300.0  # a request waiting longer for the GPU fails with a clear error
-    # a restore that meets out-of-device-memory keeps the token and tries again this long (a killed
-    # holder's memory comes back a little after the kernel dropped its flock) before failing
-    restore_oom_retry_s: float = 10.0
-    # a worker of this pool that holds the GPU (or heads its queue) while others wait, and answers
-    # no status ping for this long, is killed (SIGKILL to its process group) and restarted; 0: off
-    hung_holder_s: float = 30.0
-    # weights on each GPU: "auto" (device total - others' use at start - workers' released
-    # footprints - a margin), a size ("20GiB", "12000MB"), a share ("80%") or "one-model" (one at a
-    # time); several models stay resident when they fit (docs/INTERFACES.md, arena)
-    vram_budget: str = "auto"
+    # None: platformdirs runtime dir /arena (or $TIMESHARE_VRAM_ARENA)
+    dir: str | None = setting(None, FieldMeta("Arena folder", special="default (the runtime folder)"))
+    min_quantum_ms: float = setting(
+        250.0,
+        FieldMeta(
+            "A busy model keeps the GPU at least",
+            "A busy holder keeps the GPU at least this long before yielding",
+            "ms",
+            0,
+            ui_maximum=60000,
+        ),
+    )
+    wait_timeout_s: float = setting(
+        300.0,
+        FieldMeta(
+            "A request waits for the GPU at most",
+            "A request waiting longer for the GPU fails with a clear error",
+            "s",
+            0,
+            strict_minimum=True,
+            ui_maximum=DAY_S,
+        ),
+    )
+    # (a killed holder's memory comes back a little after the kernel dropped its flock)
+    restore_oom_retry_s: float = setting(
+        10.0,
+        FieldMeta(
+            "Retry a restore short of device memory for",
+            "A restore that meets out-of-device-memory keeps the GPU and tries again this long",
+            "s",
+            0,
+            ui_maximum=DAY_S,
+        ),
+    )
+    # (SIGKILL to its process group)
+    hung_holder_s: float = setting(
+        30.0,
+        FieldMeta(
+            "Restart a GPU holder that stops answering after",
+            "A worker that holds the GPU (or heads its queue) while others wait, and answers no "
+            "status ping for this long, is killed and restarted; 0: never",
+            "s",
+            0,
+            ui_maximum=DAY_S,
+            special="never",
+        ),
+    )
+    # several models stay resident when they fit (docs/INTERFACES.md, arena)
+    vram_budget: str = setting(
+        "auto",
+        FieldMeta(
+            "VRAM for model weights",
+            "auto: what the GPU has free at start, less a margin and what each model keeps there "
+            "while asleep; one-model: one model's weights at a time; or a size (20GB, 12000MiB) "
+            "or a share (80%). Models that fit together stay on the GPU together.",
+            choices=("auto", "one-model"),  # the words; a size or a share is also taken
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class ApiConfig:
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: int = 8385
-    key: str | None = None  # bearer key; required for non-loopback binds
-    queue_limit: int = 16  # per model; beyond it the API answers 429
-    # Host header names accepted besides the loopback names (a loopback bind accepts only those);
-    # "*" accepts any. Guards against DNS rebinding.
-    allowed_hosts: tuple[str, ...] = ()
-    # web origins ("http://localhost:3000") whose pages may call the API (CORS); "*" allows any.
+    enabled: bool = setting(True, FieldMeta("Serve the API to other programs on this computer"))
+    host: str = setting(
+        "127.0.0.1",
+        FieldMeta("Address", "127.0.0.1: this computer only; 0.0.0.0: every network (needs a key)"),
+    )
+    port: int = setting(8385, FieldMeta("Port", minimum=1, maximum=65535))
+    key: str | None = setting(
+        None,
+        FieldMeta(
+            "Key",
+            "A bearer key; required for binds other machines can reach",
+            special="none (allowed only on 127.0.0.1)",
+        ),
+    )
+    queue_limit: int = setting(
+        16,
+        FieldMeta(
+            "Waiting requests, at most",
+            "More requests waiting for one model are refused (busy) until it catches up",
+            "requests per model",
+            1,
+            ui_maximum=100000,
+        ),
+    )
+    # Guards against DNS rebinding.
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        FieldMeta(
+            "Other host names",
+            "Other names this computer is reached by (comma-separated), or * for any: guards "
+            "against web pages that rename themselves to reach it (DNS rebinding)",
+            special="only localhost and 127.0.0.1",
+        ),
+    )
     # A request carrying another Origin is refused with 403.
-    allowed_origins: tuple[str, ...] = ()
-    # a second listener for Ollama-only clients, on Ollama's address ("127.0.0.1:11434"); empty: off.
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        FieldMeta(
+            "Web pages allowed",
+            "Web pages that may call the API from a browser (comma-separated), e.g. "
+            "http://localhost:3000, or * for any",
+            special="none: web pages may not call the API",
+        ),
+    )
     # It serves the same app (every dialect, the same key and guards).
-    ollama_listen: str = ""
+    ollama_listen: str = setting(
+        "",
+        FieldMeta(
+            "Ollama's address too",
+            "A second address (HOST:PORT) for programs that expect Ollama at its own address. "
+            "Every dialect is also served on the address above.",
+            special="off (Ollama's own address: 127.0.0.1:11434)",
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class GeneralConfig:
-    start_at_login: bool = False
-    prewake_on_typing: bool = True  # focusing/typing in a chat pre-wakes its model
+    start_at_login: bool = setting(False, FieldMeta("Start Timeshare when I log in"))
+    prewake_on_typing: bool = setting(
+        True, FieldMeta("Load a model back while I type to it, so it answers sooner")
+    )
 
 
 @dataclass(frozen=True)

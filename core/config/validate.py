@@ -9,21 +9,19 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from .. import paths
 from ..arena.budget import parse_budget
 from ..errors import ConfigError
 from ..gguf.modelfile import gguf_problem
-from ..state import RELEASE_LEVELS
 from . import demo
+from .meta import describe
 from .schema import (
     ApiConfig,
     ArenaConfig,
-    ChatFormat,
     Config,
     GeneralConfig,
-    HostShadow,
     ModelConfig,
 )
 
@@ -237,22 +235,22 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
             values["demo"] = c.demo_of(values["path"])
     checks: dict[str, Any] = {
         "name": lambda w, v: c.string(w, v),
-        "n_ctx": lambda w, v: c.integer(w, v, minimum=1),
-        "n_gpu_layers": lambda w, v: c.integer(w, v, minimum=-1),
-        "n_seq": lambda w, v: c.integer(w, v, minimum=1, maximum=256),
-        "parallel": lambda w, v: c.integer(w, v, minimum=0, maximum=64),
+        "n_ctx": _integer(c, ModelConfig, "n_ctx"),
+        "n_gpu_layers": _integer(c, ModelConfig, "n_gpu_layers"),
+        "n_seq": _integer(c, ModelConfig, "n_seq"),
+        "parallel": _integer(c, ModelConfig, "parallel"),
         "cache_prompt": lambda w, v: c.boolean(w, v),
         "chat_template": lambda w, v: c.string(w, v, allow_empty=False),
-        "chat_format": lambda w, v: c.choice(w, v, get_args(ChatFormat)),
+        "chat_format": _choice(c, ModelConfig, "chat_format"),
         "pinned": lambda w, v: c.boolean(w, v),
         "idle_sleep_s": _idle_sleep_checker(c),
-        "idle_release": lambda w, v: c.choice(w, v, RELEASE_LEVELS),
-        "device": lambda w, v: c.integer(w, v, minimum=0, maximum=63),
-        "host_shadow": lambda w, v: c.choice(w, v, get_args(HostShadow)),
-        "weight_parts": lambda w, v: c.integer(w, v, minimum=1, maximum=256),
+        "idle_release": _choice(c, ModelConfig, "idle_release"),
+        "device": _integer(c, ModelConfig, "device"),
+        "host_shadow": _choice(c, ModelConfig, "host_shadow"),
+        "weight_parts": _integer(c, ModelConfig, "weight_parts"),
         "flash_attn": lambda w, v: c.boolean(w, v),
         "embedding": lambda w, v: c.boolean(w, v),
-        "max_tokens": lambda w, v: c.integer(w, v, minimum=1),
+        "max_tokens": _integer(c, ModelConfig, "max_tokens"),
         "licence": lambda w, v: c.string(w, v),
     }
     checked, all_ok = c.fields(where, raw, checks)
@@ -263,6 +261,8 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
 
 
 def _idle_sleep_checker(c: _Checker) -> Any:
+    number = _number(c, ModelConfig, "idle_sleep_s")
+
     def check(where: str, value: object) -> float | None:
         # TOML has no null: `false` (or "never") means "never release on idle".
         if value is False or value == "never":
@@ -270,9 +270,32 @@ def _idle_sleep_checker(c: _Checker) -> Any:
         if value is True:
             c.problem(where, "must be a number of seconds, or false for never")
             return None
-        return c.number(where, value, minimum=0.0)
+        return number(where, value)
 
     return check
+
+
+def _bound(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _integer(c: _Checker, cls: type, name: str) -> Any:
+    """The check of an integer field, its range from the field's metadata (``meta``)."""
+    meta = describe(cls, name).meta
+    return lambda w, v: c.integer(w, v, minimum=_bound(meta.minimum), maximum=_bound(meta.maximum))
+
+
+def _number(c: _Checker, cls: type, name: str) -> Any:
+    """The check of a number field, its lower bound from the field's metadata."""
+    meta = describe(cls, name).meta
+    low = 0.0 if meta.minimum is None else float(meta.minimum)
+    return lambda w, v: c.number(w, v, minimum=low, strict=meta.strict_minimum)
+
+
+def _choice(c: _Checker, cls: type, name: str) -> Any:
+    """The check of a field that takes one of its metadata's choices."""
+    allowed = describe(cls, name).meta.choices
+    return lambda w, v: c.choice(w, v, allowed)
 
 
 def _check_section(c: _Checker, name: str, raw: object, cls: type, checks: dict[str, Any]) -> Any:
@@ -391,10 +414,10 @@ def validate(
         ArenaConfig,
         {
             "dir": lambda w, v: c.string(w, v, allow_empty=False),
-            "min_quantum_ms": lambda w, v: c.number(w, v, minimum=0.0),
-            "wait_timeout_s": lambda w, v: c.number(w, v, minimum=0.0, strict=True),
-            "restore_oom_retry_s": lambda w, v: c.number(w, v, minimum=0.0),
-            "hung_holder_s": lambda w, v: c.number(w, v, minimum=0.0),
+            "min_quantum_ms": _number(c, ArenaConfig, "min_quantum_ms"),
+            "wait_timeout_s": _number(c, ArenaConfig, "wait_timeout_s"),
+            "restore_oom_retry_s": _number(c, ArenaConfig, "restore_oom_retry_s"),
+            "hung_holder_s": _number(c, ArenaConfig, "hung_holder_s"),
             "vram_budget": lambda w, v: _budget(c, w, v),
         },
     )
@@ -408,9 +431,9 @@ def validate(
         {
             "enabled": c.boolean,
             "host": lambda w, v: c.string(w, v, allow_empty=False),
-            "port": lambda w, v: c.integer(w, v, minimum=1, maximum=65535),
+            "port": _integer(c, ApiConfig, "port"),
             "key": lambda w, v: c.string(w, v, allow_empty=False),
-            "queue_limit": lambda w, v: c.integer(w, v, minimum=1),
+            "queue_limit": _integer(c, ApiConfig, "queue_limit"),
             "allowed_hosts": lambda w, v: c.string_list(w, v, _host_checker(c)),
             "allowed_origins": lambda w, v: c.string_list(w, v, _origin_checker(c)),
             "ollama_listen": lambda w, v: _listen_address(c, w, v),
