@@ -6,7 +6,7 @@ import difflib
 import ipaddress
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -279,20 +279,20 @@ def _bound(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-def _integer(c: _Checker, cls: type, name: str) -> Any:
+def _integer(c: _Checker, cls: type, name: str) -> Callable[[str, object], int | None]:
     """The check of an integer field, its range from the field's metadata (``meta``)."""
     meta = describe(cls, name).meta
     return lambda w, v: c.integer(w, v, minimum=_bound(meta.minimum), maximum=_bound(meta.maximum))
 
 
-def _number(c: _Checker, cls: type, name: str) -> Any:
+def _number(c: _Checker, cls: type, name: str) -> Callable[[str, object], float | None]:
     """The check of a number field, its lower bound from the field's metadata."""
     meta = describe(cls, name).meta
     low = 0.0 if meta.minimum is None else float(meta.minimum)
     return lambda w, v: c.number(w, v, minimum=low, strict=meta.strict_minimum)
 
 
-def _choice(c: _Checker, cls: type, name: str) -> Any:
+def _choice(c: _Checker, cls: type, name: str) -> Callable[[str, object], str | None]:
     """The check of a field that takes one of its metadata's choices."""
     allowed = describe(cls, name).meta.choices
     return lambda w, v: c.choice(w, v, allowed)
