@@ -12,11 +12,13 @@ from pathlib import Path
 
 import platformdirs
 
+from . import envvars
+
 APP_NAME = "timeshare"
 
 
 def _home_override() -> Path | None:
-    value = os.environ.get("TIMESHARE_HOME")
+    value = envvars.HOME.raw()
     return Path(value).expanduser() if value else None
 
 
@@ -58,7 +60,7 @@ def runtime_dir() -> Path:
     home = _home_override()
     if home:
         return _ensure(home / "run")
-    if os.name == "posix" and not os.environ.get("XDG_RUNTIME_DIR"):
+    if os.name == "posix" and not envvars.XDG_RUNTIME_DIR.raw():
         return _ensure(Path(tempfile.gettempdir()) / f"{APP_NAME}-{os.getuid()}")
     return _ensure(Path(platformdirs.user_runtime_dir(APP_NAME)))
 
@@ -66,7 +68,7 @@ def runtime_dir() -> Path:
 def arena_dir_override() -> Path | None:
     """``$TIMESHARE_VRAM_ARENA`` (``~`` expanded), the one place it is read; None when unset. It
     wins over ``arena.dir`` in the config (``arena.dirs.resolve_arena_dir`` applies the order)."""
-    override = os.environ.get("TIMESHARE_VRAM_ARENA")
+    override = envvars.VRAM_ARENA.raw()
     return Path(override).expanduser() if override else None
 
 

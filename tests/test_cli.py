@@ -73,6 +73,23 @@ def test_url_override_that_does_not_answer(tmp_path: Path) -> None:
     assert f"Cannot reach Timeshare at {url}" in done.stderr and "--url" in done.stderr
 
 
+def test_doctor_env_lists_every_variable_with_its_value(tmp_path: Path) -> None:
+    from timeshare.core import envvars
+
+    home = tmp_path / "home"
+    done = run_cli(home, "doctor", "--env", "--json", env_extra={"TIMESHARE_OVERLAP_RESTORE": "0"})
+    assert done.returncode == 0, done.stderr
+    rows = {row["name"]: row for row in json.loads(done.stdout)}
+    assert set(rows) == {var.name for var in envvars.REGISTRY}
+    assert rows["TIMESHARE_HOME"]["value"] == str(home) and rows["TIMESHARE_HOME"]["kind"] == "product"
+    assert rows["TIMESHARE_OVERLAP_RESTORE"]["value"] == "0"
+    assert rows["TIMESHARE_OVERLAP_RESTORE"]["kind"] == "escape hatch"
+    assert all(row["help"] for row in rows.values())
+    text = run_cli(home, "doctor", "--env", env_extra={"TIMESHARE_OVERLAP_RESTORE": "0"})
+    assert text.returncode == 0 and "TIMESHARE_OVERLAP_RESTORE = 0" in text.stdout
+    assert "escape hatch:" in text.stdout and "test:" in text.stdout
+
+
 def test_every_option_and_argument_has_help() -> None:
     import argparse
 

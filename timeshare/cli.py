@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--json", action="store_true", help="print only a JSON report on stdout (progress goes to stderr)"
     )
+    doctor.add_argument(
+        "--env",
+        action="store_true",
+        help="list the environment variables Timeshare reads (class, type, default, value now) and exit",
+    )
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)

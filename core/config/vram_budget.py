@@ -8,14 +8,14 @@ default, "auto" (tests run with ``one-model``; one-off runs on a shared GPU).
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
+from .. import envvars
 from ..arena.budget import AUTO, parse_budget
 from ..errors import ConfigError
 from .schema import ArenaConfig
 
-BUDGET_ENV = "TIMESHARE_VRAM_BUDGET"
+BUDGET_ENV = envvars.VRAM_BUDGET.name
 
 
 def effective_vram_budget(configured: str) -> str:
@@ -25,7 +25,7 @@ def effective_vram_budget(configured: str) -> str:
         setting = parse_budget(configured)
     except ValueError as exc:
         raise ConfigError([f"arena.vram_budget: {exc}"]) from None
-    env = os.environ.get(BUDGET_ENV, "").strip()
+    env = envvars.VRAM_BUDGET.text()
     if not env or setting != AUTO:
         return configured
     try:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import envvars
 from ..errors import TimeshareError
 from . import fresh_process as fresh_process_
 
@@ -188,7 +189,7 @@ class Serve:
                 f"parallel = {parallel}",  # 0: the build's default
             ]
         config.write_text("\n".join(lines) + "\n")
-        env = dict(os.environ, TIMESHARE_HOME=str(home))
+        env = envvars.environment(**{envvars.HOME.name: str(home)})
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "timeshare", "--config", str(config), "serve", "--port", "0"],

@@ -15,6 +15,7 @@ import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .. import envvars
 from ..errors import TimeshareError
 
 if TYPE_CHECKING:  # importing residency loads llama_cpp: run_doctor imports it when it runs
@@ -233,9 +234,31 @@ def _print_text(r: dict[str, Any]) -> None:
     print("\n".join(lines))
 
 
+def print_env(as_json: bool) -> None:
+    """``timeshare doctor --env``: every variable of the registry (core/envvars.py)."""
+    rows = envvars.table()
+    if as_json:
+        keys = ("name", "kind", "type", "default", "value", "help")
+        print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows]))
+        return
+    for kind in envvars.KINDS:
+        print(f"{kind}:")
+        for name, k, type_, default, value, help_ in rows:
+            if k != kind:
+                continue
+            now = f"= {value}" if value else "(unset)"
+            print(f"  {name} {now}")
+            print(f"      {help_}")
+            print(f"      {type_}; when unset: {default or '-'}")
+        print()
+
+
 def main(args: argparse.Namespace) -> int:
     model = args.model
     as_json = bool(getattr(args, "json", False))
+    if getattr(args, "env", False):
+        print_env(as_json)
+        return 0
     _show_steps(to_stderr=as_json)  # stdout stays pure JSON
     try:
         if not model:

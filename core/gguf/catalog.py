@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .. import envvars
 from ..config.schema import ModelConfig, suggest_model_id
 from ..errors import ModelFileError
 from .header import (
@@ -160,8 +161,8 @@ def _display_stem(path: Path) -> str:
 # ---- sources -------------------------------------------------------------------------------
 
 
-def _env_path(var: str) -> Path | None:
-    value = os.environ.get(var)
+def _env_path(var: envvars.EnvVar) -> Path | None:
+    value = var.raw()
     return Path(value).expanduser() if value else None
 
 
@@ -171,26 +172,26 @@ def default_lmstudio_roots() -> list[Path]:
 
 
 def default_hf_root() -> Path:
-    explicit = _env_path("HF_HUB_CACHE")
+    explicit = _env_path(envvars.HF_HUB_CACHE)
     if explicit:
         return explicit
-    hf_home = _env_path("HF_HOME")
+    hf_home = _env_path(envvars.HF_HOME)
     if hf_home:
         return hf_home / "hub"
-    xdg = _env_path("XDG_CACHE_HOME")
+    xdg = _env_path(envvars.XDG_CACHE_HOME)
     return (xdg or Path.home() / ".cache") / "huggingface" / "hub"
 
 
 def default_llama_cpp_root() -> Path:
-    explicit = _env_path("LLAMA_CACHE")
+    explicit = _env_path(envvars.LLAMA_CACHE)
     if explicit:
         return explicit
-    xdg = _env_path("XDG_CACHE_HOME")
+    xdg = _env_path(envvars.XDG_CACHE_HOME)
     return (xdg or Path.home() / ".cache") / "llama.cpp"
 
 
 def default_ollama_root() -> Path:
-    return _env_path("OLLAMA_MODELS") or Path.home() / ".ollama" / "models"
+    return _env_path(envvars.OLLAMA_MODELS) or Path.home() / ".ollama" / "models"
 
 
 @dataclass(frozen=True)

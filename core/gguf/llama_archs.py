@@ -19,13 +19,12 @@ import functools
 import importlib.util
 import json
 import logging
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import paths
+from .. import envvars, paths
 from ..util.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ def _from_library(key: str, lib: str) -> ArchSupport | None:
             capture_output=True,
             text=True,
             timeout=60,
-            env={**os.environ, "GGML_BACKEND_SILENT": "1"},
+            env=envvars.environment(GGML_BACKEND_SILENT="1"),
         )
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("cannot list llama.cpp's architectures: %s", exc)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from .. import envvars
 from ..errors import FrameError
 from ..worker import protocol
 
@@ -29,7 +30,7 @@ _LOG_LIMIT = 4 << 20  # bytes of a worker's log before it is rotated
 
 def clean_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a worker: a whitelist of the app's (locale, paths, GPU runtime knobs)."""
-    source = os.environ if environ is None else environ
+    source = envvars.environment() if environ is None else environ
     return {k: v for k, v in source.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
 
 

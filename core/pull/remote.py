@@ -8,13 +8,13 @@ reads a file's GGUF metadata with a bounded Range request (the "Get model…" di
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
 
+from .. import envvars
 from ..errors import DownloadError, RemoteAccessError, RemoteNotFoundError
 from ..gguf.header import GgufCorruptError, GgufTruncatedError, parse_metadata
 from ..gguf.modelfile import SPLIT_RE
@@ -31,12 +31,12 @@ from .sources import (
     quant_label,
 )
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
+DEFAULT_ENDPOINT = envvars.HF_ENDPOINT.default
 
 
 def hub_endpoint() -> str:
     """The hub's base URL: ``HF_ENDPOINT``, read at each call (so tests can point it elsewhere)."""
-    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    return (envvars.HF_ENDPOINT.raw() or DEFAULT_ENDPOINT).rstrip("/")
 
 
 def _card_licence(info: Any) -> str:

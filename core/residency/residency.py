@@ -18,6 +18,7 @@ from typing import Any, Literal, NoReturn
 
 import llama_cpp
 
+from .. import envvars
 from ..errors import ModelFileChangedError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
@@ -75,8 +76,23 @@ class ResidencyOptions:
     split_at_release: bool = False
 
 
-#: the environment variable that turns overlapped restores off ("0")
-OVERLAP_ENV = "TIMESHARE_OVERLAP_RESTORE"
+#: the environment variable that turns overlapped restores off ("0") or on ("1")
+OVERLAP_ENV = envvars.OVERLAP_RESTORE.name
+
+
+def overlap_wanted(option: bool | None = None) -> bool | None:
+    """The one rule for overlapped restores, as asked: ``TIMESHARE_OVERLAP_RESTORE`` = 0 / 1
+    overrides ``option`` (``ResidencyOptions.overlap_restore``; None: auto, :func:`overlap_expected`)."""
+    override = envvars.OVERLAP_RESTORE.switch()
+    return option if override is None else override
+
+
+def overlap_expected() -> bool:
+    """Whether an attach here will overlap restores, known before any model loads (the worker
+    splits a one-model budget's weights into parts only then): as asked, else auto, a CUDA build
+    (the attach-time probe passes on CUDA only, never on Vulkan; off on the CPU build)."""
+    wanted = overlap_wanted()
+    return wanted if wanted is not None else Residency.probe().backend.startswith("CUDA")
 
 
 @dataclass(frozen=True)
@@ -352,10 +368,7 @@ class Residency:
         return self
 
     def _overlap_wanted(self) -> bool | None:
-        env = os.environ.get(OVERLAP_ENV, "")
-        if env in ("0", "1"):
-            return env == "1"
-        return self._opts.overlap_restore
+        return overlap_wanted(self._opts.overlap_restore)
 
     def _split(self, ip: InPlace) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed

@@ -20,22 +20,24 @@ model loads; the worker and ``timeshare doctor`` / ``bench`` call it at start.
 
 from __future__ import annotations
 
-import os
+from collections.abc import MutableMapping
 
-VIDMEM_VAR = "GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM"
-KEEP_VAR = "TIMESHARE_VK_HOST_VISIBLE_VIDMEM"
+from .. import envvars
+
+VIDMEM_VAR = envvars.VK_DISABLE_HOST_VISIBLE_VIDMEM.name
+KEEP_VAR = envvars.VK_HOST_VISIBLE_VIDMEM.name
 
 
-def prefer_device_local_memory(environ: dict[str, str] | None = None) -> bool:
+def prefer_device_local_memory(environ: MutableMapping[str, str] | None = None) -> bool:
     """Ask ggml-vulkan for plain device-local device buffers (see the module doc). Returns whether
     device buffers will be device-local only (the variable set, now or before)."""
-    env = os.environ if environ is None else environ
-    if env.get(KEEP_VAR) == "1":
-        return VIDMEM_VAR in env
+    env = envvars.process_environ() if environ is None else environ
+    if envvars.VK_HOST_VISIBLE_VIDMEM.raw(env) == "1":
+        return envvars.VK_DISABLE_HOST_VISIBLE_VIDMEM.is_set(env)
     env.setdefault(VIDMEM_VAR, "1")
     return True
 
 
 def device_local_only() -> bool:
     """Whether ggml-vulkan was told to keep device buffers out of host-visible memory."""
-    return VIDMEM_VAR in os.environ
+    return envvars.VK_DISABLE_HOST_VISIBLE_VIDMEM.is_set()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .. import envvars
 from ..errors import CancelledError, FrameError, ModelFileError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..util.logsetup import setup_logging
@@ -38,10 +39,11 @@ from .tenancy import Acquired, Tenancy, make_tenancy
 EMBED_FRAME_VALUES = 256 * 1024
 
 
-def _env_ms(name: str, default_ms: float) -> float:
-    """Seconds from an environment variable in milliseconds (a benchmark's knob), else the default."""
+def _env_ms(var: envvars.EnvVar) -> float:
+    """Seconds from an environment variable in milliseconds (a benchmark's knob), else its default."""
+    default_ms = float(var.default)
     try:
-        return max(0.0, float(os.environ.get(name, default_ms))) / 1000.0
+        return max(0.0, float(var.raw() or default_ms)) / 1000.0
     except ValueError:
         return default_ms / 1000.0
 
@@ -52,8 +54,8 @@ def _env_ms(name: str, default_ms: float) -> float:
 #: decoded by the reader thread) or the latest request arrived less than GATHER_QUIET_S ago.
 #: TIMESHARE_BATCH_GATHER_MS and TIMESHARE_BATCH_QUIET_MS (milliseconds) override them, for
 #: benchmarks and tests.
-GATHER_S = _env_ms("TIMESHARE_BATCH_GATHER_MS", 5.0)
-GATHER_QUIET_S = _env_ms("TIMESHARE_BATCH_QUIET_MS", 1.0)
+GATHER_S = _env_ms(envvars.BATCH_GATHER_MS)
+GATHER_QUIET_S = _env_ms(envvars.BATCH_QUIET_MS)
 
 log = logging.getLogger(__name__)
 
@@ -863,7 +865,7 @@ def process_age_s() -> float | None:
 
 
 def _setup_logging(model_id: str) -> None:
-    setup_logging(bool(os.environ.get("TIMESHARE_DEBUG")), tag=model_id)
+    setup_logging(bool(envvars.DEBUG.raw()), tag=model_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import envvars
 from ..arena.arena import Arena
 from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
 from ..arena.client import TokenClient
@@ -19,7 +20,7 @@ from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
-from ..residency.residency import OVERLAP_ENV, RestoreReport, rss_bytes
+from ..residency.residency import RestoreReport, overlap_expected, rss_bytes
 from ..state import WorkerReleaseLevel
 from ..util.units import decimal_bytes
 from . import protocol as p
@@ -35,13 +36,13 @@ log = logging.getLogger(__name__)
 
 #: the environment variable that sets a deferred host shadow's slice size, in MiB (tests use
 #: small slices so a small model's shadow is several)
-SHADOW_SLICE_ENV = "TIMESHARE_SHADOW_SLICE_MIB"
+SHADOW_SLICE_ENV = envvars.SHADOW_SLICE_MIB.name
 
 
 def shadow_slice_bytes() -> int:
     """A deferred host shadow's slice size: ``TIMESHARE_SHADOW_SLICE_MIB`` (MiB; fractions
     allowed), else the residency's default (256 MiB)."""
-    raw = os.environ.get(SHADOW_SLICE_ENV, "").strip()
+    raw = envvars.SHADOW_SLICE_MIB.text()
     if raw:
         try:
             mib = float(raw)
@@ -335,9 +336,7 @@ class ArenaTenancy(Tenancy):
         """Layer parts under a one-model budget: ``models[].weight_parts`` where restores overlap
         the first decode (a CUDA build, or ``TIMESHARE_OVERLAP_RESTORE=1``), split at the first
         release (every release stays whole); 1 elsewhere."""
-        env = os.environ.get(OVERLAP_ENV, "")
-        on = env == "1" or (env != "0" and Residency.probe().backend.startswith("CUDA"))
-        return max(1, int(self.spec.model.weight_parts)) if on else 1
+        return max(1, int(self.spec.model.weight_parts)) if overlap_expected() else 1
 
     def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""

@@ -1,0 +1,229 @@
+"""Every environment variable Timeshare reads, declared once (Ollama's envconfig idea).
+
+Nothing else in core/ touches ``os.environ`` (tests/test_layers.py checks it on the syntax tree):
+a module reads its variable through the :class:`EnvVar` declared here, a child process's
+environment is copied with :func:`environment`, and a library's variable is set before the
+library loads through :func:`process_environ`. ``timeshare doctor --env`` prints the table
+(:func:`table`).
+
+The class of a variable says who it is for:
+
+- ``product``: a user may set it (folders, the Hugging Face mirror, the CLI's key, debug logs);
+- ``escape hatch``: replaces a setting or a measured default when the default does not suit a
+  machine (the budget on a shared GPU, overlapped restores, ggml-vulkan's memory type);
+- ``test``: tests and benchmarks set it to make a run small or quick; not for users.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["product", "escape hatch", "test"]
+KINDS: tuple[Kind, ...] = ("product", "escape hatch", "test")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    type: str  # what the value is, in words: "path", "0 or 1", "milliseconds", ...
+    default: str  # what applies while it is unset, in words ("" when nothing is said)
+    kind: Kind
+    help: str  # one line
+
+    def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The value as set (None when unset)."""
+        return (os.environ if environ is None else environ).get(self.name)
+
+    def text(self, environ: Mapping[str, str] | None = None) -> str:
+        """The value, stripped ("" when unset)."""
+        return (self.raw(environ) or "").strip()
+
+    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
+        """Whether the variable is in the environment (even empty)."""
+        return self.raw(environ) is not None
+
+    def switch(self) -> bool | None:
+        """A 0/1 override: True for "1", False for "0", None otherwise (unset: the default rule)."""
+        value = self.text()
+        return True if value == "1" else False if value == "0" else None
+
+
+# ---- the registry -----------------------------------------------------------------------------
+
+HOME = EnvVar(
+    "TIMESHARE_HOME",
+    "path",
+    "the platform's folders",
+    "product",
+    "Moves every folder (config, data, cache, logs, runtime) under this one",
+)
+VRAM_ARENA = EnvVar(
+    "TIMESHARE_VRAM_ARENA",
+    "path",
+    "arena.dir, else <runtime folder>/arena",
+    "product",
+    "The arena folder (GPU token, tickets, leases); wins over arena.dir",
+)
+API_KEY = EnvVar(
+    "TIMESHARE_API_KEY",
+    "text",
+    "no key",
+    "product",
+    "The key the timeshare command sends to a running instance that requires one",
+)
+DEBUG = EnvVar(
+    "TIMESHARE_DEBUG",
+    "any non-empty text",
+    "off",
+    "product",
+    "Debug-level logging in the worker processes",
+)
+HF_ENDPOINT = EnvVar(
+    "HF_ENDPOINT",
+    "URL",
+    "https://huggingface.co",  # the default itself (pull/remote.py reads it from here)
+    "product",
+    "The Hugging Face hub (or a mirror) that timeshare pull asks",
+)
+HF_HUB_CACHE = EnvVar(
+    "HF_HUB_CACHE", "path", "$HF_HOME/hub", "product", "The Hugging Face cache the model catalog scans"
+)
+HF_HOME = EnvVar(
+    "HF_HOME",
+    "path",
+    "$XDG_CACHE_HOME/huggingface",
+    "product",
+    "Hugging Face's folder (its hub cache inside)",
+)
+LLAMA_CACHE = EnvVar(
+    "LLAMA_CACHE",
+    "path",
+    "$XDG_CACHE_HOME/llama.cpp",
+    "product",
+    "llama.cpp's download cache, scanned by the catalog",
+)
+OLLAMA_MODELS = EnvVar(
+    "OLLAMA_MODELS", "path", "~/.ollama/models", "product", "Ollama's model store, scanned by the catalog"
+)
+XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "path", "~/.cache", "product", "Where the catalog looks for caches")
+XDG_RUNTIME_DIR = EnvVar(
+    "XDG_RUNTIME_DIR",
+    "path",
+    "a private timeshare-<uid> folder in the temp dir",
+    "product",
+    "The per-user runtime folder (sockets, the arena, the API address file)",
+)
+VRAM_BUDGET = EnvVar(
+    "TIMESHARE_VRAM_BUDGET",
+    'size, share, "auto" or "one-model"',
+    "arena.vram_budget",
+    "escape hatch",
+    'Replaces arena.vram_budget where the config leaves it at "auto" (a shared GPU; tests use one-model)',
+)
+OVERLAP_RESTORE = EnvVar(
+    "TIMESHARE_OVERLAP_RESTORE",
+    "0 or 1",
+    "on for CUDA, off elsewhere",
+    "escape hatch",
+    "Overlapped restores (the first decode computes each layer part as it arrives) off (0) or on (1)",
+)
+VK_HOST_VISIBLE_VIDMEM = EnvVar(
+    "TIMESHARE_VK_HOST_VISIBLE_VIDMEM",
+    "1",
+    "device-local memory",
+    "escape hatch",
+    "Keeps ggml-vulkan's host-visible device memory (Timeshare otherwise sets the next variable)",
+)
+VK_DISABLE_HOST_VISIBLE_VIDMEM = EnvVar(
+    "GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM",
+    "any",
+    "set to 1 by Timeshare",
+    "escape hatch",
+    "ggml-vulkan's own switch: device buffers in plain device-local memory (DMA restores)",
+)
+SHADOW_SLICE_MIB = EnvVar(
+    "TIMESHARE_SHADOW_SLICE_MIB",
+    "MiB (fractions allowed)",
+    "256",
+    "test",
+    "The slice size of a deferred host shadow (tests use small slices)",
+)
+BATCH_GATHER_MS = EnvVar(
+    "TIMESHARE_BATCH_GATHER_MS",
+    "milliseconds",
+    "5",  # the default itself (worker/loop.py reads it from here)
+    "test",
+    "How long a step that admits requests waits at most for more of a burst",
+)
+BATCH_QUIET_MS = EnvVar(
+    "TIMESHARE_BATCH_QUIET_MS",
+    "milliseconds",
+    "1",
+    "test",
+    "The quiet gap after the latest request that ends a burst's gathering",
+)
+VULKAN_TEST = EnvVar(
+    "TIMESHARE_VULKAN_TEST",
+    "1",
+    "off",
+    "test",
+    "Runs the Vulkan tests (tests/test_residency_vulkan.py) on a machine with a Vulkan build",
+)
+
+REGISTRY: tuple[EnvVar, ...] = (
+    HOME,
+    VRAM_ARENA,
+    API_KEY,
+    DEBUG,
+    HF_ENDPOINT,
+    HF_HUB_CACHE,
+    HF_HOME,
+    LLAMA_CACHE,
+    OLLAMA_MODELS,
+    XDG_CACHE_HOME,
+    XDG_RUNTIME_DIR,
+    VRAM_BUDGET,
+    OVERLAP_RESTORE,
+    VK_HOST_VISIBLE_VIDMEM,
+    VK_DISABLE_HOST_VISIBLE_VIDMEM,
+    SHADOW_SLICE_MIB,
+    BATCH_GATHER_MS,
+    BATCH_QUIET_MS,
+    VULKAN_TEST,
+)
+
+
+def by_name(name: str) -> EnvVar:
+    """The declared variable ``name``; KeyError for one that is not declared."""
+    for var in REGISTRY:
+        if var.name == name:
+            return var
+    raise KeyError(f"{name} is not a declared environment variable (core/envvars.py)")
+
+
+# ---- the environment as a whole -----------------------------------------------------------------
+
+
+def environment(**overrides: str) -> dict[str, str]:
+    """A copy of this process's environment, with ``overrides``: a child process's environment."""
+    return {**os.environ, **overrides}
+
+
+def process_environ() -> MutableMapping[str, str]:
+    """This process's environment itself, for setting a library's variable before it loads
+    (``residency/vkenv.py``); read a variable through its :class:`EnvVar`."""
+    return os.environ
+
+
+def table() -> list[tuple[str, str, str, str, str, str]]:
+    """Every declared variable as (name, kind, type, default, current value, help); the current
+    value is "" when unset and hidden for keys."""
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    for var in REGISTRY:
+        raw = var.raw()
+        current = "" if raw is None else ("(set)" if var is API_KEY else raw)
+        rows.append((var.name, var.kind, var.type, var.default, current, var.help))
+    return rows
