@@ -398,3 +398,10 @@ def test_every_timeshare_variable_is_declared() -> None:
     assert len({var.name for var in envvars.REGISTRY}) == len(envvars.REGISTRY)
     assert all(var.kind in envvars.KINDS and var.help for var in envvars.REGISTRY)
 
+
+def test_the_command_line_has_no_import_cycles() -> None:
+    # timeshare/client.py (online verbs) and manage.py (offline ones) used to import each other;
+    # both now reach a running instance through timeshare/connection.py
+    graph = import_graph(source_modules(folders=("timeshare",)))
+    assert "timeshare.connection" in graph
+    assert cycles(graph) == []

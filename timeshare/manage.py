@@ -167,7 +167,7 @@ def _file_and_blob(path: Path) -> list[Path]:
 
 def rm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``timeshare rm M [--delete-file [--yes]]``."""
-    from .client import ClientError, reload_instance
+    from .connection import ClientError, reload_instance
 
     config_path = cli_config_path(getattr(args, "config", None))
     try:

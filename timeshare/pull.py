@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _reload(args: argparse.Namespace, model_id: str, err: TextIO) -> None:
     """Tell a running Timeshare to re-read its config; say what happened (never fails the pull)."""
-    from .client import ClientError, reload_instance
+    from .connection import ClientError, reload_instance
 
     try:
         answer = reload_instance(args)
