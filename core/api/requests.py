@@ -24,6 +24,7 @@ from ..sampling import (
 from ..worker.protocol import ChatMessage
 from .errors import BadRequestError
 from .shapes import MAX_MESSAGES, MAX_N, ChatBody, CompletionBody, RequestMessage
+from ..chatformat.gbnf_check import GrammarLimitError, check_gbnf
 from .structured import response_format_grammar
 from .tools import ToolRequest, has_tool_fields, parse_tool_request, tool_message
 
@@ -208,6 +209,11 @@ def _request(
         raise BadRequestError(
             "'grammar' is empty: give a GBNF grammar with a 'root' rule, or leave it out.", "grammar"
         )
+    if parsed.grammar is not None:
+        try:
+            check_gbnf(parsed.grammar, "'grammar'")
+        except GrammarLimitError as exc:
+            raise BadRequestError(f"{exc}.", "grammar") from None
     if isinstance(parsed, ChatBody):
         if parsed.top_logprobs and not parsed.logprobs:
             raise BadRequestError("'top_logprobs' needs 'logprobs': true.", "top_logprobs")

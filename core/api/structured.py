@@ -4,28 +4,28 @@
 - ``{"type": "json_object"}``: llama.cpp's JSON grammar (``llama_grammar.JSON_GBNF``): one JSON
   object, any keys.
 - ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``: the
-  schema through llama-cpp-python's ``json_schema_to_gbnf`` (llama.cpp's C++ converter is not in
-  the shipped libraries; this is its Python port). ``strict`` true or false: the grammar is
+  schema through llama-cpp-python's converter (``chatformat.schema_grammar``: llama.cpp's C++
+  converter is not in the shipped libraries; this is its Python port, its JSON strings corrected
+  to exclude control characters, a root ``$ref`` followed). ``strict`` true or false: the grammar is
   enforced either way (a local model has no "best effort" mode worth having).
 
 What the grammar enforces (``ENFORCED``), what it accepts but cannot enforce (``NOT_ENFORCED``:
 the answer is valid JSON of the right shape, but e.g. a number may fall outside ``minimum``), and
 what is refused with a 400 naming the part (``not``, a ``$ref`` that is not local to the schema,
-nesting deeper than ``MAX_SCHEMA_DEPTH``, anything the converter itself fails on, such as a
-``pattern`` not anchored with ``^...$``). docs/API.md repeats these lists.
+a keyword of the wrong JSON type, anything over the limits of ``chatformat.schema_check`` and
+``chatformat.gbnf_check``, anything the converter itself fails on, such as a ``pattern`` not
+anchored with ``^...$``). docs/API.md repeats these lists.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-from collections.abc import Mapping
-from typing import Any
 
+from ..chatformat import schema_check
+from ..chatformat.gbnf_check import GrammarLimitError
+from ..chatformat.schema_check import SchemaError
+from ..chatformat.schema_grammar import llama_grammar, schema_gbnf
 from .errors import BadRequestError
-
-#: subschemas nested deeper than this are refused: each level multiplies the grammar's stacks
-MAX_SCHEMA_DEPTH = 16
 
 ENFORCED = (
     "type (one or a list)",
@@ -64,99 +64,34 @@ NOT_ENFORCED = (
     "if/then/else",
     "other formats (email, uri, ...)",
 )
-#: keywords whose value is one subschema / a list of them / a map of them
-_ONE = ("additionalProperties", "items", "contains", "if", "then", "else", "propertyNames", "not")
-_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
 @functools.cache
 def json_object_grammar() -> str:
-    """llama.cpp's JSON grammar (one object), as llama-cpp-python ships it."""
-    from llama_cpp.llama_grammar import JSON_GBNF
+    """llama.cpp's JSON grammar (one object), as llama-cpp-python ships it (its strings exclude
+    control characters already)."""
+    return str(llama_grammar().JSON_GBNF)
 
-    return str(JSON_GBNF)
+
+def check_schema(schema: object, where: str) -> None:
+    """Refuse a schema of the wrong shape, over a limit, or using what a grammar cannot enforce
+    (``chatformat.schema_check``): 400 naming the part."""
+    try:
+        schema_check.check_schema(schema, where)
+    except SchemaError as exc:
+        raise BadRequestError(str(exc), "response_format") from None
+
+
+def schema_grammar(schema: object, where: str = "response_format.json_schema.schema") -> str:
+    """The GBNF grammar of a JSON schema (checked first, and the grammar after: 400 naming the
+    part and the limit)."""
+    try:
+        return schema_gbnf(schema, where)
+    except (SchemaError, GrammarLimitError) as exc:
+        raise BadRequestError(str(exc), "response_format") from None
 
 
 def _refuse(where: str, what: str) -> BadRequestError:
     message = f"{where}: {what}"
     return BadRequestError(message if message.endswith(".") else message + ".", "response_format")
-
-
-def check_schema(schema: object, where: str) -> None:
-    """Refuse what the grammar converter cannot handle (see the module docstring); 400 naming
-    the part. Iterative."""
-    if not isinstance(schema, dict):
-        raise _refuse(where, "the schema must be a JSON object")
-    stack: list[tuple[object, str, int]] = [(schema, where, 0)]
-    while stack:
-        node, at, depth = stack.pop()
-        if isinstance(node, bool):
-            continue  # true / false schemas
-        if not isinstance(node, dict):
-            raise _refuse(at, "a subschema must be a JSON object (or true/false)")
-        if depth > MAX_SCHEMA_DEPTH:
-            raise _refuse(
-                at,
-                f"the schema nests more than {MAX_SCHEMA_DEPTH} levels; Timeshare's grammar cannot "
-                "follow it that deep: flatten it (or use $defs with $ref)",
-            )
-        if "not" in node:
-            raise _refuse(
-                f"{at}.not",
-                "'not' cannot be enforced by a grammar; remove it (or describe the constraint in the prompt)",
-            )
-        ref = node.get("$ref")
-        if ref is not None:
-            if not isinstance(ref, str) or not ref.startswith("#"):
-                raise _refuse(
-                    f"{at}.$ref",
-                    f"only references inside the schema (#/$defs/...) are followed; {ref!r} is "
-                    "remote: inline it under $defs",
-                )
-            _resolve(schema, ref, f"{at}.$ref")
-        for key in _ONE:
-            sub = node.get(key)
-            if isinstance(sub, (dict, bool)):
-                stack.append((sub, f"{at}.{key}", depth + 1))
-        for key in _LIST:
-            subs = node.get(key)
-            if isinstance(subs, list):
-                stack.extend((s, f"{at}.{key}[{i}]", depth + 1) for i, s in enumerate(subs))
-        for key in _MAP:
-            subs = node.get(key)
-            if isinstance(subs, dict):
-                stack.extend((s, f"{at}.{key}.{name}", depth + 1) for name, s in subs.items())
-        pattern = node.get("pattern")
-        if pattern is not None and (
-            not isinstance(pattern, str) or not (pattern.startswith("^") and pattern.endswith("$"))
-        ):
-            raise _refuse(
-                f"{at}.pattern",
-                f"{pattern!r}: only patterns anchored at both ends (^...$) can be enforced; anchor it",
-            )
-
-
-def _resolve(root: Mapping[str, Any], ref: str, where: str) -> None:
-    target: Any = root
-    for part in ref.lstrip("#").split("/")[1:] if ref != "#" else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(target, dict) or part not in target:
-            raise _refuse(where, f"{ref!r} points to nothing in the schema")
-        target = target[part]
-
-
-def schema_grammar(schema: object, where: str = "response_format.json_schema.schema") -> str:
-    """The GBNF grammar of a JSON schema (checked first: see ``check_schema``)."""
-    check_schema(schema, where)
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    try:
-        return str(json_schema_to_gbnf(json.dumps(schema)))
-    except (AssertionError, ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
-        raise _refuse(
-            where, f"the schema cannot be turned into a grammar ({exc or type(exc).__name__})"
-        ) from None
 
 
 def response_format_grammar(response_format: object) -> str | None:

@@ -1,7 +1,6 @@
 """GBNF grammars for tool calls: the family's call syntax, with each function's arguments from its
-JSON schema (llama-cpp-python's ``llama_grammar.SchemaConverter``, the converter behind its
-``json_schema_to_gbnf``; llama.cpp's C++ one is not in the shipped libraries). The module is loaded
-from its file, without the ``llama_cpp`` package (whose import loads libllama).
+JSON schema (``schema_grammar``: llama-cpp-python's converter, JSON strings without control
+characters). The grammar is checked against ``gbnf_check``'s limits.
 
 ``tool_grammar`` is for ``tool_choice: required`` or a named function (the grammar applies from
 the first token, so even a small model writes a call whose arguments validate) and, with
@@ -18,35 +17,13 @@ block before the calls (after ``</think>`` only, when the prompt opened the bloc
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Sequence
-from functools import cache
 from typing import Any
 
 from .families import Family
-
-
-@cache
-def _llama_grammar() -> Any:
-    """llama-cpp-python's ``llama_grammar`` module (pure Python), loaded from its file without
-    importing the ``llama_cpp`` package, whose import loads libllama: the API process, which
-    builds the grammars, never loads llama.cpp."""
-    name = "timeshare_llama_grammar"
-    if name in sys.modules:
-        return sys.modules[name]
-    package = importlib.util.find_spec("llama_cpp")  # found, not imported
-    if package is None or not package.submodule_search_locations:
-        raise ToolGrammarError("llama-cpp-python is not installed: tool grammars need its llama_grammar")
-    path = f"{next(iter(package.submodule_search_locations))}/llama_grammar.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ToolGrammarError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from .gbnf_check import GrammarLimitError, check_gbnf
+from .schema_grammar import CONVERTER_ERRORS, convert, new_converter
 
 
 class ToolGrammarError(ValueError):
@@ -84,15 +61,12 @@ def _call_rules(family: Family, functions: Sequence[dict[str, Any]]) -> str:
     """The GBNF rules whose rule ``tool-call`` is one call object of any of ``functions``."""
     if not functions:
         raise ToolGrammarError("no functions to call")
-    # the untyped converter behind llama_grammar.json_schema_to_gbnf, called with its settings
-    make: Any = _llama_grammar().SchemaConverter
-    converter: Any = make(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter = new_converter()
     schemas = [_call_schema(family, f) for f in functions]
     schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     try:
-        schema = converter.resolve_refs(schema, "tools")
-        converter.visit(schema, "tool-call")
-    except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        convert(converter, json.loads(json.dumps(schema)), "tool-call", "tools")
+    except CONVERTER_ERRORS as exc:
         names = ", ".join(str(f.get("name")) for f in functions)
         raise ToolGrammarError(
             f"the parameters schema of {names} cannot be turned into a grammar "
@@ -140,7 +114,12 @@ def tool_grammar(
         extra.append(_THINK_TEXT)
     else:
         root = f"root ::= {calls}"
-    return "\n".join([root, *extra, rules]) + "\n"
+    grammar = "\n".join([root, *extra, rules]) + "\n"
+    try:
+        check_gbnf(grammar, "the tools' grammar")
+    except GrammarLimitError as exc:
+        raise ToolGrammarError(f"{exc}; offer fewer or smaller tools") from None
+    return grammar
 
 
 def tool_triggers(family: Family, *, thinks: bool = False) -> tuple[str, ...]:

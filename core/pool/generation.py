@@ -60,6 +60,7 @@ class Generation:
         self._sent_at = 0.0
         self._load_crashes = 0  # the worker died this many times while this request waited for its load
         self._resent = False  # sent again after its worker crashed before answering it
+        self._crashes: list[float] = []  # monotonic times of its worker's crashes while it was in flight
 
     @property
     def req(self) -> str:

@@ -59,7 +59,8 @@ class WorkerRecord:
     # sent, no Done yet, by req: up to ``capacity`` at once (the worker decodes them together)
     inflight: dict[str, Generation] = field(default_factory=dict)
     restarts: int = 0
-    crash_times: deque[float] = field(default_factory=deque)
+    crash_times: deque[float] = field(default_factory=deque)  # the crashes the restart budget counts
+    answered: int = 0  # requests its workers answered (stop or length): the model itself works
     fatal: protocol.Error | None = None
     pending: list[object] = field(default_factory=list)  # commands to send once ready
     last_switch: SwitchStats | None = None
@@ -117,6 +118,26 @@ class WorkerRecord:
         self.crash_times.append(now)
         self.restarts += 1
         return float(policy.restart_backoff_s * (2 ** (len(self.crash_times) - 1)))
+
+    def charge_crash(self, now: float) -> tuple[list[Generation], bool]:
+        """A crash at ``now`` of a ready worker, attributed (issue 38). Every request in flight
+        records it. A request in flight at its second crash (sent again after the first, nothing
+        streamed either time) is *charged* with its crashes: two fresh workers died while it
+        alone was the common factor. When the model has answered some request since it was
+        started (the model itself works), a charged request's crashes leave the restart budget:
+        the earlier ones are taken out of ``crash_times`` and the caller does not count this one.
+        A model that never answered keeps counting them (a model that crashes on everything
+        still FAILS). Returns (the charged requests, still in flight; whether they are forgiven)."""
+        charged = [g for g in self.inflight.values() if g._resent and not g.text]
+        for gen in self.inflight.values():
+            gen._crashes.append(now)
+        forgiven = bool(charged) and self.answered > 0
+        if forgiven:
+            for gen in charged:
+                for at in gen._crashes:
+                    if at in self.crash_times:
+                        self.crash_times.remove(at)
+        return charged, forgiven
 
     def spawn_retry_delay(self, policy: WorkerPolicy) -> float | None:
         """A spawn met a passing shortage: the delay before the next attempt, or None once it has

@@ -723,6 +723,8 @@ class Pool:
             gen._fail(ModelUnavailableError(cut_short(w, self._actor.closing)))
         else:
             gen._finish(msg.finish_reason, msg.usage, switch, msg.stop, msg.batch_size, msg.timings)
+            if msg.finish_reason != "cancelled":
+                w.answered += 1  # the model works: a crash charged to a request is forgiven
         self._publish(
             EventKind.REQUEST_DONE,
             w.id,
@@ -806,10 +808,15 @@ class Pool:
             self._set_failed(w, fatal.message, fatal.code)
             return
         # a crash (or the watchdog killed it)
+        now = time.monotonic()
+        charged: list[Generation] = []
+        forgiven = False
         if not was_ready:
             w.requeue_inflight()  # they were waiting for the load, not being answered
             self._count_load_crash(w, f"it {hung}" if hung else f"exit status {code}")
         else:
+            # the requests in flight at their second crash are charged with it (record.py)
+            charged, forgiven = w.charge_crash(now)
             # each request in flight on its own: one that had streamed nothing yet is sent again
             # after the restart (once: a second crash with it in flight fails it); one that had
             # streamed part of its answer fails, saying so
@@ -824,13 +831,32 @@ class Pool:
         )
         for gen in list(w.inflight.values()):
             del w.inflight[gen.req]
+            if gen in charged:
+                gen._fail(
+                    ModelUnavailableError(
+                        f"{w.id} crashed twice while answering this request (it was sent again after "
+                        "the first crash): the request itself is the likely cause, so it is not sent "
+                        f"again; the model is restarted for the others. See the worker log {w.log_path}"
+                    )
+                )
+                continue
             said = (
                 f"while answering ({len(gen.text)} characters streamed)"
                 if gen.text
                 else "again before answering (this request was in flight at both crashes)"
             )
             gen._fail(ModelUnavailableError(f"{w.id} crashed {said}; it is being restarted — send again"))
-        delay = w.crash_backoff(self._policy, time.monotonic())
+        if forgiven:
+            # charged to a request: not counted toward taking the model offline (record.py)
+            log.warning(
+                "%s: crash charged to request(s) %s (in flight at two crashes in a row); not counted",
+                w.id,
+                ", ".join(g.req for g in charged),
+            )
+            w.restarts += 1
+            delay: float | None = self._policy.restart_backoff_s
+        else:
+            delay = w.crash_backoff(self._policy, now)
         if delay is None:
             self._set_failed(
                 w,

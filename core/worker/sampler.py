@@ -69,6 +69,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from ..chatformat.gbnf_check import GrammarLimitError, check_gbnf
 from ..errors import InvalidGrammarError, InvalidSamplingError
 from ..sampling import Sampling
 
@@ -226,6 +227,11 @@ class Sampler:
         )
 
     def _init_grammar(self, llm: Any, grammar: str, triggers: Sequence[str]) -> Any:
+        try:
+            check_gbnf(grammar)  # what llama.cpp's parser can build without running out of stack
+        except GrammarLimitError as exc:
+            self.close()
+            raise GrammarError(str(exc)) from None
         vocab = llm._model.vocab
         text = grammar.encode("utf-8")
         if triggers:
