@@ -19,7 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import jsonschema
+import openai
+import pydantic
 import pytest
+from _api_util import SMOL, Served, serving, write_config
+from _proc_util import wait_until
 from timeshare.core.chatformat.gbnf_check import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_NESTING, check_gbnf
 from timeshare.core.config.schema import Config, ModelConfig
 from timeshare.core.errors import InvalidGrammarError, ModelUnavailableError
@@ -133,7 +139,9 @@ def test_a_request_that_crashes_its_worker_twice_is_charged_and_the_model_stays_
         pool.stop()
 
 
-def test_a_model_that_never_answered_still_fails_after_its_crashes(tmp_path: Path, smollm2_path: Path) -> None:
+def test_a_model_that_never_answered_still_fails_after_its_crashes(
+    tmp_path: Path, smollm2_path: Path
+) -> None:
     """The charge is forgiven only for a model that has answered something: one that crashes on
     every request is not restarted for ever."""
     config = Config(models=(ModelConfig(id="m", path=str(smollm2_path), n_ctx=512),))
@@ -151,10 +159,246 @@ def test_a_model_that_never_answered_still_fails_after_its_crashes(tmp_path: Pat
         gen = pool.generate("m", prompt="Say hello.", sampling=ABORTS)
         with pytest.raises(ModelUnavailableError):
             gen.result(timeout=WAIT)
-        assert _status(pool).state is ModelState.FAILED
+        wait_until(lambda: _status(pool).state is ModelState.FAILED, WAIT, "the model to fail")
     finally:
         pool.stop()
 
 
-def _unused(x: object) -> str:
-    return json.dumps(x)
+# ---- schemas refused with a 400 naming the part and the limit -------------------------------------
+
+
+def _rf(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+#: hostile schemas (the independent suite's cases), the part each refusal names and what it says
+HOSTILE: list[tuple[str, Any, str, str]] = [
+    ("maxLength-100000", {"type": "string", "maxLength": 100_000}, "schema.maxLength", "MAX_REPETITION"),
+    ("minLength-100000", {"type": "string", "minLength": 100_000}, "schema.minLength", "MAX_REPETITION"),
+    (
+        "minItems-100000",
+        {"type": "array", "items": {"type": "integer"}, "minItems": 100_000},
+        "schema.minItems",
+        "MAX_REPETITION",
+    ),
+    ("enum-100000", {"enum": [f"value-{i}" for i in range(100_000)]}, "schema.enum", "MAX_ENUM_VALUES"),
+    ("enum-long", {"enum": ["x" * 20_000, "y" * 20_000, "z" * 20_000]}, "schema.enum", "MAX_ENUM_CHARS"),
+    ("properties-list", {"type": "object", "properties": ["a", "b"]}, "schema.properties", "not a list"),
+    ("properties-string", {"type": "object", "properties": "a"}, "schema.properties", "not a string"),
+    ("items-3", {"type": "array", "items": 3}, "schema.items", "must be a schema"),
+    ("anyOf-x", {"anyOf": "x"}, "schema.anyOf", "non-empty list of schemas"),
+    (
+        "required-3",
+        {"type": "object", "properties": {}, "required": 3},
+        "schema.required",
+        "list of property",
+    ),
+    ("maxLength-text", {"type": "string", "maxLength": "10"}, "schema.maxLength", "whole number"),
+    (
+        "pattern-1e20",
+        {"type": "string", "pattern": "^a{0,100000000000000000000}$"},
+        "schema.pattern",
+        "MAX_REPETITION",
+    ),
+    (
+        "nested-properties",
+        {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"items": "x"}}}}},
+        "schema.properties.a.properties.b.items",
+        "must be a schema",
+    ),
+    (
+        "properties-1000",
+        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}},
+        "schema.properties",
+        "MAX_PROPERTIES",
+    ),
+    ("big", {"type": "object", "description": "x" * 200_000}, "schema", "MAX_SCHEMA_BYTES"),
+]
+
+
+@pytest.mark.parametrize(("schema", "where", "says"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_a_hostile_schema_is_refused_naming_the_part_and_the_limit(
+    schema: Any, where: str, says: str
+) -> None:
+    from timeshare.core.api.errors import BadRequestError
+    from timeshare.core.api.structured import response_format_grammar
+
+    with pytest.raises(BadRequestError) as caught:
+        response_format_grammar(_rf(schema))
+    assert f"response_format.json_schema.{where}:" in caught.value.message
+    assert says in caught.value.message
+
+
+def test_a_grammar_extension_of_nested_parentheses_is_refused_at_the_api() -> None:
+    from timeshare.core.api.errors import BadRequestError
+    from timeshare.core.api.requests import parse_chat_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "grammar": DEEP_PARENS}
+    with pytest.raises(BadRequestError) as caught:
+        parse_chat_request(body)
+    assert caught.value.param == "grammar" and "MAX_GRAMMAR_NESTING" in caught.value.message
+
+
+def test_a_json_string_excludes_control_characters_in_both_grammars() -> None:
+    """The rule itself: llama.cpp's (the converter's own allowed any character but " and \\)."""
+    from timeshare.core.api.structured import schema_grammar
+    from timeshare.core.chatformat.families import FAMILIES
+    from timeshare.core.chatformat.grammar import tool_grammar
+    from timeshare.core.chatformat.schema_grammar import JSON_CHAR
+
+    rule = f"char ::= {JSON_CHAR}"
+    assert "\\x00-\\x1F" in JSON_CHAR
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    assert rule in schema_grammar(person).splitlines()
+    tools = tool_grammar(FAMILIES["hermes"], [{"name": "f", "parameters": person}], parallel=False)
+    assert rule in tools.splitlines()
+
+
+# ---- over HTTP: every dialect, the real clients ---------------------------------------------------
+
+LONG = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 100_000}}, "required": ["a"]}
+HI = [{"role": "user", "content": "hi"}]
+DIALECTS: list[tuple[str, str, dict[str, Any], str]] = [
+    ("openai-response_format", "/v1/chat/completions", {"response_format": _rf(LONG)}, "MAX_REPETITION"),
+    (
+        "openai-tools",
+        "/v1/chat/completions",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": LONG}}],
+            "tool_choice": "required",
+        },
+        "MAX_REPETITION",
+    ),
+    ("openai-grammar", "/v1/chat/completions", {"grammar": DEEP_PARENS}, "MAX_GRAMMAR_NESTING"),
+    ("ollama-format", "/api/chat", {"format": LONG, "stream": False}, "MAX_REPETITION"),
+    (
+        "ollama-tools",
+        "/api/chat",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": LONG}}], "stream": False},
+        "MAX_REPETITION",
+    ),
+    (
+        "anthropic-output_config",
+        "/v1/messages",
+        {"output_config": {"format": {"type": "json_schema", "schema": LONG}}},
+        "MAX_REPETITION",
+    ),
+    ("anthropic-tools", "/v1/messages", {"tools": [{"name": "f", "input_schema": LONG}]}, "MAX_REPETITION"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[Served]:
+    home = tmp_path_factory.mktemp("grammar-home")
+    config = write_config(home / "elsewhere" / "timeshare.toml", [(SMOL, smollm2_path)])
+    with serving(home, config=config) as server:
+        server.wait_ready([SMOL])
+        yield server
+
+
+def _post(served: Served, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{served.url}{path}", json=body, headers=served.headers(), timeout=WAIT)
+
+
+def test_every_dialect_refuses_a_100_byte_schema_that_crashed_the_worker(served: Served) -> None:
+    """Before: a 503 "crashed again before answering" on every dialect, and a few of them within a
+    minute made the model FAILED for everyone."""
+    pid = served.model_status(SMOL)["pid"]
+    for name, path, extra, says in DIALECTS:
+        body = {"model": SMOL, "messages": HI, "max_tokens": 4, **extra}
+        answer = _post(served, path, body)
+        assert answer.status_code == 400, (name, answer.text)
+        assert says in answer.text, (name, answer.text)
+    ok = _post(
+        served, "/v1/chat/completions", {"model": SMOL, "messages": HI, "max_tokens": 4, "temperature": 0}
+    )
+    assert ok.status_code == 200, ok.text
+    status = served.model_status(SMOL)
+    assert status["pid"] == pid and status["restarts"] == 0
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+EXTRACT = [{"role": "user", "content": "Extract the person: Bob is 42 years old."}]
+#: SmolLM2's "\n" token, pushed up: wherever the grammar lets a raw newline in, it is chosen
+NEWLINE_BIAS = {"198": 100}
+
+
+def _no_control_characters(text: str) -> None:
+    assert not any(ord(c) < 0x20 or ord(c) == 0x7F for c in text), repr(text)
+
+
+def test_structured_output_strings_hold_no_control_characters(served: Served) -> None:
+    """The issue's reproduction (greedy, 40 tokens), and the same with the newline pushed up."""
+    for bias in ({}, NEWLINE_BIAS):
+        body = {
+            "model": SMOL,
+            "messages": EXTRACT,
+            "max_tokens": 40,
+            "temperature": 0,
+            "logit_bias": bias,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        }
+        answer = _post(served, "/v1/chat/completions", body)
+        assert answer.status_code == 200, answer.text
+        content = answer.json()["choices"][0]["message"]["content"]
+        _no_control_characters(content)
+        if answer.json()["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(content), PERSON)
+
+
+def test_tool_call_arguments_hold_no_control_characters(served: Served) -> None:
+    body = {
+        "model": SMOL,
+        "messages": EXTRACT,
+        "max_tokens": 60,
+        "temperature": 0,
+        "logit_bias": NEWLINE_BIAS,
+        "tools": [{"type": "function", "function": {"name": "record_person", "parameters": PERSON}}],
+        "tool_choice": "required",
+    }
+    answer = _post(served, "/v1/chat/completions", body)
+    assert answer.status_code == 200, answer.text
+    message = answer.json()["choices"][0]["message"]
+    for call in message.get("tool_calls") or []:
+        _no_control_characters(call["function"]["arguments"])
+    _no_control_characters(message.get("content") or "")
+
+
+class Node(pydantic.BaseModel):
+    """A recursive model: its JSON schema is ``{"$defs": {"Node": ...}, "$ref": "#/$defs/Node"}``,
+    the recursion at the schema's root."""
+
+    value: int
+    children: list[Node]
+
+
+TREE = [{"role": "user", "content": "Write a tree: the root has value 1 and no children."}]
+
+
+def test_a_recursive_pydantic_model_at_the_root_gives_valid_output(served: Served) -> None:
+    """Before: a 400 (the converter never looked inside the root's $defs). The schema as pydantic
+    writes it (what the ollama client's ``format=Model.model_json_schema()`` and others send), on
+    both dialects, and openai's ``.parse()`` (this SDK version inlines the root before sending)."""
+    schema = Node.model_json_schema()
+    assert schema["$ref"] == "#/$defs/Node"  # the shape this test is about
+    body = {"model": SMOL, "messages": TREE, "max_tokens": 200, "temperature": 0}
+    answer = _post(served, "/v1/chat/completions", {**body, "response_format": _rf(schema)})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(answer.json()["choices"][0]["message"]["content"]), schema)
+    ollama = {"model": SMOL, "messages": TREE, "format": schema, "stream": False}
+    answer = _post(served, "/api/chat", {**ollama, "options": {"temperature": 0, "num_predict": 200}})
+    assert answer.status_code == 200, answer.text
+    jsonschema.validate(json.loads(answer.json()["message"]["content"]), schema)
+
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=WAIT)
+    completion = client.beta.chat.completions.parse(
+        model=SMOL, messages=TREE, response_format=Node, temperature=0, max_tokens=200
+    )
+    choice = completion.choices[0]
+    assert isinstance(choice.message.parsed, Node), choice
+    jsonschema.validate(json.loads(choice.message.content or ""), schema)

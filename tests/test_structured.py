@@ -47,7 +47,8 @@ def test_a_pydantic_style_schema_becomes_a_grammar() -> None:
         ({"$ref": "https://example.com/s.json"}, "schema.$ref", "remote"),
         ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "properties.a.$ref", "points to nothing"),
         ({"type": "string", "pattern": "[a-z]+"}, "schema.pattern", "anchored"),
-        ({"type": "frobnicate"}, "schema", "cannot be turned into a grammar"),
+        ({"type": "frobnicate"}, "schema.type", "must be one of"),
+        ({"type": "string", "pattern": "^(?=a)b$"}, "schema", "cannot be turned into a grammar"),
         ("not a schema", "schema", "JSON object"),
     ],
 )

@@ -15,6 +15,7 @@ import anyio.to_thread
 import msgspec
 from starlette.requests import Request
 
+from ..chatformat.gbnf_check import GrammarLimitError, check_gbnf
 from ..sampling import (
     MAX_STOP,
     MAX_TOP_LOGPROBS,
@@ -24,7 +25,6 @@ from ..sampling import (
 from ..worker.protocol import ChatMessage
 from .errors import BadRequestError
 from .shapes import MAX_MESSAGES, MAX_N, ChatBody, CompletionBody, RequestMessage
-from ..chatformat.gbnf_check import GrammarLimitError, check_gbnf
 from .structured import response_format_grammar
 from .tools import ToolRequest, has_tool_fields, parse_tool_request, tool_message
 

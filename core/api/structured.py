@@ -64,6 +64,8 @@ NOT_ENFORCED = (
     "if/then/else",
     "other formats (email, uri, ...)",
 )
+
+
 @functools.cache
 def json_object_grammar() -> str:
     """llama.cpp's JSON grammar (one object), as llama-cpp-python ships it (its strings exclude

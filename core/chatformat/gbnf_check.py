@@ -30,11 +30,11 @@ MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_NESTING = 1100
 #: rules after llama.cpp's expansion (named, groups, repetitions): its left-recursion check
 #: recurses along chains of them
-MAX_GRAMMAR_RULES = 20_000
+MAX_GRAMMAR_RULES = 5_000
 #: symbols after llama.cpp's expansion of repetitions
 MAX_GRAMMAR_ELEMENTS = 1_000_000
 #: alternatives (``|``) in all: each may start a stack of its own
-MAX_GRAMMAR_ALTERNATIVES = 5_000
+MAX_GRAMMAR_ALTERNATIVES = 2_000
 #: llama.cpp's MAX_REPETITION_THRESHOLD: a larger maximum is unbounded, a larger minimum refused
 LLAMA_REPETITION_THRESHOLD = 2000
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from .families import Family
 from .gbnf_check import GrammarLimitError, check_gbnf
-from .schema_grammar import CONVERTER_ERRORS, convert, new_converter
+from .schema_grammar import CONVERTER_ERRORS, convert, hoist_defs, new_converter
 
 
 class ToolGrammarError(ValueError):
@@ -47,9 +47,13 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _call_schema(family: Family, function: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(family: Family, function: dict[str, Any], defs: dict[str, Any], tag: str) -> dict[str, Any]:
+    """One call object of ``function``; the definitions of its parameters schema move into
+    ``defs`` (the combined schema's root ``$defs``), renamed with ``tag``."""
     name = str(function.get("name", ""))
-    properties: dict[str, Any] = {"name": {"const": name}, family.arguments_key: _parameters(function)}
+    parameters, moved = hoist_defs(_parameters(function), tag)
+    defs.update(moved)
+    properties: dict[str, Any] = {"name": {"const": name}, family.arguments_key: parameters}
     required = ["name", family.arguments_key]
     if family.name == "mistral":
         properties["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
@@ -62,8 +66,13 @@ def _call_rules(family: Family, functions: Sequence[dict[str, Any]]) -> str:
     if not functions:
         raise ToolGrammarError("no functions to call")
     converter = new_converter()
-    schemas = [_call_schema(family, f) for f in functions]
-    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # a parameters schema's "#/$defs/..." points into itself: its definitions move to the root
+    # of the combined schema (where the converter resolves references), one name space per tool
+    defs: dict[str, Any] = {}
+    schemas = [_call_schema(family, f, defs, f"tool{i}") for i, f in enumerate(functions)]
+    schema: dict[str, Any] = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
+    if defs:
+        schema["$defs"] = defs
     try:
         convert(converter, json.loads(json.dumps(schema)), "tool-call", "tools")
     except CONVERTER_ERRORS as exc:

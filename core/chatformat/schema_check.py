@@ -92,7 +92,8 @@ def pattern_repetitions(pattern: str, where: str) -> None:
     bounded work (``{m,n}`` over ``MAX_REPETITION``, groups deeper than ``MAX_PATTERN_NESTING``)."""
     if len(pattern) > MAX_PATTERN_CHARS:
         raise SchemaError(
-            where, f"the pattern is {len(pattern)} characters; at most {MAX_PATTERN_CHARS} (MAX_PATTERN_CHARS)"
+            where,
+            f"the pattern is {len(pattern)} characters; at most {MAX_PATTERN_CHARS} (MAX_PATTERN_CHARS)",
         )
     depth = 0
     i, n = 0, len(pattern)
@@ -111,7 +112,8 @@ def pattern_repetitions(pattern: str, where: str) -> None:
             depth += 1
             if depth > MAX_PATTERN_NESTING:
                 raise SchemaError(
-                    where, f"the pattern's groups nest more than {MAX_PATTERN_NESTING} deep (MAX_PATTERN_NESTING)"
+                    where,
+                    f"the pattern's groups nest more than {MAX_PATTERN_NESTING} deep (MAX_PATTERN_NESTING)",
                 )
         elif c == ")":
             depth -= 1
@@ -148,7 +150,8 @@ def check_schema(schema: object, where: str) -> None:
         if depth > MAX_SCHEMA_DEPTH:
             raise SchemaError(
                 at,
-                f"the schema nests more than {MAX_SCHEMA_DEPTH} levels (MAX_SCHEMA_DEPTH); Timeshare's grammar "
+                f"the schema nests more than {MAX_SCHEMA_DEPTH} levels (MAX_SCHEMA_DEPTH); "
+                "Timeshare's grammar "
                 "cannot follow it that deep: flatten it (or use $defs with $ref)",
             )
         if "not" in node:
@@ -171,7 +174,9 @@ def check_schema(schema: object, where: str) -> None:
                 continue
             sub = node[key]
             if not isinstance(sub, (dict, bool)):
-                raise SchemaError(f"{at}.{key}", f"must be a schema (an object, or true/false), not {_kind(sub)}")
+                raise SchemaError(
+                    f"{at}.{key}", f"must be a schema (an object, or true/false), not {_kind(sub)}"
+                )
             stack.append((sub, f"{at}.{key}", depth + 1))
         for key in LIST:
             if key not in node or (key == "items" and not isinstance(node[key], list)):
@@ -185,13 +190,16 @@ def check_schema(schema: object, where: str) -> None:
                 continue
             subs = node[key]
             if not isinstance(subs, dict):
-                raise SchemaError(f"{at}.{key}", f"must be an object mapping names to schemas, not {_kind(subs)}")
+                raise SchemaError(
+                    f"{at}.{key}", f"must be an object mapping names to schemas, not {_kind(subs)}"
+                )
             if key == "properties":
                 properties += len(subs)
                 if properties > MAX_PROPERTIES:
                     raise SchemaError(
                         f"{at}.properties",
-                        f"the schema has more than {MAX_PROPERTIES} properties in all (MAX_PROPERTIES): use fewer",
+                        f"the schema has more than {MAX_PROPERTIES} properties in all "
+                        "(MAX_PROPERTIES): use fewer",
                     )
             stack.extend((s, f"{at}.{key}.{name}", depth + 1) for name, s in subs.items())
         required = node.get("required")
@@ -211,7 +219,9 @@ def check_schema(schema: object, where: str) -> None:
                 )
         for low, high in (("minLength", "maxLength"), ("minItems", "maxItems")):
             if low in node and high in node and node[low] > node[high]:
-                raise SchemaError(f"{at}.{high}", f"{node[high]} is less than {low} {node[low]}: nothing fits")
+                raise SchemaError(
+                    f"{at}.{high}", f"{node[high]} is less than {low} {node[low]}: nothing fits"
+                )
         for key in NUMBERS:
             if key in node and (isinstance(node[key], bool) or not isinstance(node[key], (int, float))):
                 raise SchemaError(f"{at}.{key}", f"must be a number, not {_kind(node[key])}")
@@ -230,7 +240,8 @@ def check_schema(schema: object, where: str) -> None:
         if enum_values > MAX_ENUM_VALUES:
             raise SchemaError(
                 f"{at}.enum" if "enum" in node else f"{at}.const",
-                f"the schema's enum and const values are more than {MAX_ENUM_VALUES} in all (MAX_ENUM_VALUES): "
+                f"the schema's enum and const values are more than {MAX_ENUM_VALUES} in all "
+                "(MAX_ENUM_VALUES): "
                 "each is an alternative of the grammar; use fewer, or a plain string",
             )
         if enum_chars > MAX_ENUM_CHARS:
@@ -251,7 +262,9 @@ def check_schema(schema: object, where: str) -> None:
     size = len(json.dumps(schema).encode("utf-8"))
     if size > MAX_SCHEMA_BYTES:
         raise SchemaError(
-            where, f"the schema is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} (MAX_SCHEMA_BYTES): make it smaller"
+            where,
+            f"the schema is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} (MAX_SCHEMA_BYTES): "
+            "make it smaller",
         )
 
 

@@ -30,13 +30,19 @@ from .gbnf_check import check_gbnf
 from .schema_check import SchemaError, check_schema
 
 #: llama.cpp's JSON string character (json-schema-to-grammar.cpp, JSON_GBNF), ``\/`` kept
-JSON_CHAR = (
-    r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
-)
+JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 #: a pattern's ``.``: any character a JSON string may hold raw
 JSON_DOT = r'[^"\\\x7F\x00-\x1F]'
 #: what the converter raises on a schema it cannot handle
-CONVERTER_ERRORS = (AssertionError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError)
+CONVERTER_ERRORS = (
+    AssertionError,
+    ValueError,
+    KeyError,
+    TypeError,
+    IndexError,
+    AttributeError,
+    RecursionError,
+)
 
 
 class ConverterMissingError(RuntimeError):
@@ -80,6 +86,36 @@ def root_ref_followed(schema: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}
     out["anyOf"] = [{"$ref": schema["$ref"]}]
     return out
+
+
+def hoist_defs(schema: dict[str, Any], tag: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A copy of ``schema`` without its root ``$defs``/``definitions``, and those definitions
+    renamed ``{tag}-defs-NAME`` / ``{tag}-definitions-NAME``, every ``#/$defs/NAME...`` reference
+    in both rewritten to match: for a schema placed inside another (a tool's parameters inside
+    the call object), whose references the converter resolves from the outer root."""
+    schema = json.loads(json.dumps(schema))
+    moved: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        block = schema.pop(key, None)
+        if isinstance(block, dict):
+            for name, sub in block.items():
+                moved[f"{tag}-{key.lstrip('$')}-{name}"] = sub
+    if not moved:
+        return schema, moved
+    stack: list[Any] = [schema, moved]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                for key in ("$defs", "definitions"):
+                    head = f"#/{key}/"
+                    if ref.startswith(head):
+                        node["$ref"] = f"#/$defs/{tag}-{key.lstrip('$')}-{ref[len(head) :]}"
+            stack.extend(v for k, v in node.items() if k != "$ref")
+    return schema, moved
 
 
 def convert(converter: Any, schema: dict[str, Any], name: str, url: str) -> None:
