@@ -11,5 +11,10 @@ builds tool grammars and parses answers): no Qt, no llama.cpp context, no I/O.
   from the template text.
 - ``grammar``: GBNF forcing a family's call syntax with arguments from the functions' JSON
   schemas (forced, or lazy with trigger patterns).
+- ``schema_check``: a JSON schema's shape and limits, checked before it becomes a grammar.
+- ``schema_grammar``: a JSON schema as GBNF (llama-cpp-python's converter, JSON strings without
+  control characters, a root ``$ref`` followed).
+- ``gbnf_check``: limits on any GBNF text, so llama.cpp builds and applies it in bounded time
+  and stack (the API and the worker both check).
 - ``parse``: an answer split into reasoning, content and tool calls, whole or streamed.
 """

@@ -64,7 +64,7 @@ def llama_grammar() -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ConverterMissingError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
+    module: Any = importlib.util.module_from_spec(spec)  # the port's names are untyped
     spec.loader.exec_module(module)
     char = module.PRIMITIVE_RULES["char"]
     module.PRIMITIVE_RULES["char"] = module.BuiltinRule(JSON_CHAR, list(char.deps))
