@@ -45,6 +45,9 @@ DEEP_STRING = (
 DEEP_PARENS = "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000 + "\n"
 #: an enum of 100,000 strings, as the converter writes it (1 MB)
 BIG_ENUM = "root ::= " + " | ".join(f'"\\"value{i}\\""' for i in range(100_000)) + "\n"
+#: a grammar no token can follow: from the first token, or after "a"
+NOTHING = "root ::= [^\\x00-\\U0010FFFF]\n"
+NOTHING_AFTER_A = 'root ::= "a" [^\\x00-\\U0010FFFF]\n'
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +78,15 @@ def _answer(pool: Pool, grammar: str | None = None, **extra: Any) -> str:
         (DEEP_STRING, "MAX_GRAMMAR_BYTES"),
         (DEEP_PARENS, f"nest more than {MAX_GRAMMAR_NESTING} deep"),
         (BIG_ENUM, f"at most {MAX_GRAMMAR_BYTES}"),
+        (NOTHING, "allows no token"),
+        (NOTHING_AFTER_A, "allows no token"),
     ],
-    ids=["maxLength-100000", "nested-parens-1e5", "enum-100000"],
+    ids=["maxLength-100000", "nested-parens-1e5", "enum-100000", "allows-nothing", "dead-end-after-a"],
 )
 def test_the_worker_refuses_a_grammar_past_the_limits_and_lives(pool: Pool, grammar: str, says: str) -> None:
     """Before: the first two crashed the worker (llama.cpp's parser recursed once per group until
-    the stack ran out), the third held it for minutes in one C call."""
+    the stack ran out), the third held it for minutes in one C call, the last two aborted it (the
+    sampler made the grammar accept a token it had masked)."""
     pid = _status(pool).pid
     restarts = _status(pool).restarts
     with pytest.raises(InvalidGrammarError) as caught:

@@ -48,7 +48,7 @@ import numpy as np
 from ..errors import CancelledError
 from ..sampling import Sampling
 from .protocol import FinishReason
-from .sampler import GreedyRows, Sampler, TokenLogprob
+from .sampler import GrammarDeadEnd, GreedyRows, Sampler, TokenLogprob
 from .textstream import TextStream
 
 #: a token limit reached inside a multi-byte character: sample up to this many more tokens to
@@ -109,6 +109,7 @@ class Live:
         self.completion = 0
         self.token = -1  # sampled, evaluated at the next step (-1: none)
         self.finish: FinishReason | None = None
+        self.error: GrammarDeadEnd | None = None  # why it ended without an answer (its sampler's)
         self.batch_size = 0  # the most sequences in one step while this one was live
         # where its first token's time went (the worker's ``Timings``; monotonic clock):
         self.first_step = -1  # the Decoder's ``decodes`` before its first prefill step (-1: none yet)
@@ -345,7 +346,13 @@ class Decoder:
         for live, row in outputs:
             token = picked.get(live)
             if token is None:
-                token = live.sampler.sample(ctx, row)
+                try:
+                    token = live.sampler.sample(ctx, row)
+                except GrammarDeadEnd as exc:  # this sequence's grammar: it alone ends, in error
+                    live.error = exc
+                    self._finish(live, "stop")
+                    finished.append(live)
+                    continue
             if self.accept(live, token):
                 finished.append(live)
         return finished

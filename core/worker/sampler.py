@@ -88,6 +88,11 @@ class GrammarError(InvalidGrammarError, ValueError):
     """A grammar or trigger pattern llama.cpp cannot use (the message says which)."""
 
 
+class GrammarDeadEnd(GrammarError):
+    """The grammar allows no token where the answer stands (raised by ``Sampler.sample``; the
+    generation loop fails that sequence alone)."""
+
+
 def check_triggers(patterns: Sequence[str]) -> None:
     """Refuse patterns that are not regexes (llama.cpp's std::regex would throw and abort)."""
     for p in patterns:
@@ -285,6 +290,17 @@ class Sampler:
             raise RuntimeError("the sampler chain selected no token (every candidate was masked)")
         return int(cur.data[cur.selected].id)
 
+    def _allowed(self, cur: Any) -> int:
+        """The token selected after the grammar masked ``cur``; GrammarDeadEnd when the grammar
+        (with the request's logit_bias) left no token: the chain then picks a masked one, and
+        llama.cpp aborts the process when the grammar is made to accept it."""
+        if not 0 <= cur.selected < cur.size or cur.data[cur.selected].logit == -math.inf:
+            raise GrammarDeadEnd(
+                "the grammar allows no token at this point of the answer (or logit_bias bans every "
+                "token it allows), so the answer cannot go on: check the grammar"
+            )
+        return int(cur.data[cur.selected].id)
+
     def _grammar_allows(self, token: int) -> bool:
         self._one.id = token  # type: ignore[assignment]
         self._one.logit = 1.0
@@ -302,7 +318,7 @@ class Sampler:
             cur = self._candidates(ctx, idx)
             self._apply(self.grammar, cur)
             self._apply(self.chain, cur)
-            token = self._selected(cur)
+            token = self._allowed(cur)
             llama_cpp.llama_sampler_accept(self.chain, token)
         else:
             if self._stateful:
@@ -318,7 +334,7 @@ class Sampler:
                 cur = self._candidates(ctx, idx)
                 self._apply(self.grammar, cur)
                 self._apply(self.chain, cur)
-                token = self._selected(cur)
+                token = self._allowed(cur)
             if self._stateful:
                 llama_cpp.llama_sampler_accept(self.chain, token)
         llama_cpp.llama_sampler_accept(self.grammar, token)
