@@ -106,6 +106,20 @@ def test_check_gbnf_accepts_what_the_converter_writes_within_the_limits() -> Non
     check_gbnf(schema_gbnf({"type": "array", "items": {"type": "integer"}, "maxItems": MAX_REPETITION}, "s"))
 
 
+@pytest.mark.parametrize(
+    "hiding",
+    ["# a comment ended by a carriage return\r", '"a"{1,\n2} ', ") ", "{x} "],
+    ids=["comment-cr", "repetition-newline", "stray-paren", "bad-repetition"],
+)
+def test_deep_nesting_cannot_hide_behind_what_the_scan_reads_differently(hiding: str) -> None:
+    """The scan reads comments, repetitions and stray characters as llama.cpp does, or counts on
+    past them: never stops early where llama.cpp's parser would go on into the nesting."""
+    from timeshare.core.chatformat.gbnf_check import GrammarLimitError
+
+    with pytest.raises(GrammarLimitError, match="MAX_GRAMMAR_NESTING"):
+        check_gbnf("root ::= " + hiding + "(" * 5000 + '"a"' + ")" * 5000 + "\n")
+
+
 # ---- a crash charged to one request --------------------------------------------------------------
 
 #: a lazy grammar whose trigger fires on the first character and hands the grammar text it refuses:

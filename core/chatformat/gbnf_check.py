@@ -22,6 +22,7 @@ maximum over 2,000 becomes unbounded, a minimum over 2,000 is refused by llama.c
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 #: the longest grammar text (bytes, UTF-8)
@@ -37,6 +38,12 @@ MAX_GRAMMAR_ELEMENTS = 1_000_000
 MAX_GRAMMAR_ALTERNATIVES = 2_000
 #: llama.cpp's MAX_REPETITION_THRESHOLD: a larger maximum is unbounded, a larger minimum refused
 LLAMA_REPETITION_THRESHOLD = 2000
+
+
+class _Malformed(Exception):
+    """An unterminated literal, class or token: llama.cpp's parser reads to the end of the text and
+    refuses it, so the scan stops there too. Other malformed text is skipped (the scan goes on,
+    counting what follows: a limit can only be over-counted, never passed by hiding text)."""
 
 
 class GrammarLimitError(ValueError):
@@ -60,8 +67,8 @@ def _refuse(where: str, what: str) -> GrammarLimitError:
 
 def measure_gbnf(text: str, where: str = "grammar") -> GrammarSize:
     """Scan ``text`` (see the module docstring); raises GrammarLimitError at the first limit
-    passed (so the scan itself stays bounded), or for text llama.cpp could not read as GBNF
-    in a way the estimate depends on (an unterminated literal, class or token)."""
+    passed (so the scan itself stays bounded). Syntax errors are llama.cpp's to report (see
+    ``_Malformed``)."""
     size = len(text.encode("utf-8"))
     if size > MAX_GRAMMAR_BYTES:
         raise _refuse(
@@ -109,102 +116,102 @@ def measure_gbnf(text: str, where: str = "grammar") -> GrammarSize:
             if c == quote:
                 return j + 1
             j += 1
-        kind = "literal" if quote == '"' else "character class"
-        raise _refuse(where, f"a {kind} is not closed")
+        raise _Malformed
 
-    while i < n:
-        c = text[i]
-        if c in " \t\r\n":
-            i += 1
-        elif c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j + 1
-        elif c == '"':
-            j = closing(i + 1, '"')
-            last = max(1, j - i - 2)  # roughly one symbol per character (escapes count more)
-            add(last)
-            i = j
-        elif c == "[":
-            j = closing(i + 1, "]")
-            last = max(1, j - i - 2)
-            add(last)
-            i = j
-        elif c in "<!":
-            j = text.find(">", i)
-            if j < 0:
-                raise _refuse(where, "a token <...> is not closed")
-            last = 1
-            add(1)
-            i = j + 1
-        elif c == ":" and text.startswith("::=", i):
-            count_rules(1)  # a named rule (its name was counted as a symbol: harmless)
-            i += 3
-        elif c == "|":
-            alternatives += 1
-            if alternatives > MAX_GRAMMAR_ALTERNATIVES:
-                raise _refuse(
-                    where,
-                    f"the grammar has more than {MAX_GRAMMAR_ALTERNATIVES} alternatives "
-                    "(MAX_GRAMMAR_ALTERNATIVES): each can start a parse of its own; use fewer",
-                )
-            i += 1
-        elif c == "(":
-            depth += 1
-            if depth > MAX_GRAMMAR_NESTING:
-                raise _refuse(
-                    where,
-                    f"groups ( ) nest more than {MAX_GRAMMAR_NESTING} deep (MAX_GRAMMAR_NESTING): "
-                    "llama.cpp's parser would run out of stack; flatten it with named rules",
-                )
-            max_depth = max(max_depth, depth)
-            count_rules(1)
-            frames.append(0)
-            i += 1
-        elif c == ")":
-            if depth == 0:
-                raise _refuse(where, "a ')' closes no group")
-            depth -= 1
-            inner = frames.pop()
-            frames[-1] += inner
-            last = 1  # a group is one rule reference
-            add(1)
-            i += 1
-        elif c in "*+?":
-            count_rules(1)
-            add(last)  # the repetition rule holds a copy
-            i += 1
-        elif c == "{":
-            j = text.find("}", i)
-            if j < 0:
-                raise _refuse(where, "a repetition {m,n} is not closed")
-            body = text[i + 1 : j].replace(" ", "").replace("\t", "")
-            low_s, _, high_s = body.partition(",")
-            if not low_s.isdigit() or (high_s and not high_s.isdigit()) or len(body) > 40:
-                raise _refuse(where, f"{text[i : j + 1]!r} is not a repetition {{m}}, {{m,}} or {{m,n}}")
-            low = int(low_s)
-            high = int(high_s) if high_s else (low if "," not in body else -1)
-            if low > LLAMA_REPETITION_THRESHOLD:
-                raise _refuse(
-                    where,
-                    f"{text[i : j + 1]}: llama.cpp repeats at most {LLAMA_REPETITION_THRESHOLD} times",
-                )
-            if high > LLAMA_REPETITION_THRESHOLD:
-                high = -1  # llama.cpp makes it unbounded
-            optional = 1 if high < 0 else max(0, high - low)
-            count_rules(optional)
-            add(last * (max(0, low - 1) + optional))
-            i = j + 1
-        else:
-            j = i
-            while j < n and (text[j].isalnum() or text[j] in "-_."):
-                j += 1
-            if j == i:
-                j = i + 1  # something llama.cpp refuses itself: count it and go on
-            last = 1
-            add(1)
-            i = j
-    if depth:
-        raise _refuse(where, "a '(' is not closed")
+    try:
+        while i < n:
+            c = text[i]
+            if c in " \t\r\n":
+                i += 1
+            elif c == "#":  # a comment ends at a line end, as llama.cpp's parse_space reads it
+                while i < n and text[i] not in "\r\n":
+                    i += 1
+            elif c == '"':
+                j = closing(i + 1, '"')
+                last = max(1, j - i - 2)  # roughly one symbol per character (escapes count more)
+                add(last)
+                i = j
+            elif c == "[":
+                j = closing(i + 1, "]")
+                last = max(1, j - i - 2)
+                add(last)
+                i = j
+            elif c in "<!":
+                j = text.find(">", i)
+                if j < 0:
+                    raise _Malformed
+                last = 1
+                add(1)
+                i = j + 1
+            elif c == ":" and text.startswith("::=", i):
+                count_rules(1)  # a named rule (its name was counted as a symbol: harmless)
+                i += 3
+            elif c == "|":
+                alternatives += 1
+                if alternatives > MAX_GRAMMAR_ALTERNATIVES:
+                    raise _refuse(
+                        where,
+                        f"the grammar has more than {MAX_GRAMMAR_ALTERNATIVES} alternatives "
+                        "(MAX_GRAMMAR_ALTERNATIVES): each can start a parse of its own; use fewer",
+                    )
+                i += 1
+            elif c == "(":
+                depth += 1
+                if depth > MAX_GRAMMAR_NESTING:
+                    raise _refuse(
+                        where,
+                        f"groups ( ) nest more than {MAX_GRAMMAR_NESTING} deep (MAX_GRAMMAR_NESTING): "
+                        "llama.cpp's parser would run out of stack; flatten it with named rules",
+                    )
+                max_depth = max(max_depth, depth)
+                count_rules(1)
+                frames.append(0)
+                i += 1
+            elif c == ")":
+                if depth == 0:  # llama.cpp refuses it; the scan goes on (it only over-counts)
+                    i += 1
+                    continue
+                depth -= 1
+                inner = frames.pop()
+                frames[-1] += inner
+                last = 1  # a group is one rule reference
+                add(1)
+                i += 1
+            elif c in "*+?":
+                count_rules(1)
+                add(last)  # the repetition rule holds a copy
+                i += 1
+            elif c == "{":
+                j = text.find("}", i)
+                body = re.sub(r"\s+", "", text[i + 1 : j]) if j > 0 else ""
+                low_s, _, high_s = body.partition(",")
+                if j < 0 or not low_s.isdigit() or (high_s and not high_s.isdigit()) or len(body) > 40:
+                    i += 1  # llama.cpp refuses it; the scan goes on (it only over-counts)
+                    continue
+                low = int(low_s)
+                high = int(high_s) if high_s else (low if "," not in body else -1)
+                if low > LLAMA_REPETITION_THRESHOLD:
+                    raise _refuse(
+                        where,
+                        f"{text[i : j + 1]}: llama.cpp repeats at most {LLAMA_REPETITION_THRESHOLD} times",
+                    )
+                if high > LLAMA_REPETITION_THRESHOLD:
+                    high = -1  # llama.cpp makes it unbounded
+                optional = 1 if high < 0 else max(0, high - low)
+                count_rules(optional)
+                add(last * (max(0, low - 1) + optional))
+                i = j + 1
+            else:
+                j = i
+                while j < n and (text[j].isalnum() or text[j] in "-_."):
+                    j += 1
+                if j == i:
+                    j = i + 1  # something llama.cpp refuses itself: count it and go on
+                last = 1
+                add(1)
+                i = j
+    except _Malformed:
+        pass  # llama.cpp's parser refuses it, with its own message: nothing to bound
     return GrammarSize(size, max_depth, rules, elements, alternatives)
 
 
