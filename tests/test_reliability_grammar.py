@@ -249,6 +249,21 @@ def test_a_hostile_schema_is_refused_naming_the_part_and_the_limit(
     assert says in caught.value.message
 
 
+def test_the_limits_apply_to_a_request_s_tools_together() -> None:
+    """128 tools each under the limits were minutes of grammar building in the API process."""
+    from timeshare.core.api.errors import BadRequestError
+    from timeshare.core.api.tools import ChatFormat, parse_tool_request, plan
+    from timeshare.core.chatformat.families import FAMILIES
+    from timeshare.core.chatformat.schema_check import MAX_PROPERTIES
+
+    params = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_PROPERTIES)}}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": params}} for i in range(128)]
+    request = parse_tool_request({"tools": tools, "tool_choice": "required"})
+    with pytest.raises(BadRequestError) as caught:
+        plan(request, ChatFormat(FAMILIES["hermes"], thinks=False, starts_thinking=False, template=True))
+    assert caught.value.param == "tools" and "MAX_PROPERTIES" in caught.value.message
+
+
 def test_a_grammar_extension_of_nested_parentheses_is_refused_at_the_api() -> None:
     from timeshare.core.api.errors import BadRequestError
     from timeshare.core.api.requests import parse_chat_request

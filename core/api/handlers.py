@@ -334,10 +334,13 @@ class _Handlers:
         return JSONResponse(body)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self.generate(request, parse_chat_request(await read_json(request)))
+        # parsed on a thread: building a response_format grammar is bounded, not free (issue 38)
+        return await self.generate(request, await self.call(parse_chat_request, await read_json(request)))
 
     async def completions(self, request: Request) -> Response:
-        return await self.generate(request, parse_completion_request(await read_json(request)))
+        return await self.generate(
+            request, await self.call(parse_completion_request, await read_json(request))
+        )
 
     async def generate(self, request: Request, req: GenerationRequest) -> Response:
         model_id = resolve_model(self.pool.snapshot(), req.model)

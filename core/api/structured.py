@@ -73,11 +73,11 @@ def json_object_grammar() -> str:
     return str(llama_grammar().JSON_GBNF)
 
 
-def check_schema(schema: object, where: str) -> None:
+def check_schema(schema: object, where: str) -> schema_check.SchemaSize:
     """Refuse a schema of the wrong shape, over a limit, or using what a grammar cannot enforce
-    (``chatformat.schema_check``): 400 naming the part."""
+    (``chatformat.schema_check``): 400 naming the part. Returns what it holds."""
     try:
-        schema_check.check_schema(schema, where)
+        return schema_check.check_schema(schema, where)
     except SchemaError as exc:
         raise BadRequestError(str(exc), "response_format") from None
 

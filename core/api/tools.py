@@ -28,6 +28,7 @@ from typing import Any, Literal
 from ..chatformat.families import Family, detect_family, generic_system_prompt
 from ..chatformat.grammar import ToolGrammarError, functions_of, tool_grammar, tool_triggers
 from ..chatformat.history import add_system
+from ..chatformat.schema_check import SchemaError, SchemaSize, check_total
 from ..chatformat.template import ChatTemplate, TemplateError
 from ..config.schema import ModelConfig
 from ..gguf.catalog import read_chat_template
@@ -248,11 +249,16 @@ def plan(request: ToolRequest | None, fmt: ChatFormat) -> ToolPlan:
     if request.named is not None:
         functions = [f for f in functions if f["name"] == request.named]
     param = "functions" if request.legacy else "tools"
+    total = SchemaSize()
     for function in functions:
         try:
-            check_schema(function.get("parameters", {}), f"{param}: {function['name']}.parameters")
+            total += check_schema(function.get("parameters", {}), f"{param}: {function['name']}.parameters")
         except BadRequestError as exc:
             raise BadRequestError(exc.message, param) from None
+    try:  # one grammar holds them all: the limits apply to them together too
+        check_total(total, f"{param} (the parameters of all of them)")
+    except SchemaError as exc:
+        raise BadRequestError(str(exc), param) from None
     try:
         grammar = tool_grammar(
             family,

@@ -30,6 +30,7 @@ build); these limits keep any schema within them under that check.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 #: the schema's JSON text (bytes)
@@ -58,6 +59,25 @@ MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSche
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 REPEATS = ("minLength", "maxLength", "minItems", "maxItems")
 NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+@dataclass(frozen=True)
+class SchemaSize:
+    """What a checked schema holds, of what the limits count (``check_total`` adds them up for
+    the schemas of one request: a request's tools)."""
+
+    bytes: int = 0
+    properties: int = 0
+    enum_values: int = 0
+    enum_chars: int = 0
+
+    def __add__(self, other: SchemaSize) -> SchemaSize:
+        return SchemaSize(
+            self.bytes + other.bytes,
+            self.properties + other.properties,
+            self.enum_values + other.enum_values,
+            self.enum_chars + other.enum_chars,
+        )
 
 
 class SchemaError(ValueError):
@@ -133,7 +153,7 @@ def pattern_repetitions(pattern: str, where: str) -> None:
         i += 1
 
 
-def check_schema(schema: object, where: str) -> None:
+def check_schema(schema: object, where: str) -> SchemaSize:
     """Refuse a schema of the wrong shape, over a limit, or using what a grammar cannot enforce
     (``not``, a remote ``$ref``, a ``pattern`` not anchored ``^...$``); ``SchemaError`` naming
     the part. Iterative: a deep schema costs no Python stack."""
@@ -266,6 +286,24 @@ def check_schema(schema: object, where: str) -> None:
             f"the schema is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} (MAX_SCHEMA_BYTES): "
             "make it smaller",
         )
+    return SchemaSize(size, properties, enum_values, enum_chars)
+
+
+def check_total(total: SchemaSize, where: str) -> None:
+    """The limits applied to several schemas of one request together (a request's tools: one
+    grammar holds them all)."""
+    for count, limit, name, what in (
+        (total.properties, MAX_PROPERTIES, "MAX_PROPERTIES", "properties"),
+        (total.enum_values, MAX_ENUM_VALUES, "MAX_ENUM_VALUES", "enum and const values"),
+        (total.enum_chars, MAX_ENUM_CHARS, "MAX_ENUM_CHARS", "characters of enum and const values"),
+        (total.bytes, MAX_SCHEMA_BYTES, "MAX_SCHEMA_BYTES", "bytes of JSON"),
+    ):
+        if count > limit:
+            raise SchemaError(
+                where,
+                f"the schemas hold {count} {what} together; at most {limit} ({name}): "
+                "offer fewer or smaller ones",
+            )
 
 
 def _check_type(node: dict[str, Any], at: str) -> None:
