@@ -1,4 +1,4 @@
-"""The plain-Vulkan copy baseline (core/residency/vkcopy.py): which device, memory types and
+"""The plain-Vulkan copy baseline (core/diagnostics/vkcopy.py): which device, memory types and
 queues it measures, checked on made-up device descriptions; and the real measurement through a
 Vulkan loader when TIMESHARE_VULKAN_TEST=1 (lavapipe is enough: no ggml is involved)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from timeshare.core.residency import vkcopy
-from timeshare.core.residency.vkcopy import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
+from timeshare.core.diagnostics import vkcopy
+from timeshare.core.diagnostics.vkcopy import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
 
 GIB = 1 << 30
 

@@ -32,7 +32,7 @@ def run_residency_bench(
     import llama_cpp  # before numpy
 
     from ..residency import Residency, ResidencyOptions
-    from ..residency.rawcopy import copy_probe, raw_copy_seconds
+    from .rawcopy import copy_probe, raw_copy_seconds
     from .copy_baseline import vulkan_baseline
     from .residency_check import GreedyReplay, load_for_check, run_cycles
 
@@ -59,19 +59,20 @@ def run_residency_bench(
         out.update(path=res.path, reason=res.reason, backend=res.backend, weight_bytes=res.weight_bytes)
         out["parts"] = len(res.parts())
         out.update(host_bytes=res.host_bytes, host_pinned=res.host_pinned, host_note=res.host_note)
-        if res._inplace is not None:
-            out["shadow_fill_s"] = res._inplace.shadow_fill_s
-            out["n_weight_tensors_seen"] = res._inplace.n_weight_tensors_seen
-            out["n_buffers"] = len(res._inplace.buffers)
-            out["one_copy_buffers"] = sum(1 for b in res._inplace.buffers if b.mirror)
+        view = res.inplace_view
+        if view is not None:
+            out["shadow_fill_s"] = view.shadow_fill_s
+            out["n_weight_tensors_seen"] = view.n_weight_tensors_seen
+            out["n_buffers"] = len(view.buffers)
+            out["one_copy_buffers"] = sum(1 for b in view.buffers if b.mirror)
         raw: list[float] = []
         baseline: list[dict[str, Any]] = []
 
         def measure_raw_copy() -> None:  # the limit, measured while the model is released
-            if res.path == "inplace" and res._inplace is not None:
-                raw.extend(raw_copy_seconds(res._inplace, reps=3))
+            if res.path == "inplace" and view is not None:
+                raw.extend(raw_copy_seconds(view, reps=3))
                 if probe_copy:
-                    out["copy_probe"] = copy_probe(res._inplace)
+                    out["copy_probe"] = copy_probe(view)
             found = vulkan_baseline(res)  # Vulkan builds: the plain-Vulkan copy, independent of ggml
             if found is not None:
                 baseline.append(found)

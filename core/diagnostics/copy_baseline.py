@@ -1,4 +1,4 @@
-"""The copy a restore is measured against on a Vulkan build: ``residency.vkcopy``'s fenced plain
+"""The copy a restore is measured against on a Vulkan build: ``diagnostics.vkcopy``'s fenced plain
 Vulkan copy on the model's own device, found from its ggml device (PCI bus id, else its Vulkan
 device name and its rank among devices of that name). doctor and bench residency share it."""
 
@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from ..residency.residency import Residency
-from ..residency.vkcopy import GIB, VulkanUnavailableError, baseline_for_ggml_device
+from .vkcopy import GIB, VulkanUnavailableError, baseline_for_ggml_device
 from ..residency.vkenv import device_local_only
 
 log = logging.getLogger(__name__)

@@ -61,7 +61,7 @@ def first_decode_after_restore(
     import llama_cpp  # noqa: F401  (before numpy)
     import numpy as np
 
-    from ..residency.rawcopy import raw_copy_seconds
+    from .rawcopy import raw_copy_seconds
     from .residency_check import PROMPT
 
     tokens = list(llm.tokenize(PROMPT))
@@ -97,7 +97,8 @@ def first_decode_after_restore(
             step(f"first decode after a {mode} restore, cycle {i + 1}/{cycles}")
             res.release()
             if not raw:
-                raw = raw_copy_seconds(res._inplace, reps=3) if res._inplace is not None else []
+                view = res.inplace_view
+                raw = raw_copy_seconds(view, reps=3) if view is not None else []
             llm.n_tokens = 0
             t0 = time.perf_counter()
             rst = res.restore(overlap=mode == "overlapped")

@@ -26,6 +26,7 @@ from . import _ggml, evalhook, hostmem
 from .gguf_check import check_gguf
 from .inplace import SHADOW_SLICE_BYTES, InPlace, InPlaceUnsupportedError
 from .kv import KvSnapshot
+from .view import InPlaceView
 
 log = logging.getLogger(__name__)
 
@@ -508,6 +509,11 @@ class Residency:
                 self.host_pinned,
             )
         return done
+
+    @property
+    def inplace_view(self) -> InPlaceView | None:
+        """A read-only view of the in-place path for diagnostics (None on other paths)."""
+        return InPlaceView(self._inplace) if self._inplace is not None else None
 
     @property
     def attach_steps(self) -> dict[str, float]:

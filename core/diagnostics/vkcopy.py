@@ -962,7 +962,7 @@ def baseline_for_ggml_device(dev: Any, nbytes: int = GIB, reps: int = 5) -> Copy
     return copy_baseline(desc, _ggml.device_id(dev.handle) or None, ordinal, nbytes, reps)
 
 
-if __name__ == "__main__":  # python -m timeshare.core.residency.vkcopy: the baseline on device 0
+if __name__ == "__main__":  # python -m timeshare.core.diagnostics.vkcopy: the baseline on device 0
     if sys.argv[1:2] == ["--hold"]:  # the other process of _free_while_allocating
         sys.exit(_hold_main(sys.argv[2:]))
     print(json.dumps(copy_baseline().report(), indent=1))

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 
 from ..errors import OutOfDeviceMemoryError, ResidencyError
-from . import _ggml
-from .inplace import InPlace
+from ..residency import _ggml
+from ..residency.view import InPlaceView
 
 
 class _Target:
@@ -46,18 +46,18 @@ class _Target:
             self.ctx = 0
 
 
-def _device_buft(inplace: InPlace) -> int:
+def _device_buft(inplace: InPlaceView) -> int:
     """The device's own buffer type (an "extra" type like CPU_REPACK would repack the bytes)."""
     biggest = max(inplace.buffers, key=lambda b: b.size)
     dev = _ggml.buft_get_device(biggest.buft)
     return int(_ggml.dev_buffer_type(dev)) if dev else biggest.buft
 
 
-def _pieces(inplace: InPlace) -> list[tuple[int, int, int]]:
+def _pieces(inplace: InPlaceView) -> list[tuple[int, int, int]]:
     """(host address, offset, bytes) of each shadow allocation in order, as restore reads them."""
     nbytes = inplace.tensor_bytes
     out: list[tuple[int, int, int]] = []
-    for off, size, addr in inplace.shadow.segments:
+    for off, size, addr in inplace.shadow_segments:
         n = min(size, nbytes - off)
         if n > 0:
             out.append((addr, off, n))
@@ -71,7 +71,7 @@ def _copy(tensor: int, pieces: list[tuple[int, int, int]]) -> float:
     return time.perf_counter() - t0
 
 
-def raw_copy_seconds(inplace: InPlace, reps: int = 3) -> list[float]:
+def raw_copy_seconds(inplace: InPlaceView, reps: int = 3) -> list[float]:
     """The limit restore is measured against: one copy of the same byte count from the same host
     shadow into one fresh buffer of the same device buffer type, through the same ggml call, once
     per rep into the same buffer (the first rep writes into fresh memory: see copy_probe)."""
@@ -87,7 +87,7 @@ def _ms(xs: list[float]) -> list[float]:
     return [x * 1000 for x in xs]
 
 
-def copy_probe(inplace: InPlace, reps: int = 3, pause_s: float = 0.5) -> dict[str, object]:
+def copy_probe(inplace: InPlaceView, reps: int = 3, pause_s: float = 0.5) -> dict[str, object]:
     """Milliseconds of the same copy as :func:`raw_copy_seconds` under a restore's conditions,
     ``reps`` each (lists, in order; ``*_median`` beside them):
 
