@@ -315,14 +315,6 @@ class HostMemory:
         """(offset, size, address) of each allocation, in order."""
         return [(s.offset, s.size, s.ptr) for s in self._segs]
 
-    def pinned_segment(self, offset: int) -> int | None:
-        """The address of the allocation holding byte ``offset`` when that allocation is pinned
-        (a ggml host buffer), else None (pageable, or not allocated yet)."""
-        i = bisect.bisect_right(self._starts, offset) - 1
-        if i < 0 or i >= len(self._segs) or self._segs[i].buffer is None:
-            return None
-        return self._segs[i].ptr
-
     @property
     def ptr(self) -> int:
         """The address of byte 0 of contiguous memory (one segment)."""

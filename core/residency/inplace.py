@@ -45,7 +45,7 @@ import llama_cpp
 
 from ..errors import ModelFileChangedError, ModelFileError, OutOfDeviceMemoryError, ResidencyError
 from ..util.fileid import FileId
-from . import _ggml, evalhook, smcopy
+from . import _ggml, evalhook
 from .gate import PartGate
 from .hostmem import HostMemory, ReadRange, parallel_read
 
@@ -60,15 +60,6 @@ _VERIFY_BYTES = 4096
 _READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
-
-#: "1": a restore submits its uploads only once every part is allocated (the order before the
-#: uploads started with the first part: an A/B switch for measuring the two on a GPU)
-UPLOAD_AFTER_ALLOC_ENV = "TIMESHARE_UPLOAD_AFTER_ALLOC"
-
-#: "1": each restored buffer is cleared on the device (ggml_backend_buffer_clear) right after its
-#: allocation, before its upload: an A/B switch for GPU runs measuring whether touching fresh
-#: memory from the GPU side first avoids the driver's penalty on a copy into it (issue 28)
-CLEAR_BEFORE_UPLOAD_ENV = "TIMESHARE_RESTORE_CLEAR"
 
 #: a deferred shadow is built in slices of at most this many bytes (each: its own host allocation,
 #: read and spot check), between which a waiting request stops the build (ResidencyOptions)
@@ -333,7 +324,6 @@ class InPlace:
         #: (start, end) of each part's upload of the last restore, in order (the upload thread)
         self._upload_spans: list[tuple[float, float]] = []
         self._spent: list[int] = []
-        self._sm_share = 0.0  # the kernel lane's share of each upload (smcopy; set at each restore)
         self._uploader_pool: ThreadPoolExecutor | None = None
         self._restore_t0 = 0.0
         self.n_weight_tensors_seen = len(disc.weights)
@@ -1042,7 +1032,6 @@ class InPlace:
         and this returns with the uploads running; synchronous: it waits for them."""
         self._restore_t0 = t_start = time.perf_counter()
         self.moved = False
-        self._sm_share = smcopy.share_from_env()
         if self._parallel():
             return self._restore_parallel(todo, t_start)
         groups = self._part_groups(todo)
@@ -1066,9 +1055,6 @@ class InPlace:
             )
         done: list[_Buffer] = []
         first_alloc_s = alloc_max_s = 0.0
-        later = os.environ.get(UPLOAD_AFTER_ALLOC_ENV) == "1"
-        clear = os.environ.get(CLEAR_BEFORE_UPLOAD_ENV) == "1"
-        clear_s = 0.0
         held: list[tuple[Part, list[_Buffer]]] = []
         for part, bufs in groups:
             for b in bufs:
@@ -1083,10 +1069,6 @@ class InPlace:
                         self._release_buffer(d)
                     raise self._out_of_memory(b, todo)
                 alloc_max_s = max(alloc_max_s, time.perf_counter() - t_a)
-                if clear:
-                    t_c = time.perf_counter()
-                    _ggml.buffer_clear(new, 0)
-                    clear_s += time.perf_counter() - t_c
                 # the placeholder is freed at the next release: on CUDA cudaFree waits for the
                 # whole device (the uploads in flight), and it is time a restore need not take
                 self._spent.append(self._relocate(b, new))
@@ -1094,9 +1076,7 @@ class InPlace:
             if not first_alloc_s:
                 first_alloc_s = time.perf_counter() - t_start
             held.append((part, bufs))
-            if not later:
-                self._submit_uploads(held, shadow, gate)
-        self._submit_uploads(held, shadow, gate)
+            self._submit_uploads(held, shadow, gate)
         alloc_s = time.perf_counter() - t_start
         nbytes = sum(t.nbytes for b in done for t in b.tensors)
         self.restore_steps = {
@@ -1110,8 +1090,6 @@ class InPlace:
             "buffers": len(done),
             "parts": len(groups),
             "overlapped": float(background),
-            "upload_after_alloc": float(later),
-            "clear_ms": clear_s * 1000,  # TIMESHARE_RESTORE_CLEAR=1 only
         }
         if background:
             assert gate is not None
@@ -1256,45 +1234,15 @@ class InPlace:
 
     def _upload(self, b: _Buffer, shadow: HostMemory) -> None:
         """Copy ``b``'s bytes from the host shadow, through the buffer's own set_tensor: a
-        mirrored buffer in one copy per host allocation it spans, others tensor by tensor. With
-        a kernel lane (CUDA, ``TIMESHARE_UPLOAD_SM_SHARE`` > 0, pinned shadow) the first share of
-        each large copy is queued to the copy kernel first and the rest goes through set_tensor
-        meanwhile; this returns once both are done."""
-        # (tensor, shadow offset, offset in the tensor, bytes, device address)
-        pieces: list[tuple[int, int, int, int, int]] = []
+        mirrored buffer in one copy per host allocation it spans, others tensor by tensor."""
         if b.mirror:
             for off, size, _addr in shadow.segments:
                 lo, hi = max(off, b.shadow_base), min(off + size, b.shadow_base + b.size)
                 if lo < hi:
-                    pieces.append((b.whole, lo, lo - b.shadow_base, hi - lo, b.base + lo - b.shadow_base))
+                    _ggml.tensor_set(b.whole, shadow.address(lo, hi - lo), lo - b.shadow_base, hi - lo)
         else:
             for t in b.tensors:
-                pieces.append((t.ptr, t.shadow_offset, 0, t.nbytes, b.base + t.offset))
-        lane = self._kernel_lane(b)
-        queued = False
-        try:
-            for tensor, soff, toff, n, dst in pieces:
-                host = shadow.address(soff, n)
-                seg = shadow.pinned_segment(soff) if lane is not None else None
-                k = 0
-                if lane is not None and seg is not None and host % 16 == 0 == dst % 16:
-                    k = smcopy.split_point(n, self._sm_share)
-                    if k:
-                        lane.copy(dst, lane.device_pointer(seg) + (host - seg), k)
-                        queued = True
-                if n > k:
-                    _ggml.tensor_set(tensor, host + k, toff + k, n - k)
-        finally:
-            if queued:
-                assert lane is not None
-                lane.wait()
-
-    def _kernel_lane(self, b: _Buffer) -> smcopy.KernelCopier | None:
-        """The copy kernel for ``b``'s device when this restore splits its uploads, else None."""
-        if self._sm_share <= 0.0:
-            return None
-        ordinal = smcopy.cuda_device_of(_ggml.buffer_type_name(b.buft))
-        return None if ordinal is None else smcopy.kernel_copier(ordinal)
+                _ggml.tensor_set(t.ptr, shadow.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
 
     def _attach_buffer(self, b: _Buffer, new: int) -> None:
         """Put the fresh allocation ``new`` under ``b``, relocate its tensors and upload them."""

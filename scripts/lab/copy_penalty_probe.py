@@ -2,7 +2,7 @@
 
 Usage (on a machine with an NVIDIA GPU and the CUDA runtime; no model needed):
 
-    python3 scripts/copy_penalty_probe.py [--gb 4.22] [--reps 4] [--json]
+    python3 scripts/lab/copy_penalty_probe.py [--gb 4.22] [--reps 4] [--json]
 
 `bench residency`'s copy_probe measured, on the H200, a 4.22 GB pinned copy through ggml at
 76.3 ms into a buffer allocated once and 85.5 ms into a buffer allocated right after the previous
@@ -30,13 +30,13 @@ host buffer (``cudaHostAlloc``) with ``cudaMemcpy`` (synchronous), and GB/s:
 - ``cross_process_reused``: another process frees, this one copies into its old buffer;
 - ``cross_process_fresh_memset``: the switch with a memset of the new buffer first;
 - ``reused_after_other_free_{0.25,1}x``: the freed buffer a quarter of the size, or the same;
-- ``sm_*``: the copy done by the product's copy kernel (core/residency/smcopy.py) instead of a
+- ``sm_*``: the copy done by the copy kernel (``smcopy.py`` beside this script) instead of a
   copy engine, reused / after another free / into fresh memory after a free (``sm_copy_exact``:
   the last 4 KiB read back);
 - ``hybrid_{share}_*``: the kernel taking ``share`` of each of 32 parts beside the copy engine, as
-  ``TIMESHARE_UPLOAD_SM_SHARE`` makes a restore do.
+  the restore lane did (``TIMESHARE_UPLOAD_SM_SHARE``, removed from the product in issue 37).
 
-Prints JSON with ``--json``. A probe: it asserts nothing; the figures go to docs/PERFORMANCE.md."""
+Prints JSON with ``--json``. A probe: it asserts nothing; the figures are in docs/lab/HISTORY.md."""
 
 from __future__ import annotations
 
@@ -134,11 +134,11 @@ def copy_2streams(dst: int, src: int, n: int, streams: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def _product_smcopy() -> Any:
-    """core/residency/smcopy.py loaded on its own (the package would import llama_cpp)."""
+def _lab_smcopy() -> Any:
+    """smcopy.py beside this script, loaded on its own (scripts/lab is no package)."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core", "residency", "smcopy.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smcopy.py")
     spec = importlib.util.spec_from_file_location("timeshare_smcopy", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -289,8 +289,8 @@ def main() -> None:
         note(f"reused_after_other_free_{frac:g}x", xs)
 
     try:
-        # the product's copy kernel (core/residency/smcopy.py, its PTX JIT-compiled by the driver)
-        lane = _product_smcopy().KernelCopier(0)
+        # the copy kernel (smcopy.py beside this script, its PTX JIT-compiled by the driver)
+        lane = _lab_smcopy().KernelCopier(0)
         src_dev = lane.device_pointer(src)
 
         def sm_copy(dst: int) -> float:

@@ -1,44 +1,38 @@
 """Host->device copies done by the GPU's SMs, beside the copy engine (CUDA only; issue 28, item 3).
+A lab tool: ``copy_penalty_probe.py`` beside it loads it on its own (no package import).
 
-Measured on the H200 (``scripts/copy_penalty_probe.py``): after any ``cudaFree`` of N bytes, in
-any process, the NVIDIA driver clears the freed memory on a copy engine for a while (~15-20 ms for
-4.22 GB), and every host->device copy engine transfer in that window runs slower: a 4.22 GB copy
-takes 86 ms instead of 76 ms, into fresh or old memory alike, with a memset first or on two
+Measured on the H200 (``scripts/lab/copy_penalty_probe.py``): after any ``cudaFree`` of N bytes,
+in any process, the NVIDIA driver clears the freed memory on a copy engine for a while (~15-20 ms
+for 4.22 GB), and every host->device copy engine transfer in that window runs slower: a 4.22 GB
+copy takes 86 ms instead of 76 ms, into fresh or old memory alike, with a memset first or on two
 streams. A switch always copies right after the other model freed its weights, so it always pays.
 A copy done by a kernel that reads the pinned host memory over the bus (zero-copy) does not use a
 copy engine: 82.2 ms for the same bytes, free or no free. The idea was to run it beside the copy
 engine (each part's first ``share`` of bytes by the kernel, the rest by ggml's own copy) so that
 the two fill the bus while the engine is slowed.
 
-**Measured, it does not pay** (H200, one run, docs/PERFORMANCE.md "fifth session"): the two
+**Measured, it does not pay** (H200, one run, docs/lab/HISTORY.md "fifth session"): the two
 share the bus rather than add up, so a one-model switched turn took 98.5 ms with share 0, 99.0
 with 0.25 and 101.0 with 0.5; a synchronous restore 86.7 vs 88.5 ms (0.5); the F16 8B's restore
-and first decode 300.9 vs 314.9 ms (0.5); bitwise in every case. The lane therefore stays off by
-default (DEFAULT_SHARE 0): ``TIMESHARE_UPLOAD_SM_SHARE`` turns it on for measuring it on other
-GPUs and buses, and the probe script uses this module.
+and first decode 300.9 vs 314.9 ms (0.5); bitwise in every case. The restore lane that used it
+(``TIMESHARE_UPLOAD_SM_SHARE``, off by default) left the product in the architecture pass
+(issue 37); this module stays for the probe.
 
 :class:`KernelCopier` launches that kernel (PTX in this file, JIT-compiled by the driver: no CUDA
-toolkit needed) on its own stream through the CUDA driver API (``libcuda.so.1``, which ggml-cuda
-already loaded); it is only made for CUDA device buffers and pinned host memory. Anything that
-fails (no libcuda, a JIT error) makes :func:`kernel_copier` return None once, logged: the uploads
-then all go through ggml, as before.
+toolkit needed) on its own stream through the CUDA driver API (``libcuda.so.1``); it is only
+made for CUDA device buffers and pinned host memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import re
 import threading
 from ctypes import byref, c_int, c_uint, c_uint64, c_void_p
 
 log = logging.getLogger(__name__)
 
-#: the share (0..1) of each pinned upload that the kernel copies, the rest going through ggml's
-#: copy-engine transfer at the same time; "0" turns the kernel lane off
-SHARE_ENV = "TIMESHARE_UPLOAD_SM_SHARE"
-DEFAULT_SHARE = 0.0
 #: a copy smaller than this goes through ggml alone (a kernel launch is not worth it)
 MIN_SPLIT_BYTES = 4 << 20
 _ALIGN = 4096
@@ -143,18 +137,6 @@ _CU_STREAM_NON_BLOCKING = 1
 _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 
 
-def share_from_env() -> float:
-    """The kernel's share of each split upload (``TIMESHARE_UPLOAD_SM_SHARE``, clamped to 0..0.9)."""
-    raw = os.environ.get(SHARE_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_SHARE
-    try:
-        return min(0.9, max(0.0, float(raw)))
-    except ValueError:
-        log.warning("%s=%r is not a number: the kernel copy lane stays off", SHARE_ENV, raw)
-        return 0.0
-
-
 def split_point(n: int, share: float) -> int:
     """Bytes of an ``n``-byte copy the kernel takes: ``share`` of it rounded down to 4 KiB, or 0
     when the copy is smaller than MIN_SPLIT_BYTES."""
@@ -253,21 +235,3 @@ class KernelCopier:
     def wait(self) -> None:
         self._bind()
         self._check(self._cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-
-
-_made: dict[int, KernelCopier | None] = {}
-_made_lock = threading.Lock()
-
-
-def kernel_copier(ordinal: int) -> KernelCopier | None:
-    """The process's copier for CUDA device ``ordinal``, made on first use; None (logged once)
-    where the driver cannot give one."""
-    with _made_lock:
-        if ordinal not in _made:
-            try:
-                _made[ordinal] = KernelCopier(ordinal)
-                log.info("uploads to CUDA%d: a copy kernel beside the copy engine", ordinal)
-            except (OSError, KernelCopyError) as exc:
-                _made[ordinal] = None
-                log.warning("uploads to CUDA%d go through the copy engine alone: %s", ordinal, exc)
-        return _made[ordinal]
