@@ -4,6 +4,8 @@ or under ``TYPE_CHECKING`` counts too):
 - core/ never imports Qt; app/ never imports llama_cpp or ctypes;
 - product code (core/ outside core/diagnostics, app/) never imports core/diagnostics: what the
   harness needs comes through core/observe.py;
+- no installed module (core/, app/, timeshare/) imports the lab (scripts/lab: probes and the
+  experiments that did not pay), by name or by path;
 - core/ has no import cycles between its modules.
 """
 
@@ -177,6 +179,54 @@ def diagnostics_importers(graph: dict[str, set[str]]) -> list[str]:
 
 def test_product_never_imports_diagnostics() -> None:
     assert diagnostics_importers(import_graph(source_modules())) == []
+
+
+LAB = ROOT / "scripts" / "lab"
+
+
+def lab_importers(modules: dict[str, Path], lab: Path = LAB) -> list[str]:
+    """Modules that import a lab module: by its name (scripts/lab put on sys.path) or by its path
+    (a string naming scripts/lab or one of its files passed to a call, e.g. importlib's
+    ``spec_from_file_location``; docstrings that mention a probe are fine)."""
+    files = {p.name for p in lab.glob("*.py")}
+    names = {p.stem for p in lab.glob("*.py")}
+    bad = []
+    for name, path in sorted(modules.items()):
+        hits = imported_modules(path) & names
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call):
+                for arg in [*node.args, *(k.value for k in node.keywords)]:
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                        text = arg.value.replace("\\", "/")
+                        if "scripts/lab" in text or text.rsplit("/", 1)[-1] in files:
+                            hits.add(arg.value)
+        if hits:
+            bad.append(f"{name} imports the lab: {', '.join(sorted(hits))}")
+    return bad
+
+
+def test_product_never_imports_the_lab() -> None:
+    assert {p.name for p in LAB.glob("*.py")} >= {"copy_penalty_probe.py"}  # the lab was read at all
+    assert lab_importers(source_modules()) == []
+
+
+def test_lab_check_catches_what_it_is_for(tmp_path: Path) -> None:
+    lab = tmp_path / "scripts" / "lab"
+    lab.mkdir(parents=True)
+    (lab / "probe.py").write_text('"""a probe"""\n')
+    core = tmp_path / "core"
+    core.mkdir()
+    (core / "__init__.py").write_text('"""doc"""\n')
+    (core / "by_name.py").write_text("def f():\n    import probe\n")
+    (core / "by_path.py").write_text(
+        "import importlib.util\nspec = importlib.util.spec_from_file_location('p', 'scripts/lab/probe.py')\n"
+    )
+    (core / "mentions.py").write_text('"""measured by scripts/lab/probe.py"""\n')
+    found = lab_importers(source_modules(tmp_path, ("core",)), lab)
+    assert found == [
+        "timeshare.core.by_name imports the lab: probe",
+        "timeshare.core.by_path imports the lab: scripts/lab/probe.py",
+    ]
 
 
 def test_core_has_no_import_cycles() -> None:
