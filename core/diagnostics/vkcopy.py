@@ -11,7 +11,7 @@ Every host-visible memory type that is not device-local is tried (with and witho
 DMA engine ggml-vulkan uses for synchronous uploads -- and the compute family): the best is the
 fastest path this device offers. A memcpy into device-local host-visible memory (ReBAR, which
 ggml-vulkan prefers for its device buffers) is a CPU copy over PCIe, not a DMA: on the H200 it
-moved about 4.5 GB/s against the DMA's 49 (docs/PERFORMANCE.md), so it is reported
+moved about 4.5 GB/s against the DMA's 49 (docs/lab/HISTORY.md), so it is reported
 (``rebar_bytes``) but not the baseline.
 
 Only core Vulkan 1.1 is used, no extension, so AMD, Intel, NVIDIA and Mesa's lavapipe take the

@@ -833,7 +833,7 @@ class InPlace:
         """Allocate and free the weight buffers on several threads: Vulkan, where each
         vkAllocateMemory / vkFreeMemory costs time in proportion to its size (about 20 ms per GiB
         on the H200's driver), so the uploads overlap the allocations that follow them (restore
-        191 -> 177 ms there, release 100 -> 90 ms: docs/PERFORMANCE.md); never on CUDA (unchanged)."""
+        191 -> 177 ms there, release 100 -> 90 ms: docs/lab/HISTORY.md); never on CUDA (unchanged)."""
         if self._parallel_opt is not None:
             return self._parallel_opt and len(self.buffers) > 1
         return len(self.buffers) > 1 and all(b.buft_name.startswith("Vulkan") for b in self.buffers)

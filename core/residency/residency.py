@@ -67,7 +67,7 @@ class ResidencyOptions:
     #: that part has arrived (uploads in layer order on another thread, an eval-callback gate for
     #: that one decode: see residency/gate.py). None (auto): on for a GPU build where the
     #: attach-time probe passes (CUDA; never Vulkan), off on the CPU build, where the copy and the
-    #: compute share the same cores (measured slower there: docs/PERFORMANCE.md); True: on wherever
+    #: compute share the same cores (measured slower there: docs/lab/HISTORY.md); True: on wherever
     #: the probe passes (the CPU tests); False: off. ``TIMESHARE_OVERLAP_RESTORE`` = 0 / 1 overrides
     overlap_restore: bool | None = None
     #: with ``parts`` > 1: move the weights into the parts at the first release (which is then
@@ -186,7 +186,7 @@ def _forget_graphs(ctx: Any, llm: Any) -> None:
     cached descriptor bindings whenever any VkBuffer is destroyed. It would also crash there:
     re-creating the scheduler mid-context (this very call, even with no release at all) makes the
     next decode segfault in ggml-vulkan 0.3.36 on lavapipe for a model with a CPU split
-    (Gemma-3-270M, whose output matrix stays on the CPU); docs/PERFORMANCE.md, Vulkan.
+    (Gemma-3-270M, whose output matrix stays on the CPU); docs/lab/HISTORY.md, Vulkan.
     """
     n_embd = int(llama_cpp.llama_model_n_embd(llm._model.model))
     rc = int(llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1))
@@ -346,7 +346,7 @@ class Residency:
         elif wanted is None and self._gpu is None:
             self.overlap_note = (
                 "off on the CPU build: the copy and the compute share the same cores, so overlapping them "
-                f"is slower (docs/PERFORMANCE.md); ResidencyOptions.overlap_restore=True or {OVERLAP_ENV}=1 "
+                f"is slower (docs/lab/HISTORY.md); ResidencyOptions.overlap_restore=True or {OVERLAP_ENV}=1 "
                 "turns it on"
             )
         elif len(ip.parts) < 2:

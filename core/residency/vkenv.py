@@ -5,7 +5,7 @@ memory when the device offers it (ReBAR, or a large BAR like the H200's) and the
 buffer with a plain ``memcpy`` through the mapping -- one CPU thread over PCIe, whatever the
 source -- instead of a DMA copy (``ggml_vk_buffer_write_2d``, ggml-vulkan-buffers.cpp). A restore
 is one such write per weight buffer, so it ran at CPU-copy speed (about 4.5 GB/s on the H200, where
-a DMA moves 49; docs/PERFORMANCE.md), and releasing mapped memory was slower too. With
+a DMA moves 49; docs/lab/HISTORY.md), and releasing mapped memory was slower too. With
 ``GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM`` set, device buffers are plain device-local memory, the
 same VRAM, and a write from ggml-vulkan's pinned host memory is one ``vkCmdCopyBuffer`` on the
 transfer queue. Integrated GPUs (UMA) are not affected: ggml-vulkan keeps host-visible memory
