@@ -70,6 +70,11 @@ class InPlaceUnsupportedError(Exception):
     """The in-place path cannot be used for this model here; the message is the reason."""
 
 
+class NothingToReleaseError(InPlaceUnsupportedError):
+    """The weights are memory-mapped on a CPU-only build: they are the page cache's, and there is
+    nothing to release (the ``none`` path under ``mode="auto"``)."""
+
+
 @dataclass
 class _Tensor:
     ptr: int
@@ -504,7 +509,7 @@ class InPlace:
             data = _ggml.read_ptr(t + lay.data)
             b.tensors.append(_Tensor(t, _ggml.tensor_name(t), data - b.base, int(_ggml.ggml_nbytes(t))))
         if gpu is None and any(n == "CPU_Mapped" for n in all_bufs.values()):
-            raise InPlaceUnsupportedError(
+            raise NothingToReleaseError(
                 "the weights are memory-mapped on a CPU-only build: nothing to release "
                 "(load the model with use_mmap=False to use the in-place path)"
             )

@@ -24,7 +24,7 @@ from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
 from . import _ggml, evalhook, hostmem
 from .gguf_check import check_gguf
-from .inplace import SHADOW_SLICE_BYTES, InPlace, InPlaceUnsupportedError
+from .inplace import SHADOW_SLICE_BYTES, InPlace, InPlaceUnsupportedError, NothingToReleaseError
 from .kv import KvSnapshot
 from .view import InPlaceView
 
@@ -323,15 +323,17 @@ class Residency:
                 overlap_probe,
                 self._opts.split_at_release,
             )
-        except InPlaceUnsupportedError as exc:
-            reason = str(exc)
-            if "memory-mapped on a CPU-only build" in reason and mode == "auto":
-                self.path = "none"
-                self.reason = reason
-                self.backend = "CPU"
-                log.info("residency of %s: nothing to release (%s)", self.model_path, reason)
+        except NothingToReleaseError as exc:
+            if mode != "auto":
+                self._fallback(mode, str(exc))
                 return self
-            self._fallback(mode, reason)
+            self.path = "none"
+            self.reason = str(exc)
+            self.backend = "CPU"
+            log.info("residency of %s: nothing to release (%s)", self.model_path, self.reason)
+            return self
+        except InPlaceUnsupportedError as exc:
+            self._fallback(mode, str(exc))
             return self
         ip = self._inplace
         if ip.split_pending and not ip.split_at_release:
