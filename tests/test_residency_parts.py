@@ -24,6 +24,7 @@ import pytest
 from _proc_util import rss_of
 from _residency_util import Greedy, load, make_small_q4_0, same
 from timeshare.core.errors import OutOfDeviceMemoryError, ResidencyError
+from timeshare.core.residency.state import Weights
 from timeshare.core.residency import Residency, ResidencyOptions, WeightPart, _ggml, hostmem
 from timeshare.core.residency.inplace import InPlace, layer_of, split_runs
 
@@ -59,6 +60,8 @@ def _check_state(res: Residency, n_resident: int) -> None:
     assert res.resident_bytes == _keep(parts, n_resident)
     assert res.weights_resident == (n_resident == len(parts))
     assert res.partly_resident == (0 < n_resident < len(parts))
+    want = Weights.ALL if n_resident == len(parts) else Weights.SOME if n_resident else Weights.NONE
+    assert res.state.weights is want, res.state
 
 
 # --- the plan ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 from timeshare.core.residency import Residency, _ggml
 from timeshare.core.residency import inplace as inplace_mod
 from timeshare.core.residency import residency as residency_mod
+from timeshare.core.residency.state import ResidencyState
 
 ROOT = Path(__file__).resolve().parent.parent
 VULKAN_VENV = ROOT / ".venv-vulkan"
@@ -95,9 +96,9 @@ def test_a_device_that_reports_usage_is_measured_by_itself(monkeypatch: pytest.M
 
 def test_the_measure_is_decided_only_while_the_weights_are_resident(monkeypatch: pytest.MonkeyPatch) -> None:
     res = _resident_on(monkeypatch, 2 << 30, 2 << 30)
-    res.weights_resident = False  # free == total says nothing then
+    res._state = ResidencyState.RELEASED  # free == total says nothing then
     assert res.memory_measure == "device"
-    res.weights_resident = True
+    res._state = ResidencyState.RESIDENT
     assert res.memory_measure == "rss"
 
 

@@ -26,6 +26,7 @@ from . import _ggml, evalhook, hostmem
 from .gguf_check import check_gguf
 from .inplace import SHADOW_SLICE_BYTES, InPlace, InPlaceUnsupportedError, NothingToReleaseError
 from .kv import KvSnapshot
+from .state import Kv, ResidencyState, Weights, check_transition
 from .view import InPlaceView
 
 log = logging.getLogger(__name__)
@@ -211,8 +212,7 @@ class Residency:
         self.path: Path_ = "rebuild"
         self.reason = ""
         self.backend = "CPU"
-        self.weights_resident = True
-        self.kv_resident = True
+        self._state = ResidencyState.RESIDENT
         self.weight_bytes = 0
         self.host_bytes = 0
         self.host_pinned = False
@@ -389,7 +389,7 @@ class Residency:
             log.warning("%s: the model stays released until a restore", exc)
             self._saved_ctx = llm._ctx
             llm._ctx = _Released("context")
-            self.weights_resident = False
+            self._enter(weights=Weights.NONE)
         except ResidencyError:  # nothing moved (a placeholder could not be made): the shadow goes
             ip.close()
             self._inplace = None
@@ -568,9 +568,38 @@ class Residency:
         return self.weight_bytes if self.weights_resident else 0
 
     @property
+    def state(self) -> ResidencyState:
+        """Where the weights and the KV cache are (the table: residency/state.py)."""
+        return self._state
+
+    @property
+    def weights_resident(self) -> bool:
+        """Every weight part is on the device (nothing may decode otherwise: restore first)."""
+        return self._state.weights is Weights.ALL
+
+    @property
+    def kv_resident(self) -> bool:
+        """The KV cache is in its context on the device (set aside while the weights are released)."""
+        return self._state.kv is Kv.DEVICE
+
+    @property
     def partly_resident(self) -> bool:
         """Some but not all of the layer parts are resident (restore before computing)."""
-        return self._inplace is not None and 0 < self._inplace.resident_bytes < self.weight_bytes
+        return self._state.weights is Weights.SOME
+
+    def _enter(self, weights: Weights | None = None, kv: Kv | None = None) -> None:
+        """Change one or both facts of the state, through the transition table."""
+        new = ResidencyState.of(
+            self._state.weights if weights is None else weights, self._state.kv if kv is None else kv
+        )
+        self._state = check_transition(self._state, new)
+
+    def _weights_in_place(self) -> Weights:
+        """How much of the weights the in-place path holds on the device now."""
+        ip = self._inplace
+        if ip is None or ip.resident_bytes <= 0:
+            return Weights.NONE
+        return Weights.ALL if ip.resident_bytes == self.weight_bytes else Weights.SOME
 
     # -- measurements -------------------------------------------------------------------------
 
@@ -694,7 +723,7 @@ class Residency:
         if self.path == "rebuild":
             self._release_rebuild()
             self._level = "weights+kv"
-            self.weights_resident = False
+            self._enter(weights=Weights.NONE)
         else:
             if kv_todo:
                 self._snapshot_kv_and_free_context()
@@ -707,7 +736,7 @@ class Residency:
                 if self.kv_resident and self._saved_ctx is None:
                     self._saved_ctx = llm._ctx
                     llm._ctx = _Released("context")
-                self.weights_resident = ip is not None and ip.resident_bytes == self.weight_bytes
+                self._enter(weights=self._weights_in_place())
             self._level = "weights" if self.kv_resident else "weights+kv"
         if self.memory_measure == "rss":
             hostmem.trim_heap()
@@ -766,7 +795,7 @@ class Residency:
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
                 nbytes = ip.restore(overlap=overlap)
                 moved = ip.moved
-            self.weights_resident = True
+            self._enter(weights=Weights.ALL)
             try:
                 if not self.kv_resident:
                     self._new_context_with_kv()
@@ -801,8 +830,8 @@ class Residency:
             # from the restore's start until the caller may decode (the uploads may still run)
             ip.restore_steps["returned_ms"] = (time.perf_counter() - t0) * 1000
         dt = time.perf_counter() - t0
-        self.weights_resident = True
-        self.kv_resident = True
+        self._enter(weights=Weights.ALL)
+        self._enter(kv=Kv.DEVICE)
         gbps = nbytes / 1e9 / dt if dt > 0 and not overlapped else 0.0
         log.info(
             "restored %s (%s): %.2f ms, %.1f MB, %.2f GB/s%s%s",
@@ -888,14 +917,14 @@ class Residency:
         ctx_obj.close()
         self._saved_ctx = None
         llm._ctx = _Released("context")
-        self.kv_resident = False
+        self._enter(kv=Kv.HOST)
 
     def _new_context_with_kv(self) -> None:
         llm = self._llm
         ctx = self._context_with_kv(llm._model, stays_released="")
         llm._stack.enter_context(contextlib.closing(ctx))
         llm._ctx = ctx
-        self.kv_resident = True
+        self._enter(kv=Kv.DEVICE)
 
     def _context_with_kv(self, model: Any, *, stays_released: str) -> Any:
         """A new llama context on ``model`` with the KV snapshot (if any) applied, then dropped.
@@ -942,7 +971,7 @@ class Residency:
         llm._ctx = _Released("context")
         llm._model = _Released("model")
         self._point_tokenizer(llm._model)
-        self.kv_resident = False
+        self._enter(kv=Kv.HOST)
 
     def _restore_rebuild(self) -> int:
         from llama_cpp import _internals

@@ -21,6 +21,7 @@ from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
 from ..residency.residency import RestoreReport, overlap_expected, rss_bytes
+from ..residency.state import Weights
 from ..state import WorkerReleaseLevel
 from ..util.units import decimal_bytes
 from . import protocol as p
@@ -563,6 +564,9 @@ class ArenaTenancy(Tenancy):
                 self.release(kv=False)  # what is left goes too: the model stays released, the invariant holds
                 raise
             restore_ms, restored = report.ms, report.bytes
+        if res is not None:
+            # the weights are on the device only under a lease that covers them (the arena's invariant)
+            assert res.state.weights is Weights.ALL and self._covered(), (res.state, self.client.lease_bytes)
         return Acquired(switched=not held, wait_ms=wait_ms, restore_ms=restore_ms, restored_bytes=restored)
 
     def _restore(self, res: Residency, poll: Callable[[], None]) -> RestoreReport:
@@ -609,6 +613,11 @@ class ArenaTenancy(Tenancy):
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
             report = res.release(kv=kv, final=final)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
+        if res is not None:  # the lease goes only once the weights left the device (the arena's invariant)
+            assert res.resident_bytes == 0 and (res.state.weights is Weights.NONE or res.weight_bytes == 0), (
+                res.state,
+                res.resident_bytes,
+            )
         self._end_resident()
         if self.client.release() is None and report is None:
             return None
@@ -641,6 +650,7 @@ class ArenaTenancy(Tenancy):
         if res.resident_bytes <= 0:
             return self.release(kv=False)
         self.client.shrink(res.resident_bytes)
+        assert res.state.weights is not Weights.NONE and res.resident_bytes <= self.client.lease_bytes
         log.info(
             "made room for the head of the queue: released %s of %s, %s stays on %s",
             decimal_bytes(report.released_bytes),
