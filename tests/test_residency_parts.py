@@ -24,9 +24,9 @@ import pytest
 from _proc_util import rss_of
 from _residency_util import Greedy, load, make_small_q4_0, same
 from timeshare.core.errors import OutOfDeviceMemoryError, ResidencyError
-from timeshare.core.residency.state import Weights
 from timeshare.core.residency import Residency, ResidencyOptions, WeightPart, _ggml, hostmem
 from timeshare.core.residency.inplace import InPlace, layer_of, split_runs
+from timeshare.core.residency.state import Weights
 
 
 @pytest.fixture(scope="module")

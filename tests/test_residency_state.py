@@ -67,4 +67,5 @@ def test_the_kv_cache_comes_back_only_with_the_whole_weights() -> None:
         check_transition(ResidencyState.RELEASED_KV_ON_HOST, ResidencyState.RELEASED)
     with pytest.raises(ResidencyTransitionError):
         check_transition(ResidencyState.PARTLY_RESIDENT_KV_ON_HOST, ResidencyState.PARTLY_RESIDENT)
-    assert check_transition(ResidencyState.RESIDENT_KV_ON_HOST, ResidencyState.RESIDENT) is ResidencyState.RESIDENT
+    resident = ResidencyState.RESIDENT
+    assert check_transition(ResidencyState.RESIDENT_KV_ON_HOST, resident) is resident

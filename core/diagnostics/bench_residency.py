@@ -32,8 +32,8 @@ def run_residency_bench(
     import llama_cpp  # before numpy
 
     from ..residency import Residency, ResidencyOptions
-    from .rawcopy import copy_probe, raw_copy_seconds
     from .copy_baseline import vulkan_baseline
+    from .rawcopy import copy_probe, raw_copy_seconds
     from .residency_check import GreedyReplay, load_for_check, run_cycles
 
     prefill = n_prefill if n_prefill is not None else min(2048, n_ctx // 2)

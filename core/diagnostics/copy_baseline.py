@@ -8,8 +8,8 @@ import logging
 from typing import Any
 
 from ..residency.residency import Residency
-from .vkcopy import GIB, VulkanUnavailableError, baseline_for_ggml_device
 from ..residency.vkenv import device_local_only
+from .vkcopy import GIB, VulkanUnavailableError, baseline_for_ggml_device
 
 log = logging.getLogger(__name__)
 
