@@ -17,40 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import OutOfDeviceMemoryError, ResidencyError
-from ..residency import _ggml
+from ..residency.scratch import ScratchTensor, device_buffer_type
 from ..residency.view import InPlaceView
-
-
-class _Target:
-    """One I8 tensor of the shadow's byte count in a device buffer of its own."""
-
-    def __init__(self, buft: int, nbytes: int) -> None:
-        self.ctx = int(_ggml.ggml_init(_ggml.GgmlInitParams(1 << 16, None, True)) or 0)
-        if not self.ctx:
-            raise ResidencyError("ggml_init failed")
-        self.tensor = int(_ggml.ggml_new_tensor_1d(self.ctx, _ggml.GGML_TYPE_I8, nbytes))
-        self.buf = int(_ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft) or 0)
-        if not self.buf:
-            _ggml.ggml_free(self.ctx)
-            raise OutOfDeviceMemoryError(
-                f"cannot allocate {nbytes / 1e9:.2f} GB for the raw copy measurement"
-            )
-
-    def free(self) -> None:
-        if self.buf:
-            _ggml.buffer_free(self.buf)
-            self.buf = 0
-        if self.ctx:
-            _ggml.ggml_free(self.ctx)
-            self.ctx = 0
 
 
 def _device_buft(inplace: InPlaceView) -> int:
     """The device's own buffer type (an "extra" type like CPU_REPACK would repack the bytes)."""
-    biggest = max(inplace.buffers, key=lambda b: b.size)
-    dev = _ggml.buft_get_device(biggest.buft)
-    return int(_ggml.dev_buffer_type(dev)) if dev else biggest.buft
+    return device_buffer_type(max(inplace.buffers, key=lambda b: b.size).buft)
 
 
 def _pieces(inplace: InPlaceView) -> list[tuple[int, int, int]]:
@@ -64,10 +37,10 @@ def _pieces(inplace: InPlaceView) -> list[tuple[int, int, int]]:
     return out
 
 
-def _copy(tensor: int, pieces: list[tuple[int, int, int]]) -> float:
+def _copy(target: ScratchTensor, pieces: list[tuple[int, int, int]]) -> float:
     t0 = time.perf_counter()
     for addr, off, n in pieces:
-        _ggml.tensor_set(tensor, addr, off, n)
+        target.set(addr, off, n)
     return time.perf_counter() - t0
 
 
@@ -76,9 +49,9 @@ def raw_copy_seconds(inplace: InPlaceView, reps: int = 3) -> list[float]:
     shadow into one fresh buffer of the same device buffer type, through the same ggml call, once
     per rep into the same buffer (the first rep writes into fresh memory: see copy_probe)."""
     pieces = _pieces(inplace)
-    target = _Target(_device_buft(inplace), inplace.tensor_bytes)
+    target = ScratchTensor(_device_buft(inplace), inplace.tensor_bytes)
     try:
-        return [_copy(target.tensor, pieces) for _ in range(reps)]
+        return [_copy(target, pieces) for _ in range(reps)]
     finally:
         target.free()
 
@@ -108,16 +81,16 @@ def copy_probe(inplace: InPlaceView, reps: int = 3, pause_s: float = 0.5) -> dic
     buft = _device_buft(inplace)
     nbytes = inplace.tensor_bytes
     out: dict[str, object] = {"reps": reps, "pause_s": pause_s, "copies": len(pieces), "bytes": nbytes}
-    target = _Target(buft, nbytes)
+    target = ScratchTensor(buft, nbytes)
     try:
-        out["reused_ms"] = _ms([_copy(target.tensor, pieces) for _ in range(reps)])
+        out["reused_ms"] = _ms([_copy(target, pieces) for _ in range(reps)])
         got: list[float] = []
         errors: list[BaseException] = []
 
         def on_thread() -> None:
             try:
-                _copy(target.tensor, pieces)  # warm-up: the thread's first device call
-                got.extend(_copy(target.tensor, pieces) for _ in range(reps))
+                _copy(target, pieces)  # warm-up: the thread's first device call
+                got.extend(_copy(target, pieces) for _ in range(reps))
             except BaseException as exc:  # re-raised on the calling thread
                 errors.append(exc)
 
@@ -140,14 +113,14 @@ def copy_probe(inplace: InPlaceView, reps: int = 3, pause_s: float = 0.5) -> dic
                 target.free()
                 time.sleep(before_alloc)
                 t0 = time.perf_counter()
-                target = _Target(buft, nbytes)
+                target = ScratchTensor(buft, nbytes)
                 allocs.append(time.perf_counter() - t0)
                 time.sleep(after_alloc)
                 if clear:
                     t1 = time.perf_counter()
-                    _ggml.buffer_clear(target.buf, 0)  # synchronous on CUDA (a memset, then a sync)
+                    target.clear()
                     clears.append(time.perf_counter() - t1)
-                copies.append(_copy(target.tensor, pieces))
+                copies.append(_copy(target, pieces))
             return _ms(allocs), _ms(copies)
 
         cases: list[tuple[str, Callable[[], tuple[list[float], list[float]]]]] = [

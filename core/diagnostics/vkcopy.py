@@ -951,15 +951,15 @@ def copy_baseline(
 
 
 def baseline_for_ggml_device(dev: Any, nbytes: int = GIB, reps: int = 5) -> CopyBaseline:
-    """:func:`copy_baseline` on the Vulkan device behind a ggml device (``_ggml.Device``): matched
-    by PCI bus id where both know it, else by Vulkan device name and rank among the devices of
-    that name."""
-    from . import _ggml
+    """:func:`copy_baseline` on the Vulkan device behind a ggml device (``residency.GgmlDevice``):
+    matched by PCI bus id where both know it, else by Vulkan device name and rank among the
+    devices of that name."""
+    from ..residency import ggml_device_description, ggml_device_id, ggml_devices
 
-    desc = _ggml.device_description(dev.handle)
-    same = [d for d in _ggml.devices() if d.is_gpu and _ggml.device_description(d.handle) == desc]
+    desc = ggml_device_description(dev.handle)
+    same = [d for d in ggml_devices() if d.is_gpu and ggml_device_description(d.handle) == desc]
     ordinal = next((i for i, d in enumerate(same) if d.handle == dev.handle), 0)
-    return copy_baseline(desc, _ggml.device_id(dev.handle) or None, ordinal, nbytes, reps)
+    return copy_baseline(desc, ggml_device_id(dev.handle) or None, ordinal, nbytes, reps)
 
 
 if __name__ == "__main__":  # python -m timeshare.core.diagnostics.vkcopy: the baseline on device 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from ._ggml import Device as GgmlDevice
+from ._ggml import device_description as ggml_device_description
+from ._ggml import device_id as ggml_device_id
 from ._ggml import device_memory as ggml_device_memory
 from ._ggml import devices as ggml_devices
 from .gguf_check import GgufInfo, check_gguf
@@ -28,6 +30,8 @@ __all__ = [
     "WeightPart",
     "check_gguf",
     "fix_malloc_mmap_threshold",
+    "ggml_device_description",
+    "ggml_device_id",
     "ggml_device_memory",
     "ggml_devices",
     "prefer_device_local_memory",
