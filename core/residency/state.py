@@ -45,11 +45,11 @@ class ResidencyState(enum.Enum):
 
     @property
     def weights(self) -> Weights:
-        return self.value[0]  # type: ignore[no-any-return]
+        return self.value[0]
 
     @property
     def kv(self) -> Kv:
-        return self.value[1]  # type: ignore[no-any-return]
+        return self.value[1]
 
     @classmethod
     def of(cls, weights: Weights, kv: Kv) -> ResidencyState:
