@@ -19,7 +19,7 @@ from .. import envvars
 from ..errors import TimeshareError
 
 if TYPE_CHECKING:  # importing residency loads llama_cpp: run_doctor imports it when it runs
-    from ..residency.residency import Mode
+    from ..residency.options import Mode
 
 log = logging.getLogger(__name__)
 

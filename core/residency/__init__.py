@@ -9,11 +9,11 @@ from ._ggml import device_memory as ggml_device_memory
 from ._ggml import devices as ggml_devices
 from .gguf_check import GgufInfo, check_gguf
 from .hostmem import fix_malloc_mmap_threshold
+from .options import ResidencyOptions
 from .residency import (
     ProbeResult,
     ReleaseReport,
     Residency,
-    ResidencyOptions,
     RestoreReport,
     WeightPart,
 )

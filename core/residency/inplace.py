@@ -48,6 +48,7 @@ from ..util.fileid import FileId
 from . import _ggml, evalhook
 from .gate import PartGate
 from .hostmem import HostMemory, ReadRange, parallel_read
+from .options import ResidencyOptions
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,6 @@ _VERIFY_BYTES = 4096
 #: the buffer's context at every use, so a swapped context is all a restored buffer needs.
 _READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
 _LAYER = re.compile(r"blk\.(\d+)\.")
-
-
-#: a deferred shadow is built in slices of at most this many bytes (each: its own host allocation,
-#: read and spot check), between which a waiting request stops the build (ResidencyOptions)
-SHADOW_SLICE_BYTES = 256 << 20
 
 
 class InPlaceUnsupportedError(Exception):
@@ -279,16 +275,15 @@ class InPlace:
         llm: object,
         model_path: str,
         gpu: _ggml.Device | None,
-        want_pinned: bool,
-        verify: bool,
-        coalesce: bool = True,
-        parallel: bool | None = None,
-        parts: int = 1,
-        defer_shadow: bool = False,
-        shadow_slice_bytes: int = SHADOW_SLICE_BYTES,
+        options: ResidencyOptions,
         overlap: bool = False,
-        split_at_release: bool = False,
     ) -> None:
+        """``overlap``: probe the eval hook an overlapped restore needs (Residency decides
+        whether restores may overlap at all)."""
+        want_pinned = options.host_shadow == "pinned"
+        verify, coalesce, parallel = options.verify_shadow, options.coalesce_upload, options.parallel_buffers
+        parts, defer_shadow = options.parts, options.defer_shadow
+        shadow_slice_bytes, split_at_release = options.shadow_slice_bytes, options.split_at_release
         self.path = model_path
         #: the file the weights were loaded from (just before this): what a shadow built after a
         #: release must still read

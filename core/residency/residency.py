@@ -24,58 +24,17 @@ from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
 from . import _ggml, evalhook, hostmem
 from .gguf_check import check_gguf
-from .inplace import SHADOW_SLICE_BYTES, InPlace, InPlaceUnsupportedError, NothingToReleaseError
+from .inplace import InPlace, InPlaceUnsupportedError, NothingToReleaseError
 from .kv import KvSnapshot
+from .options import Mode, ResidencyOptions
 from .state import Kv, ResidencyState, Weights, check_transition
 from .view import InPlaceView
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["auto", "inplace", "rebuild"]
-
 #: ggml device names (CUDA0, Vulkan0, ...) of the backends the in-place path was checked on
 _INPLACE_BACKENDS = ("CUDA", "Vulkan")
 Path_ = Literal["inplace", "rebuild", "none"]
-
-
-@dataclass(frozen=True)
-class ResidencyOptions:
-    mode: Mode = "auto"
-    host_shadow: Literal["pinned", "pageable"] = "pinned"
-    #: compare the shadow with the loaded weights at attach (first/last 4 KiB of each tensor)
-    verify_shadow: bool = True
-    #: upload each plain-copy buffer (CPU, CUDAn) in one copy from a shadow that mirrors its
-    #: layout, instead of tensor by tensor (one synchronisation per tensor on CUDA)
-    coalesce_upload: bool = True
-    #: allocate and free the weight buffers on several threads at once (None: on Vulkan only,
-    #: where each allocation and free costs time in proportion to its size; CUDA stays serial)
-    parallel_buffers: bool | None = None
-    #: layer parts of the in-place path (issue 28): 1 = the model's own weight buffers, released
-    #: and restored whole; N > 1 = each buffer's weights held as up to N runs of consecutive
-    #: layers (made at attach), so ``release(keep_bytes=...)`` can free only the last layers
-    parts: int = 1
-    #: the in-place path allocates and fills the host shadow later (fill_shadow, before or after
-    #: the first release; the next restore fills what is left), not at attach: a worker started
-    #: for a waiting request answers it first
-    defer_shadow: bool = False
-    #: a deferred shadow is built in slices of at most this many bytes (each its own host
-    #: allocation, read and spot check): ``fill_shadow(stop)`` stops between two, so a request
-    #: that arrives meanwhile waits for one slice; a release checks the slices left against the
-    #: file (first and last bytes of each tensor) and leaves them to be read from it later
-    shadow_slice_bytes: int = SHADOW_SLICE_BYTES
-    #: overlapped restore (issue 28): with layer parts, ``restore()`` returns once the released
-    #: parts are allocated and the first decode after it computes each part's layers as soon as
-    #: that part has arrived (uploads in layer order on another thread, an eval-callback gate for
-    #: that one decode: see residency/gate.py). None (auto): on for a GPU build where the
-    #: attach-time probe passes (CUDA; never Vulkan), off on the CPU build, where the copy and the
-    #: compute share the same cores (measured slower there: docs/lab/HISTORY.md); True: on wherever
-    #: the probe passes (the CPU tests); False: off. ``TIMESHARE_OVERLAP_RESTORE`` = 0 / 1 overrides
-    overlap_restore: bool | None = None
-    #: with ``parts`` > 1: move the weights into the parts at the first release (which is then
-    #: whole: the model's own buffers are freed, every part released; the next restore allocates
-    #: them) instead of at attach (a device copy, and a shadow made at attach). For a one-model
-    #: budget, where every release is whole and the parts serve overlapped restores only
-    split_at_release: bool = False
 
 
 #: the environment variable that turns overlapped restores off ("0") or on ("1")
@@ -290,7 +249,6 @@ class Residency:
         # the model's own GPU (``models[].device`` loads with split mode none and main_gpu):
         # freed bytes and the backend name are measured there, not on GPU 0
         self._gpu = _ggml.gpu_at(int(getattr(getattr(llm, "model_params", None), "main_gpu", 0) or 0))
-        want_pinned = self._opts.host_shadow == "pinned"
         mode = self._opts.mode
         if mode not in ("auto", "inplace", "rebuild"):
             raise ValueError(f"mode must be auto, inplace or rebuild, not {mode!r}")
@@ -309,20 +267,7 @@ class Residency:
             wanted is True or (wanted is None and self._gpu is not None)
         )
         try:
-            self._inplace = InPlace(
-                llm,
-                self.model_path,
-                self._gpu,
-                want_pinned,
-                self._opts.verify_shadow,
-                self._opts.coalesce_upload,
-                self._opts.parallel_buffers,
-                self._opts.parts,
-                self._opts.defer_shadow,
-                self._opts.shadow_slice_bytes,
-                overlap_probe,
-                self._opts.split_at_release,
-            )
+            self._inplace = InPlace(llm, self.model_path, self._gpu, self._opts, overlap=overlap_probe)
         except NothingToReleaseError as exc:
             if mode != "auto":
                 self._fallback(mode, str(exc))
