@@ -14,19 +14,21 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import llama_cpp
 
 from .. import envvars
-from ..errors import ModelFileChangedError, OutOfDeviceMemoryError, ResidencyError
+from ..errors import OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
 from . import _ggml, evalhook, hostmem
+from .context import Released, new_context
 from .gguf_check import check_gguf
 from .inplace import InPlace, InPlaceUnsupportedError, NothingToReleaseError
 from .kv import KvSnapshot
 from .options import Mode, ResidencyOptions
+from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
 from .view import InPlaceView
 
@@ -113,23 +115,6 @@ class ProbeResult:
     use_mmap_for_inplace: bool
 
 
-class _Released:
-    """Stands in for a Llama's context (or model) while it is released: any use is an error, so
-    nothing can decode on freed weights."""
-
-    def __init__(self, what: str) -> None:
-        object.__setattr__(self, "_what", what)
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise ResidencyError(
-            f"the model's {object.__getattribute__(self, '_what')} is released: "
-            "call Residency.restore() before using it"
-        )
-
-    def __bool__(self) -> bool:
-        return True
-
-
 def _forget_graphs(ctx: Any, llm: Any) -> None:
     """Make the context build its compute graphs anew at the next decode.
 
@@ -182,6 +167,7 @@ class Residency:
         self._opts = ResidencyOptions()
         self._gpu: _ggml.Device | None = None
         self._inplace: InPlace | None = None
+        self._rebuild: RebuildPath | None = None
         self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
         self._kv: KvSnapshot | None = None
         self._file_id: FileId | None = None
@@ -333,7 +319,7 @@ class Residency:
         except OutOfDeviceMemoryError as exc:
             log.warning("%s: the model stays released until a restore", exc)
             self._saved_ctx = llm._ctx
-            llm._ctx = _Released("context")
+            llm._ctx = Released("context")
             self._enter(weights=Weights.NONE)
         except ResidencyError:  # nothing moved (a placeholder could not be made): the shadow goes
             ip.close()
@@ -474,6 +460,8 @@ class Residency:
         self._use_rebuild(reason)
 
     def _use_rebuild(self, reason: str) -> None:
+        assert self._file_id is not None
+        self._rebuild = RebuildPath(self._llm, self.model_path, self._file_id, self._want_pinned_kv())
         self.path = "rebuild"
         self.reason = reason
         self.backend = self._gpu.name if self._gpu and self._llm.model_params.n_gpu_layers != 0 else "CPU"
@@ -629,7 +617,7 @@ class Residency:
         ip = self._inplace
         if ip is not None:
             weights_todo = bool(ip.parts_to_release(keep_bytes))
-        elif self.path == "rebuild":
+        elif self._rebuild is not None:
             weights_todo = self.weights_resident and (
                 kv or keep_bytes is None or keep_bytes < self.weight_bytes
             )
@@ -665,8 +653,10 @@ class Residency:
         before = self._device_free()
         resident_before = self.resident_bytes
         t0 = time.perf_counter()
-        if self.path == "rebuild":
-            self._release_rebuild()
+        if self._rebuild is not None:  # the model and its context go together, the KV cache saved first
+            self._rebuild.release()
+            self.host_bytes, self.host_pinned = self._rebuild.kv_bytes, self._rebuild.kv_pinned
+            self._enter(kv=Kv.HOST)
             self._level = "weights+kv"
             self._enter(weights=Weights.NONE)
         else:
@@ -680,7 +670,7 @@ class Residency:
                         self._own_part_buffers(ip)
                 if self.kv_resident and self._saved_ctx is None:
                     self._saved_ctx = llm._ctx
-                    llm._ctx = _Released("context")
+                    llm._ctx = Released("context")
                 self._enter(weights=self._weights_in_place())
             self._level = "weights" if self.kv_resident else "weights+kv"
         if self.memory_measure == "rss":
@@ -731,8 +721,9 @@ class Residency:
         moved: bool | None = None
         reset = False
         ip = self._inplace
-        if self.path == "rebuild":
-            nbytes = self._restore_rebuild()
+        if self._rebuild is not None:
+            nbytes = self._rebuild.restore()
+            self.host_bytes = 0
         else:
             nbytes = 0
             if not self.weights_resident and ip is not None:
@@ -861,101 +852,19 @@ class Residency:
         self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
         ctx_obj.close()
         self._saved_ctx = None
-        llm._ctx = _Released("context")
+        llm._ctx = Released("context")
         self._enter(kv=Kv.HOST)
 
     def _new_context_with_kv(self) -> None:
         llm = self._llm
-        ctx = self._context_with_kv(llm._model, stays_released="")
+        ctx = new_context(llm, llm._model, self._kv, self.model_path, stays_released="")
+        self._kv = None  # applied and closed
         llm._stack.enter_context(contextlib.closing(ctx))
         llm._ctx = ctx
         self._enter(kv=Kv.DEVICE)
 
-    def _context_with_kv(self, model: Any, *, stays_released: str) -> Any:
-        """A new llama context on ``model`` with the KV snapshot (if any) applied, then dropped.
-        Out of memory: OutOfDeviceMemoryError (``stays_released`` goes into its message)."""
-        from llama_cpp import _internals
-
-        llm = self._llm
-        try:
-            ctx: Any = _internals.LlamaContext(model=model, params=llm.context_params, verbose=llm.verbose)
-        except ValueError as exc:
-            raise OutOfDeviceMemoryError(
-                f"cannot create the context of {self.model_path} again ({exc}): {stays_released}"
-                "free device memory and try again"
-            ) from exc
-        if self._kv is not None:
-            try:
-                self._kv.apply(ctx.ctx)
-            except ResidencyError:
-                ctx.close()
-                raise
-            self._kv.close()
-            self._kv = None
-        return ctx
-
-    def _point_tokenizer(self, model: Any) -> None:
-        """llama-cpp-python's tokenizer keeps its own reference to the model object."""
-        tok = getattr(self._llm, "tokenizer_", None)
-        if tok is not None and hasattr(tok, "_model"):
-            tok._model = model
-
     def _want_pinned_kv(self) -> bool:
         return self._opts.host_shadow == "pinned"
-
-    # rebuild path
-
-    def _release_rebuild(self) -> None:
-        llm = self._llm
-        ctx_obj, model_obj = llm._ctx, llm._model
-        self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
-        self.host_bytes = self._kv.nbytes
-        self.host_pinned = self._kv.pinned
-        ctx_obj.close()
-        model_obj.close()
-        llm._ctx = _Released("context")
-        llm._model = _Released("model")
-        self._point_tokenizer(llm._model)
-        self._enter(kv=Kv.HOST)
-
-    def _restore_rebuild(self) -> int:
-        from llama_cpp import _internals
-
-        llm = self._llm
-        try:
-            now = FileId.of(self.model_path)
-        except OSError as exc:
-            raise ModelFileChangedError(
-                f"{self.model_path} is gone ({exc.strerror}): the model stays released; put the file back or "
-                "restart the model"
-            ) from exc
-        if now != self._file_id:
-            raise ModelFileChangedError(
-                f"{self.model_path} changed on disk after the model was loaded (size or modification time "
-                "differ): restoring from it is refused and the model stays released; restart the model to "
-                "load the new file"
-            )
-        try:
-            model: Any = _internals.LlamaModel(
-                path_model=self.model_path, params=llm.model_params, verbose=llm.verbose
-            )
-        except ValueError as exc:
-            raise OutOfDeviceMemoryError(
-                f"cannot load {self.model_path} again ({exc}): the model stays released; free device memory "
-                "(release or stop another model) and try again"
-            ) from exc
-        try:
-            ctx = self._context_with_kv(model, stays_released="the model stays released; ")
-        except BaseException:
-            model.close()
-            raise
-        llm._stack.enter_context(contextlib.closing(model))
-        llm._stack.enter_context(contextlib.closing(ctx))
-        llm._model = model
-        llm._ctx = ctx
-        self._point_tokenizer(model)
-        self.host_bytes = 0
-        return int(llama_cpp.llama_model_size(model.model))
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -982,4 +891,6 @@ class Residency:
         if self._inplace is not None:
             self._inplace.close()
             self._inplace = None
+        if self._rebuild is not None:
+            self._rebuild.close()
         self._llm = None
