@@ -118,14 +118,14 @@ def test_layout_probe_disagreement_takes_the_rebuild_path(
 def test_incomplete_discovery_refuses_the_inplace_path(
     small_q4: llama_cpp.Llama, small_q4_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = inplace_mod._discover
+    real = inplace_mod.discover
 
     def drop_one(llm: Any, layout: Any, *args: Any) -> Any:  # injected: the warm-up graph "missed" a weight
         disc = real(llm, layout, *args)
         disc.weights.discard(max(disc.weights))
         return disc
 
-    monkeypatch.setattr(inplace_mod, "_discover", drop_one)
+    monkeypatch.setattr(inplace_mod, "discover", drop_one)
     res = Residency.attach(small_q4, small_q4_path)
     assert res.path == "rebuild"
     assert "not covered" in res.reason or "was not seen" in res.reason

@@ -25,7 +25,8 @@ from _proc_util import rss_of
 from _residency_util import Greedy, load, make_small_q4_0, same
 from timeshare.core.errors import OutOfDeviceMemoryError, ResidencyError
 from timeshare.core.residency import Residency, ResidencyOptions, WeightPart, _ggml, hostmem
-from timeshare.core.residency.inplace import InPlace, layer_of, split_runs
+from timeshare.core.residency.inplace import InPlace
+from timeshare.core.residency.plan import layer_of, split_runs
 from timeshare.core.residency.state import Weights
 
 

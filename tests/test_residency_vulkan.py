@@ -14,7 +14,7 @@ from typing import Any
 import llama_cpp  # noqa: F401  (before numpy; residency loads the ggml libraries)
 import pytest
 from timeshare.core.residency import Residency, _ggml
-from timeshare.core.residency import inplace as inplace_mod
+from timeshare.core.residency import plan as plan_mod
 from timeshare.core.residency import residency as residency_mod
 from timeshare.core.residency.state import ResidencyState
 
@@ -46,13 +46,13 @@ def _vulkan_doctor(home: Path, cycles: int, *args: str, **env_extra: str) -> dic
 
 def test_plain_copy_buffer_types() -> None:
     # device buffers upload in one copy; host (pinned) and repacking types do not
-    assert inplace_mod.plain_copy("Vulkan0")
-    assert inplace_mod.plain_copy("Vulkan12")
-    assert inplace_mod.plain_copy("CUDA0")
-    assert inplace_mod.plain_copy("CPU")
-    assert not inplace_mod.plain_copy("Vulkan_Host")
-    assert not inplace_mod.plain_copy("CUDA_Host")
-    assert not inplace_mod.plain_copy("CPU_REPACK")
+    assert plan_mod.plain_copy("Vulkan0")
+    assert plan_mod.plain_copy("Vulkan12")
+    assert plan_mod.plain_copy("CUDA0")
+    assert plan_mod.plain_copy("CPU")
+    assert not plan_mod.plain_copy("Vulkan_Host")
+    assert not plan_mod.plain_copy("CUDA_Host")
+    assert not plan_mod.plain_copy("CPU_REPACK")
 
 
 @pytest.mark.parametrize(

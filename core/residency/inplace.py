@@ -1,4 +1,6 @@
 """The in-place path: free a loaded model's device weight buffers and put them back, in place.
+Step 1 lives in residency/discovery.py, the plan's types and rules in residency/plan.py, the
+reasons it is not used in residency/unsupported.py; the shadow, swaps and uploads are here.
 
 1. discovery: a throwaway context with ``cb_eval`` runs one warm-up decode; every ``src`` of a graph
    node whose buffer is used for WEIGHTS is a weight tensor (views lead to their ``view_src``; the
@@ -34,21 +36,20 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
-
-import llama_cpp
+from dataclasses import dataclass
 
 from ..errors import ModelFileChangedError, ModelFileError, OutOfDeviceMemoryError, ResidencyError
 from ..util.fileid import FileId
-from . import _ggml, evalhook
+from . import _ggml
+from .discovery import Discovery, discover
 from .gate import PartGate
 from .hostmem import HostMemory, ReadRange, parallel_read
 from .options import ResidencyOptions
+from .plan import Part, WeightBuffer, WeightTensor, layer_of, pad, plain_copy, split_runs
+from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 
 log = logging.getLogger(__name__)
 
@@ -59,45 +60,6 @@ _VERIFY_BYTES = 4096
 #: hand out data pointers from the constant vk_ptr_base (0x1000) and find their VkBuffer through
 #: the buffer's context at every use, so a swapped context is all a restored buffer needs.
 _READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
-_LAYER = re.compile(r"blk\.(\d+)\.")
-
-
-class InPlaceUnsupportedError(Exception):
-    """The in-place path cannot be used for this model here; the message is the reason."""
-
-
-class NothingToReleaseError(InPlaceUnsupportedError):
-    """The weights are memory-mapped on a CPU-only build: they are the page cache's, and there is
-    nothing to release (the ``none`` path under ``mode="auto"``)."""
-
-
-@dataclass
-class _Tensor:
-    ptr: int
-    name: str
-    offset: int  # data - buffer base
-    nbytes: int
-    shadow_offset: int = -1
-
-
-@dataclass
-class _Buffer:
-    ptr: int
-    buft: int
-    buft_name: str
-    size: int
-    base: int
-    layout: _ggml.BufferLayout | None = None
-    tensors: list[_Tensor] = field(default_factory=list)
-    released: bool = False
-    #: the shadow mirrors the buffer's layout and restore uploads it in one copy (buffer types
-    #: whose set_tensor is a plain copy); otherwise it is packed and uploaded tensor by tensor
-    mirror: bool = False
-    shadow_base: int = 0
-    whole: int = 0  # a private I8 tensor spanning the buffer, for the one-copy upload
-    #: a layer part's buffer, made by the in-place path (its tensors' ``buffer`` field points at
-    #: it); False: one of the model's own buffers (parts=1)
-    owned: bool = False
 
 
 @dataclass
@@ -108,7 +70,7 @@ class _ShadowBuild:
     mem: HostMemory
     ranges: list[ReadRange]  # the file's bytes of every tensor, by shadow offset
     gaps: list[tuple[int, int]]  # (offset, length) of the alignment gaps and padding (zeros)
-    tensors: list[tuple[_Buffer, _Tensor]]  # the tensors to spot-check
+    tensors: list[tuple[WeightBuffer, WeightTensor]]  # the tensors to spot-check
     sliced: bool  # one segment per slice (deferred), or every segment in one slice
     #: a release came before the build was done: the tensors of the slices left were checked
     #: against the file then (the weights they would be compared with are gone now), and the file
@@ -118,152 +80,6 @@ class _ShadowBuild:
     alloc_s: float = 0.0
     read_s: float = 0.0
     verify_s: float = 0.0
-
-
-@dataclass
-class Part:
-    """A run of consecutive layers and the buffers (one per buffer type) that hold them."""
-
-    index: int
-    first_layer: int
-    last_layer: int
-    buffers: list[_Buffer]
-
-    @property
-    def bytes(self) -> int:
-        return sum(b.size for b in self.buffers)
-
-    @property
-    def resident(self) -> bool:
-        return not any(b.released for b in self.buffers)
-
-
-def layer_of(name: str) -> int | None:
-    """The layer index of a tensor named ``blk.<i>.*``; None for the tensors outside the layers."""
-    m = _LAYER.match(name)
-    return int(m.group(1)) if m else None
-
-
-def split_runs(sizes: Sequence[int], n: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` index ranges of up to ``n`` runs of consecutive ``sizes``, none empty: each run
-    in turn takes entries while that brings its sum nearer to an even share of what is left (so a
-    big first entry -- the layer with the embeddings -- leaves the others evenly split)."""
-    k = max(1, min(n, len(sizes)))
-    runs: list[tuple[int, int]] = []
-    lo = 0
-    for left in range(k, 1, -1):  # runs still to make, this one included
-        target = sum(sizes[lo:]) / left
-        acc, hi = sizes[lo], lo + 1
-        while hi < len(sizes) - (left - 1) and abs(acc + sizes[hi] - target) <= abs(acc - target):
-            acc += sizes[hi]
-            hi += 1
-        runs.append((lo, hi))
-        lo = hi
-    runs.append((lo, len(sizes)))
-    return runs
-
-
-class _Discovery:
-    """Collects weight tensors from the ask phase of cb_eval (runs on the decoding thread)."""
-
-    def __init__(self, layout: _ggml.TensorLayout) -> None:
-        self.layout = layout
-        self.weights: set[int] = set()
-        #: graph nodes' sources that were views of a weight (a reused graph keeps their
-        #: ``buffer``/``data`` from when it was built)
-        self.weight_views = 0
-        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
-        #: where an eval hook goes in a live context (overlapped restores); None: not usable,
-        #: ``hook_note`` says why
-        self.hook: evalhook.HookLayout | None = None
-        self.hook_note = "not probed"
-
-    def _is_weight_buffer(self, buf: int) -> bool:
-        return bool(buf) and int(_ggml.buffer_get_usage(buf)) == _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS
-
-    def _eval(self, tensor: int | None, ask: bool, _user: int | None) -> bool:
-        if not ask or not tensor:
-            return True
-        lay = self.layout
-        for i in range(_ggml.GGML_MAX_SRC):
-            src = _ggml.read_ptr(tensor + lay.src + 8 * i)
-            if not src:
-                continue
-            root = _ggml.view_root(src, lay)  # a view of a weight leads to the weight
-            if self._is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
-                self.weights.add(root)
-                if root != src:
-                    self.weight_views += 1
-        return False  # observe only: the whole split runs at once
-
-
-def _discover(llm: Any, layout: _ggml.TensorLayout, probe_hook: bool = False) -> _Discovery:
-    """One warm-up decode of one token in a throwaway context that has the callback (``llm``: a
-    ``llama_cpp.Llama``, untyped). ``probe_hook``: then find and check, in that context, where an
-    eval hook goes in a live context (residency/evalhook.py; a few more one- and two-token
-    decodes)."""
-    disc = _Discovery(layout)
-    src_params = llm.context_params
-    params = llama_cpp.llama_context_params()
-    ctypes.memmove(ctypes.addressof(params), ctypes.addressof(src_params), ctypes.sizeof(params))
-    params.n_ctx = 256
-    params.n_batch = 32
-    params.n_ubatch = 32
-    params.n_seq_max = 1
-    params.embeddings = False
-    params.cb_eval = disc.callback
-    marker = ctypes.c_char(b"d")  # a user-data pointer the hook probe looks for
-    params.cb_eval_user_data = ctypes.c_void_p(ctypes.addressof(marker))
-    model = llm._model.model
-    ctx = llama_cpp.llama_init_from_model(model, params)
-    if not ctx:
-        raise InPlaceUnsupportedError("could not create the warm-up context for weight discovery")
-    try:
-        vocab = llama_cpp.llama_model_get_vocab(model)
-        token = int(llama_cpp.llama_vocab_bos(vocab))
-        if token < 0:
-            token = 0
-
-        def decode(n: int) -> None:
-            tokens = (llama_cpp.llama_token * n)(*([token] * n))
-            rc = int(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, n)))
-            if rc != 0:
-                raise InPlaceUnsupportedError(
-                    f"the warm-up decode for weight discovery failed (llama_decode returned {rc})"
-                )
-
-        decode(1)
-        if probe_hook:
-            n_embd = int(llama_cpp.llama_model_n_embd(model))
-
-            def reset_graphs() -> None:  # what Residency does when buffers moved
-                llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1)
-
-            try:
-                cb = int(ctypes.cast(disc.callback, ctypes.c_void_p).value or 0)
-                hook = evalhook.find_layout(int(ctx), cb, ctypes.addressof(marker))
-                evalhook.verify(int(ctx), hook, decode, reset_graphs)
-                disc.hook, disc.hook_note = hook, ""
-            except evalhook.HookUnavailableError as exc:
-                disc.hook_note = str(exc)
-    finally:
-        llama_cpp.llama_free(ctx)
-    if not disc.weights:
-        raise InPlaceUnsupportedError("the warm-up decode showed no weight tensors")
-    return disc
-
-
-def plain_copy(buft_name: str) -> bool:
-    """Buffer types whose set_tensor copies bytes unchanged (CPU_REPACK and the like repack)."""
-    return (
-        buft_name == "CPU"
-        or (buft_name.startswith("CUDA") and buft_name[4:].isdigit())
-        or (buft_name.startswith("Vulkan") and buft_name[6:].isdigit())
-    )
-
-
-def _pad(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
 
 
 class InPlace:
@@ -305,7 +121,7 @@ class InPlace:
             raise InPlaceUnsupportedError(str(exc)) from exc
         vulkan = gpu is not None and gpu.name.startswith("Vulkan")
         t0 = time.perf_counter()
-        disc = _discover(llm, self.layout, overlap and not vulkan)
+        disc = discover(llm, self.layout, overlap and not vulkan)
         t1 = time.perf_counter()
         #: where the upload gate goes in the live context (None: restores stay synchronous,
         #: ``overlap_note`` says why)
@@ -485,9 +301,9 @@ class InPlace:
 
     # -- plan ---------------------------------------------------------------------------------
 
-    def _plan(self, disc: _Discovery, gpu: _ggml.Device | None) -> list[_Buffer]:
+    def _plan(self, disc: Discovery, gpu: _ggml.Device | None) -> list[WeightBuffer]:
         lay = self.layout
-        by_buf: dict[int, _Buffer] = {}
+        by_buf: dict[int, WeightBuffer] = {}
         all_bufs: dict[int, str] = {}
         for t in sorted(disc.weights):
             buf = _ggml.read_ptr(t + lay.buffer)
@@ -497,12 +313,12 @@ class InPlace:
             if gpu is not None and _ggml.buffer_is_host(buf):
                 continue  # host weights of a GPU build stay where they are
             if buf not in by_buf:
-                by_buf[buf] = _Buffer(
+                by_buf[buf] = WeightBuffer(
                     buf, buft, name, int(_ggml.buffer_get_size(buf)), int(_ggml.buffer_get_base(buf) or 0)
                 )
             b = by_buf[buf]
             data = _ggml.read_ptr(t + lay.data)
-            b.tensors.append(_Tensor(t, _ggml.tensor_name(t), data - b.base, int(_ggml.ggml_nbytes(t))))
+            b.tensors.append(WeightTensor(t, _ggml.tensor_name(t), data - b.base, int(_ggml.ggml_nbytes(t))))
         if gpu is None and any(n == "CPU_Mapped" for n in all_bufs.values()):
             raise NothingToReleaseError(
                 "the weights are memory-mapped on a CPU-only build: nothing to release "
@@ -531,7 +347,9 @@ class InPlace:
                 )
         return list(by_buf.values())
 
-    def _split_plan(self, originals: list[_Buffer], n: int) -> tuple[list[Part], list[_Buffer]] | None:
+    def _split_plan(
+        self, originals: list[WeightBuffer], n: int
+    ) -> tuple[list[Part], list[WeightBuffer]] | None:
         """Up to ``n`` parts of consecutive layers with near-equal bytes (the tensors outside the
         layers count with the first layer), and their buffers: one per part and original buffer
         holding any of its tensors, laid out as ggml-alloc lays out a buffer (each tensor at an
@@ -543,7 +361,7 @@ class InPlace:
         for o in originals:
             align = int(_ggml.buft_get_alignment(o.buft))
             for t in o.tensors:
-                size = _pad(int(_ggml.buft_get_alloc_size(o.buft, t.ptr)), align)
+                size = pad(int(_ggml.buft_get_alloc_size(o.buft, t.ptr)), align)
                 padded[t.ptr] = size
                 layer = layer_of(t.name)
                 if layer is None:
@@ -564,7 +382,7 @@ class InPlace:
             return part_of[layers[0] if layer is None else layer]
 
         parts = [Part(j, layers[lo], layers[hi - 1], []) for j, (lo, hi) in enumerate(runs)]
-        units: list[_Buffer] = []
+        units: list[WeightBuffer] = []
         for part in parts:
             for o in originals:
                 mine = sorted(
@@ -572,20 +390,20 @@ class InPlace:
                 )
                 if not mine:
                     continue
-                u = _Buffer(0, o.buft, o.buft_name, 0, 0, layout=o.layout, released=True, owned=True)
+                u = WeightBuffer(0, o.buft, o.buft_name, 0, 0, layout=o.layout, released=True, owned=True)
                 pos = 0
                 for t in mine:
-                    u.tensors.append(_Tensor(t.ptr, t.name, pos, t.nbytes))
+                    u.tensors.append(WeightTensor(t.ptr, t.name, pos, t.nbytes))
                     pos += padded[t.ptr]
                 u.size = pos
                 part.buffers.append(u)
                 units.append(u)
         return parts, units
 
-    def _check_complete(self, b: _Buffer) -> None:
+    def _check_complete(self, b: WeightBuffer) -> None:
         align = int(_ggml.buft_get_alignment(b.buft))
         spans = sorted(
-            (t.offset, _pad(int(_ggml.buft_get_alloc_size(b.buft, t.ptr)), align), t.name) for t in b.tensors
+            (t.offset, pad(int(_ggml.buft_get_alloc_size(b.buft, t.ptr)), align), t.name) for t in b.tensors
         )
         pos = 0
         for off, length, name in spans:
@@ -804,7 +622,7 @@ class InPlace:
         for b in mirrored:
             b.whole = int(_ggml.ggml_new_tensor_1d(ctx, _ggml.GGML_TYPE_I8, b.size))
 
-    def _verify_tensors(self, mem: HostMemory, tensors: list[tuple[_Buffer, _Tensor]]) -> int:
+    def _verify_tensors(self, mem: HostMemory, tensors: list[tuple[WeightBuffer, WeightTensor]]) -> int:
         """Compare the first and last bytes of each of ``tensors`` (readable ones: repacked
         layouts cannot be read back as file bytes) with the shadow: the file on disk must still
         be the one the model was loaded from."""
@@ -845,7 +663,7 @@ class InPlace:
             )
         return self._executor
 
-    def _detach_buffer(self, b: _Buffer) -> int:
+    def _detach_buffer(self, b: WeightBuffer) -> int:
         """Swap ``b`` with a tiny placeholder; returns the placeholder, which now owns the weights'
         memory (freeing it frees them)."""
         assert b.layout is not None
@@ -859,7 +677,7 @@ class InPlace:
         b.released = True
         return placeholder
 
-    def _release_buffer(self, b: _Buffer) -> None:
+    def _release_buffer(self, b: WeightBuffer) -> None:
         _ggml.buffer_free(self._detach_buffer(b))  # frees the weights' memory
 
     # -- layer parts --------------------------------------------------------------------------
@@ -873,7 +691,7 @@ class InPlace:
         changed)."""
         if not self.split_pending:
             return
-        made: list[_Buffer] = []
+        made: list[WeightBuffer] = []
 
         def unmake() -> None:
             for m in made:
@@ -957,7 +775,7 @@ class InPlace:
             return self.weight_bytes
         chosen = self.parts_to_release(keep_bytes)
         todo = [b for p in chosen for b in p.buffers if not b.released]
-        done: list[_Buffer] = []
+        done: list[WeightBuffer] = []
         try:
             if self._parallel():
                 held: list[int] = []
@@ -981,7 +799,7 @@ class InPlace:
         }
         return sum(b.size for b in done)
 
-    def _out_of_memory(self, b: _Buffer, todo: list[_Buffer]) -> OutOfDeviceMemoryError:
+    def _out_of_memory(self, b: WeightBuffer, todo: list[WeightBuffer]) -> OutOfDeviceMemoryError:
         need = sum(x.size for x in todo)
         return OutOfDeviceMemoryError(
             f"not enough {b.buft_name} memory to restore the model's weights "
@@ -1011,7 +829,7 @@ class InPlace:
         self.finish_uploads()
         return self._restore([b for b in self.buffers if b.released], overlap)
 
-    def _part_groups(self, todo: list[_Buffer]) -> list[tuple[Part, list[_Buffer]]]:
+    def _part_groups(self, todo: list[WeightBuffer]) -> list[tuple[Part, list[WeightBuffer]]]:
         mine = {id(b) for b in todo}
         groups = [(p, [b for b in p.buffers if id(b) in mine]) for p in self.parts]
         return [(p, bufs) for p, bufs in groups if bufs]
@@ -1023,7 +841,7 @@ class InPlace:
             self._uploader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="residency-upload")
         return self._uploader_pool
 
-    def _restore(self, todo: list[_Buffer], overlap: bool = False) -> int:
+    def _restore(self, todo: list[WeightBuffer], overlap: bool = False) -> int:
         """Allocate and relocate the buffers of ``todo`` part by part in layer order, each part's
         upload submitted to the upload thread as soon as its buffers are in place (the copies
         overlap the allocations that follow, overlapped or not: the copy engine starts after the
@@ -1053,9 +871,9 @@ class InPlace:
                     for p, bufs in groups
                 ],
             )
-        done: list[_Buffer] = []
+        done: list[WeightBuffer] = []
         first_alloc_s = alloc_max_s = 0.0
-        held: list[tuple[Part, list[_Buffer]]] = []
+        held: list[tuple[Part, list[WeightBuffer]]] = []
         for part, bufs in groups:
             for b in bufs:
                 t_a = time.perf_counter()
@@ -1099,21 +917,21 @@ class InPlace:
         return nbytes
 
     def _submit_uploads(
-        self, held: list[tuple[Part, list[_Buffer]]], shadow: HostMemory, gate: PartGate | None
+        self, held: list[tuple[Part, list[WeightBuffer]]], shadow: HostMemory, gate: PartGate | None
     ) -> None:
         """Hand the parts in ``held`` to the upload thread, in order, and empty it."""
         for part, bufs in held:
             self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, gate, part.index))
         held.clear()
 
-    def _restore_parallel(self, todo: list[_Buffer], t_start: float) -> int:
+    def _restore_parallel(self, todo: list[WeightBuffer], t_start: float) -> int:
         """Vulkan: every buffer allocated at once on the pool's threads, each uploaded (on this
         thread) as soon as its allocation is back."""
         copy_s = 0.0
         futures: list[Future[int | None]] = [
             self._pool().submit(_ggml.buft_alloc_buffer, b.buft, b.size) for b in todo
         ]
-        done: list[_Buffer] = []
+        done: list[WeightBuffer] = []
         for i, b in enumerate(todo):
             new = futures[i].result()
             if new is None:
@@ -1142,7 +960,9 @@ class InPlace:
         """An overlapped restore's uploads are not all known to be complete (finish_uploads)."""
         return bool(self._uploads)
 
-    def _upload_part(self, bufs: list[_Buffer], shadow: HostMemory, gate: PartGate | None, idx: int) -> float:
+    def _upload_part(
+        self, bufs: list[WeightBuffer], shadow: HostMemory, gate: PartGate | None, idx: int
+    ) -> float:
         """One part's uploads (on the upload thread); returns their seconds. The gate learns of
         the part in any case (a failed upload is raised by finish_uploads)."""
         t0 = time.perf_counter()
@@ -1211,7 +1031,7 @@ class InPlace:
         if error is not None:
             raise ResidencyError(f"uploading the restored weights failed: {error}") from error
 
-    def _relocate(self, b: _Buffer, new: int) -> int:
+    def _relocate(self, b: WeightBuffer, new: int) -> int:
         """Put the fresh allocation ``new`` under ``b`` and relocate its tensors (no upload);
         returns the placeholder that now holds the tiny memory, for the caller to free."""
         assert b.layout is not None
@@ -1232,7 +1052,7 @@ class InPlace:
         b.released = False
         return new
 
-    def _upload(self, b: _Buffer, shadow: HostMemory) -> None:
+    def _upload(self, b: WeightBuffer, shadow: HostMemory) -> None:
         """Copy ``b``'s bytes from the host shadow, through the buffer's own set_tensor: a
         mirrored buffer in one copy per host allocation it spans, others tensor by tensor."""
         if b.mirror:
@@ -1244,7 +1064,7 @@ class InPlace:
             for t in b.tensors:
                 _ggml.tensor_set(t.ptr, shadow.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
 
-    def _attach_buffer(self, b: _Buffer, new: int) -> None:
+    def _attach_buffer(self, b: WeightBuffer, new: int) -> None:
         """Put the fresh allocation ``new`` under ``b``, relocate its tensors and upload them."""
         _ggml.buffer_free(self._relocate(b, new))  # the tiny placeholder memory
         self._upload(b, self.shadow)

@@ -25,11 +25,12 @@ from ..util.fileid import FileId
 from . import _ggml, evalhook, hostmem
 from .context import Released, new_context
 from .gguf_check import check_gguf
-from .inplace import InPlace, InPlaceUnsupportedError, NothingToReleaseError
+from .inplace import InPlace
 from .kv import KvSnapshot
 from .options import Mode, ResidencyOptions
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
+from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 from .view import InPlaceView
 
 log = logging.getLogger(__name__)

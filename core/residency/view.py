@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class WeightBuffer:
+class BufferInfo:
     """One weight buffer the in-place path releases and restores."""
 
     buft: int  # its ggml buffer type
@@ -31,8 +31,8 @@ class InPlaceView:
         self._ip = ip
 
     @property
-    def buffers(self) -> tuple[WeightBuffer, ...]:
-        return tuple(WeightBuffer(b.buft, b.buft_name, b.size, b.mirror) for b in self._ip.buffers)
+    def buffers(self) -> tuple[BufferInfo, ...]:
+        return tuple(BufferInfo(b.buft, b.buft_name, b.size, b.mirror) for b in self._ip.buffers)
 
     @property
     def tensor_bytes(self) -> int:
