@@ -185,7 +185,7 @@ def test_the_gate_waits_for_slow_uploads(smollm2_path: Path, held_uploads: Hold)
             st = gate.stats
             assert st.waits >= 1 and 0 in st.waited_parts  # part 0 could not be there at the first node
             assert st.pending_bytes_at_start == rst.pending_bytes  # nothing was in at the first node
-            assert res.last_overlap["gate_waits"] == st.waits
+            assert res.last_overlap.gate_waits == st.waits
             assert same(greedy.run(), ref)
         res.close()
     finally:
@@ -439,8 +439,8 @@ def test_uploads_start_while_later_parts_allocate(
             assert 0.0 <= steps["first_alloc_ms"] <= steps["first_upload_at_ms"] < steps["alloc_ms"]
             assert steps["upload_gaps_ms"] >= 0.0 and steps["copy_ms"] <= steps["upload_wall_ms"] + 1e-6
             if overlap:
-                assert res.last_overlap["first_upload_at_ms"] == steps["first_upload_at_ms"]
-                assert res.last_overlap["first_node_at_ms"] >= steps["returned_ms"] > 0.0
+                assert res.last_overlap.first_upload_at_ms == steps["first_upload_at_ms"]
+                assert res.last_overlap.first_node_at_ms >= steps["returned_ms"] > 0.0
         res.close()
     finally:
         llm.close()
@@ -515,7 +515,8 @@ def test_each_overlapped_restore_logs_its_timeline(
         with caplog.at_level(logging.INFO, logger="timeshare.core.residency.residency"):
             for keep in (None, res.weight_bytes // 2):
                 _overlapped_cycle(res, llm, greedy, ref, keep)
-                seen.append(dict(res.last_overlap))
+                assert res.last_overlap is not None
+                seen.append(res.last_overlap.as_dict())
         res.close()
     finally:
         llm.close()

@@ -107,7 +107,7 @@ def first_decode_after_restore(
             res.settle()
             overlapped_seen = overlapped_seen or rst.overlapped
             if rst.overlapped:
-                gate = dict(res.last_overlap)
+                gate = res.last_overlap.as_dict() if res.last_overlap is not None else {}
             else:
                 sync_steps = dict(res.restore_steps)
             same.append(greedy_after_prefill() == reference)

@@ -30,6 +30,7 @@ from .kv import KvSnapshot
 from .options import Mode, ResidencyOptions
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
+from .timeline import OverlapTimeline
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 from .view import InPlaceView
 
@@ -180,7 +181,7 @@ class Residency:
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
         self._gated_ctx = 0  # the context the upload gate is installed in (0: none)
         #: what the last overlapped restore's gate saw, once settled (see :meth:`settle`)
-        self.last_overlap: dict[str, float] = {}
+        self.last_overlap: OverlapTimeline | None = None
         self.memory_note = ""  # why memory_measure is not the device's own report, when it is not
 
     # -- construction -------------------------------------------------------------------------
@@ -815,32 +816,32 @@ class Residency:
         if gate is not None:
             st = gate.stats
             steps = ip.restore_steps
-            self.last_overlap = {
-                "alloc_ms": steps.get("alloc_ms", 0.0),
-                "uploads_ms": steps.get("uploads_ms", 0.0),
-                "copy_ms": steps.get("copy_ms", 0.0),
-                "settle_wait_ms": steps.get("wait_ms", 0.0),
-                "first_alloc_ms": steps.get("first_alloc_ms", 0.0),
-                "first_upload_at_ms": steps.get("first_upload_at_ms", 0.0),
-                "upload_gaps_ms": steps.get("upload_gaps_ms", 0.0),
-                "reserve_ms": steps.get("reserve_ms", 0.0),
-                "returned_ms": steps.get("returned_ms", 0.0),
-                "first_node_at_ms": steps.get("first_node_at_ms", 0.0),
-                "last_wait_end_at_ms": steps.get("last_wait_end_at_ms", 0.0),
-                "last_upload_end_at_ms": steps.get("last_upload_end_at_ms", 0.0),
-                "pending_bytes": steps.get("pending_bytes", 0.0),
-                "pending_bytes_at_first_node": float(st.pending_bytes_at_start),
-                "gate_calls": float(st.calls),
-                "gate_waits": float(st.waits),
-                "gate_wait_ms": st.wait_s * 1000,
-                "gate_ranges": float(st.ranges),
-            }
+            self.last_overlap = OverlapTimeline(
+                alloc_ms=steps.get("alloc_ms", 0.0),
+                uploads_ms=steps.get("uploads_ms", 0.0),
+                copy_ms=steps.get("copy_ms", 0.0),
+                settle_wait_ms=steps.get("wait_ms", 0.0),
+                first_alloc_ms=steps.get("first_alloc_ms", 0.0),
+                first_upload_at_ms=steps.get("first_upload_at_ms", 0.0),
+                upload_gaps_ms=steps.get("upload_gaps_ms", 0.0),
+                reserve_ms=steps.get("reserve_ms", 0.0),
+                returned_ms=steps.get("returned_ms", 0.0),
+                first_node_at_ms=steps.get("first_node_at_ms", 0.0),
+                last_wait_end_at_ms=steps.get("last_wait_end_at_ms", 0.0),
+                last_upload_end_at_ms=steps.get("last_upload_end_at_ms", 0.0),
+                pending_bytes=steps.get("pending_bytes", 0.0),
+                pending_bytes_at_first_node=float(st.pending_bytes_at_start),
+                gate_calls=float(st.calls),
+                gate_waits=float(st.waits),
+                gate_wait_ms=st.wait_s * 1000,
+                gate_ranges=float(st.ranges),
+            )
             # one line per overlapped restore, its timeline from the restore's start (bench api
             # collects them from the worker logs)
             log.info(
                 "overlapped restore settled (%s): %s",
                 self.model_path,
-                json.dumps({k: round(v, 3) for k, v in self.last_overlap.items()}),
+                json.dumps({k: round(v, 3) for k, v in self.last_overlap.as_dict().items()}),
             )
             if gate.error is not None:
                 raise ResidencyError(f"the upload gate failed: {gate.error}") from gate.error
