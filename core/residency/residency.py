@@ -814,28 +814,7 @@ class Residency:
                     evalhook.clear(self._gated_ctx, ip.hook)
                 self._gated_ctx = 0
         if gate is not None:
-            st = gate.stats
-            steps = ip.restore_steps
-            self.last_overlap = OverlapTimeline(
-                alloc_ms=steps.get("alloc_ms", 0.0),
-                uploads_ms=steps.get("uploads_ms", 0.0),
-                copy_ms=steps.get("copy_ms", 0.0),
-                settle_wait_ms=steps.get("wait_ms", 0.0),
-                first_alloc_ms=steps.get("first_alloc_ms", 0.0),
-                first_upload_at_ms=steps.get("first_upload_at_ms", 0.0),
-                upload_gaps_ms=steps.get("upload_gaps_ms", 0.0),
-                reserve_ms=steps.get("reserve_ms", 0.0),
-                returned_ms=steps.get("returned_ms", 0.0),
-                first_node_at_ms=steps.get("first_node_at_ms", 0.0),
-                last_wait_end_at_ms=steps.get("last_wait_end_at_ms", 0.0),
-                last_upload_end_at_ms=steps.get("last_upload_end_at_ms", 0.0),
-                pending_bytes=steps.get("pending_bytes", 0.0),
-                pending_bytes_at_first_node=float(st.pending_bytes_at_start),
-                gate_calls=float(st.calls),
-                gate_waits=float(st.waits),
-                gate_wait_ms=st.wait_s * 1000,
-                gate_ranges=float(st.ranges),
-            )
+            self.last_overlap = OverlapTimeline.settled(ip.restore_steps, gate.stats)
             # one line per overlapped restore, its timeline from the restore's start (bench api
             # collects them from the worker logs)
             log.info(

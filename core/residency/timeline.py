@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from .gate import GateStats
+
+#: fields named otherwise than the restore step they come from
+_STEP_KEY = {"settle_wait_ms": "wait_ms"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,24 @@ class OverlapTimeline:
     gate_waits: float
     gate_wait_ms: float
     gate_ranges: float
+
+    @classmethod
+    def settled(cls, steps: Mapping[str, float], stats: GateStats) -> OverlapTimeline:
+        """From a settled restore's ``restore_steps`` (0.0 for a step it has not) and its gate's
+        counts."""
+        gate = {
+            "pending_bytes_at_first_node": float(stats.pending_bytes_at_start),
+            "gate_calls": float(stats.calls),
+            "gate_waits": float(stats.waits),
+            "gate_wait_ms": stats.wait_s * 1000,
+            "gate_ranges": float(stats.ranges),
+        }
+        timed = {
+            f.name: steps.get(_STEP_KEY.get(f.name, f.name), 0.0)
+            for f in dataclasses.fields(cls)
+            if f.name not in gate
+        }
+        return cls(**timed, **gate)
 
     def as_dict(self) -> dict[str, float]:
         """The fields by name, in this order (the keys of the logged JSON line)."""
