@@ -389,9 +389,6 @@ def test_the_composition_checks_catch_what_they_are_for(tmp_path: Path) -> None:
 
 #: os's names that read or change the environment
 ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
-#: the A/B switches issue 37's first item deletes with their modules (the lead resolves the merge):
-#: remove an entry together with the switch it reads
-ENV_PENDING = {"core/residency/inplace.py", "core/residency/smcopy.py"}
 
 
 def environment_reads(path: Path) -> list[int]:
@@ -417,7 +414,7 @@ def test_only_the_registry_reads_the_environment() -> None:
     bad = []
     for path in sorted((ROOT / "core").rglob("*.py")):
         rel = str(path.relative_to(ROOT))
-        if rel == "core/envvars.py" or rel in ENV_PENDING:
+        if rel == "core/envvars.py":
             continue
         bad += [f"{rel}:{line}" for line in environment_reads(path)]
     assert bad == [], "read the environment through core/envvars.py"
@@ -433,18 +430,17 @@ def test_the_environment_check_catches_what_it_is_for(tmp_path: Path) -> None:
 
 
 def test_every_timeshare_variable_is_declared() -> None:
-    # a TIMESHARE_* name written in the product is one the registry declares (or one being deleted)
+    # a TIMESHARE_* name written in the product is one the registry declares
     import re
 
     from timeshare.core import envvars
 
     declared = {var.name for var in envvars.REGISTRY}
-    pending = {"TIMESHARE_UPLOAD_SM_SHARE", "TIMESHARE_RESTORE_CLEAR", "TIMESHARE_UPLOAD_AFTER_ALLOC"}
     named: set[str] = set()
     for folder in ("core", "app", "timeshare"):
         for path in (ROOT / folder).rglob("*.py"):
             named.update(re.findall(r"\bTIMESHARE_[A-Z0-9_]+\b", path.read_text()))
-    assert named - declared - pending == set()
+    assert named - declared == set()
     assert len({var.name for var in envvars.REGISTRY}) == len(envvars.REGISTRY)
     assert all(var.kind in envvars.KINDS and var.help for var in envvars.REGISTRY)
 
