@@ -258,7 +258,8 @@ def test_synchronous_restore_has_no_gate(smollm2_path: Path) -> None:
         assert not rst.overlapped and rst.pending_bytes == 0 and not res.uploads_pending
         assert not _hook_installed(res, llm)
         steps = res.restore_steps
-        assert steps["buffers"] == 8 and steps["copy_ms"] > 0 and steps["total_ms"] >= steps["alloc_ms"]
+        assert steps.buffers == 8 and steps.copy_ms and steps.total_ms and steps.alloc_ms is not None
+        assert steps.copy_ms > 0 and steps.total_ms >= steps.alloc_ms
         assert same(greedy.run(), ref)
         res.close()
     finally:
@@ -435,12 +436,13 @@ def test_uploads_start_while_later_parts_allocate(
             assert seen["big"] == n_parts and seen["copy_before_last_alloc"]
             assert same(out, ref)
             steps = res.restore_steps
-            assert steps["parts"] == n_parts
-            assert 0.0 <= steps["first_alloc_ms"] <= steps["first_upload_at_ms"] < steps["alloc_ms"]
-            assert steps["upload_gaps_ms"] >= 0.0 and steps["copy_ms"] <= steps["upload_wall_ms"] + 1e-6
+            s = steps.as_dict()
+            assert steps.parts == n_parts
+            assert 0.0 <= s["first_alloc_ms"] <= s["first_upload_at_ms"] < s["alloc_ms"]
+            assert s["upload_gaps_ms"] >= 0.0 and s["copy_ms"] <= s["upload_wall_ms"] + 1e-6
             if overlap:
-                assert res.last_overlap.first_upload_at_ms == steps["first_upload_at_ms"]
-                assert res.last_overlap.first_node_at_ms >= steps["returned_ms"] > 0.0
+                assert res.last_overlap.first_upload_at_ms == steps.first_upload_at_ms
+                assert res.last_overlap.first_node_at_ms >= s["returned_ms"] > 0.0
         res.close()
     finally:
         llm.close()

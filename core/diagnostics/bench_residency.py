@@ -84,7 +84,7 @@ def run_residency_bench(
             reference,
             cycles,
             while_first_released=measure_raw_copy,
-            after_restore=lambda: steps.append(dict(res.restore_steps)),
+            after_restore=lambda: steps.append(res.restore_steps.as_dict()),
         )
         rel = [r.ms for r in done.releases]
         rst = [r.ms for r in done.restores]
@@ -119,7 +119,7 @@ def run_residency_bench(
                 out["baseline_gbps"] = baseline[0]["gbps"]
                 out["restore_vs_baseline"] = out["restore_gbps"] / baseline[0]["gbps"]
         out["release_steps"] = res.release_steps
-        out["restore_steps"] = res.restore_steps
+        out["restore_steps"] = res.restore_steps.as_dict()
         out["restore_steps_all"] = steps
         # alternative 1: reload from the page cache (what a process swap pays, without the process)
         res.release()

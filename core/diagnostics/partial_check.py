@@ -109,7 +109,7 @@ def first_decode_after_restore(
             if rst.overlapped:
                 gate = res.last_overlap.as_dict() if res.last_overlap is not None else {}
             else:
-                sync_steps = dict(res.restore_steps)
+                sync_steps = res.restore_steps.as_dict()
             same.append(greedy_after_prefill() == reference)
             rows[mode].append(dt * 1000)
             restore_ms[mode].append(rst.ms)
@@ -180,7 +180,7 @@ def run_partial_check(
                 released.append(rel.released_bytes)
                 freed.append(rel.freed_bytes)
                 restored.append(rst.bytes)
-                steps.append({"release": res.release_steps, "restore": res.restore_steps})
+                steps.append({"release": res.release_steps, "restore": res.restore_steps.as_dict()})
             return {
                 "parts": len(res.parts()),
                 "weight_bytes": res.weight_bytes,

@@ -30,7 +30,7 @@ from .kv import KvSnapshot
 from .options import Mode, ResidencyOptions
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
-from .timeline import OverlapTimeline
+from .timeline import OverlapTimeline, RestoreSteps
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 from .view import InPlaceView
 
@@ -549,9 +549,10 @@ class Residency:
         return dict(self._inplace.release_steps) if self._inplace is not None else {}
 
     @property
-    def restore_steps(self) -> dict[str, float]:
-        """Per-step milliseconds of the last in-place restore: allocation, copy (empty on other paths)."""
-        return dict(self._inplace.restore_steps) if self._inplace is not None else {}
+    def restore_steps(self) -> RestoreSteps:
+        """Per-step milliseconds of the last in-place restore: allocation, copy (all None on other
+        paths, and before the first restore)."""
+        return RestoreSteps.of(self._inplace.restore_steps) if self._inplace is not None else RestoreSteps()
 
     @property
     def memory_measure(self) -> str:

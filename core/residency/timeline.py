@@ -1,4 +1,5 @@
-"""Typed restore timelines: what an overlapped restore's upload gate saw once settled."""
+"""Typed restore timelines: the steps of the last in-place restore, and what an overlapped
+restore's upload gate saw once settled."""
 
 from __future__ import annotations
 
@@ -7,6 +8,43 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .gate import GateStats
+
+
+@dataclass(frozen=True)
+class RestoreSteps:
+    """Milliseconds of the last in-place restore's steps (``Residency.restore_steps``); None: a
+    step this restore did not have (a synchronous one has no ``uploads_ms``, an overlapped one no
+    ``total_ms``; the parallel one of Vulkan only alloc, copy, buffers and total). ``as_dict()``
+    gives the keys the diagnostics' JSON has always printed: those of the steps it had."""
+
+    alloc_ms: float | None = None  # allocation and relocation (the copies run meanwhile)
+    first_alloc_ms: float | None = None  # before the first copy could start
+    alloc_max_ms: float | None = None  # the slowest single buffer allocation
+    copy_ms: float | None = None  # the upload thread busy
+    wait_ms: float | None = None  # waiting for the uploads at the end
+    total_ms: float | None = None  # a synchronous restore, whole
+    buffers: float | None = None  # (counts are kept as the restore gave them: whole numbers)
+    parts: float | None = None
+    overlapped: float | None = None  # 1.0 / 0.0
+    pending_bytes: float | None = None  # still to upload when an overlapped restore returned
+    first_upload_at_ms: float | None = None  # from the restore's start
+    upload_wall_ms: float | None = None  # first copy's start to last copy's end
+    upload_gaps_ms: float | None = None  # the upload thread idle in between
+    uploads_ms: float | None = None  # an overlapped restore's upload wall time
+    first_node_at_ms: float | None = None
+    last_wait_end_at_ms: float | None = None
+    last_upload_end_at_ms: float | None = None
+    reserve_ms: float | None = None  # the scheduler's reserve (graphs reset)
+    returned_ms: float | None = None  # until restore() returned
+
+    @classmethod
+    def of(cls, steps: Mapping[str, float]) -> RestoreSteps:
+        """From the steps as the in-place path records them while it restores."""
+        return cls(**steps)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
 
 #: fields named otherwise than the restore step they come from
 _STEP_KEY = {"settle_wait_ms": "wait_ms"}
