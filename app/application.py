@@ -460,10 +460,19 @@ def _after_first_paint(widget: QWidget, then: Callable[[], None]) -> None:
     _FirstPaint(widget, then)
 
 
-def _fatal(title: str, text: str) -> int:
-    print(f"timeshare: {text}", file=sys.stderr)
+def fatal_box(title: str, text: str, details: str = "") -> QMessageBox:
+    """A dialog that says what went wrong in a sentence; paths, pids and the program's own words
+    go under Show Details."""
+    box = QMessageBox(QMessageBox.Icon.Critical, title, text)
+    if details:
+        box.setDetailedText(details)
+    return box
+
+
+def _fatal(title: str, text: str, details: str = "") -> int:
+    print(f"timeshare: {text}" + (f"\n{details}" if details else ""), file=sys.stderr)
     if QGuiApplication.platformName() not in ("offscreen", "minimal"):  # nobody could close it there
-        QMessageBox.critical(None, title, text)
+        fatal_box(title, text, details).exec()
     return 2
 
 
@@ -484,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
         instance = InstanceLock.acquire("tray")
     except InstanceRunningError as e:
         single.close()
-        return _fatal("Timeshare is already running", str(e))
+        return _fatal("Timeshare is already running", strings.ALREADY_RUNNING, str(e))
 
     config_path = config_files.cli_config_path(getattr(args, "config", None))
     try:
@@ -494,8 +503,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fatal(
             "Timeshare: configuration error",
-            f"{config_path} has problems:\n{problems_text(e.problems)}\n\n"
-            "Fix the file (it was not changed) and start Timeshare again.",
+            strings.SETTINGS_FILE_BROKEN,
+            f"{config_path} has problems:\n{problems_text(e.problems)}",
         )
 
     from ..core.conversations.chat import ChatService
@@ -505,13 +514,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         store = Store()
     except TimeshareError as e:
-        return _fatal("Timeshare: conversations", str(e))
+        return _fatal("Timeshare: conversations", strings.CONVERSATIONS_UNREADABLE, str(e))
     pool = Pool(config)
     try:
         pool.start()
     except TimeshareError as e:
         store.close()
-        return _fatal("Timeshare could not start", str(e))
+        return _fatal("Timeshare could not start", strings.plain_reason(str(e)), str(e))
     app = TimeshareApp(config, pool, store, ChatService(pool, store), config_path=config_path)
     single.message_received.connect(lambda _msg: app.window.show_and_raise())
 

@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 
 from ..core.conversations.store import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 from ..core.errors import TimeshareError
+from ..core.state import ModelState
 from . import strings
 from .menu_model import display_state
 from .qt_compat import emit
@@ -70,7 +71,7 @@ class ModelPicker(QComboBox):
             self.clear()
         for index, m in enumerate(snapshot.models):
             label = f"{m.display_name} — {display_state(m, strings.has_gpu(snapshot))}"
-            if m.id == snapshot.holder:
+            if m.id == snapshot.holder and m.state is not ModelState.RESIDENT:
                 label += f", {strings.holds(strings.has_gpu(snapshot))}"
             if same_models:  # relabel in place: an open popup stays open
                 self.setItemText(index, label)

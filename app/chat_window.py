@@ -267,8 +267,8 @@ class ChatWindow(QMainWindow):
             self._show_wait("", None)
             return
         text = display_state(status, strings.has_gpu(snapshot))
-        if status.id == snapshot.holder:
-            text += f" · holds {strings.device_word(strings.has_gpu(snapshot))}"
+        if status.id == snapshot.holder and status.state is not ModelState.RESIDENT:
+            text += f" · {strings.holds(strings.has_gpu(snapshot))}"
         self.model_state.setText(text)
         self.licence.setText(f"Licence: {status.licence}" if status.licence else "")
         self.licence.setToolTip(self.licence.text())
@@ -419,7 +419,11 @@ class ChatWindow(QMainWindow):
         live = conv_id == self._stream_conversation
         if live and messages and messages[-1].role == "assistant" and not messages[-1].complete:
             messages.pop()  # the periodically saved partial answer: the live text replaces it
-        self._history = (conv_id, conv_model, history_markdown(messages, conv_model, self._who))
+        self._history = (
+            conv_id,
+            conv_model,
+            history_markdown(messages, conv_model, self._who, gpu=strings.has_gpu(self.bridge.snapshot)),
+        )
         self._show_transcript()
 
     def _render_live(self) -> None:
@@ -557,7 +561,8 @@ class ChatWindow(QMainWindow):
         elif result is not None:
             stats = result.stats
             if conv_id == self.current_conversation():  # not over another conversation
-                self.statusBar().showMessage(answer_line(stats), 15000)
+                gpu = strings.has_gpu(self.bridge.snapshot)
+                self.statusBar().showMessage(answer_line(stats, gpu=gpu), 15000)
         self._partial = ""
         self._got_first_token = False
         self._update_buttons()

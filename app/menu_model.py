@@ -10,6 +10,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..core import words
 from ..core.errors import ModelFileError
 from ..core.state import ModelState, ModelStatus, PoolSnapshot
 from . import strings
@@ -77,16 +78,10 @@ Entry = Action | Label | Separator | Submenu
 
 
 def display_state(status: ModelStatus, gpu: bool = True) -> str:
-    """The words the menu shows for a model's state: resident, released, sleeping, busy (answering
-    on the GPU), waiting (a request waits for the GPU), failed, "partly on the GPU (62 %)" (a
-    released model that freed only some layer parts; "in memory" where ``gpu`` is False) ..."""
-    if status.busy and status.state is ModelState.RESIDENT:
-        return "busy"
-    if status.busy and status.state in (ModelState.RELEASED, ModelState.SLEEPING):
-        return "waiting"
-    if status.state is ModelState.RELEASED and status.partly_resident:
-        return strings.partly_on(status.resident_fraction, gpu)
-    return status.state.value
+    """The words the menu shows for a model's state (core/words.py): "on the GPU", "answering",
+    "set aside — ready in 0.1 s", "waiting for the GPU", "asleep", "partly on the GPU (62 %)",
+    "stopped", "failed" ... ("in memory", "waiting for its turn" where ``gpu`` is False)."""
+    return strings.state_of(status, gpu)
 
 
 def _holder(snapshot: PoolSnapshot) -> ModelStatus | None:
@@ -112,7 +107,7 @@ def _count(n: int, one: str, many: str) -> str:
 def tooltip(snapshot: PoolSnapshot, waited: Mapping[str, float] | None = None) -> str:
     """One line naming the holder and what the others wait for, with the seconds ``waited``
     (model id → seconds, from a WaitClock): "SmolLM2 holds the GPU (pinned) · Gemma waiting for
-    the GPU: pinned by smollm2, 12 s · 1 other released"."""
+    the GPU: pinned by smollm2, 12 s · 1 other set aside"."""
     if not snapshot.models:
         return "Timeshare · no models configured"
     waited = waited or {}
@@ -120,7 +115,9 @@ def tooltip(snapshot: PoolSnapshot, waited: Mapping[str, float] | None = None) -
     others = [m for m in snapshot.models if holder is None or m.id != holder.id]
     waits = [(m, model_wait(m, snapshot.holder)) for m in others]
     waiting = [
-        with_seconds(strings.for_people(f"{m.display_name} {phrase}", snapshot), waited.get(m.id))
+        with_seconds(
+            strings.plain_reason(strings.for_people(f"{m.display_name} {phrase}", snapshot)), waited.get(m.id)
+        )
         for m, phrase in waits
         if phrase
     ]
@@ -138,22 +135,19 @@ def tooltip(snapshot: PoolSnapshot, waited: Mapping[str, float] | None = None) -
     else:
         head = strings.nobody_holds(gpu)
     parts = [head, *waiting]
-    released = sum(1 for m in others if m.state is ModelState.RELEASED)
-    if released:
-        if holder is not None:
-            parts.append(_count(released, "other released", "others released"))
-        else:
-            parts.append(f"{released} released")
-    for state, word in (
-        (ModelState.SLEEPING, "sleeping"),
-        (ModelState.STARTING, "starting"),
-        (ModelState.LOADING, "loading"),
-        (ModelState.STOPPED, "stopped"),
-        (ModelState.FAILED, "failed"),
+    for state in (
+        ModelState.RELEASED,
+        ModelState.SLEEPING,
+        ModelState.STARTING,
+        ModelState.LOADING,
+        ModelState.STOPPED,
+        ModelState.FAILED,
     ):
         n = sum(1 for m in others if m.state is state)
         if n:
-            parts.append(f"{n} {word}")
+            # "1 other set aside" beside a named holder, "2 asleep" otherwise
+            others_word = holder is not None and state is ModelState.RELEASED
+            parts.append(words.state_count(n, state.value, gpu, others=others_word))
     return " · ".join(parts)
 
 
@@ -181,8 +175,8 @@ def devices_line(snapshot: PoolSnapshot) -> str:
 
 def model_title(status: ModelStatus, holder: str | None, gpu: bool = True) -> str:
     title = f"{status.display_name} — {display_state(status, gpu)}"
-    if status.id == holder:
-        title += f", {strings.holds(gpu)}"
+    if status.id == holder and status.state is not ModelState.RESIDENT:
+        title += f", {strings.holds(gpu)}"  # e.g. restoring: it has the token, not yet its weights
     if status.pinned:
         title += ", pinned"
     return title
@@ -195,9 +189,9 @@ def model_entries(status: ModelStatus, waited: float | None = None) -> tuple[Ent
     entries: list[Entry] = []
     wait = model_wait(status, None)
     if wait:
-        entries.append(Label(with_seconds(wait, waited)))
+        entries.append(Label(with_seconds(strings.plain_reason(wait), waited)))
     elif status.reason:
-        entries.append(Label(status.reason))
+        entries.append(Label(strings.plain_reason(status.reason)))
     if status.licence:
         entries.append(Label(f"Licence: {status.licence}"))
     if entries:
@@ -211,7 +205,7 @@ def model_entries(status: ModelStatus, waited: float | None = None) -> tuple[Ent
             "Sleep",
             Command.SLEEP,
             status.id,
-            # a released model is off the GPU already: nothing for Sleep to do that a user sees
+            # a model set aside is off the GPU already: nothing for Sleep to do that a user sees
             enabled=state is ModelState.RESIDENT and not status.busy,
         )
     )

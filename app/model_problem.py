@@ -1,7 +1,8 @@
 """The chat window's bar for a model that cannot answer now, with what fixes it, where it says so.
 
-A FAILED model: its reason in words (display names, not ids), and Locate file… (when its file
-is missing or unusable), Restart and Remove; the window disables Send for it. A wait on a model
+A FAILED model: its reason in words (display names, not ids; exit codes, paths and byte dumps
+only under Details, with the end of its log), and Locate file… (when its file is missing or
+unusable), Restart and Remove; the window disables Send for it. A wait on a model
 that another one keeps out of the GPU by a pin: Unpin for that model, in place. The buttons emit
 ``action_requested`` with the tray's :class:`Action` (the app handles both the same way).
 """
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import re
 
-from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWidget
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 from ..core.state import ModelState, ModelStatus, PoolSnapshot
 from . import strings
@@ -34,8 +35,10 @@ class ModelProblemBar(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("model_problem")
-        row = QHBoxLayout(self)
-        row.setContentsMargins(0, 2, 0, 2)
+        column = QVBoxLayout(self)
+        column.setContentsMargins(0, 2, 0, 2)
+        row = QHBoxLayout()
+        column.addLayout(row)
         self.label = QLabel()
         self.label.setObjectName("model_problem_reason")
         self.label.setWordWrap(True)
@@ -45,7 +48,10 @@ class ModelProblemBar(QWidget):
         self.restart_button = QPushButton(strings.RESTART)
         self.remove_button = QPushButton(strings.REMOVE)
         self.unpin_button = QPushButton()
+        self.details_button = QPushButton(strings.DETAILS)
+        self.details_button.setCheckable(True)
         for button, name in (
+            (self.details_button, "details"),
             (self.locate_button, "locate_file"),
             (self.restart_button, "restart"),
             (self.remove_button, "remove"),
@@ -53,6 +59,14 @@ class ModelProblemBar(QWidget):
         ):
             button.setObjectName(f"model_problem_{name}")
             row.addWidget(button)
+        # what developers need (the pool's own words, exit codes, paths, the log's last lines)
+        self.details = QLabel()
+        self.details.setObjectName("model_problem_details")
+        self.details.setWordWrap(True)
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.details.hide()
+        column.addWidget(self.details)
+        self.details_button.toggled.connect(self.details.setVisible)
         self._model = ""
         self._holder = ""
         self.locate_button.clicked.connect(lambda: self._request(Command.LOCATE_FILE, self._model))
@@ -77,8 +91,10 @@ class ModelProblemBar(QWidget):
         self._holder = holder.id if holder is not None else ""
         if failed:
             title = strings.FAILED_TITLE.format(name=status.display_name)
-            reason = strings.names_for_people(status.reason, snapshot) or strings.MISSING_FILE
+            said = strings.names_for_people(status.reason, snapshot)
+            reason = strings.plain_reason(said) or strings.MISSING_FILE
             self.label.setText(f"<b>{title}</b>: {_escape(reason)}")
+            self.details.setText("\n".join([said or strings.MISSING_FILE, *status.log_tail[-8:]]))
         else:
             assert holder is not None
             self.label.setText(
@@ -90,6 +106,8 @@ class ModelProblemBar(QWidget):
         self.locate_button.setVisible(failed and status.failure_code == "model_file")
         self.restart_button.setVisible(failed)
         self.remove_button.setVisible(failed)
+        self.details_button.setVisible(failed)
+        self.details.setVisible(failed and self.details_button.isChecked())
         self.unpin_button.setVisible(holder is not None)
         if holder is not None:
             self.unpin_button.setText(strings.UNPIN.format(holder=holder.display_name))

@@ -10,21 +10,29 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from ..core.state import resident_percent
+from ..core import words
 
 if TYPE_CHECKING:
-    from ..core.state import PoolSnapshot
+    from ..core.state import ModelStatus, PoolSnapshot
 
 CONFIG_INVALID_TITLE = "Settings file not applied"
+#: the dialogs when Timeshare cannot start (the details, paths and pids, under Show Details)
+ALREADY_RUNNING = (
+    "Timeshare is already running for you (as the tray app, or as a server started from a terminal). "
+    "Use that one, or quit it and start Timeshare again."
+)
+SETTINGS_FILE_BROKEN = (
+    "Your settings file has mistakes, so Timeshare did not start. It was not changed: "
+    "fix what Show Details lists, then start Timeshare again."
+)
+CONVERSATIONS_UNREADABLE = "Timeshare cannot open its saved conversations, so it did not start."
 
 
 def config_invalid(problem: str) -> str:
     return f"Your edit of the settings file has a problem, so Timeshare keeps its current settings: {problem}"
 
 
-def device_word(has_gpu: bool) -> str:
-    """What holds a model's weights, in words: "the GPU", or "memory" on a machine without one."""
-    return "the GPU" if has_gpu else "memory"
+device_word = words.device_word
 
 
 # ---- a model that cannot answer (chat window) ----------------------------------------------------
@@ -34,6 +42,7 @@ MISSING_FILE = "Its file is missing or is not a usable model file."
 LOCATE_FILE = "Locate file…"
 RESTART = "Restart"
 REMOVE = "Remove"
+DETAILS = "Details"
 UNPIN = "Unpin {holder}"
 SEND_DISABLED = "{name} cannot answer until it is restarted or its file is found."
 RESTARTING = "Restarting {name}…"
@@ -45,10 +54,20 @@ def pinned_wait(name: str, holder: str, has_gpu: bool) -> str:
 
 def has_gpu(snapshot: PoolSnapshot) -> bool:
     """Whether the models run on a GPU (a backend other than the CPU has been seen)."""
-    backends = [m.backend for m in snapshot.models if m.backend] + [
-        d.name for d in snapshot.devices if d.name
-    ]
-    return any(not b.upper().startswith("CPU") for b in backends) if backends else True
+    return words.has_gpu([m.backend for m in snapshot.models] + [d.name for d in snapshot.devices])
+
+
+def state_of(status: ModelStatus, gpu: bool = True) -> str:
+    """A model's state in the one vocabulary (core/words.py): "on the GPU", "set aside — ready in
+    0.1 s", "asleep", "answering", "waiting for the GPU", "stopped", "failed"..."""
+    last = status.last_switch
+    return words.state_words(
+        status.state.value,
+        gpu=gpu,
+        busy=status.busy,
+        resident_fraction=status.resident_fraction,
+        restore_ms=last.restore_ms if last is not None and last.switched else None,
+    )
 
 
 def names_for_people(text: str, snapshot: PoolSnapshot) -> str:
@@ -61,37 +80,42 @@ def names_for_people(text: str, snapshot: PoolSnapshot) -> str:
     return text
 
 
-# ---- who has the GPU (or, without one, whose weights are loaded) ---------------------------------
+# ---- who has the GPU (or, without one, whose turn it is): the words of core/words.py ----------
 
-
-def holds(gpu: bool) -> str:
-    """What the holder does: "holds the GPU", or "is loaded" where the models run in memory."""
-    return "holds the GPU" if gpu else "is loaded"
-
-
-def nobody_holds(gpu: bool) -> str:
-    return "No model holds the GPU" if gpu else "No model is loaded"
-
-
-def switching(gpu: bool) -> str:
-    return "Switching the GPU" if gpu else "Switching models"
-
-
-def partly_on(fraction: float, gpu: bool) -> str:
-    """A model that made room for another by freeing only some of its layers: "partly on the GPU
-    (62 %)", "partly in memory (62 %)" on a machine without a GPU."""
-    return f"partly {'on the GPU' if gpu else 'in memory'} ({resident_percent(fraction)} %)"
-
-
-def models_together(n: int, gpu: bool) -> str:
-    return f"{n} models on the GPU" if gpu else f"{n} models in memory"
+holds = words.holds
+nobody_holds = words.nobody_holds
+switching = words.switching
+partly_on = words.partly_on
+models_together = words.models_together
 
 
 def for_people(text: str, snapshot: PoolSnapshot) -> str:
     """A sentence from the pool (model ids, "the GPU") in the GUI's words: display names, and
     "memory" for "the GPU" on a machine without one."""
     text = re.sub(r" \(to start it: [^)]*\)", "", names_for_people(text, snapshot))  # CLI/HTTP advice
-    return text if has_gpu(snapshot) else text.replace("the GPU", "memory")
+    if has_gpu(snapshot):
+        return text
+    return text.replace("for the GPU", "for its turn").replace("the GPU", "memory")
+
+
+#: developer details in a reason the pool wrote: they go in the Details section, not the sentence
+_DETAIL_PATTERNS = (
+    (re.compile(r" ?\((?:last )?exit status -?\d+\)"), ""),
+    (re.compile(r"; see its log \S+, then start it again"), "; restart it"),
+    # "(it starts with 'hell', not 'GGUF')", "(it starts with the bytes 50 4b 03 04, not 'GGUF'; it
+    # looks like a zip archive: unpack it first)": the bytes go, what they look like stays
+    (re.compile(r" ?\(it starts with (?:'[^']*'|the bytes [0-9a-f ]+), not 'GGUF'\)"), ""),
+    (re.compile(r"\(it starts with (?:'[^']*'|the bytes [0-9a-f ]+), not 'GGUF'; ([^)]*)\)"), r"(\1)"),
+    (re.compile(r"(?:model file )?(?<![\w.])(?:/[\w.@+-]+){2,}/?"), "the model file"),  # a path
+)
+
+
+def plain_reason(text: str) -> str:
+    """A reason as a sentence for a dialog or a bar: no exit codes, paths or byte dumps (the
+    whole text goes in the Details section): "SmolLM2 crashed 3 times within 60 s; restart it"."""
+    for pattern, replacement in _DETAIL_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text.strip().rstrip(";").strip()
 
 
 def pulled(name: str, added: bool, checked: str) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from ..core import words
+
 if TYPE_CHECKING:
     from ..core.conversations.store import AnswerStats, Conversation, Message
 
@@ -39,7 +41,9 @@ def empty_answer_note(stats: AnswerStats) -> str:
     return ""
 
 
-def answer_block(who: str, text: str, *, complete: bool = True, stats: AnswerStats | None = None) -> str:
+def answer_block(
+    who: str, text: str, *, complete: bool = True, stats: AnswerStats | None = None, gpu: bool = True
+) -> str:
     """One answer: who wrote it, its text ("…" while there is none; why, once it ended empty),
     whether it was cut off, and its statistics line."""
     note = empty_answer_note(stats) if stats is not None and complete and not text.strip() else ""
@@ -51,11 +55,13 @@ def answer_block(who: str, text: str, *, complete: bool = True, stats: AnswerSta
     if not complete:
         block += "\n\n*(interrupted)*"
     if stats is not None:
-        block += f"\n\n*{_md_escape(answer_line(stats, why_empty=not note))}*"
+        block += f"\n\n*{_md_escape(answer_line(stats, why_empty=not note, gpu=gpu))}*"
     return block
 
 
-def history_markdown(messages: Iterable[Message], model_id: str, display_name: Callable[[str], str]) -> str:
+def history_markdown(
+    messages: Iterable[Message], model_id: str, display_name: Callable[[str], str], *, gpu: bool = True
+) -> str:
     """The stored messages of a conversation (system messages left out). An answer is signed with
     the model that wrote it (from its stats), else with the conversation's ``model_id``;
     ``display_name`` turns a model id into what people see."""
@@ -67,7 +73,9 @@ def history_markdown(messages: Iterable[Message], model_id: str, display_name: C
             blocks.append(f"**You**\n\n{msg.content}")
             continue
         author = (msg.stats.model_id if msg.stats is not None else "") or model_id
-        blocks.append(answer_block(display_name(author), msg.content, complete=msg.complete, stats=msg.stats))
+        blocks.append(
+            answer_block(display_name(author), msg.content, complete=msg.complete, stats=msg.stats, gpu=gpu)
+        )
     return BLOCK_SEPARATOR.join(blocks)
 
 
@@ -77,10 +85,11 @@ def with_live_answer(history: str, who: str, partial: str) -> str:
     return BLOCK_SEPARATOR.join([history, live]) if history else live
 
 
-def answer_line(stats: AnswerStats, *, why_empty: bool = True) -> str:
+def answer_line(stats: AnswerStats, *, why_empty: bool = True, gpu: bool = True) -> str:
     """The line under an answer (and in the status bar when it ends): time to the first token,
-    decode rate, what the GPU switch cost, and why it ended when it did not end by itself (and,
-    with ``why_empty``, why no text came when none did)."""
+    decode rate, what the GPU switch cost ("switch" and "its turn" where ``gpu`` is False), and why
+    it ended when it did not end by itself (and, with ``why_empty``, why no text came when none
+    did)."""
     if stats.finish_reason == "error":
         return f"failed: {stats.error}" if stats.error else "failed"
     if stats.finish_reason == "cancelled" and stats.ttft_ms is None:
@@ -93,15 +102,16 @@ def answer_line(stats: AnswerStats, *, why_empty: bool = True) -> str:
         parts.append(f"{stats.tokens_per_s:.1f} tokens/s")  # a rate needs two tokens
     elif stats.ttft_ms is not None:
         parts.append(f"{stats.completion_tokens} {'token' if stats.completion_tokens == 1 else 'tokens'}")
+    switch = words.switch_word(gpu)
     if stats.switched:
         detail = f"restore {stats.restore_ms:.0f} ms"
         if stats.wait_ms:
-            detail += f", waited {stats.wait_ms:.0f} ms for the GPU"
-        parts.append(f"GPU switch {stats.wait_ms + stats.restore_ms:.0f} ms ({detail})")
+            detail += f", {words.waited_for(stats.wait_ms, gpu)}"
+        parts.append(f"{switch} {stats.wait_ms + stats.restore_ms:.0f} ms ({detail})")
     elif stats.prewoken:
-        parts.append("no GPU switch at send: restored while you typed")
+        parts.append(f"no {switch} at send: restored while you typed")
     else:
-        parts.append("no GPU switch")
+        parts.append(f"no {switch}")
     if stats.finish_reason == "cancelled":
         parts.append("stopped")
     elif no_text and why_empty:

@@ -210,3 +210,8 @@ def serving_demo_models(
         yield server
         assert server.proc.poll() is None, server.log_text()[-3000:]
     assert server.proc.returncode == 0, server.log_text()[-3000:]
+
+
+def woken(model: str) -> tuple[str, str]:
+    """What `timeshare wake MODEL` prints once it is back: "on the GPU", or "in memory" on a CPU build."""
+    return (f"{model}: woken (now on the GPU)\n", f"{model}: woken (now in memory)\n")

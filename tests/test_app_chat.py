@@ -139,7 +139,7 @@ def test_chat_streams_switches_model_and_the_tray_follows(qtbot: Any, app: Any) 
     assert "tokens/s" in shown and "first token" in shown
 
     qtbot.waitUntil(lambda: app.bridge.snapshot.holder == SMOL, timeout=30_000)
-    holds = strings.holds(strings.has_gpu(app.bridge.snapshot))  # "is loaded" without a GPU
+    holds = strings.holds(strings.has_gpu(app.bridge.snapshot))  # "is active" without a GPU
     assert app.tray.icon.toolTip().startswith(f"SmolLM2-135M-Instruct {holds}")
     assert window.send_button.isEnabled() and not window.stop_button.isEnabled()
 
@@ -152,7 +152,7 @@ def test_chat_streams_switches_model_and_the_tray_follows(qtbot: Any, app: Any) 
     assert stats2 is not None
     qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=30_000)
     assert app.tray.icon.toolTip().startswith(f"Gemma-3-270M (base) {holds}")
-    assert "1 other released" in app.tray.icon.toolTip()
+    assert "1 other set aside" in app.tray.icon.toolTip()
     # Gemma was released (SmolLM2 held the GPU): either the request paid the switch, or picking
     # the model pre-woke it and the switch happened while we typed; the line says which
     assert stats2.switched or stats2.prewoken

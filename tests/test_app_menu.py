@@ -55,7 +55,7 @@ def submenu(entries: tuple[object, ...], model: str) -> Submenu:
 
 
 def test_tooltip_names_the_holder_and_counts_the_others() -> None:
-    assert tooltip(three()) == "Qwen2.5-7B holds the GPU · 2 others released"
+    assert tooltip(three()) == "Qwen2.5-7B holds the GPU · 2 others set aside"
 
 
 def test_tooltip_one_other_and_mixed_states() -> None:
@@ -68,12 +68,12 @@ def test_tooltip_one_other_and_mixed_states() -> None:
         ),
         holder="a",
     )
-    assert tooltip(snap) == "A holds the GPU (pinned) · 1 other released · 1 sleeping · 1 failed"
+    assert tooltip(snap) == "A holds the GPU (pinned) · 1 other set aside · 1 asleep · 1 failed"
 
 
 def test_tooltip_without_holder_and_without_models() -> None:
     snap = PoolSnapshot(models=(status("a", ModelState.RELEASED), status("b", ModelState.LOADING)))
-    assert tooltip(snap) == "No model holds the GPU · B loading · 1 released"
+    assert tooltip(snap) == "No model holds the GPU · B loading · 1 set aside"
     assert tooltip(PoolSnapshot()) == "Timeshare · no models configured"
     assert tooltip(PoolSnapshot(models=(status("a", ModelState.RELEASED),), switching=True)).startswith(
         "Switching the GPU"
@@ -110,11 +110,11 @@ def test_holder_that_is_not_in_the_model_list_counts_as_idle() -> None:
 
 def test_menu_has_one_submenu_per_model_then_the_app_actions() -> None:
     entries = menu_entries(three(), start_at_login=False)
-    assert entries[0] == Label("Qwen2.5-7B holds the GPU · 2 others released")
+    assert entries[0] == Label("Qwen2.5-7B holds the GPU · 2 others set aside")
     subs = [e for e in entries if isinstance(e, Submenu)]
     assert [s.model for s in subs] == ["qwen", "gemma", "smol"]
-    assert subs[0].text == "Qwen2.5-7B — resident, holds the GPU"
-    assert subs[1].text == "GEMMA — released"
+    assert subs[0].text == "Qwen2.5-7B — on the GPU"
+    assert subs[1].text == "GEMMA — set aside"
     top = [e.command for e in entries if isinstance(e, Action)]
     assert top == [
         Command.OPEN_CHAT,
@@ -159,10 +159,10 @@ def test_pinned_model_offers_unpin() -> None:
     assert sub.text.endswith("pinned")
 
 
-def test_busy_model_shows_busy_and_cannot_be_put_to_sleep() -> None:
+def test_busy_model_shows_answering_and_cannot_be_put_to_sleep() -> None:
     snap = PoolSnapshot(models=(status("a", ModelState.RESIDENT, busy=True),), holder="a")
     sub = submenu(menu_entries(snap, start_at_login=False), "a")
-    assert sub.text == "A — busy, holds the GPU"
+    assert sub.text == "A — answering"
     assert not actions(sub.entries)[Command.SLEEP].enabled
 
 
@@ -195,7 +195,8 @@ def test_a_model_whose_file_failed_offers_locate_and_remove() -> None:
     )
     entries = menu_entries(snap, start_at_login=False)
     sub = submenu(entries, "a")
-    assert sub.entries[0] == Label(reason)
+    plain = "the model file does not exist: check the path, which must name a .gguf file"
+    assert sub.entries[0] == Label(plain)  # the path: under Details in the chat window
     acts = actions(sub.entries)
     assert acts[Command.LOCATE_FILE] == Action("Locate file…", Command.LOCATE_FILE, "a")
     assert acts[Command.REMOVE_MODEL] == Action("Remove", Command.REMOVE_MODEL, "a")
@@ -221,12 +222,13 @@ def test_no_models_says_how_to_add_one() -> None:
 @pytest.mark.parametrize(
     ("state", "busy", "word"),
     [
-        (ModelState.RESIDENT, False, "resident"),
-        (ModelState.RELEASED, False, "released"),
-        (ModelState.SLEEPING, False, "sleeping"),
-        (ModelState.RESIDENT, True, "busy"),
-        (ModelState.RELEASED, True, "waiting"),  # a request waits for the GPU
-        (ModelState.SLEEPING, True, "waiting"),
+        (ModelState.RESIDENT, False, "on the GPU"),
+        (ModelState.RELEASED, False, "set aside"),
+        (ModelState.SLEEPING, False, "asleep"),
+        (ModelState.RESIDENT, True, "answering"),
+        (ModelState.RELEASED, True, "waiting for the GPU"),  # a request waits for the GPU
+        (ModelState.SLEEPING, True, "waking up"),
+        (ModelState.STOPPED, False, "stopped"),
         (ModelState.FAILED, False, "failed"),
         (ModelState.LOADING, False, "loading"),
     ],
@@ -246,7 +248,7 @@ def test_populate_builds_actions_that_report_what_was_picked(qtbot: object) -> N
     menu = QMenu()
     populate(menu, menu_entries(three(), start_at_login=True), picked.append)
     texts = [a.text() for a in menu.actions() if not a.isSeparator()]
-    assert texts[0] == "Qwen2.5-7B holds the GPU · 2 others released"
+    assert texts[0] == "Qwen2.5-7B holds the GPU · 2 others set aside"
     assert texts[-7:] == [
         "Open chat",
         "Add model…",
@@ -290,16 +292,16 @@ def pinned_and_waiting() -> PoolSnapshot:
 def test_the_tooltip_says_what_a_model_waits_for_and_how_long() -> None:
     snap = pinned_and_waiting()
     named = PINNED_WAIT.replace("by qwen", "by Qwen2.5-7B")  # display names in the GUI, not ids
-    assert tooltip(snap) == f"Qwen2.5-7B holds the GPU (pinned) · Gemma {named} · 1 other released"
+    assert tooltip(snap) == f"Qwen2.5-7B holds the GPU (pinned) · Gemma {named} · 1 other set aside"
     assert tooltip(snap, {"gemma": 12.7}) == (
-        f"Qwen2.5-7B holds the GPU (pinned) · Gemma {named}, 12 s · 1 other released"
+        f"Qwen2.5-7B holds the GPU (pinned) · Gemma {named}, 12 s · 1 other set aside"
     )
     assert tooltip(snap, {"gemma": 0.4}).count(" s ·") == 0  # under a second: no seconds yet
     # the menu's summary line and the model's submenu say it too
     entries = menu_entries(snap, start_at_login=False, waited={"gemma": 12.7})
     assert entries[0] == Label(tooltip(snap, {"gemma": 12.7}))
     sub = submenu(entries, "gemma")
-    assert sub.text == "Gemma — waiting" and sub.entries[0] == Label(f"{PINNED_WAIT}, 12 s")
+    assert sub.text == "Gemma — waiting for the GPU" and sub.entries[0] == Label(f"{PINNED_WAIT}, 12 s")
 
 
 def test_loading_and_restoring_models_are_named_with_their_seconds() -> None:
@@ -313,7 +315,7 @@ def test_loading_and_restoring_models_are_named_with_their_seconds() -> None:
         )
     )
     assert tooltip(snap, {"a": 3.2, "c": 1.0}) == (
-        "No model holds the GPU · A loading, 3 s · B restarting in 2 s after a crash (exit status 9) · "
+        "No model holds the GPU · A loading, 3 s · B restarting in 2 s after a crash · "
         "C restoring to the GPU, 1 s"
     )
     assert submenu(menu_entries(snap, start_at_login=False), "a").entries[0] == Label("loading")

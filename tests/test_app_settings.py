@@ -607,8 +607,8 @@ def test_chat_window_shows_progress_while_a_model_loads(qtbot: Any, bare_app: An
     assert window.licence.text() == "Licence: MIT"
     publish(ModelState.RESIDENT, holder="m")
     assert window.wait_row.isHidden()
-    assert window.model_state.text() == "resident · holds the GPU"
-    assert window.model_box.currentText() == "Model M — resident, holds the GPU"
+    assert window.model_state.text() == "on the GPU"
+    assert window.model_box.currentText() == "Model M — on the GPU"
 
 
 def test_add_model_from_the_tray_opens_the_catalog(

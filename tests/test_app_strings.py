@@ -61,9 +61,9 @@ def test_gpu_only_where_there_is_one_and_display_names_for_ids() -> None:
     reason = "waiting for the GPU: pinned by gemma3-270m"
     cpu = PoolSnapshot(models=(_status("gemma3-270m", "Gemma 3", "CPU"), _status("smol", "Smol", "CPU")))
     cuda = PoolSnapshot(models=(_status("gemma3-270m", "Gemma 3", "CUDA0"),))
-    assert strings.for_people(reason, cpu) == "waiting for memory: pinned by Gemma 3"
+    assert strings.for_people(reason, cpu) == "waiting for its turn: pinned by Gemma 3"
     assert strings.for_people(reason, cuda) == "waiting for the GPU: pinned by Gemma 3"
-    assert strings.holds(strings.has_gpu(cpu)) == "is loaded"
+    assert strings.holds(strings.has_gpu(cpu)) == "is active"
     assert strings.holds(strings.has_gpu(cuda)) == "holds the GPU"
     # an id inside another word is left alone
     assert strings.names_for_people("smol-2 and smol", cpu) == "smol-2 and Smol"

@@ -87,7 +87,7 @@ def test_a_model_waiting_for_a_pinned_one_says_so_with_its_seconds(qtbot: Any, a
     # the wait is over: the line goes, the tooltip stops counting
     publish(qtbot, app, model("smol", ModelState.RELEASED, "SmolLM2"), gemma, holder="gemma3-270m")
     assert window.wait_row.isHidden()
-    assert tip() == "Gemma holds the GPU (pinned) · 1 other released"
+    assert tip() == "Gemma holds the GPU (pinned) · 1 other set aside"
     assert not app.tray._tick.isActive()
 
 

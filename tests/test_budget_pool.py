@@ -71,7 +71,7 @@ def test_tray_and_status_show_the_holders_of_each_device() -> None:
     )
     snap = PoolSnapshot(models=models, holder="b", devices=(device,))
     assert devices_line(snap) == "2 models on the GPU (8.4 of 20 GB)"
-    assert tooltip(snap).startswith("2 models on the GPU (8.4 of 20 GB) · 1 other released")
+    assert tooltip(snap).startswith("2 models on the GPU (8.4 of 20 GB) · 1 other set aside")
     body = status_json(snap, SwitchCounter())
     assert body["holder"] == "b"  # the most recent holder, for older clients
     assert body["devices"] == [

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _api_util import GEMMA, SMOL, Served, serve_env, serving_demo_models
+from _api_util import GEMMA, SMOL, Served, serve_env, serving_demo_models, woken
 
 from timeshare.repl_commands import HELP, Session, handle
 
@@ -152,13 +152,13 @@ def test_run_with_a_prompt_answers_once_and_the_verbs_take_display_names(served:
     piped = _cli(served.home, "run", "smol", "--max-tokens", "8", "--temperature", "0", stdin="Say hi.\n")
     assert piped.returncode == 0 and piped.stdout == done.stdout, piped.stderr  # stdin: the same one answer
 
-    assert _cli(served.home, "load", "gemma-3").stdout == f"{GEMMA}: woken (state: resident)\n"
+    assert _cli(served.home, "load", "gemma-3").stdout in woken(GEMMA)
     unloaded = _cli(served.home, "unload", "Gemma-3-270M (base)", "--wait", "60")
-    assert unloaded.stdout == f"{GEMMA}: unloaded (off the GPU, KV cache kept) (state: released)\n", (
+    assert unloaded.stdout == f"{GEMMA}: unloaded (off the GPU, KV cache kept) (now set aside)\n", (
         unloaded.stderr
     )
     stopped = _cli(served.home, "stop", "gem", "--wait", "60")
-    assert stopped.stdout == f"{GEMMA}: stopped (KV saved) (state: stopped)\n", stopped.stderr
+    assert stopped.stdout == f"{GEMMA}: stopped (KV saved) (now stopped)\n", stopped.stderr
     loaded = _cli(served.home, "load", "gem", "--wait", "120")
     assert loaded.returncode == 0 and _state(served, GEMMA) == "resident", loaded.stdout + loaded.stderr
 

@@ -84,6 +84,131 @@ def build_parser() -> argparse.ArgumentParser:
     tray = sub.add_parser("tray", help="start the tray app (the default)")
     tray.add_argument("--background", action="store_true", help="start without opening a window (autostart)")
 
+    def client(name: str, help_text: str, aliases: Sequence[str] = ()) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, aliases=list(aliases))
+        p.add_argument("--url", help="API of the running instance (default: the one it recorded)")
+        return p
+
+    chat = client("chat", "send one prompt to a model and stream the answer")
+    chat.add_argument("model", help=_MODEL_HELP)
+    chat.add_argument("prompt", nargs="?", default="-", help="the prompt; '-' or none: read it from stdin")
+    _generation_options(chat, "cli_chat")
+    repl = client(
+        "run",
+        "chat with a model interactively (one conversation; /? lists the commands); with a prompt "
+        "or piped input: one answer, then exit",
+    )
+    repl.add_argument("model", help=_MODEL_HELP)
+    repl.add_argument("prompt", nargs="?", default=None, help="answer this once and exit (else: the REPL)")
+    _generation_options(repl, "cli_run")
+
+    client(
+        "status", "show which model holds the GPU and every model's state (alias: ps)", ["ps"]
+    ).add_argument("--json", action="store_true", help=_JSON_HELP)
+    client("models", "list the configured models (alias: ls)", ["ls"]).add_argument(
+        "--json", action="store_true", help=_JSON_HELP
+    )
+    for verb, text in (
+        ("pin", "keep a model on the GPU once it has it"),
+        ("unpin", "let a pinned model yield the GPU again"),
+        ("sleep", "release a model's weights (and KV cache) from the GPU"),
+        ("wake", "restore a model's weights to the GPU ahead of a request"),
+    ):
+        verb_parser = client(verb, text)
+        verb_parser.add_argument("model", help=_MODEL_HELP)
+        if verb in ("sleep", "wake"):
+            verb_parser.add_argument(
+                "--wait",
+                type=float,
+                default=5.0,
+                metavar="SECONDS",
+                help="wait this long for the model to get there, then report its state (default: 5)",
+            )
+        if verb == "sleep":
+            verb_parser.add_argument(
+                "--level",
+                choices=RELEASE_LEVELS,
+                default=USER_SLEEP_LEVEL,
+                help="weights: free the weights, keep the KV cache on the GPU; weights+kv: move the "
+                "KV cache to host memory too (the default); stop: end the worker (its KV saved to disk)",
+            )
+    for verb, text in (
+        ("unload", "take a model off the GPU, keeping its KV cache (= sleep --level weights)"),
+        ("stop", "end a model's worker, its KV saved to disk (= sleep --level stop; load starts it)"),
+        ("load", "start a model if it is stopped or failed, then put it on the GPU (start + wake)"),
+    ):
+        lifecycle = client(verb, text)
+        lifecycle.add_argument("model", help=_MODEL_HELP)
+        lifecycle.add_argument(
+            "--wait",
+            type=float,
+            default=60.0 if verb == "load" else 5.0,
+            metavar="SECONDS",
+            help="wait this long for the model to get there, then report its state",
+        )
+    show = client("show", "a model's file, quantisation, context, template, licence and capabilities")
+    show.add_argument("model", help=_MODEL_HELP)
+    show.add_argument("--json", action="store_true", help=_JSON_HELP)
+    client("reload", "make the running Timeshare re-read its configuration file")
+    rm = client("rm", "remove a model from the configuration (the running Timeshare drops it)")
+    rm.add_argument("model", help=_MODEL_HELP)
+    rm.add_argument("--delete-file", action="store_true", help="also delete its GGUF file (asks first)")
+    rm.add_argument("--yes", action="store_true", help="with --delete-file: do not ask")
+    start = client("start", "start a failed or stopped model again (with a fresh restart budget)")
+    start.add_argument("model", help=_MODEL_HELP)
+    start.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="wait this long for the model to load, then report its state (default: 60)",
+    )
+    pull = sub.add_parser(
+        "pull", help="get a model from Hugging Face or a URL (resumable, checked) and add it"
+    )
+    pull.add_argument(
+        "source",
+        help="user/repo, user/repo:QUANT, user/repo/file.gguf (hf.co/ in front is fine), "
+        "or the http(s):// URL of a .gguf file",
+    )
+    pull.add_argument(
+        "--id", help="model id to use (default: from the repo and quantisation, or the file name)"
+    )
+    pull.add_argument(
+        "--name", help="display name to use (default: from the repo and quantisation, or the file name)"
+    )
+    pull.add_argument(
+        "--dir",
+        metavar="DIR",
+        help="save the file(s) here (default: the Hugging Face cache for a repo, "
+        "Timeshare's data dir models/ for a URL)",
+    )
+    pull.add_argument("--quant", metavar="Q", help="the quantisation to get from a repo (e.g. Q4_K_M)")
+    pull.add_argument(
+        "--max-size",
+        metavar="SIZE",
+        help="the most a file whose size the server does not say may have before the download "
+        "stops (default: 64GiB; e.g. 100GiB, 500MB)",
+    )
+    serve = sub.add_parser("serve", help="run the pool and the OpenAI-compatible API without a GUI")
+    serve.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default from config)")
+
+    desktop = sub.add_parser(
+        "desktop", help="add Timeshare to the desktop's application menu (this installation)"
+    )
+    desktop.add_argument(
+        "action",
+        choices=("install", "uninstall"),
+        help="install: the .desktop entry and the icons into $XDG_DATA_HOME (~/.local/share); "
+        "uninstall: remove them",
+    )
+    _add_diagnostics(sub)  # last in --help: the everyday verbs come first
+    return parser
+
+
+def _add_diagnostics(sub: Any) -> None:
+    """doctor, bench and arena-test: the tools that measure and check the product."""
     doctor = sub.add_parser("doctor", help="check the residency mechanism on this machine's backend")
     doctor.add_argument("--model", metavar="PATH", help="GGUF file (default: the smallest demo model)")
     doctor.add_argument("--cycles", type=int, default=3, help="release/restore cycles (default: 3)")
@@ -246,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="one-model",
         metavar="SIZE",
         help="the VRAM budget the workers share: one-model (the default: one at a time, overlaps must "
-        "be 0), a size such as 2GB or 20GiB, a share such as 80%%, or auto; several workers stay "
-        "resident when they fit, and budget_violations must be 0",
+        "be 0), a size such as 2GB or 20GiB, a share such as 80%%, or auto; several workers stay on "
+        "the GPU together when they fit, and budget_violations must be 0",
     )
     arena.add_argument(
         "--parallel",
@@ -258,127 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
         "the default); the clients outnumber the workers, so N > 1 batches",
     )
     arena.add_argument("--json", action="store_true", help=_JSON_HELP)
-
-    serve = sub.add_parser("serve", help="run the pool and the OpenAI-compatible API without a GUI")
-    serve.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="port (default from config)")
-
-    def client(name: str, help_text: str, aliases: Sequence[str] = ()) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, aliases=list(aliases))
-        p.add_argument("--url", help="API of the running instance (default: the one it recorded)")
-        return p
-
-    client(
-        "status", "show which model holds the GPU and every model's state (alias: ps)", ["ps"]
-    ).add_argument("--json", action="store_true", help=_JSON_HELP)
-    client("models", "list the configured models (alias: ls)", ["ls"]).add_argument(
-        "--json", action="store_true", help=_JSON_HELP
-    )
-    for verb, text in (
-        ("pin", "keep a model on the GPU once it has it"),
-        ("unpin", "let a pinned model yield the GPU again"),
-        ("sleep", "release a model's weights (and KV cache) from the GPU"),
-        ("wake", "restore a model's weights to the GPU ahead of a request"),
-    ):
-        verb_parser = client(verb, text)
-        verb_parser.add_argument("model", help=_MODEL_HELP)
-        if verb in ("sleep", "wake"):
-            verb_parser.add_argument(
-                "--wait",
-                type=float,
-                default=5.0,
-                metavar="SECONDS",
-                help="wait this long for the model to get there, then report its state (default: 5)",
-            )
-        if verb == "sleep":
-            verb_parser.add_argument(
-                "--level",
-                choices=RELEASE_LEVELS,
-                default=USER_SLEEP_LEVEL,
-                help="weights: free the weights, keep the KV cache on the GPU; weights+kv: move the "
-                "KV cache to host memory too (the default); stop: end the worker (its KV saved to disk)",
-            )
-    for verb, text in (
-        ("unload", "take a model off the GPU, keeping its KV cache (= sleep --level weights)"),
-        ("stop", "end a model's worker, its KV saved to disk (= sleep --level stop; load starts it)"),
-        ("load", "start a model if it is stopped or failed, then put it on the GPU (start + wake)"),
-    ):
-        lifecycle = client(verb, text)
-        lifecycle.add_argument("model", help=_MODEL_HELP)
-        lifecycle.add_argument(
-            "--wait",
-            type=float,
-            default=60.0 if verb == "load" else 5.0,
-            metavar="SECONDS",
-            help="wait this long for the model to get there, then report its state",
-        )
-    show = client("show", "a model's file, quantisation, context, template, licence and capabilities")
-    show.add_argument("model", help=_MODEL_HELP)
-    show.add_argument("--json", action="store_true", help=_JSON_HELP)
-    client("reload", "make the running Timeshare re-read its configuration file")
-    rm = client("rm", "remove a model from the configuration (the running Timeshare drops it)")
-    rm.add_argument("model", help=_MODEL_HELP)
-    rm.add_argument("--delete-file", action="store_true", help="also delete its GGUF file (asks first)")
-    rm.add_argument("--yes", action="store_true", help="with --delete-file: do not ask")
-    start = client("start", "start a failed or stopped model again (with a fresh restart budget)")
-    start.add_argument("model", help=_MODEL_HELP)
-    start.add_argument(
-        "--wait",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="wait this long for the model to load, then report its state (default: 60)",
-    )
-    chat = client("chat", "send one prompt to a model and stream the answer")
-    chat.add_argument("model", help=_MODEL_HELP)
-    chat.add_argument("prompt", nargs="?", default="-", help="the prompt; '-' or none: read it from stdin")
-    _generation_options(chat, "cli_chat")
-    repl = client(
-        "run",
-        "chat with a model interactively (one conversation; /? lists the commands); with a prompt "
-        "or piped input: one answer, then exit",
-    )
-    repl.add_argument("model", help=_MODEL_HELP)
-    repl.add_argument("prompt", nargs="?", default=None, help="answer this once and exit (else: the REPL)")
-    _generation_options(repl, "cli_run")
-
-    desktop = sub.add_parser(
-        "desktop", help="add Timeshare to the desktop's application menu (this installation)"
-    )
-    desktop.add_argument(
-        "action",
-        choices=("install", "uninstall"),
-        help="install: the .desktop entry and the icons into $XDG_DATA_HOME (~/.local/share); "
-        "uninstall: remove them",
-    )
-    pull = sub.add_parser(
-        "pull", help="get a model from Hugging Face or a URL (resumable, checked) and add it"
-    )
-    pull.add_argument(
-        "source",
-        help="user/repo, user/repo:QUANT, user/repo/file.gguf (hf.co/ in front is fine), "
-        "or the http(s):// URL of a .gguf file",
-    )
-    pull.add_argument(
-        "--id", help="model id to use (default: from the repo and quantisation, or the file name)"
-    )
-    pull.add_argument(
-        "--name", help="display name to use (default: from the repo and quantisation, or the file name)"
-    )
-    pull.add_argument(
-        "--dir",
-        metavar="DIR",
-        help="save the file(s) here (default: the Hugging Face cache for a repo, "
-        "Timeshare's data dir models/ for a URL)",
-    )
-    pull.add_argument("--quant", metavar="Q", help="the quantisation to get from a repo (e.g. Q4_K_M)")
-    pull.add_argument(
-        "--max-size",
-        metavar="SIZE",
-        help="the most a file whose size the server does not say may have before the download "
-        "stops (default: 64GiB; e.g. 100GiB, 500MB)",
-    )
-    return parser
 
 
 def _generation_options(p: argparse.ArgumentParser, front_end: str) -> None:

@@ -26,8 +26,9 @@ import httpx
 
 from . import repl_commands
 from .connection import EXIT_OK, EXIT_USAGE, Api, ClientError, Endpoint, find_endpoint
+from .core import words
 from .core.sampling import for_front_end
-from .core.state import STOP_LEVEL, UNLOAD_LEVEL, USER_SLEEP_LEVEL, resident_percent
+from .core.state import STOP_LEVEL, UNLOAD_LEVEL, USER_SLEEP_LEVEL
 from .core.util.units import human_bytes
 
 # ---- commands ----------------------------------------------------------------------------------
@@ -55,15 +56,19 @@ def _device_line(d: dict[str, Any]) -> str:
     return text + note + "\n"
 
 
-def _state_text(m: dict[str, Any]) -> str:
-    """A model's STATE cell: its state, or for a released model that freed only some layer parts
-    "partly on the GPU (62 %)" ("in memory" where the models run on the CPU)."""
-    state = str(m.get("state", "?"))
+def _state_text(m: dict[str, Any], gpu: bool, *, ready: bool = True) -> str:
+    """A model's STATE cell in the one vocabulary (core/words.py): "on the GPU", "set aside — ready
+    in 0.1 s", "partly on the GPU (62 %)", "asleep" ("in memory" where the models run on the CPU)."""
     fraction = m.get("resident_fraction")
-    if state == "released" and isinstance(fraction, (int, float)) and 0.0 < fraction < 1.0:
-        where = "in memory" if str(m.get("backend") or "").upper().startswith("CPU") else "on the GPU"
-        return f"partly {where} ({resident_percent(fraction)} %)"
-    return state
+    last = m.get("last_switch") or {}
+    return words.state_words(
+        str(m.get("state", "?")),
+        gpu=gpu,
+        resident_fraction=float(fraction) if isinstance(fraction, (int, float)) else 0.0,
+        restore_ms=float(last["restore_ms"])
+        if ready and last.get("switched") and last.get("restore_ms")
+        else None,
+    )
 
 
 def print_status(status: dict[str, Any], out: TextIO) -> None:
@@ -87,6 +92,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write("No models are configured.\n")
         return
     stats = (status.get("switch_stats") or {}).get("per_model", {})
+    gpu = words.has_gpu([str(m.get("backend") or "") for m in models])
     rows = [
         [
             "MODEL",
@@ -111,7 +117,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         rows.append(
             [
                 m["id"] + (" *" if m["id"] in holders else ""),
-                _state_text(m),
+                _state_text(m, gpu),
                 "yes" if m.get("busy") else "no",
                 f"{m.get('active', 0)}/{m['parallel']}" if m.get("parallel") else "-",  # answered together
                 "yes" if m.get("pinned") else "no",
@@ -164,6 +170,12 @@ def _target_state(command: str, args: argparse.Namespace) -> str | None:
     return None  # pin, unpin: the state does not change
 
 
+def _now(model: dict[str, Any]) -> str:
+    """ "now on the GPU", "now set aside": a model's state after a verb, in the one vocabulary."""
+    gpu = words.has_gpu([str(model.get("backend") or "")])
+    return f"now {_state_text(model, gpu, ready=False)}"
+
+
 def _model_of(status: dict[str, Any], model_id: str) -> dict[str, Any]:
     return next((m for m in status.get("models") or [] if m.get("id") == model_id), {})
 
@@ -185,13 +197,13 @@ def _verb(api: Api, args: argparse.Namespace, out: TextIO, command: str) -> int:
     state = model.get("state", "?")
     if target is None or state == target:
         done = _LIFECYCLE_DONE.get(args.command) or _VERB_DONE[command]
-        out.write(f"{args.model}: {done} (state: {state})\n")
+        out.write(f"{args.model}: {done} ({_now(model)})\n")
         return EXIT_OK
     reason = model.get("reason") or ""
     if state == "failed":
         raise ClientError(f"{args.model} failed: {reason or 'see `timeshare status`'}")
     detail = f"; {reason}" if reason else ""
-    out.write(f"{args.model}: {_VERB_PENDING[command]} (state: {state}{detail})\n")
+    out.write(f"{args.model}: {_VERB_PENDING[command]} ({_now(model)}{detail})\n")
     return EXIT_OK
 
 
@@ -209,9 +221,9 @@ def _start(api: Api, args: argparse.Namespace, out: TextIO) -> int:
         raise ClientError(f"{args.model} did not start: {reason or 'see `timeshare status`'}")
     if state in ("starting", "loading"):
         detail = f"; {reason}" if reason else ""
-        out.write(f"{args.model}: starting (state: {state}{detail})\n")
+        out.write(f"{args.model}: starting ({_now(model)}{detail})\n")
         return EXIT_OK
-    out.write(f"{args.model}: started (state: {state})\n")
+    out.write(f"{args.model}: started ({_now(model)})\n")
     return EXIT_OK
 
 
@@ -359,7 +371,7 @@ def _waiting_text(model: dict[str, Any]) -> str:
     if queued:
         return f"queued behind {queued} request{'' if queued == 1 else 's'}"
     if state in ("released", "sleeping"):
-        return f"restoring the model to the GPU (state: {state})"
+        return f"restoring the model to the GPU (it was {_state_text(model, True)})"
     return "evaluating the prompt"
 
 

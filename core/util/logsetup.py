@@ -9,6 +9,9 @@ from pathlib import Path
 
 #: ``<time> <LEVEL> <logger>: <message>``; a worker adds ``[<model id>]`` after the level.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: ``timeshare serve`` on a terminal: no logger names (``INFO uvicorn.error:`` says nothing to
+#: people); ``--verbose`` shows them (:data:`LOG_FORMAT`)
+PLAIN_FORMAT = "%(asctime)s %(levelname)s: %(message)s"
 #: what the tray app shows on its console next to its log file
 CONSOLE_FORMAT = "timeshare: %(levelname)s %(name)s: %(message)s"
 LOG_FILE_MAX_BYTES = 2_000_000
@@ -20,8 +23,9 @@ _MARK = "_timeshare_logsetup"
 def setup_logging(verbose: bool, *, tag: str | None = None, log_file: Path | None = None) -> None:
     """Configure the root logger: DEBUG when ``verbose``, else INFO.
 
-    Without ``log_file`` every record goes to stderr in :data:`LOG_FORMAT` (``timeshare serve``; a
-    worker, whose stderr is its log file, passes its model id as ``tag``). With ``log_file`` (the
+    Without ``log_file`` every record goes to stderr: in :data:`PLAIN_FORMAT` (``timeshare serve``;
+    :data:`LOG_FORMAT`, with the logger's name, when ``verbose``), or, for a worker (whose stderr is
+    its log file, and which passes its model id as ``tag``), in :data:`LOG_FORMAT`. With ``log_file`` (the
     tray app) records go to that file, rotated, and stderr shows only warnings (everything when
     ``verbose``) in :data:`CONSOLE_FORMAT`. A later call replaces what an earlier one installed.
     """
@@ -33,7 +37,8 @@ def setup_logging(verbose: bool, *, tag: str | None = None, log_file: Path | Non
         old.close()
     handlers: list[logging.Handler] = []
     if log_file is None:
-        handlers.append(_handler(logging.StreamHandler(sys.stderr), line))
+        plain = tag is None and not verbose
+        handlers.append(_handler(logging.StreamHandler(sys.stderr), PLAIN_FORMAT if plain else line))
     else:
         handlers.append(
             _handler(
