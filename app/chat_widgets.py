@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.conversations.store import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
+from ..core.conversations.store import DEFAULT_MAX_TOKENS, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMPERATURE
 from ..core.errors import TimeshareError
 from ..core.state import ModelState
 from . import strings
@@ -103,6 +103,8 @@ class AnswerSettingsPanel(QWidget):
         self.store = store
         #: the conversation whose settings the panel shows (None: kept for the first one made)
         self.conversation_id: str | None = None
+        #: the user changed the settings while there was no conversation: the first one gets them
+        self.pending = False
         self.detached = False
         self.setObjectName("answer_settings_panel")
         self._prompt_timer = QTimer(self)
@@ -121,10 +123,8 @@ class AnswerSettingsPanel(QWidget):
         self.temperature.setRange(0.0, 2.0)
         self.temperature.setSingleStep(0.1)
         self.temperature.setDecimals(2)
-        self.temperature.setSpecialValueText("0 (greedy)")
-        self.temperature.setToolTip(
-            "0: the most likely words, the same answer every time; higher: more varied answers"
-        )
+        self.temperature.setSpecialValueText(strings.GREEDY)
+        self.temperature.setToolTip(strings.TEMPERATURE_TIP)
         self.temperature.setValue(DEFAULT_TEMPERATURE)
         self.temperature.valueChanged.connect(lambda _v: self.save())
         self.max_tokens_box = QSpinBox()
@@ -138,13 +138,30 @@ class AnswerSettingsPanel(QWidget):
             "no limit: when the model ends it or the context is full"
         )
         self.max_tokens_box.valueChanged.connect(lambda _v: self.save())
+        self.repeat_box = QDoubleSpinBox()
+        self.repeat_box.setObjectName("repeat_penalty")
+        self.repeat_box.setRange(1.0, 2.0)
+        self.repeat_box.setSingleStep(0.1)
+        self.repeat_box.setDecimals(2)
+        self.repeat_box.setSpecialValueText("off")  # 1.0: no penalty
+        self.repeat_box.setToolTip(strings.REPETITION_GUARD_TIP)
+        self.repeat_box.setValue(DEFAULT_REPEAT_PENALTY)
+        self.repeat_box.valueChanged.connect(lambda _v: self.save())
+        self.greedy_note = QLabel(strings.GREEDY_MEANS)
+        self.greedy_note.setObjectName("greedy_note")
+        self.greedy_note.setWordWrap(True)
+        self.greedy_note.setStyleSheet("color: gray")
+        self.temperature.valueChanged.connect(lambda v: self.greedy_note.setVisible(v == 0))
         numbers = QHBoxLayout()
         numbers.addWidget(self.temperature)
         numbers.addWidget(QLabel("Longest answer:"))
         numbers.addWidget(self.max_tokens_box)
+        numbers.addWidget(QLabel("Repetition guard:"))
+        numbers.addWidget(self.repeat_box)
         numbers.addStretch(1)
         form.addRow("System prompt:", self.system_prompt)
         form.addRow("Temperature:", numbers)
+        form.addRow(self.greedy_note)
         note = QLabel("Kept with the conversation; used from its next answer on.")
         note.setStyleSheet("color: gray")
         form.addRow(note)
@@ -157,28 +174,34 @@ class AnswerSettingsPanel(QWidget):
         self.conversation_id = conversation.id if conversation is not None else None
         if conversation is None:
             return
-        boxes = (self.system_prompt, self.temperature, self.max_tokens_box)
+        boxes = (self.system_prompt, self.temperature, self.max_tokens_box, self.repeat_box)
         for box in boxes:
             box.blockSignals(True)
         self.system_prompt.setPlainText(conversation.system_prompt)
         self.temperature.setValue(conversation.temperature)
         self.max_tokens_box.setValue(conversation.max_tokens or 0)
+        self.repeat_box.setValue(conversation.repeat_penalty)
         for box in boxes:
             box.blockSignals(False)
+        self.greedy_note.setVisible(conversation.temperature == 0)
         emit(self.summary_changed, settings_summary(conversation))
 
     def save(self) -> None:
         """Save the panel's values to the conversation they belong to."""
         self._prompt_timer.stop()
         conv_id = self.conversation_id
-        if conv_id is None or self.detached:
-            return  # no conversation yet: the panel keeps the values for the first one
+        if conv_id is None:
+            self.pending = True  # no conversation yet: the panel keeps the values for the first one
+            return
+        if self.detached:
+            return
         try:
             conversation = self.store.set_options(
                 conv_id,
                 system_prompt=self.system_prompt.toPlainText().strip(),
                 temperature=round(self.temperature.value(), 2),
                 max_tokens=self.max_tokens_box.value(),
+                repeat_penalty=round(self.repeat_box.value(), 2),
             )
         except (TimeshareError, ValueError) as e:
             emit(self.failed, f"Could not save the answer settings: {e}")

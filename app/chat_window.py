@@ -39,6 +39,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.sampling import new_conversation
 from ..core.state import ModelState, PoolSnapshot
 from . import icons, strings
 from .answer_stream import AnswerStream, StreamListener
@@ -52,6 +53,7 @@ from .transcript import (
     answer_line,
     failure_line,
     history_markdown,
+    switched_defaults,
     with_live_answer,
 )
 from .waits import WaitClock, chat_wait_kind, chat_wait_line
@@ -216,10 +218,15 @@ class ChatWindow(QMainWindow):
         self.send_button = QPushButton("Send")
         self.stop_button = QPushButton("Stop")
         self.stop_button.setEnabled(False)
+        self.retry_button = QPushButton(strings.REGENERATE)
+        self.retry_button.setObjectName("retry")
+        self.retry_button.setEnabled(False)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(self.stop)
+        self.retry_button.clicked.connect(self.regenerate)
         col.addWidget(self.send_button)
         col.addWidget(self.stop_button)
+        col.addWidget(self.retry_button)
         bottom.addLayout(col)
         rv.addLayout(bottom)
 
@@ -352,10 +359,13 @@ class ChatWindow(QMainWindow):
         if not model_id:
             self.statusBar().showMessage("Add a model first (tray menu → Add model…).", 8000)
             return None
-        conv = self.store.create_conversation(model_id)
-        if self.settings_panel.conversation_id is None:  # settings chosen before there was one: its own
-            self.settings_panel.conversation_id = conv.id
-            self.settings_panel.save()
+        base = strings.is_base_model(self.bridge.snapshot.model(model_id))
+        conv = self.store.create_conversation(model_id, answers=new_conversation(base))
+        panel = self.settings_panel
+        if panel.conversation_id is None and panel.pending:  # settings chosen before there was one
+            panel.conversation_id = conv.id
+            panel.pending = False
+            panel.save()
         self.reload_conversations(select=conv.id)
         self.input.setFocus()
         return str(conv.id)
@@ -399,7 +409,18 @@ class ChatWindow(QMainWindow):
         model_id = self.model_box.currentData()
         conv_id = self.current_conversation()
         if conv_id is not None and model_id and conv_id != self._stream_conversation:
-            self.store.set_model(conv_id, model_id)
+            conv = self.store.set_model(conv_id, model_id)
+            # a conversation still on one kind of model's defaults gets the other kind's
+            base = strings.is_base_model(self.bridge.snapshot.model(model_id))
+            answers = switched_defaults(conv, base)
+            if answers is not None:
+                conv = self.store.set_options(
+                    conv_id,
+                    temperature=answers.temperature,
+                    max_tokens=answers.max_tokens or 0,
+                    repeat_penalty=answers.repeat_penalty,
+                )
+                self.settings_panel.load(conv)
         self._update_model_state()
         self.prewake()
 
@@ -464,10 +485,36 @@ class ChatWindow(QMainWindow):
         self.send_button.setEnabled(not streaming and not blocked)
         self.send_button.setToolTip(blocked)
         self.stop_button.setEnabled(streaming)
+        kind = "" if self._detached else self.retry_kind(self.current_conversation())
+        self.retry_button.setText(strings.RETRY if kind == "retry" else strings.REGENERATE)
+        self.retry_button.setToolTip(strings.RETRY_TIP if kind == "retry" else strings.REGENERATE_TIP)
+        self.retry_button.setEnabled(bool(kind) and not streaming and not blocked)
 
     def _unanswered(self, conv_id: str) -> bool:
         messages = self.store.messages(conv_id)
         return bool(messages) and messages[-1].role == "user"
+
+    def retry_kind(self, conv_id: str | None) -> str:
+        """What the Retry/Regenerate button does for this conversation: "retry" (its last
+        message has no finished answer: a crash, a Stop, an error, a refusal), "regenerate"
+        (another answer to its last message) or "" (nothing to answer yet)."""
+        if conv_id is None:
+            return ""
+        messages = [m for m in self.store.messages(conv_id) if m.role != "system"]
+        if not any(m.role == "user" for m in messages):
+            return ""
+        last = messages[-1]
+        if last.role == "user" or not last.complete:
+            return "retry"
+        if last.stats is not None and last.stats.finish_reason in ("cancelled", "error"):
+            return "retry"
+        return "regenerate"
+
+    def regenerate(self) -> None:
+        """Answer the conversation's last message again (the answer there, if any, is replaced):
+        Retry after a crash, a Stop or an error; Regenerate for another answer."""
+        if self._stream is None and self.retry_kind(self.current_conversation()):
+            self._start_answer("")
 
     def send(self) -> None:
         """Send the typed message; with an empty box, answer an unanswered last message again."""
@@ -477,6 +524,11 @@ class ChatWindow(QMainWindow):
         conv_id = self.current_conversation()
         if not text and (conv_id is None or not self._unanswered(conv_id)):
             return
+        self._start_answer(text)
+
+    def _start_answer(self, text: str) -> None:
+        """Send ``text``, or with "" answer the conversation's last message again."""
+        conv_id = self.current_conversation()
         blocked = self._cannot_answer()
         if blocked:  # nothing is saved for a model that cannot answer; the bar says what to do
             self.statusBar().showMessage(blocked, 20000)
@@ -531,7 +583,7 @@ class ChatWindow(QMainWindow):
             self.input.clear()
         self.render_transcript()
         said = strings.for_people(str(error), self.bridge.snapshot)  # no CLI or HTTP advice
-        self.statusBar().showMessage(f"{said} — press Send to try again", 20000)
+        self.statusBar().showMessage(f"{said} — press Retry to try again", 20000)
         QMessageBox.warning(self, "Could not send", said)
 
     def stop(self) -> None:

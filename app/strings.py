@@ -118,6 +118,33 @@ def plain_reason(text: str) -> str:
     return text.strip().rstrip(";").strip()
 
 
+# ---- answering again (chat window) ---------------------------------------------------------------
+
+RETRY = "Retry"
+REGENERATE = "Regenerate"
+RETRY_TIP = "Answer the last message again (the answer was cut off, stopped or failed)"
+REGENERATE_TIP = "Replace the last answer with a new one"
+
+# ---- answer settings (chat window) ---------------------------------------------------------------
+
+GREEDY = "0 (greedy)"
+GREEDY_MEANS = (
+    "Greedy (temperature 0): the model always takes its most likely next word, so the same "
+    "question gets the same answer every time."
+)
+TEMPERATURE_TIP = "0: the most likely words, the same answer every time; higher: more varied answers"
+REPETITION_GUARD_TIP = (
+    "Makes words the answer already used less likely, so the model does not loop on one phrase "
+    "(off: 1; a base model's conversations start at 1.3)"
+)
+
+
+def is_base_model(status: ModelStatus | None) -> bool:
+    """A base model: no chat template in its file (it continues text rather than answering), so its
+    conversations start with a shorter limit and the repetition guard."""
+    return status is not None and status.chat_format == "fallback"
+
+
 def pulled(name: str, added: bool, checked: str) -> str:
     """Get model…'s last line: what was downloaded and what became of it."""
     if added:

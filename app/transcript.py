@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ..core import words
+from ..core.sampling import AnswerDefaults, new_conversation
 
 if TYPE_CHECKING:
     from ..core.conversations.store import AnswerStats, Conversation, Message
@@ -122,15 +123,27 @@ def answer_line(stats: AnswerStats, *, why_empty: bool = True, gpu: bool = True)
 
 
 def settings_summary(conversation: Conversation) -> str:
-    """A conversation's answer settings in a few words: "greedy · up to 512 tokens · system prompt"."""
+    """A conversation's answer settings in a few words: "greedy · up to 512 tokens · repetition
+    guard 1.3 · system prompt"."""
     temperature = "greedy" if conversation.temperature == 0 else f"temperature {conversation.temperature:g}"
     limit = conversation.max_tokens
     parts = [temperature, f"up to {limit} tokens" if limit else "no length limit"]
+    if conversation.repeat_penalty > 1.0:
+        parts.append(f"repetition guard {conversation.repeat_penalty:g}")
     if conversation.system_prompt.strip():
         parts.append("system prompt")
     return " · ".join(parts)
 
 
+def switched_defaults(conversation: Conversation, base_model: bool) -> AnswerDefaults | None:
+    """The answer settings a conversation gets when its model changes to a base model
+    (``base_model``) or from one: the new kind's defaults, if it still has the other kind's (a
+    setting the user chose is kept); None when nothing changes."""
+    now = AnswerDefaults(conversation.temperature, conversation.max_tokens, conversation.repeat_penalty)
+    other, new = new_conversation(not base_model), new_conversation(base_model)
+    return new if now == other and now != new else None
+
+
 def failure_line(message: str) -> str:
     """The status bar when an answer failed."""
-    return f"The answer failed: {message} — press Send to try again"
+    return f"The answer failed: {message} — press Retry to try again"

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
@@ -107,6 +108,11 @@ def check(s: Sampling) -> Sampling:
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: the CLI's temperature when --temperature is not given
 CLI_TEMPERATURE = 0.2
+#: the chat window's longest answer for a new conversation (a limit people can raise or turn off in
+#: Answer settings; a base model's is shorter, see ``BASE_MODEL``)
+CHAT_WINDOW_MAX_TOKENS = 1024
+#: a repetition guard: llama.cpp's repeat penalty over the last 64 tokens (1.0: off)
+REPETITION_GUARD = 1.3
 
 #: Each front end's defaults, in one table: where a field is absent from a request, the front
 #: end's row gives it (then Sampling's own default):
@@ -114,16 +120,21 @@ CLI_TEMPERATURE = 0.2
 #:   chat without ``max_tokens`` runs until a stop or the end of the context, as OpenAI and
 #:   llama-server; completions keep OpenAI's documented 16);
 #: - "chat_window": the chat service; a conversation's own settings (``Store.set_options``:
-#:   temperature, max_tokens) are given as fields, so this row applies only where they are not
-#:   (a conversation's "no limit" is its max_tokens None: this row's None);
+#:   temperature, max_tokens, repeat_penalty) are given as fields, so this row applies only where
+#:   they are not, and to a new conversation (``new_conversation``); a conversation's "no limit"
+#:   (max_tokens None) is kept as none by the chat service;
 #: - "cli_chat" / "cli_run": ``timeshare chat`` and ``timeshare run`` (the body they send to the
 #:   API; no limit unless ``--max-tokens``);
+#: - "chat_window_base": a new conversation with a base model (no chat template, e.g. the
+#:   Gemma-3-270M demo), which continues text rather than answering and, greedy, repeats itself:
+#:   a shorter answer and the repetition guard on (both shown, and changeable, in Answer settings);
 #: - "internal": ``Pool.generate`` without a sampling (diagnostics, tests): greedy, 256 tokens.
 #: A model's ``max_tokens`` setting caps every answer in the worker.
 DEFAULTS: dict[str, dict[str, object]] = {
     "api_chat": {"max_tokens": None, "temperature": 1.0, "top_p": 1.0},
     "api_completion": {"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS, "temperature": 1.0, "top_p": 1.0},
-    "chat_window": {"max_tokens": None, "temperature": 0.0},
+    "chat_window": {"max_tokens": CHAT_WINDOW_MAX_TOKENS, "temperature": 0.0, "repeat_penalty": 1.0},
+    "chat_window_base": {"max_tokens": 200, "temperature": 0.0, "repeat_penalty": REPETITION_GUARD},
     "cli_chat": {"max_tokens": None, "temperature": CLI_TEMPERATURE},
     "cli_run": {"max_tokens": None, "temperature": CLI_TEMPERATURE},
     # the other dialects (core/api/anthropic.py, ollama.py): their own servers' defaults
@@ -160,3 +171,30 @@ def for_front_end(front_end: str, **fields: object) -> Sampling:
     except msgspec.ValidationError as exc:
         raise ValueError(f"sampling: {exc}") from None
     return check(built)
+
+
+@dataclass(frozen=True)
+class AnswerDefaults:
+    """The answer settings a new chat-window conversation starts with."""
+
+    temperature: float
+    max_tokens: int | None
+    repeat_penalty: float
+
+
+def _number(row: dict[str, object], key: str) -> float:
+    value = row[key]
+    assert isinstance(value, (int, float))
+    return float(value)
+
+
+def new_conversation(base_model: bool = False) -> AnswerDefaults:
+    """ "chat_window"'s answer settings, or "chat_window_base"'s for a base model (a model without
+    a chat template)."""
+    row = DEFAULTS["chat_window_base" if base_model else "chat_window"]
+    limit = row["max_tokens"]
+    return AnswerDefaults(
+        temperature=_number(row, "temperature"),
+        max_tokens=limit if isinstance(limit, int) else None,
+        repeat_penalty=_number(row, "repeat_penalty"),
+    )

@@ -75,7 +75,11 @@ class ScriptedGeneration:
             self._stream.put(p)
 
     def finish(self, finish_reason: str = "stop", switched: bool = True) -> None:
-        usage = Usage(prompt_tokens=20, completion_tokens=self._pieces, prompt_tokens_evaluated=7)
+        # a cancelled request's usage is all zeros, as the worker reports it (core/worker/loop.py)
+        n = 0 if finish_reason == "cancelled" else self._pieces
+        usage = Usage(
+            prompt_tokens=20 if n else 0, completion_tokens=n, prompt_tokens_evaluated=7 if n else 0
+        )
         self._result = FakeResult(finish_reason, usage, SwitchStats(switched, wait_ms=3.0, restore_ms=2.0))
         self._stream.close()
 
@@ -209,10 +213,11 @@ def test_the_conversations_settings_make_its_answers(store: Store) -> None:
     pool = ScriptedPool()
     chat = ChatService(pool, store, system_prompt="Be brief.")
     conv = chat.new_conversation("smol")
-    # the defaults: greedy, no length limit, the service's system prompt
+    # the defaults: greedy, a finite length limit, no repetition guard, the service's system prompt
     first = chat.send(conv.id, "one")
     assert pool.generations[0].kwargs["temperature"] == 0.0
-    assert pool.generations[0].kwargs["max_tokens"] is None
+    assert pool.generations[0].kwargs["max_tokens"] == 1024
+    assert "repeat_penalty" not in pool.generations[0].kwargs  # Sampling's default: off
     assert pool.generations[0].kwargs["messages"][0] == ChatMessage("system", "Be brief.")
     pool.generations[0].feed("uno")
     pool.generations[0].finish()
@@ -365,14 +370,17 @@ def test_cancel_keeps_the_text_so_far(store: Store) -> None:
     chat = ChatService(pool, store)
     conv = chat.new_conversation("smol")
     turn = chat.send(conv.id, "go")
-    pool.generations[0].feed("partial")
-    assert next(iter(turn)) == "partial"
+    pool.generations[0].feed("part", "ial")
+    stream = iter(turn)
+    assert next(stream) + next(stream) == "partial"
     turn.cancel()
     result = turn.result(timeout=WAIT)
     assert pool.generations[0].cancelled
     assert (result.text, result.finish_reason) == ("partial", "cancelled")
     saved = store.message(turn.assistant_message_id)
     assert (saved.content, saved.complete, saved.stats.finish_reason) == ("partial", True, "cancelled")
+    # Stop keeps the count of what was shown (the worker reports 0 for a cancelled request)
+    assert result.stats.completion_tokens == saved.stats.completion_tokens == 2
 
 
 @pytest.mark.parametrize("switched", [False, True])
@@ -513,8 +521,27 @@ def test_real_pool_cancel_keeps_what_was_streamed(real_pool: Any, store: Store) 
     assert result.text == "".join(got)
     saved = store.message(turn.assistant_message_id)
     assert (saved.content, saved.complete, saved.stats.finish_reason) == (result.text, True, "cancelled")
+    assert saved.stats.completion_tokens >= len(got) >= 2  # not "0 tokens" after a Stop
     # the model is free again at once
     assert chat.send(conv.id, "Thanks.", max_tokens=4).result(timeout=WAIT).finish_reason in (
         "stop",
         "length",
     )
+
+
+def test_a_base_models_conversation_has_a_limit_and_a_repetition_guard_and_no_limit_stays_none(
+    store: Store,
+) -> None:
+    pool = ScriptedPool()
+    chat = ChatService(pool, store)
+    conv = chat.new_conversation("smol", base_model=True)
+    first = chat.send(conv.id, "The capital of France is")
+    kwargs = pool.generations[0].kwargs
+    assert kwargs["max_tokens"] == 200 and kwargs["repeat_penalty"] == 1.3
+    pool.generations[0].finish()
+    first.result(timeout=WAIT)
+    store.set_options(conv.id, max_tokens=0)  # "no limit" in Answer settings
+    second = chat.send(conv.id, "more")
+    assert pool.generations[1].kwargs["max_tokens"] is None
+    pool.generations[1].finish()
+    second.result(timeout=WAIT)

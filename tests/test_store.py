@@ -266,15 +266,17 @@ def test_a_schema_1_database_gains_the_conversation_settings(tmp_path: Path) -> 
     with Store(path) as s:
         (conv,) = s.list_conversations()
         assert (conv.id, conv.title, conv.message_count) == ("c1", "old one", 1)
-        assert (conv.system_prompt, conv.temperature, conv.max_tokens) == (
+        # old conversations: no length limit (schema 3), no repetition guard (schema 4)
+        assert (conv.system_prompt, conv.temperature, conv.max_tokens, conv.repeat_penalty) == (
             "",
             DEFAULT_TEMPERATURE,
-            DEFAULT_MAX_TOKENS,
+            None,
+            1.0,
         )
         assert [m.content for m in s.messages("c1")] == ["hi"]
     check = sqlite3.connect(path)
     try:
-        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     finally:
         check.close()
 
@@ -286,13 +288,14 @@ def test_schema_3_turns_the_old_512_token_default_into_no_limit(tmp_path: Path) 
         old = s.create_conversation("smol")
     db = sqlite3.connect(path)
     db.execute("UPDATE conversations SET max_tokens = 512 WHERE id = ?", (old.id,))
+    db.execute("ALTER TABLE conversations DROP COLUMN repeat_penalty")  # schema 4's
     db.execute("PRAGMA user_version=2")  # as schema 2 left it
     db.commit()
     db.close()
     with Store(path) as s:
         assert s.get(old.id).max_tokens is None  # 512 was schema 2's default: now no limit
         assert s.get(kept.id).max_tokens == 64  # a value the user chose stays
-        assert s.create_conversation("smol").max_tokens is None
+        assert s.create_conversation("smol").max_tokens == DEFAULT_MAX_TOKENS == 1024  # a new one: finite
         assert s.set_options(kept.id, max_tokens=0).max_tokens is None  # 0: no limit
 
 
@@ -316,3 +319,18 @@ def test_conversation_settings_are_kept_and_checked(store: Store, tmp_path: Path
     with Store(store.path) as again:
         kept = again.get(a.id)
         assert (kept.system_prompt, kept.temperature, kept.max_tokens) == ("Answer in French.", 0.7, 100)
+
+
+def test_new_conversations_have_a_finite_limit_and_a_base_models_a_repetition_guard(tmp_path: Path) -> None:
+    from timeshare.core.sampling import new_conversation
+
+    with Store(tmp_path / "c.db") as s:
+        chat = s.create_conversation("smol")
+        assert chat.max_tokens is not None and chat.repeat_penalty == 1.0
+        base = s.create_conversation("gemma", answers=new_conversation(base_model=True))
+        assert base.max_tokens is not None and base.max_tokens < chat.max_tokens
+        assert base.repeat_penalty > 1.0
+        assert s.get(base.id) == base  # read back as written
+        assert s.set_options(base.id, repeat_penalty=1.0).repeat_penalty == 1.0
+        with pytest.raises(ValueError, match="repeat_penalty"):
+            s.set_options(base.id, repeat_penalty=0.5)

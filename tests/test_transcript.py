@@ -138,7 +138,7 @@ def test_the_live_answer_follows_the_history() -> None:
 
 
 def test_failure_line() -> None:
-    assert failure_line("no GPU") == "The answer failed: no GPU — press Send to try again"
+    assert failure_line("no GPU") == "The answer failed: no GPU — press Retry to try again"
 
 
 def test_answer_stats_round_trip_through_json() -> None:

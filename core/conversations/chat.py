@@ -26,7 +26,7 @@ from ..errors import (
     InvalidTextError,
     TimeshareError,
 )
-from ..sampling import Sampling, for_front_end, unknown_fields
+from ..sampling import Sampling, for_front_end, new_conversation, unknown_fields
 from ..state import SwitchStats
 from ..util.stream import TextStream
 from ..worker.protocol import ChatMessage
@@ -182,7 +182,7 @@ class ChatTurn:
                     last_flush = now
             result = self._gen.result()
             text = "".join(parts)
-            stats = self._stats(result, first_piece_at, time.monotonic())
+            stats = self._stats(result, first_piece_at, time.monotonic(), len(parts))
             if self._prewoken and not stats.switched:
                 stats = replace(stats, prewoken=True)
             self._store.update_message(self.assistant_message_id, text, complete=True, stats=stats)
@@ -215,20 +215,26 @@ class ChatTurn:
         except TimeshareError as exc:  # e.g. the conversation was deleted meanwhile
             log.warning("could not save the answer in conversation %s: %s", self.conversation_id, exc)
 
-    def _stats(self, result: ResultLike, first_piece_at: float | None, ended: float) -> AnswerStats:
+    def _stats(
+        self, result: ResultLike, first_piece_at: float | None, ended: float, pieces: int
+    ) -> AnswerStats:
         usage = result.usage
         switch = result.switch or SwitchStats(switched=False)
         elapsed = ended - self._started
         gen_time = ended - first_piece_at if first_piece_at is not None else 0.0
+        completion = usage.completion_tokens
+        if result.finish_reason == "cancelled" and completion == 0:
+            # a Stop: the worker reports no usage for a cancelled request, so count what streamed
+            # (a piece per token, but for the rare piece that completes several: a character
+            # split across tokens), not "0 tokens" under hundreds shown
+            completion = pieces
         # tokens after the first, over the time after the first: the decode rate, not prefill
-        tps = (
-            (usage.completion_tokens - 1) / gen_time if gen_time > 0 and usage.completion_tokens > 1 else 0.0
-        )
+        tps = (completion - 1) / gen_time if gen_time > 0 and completion > 1 else 0.0
         return AnswerStats(
             finish_reason=result.finish_reason,
             model_id=self.model_id,
             prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
+            completion_tokens=completion,
             prompt_tokens_evaluated=usage.prompt_tokens_evaluated,
             switched=switch.switched,
             wait_ms=round(switch.wait_ms, 3),
@@ -262,9 +268,11 @@ class ChatService:
         self._active: dict[str, ChatTurn] = {}
         self._starting: set[str] = set()  # conversations between the busy check and their turn
 
-    def new_conversation(self, model_id: str, title: str = "") -> Conversation:
+    def new_conversation(self, model_id: str, title: str = "", *, base_model: bool = False) -> Conversation:
+        """A conversation with the chat window's answer settings, or a base model's
+        (``base_model``: no chat template; a shorter limit and the repetition guard)."""
         check_text(title, "the title")
-        return self.store.create_conversation(model_id, title)
+        return self.store.create_conversation(model_id, title, answers=new_conversation(base_model))
 
     def model_messages(self, conversation_id: str) -> tuple[ChatMessage, ...]:
         """What the model sees: the conversation's system prompt (else the service's), then the
@@ -377,8 +385,14 @@ class ChatService:
         started = time.monotonic()
         try:
             # the conversation's own settings, unless the caller gave others
-            fields = {"temperature": conversation.temperature, "max_tokens": conversation.max_tokens}
+            fields = {
+                "temperature": conversation.temperature,
+                "max_tokens": conversation.max_tokens,
+                "repeat_penalty": conversation.repeat_penalty,
+            }
             sampling = for_front_end("chat_window", **{**fields, **overrides})
+            if conversation.max_tokens is None and overrides.get("max_tokens") is None:
+                sampling = sampling.replace(max_tokens=None)  # the conversation's "no limit"
             generation = self.pool.generate(
                 conversation.model_id, messages=messages, conversation=conversation.id, sampling=sampling
             )

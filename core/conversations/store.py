@@ -24,16 +24,19 @@ from typing import Any, Literal, TypeVar
 
 from .. import paths
 from ..errors import StoreError, UnknownConversationError, UnknownMessageError
+from ..sampling import AnswerDefaults, new_conversation
 
 log = logging.getLogger(__name__)
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
-#: a conversation's answer settings until the user changes them (the chat window's defaults)
+#: a conversation's answer settings until the user changes them (the chat window's defaults:
+#: sampling.DEFAULTS["chat_window"]; a base model's conversation starts with "chat_window_base")
 DEFAULT_TEMPERATURE = 0.0  # greedy
-DEFAULT_MAX_TOKENS: int | None = None  # no limit: until the answer ends or the context is full
+DEFAULT_MAX_TOKENS: int | None = new_conversation().max_tokens  # None in a conversation: no limit
+DEFAULT_REPEAT_PENALTY = 1.0  # the repetition guard off
 #: schema 2's default, which schema 3 turns into "no limit" (the column keeps 0 for it)
 _OLD_DEFAULT_MAX_TOKENS = 512
 
@@ -72,6 +75,10 @@ _MIGRATIONS: tuple[str, ...] = (
     f"""
     UPDATE conversations SET max_tokens = 0 WHERE max_tokens = {_OLD_DEFAULT_MAX_TOKENS};
     """,
+    # 4: the repetition guard (llama.cpp's repeat penalty; 1.0: off, as every answer had it)
+    f"""
+    ALTER TABLE conversations ADD COLUMN repeat_penalty REAL NOT NULL DEFAULT {DEFAULT_REPEAT_PENALTY!r};
+    """,
 )
 
 
@@ -84,10 +91,11 @@ class Conversation:
     updated: float
     message_count: int = 0
     # how its answers are made: the system prompt sent first ("" none), sampling temperature (0:
-    # greedy) and the most tokens an answer may have (None: no limit)
+    # greedy), the most tokens an answer may have (None: no limit) and the repetition guard (1.0: off)
     system_prompt: str = ""
     temperature: float = DEFAULT_TEMPERATURE
     max_tokens: int | None = DEFAULT_MAX_TOKENS
+    repeat_penalty: float = DEFAULT_REPEAT_PENALTY
 
 
 @dataclass(frozen=True)
@@ -286,6 +294,7 @@ class Store:
             system_prompt=row["system_prompt"],
             temperature=row["temperature"],
             max_tokens=row["max_tokens"] or None,
+            repeat_penalty=row["repeat_penalty"],
         )
 
     @staticmethod
@@ -311,21 +320,45 @@ class Store:
         "FROM conversations c"
     )
 
-    def create_conversation(self, model_id: str, title: str = "") -> Conversation:
+    def create_conversation(
+        self, model_id: str, title: str = "", *, answers: AnswerDefaults | None = None
+    ) -> Conversation:
+        """A new conversation with ``model_id``, its answer settings ``answers`` (default: the
+        chat window's, ``sampling.new_conversation()``)."""
         if not model_id:
             raise ValueError("a conversation needs the id of the model it talks to")
+        answers = answers or new_conversation()
         now = time.time()
         conv_id = str(uuid.uuid4())
 
         def insert(db: sqlite3.Connection) -> None:
             db.execute(
-                "INSERT INTO conversations (id, model_id, title, created, updated, max_tokens) "
-                "VALUES (?, ?, ?, ?, ?, 0)",
-                (conv_id, model_id, title, now, now),
+                "INSERT INTO conversations (id, model_id, title, created, updated, temperature, "
+                "max_tokens, repeat_penalty) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    conv_id,
+                    model_id,
+                    title,
+                    now,
+                    now,
+                    answers.temperature,
+                    answers.max_tokens or 0,
+                    answers.repeat_penalty,
+                ),
             )
 
         self._write(insert)
-        return Conversation(conv_id, model_id, title, now, now, 0)
+        return Conversation(
+            conv_id,
+            model_id,
+            title,
+            now,
+            now,
+            0,
+            temperature=answers.temperature,
+            max_tokens=answers.max_tokens,
+            repeat_penalty=answers.repeat_penalty,
+        )
 
     def list_conversations(self, model_id: str | None = None) -> list[Conversation]:
         """Most recently updated first."""
@@ -375,10 +408,12 @@ class Store:
         system_prompt: str | None = None,
         temperature: float | None = None,
         max_tokens: int | None = None,
+        repeat_penalty: float | None = None,
     ) -> Conversation:
         """Change how the conversation's next answers are made (None: leave that one as it is;
-        ``max_tokens`` 0: no limit). Raises ValueError for a temperature below 0 or above 2, or
-        max_tokens below 0."""
+        ``max_tokens`` 0: no limit; ``repeat_penalty`` 1.0: no repetition guard). Raises
+        ValueError for a temperature below 0 or above 2, max_tokens below 0, or a repeat_penalty
+        outside 1 to 2."""
         sets: list[str] = []
         args: list[Any] = []
         if system_prompt is not None:
@@ -396,6 +431,11 @@ class Store:
                 )
             sets.append("max_tokens = ?")
             args.append(max_tokens)
+        if repeat_penalty is not None:
+            if not (isinstance(repeat_penalty, (int, float)) and 1.0 <= repeat_penalty <= 2.0):
+                raise ValueError(f"repeat_penalty must be from 1 (off) to 2, not {repeat_penalty!r}")
+            sets.append("repeat_penalty = ?")
+            args.append(float(repeat_penalty))
 
         def update(db: sqlite3.Connection) -> None:
             # not "updated": a conversation keeps its place in the list when its settings change

@@ -1,0 +1,176 @@
+"""The chat window's answers with real workers on the two demo models (offscreen Qt): a base model's
+conversation starts with a length limit and the repetition guard (shown in Answer settings), the
+chat defaults are finite, "greedy" is said in words; Retry after a Stop and after a killed worker,
+Regenerate after an answer; a Stop keeps the count of the tokens shown.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from timeshare.app import strings
+from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
+from timeshare.core.sampling import new_conversation
+from timeshare.core.state import ModelState
+
+pytestmark = [pytest.mark.slow, pytest.mark.gui]
+
+SMOL = "smollm2-135m-instruct"
+GEMMA = "gemma3-270m"
+LONG = "Write a very long story about a dragon who learns to cook."
+
+
+@pytest.fixture(scope="module")
+def pool(smollm2_path: Path, gemma3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from timeshare.core.pool.supervisor import Pool
+
+    root = tmp_path_factory.mktemp("pool")
+    arena = root / "arena"
+    arena.mkdir(mode=0o700)
+    config = Config(
+        models=(
+            ModelConfig(id=SMOL, name="SmolLM2", path=str(smollm2_path), n_ctx=1024),
+            ModelConfig(id=GEMMA, name="Gemma", path=str(gemma3_path), n_ctx=1024),
+        ),
+        api=ApiConfig(enabled=False),
+        arena=ArenaConfig(vram_budget="one-model"),
+    )
+    p = Pool(config, arena_dir=arena, log_dir=root / "log", kv_dir=root / "kv")
+    p.start()
+    p.wait_ready(timeout=240)
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def app(qtbot: Any, pool: Any, tmp_path: Path) -> Iterator[Any]:
+    from timeshare.app.application import TimeshareApp
+    from timeshare.core.conversations.chat import ChatService
+    from timeshare.core.conversations.store import Store
+
+    store = Store(tmp_path / "conversations.sqlite3")
+    ta = TimeshareApp(
+        pool.config,
+        pool,
+        store,
+        ChatService(pool, store),
+        config_path=tmp_path / "config.toml",
+        tray_available=True,  # without a tray, closing the window would ask (a modal dialog)
+    )
+    ta.start(background=False)
+    qtbot.addWidget(ta.window)
+    yield ta
+    ta.window.detach()
+    ta.bridge.detach()
+    ta.window.hide()
+    if ta.tray is not None:
+        ta.tray.hide()
+    store.close()
+
+
+def _finished(qtbot: Any, window: Any, act: Any, timeout: int = 120_000) -> tuple[str, Any, str]:
+    with qtbot.waitSignal(window.answer_finished, timeout=timeout) as blocker:
+        act()
+    return tuple(blocker.args)  # type: ignore[return-value]
+
+
+def _type_and_send(qtbot: Any, window: Any, text: str) -> None:
+    qtbot.keyClicks(window.input, text)
+    qtbot.keyClick(window.input, "\r")
+
+
+def test_a_base_model_starts_with_a_limit_and_the_repetition_guard_shown(qtbot: Any, app: Any) -> None:
+    window = app.window
+    gemma = app.bridge.snapshot.model(GEMMA)
+    assert gemma is not None and strings.is_base_model(gemma)  # no chat template in its file
+    assert not strings.is_base_model(app.bridge.snapshot.model(SMOL))
+    base, chat = new_conversation(base_model=True), new_conversation()
+    assert chat.max_tokens is not None  # the chat window's default "longest answer" is finite
+
+    window.settings_button.click()  # Answer settings
+    window.new_conversation(GEMMA)
+    panel = window.settings_panel
+    assert panel.max_tokens_box.value() == base.max_tokens
+    assert panel.repeat_box.value() == pytest.approx(base.repeat_penalty) > 1.0
+    assert panel.repeat_box.text() != "off"
+    assert not panel.greedy_note.isHidden() and "most likely next word" in panel.greedy_note.text()
+    assert f"up to {base.max_tokens} tokens" in window.settings_summary.text()
+    assert "repetition guard" in window.settings_summary.text()
+
+    window.new_conversation(SMOL)
+    assert panel.max_tokens_box.value() == chat.max_tokens
+    assert panel.repeat_box.text() == "off"
+    # switching the conversation's model to the base model brings its defaults (none were changed)
+    index = window.model_box.findData(GEMMA)
+    window.model_box.setCurrentIndex(index)
+    window.model_box.activated.emit(index)
+    conv = app.store.get(window.current_conversation())
+    assert (conv.max_tokens, conv.repeat_penalty) == (base.max_tokens, base.repeat_penalty)
+    assert panel.repeat_box.value() == pytest.approx(base.repeat_penalty)
+
+
+def test_stop_keeps_the_token_count_and_retry_answers_again(qtbot: Any, app: Any) -> None:
+    from PySide6.QtCore import Qt
+
+    window = app.window
+    conv = window.new_conversation(SMOL)
+    assert not window.retry_button.isEnabled()  # nothing to answer yet
+    window.max_tokens = 600
+
+    def send_then_stop() -> None:
+        _type_and_send(qtbot, window, LONG)
+        stream = window._stream
+        assert stream is not None
+        qtbot.waitUntil(lambda: len(window._partial) > 40, timeout=90_000)
+        qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
+
+    _, stats, error = _finished(qtbot, window, send_then_stop)
+    assert error == "" and stats.finish_reason == "cancelled"
+    shown = app.store.messages(conv)[-1].content
+    assert stats.completion_tokens > 5 and shown  # the tokens shown, not "0 tokens"
+    assert "0 tokens" not in window.transcript.toPlainText()
+    # after a Stop: Retry answers the same message again, replacing the stopped answer
+    assert window.retry_button.isEnabled() and window.retry_button.text() == strings.RETRY
+    window.max_tokens = 24
+    _, stats2, error2 = _finished(qtbot, window, window.retry_button.click)
+    assert error2 == "" and stats2.finish_reason in ("stop", "length")
+    messages = app.store.messages(conv)
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert messages[-1].content and messages[-1].complete
+    # after a finished answer the same button regenerates it
+    assert window.retry_button.text() == strings.REGENERATE and window.retry_button.isEnabled()
+    _, stats3, _ = _finished(qtbot, window, window.retry_button.click)
+    assert stats3.finish_reason in ("stop", "length")
+    assert [m.role for m in app.store.messages(conv)] == ["user", "assistant"]
+
+
+def test_retry_after_the_worker_was_killed_mid_answer(qtbot: Any, app: Any) -> None:
+    window = app.window
+    conv = window.new_conversation(SMOL)
+    window.max_tokens = 600
+
+    def send_then_kill() -> None:
+        _type_and_send(qtbot, window, LONG)
+        qtbot.waitUntil(lambda: len(window._partial) > 20, timeout=90_000)
+        status = app.bridge.snapshot.model(SMOL)
+        assert status is not None and status.pid is not None
+        os.kill(status.pid, signal.SIGKILL)
+
+    _, stats, error = _finished(qtbot, window, send_then_kill)
+    assert error and stats is None  # the answer failed: it had streamed part of its text
+    assert window.retry_button.isEnabled() and window.retry_button.text() == strings.RETRY
+    assert "Retry" in window.statusBar().currentMessage()
+    qtbot.waitUntil(
+        lambda: app.bridge.snapshot.model(SMOL).state in (ModelState.RELEASED, ModelState.RESIDENT),
+        timeout=120_000,
+    )
+    window.max_tokens = 16
+    _, stats2, error2 = _finished(qtbot, window, window.retry_button.click)
+    assert error2 == "" and stats2.finish_reason in ("stop", "length")
+    last = app.store.messages(conv)[-1]
+    assert last.role == "assistant" and last.complete and last.content
