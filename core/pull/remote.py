@@ -8,6 +8,7 @@ reads a file's GGUF metadata with a bounded Range request (the "Get model…" di
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -30,6 +31,8 @@ from .sources import (
     group_choices,
     quant_label,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = envvars.HF_ENDPOINT.default
 
@@ -87,10 +90,29 @@ def hub_error(exc: Exception, repo_id: str, what: str) -> DownloadError:
         return DownloadError(f"{endpoint} answered HTTP {status} for {repo_id} ({what}); try again later")
     if isinstance(exc, OfflineModeIsEnabled):
         return DownloadError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it and try again")
-    return DownloadError(
-        f"cannot reach {endpoint} ({type(exc).__name__}: {exc}): check the network connection "
-        "(and HF_ENDPOINT) and try again"
-    )
+    return unreachable(exc, endpoint)
+
+
+#: what a failed connection's message says when the name could not be looked up (no network, or
+#: no DNS): glibc's and Python's words for it
+_NO_LOOKUP = ("Name or service not known", "Temporary failure in name resolution", "nodename nor servname")
+
+
+def unreachable(exc: BaseException, url: str) -> DownloadError:
+    """A connection that failed, in words: "no network" when the host's name could not be looked
+    up or the network is unreachable, else that the server did not answer; the exception itself
+    goes to the log, not to the sentence."""
+    host = urlsplit(url).netloc or url
+    log.info("cannot reach %s: %s: %s", url, type(exc).__name__, exc)
+    said = str(exc)
+    if any(words in said for words in _NO_LOOKUP) or "Network is unreachable" in said:
+        return DownloadError(
+            f"no network: {host} cannot be reached from this computer; check the internet connection "
+            "and try again"
+        )
+    if isinstance(exc, httpx.TimeoutException):
+        return DownloadError(f"{host} did not answer in time; check the internet connection and try again")
+    return DownloadError(f"could not connect to {host}; check the internet connection and try again later")
 
 
 def _list_hub(src: HubSource, token: str | None) -> Listing:
@@ -161,9 +183,7 @@ def url_status_error(status: int, url: str) -> DownloadError:
 
 
 def transport_error(exc: httpx.HTTPError, url: str) -> DownloadError:
-    return DownloadError(
-        f"cannot reach {url} ({type(exc).__name__}: {exc}): check the connection and try again"
-    )
+    return unreachable(exc, url)
 
 
 def url_file_name(url: str) -> str:

@@ -17,6 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import ChooseQuantisationError, RemoteNotFoundError
 from ..gguf.modelfile import SPLIT_RE
+from . import shortnames
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,9 @@ def parse_source(text: str, quant: str | None = None) -> Source:
         if lowered.startswith(prefix):
             text = text[len(prefix) :]
             break
+    if shortnames.is_short_name(text):  # llama3.2, qwen3:8b (Ollama's habit): from the table
+        short = shortnames.resolve(text)
+        return HubSource(short.repo_id, quant=quant or short.quant)
     return _hub_path_source(text, quant)
 
 
