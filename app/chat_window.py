@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QEvent, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QGuiApplication
+from PySide6.QtCore import QEvent, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QCloseEvent, QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QInputDialog,
@@ -41,7 +41,7 @@ from PySide6.QtWidgets import (
 
 from ..core.sampling import new_conversation
 from ..core.state import ModelState, PoolSnapshot
-from . import icons, strings
+from . import icons, rich_transcript, scheme, strings
 from .answer_stream import AnswerStream, StreamListener
 from .bridge import PoolBridge
 from .chat_widgets import AnswerSettingsPanel, InputBox, ModelPicker
@@ -52,9 +52,10 @@ from .transcript import (
     NO_CONVERSATION,
     answer_line,
     failure_line,
-    history_markdown,
+    history_blocks,
+    live_block,
+    live_rate,
     switched_defaults,
-    with_live_answer,
 )
 from .waits import WaitClock, chat_wait_kind, chat_wait_line
 
@@ -97,7 +98,11 @@ class ChatWindow(QMainWindow):
         self._stream_conversation: str | None = None
         self._partial = ""
         # (conversation id, its model id, Markdown of its stored messages): what render ticks reuse
-        self._history: tuple[str, str, str] | None = None
+        self._history: tuple[str, str, str] | None = None  # (conversation, model, its HTML)
+        self._history_copies: list[str] = []
+        #: what each copy:N link of the transcript shown copies
+        self.copies: list[str] = []
+        self._pieces = 0  # pieces of the answer streaming now (its live tokens/s)
         self._got_first_token = False
         #: when set, every answer gets at most this many tokens (the tests keep answers short)
         self.max_tokens: int | None = None
@@ -116,6 +121,7 @@ class ChatWindow(QMainWindow):
         self._wait_timer.setInterval(WAIT_TICK_MS)
         self._wait_timer.timeout.connect(self._update_model_state)
         bridge.snapshot_changed.connect(self._on_snapshot)
+        scheme.on_change(self.render_transcript)  # the code blocks' colours follow light and dark
         self._on_snapshot(bridge.snapshot)
         self.reload_conversations()
 
@@ -183,7 +189,8 @@ class ChatWindow(QMainWindow):
 
         self.transcript = QTextBrowser()
         self.transcript.setObjectName("transcript")
-        self.transcript.setOpenExternalLinks(True)
+        self.transcript.setOpenLinks(False)  # copy:N links copy; the others open in the browser
+        self.transcript.anchorClicked.connect(self._on_link)
         rv.addWidget(self.transcript, 1)
 
         # what the user waits for, in words beside the bar (an indeterminate bar shows no text)
@@ -433,6 +440,7 @@ class ChatWindow(QMainWindow):
         conv_id = self.current_conversation()
         if conv_id is None:
             self._history = None
+            self.copies = []
             self.transcript.setMarkdown(NO_CONVERSATION)
             return
         conv_model = self.store.get(conv_id).model_id
@@ -440,11 +448,13 @@ class ChatWindow(QMainWindow):
         live = conv_id == self._stream_conversation
         if live and messages and messages[-1].role == "assistant" and not messages[-1].complete:
             messages.pop()  # the periodically saved partial answer: the live text replaces it
-        self._history = (
-            conv_id,
-            conv_model,
-            history_markdown(messages, conv_model, self._who, gpu=strings.has_gpu(self.bridge.snapshot)),
-        )
+        blocks = history_blocks(messages, conv_model, self._who, gpu=strings.has_gpu(self.bridge.snapshot))
+        copies: list[str] = []
+        dark = scheme.is_dark()
+        # the history's HTML is made once per change (Pygments included); a live tick adds only its answer
+        shown = [rich_transcript.render_block(b, dark, copies) for b in blocks]
+        self._history = (conv_id, conv_model, "<hr/>".join(shown))
+        self._history_copies = copies
         self._show_transcript()
 
     def _render_live(self) -> None:
@@ -459,11 +469,31 @@ class ChatWindow(QMainWindow):
     def _show_transcript(self) -> None:
         assert self._history is not None
         conv_id, conv_model, text = self._history
+        self.copies = list(self._history_copies)
         if conv_id == self._stream_conversation:
-            text = with_live_answer(text, self._who(conv_model), self._partial)
-        self.transcript.setMarkdown(text)
+            live = live_block(self._who(conv_model), self._partial, self.live_rate())
+            answer = rich_transcript.render_block(live, scheme.is_dark(), self.copies)
+            text = f"{text}<hr/>{answer}" if text else answer
+        self.transcript.setHtml(text)
         bar = self.transcript.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+    def live_rate(self) -> str:
+        """ "42 tokens · 18.3 tokens/s" while an answer streams ("" before its first token)."""
+        stream = self._stream
+        if stream is None or stream.first_at is None:
+            return ""
+        return live_rate(self._pieces, time.monotonic() - stream.first_at)
+
+    def _on_link(self, url: QUrl) -> None:
+        """A copy:N link puts text N on the clipboard; any other link opens in the browser."""
+        if url.scheme() == "copy":
+            index = int(url.path()) if url.path().isdigit() else -1
+            if 0 <= index < len(self.copies):
+                QGuiApplication.clipboard().setText(self.copies[index])
+                self.statusBar().showMessage(strings.COPIED, 3000)
+            return
+        QDesktopServices.openUrl(url)
 
     def _who(self, model_id: str) -> str:
         status = self.bridge.snapshot.model(model_id)
@@ -550,6 +580,7 @@ class ChatWindow(QMainWindow):
             return chat.regenerate(conv_id, prewoken=prewoken, listener=listener, **sampling)
 
         self._partial = ""
+        self._pieces = 0
         self._got_first_token = False
         self._stream_conversation = conv_id
         stream = AnswerStream()
@@ -597,6 +628,7 @@ class ChatWindow(QMainWindow):
 
     def _on_piece(self, text: str) -> None:
         self._partial += text
+        self._pieces += 1
         if self._stream_conversation == self.current_conversation() and not self._render_timer.isActive():
             self._render_timer.start()
 
@@ -616,6 +648,7 @@ class ChatWindow(QMainWindow):
                 gpu = strings.has_gpu(self.bridge.snapshot)
                 self.statusBar().showMessage(answer_line(stats, gpu=gpu), 15000)
         self._partial = ""
+        self._pieces = 0
         self._got_first_token = False
         self._update_buttons()
         self._update_model_state()

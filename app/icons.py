@@ -36,7 +36,9 @@ def app_icon() -> QIcon:
     return icon
 
 
-def paint_state(state: TrayState, size: int) -> QPixmap:
+def paint_state(state: TrayState, size: int, holder: str = "") -> QPixmap:
+    """The tray icon of ``state``; while a model holds the GPU, the first letter of its name
+    (``holder``) on the chip, so the tray tells who has it at a glance."""
     pixmap = QPixmap(size, size)
     pixmap.fill(Qt.GlobalColor.transparent)
     colour = STATE_COLOURS[state]
@@ -53,7 +55,14 @@ def paint_state(state: TrayState, size: int) -> QPixmap:
         p.setBrush(colour)
         p.drawRoundedRect(body, s * 0.2, s * 0.2)
     white = QColor("#ffffff")
-    if state is TrayState.HOLDING:  # a chip: a filled square in the middle
+    if state is TrayState.HOLDING and holder:  # the holder's initial, white on the chip
+        font = p.font()
+        font.setBold(True)
+        font.setPixelSize(max(6, int(s * 0.62)))
+        p.setFont(font)
+        p.setPen(white)
+        p.drawText(body, Qt.AlignmentFlag.AlignCenter, holder[:1].upper())
+    elif state is TrayState.HOLDING:  # a chip: a filled square in the middle
         p.setBrush(white)
         p.drawRect(QRectF(s * 0.32, s * 0.32, s * 0.36, s * 0.36))
     elif state is TrayState.SWITCHING:  # two arrows: one model out, one in
@@ -74,13 +83,15 @@ def paint_state(state: TrayState, size: int) -> QPixmap:
     return pixmap
 
 
-_cache: dict[TrayState, QIcon] = {}
+_cache: dict[tuple[TrayState, str], QIcon] = {}
 
 
-def tray_icon(state: TrayState) -> QIcon:
-    if state not in _cache:
+def tray_icon(state: TrayState, holder: str = "") -> QIcon:
+    """``state``'s icon; ``holder``: the name of the model that holds the GPU (its initial shows)."""
+    key = (state, holder[:1].upper() if state is TrayState.HOLDING else "")
+    if key not in _cache:
         icon = QIcon()
         for size in (16, 22, 24, 32, 48, 64):
-            icon.addPixmap(paint_state(state, size))
-        _cache[state] = icon
-    return _cache[state]
+            icon.addPixmap(paint_state(state, size, key[1]))
+        _cache[key] = icon
+    return _cache[key]

@@ -118,6 +118,8 @@ def plain_reason(text: str) -> str:
     return text.strip().rstrip(";").strip()
 
 
+COPIED = "Copied to the clipboard"
+
 # ---- answering again (chat window) ---------------------------------------------------------------
 
 RETRY = "Retry"

@@ -7,6 +7,7 @@ shows what comes back; the tests check the text without a display.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..core import words
@@ -19,6 +20,14 @@ if TYPE_CHECKING:
 BLOCK_SEPARATOR = "\n\n---\n\n"
 #: the transcript when there is no conversation to show
 NO_CONVERSATION = "*No conversation yet: press **New** or start typing.*"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One message of the transcript: what is shown, and what its "Copy" link copies."""
+
+    markdown: str  # who wrote it, the text, the statistics line
+    text: str  # the message itself
 
 
 def _md_escape(text: str) -> str:
@@ -60,24 +69,47 @@ def answer_block(
     return block
 
 
-def history_markdown(
+def history_blocks(
     messages: Iterable[Message], model_id: str, display_name: Callable[[str], str], *, gpu: bool = True
-) -> str:
+) -> list[Block]:
     """The stored messages of a conversation (system messages left out). An answer is signed with
     the model that wrote it (from its stats), else with the conversation's ``model_id``;
     ``display_name`` turns a model id into what people see."""
-    blocks: list[str] = []
+    blocks: list[Block] = []
     for msg in messages:
         if msg.role == "system":
             continue
         if msg.role == "user":
-            blocks.append(f"**You**\n\n{msg.content}")
+            blocks.append(Block(f"**You**\n\n{msg.content}", msg.content))
             continue
         author = (msg.stats.model_id if msg.stats is not None else "") or model_id
-        blocks.append(
-            answer_block(display_name(author), msg.content, complete=msg.complete, stats=msg.stats, gpu=gpu)
+        shown = answer_block(
+            display_name(author), msg.content, complete=msg.complete, stats=msg.stats, gpu=gpu
         )
-    return BLOCK_SEPARATOR.join(blocks)
+        blocks.append(Block(shown, msg.content))
+    return blocks
+
+
+def history_markdown(
+    messages: Iterable[Message], model_id: str, display_name: Callable[[str], str], *, gpu: bool = True
+) -> str:
+    """:func:`history_blocks` as one Markdown text."""
+    blocks = history_blocks(messages, model_id, display_name, gpu=gpu)
+    return BLOCK_SEPARATOR.join(b.markdown for b in blocks)
+
+
+def live_block(who: str, partial: str, rate: str = "") -> Block:
+    """The answer streaming now, with its live rate ("42 tokens · 18.3 tokens/s") under it."""
+    shown = answer_block(who, partial)
+    return Block(shown + (f"\n\n*{rate}*" if rate else ""), partial)
+
+
+def live_rate(pieces: int, seconds: float) -> str:
+    """The live line under a streaming answer: "42 tokens · 18.3 tokens/s" (a streamed piece is a
+    token, but for the rare piece that completes several)."""
+    if pieces < 2 or seconds <= 0:
+        return f"{pieces} {'token' if pieces == 1 else 'tokens'}"
+    return f"{pieces} tokens · {(pieces - 1) / seconds:.1f} tokens/s"
 
 
 def with_live_answer(history: str, who: str, partial: str) -> str:

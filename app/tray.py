@@ -101,7 +101,9 @@ class Tray(QObject):
 
     def update_from(self, snapshot: PoolSnapshot) -> None:
         self.state = tray_state(snapshot)
-        self.icon.setIcon(icons.tray_icon(self.state))
+        holder = snapshot.model(snapshot.holder) if snapshot.holder else None
+        self.holder_initial = holder.display_name[:1].upper() if holder is not None else ""
+        self.icon.setIcon(icons.tray_icon(self.state, self.holder_initial))
         self.waited = self._clock.observe(snapshot, time.monotonic())
         self.icon.setToolTip(tooltip(snapshot, self.waited))
         if self.menu.isVisible():  # an open menu's wait seconds go on too (they stood still)

@@ -96,7 +96,8 @@ def test_a_base_model_starts_with_a_limit_and_the_repetition_guard_shown(qtbot: 
     window.new_conversation(GEMMA)
     panel = window.settings_panel
     assert panel.max_tokens_box.value() == base.max_tokens
-    assert panel.repeat_box.value() == pytest.approx(base.repeat_penalty) > 1.0
+    assert base.repeat_penalty > 1.0
+    assert panel.repeat_box.value() == pytest.approx(base.repeat_penalty)
     assert panel.repeat_box.text() != "off"
     assert not panel.greedy_note.isHidden() and "most likely next word" in panel.greedy_note.text()
     assert f"up to {base.max_tokens} tokens" in window.settings_summary.text()
@@ -127,6 +128,8 @@ def test_stop_keeps_the_token_count_and_retry_answers_again(qtbot: Any, app: Any
         stream = window._stream
         assert stream is not None
         qtbot.waitUntil(lambda: len(window._partial) > 40, timeout=90_000)
+        # live tokens/s under the answer while it streams
+        qtbot.waitUntil(lambda: "tokens/s" in window.transcript.toPlainText(), timeout=30_000)
         qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
 
     _, stats, error = _finished(qtbot, window, send_then_stop)
@@ -174,3 +177,50 @@ def test_retry_after_the_worker_was_killed_mid_answer(qtbot: Any, app: Any) -> N
     assert error2 == "" and stats2.finish_reason in ("stop", "length")
     last = app.store.messages(conv)[-1]
     assert last.role == "assistant" and last.complete and last.content
+
+
+CODE = 'def greet(name):\n    return f"hello {name}"'
+ANSWER = f"Here it is:\n\n```python\n{CODE}\n```\n\nCall it with a name."
+
+
+def test_code_is_highlighted_and_copy_links_fill_the_clipboard(
+    qtbot: Any, app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtCore import QUrl
+    from PySide6.QtGui import QGuiApplication
+
+    window = app.window
+    conv = window.new_conversation(SMOL)
+    app.store.add_message(conv, "user", "Write a greeting function.")
+    app.store.add_message(conv, "assistant", ANSWER)
+    monkeypatch.setenv("TIMESHARE_COLOR_SCHEME", "light")
+    window.render_transcript()
+    shown = window.transcript.toHtml()
+    # Pygments' colours (inline): "def" and the string are styled, and the code sits on its own background
+    assert "#f4f6f8" in shown and shown.count("color:#") >= 3
+    assert "Copy code" in window.transcript.toPlainText() and "Copy" in window.transcript.toPlainText()
+    assert set(window.copies) == {CODE, "Write a greeting function.", ANSWER}
+    code_link = window.copies.index(CODE)
+    window.transcript.anchorClicked.emit(QUrl(f"copy:{code_link}"))
+    assert QGuiApplication.clipboard().text() == CODE
+    window.transcript.anchorClicked.emit(QUrl(f"copy:{window.copies.index(ANSWER)}"))
+    assert QGuiApplication.clipboard().text() == ANSWER  # a whole message, as Markdown
+    # the dark scheme: the code gets dark colours
+    monkeypatch.setenv("TIMESHARE_COLOR_SCHEME", "dark")
+    window.render_transcript()
+    assert "#272822" in window.transcript.toHtml()
+
+
+def test_the_tray_icon_shows_who_holds_the_gpu(qtbot: Any, app: Any) -> None:
+    from timeshare.app import icons
+    from timeshare.app.menu_model import TrayState
+
+    smol = icons.paint_state(TrayState.HOLDING, 32, "S").toImage()
+    gemma = icons.paint_state(TrayState.HOLDING, 32, "G").toImage()
+    assert smol != gemma  # another holder, another icon
+    window = app.window
+    window.max_tokens = 4
+    window.new_conversation(GEMMA)
+    _finished(qtbot, window, lambda: _type_and_send(qtbot, window, "Paris is"))
+    qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=60_000)
+    assert app.tray.holder_initial == "G"  # Gemma

@@ -1,0 +1,90 @@
+"""The chat transcript as HTML for the QTextBrowser: each message's Markdown (Qt's own reader) with
+its code blocks highlighted by Pygments, a "Copy" link under each message and one over each code
+block, in the colours of the desktop's light or dark scheme.
+
+The links are ``copy:N`` anchors: the window keeps the texts (:attr:`Rendered.copies`) and puts
+text N on the clipboard when one is clicked.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass, field
+
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import TextLexer, get_lexer_by_name, guess_lexer
+from pygments.util import ClassNotFound
+from PySide6.QtGui import QTextDocument
+
+from .transcript import Block
+
+#: a fenced code block: ```lang ... ``` (the closing fence on its own line, or the end of the text
+#: while an answer still streams)
+FENCE = re.compile(r"^```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^```[ \t]*$|\Z)", re.MULTILINE | re.DOTALL)
+_BODY = re.compile(r"<body[^>]*>(.*)</body>", re.DOTALL)
+COPY = "Copy"
+COPY_CODE = "Copy code"
+
+
+@dataclass
+class Rendered:
+    html: str
+    copies: list[str] = field(default_factory=list)  # the text each copy:N link puts on the clipboard
+
+
+def code_html(code: str, lang: str, dark: bool) -> str:
+    """``code`` highlighted (inline styles: Qt's rich text has no style sheets for classes)."""
+    try:
+        lexer = get_lexer_by_name(lang) if lang else guess_lexer(code)
+    except ClassNotFound:
+        lexer = TextLexer()
+    formatter = HtmlFormatter(noclasses=True, nowrap=True, style="monokai" if dark else "friendly")
+    inner = highlight(code, lexer, formatter)
+    background = "#272822" if dark else "#f4f6f8"
+    return (
+        f'<table width="100%" cellpadding="6" style="background-color:{background}; margin:4px 0">'
+        f'<tr><td><pre style="margin:0">{inner}</pre></td></tr></table>'
+    )
+
+
+def markdown_html(text: str) -> str:
+    """Markdown as an HTML fragment, by Qt's own Markdown reader (what setMarkdown showed)."""
+    if not text.strip():
+        return ""
+    doc = QTextDocument()
+    doc.setMarkdown(text)
+    found = _BODY.search(doc.toHtml())
+    return found.group(1) if found else html.escape(text)
+
+
+def _link(index: int, words: str, dark: bool) -> str:
+    colour = "#8ab4f8" if dark else "#1a5fb4"
+    return f'<a href="copy:{index}" style="color:{colour}; text-decoration:none">{words}</a>'
+
+
+def render_block(block: Block, dark: bool, copies: list[str]) -> str:
+    """One message: its Markdown with highlighted code blocks, each with a copy link, then the
+    message's own copy link; appends the copied texts to ``copies``."""
+    parts: list[str] = []
+    at = 0
+    for match in FENCE.finditer(block.markdown):
+        parts.append(markdown_html(block.markdown[at : match.start()]))
+        code = match.group(2).rstrip("\n")
+        copies.append(code)
+        parts.append(f'<p align="right" style="margin:0">{_link(len(copies) - 1, COPY_CODE, dark)}</p>')
+        parts.append(code_html(code, match.group(1), dark))
+        at = match.end()
+    parts.append(markdown_html(block.markdown[at:]))
+    if block.text.strip():
+        copies.append(block.text)
+        parts.append(f'<p style="margin:0">{_link(len(copies) - 1, COPY, dark)}</p>')
+    return "".join(parts)
+
+
+def render(blocks: list[Block], dark: bool) -> Rendered:
+    """The whole transcript, messages separated by a rule."""
+    out = Rendered("")
+    out.html = "<hr/>".join(render_block(b, dark, out.copies) for b in blocks)
+    return out
