@@ -72,7 +72,8 @@ def test_locate_file_and_remove_for_a_model_whose_file_is_gone(
     qtbot.waitUntil(lambda: state("ghost") is ModelState.FAILED and state("other") is ModelState.FAILED)
     texts = _submenu_texts(app, "ghost")
     assert "Locate file…" in texts and "Remove" in texts and "Restart" in texts
-    assert any("ghost.gguf does not exist" in t for t in texts)  # the reason, naming the file
+    assert any("the model file does not exist" in t for t in texts)  # the reason (its path: Details)
+    assert not any("ghost.gguf" in t for t in texts)
 
     # Locate file…: the picker, then the model starts from the file chosen
     located = tmp_path / "found" / "smol.gguf"
@@ -130,7 +131,8 @@ def test_the_chat_window_shows_a_failed_model_its_reason_and_fixes_and_saves_not
     window.open_for_model("ghost")
     bar = window.problem_bar
     qtbot.waitUntil(lambda: not bar.isHidden())
-    assert "ghost cannot answer" in bar.label.text() and "ghost.gguf does not exist" in bar.label.text()
+    assert "ghost cannot answer" in bar.label.text() and "the model file does not exist" in bar.label.text()
+    assert "ghost.gguf" not in bar.label.text() and "ghost.gguf does not exist" in bar.details.text()
     assert "timeshare start" not in bar.label.text() and "POST" not in bar.label.text()
     for button in (bar.locate_button, bar.restart_button, bar.remove_button):
         assert not button.isHidden(), button.text()

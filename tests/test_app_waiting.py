@@ -76,7 +76,7 @@ def test_a_model_waiting_for_a_pinned_one_says_so_with_its_seconds(qtbot: Any, a
     # the window: the words beside the bar, then the seconds counting
     assert not window.wait_row.isHidden()
     assert window.wait_label.text().startswith(f"SmolLM2 is {SHOWN}")
-    assert window.model_box.currentText() == "SmolLM2 — waiting"
+    assert window.model_box.currentText() == "SmolLM2 — waiting for the GPU"
     qtbot.waitUntil(lambda: re.search(r", \d+ s$", window.wait_label.text()) is not None, timeout=WAIT_MS)
     # the tray: who holds the GPU, who waits for it and for how long
     tip = app.tray.icon.toolTip
@@ -113,7 +113,7 @@ def test_answer_settings_are_kept_per_conversation(qtbot: Any, app: Any) -> None
     first = window.new_conversation("smol")
     window.settings_button.click()
     assert not window.settings_panel.isHidden()
-    assert window.settings_summary.text() == "Answers: greedy · no length limit"
+    assert window.settings_summary.text() == "Answers: greedy · up to 1024 tokens"
     panel.system_prompt.setPlainText("Answer in French.")
     panel.temperature.setValue(0.7)
     panel.max_tokens_box.setValue(64)
@@ -123,7 +123,7 @@ def test_answer_settings_are_kept_per_conversation(qtbot: Any, app: Any) -> None
     assert window.settings_summary.text() == "Answers: temperature 0.7 · up to 64 tokens · system prompt"
     # another conversation has its own settings; coming back shows the first one's
     second = window.new_conversation("smol")
-    assert panel.system_prompt.toPlainText() == "" and panel.max_tokens_box.value() == 0
+    assert panel.system_prompt.toPlainText() == "" and panel.max_tokens_box.value() == 1024
     panel.system_prompt.setPlainText("Be brief.")
     window.reload_conversations(select=first)  # switching saves what was being typed
     assert app.store.get(second).system_prompt == "Be brief."
@@ -173,7 +173,7 @@ def test_settings_chosen_before_the_first_conversation_become_its_own(qtbot: Any
     window = app.window
     panel = window.settings_panel
     assert window.current_conversation() is None
-    assert (panel.temperature.value(), panel.max_tokens_box.value()) == (0.0, 0)  # the defaults (0: no limit)
+    assert (panel.temperature.value(), panel.max_tokens_box.value()) == (0.0, 1024)  # the defaults
     panel.system_prompt.setPlainText("Be brief.")
     panel.max_tokens_box.setValue(100)
     conv_id = window.new_conversation()

@@ -124,7 +124,9 @@ def test_an_empty_answer_says_why() -> None:
 
 def test_settings_summary() -> None:
     conv = Conversation("c1", "smol", "", 0.0, 0.0)
-    assert settings_summary(conv) == "greedy · no length limit"
+    assert settings_summary(conv) == "greedy · up to 1024 tokens"  # the chat window's default
+    conv = Conversation("c1", "smol", "", 0.0, 0.0, max_tokens=None, repeat_penalty=1.3)
+    assert settings_summary(conv) == "greedy · no length limit · repetition guard 1.3"
     conv = Conversation("c1", "smol", "", 0.0, 0.0, system_prompt="Be brief.", temperature=0.7, max_tokens=64)
     assert settings_summary(conv) == "temperature 0.7 · up to 64 tokens · system prompt"
 

@@ -1,0 +1,95 @@
+"""A screenshot of the chat window with a code answer, without a desktop: Qt's offscreen platform
+and the window's own grab (no Xvfb, no tray host). The real app with the demo models: SmolLM2 is
+asked for a Python function, its answer streams in, then the window is saved as
+docs/screenshots/chat-code.png (light) and chat-code-dark.png (TIMESHARE_COLOR_SCHEME=dark and a
+dark palette, as a dark desktop gives).
+
+Usage: .venv/bin/python scripts/screenshot_chat_code.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+WORK = tempfile.mkdtemp(prefix="timeshare-shot-")
+os.environ["TIMESHARE_HOME"] = WORK
+os.environ["TIMESHARE_VRAM_BUDGET"] = "one-model"
+
+from PySide6.QtCore import QEventLoop, QTimer  # noqa: E402
+from PySide6.QtGui import QColor, QPalette  # noqa: E402
+from PySide6.QtWidgets import QApplication  # noqa: E402
+from timeshare.app.application import TimeshareApp  # noqa: E402
+from timeshare.core.config import demo, schema  # noqa: E402
+from timeshare.core.conversations.chat import ChatService  # noqa: E402
+from timeshare.core.conversations.store import Store  # noqa: E402
+from timeshare.core.pool.supervisor import Pool  # noqa: E402
+
+QUESTION = "Write a Python function that returns the sum of a list of numbers, in a code block."
+
+
+def wait(ms: int) -> None:
+    loop = QEventLoop()
+    QTimer.singleShot(ms, loop.quit)
+    loop.exec()
+
+
+def dark_palette() -> QPalette:
+    p = QPalette()
+    for role, colour in (
+        (QPalette.ColorRole.Window, "#2b2b2b"),
+        (QPalette.ColorRole.WindowText, "#e6e6e6"),
+        (QPalette.ColorRole.Base, "#1e1e1e"),
+        (QPalette.ColorRole.Text, "#e6e6e6"),
+        (QPalette.ColorRole.Button, "#3a3a3a"),
+        (QPalette.ColorRole.ButtonText, "#e6e6e6"),
+    ):
+        p.setColor(role, QColor(colour))
+    return p
+
+
+def main() -> int:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    qapp = QApplication(sys.argv[:1])
+    models = demo.demo_model_configs()
+    if not models:
+        raise SystemExit("the demo models are not installed: run make run first")
+    config = schema.Config(models=models, api=schema.ApiConfig(enabled=False))
+    pool = Pool(config)
+    pool.start()
+    pool.wait_ready(timeout=240)
+    store = Store(Path(WORK) / "conversations.sqlite3")
+    app = TimeshareApp(config, pool, store, ChatService(pool, store), config_path=Path(WORK) / "c.toml")
+    app.start(background=False)
+    window = app.window
+    window.resize(980, 700)
+    smol = next(m.id for m in models if "smol" in m.id)
+    window.new_conversation(smol)
+    window.max_tokens = 160
+    done: list[bool] = []
+    window.answer_finished.connect(lambda *_: done.append(True))
+    window.input.setPlainText(QUESTION)
+    window.send()
+    while not done:
+        wait(200)
+    wait(500)
+    window.grab().save(str(out / "chat-code.png"))
+    os.environ["TIMESHARE_COLOR_SCHEME"] = "dark"
+    qapp.setPalette(dark_palette())
+    window.render_transcript()
+    wait(300)
+    window.grab().save(str(out / "chat-code-dark.png"))
+    window.detach()
+    app.bridge.detach()
+    store.close()
+    pool.stop()
+    print(f"wrote {out / 'chat-code.png'} and {out / 'chat-code-dark.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
