@@ -5,16 +5,17 @@ chooses itself (the transcript's code blocks and links); Qt's own widgets follow
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication, QPalette
 
+from ..core import envvars
+
 
 def is_dark() -> bool:
     """Whether the desktop is in a dark scheme: what it says, else the window colour's lightness."""
-    forced = os.environ.get("TIMESHARE_COLOR_SCHEME", "").lower()
+    forced = envvars.COLOR_SCHEME.text().lower()
     if forced in ("dark", "light"):
         return forced == "dark"
     app = QGuiApplication.instance()

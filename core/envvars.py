@@ -81,6 +81,13 @@ DEBUG = EnvVar(
     "product",
     "Debug-level logging in the worker processes",
 )
+COLOR_SCHEME = EnvVar(
+    "TIMESHARE_COLOR_SCHEME",
+    "dark or light",
+    "the desktop's scheme",
+    "escape hatch",
+    "The chat window's own colours (code blocks, links) in this scheme, for a desktop that does not say",
+)
 HF_ENDPOINT = EnvVar(
     "HF_ENDPOINT",
     "URL",
@@ -178,6 +185,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     VRAM_ARENA,
     API_KEY,
     DEBUG,
+    COLOR_SCHEME,
     HF_ENDPOINT,
     HF_HUB_CACHE,
     HF_HOME,
