@@ -31,7 +31,7 @@ from ..core.instance import InstanceLock
 from ..core.state import USER_SLEEP_LEVEL
 from ..core.util.atomic import atomic_write_text
 from ..core.util.logsetup import setup_logging
-from . import autostart, icons, strings
+from . import autostart, icons, restart_plan, strings
 from .bridge import PoolBridge
 from .chat_window import ChatWindow
 from .menu_model import Action, Command
@@ -128,6 +128,8 @@ class TimeshareApp(QObject):
         self.api: ApiServerLike | None = None
         self._tray_wait_left = TRAY_WAIT_S
         self._shut_down = False
+        #: what the last save of the settings said (which models restart and why)
+        self.last_saved_message = ""
         self._quitting = False
 
     # ---- start -------------------------------------------------------------------------------
@@ -296,6 +298,9 @@ class TimeshareApp(QObject):
             dialog.adopt_saved_elsewhere(old, new)  # or saving the open draft drops these models
         if new.models != old.models or new.arena != old.arena:
             self.bridge.run_command("apply the new settings", lambda: self.pool.apply_config(new))
+        if new != old:  # which models restart, and why (or that nothing does)
+            self.last_saved_message = restart_plan.saved_message(old, new)
+            self.notify(strings.SETTINGS_SAVED, self.last_saved_message)
         if new.general.start_at_login != autostart.is_enabled():
             self._write_autostart(new.general.start_at_login)
         if new.api != old.api:

@@ -119,6 +119,7 @@ def plain_reason(text: str) -> str:
 
 
 COPIED = "Copied to the clipboard"
+SETTINGS_SAVED = "Settings saved"
 
 # ---- answering again (chat window) ---------------------------------------------------------------
 
