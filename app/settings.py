@@ -8,13 +8,11 @@ messages; an invalid draft is never written and nothing typed is lost.
 from __future__ import annotations
 
 import copy
-import logging
-from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from PySide6.QtCore import Qt, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
@@ -24,11 +22,9 @@ from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
-    QGroupBox,
     QHBoxLayout,
     QHeaderView,
     QLabel,
-    QLayout,
     QLineEdit,
     QMessageBox,
     QPushButton,
@@ -43,7 +39,7 @@ from PySide6.QtWidgets import (
 from ..core import paths
 from ..core.config import files as config_files
 from ..core.config import validate as config_validate
-from ..core.config.meta import FieldMeta, describe
+from ..core.config.meta import describe
 from ..core.config.schema import ApiConfig, ArenaConfig, Config, GeneralConfig, ModelConfig
 from ..core.errors import ConfigError, ModelFileError
 from ..core.gguf import catalog
@@ -57,338 +53,28 @@ from .qt_compat import emit
 if TYPE_CHECKING:
     from .get_model import GetModelDialog
 
-log = logging.getLogger(__name__)
-
-#: the idle spin boxes show minutes (``idle_sleep_s`` holds seconds)
-IDLE_UNIT = "min"
-
-#: TOML-shaped data, as ``config_files.config_to_dict`` makes it (its values are whatever TOML holds)
-Table = dict[str, Any]
-
-
-def _meta(cls: type, name: str) -> FieldMeta:
-    """What the config layer says about field ``name`` of ``cls`` (label, unit, range, help)."""
-    return describe(cls, name).meta
-
-
-def _initial(table: Table, cls: type, name: str) -> Any:
-    """The draft's value of ``name``, or the field's default (``config/schema.py``)."""
-    return table.get(name, describe(cls, name).default)
-
-
-def _label(cls: type, name: str) -> str:
-    return f"{_meta(cls, name).label}:"
-
-
-def _spin(box: QSpinBox | QDoubleSpinBox, cls: type, name: str, value: object) -> None:
-    """``box`` set up from the field's metadata: range, unit, special value, tooltip; then ``value``."""
-    meta = _meta(cls, name)
-    low = meta.minimum if meta.minimum is not None else 0
-    high = meta.top if meta.top is not None else low
-    if isinstance(box, QSpinBox):
-        box.setRange(int(low), int(high))
-        box.setValue(int(value))  # type: ignore[call-overload]
-    else:
-        box.setRange(float(low), float(high))
-        box.setValue(float(value))  # type: ignore[arg-type]
-    if meta.unit:
-        box.setSuffix(f" {meta.unit}")
-    if meta.special:
-        box.setSpecialValueText(meta.special)
-    if meta.help:
-        box.setToolTip(meta.help)
-
-
-def _text(edit: QLineEdit, cls: type, name: str) -> None:
-    """A text field's placeholder (what empty means) and tooltip from the field's metadata."""
-    meta = _meta(cls, name)
-    if meta.special:
-        edit.setPlaceholderText(meta.special)
-    if meta.help:
-        edit.setToolTip(meta.help)
-
-
-def _resolved(path: str) -> str:
-    return str(Path(path).expanduser().resolve())
-
-
-def problems_text(problems: Iterable[str]) -> str:
-    """Problems (e.g. a ConfigError's) as a bulleted list, one a line."""
-    return "\n".join(f"• {p}" for p in problems)
-
-
-def _error_label() -> QLabel:
-    label = QLabel()
-    label.setObjectName("problems")
-    label.setWordWrap(True)
-    label.setStyleSheet("color: #c0392b")
-    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    label.hide()
-    return label
-
-
-def _clear_on_edit(problems: QLabel, *fields: QWidget) -> None:
-    """Hide ``problems`` as soon as one of ``fields`` is edited: they said what was wrong before."""
-
-    def clear() -> None:
-        problems.clear()
-        problems.hide()
-
-    for w in fields:
-        if isinstance(w, QLineEdit):
-            w.textEdited.connect(lambda _t: clear())
-        elif isinstance(w, (QSpinBox, QDoubleSpinBox)):
-            w.valueChanged.connect(lambda _v: clear())
-        elif isinstance(w, QCheckBox):
-            w.toggled.connect(lambda _c: clear())
-        elif isinstance(w, QComboBox):
-            w.currentIndexChanged.connect(lambda _i: clear())
-            if w.isEditable():
-                w.editTextChanged.connect(lambda _t: clear())
-
-
-def _lay_out(
-    dialog: QDialog,
-    parts: Sequence[QWidget | QLayout],
-    ok: QDialogButtonBox.StandardButton,
-    on_ok: Callable[[], object],
-) -> None:
-    """``parts`` from top to bottom, then ``ok`` and Cancel (Cancel rejects the dialog)."""
-    buttons = QDialogButtonBox(ok | QDialogButtonBox.StandardButton.Cancel)
-    buttons.accepted.connect(on_ok)
-    buttons.rejected.connect(dialog.reject)
-    layout = QVBoxLayout(dialog)
-    for part in parts:
-        if isinstance(part, QLayout):
-            layout.addLayout(part)
-        else:
-            layout.addWidget(part)
-    layout.addWidget(buttons)
-
-
-def _idle_minutes(idle_sleep_s: object) -> float:
-    """The spin box value for a config ``idle_sleep_s`` (False/None: never, shown as 0)."""
-    if idle_sleep_s is False or not isinstance(idle_sleep_s, (int, float, str)):
-        return 0.0
-    return float(idle_sleep_s) / 60.0
-
-
-def _idle_seconds(minutes: float) -> float | bool:
-    """The config ``idle_sleep_s`` for a spin box value (0 means never: False)."""
-    return False if minutes == 0 else round(minutes * 60.0, 1)
-
-
-def _idle_box(minutes: float) -> QDoubleSpinBox:
-    """``idle_sleep_s`` in minutes (the config holds seconds)."""
-    meta = _meta(ModelConfig, "idle_sleep_s")
-    box = QDoubleSpinBox()
-    box.setRange((meta.minimum or 0) / 60.0, (meta.top or 0) / 60.0)
-    box.setDecimals(1)
-    box.setSuffix(f" {IDLE_UNIT}")
-    box.setSpecialValueText(meta.special)
-    box.setValue(minutes)
-    return box
-
-
-def _note(text: str) -> QLabel:
-    """A grey explanatory line under a group's fields."""
-    label = QLabel(text)
-    label.setWordWrap(True)
-    label.setStyleSheet("color: gray")
-    return label
-
-
-def _form() -> QFormLayout:
-    """A group's form whose number fields keep their own width (text fields still fill the row)."""
-    form = QFormLayout()
-    form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
-    return form
-
-
-def _boxes(groups: Sequence[tuple[str, QLayout]]) -> QWidget:
-    """A settings tab: titled group boxes stacked from the top, the space left below them."""
-    tab = QWidget()
-    column = QVBoxLayout(tab)
-    for title, layout in groups:
-        box = QGroupBox(title)
-        box.setLayout(layout)
-        column.addWidget(box)
-    column.addStretch(1)
-    return tab
-
-
-def _path_row(path: Path) -> QWidget:
-    """A folder or file the app uses, selectable, with a button that opens its folder."""
-    row = QWidget()
-    layout = QHBoxLayout(row)
-    layout.setContentsMargins(0, 0, 0, 0)
-    shown = QLabel(str(path))
-    shown.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    folder = path if path.is_dir() else path.parent
-    button = QPushButton("Open folder")
-    button.clicked.connect(lambda: QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder))))
-    layout.addWidget(shown, 1)
-    layout.addWidget(button)
-    return row
-
-
-class ModelDialog(QDialog):
-    """Add or edit one model. OK validates the model through the config layer."""
-
-    def __init__(
-        self,
-        model: Table,
-        taken_ids: set[str],
-        config_path: Path | None,
-        parent: QWidget | None = None,
-    ) -> None:
-        super().__init__(parent)
-        self.setWindowTitle("Model")
-        self._original = dict(model)
-        self._taken = taken_ids
-        self._config_path = config_path
-        form = QFormLayout()
-        self.id_edit = QLineEdit(str(model.get("id", "")))
-        self.name_edit = QLineEdit(str(_initial(model, ModelConfig, "name")))
-        self.path_edit = QLineEdit(str(model.get("path", "")))
-        browse = QPushButton("Browse…")
-        browse.clicked.connect(self._browse)
-        path_row = QHBoxLayout()
-        path_row.addWidget(self.path_edit, 1)
-        path_row.addWidget(browse)
-        self.n_ctx = QSpinBox()
-        _spin(self.n_ctx, ModelConfig, "n_ctx", _initial(model, ModelConfig, "n_ctx"))
-        self.n_seq = QSpinBox()
-        _spin(self.n_seq, ModelConfig, "n_seq", _initial(model, ModelConfig, "n_seq"))
-        self.parallel = QSpinBox()
-        _spin(self.parallel, ModelConfig, "parallel", _initial(model, ModelConfig, "parallel"))
-        self.chat_format = QComboBox()
-        self.chat_format.addItems(_meta(ModelConfig, "chat_format").choices)
-        self.chat_format.setCurrentText(str(_initial(model, ModelConfig, "chat_format")))
-        self.pinned = QCheckBox(_meta(ModelConfig, "pinned").help)
-        self.pinned.setChecked(bool(_initial(model, ModelConfig, "pinned")))
-        self.idle = _idle_box(_idle_minutes(_initial(model, ModelConfig, "idle_sleep_s")))
-        self.licence = QLabel(str(_initial(model, ModelConfig, "licence")) or "–")
-        self.licence.setObjectName("licence")
-        form.addRow(_label(ModelConfig, "id"), self.id_edit)
-        form.addRow(_label(ModelConfig, "name"), self.name_edit)
-        form.addRow(_label(ModelConfig, "path"), path_row)
-        form.addRow(_label(ModelConfig, "n_ctx"), self.n_ctx)
-        form.addRow(_label(ModelConfig, "n_seq"), self.n_seq)
-        form.addRow(_label(ModelConfig, "parallel"), self.parallel)
-        form.addRow(_label(ModelConfig, "chat_format"), self.chat_format)
-        form.addRow(_label(ModelConfig, "pinned"), self.pinned)
-        form.addRow(_label(ModelConfig, "idle_sleep_s"), self.idle)
-        form.addRow(_label(ModelConfig, "licence"), self.licence)
-        self.problems = _error_label()
-        _lay_out(self, [form, self.problems], QDialogButtonBox.StandardButton.Ok, self.accept)
-        _clear_on_edit(
-            self.problems,
-            self.id_edit,
-            self.name_edit,
-            self.path_edit,
-            self.n_ctx,
-            self.n_seq,
-            self.parallel,
-            self.chat_format,
-            self.pinned,
-            self.idle,
-        )
-
-    def _browse(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(
-            self, "GGUF model", self.path_edit.text(), "GGUF models (*.gguf)"
-        )
-        if path:
-            self.path_edit.setText(path)
-            self.problems.hide()
-
-    def value(self) -> Table:
-        model = dict(self._original)
-        model.update(
-            id=self.id_edit.text().strip(),
-            path=self.path_edit.text().strip(),
-            n_ctx=self.n_ctx.value(),
-            n_seq=self.n_seq.value(),
-            chat_format=self.chat_format.currentText(),
-            pinned=self.pinned.isChecked(),
-            idle_sleep_s=_idle_seconds(self.idle.value()),
-        )
-        if self.parallel.value():
-            model["parallel"] = self.parallel.value()
-        else:
-            model.pop("parallel", None)  # auto
-        name = self.name_edit.text().strip()
-        if name:
-            model["name"] = name
-        else:
-            model.pop("name", None)
-        return model
-
-    def accept(self) -> None:
-        model = self.value()
-        problems: list[str] = []
-        if model["id"] in self._taken:
-            problems.append(f"id: {model['id']!r} is already used by another model: choose another id")
-        try:
-            config_validate.validate({"models": [model]}, path=self._config_path, check_paths=True)
-        except ConfigError as e:
-            problems += [p.replace("models[0].", "", 1) for p in e.problems]
-        if problems:
-            self.problems.setText(problems_text(problems))
-            self.problems.show()
-            return
-        super().accept()
-
-
-class CatalogDialog(QDialog):
-    """Pick GGUF models found on this machine (demo packages, LM Studio, HF cache, llama.cpp, Ollama)."""
-
-    def __init__(
-        self,
-        entries: list[catalog.CatalogEntry],
-        parent: QWidget | None = None,
-        added: Iterable[str] = (),
-    ) -> None:
-        """``added``: the resolved paths of the models already configured (shown, not selectable)."""
-        super().__init__(parent)
-        self.setWindowTitle("Add model from the catalog")
-        self.resize(820, 380)
-        self.entries = entries
-        known = set(added)
-        self.already_added = {i for i, e in enumerate(entries) if _resolved(e.path) in known}
-        self.table = QTableWidget(len(entries), 6)
-        self.table.setObjectName("catalog")
-        self.table.setHorizontalHeaderLabels(["Name", "Size", "Quant.", "Source", "Licence", "File"])
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        for row, e in enumerate(entries):
-            name = e.name + (f" ({e.parameters})" if e.parameters else "")
-            if not e.has_chat_template:
-                name += " — no chat template"
-            if row in self.already_added:
-                name += " — already added"
-            for col, text in enumerate(
-                [name, human_bytes(e.size), e.quantisation, e.source, e.licence or "–", e.path]
-            ):
-                item = QTableWidgetItem(text)
-                if row in self.already_added:  # shown so people find it, greyed out: not picked again
-                    item.setFlags(item.flags() & ~(Qt.ItemFlag.ItemIsSelectable | Qt.ItemFlag.ItemIsEnabled))
-                    item.setToolTip("This model is already in Timeshare's list")
-                self.table.setItem(row, col, item)
-        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        self.table.cellDoubleClicked.connect(lambda *_: self.accept())
-        empty = QLabel(
-            "No GGUF models were found. Use “Add file…” to pick one, or download one with LM Studio, "
-            "Ollama or huggingface-cli."
-        )
-        empty.setWordWrap(True)
-        empty.setVisible(not entries)
-        _lay_out(self, [self.table, empty], QDialogButtonBox.StandardButton.Ok, self.accept)
-
-    def selected(self) -> list[catalog.CatalogEntry]:
-        rows = sorted({i.row() for i in self.table.selectedIndexes()} - self.already_added)
-        return [self.entries[r] for r in rows]
+from .settings_catalog import CatalogDialog
+from .settings_form import (
+    Table,
+    clear_on_edit,
+    error_label,
+    field_label,
+    field_meta,
+    folder_row,
+    group_boxes,
+    idle_box,
+    idle_minutes,
+    idle_seconds,
+    initial,
+    lay_out,
+    new_form,
+    note_label,
+    problems_text,
+    resolved,
+    spin,
+    text_field,
+)
+from .settings_model import ModelDialog
 
 
 class SettingsDialog(QDialog):
@@ -413,9 +99,9 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(self._arena_tab(), "Arena")
         self.tabs.addTab(self._api_tab(), "API")
         self.tabs.addTab(self._general_tab(), "General")
-        self.problems = _error_label()
-        _lay_out(self, [self.tabs, self.problems], QDialogButtonBox.StandardButton.Save, self.save)
-        _clear_on_edit(
+        self.problems = error_label()
+        lay_out(self, [self.tabs, self.problems], QDialogButtonBox.StandardButton.Save, self.save)
+        clear_on_edit(
             self.problems,
             self.quantum,
             self.wait_timeout,
@@ -555,7 +241,7 @@ class SettingsDialog(QDialog):
         added = []
         problems = []
         for entry in entries:
-            if _resolved(entry.path) in self._known_paths():
+            if resolved(entry.path) in self._known_paths():
                 problems.append(f"{entry.name} is already in the list ({entry.path})")
                 continue
             model = config_files.config_to_dict(Config(models=(entry.to_model_config(self._taken_ids()),)))[
@@ -568,7 +254,7 @@ class SettingsDialog(QDialog):
 
     def _known_paths(self) -> set[str]:
         """The resolved files of the models in the list."""
-        return {_resolved(m["path"]) for m in self.draft["models"] if m.get("path")}
+        return {resolved(m["path"]) for m in self.draft["models"] if m.get("path")}
 
     def get_model(self, source: str = "") -> GetModelDialog:
         """Download a model ("Get model…"); once checked it joins the draft as a catalog pick
@@ -645,27 +331,25 @@ class SettingsDialog(QDialog):
         self.arena_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         arena = self.draft["arena"]
         self.quantum = QDoubleSpinBox()
-        _spin(self.quantum, ArenaConfig, "min_quantum_ms", _initial(arena, ArenaConfig, "min_quantum_ms"))
+        spin(self.quantum, ArenaConfig, "min_quantum_ms", initial(arena, ArenaConfig, "min_quantum_ms"))
         self.wait_timeout = QDoubleSpinBox()
-        _spin(
-            self.wait_timeout, ArenaConfig, "wait_timeout_s", _initial(arena, ArenaConfig, "wait_timeout_s")
-        )
+        spin(self.wait_timeout, ArenaConfig, "wait_timeout_s", initial(arena, ArenaConfig, "wait_timeout_s"))
         self.arena_dir = QLineEdit(str(arena.get("dir") or ""))
-        self.arena_dir.setPlaceholderText(_meta(ArenaConfig, "dir").special)
-        budget = _meta(ArenaConfig, "vram_budget")
+        self.arena_dir.setPlaceholderText(field_meta(ArenaConfig, "dir").special)
+        budget = field_meta(ArenaConfig, "vram_budget")
         self.vram_budget = QComboBox()
         self.vram_budget.setEditable(True)  # or a size ("20GB", "12000MiB") or a share ("80%")
         self.vram_budget.addItems(budget.choices)
-        self.vram_budget.setCurrentText(str(_initial(arena, ArenaConfig, "vram_budget")))
+        self.vram_budget.setCurrentText(str(initial(arena, ArenaConfig, "vram_budget")))
         self.vram_budget.setToolTip(budget.help)
         self.hung_holder = QDoubleSpinBox()
-        _spin(self.hung_holder, ArenaConfig, "hung_holder_s", _initial(arena, ArenaConfig, "hung_holder_s"))
+        spin(self.hung_holder, ArenaConfig, "hung_holder_s", initial(arena, ArenaConfig, "hung_holder_s"))
         form = QFormLayout()
-        form.addRow(_label(ArenaConfig, "min_quantum_ms"), self.quantum)
-        form.addRow(_label(ArenaConfig, "wait_timeout_s"), self.wait_timeout)
-        form.addRow(_label(ArenaConfig, "vram_budget"), self.vram_budget)
-        form.addRow(_label(ArenaConfig, "hung_holder_s"), self.hung_holder)
-        form.addRow(_label(ArenaConfig, "dir"), self.arena_dir)
+        form.addRow(field_label(ArenaConfig, "min_quantum_ms"), self.quantum)
+        form.addRow(field_label(ArenaConfig, "wait_timeout_s"), self.wait_timeout)
+        form.addRow(field_label(ArenaConfig, "vram_budget"), self.vram_budget)
+        form.addRow(field_label(ArenaConfig, "hung_holder_s"), self.hung_holder)
+        form.addRow(field_label(ArenaConfig, "dir"), self.arena_dir)
         layout = QVBoxLayout(tab)
         layout.addWidget(self.holder_label)
         layout.addWidget(self.arena_table)
@@ -698,12 +382,12 @@ class SettingsDialog(QDialog):
 
     def _api_tab(self) -> QWidget:
         api = self.draft["api"]
-        self.api_enabled = QCheckBox(_meta(ApiConfig, "enabled").label)
-        self.api_enabled.setChecked(bool(_initial(api, ApiConfig, "enabled")))
-        self.api_host = QLineEdit(str(_initial(api, ApiConfig, "host")))
-        _text(self.api_host, ApiConfig, "host")
+        self.api_enabled = QCheckBox(field_meta(ApiConfig, "enabled").label)
+        self.api_enabled.setChecked(bool(initial(api, ApiConfig, "enabled")))
+        self.api_host = QLineEdit(str(initial(api, ApiConfig, "host")))
+        text_field(self.api_host, ApiConfig, "host")
         self.api_port = QSpinBox()
-        _spin(self.api_port, ApiConfig, "port", _initial(api, ApiConfig, "port"))
+        spin(self.api_port, ApiConfig, "port", initial(api, ApiConfig, "port"))
         self.api_url = QLabel()
         self.api_url.setObjectName("api_url")
         self.api_url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -711,47 +395,47 @@ class SettingsDialog(QDialog):
         self.api_port.setMinimumWidth(90)
         address = QHBoxLayout()
         address.addWidget(self.api_host)
-        address.addWidget(QLabel(_label(ApiConfig, "port")))
+        address.addWidget(QLabel(field_label(ApiConfig, "port")))
         address.addWidget(self.api_port)
         address.addStretch(1)
         server = QFormLayout()
         server.addRow(self.api_enabled)
-        server.addRow(_label(ApiConfig, "host"), address)
+        server.addRow(field_label(ApiConfig, "host"), address)
         server.addRow("Clients connect to:", self.api_url)
 
         self.api_key = QLineEdit(str(api.get("key") or ""))
-        self.api_key.setPlaceholderText(_meta(ApiConfig, "key").special)
+        self.api_key.setPlaceholderText(field_meta(ApiConfig, "key").special)
         self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.api_allowed_hosts = QLineEdit(
-            ", ".join(str(h) for h in _initial(api, ApiConfig, "allowed_hosts"))
+            ", ".join(str(h) for h in initial(api, ApiConfig, "allowed_hosts"))
         )
-        _text(self.api_allowed_hosts, ApiConfig, "allowed_hosts")
+        text_field(self.api_allowed_hosts, ApiConfig, "allowed_hosts")
         self.api_allowed_origins = QLineEdit(
-            ", ".join(str(o) for o in _initial(api, ApiConfig, "allowed_origins"))
+            ", ".join(str(o) for o in initial(api, ApiConfig, "allowed_origins"))
         )
-        _text(self.api_allowed_origins, ApiConfig, "allowed_origins")
+        text_field(self.api_allowed_origins, ApiConfig, "allowed_origins")
         access = QFormLayout()
-        access.addRow(_label(ApiConfig, "key"), self.api_key)
-        access.addRow(_label(ApiConfig, "allowed_hosts"), self.api_allowed_hosts)
-        access.addRow(_label(ApiConfig, "allowed_origins"), self.api_allowed_origins)
+        access.addRow(field_label(ApiConfig, "key"), self.api_key)
+        access.addRow(field_label(ApiConfig, "allowed_hosts"), self.api_allowed_hosts)
+        access.addRow(field_label(ApiConfig, "allowed_origins"), self.api_allowed_origins)
         access.addRow(
-            _note("Clients send the key as a bearer token (OpenAI, Ollama) or as x-api-key (Anthropic).")
+            note_label("Clients send the key as a bearer token (OpenAI, Ollama) or as x-api-key (Anthropic).")
         )
 
         self.api_ollama = QLineEdit(str(api.get("ollama_listen") or ""))
-        _text(self.api_ollama, ApiConfig, "ollama_listen")
+        text_field(self.api_ollama, ApiConfig, "ollama_listen")
         self.api_queue_limit = QSpinBox()
-        _spin(self.api_queue_limit, ApiConfig, "queue_limit", _initial(api, ApiConfig, "queue_limit"))
+        spin(self.api_queue_limit, ApiConfig, "queue_limit", initial(api, ApiConfig, "queue_limit"))
         self.api_queue_limit.setMinimumWidth(200)
-        clients = _form()
-        clients.addRow(_label(ApiConfig, "ollama_listen"), self.api_ollama)
-        clients.addRow(_label(ApiConfig, "queue_limit"), self.api_queue_limit)
+        clients = new_form()
+        clients.addRow(field_label(ApiConfig, "ollama_listen"), self.api_ollama)
+        clients.addRow(field_label(ApiConfig, "queue_limit"), self.api_queue_limit)
 
         self.api_enabled.toggled.connect(self._show_api_url)
         self.api_host.textChanged.connect(self._show_api_url)
         self.api_port.valueChanged.connect(self._show_api_url)
         self._show_api_url()
-        return _boxes(
+        return group_boxes(
             [
                 ("Server", server),
                 ("Access", access),
@@ -772,23 +456,25 @@ class SettingsDialog(QDialog):
 
     def _general_tab(self) -> QWidget:
         general = self.draft["general"]
-        self.start_at_login = QCheckBox(_meta(GeneralConfig, "start_at_login").label)
-        self.start_at_login.setChecked(bool(_initial(general, GeneralConfig, "start_at_login")))
+        self.start_at_login = QCheckBox(field_meta(GeneralConfig, "start_at_login").label)
+        self.start_at_login.setChecked(bool(initial(general, GeneralConfig, "start_at_login")))
         startup = QFormLayout()
         startup.addRow(self.start_at_login)
 
-        self.prewake = QCheckBox(_meta(GeneralConfig, "prewake_on_typing").label)
-        self.prewake.setChecked(bool(_initial(general, GeneralConfig, "prewake_on_typing")))
+        self.prewake = QCheckBox(field_meta(GeneralConfig, "prewake_on_typing").label)
+        self.prewake.setChecked(bool(initial(general, GeneralConfig, "prewake_on_typing")))
         chat = QFormLayout()
         chat.addRow(self.prewake)
 
-        first = _initial(self.draft["models"][0] if self.draft["models"] else {}, ModelConfig, "idle_sleep_s")
-        self._idle_initial = _idle_minutes(first)
-        self.idle_all = _idle_box(self._idle_initial)
+        first = initial(self.draft["models"][0] if self.draft["models"] else {}, ModelConfig, "idle_sleep_s")
+        self._idle_initial = idle_minutes(first)
+        self.idle_all = idle_box(self._idle_initial)
         self.idle_all.setMinimumWidth(120)
-        idle = _form()
+        idle = new_form()
         idle.addRow("Release models idle for:", self.idle_all)
-        idle.addRow(_note("For every model (each model's own setting is on the Models tab, under Edit…)."))
+        idle.addRow(
+            note_label("For every model (each model's own setting is on the Models tab, under Edit…).")
+        )
 
         files = QFormLayout()
         for label, path in (
@@ -796,8 +482,8 @@ class SettingsDialog(QDialog):
             ("Logs:", paths.log_dir()),
             ("Chats and saved context:", paths.data_dir()),
         ):
-            files.addRow(label, _path_row(Path(path)))
-        return _boxes(
+            files.addRow(label, folder_row(Path(path)))
+        return group_boxes(
             [
                 ("Startup", startup),
                 ("Chat window", chat),
@@ -845,7 +531,7 @@ class SettingsDialog(QDialog):
         draft["general"]["start_at_login"] = self.start_at_login.isChecked()
         draft["general"]["prewake_on_typing"] = self.prewake.isChecked()
         if self.idle_all.value() != self._idle_initial:
-            idle = _idle_seconds(self.idle_all.value())
+            idle = idle_seconds(self.idle_all.value())
             for m in draft["models"]:
                 m["idle_sleep_s"] = idle
         return draft

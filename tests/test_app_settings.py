@@ -101,7 +101,7 @@ def test_the_settings_fields_come_from_the_config_metadata(
     """Initial values, ranges, units and labels are the config layer's (core/config/schema.py): a
     draft that leaves a key out shows the field's default, not a number of the dialog's own."""
     from PySide6.QtWidgets import QLabel
-    from timeshare.app.settings import ModelDialog
+    from timeshare.app.settings_model import ModelDialog
     from timeshare.core.config.meta import describe
     from timeshare.core.config.schema import ArenaConfig
 
@@ -229,7 +229,7 @@ def test_add_from_catalog_shows_the_demo_licences(
 
 
 def test_catalog_dialog_lists_entries(qtbot: Any, smollm2_path: Path) -> None:
-    from timeshare.app.settings import CatalogDialog
+    from timeshare.app.settings_catalog import CatalogDialog
     from timeshare.core.gguf import catalog
 
     entries = catalog.scan(["demo"], demo_paths=[smollm2_path])
@@ -242,7 +242,7 @@ def test_catalog_dialog_lists_entries(qtbot: Any, smollm2_path: Path) -> None:
 
 def test_the_catalog_marks_the_models_already_added(qtbot: Any, smollm2_path: Path) -> None:
     from PySide6.QtCore import Qt
-    from timeshare.app.settings import CatalogDialog
+    from timeshare.app.settings_catalog import CatalogDialog
     from timeshare.core.gguf import catalog
 
     entries = catalog.scan(["demo"], demo_paths=[smollm2_path])
@@ -291,7 +291,7 @@ def test_problems_go_once_a_later_action_or_edit_succeeds(
 def test_model_dialog_validates_with_field_messages(
     qtbot: Any, smollm2_path: Path, config_path: Path
 ) -> None:
-    from timeshare.app.settings import ModelDialog
+    from timeshare.app.settings_model import ModelDialog
 
     model = config_files.config_to_dict(smol_config(smollm2_path))["models"][0]
     dialog = ModelDialog(model, {"taken"}, config_path)
