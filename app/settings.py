@@ -28,10 +28,12 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QMessageBox,
     QPushButton,
+    QSlider,
     QSpinBox,
     QTableWidget,
     QTableWidgetItem,
     QTabWidget,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -55,7 +57,10 @@ if TYPE_CHECKING:
 
 from .settings_catalog import CatalogDialog
 from .settings_form import (
+    BUDGET_SLIDER_MAX_GB,
+    BUDGET_SLIDER_MIN_GB,
     Table,
+    budget_gb,
     clear_on_edit,
     error_label,
     field_label,
@@ -96,7 +101,7 @@ class SettingsDialog(QDialog):
         self.draft: Table = config_files.config_to_dict(config)  # a fresh dict of scalars
         self.tabs = QTabWidget()
         self.tabs.addTab(self._models_tab(), "Models")
-        self.tabs.addTab(self._arena_tab(), "Arena")
+        self.tabs.addTab(self._arena_tab(), strings.SHARING_TAB)
         self.tabs.addTab(self._api_tab(), "API")
         self.tabs.addTab(self._general_tab(), "General")
         self.problems = error_label()
@@ -319,59 +324,114 @@ class SettingsDialog(QDialog):
     # ---- arena -------------------------------------------------------------------------------
 
     def _arena_tab(self) -> QWidget:
+        """Sharing the GPU, at a glance: who has it, what each model takes, the budget (a slider in
+        GB, or automatic / one model at a time); the engineering knobs under Advanced."""
         tab = QWidget()
         self.holder_label = QLabel()
         self.holder_label.setObjectName("holder")
-        self.arena_table = QTableWidget(0, 7)
-        self.arena_table.setObjectName("arena")
-        self.arena_table.setHorizontalHeaderLabels(
-            ["Model", "State", "Backend", "Switching method", "Device memory", "Host shadow", "Weights"]
-        )
-        self.arena_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.arena_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        font = self.holder_label.font()
+        font.setBold(True)
+        self.holder_label.setFont(font)
+        self.sharing_table = QTableWidget(0, 3)
+        self.sharing_table.setObjectName("sharing")
+        self.sharing_table.setHorizontalHeaderLabels(strings.SHARING_COLUMNS)
+        self.sharing_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.sharing_table.verticalHeader().hide()
+        header = self.sharing_table.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for col in (1, 2):
+            header.setSectionResizeMode(col, QHeaderView.ResizeMode.ResizeToContents)
         arena = self.draft["arena"]
-        self.quantum = QDoubleSpinBox()
-        spin(self.quantum, ArenaConfig, "min_quantum_ms", initial(arena, ArenaConfig, "min_quantum_ms"))
-        self.wait_timeout = QDoubleSpinBox()
-        spin(self.wait_timeout, ArenaConfig, "wait_timeout_s", initial(arena, ArenaConfig, "wait_timeout_s"))
-        self.arena_dir = QLineEdit(str(arena.get("dir") or ""))
-        self.arena_dir.setPlaceholderText(field_meta(ArenaConfig, "dir").special)
         budget = field_meta(ArenaConfig, "vram_budget")
         self.vram_budget = QComboBox()
         self.vram_budget.setEditable(True)  # or a size ("20GB", "12000MiB") or a share ("80%")
         self.vram_budget.addItems(budget.choices)
         self.vram_budget.setCurrentText(str(initial(arena, ArenaConfig, "vram_budget")))
         self.vram_budget.setToolTip(budget.help)
+        self.budget_slider = QSlider(Qt.Orientation.Horizontal)
+        self.budget_slider.setObjectName("budget_slider")
+        self.budget_slider.setRange(BUDGET_SLIDER_MIN_GB, BUDGET_SLIDER_MAX_GB)
+        self.budget_slider.setToolTip(strings.BUDGET_SLIDER_TIP)
+        gb = budget_gb(self.vram_budget.currentText())
+        self.budget_slider.setValue(gb or BUDGET_SLIDER_MAX_GB // 4)
+        self.budget_slider.valueChanged.connect(lambda v: self.vram_budget.setCurrentText(f"{v}GB"))
+        budget_row = QHBoxLayout()
+        budget_row.addWidget(self.budget_slider, 1)
+        budget_row.addWidget(self.vram_budget)
+        glance = QFormLayout()
+        glance.addRow(strings.BUDGET_LABEL, budget_row)
+        glance.addRow(note_label(strings.BUDGET_NOTE))
+
+        self.quantum = QDoubleSpinBox()
+        spin(self.quantum, ArenaConfig, "min_quantum_ms", initial(arena, ArenaConfig, "min_quantum_ms"))
+        self.wait_timeout = QDoubleSpinBox()
+        spin(self.wait_timeout, ArenaConfig, "wait_timeout_s", initial(arena, ArenaConfig, "wait_timeout_s"))
+        self.arena_dir = QLineEdit(str(arena.get("dir") or ""))
+        self.arena_dir.setPlaceholderText(field_meta(ArenaConfig, "dir").special)
         self.hung_holder = QDoubleSpinBox()
         spin(self.hung_holder, ArenaConfig, "hung_holder_s", initial(arena, ArenaConfig, "hung_holder_s"))
+        # the engineering view: how each model switches and what it holds where
+        self.arena_table = QTableWidget(0, 5)
+        self.arena_table.setObjectName("arena")
+        self.arena_table.setHorizontalHeaderLabels(strings.ADVANCED_COLUMNS)
+        self.arena_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.arena_table.verticalHeader().hide()
+        self.arena_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.arena_table.horizontalHeader().setStretchLastSection(True)
         form = QFormLayout()
         form.addRow(field_label(ArenaConfig, "min_quantum_ms"), self.quantum)
         form.addRow(field_label(ArenaConfig, "wait_timeout_s"), self.wait_timeout)
-        form.addRow(field_label(ArenaConfig, "vram_budget"), self.vram_budget)
         form.addRow(field_label(ArenaConfig, "hung_holder_s"), self.hung_holder)
         form.addRow(field_label(ArenaConfig, "dir"), self.arena_dir)
+        self.advanced = QWidget()
+        self.advanced.setObjectName("advanced")
+        advanced_layout = QVBoxLayout(self.advanced)
+        advanced_layout.setContentsMargins(0, 0, 0, 0)
+        advanced_layout.addLayout(form)
+        advanced_layout.addWidget(self.arena_table)
+        self.advanced.hide()
+        self.advanced_button = QToolButton()
+        self.advanced_button.setObjectName("advanced_button")
+        self.advanced_button.setText(strings.ADVANCED)
+        self.advanced_button.setCheckable(True)
+        self.advanced_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.advanced_button.setArrowType(Qt.ArrowType.RightArrow)
+        self.advanced_button.toggled.connect(self._show_advanced)
         layout = QVBoxLayout(tab)
         layout.addWidget(self.holder_label)
-        layout.addWidget(self.arena_table)
-        layout.addLayout(form)
+        layout.addWidget(self.sharing_table, 1)
+        layout.addLayout(glance)
+        layout.addWidget(self.advanced_button)
+        layout.addWidget(self.advanced, 1)
         return tab
 
+    def _show_advanced(self, shown: bool) -> None:
+        self.advanced.setVisible(shown)
+        self.advanced_button.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+
     def _refresh_arena(self, snapshot: PoolSnapshot) -> None:
+        gpu = strings.has_gpu(snapshot)
         holder = snapshot.model(snapshot.holder) if snapshot.holder else None
         self.holder_label.setText(
-            f"Holds the GPU: {holder.display_name}" if holder else "No model holds the GPU now."
+            f"{holder.display_name} {strings.holds(gpu)} now."
+            if holder
+            else f"{strings.nobody_holds(gpu)} now."
         )
+        self.sharing_table.setRowCount(len(snapshot.models))
         self.arena_table.setRowCount(len(snapshot.models))
         for row, m in enumerate(snapshot.models):
-            residency = m.residency_path + (f" ({m.residency_reason})" if m.residency_reason else "")
+            glance = [m.display_name, display_state(m, gpu), human_bytes(m.weight_bytes, empty="–")]
+            for col, text in enumerate(glance):
+                self.sharing_table.setItem(row, col, QTableWidgetItem(text))
+            method = strings.SWITCHING_METHODS.get(m.residency_path, m.residency_path or "–")
+            if m.residency_reason:
+                method += f" ({m.residency_reason})"
             cells = [
-                m.display_name + (" ★" if m.id == snapshot.holder else ""),
-                display_state(m, strings.has_gpu(snapshot)),
+                m.display_name,
                 m.backend or "–",
-                residency or "–",
+                method,
                 human_bytes(m.device_bytes),
                 human_bytes(m.host_pinned_bytes),
-                human_bytes(m.weight_bytes),
             ]
             for col, text in enumerate(cells):
                 self.arena_table.setItem(row, col, QTableWidgetItem(text))

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 
 from ..core.config.meta import FieldMeta, describe
 from ..core.config.schema import ModelConfig
+from ..core.util.units import parse_size
 
 #: the idle spin boxes show minutes (``idle_sleep_s`` holds seconds)
 IDLE_UNIT = "min"
@@ -201,3 +202,18 @@ def folder_row(path: Path) -> QWidget:
     layout.addWidget(shown, 1)
     layout.addWidget(button)
     return row
+
+
+#: the budget slider's ends, in GB (the largest single GPUs sold hold less than its top)
+BUDGET_SLIDER_MIN_GB = 1
+BUDGET_SLIDER_MAX_GB = 192
+
+
+def budget_gb(text: str) -> int | None:
+    """A budget setting as whole GB for the slider ("20GB" → 20, "12000MiB" → 13); None for one
+    that is not a size ("auto", "one-model", "80%")."""
+    try:
+        size = parse_size(text)
+    except ValueError:
+        return None
+    return max(BUDGET_SLIDER_MIN_GB, min(BUDGET_SLIDER_MAX_GB, round(size / 1e9)))

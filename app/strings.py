@@ -121,6 +121,22 @@ def plain_reason(text: str) -> str:
 COPIED = "Copied to the clipboard"
 SETTINGS_SAVED = "Settings saved"
 
+# ---- Settings → Sharing the GPU ------------------------------------------------------------------
+
+SHARING_TAB = "Sharing the GPU"
+SHARING_COLUMNS = ["Model", "Now", "Takes"]
+BUDGET_LABEL = "Models may use:"
+BUDGET_SLIDER_TIP = "How much of the GPU the models' weights may take together, in GB"
+BUDGET_NOTE = (
+    "Models that fit together stay on the GPU together and answer without a switch; when one does "
+    "not fit, the one used least recently steps aside. “auto”: what the GPU has free; "
+    "“one-model”: one model at a time."
+)
+ADVANCED = "Advanced"
+ADVANCED_COLUMNS = ["Model", "Backend", "Switching method", "On the device", "In host memory"]
+#: how a model gives up and takes back the GPU (ModelStatus.residency_path)
+SWITCHING_METHODS = {"inplace": "in place (fast)", "rebuild": "rebuilt each time (slower)"}
+
 # ---- answering again (chat window) ---------------------------------------------------------------
 
 RETRY = "Retry"

@@ -27,7 +27,7 @@ done
 xdotool windowmove "$SETTINGS" 60 60
 xdotool windowfocus --sync "$SETTINGS" 2>/dev/null || true
 sleep 0.5
-xdotool key ctrl+Tab ctrl+Tab  # Models -> Arena -> API
+xdotool key ctrl+Tab ctrl+Tab  # Models -> Sharing the GPU -> API
 sleep 1
 import -window "$SETTINGS" "$OUT/settings-api.png"
 xdotool key ctrl+Tab  # General

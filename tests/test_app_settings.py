@@ -817,3 +817,45 @@ def test_the_models_table_shows_names_and_ids_whole(qtbot: Any, bridge: Any, con
         assert table.item(0, column).text() == text
         assert table.columnWidth(column) >= metrics.horizontalAdvance(text), column  # not cut
     assert table.item(0, 4).toolTip() == model.path  # the elided path whole on hover
+
+
+def test_sharing_the_gpu_reads_at_a_glance_with_the_rest_under_advanced(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path
+) -> None:
+    from timeshare.app import strings
+
+    dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
+    tabs = [dialog.tabs.tabText(i) for i in range(dialog.tabs.count())]
+    assert "Sharing the GPU" in tabs and "Arena" not in tabs
+    dialog.show()
+    dialog.tabs.setCurrentIndex(tabs.index("Sharing the GPU"))
+    smol = ModelStatus(
+        id="smol",
+        name="SmolLM2",
+        path="/m.gguf",
+        state=ModelState.RESIDENT,
+        backend="CUDA0",
+        residency_path="inplace",
+        weight_bytes=104_000_000,
+    )
+    dialog._refresh_arena(PoolSnapshot(models=(smol,), holder="smol"))  # as the bridge hands it on
+    # at a glance: who has it, each model's state in words and what it takes; no engineering words
+    headers = [dialog.sharing_table.horizontalHeaderItem(i).text() for i in range(3)]
+    assert headers == ["Model", "Now", "Takes"]
+    assert dialog.sharing_table.item(0, 0).text() == "SmolLM2"
+    assert dialog.holder_label.text() == "SmolLM2 holds the GPU now."
+    assert dialog.sharing_table.item(0, 1).text() == "on the GPU"
+    assert dialog.sharing_table.item(0, 2).text() == "99.2 MiB"  # its weights
+    glance = dialog.holder_label.text() + " " + dialog.sharing_table.item(0, 1).text()
+    assert not any(w in glance for w in ("Arena", "Host shadow", "inplace", "released", "resident"))
+    # the engineering knobs are under Advanced, folded
+    assert dialog.advanced.isHidden() and not dialog.quantum.isVisible()
+    dialog.advanced_button.click()
+    assert not dialog.advanced.isHidden() and dialog.quantum.isVisible()
+    assert "Host shadow" not in [dialog.arena_table.horizontalHeaderItem(i).text() for i in range(5)]
+    # the budget as a slider in GB: what it says is what is saved
+    dialog.budget_slider.setValue(12)
+    assert dialog.vram_budget.currentText() == "12GB"
+    config = dialog.validated()
+    assert config is not None and config.arena.vram_budget == "12GB"
+    assert strings.SHARING_TAB == "Sharing the GPU"
