@@ -36,7 +36,8 @@ from .bridge import PoolBridge
 from .chat_window import ChatWindow
 from .menu_model import Action, Command
 from .qt_compat import emit
-from .settings import SettingsDialog, problems_text
+from .settings import SettingsDialog
+from .settings_form import problems_text
 from .single_instance import SingleInstance
 from .tray import Tray
 

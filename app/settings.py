@@ -353,8 +353,8 @@ class SettingsDialog(QDialog):
         self.budget_slider.setRange(BUDGET_SLIDER_MIN_GB, BUDGET_SLIDER_MAX_GB)
         self.budget_slider.setToolTip(strings.BUDGET_SLIDER_TIP)
         gb = budget_gb(self.vram_budget.currentText())
-        self.budget_slider.setValue(gb or BUDGET_SLIDER_MAX_GB // 4)
-        self.budget_slider.valueChanged.connect(lambda v: self.vram_budget.setCurrentText(f"{v}GB"))
+        self.budget_slider.setValue(gb or BUDGET_SLIDER_MIN_GB)  # at its start: not a size (auto)
+        self.budget_slider.valueChanged.connect(self._budget_slid)
         budget_row = QHBoxLayout()
         budget_row.addWidget(self.budget_slider, 1)
         budget_row.addWidget(self.vram_budget)
@@ -404,6 +404,10 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.advanced_button)
         layout.addWidget(self.advanced, 1)
         return tab
+
+    def _budget_slid(self, gb: int) -> None:
+        if gb > BUDGET_SLIDER_MIN_GB:  # back at the start leaves the budget as it is (auto, one-model)
+            self.vram_budget.setCurrentText(f"{gb}GB")
 
     def _show_advanced(self, shown: bool) -> None:
         self.advanced.setVisible(shown)

@@ -204,8 +204,9 @@ def folder_row(path: Path) -> QWidget:
     return row
 
 
-#: the budget slider's ends, in GB (the largest single GPUs sold hold less than its top)
-BUDGET_SLIDER_MIN_GB = 1
+#: the budget slider's ends, in GB (the largest single GPUs sold hold less than its top); at its
+#: start the budget is not a size but "auto" or "one-model"
+BUDGET_SLIDER_MIN_GB = 0
 BUDGET_SLIDER_MAX_GB = 192
 
 
@@ -216,4 +217,4 @@ def budget_gb(text: str) -> int | None:
         size = parse_size(text)
     except ValueError:
         return None
-    return max(BUDGET_SLIDER_MIN_GB, min(BUDGET_SLIDER_MAX_GB, round(size / 1e9)))
+    return max(1, min(BUDGET_SLIDER_MAX_GB, round(size / 1e9)))

@@ -1,10 +1,10 @@
-"""A screenshot of the chat window with a code answer, without a desktop: Qt's offscreen platform
-and the window's own grab (no Xvfb, no tray host). The real app with the demo models: SmolLM2 is
-asked for a Python function, its answer streams in, then the window is saved as
-docs/screenshots/chat-code.png (light) and chat-code-dark.png (TIMESHARE_COLOR_SCHEME=dark and a
-dark palette, as a dark desktop gives).
+"""Screenshots without a desktop: Qt's offscreen platform and each window's own grab (no Xvfb, no
+tray host). The real app with the demo models: Settings → Sharing the GPU once both have loaded
+(settings-sharing.png), then SmolLM2 is asked for a Python function, its answer streams in, and the
+chat window is saved as chat-code.png (light) and chat-code-dark.png (TIMESHARE_COLOR_SCHEME=dark
+and a dark palette, as a dark desktop gives), all in docs/screenshots/.
 
-Usage: .venv/bin/python scripts/screenshot_chat_code.py [OUT_DIR]
+Usage: .venv/bin/python scripts/screenshots_offscreen.py [OUT_DIR]
 """
 
 from __future__ import annotations
@@ -65,6 +65,15 @@ def main() -> int:
     store = Store(Path(WORK) / "conversations.sqlite3")
     app = TimeshareApp(config, pool, store, ChatService(pool, store), config_path=Path(WORK) / "c.toml")
     app.start(background=False)
+    settings = app.open_settings()
+    settings.resize(820, 560)
+    settings.tabs.setCurrentIndex(1)  # Sharing the GPU
+    wait(500)
+    settings.grab().save(str(out / "settings-sharing.png"))
+    settings.advanced_button.click()
+    wait(300)
+    settings.grab().save(str(out / "settings-sharing-advanced.png"))
+    settings.close()
     window = app.window
     window.resize(980, 700)
     smol = next(m.id for m in models if "smol" in m.id)
@@ -87,7 +96,7 @@ def main() -> int:
     app.bridge.detach()
     store.close()
     pool.stop()
-    print(f"wrote {out / 'chat-code.png'} and {out / 'chat-code-dark.png'}")
+    print(f"wrote the screenshots in {out}")
     return 0
 
 
