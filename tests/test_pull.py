@@ -118,7 +118,7 @@ def test_sources_parse(text: str, expected: sources.Source) -> None:
     ("text", "sentence"),
     [
         ("", "no source given: a Hugging Face repo (user/repo) or the URL of a .gguf file"),
-        ("justaname", "'justaname' is not a model source: give a Hugging Face repo (user/repo"),
+        ("justaname", "'justaname' is not a model source: give a short name (llama3.2, "),  # or a repo
         ("user/repo/README.md", "'README.md' is not a .gguf file: name a GGUF file of the repo"),
         ("https://example.com/page", "does not name a .gguf file: give the URL of the GGUF file itself"),
         ("user/repo:", "nothing follows the ':'; give a quantisation, e.g. user/repo:Q4_K_M"),
