@@ -332,10 +332,10 @@ def _tool_id() -> str:
 
 
 def _stop_reason(turn: Turn, finish: str, stop: str, called: bool) -> tuple[str, str | None]:
+    if finish == "length":  # a tool_use block cut short too (its input as far as written)
+        return "max_tokens", None
     if called:
         return "tool_use", None
-    if finish == "length":
-        return "max_tokens", None
     if stop:
         return "stop_sequence", stop
     return "end_turn", None
