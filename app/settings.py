@@ -868,7 +868,9 @@ class SettingsDialog(QDialog):
         if config is None:
             return False
         try:
-            config_files.save_config(config, self.config_path)
+            # under the config's one writer (its lock): models saved elsewhere while the dialog was
+            # open came into the draft already (adopt_saved_elsewhere)
+            config_files.update_config(lambda _current: config, self.config_path)
         except (ConfigError, OSError) as e:
             self._show_problems([f"could not save the settings: {e}"])
             return False
