@@ -331,13 +331,17 @@ def _tool_id() -> str:
     return "toolu_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
 
-def _stop_reason(turn: Turn, finish: str, stop: str, called: bool) -> tuple[str, str | None]:
+def stop_reason(finish: str, stop: str, called: bool, asked: tuple[str, ...]) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for how the answer ended: what stopped
+    the generation (``max_tokens``; one of the request's stop sequences, ``asked``, which it
+    names, even after a tool call), then ``tool_use`` for an answer with calls, else
+    ``end_turn`` (the model's end of turn, or a stop string of the model's own format)."""
     if finish == "length":  # a tool_use block cut short too (its input as far as written)
         return "max_tokens", None
+    if stop and stop in asked:
+        return "stop_sequence", stop
     if called:
         return "tool_use", None
-    if stop:
-        return "stop_sequence", stop
     return "end_turn", None
 
 
@@ -392,7 +396,7 @@ class Routes:
         events = turn.events(result.text) + turn.final_events()
         blocks = _blocks(events)
         called = any(b["type"] == "tool_use" for b in blocks)
-        reason, sequence = _stop_reason(turn, result.finish_reason, result.stop, called)
+        reason, sequence = stop_reason(result.finish_reason, result.stop, called, turn.req.sampling.stop)
         if not blocks:
             blocks = [{"type": "text", "text": ""}]
         answer = {
@@ -507,7 +511,9 @@ class Routes:
                         yield event("content_block_stop", {"index": 0})
                     for item in close():
                         yield item
-                    reason, sequence = _stop_reason(turn, result.finish_reason, result.stop, called)
+                    reason, sequence = stop_reason(
+                        result.finish_reason, result.stop, called, turn.req.sampling.stop
+                    )
                     usage = _usage(result)
                     yield event(
                         "message_delta",
