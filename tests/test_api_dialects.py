@@ -90,7 +90,9 @@ def test_anthropic_stream_assembled_by_the_sdk(served: Served, claude: anthropic
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert "content_block_start" in kinds and "content_block_delta" in kinds
     assert final.content[0].text == _openai_greedy(served, SMOL, messages)  # type: ignore[union-attr]
-    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == N
+    # the model may end its answer before N tokens (what it writes is its own, issue 38 item 6)
+    assert 0 < final.usage.output_tokens <= N
+    assert final.stop_reason == ("max_tokens" if final.usage.output_tokens == N else "end_turn")
 
 
 def test_anthropic_stop_sequence_and_count_tokens(claude: anthropic.Anthropic) -> None:
