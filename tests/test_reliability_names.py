@@ -53,20 +53,22 @@ def test_a_whole_ollama_answer_reports_the_decode_time_of_its_tokens(url: str) -
 
 
 @pytest.mark.parametrize(
-    ("finish", "stop", "called", "asked", "want"),
+    ("finish", "stop", "called", "asked", "cut", "want"),
     [
-        ("stop", "STOP", False, ("STOP",), ("stop_sequence", "STOP")),
-        ("stop", "STOP", True, ("STOP",), ("stop_sequence", "STOP")),  # after a tool call too
-        ("stop", "", True, (), ("tool_use", None)),
-        ("stop", "\nUser:", False, (), ("end_turn", None)),  # the model's own format's stop string
-        ("length", "", True, (), ("max_tokens", None)),  # a tool_use cut short
-        ("stop", "", False, (), ("end_turn", None)),
+        ("stop", "STOP", False, ("STOP",), False, ("stop_sequence", "STOP")),
+        ("stop", "STOP", True, ("STOP",), False, ("stop_sequence", "STOP")),  # after a tool call too
+        ("stop", "", True, (), False, ("tool_use", None)),
+        ("stop", "\nUser:", False, (), False, ("end_turn", None)),  # the model format's own stop string
+        ("length", "", True, (), True, ("max_tokens", None)),  # a tool_use cut short
+        ("length", "", True, (), False, ("tool_use", None)),  # whole calls (what followed is dropped)
+        ("length", "", False, (), False, ("max_tokens", None)),
+        ("stop", "", False, (), False, ("end_turn", None)),
     ],
 )
 def test_the_anthropic_stop_reason_names_what_stopped_the_answer(
-    finish: str, stop: str, called: bool, asked: tuple[str, ...], want: tuple[str, str | None]
+    finish: str, stop: str, called: bool, asked: tuple[str, ...], cut: bool, want: tuple[str, str | None]
 ) -> None:
-    assert stop_reason(finish, stop, called, asked) == want
+    assert stop_reason(finish, stop, called, asked, cut) == want
 
 
 def test_an_anthropic_stop_sequence_is_named(url: str) -> None:
