@@ -227,7 +227,11 @@ def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     ) as stream:
         streamed = stream.get_final_message()
     streamed_calls = [b for b in streamed.content if b.type == "tool_use"]
-    assert streamed.stop_reason == "tool_use" and streamed_calls[0].input == calls[0].input  # type: ignore[union-attr]
+    assert streamed_calls[0].input == calls[0].input  # type: ignore[union-attr]
+    # "any" lets the model write more calls: one that max_tokens cut is there too, as far as it was
+    # written, and the answer says max_tokens (as Anthropic's API answers)
+    assert streamed.stop_reason in ("tool_use", "max_tokens")
+    assert streamed.stop_reason == "tool_use" or len(streamed_calls) > 1
     # the result goes back as a tool_result block; the answer is text
     second = claude.messages.create(
         model=SMOL,

@@ -440,6 +440,8 @@ def _message(events: list[Event]) -> dict[str, Any]:
         elif e.kind == "reasoning":
             message["thinking"] = message.get("thinking", "") + e.text
         elif e.kind in ("call", "call_end") and e.call is not None:  # (call_start/arguments: parts)
+            if e.call.partial:  # cut by num_predict: Ollama's calls carry whole arguments objects
+                continue
             try:
                 arguments = json.loads(e.call.arguments or "{}")
             except ValueError:
