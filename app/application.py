@@ -329,8 +329,12 @@ class TimeshareApp(QObject):
             self.notify(f"{model.display_name}: not a usable model file", problem, error=True)
             return
         located = dataclasses.replace(model, path=chosen, demo="")  # the file chosen, not the demo
-        models = tuple(located if m.id == model_id else m for m in self.config.models)
-        self._save_and_apply(dataclasses.replace(self.config, models=models))
+
+        def locate(current: Config) -> Config:
+            models = tuple(located if m.id == model_id else m for m in current.models)
+            return dataclasses.replace(current, models=models)
+
+        self._save_and_apply(locate)
 
     def remove_model(self, model_id: str) -> None:
         """Remove a model from the configuration (its file stays), after asking."""
@@ -347,23 +351,30 @@ class TimeshareApp(QObject):
         )
         if answer != QMessageBox.StandardButton.Yes:
             return
-        models = tuple(m for m in self.config.models if m.id != model_id)
-        self._save_and_apply(dataclasses.replace(self.config, models=models))
+        self._save_and_apply(
+            lambda current: dataclasses.replace(
+                current, models=tuple(m for m in current.models if m.id != model_id)
+            )
+        )
 
-    def _save_and_apply(self, new: Config) -> None:
+    def _save_and_apply(self, change: Callable[[Config], Config]) -> None:
+        """``change`` the config file as it is now (the one writer, ``files.update_config``: a
+        model the API pulled meanwhile stays), then adopt what was saved."""
         try:
-            config_files.save_config(new, self.config_path)
+            new = config_files.update_config(change, self.config_path)
         except (ConfigError, OSError) as e:
             self.notify("Could not save the configuration", str(e), error=True)
             return
         self.apply_config(new)
 
     def set_start_at_login(self, enabled: bool) -> None:
-        new = dataclasses.replace(
-            self.config, general=dataclasses.replace(self.config.general, start_at_login=enabled)
-        )
+        def start_at_login(current: Config) -> Config:
+            return dataclasses.replace(
+                current, general=dataclasses.replace(current.general, start_at_login=enabled)
+            )
+
         try:
-            config_files.save_config(new, self.config_path)
+            new = config_files.update_config(start_at_login, self.config_path)
         except (ConfigError, OSError) as e:
             self.notify("Could not save the setting", str(e), error=True)
             return

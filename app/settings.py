@@ -82,6 +82,10 @@ from .settings_form import (
 from .settings_model import ModelDialog
 
 
+class _DraftRefused(Exception):
+    """The draft, with what was saved elsewhere merged in, does not validate: nothing is written."""
+
+
 class SettingsDialog(QDialog):
     #: the Config that was saved
     saved = Signal(object)
@@ -99,6 +103,7 @@ class SettingsDialog(QDialog):
         self.bridge = bridge
         self.config_path = config_path
         self.draft: Table = config_files.config_to_dict(config)  # a fresh dict of scalars
+        self._base = config  # the config the draft was made from, or last adopted
         self.tabs = QTabWidget()
         self.tabs.addTab(self._models_tab(), "Models")
         self.tabs.addTab(self._arena_tab(), strings.SHARING_TAB)
@@ -198,6 +203,7 @@ class SettingsDialog(QDialog):
         draft already has that id); one changed or removed elsewhere follows only where the draft
         still holds it as it was. Returns the ids whose draft entry changed. Saving the draft
         itself comes back here as a no-op (the draft already equals ``new``)."""
+        self._base = new
         before = {m["id"]: m for m in config_files.config_to_dict(old)["models"]}
         after = {m["id"]: m for m in config_files.config_to_dict(new)["models"]}
         models: list[Table] = self.draft["models"]
@@ -617,11 +623,27 @@ class SettingsDialog(QDialog):
         config = self.validated()
         if config is None:
             return False
+        target = self.config_path or paths.config_file()
+        chosen = [config]
+
+        def merged(current: Config) -> Config:
+            # the one writer (issue 44): a model change saved since the dialog last heard of one
+            # (an API pull or keep_alive, `timeshare pull`) comes into the draft first
+            if target.exists() and self.adopt_saved_elsewhere(self._base, current):
+                again = self.validated()
+                if again is None:
+                    raise _DraftRefused
+                chosen[0] = again
+            return chosen[0]
+
         try:
-            config_files.save_config(config, self.config_path)
+            config_files.update_config(merged, self.config_path)
+        except _DraftRefused:
+            return False  # validated() shows why
         except (ConfigError, OSError) as e:
             self._show_problems([f"could not save the settings: {e}"])
             return False
+        config = chosen[0]
         emit(self.saved, config)
         self.accept()
         return True

@@ -70,6 +70,13 @@ class InvalidSamplingError(TimeshareError):
     code = "invalid_sampling"
 
 
+class InvalidInputError(TimeshareError):
+    """A request's input does not fit the model (e.g. a token id outside its vocabulary in
+    /v1/embeddings); the message says which input. The API answers 400."""
+
+    code = "invalid_input"
+
+
 class InvalidGrammarError(InvalidSamplingError):
     """A request's grammar (GBNF, a JSON schema's, a trigger pattern) cannot be used; the message
     says which part. The API answers 400."""

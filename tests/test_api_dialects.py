@@ -90,7 +90,9 @@ def test_anthropic_stream_assembled_by_the_sdk(served: Served, claude: anthropic
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert "content_block_start" in kinds and "content_block_delta" in kinds
     assert final.content[0].text == _openai_greedy(served, SMOL, messages)  # type: ignore[union-attr]
-    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == N
+    # the model may end its answer before N tokens (what it writes is its own, issue 38 item 6)
+    assert 0 < final.usage.output_tokens <= N
+    assert final.stop_reason == ("max_tokens" if final.usage.output_tokens == N else "end_turn")
 
 
 def test_anthropic_stop_sequence_and_count_tokens(claude: anthropic.Anthropic) -> None:
@@ -225,7 +227,11 @@ def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     ) as stream:
         streamed = stream.get_final_message()
     streamed_calls = [b for b in streamed.content if b.type == "tool_use"]
-    assert streamed.stop_reason == "tool_use" and streamed_calls[0].input == calls[0].input  # type: ignore[union-attr]
+    assert streamed_calls[0].input == calls[0].input  # type: ignore[union-attr]
+    # "any" lets the model write more calls: one that max_tokens cut is there too, as far as it was
+    # written, and the answer says max_tokens (as Anthropic's API answers)
+    assert streamed.stop_reason in ("tool_use", "max_tokens")
+    assert streamed.stop_reason == "tool_use" or len(streamed_calls) > 1
     # the result goes back as a tool_result block; the answer is text
     second = claude.messages.create(
         model=SMOL,

@@ -212,6 +212,38 @@ def test_streamed_calls_assemble_in_the_openai_client() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("family", "answer"),
+    [
+        ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
+        ("generic", '{"name": "get_weather", "arguments": {"city": "Par'),
+        ("llama3", '{"name": "get_weather", "parameters": {"city": "Par'),
+    ],
+)
+def test_a_call_cut_by_max_tokens_is_a_partial_call_with_finish_reason_length(
+    family: str, answer: str
+) -> None:
+    # issue 38: a forced call cut by max_tokens came back as text; OpenAI returns the partial call
+    req = parse_tool_request({"tools": [WEATHER], "tool_choice": "required"})
+    pieces = [answer[i : i + 4] for i in range(0, len(answer), 4)]
+    output = ChatOutput(plan(req, _fmt(family)))
+    with pytest.raises(openai.LengthFinishReasonError) as cut:  # the client's stream state says so
+        _assemble(_chunks(output, pieces, "length"))
+    choice = cut.value.completion.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content
+    calls = choice.message.tool_calls
+    assert calls and calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == '{"city": "Par'
+    whole = ChatOutput(plan(req, _fmt(family)))
+    message = whole.message(answer)
+    assert whole.finish_reason("length") == "length"
+    assert message["content"] is None
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Par'}
+    ]
+
+
 def test_reasoning_content_and_legacy_function_call() -> None:
     output = ChatOutput(plan(None, _fmt("hermes", thinks=True)))
     message = output.message("<think>\nWhy not.\n</think>\n\nHello!")
@@ -299,6 +331,27 @@ def test_required_returns_a_call_whose_arguments_validate(tools_client: openai.O
     assert calls[0].id.startswith("call_")
 
 
+@pytest.mark.parametrize("model", [SMOL, SMOL_QWEN])
+def test_a_forced_call_cut_by_max_tokens_comes_back_as_a_partial_call(
+    tools_client: openai.OpenAI, model: str
+) -> None:
+    # issue 38: it came back as text; OpenAI returns the partial tool_calls with "length"
+    kwargs: Any = {"model": model, "messages": ASK, "tools": [WEATHER], "temperature": 0}
+    whole = tools_client.chat.completions.create(tool_choice="required", max_tokens=200, **kwargs)
+    assert whole.usage is not None and whole.choices[0].finish_reason == "tool_calls"
+    arguments = json.loads(whole.choices[0].message.tool_calls[0].function.arguments)  # type: ignore[index]
+    assert arguments  # a city: its quote and value are the last tokens of the arguments
+    cut = tools_client.chat.completions.create(
+        tool_choice="required", max_tokens=whole.usage.completion_tokens - 4, **kwargs
+    )
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length", choice
+    assert not choice.message.content
+    calls = choice.message.tool_calls
+    assert calls and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert calls[0].function.arguments.startswith("{")
+
+
 def test_streamed_tool_calls_assemble_in_the_client(tools_client: openai.OpenAI) -> None:
     with tools_client.chat.completions.stream(
         model=SMOL_QWEN,
@@ -337,10 +390,12 @@ def test_a_tool_result_round_trip_continues_the_conversation(tools_client: opena
         max_tokens=24,
         extra_body={"cache_prompt": False},
     )
-    reply = answer.choices[0]  # auto: text, or another call (then a valid one)
+    reply = answer.choices[0]  # auto: text, or another call (then a valid one, or one cut short)
     if reply.finish_reason == "tool_calls":
         assert reply.message.tool_calls
         _validates(reply.message.tool_calls[0].function.arguments)
+    elif reply.message.tool_calls:
+        assert reply.finish_reason == "length"  # a call cut by max_tokens, as far as written
     else:
         assert reply.finish_reason in ("stop", "length") and reply.message.content
     # the call and its result reached the prompt: longer than the question with the same tools

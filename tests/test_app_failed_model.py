@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +93,18 @@ def test_locate_file_and_remove_for_a_model_whose_file_is_gone(
     assert saved.model("ghost").path == str(located)  # type: ignore[union-attr]
     qtbot.waitUntil(lambda: state("ghost") in (ModelState.RESIDENT, ModelState.RELEASED), timeout=WAIT_MS)
 
+    # a model another writer added meanwhile (an API pull, `timeshare pull`) stays when the tray
+    # saves: it changes the file as it is now, through the one writer (issue 44)
+    pulled = ModelConfig(id="pulled", path=str(tmp_path / "gone" / "pulled.gguf"))
+    config_files.update_config(lambda c: replace(c, models=(*c.models, pulled)), app.config_path)
     # Remove: asked first; "No" keeps it
     answers = [QMessageBox.StandardButton.No, QMessageBox.StandardButton.Yes]
     monkeypatch.setattr(application.QMessageBox, "question", staticmethod(lambda *a: answers.pop(0)))
     app.handle(Action("Remove", Command.REMOVE_MODEL, "other"))
     assert config_files.load_config(app.config_path, check_paths=False).model("other") is not None
     app.handle(Action("Remove", Command.REMOVE_MODEL, "other"))
-    assert config_files.load_config(app.config_path, check_paths=False).model("other") is None
+    saved = config_files.load_config(app.config_path, check_paths=False)
+    assert saved.model("other") is None and saved.model("pulled") is not None
     qtbot.waitUntil(lambda: state("other") is None, timeout=WAIT_MS)
     assert state("ghost") in (ModelState.RESIDENT, ModelState.RELEASED)
 

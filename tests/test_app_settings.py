@@ -765,6 +765,22 @@ def test_a_model_added_elsewhere_while_settings_is_open_survives_saving_the_draf
     assert saved.models[0].name == "SmolLM2 (renamed elsewhere)"
 
 
+def test_saving_the_draft_keeps_a_model_another_writer_saved_unseen(
+    qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path, gemma3_path: Path
+) -> None:
+    """An API pull (or `timeshare pull`) saves a model the tray never heard of while Settings is
+    open: saving the draft goes through the config's one writer, which merges it in (issue 44)."""
+    first = smol_config(smollm2_path)
+    config_files.save_config(first, config_path)
+    dialog = dialog_for(qtbot, first, bridge, config_path)
+    dialog.api_port.setValue(8124)  # an edit in the open dialog
+    pulled = ModelConfig(id="pulled", path=str(gemma3_path), name="Pulled")
+    config_files.update_config(lambda c: dataclasses.replace(c, models=(*c.models, pulled)), config_path)
+    assert dialog.save() is True
+    saved = config_files.load_config(config_path)
+    assert [m.id for m in saved.models] == ["smol", "pulled"] and saved.api.port == 8124
+
+
 def test_adopting_changes_from_elsewhere_keeps_what_the_draft_changed(
     qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path, gemma3_path: Path
 ) -> None:

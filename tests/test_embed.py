@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from timeshare.core.config.schema import ModelConfig
-from timeshare.core.errors import InvalidSamplingError, PromptTooLongError
+from timeshare.core.errors import InvalidInputError, InvalidSamplingError, PromptTooLongError
 from timeshare.core.sampling import Sampling
 from timeshare.core.worker.engine import Engine
 from timeshare.core.worker.protocol import ChatMessage, Generate
@@ -64,8 +64,9 @@ def test_a_chat_model_embeds_and_keeps_its_conversation(smollm2_path: Path, orac
             lambda _: None,
         )
         assert second.prompt_tokens_evaluated < second.prompt_tokens - first.prompt_tokens
-        with pytest.raises(InvalidSamplingError, match="vocabulary"):
+        with pytest.raises(InvalidInputError, match="vocabulary") as bad:  # not a sampling setting
             engine.embed([[10**7]])
+        assert bad.value.code == "invalid_input" and str(bad.value).startswith("input: token 10000000")
         with pytest.raises(PromptTooLongError, match="at most"):
             engine.embed(["word " * 2000])
     finally:

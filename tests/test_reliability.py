@@ -289,6 +289,13 @@ def _json_body(raw: bytes) -> dict[str, object]:
         ("timeshare.lan:8385", 200),  # api.allowed_hosts
         ("evil.example:8385", 403),  # a DNS-rebinding page names its own host
         ("127.0.0.1.evil.example", 403),
+        ("[::1].evil.example", 400),  # issue 38: not one host with an optional port
+        ("localhost:8385@evil.example", 400),
+        ("localhost@evil.example", 400),
+        ("127.0.0.1:8385/x", 400),
+        ("localhost:99999", 400),
+        ("[::1", 400),
+        ("[0:0:0:0:0:0:0:1]:8385", 200),
     ],
 )
 def test_a_loopback_api_accepts_only_loopback_host_names(api: ApiServer, host: str, status: int) -> None:
@@ -297,6 +304,42 @@ def test_a_loopback_api_accepts_only_loopback_host_names(api: ApiServer, host: s
     if status == 403:
         error = r.json()["error"]
         assert error["code"] == "host_not_allowed" and "api.allowed_hosts" in error["message"]
+    if status == 400:
+        error = r.json()["error"]
+        assert error["code"] == "invalid_host" and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("host", ["localhost:8385@evil.example", "[::1].evil.example"])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/api/chat"),
+        ("POST", "/v1/messages"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/api/tags"),
+        ("GET", "/timeshare/v1/status"),
+    ],
+)
+def test_a_host_with_anything_after_the_name_is_refused_on_every_route(
+    api: ApiServer, host: str, method: str, path: str
+) -> None:
+    # issue 38: both spellings reached /api/chat and /v1/messages (200) as a loopback name
+    r = _get(api, path, method=method, headers={"Host": host}, json={"model": "x"})
+    assert r.status_code == 400, r.text
+    assert host in r.text  # each dialect's error shape names the header
+
+
+def test_the_status_names_every_path_each_dialect_serves(api: ApiServer) -> None:
+    # issue 38: served.paths left out /v1/embeddings and /v1/messages/count_tokens
+    served = _get(api, "/timeshare/v1/status").json()["served"]
+    listed = {name: set(where["paths"].split(", ")) for name, where in served.items()}
+    assert {"/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/models"} <= listed["openai"]
+    assert listed["anthropic"] == {"/v1/messages", "/v1/messages/count_tokens"}
+    assert {"/api/chat", "/api/pull", "/api/embed", "/api/ps"} <= listed["ollama"]
+    assert api.app is not None
+    routes = {str(getattr(r, "path", "")) for r in api.app.routes}
+    public = {p for p in routes if not p.startswith("/timeshare/") and p != "/health"}
+    assert set().union(*listed.values()) == public
 
 
 def test_a_cross_site_page_cannot_command_the_models(api: ApiServer) -> None:

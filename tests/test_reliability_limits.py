@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from timeshare.core.api import connections, requests, server
+from timeshare.core.api import connections, errors, requests, server
 from timeshare.core.api.server import ApiServer
 from timeshare.core.config.schema import ApiConfig, Config
 from timeshare.core.pool.supervisor import Pool
@@ -106,6 +106,14 @@ def test_a_request_target_over_the_limit_is_a_short_414(api: ApiServer) -> None:
             assert _status(raw) == 414, raw[:200]
             assert len(raw) < 1024  # not the target echoed back in a 404
             assert _error(raw)["code"] == "uri_too_long"
+            assert _error(raw)["type"] == "invalid_request_error"  # the client's fault (issue 38)
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 408, 409, 413, 414, 415, 422, 429, 431])
+def test_every_4xx_has_a_client_error_type(status: int) -> None:
+    assert errors.error_body("m", status, "c")["error"]["type"] != "server_error"
+    assert errors.dialect_body("anthropic", "m", status, "c")["error"]["type"] != "api_error"
+    assert errors.error_body("m", 500, "c")["error"]["type"] == "server_error"
 
 
 def test_a_stalled_body_gets_its_408_and_the_connection_closes_with_it(

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from .core.config.files import cli_config_path, load_for_cli, save_config
+from .core.config.files import cli_config_path, load_for_cli, update_config
 from .core.config.schema import Config, ModelConfig
 from .core.errors import ConfigError, TimeshareError
 from .core.modelnames import resolve_cli_model
@@ -195,9 +195,12 @@ def rm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 err.write("timeshare rm: nothing removed (to delete without asking, add --yes)\n")
                 return EXIT_USAGE
             delete = _file_and_blob(file)
-    new = replace(config, models=tuple(m for m in config.models if m.id != model_id))
     try:
-        save_config(new, config_path)
+        # the one writer: the file as it is now (a pull meanwhile stays), under its lock
+        update_config(
+            lambda current: replace(current, models=tuple(m for m in current.models if m.id != model_id)),
+            config_path,
+        )
     except ConfigError as exc:
         err.write(f"timeshare rm: {exc}\n")
         return EXIT_FAILED

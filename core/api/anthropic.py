@@ -331,14 +331,29 @@ def _tool_id() -> str:
     return "toolu_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
 
-def _stop_reason(turn: Turn, finish: str, stop: str, called: bool) -> tuple[str, str | None]:
+def stop_reason(
+    finish: str, stop: str, called: bool, asked: tuple[str, ...], cut: bool = False
+) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for how the answer ended: ``max_tokens``
+    for a tool_use block cut short (``cut``: its input as far as written); one of the request's
+    stop sequences (``asked``), which it names, even after a tool call; ``tool_use`` for an
+    answer with whole calls (the text after them is dropped: it may have run to max_tokens);
+    ``max_tokens``; else ``end_turn`` (the model's end of turn, or a stop string of the model's
+    own format)."""
+    if cut:
+        return "max_tokens", None
+    if stop and stop in asked:
+        return "stop_sequence", stop
     if called:
         return "tool_use", None
     if finish == "length":
         return "max_tokens", None
-    if stop:
-        return "stop_sequence", stop
     return "end_turn", None
+
+
+def _cut(events: list[Event]) -> bool:
+    """Whether a call among ``events`` was cut short (the answer ended inside it)."""
+    return any(e.kind == "call_end" and e.call is not None and e.call.partial for e in events)
 
 
 def _usage(result: Any) -> dict[str, int]:
@@ -392,7 +407,9 @@ class Routes:
         events = turn.events(result.text) + turn.final_events()
         blocks = _blocks(events)
         called = any(b["type"] == "tool_use" for b in blocks)
-        reason, sequence = _stop_reason(turn, result.finish_reason, result.stop, called)
+        reason, sequence = stop_reason(
+            result.finish_reason, result.stop, called, turn.req.sampling.stop, _cut(events)
+        )
         if not blocks:
             blocks = [{"type": "text", "text": ""}]
         answer = {
@@ -423,6 +440,7 @@ class Routes:
             index = -1
             open_kind: str | None = None
             called = False
+            cut = False
 
             def close() -> list[dict[str, str]]:
                 nonlocal open_kind
@@ -432,7 +450,7 @@ class Routes:
                 return [event("content_block_stop", {"index": index})]
 
             def shaped(parsed: list[Event]) -> list[dict[str, str]]:
-                nonlocal index, open_kind, called
+                nonlocal index, open_kind, called, cut
                 out: list[dict[str, str]] = []
                 for e in parsed:
                     if e.kind == "call_start" and e.call is not None:  # its input streams
@@ -448,6 +466,7 @@ class Routes:
                         out.append(event("content_block_delta", {"index": index, "delta": delta}))
                         continue
                     if e.kind == "call_end":
+                        cut = cut or (e.call is not None and e.call.partial)
                         out += close()
                         continue
                     if e.kind == "call" and e.call is not None:
@@ -507,7 +526,9 @@ class Routes:
                         yield event("content_block_stop", {"index": 0})
                     for item in close():
                         yield item
-                    reason, sequence = _stop_reason(turn, result.finish_reason, result.stop, called)
+                    reason, sequence = stop_reason(
+                        result.finish_reason, result.stop, called, turn.req.sampling.stop, cut
+                    )
                     usage = _usage(result)
                     yield event(
                         "message_delta",

@@ -111,7 +111,9 @@ class ChatOutput:
         return self._deltas(self._parser.finish())
 
     def finish_reason(self, reason: str) -> str:
-        if self.calls:
+        """``reason`` (the worker's), or the calls' when the answer is whole calls; a call cut by
+        ``max_tokens`` keeps "length", as OpenAI answers (its arguments as far as written)."""
+        if self.calls and not any(call.partial for _, call in self.calls):
             return "function_call" if self._legacy else "tool_calls"
         return reason
 

@@ -144,6 +144,8 @@ class Turn:
         except BaseException:
             self.gen.cancel()
             raise
+        if self.timings.first_piece is None:  # when the first piece came, not when the whole did
+            self.timings.first_piece = self.gen.first_piece_at
         self.timings.mark_done()
         self.finished = True
         return result

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse
 from ..errors import (
     ChatTemplateError,
     InvalidGrammarError,
+    InvalidInputError,
     InvalidSamplingError,
     ModelUnavailableError,
     PromptTooLongError,
@@ -46,6 +47,7 @@ _STATUS_BY_CODE = {
     PromptTooLongError.code: 400,
     InvalidGrammarError.code: 400,
     InvalidSamplingError.code: 400,
+    InvalidInputError.code: 400,
     ChatTemplateError.code: 400,
     QueueFullError.code: 429,
     ModelUnavailableError.code: 503,
@@ -65,11 +67,16 @@ _TYPE_BY_STATUS = {
 }
 
 
+def error_type(status: int) -> str:
+    """OpenAI's ``error.type`` for an HTTP status: every 4xx is a client's error, 5xx the server's."""
+    return _TYPE_BY_STATUS.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
 def error_body(message: str, status: int, code: str | None, param: str | None = None) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
-            "type": _TYPE_BY_STATUS.get(status, "server_error"),
+            "type": error_type(status),
             "param": param,
             "code": code,
         }
@@ -104,7 +111,7 @@ def dialect_body(
     """The error body in ``dialect``'s shape: Anthropic's ``{"type": "error", "error": {"type",
     "message"}}``, Ollama's ``{"error": message}``, else OpenAI's (``error_body``)."""
     if dialect == "anthropic":
-        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
         return {"type": "error", "error": {"type": kind, "message": message}}
     if dialect == "ollama":
         return {"error": message}
@@ -129,4 +136,6 @@ def timeshare_error_response(
 ) -> JSONResponse:
     if param is None and isinstance(exc, UnknownModelError):
         param = "model"
+    if param is None and isinstance(exc, InvalidInputError):
+        param = "input"
     return error_response(str(exc), timeshare_error_status(exc), exc.code, param, path=path)

@@ -7,6 +7,8 @@ send it). Refusals come in the dialect's error shape (``errors.dialect_of`` the 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import re
 from collections.abc import Callable
 
 from starlette.responses import Response
@@ -60,12 +62,34 @@ _CORS_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
 _CORS_HEADERS = "authorization, content-type, x-api-key, anthropic-version"
 
 
-def _host_name(host: str) -> str:
-    """A Host header's name, without its port ("[::1]:8385" → "[::1]", "Example:80" → "example")."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+#: a Host header (RFC 9110 7.2 / RFC 3986 3.2.2): one IP literal or name, an optional port, nothing else
+_HOST_RE = re.compile(
+    r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?))(?::(?P<port>[0-9]{0,5}))?"
+)
+
+
+def host_name(host: str) -> str | None:
+    """A Host header's name without its port ("[::1]:8385" → "[::1]", "Example:80" → "example");
+    None when the header is not exactly one host with an optional port ("localhost:80@evil.example",
+    "[::1].evil.example", white space, a path, user info)."""
+    m = _HOST_RE.fullmatch(host.lower())
+    if m is None or (m["port"] and int(m["port"]) > 65535):
+        return None
+    if m["v6"] is not None:
+        try:
+            return f"[{ipaddress.IPv6Address(m['v6']).compressed}]"
+        except ValueError:
+            return None
+    return str(m["name"])
+
+
+def _bind_name(host: str) -> str:
+    """The name a client puts in Host for the address the API binds ("::1" → "[::1]")."""
+    try:
+        address = ipaddress.ip_address(host.strip().strip("[]"))
+    except ValueError:
+        return host.strip().lower()
+    return f"[{address.compressed}]" if address.version == 6 else address.compressed
 
 
 def loopback_name(name: str) -> bool:
@@ -89,7 +113,7 @@ class GuardMiddleware:
         self.app = app
         self.closing = closing
         self.loopback_bind = is_loopback(api_config.host)
-        self.bind_host = _host_name(api_config.host)
+        self.bind_host = _bind_name(api_config.host)
         hosts = {h.strip().lower() for h in api_config.allowed_hosts}
         self.any_host = "*" in hosts
         self.hosts = hosts - {"*"}
@@ -98,9 +122,12 @@ class GuardMiddleware:
         self.origins = origins - {"*"}
 
     def host_allowed(self, host: str | None) -> bool:
+        """Whether a well-formed Host (see :func:`host_name`) names this API."""
         if host is None or self.any_host:
             return True  # HTTP/1.0 without Host: no browser sends that
-        name = _host_name(host)
+        name = host_name(host)
+        if name is None:
+            return False
         if loopback_name(name) or name in self.hosts:
             return True
         if self.loopback_bind:
@@ -124,6 +151,13 @@ class GuardMiddleware:
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host")
+        if host is not None and host_name(host) is None:
+            message = (
+                f"The Host header {host!r} is not a host name with an optional port (such as "
+                "'127.0.0.1:8385'); send the address Timeshare printed."
+            )
+            await error_response(message, 400, "invalid_host", path=scope["path"])(scope, receive, send)
+            return
         if not self.host_allowed(host):
             where = "loopback" if self.loopback_bind else self.bind_host
             message = (

@@ -8,8 +8,9 @@ What is mapped, ignored and refused is listed in docs/API.md ("Ollama API"); the
 are the Structs below, ``options`` the table ``OPTIONS``. Model names: the Timeshare id,
 ``id:latest`` and the name ``/api/tags`` shows (``resolve``). ``keep_alive``: 0 = release the
 model's weights after the answer (sleep level "weights", its KV kept), a duration = the model's
-idle timer (``idle_sleep_s``, in memory until the config is reloaded), negative = no idle
-release; it never pins. Errors are Ollama's ``{"error": "..."}`` (``errors.dialect_body``).
+idle timer (``idle_sleep_s``, saved in the config file), negative or over 10 years
+(``MAX_IDLE_SLEEP_S``) = no idle release; infinite or NaN = a 400; it never pins. Errors are
+Ollama's ``{"error": "..."}`` (``errors.dialect_body``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import math
 import re
 import secrets
 import threading
@@ -30,7 +32,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import paths
 from ..chatformat.parse import Event
+from ..config.files import update_config
+from ..config.schema import Config
+from ..config.validate import MAX_IDLE_SLEEP_S
 from ..errors import ModelUnavailableError, TimeshareError, UnknownModelError
 from ..pool.generation import GenerationResult
 from ..sampling import MAX_STOP, for_front_end
@@ -246,37 +252,73 @@ _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
 
 
 def keep_alive_seconds(value: str | float | None) -> float | None:
-    """``keep_alive`` in seconds (Go's duration syntax, or a number of seconds); None: absent."""
+    """``keep_alive`` in seconds (Go's duration syntax, or a number of seconds); None: absent.
+    Infinite or not-a-number values are a 400 (a value too large to be a number too)."""
     if value is None:
         return None
+    seconds: float
     if isinstance(value, int | float):
-        return float(value)
-    text = value.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    parts = _DURATION.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
-        raise BadRequestError(_RULES["keep_alive"], "keep_alive")
-    negative = text.startswith("-")
-    total = sum(abs(float(n)) * _UNIT_S[u] for n, u in parts)
-    return -total if negative else total
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = float("inf")
+    else:
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(n + u for n, u in parts) != text.replace(" ", ""):
+                raise BadRequestError(_RULES["keep_alive"], "keep_alive") from None
+            negative = text.startswith("-")
+            total = sum(abs(float(n)) * _UNIT_S[u] for n, u in parts)
+            seconds = -total if negative else total
+    if not math.isfinite(seconds):
+        raise BadRequestError(
+            f"'keep_alive' must be a finite duration; got {value!r}. Send a negative value (or "
+            f"anything over {MAX_IDLE_SLEEP_S:.0f} s) to keep the model loaded forever.",
+            "keep_alive",
+        )
+    return seconds
+
+
+def idle_timer(seconds: float) -> float | None:
+    """A non-zero keep_alive as the model's ``idle_sleep_s``: negative, or over the config's
+    maximum (MAX_IDLE_SLEEP_S, 10 years), is None (never released on idle)."""
+    return None if seconds < 0 or seconds > MAX_IDLE_SLEEP_S else seconds
+
+
+def _with_idle(config: Config, model_id: str, idle: float | None) -> Config:
+    models = tuple(
+        dataclasses.replace(m, idle_sleep_s=idle) if m.id == model_id else m for m in config.models
+    )
+    return dataclasses.replace(config, models=models)
 
 
 def apply_keep_alive(host: Host, model_id: str, seconds: float | None) -> None:
-    """A duration or negative keep_alive as the model's idle timer (blocking; before the answer)."""
+    """A duration or negative keep_alive as the model's idle timer (blocking; before the answer),
+    saved through the config's one writer (``files.update_config``: the file as it is now, under
+    its lock, applied to the pool before the next change), so that concurrent changes all land.
+    A model the file does not hold changes in the pool only, under the same lock."""
     if seconds is None or seconds == 0:
         return
-    config = host.pool.config
-    model = config.model(model_id)
-    wanted = None if seconds < 0 else seconds
+    wanted = idle_timer(seconds)
+    model = host.pool.config.model(model_id)
     if model is None or model.idle_sleep_s == wanted:
         return
-    models = tuple(
-        dataclasses.replace(m, idle_sleep_s=wanted) if m.id == model_id else m for m in config.models
-    )
-    host.pool.apply_config(dataclasses.replace(config, models=models))
+    in_file: list[bool] = []
+
+    def change(current: Config) -> Config:
+        in_file[:] = [current.model(model_id) is not None]
+        return _with_idle(current, model_id, wanted) if in_file[0] else current
+
+    def then(saved: Config) -> None:
+        if in_file[0]:
+            host.pool.apply_config(saved)
+        else:
+            host.pool.apply_config(_with_idle(host.pool.config, model_id, wanted))
+
+    update_config(change, host.config_path or paths.config_file(), then=then)
 
 
 def release_now(host: Host, model_id: str) -> None:
@@ -398,6 +440,8 @@ def _message(events: list[Event]) -> dict[str, Any]:
         elif e.kind == "reasoning":
             message["thinking"] = message.get("thinking", "") + e.text
         elif e.kind in ("call", "call_end") and e.call is not None:  # (call_start/arguments: parts)
+            if e.call.partial:  # cut by num_predict: Ollama's calls carry whole arguments objects
+                continue
             try:
                 arguments = json.loads(e.call.arguments or "{}")
             except ValueError:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import paths
-from ..config.files import load_config, save_config
-from ..config.schema import ModelConfig
+from ..config.files import update_config
+from ..config.schema import Config, ModelConfig
 from ..errors import TimeshareError
 from ..gguf.catalog import CatalogEntry, read_chat_template, read_gguf_header
 from ..state import EventKind, ModelState, ModelStatus, PoolEvent
@@ -37,7 +37,7 @@ from .embeddings import MAX_INPUTS
 from .errors import BadRequestError, ClientGoneError
 from .extras import switch_extras
 from .ollama import IGNORED_OPTIONS, OPTIONS, decode, resolve, shown_name
-from .ollama_pull import pull_lines
+from .ollama_pull import PullJob
 from .requests import read_json
 
 #: a model's expires_at when its idle release is off (Ollama shows a far future the same way)
@@ -264,7 +264,10 @@ class ModelRoutes:
         if idle is None or status.pinned:
             return NEVER
         last = self.last_use.get(status.id) or self.started
-        return _iso(last + idle)
+        try:
+            return _iso(last + idle)
+        except (OverflowError, ValueError, OSError):  # past datetime's years (a config built in code)
+            return NEVER
 
     async def ps(self, request: Request) -> Response:
         out = []
@@ -300,21 +303,24 @@ class ModelRoutes:
 
     def _delete(self, model_id: str, delete_file: bool) -> None:
         path = self._config_path()
-        config = load_config(path, check_paths=False)
-        model = config.model(model_id)
-        if model is None:
-            raise BadRequestError(
-                f"model {model_id!r} is not in {path} (it comes from elsewhere, such as the demo "
-                "models): remove it there.",
-                "model",
-                status=404,
-            )
-        save_config(
-            dataclasses.replace(config, models=tuple(m for m in config.models if m.id != model_id)), path
-        )
-        self.host.pool.apply_config(load_config(path, check_paths=False))
+        removed: list[ModelConfig] = []
+
+        def change(config: Config) -> Config:
+            model = config.model(model_id)
+            if model is None:
+                raise BadRequestError(
+                    f"model {model_id!r} is not in {path} (it comes from elsewhere, such as the demo "
+                    "models): remove it there.",
+                    "model",
+                    status=404,
+                )
+            removed.append(model)
+            return dataclasses.replace(config, models=tuple(m for m in config.models if m.id != model_id))
+
+        # the one writer: the file as it is now, under its lock, applied before the next change
+        update_config(change, path, then=self.host.pool.apply_config)
         if delete_file:
-            Path(model.path).unlink(missing_ok=True)
+            Path(removed[0].path).unlink(missing_ok=True)
 
     async def delete(self, request: Request) -> Response:
         body: NameBody = decode(await read_json(request), NameBody)
@@ -329,12 +335,19 @@ class ModelRoutes:
             raise BadRequestError(
                 "'model' is required: hf.co/ORG/REPO:QUANT or the URL of a .gguf file.", "model"
             )
-        lines = pull_lines(self.host, name, self._config_path())
+        job = PullJob(self.host, name, self._config_path())
         if body.stream:
-            return StreamingResponse(_aiter(lines), media_type="application/x-ndjson")
+
+            async def lines() -> AsyncIterator[bytes]:
+                async for item in _watched(request, job):
+                    yield json.dumps(item).encode() + b"\n"
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
         last: dict[str, Any] = {}
-        async for item in _aiter(lines, raw=True):
+        async for item in _watched(request, job):
             last = item
+        if job.cancelled:
+            return Response(status_code=499)
         if "error" in last:
             raise BadRequestError(str(last["error"]), "model")
         return JSONResponse(last)
@@ -379,13 +392,25 @@ class ModelRoutes:
         )
 
 
-async def _aiter(items: Iterator[dict[str, Any]], raw: bool = False) -> AsyncIterator[Any]:
-    end = object()
-    while True:
-        item = await anyio.to_thread.run_sync(next, items, end, abandon_on_cancel=True)
-        if item is end:
-            return
-        yield item if raw else json.dumps(item).encode() + b"\n"
+#: how often a pull that sends nothing looks whether its client is still there
+PULL_WATCH_S = 0.5
+
+
+async def _watched(request: Request, job: PullJob) -> AsyncIterator[dict[str, Any]]:
+    """The pull's progress objects while its client is there: a client that goes away (streamed
+    or not), or a consumer that stops, cancels the download (its partial file is kept for a
+    resume, as ``timeshare pull`` keeps it)."""
+    try:
+        while not job.ended:
+            item = await anyio.to_thread.run_sync(job.get, PULL_WATCH_S, abandon_on_cancel=True)
+            if await request.is_disconnected():
+                job.cancel()
+                return
+            if item is not None:
+                yield item
+    finally:
+        if not job.ended:
+            job.cancel()
 
 
 def routes(host: Host) -> list[Route]:

@@ -45,7 +45,7 @@ from .connections import (
     connection_limit,
     install_log_limits,
 )
-from .errors import BadRequestError
+from .errors import BadRequestError, dialect_of
 from .handlers import HEALTH_HEADER, ConfigReloader, create_app, reload_config
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,9 @@ class ApiServer:
         self.url = _url(self.api_config.host, self.port)
         self.app = create_app(self.pool, self.api_config, reload=self.reload, config_path=self.config_path)
         self._bind_ollama()
-        self.app.state.served.update(served_dialects(self.url, self.ollama_url, self.ollama_refused))
+        self.app.state.served.update(
+            served_dialects(self.url, self.ollama_url, self.ollama_refused, dialect_paths(self.app))
+        )
         install_log_limits()
         config = uvicorn.Config(
             self.app,
@@ -271,14 +273,35 @@ class ApiServer:
             self.app = None
 
 
-def served_dialects(url: str, ollama_url: str | None, ollama_refused: str = "") -> dict[str, object]:
-    """Which dialects are served where (the status's ``served``)."""
-    ollama: dict[str, object] = {"urls": [url] + ([ollama_url] if ollama_url else []), "paths": "/api/*"}
+def dialect_paths(app: Starlette) -> dict[str, list[str]]:
+    """Each dialect's paths, read from the app's routes (``errors.dialect_of`` each path; the
+    /v1 paths that are not Anthropic's are OpenAI's), so that the status cannot drift from them.
+    Timeshare's own routes (/timeshare/..., /health) are left out."""
+    out: dict[str, list[str]] = {"openai": [], "anthropic": [], "ollama": []}
+    for route in app.routes:
+        path = getattr(route, "path", None)
+        if not isinstance(path, str):
+            continue
+        dialect = dialect_of(path)
+        if dialect != "openai" or path.startswith("/v1/"):
+            out[dialect].append(path)
+    return out
+
+
+def served_dialects(
+    url: str, ollama_url: str | None, ollama_refused: str = "", paths: dict[str, list[str]] | None = None
+) -> dict[str, object]:
+    """Which dialects are served where (the status's ``served``); ``paths``: ``dialect_paths``."""
+    shown = {name: ", ".join(found) for name, found in (paths or {}).items()}
+    ollama: dict[str, object] = {
+        "urls": [url] + ([ollama_url] if ollama_url else []),
+        "paths": shown.get("ollama", ""),
+    }
     if ollama_refused:
         ollama["refused"] = ollama_refused
     return {
-        "openai": {"urls": [url], "paths": "/v1/chat/completions, /v1/completions, /v1/models"},
-        "anthropic": {"urls": [url], "paths": "/v1/messages"},
+        "openai": {"urls": [url], "paths": shown.get("openai", "")},
+        "anthropic": {"urls": [url], "paths": shown.get("anthropic", "")},
         "ollama": ollama,
     }
 

@@ -9,7 +9,9 @@ the name once it is written, ``call_arguments`` pieces of the arguments' JSON te
 add up to them); any other call (arguments as a string, Mistral's, whose ids follow the arguments)
 comes whole as ``call``. Text after the calls is dropped. What never parses as a call (broken JSON,
 a block that never closes) comes back as content at ``finish``, marker included, so nothing the
-model wrote is lost (a call that started streaming and never ended is not taken back).
+model wrote is lost; a call that started streaming and never ended (the answer was cut by
+``max_tokens``) is not taken back: ``finish`` ends it with its arguments as far as they were
+written (``ParsedCall.partial``), as OpenAI returns a cut call.
 
 Where calls are recognised (``tools`` true):
 
@@ -48,6 +50,7 @@ class ParsedCall:
     name: str
     arguments: str  # JSON text (an object as the model wrote it, re-encoded)
     id: str | None = None  # the model's own id (Mistral writes one)
+    partial: bool = False  # the answer ended inside it (max_tokens): its arguments as far as written
 
 
 #: "call": a whole call at once; "call_start" (its name, arguments ""), "call_arguments" (a piece
@@ -171,6 +174,7 @@ class AnswerParser:
         self._raw = ""  # the calls part as written (returned as content if no call parses)
         self._in_array = False  # mistral: inside the calls' JSON array
         self._streaming: tuple[str, str] | None = None  # the call being streamed: name, arguments sent
+        self._partial = ""  # the streaming call's arguments as written so far
         self._n_calls = 0
         self._space = ""  # white space before a marker (content again if the calls fail)
         self._reasoned = False  # some reasoning text went out (leading white space is dropped)
@@ -194,6 +198,8 @@ class AnswerParser:
         for _ in range(8):
             self._step(out, final=True)
         if self._mode == "calls":
+            if self._streaming is not None:
+                self._end_partial(out)
             if self._n_calls == 0 and self._raw.strip():
                 out.append(Event("content", self._raw))
         elif self._mode in ("content", "content_start", "start"):
@@ -341,11 +347,25 @@ class AnswerParser:
         name, sent = self._streaming
         end = _value_end(rest, 0)
         written = rest if end is None else rest[:end]
+        self._partial = written
         # hold back white space at the end (it may belong between the arguments and the brace)
         written = written if end is not None else written.rstrip()
         if len(written) > len(sent):
             out.append(Event("call_arguments", text=written[len(sent) :]))
             self._streaming = (name, written)
+
+    def _end_partial(self, out: list[Event]) -> None:
+        """The answer ended inside a streaming call: end it with its arguments as written."""
+        assert self._streaming is not None
+        name, sent = self._streaming
+        self._streaming = None
+        written = self._partial.rstrip()
+        if written.startswith(sent) and len(written) > len(sent):
+            out.append(Event("call_arguments", text=written[len(sent) :]))
+        else:
+            written = sent
+        self._n_calls += 1
+        out.append(Event("call_end", call=ParsedCall(name, written, partial=True)))
 
     def _calls(self, out: list[Event]) -> None:
         if self.family.name == "hermes":

@@ -3,11 +3,14 @@ atomic writes that keep the user's comments."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
+import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -313,6 +316,61 @@ def save_config(config: Config, path: str | Path | None = None, *, check_paths: 
     _note_written(target, text)
     log.info("config saved to %s", target)
     return target
+
+
+# ---- the one writer ----------------------------------------------------------------------
+
+# a lock per config file for this process's threads (each holder also opens its own descriptor
+# and flocks it, which alone would exclude them too: the thread lock keeps their wait in-process)
+_FILE_LOCKS: dict[str, threading.Lock] = {}
+_FILE_LOCKS_LOCK = threading.Lock()
+
+
+def lock_path(path: Path) -> Path:
+    """The lock file beside a config file (``config.toml.lock``): what ``config_lock`` flocks."""
+    return path.with_name(path.name + ".lock")
+
+
+@contextlib.contextmanager
+def config_lock(path: str | Path | None = None) -> Iterator[Path]:
+    """Hold the config file's writer lock (default file: ``paths.config_file()``): one thread of
+    this process at a time, and one process at a time (an exclusive ``flock`` on
+    :func:`lock_path`, which the CLI, the tray and the API all take). Yields the file's path."""
+    target = Path(path).expanduser() if path is not None else paths.config_file()
+    key = str(target.absolute())
+    with _FILE_LOCKS_LOCK:
+        lock = _FILE_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path(target), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield target
+        finally:
+            os.close(fd)  # closing the descriptor drops the flock
+
+
+def update_config(
+    change: Callable[[Config], Config],
+    path: str | Path | None = None,
+    *,
+    then: Callable[[Config], None] | None = None,
+) -> Config:
+    """The one read-modify-write of the config file: under :func:`config_lock`, load the file as
+    it is now (``check_paths=False``; the defaults when there is none), ``change`` it, save it
+    when it changed, and call ``then`` with the file's config as saved (a pool's
+    ``apply_config``) before the lock is let go, so that changes from threads and processes land
+    one after another, each on top of the last, and are applied in that order. ``change`` may
+    raise (ConfigError...): nothing is written. Returns the config as saved."""
+    with config_lock(path) as target:
+        current = load_config(target, check_paths=False)
+        new = change(current)
+        if new != current:
+            save_config(new, target)
+            new = load_config(target, check_paths=False)
+        if then is not None:
+            then(new)
+        return new
 
 
 # the texts this process saved, by file: the config watcher does not apply them again

@@ -260,6 +260,11 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
     return ModelConfig(**values)
 
 
+#: the longest idle timer (10 years): longer ones are refused here, and the API's keep_alive maps
+#: them to "never" (false); every reader of the config (timers, /api/ps's expires_at) takes this
+MAX_IDLE_SLEEP_S = 10 * 365 * 86400.0
+
+
 def _idle_sleep_checker(c: _Checker) -> Any:
     number = _number(c, ModelConfig, "idle_sleep_s")
 
@@ -270,7 +275,11 @@ def _idle_sleep_checker(c: _Checker) -> Any:
         if value is True:
             c.problem(where, "must be a number of seconds, or false for never")
             return None
-        return number(where, value)
+        seconds = number(where, value)
+        if seconds is not None and seconds > MAX_IDLE_SLEEP_S:
+            c.problem(where, f"must be at most {MAX_IDLE_SLEEP_S:.0f} s (10 years); false means never")
+            return None
+        return seconds
 
     return check
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -56,6 +57,9 @@ class Generation:
         self._embeddings: list[tuple[float, ...]] = []
         self._result: GenerationResult | None = None
         self.cancelled = False
+        #: time.monotonic() when its first piece of text arrived (None: none yet); a whole answer's
+        #: waiter tells from it when the decode of the rest began
+        self.first_piece_at: float | None = None
         # pool-thread bookkeeping
         self._sent_at = 0.0
         self._load_crashes = 0  # the worker died this many times while this request waited for its load
@@ -103,6 +107,8 @@ class Generation:
     def _feed(self, text: str, logprobs: tuple[protocol.TokenLogprobs, ...] = ()) -> None:
         self._logprobs.extend(logprobs)
         if text:
+            if self.first_piece_at is None:
+                self.first_piece_at = time.monotonic()
             self._parts.append(text)
             self._piece_logprobs.append(logprobs)
             self._stream.put(text)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from .. import paths
-from ..config.files import load_config, save_config
+from ..config.files import update_config
 from ..config.schema import Config, ModelConfig
 from ..config.validate import MODEL_ID_RE
 from ..errors import ConfigError
@@ -45,33 +46,43 @@ def add_to_config(
     *,
     model_id: str | None = None,
     name: str | None = None,
+    then: Callable[[Config], None] | None = None,
 ) -> tuple[Config, ModelConfig, bool]:
     """Add the pulled model to the config file (created with the defaults, demo models included,
-    when there is none). Returns (the config, the model, whether it was added): a model already
-    configured with this file is left as it is. Its id and display name come from what was pulled
-    (:func:`pulled_label`), or ``model_id``/``name``; unique in the config. Raises ConfigError (an
-    id or name in use, a bad file)."""
+    when there is none), through the one writer (``files.update_config``: the file as it is now,
+    under its lock, so that concurrent pulls each land). Returns (the config, the model, whether
+    it was added): a model already configured with this file is left as it is. Its id and display
+    name come from what was pulled (:func:`pulled_label`), or ``model_id``/``name``; unique in
+    the config. ``then(config)`` runs before the lock is let go (a pool's ``apply_config``).
+    Raises ConfigError (an id or name in use, a bad file)."""
     target = Path(config_path).expanduser() if config_path is not None else paths.config_file()
-    config = load_config(target, check_paths=False)
-    same = next((m for m in config.models if _same_file(m.path, result.path)), None)
-    if same is not None and (model_id is None or model_id == same.id):
-        return config, same, False
-    taken = {m.id for m in config.models}
-    if model_id is not None and not MODEL_ID_RE.match(model_id):
-        raise ConfigError(
-            [f"--id: {model_id!r} may contain only lowercase letters, digits, '.', '_' and '-'"]
-        )
-    if model_id is not None and model_id in taken:
-        raise ConfigError([f"--id: {model_id!r} is already used by another model: choose another id"])
-    if name is not None and any(
-        name.casefold() in (m.id.casefold(), m.display_name.casefold()) for m in config.models
-    ):
-        raise ConfigError(
-            [f"--name: {name!r} is already the name or id of another model: choose another name"]
-        )
-    chosen_id, display = pulled_names(pulled_label(result), config.models, model_id=model_id, name=name)
-    model = model_config_from_entry(result.entry, taken)
-    model = replace(model, id=chosen_id, name=display, path=str(result.path))
-    new = replace(config, models=(*config.models, model))
-    save_config(new, target)
-    return new, model, True
+    found: list[tuple[ModelConfig, bool]] = []
+
+    def change(config: Config) -> Config:
+        found.clear()
+        same = next((m for m in config.models if _same_file(m.path, result.path)), None)
+        if same is not None and (model_id is None or model_id == same.id):
+            found.append((same, False))
+            return config
+        taken = {m.id for m in config.models}
+        if model_id is not None and not MODEL_ID_RE.match(model_id):
+            raise ConfigError(
+                [f"--id: {model_id!r} may contain only lowercase letters, digits, '.', '_' and '-'"]
+            )
+        if model_id is not None and model_id in taken:
+            raise ConfigError([f"--id: {model_id!r} is already used by another model: choose another id"])
+        if name is not None and any(
+            name.casefold() in (m.id.casefold(), m.display_name.casefold()) for m in config.models
+        ):
+            raise ConfigError(
+                [f"--name: {name!r} is already the name or id of another model: choose another name"]
+            )
+        chosen_id, display = pulled_names(pulled_label(result), config.models, model_id=model_id, name=name)
+        model = model_config_from_entry(result.entry, taken)
+        model = replace(model, id=chosen_id, name=display, path=str(result.path))
+        found.append((model, True))
+        return replace(config, models=(*config.models, model))
+
+    new = update_config(change, target, then=then)
+    model, added = found[0]
+    return new, new.model(model.id) or model, added

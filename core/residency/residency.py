@@ -772,13 +772,16 @@ class Residency:
         self._enter(weights=Weights.ALL)
         self._enter(kv=Kv.DEVICE)
         gbps = nbytes / 1e9 / dt if dt > 0 and not overlapped else 0.0
+        # the rate of what this call moved, once it is all there: none while uploads go on (an
+        # overlapped restore's uploads end at its settle, whose line has its timeline)
+        rate = f", {nbytes / 1e9 / dt:.2f} GB/s" if dt > 0 and nbytes and not pending else ""
         log.info(
-            "restored %s (%s): %.2f ms, %.1f MB, %.2f GB/s%s%s",
+            "restored %s (%s): %.2f ms, %.1f MB%s%s%s",
             self.model_path,
             level,
             dt * 1000,
             nbytes / 1e6,
-            gbps,
+            rate,
             "" if moved is None else f", weights {'moved' if moved else 'back at their addresses'}",
             f", overlapped ({pending / 1e6:.1f} MB uploading on)" if overlapped else "",
         )

@@ -54,6 +54,7 @@ from ..config.schema import ModelConfig
 from ..errors import (
     CancelledError,
     ChatTemplateError,
+    InvalidInputError,
     InvalidSamplingError,
     ModelFileError,
     PromptTooLongError,
@@ -770,19 +771,21 @@ class Engine:
         tokens). An embedding model's context is its own; a chat model's least recently used idle
         sequence is first kept as a host snapshot (the KV of every conversation stays), then its
         context embeds in that sequence and gives it back empty (never while a batch decodes).
-        Raises PromptTooLongError for an input over the batch, InvalidSamplingError for a token id
+        Raises PromptTooLongError for an input over the batch, InvalidInputError for a token id
         outside the vocabulary."""
         llm = self.llm
         n_vocab = self.info.n_vocab
         token_lists: list[list[int]] = []
-        for item in inputs:
+        for i, item in enumerate(inputs):
             if isinstance(item, str):
                 token_lists.append(list(llm.tokenize(item.encode("utf-8"))))
             else:
                 bad = [t for t in item if not 0 <= int(t) < n_vocab]
                 if bad:
-                    raise InvalidSamplingError(
-                        f"token {bad[0]} is not in {self.model.display_name}'s vocabulary (0..{n_vocab - 1})"
+                    where = "input" if len(inputs) == 1 else f"input[{i}]"
+                    raise InvalidInputError(
+                        f"{where}: token {bad[0]} is not in {self.model.display_name}'s vocabulary "
+                        f"(0..{n_vocab - 1}); send token ids from this model's tokenizer, or text"
                     )
                 token_lists.append([int(t) for t in item])
         before_step()  # residency first: the context is about to decode
