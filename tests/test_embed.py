@@ -144,13 +144,29 @@ def test_a_chat_model_packs_inputs_into_its_sequences(smollm2_path: Path, oracle
         engine.close()
 
 
+def test_an_embedding_model_entry_packs_inputs(smollm2_path: Path, oracle: Any) -> None:
+    engine = Engine.load(ModelConfig(id="emb", path=str(smollm2_path), n_ctx=512, embedding=True, parallel=4))
+    try:
+        steps: list[int] = []
+        vectors, _ = engine.embed(MANY, lambda: steps.append(1))
+        assert len(steps) - 1 < len(MANY)
+        alone = [engine.embed([text])[0][0] for text in MANY]
+        assert vectors == alone  # bit for bit
+        for text, vector in zip(MANY, vectors, strict=True):
+            assert _cosine_distance(vector, oracle.embed(text, normalize=True)) < COSINE_TOLERANCE, text
+    finally:
+        engine.close()
+
+
 @contextlib.contextmanager
 def _pooled_context(path: Path, pooling: int, sequences: int) -> Iterator[Any]:
     """A Llama whose context pools in llama.cpp (``pooling``) over ``sequences`` KV streams, as the
     worker makes a context of several sequences (engine._sequences)."""
     from llama_cpp import _internals
 
-    llm = llama_cpp.Llama(str(path), n_ctx=512 * sequences, embedding=True, pooling_type=pooling, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=512 * sequences, embedding=True, pooling_type=pooling, verbose=False
+    )
     params = llm.context_params
     params.n_seq_max = sequences
     params.kv_unified = False
@@ -164,7 +180,8 @@ def _pooled_context(path: Path, pooling: int, sequences: int) -> Iterator[Any]:
 
 
 @pytest.mark.parametrize(
-    "pooling", [llama_cpp.LLAMA_POOLING_TYPE_MEAN, llama_cpp.LLAMA_POOLING_TYPE_LAST, llama_cpp.LLAMA_POOLING_TYPE_CLS]
+    "pooling",
+    [llama_cpp.LLAMA_POOLING_TYPE_MEAN, llama_cpp.LLAMA_POOLING_TYPE_LAST, llama_cpp.LLAMA_POOLING_TYPE_CLS],
 )
 def test_llama_cpp_pooling_over_several_sequences(smollm2_path: Path, pooling: int) -> None:
     """Where llama.cpp pools, a decode of several KV streams packs only inputs of one length (a

@@ -48,7 +48,11 @@ def cut(client: openai.OpenAI) -> tuple[int, str]:
     """The first token count that ends inside a character of the greedy answer, and the text up
     to the last whole character before it (from the tokens' bytes in the logprobs)."""
     full = client.chat.completions.create(
-        model=SMOL, messages=MESSAGES, max_tokens=24, temperature=0, logprobs=True  # type: ignore[arg-type]
+        model=SMOL,
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,  # type: ignore[arg-type]
     )
     assert full.choices[0].logprobs is not None and full.choices[0].logprobs.content
     pieces = [bytes(e.bytes or []) for e in full.choices[0].logprobs.content]
@@ -56,7 +60,9 @@ def cut(client: openai.OpenAI) -> tuple[int, str]:
     assert n is not None, f"the greedy answer has no character of several tokens: {pieces}"
     text = b"".join(pieces[:n]).decode("utf-8", errors="ignore")  # the cut character dropped
     assert full.choices[0].message.content is not None
-    assert full.choices[0].message.content.startswith(text) and len(full.choices[0].message.content) > len(text)
+    assert full.choices[0].message.content.startswith(text) and len(full.choices[0].message.content) > len(
+        text
+    )
     return n, text
 
 

@@ -208,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--parallel", type=int, default=0, help="the model's sequences (default 0: the build's default)"
     )
     bemb.add_argument(
-        "--llama-server", metavar="PATH", help="also llama-server --embeddings --pooling mean on the same model"
+        "--llama-server",
+        metavar="PATH",
+        help="also llama-server --embeddings --pooling mean on the same model",
     )
     bemb.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
     bemb.add_argument("--json", action="store_true", help=_JSON_HELP)

@@ -112,7 +112,9 @@ def run_embed_bench(
     }
     with tempfile.TemporaryDirectory(prefix="timeshare-bench-embed-") as tmp:
         progress(f"timeshare serve, parallel {parallel or 'default'}")
-        serve = Serve(Path(tmp) / "ts", ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel)
+        serve = Serve(
+            Path(tmp) / "ts", ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel
+        )
         try:
             serve.wait_ready()
             report["systems"]["timeshare"] = _measure(serve.port, counts, int(args.words), int(args.rounds))
@@ -157,7 +159,10 @@ def print_table(report: dict[str, Any]) -> None:
         f"per input, {report['rounds']} round(s), {report['cpus']} CPUs, load "
         f"{report['load_before'][0]:.1f} before, {report['load_after'][0]:.1f} after"
     )
-    print(f"{'inputs':>6}  {'system':<13} {'tokens':>7} {'s (median)':>11} {'inputs/s':>9} {'ratio':>6} {'cos':>9}")
+    print(
+        f"{'inputs':>6}  {'system':<13} {'tokens':>7} {'s (median)':>11} {'inputs/s':>9} "
+        f"{'ratio':>6} {'cos':>9}"
+    )
     counts = list(report["systems"]["timeshare"])
     for key in counts:
         for system in SYSTEMS:
@@ -165,7 +170,9 @@ def print_table(report: dict[str, Any]) -> None:
             if row is None:
                 continue
             ratio = f"{row['ratio']:.2f}" if row.get("ratio") is not None else ""
-            cos = f"{row['least_cosine_vs_llama_server']:.6f}" if "least_cosine_vs_llama_server" in row else ""
+            cos = (
+                f"{row['least_cosine_vs_llama_server']:.6f}" if "least_cosine_vs_llama_server" in row else ""
+            )
             print(
                 f"{row['inputs']:>6}  {system:<13} {row['prompt_tokens']:>7} {row['seconds_median']:>11.3f} "
                 f"{row['inputs_per_s']:>9.1f} {ratio:>6} {cos:>9}"

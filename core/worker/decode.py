@@ -52,6 +52,7 @@ from .protocol import FinishReason
 from .sampler import GrammarDeadEnd, GreedyRows, Sampler, TokenLogprob
 from .textstream import TextStream
 
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))

@@ -22,7 +22,10 @@ that input alone). The inputs are packed shortest first: llama.cpp splits a batc
 KV streams (``kv_unified`` false) into micro-batches of equally many tokens from each sequence, so
 inputs of like length make fewer of them. Where llama.cpp pools, a pooled sequence must lie in
 one micro-batch (its pooled vector is taken per micro-batch): a decode holds at most ``n_ubatch``
-tokens, and on a context with a KV cache of several streams only inputs of one length.
+tokens, and on a context with a KV cache of several streams only inputs of one length. A context
+whose KV cache is one stream for all sequences (``kv_unified``: llama-cpp-python's own embedding
+context) embeds one input per decode: there a longer input packed after shorter ones came out
+2e-3 off its own vector. The worker's contexts have a stream per sequence (engine._sequences).
 
 Never ``Llama.embed``: it clears the whole KV cache. Inputs longer than one decode may hold are
 refused (``PromptTooLongError``), as llama-server refuses them.
@@ -55,9 +58,7 @@ def pack(lengths: Sequence[int], limit: int, n_seq: int, *, equal: bool = False)
     used = 0
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         n = lengths[i]
-        if group and (
-            len(group) >= n_seq or used + n > limit or (equal and n != lengths[group[0]])
-        ):
+        if group and (len(group) >= n_seq or used + n > limit or (equal and n != lengths[group[0]])):
             groups.append(group)
             group, used = [], 0
         group.append(i)
@@ -105,6 +106,10 @@ def embed_tokens(
     if not inputs:
         return []
     seqs = sorted(int(s) for s in seq_ids)
+    if memory and bool(getattr(llm.context_params, "kv_unified", False)):
+        # one KV stream for all sequences: a longer input packed after shorter ones came out 2e-3
+        # off its own vector (SmolLM2, llama-cpp-python 0.3.36); separate streams are bit for bit
+        seqs = seqs[:1]
     # several KV streams split a batch into micro-batches of equally many tokens per sequence
     equal = pooled and bool(memory) and int(llama_cpp.llama_n_seq_max(ctx)) > 1
     groups = pack([len(t) for t in inputs], limit, len(seqs), equal=equal)

@@ -219,7 +219,9 @@ class Engine:
                 f"model file {model.path} cannot be loaded: llama.cpp could not load it "
                 "(unsupported architecture or damaged file); see the worker log"
             ) from None
-        if parallel > 1:
+        if parallel > 1 or model.embedding:
+            # an embedding context too: llama-cpp-python makes it of 256 sequences in one unified
+            # KV stream, where packed inputs of unlike lengths changed a vector by 2e-3 (embed.py)
             _sequences(llm, parallel)
         chat_template = None
         want = model.chat_format
