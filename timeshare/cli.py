@@ -319,6 +319,27 @@ def _add_diagnostics(sub: Any) -> None:
     bpar.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
     bpar.add_argument("--json", action="store_true", help=_JSON_HELP)
 
+    bemb = bench_sub.add_parser(
+        "embed", help="/v1/embeddings throughput: inputs/s for 1, 64 and 2,048 short inputs (batching)"
+    )
+    bemb.add_argument("--model", metavar="PATH", help="GGUF file (default: the SmolLM2 demo model)")
+    bemb.add_argument(
+        "--counts", default="1,64,2048", metavar="N,N,...", help="inputs per request (default: 1,64,2048)"
+    )
+    bemb.add_argument("--words", type=int, default=8, help="words per input (default: 8)")
+    bemb.add_argument("--rounds", type=int, default=3, help="requests per count; the median (default: 3)")
+    bemb.add_argument("--n-ctx", type=int, default=2048, help="context per sequence (default: 2048)")
+    bemb.add_argument(
+        "--parallel", type=int, default=0, help="the model's sequences (default 0: the build's default)"
+    )
+    bemb.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="also llama-server --embeddings --pooling mean on the same model",
+    )
+    bemb.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
+    bemb.add_argument("--json", action="store_true", help=_JSON_HELP)
+
     arena = sub.add_parser(
         "arena-test", help="stress the VRAM arena with real workers and check the invariant"
     )

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -316,16 +317,23 @@ def fresh_process(path: str, n_ctx: int, prompt: str, flash_attn: bool, work: Pa
 
 class LlamaServer:
     """One llama-server process (e2e_switch.py's flags: all layers on the GPU, one slot, or
-    ``parallel`` slots sharing ``n_ctx``)."""
+    ``parallel`` slots sharing ``n_ctx``; ``extra`` flags after them)."""
 
     def __init__(
-        self, binary: str, model: str, n_ctx: int, flash_attn: bool, log_path: Path, parallel: int = 1
+        self,
+        binary: str,
+        model: str,
+        n_ctx: int,
+        flash_attn: bool,
+        log_path: Path,
+        parallel: int = 1,
+        extra: Sequence[str] = (),
     ) -> None:
         self.port = _free_port()
         self.log = log_path
         cmd = [binary, "-m", model, "-ngl", "999", "-c", str(n_ctx), "--port", str(self.port)]
         cmd += ["--host", "127.0.0.1", "-np", str(parallel), "-b", "2048", "-ub", "512"]
-        cmd += ["--flash-attn", "on" if flash_attn else "off"]
+        cmd += ["--flash-attn", "on" if flash_attn else "off", *extra]
         with log_path.open("ab") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True

@@ -220,6 +220,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_api import main as api_main
 
         return api_main(args)
+    if args.bench == "embed":
+        from .bench_embed import main as embed_main
+
+        return embed_main(args)
     if args.bench == "parallel":
         from .bench_parallel import main as parallel_main
 

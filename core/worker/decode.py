@@ -27,11 +27,12 @@ loop does what it did, in the same order, with the same numerics, for several se
   strings; see textstream.py). The answer ends at the earliest stop string, which is reported.
 
 Greedy answers are bit-for-bit those of ``create_completion`` (tests/test_decode.py compares them
-on both demo models), alone and in a batch (tests/test_batch.py), including its way with a token
-limit reached inside a multi-byte character: it samples on until the character is complete (here:
-at most ``_UTF8_GRACE`` more tokens), so ``completion_tokens`` may exceed ``max_tokens`` by a few.
-One difference: a request without ``seed`` gets a random one (llama-cpp-python derived it from the
-previous request's).
+on both demo models), alone and in a batch (tests/test_batch.py). Two differences: a request
+without ``seed`` gets a random one (llama-cpp-python derived it from the previous request's); and
+a token limit reached inside a multi-byte character ends the answer there (``create_completion``
+sampled on until the character was complete, past ``max_tokens``): ``completion_tokens`` never
+exceeds ``max_tokens``, the text ends on the last whole character and the finish reason is
+``length`` (issue 45).
 """
 
 from __future__ import annotations
@@ -50,10 +51,6 @@ from ..sampling import Sampling
 from .protocol import FinishReason
 from .sampler import GrammarDeadEnd, GreedyRows, Sampler, TokenLogprob
 from .textstream import TextStream
-
-#: a token limit reached inside a multi-byte character: sample up to this many more tokens to
-#: finish it (create_completion did the same, without a bound)
-_UTF8_GRACE = 4
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -359,7 +356,7 @@ class Decoder:
 
     def accept(self, live: Live, token: int) -> bool:
         """Take ``live``'s sampled ``token``: it ends the sequence (end of generation, a stop
-        string, the token limit -- past it only to finish a multi-byte character) or is evaluated
+        string, the token limit: never past it, a character it cuts is dropped) or is evaluated
         at the next step. True when the sequence ended."""
         if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, token):
             self._finish(live, "stop")
@@ -371,10 +368,8 @@ class Decoder:
         if live.text.stop:
             self._finish(live, "stop")
             return True
-        if live.completion >= live.max_tokens and (
-            not live.text.incomplete or live.completion >= min(live.room, live.max_tokens + _UTF8_GRACE)
-        ):
-            self._finish(live, "length")
+        if live.completion >= live.max_tokens:
+            self._finish(live, "length")  # the flush drops a character the limit cut
             return True
         live.token = token
         return False

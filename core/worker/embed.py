@@ -8,13 +8,27 @@ Two kinds of model embed:
   llama.cpp's (``llama_get_embeddings_seq``); a GGUF that sets none (a causal LM) gets mean
   pooling, done here over the tokens' embeddings. ``rank`` (rerankers) is refused.
 - a chat model, on request: its context is switched to embeddings (``llama_set_embeddings``) for
-  the request and back. Its pooling is ``none``: mean pooling is done here. The input is decoded
-  in a sequence of its own (``seq_id``), whose KV cells are removed afterwards: the sequence of a
-  conversation is not touched. The logits of the context's last decode are gone, so the caller
-  must evaluate the next prompt's last token again (``Llama._requires_eval``).
+  the request and back. Its pooling is ``none``: mean pooling is done here. The inputs are decoded
+  in sequences of their own (``seq_ids``, idle sequences the engine emptied), whose KV cells are
+  removed after each decode: the sequence of a conversation is not touched. The logits of the
+  context's last decode are gone, so the caller must evaluate the next prompt's last token again
+  (``Llama._requires_eval``).
 
-Never ``Llama.embed``: it clears the whole KV cache. Inputs longer than the context's batch are
-refused (``PromptTooLongError``), as llama-server refuses them; an input is one ``llama_decode``.
+**Batches** (issue 45). One ``llama_decode`` holds as many inputs as there are sequences and as
+fit in its tokens (``n_batch``; ``n_ubatch`` where llama.cpp pools), each input in a sequence of
+its own, at positions from 0: an input's attention sees only its own cells, so its vector is the
+one it has alone (tests/test_embed.py compares each with llama-cpp-python's ``Llama.embed`` of
+that input alone). The inputs are packed shortest first: llama.cpp splits a batch over separate
+KV streams (``kv_unified`` false) into micro-batches of equally many tokens from each sequence, so
+inputs of like length make fewer of them. Where llama.cpp pools, a pooled sequence must lie in
+one micro-batch (its pooled vector is taken per micro-batch): a decode holds at most ``n_ubatch``
+tokens, and on a context with a KV cache of several streams only inputs of one length. A context
+whose KV cache is one stream for all sequences (``kv_unified``: llama-cpp-python's own embedding
+context) embeds one input per decode: there a longer input packed after shorter ones came out
+2e-3 off its own vector. The worker's contexts have a stream per sequence (engine._sequences).
+
+Never ``Llama.embed``: it clears the whole KV cache. Inputs longer than one decode may hold are
+refused (``PromptTooLongError``), as llama-server refuses them.
 """
 
 from __future__ import annotations
@@ -36,70 +50,120 @@ POOLING_NAMES = {
 }
 
 
+def pack(lengths: Sequence[int], limit: int, n_seq: int, *, equal: bool = False) -> list[list[int]]:
+    """The inputs (indices into ``lengths``) of each decode: shortest first, at most ``n_seq``
+    inputs and ``limit`` tokens per decode; ``equal``: only inputs of one length together."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    used = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        n = lengths[i]
+        if group and (len(group) >= n_seq or used + n > limit or (equal and n != lengths[group[0]])):
+            groups.append(group)
+            group, used = [], 0
+        group.append(i)
+        used += n
+    if group:
+        groups.append(group)
+    return groups
+
+
 def embed_tokens(
     llm: Any,
     inputs: Sequence[Sequence[int]],
     *,
-    seq_id: int = 0,
+    seq_ids: Sequence[int] = (0,),
     switch: bool = False,
     before_step: Callable[[], None] = lambda: None,
 ) -> list[list[float]]:
-    """One unit vector per token list. ``switch``: the context is a chat model's (embeddings are
-    switched on for the call and off again). ``before_step`` runs before each decode (the worker's
-    residency and cancel check; it may raise)."""
+    """One unit vector per token list, in order. ``seq_ids``: the empty sequences the inputs may
+    use (one decode packs up to that many inputs; see the module docstring). ``switch``: the
+    context is a chat model's (embeddings are switched on for the call and off again).
+    ``before_step`` runs before each decode (the worker's residency and cancel check; it may
+    raise)."""
+    if not seq_ids:
+        raise ValueError("embed_tokens needs at least one sequence")
     ctx = llm.ctx
     n_embd = int(llm.n_embd())
-    n_batch = int(llm.n_batch)
     pooling = int(llama_cpp.llama_pooling_type(ctx))
     if pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK:
         raise PromptTooLongError(  # a 400 either way; a reranker answers scores, not embeddings
             "this model pools for ranking (a reranker): it has no embeddings to give"
         )
+    memory = llama_cpp.llama_get_memory(ctx)
+    pooled = pooling != llama_cpp.LLAMA_POOLING_TYPE_NONE
+    limit = int(llm.n_batch)
+    if pooled:
+        limit = min(limit, int(llama_cpp.llama_n_ubatch(ctx)))
     for tokens in inputs:
         if not tokens:
             raise PromptTooLongError("an embedding input is empty: give some text or tokens")
-        if len(tokens) > n_batch:
+        if len(tokens) > limit:
             raise PromptTooLongError(
-                f"an embedding input is {len(tokens)} tokens but this model embeds at most {n_batch} "
+                f"an embedding input is {len(tokens)} tokens but this model embeds at most {limit} "
                 "at once (n_ctx / n_batch): shorten it or split it"
             )
-    memory = llama_cpp.llama_get_memory(ctx)
-    batch = llama_cpp.llama_batch_init(max(len(t) for t in inputs) if inputs else 1, 0, 1)
-    out: list[list[float]] = []
+    if not inputs:
+        return []
+    seqs = sorted(int(s) for s in seq_ids)
+    if memory and bool(getattr(llm.context_params, "kv_unified", False)):
+        # one KV stream for all sequences: a longer input packed after shorter ones came out 2e-3
+        # off its own vector (SmolLM2, llama-cpp-python 0.3.36); separate streams are bit for bit
+        seqs = seqs[:1]
+    # several KV streams split a batch into micro-batches of equally many tokens per sequence
+    equal = pooled and bool(memory) and int(llama_cpp.llama_n_seq_max(ctx)) > 1
+    groups = pack([len(t) for t in inputs], limit, len(seqs), equal=equal)
+    size = max(sum(len(inputs[i]) for i in group) for group in groups)
+    batch = llama_cpp.llama_batch_init(size, 0, 1)
+    out: list[list[float]] = [[] for _ in inputs]
     if switch:
         llama_cpp.llama_set_embeddings(ctx, True)
     try:
-        for tokens in inputs:
+        for seq in seqs:
+            llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
+        for group in groups:
             before_step()
-            llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
-            batch.n_tokens = len(tokens)
-            for i, token in enumerate(tokens):
-                batch.token[i] = int(token)
-                batch.pos[i] = i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = seq_id
-                batch.logits[i] = 1  # every token is an output (llama.cpp wants it for pooling)
+            n = 0
+            for seq, i in zip(seqs, group, strict=False):
+                for pos, token in enumerate(inputs[i]):
+                    batch.token[n] = int(token)
+                    batch.pos[n] = pos
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = seq
+                    batch.logits[n] = 1  # every token is an output (llama.cpp wants it for pooling)
+                    n += 1
+            batch.n_tokens = n
             rc = int(llama_cpp.llama_decode(ctx, batch))
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc} while embedding")
-            if pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
-                rows = np.stack(
-                    [
-                        np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_ith(ctx, i), shape=(n_embd,))
-                        for i in range(len(tokens))
-                    ]
-                ).astype(np.float64)
-                vector = rows.mean(axis=0)
+            if pooled:
+                for seq, i in zip(seqs, group, strict=False):
+                    ptr = llama_cpp.llama_get_embeddings_seq(ctx, seq)
+                    if not ptr:
+                        raise RuntimeError("llama.cpp gave no pooled embedding")
+                    out[i] = _unit(np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64))
             else:
-                ptr = llama_cpp.llama_get_embeddings_seq(ctx, seq_id)
+                ptr = llama_cpp.llama_get_embeddings(ctx)  # every token's row, in batch order
                 if not ptr:
-                    raise RuntimeError("llama.cpp gave no pooled embedding")
-                vector = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
-            norm = float(np.linalg.norm(vector))
-            out.append((vector / norm if norm > 0 else vector).tolist())
+                    raise RuntimeError("llama.cpp gave no token embeddings")
+                rows = np.ctypeslib.as_array(ptr, shape=(n, n_embd))
+                start = 0
+                for i in group:
+                    end = start + len(inputs[i])
+                    out[i] = _unit(rows[start:end].astype(np.float64).mean(axis=0))
+                    start = end
+            for seq in seqs[: len(group)]:
+                llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
     finally:
-        llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+        for seq in seqs:
+            llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
         if switch:
             llama_cpp.llama_set_embeddings(ctx, False)
         llama_cpp.llama_batch_free(batch)
     return out
+
+
+def _unit(vector: Any) -> list[float]:
+    norm = float(np.linalg.norm(vector))
+    result: list[float] = (vector / norm if norm > 0 else vector).tolist()
+    return result

@@ -197,7 +197,8 @@ class Engine:
         """Load the GGUF. Raises ModelFileError with a sentence saying what to do."""
         check_model_file(model.path)
         check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
-        parallel = 1 if model.embedding else model.parallel or default_parallel()
+        # an embedding model's sequences let one decode embed several inputs (core/worker/embed.py)
+        parallel = model.parallel or default_parallel()
         try:
             with _model_defaults(**batch_invariant(parallel)):
                 llm = llama_cpp.Llama(
@@ -219,7 +220,9 @@ class Engine:
                 f"model file {model.path} cannot be loaded: llama.cpp could not load it "
                 "(unsupported architecture or damaged file); see the worker log"
             ) from None
-        if parallel > 1:
+        if parallel > 1 or model.embedding:
+            # an embedding context too: llama-cpp-python makes it of 256 sequences in one unified
+            # KV stream, where packed inputs of unlike lengths changed a vector by 2e-3 (embed.py)
             _sequences(llm, parallel)
         chat_template = None
         want = model.chat_format
@@ -391,6 +394,24 @@ class Engine:
                 except OSError as exc:
                     log.warning("could not write the KV of %s to %s: %s", evicted, self.kv_dir, exc)
             log.info("conversation %s left the KV cache (n_seq=%d): %s", evicted, self.model.n_seq, where)
+
+    def _take_slots(self, count: int) -> list[Slot]:
+        """Up to ``count`` idle slots, emptied (``_free_slot`` for each: empty ones first), at
+        least one."""
+        taken: list[Slot] = []
+        try:
+            while len(taken) < max(1, count):
+                slot = self._free_slot()
+                if slot is None:
+                    break
+                slot.busy = True  # not chosen again
+                taken.append(slot)
+        finally:
+            for slot in taken:
+                slot.busy = False
+        if not taken:
+            raise RuntimeError("every sequence of the context is in the batch")  # the worker admits fewer
+        return taken
 
     def _take_slot(self, exclude: Slot | None = None) -> Slot:
         slot = self._free_slot(exclude)
@@ -768,11 +789,12 @@ class Engine:
     ) -> tuple[list[list[float]], int]:
         """Unit vectors for texts or token lists (see ``embed``), and the tokens they took. Texts
         are tokenized as ``Llama.embed`` does (BOS when the vocabulary adds one, no special
-        tokens). An embedding model's context is its own; a chat model's least recently used idle
-        sequence is first kept as a host snapshot (the KV of every conversation stays), then its
-        context embeds in that sequence and gives it back empty (never while a batch decodes).
-        Raises PromptTooLongError for an input over the batch, InvalidInputError for a token id
-        outside the vocabulary."""
+        tokens). An embedding model's context is its own, all its sequences embed; a chat model
+        embeds in as many idle sequences as there are inputs (empty ones first, then the least
+        recently used, each first kept as a host snapshot: the KV of every conversation stays) and
+        gives them back empty (never while a batch decodes). One decode packs as many inputs as
+        there are sequences and tokens in the batch (embed.py). Raises PromptTooLongError for an
+        input over the batch, InvalidInputError for a token id outside the vocabulary."""
         llm = self.llm
         n_vocab = self.info.n_vocab
         token_lists: list[list[int]] = []
@@ -789,19 +811,28 @@ class Engine:
                     )
                 token_lists.append([int(t) for t in item])
         before_step()  # residency first: the context is about to decode
+        # every decode is a batch of prompt tokens: the batch thread count, whatever the last
+        # generation step left (Decoder.set_threads)
+        self._decoder.set_threads(prefill=True)
         if self.model.embedding:
-            vectors = embed_tokens(llm, token_lists, before_step=before_step)
+            seq_ids = [slot.seq_id for slot in self._slots]
+            vectors = embed_tokens(llm, token_lists, seq_ids=seq_ids, before_step=before_step)
         else:
             if self._decoder.live:
                 raise RuntimeError("embeddings while a batch is decoding")  # the worker runs them between
-            slot = self._take_slot()  # its sequence (the least recently used) goes to the host LRU
+            slots = self._take_slots(min(len(token_lists), len(self._slots)))
             try:
                 vectors = embed_tokens(
-                    llm, token_lists, seq_id=slot.seq_id, switch=True, before_step=before_step
+                    llm,
+                    token_lists,
+                    seq_ids=[slot.seq_id for slot in slots],
+                    switch=True,
+                    before_step=before_step,
                 )
             finally:
-                slot.ids.clear()  # the sequence is empty now (embed_tokens removed its cells)
-                slot.dirty = True
+                for slot in slots:
+                    slot.ids.clear()  # the sequence is empty now (embed_tokens removed its cells)
+                    slot.dirty = True
         return vectors, sum(len(t) for t in token_lists)
 
     # ---- generation -------------------------------------------------------------------------

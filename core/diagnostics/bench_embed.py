@@ -1,0 +1,209 @@
+"""``timeshare bench embed``: embedding throughput through the real API (issue 45).
+
+It starts its own ``timeshare serve`` with one model (``--parallel`` sequences; 0: the build's
+default), and for each count of ``--counts`` (default 1, 64, 2048: one input, a request of a RAG
+ingestion, OpenAI's maximum) sends one ``POST /v1/embeddings`` of that many short distinct inputs
+(``--words`` words each, a fixed word salad) ``--rounds`` times, after one warm-up request, and
+reports inputs/s (inputs over the request's time at the client, the median round). With
+``--llama-server PATH`` the same requests go to ``llama-server --embeddings --pooling mean -np N``
+on the same model (mean pooling is what Timeshare does on a chat model; llama-server refuses
+``/v1/embeddings`` with pooling ``none``), the ratio is printed, and the two servers' vectors for
+the same inputs are compared (the least cosine similarity over the inputs: they differ in the
+last bits, llama-server's KV cache being unified). Prints a table, or ``--json`` one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import TimeshareError
+from ..gguf.modelfile import gguf_problem
+from .bench_api import word_salad
+from .bench_api_procs import REQUEST_TIMEOUT_S, LlamaServer, Serve
+
+SYSTEMS = ("timeshare", "llama_server")
+
+
+def inputs(count: int, words: int) -> list[str]:
+    """``count`` distinct short texts of ``words`` words."""
+    return [f"{i}: {word_salad(7000 + i, words)}" for i in range(count)]
+
+
+def post_embeddings(port: int, texts: list[str]) -> tuple[float, list[list[float]], int]:
+    """One ``/v1/embeddings`` request: its time at the client (s), the vectors, prompt tokens."""
+    body = json.dumps({"model": "m", "input": texts, "encoding_format": "float"})
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        t0 = time.perf_counter()
+        c.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        raw = r.read()
+        elapsed = time.perf_counter() - t0
+    finally:
+        c.close()
+    if r.status != 200:
+        raise TimeshareError(f"/v1/embeddings answered {r.status}: {raw[:300]!r}")
+    answer = json.loads(raw)
+    data = sorted(answer["data"], key=lambda d: int(d["index"]))
+    usage = answer.get("usage") or {}
+    return elapsed, [list(d["embedding"]) for d in data], int(usage.get("prompt_tokens") or 0)
+
+
+def _measure(port: int, counts: list[int], words: int, rounds: int) -> dict[str, Any]:
+    post_embeddings(port, inputs(1, words))  # warm: the first request after the load restores
+    out: dict[str, Any] = {}
+    for count in counts:
+        texts = inputs(count, words)
+        times: list[float] = []
+        vectors: list[list[float]] = []
+        tokens = 0
+        for _ in range(rounds):
+            elapsed, vectors, tokens = post_embeddings(port, texts)
+            times.append(elapsed)
+        median = statistics.median(times)
+        out[str(count)] = {
+            "inputs": count,
+            "prompt_tokens": tokens,
+            "seconds": times,
+            "seconds_median": median,
+            "inputs_per_s": count / median if median > 0 else 0.0,
+            "vectors": vectors,
+        }
+    return out
+
+
+def _least_cosine(a: list[list[float]], b: list[list[float]]) -> float:
+    least = 1.0
+    for x, y in zip(a, b, strict=True):
+        dot = sum(p * q for p, q in zip(x, y, strict=True))
+        nx = sum(p * p for p in x) ** 0.5
+        ny = sum(q * q for q in y) ** 0.5
+        least = min(least, dot / (nx * ny) if nx > 0 and ny > 0 else 0.0)
+    return least
+
+
+def run_embed_bench(
+    model: str, args: argparse.Namespace, progress: Callable[[str], None] = lambda _m: None
+) -> dict[str, Any]:
+    counts = [int(x) for x in str(args.counts).split(",") if x.strip()]
+    if not counts or min(counts) < 1 or max(counts) > 2048:
+        raise TimeshareError("--counts takes counts from 1 to 2048, e.g. 1,64,2048")
+    parallel = int(args.parallel)
+    report: dict[str, Any] = {
+        "model": model,
+        "n_ctx": int(args.n_ctx),
+        "parallel": parallel,
+        "words": int(args.words),
+        "rounds": int(args.rounds),
+        "cpus": os.cpu_count(),
+        "load_before": os.getloadavg(),
+        "systems": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="timeshare-bench-embed-") as tmp:
+        progress(f"timeshare serve, parallel {parallel or 'default'}")
+        serve = Serve(
+            Path(tmp) / "ts", ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel
+        )
+        try:
+            serve.wait_ready()
+            report["systems"]["timeshare"] = _measure(serve.port, counts, int(args.words), int(args.rounds))
+        finally:
+            serve.close()
+        if args.llama_server:
+            n = max(1, parallel)
+            progress(f"llama-server --embeddings --pooling mean -np {n}")
+            server = LlamaServer(
+                args.llama_server,
+                model,
+                int(args.n_ctx) * n,
+                bool(args.flash_attn),
+                Path(tmp) / "llama-server.log",
+                parallel=n,
+                extra=("--embeddings", "--pooling", "mean"),
+            )
+            try:
+                server.wait_healthy()
+                report["systems"]["llama_server"] = _measure(
+                    server.port, counts, int(args.words), int(args.rounds)
+                )
+            finally:
+                server.stop()
+    ours = report["systems"]["timeshare"]
+    theirs = report["systems"].get("llama_server")
+    for key, row in ours.items():
+        if theirs is not None:
+            other = theirs[key]
+            row["ratio"] = row["inputs_per_s"] / other["inputs_per_s"] if other["inputs_per_s"] else None
+            row["least_cosine_vs_llama_server"] = _least_cosine(row["vectors"], other["vectors"])
+    for system in report["systems"].values():
+        for row in system.values():
+            row.pop("vectors", None)
+    report["load_after"] = os.getloadavg()
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(
+        f"model {report['model']}, parallel {report['parallel'] or 'default'}, {report['words']} words "
+        f"per input, {report['rounds']} round(s), {report['cpus']} CPUs, load "
+        f"{report['load_before'][0]:.1f} before, {report['load_after'][0]:.1f} after"
+    )
+    print(
+        f"{'inputs':>6}  {'system':<13} {'tokens':>7} {'s (median)':>11} {'inputs/s':>9} "
+        f"{'ratio':>6} {'cos':>9}"
+    )
+    counts = list(report["systems"]["timeshare"])
+    for key in counts:
+        for system in SYSTEMS:
+            row = report["systems"].get(system, {}).get(key)
+            if row is None:
+                continue
+            ratio = f"{row['ratio']:.2f}" if row.get("ratio") is not None else ""
+            cos = (
+                f"{row['least_cosine_vs_llama_server']:.6f}" if "least_cosine_vs_llama_server" in row else ""
+            )
+            print(
+                f"{row['inputs']:>6}  {system:<13} {row['prompt_tokens']:>7} {row['seconds_median']:>11.3f} "
+                f"{row['inputs_per_s']:>9.1f} {ratio:>6} {cos:>9}"
+            )
+
+
+def main(args: argparse.Namespace) -> int:
+    """The ``timeshare bench embed`` handler. Exit 0: it ran; 2: it could not run."""
+    from ..config import demo
+    from .bench_api import check_llama_server
+    from .doctor import report_failure
+
+    def progress(msg: str) -> None:
+        print(f"bench embed: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        if args.llama_server:
+            check_llama_server(args.llama_server)
+        try:
+            model = args.model or str(demo.smollm2_path())
+        except demo.DemoUnavailableError as exc:
+            raise TimeshareError(f"{exc}; give a model with --model PATH") from None
+        problem = gguf_problem(model)
+        if problem:
+            raise TimeshareError(problem)
+        report = run_embed_bench(model, args, progress)
+    except (TimeshareError, subprocess.TimeoutExpired, OSError) as exc:
+        err = exc if isinstance(exc, TimeshareError) else TimeshareError(str(exc))
+        return report_failure("bench embed", err, bool(args.json))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
