@@ -175,7 +175,7 @@ def test_a_second_turn_and_a_restored_conversation_in_a_batch_answer_as_alone(
         b3 = Batch(gemma2)
         b3.join(f"c{i}", prompt=prompt, conversation=f"chat-x{i}", cache_prompt=None)
         b3.run()
-    assert "chat-1" in gemma2.conversations and not any(s.key == "chat-1" for s in gemma2._slots)
+    assert "chat-1" in gemma2.conversations and not any(s.key == "chat-1" for s in gemma2.sequences.slots)
     # chat-1's turn 2 again (a regenerate): restored from the snapshot (llama_state_seq_set_data),
     # cut back to the prompt, joining a decoding sequence
     b4 = Batch(gemma2)

@@ -159,7 +159,7 @@ def test_cancel_mid_answer_keeps_the_bookkeeping(smol: Engine) -> None:
     # the KV holds the prompt and every sampled token but the last
     held = smol.kv_tokens()
     assert len(held) == cut.prompt_tokens + cut.completion_tokens - 1
-    assert list(held[: cut.prompt_tokens]) == smol._completion_tokens(prompt)
+    assert list(held[: cut.prompt_tokens]) == smol.prompts.completion_tokens(prompt)
     # a conversation continued after a cancel evaluates only the new tokens
     conv = run(smol, prompt=prompt, max_tokens=6, conversation="k", cache_prompt=None)
     more = run(smol, prompt=prompt + conv.text + " and", max_tokens=4, conversation="k", cache_prompt=None)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import llama_cpp  # noqa: F401  (before anything that imports numpy)
 # isort: on
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,8 @@ from timeshare.core.chatformat.history import render
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError, ModelFileError, PromptTooLongError
 from timeshare.core.sampling import Sampling
-from timeshare.core.worker.engine import FALLBACK_STOP, Engine, fallback_prompt
+from timeshare.core.worker.engine import Engine
+from timeshare.core.worker.prompts import FALLBACK_STOP, fallback_prompt
 from timeshare.core.worker.protocol import ChatMessage, Generate
 
 PROMPT = "The three primary colours are"
@@ -205,13 +205,12 @@ def test_a_chat_prompt_is_tokenized_in_pieces_with_the_same_tokens(engine: Engin
     assert engine.template is not None
     prompt = render(engine.template, messages)
     whole = engine.llm.tokenize(prompt.encode(), add_bos=False, special=True)
-    assert len(engine._pieces(prompt, True)) > 10  # it was cut, into pieces it tokenizes alone
-    big = dataclasses.replace(engine.info, n_ctx=10**6)
-    saved, engine.info = engine.info, big
+    assert len(engine.prompts.pieces(prompt, True)) > 10  # it was cut, into pieces it tokenizes alone
+    saved, engine.prompts.n_ctx = engine.prompts.n_ctx, 10**6
     try:
-        assert engine._tokenize(prompt, add_bos=False, special=True) == whole
+        assert engine.prompts.tokenize(prompt, add_bos=False, special=True) == whole
     finally:
-        engine.info = saved
+        engine.prompts.n_ctx = saved
 
 
 def test_a_huge_chat_or_prompt_is_refused_before_all_of_it_is_tokenized(engine: Engine) -> None:

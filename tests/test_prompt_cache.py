@@ -19,14 +19,10 @@ import pytest
 from _api_util import GEMMA, SMOL, Served, serving_demo_models
 from _e_worker_util import generate_message
 from timeshare.core.config.schema import ModelConfig
-from timeshare.core.worker.engine import (
-    BRANCH_MIN_FRACTION,
-    PROMPT_CACHE_MIN_TOKENS,
-    Engine,
-    GenerationOutcome,
-    common_prefix,
-)
+from timeshare.core.worker.decode import common_prefix
+from timeshare.core.worker.engine import Engine, GenerationOutcome
 from timeshare.core.worker.protocol import ChatMessage
+from timeshare.core.worker.sequences import BRANCH_MIN_FRACTION, PROMPT_CACHE_MIN_TOKENS
 
 SYSTEM = (
     "You are the assistant of a small bakery in a quiet town. The bakery opens at seven in the "
@@ -115,11 +111,11 @@ def test_growing_completion_prompt_reuses(smol: Engine) -> None:
 
 
 def test_a_prompt_that_diverges_at_k_evaluates_from_k(smol: Engine) -> None:
-    full = smol._completion_tokens(STORY)
+    full = smol.prompts.completion_tokens(STORY)
     run(smol, prompt=STORY, max_tokens=1)
     cut = STORY[: STORY.index(" One night")]
     other = cut + " Nobody in the village had ever seen him leave the tower."
-    k = common_prefix(full, smol._completion_tokens(other))
+    k = common_prefix(full, smol.prompts.completion_tokens(other))
     assert k >= PROMPT_CACHE_MIN_TOKENS
     o = run(smol, prompt=other, max_tokens=1)
     assert o.prompt_tokens_evaluated == o.prompt_tokens - k
@@ -131,16 +127,18 @@ def test_a_prompt_that_diverges_at_k_evaluates_from_k(smol: Engine) -> None:
 def test_a_small_cut_takes_the_sequence_over_instead_of_copying_it(smol: Engine) -> None:
     # a client that rewrites only the end of a long prompt: cutting the sequence back costs less
     # than copying its whole KV state, so no second sequence is made
-    full = smol._completion_tokens(STORY)
+    full = smol.prompts.completion_tokens(STORY)
     run(smol, prompt=STORY, max_tokens=1)
     other = STORY[: STORY.rindex(" ")] + " and the sea."
-    k = common_prefix(full, smol._completion_tokens(other))
+    k = common_prefix(full, smol.prompts.completion_tokens(other))
     assert len(full) - k < BRANCH_MIN_FRACTION * len(full)
     o = run(smol, prompt=other, max_tokens=1)
     assert o.prompt_tokens_evaluated == o.prompt_tokens - k
     assert smol.cached_sequences == 1  # taken over, not copied
     again = run(smol, prompt=STORY, max_tokens=1)  # the cut-off end is evaluated again
-    assert again.prompt_tokens_evaluated == len(full) - common_prefix(full, smol._completion_tokens(other))
+    assert again.prompt_tokens_evaluated == len(full) - common_prefix(
+        full, smol.prompts.completion_tokens(other)
+    )
 
 
 def test_an_unrelated_prompt_starts_fresh_and_evicts_the_oldest(smol: Engine) -> None:
@@ -200,7 +198,7 @@ def test_memory_stays_bounded_over_many_distinct_prompts(smollm2_path: Path) -> 
         prompts: list[str] = []
         for token in range(2000, 6000):
             text = e.llm.detokenize([token]).decode("utf-8", errors="replace")
-            if text.strip().isalpha() and e._completion_tokens(text) == [token]:
+            if text.strip().isalpha() and e.prompts.completion_tokens(text) == [token]:
                 prompts.append(text)
             if len(prompts) == 200:
                 break
@@ -246,10 +244,10 @@ def test_gemma_reuses_only_what_its_sliding_window_still_holds(gemma3_path: Path
     llm = llama_cpp.Llama(str(gemma3_path), n_ctx=2048, swa_full=False, verbose=False)
     e = Engine(llm, ModelConfig(id="gemma", path=str(gemma3_path), n_ctx=2048, chat_format="fallback"), None)
     try:
-        n_swa = e._n_swa
+        n_swa = e.sequences._n_swa
         assert n_swa > 0, "Gemma 3 has sliding-window attention"
         words = " ".join(f"w{i}" for i in range(300))  # 1091 tokens
-        full = e._completion_tokens(words)
+        full = e.prompts.completion_tokens(words)
         assert len(full) > 2 * n_swa, len(full)  # more than the window and a batch
         run(e, prompt=words, max_tokens=1)
         pos_min = llama_cpp.llama_memory_seq_pos_min(
@@ -260,14 +258,14 @@ def test_gemma_reuses_only_what_its_sliding_window_still_holds(gemma3_path: Path
         # tokens need, so the prefix is reused (first: once this sequence has gone through a host
         # snapshot, the snapshot keeps only the window's last cells and a restore holds less)
         late = words[: words.index(" w280 ")] + " and then something else entirely"
-        k_late = common_prefix(full, e._completion_tokens(late))
+        k_late = common_prefix(full, e.prompts.completion_tokens(late))
         assert k_late - n_swa >= pos_min
         o_late = run(e, prompt=late, max_tokens=8)
         assert o_late.prompt_tokens_evaluated == o_late.prompt_tokens - k_late
         # diverging early: the positions the new tokens attend to are gone (from the long
         # sequence and from its late branch alike), so from scratch
         early = words[: words.index(" w100 ")] + " and then something else entirely"
-        k_early = common_prefix(full, e._completion_tokens(early))
+        k_early = common_prefix(full, e.prompts.completion_tokens(early))
         assert k_early - n_swa < pos_min and k_early >= PROMPT_CACHE_MIN_TOKENS
         o_early = run(e, prompt=early, max_tokens=8)
         assert o_early.prompt_tokens_evaluated == o_early.prompt_tokens

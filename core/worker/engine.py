@@ -9,74 +9,48 @@ a context of several sequences also loads the weights unrepacked: see ``batch_in
 The caller's ``before_step`` hook runs before every decode step: that is where the worker drains
 its queue (cancel, yield) and makes sure the weights are resident.
 
-Sequences: the worker keeps up to ``n_seq`` token sequences with their KV: the live one in the
-context (it continues by llama-cpp-python's prefix matching: only the tokens after the common
-prefix are evaluated) and the others as host snapshots of the context state
-(``llama_state_get_data``) in an LRU, each with its token ids. A sequence belongs either to a
-``conversation`` (the Timeshare extension: the key picks it) or to the prompt cache (keyless
-requests: the prompt picks the cached sequence it shares the longest prefix with, see
-``_use_prompt_cache``). Conversations evicted beyond ``n_seq`` go to ``kv_dir``; keyless ones are
-dropped. When the worker stops, every cached sequence is written to ``kv_dir`` and comes back
-after a restart without a re-prefill.
-
-Chat formats: the GGUF's Jinja chat template (``chat_format == "template"``), or for models without
-one (e.g. the Gemma-3-270M base model) the fallback format below (``"fallback"``):
-
-    <system text>\\n\\n            (only when there is a system message)
-    User: <text>\\n
-    Assistant: <text>\\n
-    ...
-    User: <last text>\\n
-    Assistant:
-
-with stop strings ``"\\nUser:"``, ``"\\nAssistant:"`` and ``"\\n\\n\\n"``, so a base model's answer ends
-where it would start the next turn.
+The sequence cache (which sequence holds whose KV, the prompt cache, the KV files of a stopped
+worker) is ``sequences.Sequences``; prompt building (chat template or the fallback format,
+tokenizing in cancellable pieces) is ``prompts.Prompts``. The engine owns one of each.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import re
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 from llama_cpp import _internals
 
-from ..chatformat.history import normalise, render
-from ..chatformat.template import ChatTemplate, TemplateCaps, TemplateError
+from ..chatformat.template import ChatTemplate, TemplateError
 from ..config.schema import ModelConfig
 from ..errors import (
     CancelledError,
-    ChatTemplateError,
     InvalidInputError,
     InvalidSamplingError,
     ModelFileError,
-    PromptTooLongError,
 )
 from ..gguf.modelfile import check_model_file
 from ..residency import check_gguf
 from ..sampling import Sampling
 from . import kv_files
-from .decode import Decoder, Live, common_prefix
+from .decode import Decoder, Live
 from .device import default_parallel, llama_placement
 from .embed import embed_tokens
-from .kv_files import KVSnapshot
-from .protocol import ChatMessage, FinishReason, Generate, LogprobAlt, TokenLogprobs
+from .prompts import Prompts, tools_of
+from .protocol import FinishReason, Generate, LogprobAlt, TokenLogprobs
 from .sampler import TokenLogprob
+from .sequences import Sequences, Slot
 from .textstream import token_piece
 
 log = logging.getLogger(__name__)
 
 #: the lowest logprob written (OpenAI's floor for impossible tokens)
 LOGPROB_FLOOR = -9999.0
-
-FALLBACK_STOP = ("\nUser:", "\nAssistant:", "\n\n\n")
 
 
 @dataclass(frozen=True)
@@ -99,22 +73,6 @@ class GenerationOutcome:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per sampled token when the request asked for them
 
 
-#: A sequence's key: a conversation id (str) or a keyless sequence of the prompt cache (int).
-SeqKey = str | int
-
-
-@dataclass(eq=False)
-class Slot:
-    """One sequence of the context (seq id ``seq_id``): whose it is and the tokens its KV holds."""
-
-    seq_id: int
-    key: SeqKey | None = None  # None: empty (or, while busy, a scratch sequence kept by nobody)
-    ids: list[int] = field(default_factory=list)  # the tokens its KV holds
-    prompt_len: int = 0  # the prompt of the last request on it (the tokens after it were generated)
-    busy: bool = False  # in the batch
-    dirty: bool = False  # its KV may hold cells ``ids`` does not say (emptied when next used)
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A tokenized request, ready to join the batch."""
@@ -122,36 +80,6 @@ class Prepared:
     req: Generate
     tokens: list[int]
     stop: tuple[str, ...]
-
-
-#: A keyless request that diverges inside a cached sequence copies it (and leaves the original
-#: cached) only when it would otherwise cut off at least this fraction of the sequence (and at
-#: least 8 tokens); below that it cuts the sequence back and goes on in it, as llama-server's slot
-#: does: a copy costs a pass over the whole KV cache (twice: out to host memory and back), the cut
-#: costs re-evaluating what was cut off if that sequence comes back.
-BRANCH_MIN_FRACTION = 0.1
-
-#: The prompt cache's similarity rule (llama-server's ``--slot-prompt-similarity`` idea): a keyless
-#: request reuses a cached sequence only when the prefix it can reuse is at least
-#: ``PROMPT_CACHE_MIN_TOKENS`` tokens and at least ``PROMPT_CACHE_MIN_FRACTION`` of its prompt.
-#: Anything less is evaluated from an empty KV cache, so short or unrelated prompts keep the
-#: answer of a fresh ``Llama`` bit for bit (a prefix that short costs about one decode step on a
-#: GPU anyway: it goes in a single batch).
-PROMPT_CACHE_MIN_TOKENS = 64
-PROMPT_CACHE_MIN_FRACTION = 0.25
-
-#: Prompts are tokenized in pieces: llama.cpp's special-token split rescans the text after each
-#: special token it finds, so one call is quadratic in their number (20k chat messages took 40 s),
-#: and one call cannot be cancelled. A piece ends where a special token of the chat template starts
-#: (llama.cpp cuts there too, so the tokens are the same) once it holds this many bytes or markers.
-_PIECE_BYTES = 4096
-_PIECE_MARKERS = 32
-#: special-token-like strings in a chat template: <|im_start|>, <start_of_turn>, [INST] ...
-_MARKER_CANDIDATE = re.compile(r"<\|[^|<>\s]{1,64}\|>|<[^<>\s{}%|]{1,64}>|\[/?[A-Z_]{2,32}\]")
-_SPECIAL_ATTRS = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-#: a piece longer than this many characters per context token is probed first: when its start
-#: alone holds more tokens than the context, the prompt is refused without tokenizing it all
-_PROBE_CHARS_PER_TOKEN = 8
 
 
 class Engine:
@@ -169,22 +97,9 @@ class Engine:
             chat_format="template" if template is not None else "fallback",
             parallel=self.parallel,
         )
-        self.kv_dir: Path | None = None  # where a stopped worker left its sequences' KV (see save_kv)
-        #: conversations' KV files being read ahead (the worker starts them while the model loads)
-        self.read_ahead: dict[str, kv_files.ReadAhead] = {}
-        # While the weights are released the residency hides the context behind a guard; state
-        # I/O (which touches only the KV cache) then goes through the context this returns.
-        self.state_ctx: Callable[[], Any] | None = None
-        # the context's sequences (seq ids 0..parallel-1) and the others, as host snapshots
-        self._slots = [Slot(i) for i in range(self.parallel)]
-        self._saved: dict[SeqKey, KVSnapshot] = {}
-        self._used: dict[SeqKey, int] = {}  # when each cached sequence was last used (LRU)
-        self._tick = 0
-        self._next_keyless = 0
-        self._prompts_loaded = False  # the keyless sequences a stopped worker left in kv_dir
-        self._n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
+        self.sequences = Sequences(llm, model, self.info.n_ctx, self.parallel)
+        self.prompts = Prompts(llm, model, template, self.info.n_ctx)
         self.prompt_tokens_evaluated = 0  # since start
-        self._markers = self._template_markers(template.source if template is not None else "")
         self._decoder = Decoder(llm)
         self._last: Slot | None = None
         self._lp_pieces: dict[int, bytes] = {}  # token -> bytes, for logprob entries
@@ -256,511 +171,60 @@ class Engine:
         )
         return engine
 
-    # ---- sequences --------------------------------------------------------------------------
+    # ---- the sequence cache (sequences.Sequences) ------------------------------------------
 
-    def _state_ctx(self) -> Any:
-        """The llama_context pointer for state I/O (see ``state_ctx``)."""
-        return self.state_ctx() if self.state_ctx is not None else self.llm.ctx
+    @property
+    def kv_dir(self) -> Path | None:
+        """Where a stopped worker left its sequences' KV (see save_kv)."""
+        return self.sequences.kv_dir
 
-    def _memory(self) -> Any:
-        return llama_cpp.llama_get_memory(self._state_ctx())
+    @kv_dir.setter
+    def kv_dir(self, value: Path | None) -> None:
+        self.sequences.kv_dir = value
 
-    def _pos_min(self, slot: Slot) -> int:
-        """The lowest position the slot's KV holds (-1: empty)."""
-        return int(llama_cpp.llama_memory_seq_pos_min(self._memory(), slot.seq_id))
+    @property
+    def read_ahead(self) -> dict[str, kv_files.ReadAhead]:
+        """Conversations' KV files being read ahead (the worker starts them while the model loads)."""
+        return self.sequences.read_ahead
 
-    def _snapshot(self, slot: Slot) -> KVSnapshot:
-        """A host copy of one sequence's KV (``llama_state_seq_get_data``: that sequence only)."""
-        ctx = self._state_ctx()
-        size = int(llama_cpp.llama_state_seq_get_size(ctx, slot.seq_id))
-        # one copy of the state: llama.cpp writes into the buffer's own memory, kept as it is
-        state = kv_files.state_buffer(size)
-        buf = (ctypes.c_uint8 * size).from_buffer(state)
-        n = int(llama_cpp.llama_state_seq_get_data(ctx, buf, size, slot.seq_id))
-        del buf  # releases the export of ``state``, so it may be resized
-        state = kv_files.truncated(state, n)
-        ids = tuple(slot.ids)
-        pos_min = self._restored_pos_min(len(ids), self._pos_min(slot))
-        return KVSnapshot(len(ids), ids, state, pos_min, slot.prompt_len)
+    @property
+    def state_ctx(self) -> Callable[[], Any] | None:
+        """While the weights are released the residency hides the context behind a guard; state
+        I/O (which touches only the KV cache) then goes through the context this returns."""
+        return self.sequences.state_ctx
 
-    def _restored_pos_min(self, n_tokens: int, pos_min: int) -> int:
-        """The lowest position a snapshot of a sequence of ``n_tokens`` (whose KV starts at
-        ``pos_min``) holds once it is restored. ``llama_state_seq_get_data`` leaves out the cells a
-        sliding window masks (llama-kv-cache.cpp's state_write: the SWA layers of a sequence keep
-        only its last ``n_swa`` positions, however many the context held), so a restored Gemma-3
-        sequence longer than the window can be continued, not cut back (``_window_holds``)."""
-        pos_min = max(0, pos_min)
-        return max(pos_min, n_tokens - self._n_swa) if self._n_swa > 0 else pos_min
-
-    def _load_snapshot(self, slot: Slot, snap: KVSnapshot) -> None:
-        """Put a host snapshot into the slot's sequence (whatever it held is dropped)."""
-        self._clear(slot)
-        ctx = self._state_ctx()
-        buf = (ctypes.c_uint8 * len(snap.state)).from_buffer(snap.state)  # no copy
-        if int(llama_cpp.llama_state_seq_set_data(ctx, buf, len(snap.state), slot.seq_id)) != len(snap.state):
-            raise RuntimeError("llama.cpp refused a KV snapshot")
-        slot.ids[:] = snap.input_ids
-        slot.prompt_len = snap.prompt_len
-
-    def _clear(self, slot: Slot) -> None:
-        """Empty the slot's sequence (its KV cells too)."""
-        if slot.ids or slot.dirty:
-            llama_cpp.llama_memory_seq_rm(self._memory(), slot.seq_id, -1, -1)
-        slot.ids.clear()
-        slot.dirty = False
-        slot.prompt_len = 0
-
-    def _touch(self, key: SeqKey) -> None:
-        self._tick += 1
-        self._used[key] = self._tick
-
-    def _slot_of(self, key: SeqKey) -> Slot | None:
-        return next((s for s in self._slots if s.key == key), None)
-
-    def _recent(self) -> list[SeqKey]:
-        """Every cached sequence's key (in a slot or a host snapshot), most recent first."""
-        keys = [s.key for s in self._slots if s.key is not None] + list(self._saved)
-        return sorted(keys, key=lambda k: self._used.get(k, 0), reverse=True)
+    @state_ctx.setter
+    def state_ctx(self, value: Callable[[], Any] | None) -> None:
+        self.sequences.state_ctx = value
 
     def park(self) -> None:
-        """Move the idle slots' sequences into the host LRU (before the context is freed); the
-        sequences of a running batch stay (the residency keeps every sequence's KV)."""
-        for slot in self._slots:
-            if not slot.busy:
-                try:
-                    self._park(slot)
-                except Exception:  # the others are still worth keeping
-                    log.exception("could not snapshot the sequence %s", slot.key)
-                    slot.key = None
-                    slot.ids.clear()
-        self._trim(self.model.n_seq)
-
-    def _park(self, slot: Slot) -> None:
-        """Keep the slot's sequence as a host snapshot and empty the slot."""
-        if slot.key is not None and slot.ids:
-            self._saved[slot.key] = self._snapshot(slot)
-        elif slot.key is not None:
-            self._used.pop(slot.key, None)
-        slot.key = None
-        self._clear(slot)
-
-    def _free_slot(self, exclude: Slot | None = None) -> Slot | None:
-        """An idle slot for a new sequence, emptied: an empty one, else the least recently used
-        one's sequence goes to the host LRU. None when every other slot is in the batch."""
-        idle = [s for s in self._slots if not s.busy and s is not exclude]
-        if not idle:
-            return None
-        empty = [s for s in idle if s.key is None]
-        slot = (
-            empty[0]
-            if empty
-            else min(idle, key=lambda s: self._used.get(s.key, 0) if s.key is not None else 0)
-        )
-        self._park(slot)
-        return slot
-
-    def _trim(self, keep: int, protect: Slot | None = None) -> None:
-        """LRU beyond ``n_seq``: the least recently used sequences (never one in the batch) leave
-        the KV cache: conversations go to ``kv_dir`` (so they still come back without a
-        re-prefill), or are dropped when there is no kv_dir; keyless sequences of the prompt cache
-        are dropped."""
-        keep = max(keep, 1)
-        while True:
-            keys = self._recent()
-            if len(keys) <= keep:
-                return
-            busy = {s.key for s in self._slots if s.busy or s is protect}
-            victims = [k for k in keys if k not in busy]
-            if not victims:
-                return
-            evicted = victims[-1]
-            slot = self._slot_of(evicted)
-            if slot is not None:
-                snap = self._snapshot(slot) if isinstance(evicted, str) and slot.ids else None
-                slot.key = None
-                self._clear(slot)
-            else:
-                snap = self._saved.pop(evicted)
-            self._used.pop(evicted, None)
-            if isinstance(evicted, int) or snap is None:
-                log.debug("a cached prompt left the KV cache (n_seq=%d)", keep)
-                continue
-            where = "dropped"
-            if self.kv_dir is not None:
-                try:
-                    target = kv_files.kv_file(self.kv_dir, self.model.id, evicted)
-                    kv_files.write(target, self.model.id, {"conversation": evicted}, snap, self._identity())
-                    where = f"moved to {self.kv_dir}"
-                except OSError as exc:
-                    log.warning("could not write the KV of %s to %s: %s", evicted, self.kv_dir, exc)
-            log.info("conversation %s left the KV cache (n_seq=%d): %s", evicted, self.model.n_seq, where)
-
-    def _take_slots(self, count: int) -> list[Slot]:
-        """Up to ``count`` idle slots, emptied (``_free_slot`` for each: empty ones first), at
-        least one."""
-        taken: list[Slot] = []
-        try:
-            while len(taken) < max(1, count):
-                slot = self._free_slot()
-                if slot is None:
-                    break
-                slot.busy = True  # not chosen again
-                taken.append(slot)
-        finally:
-            for slot in taken:
-                slot.busy = False
-        if not taken:
-            raise RuntimeError("every sequence of the context is in the batch")  # the worker admits fewer
-        return taken
-
-    def _take_slot(self, exclude: Slot | None = None) -> Slot:
-        slot = self._free_slot(exclude)
-        if slot is None:
-            raise RuntimeError("every sequence of the context is in the batch")  # the worker admits fewer
-        return slot
-
-    def _claim_conversation(self, conversation: str, tokens: Sequence[int]) -> Slot:
-        """The conversation's own sequence, in a slot (from the host LRU or kv_dir when it is not
-        in one), to be continued from its longest common prefix with ``tokens``."""
-        slot = self._slot_of(conversation)
-        if slot is None:
-            if conversation not in self._saved and self.kv_dir is not None:
-                self.load_kv(self.kv_dir, conversation)
-            slot = self._take_slot()
-            snap = self._saved.pop(conversation, None)
-            if snap is not None:
-                try:
-                    self._load_snapshot(slot, snap)
-                    log.debug("conversation %s restored from host (%d tokens)", conversation, snap.n_tokens)
-                except RuntimeError as exc:  # the request goes on from an empty KV cache
-                    log.warning("conversation %s: %s; it is evaluated again", conversation, exc)
-                    self._clear(slot)
-                    slot.dirty = True
-            slot.key = conversation
-        self._touch(conversation)
-        self._trim(self.model.n_seq, protect=slot)
-        self._keep_window(slot, tokens)
-        return slot
-
-    def _window_holds(self, pos_min: int, reuse: int, n_tokens: int) -> bool:
-        """Whether a sequence of ``n_tokens`` whose KV starts at ``pos_min`` can be cut back to
-        its first ``reuse`` tokens and continued: a model with sliding-window attention (Gemma 3)
-        may have dropped positions the new tokens attend to. llama-server's rule: the KV must
-        still hold position ``reuse - n_swa``. Continuing the whole sequence is always fine."""
-        if reuse <= 0 or reuse >= n_tokens:
-            return True
-        return pos_min <= max(0, reuse - self._n_swa)
-
-    def _keep_window(self, slot: Slot, tokens: Sequence[int]) -> None:
-        """Before continuing the slot's sequence with ``tokens``: start it over from an empty KV
-        cache when the reuse the decoder would make is not possible (``_window_holds``)."""
-        reuse = min(common_prefix(slot.ids, tokens), len(tokens) - 1)
-        if not self._window_holds(self._pos_min(slot), reuse, len(slot.ids)):
-            log.info("the sliding window no longer holds position %d: evaluating from scratch", reuse)
-            key = slot.key
-            self._clear(slot)
-            slot.key = key
-
-    def _new_keyless(self) -> int:
-        self._next_keyless += 1
-        return self._next_keyless
-
-    def _use_prompt_cache(self, tokens: Sequence[int]) -> Slot:
-        """The slot a keyless request with prompt ``tokens`` continues.
-
-        The candidate is the cached keyless sequence (idle in a slot, or a host snapshot) with the
-        longest common prefix with the prompt (ties: the most recent), less the last prompt token
-        (its logits are needed). When the reusable prefix passes the similarity rule (see
-        ``PROMPT_CACHE_MIN_TOKENS``) and the sliding window still holds it, the request continues
-        that sequence: it takes it over when it extends the sequence's last prompt (the next turn
-        of a chat, a growing completion prompt, the same prompt again) or when what it would cut
-        off is small (``BRANCH_MIN_FRACTION``), else it branches: it continues a copy and the
-        original stays cached (two chats that share only a system prompt). Otherwise it starts a
-        fresh sequence from an empty KV cache. A new sequence evicts the least recently used one
-        beyond ``n_seq``. Conversations, and sequences in the batch, are never candidates."""
-        self._load_saved_prompts()
-        best: SeqKey | None = None
-        best_reuse = 0
-        best_prompt_len = 0
-        best_len = 0
-        limit = len(tokens) - 1
-        for key in self._recent():
-            if not isinstance(key, int):
-                continue
-            slot = self._slot_of(key)
-            if slot is not None:
-                if slot.busy:
-                    continue
-                ids: Sequence[int] = slot.ids
-                pos_min, prompt_len = -1, slot.prompt_len
-            else:
-                snap = self._saved[key]
-                ids, prompt_len = snap.input_ids, snap.prompt_len
-                pos_min = self._restored_pos_min(snap.n_tokens, snap.pos_min)  # (files of older runs)
-            reuse = min(common_prefix(ids, tokens), limit)
-            if reuse <= best_reuse:
-                continue
-            if slot is not None:  # in the context: ask it
-                pos_min = self._pos_min(slot)
-            if self._window_holds(pos_min, reuse, len(ids)):
-                best, best_reuse, best_prompt_len, best_len = key, reuse, prompt_len, len(ids)
-        if best is None or best_reuse < max(PROMPT_CACHE_MIN_TOKENS, PROMPT_CACHE_MIN_FRACTION * len(tokens)):
-            slot = self._take_slot()
-            slot.key = self._new_keyless()
-        else:
-            # the last prompt token is evaluated again, so the same prompt takes the sequence over.
-            # A prompt that diverges inside the sequence's last prompt branches (the original stays
-            # cached, the request goes on in a copy) only when the part it would cut off is worth
-            # the copy: a copy costs a pass over the sequence's KV (twice: out to host memory and
-            # back), cutting costs re-evaluating the tokens cut off if that sequence comes back
-            lost = best_len - best_reuse
-            take_over = best_reuse >= best_prompt_len - 1 or lost < max(8, BRANCH_MIN_FRACTION * best_len)
-            source = self._slot_of(best)
-            if source is not None:
-                if take_over:
-                    slot = source
-                else:
-                    self._touch(best)  # the original stays cached, as the most recent
-                    other = self._free_slot(exclude=source)
-                    if other is None:  # the original goes to host memory, the copy stays here
-                        self._saved[best] = self._snapshot(source)
-                        slot = source
-                    else:
-                        slot = other
-                        self._load_snapshot(slot, self._snapshot(source))
-                    slot.key = self._new_keyless()
-            else:
-                if take_over:
-                    snap = self._saved.pop(best)
-                    new_key: SeqKey = best
-                else:
-                    snap = self._saved[best]
-                    self._touch(best)
-                    new_key = self._new_keyless()
-                slot = self._take_slot()
-                self._load_snapshot(slot, snap)
-                slot.key = new_key
-            log.debug(
-                "prompt cache: %d of %d prompt tokens reused (%s)",
-                best_reuse,
-                len(tokens),
-                "taken over" if take_over else "branched",
-            )
-        assert slot.key is not None
-        # the window rule on what the slot holds now: a copy made through a snapshot holds less
-        # than its source did (see _restored_pos_min)
-        self._keep_window(slot, tokens)
-        self._touch(slot.key)
-        self._trim(self.model.n_seq, protect=slot)
-        return slot
+        """Move the idle sequences into the host LRU (see Sequences.park)."""
+        self.sequences.park()
 
     @property
     def conversations(self) -> tuple[str, ...]:
         """The conversations whose KV is cached, most recent first."""
-        return tuple(k for k in self._recent() if isinstance(k, str))
+        return self.sequences.conversations
 
     @property
     def cached_sequences(self) -> int:
         """How many sequences (conversations and cached prompts) the worker keeps, live included."""
-        return len(self._recent())
+        return self.sequences.cached_sequences
 
     @property
     def snapshot_bytes(self) -> int:
         """Host memory held by the snapshots of the sequences that are not in a slot."""
-        return sum(len(s.state) + 4 * s.n_tokens for s in self._saved.values())
-
-    # ---- KV on disk (stop / start; the file format is kv_files') ------------------------------
-
-    def _identity(self) -> dict[str, object]:
-        return kv_files.identity(self.model.path, self.info.n_ctx)
+        return self.sequences.snapshot_bytes
 
     def save_kv(self, kv_dir: Path) -> int:
-        """Write every cached sequence's KV snapshot to ``kv_dir`` (atomic per file): conversations
-        by key, cached prompts by rank (older cached-prompt files are replaced). Returns how many."""
-        for slot in self._slots:
-            try:
-                self._park(slot)
-            except Exception:  # the others are still worth saving
-                log.exception("could not snapshot the sequence %s", slot.key)
-                slot.key = None
-                slot.ids.clear()
-        if kv_dir == self.kv_dir:
-            self._load_saved_prompts()  # those this run never needed are kept, within n_seq
-        ident = self._identity()
-        mid = self.model.id
-        count = 0
-        stale = kv_files.prompt_files(kv_dir, mid)
-        rank = 0
-        for key in self._recent():
-            snap = self._saved[key]
-            if isinstance(key, str):
-                kv_files.write(kv_files.kv_file(kv_dir, mid, key), mid, {"conversation": key}, snap, ident)
-            else:
-                kv_files.write(kv_files.prompt_file(kv_dir, mid, rank), mid, {"prompt": rank}, snap, ident)
-                stale.pop(rank, None)
-                rank += 1
-            count += 1
-        for path in stale.values():
-            path.unlink(missing_ok=True)
-        log.info("saved the KV of %d conversation(s) and cached prompt(s) to %s", count, kv_dir)
-        return count
+        """Write every cached sequence's KV to ``kv_dir`` (see Sequences.save_kv)."""
+        return self.sequences.save_kv(kv_dir)
 
     def load_kv(self, kv_dir: Path, conversation: str) -> bool:
-        """Bring a conversation saved by ``save_kv`` back into the host LRU (and delete the file).
-        A file from another model file or context size is ignored and removed."""
-        path = kv_files.kv_file(kv_dir, self.model.id, conversation)
-        ahead = self.read_ahead.pop(conversation, None)
-        if ahead is not None and ahead.path != path:
-            ahead = None
-        if ahead is None and not path.is_file():
-            return False
-        t0 = time.perf_counter()
-        if ahead is not None:
-            snap = ahead.result(self._identity())
-        else:
-            snap = kv_files.read(path, {"conversation": conversation}, self._identity())
-        if snap is None:
-            return False
-        self._saved[conversation] = snap
-        self._touch(conversation)
-        log.info(
-            "conversation %s: KV loaded from disk (%d tokens, %.1f MB in %.0f ms%s)",
-            conversation,
-            snap.n_tokens,
-            len(snap.state) / 1e6,
-            (time.perf_counter() - t0) * 1000.0,
-            ", read while the model loaded" if ahead is not None else "",
-        )
-        return True
+        """Bring a conversation saved by ``save_kv`` back (see Sequences.load_kv)."""
+        return self.sequences.load_kv(kv_dir, conversation)
 
-    def _load_saved_prompts(self) -> None:
-        """Once: bring the cached prompts a stopped worker left in ``kv_dir`` back, as the least
-        recently used sequences (only as many as ``n_seq`` leaves room for)."""
-        if self._prompts_loaded or self.kv_dir is None:
-            return
-        self._prompts_loaded = True
-        room = self.model.n_seq - self.cached_sequences
-        loaded = 0
-        oldest = min(self._used.values(), default=0)
-        for rank, path in sorted(kv_files.prompt_files(self.kv_dir, self.model.id).items()):
-            if loaded >= room:
-                path.unlink(missing_ok=True)
-                continue
-            snap = kv_files.read(path, {"prompt": rank}, self._identity())
-            if snap is None:
-                continue
-            key = self._new_keyless()
-            self._saved[key] = snap
-            self._used[key] = oldest - 1 - loaded  # older than everything this run used
-            loaded += 1
-        if loaded:
-            log.info("%d cached prompt(s) loaded from %s", loaded, self.kv_dir)
-
-    # ---- prompts ----------------------------------------------------------------------------
-
-    def _template_markers(self, template: str) -> re.Pattern[str] | None:
-        """The special tokens a chat template writes (found in its text, checked against the
-        vocabulary), as one pattern: where a prompt may be cut into pieces (see _PIECE_BYTES)."""
-        llm = self.llm
-        vocab = llm._model.vocab
-        found: set[str] = set()
-        for candidate in set(_MARKER_CANDIDATE.findall(template)):
-            ids = llm.tokenize(candidate.encode("utf-8"), add_bos=False, special=True)
-            if len(ids) == 1 and llama_cpp.llama_vocab_get_attr(vocab, ids[0]) & _SPECIAL_ATTRS:
-                found.add(candidate)
-        if not found:
-            return None
-        return re.compile("|".join(re.escape(m) for m in sorted(found, key=len, reverse=True)))
-
-    def _pieces(self, text: str, special: bool) -> list[str]:
-        """``text`` cut before special tokens of the template, in pieces of about _PIECE_BYTES."""
-        if self._markers is None or not special or len(text) <= _PIECE_BYTES:
-            return [text]
-        pieces: list[str] = []
-        start = 0
-        markers = 0
-        for match in self._markers.finditer(text):
-            cut = match.start()
-            markers += 1
-            if cut > start and (cut - start >= _PIECE_BYTES or markers > _PIECE_MARKERS):
-                pieces.append(text[start:cut])
-                start = cut
-                markers = 1
-        pieces.append(text[start:])
-        return pieces
-
-    def _tokenize(
-        self, text: str, *, add_bos: bool, special: bool, poll: Callable[[], None] = lambda: None
-    ) -> list[int]:
-        """``llm.tokenize(text)`` in pieces, linear in the text, with ``poll`` (which may raise
-        CancelledError) between pieces; raises PromptTooLongError as soon as the tokens so far
-        (or the start of a long piece) fill the context, without tokenizing the rest."""
-        llm = self.llm
-        n_ctx = self.info.n_ctx
-        if llm._model.add_eos_token():  # EOS would end every piece: one call then
-            return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
-        tokens: list[int] = []
-        pieces = self._pieces(text, special)
-        for i, piece in enumerate(pieces):
-            poll()
-            first = add_bos and i == 0
-            probe_chars = _PROBE_CHARS_PER_TOKEN * n_ctx + _PIECE_BYTES
-            if len(piece) > probe_chars:
-                probe = llm.tokenize(piece[:probe_chars].encode("utf-8"), add_bos=first, special=special)
-                if len(tokens) + len(probe) > n_ctx + 8:  # a cut word adds a token or two, no more
-                    raise self._too_long(len(tokens) + len(probe) - 8, at_least=True)
-                poll()
-            tokens += llm.tokenize(piece.encode("utf-8"), add_bos=first, special=special)
-            if len(tokens) >= n_ctx:
-                raise self._too_long(len(tokens), at_least=i + 1 < len(pieces))
-        return tokens
-
-    def _chat_prompt(
-        self,
-        messages: Sequence[ChatMessage],
-        tools: Sequence[dict[str, Any]] = (),
-        poll: Callable[[], None] = lambda: None,
-    ) -> tuple[list[int], list[str]]:
-        """Tokens and extra stop strings for a chat request (``tools``: OpenAI tool objects)."""
-        history = [chat_message_dict(m) for m in messages]
-        if self.template is not None:
-            try:
-                prompt = render(self.template, history, tools)
-            except TemplateError as exc:
-                raise ChatTemplateError(
-                    f"the chat template of {self.model.display_name} refused these messages: {exc}"
-                ) from None
-            # the template writes BOS itself (as llama-cpp-python's formatter: added_special)
-            tokens = self._tokenize(prompt, add_bos=False, special=True, poll=poll)
-            return tokens, [self.template.eos_token]
-        # the fallback format shows only user and assistant turns: tool calls and results as text
-        plain = [ChatMessage(role=m["role"], content=m["content"]) for m in normalise(history, _NO_TOOLS)]
-        return (
-            self._tokenize(fallback_prompt(plain), add_bos=True, special=False, poll=poll),
-            list(FALLBACK_STOP),
-        )
-
-    def _completion_tokens(self, prompt: str, poll: Callable[[], None] = lambda: None) -> list[int]:
-        """A completion prompt's tokens, built as ``Llama.create_completion`` builds them for a
-        string prompt (BOS or CLS when the vocabulary adds one, EOS or SEP when it adds one)."""
-        llm = self.llm
-        vocab = llm._model
-        bos, cls_id, sep = int(llm.token_bos()), int(vocab.token_cls()), int(vocab.token_sep())
-        head = [cls_id if cls_id != -1 else bos]
-        if not vocab.add_bos_token() or head == [-1]:
-            head = []
-        tail = [sep if sep != -1 else int(llm.token_eos())]
-        if not vocab.add_eos_token() and sep == -1:
-            tail = []
-        body = self._tokenize(prompt, add_bos=False, special=True, poll=poll) if prompt else []
-        return [*head, *(int(t) for t in body), *tail]
-
-    def _too_long(self, n: int, *, at_least: bool = False) -> PromptTooLongError:
-        size = f"at least {n}" if at_least else f"{n}"
-        return PromptTooLongError(
-            f"the prompt is {size} tokens but {self.model.display_name} holds {self.info.n_ctx} tokens "
-            f"of context (the answer needs room too): shorten the prompt or raise n_ctx for this model"
-        )
+    # ---- logprobs ----------------------------------------------------------------------------
 
     def _wire_logprobs(self, records: Sequence[TokenLogprob]) -> list[TokenLogprobs]:
         """Sampler records as protocol entries, with each token's text as bytes (logprobs below
@@ -815,12 +279,12 @@ class Engine:
         # generation step left (Decoder.set_threads)
         self._decoder.set_threads(prefill=True)
         if self.model.embedding:
-            seq_ids = [slot.seq_id for slot in self._slots]
+            seq_ids = [slot.seq_id for slot in self.sequences.slots]
             vectors = embed_tokens(llm, token_lists, seq_ids=seq_ids, before_step=before_step)
         else:
             if self._decoder.live:
                 raise RuntimeError("embeddings while a batch is decoding")  # the worker runs them between
-            slots = self._take_slots(min(len(token_lists), len(self._slots)))
+            slots = self.sequences.take_slots(min(len(token_lists), len(self.sequences.slots)))
             try:
                 vectors = embed_tokens(
                     llm,
@@ -850,20 +314,20 @@ class Engine:
         if req.messages is not None:
             # the template's end-of-turn token is an end-of-generation token of the vocabulary:
             # the decoder stops on it (create_completion's stopping criterion checked the same id)
-            tokens, extra_stop = self._chat_prompt(req.messages, tools_of(req), poll)
+            tokens, extra_stop = self.prompts.chat_prompt(req.messages, tools_of(req), poll)
             stop += extra_stop
         else:
             assert req.prompt is not None
             # the tokens create_completion would make of the string (not tokenized twice)
-            tokens = self._completion_tokens(req.prompt, poll)
+            tokens = self.prompts.completion_tokens(req.prompt, poll)
         if len(tokens) >= self.info.n_ctx:
-            raise self._too_long(len(tokens))
+            raise self.prompts.too_long(len(tokens))
         return Prepared(req, tokens, tuple(stop))
 
     @property
     def free_slots(self) -> int:
         """How many more sequences may join the batch now."""
-        return sum(1 for s in self._slots if not s.busy)
+        return sum(1 for s in self.sequences.slots if not s.busy)
 
     @property
     def active(self) -> list[Live]:
@@ -877,7 +341,7 @@ class Engine:
 
     def busy_with(self, conversation: str) -> bool:
         """Whether that conversation's sequence is in the batch (it is never decoded twice at once)."""
-        return any(s.busy and s.key == conversation for s in self._slots)
+        return any(s.busy and s.key == conversation for s in self.sequences.slots)
 
     def start(
         self,
@@ -895,14 +359,14 @@ class Engine:
         cache_prompt = self.model.cache_prompt if req.cache_prompt is None else req.cache_prompt
         if req.conversation is not None:
             # the conversation's own sequence, continued from its longest common prefix
-            slot = self._claim_conversation(req.conversation, tokens)
+            slot = self.sequences.claim_conversation(req.conversation, tokens)
         elif cache_prompt:
-            slot = self._use_prompt_cache(tokens)
+            slot = self.sequences.use_prompt_cache(tokens)
         else:
             # From an empty KV cache, exactly like a fresh Llama, so the same request gives the
             # same answer bit for bit (a prefix reused from another request was computed in other
             # batches, which can change the last bits of the logits); nothing is kept afterwards.
-            slot = self._take_slot()
+            slot = self.sequences.take_slot()
         slot.prompt_len = len(tokens)
         slot.busy = True
         try:
@@ -954,7 +418,7 @@ class Engine:
         slot.busy = False
         self._last = slot
         if slot.key is not None:  # (a scratch sequence is nobody's: emptied when next used)
-            self._touch(slot.key)
+            self.sequences.touch(slot.key)
 
     def kv_tokens(self) -> tuple[int, ...]:
         """The tokens the KV of the last finished request's sequence holds (its prompt and every
@@ -1004,7 +468,7 @@ class Engine:
         return self.outcome(live)
 
     def close(self) -> None:
-        self._saved.clear()
+        self.sequences.drop_snapshots()
         self._decoder.close()
         self.llm.close()
 
@@ -1073,66 +537,8 @@ def _sequences(llm: Any, parallel: int) -> None:
     llm._ctx = ctx
 
 
-#: what the fallback format can show of tools: nothing (calls and results become text)
-_NO_TOOLS = TemplateCaps(
-    tools=False,
-    tool_calls=False,
-    tool_responses=False,
-    object_arguments=True,
-    parallel_calls=True,
-    nine_char_ids=False,
-    thinks=False,
-    starts_thinking=False,
-)
-
-
-def chat_message_dict(m: ChatMessage) -> dict[str, Any]:
-    """A protocol chat message as the OpenAI-shaped dict core/chatformat takes."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        out["name"] = m.name
-    return out
-
-
-def tools_of(req: Generate) -> list[dict[str, Any]]:
-    """A request's tools as the OpenAI tool objects templates take."""
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": t.name,
-                "description": t.description,
-                "parameters": t.parameters or {"type": "object", "properties": {}},
-            },
-        }
-        for t in req.tools
-    ]
-
-
 def capped(sampling: Sampling, cap: int | None) -> Sampling:
     """``sampling`` with its answer length limited to a model's ``max_tokens`` setting (None: none)."""
     if cap is None or (sampling.max_tokens is not None and sampling.max_tokens <= cap):
         return sampling
     return sampling.replace(max_tokens=cap)
-
-
-def fallback_prompt(messages: Sequence[ChatMessage]) -> str:
-    """The plain chat format for models without a chat template (see the module docstring)."""
-    parts: list[str] = []
-    system = [m.content for m in messages if m.role == "system"]
-    if system:
-        parts.append("\n".join(system).strip() + "\n\n")
-    for m in messages:
-        if m.role == "user":
-            parts.append(f"User: {m.content.strip()}\n")
-        elif m.role == "assistant":
-            parts.append(f"Assistant: {m.content.strip()}\n")
-    parts.append("Assistant:")
-    return "".join(parts)
