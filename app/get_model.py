@@ -37,8 +37,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.config.fit import auto_n_ctx
 from ..core.config.parallel import auto_parallel
-from ..core.config.schema import ModelConfig
 from ..core.errors import CancelledError, ConfigError, TimeshareError
 from ..core.gguf.kvcache import KvShape, kv_shape
 from ..core.pull import add, progress, remote, sources
@@ -82,10 +82,10 @@ class KvEstimate:
 
     @classmethod
     def of(cls, shape: KvShape | str) -> KvEstimate:
-        """For a new model entry: the config's default ``n_ctx``, ``parallel`` auto on a GPU."""
+        """For a new model entry: ``n_ctx`` and ``parallel`` auto on a GPU (before the fit to the memory)."""
         if isinstance(shape, str):
             return cls(None, why=shape)
-        n_ctx, parallel = ModelConfig.n_ctx, auto_parallel(gpu=True)
+        n_ctx, parallel = auto_n_ctx(0, gpu=True), auto_parallel(gpu=True)
         return cls(shape.bytes(n_ctx, parallel), n_ctx, parallel)
 
     def describe(self) -> str:
@@ -94,7 +94,7 @@ class KvEstimate:
         return (
             f"The GPU column counts the weights, a tenth for compute buffers and a KV cache of "
             f"{human_bytes(self.bytes)} (n_ctx {self.n_ctx} × {self.parallel} sequences, "
-            "the new entry's defaults)."
+            "the new entry's auto settings, before they are fitted to the memory)."
         )
 
 

@@ -194,6 +194,8 @@ def model_entries(status: ModelStatus, waited: float | None = None) -> tuple[Ent
         entries.append(Label(strings.plain_reason(status.reason)))
     if status.licence:
         entries.append(Label(f"Licence: {status.licence}"))
+    if held := strings.holds_now(status):
+        entries.append(Label(held))
     if entries:
         entries.append(Separator())
     if status.pinned:

@@ -300,8 +300,10 @@ class SettingsDialog(QDialog):
         row = self._selected_row() if row is None else row
         if row is None:
             return False
+        model = self.draft["models"][row]
+        status = self.bridge.snapshot.model(str(model.get("id", "")))
         dialog = ModelDialog(
-            self.draft["models"][row], self._taken_ids(except_row=row), self.config_path, self
+            model, self._taken_ids(except_row=row), self.config_path, self, fitted=strings.fitted(status)
         )
         if dialog.exec() != QDialog.DialogCode.Accepted:
             return False

@@ -47,6 +47,7 @@ class ModelDialog(QDialog):
         taken_ids: set[str],
         config_path: Path | None,
         parent: QWidget | None = None,
+        fitted: str = "",
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Model")
@@ -82,6 +83,11 @@ class ModelDialog(QDialog):
         form.addRow(field_label(ModelConfig, "n_ctx"), self.n_ctx)
         form.addRow(field_label(ModelConfig, "n_seq"), self.n_seq)
         form.addRow(field_label(ModelConfig, "parallel"), self.parallel)
+        # read-only: what the running worker loaded with (the fit of settings left on auto)
+        self.fitted = QLabel(fitted or "–")
+        self.fitted.setObjectName("fitted")
+        self.fitted.setWordWrap(True)
+        form.addRow("Running with:", self.fitted)
         form.addRow(field_label(ModelConfig, "chat_format"), self.chat_format)
         form.addRow(field_label(ModelConfig, "pinned"), self.pinned)
         form.addRow(field_label(ModelConfig, "idle_sleep_s"), self.idle)

@@ -11,6 +11,7 @@ import re
 from typing import TYPE_CHECKING
 
 from ..core import words
+from ..core.util.units import human_bytes
 
 if TYPE_CHECKING:
     from ..core.state import ModelStatus, PoolSnapshot
@@ -87,6 +88,28 @@ nobody_holds = words.nobody_holds
 switching = words.switching
 partly_on = words.partly_on
 models_together = words.models_together
+
+
+def holds_now(status: ModelStatus) -> str:
+    """What a model's worker holds now: "Holds 4.9 GiB on the GPU (KV 4.0 GiB,
+    buffers 0.4 GiB, driver context 0.5 GiB)", "… of memory" on a CPU build; "" when nothing."""
+    if status.device_bytes <= 0:
+        return ""
+    held = status.held()
+    parts = [("weights", held["weights"]), ("KV", held["kv"]), ("buffers", held["buffers"])]
+    parts.append(("driver context", held["context"]))
+    detail = ", ".join(f"{k} {human_bytes(int(v), largest='GiB')}" for k, v in parts if int(v) > 0)
+    where = "of memory" if status.on_host else "on the GPU"
+    return f"Holds {human_bytes(status.device_bytes, largest='GiB')} {where} ({detail})"
+
+
+def fitted(status: ModelStatus | None) -> str:
+    """What a running model loaded with: "n_ctx 4096 × 1 sequences, KV q8_0 (parallel 1, n_ctx
+    4096 (auto: …))"; "" when it is not loaded."""
+    if status is None or not status.n_ctx or not status.parallel:
+        return ""
+    text = f"n_ctx {status.n_ctx} × {status.parallel} sequences, KV {status.kv_cache_type or 'f16'}"
+    return f"{text} ({status.fit})" if status.fit else text
 
 
 def for_people(text: str, snapshot: PoolSnapshot) -> str:

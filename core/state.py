@@ -93,7 +93,15 @@ class ModelStatus:
     licence: str = ""  # shown where models are listed (demo models carry theirs)
     weight_bytes: int = 0  # device weight bytes when resident
     host_pinned_bytes: int = 0  # host shadow (+ KV snapshot when sleeping)
-    device_bytes: int = 0  # device memory this worker holds now (weights + KV + context)
+    # device memory this worker holds now (host memory on a CPU build): weights on the device +
+    # kv_bytes + buffer_bytes + context_bytes. Released: all but the weights; sleeping: the
+    # driver context only; stopped: 0
+    device_bytes: int = 0
+    kv_bytes: int = 0  # its KV cache held there now
+    buffer_bytes: int = 0  # its compute buffers held there now
+    context_bytes: int = 0  # the driver context on a GPU (an allowance of 512 MiB, not measured)
+    kv_cache_type: str = ""  # "f16", "q8_0", "q4_0" ("" until loaded)
+    fit: str = ""  # what the fit chose for the settings left unset (core/config/fit.py), and why
     n_ctx: int = 0
     pid: int | None = None
     restarts: int = 0
@@ -109,6 +117,24 @@ class ModelStatus:
     @property
     def partly_resident(self) -> bool:
         return 0.0 < self.resident_fraction < 1.0
+
+    @property
+    def on_host(self) -> bool:
+        """A CPU build: what it holds is host memory, not a GPU's."""
+        return self.backend.upper().startswith("CPU")
+
+    def held(self) -> dict[str, int | str]:
+        """What its worker holds now (``device_bytes``), part by part, and where: "gpu" or
+        "host" (a CPU build)."""
+        parts = self.kv_bytes + self.buffer_bytes + self.context_bytes
+        return {
+            "memory": "host" if self.on_host else "gpu",
+            "total": self.device_bytes,
+            "weights": max(0, self.device_bytes - parts),
+            "kv": self.kv_bytes,
+            "buffers": self.buffer_bytes,
+            "context": self.context_bytes,
+        }
 
     @property
     def display_name(self) -> str:

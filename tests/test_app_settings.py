@@ -332,6 +332,37 @@ def test_model_dialog_validates_with_field_messages(
         config_files.load_config(config_path)
 
 
+def test_model_dialog_shows_auto_context_and_what_the_worker_loaded_with(
+    qtbot: Any, smollm2_path: Path, config_path: Path
+) -> None:
+    """Issue 39: n_ctx 0 is "auto" (not clamped to 1); one read-only line says what the running
+    worker was fitted to."""
+    from timeshare.app import strings
+    from timeshare.app.settings import ModelDialog
+
+    model = config_files.config_to_dict(smol_config(smollm2_path))["models"][0]
+    model["n_ctx"] = 0
+    status = ModelStatus(
+        id="smol",
+        name="",
+        path=str(smollm2_path),
+        state=ModelState.RELEASED,
+        n_ctx=4096,
+        parallel=1,
+        kv_cache_type="q8_0",
+        fit="parallel 1, n_ctx 4096 (auto: KV 12 MB ≤ 1/8 of the 7.6 GB Timeshare may use)",
+    )
+    dialog = ModelDialog(model, set(), config_path, fitted=strings.fitted(status))
+    qtbot.addWidget(dialog)
+    assert dialog.n_ctx.value() == 0 and dialog.n_ctx.text().startswith("auto")
+    assert dialog.value()["n_ctx"] == 0
+    assert dialog.fitted.text() == (
+        "n_ctx 4096 × 1 sequences, KV q8_0 (parallel 1, n_ctx 4096 (auto: KV 12 MB ≤ 1/8 of the 7.6 GB "
+        "Timeshare may use))"
+    )
+    assert strings.fitted(None) == ""
+
+
 def test_edit_and_remove_model(
     qtbot: Any, bridge: Any, config_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

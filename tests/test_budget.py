@@ -86,13 +86,25 @@ def test_auto_takes_off_what_others_use_and_a_margin() -> None:
     total = 100 * 10**9
     record = compute_budget(parse_budget("auto"), total=total, free=90 * 10**9)
     assert record.others_bytes == 10 * 10**9
-    assert record.margin_bytes == 5 * 10**9  # 5 % of the device (at least 512 MiB)
-    assert record.bytes == 85 * 10**9
-    assert record.weights_budget(reserved=3 * 10**9) == 82 * 10**9  # the workers' reserves too
+    assert record.margin_bytes == 45 * 10**8  # 5 % of what was free (at least 256 MiB)
+    assert record.bytes == 855 * 10**8
+    assert record.weights_budget(reserved=3 * 10**9) == 825 * 10**8  # the workers' reserves too
     explicit = compute_budget(parse_budget("20GB"), total=total, free=1)
     assert explicit.weights_budget(reserved=10**9) == 20 * 10**9  # an explicit size: no margin, no reserves
     assert compute_budget(parse_budget("50%"), total=total, free=1).bytes == total // 2
     assert compute_budget(parse_budget("one-model"), total=total, free=1).weights_budget(0) is None
+
+
+def test_auto_margin_is_a_share_of_the_free_memory_with_a_floor() -> None:
+    """Issue 39: a 141 GB card held down to 8 GiB free by another process. A margin of 5 % of the
+    card (7 GB) left a budget of 0; 5 % of the 8 GiB Timeshare may use leaves the rest."""
+    total, free = 141 * 10**9, 8 * 2**30
+    record = compute_budget(parse_budget("auto"), total=total, free=free)
+    assert record.margin_bytes == int(0.05 * free)
+    assert record.bytes == free - int(0.05 * free) > 7 * 2**30
+    small = compute_budget(parse_budget("auto"), total=total, free=2 * 2**30)
+    assert small.margin_bytes == 256 * 2**20  # the floor
+    assert compute_budget(parse_budget("auto"), total=total, free=0).bytes == 0
 
 
 # ---- the rule (pure) ---------------------------------------------------------------------------

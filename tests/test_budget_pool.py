@@ -334,7 +334,7 @@ def test_an_auto_budget_measures_each_worker_and_keeps_both(
         reserves = [x for x in arena.leases() if x.kind == "reserve"]
     finally:
         arena.close()
-    assert record is not None and record.kind == "auto" and record.margin_bytes >= 512 * 2**20
+    assert record is not None and record.kind == "auto" and record.margin_bytes >= 256 * 2**20
     assert sorted(x.model for x in reserves) == [GEMMA, SMOL]  # each measured itself
     expected = record.bytes - sum(x.bytes for x in reserves)
     wait_until(

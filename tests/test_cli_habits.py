@@ -98,6 +98,9 @@ def test_ls_and_show_without_a_running_instance(tmp_path: Path, smollm2_path: Pa
         "smol-b (Smol B)" in shown.stdout
         and "Q4_1" in shown.stdout
         and "Capabilities  completion, chat" in shown.stdout
+        # issue 39: n_ctx and parallel left unset are fitted when the model loads, and show says so
+        and "auto tokens × auto sequences (trained: 8192), KV cache default" in shown.stdout
+        and "settings left on auto are fitted to the device when the model loads" in shown.stdout
     )
     assert "Name in file" in shown.stdout and "<|im_start|>" in shown.stdout  # general.name, the template
     ambiguous = _cli(home, "--config", str(config), "show", "smol")

@@ -134,12 +134,23 @@ def test_config_without_models_says_how_to_add_one(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ("n_ctx = 0", "models[0].n_ctx: must be > 0"),
-        ("n_ctx = -5", "models[0].n_ctx: must be > 0"),
+        (
+            "n_ctx = -1",
+            "models[0].n_ctx: must be 0 (auto: fitted to the device) or a number of tokens, not -1",
+        ),
+        (
+            "n_ctx = -5",
+            "models[0].n_ctx: must be 0 (auto: fitted to the device) or a number of tokens, not -5",
+        ),
         ('n_ctx = "big"', "models[0].n_ctx: must be an integer, not a string"),
         ("n_ctx = true", "models[0].n_ctx: must be an integer, not a boolean"),
         ("nctx = 512", "models[0].nctx: unknown key (did you mean n_ctx?)"),
-        ("n_gpu_layers = -2", "models[0].n_gpu_layers: must be >= -1"),
+        (
+            "n_gpu_layers = -2",
+            "models[0].n_gpu_layers: must be -1 (all layers, or as many as fit), 0 (CPU only) or a number "
+            "of layers, not -2",
+        ),
+        ('kv_cache_type = "q3"', "models[0].kv_cache_type: must be one of 'f16', 'q8_0', 'q4_0', not 'q3'"),
         ("n_seq = 0", "models[0].n_seq: must be > 0"),
         (
             'idle_release = "nap"',
@@ -244,7 +255,7 @@ path = "{model_file}"
 [[models]]
 id = "b"
 path = "{model_file}"
-n_ctx = 0
+n_ctx = -1
 [[models]]
 id = "a"
 path = "{model_file}"
@@ -254,7 +265,7 @@ path = "{model_file}"
         config_files.load_config(path)
     assert problems_of(excinfo) == [
         "api.port: must be > 0",
-        "models[1].n_ctx: must be > 0",
+        "models[1].n_ctx: must be 0 (auto: fitted to the device) or a number of tokens, not -1",
         "models[2].id: 'a' is already used by models[0]",
     ]
 

@@ -690,7 +690,7 @@ SMOL_SHAPE = {
 
 @pytest.mark.gui
 def test_the_gpu_column_counts_the_kv_cache_of_a_new_entry(qtbot: Any, hub: FakeHub, tmp_path: Path) -> None:
-    """The KV cache of n_ctx 2048 x 4 sequences (a new entry's defaults on a GPU) is read from the
+    """The KV cache of n_ctx 4096 x 4 sequences (a new entry's auto settings on a GPU) is read from the
     looked-up file's metadata and counted: a budget the weights fit with room to spare for one
     sequence's cache says "too big" for one quantisation and "fits" for the smaller."""
     from timeshare.app.get_model import GetModelDialog, fit_text
@@ -699,8 +699,8 @@ def test_the_gpu_column_counts_the_kv_cache_of_a_new_entry(qtbot: Any, hub: Fake
 
     q4 = make_gguf(tmp_path / "k4.gguf", name="Smol", floats=8192, file_type=15, uint32s=SMOL_SHAPE)
     q8 = make_gguf(tmp_path / "k8.gguf", name="Smol", floats=65536, file_type=7, uint32s=SMOL_SHAPE)
-    kv = KvShape(30, 3, 64, 64).bytes(2048, 4)
-    assert kv == 30 * 3 * 128 * 2 * 8192  # 180 MiB: K and V, f16, 8192 cells
+    kv = KvShape(30, 3, 64, 64).bytes(4096, 4)
+    assert kv == 30 * 3 * 128 * 2 * 16384  # 360 MiB: K and V, f16, 16384 cells
     budget = int(len(q4) * 1.1) + kv + 1  # Q4_K_M fits with its cache; Q8_0 does not
     assert len(q8) * 1.1 + kv > budget and len(q8) * 1.1 + kv // 4 < budget
     gpu = PoolSnapshot(devices=(DeviceStatus(0, "CUDA0", "20GB", budget_bytes=budget),))
@@ -712,7 +712,7 @@ def test_the_gpu_column_counts_the_kv_cache_of_a_new_entry(qtbot: Any, hub: Fake
     cells = {dialog.table.item(r, 0).text(): dialog.table.item(r, 2).text() for r in range(2)}
     assert cells == {"Q4_K_M": "fits", "Q8_0": "too big"}
     assert dialog.kv is not None and dialog.kv.bytes == kv
-    assert f"a KV cache of {human_bytes(kv)} (n_ctx 2048 × 4 sequences" in dialog.info.text()
+    assert f"a KV cache of {human_bytes(kv)} (n_ctx 4096 × 4 sequences" in dialog.info.text()
     # the header is read once, for the default choice, from its first bytes
     (read,) = [r for r in hub.seen("GET", "/cdn/") if r.range is not None]
     assert read.range == f"bytes=0-{remote.METADATA_LIMIT - 1}"

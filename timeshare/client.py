@@ -71,6 +71,24 @@ def _state_text(m: dict[str, Any], gpu: bool, *, ready: bool = True) -> str:
     )
 
 
+def held_text(m: dict[str, Any]) -> str:
+    """A model's HOLDS cell: what its worker holds on the GPU now (host memory on a CPU build),
+    with the parts besides the weights: "4.9 GiB: KV 4.0 GiB, buffers 0.4 GiB, context 0.5 GiB"."""
+    total = int(m.get("device_bytes") or 0)
+    if total <= 0:
+        return "-"
+    parts = [
+        ("KV", m.get("kv_bytes")),
+        ("buffers", m.get("buffer_bytes")),
+        ("context", m.get("context_bytes")),
+    ]
+    weights = total - sum(int(v or 0) for _, v in parts)
+    shown = [("weights", weights), *parts]
+    where = " of RAM" if str(m.get("backend") or "").upper().startswith("CPU") else ""
+    detail = ", ".join(f"{k} {human_bytes(int(v or 0), largest='GiB')}" for k, v in shown if int(v or 0) > 0)
+    return f"{human_bytes(total, largest='GiB')}{where}: {detail}"
+
+
 def print_status(status: dict[str, Any], out: TextIO) -> None:
     holder = status.get("holder")
     out.write(f"GPU holder: {holder or 'none'}{'  (switching)' if status.get('switching') else ''}\n")
@@ -102,6 +120,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
             "PINNED",
             "QUEUED",
             "WEIGHTS",
+            "HOLDS NOW",
             "SWITCHES",
             "LAST RESTORE",
             "NOTE",
@@ -123,6 +142,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
                 "yes" if m.get("pinned") else "no",
                 str(m.get("queued", 0)),
                 human_bytes(int(m.get("weight_bytes") or 0), empty="-", largest="GiB"),
+                held_text(m),
                 str(tally.get("switches", 0)),
                 restore,
                 note,

@@ -70,9 +70,16 @@ def describe(path: str, model: ModelConfig | None, status: dict[str, Any] | None
 
     info: dict[str, Any] = {"file": path}
     if model is not None:
-        info.update(id=model.id, name=model.display_name, context=model.n_ctx)
+        info.update(id=model.id, name=model.display_name, context=model.n_ctx or "auto")
+        info.update(parallel=model.parallel or "auto", kv_cache_type=model.kv_cache_type or "default")
     if status is not None:
         info.update(state=status.get("state"), context=status.get("n_ctx") or info.get("context"))
+        if status.get("parallel"):
+            info["parallel"] = status["parallel"]
+        if status.get("kv_cache_type"):
+            info["kv_cache_type"] = status["kv_cache_type"]
+        if status.get("fit"):
+            info["fit"] = status["fit"]  # what the fit chose for settings left on auto, and why
         if status.get("reason"):
             info["reason"] = status["reason"]
     else:
@@ -111,7 +118,20 @@ def print_description(info: dict[str, Any], out: TextIO) -> None:
             ("Architecture", arch),
             ("Name in file", info.get("general_name") or "-"),
             ("Quantisation", info["quantisation"]),
-            ("Context", f"{info.get('context') or '?'} tokens (trained: {info['trained_context'] or '?'})"),
+            (
+                "Context",
+                f"{info.get('context') or '?'} tokens × {info.get('parallel') or '?'} sequences "
+                f"(trained: {info['trained_context'] or '?'}), KV cache {info.get('kv_cache_type') or '?'}",
+            ),
+            (
+                "Fitted",
+                info.get("fit")
+                or (
+                    "settings left on auto are fitted to the device when the model loads"
+                    if info.get("state") == NOT_RUNNING
+                    else "-"
+                ),
+            ),
             ("Licence", info.get("licence") or "-"),
             ("Capabilities", ", ".join(info["capabilities"])),
         ]

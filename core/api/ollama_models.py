@@ -275,6 +275,7 @@ class ModelRoutes:
             if m.state not in _WITH_WORKER:
                 continue
             tag = await anyio.to_thread.run_sync(self._tag, m)
+            host = m.backend.upper().startswith("CPU")  # a CPU build: it all is host memory
             out.append(
                 {
                     "name": tag["name"],
@@ -283,7 +284,8 @@ class ModelRoutes:
                     "digest": tag["digest"],
                     "details": tag["details"],
                     "expires_at": self._expires(m, config),
-                    "size_vram": m.device_bytes,
+                    # what its worker holds on the GPU now: weights, KV, buffers, driver context
+                    "size_vram": 0 if host else m.device_bytes,
                     "context_length": m.n_ctx,
                     "timeshare": {
                         "id": m.id,
@@ -291,6 +293,7 @@ class ModelRoutes:
                         "holds_gpu": m.holds_gpu,
                         "pinned": m.pinned,
                         "weight_bytes": m.weight_bytes,
+                        "held": m.held(),
                     },
                 }
             )

@@ -6,7 +6,8 @@ Settings (``arena.vram_budget``, ``--budget``):
 - ``"auto"`` (the default): the device's total memory, minus what other processes used when the
   first worker of the arena started (total − free, measured by that worker before it loaded
   anything; it includes that worker's own driver context), minus a safety margin
-  (:func:`auto_margin`: 5 % of the device, at least 512 MiB), minus what every worker keeps on the
+  (:func:`auto_margin`: 5 % of what was free then — the memory Timeshare may use, not the whole
+  card — and at least 256 MiB), minus what every worker keeps on the
   device while released (its *reserve*: context, KV cache and compute buffers, measured around its
   load, plus a driver-context allowance on a GPU). Each worker's reserve is held as a lease of kind
   ``"reserve"`` for as long as the worker lives, so the weights' budget shrinks and grows with the
@@ -49,9 +50,12 @@ from ..util.units import decimal_bytes, parse_size
 BudgetKind = Literal["auto", "one-model", "bytes", "fraction"]
 LeaseKind = Literal["weights", "reserve"]
 
-#: the safety margin of an auto budget: this fraction of the device, and at least AUTO_MARGIN_MIN
+#: the safety margin of an auto budget: this fraction of the memory Timeshare may use (the
+#: device's free bytes when the arena's first worker started), and at least AUTO_MARGIN_MIN. A share
+#: of the whole card was 7 GB on a 141 GB H200 held down to an "8 GB card" by another process: a
+#: budget of 0 (issue 39)
 AUTO_MARGIN_FRACTION = 0.05
-AUTO_MARGIN_MIN = 512 * 2**20
+AUTO_MARGIN_MIN = 256 * 2**20
 #: added to a worker's measured reserve on a GPU: the driver context each worker process holds
 #: (≈ 0.6 GB measured on the H200), which exists before the worker can measure anything
 GPU_CONTEXT_ALLOWANCE = 512 * 2**20
@@ -105,8 +109,9 @@ def parse_budget(raw: object) -> BudgetSetting:
     return BudgetSetting("bytes", float(size), text)
 
 
-def auto_margin(total: int) -> int:
-    return max(AUTO_MARGIN_MIN, int(AUTO_MARGIN_FRACTION * total))
+def auto_margin(available: int) -> int:
+    """The safety margin of an auto budget over ``available`` bytes (free when it is computed)."""
+    return max(AUTO_MARGIN_MIN, int(AUTO_MARGIN_FRACTION * max(0, available)))
 
 
 @dataclass(frozen=True)
@@ -173,8 +178,8 @@ def compute_budget(
         return BudgetRecord(bytes=int(setting.value), **common)
     if setting.kind == "fraction":
         return BudgetRecord(bytes=int(setting.value * total), **common)
-    margin = auto_margin(total)
     others = max(0, total - free)
+    margin = auto_margin(total - others)
     base = max(0, total - others - margin)
     return BudgetRecord(bytes=base, others_bytes=others, margin_bytes=margin, **common)
 

@@ -16,6 +16,7 @@ from .meta import META_KEY, FieldMeta, setting
 
 HostShadow = Literal["pinned", "pageable"]
 ChatFormat = Literal["auto", "template", "fallback"]
+KvCacheType = Literal["f16", "q8_0", "q4_0"]
 
 DAY_S = 24 * 3600.0
 
@@ -30,14 +31,27 @@ class ModelConfig:
     # Gemma assembled) when the model starts, and the config file holds this instead of a path
     demo: str = setting("", FieldMeta("Demo model"))
     name: str = setting("", FieldMeta("Name", "The name shown in menus and lists; the id when empty"))
+    # 0: auto (core/config/fit.py: the trained context capped at 4096 on a GPU build, 2048 on a CPU
+    # one, halved while the KV cache takes more than 1/8 of the free memory)
     n_ctx: int = setting(
-        2048,
+        0,
         FieldMeta(
-            "Context tokens", "Context tokens per conversation sequence", "tokens", 1, ui_maximum=1 << 20
+            "Context tokens",
+            "Context tokens per conversation sequence; auto: fitted to the device when the model "
+            "loads (the trained context, at most 4096, less while its KV cache does not fit)",
+            "tokens",
+            0,
+            ui_maximum=1 << 20,
+            special="auto (fitted to the device)",
         ),
     )
     n_gpu_layers: int = setting(
-        -1, FieldMeta("Layers on the GPU", "-1: all layers (ignored by a CPU build)", minimum=-1)
+        -1,
+        FieldMeta(
+            "Layers on the GPU",
+            "-1: all layers, or as many as fit when the weights do not; 0: none (ignored by a CPU build)",
+            minimum=-1,
+        ),
     )
     n_seq: int = setting(
         4,
@@ -57,7 +71,19 @@ class ModelConfig:
             "KV cache is context tokens × this (kept on the GPU while the model is released).",
             minimum=0,
             maximum=64,
-            special="auto (4 on a GPU, 1 on a CPU)",
+            special="auto (4 on a GPU, 1 on a CPU, fewer when the KV cache does not fit)",
+        ),
+    )
+    # "": arena.kv_cache_type. A quantised cache turns flash attention on (llama.cpp needs it for
+    # a quantised V); its answers are close to f16's, not bitwise the same
+    kv_cache_type: KvCacheType | Literal[""] = setting(
+        "",
+        FieldMeta(
+            "KV cache type",
+            'K and V of this model\'s KV cache: "f16", "q8_0" (about half the bytes) or "q4_0" (about a '
+            "quarter); a quantised cache turns flash attention on",
+            choices=get_args(KvCacheType),
+            special="the arena's kv_cache_type",
         ),
     )
     cache_prompt: bool = setting(
@@ -143,6 +169,10 @@ class ModelConfig:
     def display_name(self) -> str:
         return self.name or self.id
 
+    def kv_type(self, default: str = "f16") -> str:
+        """The KV cache type this model uses: its own, or ``default`` (arena.kv_cache_type)."""
+        return self.kv_cache_type or default
+
 
 @dataclass(frozen=True)
 class ArenaConfig:
@@ -202,6 +232,16 @@ class ArenaConfig:
             "while asleep; one-model: one model's weights at a time; or a size (20GB, 12000MiB) "
             "or a share (80%). Models that fit together stay on the GPU together.",
             choices=("auto", "one-model"),  # the words; a size or a share is also taken
+        ),
+    )
+    # the KV cache type of models that set none (models[].kv_cache_type)
+    kv_cache_type: KvCacheType = setting(
+        "f16",
+        FieldMeta(
+            "KV cache type",
+            'K and V of the models that set none: "f16", "q8_0" (about half the bytes) or "q4_0" '
+            "(about a quarter); a quantised cache turns flash attention on",
+            choices=get_args(KvCacheType),
         ),
     )
 

@@ -235,8 +235,9 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
             values["demo"] = c.demo_of(values["path"])
     checks: dict[str, Any] = {
         "name": lambda w, v: c.string(w, v),
-        "n_ctx": _integer(c, ModelConfig, "n_ctx"),
-        "n_gpu_layers": _integer(c, ModelConfig, "n_gpu_layers"),
+        "n_ctx": lambda w, v: _n_ctx(c, w, v),
+        "n_gpu_layers": lambda w, v: _gpu_layers(c, w, v),
+        "kv_cache_type": _kv_cache_type(c, ModelConfig),
         "n_seq": _integer(c, ModelConfig, "n_seq"),
         "parallel": _integer(c, ModelConfig, "parallel"),
         "cache_prompt": lambda w, v: c.boolean(w, v),
@@ -263,6 +264,33 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
 #: the longest idle timer (10 years): longer ones are refused here, and the API's keep_alive maps
 #: them to "never" (false); every reader of the config (timers, /api/ps's expires_at) takes this
 MAX_IDLE_SLEEP_S = 10 * 365 * 86400.0
+
+
+def _n_ctx(c: _Checker, where: str, value: object) -> int | None:
+    """``models[].n_ctx``: tokens per sequence, or 0 for auto (fitted to the device)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        c.problem(where, f"must be 0 (auto: fitted to the device) or a number of tokens, not {value}")
+        return None
+    return c.integer(where, value, minimum=0)
+
+
+def _gpu_layers(c: _Checker, where: str, value: object) -> int | None:
+    """``models[].n_gpu_layers``: -1 (all, or as many as fit), 0 (CPU only) or a number of layers."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < -1:
+        c.problem(
+            where,
+            f"must be -1 (all layers, or as many as fit), 0 (CPU only) or a number of layers, not {value}",
+        )
+        return None
+    return c.integer(where, value, minimum=-1)
+
+
+def _kv_cache_type(c: _Checker, cls: type) -> Callable[[str, object], str | None]:
+    """``kv_cache_type``: one of its choices; a model's may also be "" (arena.kv_cache_type: what a
+    saved config holds for a model that sets none)."""
+    check = _choice(c, cls, "kv_cache_type")
+    empty_ok = cls is ModelConfig
+    return lambda w, v: "" if (empty_ok and v == "") else check(w, v)
 
 
 def _idle_sleep_checker(c: _Checker) -> Any:
@@ -428,6 +456,7 @@ def validate(
             "restore_oom_retry_s": _number(c, ArenaConfig, "restore_oom_retry_s"),
             "hung_holder_s": _number(c, ArenaConfig, "hung_holder_s"),
             "vram_budget": lambda w, v: _budget(c, w, v),
+            "kv_cache_type": _kv_cache_type(c, ArenaConfig),
         },
     )
     if isinstance(arena.dir, str):

@@ -29,6 +29,7 @@ from .header import (
     GgufCorruptError,
     GgufCursor,
     GgufTruncatedError,
+    Header,
     check_fixed_header,
     parse_header,
     quantisation,
@@ -90,6 +91,11 @@ def read_gguf_header(path: str | Path, source: Source = "file", *, size: int | N
     ``size`` overrides the reported size (a split model counts all its parts).
     """
     p = Path(path)
+    header, file_size = _read_header(p)
+    return _entry(p, header, file_size, source, size)
+
+
+def _read_header(p: Path) -> tuple[Header, int]:
     file_size, tensor_count = check_fixed_header(p)
     try:
         with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -108,6 +114,17 @@ def read_gguf_header(path: str | Path, source: Source = "file", *, size: int | N
             f"{p.name} is truncated: header says {tensor_count} tensors ending at byte {header.data_end} "
             f"but the file ends at byte {file_size} — re-download it"
         )
+    return header, file_size
+
+
+def read_gguf_header_values(path: str | Path) -> tuple[dict[str, Any], int]:
+    """A GGUF file's metadata values (``header.parse_header``'s) and its tensors' bytes. Raises
+    ModelFileError as :func:`read_gguf_header` does."""
+    header, _ = _read_header(Path(path))
+    return header.values, sum(header.type_bytes.values())
+
+
+def _entry(p: Path, header: Header, file_size: int, source: Source, size: int | None) -> CatalogEntry:
     v = header.values
 
     def text(key: str) -> str:

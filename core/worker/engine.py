@@ -27,16 +27,21 @@ import llama_cpp
 from llama_cpp import _internals
 
 from ..chatformat.template import ChatTemplate, TemplateError
+from ..config.fit import LoadPlan, auto_n_ctx, memory_words
 from ..config.schema import ModelConfig
 from ..errors import (
     CancelledError,
     InvalidInputError,
     InvalidSamplingError,
     ModelFileError,
+    OutOfDeviceMemoryError,
+    TimeshareError,
 )
+from ..gguf.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from ..gguf.modelfile import check_model_file
 from ..residency import check_gguf
 from ..sampling import Sampling
+from ..util.units import decimal_bytes
 from . import kv_files
 from .decode import Decoder, Live
 from .device import default_parallel, llama_placement
@@ -108,20 +113,35 @@ class Engine:
     # ---- loading ----------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model: ModelConfig, *, use_mmap: bool = True) -> Engine:
-        """Load the GGUF. Raises ModelFileError with a sentence saying what to do."""
+    def load(cls, model: ModelConfig, *, use_mmap: bool = True, plan: LoadPlan | None = None) -> Engine:
+        """Load the GGUF. Raises ModelFileError with a sentence saying what to do, and
+        OutOfDeviceMemoryError when the context or the weights could not be allocated (``plan``:
+        what the worker's fit asked of its device, for the numbers in that sentence).
+
+        ``model.kv_cache_type`` ("" is f16 here: the worker resolves the global default) sets K
+        and V; a quantised one turns flash attention on, which llama.cpp needs for a quantised V."""
         check_model_file(model.path)
         check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
         # an embedding model's sequences let one decode embed several inputs (core/worker/embed.py)
         parallel = model.parallel or default_parallel()
+        n_ctx = model.n_ctx or auto_n_ctx(0, plan.gpu if plan is not None else False)
+        kv_type = model.kv_type()
+        ggml_type = KV_TYPES[kv_type][2]
+        quantised_kv = kv_type != DEFAULT_KV_TYPE
+        if quantised_kv and not model.flash_attn:
+            log.info(
+                "%s: kv_cache_type %s turns flash attention on (a quantised V needs it)", model.id, kv_type
+            )
         try:
             with _model_defaults(**batch_invariant(parallel)):
                 llm = llama_cpp.Llama(
                     model_path=model.path,
-                    n_ctx=model.n_ctx * parallel,  # each sequence has the model's whole n_ctx
+                    n_ctx=n_ctx * parallel,  # each sequence has the model's whole n_ctx
                     n_gpu_layers=model.n_gpu_layers,
                     use_mmap=use_mmap,
-                    flash_attn=model.flash_attn,
+                    flash_attn=model.flash_attn or quantised_kv,
+                    type_k=ggml_type if quantised_kv else None,
+                    type_v=ggml_type if quantised_kv else None,
                     verbose=False,
                     # an embedding model's context pools (the GGUF's pooling type; embed.py means a
                     # causal model's tokens itself)
@@ -130,15 +150,13 @@ class Engine:
                 )
         except (ValueError, RuntimeError) as exc:
             log.error("llama.cpp failed to load %s: %s", model.path, exc)
-            # check_gguf proved the header and the tensor data whole: llama.cpp refused it otherwise
-            raise ModelFileError(
-                f"model file {model.path} cannot be loaded: llama.cpp could not load it "
-                "(unsupported architecture or damaged file); see the worker log"
-            ) from None
+            # check_gguf proved the header and the tensor data whole: what is left is memory (the
+            # context: KV cache and compute buffers; or the weights' buffers) or the architecture
+            raise load_failure(model, str(exc), plan, n_ctx, parallel, kv_type) from None
         if parallel > 1 or model.embedding:
             # an embedding context too: llama-cpp-python makes it of 256 sequences in one unified
             # KV stream, where packed inputs of unlike lengths changed a vector by 2e-3 (embed.py)
-            _sequences(llm, parallel)
+            _sequences(llm, parallel, model, plan, n_ctx, kv_type)
         chat_template = None
         want = model.chat_format
         template = (
@@ -516,7 +534,40 @@ def _model_defaults(**fields: Any) -> Iterator[None]:
         module.llama_model_default_params = real
 
 
-def _sequences(llm: Any, parallel: int) -> None:
+def load_failure(
+    model: ModelConfig, reason: str, plan: LoadPlan | None, n_ctx: int, parallel: int, kv_type: str
+) -> TimeshareError:
+    """The error for llama.cpp's refusal to load ``model`` (its ValueError's ``reason``): a context
+    that could not be created is out of memory (its KV cache and compute buffers are what it
+    allocates), as are weights larger than the device's free memory; anything else, the file's
+    architecture. A whole file was proved by check_gguf, so never "damaged"."""
+    gpu = plan.gpu if plan is not None else bool(llama_placement(model.device))
+    free = plan.free_now() if plan is not None else None
+    words = memory_words(gpu)
+    free_text = f"; {decimal_bytes(free)} of {words} is free now" if free is not None else ""
+    if "llama_context" in reason:
+        kv = f"a KV cache of {decimal_bytes(plan.kv_bytes)} " if plan is not None and plan.kv_bytes else ""
+        return OutOfDeviceMemoryError(
+            f"out of {words}: {model.id}'s context ({kv}for n_ctx {n_ctx} × {parallel} sequences, "
+            f"{kv_type}, and its compute buffers) could not be allocated{free_text}: lower "
+            f'models[].n_ctx or parallel, set kv_cache_type = "q8_0" or "q4_0"'
+            + (", or lower n_gpu_layers" if gpu else "")
+        )
+    if plan is not None and free is not None and plan.weight_bytes > free:
+        return OutOfDeviceMemoryError(
+            f"out of {words}: {model.id}'s weights take {decimal_bytes(plan.weight_bytes)}{free_text}: "
+            + ("lower n_gpu_layers, " if gpu else "")
+            + "use a smaller quantisation, or stop what else uses it"
+        )
+    return ModelFileError(
+        f"model file {model.path} cannot be loaded: llama.cpp refused it ({reason}): its architecture "
+        "may be one this build does not support; see the worker log"
+    )
+
+
+def _sequences(
+    llm: Any, parallel: int, model: ModelConfig, plan: LoadPlan | None, n_ctx: int, kv_type: str
+) -> None:
     """Give ``llm`` a context of ``parallel`` sequences, each in its own KV stream (``kv_unified``
     false: a sequence's logits do not depend on the others in the batch; with a unified cache 3 of
     4 greedy answers differed from their solo runs). llama-cpp-python's constructor takes neither
@@ -530,9 +581,7 @@ def _sequences(llm: Any, parallel: int) -> None:
         ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=llm.verbose)
     except ValueError as exc:
         llm.close()
-        raise ModelFileError(
-            f"the context of {parallel} sequences could not be created ({exc}): lower parallel or n_ctx"
-        ) from None
+        raise load_failure(model, str(exc), plan, n_ctx, parallel, kv_type) from None
     llm._stack.enter_context(contextlib.closing(ctx))
     llm._ctx = ctx
 

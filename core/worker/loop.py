@@ -31,7 +31,10 @@ from ..util.logsetup import setup_logging
 from . import kv_files
 from . import protocol as p
 from .decode import Live
+from .device import device_memory
 from .engine import Engine
+from .fitting import Fitted, fit_to_device
+from .footprint import Footprint
 from .spec import WorkerSpec
 from .tenancy import Acquired, Tenancy, make_tenancy
 
@@ -96,6 +99,8 @@ class Worker:
         self.tenancy = tenancy or Tenancy()
         self.tasks: queue.Queue[_Task] = queue.Queue()
         self.engine: Engine | None = None
+        self._fitted: Fitted | None = None  # the model as fitted to its device (set at load)
+        self._footprint = Footprint()  # what its context holds besides the weights
         self.pinned = spec.model.pinned
         self._pending: collections.deque[_Task] = collections.deque()
         self._cancelled: set[str] = set()  # cancelled before they joined the batch
@@ -149,13 +154,17 @@ class Worker:
             state = "resident" if res.weights_resident else "released"
         else:
             state = self._state
+        held = self._footprint.now(kv_resident=state in ("resident", "released") and res.kv_resident)
         status = p.WorkerStatus(
             state=state,
             busy=self._busy,
             pinned=self.pinned,
             holds_token=res.holds_token,
             waiting_reason=res.waiting_reason(),
-            device_bytes=res.device_bytes,
+            device_bytes=res.device_bytes + held.total,
+            kv_bytes=held.kv,
+            buffer_bytes=held.buffers,
+            context_bytes=held.context,
             resident_fraction=res.resident_fraction if state != "loading" else 0.0,
             host_pinned_bytes=res.host_bytes,
             prompt_tokens_evaluated=engine.prompt_tokens_evaluated if engine else 0,
@@ -293,7 +302,10 @@ class Worker:
             self.send(p.Loading("model", 0.0))
             # On a CPU build the host weight buffers play the device; they can only be released
             # when they are not an mmap of the file (core/residency says which).
-            engine = Engine.load(model, use_mmap=res.use_mmap)
+            fitted = fit_to_device(model, self.spec.arena.kv_cache_type, device_memory(model.device))
+            self._fitted = fitted
+            engine = Engine.load(fitted.model, use_mmap=res.use_mmap, plan=fitted.plan)
+            self._footprint = Footprint.measure(engine, fitted)
             with self._ahead_lock:  # the reads started while it loaded go to the engine
                 engine.read_ahead.update(self._ahead)
                 self._ahead.clear()
@@ -338,6 +350,10 @@ class Worker:
                     budget_setting=self.tenancy.budget.setting if self.tenancy.budget else "",
                     budget_note=self.tenancy.budget_note,
                     parallel=engine.parallel,
+                    kv_cache_type=self._fitted.model.kv_type() if self._fitted else "f16",
+                    kv_bytes=self._footprint.kv_total,
+                    n_gpu_layers=self._fitted.model.n_gpu_layers if self._fitted else -1,
+                    fit=self._fitted.fit.note if self._fitted else "",
                 )
             )
         )

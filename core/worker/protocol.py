@@ -147,6 +147,10 @@ class ModelInfo(msgspec.Struct, frozen=True):
     budget_setting: str = ""  # the VRAM budget in force on that device ("one-model", "auto", "20GiB")
     budget_note: str = ""  # set when that is not this model's own setting (the first one won)
     parallel: int = 1  # requests the worker answers at once (sequences of its context)
+    kv_cache_type: str = "f16"  # K and V's type ("f16", "q8_0", "q4_0")
+    kv_bytes: int = 0  # the context's KV cache, every layer (n_ctx × parallel cells)
+    n_gpu_layers: int = -1  # as loaded (-1: all; fewer when the fit chose them)
+    fit: str = ""  # what the fit chose for settings left unset, and why ("": all were set)
 
 
 class Ready(_Message, frozen=True):
@@ -164,7 +168,12 @@ class WorkerStatus(_Message, frozen=True):
     pinned: bool
     holds_token: bool
     waiting_reason: str = ""  # e.g. "pinned by gemma3-270m"
+    # what it holds on its device now (host memory on a CPU build): resident weights + kv_bytes +
+    # buffer_bytes + context_bytes (worker/footprint.py says what stays at each level)
     device_bytes: int = 0
+    kv_bytes: int = 0  # its KV cache on the device (0 once the context is freed: sleeping)
+    buffer_bytes: int = 0  # its compute buffers there (idem)
+    context_bytes: int = 0  # the driver context on a GPU (an allowance, not measured); 0 on a CPU build
     host_pinned_bytes: int = 0
     prompt_tokens_evaluated: int = 0  # total prefill tokens since start (for no-re-prefill checks)
     live_conversations: tuple[str, ...] = ()
