@@ -71,6 +71,13 @@ class _VerbParser(argparse.ArgumentParser):
         )
 
 
+_CARD_HELP = (
+    "measure as on a card of SIZE (8GiB, 12GiB, 16GiB, 24GiB): on a GPU a ballast process holds all "
+    "but SIZE of its free memory before anything starts (a SIZE larger than the GPU, or than its free "
+    "memory, is refused); on a CPU build SIZE caps the host memory the workers see instead"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="timeshare",
@@ -228,6 +235,7 @@ def _add_diagnostics(sub: Any) -> None:
     doctor.add_argument(
         "--parts", type=int, default=8, metavar="N", help="layer parts for --partial (default: 8)"
     )
+    doctor.add_argument("--card", metavar="SIZE", help=_CARD_HELP)
     doctor.add_argument(
         "--json", action="store_true", help="print only a JSON report on stdout (progress goes to stderr)"
     )
@@ -301,6 +309,7 @@ def _add_diagnostics(sub: Any) -> None:
     bapi.add_argument(
         "--keep-logs", action="store_true", help="keep the work folder with serve's and the workers' logs"
     )
+    bapi.add_argument("--card", metavar="SIZE", help=_CARD_HELP)
     bapi.add_argument("--plot", metavar="FILE.png", help="draw the turns and the medians (needs matplotlib)")
     bapi.add_argument("--json", action="store_true", help=_JSON_HELP)
 
@@ -403,6 +412,7 @@ def _add_diagnostics(sub: Any) -> None:
         help="each worker's models[].parallel: requests it answers at once, decoded together (0: auto, "
         "the default); the clients outnumber the workers, so N > 1 batches",
     )
+    arena.add_argument("--card", metavar="SIZE", help=_CARD_HELP)
     arena.add_argument("--json", action="store_true", help=_JSON_HELP)
 
 

@@ -169,7 +169,7 @@ class ModelConfig:
     def display_name(self) -> str:
         return self.name or self.id
 
-    def kv_type(self, default: str = "f16") -> str:
+    def kv_type(self, default: KvCacheType = "f16") -> KvCacheType:
         """The KV cache type this model uses: its own, or ``default`` (arena.kv_cache_type)."""
         return self.kv_cache_type or default
 

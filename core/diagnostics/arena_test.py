@@ -49,6 +49,7 @@ from .arena_test_chaos import CHAOS_ERRORS, ChaosInjector, ChaosPlan, chaos_opti
 from .arena_test_checks import check_intervals, percentile
 from .arena_test_report import ArenaTestReport, Mismatch
 from .budget_check import budget_fields
+from .card import hold_card
 from .memwatch import MemCheck, MemorySampler, MemSample, check_memory, choose_source
 
 log = logging.getLogger(__name__)
@@ -555,17 +556,20 @@ def main(args: argparse.Namespace) -> int:
         else:
             models = default_models()
         arena_dir = env_arena_dir()  # refuse an unsafe arena before loading anything
-        report = run_arena_test(
-            models,
-            workers=args.workers,
-            seconds=args.seconds,
-            arena_dir=arena_dir,
-            progress=progress,
-            sample_memory_ms=args.sample_memory_ms,
-            budget=getattr(args, "budget", None) or "one-model",
-            parallel=getattr(args, "parallel", 0) or 0,
-            **chaos_options(args),
-        )
+        with hold_card(getattr(args, "card", None)) as card:  # before any worker starts
+            if card is not None:
+                progress(card.describe())
+            report = run_arena_test(
+                models,
+                workers=args.workers,
+                seconds=args.seconds,
+                arena_dir=arena_dir,
+                progress=progress,
+                sample_memory_ms=args.sample_memory_ms,
+                budget=getattr(args, "budget", None) or "one-model",
+                parallel=getattr(args, "parallel", 0) or 0,
+                **chaos_options(args),
+            )
     except ArenaError as exc:
         print(f"timeshare arena-test: {exc}", file=sys.stderr)
         return 2

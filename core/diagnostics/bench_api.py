@@ -52,6 +52,7 @@ from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
 from .bench_api_procs import MAX_TOKENS, LlamaServer, Serve, decode_rate, fresh_process
 from .bench_api_report import SYSTEMS, plot, print_table, summarise
+from .card import hold_card
 
 log = logging.getLogger(__name__)
 
@@ -384,17 +385,23 @@ def main(args: argparse.Namespace) -> int:
             models = list(args.model) if args.model else [str(demo.smollm2_path()), str(demo.gemma3_path())]
         except demo.DemoUnavailableError as exc:
             raise TimeshareError(f"{exc}; give two models with --model PATH --model PATH") from None
-        report = run_api_bench(
-            models,
-            context=int(args.context),
-            rounds=int(args.rounds),
-            llama_server=args.llama_server,
-            flash_attn=bool(args.flash_attn),
-            progress=progress,
-            budget=str(getattr(args, "budget", None) or "one-model"),
-            switch_only=bool(getattr(args, "switch_only", False)),
-            keep_logs=bool(getattr(args, "keep_logs", False)),
-        )
+        # before anything starts: timeshare's systems and llama-swap's way run on the same card
+        with hold_card(getattr(args, "card", None)) as card:
+            if card is not None:
+                progress(card.describe())
+            report = run_api_bench(
+                models,
+                context=int(args.context),
+                rounds=int(args.rounds),
+                llama_server=args.llama_server,
+                flash_attn=bool(args.flash_attn),
+                progress=progress,
+                budget=str(getattr(args, "budget", None) or "one-model"),
+                switch_only=bool(getattr(args, "switch_only", False)),
+                keep_logs=bool(getattr(args, "keep_logs", False)),
+            )
+        if card is not None:
+            report["card"] = card.to_json()
         if args.plot:
             plot(report, args.plot)
             report["plot"] = str(args.plot)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import envvars
 from ..errors import TimeshareError
+from .card import hold_card
 
 if TYPE_CHECKING:  # importing residency loads llama_cpp: run_doctor imports it when it runs
     from ..residency.options import Mode
@@ -263,12 +264,19 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not model:
             model = _default_model()
-        if getattr(args, "partial", False):
-            from .partial_check import print_partial, run_partial_check
+        with hold_card(getattr(args, "card", None)) as card:  # before anything loads
+            if card is not None:
+                _step(card.describe())
+            if getattr(args, "partial", False):
+                from .partial_check import print_partial, run_partial_check
 
-            report = run_partial_check(model, int(args.cycles), int(getattr(args, "parts", 8)), _step)
-        else:
-            report = run_doctor(model, int(args.cycles), budget=getattr(args, "budget", None) or "one-model")
+                report = run_partial_check(model, int(args.cycles), int(getattr(args, "parts", 8)), _step)
+            else:
+                report = run_doctor(
+                    model, int(args.cycles), budget=getattr(args, "budget", None) or "one-model"
+                )
+        if card is not None:
+            report["card"] = card.to_json()
     except TimeshareError as exc:
         return report_failure("doctor", exc, as_json)
     if as_json:

@@ -3,7 +3,9 @@
 GPU devices are counted as llama.cpp counts them for ``main_gpu`` (the ggml devices of type GPU,
 in order: CUDA0, CUDA1...). On a build without a GPU the "device" is host memory (the in-place
 residency path frees host weight buffers there), measured from ``/proc/meminfo`` (MemTotal,
-MemAvailable), so the same budget logic runs on CPU-only machines.
+MemAvailable), so the same budget logic runs on CPU-only machines. ``$TIMESHARE_HOST_MEMORY`` (a
+size, "8GiB") caps that host memory: a "card" of that size on a CPU build (``--card`` of bench api,
+doctor and arena-test sets it; issue 39), read here only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from ..arena.budget import BudgetSetting, parse_budget
 from ..config.parallel import auto_parallel
 from ..errors import ConfigError
 from ..residency import GgmlDevice, ggml_device_memory, ggml_devices
+from ..util.units import parse_size
+
+#: caps the host memory a CPU build's "device" has (a size); unset: all of it
+HOST_MEMORY_ENV = "TIMESHARE_HOST_MEMORY"
 
 
 @dataclass(frozen=True)
@@ -37,8 +43,23 @@ def _gpus() -> list[GgmlDevice]:
     return [d for d in ggml_devices() if d.is_gpu]
 
 
-def _host_memory() -> tuple[int, int]:
-    """(total, available) bytes of host memory."""
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory, capped by ``$TIMESHARE_HOST_MEMORY``. Raises
+    ConfigError naming the variable when its value is not a size."""
+    total, available = _meminfo()
+    cap = os.environ.get(HOST_MEMORY_ENV, "").strip()
+    if not cap:
+        return total, available
+    try:
+        size = parse_size(cap)
+    except ValueError as exc:
+        raise ConfigError([f"${HOST_MEMORY_ENV}: {exc}"]) from None
+    if size <= 0:
+        raise ConfigError([f"${HOST_MEMORY_ENV}: must be more than 0 bytes, not {cap!r}"])
+    return min(total, size), min(available, size)
+
+
+def _meminfo() -> tuple[int, int]:
     try:
         fields = {}
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -61,7 +82,7 @@ def device_memory(index: int) -> DeviceMemory:
             raise ConfigError(
                 [f"models[].device = {index}: this build of llama.cpp sees no GPU (CPU only): use 0"]
             )
-        total, free = _host_memory()
+        total, free = host_memory()
         return DeviceMemory(0, "CPU", False, total, free)
     if index >= len(gpus):
         names = ", ".join(d.name for d in gpus)

@@ -9,9 +9,10 @@ import logging
 from dataclasses import dataclass, replace
 
 from ..config.fit import Fit, FitInput, LoadPlan, fit_model
-from ..config.schema import ModelConfig
+from ..config.schema import KvCacheType, ModelConfig
 from ..gguf.catalog import read_gguf_header_values
 from ..gguf.kvcache import KvShape, kv_shape
+from ..residency import check_gguf
 from .device import DeviceMemory, device_memory
 
 log = logging.getLogger(__name__)
@@ -25,10 +26,12 @@ class Fitted:
     kv_shape: KvShape | None  # None: the cache is not plain K/V (recurrent, MLA) or not known
 
 
-def fit_to_device(model: ModelConfig, default_kv_type: str, device: DeviceMemory) -> Fitted:
+def fit_to_device(model: ModelConfig, default_kv_type: KvCacheType, device: DeviceMemory) -> Fitted:
     """``model`` fitted to ``device`` (its free bytes now). Raises ModelFileError for a file whose
     header cannot be read, OutOfDeviceMemoryError when the model cannot fit even at its smallest."""
     kv_type = model.kv_type(default_kv_type)
+    # the file's own checks first, with their words (the path, truncation): as Engine.load's
+    check_gguf(model.path)
     values, weight_bytes = read_gguf_header_values(model.path)
     arch = values.get("general.architecture")
     layers = values.get(f"{arch}.block_count") if isinstance(arch, str) else None
