@@ -10,12 +10,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _budget_pool_util import WAIT
 from _proc_util import wait_until
 from timeshare.core.config.fit import FitInput, fit_model
-from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
+from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.config.validate import validate
 from timeshare.core.errors import ConfigError, OutOfDeviceMemoryError
 from timeshare.core.gguf.kvcache import KvShape
@@ -198,6 +199,10 @@ def test_quantised_kv_caches_load_answer_and_hold_less(
     resident = status["smol-q4_0"]
     if resident.state is ModelState.RESIDENT:
         assert resident.held()["weights"] > 0
+    # Ollama's /api/ps says the same: host memory on a CPU build (size_vram 0), part by part
+    ps = {m["timeshare"]["id"]: m for m in _api_ps(pool)}
+    assert ps["smol-f16"]["size_vram"] == 0 and ps["smol-f16"]["timeshare"]["held"] == f16.held()
+    assert ps["smol-q8_0"]["timeshare"]["held"]["kv"] == q8.kv_bytes
     # asleep (weights+kv): the context is freed, so nothing is held
     pool.sleep("smol-f16", level="weights+kv")
     wait_until(
@@ -209,3 +214,21 @@ def test_quantised_kv_caches_load_answer_and_hold_less(
         WAIT,
         "the sleeping model holds nothing",
     )
+    asleep = {m["timeshare"]["id"]: m for m in _api_ps(pool)}["smol-f16"]["timeshare"]["held"]
+    assert asleep == {"memory": "host", "total": 0, "weights": 0, "kv": 0, "buffers": 0, "context": 0}
+
+
+def _api_ps(pool: Pool) -> list[dict[str, Any]]:
+    """``GET /api/ps`` of an API over ``pool`` (in process)."""
+    from starlette.testclient import TestClient
+    from timeshare.core.api.handlers import create_app
+
+    app = create_app(pool, ApiConfig())
+    try:
+        with TestClient(app, base_url="http://127.0.0.1") as client:
+            answer = client.get("/api/ps")
+            assert answer.status_code == 200, answer.text
+            models: list[dict[str, Any]] = answer.json()["models"]
+            return models
+    finally:
+        app.state.unsubscribe()
