@@ -172,6 +172,14 @@ BATCH_QUIET_MS = EnvVar(
     "test",
     "The quiet gap after the latest request that ends a burst's gathering",
 )
+HOST_MEMORY = EnvVar(
+    "TIMESHARE_HOST_MEMORY",
+    "size (8GiB)",
+    "all of it",
+    "test",
+    "Caps the host memory a CPU build's device has (its budget and fit): --card SIZE of bench api, "
+    "doctor and arena-test sets it there",
+)
 VULKAN_TEST = EnvVar(
     "TIMESHARE_VULKAN_TEST",
     "1",
@@ -200,6 +208,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     SHADOW_SLICE_MIB,
     BATCH_GATHER_MS,
     BATCH_QUIET_MS,
+    HOST_MEMORY,
     VULKAN_TEST,
 )
 

@@ -82,7 +82,7 @@ class ModelConfig:
             "KV cache type",
             'K and V of this model\'s KV cache: "f16", "q8_0" (about half the bytes) or "q4_0" (about a '
             "quarter); a quantised cache turns flash attention on",
-            choices=get_args(KvCacheType),
+            choices=("", *get_args(KvCacheType)),  # "": the arena's
             special="the arena's kv_cache_type",
         ),
     )

@@ -288,9 +288,9 @@ def _gpu_layers(c: _Checker, where: str, value: object) -> int | None:
 def _kv_cache_type(c: _Checker, cls: type) -> Callable[[str, object], str | None]:
     """``kv_cache_type``: one of its choices; a model's may also be "" (arena.kv_cache_type: what a
     saved config holds for a model that sets none)."""
-    check = _choice(c, cls, "kv_cache_type")
-    empty_ok = cls is ModelConfig
-    return lambda w, v: "" if (empty_ok and v == "") else check(w, v)
+    choices = describe(cls, "kv_cache_type").meta.choices
+    named = tuple(t for t in choices if t)  # the error names the types, not ""
+    return lambda w, v: "" if (v == "" and "" in choices) else c.choice(w, v, named)
 
 
 def _idle_sleep_checker(c: _Checker) -> Any:

@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import envvars
 from ..errors import TimeshareError
 from ..util.units import decimal_bytes, parse_size
 
-#: the host-memory cap of a CPU build (core/worker/device.HOST_MEMORY_ENV, read there only)
-HOST_MEMORY_ENV = "TIMESHARE_HOST_MEMORY"
+#: the host-memory cap of a CPU build (read by core/worker/device.host_memory)
+HOST_MEMORY_ENV = envvars.HOST_MEMORY.name
 #: how long the ballast may take to allocate (an 80 GB GPU in 1 GiB pieces: seconds)
 READY_TIMEOUT_S = 120.0
 
@@ -150,14 +151,15 @@ def hold_card(
             f"--card: a card of {decimal_bytes(size)} is larger than this machine's memory "
             f"({decimal_bytes(total)}) and there is no GPU: give a smaller --card"
         )
-    before = os.environ.get(HOST_MEMORY_ENV)
-    os.environ[HOST_MEMORY_ENV] = str(size)  # inherited by serve and the workers
+    environ = envvars.process_environ()
+    before = environ.get(HOST_MEMORY_ENV)
+    environ[HOST_MEMORY_ENV] = str(size)  # inherited by serve and the workers
     try:
         yield CardReport(
             size=size, kind="host", total=total, note=f"${HOST_MEMORY_ENV}={size}; {report.get('reason', '')}"
         )
     finally:
         if before is None:
-            os.environ.pop(HOST_MEMORY_ENV, None)
+            environ.pop(HOST_MEMORY_ENV, None)
         else:
-            os.environ[HOST_MEMORY_ENV] = before
+            environ[HOST_MEMORY_ENV] = before

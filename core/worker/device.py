@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import envvars
 from ..arena.budget import BudgetSetting, parse_budget
 from ..config.parallel import auto_parallel
 from ..errors import ConfigError
 from ..residency import GgmlDevice, ggml_device_memory, ggml_devices
 from ..util.units import parse_size
-
-#: caps the host memory a CPU build's "device" has (a size); unset: all of it
-HOST_MEMORY_ENV = "TIMESHARE_HOST_MEMORY"
 
 
 @dataclass(frozen=True)
@@ -47,15 +45,15 @@ def host_memory() -> tuple[int, int]:
     """(total, available) bytes of host memory, capped by ``$TIMESHARE_HOST_MEMORY``. Raises
     ConfigError naming the variable when its value is not a size."""
     total, available = _meminfo()
-    cap = os.environ.get(HOST_MEMORY_ENV, "").strip()
+    cap = envvars.HOST_MEMORY.text()
     if not cap:
         return total, available
     try:
         size = parse_size(cap)
     except ValueError as exc:
-        raise ConfigError([f"${HOST_MEMORY_ENV}: {exc}"]) from None
+        raise ConfigError([f"${envvars.HOST_MEMORY.name}: {exc}"]) from None
     if size <= 0:
-        raise ConfigError([f"${HOST_MEMORY_ENV}: must be more than 0 bytes, not {cap!r}"])
+        raise ConfigError([f"${envvars.HOST_MEMORY.name}: must be more than 0 bytes, not {cap!r}"])
     return min(total, size), min(available, size)
 
 
