@@ -17,14 +17,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QEvent, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QCloseEvent, QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QFileDialog,
+    QGridLayout,
     QHBoxLayout,
     QInputDialog,
     QLabel,
+    QLineEdit,
     QListWidget,
     QListWidgetItem,
     QMainWindow,
@@ -41,7 +46,7 @@ from PySide6.QtWidgets import (
 
 from ..core.sampling import new_conversation
 from ..core.state import ModelState, PoolSnapshot
-from . import icons, rich_transcript, scheme, strings
+from . import conversation_export, icons, rich_transcript, scheme, strings
 from .answer_stream import AnswerStream, StreamListener
 from .bridge import PoolBridge
 from .chat_widgets import AnswerSettingsPanel, InputBox, ModelPicker
@@ -68,6 +73,7 @@ log = logging.getLogger(__name__)
 PREWAKE_INTERVAL_S = 5.0  # ask a model to wake at most this often while the user types
 RENDER_INTERVAL_MS = 50  # streamed text is re-rendered at most 20 times a second
 WAIT_TICK_MS = 500  # the waiting line's seconds are updated this often
+SEARCH_DELAY_MS = 200  # the conversation list is filtered this long after the last key
 
 
 class ChatWindow(QMainWindow):
@@ -109,6 +115,8 @@ class ChatWindow(QMainWindow):
         self._wait_clock = WaitClock()
         self._names: tuple[tuple[str, str], ...] = ()  # (id, name) of the models the transcript names
         self._detached = False
+        #: the user message being edited (its id in the store): Send replaces it and what follows
+        self.editing: int | None = None
         self.setWindowTitle("Timeshare — Chat")
         self.setWindowIcon(icons.app_icon())
         self.resize(980, 640)
@@ -131,18 +139,41 @@ class ChatWindow(QMainWindow):
         left = QWidget()
         lv = QVBoxLayout(left)
         lv.setContentsMargins(6, 6, 6, 6)
+        self.search = QLineEdit()
+        self.search.setObjectName("search")
+        self.search.setPlaceholderText(strings.SEARCH_PLACEHOLDER)
+        self.search.setClearButtonEnabled(True)
+        self._search_timer = QTimer(self)
+        self._search_timer.setSingleShot(True)
+        self._search_timer.setInterval(SEARCH_DELAY_MS)
+        self._search_timer.timeout.connect(lambda: self.reload_conversations())
+        self.search.textChanged.connect(lambda _t: self._search_timer.start())
         self.conversations = QListWidget()
         self.conversations.setObjectName("conversations")
+        # a long title wraps inside the list (no sideways scroll bar hiding its end)
+        self.conversations.setWordWrap(True)
+        self.conversations.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.conversations.setTextElideMode(Qt.TextElideMode.ElideNone)
+        self.conversations.setHorizontalScrollMode(QAbstractItemView.ScrollMode.ScrollPerPixel)
+        self.conversations.setResizeMode(QListWidget.ResizeMode.Adjust)
+        self.conversations.setSpacing(1)
         self.conversations.currentItemChanged.connect(lambda *_: self._on_conversation_changed())
         self.new_button = QPushButton("New")
         self.rename_button = QPushButton("Rename…")
         self.delete_button = QPushButton("Delete")
-        self.new_button.clicked.connect(self.new_conversation)
+        self.export_button = QPushButton("Export…")
+        self.export_button.setObjectName("export")
+        self.export_button.setToolTip(strings.EXPORT_TIP)
+        self.new_button.clicked.connect(lambda: self.new_conversation())
         self.rename_button.clicked.connect(self.rename_conversation)
         self.delete_button.clicked.connect(self.delete_conversation)
-        buttons = QHBoxLayout()
-        for b in (self.new_button, self.rename_button, self.delete_button):
-            buttons.addWidget(b)
+        self.export_button.clicked.connect(lambda: self.export_conversation())
+        buttons = QGridLayout()
+        buttons.addWidget(self.new_button, 0, 0)
+        buttons.addWidget(self.rename_button, 0, 1)
+        buttons.addWidget(self.export_button, 1, 0)
+        buttons.addWidget(self.delete_button, 1, 1)
+        lv.addWidget(self.search)
         lv.addWidget(self.conversations)
         lv.addLayout(buttons)
 
@@ -211,6 +242,21 @@ class ChatWindow(QMainWindow):
         wait_layout.addWidget(self.wait_label, 1)
         self.wait_row.hide()
         rv.addWidget(self.wait_row)
+
+        # shown while a message of the user's is being edited: Send resends it
+        self.edit_bar = QWidget()
+        self.edit_bar.setObjectName("edit_bar")
+        edit_layout = QHBoxLayout(self.edit_bar)
+        edit_layout.setContentsMargins(0, 0, 0, 0)
+        self.edit_label = QLabel(strings.EDITING)
+        self.edit_label.setWordWrap(True)
+        edit_layout.addWidget(self.edit_label, 1)
+        self.cancel_edit_button = QPushButton("Cancel edit")
+        self.cancel_edit_button.setObjectName("cancel_edit")
+        self.cancel_edit_button.clicked.connect(self.cancel_edit)
+        edit_layout.addWidget(self.cancel_edit_button)
+        self.edit_bar.hide()
+        rv.addWidget(self.edit_bar)
 
         bottom = QHBoxLayout()
         self.input = InputBox()
@@ -328,8 +374,12 @@ class ChatWindow(QMainWindow):
         select = select or self.current_conversation()
         self.conversations.blockSignals(True)
         self.conversations.clear()
+        query = self.search.text()
         for conv in self.store.list_conversations():
+            if query.strip() and not conversation_export.matches(query, conv, self.store.messages(conv.id)):
+                continue
             item = QListWidgetItem(conv.title or "New conversation")
+            item.setToolTip(conv.title)
             item.setData(Qt.ItemDataRole.UserRole, conv.id)
             self.conversations.addItem(item)
             if conv.id == select:
@@ -344,6 +394,8 @@ class ChatWindow(QMainWindow):
         conv_id = self.current_conversation()
         if conv_id != self.settings_panel.conversation_id:
             self.statusBar().clearMessage()  # the last answer's line belongs to the one left
+        if self.editing is not None and not self._is_message_of(self.editing, conv_id):
+            self.cancel_edit()  # the message being edited belongs to the one left
         self.settings_panel.load(self.store.get(conv_id) if conv_id is not None else None)
         self._select_model_of_current()
         self.render_transcript()
@@ -441,7 +493,8 @@ class ChatWindow(QMainWindow):
         if conv_id is None:
             self._history = None
             self.copies = []
-            self.transcript.setMarkdown(NO_CONVERSATION)
+            query = self.search.text().strip()
+            self.transcript.setMarkdown(strings.no_match(query) if query else NO_CONVERSATION)
             return
         conv_model = self.store.get(conv_id).model_id
         messages = self.store.messages(conv_id)
@@ -486,14 +539,80 @@ class ChatWindow(QMainWindow):
         return live_rate(self._pieces, time.monotonic() - stream.first_at)
 
     def _on_link(self, url: QUrl) -> None:
-        """A copy:N link puts text N on the clipboard; any other link opens in the browser."""
+        """A copy:N link puts text N on the clipboard, an edit:ID link edits the user's message
+        ID; any other link opens in the browser."""
         if url.scheme() == "copy":
             index = int(url.path()) if url.path().isdigit() else -1
             if 0 <= index < len(self.copies):
                 QGuiApplication.clipboard().setText(self.copies[index])
                 self.statusBar().showMessage(strings.COPIED, 3000)
             return
+        if url.scheme() == "edit":
+            if url.path().isdigit():
+                self.edit_message(int(url.path()))
+            return
         QDesktopServices.openUrl(url)
+
+    # ---- edit and resend ---------------------------------------------------------------------
+
+    def _is_message_of(self, message_id: int, conv_id: str | None) -> bool:
+        return conv_id is not None and any(
+            m.id == message_id and m.role == "user" for m in self.store.messages(conv_id)
+        )
+
+    def edit_message(self, message_id: int) -> None:
+        """Put one of the user's messages back in the input box: Send replaces it (and every
+        message after it) with what the box then holds, and the model answers that."""
+        conv_id = self.current_conversation()
+        if not self._is_message_of(message_id, conv_id):
+            return
+        if self._stream is not None and self._stream_conversation == conv_id:
+            self.statusBar().showMessage(strings.EDIT_WHILE_ANSWERING, 8000)
+            return
+        self.editing = message_id
+        self.input.setPlainText(self.store.message(message_id).content)
+        self.input.setFocus()
+        self.edit_bar.show()
+        self.send_button.setText(strings.RESEND)
+
+    def cancel_edit(self) -> None:
+        """Leave editing: the conversation stays as it was; the box is emptied."""
+        if self.editing is None:
+            return
+        self.editing = None
+        self.edit_bar.hide()
+        self.send_button.setText("Send")
+        self.input.clear()
+
+    # ---- export ------------------------------------------------------------------------------
+
+    def export_conversation(self, path: Path | None = None) -> Path | None:
+        """Write the current conversation to a Markdown or JSON file (asked for when ``path`` is
+        None); returns the file written, None when nothing was."""
+        conv_id = self.current_conversation()
+        if conv_id is None:
+            self.statusBar().showMessage(strings.NOTHING_TO_EXPORT, 8000)
+            return None
+        conv = self.store.get(conv_id)
+        if path is None:
+            chosen, kind = QFileDialog.getSaveFileName(
+                self,
+                "Export conversation",
+                str(Path.home() / conversation_export.file_name(conv, ".md")),
+                ";;".join(conversation_export.FORMATS),
+            )
+            if not chosen:
+                return None
+            path = Path(chosen)
+            if not path.suffix:
+                path = path.with_suffix(conversation_export.FORMATS.get(kind, ".md"))
+        try:
+            written = conversation_export.export(path, conv, self.store.messages(conv_id), self._who)
+        except OSError as exc:
+            QMessageBox.warning(self, "Export conversation", strings.export_failed(path, exc))
+            return None
+        self.statusBar().showMessage(strings.exported(written), 10000)
+        return written
 
     def _who(self, model_id: str) -> str:
         status = self.bridge.snapshot.model(model_id)
@@ -552,6 +671,9 @@ class ChatWindow(QMainWindow):
         if self._stream is not None:
             return
         conv_id = self.current_conversation()
+        if self.editing is not None and not text:
+            self.statusBar().showMessage(strings.EDIT_EMPTY, 8000)
+            return
         if not text and (conv_id is None or not self._unanswered(conv_id)):
             return
         self._start_answer(text)
@@ -573,8 +695,19 @@ class ChatWindow(QMainWindow):
         # the conversation's settings apply (ChatService reads them); the tests' cap wins
         sampling = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
         chat = self.chat
+        store = self.store
+        # an edited message: it and everything after it give way to the new text
+        replaced = self.editing if text and self._is_message_of(self.editing or -1, conv_id) else None
+        if replaced is not None:
+            self.editing = None
+            self.edit_bar.hide()
+            self.send_button.setText("Send")
 
         def start(listener: StreamListener) -> ChatTurn:  # on the bridge's thread
+            if replaced is not None:
+                for message in store.messages(conv_id):
+                    if message.id >= replaced:
+                        store.delete_message(message.id)
             if text:
                 return chat.send(conv_id, text, prewoken=prewoken, listener=listener, **sampling)
             return chat.regenerate(conv_id, prewoken=prewoken, listener=listener, **sampling)

@@ -3,7 +3,8 @@ its code blocks highlighted by Pygments, a "Copy" link under each message and on
 block, in the colours of the desktop's light or dark scheme.
 
 The links are ``copy:N`` anchors: the window keeps the texts (:attr:`Rendered.copies`) and puts
-text N on the clipboard when one is clicked.
+text N on the clipboard when one is clicked; a message of the user's also has an ``edit:ID`` link
+(its id in the store): the window puts it back in the input box to be changed and sent again.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ FENCE = re.compile(r"^```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^```[ \t]*$|\Z)", re.M
 _BODY = re.compile(r"<body[^>]*>(.*)</body>", re.DOTALL)
 COPY = "Copy"
 COPY_CODE = "Copy code"
+EDIT = "Edit"
 
 
 @dataclass
@@ -59,9 +61,9 @@ def markdown_html(text: str) -> str:
     return found.group(1) if found else html.escape(text)
 
 
-def _link(index: int, words: str, dark: bool) -> str:
+def _link(href: str, words: str, dark: bool) -> str:
     colour = "#8ab4f8" if dark else "#1a5fb4"
-    return f'<a href="copy:{index}" style="color:{colour}; text-decoration:none">{words}</a>'
+    return f'<a href="{href}" style="color:{colour}; text-decoration:none">{words}</a>'
 
 
 def render_block(block: Block, dark: bool, copies: list[str]) -> str:
@@ -73,13 +75,20 @@ def render_block(block: Block, dark: bool, copies: list[str]) -> str:
         parts.append(markdown_html(block.markdown[at : match.start()]))
         code = match.group(2).rstrip("\n")
         copies.append(code)
-        parts.append(f'<p align="right" style="margin:0">{_link(len(copies) - 1, COPY_CODE, dark)}</p>')
+        parts.append(
+            f'<p align="right" style="margin:0">{_link(f"copy:{len(copies) - 1}", COPY_CODE, dark)}</p>'
+        )
         parts.append(code_html(code, match.group(1), dark))
         at = match.end()
     parts.append(markdown_html(block.markdown[at:]))
+    links = []
     if block.text.strip():
         copies.append(block.text)
-        parts.append(f'<p style="margin:0">{_link(len(copies) - 1, COPY, dark)}</p>')
+        links.append(_link(f"copy:{len(copies) - 1}", COPY, dark))
+    if block.edit_id is not None:
+        links.append(_link(f"edit:{block.edit_id}", EDIT, dark))
+    if links:
+        parts.append(f'<p style="margin:0">{" &nbsp; ".join(links)}</p>')
     return "".join(parts)
 
 

@@ -14,6 +14,8 @@ from ..core import words
 from ..core.util.units import human_bytes
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..core.state import ModelStatus, PoolSnapshot
 
 CONFIG_INVALID_TITLE = "Settings file not applied"
@@ -147,6 +149,7 @@ SETTINGS_SAVED = "Settings saved"
 # ---- Settings → Sharing the GPU ------------------------------------------------------------------
 
 SHARING_TAB = "Sharing the GPU"
+CPU_SHARING_TAB = "Sharing memory"  # the same page on a build without a GPU
 SHARING_COLUMNS = ["Model", "Now", "Takes"]
 BUDGET_LABEL = "Models may use:"
 BUDGET_SLIDER_TIP = "How much of the GPU the models' weights may take together, in GB"
@@ -155,6 +158,27 @@ BUDGET_NOTE = (
     "not fit, the one used least recently steps aside. “auto”: what the GPU has free; "
     "“one-model”: one model at a time."
 )
+
+
+def sharing_tab(gpu: bool) -> str:
+    """The Settings page's name: "Sharing the GPU", or "Sharing memory" without a GPU."""
+    return SHARING_TAB if gpu else CPU_SHARING_TAB
+
+
+def budget_slider_tip(gpu: bool) -> str:
+    return BUDGET_SLIDER_TIP if gpu else "How much memory the models' weights may take together, in GB"
+
+
+def budget_note(gpu: bool) -> str:
+    if gpu:
+        return BUDGET_NOTE
+    return (
+        "Models that fit together stay in memory together and answer without a switch; when one "
+        "does not fit, the one used least recently steps aside. “auto”: what the budget allows; "
+        "“one-model”: one model at a time."
+    )
+
+
 ADVANCED = "Advanced"
 ADVANCED_COLUMNS = ["Model", "Backend", "Switching method", "On the device", "In host memory"]
 #: how a model gives up and takes back the GPU (ModelStatus.residency_path)
@@ -192,3 +216,36 @@ def pulled(name: str, added: bool, checked: str) -> str:
     if added:
         return f"{checked}. Added {name}: it is starting now, and you can chat with it from the tray."
     return f"{checked}. It was already set up as {name}: nothing changed."
+
+
+# ---- the conversation list, editing and export (chat window) -------------------------------------
+
+SEARCH_PLACEHOLDER = "Search conversations"
+RESEND = "Resend"
+EDITING = "Editing your message: Resend replaces it, and the answers after it, with what the box holds."
+EDIT_WHILE_ANSWERING = "Stop the answer first, then edit the message."
+EDIT_EMPTY = "The edited message is empty: type the new text, or press Cancel edit."
+EXPORT_TIP = "Save this conversation as a Markdown or JSON file"
+NOTHING_TO_EXPORT = "There is no conversation to export: pick one in the list."
+
+
+def no_match(query: str) -> str:
+    """The transcript when the search finds no conversation."""
+    return f"*No conversation holds “{query}”: clear the search to see them all.*"
+
+
+def exported(path: Path) -> str:
+    return f"Saved the conversation in {path.name}"
+
+
+def export_failed(path: Path, exc: OSError) -> str:
+    return f"Could not save {path.name}: {exc.strerror or exc}. Pick another folder or name."
+
+
+# ---- closing the window without a tray ----------------------------------------------------------
+
+KEEP_RUNNING_TITLE = "Keep Timeshare running?"
+KEEP_RUNNING = (
+    "There is no system tray on this desktop. Keep Timeshare (its models and its API) running in "
+    "the background? Start Timeshare again to reopen this window."
+)

@@ -28,6 +28,7 @@ class Block:
 
     markdown: str  # who wrote it, the text, the statistics line
     text: str  # the message itself
+    edit_id: int | None = None  # a user message's id in the store: its "Edit" link edits and resends it
 
 
 def _md_escape(text: str) -> str:
@@ -80,7 +81,7 @@ def history_blocks(
         if msg.role == "system":
             continue
         if msg.role == "user":
-            blocks.append(Block(f"**You**\n\n{msg.content}", msg.content))
+            blocks.append(Block(f"**You**\n\n{msg.content}", msg.content, msg.id))
             continue
         author = (msg.stats.model_id if msg.stats is not None else "") or model_id
         shown = answer_block(
