@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from PySide6.QtCore import QEvent, QObject, QTimer, QUrl, Signal
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox, QSystemTrayIcon, QWidget
 
@@ -132,6 +132,8 @@ class TimeshareApp(QObject):
         #: what the last save of the settings said (which models restart and why)
         self.last_saved_message = ""
         self._quitting = False
+        #: "Keep Timeshare running?" while it waits for an answer (closing the window without a tray)
+        self.keep_running_box: QMessageBox | None = None
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -406,20 +408,37 @@ class TimeshareApp(QObject):
         # quitting closes every window too: that close is not a question to the user
         if self.tray is not None or self._shut_down or self._quitting:
             return  # the tray keeps Timeshare reachable
-        state = load_ui_state()
-        keep = state.get("keep_running_without_tray")
+        keep = load_ui_state().get("keep_running_without_tray")
         if keep is None:
-            answer = QMessageBox.question(
-                None,
-                "Keep Timeshare running?",
-                "There is no system tray on this desktop. Keep Timeshare (its models and its API) "
-                "running in the background? Start Timeshare again to reopen this window.",
-                QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
-                QMessageBox.StandardButton.Yes,
-            )
-            keep = answer == QMessageBox.StandardButton.Yes
-            state["keep_running_without_tray"] = keep
-            save_ui_state(state)
+            self._ask_keep_running()
+        elif not keep:
+            self.quit()
+
+    def _ask_keep_running(self) -> None:
+        """Ask once whether to keep running without a window; the question is not modal (the
+        event loop goes on: the models and the API keep serving, and a test can answer it through
+        ``keep_running_box``). The answer is remembered; closing the question keeps running."""
+        if self.keep_running_box is not None:
+            self.keep_running_box.show()
+            return
+        box = QMessageBox(
+            QMessageBox.Icon.Question,
+            strings.KEEP_RUNNING_TITLE,
+            strings.KEEP_RUNNING,
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+        )
+        box.setDefaultButton(QMessageBox.StandardButton.Yes)
+        box.setWindowModality(Qt.WindowModality.NonModal)
+        box.buttonClicked.connect(lambda button: self._keep_running_answered(box.standardButton(button)))
+        self.keep_running_box = box
+        box.show()
+
+    def _keep_running_answered(self, answer: QMessageBox.StandardButton) -> None:
+        self.keep_running_box = None
+        keep = answer != QMessageBox.StandardButton.No
+        state = load_ui_state()
+        state["keep_running_without_tray"] = keep
+        save_ui_state(state)
         if not keep:
             self.quit()
 

@@ -106,7 +106,7 @@ class SettingsDialog(QDialog):
         self._base = config  # the config the draft was made from, or last adopted
         self.tabs = QTabWidget()
         self.tabs.addTab(self._models_tab(), "Models")
-        self.tabs.addTab(self._arena_tab(), strings.SHARING_TAB)
+        self.sharing_index = self.tabs.addTab(self._arena_tab(), strings.SHARING_TAB)
         self.tabs.addTab(self._api_tab(), "API")
         self.tabs.addTab(self._general_tab(), "General")
         self.problems = error_label()
@@ -368,7 +368,8 @@ class SettingsDialog(QDialog):
         budget_row.addWidget(self.vram_budget)
         glance = QFormLayout()
         glance.addRow(strings.BUDGET_LABEL, budget_row)
-        glance.addRow(note_label(strings.BUDGET_NOTE))
+        self.budget_note = note_label(strings.BUDGET_NOTE)
+        glance.addRow(self.budget_note)
 
         self.quantum = QDoubleSpinBox()
         spin(self.quantum, ArenaConfig, "min_quantum_ms", initial(arena, ArenaConfig, "min_quantum_ms"))
@@ -423,6 +424,10 @@ class SettingsDialog(QDialog):
 
     def _refresh_arena(self, snapshot: PoolSnapshot) -> None:
         gpu = strings.has_gpu(snapshot)
+        # "GPU" only where there is one: the page's name and notes say memory on a CPU build
+        self.tabs.setTabText(self.sharing_index, strings.sharing_tab(gpu))
+        self.budget_note.setText(strings.budget_note(gpu))
+        self.budget_slider.setToolTip(strings.budget_slider_tip(gpu))
         holder = snapshot.model(snapshot.holder) if snapshot.holder else None
         self.holder_label.setText(
             f"{holder.display_name} {strings.holds(gpu)} now."

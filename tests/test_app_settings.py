@@ -506,38 +506,39 @@ def test_settings_saved_with_start_at_login_writes_the_autostart_entry(
     assert app.config.general.start_at_login
 
 
-def test_without_a_tray_the_chat_window_opens_and_closing_asks_once(
-    qtbot: Any, bare_app: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_a_tray_the_chat_window_opens_and_closing_asks_once(qtbot: Any, bare_app: Any) -> None:
     from PySide6.QtWidgets import QMessageBox
 
-    asked: list[str] = []
-
-    def question(*args: Any, **kwargs: Any) -> QMessageBox.StandardButton:
-        asked.append(args[1])
-        return QMessageBox.StandardButton.Yes  # keep running
-
-    monkeypatch.setattr(QMessageBox, "question", question)
     app = bare_app(tray=False)
     app.start(background=False)
     assert app.tray is None and app.window.isVisible()
     quits: list[bool] = []
     app.quit_requested.connect(lambda: quits.append(True))
     app.window.close()
-    assert asked == ["Keep Timeshare running?"] and quits == []
+    # the question is not modal: the event loop (and this test) goes on while it waits
+    box = app.keep_running_box
+    assert box is not None and box.isVisible() and box.windowTitle() == "Keep Timeshare running?"
+    assert "no system tray" in box.text() and quits == []
+    box.button(QMessageBox.StandardButton.Yes).click()  # keep running
+    assert app.keep_running_box is None and quits == []
     app.window.show()
     app.window.close()
-    assert len(asked) == 1  # asked once: the answer is remembered
+    assert app.keep_running_box is None  # asked once: the answer is remembered
 
     # a later session that answered "no" quits when the window closes
     from timeshare.app import application
 
-    application.save_ui_state({"keep_running_without_tray": False})
+    application.save_ui_state({})
     other = bare_app(tray=False)
     other.start(background=False)
     other.quit_requested.connect(lambda: quits.append(True))
+    other.quit = lambda: quits.append(True)  # the app's own quit would end the test's event loop
     other.window.close()
-    assert quits == [True] and len(asked) == 1
+    other.keep_running_box.button(QMessageBox.StandardButton.No).click()
+    assert quits == [True] and application.load_ui_state() == {"keep_running_without_tray": False}
+    other.window.show()
+    other.window.close()
+    assert quits == [True, True] and other.keep_running_box is None
 
 
 def test_settings_licence_column_follows_the_config(

@@ -68,7 +68,7 @@ class ModelConfig:
         FieldMeta(
             "Answers at once",
             "Requests answered at once, decoded together. Each has the whole context, so the "
-            "KV cache is context tokens × this (kept on the GPU while the model is released).",
+            "KV cache is context tokens × this (kept on the GPU while the model is set aside).",
             minimum=0,
             maximum=64,
             special="auto (4 on a GPU, 1 on a CPU, fewer when the KV cache does not fit)",
@@ -105,8 +105,8 @@ class ModelConfig:
     idle_sleep_s: float | None = setting(
         600.0,
         FieldMeta(
-            "Release when idle after",
-            "Release the model's weights after this long without a request",
+            "Set aside when idle after",
+            "Set the model's weights aside after this long without a request",
             "s",
             0,
             ui_maximum=7 * DAY_S,
@@ -114,7 +114,8 @@ class ModelConfig:
         ),
     )
     idle_release: ReleaseLevel = setting(
-        "weights", FieldMeta("Idle release level", "What an idle release frees", choices=RELEASE_LEVELS)
+        "weights",
+        FieldMeta("When idle, free", "What setting an idle model aside frees", choices=RELEASE_LEVELS),
     )
     host_shadow: HostShadow = setting(
         "pinned",
@@ -131,7 +132,7 @@ class ModelConfig:
         32,
         FieldMeta(
             "Weight parts",
-            "The released weights are held in this many parts of consecutive layers, so that "
+            "The weights of a model set aside are held in this many parts of consecutive layers, so that "
             "making room for another model frees only the parts it needs; 1: whole buffers",
             minimum=1,
             maximum=256,
