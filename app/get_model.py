@@ -1,4 +1,9 @@
-"""“Get model…”: download a GGUF from Hugging Face or a URL, with progress and Cancel, and add it.
+"""“Get model…”: find a model (a search of the hub, or the suggested short names), download a GGUF
+from Hugging Face or a URL, with progress and Cancel, and add it.
+
+Words that are no source (``qwen coder``) search the hub for repositories with GGUF files
+(core/pull/search.py); the list on the left shows the hits, or before any search the suggestions
+(the short-name table: ``qwen3:8b``…). Picking one looks it up.
 
 The dialog takes the same SOURCE as ``timeshare pull`` (``user/repo``, ``user/repo:Q4_K_M``,
 ``user/repo/file.gguf``, ``hf.co/…``, or the URL of a ``.gguf`` file), lists the quantisations
@@ -29,8 +34,11 @@ from PySide6.QtWidgets import (
     QHeaderView,
     QLabel,
     QLineEdit,
+    QListWidget,
+    QListWidgetItem,
     QProgressBar,
     QPushButton,
+    QSplitter,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -41,7 +49,7 @@ from ..core.config.fit import auto_n_ctx
 from ..core.config.parallel import auto_parallel
 from ..core.errors import CancelledError, ConfigError, TimeshareError
 from ..core.gguf.kvcache import KvShape, kv_shape
-from ..core.pull import add, progress, remote, sources
+from ..core.pull import add, progress, remote, search, shortnames, sources
 from ..core.pull.download import PullResult, pull
 from ..core.state import PoolSnapshot
 from ..core.util.units import human_bytes
@@ -50,7 +58,10 @@ from .qt_compat import emit
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDER = "user/repo, user/repo:Q4_K_M, user/repo/file.gguf, or https://…/model.gguf"
+PLACEHOLDER = (
+    "a model to search for (qwen coder), a short name (llama3.2), user/repo, or https://…/model.gguf"
+)
+SUGGESTED = "Suggested (pick one to see its sizes):"
 
 
 def vram_budget(snapshot: PoolSnapshot) -> int | None:
@@ -140,6 +151,7 @@ class GetModelDialog(QDialog):
 
     # from the worker thread to the GUI thread
     _listed = Signal(object, object)  # Listing, KvEstimate | None
+    _searched = Signal(str, object)  # the query, list[search.Found]
     _progressed = Signal(object)  # Progress
     _done = Signal(object)  # PullResult
     _failed = Signal(str, bool)  # message, whether it was a cancel
@@ -155,7 +167,7 @@ class GetModelDialog(QDialog):
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Get model")
-        self.resize(760, 440)
+        self.resize(920, 480)
         self._snapshot = snapshot
         self.config_path = config_path
         self.add_to_config = add_to_config
@@ -173,9 +185,25 @@ class GetModelDialog(QDialog):
         self.lookup_button.setObjectName("lookup")
         self.lookup_button.clicked.connect(self.look_up)
         row = QHBoxLayout()
-        row.addWidget(QLabel("Source:"))
+        row.addWidget(QLabel("Model:"))
         row.addWidget(self.source, 1)
         row.addWidget(self.lookup_button)
+
+        # the suggestions, or a search's hits: picking one looks it up
+        self.found_label = QLabel(SUGGESTED)
+        self.found_label.setObjectName("found_label")
+        self.found_label.setWordWrap(True)
+        self.found = QListWidget()
+        self.found.setObjectName("found")
+        self.found.setWordWrap(True)
+        self.found.itemClicked.connect(self._pick_found)
+        self.found.itemActivated.connect(self._pick_found)
+        self.show_suggestions()
+        found_pane = QWidget()
+        found_layout = QVBoxLayout(found_pane)
+        found_layout.setContentsMargins(0, 0, 0, 0)
+        found_layout.addWidget(self.found_label)
+        found_layout.addWidget(self.found, 1)
 
         self.table = QTableWidget(0, 4)
         self.table.setObjectName("choices")
@@ -216,9 +244,14 @@ class GetModelDialog(QDialog):
         buttons.addWidget(self.download_button)
         buttons.addWidget(self.cancel_button)
 
+        split = QSplitter()
+        split.addWidget(found_pane)
+        split.addWidget(self.table)
+        split.setStretchFactor(1, 2)
+        split.setSizes([300, 600])
         layout = QVBoxLayout(self)
         layout.addLayout(row)
-        layout.addWidget(self.table, 1)
+        layout.addWidget(split, 1)
         layout.addWidget(self.info)
         layout.addWidget(self.progress)
         layout.addWidget(self.status)
@@ -226,6 +259,7 @@ class GetModelDialog(QDialog):
         layout.addLayout(buttons)
 
         self._listed.connect(self._on_listed)
+        self._searched.connect(self._on_searched)
         self._progressed.connect(self._on_progress)
         self._done.connect(self._on_done)
         self._failed.connect(self._on_failed)
@@ -241,6 +275,7 @@ class GetModelDialog(QDialog):
         busy = self.busy
         self.source.setEnabled(not busy)
         self.lookup_button.setEnabled(not busy)
+        self.found.setEnabled(not busy)
         self.table.setEnabled(not busy)
         self.download_button.setEnabled(not busy and self.selected() is not None)
         self.cancel_button.setText("Cancel" if busy else "Close")
@@ -263,15 +298,37 @@ class GetModelDialog(QDialog):
 
     # ---- look-up -------------------------------------------------------------------------------
 
+    def show_suggestions(self) -> None:
+        """The list shows the suggested models (the short-name table)."""
+        self.found.clear()
+        self.found_label.setText(SUGGESTED)
+        for s in search.suggestions():
+            item = QListWidgetItem(f"{s.name} — {s.repo_id} ({s.quant})")
+            item.setData(Qt.ItemDataRole.UserRole, s.source)
+            item.setToolTip(f"The same as: timeshare pull {s.name}")
+            self.found.addItem(item)
+
+    def _pick_found(self, item: QListWidgetItem) -> None:
+        source = item.data(Qt.ItemDataRole.UserRole)
+        if self.busy or not source:
+            return
+        self.source.setText(str(source))
+        self.look_up()
+
     def look_up(self) -> None:
-        """Parse the source and list what it offers (on a worker thread)."""
+        """Parse the source and list what it offers (on a worker thread); words that are no source
+        search the hub instead."""
         if self.busy:
             return
         self._show_problem("")
+        text = self.source.text().strip()
         try:
-            source = sources.parse_source(self.source.text())
+            source = sources.parse_source(text)
         except ValueError as exc:
-            self._show_problem(str(exc))
+            if shortnames.is_short_name(text) and ":" not in text:  # words, not a source: a search
+                self.search(text)
+            else:
+                self._show_problem(str(exc))
             return
         self.listing = None
         self.table.setRowCount(0)
@@ -289,6 +346,38 @@ class GetModelDialog(QDialog):
                 emit(self._failed, f"{type(exc).__name__}: {exc}", False)
 
         self._start(work, "get-model-lookup")
+
+    def search(self, query: str) -> None:
+        """Search the hub for repositories with GGUF files (on a worker thread)."""
+        if self.busy:
+            return
+        self._show_problem("")
+        self.status.setText(f"Searching the hub for “{query}”…")
+
+        def work() -> None:
+            try:
+                emit(self._searched, query, search.search_hub(query))
+            except (TimeshareError, ValueError) as exc:
+                emit(self._failed, str(exc), False)
+            except Exception as exc:  # a bug or a library's own error: shown, not lost in a thread
+                log.exception("searching for %s failed", query)
+                emit(self._failed, f"{type(exc).__name__}: {exc}", False)
+
+        self._start(work, "get-model-search")
+
+    def _on_searched(self, query: str, found: list[search.Found]) -> None:
+        self._worker = None
+        self.status.setText("")
+        self.found.clear()
+        if found:
+            self.found_label.setText(strings.search_hits(len(found), query))
+        else:
+            self.found_label.setText(strings.search_none(query))
+        for hit in found:
+            item = QListWidgetItem(f"{hit.repo_id}\n{hit.describe()}")
+            item.setData(Qt.ItemDataRole.UserRole, hit.repo_id)
+            self.found.addItem(item)
+        self._update_buttons()
 
     def _on_listed(self, listing: sources.Listing, kv: KvEstimate | None) -> None:
         self._worker = None

@@ -211,6 +211,17 @@ def is_base_model(status: ModelStatus | None) -> bool:
     return status is not None and status.chat_format == "fallback"
 
 
+def search_hits(n: int, query: str) -> str:
+    """Get model…: over the hub's answers to a search."""
+    return (
+        f"{n} {'model' if n == 1 else 'models'} with GGUF files match “{query}” (pick one to see its sizes):"
+    )
+
+
+def search_none(query: str) -> str:
+    return f"No model with GGUF files matches “{query}” on the hub: try fewer or other words."
+
+
 def pulled(name: str, added: bool, checked: str) -> str:
     """Get model…'s last line: what was downloaded and what became of it."""
     if added:

@@ -2,6 +2,9 @@
 
 It answers what ``huggingface_hub`` calls and what ``core.pull`` fetches:
 
+- ``GET /api/models?search=…&filter=gguf&sort=downloads&limit=N``: the repos whose id holds the
+  search words and that have a .gguf file, most downloaded first (``downloads``, ``likes``,
+  ``gguf.total`` and ``gguf.architecture``, ``gated``);
 - ``GET /api/models/{repo}[/revision/{rev}]?blobs=true``: model info with ``siblings`` (size, LFS
   sha256), ``cardData.license``, ``gated``; 404 ``X-Error-Code: RepoNotFound`` for an unknown repo;
 - ``HEAD /{repo}/resolve/{rev}/{file}``: 302 to the "CDN" (``http://localhost:PORT/cdn/...``, another
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 GOOD_TOKEN = "hf_good_token"
 
@@ -86,6 +89,8 @@ class Repo:
     gated: bool = False
     licence: str | None = None
     lfs: bool = True  # False: small files, served by the hub itself with the git SHA-1 as ETag
+    downloads: int = 0  # what the search sorts by
+    parameters: int | None = None  # the search's ``gguf.total``
 
 
 @dataclass
@@ -162,6 +167,8 @@ class FakeHub:
         path = unquote(urlsplit(h.path).path)
         with self._lock:
             self.requests.append(Seen(method, h.path, h.headers.get("Range"), h.headers.get("Authorization")))
+        if path == "/api/models" and method == "GET":
+            return self._search(h)
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
         if m and method == "GET":
             return self._model_info(h, m.group(1))
@@ -198,6 +205,35 @@ class FakeHub:
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(body)
+
+    def _search(self, h: BaseHTTPRequestHandler) -> None:
+        query = parse_qs(urlsplit(h.path).query)
+        words = " ".join(query.get("search", [""])).casefold().split()
+        limit = int(query.get("limit", ["1000"])[0])
+        hits = [
+            (repo_id, repo)
+            for repo_id, repo in self.repos.items()
+            if all(w in repo_id.casefold() for w in words)
+            and (query.get("filter") != ["gguf"] or any(n.endswith(".gguf") for n in repo.files))
+        ]
+        hits.sort(key=lambda hit: -hit[1].downloads)
+        found = [
+            {
+                "id": repo_id,
+                "modelId": repo_id,
+                "downloads": repo.downloads,
+                "likes": repo.downloads // 100,
+                "gated": "manual" if repo.gated else False,
+                "gguf": {"total": repo.parameters, "architecture": "llama"} if repo.parameters else None,
+            }
+            for repo_id, repo in hits[:limit]
+        ]
+        body = json.dumps(found).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
 
     def _model_info(self, h: BaseHTTPRequestHandler, repo_id: str) -> None:
         repo = self.repos.get(repo_id)

@@ -620,7 +620,7 @@ def test_the_dialog_shows_what_went_wrong(qtbot: Any, hub: FakeHub) -> None:
     qtbot.waitUntil(lambda: dialog.problem.isVisible(), timeout=20000)
     assert "tiny-org/nope was not found" in dialog.problem.text()
     assert dialog.table.rowCount() == 0 and not dialog.download_button.isEnabled()
-    dialog.source.setText("no source")
+    dialog.source.setText("ftp://example.org/x.gguf")
     qtbot.mouseClick(dialog.lookup_button, Qt.MouseButton.LeftButton)
     assert "is not a model source" in dialog.problem.text()
 
