@@ -56,7 +56,9 @@ from .qt_compat import emit
 from .transcript import (
     NO_CONVERSATION,
     answer_line,
+    continuation_block,
     failure_line,
+    first_run,
     history_blocks,
     live_block,
     live_rate,
@@ -106,6 +108,10 @@ class ChatWindow(QMainWindow):
         # (conversation id, its model id, Markdown of its stored messages): what render ticks reuse
         self._history: tuple[str, str, str] | None = None  # (conversation, model, its HTML)
         self._history_copies: list[str] = []
+        #: a base model's answer streaming now continues this message of the user's (its text)
+        self._live_prompt: str | None = None
+        #: the first-run suggestions shown (try:N links): (model id, prompt)
+        self.suggestions: list[tuple[str, str]] = []
         #: what each copy:N link of the transcript shown copies
         self.copies: list[str] = []
         self._pieces = 0  # pieces of the answer streaming now (its live tokens/s)
@@ -490,18 +496,26 @@ class ChatWindow(QMainWindow):
         if self._detached:
             return
         conv_id = self.current_conversation()
-        if conv_id is None:
+        query = self.search.text().strip()
+        if conv_id is None and query:
             self._history = None
             self.copies = []
-            query = self.search.text().strip()
-            self.transcript.setMarkdown(strings.no_match(query) if query else NO_CONVERSATION)
+            self.transcript.setMarkdown(strings.no_match(query))
+            return
+        messages = self.store.messages(conv_id) if conv_id is not None else []
+        if conv_id is None or (not messages and conv_id != self._stream_conversation):
+            self._show_first_run(conv_id)
             return
         conv_model = self.store.get(conv_id).model_id
-        messages = self.store.messages(conv_id)
         live = conv_id == self._stream_conversation
         if live and messages and messages[-1].role == "assistant" and not messages[-1].complete:
             messages.pop()  # the periodically saved partial answer: the live text replaces it
-        blocks = history_blocks(messages, conv_model, self._who, gpu=strings.has_gpu(self.bridge.snapshot))
+        gpu = strings.has_gpu(self.bridge.snapshot)
+        blocks = history_blocks(messages, conv_model, self._who, gpu=gpu, base=self._is_base)
+        self._live_prompt = None
+        if live and self._is_base(conv_model) and messages and messages[-1].role == "user":
+            blocks.pop()  # the text being continued: the live block shows it, continued
+            self._live_prompt = messages[-1].content
         copies: list[str] = []
         dark = scheme.is_dark()
         # the history's HTML is made once per change (Pygments included); a live tick adds only its answer
@@ -524,12 +538,49 @@ class ChatWindow(QMainWindow):
         conv_id, conv_model, text = self._history
         self.copies = list(self._history_copies)
         if conv_id == self._stream_conversation:
-            live = live_block(self._who(conv_model), self._partial, self.live_rate())
+            if self._live_prompt is not None:
+                who = self._who(conv_model)
+                rate = self.live_rate()
+                live = continuation_block(who, self._live_prompt, self._partial, rate=rate)
+            else:
+                live = live_block(self._who(conv_model), self._partial, self.live_rate())
             answer = rich_transcript.render_block(live, scheme.is_dark(), self.copies)
             text = f"{text}<hr/>{answer}" if text else answer
         self.transcript.setHtml(text)
         bar = self.transcript.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+    def _show_first_run(self, conv_id: str | None) -> None:
+        """No message yet: a prompt to try for each model (one that answers, one that continues
+        a text), and what switching between them shows."""
+        self._history = None
+        self.copies = []
+        snapshot = self.bridge.snapshot
+        models = [(m.id, m.display_name, strings.is_base_model(m)) for m in snapshot.models]
+        if conv_id is not None:  # an empty conversation: its model first
+            conv_model = self.store.get(conv_id).model_id
+            models.sort(key=lambda m: m[0] != conv_model)
+        text, self.suggestions = first_run(models, gpu=strings.has_gpu(snapshot))
+        self.transcript.setHtml(rich_transcript.markdown_html(text) if models else "")
+        if not models:
+            self.transcript.setMarkdown(NO_CONVERSATION)
+
+    def try_suggestion(self, index: int) -> None:
+        """A first-run suggestion clicked: its prompt sent to its model (in the empty conversation
+        shown if it uses that model, else in a new one)."""
+        if not 0 <= index < len(self.suggestions) or self._stream is not None:
+            return
+        model_id, prompt = self.suggestions[index]
+        conv_id = self.current_conversation()
+        reuse = conv_id is not None and not self.store.messages(conv_id)
+        if not (reuse and conv_id is not None and self.store.get(conv_id).model_id == model_id):
+            self.new_conversation(model_id)
+        self.input.setPlainText(prompt)
+        self.send()
+
+    def _is_base(self, model_id: str) -> bool:
+        """A base model (no chat template): its answers continue the text."""
+        return strings.is_base_model(self.bridge.snapshot.model(model_id))
 
     def live_rate(self) -> str:
         """ "42 tokens · 18.3 tokens/s" while an answer streams ("" before its first token)."""
@@ -546,6 +597,10 @@ class ChatWindow(QMainWindow):
             if 0 <= index < len(self.copies):
                 QGuiApplication.clipboard().setText(self.copies[index])
                 self.statusBar().showMessage(strings.COPIED, 3000)
+            return
+        if url.scheme() == "try":
+            if url.path().isdigit():
+                self.try_suggestion(int(url.path()))
             return
         if url.scheme() == "edit":
             if url.path().isdigit():
@@ -691,6 +746,7 @@ class ChatWindow(QMainWindow):
                 return
         self.settings_panel.save_typed()  # the system prompt just typed counts for this answer
         model_id = self.store.get(conv_id).model_id
+        continuation = self._is_base(model_id)  # a base model continues the text
         prewoken = model_id in self._last_prewake  # the window restored it while the user typed
         # the conversation's settings apply (ChatService reads them); the tests' cap wins
         sampling = {"max_tokens": self.max_tokens} if self.max_tokens is not None else {}
@@ -709,8 +765,12 @@ class ChatWindow(QMainWindow):
                     if message.id >= replaced:
                         store.delete_message(message.id)
             if text:
-                return chat.send(conv_id, text, prewoken=prewoken, listener=listener, **sampling)
-            return chat.regenerate(conv_id, prewoken=prewoken, listener=listener, **sampling)
+                return chat.send(
+                    conv_id, text, prewoken=prewoken, listener=listener, continuation=continuation, **sampling
+                )
+            return chat.regenerate(
+                conv_id, prewoken=prewoken, listener=listener, continuation=continuation, **sampling
+            )
 
         self._partial = ""
         self._pieces = 0

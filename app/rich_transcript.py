@@ -66,10 +66,30 @@ def _link(href: str, words: str, dark: bool) -> str:
     return f'<a href="{href}" style="color:{colour}; text-decoration:none">{words}</a>'
 
 
+def continuation_html(prompt: str, continuation: str, dark: bool) -> str:
+    """A base model's text continuation: the user's text as it is, then the model's continuation
+    of it marked (a tinted background), as one text."""
+    tint = "#2d4a3e" if dark else "#e3f4e8"
+
+    def plain(text: str) -> str:
+        return html.escape(text).replace("\n", "<br/>")
+
+    return (
+        f'<p style="margin:4px 0">{plain(prompt)}'
+        f'<span style="background-color:{tint}">{plain(continuation)}</span></p>'
+    )
+
+
 def render_block(block: Block, dark: bool, copies: list[str]) -> str:
     """One message: its Markdown with highlighted code blocks, each with a copy link, then the
-    message's own copy link; appends the copied texts to ``copies``."""
+    message's own copy link; appends the copied texts to ``copies``. A base model's continuation
+    shows as one text, the continuation marked."""
     parts: list[str] = []
+    if block.continued is not None:
+        parts.append(markdown_html(block.markdown))
+        parts.append(continuation_html(*block.continued, dark))
+        parts.append(markdown_html(block.footer))
+        return "".join(parts) + _links(block, dark, copies)
     at = 0
     for match in FENCE.finditer(block.markdown):
         parts.append(markdown_html(block.markdown[at : match.start()]))
@@ -81,15 +101,18 @@ def render_block(block: Block, dark: bool, copies: list[str]) -> str:
         parts.append(code_html(code, match.group(1), dark))
         at = match.end()
     parts.append(markdown_html(block.markdown[at:]))
+    return "".join(parts) + _links(block, dark, copies)
+
+
+def _links(block: Block, dark: bool, copies: list[str]) -> str:
+    """The message's Copy link (and Edit, for one of the user's)."""
     links = []
     if block.text.strip():
         copies.append(block.text)
         links.append(_link(f"copy:{len(copies) - 1}", COPY, dark))
     if block.edit_id is not None:
         links.append(_link(f"edit:{block.edit_id}", EDIT, dark))
-    if links:
-        parts.append(f'<p style="margin:0">{" &nbsp; ".join(links)}</p>')
-    return "".join(parts)
+    return f'<p style="margin:0">{" &nbsp; ".join(links)}</p>' if links else ""
 
 
 def render(blocks: list[Block], dark: bool) -> Rendered:

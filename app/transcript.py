@@ -29,6 +29,10 @@ class Block:
     markdown: str  # who wrote it, the text, the statistics line
     text: str  # the message itself
     edit_id: int | None = None  # a user message's id in the store: its "Edit" link edits and resends it
+    #: a base model's text continuation: (the user's text, the model's continuation of it), shown
+    #: as one text after ``markdown`` (who continued it), with ``footer`` (the statistics) under it
+    continued: tuple[str, str] | None = None
+    footer: str = ""
 
 
 def _md_escape(text: str) -> str:
@@ -70,16 +74,68 @@ def answer_block(
     return block
 
 
+def continued_by(who: str) -> str:
+    """Over a base model's continuation: who continued the text."""
+    return f"**{who}** continued your text:"
+
+
+def continuation_block(
+    who: str,
+    prompt: str,
+    continuation: str,
+    *,
+    edit_id: int | None = None,
+    complete: bool = True,
+    stats: AnswerStats | None = None,
+    gpu: bool = True,
+    rate: str = "",
+) -> Block:
+    """A base model's answer as what it is: the user's text continued (one text, the continuation
+    marked), its statistics line under it."""
+    footer = "" if complete else "*(interrupted)*"
+    if stats is not None:
+        footer = "\n\n".join(x for x in (footer, f"*{_md_escape(answer_line(stats, gpu=gpu))}*") if x)
+    if rate:
+        footer = f"*{rate}*"
+    return Block(continued_by(who), prompt + continuation, edit_id, (prompt, continuation or "…"), footer)
+
+
 def history_blocks(
-    messages: Iterable[Message], model_id: str, display_name: Callable[[str], str], *, gpu: bool = True
+    messages: Iterable[Message],
+    model_id: str,
+    display_name: Callable[[str], str],
+    *,
+    gpu: bool = True,
+    base: Callable[[str], bool] = lambda _model: False,
 ) -> list[Block]:
     """The stored messages of a conversation (system messages left out). An answer is signed with
     the model that wrote it (from its stats), else with the conversation's ``model_id``;
-    ``display_name`` turns a model id into what people see."""
+    ``display_name`` turns a model id into what people see. A message followed by the answer of
+    a base model (``base``: no chat template) is one block, the text continued."""
+    shown_messages = [m for m in messages if m.role != "system"]
     blocks: list[Block] = []
-    for msg in messages:
-        if msg.role == "system":
+    skip = False
+    for i, msg in enumerate(shown_messages):
+        if skip:
+            skip = False
             continue
+        nxt = shown_messages[i + 1] if i + 1 < len(shown_messages) else None
+        if msg.role == "user" and nxt is not None and nxt.role == "assistant":
+            author = (nxt.stats.model_id if nxt.stats is not None else "") or model_id
+            if base(author):
+                blocks.append(
+                    continuation_block(
+                        display_name(author),
+                        msg.content,
+                        nxt.content,
+                        edit_id=msg.id,
+                        complete=nxt.complete,
+                        stats=nxt.stats,
+                        gpu=gpu,
+                    )
+                )
+                skip = True
+                continue
         if msg.role == "user":
             blocks.append(Block(f"**You**\n\n{msg.content}", msg.content, msg.id))
             continue
@@ -175,6 +231,36 @@ def switched_defaults(conversation: Conversation, base_model: bool) -> AnswerDef
     now = AnswerDefaults(conversation.temperature, conversation.max_tokens, conversation.repeat_penalty)
     other, new = new_conversation(not base_model), new_conversation(base_model)
     return new if now == other and now != new else None
+
+
+#: the first-run suggestions: a question for a chat model, a text to continue for a base model
+TRY_CHAT = "What are the three primary colours? Answer in one sentence."
+TRY_BASE = "The three primary colours are"
+
+
+def first_run(
+    models: Iterable[tuple[str, str, bool]], *, gpu: bool = True
+) -> tuple[str, list[tuple[str, str]]]:
+    """What an empty transcript offers: for each model (id, name, whether it is a base model) a
+    prompt that suits it, as a ``try:N`` link, and what switching between them shows. Returns the
+    Markdown and the (model id, prompt) of each link."""
+    lines = ["**Try a model** — click a prompt to send it:", ""]
+    prompts: list[tuple[str, str]] = []
+    for model_id, name, base in models:
+        prompt = TRY_BASE if base else TRY_CHAT
+        what = f"Let {name} continue" if base else f"Ask {name}"
+        kind = "a base model: it continues your text" if base else "a chat model: it answers"
+        lines.append(f"- [{what}: “{prompt}”](try:{len(prompts)}) — {kind}")
+        prompts.append((model_id, prompt))
+    if len(prompts) > 1:
+        lines += [
+            "",
+            f"Then try another: the models take turns on {words.device_word(gpu)}, and the line under each "
+            f"answer says what the {words.switch_word(gpu)} cost. Each gets its own conversation: a base "
+            "model continues whatever text it is given, a chat model answers it.",
+        ]
+    lines += ["", "Or type a message below (a new conversation: **New**)."]
+    return "\n".join(lines), prompts
 
 
 def failure_line(message: str) -> str:

@@ -224,3 +224,55 @@ def test_the_tray_icon_shows_who_holds_the_gpu(qtbot: Any, app: Any) -> None:
     _finished(qtbot, window, lambda: _type_and_send(qtbot, window, "Paris is"))
     qtbot.waitUntil(lambda: app.bridge.snapshot.holder == GEMMA, timeout=60_000)
     assert app.tray.holder_initial == "G"  # Gemma
+
+
+def test_first_run_offers_a_prompt_per_model_and_a_base_model_continues_the_text(
+    qtbot: Any, app: Any
+) -> None:
+    from PySide6.QtCore import QUrl
+    from timeshare.app.transcript import TRY_BASE, TRY_CHAT
+
+    window = app.window
+    window.max_tokens = 16
+    window.reload_conversations()
+    assert window.current_conversation() is None  # a first run: no conversation yet
+    # a prompt that suits each model: a question for the chat model, a text for the base model
+    assert sorted(window.suggestions) == sorted([(SMOL, TRY_CHAT), (GEMMA, TRY_BASE)])
+    html = window.transcript.toHtml()
+    assert 'href="try:0"' in html and 'href="try:1"' in html
+    shown = window.transcript.toPlainText()
+    assert "Let Gemma continue" in shown and "Ask SmolLM2" in shown and "take turns on" in shown
+
+    index = [model for model, _ in window.suggestions].index(GEMMA)
+    with qtbot.waitSignal(window.answer_finished, timeout=120_000) as blocker:
+        window.transcript.anchorClicked.emit(QUrl(f"try:{index}"))  # the link clicked
+    conv, stats, error = blocker.args
+    assert error == "" and stats is not None and app.store.get(conv).model_id == GEMMA
+    user, answer = app.store.messages(conv)
+    assert user.content == TRY_BASE and answer.content.strip()
+    # the text continued, not a chat bubble pair: one text, the continuation right after the prompt
+    text = window.transcript.toPlainText()
+    assert "Gemma continued your text:" in text and "You\n" not in text
+    assert TRY_BASE + answer.content[:20] in text.replace("\u2029", "\n")
+    # the base model was given the text itself (completion), not the fallback chat format: its
+    # prompt is the few tokens of the sentence, not "User: …\nAssistant:" around it
+    assert stats.prompt_tokens <= 10
+
+
+def test_continuation_text_joins_a_base_models_conversation() -> None:
+    from timeshare.core.conversations.chat import continuation_text
+    from timeshare.core.conversations.store import Message
+
+    def msg(i: int, role: str, text: str, complete: bool = True) -> Message:
+        return Message(i, "c", role, text, 0.0, complete)  # type: ignore[arg-type]
+
+    history = [
+        msg(1, "user", "Once upon a time"),
+        msg(2, "assistant", ", a dragon cooked."),
+        msg(3, "user", "Then"),
+    ]
+    assert continuation_text(history) == "Once upon a time, a dragon cooked. Then"
+    assert continuation_text(history[:1], "A story.") == "A story.\n\nOnce upon a time"
+    assert continuation_text([*history, msg(4, "assistant", "", complete=False)]) == continuation_text(
+        history
+    )

@@ -71,6 +71,7 @@ class PoolLike(Protocol):
         self,
         model_id: str,
         *,
+        prompt: str | None = ...,
         messages: Sequence[ChatMessage] | None = ...,
         sampling: Sampling = ...,
         conversation: str | None = ...,
@@ -300,6 +301,7 @@ class ChatService:
         *,
         prewoken: bool = False,
         listener: TurnListener | None = None,
+        continuation: bool = False,
         **sampling: Any,
     ) -> ChatTurn:
         """Save ``text`` as the user's message and start the model's answer.
@@ -309,6 +311,8 @@ class ChatService:
         ``sampling.DEFAULTS``); the pool gets the Sampling they make.
         ``prewoken``: the caller restored the model ahead of this request (noted in the stats).
         ``listener``: told of every piece and of the end from the turn's own thread.
+        ``continuation``: the model continues the conversation's text (a base model: no chat
+        template; see :func:`continuation_text`) instead of answering it as a chat.
         Raises UnknownConversationError, EmptyMessageError, InvalidTextError (text that is not
         Unicode: nothing is saved), and the pool's errors
         (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
@@ -323,8 +327,8 @@ class ChatService:
             user = self.store.add_message(conversation_id, "user", text)
             if not conversation.title:
                 conversation = self.store.rename(conversation_id, _title_from(text))
-            messages = self.model_messages(conversation_id)
-            return self._answer(conversation, user, messages, sampling, prewoken, listener)
+            history = self.store.messages(conversation_id)
+            return self._answer(conversation, user, history, sampling, prewoken, listener, continuation)
 
     def regenerate(
         self,
@@ -332,9 +336,11 @@ class ChatService:
         *,
         prewoken: bool = False,
         listener: TurnListener | None = None,
+        continuation: bool = False,
         **sampling: Any,
     ) -> ChatTurn:
-        """Answer the last user message again: after a failure, a crash, or to get another answer.
+        """Answer the last user message again: after a failure, a crash, or to get another answer
+        (``continuation``: continue the text again, as :meth:`send`).
 
         A trailing assistant message (finished or not) is replaced.
         """
@@ -347,8 +353,9 @@ class ChatService:
             while history and history[-1].role == "assistant":
                 self.store.delete_message(history.pop().id)
             # the history as it is now in the store: the trailing answers were just deleted
-            messages = self._model_messages(conversation, history)
-            return self._answer(conversation, history[-1], messages, sampling, prewoken, listener)
+            return self._answer(
+                conversation, history[-1], history, sampling, prewoken, listener, continuation
+            )
 
     def active_turn(self, conversation_id: str) -> ChatTurn | None:
         """The answer still being generated in this conversation, if any."""
@@ -376,11 +383,16 @@ class ChatService:
         self,
         conversation: Conversation,
         user: Message,
-        messages: tuple[ChatMessage, ...],
+        history: Sequence[Message],
         overrides: dict[str, Any],
         prewoken: bool,
         listener: TurnListener | None,
+        continuation: bool = False,
     ) -> ChatTurn:
+        if continuation:
+            asked: dict[str, Any] = {"prompt": continuation_text(history, conversation.system_prompt)}
+        else:
+            asked = {"messages": self._model_messages(conversation, history)}
         assistant = self.store.add_message(conversation.id, "assistant", "", complete=False)
         started = time.monotonic()
         try:
@@ -394,7 +406,7 @@ class ChatService:
             if conversation.max_tokens is None and overrides.get("max_tokens") is None:
                 sampling = sampling.replace(max_tokens=None)  # the conversation's "no limit"
             generation = self.pool.generate(
-                conversation.model_id, messages=messages, conversation=conversation.id, sampling=sampling
+                conversation.model_id, conversation=conversation.id, sampling=sampling, **asked
             )
         except BaseException:
             # nothing was generated: drop the placeholder, keep the user's message
@@ -416,6 +428,22 @@ class ChatService:
             for cid in [c for c, t in self._active.items() if t.done]:
                 del self._active[cid]
         return turn
+
+
+def continuation_text(history: Sequence[Message], system_prompt: str = "") -> str:
+    """A conversation as the one text a base model continues: the system prompt (if any) and a
+    blank line, then the messages one after the other (a continuation follows its text exactly;
+    a message of the user's after it gets a space where neither side has one); empty, unfinished
+    answers left out."""
+    text = f"{system_prompt.strip()}\n\n" if system_prompt.strip() else ""
+    for m in history:
+        if m.role == "system" or (m.role == "assistant" and not m.complete and not m.content):
+            continue
+        piece = m.content
+        if m.role == "user" and text and piece and not text[-1].isspace() and not piece[0].isspace():
+            text += " "
+        text += piece
+    return text
 
 
 def check_text(text: str, what: str) -> None:
