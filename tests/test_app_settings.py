@@ -874,9 +874,9 @@ def test_sharing_the_gpu_reads_at_a_glance_with_the_rest_under_advanced(
 
     dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
     tabs = [dialog.tabs.tabText(i) for i in range(dialog.tabs.count())]
-    assert "Sharing the GPU" in tabs and "Arena" not in tabs
+    assert tabs[dialog.sharing_index] in ("Sharing the GPU", "Sharing memory") and "Arena" not in tabs
     dialog.show()
-    dialog.tabs.setCurrentIndex(tabs.index("Sharing the GPU"))
+    dialog.tabs.setCurrentIndex(dialog.sharing_index)
     smol = ModelStatus(
         id="smol",
         name="SmolLM2",
@@ -907,3 +907,18 @@ def test_sharing_the_gpu_reads_at_a_glance_with_the_rest_under_advanced(
     config = dialog.validated()
     assert config is not None and config.arena.vram_budget == "12GB"
     assert strings.SHARING_TAB == "Sharing the GPU"
+    assert dialog.tabs.tabText(dialog.sharing_index) == "Sharing the GPU"
+    assert "GPU" in dialog.budget_note.text()
+
+    # a CPU-only build: no "GPU" on the page (its name, the note, the slider, who is active)
+    cpu = dataclasses.replace(smol, backend="CPU")
+    dialog._refresh_arena(PoolSnapshot(models=(cpu,), holder="smol"))
+    assert dialog.tabs.tabText(dialog.sharing_index) == "Sharing memory"
+    page = [
+        dialog.holder_label.text(),
+        dialog.sharing_table.item(0, 1).text(),
+        dialog.budget_note.text(),
+        dialog.budget_slider.toolTip(),
+    ]
+    assert not any("GPU" in text for text in page), page
+    assert dialog.sharing_table.item(0, 1).text() == "in memory"
