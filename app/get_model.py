@@ -196,8 +196,9 @@ class GetModelDialog(QDialog):
         self.found = QListWidget()
         self.found.setObjectName("found")
         self.found.setWordWrap(True)
-        self.found.itemClicked.connect(self._pick_found)
-        self.found.itemActivated.connect(self._pick_found)
+        self.found.setSpacing(2)
+        self.found.itemClicked.connect(self.pick)
+        self.found.itemActivated.connect(self.pick)
         self.show_suggestions()
         found_pane = QWidget()
         found_layout = QVBoxLayout(found_pane)
@@ -264,6 +265,8 @@ class GetModelDialog(QDialog):
         self._done.connect(self._on_done)
         self._failed.connect(self._on_failed)
         self._update_buttons()
+        if not source:
+            self.info.setText(strings.GET_MODEL_START)
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -303,12 +306,13 @@ class GetModelDialog(QDialog):
         self.found.clear()
         self.found_label.setText(SUGGESTED)
         for s in search.suggestions():
-            item = QListWidgetItem(f"{s.name} — {s.repo_id} ({s.quant})")
+            item = QListWidgetItem(f"{s.name}\n{s.repo_id} · {s.quant}")
             item.setData(Qt.ItemDataRole.UserRole, s.source)
             item.setToolTip(f"The same as: timeshare pull {s.name}")
             self.found.addItem(item)
 
-    def _pick_found(self, item: QListWidgetItem) -> None:
+    def pick(self, item: QListWidgetItem) -> None:
+        """Look up a suggestion or a search hit (what clicking it does)."""
         source = item.data(Qt.ItemDataRole.UserRole)
         if self.busy or not source:
             return

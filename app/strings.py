@@ -211,6 +211,12 @@ def is_base_model(status: ModelStatus | None) -> bool:
     return status is not None and status.chat_format == "fallback"
 
 
+GET_MODEL_START = (
+    "Pick a suggested model, or type what to look for (words search the hub for models with GGUF "
+    "files) and press Look up; then pick a size to download."
+)
+
+
 def search_hits(n: int, query: str) -> str:
     """Get model…: over the hub's answers to a search."""
     return (

@@ -255,9 +255,9 @@ def first_run(
     if len(prompts) > 1:
         lines += [
             "",
-            f"Then try another: the models take turns on {words.device_word(gpu)}, and the line under each "
-            f"answer says what the {words.switch_word(gpu)} cost. Each gets its own conversation: a base "
-            "model continues whatever text it is given, a chat model answers it.",
+            f"Then try another: the models take turns{' on the GPU' if gpu else ''}, and the line under "
+            f"each answer says what the {words.switch_word(gpu)} cost. Each gets its own conversation: a "
+            "base model continues whatever text it is given, a chat model answers it.",
         ]
     lines += ["", "Or type a message below (a new conversation: **New**)."]
     return "\n".join(lines), prompts

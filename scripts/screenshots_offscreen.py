@@ -1,8 +1,10 @@
 """Screenshots without a desktop: Qt's offscreen platform and each window's own grab (no Xvfb, no
-tray host). The real app with the demo models: Settings → Sharing the GPU once both have loaded
-(settings-sharing.png), then SmolLM2 is asked for a Python function, its answer streams in, and the
-chat window is saved as chat-code.png (light) and chat-code-dark.png (TIMESHARE_COLOR_SCHEME=dark
-and a dark palette, as a dark desktop gives), all in docs/screenshots/.
+tray host). The real app with the demo models: the first-run suggestions (chat-first-run.png), the
+base model's suggestion clicked and its text continued (chat-continuation.png), Settings → Sharing
+the GPU once both have loaded (settings-sharing.png), then SmolLM2 is asked for a Python function,
+its answer streams in, and the chat window is saved as chat-code.png (light), with the message
+being edited and the list searched (chat-edit-search.png), and chat-code-dark.png
+(TIMESHARE_COLOR_SCHEME=dark and a dark palette, as a dark desktop gives), all in docs/screenshots/.
 
 Usage: .venv/bin/python scripts/screenshots_offscreen.py [OUT_DIR]
 """
@@ -19,7 +21,7 @@ WORK = tempfile.mkdtemp(prefix="timeshare-shot-")
 os.environ["TIMESHARE_HOME"] = WORK
 os.environ["TIMESHARE_VRAM_BUDGET"] = "one-model"
 
-from PySide6.QtCore import QEventLoop, QTimer  # noqa: E402
+from PySide6.QtCore import QEventLoop, QTimer, QUrl  # noqa: E402
 from PySide6.QtGui import QColor, QPalette  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 from timeshare.app.application import TimeshareApp  # noqa: E402
@@ -65,6 +67,19 @@ def main() -> int:
     store = Store(Path(WORK) / "conversations.sqlite3")
     app = TimeshareApp(config, pool, store, ChatService(pool, store), config_path=Path(WORK) / "c.toml")
     app.start(background=False)
+    window = app.window
+    window.resize(980, 700)
+    wait(500)
+    window.grab().save(str(out / "chat-first-run.png"))
+    gemma = next(i for i, (model, _) in enumerate(window.suggestions) if "gemma" in model)
+    done: list[bool] = []
+    window.answer_finished.connect(lambda *_: done.append(True))
+    window.max_tokens = 60
+    window.transcript.anchorClicked.emit(QUrl(f"try:{gemma}"))
+    while not done:
+        wait(200)
+    wait(500)
+    window.grab().save(str(out / "chat-continuation.png"))
     settings = app.open_settings()
     settings.resize(820, 560)
     settings.tabs.setCurrentIndex(1)  # Sharing the GPU
@@ -74,19 +89,25 @@ def main() -> int:
     wait(300)
     settings.grab().save(str(out / "settings-sharing-advanced.png"))
     settings.close()
-    window = app.window
-    window.resize(980, 700)
     smol = next(m.id for m in models if "smol" in m.id)
-    window.new_conversation(smol)
+    conv = window.new_conversation(smol)
     window.max_tokens = 160
-    done: list[bool] = []
-    window.answer_finished.connect(lambda *_: done.append(True))
+    done.clear()
     window.input.setPlainText(QUESTION)
     window.send()
     while not done:
         wait(200)
     wait(500)
     window.grab().save(str(out / "chat-code.png"))
+    assert conv is not None
+    window.search.setText("python")
+    wait(600)
+    window.transcript.anchorClicked.emit(QUrl(f"edit:{store.messages(conv)[0].id}"))
+    wait(300)
+    window.grab().save(str(out / "chat-edit-search.png"))
+    window.cancel_edit()
+    window.search.clear()
+    wait(600)
     os.environ["TIMESHARE_COLOR_SCHEME"] = "dark"
     qapp.setPalette(dark_palette())
     window.render_transcript()

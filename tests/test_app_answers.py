@@ -241,7 +241,7 @@ def test_first_run_offers_a_prompt_per_model_and_a_base_model_continues_the_text
     html = window.transcript.toHtml()
     assert 'href="try:0"' in html and 'href="try:1"' in html
     shown = window.transcript.toPlainText()
-    assert "Let Gemma continue" in shown and "Ask SmolLM2" in shown and "take turns on" in shown
+    assert "Let Gemma continue" in shown and "Ask SmolLM2" in shown and "take turns" in shown
 
     index = [model for model, _ in window.suggestions].index(GEMMA)
     with qtbot.waitSignal(window.answer_finished, timeout=120_000) as blocker:

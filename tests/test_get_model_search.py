@@ -99,7 +99,7 @@ def test_the_dialog_searches_picks_and_tells_what_fits(
     dialog.show()
     # before any search: the suggestions (the short names `timeshare pull` takes)
     assert dialog.found.count() == len(shortnames.SHORT_NAMES)
-    assert dialog.found.item(0).text().startswith("llama3.2:1b — bartowski/Llama-3.2-1B-Instruct-GGUF")
+    assert dialog.found.item(0).text() == "llama3.2:1b\nbartowski/Llama-3.2-1B-Instruct-GGUF · Q4_K_M"
 
     qtbot.keyClicks(dialog.source, "tiny coder")
     qtbot.keyClick(dialog.source, Qt.Key.Key_Return)
