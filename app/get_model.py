@@ -330,7 +330,7 @@ class GetModelDialog(QDialog):
             source = sources.parse_source(text)
         except ValueError as exc:
             if shortnames.is_short_name(text) and ":" not in text:  # words, not a source: a search
-                self.search(text)
+                self.start_search(text)
             else:
                 self._show_problem(str(exc))
             return
@@ -351,7 +351,7 @@ class GetModelDialog(QDialog):
 
         self._start(work, "get-model-lookup")
 
-    def search(self, query: str) -> None:
+    def start_search(self, query: str) -> None:
         """Search the hub for repositories with GGUF files (on a worker thread)."""
         if self.busy:
             return

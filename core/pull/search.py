@@ -99,7 +99,7 @@ def search_hub(query: str, *, limit: int = SEARCH_LIMIT, token: str | None = Non
     if not query:
         raise ValueError("type what to search for: a model's name, e.g. qwen or llama")
     url = f"{hub_endpoint()}/api/models"
-    params: list[tuple[str, str | int]] = [
+    params: list[tuple[str, str | int | float | bool | None]] = [
         ("search", query),
         ("filter", "gguf"),
         ("sort", "downloads"),
