@@ -392,7 +392,11 @@ def test_tray_menu_actions_reach_the_pool(qtbot: Any, app: Any) -> None:
     dialog.tabs.setCurrentIndex(1)
     app.bridge.wake(SMOL)
     qtbot.waitUntil(
-        lambda: dialog.holder_label.text() == "Holds the GPU: SmolLM2-135M-Instruct", timeout=60_000
+        lambda: (
+            dialog.holder_label.text()
+            in ("SmolLM2-135M-Instruct holds the GPU now.", "SmolLM2-135M-Instruct is active now.")
+        ),  # no GPU
+        timeout=60_000,
     )
     assert dialog.arena_table.rowCount() == 2
     dialog.reject()
