@@ -205,6 +205,9 @@ class LeaseRecord:
     quantum_until: float = 0.0
     used_at: float = 0.0
     partial: bool = False
+    #: a "reserve" lease: the bytes its worker frees by releasing its KV cache and compute buffers
+    #: too (the deep level, issue 39); 0: nothing more to free (already deep, or not measured)
+    deepens: int = 0
     name: str = field(default="", compare=False)  # the lease file's name (not stored in it)
 
     def in_quantum(self, now: float) -> bool:
@@ -303,6 +306,7 @@ def parse_lease_record(data: dict[str, Any] | None, name: str = "") -> LeaseReco
             quantum_until=_num(data, "quantum_until"),
             used_at=_num(data, "used_at"),
             partial=partial,
+            deepens=_int(data, "deepens"),
             name=name,
         )
     except ValueError:
@@ -333,6 +337,13 @@ class Plan:
     leased: int = 0  # weight bytes leased by others
     frees: tuple[int, ...] = ()  # per victim, in order: the bytes it is asked to free
     own: int = 0
+    #: the parked workers asked to go deep (their "reserve" leases, least recently used first):
+    #: each releases its KV cache and compute buffers, ``deepens`` bytes (issue 39)
+    deepen: tuple[LeaseRecord, ...] = ()
+
+    def asked_to_deepen(self, name: str) -> bool:
+        """The reserve lease ``name`` is asked to go deep."""
+        return any(x.name == name for x in self.deepen)
 
     def asked(self, name: str) -> int | None:
         """The bytes the lease ``name`` is asked to free (None: it is not a victim)."""
@@ -367,10 +378,14 @@ def plan_fit(
     victims; under a byte budget they count towards ``need``, so a partly released holder asking
     for its whole weights needs room for the rest only)."""
     weights, own = [], 0
+    deepable: list[LeaseRecord] = []
     for x in leases:
+        mine = requester is not None and (x.pid, x.model) == requester
         if x.kind != "weights":
+            if not mine and x.deepens > 0 and not x.pinned:
+                deepable.append(x)
             continue
-        if requester is not None and (x.pid, x.model) == requester:
+        if mine:
             own += x.bytes
         else:
             weights.append(x)
@@ -386,7 +401,10 @@ def plan_fit(
         return Plan(
             False, tuple(order), pinned, possible=not pinned, frees=tuple(x.bytes for x in order), **common
         )
-    if need > limit:
+    # an auto budget: the parked workers' KV caches can go too, after every unpinned holder's
+    # weights (least recently used first), so a need above today's limit may still fit
+    deeper = lru_order(deepable, now) if budget.kind == "auto" else []
+    if need > limit + sum(x.deepens for x in deeper):
         return Plan(False, (), pinned, possible=False, too_large=True, **common)
     lacking = need + leased - limit  # its own bytes count towards need: the rest must fit beside the others
     if lacking <= 0:
@@ -400,7 +418,15 @@ def plan_fit(
         lacking -= take
         if lacking <= 0:
             return Plan(False, tuple(victims), pinned, frees=tuple(frees), **common)
-    return Plan(False, tuple(victims), pinned, possible=False, frees=tuple(frees), **common)
+    deepen: list[LeaseRecord] = []
+    for lease in deeper:
+        deepen.append(lease)
+        lacking -= lease.deepens
+        if lacking <= 0:
+            return Plan(False, tuple(victims), pinned, frees=tuple(frees), deepen=tuple(deepen), **common)
+    return Plan(
+        False, tuple(victims), pinned, possible=False, frees=tuple(frees), deepen=tuple(deepen), **common
+    )
 
 
 def lease_bytes_for(need: int | None, budget: BudgetRecord, reserved: int) -> int:

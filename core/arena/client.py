@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from ..errors import ArenaError, VramBudgetError
 from ..observe import NULL_OBSERVER, Observer
@@ -86,7 +87,7 @@ class TokenClient:
         self._partial = False
         self._lock = threading.Lock()
         self._held: Held | None = None
-        self._reserve: tuple[str, int, int] | None = None  # name, fd, bytes
+        self._reserve: tuple[str, int, LeaseRecord] | None = None  # name, fd, record
         self._pending: TokenRequest | None = None
         self._own_tickets: set[str] = set()
         self._ring_generation = 0
@@ -112,12 +113,27 @@ class TokenClient:
 
     @property
     def reserve_bytes(self) -> int:
-        return self._reserve[2] if self._reserve is not None else 0
+        return self._reserve[2].bytes if self._reserve is not None else 0
+
+    @property
+    def reserve_deepens(self) -> int:
+        """The bytes its reserve says a deep release would free (0: it is deep, or no reserve)."""
+        return self._reserve[2].deepens if self._reserve is not None else 0
 
     def weights_budget(self) -> int | None:
         """The weight bytes the device may hold now (None: one model at a time)."""
         reserved = sum(x.bytes for x in self.arena.leases() if x.kind == "reserve")
         return self.budget.weights_budget(reserved)
+
+    def deepable_bytes(self) -> int:
+        """What the other workers' deep releases could free (their unpinned reserves' ``deepens``):
+        room an auto budget can make beyond :meth:`weights_budget`."""
+        mine = os.getpid(), self.model
+        return sum(
+            x.deepens
+            for x in self.arena.leases()
+            if x.kind == "reserve" and not x.pinned and (x.pid, x.model) != mine
+        )
 
     def holders(self) -> list[LeaseRecord]:
         """The live weights leases of the device (every process's), most recent first."""
@@ -134,6 +150,7 @@ class TokenClient:
                 held.record = replace(held.record, pinned=pinned)
                 self._write_lease(held)
                 self._update_holder_record(keep_mine=True)
+            self._rewrite_reserve(pinned=pinned)
         self.poke_doorbell()
 
     def set_partial(self, partial: bool) -> None:
@@ -152,13 +169,29 @@ class TokenClient:
         finished using its weights: recorded in its lease for the others' least-recently-used
         choice."""
         with self._lock:
+            used = {
+                "busy": busy,
+                "quantum_until": quantum_until if busy else 0.0,
+                "used_at": time.monotonic(),
+            }
+            self._rewrite_reserve(**used)  # who goes deep first: least recently used, too
             held = self._held
             if held is None:
                 return
-            held.record = replace(
-                held.record, busy=busy, quantum_until=quantum_until if busy else 0.0, used_at=time.monotonic()
-            )
+            held.record = replace(held.record, **used)
             self._write_lease(held)
+
+    def _rewrite_reserve(self, **fields: Any) -> None:
+        """Rewrite the reserve lease's record in place (under ``self._lock``)."""
+        if self._reserve is None:
+            return
+        name, fd, record = self._reserve
+        record = replace(record, **fields)
+        self._reserve = (name, fd, record)
+        try:
+            self.arena.lease_files.update(fd, record)
+        except OSError as exc:
+            log.warning("could not update the reserve lease %s: %s", name, exc)
 
     def _write_lease(self, held: Held) -> None:
         try:
@@ -197,6 +230,23 @@ class TokenClient:
         if plan.fits or not plan.possible:
             return None
         return plan.asked(held.name)
+
+    def asked_to_deepen(self, waiters: tuple[Ticket, ...] | None = None) -> bool:
+        """The head of the queue's plan asks this client's worker to go deep: release its KV cache
+        and compute buffers (its reserve lease is named; issue 39). Judged as if unpinned, as
+        :meth:`asked_to_free`."""
+        reserve = self._reserve
+        if reserve is None or reserve[2].deepens <= 0 or self.budget.kind != "auto":
+            return False
+        if waiters is None:
+            waiters = tuple(self.arena.waiters())
+        if not waiters or waiters[0].name in self._own_tickets:
+            return False
+        head = waiters[0]
+        need = self.arena.ticket_need(head)
+        leases = [replace(x, pinned=False) if x.name == reserve[0] else x for x in self.arena.leases()]
+        plan = plan_fit(need, leases, self.budget, time.monotonic(), requester=(head.pid, head.model))
+        return not plan.fits and plan.possible and plan.asked_to_deepen(reserve[0])
 
     # -- leases --
 
@@ -268,33 +318,51 @@ class TokenClient:
         except OSError as exc:
             log.warning("could not record the lease's new size: %s", exc)
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, deepens: int = 0, *, from_lease: bool = False) -> None:
         """Hold a "reserve" lease of ``nbytes`` for as long as this client lives: what the worker
-        keeps on the device while released (auto budgets). Replaces an earlier one."""
+        keeps on the device while released (auto budgets); ``deepens``: the bytes of it a deep
+        release (KV cache and compute buffers) would free, 0 when it has nothing more to free.
+        Replaces an earlier one. ``from_lease``: the bytes it grows by come out of the weights
+        lease held now (a worker back from the deep level, whose request asked for its weights and
+        them), in the same critical section, so the device's leased total never moves."""
         with self._lock:
             lock = self.arena.dir.lock()
             assert lock is not None
             try:
                 old = self._reserve
+                grows = nbytes - (old[2].bytes if old is not None else 0)
+                held = self._held
+                if from_lease and grows > 0 and held is not None and held.record.bytes > grows:
+                    at = time.monotonic()
+                    record = replace(held.record, bytes=held.record.bytes - grows, name="")
+                    name, fd = self.arena.lease_files.create(record)
+                    self.arena.lease_files.drop(held.name, held.fd)
+                    self._resized(held, name, fd, record, at, "shrunk")
                 self._reserve = None
                 if nbytes > 0:
                     now = time.monotonic()
-                    record = LeaseRecord(
+                    reserve = LeaseRecord(
                         model=self.model,
                         pid=os.getpid(),
                         bytes=nbytes,
                         kind="reserve",
                         since=time.time(),
                         since_monotonic=now,
-                        pinned=True,
-                        used_at=now,
+                        pinned=self._pinned,
+                        used_at=old[2].used_at if old is not None else now,
+                        deepens=max(0, deepens),
                     )
-                    name, fd = self.arena.lease_files.create(record)
-                    self._reserve = (name, fd, nbytes)
+                    name, fd = self.arena.lease_files.create(reserve)
+                    self._reserve = (name, fd, replace(reserve, name=name))
                 if old is not None:
                     self.arena.lease_files.drop(old[0], old[1])
             finally:
                 self.arena.dir.unlock(lock)
+            if self.reserve_deepens > 0:
+                self._doorbell_armed.set()  # a parked worker hears the head asking for its KV cache
+            elif self._held is None and not self._doorbell_stop.is_set():
+                self._doorbell_armed.clear()
+        self.poke_doorbell()
 
     def release(self) -> float | None:
         """End the lease; returns the monotonic time the holding ended (None if not held)."""
@@ -303,7 +371,8 @@ class TokenClient:
             if held is None:
                 return None
             self._held = None
-            self._doorbell_armed.clear()
+            if self.reserve_deepens <= 0:  # a parked worker with a KV cache to free still listens
+                self._doorbell_armed.clear()
             lock = None
             try:
                 lock = self.arena.dir.lock(timeout=HOLDER_LOCK_TIMEOUT_S)
@@ -476,7 +545,7 @@ class TokenClient:
         self._doorbell_watch = self.arena.watch()
         self._doorbell_stop.clear()
         with self._lock:  # close() leaves it set; armed again only while holding
-            if self._held is None:
+            if self._held is None and self.reserve_deepens <= 0:
                 self._doorbell_armed.clear()
         self._doorbell = threading.Thread(
             target=self._doorbell_loop,
@@ -508,7 +577,7 @@ class TokenClient:
             try:
                 waiters = tuple(self.arena.waiters())
                 others = tuple(t for t in waiters if t.name not in self._own_tickets)
-                asked = self.asked_to_yield(waiters)
+                asked = self.asked_to_yield(waiters) or self.asked_to_deepen(waiters)
             except OSError as exc:
                 log.warning("scanning %s failed: %s", self.arena.waiters_path, exc)
                 others, asked = (), False
@@ -516,7 +585,7 @@ class TokenClient:
             generation = self._ring_generation
             now = time.monotonic()
             due = bool(names - rung) or generation != rung_generation or now - last_ring >= RING_REPEAT_S
-            if asked and self.holds_token and due:
+            if asked and (self.holds_token or self.reserve_deepens > 0) and due:
                 rung |= names
                 rung_generation = generation
                 last_ring = now
@@ -526,7 +595,8 @@ class TokenClient:
                 except Exception:
                     log.exception("the doorbell callback failed")
             rung &= names  # forget waiters that left, so a returning name rings again
-            watch.wait(RING_REPEAT_S if others and self.holds_token else RESCAN_INTERVAL_S)
+            listening = self.holds_token or self.reserve_deepens > 0
+            watch.wait(RING_REPEAT_S if others and listening else RESCAN_INTERVAL_S)
         watch.close()
 
     def close(self) -> None:

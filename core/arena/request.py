@@ -354,6 +354,8 @@ class TokenRequest:
             if not plan.possible and fails:
                 raise VramBudgetError(_too_large(client.model, self.need, plan, client.budget))
             target = plan.victims[0] if plan.victims else (plan.pinned[0] if plan.pinned else None)
+            if target is None and plan.deepen:  # a parked worker's reserve: replaced once it went deep
+                target = plan.deepen[0]
             if target is not None and (locker is None or locker.name != target.name or locker.done.is_set()):
                 locker = _Locker(arena, target.name, watch.wake)
             if locker is None or not locker.done.is_set():
@@ -373,6 +375,8 @@ def _blockers(plan: Plan, need: int | None, budget: BudgetRecord) -> str:
         parts.append("held by " + ", ".join(x.model for x in plan.victims))
     if plan.pinned and not plan.victims:
         parts.append("pinned by " + ", ".join(x.model for x in plan.pinned))
+    if plan.deepen:
+        parts.append("the KV cache of " + ", ".join(x.model for x in plan.deepen))
     text = " and ".join(parts)
     if plan.budget is not None and need is not None and text:
         text += (

@@ -306,6 +306,8 @@ class Worker:
             self._fitted = fitted
             engine = Engine.load(fitted.model, use_mmap=res.use_mmap, plan=fitted.plan)
             self._footprint = Footprint.measure(engine, fitted)
+            # what a deep release would free: the KV cache and compute buffers on the device
+            res.kv_footprint = self._footprint.kv + self._footprint.buffers
             with self._ahead_lock:  # the reads started while it loaded go to the engine
                 engine.read_ahead.update(self._ahead)
                 self._ahead.clear()
@@ -313,6 +315,9 @@ class Worker:
             self.engine.kv_dir = Path(self.spec.kv_dir)
             engine_ref = self.engine
             self.engine.state_ctx = lambda: res.state_ctx(engine_ref)
+            # before its KV cache leaves the device (deep release on contention, issue 39): the idle
+            # conversations become host snapshots, as before a sleep
+            res.on_deep = engine_ref.park
             t2 = time.monotonic()
             self.send(p.Loading("residency", 0.5))
             self._poll()
@@ -387,7 +392,7 @@ class Worker:
         elif isinstance(task, p.Sleep):
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
-            if self._should_yield():
+            if self._should_yield() or self.tenancy.asked_deep():
                 self._give_way()
         elif isinstance(task, p.Shutdown):
             self._shutdown(task.save_kv)
@@ -530,7 +535,8 @@ class Worker:
 
     def _give_way(self) -> None:
         """The head of the queue needs room: free what it asks for (all of the weights, or only
-        some layer parts; the KV cache stays)."""
+        some layer parts; the KV cache and compute buffers too when it asks this worker to go
+        deep: ``tenancy.on_deep`` parks the conversations first)."""
         if self.engine is not None and self.tenancy.frees_context and self.tenancy.kv_resident:
             self.engine.park()  # the rebuild path frees the context: every conversation to the host
         try:

@@ -194,8 +194,22 @@ class Tenancy:
 
     def give_way(self) -> p.Released | None:
         """Make the room the head of the queue asks this worker for: the whole lease, or (a
-        partial lease) only the layer parts it needs. None when nobody asks any more."""
+        partial lease) only the layer parts it needs; and, asked to go deep (:meth:`asked_deep`),
+        the KV cache and compute buffers too. None when nobody asks any more."""
         return None
+
+    def asked_deep(self) -> bool:
+        """The head of the queue needs this worker's KV cache and compute buffers too (an auto
+        budget: its reserve lease is named by the plan; never while pinned)."""
+        return False
+
+    #: the KV cache and compute buffers the context holds on the device (from the GGUF's shape
+    #: and ggml's scheduler, worker/footprint.py; 0: not known): what a deep release frees
+    kv_footprint = 0
+
+    #: called before the KV cache leaves the device (the loop moves its idle conversations to
+    #: host snapshots, as before a sleep)
+    on_deep: Callable[[], None] | None = None
 
     def waiting_reason(self) -> str:
         return ""
@@ -266,6 +280,13 @@ class ArenaTenancy(Tenancy):
         # set by the doorbell (warden thread): a partly released holder waiting to grow back looks
         # at it while it waits, so that it makes room for the head of the queue meanwhile
         self._rung = threading.Event()
+        # the deep level (issue 39; auto budgets): the reserve measured at the load (KV cache,
+        # compute buffers, context), the bytes of it the KV level frees, and what the worker keeps
+        # once it went deep (measured at its first deep release; the driver context's allowance
+        # on a GPU, nothing on the CPU build, until then)
+        self._reserve_full = 0
+        self._deepens = 0
+        self._deep_keeps = 0
 
     def _weights_budget(self) -> int:
         if self._closed:  # the worker is ending: a last status reports what was read before
@@ -423,6 +444,8 @@ class ArenaTenancy(Tenancy):
                 " + the driver context allowance" if self.device.gpu else ", this process's own memory",
             )
         limit = self._weights_budget()
+        if budget.kind == "auto":  # the parked workers' KV caches can make room (deep release)
+            limit += self.client.deepable_bytes()
         if not budget.one_model and weight_bytes > limit - reserve:
             others = f", after the {decimal_bytes(reserve)} it keeps there while released" if reserve else ""
             raise VramBudgetError(
@@ -433,7 +456,12 @@ class ArenaTenancy(Tenancy):
             )
         self.client.shrink(weight_bytes)
         if reserve:
-            self.client.reserve(reserve)
+            self._reserve_full = reserve
+            self._deepens = reserve - (GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0)
+            if self.kv_footprint > 0:  # the measured reserve holds more on the CPU build (the host shadow)
+                self._deepens = min(self._deepens, self.kv_footprint)
+            self._deep_keeps = reserve - self._deepens
+            self.client.reserve(reserve, deepens=self._deepens)
         self._budget_bytes = self._weights_budget()
 
     def start(self, enqueue_yield: Callable[[], None]) -> None:
@@ -500,22 +528,29 @@ class ArenaTenancy(Tenancy):
         again after it has."""
         if self._covered():
             return 0.0
-        need = self.weight_bytes if self.residency is not None else self._load_need()
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         rounds = 0
         while True:
             rounds += 1
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            need = self.weight_bytes + self._regrow() if self.residency is not None else self._load_need()
             request = self.client.request(left, need)
             self._request = request
             gave_way = False
             try:
                 while not request.wait(0.05):
                     poll()
-                    if self._rung.is_set() and self.client.holds_token and not self._pinned:
+                    if self._rung.is_set() and not self._pinned:
                         self._rung.clear()
-                        if self.client.asked_to_free() is not None and request.cancel():
+                        # asked for its weights (a partly released holder), or for its KV cache
+                        # (a parked worker behind the head): give way, then ask again
+                        asked = (
+                            self.client.asked_to_free() is not None
+                            if self.client.holds_token
+                            else self.asked_deep()
+                        )
+                        if asked and request.cancel():
                             request.wait()  # its thread has given back what it took meanwhile
                             gave_way = True
                             break
@@ -557,6 +592,10 @@ class ArenaTenancy(Tenancy):
         restore_ms = 0.0
         restored = 0
         res = self.residency
+        if res is not None and not res.kv_resident and self._regrow() > 0:
+            # back from the deep level: the request covered the KV cache and compute buffers too;
+            # they move from the weights lease into the reserve before the context is made again
+            self.client.reserve(self._reserve_full, deepens=self._deepens, from_lease=True)
         if res is not None and not res.weights_resident:
             try:
                 report = self._restore(res, poll)
@@ -611,8 +650,12 @@ class ArenaTenancy(Tenancy):
         res = self.residency
         report = None
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
+            if kv and res.kv_resident and self.on_deep is not None and not final:
+                self.on_deep()
             report = res.release(kv=kv, final=final)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
+            if kv and not final:
+                self._went_deep(report.freed_bytes - report.released_bytes)
         if res is not None:  # the lease goes only once the weights left the device (the arena's invariant)
             assert res.resident_bytes == 0 and (res.state.weights is Weights.NONE or res.weight_bytes == 0), (
                 res.state,
@@ -632,8 +675,10 @@ class ArenaTenancy(Tenancy):
         resident bytes are at most its lease less the ask, then leases exactly those (the
         resident interval goes on: it still has weights on the device); anything else, or a
         release that left nothing resident, gives the whole lease back."""
-        if self._pinned or not self.client.holds_token:
+        if self._pinned:
             return None
+        if not self.client.holds_token:  # parked: the head may need its KV cache
+            return self.release(kv=True) if self.asked_deep() else None
         try:
             ask = self.client.asked_to_free()
         except OSError as exc:
@@ -644,7 +689,7 @@ class ArenaTenancy(Tenancy):
         res = self.residency
         lease = self.client.lease_bytes
         if res is None or not self.partial or ask >= lease:
-            return self.release(kv=False)
+            return self.release(kv=self.asked_deep())
         report = res.release(keep_bytes=lease - ask)
         self.host_bytes = res.host_bytes
         if res.resident_bytes <= 0:
@@ -664,6 +709,45 @@ class ArenaTenancy(Tenancy):
             freed_bytes=report.freed_bytes,
             resident_bytes=res.resident_bytes,
         )
+
+    def asked_deep(self) -> bool:
+        res = self.residency
+        if self._pinned or res is None or not res.kv_resident or self._deepens <= 0:
+            return False
+        try:
+            return self.client.asked_to_deepen()
+        except OSError as exc:
+            log.warning("scanning the arena's waiters failed: %s", exc)
+            return False
+
+    def _regrow(self) -> int:
+        """What its reserve must grow by before the context is made again (back from the deep
+        level: the KV cache and compute buffers); 0 otherwise."""
+        res = self.residency
+        if res is None or res.kv_resident or not self._reserve_full:
+            return 0
+        return max(0, self._reserve_full - self.client.reserve_bytes)
+
+    def _went_deep(self, freed: int) -> None:
+        """The KV cache and compute buffers left the device (``freed``: what the memory measure
+        saw go, the weights' bytes taken off): the reserve shrinks to what the worker keeps there
+        now, measured, and asks nothing more of it."""
+        if not self._reserve_full:
+            return
+        floor = GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0
+        if freed > 0:  # measured: what the next plans count on
+            self._deep_keeps = max(floor, self._reserve_full - freed)
+            self._deepens = self._reserve_full - self._deep_keeps
+        log.info(
+            "%s went deep (KV cache and compute buffers released): it keeps %s on %s (measured %s "
+            "freed; %s kept while released at the weights level)",
+            self.spec.model.id,
+            decimal_bytes(self._deep_keeps),
+            self.device_name or "the device",
+            decimal_bytes(max(0, freed)),
+            decimal_bytes(self._reserve_full),
+        )
+        self.client.reserve(self._deep_keeps, deepens=0)
 
     def others_waiting(self) -> bool:
         """The head of the arena's queue needs this worker's lease to go."""
