@@ -471,6 +471,13 @@ class Residency:
         log.info("residency of %s: rebuild path (%s)", self.model_path, reason)
 
     @property
+    def kv_host_bytes(self) -> int:
+        """Bytes of the KV snapshot held in host memory while the context is freed (0 otherwise)."""
+        if self._rebuild is not None:
+            return self._rebuild.kv_bytes
+        return self._kv.nbytes if self._kv is not None else 0
+
+    @property
     def kv_context(self) -> Any | None:
         """The llama_context handle that holds the KV cache, also while the weights are released
         and the context is kept aside (KV snapshots read only the cache, never the weights);

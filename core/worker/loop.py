@@ -317,7 +317,7 @@ class Worker:
             self.engine.state_ctx = lambda: res.state_ctx(engine_ref)
             # before its KV cache leaves the device (deep release on contention, issue 39): the idle
             # conversations become host snapshots, as before a sleep
-            res.on_deep = engine_ref.park
+            res.on_deep = self._park_for_deep
             t2 = time.monotonic()
             self.send(p.Loading("residency", 0.5))
             self._poll()
@@ -532,6 +532,16 @@ class Worker:
         if released is not None:
             self.send(released)
         self.publish()
+
+    def _park_for_deep(self) -> int:
+        """Before the KV cache leaves the device: the idle conversations become host snapshots
+        (``llama_state_seq_get_data``: the cells in use only); returns the bytes they took."""
+        engine = self.engine
+        if engine is None:
+            return 0
+        before = engine.snapshot_bytes
+        engine.park()
+        return max(0, engine.snapshot_bytes - before)
 
     def _give_way(self) -> None:
         """The head of the queue needs room: free what it asks for (all of the weights, or only

@@ -208,8 +208,8 @@ class Tenancy:
     kv_footprint = 0
 
     #: called before the KV cache leaves the device (the loop moves its idle conversations to
-    #: host snapshots, as before a sleep)
-    on_deep: Callable[[], None] | None = None
+    #: host snapshots, as before a sleep); returns the bytes of KV it moved
+    on_deep: Callable[[], int] | None = None
 
     def waiting_reason(self) -> str:
         return ""
@@ -650,12 +650,13 @@ class ArenaTenancy(Tenancy):
         res = self.residency
         report = None
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
-            if kv and res.kv_resident and self.on_deep is not None and not final:
-                self.on_deep()
+            moved = -1
+            if kv and res.kv_resident and not final:
+                moved = self.on_deep() if self.on_deep is not None else 0
             report = res.release(kv=kv, final=final)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
-            if kv and not final:
-                self._went_deep(report.freed_bytes - report.released_bytes)
+            if moved >= 0:
+                self._went_deep(report.freed_bytes - report.released_bytes, moved + res.kv_host_bytes)
         if res is not None:  # the lease goes only once the weights left the device (the arena's invariant)
             assert res.resident_bytes == 0 and (res.state.weights is Weights.NONE or res.weight_bytes == 0), (
                 res.state,
@@ -728,10 +729,16 @@ class ArenaTenancy(Tenancy):
             return 0
         return max(0, self._reserve_full - self.client.reserve_bytes)
 
-    def _went_deep(self, freed: int) -> None:
+    def _went_deep(self, freed: int, moved: int) -> None:
         """The KV cache and compute buffers left the device (``freed``: what the memory measure
-        saw go, the weights' bytes taken off): the reserve shrinks to what the worker keeps there
-        now, measured, and asks nothing more of it."""
+        saw go, the weights' bytes taken off; ``moved``: the KV bytes copied to host memory, the
+        cells in use only): the reserve shrinks to what the worker keeps there now, measured, and
+        asks nothing more of it."""
+        log.info(
+            "%s: KV cache released, %d bytes of it (the cells in use) moved to host memory",
+            self.spec.model.id,
+            moved,
+        )
         if not self._reserve_full:
             return
         floor = GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0

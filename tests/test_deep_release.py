@@ -1,0 +1,193 @@
+"""Deep release on contention (issue 39, items 1-2): under an auto budget that fits one model's
+weights and KV cache but not two, the parked worker releases its KV cache and compute buffers
+too when the other needs the room, and gets them back, with the conversation kept, at its next
+turn. Real workers on the CPU build (host memory is the device; ``$TIMESHARE_HOST_MEMORY`` makes
+the "card"); the answers and the first token's log-probabilities equal those of weights-only
+switches (one-model budget) and of no switch at all; only the KV cells in use move."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from _budget_pool_util import WAIT
+from _proc_util import wait_until
+from timeshare.core.arena.arena import Arena
+from timeshare.core.arena.budget import (
+    AUTO_MARGIN_MIN,
+    BudgetRecord,
+    LeaseRecord,
+    plan_fit,
+)
+from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
+from timeshare.core.pool.supervisor import Pool
+from timeshare.core.sampling import Sampling
+from timeshare.core.state import ModelState
+
+A, B = "smol-a", "smol-b"
+N_CTX, PARALLEL = 4096, 2  # 8192 cells: a KV cache far larger than the noise of a process's RSS
+#: a user turn of about 100 tokens
+QUESTION = "Tell me about the history of the city of Lyon, its rivers, its silk and its food. " * 5
+FOLLOW_UP = "And what about its bridges?"
+
+
+# ---- the rule (pure) ---------------------------------------------------------------------------
+
+
+def _budget(nbytes: int) -> BudgetRecord:
+    return BudgetRecord(setting="auto", kind="auto", bytes=nbytes)
+
+
+def _lease(model: str, nbytes: int, kind: str = "weights", **kw: object) -> LeaseRecord:
+    return LeaseRecord(
+        model=model, pid=100 + len(model), bytes=nbytes, kind=kind, name=f"{model}-{kind}", **kw
+    )  # type: ignore[arg-type]
+
+
+def test_the_plan_asks_a_parked_workers_kv_cache_after_every_holders_weights() -> None:
+    budget = _budget(1000)
+    parked = _lease("p", 300, "reserve", deepens=250, used_at=1.0)
+    older = _lease("old", 300, "reserve", deepens=250, used_at=0.5)
+    holder = _lease("h", 200, used_at=2.0)
+    # 1000 - 600 reserved = 400 for weights: 200 leased, a need of 300 lacks 100
+    plan = plan_fit(300, [parked, older, holder], budget, now=10.0)
+    assert not plan.fits and plan.victims == (holder,) and plan.deepen == ()
+    # a need of 500 lacks 300: the holder's weights, then the least recently used KV cache
+    plan = plan_fit(500, [parked, older, holder], budget, now=10.0)
+    assert plan.victims == (holder,) and plan.deepen == (older,) and plan.possible
+    assert plan.asked_to_deepen(older.name) and not plan.asked_to_deepen(parked.name)
+    # more than every KV cache frees: never possible (the message says the budget is too small)
+    plan = plan_fit(901, [parked, older, holder], budget, now=10.0)
+    assert plan.too_large and not plan.possible
+    # pinned models keep their KV cache; a worker already deep (deepens 0) has nothing to give
+    plan = plan_fit(500, [replace(older, pinned=True), replace(parked, deepens=0), holder], budget, now=10.0)
+    assert plan.too_large and plan.deepen == ()
+    # the requester's own reserve is never its victim; a byte budget counts no reserves
+    plan = plan_fit(500, [parked, older, holder], budget, now=10.0, requester=(older.pid, older.model))
+    assert plan.deepen == (parked,)
+    fixed = BudgetRecord(setting="400MB", kind="bytes", bytes=400)
+    assert plan_fit(500, [parked, holder], fixed, now=10.0).too_large
+
+
+# ---- real workers ------------------------------------------------------------------------------
+
+
+def _config(smollm2: Path, budget: str) -> Config:
+    return Config(
+        models=tuple(
+            ModelConfig(id=m, path=str(smollm2), n_ctx=N_CTX, parallel=PARALLEL, idle_sleep_s=None)
+            for m in (A, B)
+        ),
+        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget=budget),
+    )
+
+
+def _start(home: Path, smollm2: Path, budget: str) -> Pool:
+    pool = Pool(
+        _config(smollm2, budget),
+        arena_dir=home / "arena",
+        log_dir=home / "log",
+        kv_dir=home / "kv",
+        event_log=str(home / "intervals.jsonl"),
+    )
+    pool.start()
+    pool.wait_ready(timeout=WAIT)
+    assert all(m.state is not ModelState.FAILED for m in pool.snapshot().models), pool.snapshot()
+    return pool
+
+
+Turn = tuple[str, tuple[tuple[bytes, float], ...], int, bool]
+
+
+def _turn(pool: Pool, model: str, text: str) -> Turn:
+    """One user turn of ``model``'s conversation: the answer, the first token's top
+    log-probabilities, the prompt tokens evaluated and whether it switched."""
+    result = pool.generate(
+        model,
+        messages=[{"role": "user", "content": text}],
+        sampling=Sampling(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5),
+        conversation=f"conv-{model}",
+    ).result(timeout=WAIT)
+    first = result.logprobs[0]
+    top = tuple((alt.piece, alt.logprob) for alt in first.top)
+    return (
+        result.text,
+        ((first.piece, first.logprob), *top),
+        result.usage.prompt_tokens_evaluated,
+        bool(result.switch.switched),
+    )
+
+
+def _turns(pool: Pool) -> list[Turn]:
+    return [_turn(pool, A, QUESTION), _turn(pool, B, QUESTION), _turn(pool, A, QUESTION + FOLLOW_UP)]
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _leases(home: Path) -> list[LeaseRecord]:
+    arena = Arena(home / "arena")
+    try:
+        return arena.leases()
+    finally:
+        arena.close()
+
+
+def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TIMESHARE_VRAM_BUDGET")
+    # 1. weights-only switches (one model at a time): the reference
+    monkeypatch.setenv("TIMESHARE_VRAM_BUDGET", "one-model")
+    pool = _start(tmp_path / "one", smollm2_path, "auto")
+    pools.append(pool)
+    reference = _turns(pool)
+    assert [t[3] for t in reference] == [True, True, True]  # each turn switched (weights only)
+    pool.stop()
+    monkeypatch.delenv("TIMESHARE_VRAM_BUDGET")
+
+    # 2. an auto budget on the whole machine: both fit, each measures what it keeps while released
+    home = tmp_path / "roomy"
+    pool = _start(home, smollm2_path, "auto")
+    pools.append(pool)
+    assert [t[:3] for t in _turns(pool)] == [t[:3] for t in reference]  # no switch: the same answers
+    snap = pool.snapshot()
+    weights = max(m.weight_bytes for m in snap.models)
+    kv = max(m.kv_bytes for m in snap.models)
+    assert kv >= 8192 * 23_040  # SmolLM2-135M: 30 layers x (K + V) x 192 f16 values per cell
+    reserves = {x.model: x for x in _leases(home) if x.kind == "reserve"}
+    assert set(reserves) == {A, B} and all(x.deepens > 0 for x in reserves.values())
+    pool.stop()
+
+    # 3. a "card" with room for one model's weights and KV cache but not two: the budget's
+    # margin, the weights of one, both reserves but half of one KV cache
+    room = weights + sum(x.bytes for x in reserves.values()) - kv // 2
+    monkeypatch.setenv("TIMESHARE_HOST_MEMORY", str(AUTO_MARGIN_MIN + room))
+    home = tmp_path / "card"
+    pool = _start(home, smollm2_path, "auto")
+    pools.append(pool)
+    snap = pool.snapshot()
+    b_pid = snap.model(B).pid  # type: ignore[union-attr]
+    assert b_pid is not None and all(m.state is ModelState.RELEASED for m in snap.models), snap
+    parked_rss = _rss(b_pid)  # parked at the weights level: its KV cache and compute buffers kept
+    first = _turn(pool, A, QUESTION)  # B's KV cache must go for A's weights to fit
+    wait_until(lambda: pool.snapshot().model(B).kv_bytes == 0, WAIT, "b's KV cache released")  # type: ignore[union-attr]
+    deep_rss = _rss(b_pid)
+    assert parked_rss - deep_rss >= kv * 9 // 10, (parked_rss, deep_rss, kv)  # measured from outside
+    b_reserve = next(x for x in _leases(home) if x.kind == "reserve" and x.model == B)
+    assert b_reserve.deepens == 0 and b_reserve.bytes <= reserves[B].bytes - kv * 9 // 10
+    second = _turn(pool, B, QUESTION)  # back from the deep level; A goes (weights and KV cache)
+    third = _turn(pool, A, QUESTION + FOLLOW_UP)  # back from the deep level, its conversation kept
+    assert [first, second, third] == [(*t[:3], True) for t in reference]  # bitwise the same answers
+    moved = []
+    for model in (A, B):
+        log = (home / "log" / f"worker-{model}.log").read_text()
+        moved += [int(n) for n in re.findall(r"KV cache released, (\d+) bytes of it", log)]
+    # only the cells in use moved: ~130 tokens of KV (and a few headers), never n_ctx's 8192
+    assert len(moved) >= 3 and max(moved) > 0 and all(n < 200 * 23_040 for n in moved), moved
+    wait_until(lambda: pool.snapshot().model(A).kv_bytes == kv, WAIT, "a's KV cache back")  # type: ignore[union-attr]
