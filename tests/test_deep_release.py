@@ -12,9 +12,11 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import llama_cpp  # noqa: F401  (before numpy)
 import pytest
 from _budget_pool_util import WAIT
 from _proc_util import wait_until
+from _residency_util import Greedy, load, same
 from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import (
     AUTO_MARGIN_MIN,
@@ -24,6 +26,7 @@ from timeshare.core.arena.budget import (
 )
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
 from timeshare.core.pool.supervisor import Pool
+from timeshare.core.residency import Residency, _ggml
 from timeshare.core.sampling import Sampling
 from timeshare.core.state import ModelState
 
@@ -70,6 +73,58 @@ def test_the_plan_asks_a_parked_workers_kv_cache_after_every_holders_weights() -
     assert plan.deepen == (parked,)
     fixed = BudgetRecord(setting="400MB", kind="bytes", bytes=400)
     assert plan_fit(500, [parked, holder], fixed, now=10.0).too_large
+
+
+# ---- the KV level in place (item 2) -----------------------------------------------------------
+
+#: SmolLM2-135M: 30 layers x (K + V) x 192 f16 values per cell
+CELL_BYTES = 30 * 2 * 192 * 2
+
+
+def test_the_kv_level_keeps_the_context_and_moves_only_the_cells_in_use(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = load(smollm2_path, n_ctx=4096, use_mmap=False)
+    try:
+        greedy = Greedy(llm, b"The history of Lyon, its rivers and its silk: " * 4)
+        weights_only = greedy.run()
+        res = Residency.attach(llm, smollm2_path)
+        assert res.kv_note == "" and res.inplace_view is not None
+        res.release()  # a weights-only switch: the reference
+        res.restore()
+        assert same(greedy.run(), weights_only)
+        llm.n_tokens = greedy.n_prefix
+        llm.eval([greedy.tokens[-1]])
+        n_tokens, ctx = llm.n_tokens, llm._ctx
+        rel = res.release(kv=True)
+        assert rel.level == "weights+kv" and not res.kv_resident
+        # the cells in use (n_tokens of them, plus the state's small headers), not n_ctx's 4096
+        assert n_tokens * CELL_BYTES <= res.kv_host_bytes < (n_tokens + 8) * CELL_BYTES, res.kv_host_bytes
+        res.restore()
+        assert llm._ctx is ctx and llm.n_tokens == n_tokens  # the same context object, the KV kept
+        assert same(greedy.run(), weights_only)  # bitwise: the logits of 8 greedy steps
+        # a KV buffer that comes back at another address: the graphs are built anew, still bitwise
+        alloc = _ggml.buft_alloc_buffer
+        held: list[int] = []
+
+        def elsewhere(buft: int, size: int) -> int | None:
+            buf = alloc(buft, size)
+            if size > 2**20 and buf is not None:
+                held.append(buf)  # the old block stays taken
+                buf = alloc(buft, size)
+            return buf
+
+        res.release(kv=True)
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", elsewhere)
+        rst = res.restore()
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
+        for h in held:
+            _ggml.buffer_free(h)
+        assert rst.graphs_reset and llm._ctx is ctx
+        assert same(greedy.run(), weights_only)
+        res.close()
+    finally:
+        llm.close()
 
 
 # ---- real workers ------------------------------------------------------------------------------

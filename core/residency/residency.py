@@ -27,6 +27,7 @@ from .context import Released, new_context
 from .gguf_check import check_gguf
 from .inplace import InPlace
 from .kv import KvSnapshot
+from .kvbuffer import KvBuffers, KvBufferUnsupportedError
 from .options import Mode, ResidencyOptions
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
@@ -176,6 +177,11 @@ class Residency:
         self._final = False  # release(final=True): never restored
         self._level: WorkerReleaseLevel = "weights"
         self._saved_ctx: Any = None
+        # the KV level in place (issue 39, item 2): the KV cache's buffers, and the context kept
+        # (not freed) while they are released; kv_note says why the context is freed instead
+        self._kvbuf: KvBuffers | None = None
+        self._kv_ctx: Any = None
+        self.kv_note = ""
         self._closed = False
         self._measure: str | None = None  # memory_measure, decided at the first release
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
@@ -271,6 +277,11 @@ class Residency:
         ip = self._inplace
         if ip.split_pending and not ip.split_at_release:
             self._split(ip)
+        try:
+            self._kvbuf = KvBuffers.find(int(llm._model.model), int(llm.ctx))
+        except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
+            self.kv_note = str(exc)
+            log.info("the KV level of %s frees the context: %s", self.model_path, exc)
         self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
@@ -744,7 +755,7 @@ class Residency:
             self._enter(weights=Weights.ALL)
             try:
                 if not self.kv_resident:
-                    self._new_context_with_kv()
+                    reset = self._new_context_with_kv(moved)
                 elif self._saved_ctx is not None:
                     # Graphs (and captured CUDA graphs) hold the weights' addresses: they must be
                     # built anew only when a buffer moved. Every buffer back at its old address (the
@@ -842,18 +853,40 @@ class Residency:
         llm = self._llm
         ctx_obj = self._saved_ctx if self._saved_ctx is not None else llm._ctx
         self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
-        ctx_obj.close()
+        if self._kvbuf is not None:  # in place: the context stays, its KV buffers go
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
+            self._kvbuf.release()
+            self._kv_ctx = ctx_obj
+        else:
+            ctx_obj.close()
         self._saved_ctx = None
         llm._ctx = Released("context")
         self._enter(kv=Kv.HOST)
 
-    def _new_context_with_kv(self) -> None:
+    def _new_context_with_kv(self, weights_moved: bool | None) -> bool:
+        """The KV cache back on the device; True when the context's graphs were reset (a buffer
+        came back at another address)."""
         llm = self._llm
+        if self._kv_ctx is not None and self._kvbuf is not None:
+            ctx_obj = self._kv_ctx
+            self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
+            reset = self._kvbuf.moved or weights_moved is not False
+            if reset:
+                _forget_graphs(ctx_obj.ctx, llm)
+            if self._kv is not None:
+                self._kv.apply(ctx_obj.ctx)
+                self._kv.close()
+                self._kv = None
+            self._kv_ctx = None
+            llm._ctx = ctx_obj
+            self._enter(kv=Kv.DEVICE)
+            return reset
         ctx = new_context(llm, llm._model, self._kv, self.model_path, stays_released="")
         self._kv = None  # applied and closed
         llm._stack.enter_context(contextlib.closing(ctx))
         llm._ctx = ctx
         self._enter(kv=Kv.DEVICE)
+        return False
 
     def _want_pinned_kv(self) -> bool:
         return self._opts.host_shadow == "pinned"
