@@ -482,6 +482,11 @@ class Residency:
         log.info("residency of %s: rebuild path (%s)", self.model_path, reason)
 
     @property
+    def context_kept(self) -> bool:
+        """The KV cache is released in place: the context (and its compute buffers) stays."""
+        return self._kv_ctx is not None
+
+    @property
     def kv_host_bytes(self) -> int:
         """Bytes of the KV snapshot held in host memory while the context is freed (0 otherwise)."""
         if self._rebuild is not None:
@@ -617,10 +622,14 @@ class Residency:
 
     # -- release / restore --------------------------------------------------------------------
 
-    def release(self, kv: bool = False, keep_bytes: int | None = None, final: bool = False) -> ReleaseReport:
-        """Free the weights (and with ``kv=True`` the context and its KV cache, saved to host
-        memory first). Idempotent; a deeper release of a released model frees the KV cache too.
-        The rebuild path always frees both.
+    def release(
+        self, kv: bool = False, keep_bytes: int | None = None, final: bool = False, free_context: bool = False
+    ) -> ReleaseReport:
+        """Free the weights (and with ``kv=True`` the KV cache, its cells in use saved to host
+        memory first: in place, the context kept, where :attr:`kv_note` is empty; else the
+        context freed with it; ``free_context``: freed in any case, its compute buffers with it,
+        also after an earlier release in place). Idempotent; a deeper release of a released
+        model frees the KV cache too. The rebuild path always frees both.
 
         ``keep_bytes``: release layer parts from the last layer down only until at most that many
         bytes of weights stay resident (:attr:`resident_bytes`); None releases all. With any part
@@ -645,6 +654,9 @@ class Residency:
         else:
             weights_todo = self.weights_resident
         kv_todo = kv and self.kv_resident
+        if free_context and self._kv_ctx is not None:  # deeper still: the kept context goes too
+            self._kv_ctx.close()
+            self._kv_ctx = None
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
@@ -682,7 +694,7 @@ class Residency:
             self._enter(weights=Weights.NONE)
         else:
             if kv_todo:
-                self._snapshot_kv_and_free_context()
+                self._snapshot_kv_and_free_context(free_context)
             if weights_todo:
                 if ip is not None:
                     splitting = ip.split_pending  # split_at_release: this release splits
@@ -849,11 +861,11 @@ class Residency:
 
     # KV level (in-place path)
 
-    def _snapshot_kv_and_free_context(self) -> None:
+    def _snapshot_kv_and_free_context(self, free_context: bool) -> None:
         llm = self._llm
         ctx_obj = self._saved_ctx if self._saved_ctx is not None else llm._ctx
         self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
-        if self._kvbuf is not None:  # in place: the context stays, its KV buffers go
+        if self._kvbuf is not None and not free_context:  # in place: the context stays, its KV buffers go
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
             self._kvbuf.release()
             self._kv_ctx = ctx_obj
@@ -886,6 +898,12 @@ class Residency:
         llm._stack.enter_context(contextlib.closing(ctx))
         llm._ctx = ctx
         self._enter(kv=Kv.DEVICE)
+        if self._kvbuf is not None:  # the new context's KV buffers, for the next release in place
+            try:
+                self._kvbuf = KvBuffers.find(int(llm._model.model), int(ctx.ctx))
+            except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
+                self._kvbuf = None
+                self.kv_note = str(exc)
         return False
 
     def _want_pinned_kv(self) -> bool:

@@ -123,8 +123,12 @@ class Footprint:
             context=GPU_CONTEXT_ALLOWANCE if gpu else 0,
         )
 
-    def now(self, kv_resident: bool) -> Held:
-        """What is held while the context lives (``kv_resident``), or after it was freed."""
+    def now(self, kv_resident: bool, context_kept: bool = False) -> Held:
+        """What is held while the context lives (``kv_resident``), or after it was freed; or
+        after a deep release in place (``context_kept``: the KV cache released, the context and
+        its compute buffers kept; issue 39)."""
         if kv_resident:
             return Held(self.kv, self.buffers, self.context)
+        if context_kept:
+            return Held(buffers=self.buffers, context=self.context)
         return Held(context=self.context)

@@ -154,7 +154,9 @@ class Worker:
             state = "resident" if res.weights_resident else "released"
         else:
             state = self._state
-        held = self._footprint.now(kv_resident=state in ("resident", "released") and res.kv_resident)
+        held = self._footprint.now(
+            kv_resident=state in ("resident", "released") and res.kv_resident, context_kept=res.context_kept
+        )
         status = p.WorkerStatus(
             state=state,
             busy=self._busy,
@@ -307,7 +309,7 @@ class Worker:
             engine = Engine.load(fitted.model, use_mmap=res.use_mmap, plan=fitted.plan)
             self._footprint = Footprint.measure(engine, fitted)
             # what a deep release would free: the KV cache and compute buffers on the device
-            res.kv_footprint = self._footprint.kv + self._footprint.buffers
+            res.kv_footprint = (self._footprint.kv, self._footprint.buffers)
             with self._ahead_lock:  # the reads started while it loaded go to the engine
                 engine.read_ahead.update(self._ahead)
                 self._ahead.clear()
@@ -522,7 +524,7 @@ class Worker:
         if self.engine is not None and (kv or self.tenancy.frees_context) and self.tenancy.kv_resident:
             self.engine.park()  # the context goes away: every conversation becomes a host snapshot
         try:
-            released = self.tenancy.release(kv)
+            released = self.tenancy.release(kv, free_context=kv)  # a sleep frees the context too
         except ModelFileError as exc:  # a deferred shadow's check at the release
             self._file_lost(exc)
             return

@@ -182,11 +182,16 @@ class Tenancy:
         raise CancelledError). Raises TokenTimeoutError after ``timeout_s``."""
         return Acquired(switched=False)
 
-    def release(self, kv: bool, final: bool = False) -> p.Released | None:
-        """Release the weights (and the KV cache when ``kv``) and give the token back. ``final``:
-        the worker is ending and will not restore them (a deferred host shadow is not checked
-        against the file first)."""
+    def release(self, kv: bool, final: bool = False, free_context: bool = False) -> p.Released | None:
+        """Release the weights (and the KV cache when ``kv``; ``free_context``: the context and
+        its compute buffers too, a sleep) and give the token back. ``final``: the worker is ending
+        and will not restore them (a deferred host shadow is not checked against the file first)."""
         return None
+
+    @property
+    def context_kept(self) -> bool:
+        """The KV cache is released in place: the context and its compute buffers stay."""
+        return False
 
     def settle(self) -> None:
         """After a decode: the uploads of an overlapped restore are complete and its gate is out
@@ -203,9 +208,10 @@ class Tenancy:
         budget: its reserve lease is named by the plan; never while pinned)."""
         return False
 
-    #: the KV cache and compute buffers the context holds on the device (from the GGUF's shape
-    #: and ggml's scheduler, worker/footprint.py; 0: not known): what a deep release frees
-    kv_footprint = 0
+    #: the KV cache and the compute buffers the context holds on the device (from the GGUF's
+    #: shape and ggml's scheduler, worker/footprint.py; 0: not known): what a deep release frees
+    #: (the KV cache alone where it is released in place, the context kept)
+    kv_footprint: tuple[int, int] = (0, 0)
 
     #: called before the KV cache leaves the device (the loop moves its idle conversations to
     #: host snapshots, as before a sleep); returns the bytes of KV it moved
@@ -458,8 +464,16 @@ class ArenaTenancy(Tenancy):
         if reserve:
             self._reserve_full = reserve
             self._deepens = reserve - (GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0)
-            if self.kv_footprint > 0:  # the measured reserve holds more on the CPU build (the host shadow)
-                self._deepens = min(self._deepens, self.kv_footprint)
+            kv, buffers = self.kv_footprint
+            estimate = kv + (
+                0
+                if self.residency is not None
+                and self.residency.kv_note == ""
+                and self.residency.path == "inplace"
+                else buffers
+            )
+            if estimate > 0:  # the measured reserve holds more on the CPU build (the host shadow)
+                self._deepens = min(self._deepens, estimate)
             self._deep_keeps = reserve - self._deepens
             self.client.reserve(reserve, deepens=self._deepens)
         self._budget_bytes = self._weights_budget()
@@ -646,14 +660,20 @@ class ArenaTenancy(Tenancy):
             if attempts > 1:
                 log.info("restore: %d attempts", attempts)
 
-    def release(self, kv: bool, final: bool = False) -> p.Released | None:
+    @property
+    def context_kept(self) -> bool:
+        return self.residency is not None and self.residency.context_kept
+
+    def release(self, kv: bool, final: bool = False, free_context: bool = False) -> p.Released | None:
         res = self.residency
         report = None
+        if res is not None and free_context and res.context_kept:
+            res.release(kv=True, free_context=True)  # a sleep after a deep release: the context goes too
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
             moved = -1
             if kv and res.kv_resident and not final:
                 moved = self.on_deep() if self.on_deep is not None else 0
-            report = res.release(kv=kv, final=final)
+            report = res.release(kv=kv, final=final, free_context=free_context)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
             if moved >= 0:
                 self._went_deep(report.freed_bytes - report.released_bytes, moved + res.kv_host_bytes)
