@@ -766,7 +766,7 @@ class ArenaTenancy(Tenancy):
             self._deep_keeps = max(floor, self._reserve_full - freed)
             self._deepens = self._reserve_full - self._deep_keeps
         log.info(
-            "%s went deep (KV cache and compute buffers released): it keeps %s on %s (measured %s "
+            "%s went deep (its KV cache released): it keeps %s on %s (measured %s "
             "freed; %s kept while released at the weights level)",
             self.spec.model.id,
             decimal_bytes(self._deep_keeps),
