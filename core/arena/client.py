@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from ..errors import ArenaError, VramBudgetError
 from ..observe import NULL_OBSERVER, Observer
@@ -169,24 +168,33 @@ class TokenClient:
         finished using its weights: recorded in its lease for the others' least-recently-used
         choice."""
         with self._lock:
-            used = {
-                "busy": busy,
-                "quantum_until": quantum_until if busy else 0.0,
-                "used_at": time.monotonic(),
-            }
-            self._rewrite_reserve(**used)  # who goes deep first: least recently used, too
+            until, at = (quantum_until if busy else 0.0), time.monotonic()
+            self._rewrite_reserve(busy=busy, quantum_until=until, used_at=at)  # who goes deep first: LRU too
             held = self._held
             if held is None:
                 return
-            held.record = replace(held.record, **used)
+            held.record = replace(held.record, busy=busy, quantum_until=until, used_at=at)
             self._write_lease(held)
 
-    def _rewrite_reserve(self, **fields: Any) -> None:
+    def _rewrite_reserve(
+        self,
+        *,
+        pinned: bool | None = None,
+        busy: bool | None = None,
+        quantum_until: float | None = None,
+        used_at: float | None = None,
+    ) -> None:
         """Rewrite the reserve lease's record in place (under ``self._lock``)."""
         if self._reserve is None:
             return
         name, fd, record = self._reserve
-        record = replace(record, **fields)
+        record = replace(
+            record,
+            pinned=record.pinned if pinned is None else pinned,
+            busy=record.busy if busy is None else busy,
+            quantum_until=record.quantum_until if quantum_until is None else quantum_until,
+            used_at=record.used_at if used_at is None else used_at,
+        )
         self._reserve = (name, fd, record)
         try:
             self.arena.lease_files.update(fd, record)

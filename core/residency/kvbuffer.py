@@ -44,7 +44,7 @@ def _later_tensors(first: int) -> list[int]:
     """The tensors made after ``first`` in its ggml context (each ggml object is followed by its
     tensor, and names the next object): the KV cache's own views of its tensors (per stream)
     live there and hold data pointers into its buffer."""
-    out = []
+    out: list[int] = []
     obj = _ggml.read_ptr(first - _OBJECT_BYTES + _OBJECT_NEXT)
     for _ in range(_MAX_OBJECTS):
         if not obj:
