@@ -278,7 +278,9 @@ class Residency:
         if ip.split_pending and not ip.split_at_release:
             self._split(ip)
         try:
-            self._kvbuf = KvBuffers.find(int(llm._model.model), int(llm.ctx))
+            # the context may be set aside (a split that met out-of-memory left the model released)
+            live = self._saved_ctx if self._saved_ctx is not None else llm._ctx
+            self._kvbuf = KvBuffers.find(int(llm._model.model), int(live.ctx))
         except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
             self.kv_note = str(exc)
             log.info("the KV level of %s frees the context: %s", self.model_path, exc)
