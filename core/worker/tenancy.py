@@ -762,19 +762,24 @@ class ArenaTenancy(Tenancy):
         if not self._reserve_full:
             return
         floor = GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0
-        if freed > 0:  # measured: what the next plans count on
-            self._deep_keeps = max(floor, self._reserve_full - freed)
-            self._deepens = self._reserve_full - self._deep_keeps
+        keeps = max(floor, self._reserve_full - freed) if freed > 0 else self._deep_keeps
+        res = self.residency
+        # what the next plans count on: measured by a deep release of the kind contention asks
+        # for (the context kept where the KV cache is released in place; a sleep frees the
+        # context and its compute buffers too, and measures more)
+        if res is None or res.context_kept or not (res.path == "inplace" and res.kv_note == ""):
+            self._deep_keeps = keeps
+            self._deepens = self._reserve_full - keeps
         log.info(
             "%s went deep (its KV cache released): it keeps %s on %s (measured %s "
             "freed; %s kept while released at the weights level)",
             self.spec.model.id,
-            decimal_bytes(self._deep_keeps),
+            decimal_bytes(keeps),
             self.device_name or "the device",
             decimal_bytes(max(0, freed)),
             decimal_bytes(self._reserve_full),
         )
-        self.client.reserve(self._deep_keeps, deepens=0)
+        self.client.reserve(keeps, deepens=0)
 
     def others_waiting(self) -> bool:
         """The head of the arena's queue needs this worker's lease to go."""
