@@ -32,13 +32,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..chatformat.parse import Event
-from ..errors import ModelUnavailableError, TimeshareError
+from ..errors import TimeshareError
 from ..sampling import MAX_STOP, for_front_end
 from ..worker.protocol import ChatMessage, ToolCall
 from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
 from .extras import switch_extras
-from .middleware import SHUTTING_DOWN
 from .requests import GenerationRequest, read_json
 from .shapes import MAX_MESSAGES
 from .structured import schema_grammar
@@ -515,8 +514,6 @@ class Routes:
                             for item in shaped(turn.events(piece)):
                                 yield item
                     result = await turn.stream_result()
-                    if host.closing and result.finish_reason == "cancelled":
-                        raise ModelUnavailableError(SHUTTING_DOWN)
                     for item in shaped(turn.final_events()):
                         yield item
                     if index < 0:  # an empty answer still has one (empty) text block
@@ -540,7 +537,7 @@ class Routes:
                     )
                     yield event("message_stop", {})
                 except TimeshareError as exc:
-                    turn.finished = True
+                    turn.failed()
                     body = dialect_body("anthropic", str(exc), timeshare_error_status(exc), exc.code)
                     yield {"event": "error", "data": json.dumps(body)}
                 finally:

@@ -36,7 +36,7 @@ class ChatOutput:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         fmt = plan.fmt
-        self._parser = AnswerParser(
+        self.parser = AnswerParser(
             fmt.family,
             tools=plan.parses_calls,
             thinks=fmt.thinks,
@@ -59,7 +59,8 @@ class ChatOutput:
             return call.id if call.id and MISTRAL_ID.match(call.id) else _random_id(9)
         return f"call_{_random_id(24)}"
 
-    def _deltas(self, events: list[Event]) -> list[dict[str, Any]]:
+    def deltas(self, events: list[Event]) -> list[dict[str, Any]]:
+        """The deltas of events of the answer (from :attr:`parser`)."""
         out: list[dict[str, Any]] = []
         for event in events:
             if event.kind == "content":
@@ -104,11 +105,11 @@ class ChatOutput:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The deltas a streamed piece of the answer makes."""
-        return self._deltas(self._parser.feed(text))
+        return self.deltas(self.parser.feed(text))
 
     def finish(self) -> list[dict[str, Any]]:
         """The deltas of what was held back, at the end of the answer."""
-        return self._deltas(self._parser.finish())
+        return self.deltas(self.parser.finish())
 
     def finish_reason(self, reason: str) -> str:
         """``reason`` (the worker's), or the calls' when the answer is whole calls; a call cut by

@@ -1,9 +1,11 @@
-"""What the Ollama and Anthropic dialects share: one generation on the pool, from the dialect's
-translated :class:`GenerationRequest` to its answer as events (content, reasoning, tool calls)
-and real timings. Each dialect (``ollama``, ``anthropic``) only translates its JSON to a
-GenerationRequest and these events back to its JSON; the pool, the sampler, the tools path
-(``tools``, ``core/chatformat``), structured output (``structured``) and the guards are the
-OpenAI surface's own.
+"""The turn pipeline every dialect shares (OpenAI's in ``handlers``, ``anthropic``, ``ollama``):
+a request translated to a :class:`GenerationRequest`, started on the pool as its choices
+(:func:`start`, one :class:`Choice` per ``n``), and its answers streamed or awaited through the
+:class:`Turn`: pieces with their logprobs, the text as events (content, reasoning, tool calls),
+real timings, the client going away and the server shutting down handled once. A dialect only
+translates its JSON to a GenerationRequest and the turn's pieces, events and results back to its
+JSON; the pool, the sampler, the tools path (``tools``, ``chat_output``, ``core/chatformat``),
+structured output (``structured``) and the guards are shared.
 
 The handlers object of ``handlers.create_app`` is the :class:`Host`: it runs blocking pool calls
 off the event loop, watches for a client that goes away (its generation is cancelled) and for
@@ -15,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -26,14 +28,16 @@ import anyio.to_thread
 import msgspec
 from starlette.requests import Request
 
-from ..chatformat.parse import AnswerParser, Event
+from ..chatformat.parse import Event
 from ..config.schema import ModelConfig
-from ..errors import UnknownModelError
+from ..errors import ModelUnavailableError, UnknownModelError
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import ModelStatus, PoolSnapshot
-from .chat_output import prepare_chat
+from ..worker.protocol import TokenLogprobs
+from .chat_output import ChatOutput, prepare_chat
 from .errors import BadRequestError
+from .middleware import SHUTTING_DOWN
 from .requests import GenerationRequest
 from .shapes import schema_error_path
 from .tools import ToolRequest
@@ -55,7 +59,7 @@ class Host(Protocol):
 
     def record_cancel_later(self, gen: Generation) -> None: ...
 
-    def streaming(self, gen: Generation) -> contextlib.AbstractContextManager[None]: ...
+    def streaming(self, *gens: Generation) -> contextlib.AbstractContextManager[None]: ...
 
 
 def listing(pool: Pool) -> list[tuple[ModelStatus, ModelConfig | None]]:
@@ -106,28 +110,17 @@ class Timings:
         return self.ns(self.first_piece or self.started, self.done)
 
 
-class Turn:
-    """One generation a dialect started: iterate :meth:`pieces` (streaming) or await
-    :meth:`result`; :meth:`events` splits text into content, reasoning and tool calls where the
-    request had tools or the model thinks (the tools path's ``AnswerParser``), else content."""
+class Choice:
+    """One generation of a :class:`Turn` (a request for ``n`` choices has ``n``, choice ``i``
+    sampled with ``seed + i``): its pieces, and the shaping its answer needs (``output``: tool
+    calls and reasoning, None: plain text), whose parser splits the text into events."""
 
-    def __init__(
-        self,
-        host: Host,
-        request: Request,
-        req: GenerationRequest,
-        gen: Generation,
-        parser: AnswerParser | None,
-        started: float,
-    ) -> None:
-        self.host = host
-        self.request = request
-        self.req = req
+    def __init__(self, index: int, gen: Generation, output: ChatOutput | None) -> None:
+        self.index = index
         self.gen = gen
-        self.parser = parser
-        self.timings = Timings(started)
-        self.finished = False
-        self._pieces: Iterator[str] = iter(gen)
+        self.output = output
+        self.parser = output.parser if output is not None else None
+        self.pieces: Iterator[str] = iter(gen)
 
     def events(self, text: str) -> list[Event]:
         if self.parser is None:
@@ -137,90 +130,160 @@ class Turn:
     def final_events(self) -> list[Event]:
         return self.parser.finish() if self.parser is not None else []
 
+    def piece_logprobs(self) -> tuple[TokenLogprobs, ...]:
+        """The logprob entries of the piece pulled last (once per piece, in order)."""
+        return self.gen.piece_logprobs()
+
+
+_END = object()
+
+
+class Turn:
+    """One request a dialect started, its choices generating on the pool: await :meth:`result`
+    (:meth:`results`: every choice's), or stream: :meth:`first` (errors before any text become an
+    HTTP status), then inside ``host.streaming(*turn.gens)`` each choice's :meth:`rest` and
+    :meth:`stream_result`; :meth:`failed` when an error event ends the stream, :meth:`abandon` at
+    its end. :meth:`events` splits text into content, reasoning and tool calls where the request
+    had tools or the model thinks (the tools path's ``AnswerParser``), else content. The methods
+    without an index are the first choice's (the dialects that have one)."""
+
+    def __init__(
+        self, host: Host, request: Request, req: GenerationRequest, choices: Sequence[Choice], started: float
+    ) -> None:
+        self.host = host
+        self.request = request
+        self.req = req
+        self.choices = list(choices)
+        self.gen = self.choices[0].gen
+        self.timings = Timings(started)  # the first choice's
+        self.finished = False
+
+    @property
+    def gens(self) -> list[Generation]:
+        return [c.gen for c in self.choices]
+
+    def events(self, text: str) -> list[Event]:
+        return self.choices[0].events(text)
+
+    def final_events(self) -> list[Event]:
+        return self.choices[0].final_events()
+
+    def cancel(self) -> None:
+        for gen in self.gens:
+            gen.cancel()
+
     async def result(self) -> GenerationResult:
-        """The whole answer (waits watching for a disconnect; raises ClientGoneError then)."""
+        """The first choice's whole answer (see :meth:`results`)."""
+        return (await self.results())[0]
+
+    async def results(self) -> list[GenerationResult]:
+        """Every choice's whole answer, in order (each waited for watching for a disconnect:
+        ClientGoneError, and a shutdown: ModelUnavailableError); any failure cancels them all."""
+        results: list[GenerationResult] = []
         try:
-            result = await self.host.wait_watching(self.request, self.gen, self.gen.result)
+            for choice in self.choices:
+                results.append(await self.host.wait_watching(self.request, choice.gen, choice.gen.result))
+                if choice.index == 0:
+                    if self.timings.first_piece is None:  # when the first piece came, not when the whole did
+                        self.timings.first_piece = self.gen.first_piece_at
+                    self.timings.mark_done()
         except BaseException:
-            self.gen.cancel()
+            self.cancel()
             raise
-        if self.timings.first_piece is None:  # when the first piece came, not when the whole did
-            self.timings.first_piece = self.gen.first_piece_at
-        self.timings.mark_done()
         self.finished = True
-        return result
+        return results
 
     async def first(self) -> str | None:
-        """The first piece (None: the answer is empty), watched like :meth:`result`: errors before
-        any text become a proper HTTP status."""
-        end = object()
-
-        def pull() -> object:
-            return next(self._pieces, end)
-
+        """The first choice's first piece (None: the answer is empty), watched like
+        :meth:`results`: errors before any text become a proper HTTP status."""
+        pull = partial(next, self.choices[0].pieces, _END)
         try:
             piece = await self.host.wait_watching(self.request, self.gen, pull)
         except BaseException:
-            self.gen.cancel()
+            self.cancel()
             raise
         self.timings.mark_first()
-        return None if piece is end else str(piece)
+        return None if piece is _END else str(piece)
 
-    async def rest(self) -> AsyncIterator[str]:
-        """The pieces after :meth:`first`, then ``finished`` (call inside ``host.streaming``)."""
-        end = object()
-
-        def pull() -> object:
-            return next(self._pieces, end)
-
+    async def rest(self, index: int = 0) -> AsyncIterator[str]:
+        """Choice ``index``'s pieces (the first choice's after :meth:`first`)."""
+        pull = partial(next, self.choices[index].pieces, _END)
         while True:
             piece = await anyio.to_thread.run_sync(
                 pull, abandon_on_cancel=True, limiter=self.host.generation_limiter
             )
-            if piece is end:
+            if piece is _END:
                 return
             yield str(piece)
 
-    async def stream_result(self) -> GenerationResult:
+    async def stream_result(self, index: int = 0) -> GenerationResult:
+        """Choice ``index``'s result once its pieces are all streamed; a generation the server's
+        shutdown cancelled is ModelUnavailableError (the stream's error event), never an answer."""
+        gen = self.choices[index].gen
         result = await anyio.to_thread.run_sync(
-            self.gen.result, abandon_on_cancel=True, limiter=self.host.generation_limiter
+            gen.result, abandon_on_cancel=True, limiter=self.host.generation_limiter
         )
-        self.timings.mark_done()
-        self.finished = True
+        if self.host.closing and result.finish_reason == "cancelled":
+            raise ModelUnavailableError(SHUTTING_DOWN)
+        if index == 0:
+            self.timings.mark_done()
+        if index == len(self.choices) - 1:
+            self.finished = True
         return result
 
+    def failed(self) -> None:
+        """An error event ends the stream: the other choices are cancelled (not counted as a
+        client that went away)."""
+        self.finished = True
+        self.cancel()
+
     def abandon(self) -> None:
-        """A stream ended early (the client left, an error): cancel the generation and count it."""
-        if not self.finished:
-            self.gen.cancel()
-            self.host.record_cancel_later(self.gen)
+        """A stream ended (call in its ``finally``): when it ended early (the client left, it
+        stopped reading), cancel what is still generating and count it."""
+        if self.finished:
+            return
+        for gen in self.gens:
+            if not gen.done:
+                gen.cancel()
+                self.host.record_cancel_later(gen)
 
 
 async def start(
-    host: Host, request: Request, req: GenerationRequest, tools: ToolRequest | None = None
+    host: Host,
+    request: Request,
+    req: GenerationRequest,
+    tools: ToolRequest | None = None,
+    *,
+    model_id: str | None = None,
 ) -> Turn:
-    """Queue ``req`` on the pool with ``tools`` (validated by the tools path), prepared as
-    /v1/chat/completions prepares a chat (``chat_output.prepare_chat``: the template's tools, the
-    call grammar, the answer's parser)."""
+    """Queue ``req``'s ``n`` choices on the pool with ``tools`` (validated by the tools path),
+    each prepared as /v1/chat/completions prepares a chat (``chat_output.prepare_chat``: the
+    template's tools, the call grammar, the answer's shaping). ``model_id``: the pool's model
+    (default: ``req.model``, which must be a model's id)."""
     started = time.monotonic()
     snapshot = host.pool.snapshot()
-    if snapshot.model(req.model) is None:
+    model_id = model_id or req.model
+    if snapshot.model(model_id) is None:
         raise unknown_model(req.model, snapshot)
     if tools is not None:
         req = dataclasses.replace(req, tools=tools)
-    model = host.pool.config.model(req.model)
-    fields, output = await host.call(prepare_chat, req, model)
+    model = host.pool.config.model(model_id)
+    choices: list[Choice] = []
     try:
-        gen = await host.call(partial(host.pool.generate, req.model, **fields))
-    except ValueError as exc:  # the pool's own argument check
-        raise BadRequestError(f"{exc}.") from exc
-    parser = None
-    if output is not None:
-        fmt = output.plan.fmt
-        parser = AnswerParser(
-            fmt.family, tools=output.plan.parses_calls, thinks=fmt.thinks, starts_thinking=fmt.starts_thinking
-        )
-    return Turn(host, request, req, gen, parser, started)
+        for i in range(req.n):
+            # one preparation per choice: its output parses that choice's text as it streams
+            fields, output = await host.call(prepare_chat, req, model)
+            fields["sampling"] = fields["sampling"].for_choice(i)
+            try:
+                gen = await host.call(partial(host.pool.generate, model_id, **fields))
+            except ValueError as exc:  # the pool's own argument check
+                raise BadRequestError(f"{exc}.") from exc
+            choices.append(Choice(i, gen, output))
+    except BaseException:
+        for choice in choices:
+            choice.gen.cancel()
+        raise
+    return Turn(host, request, req, choices, started)
 
 
 def decode_body(body: object, shape: type[msgspec.Struct], rules: dict[str, str], message: str) -> Any:

@@ -37,8 +37,8 @@ from ..pool.supervisor import Pool
 from ..state import USER_SLEEP_LEVEL, EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..worker.protocol import TokenLogprobs, Usage
 from . import anthropic, ollama, ollama_models, shapes
-from .chat_output import ChatOutput, prepare_chat
-from .dialect import listing, unknown_model
+from .chat_output import ChatOutput
+from .dialect import Choice, Turn, listing, start, unknown_model
 from .embeddings import embedding_response, parse_embedding_request
 from .errors import (
     BadRequestError,
@@ -269,15 +269,16 @@ class _Handlers:
         return box[0]
 
     @contextlib.contextmanager
-    def streaming(self, gen: Generation) -> Iterator[None]:
-        """While a stream of ``gen`` is being sent: a shutdown ends it (cancelled, an error event)."""
-        self._streams.add(gen)
+    def streaming(self, *gens: Generation) -> Iterator[None]:
+        """While a stream of ``gens`` is being sent: a shutdown ends it (cancelled, an error event)."""
+        self._streams.update(gens)
         if self.closing:
-            gen.cancel()
+            for gen in gens:
+                gen.cancel()
         try:
             yield
         finally:
-            self._streams.discard(gen)
+            self._streams.difference_update(gens)
 
     def record_cancel_later(self, gen: Generation) -> None:
         """Count a disconnect and note how the cancelled generation ended (for the status page)."""
@@ -344,36 +345,16 @@ class _Handlers:
 
     async def generate(self, request: Request, req: GenerationRequest) -> Response:
         model_id = resolve_model(self.pool.snapshot(), req.model)
-        # the tools path (tools.py, chat_output.py): the template's tools, the grammar, the answer's
-        # shape; one ChatOutput per choice (it parses that choice's text as it streams)
-        model = next((m for m in self.pool.config.models if m.id == model_id), None)
-        prepared = [await self.call(prepare_chat, req, model) for _ in range(req.n)]
-        outputs = [output for _, output in prepared]
-        # n choices: n generations of the same prompt, choice i seeded seed + i
-        gens: list[Generation] = []
-        try:
-            for i, (fields, _) in enumerate(prepared):
-                choice = dict(fields, sampling=fields["sampling"].for_choice(i))
-                gens.append(await self.call(partial(self.pool.generate, model_id, **choice)))
-        except BaseException as exc:
-            for gen in gens:
-                gen.cancel()
-            if isinstance(exc, ValueError):  # the pool's own argument check
-                raise BadRequestError(f"{exc}.") from exc
-            raise
+        # the turn pipeline (dialect.start): n choices, each with its own shaping of the answer
+        # (chat_output: the template's tools, the grammar, tool calls and reasoning)
+        turn = await start(self, request, req, model_id=model_id)
         try:
             if req.stream:
-                return await self.stream(request, req, gens, outputs)
-            results = [await self.wait_watching(request, gen, gen.result) for gen in gens]
+                return await self.stream(turn)
+            results = await turn.results()
         except ClientGoneError:
-            for gen in gens:
-                gen.cancel()
             return Response(status_code=499)
-        except BaseException:
-            for gen in gens:
-                gen.cancel()
-            raise
-        return self.full_response(req, results, outputs)
+        return self.full_response(req, results, [c.output for c in turn.choices])
 
     def _logprobs(
         self,
@@ -440,24 +421,13 @@ class _Handlers:
             )
         return Response(shapes.encode(shape), media_type="application/json")
 
-    async def stream(
-        self,
-        request: Request,
-        req: GenerationRequest,
-        gens: Sequence[Generation],
-        outputs: Sequence[ChatOutput | None] = (),
-    ) -> Response:
+    async def stream(self, turn: Turn) -> Response:
         """The choices' chunks, one choice after the other (each chunk names its choice's index,
         so clients assemble them; the generations themselves run as the pool schedules them)."""
-        end = object()
-        iterators = [iter(gen) for gen in gens]
-
-        def puller(i: int) -> Callable[[], object]:
-            return lambda: next(iterators[i], end)
-
+        req = turn.req
         # Wait for the first piece before answering, so that errors that come before any text
         # (prompt too long, GPU busy, model crashed) get a proper HTTP status instead of a 200 stream.
-        first = await self.wait_watching(request, gens[0], puller(0))
+        first = await turn.first()
         chunk_id = _new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         created = int(time.time())
 
@@ -492,79 +462,60 @@ class _Handlers:
             )
             return {"data": shapes.encode(shape).decode()}
 
+        def piece_chunks(choice: Choice, piece: str, offsets: CompletionOffsets) -> Iterator[dict[str, str]]:
+            i, output = choice.index, choice.output
+            logprobs = self._logprobs(req, choice.piece_logprobs(), offsets)
+            if output is None:
+                yield chunk(i, piece, None, logprobs=logprobs)
+                return
+            # tool calls, reasoning: shaped deltas
+            deltas = output.deltas(choice.events(piece))
+            for k, delta in enumerate(deltas):
+                converted = msgspec.convert(delta, shapes.Delta)
+                yield chunk(i, None, None, delta=converted, logprobs=logprobs if k == 0 else None)
+            if not deltas and logprobs is not None:
+                yield chunk(i, None, None, logprobs=logprobs)
+
         async def events() -> AsyncIterator[dict[str, str]]:
-            finished = False
-            self._streams.update(gens)
-            if self.closing:
-                for gen in gens:
-                    gen.cancel()
-            results: list[GenerationResult] = []
-            try:
-                for i, gen in enumerate(gens):
-                    output = outputs[i] if i < len(outputs) else None
-                    offsets = CompletionOffsets()
-                    if req.kind == "chat":
-                        yield chunk(i, "", None, role=True)
-                    piece = (
-                        first
-                        if i == 0
-                        else await anyio.to_thread.run_sync(
-                            puller(i), abandon_on_cancel=True, limiter=self.generation_limiter
+            with self.streaming(*turn.gens):
+                results: list[GenerationResult] = []
+                try:
+                    for choice in turn.choices:
+                        i, output = choice.index, choice.output
+                        offsets = CompletionOffsets()
+                        if req.kind == "chat":
+                            yield chunk(i, "", None, role=True)
+                        if i == 0 and first:
+                            for item in piece_chunks(choice, first, offsets):
+                                yield item
+                        if i > 0 or first is not None:
+                            async for piece in turn.rest(i):
+                                for item in piece_chunks(choice, piece, offsets):
+                                    yield item
+                        result = await turn.stream_result(i)
+                        results.append(result)
+                        extras = switch_extras(
+                            result.switch,
+                            result.usage.prompt_tokens_evaluated,
+                            result.batch_size,
+                            result.timings,
                         )
-                    )
-                    while piece is not end:
-                        if piece:
-                            logprobs = self._logprobs(req, gen.piece_logprobs(), offsets)
-                            if output is not None:  # tool calls, reasoning: shaped deltas
-                                deltas = output.feed(str(piece))
-                                for k, delta in enumerate(deltas):
-                                    yield chunk(
-                                        i,
-                                        None,
-                                        None,
-                                        delta=msgspec.convert(delta, shapes.Delta),
-                                        logprobs=logprobs if k == 0 else None,
-                                    )
-                                if not deltas and logprobs is not None:
-                                    yield chunk(i, None, None, logprobs=logprobs)
-                            else:
-                                yield chunk(i, str(piece), None, logprobs=logprobs)
-                        piece = await anyio.to_thread.run_sync(
-                            puller(i), abandon_on_cancel=True, limiter=self.generation_limiter
-                        )
-                    result = await anyio.to_thread.run_sync(
-                        gen.result, abandon_on_cancel=True, limiter=self.generation_limiter
-                    )
-                    if self.closing and result.finish_reason == "cancelled":
-                        raise ModelUnavailableError(SHUTTING_DOWN)
-                    results.append(result)
-                    extras = switch_extras(
-                        result.switch, result.usage.prompt_tokens_evaluated, result.batch_size, result.timings
-                    )
-                    finish = _finish_reason(result.finish_reason)
-                    if output is not None:
-                        for delta in output.finish():
-                            yield chunk(i, None, None, delta=msgspec.convert(delta, shapes.Delta))
-                        finish = output.finish_reason(finish)
-                    yield chunk(i, None if req.kind == "chat" else "", finish, extras=extras)
-                finished = True
-                if req.include_usage:
-                    yield chunk(0, None, None, usage=usage_out(_choices_usage(results)))
-                yield {"data": "[DONE]"}
-            except TimeshareError as exc:
-                # the status line has gone out already: report the error in the stream, OpenAI-style
-                finished = True
-                for gen in gens:
-                    gen.cancel()
-                log.warning("generation on %s failed mid-stream: %s", req.model, exc)
-                yield {"data": json.dumps(error_body(str(exc), timeshare_error_status(exc), exc.code))}
-            finally:
-                self._streams.difference_update(gens)
-                if not finished:
-                    for gen in gens:
-                        if not gen.done:
-                            gen.cancel()
-                            self.record_cancel_later(gen)
+                        finish = _finish_reason(result.finish_reason)
+                        if output is not None:
+                            for delta in output.deltas(choice.final_events()):
+                                yield chunk(i, None, None, delta=msgspec.convert(delta, shapes.Delta))
+                            finish = output.finish_reason(finish)
+                        yield chunk(i, None if req.kind == "chat" else "", finish, extras=extras)
+                    if req.include_usage:
+                        yield chunk(0, None, None, usage=usage_out(_choices_usage(results)))
+                    yield {"data": "[DONE]"}
+                except TimeshareError as exc:
+                    # the status line has gone out already: report the error in the stream, OpenAI-style
+                    turn.failed()
+                    log.warning("generation on %s failed mid-stream: %s", req.model, exc)
+                    yield {"data": json.dumps(error_body(str(exc), timeshare_error_status(exc), exc.code))}
+                finally:
+                    turn.abandon()
 
         return StreamResponse(events(), ping=15, send_timeout=SSE_WRITE_TIMEOUT_S)
 

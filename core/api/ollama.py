@@ -37,7 +37,7 @@ from ..chatformat.parse import Event
 from ..config.files import update_config
 from ..config.schema import Config
 from ..config.validate import MAX_IDLE_SLEEP_S
-from ..errors import ModelUnavailableError, TimeshareError, UnknownModelError
+from ..errors import TimeshareError, UnknownModelError
 from ..pool.generation import GenerationResult
 from ..sampling import MAX_STOP, for_front_end
 from ..state import PoolSnapshot
@@ -45,7 +45,6 @@ from ..worker.protocol import ChatMessage, ToolCall
 from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
 from .extras import switch_extras
-from .middleware import SHUTTING_DOWN
 from .requests import GenerationRequest, read_json
 from .shapes import MAX_MESSAGES
 from .structured import json_object_grammar, schema_grammar
@@ -615,14 +614,12 @@ class Routes:
                             if out:
                                 yield out
                     result = await turn.stream_result()
-                    if host.closing and result.finish_reason == "cancelled":
-                        raise ModelUnavailableError(SHUTTING_DOWN)
                     tail = turn.final_events()
                     last = shape(tail) if tail else shape([])
                     yield line({"model": name, "created_at": _now(), **last, "done": True, **finish(result)})
                     await after()
                 except TimeshareError as exc:
-                    turn.finished = True
+                    turn.failed()
                     yield line(dialect_body("ollama", str(exc), timeshare_error_status(exc), exc.code))
                 finally:
                     turn.abandon()
