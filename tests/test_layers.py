@@ -451,3 +451,34 @@ def test_the_command_line_has_no_import_cycles() -> None:
     graph = import_graph(source_modules(folders=("timeshare",)))
     assert "timeshare.connection" in graph
     assert cycles(graph) == []
+
+
+# ---- objects are driven through their public members ---------------------------------------------
+
+
+def private_member_uses(paths: list[Path]) -> list[str]:
+    """``x._name`` where ``x`` is not ``self`` or ``cls``: another object's private member."""
+    bad = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            label = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            bad.append(f"{label}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+def test_the_pool_drives_generations_through_their_public_interface() -> None:
+    # the pool thread is a Generation's producer (feed, add_embeddings, finish, fail): it used
+    # to call gen._feed, gen._fail and keep its bookkeeping in gen._sent_at and the like
+    paths = sorted((ROOT / "core" / "pool").rglob("*.py"))
+    assert any(p.name == "supervisor.py" for p in paths)
+    assert private_member_uses(paths) == []
+
+
+def test_the_private_member_check_catches_what_it_is_for(tmp_path: Path) -> None:
+    (tmp_path / "pool.py").write_text("def f(gen, self):\n    gen._feed('x')\n    self._ok = 1\n")
+    found = private_member_uses([tmp_path / "pool.py"])
+    assert [line.split(" ", 1)[1] for line in found] == ["gen._feed"]

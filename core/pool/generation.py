@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from ..errors import ProtocolError, TimeshareError
@@ -33,11 +33,28 @@ class GenerationResult:
     timings: protocol.Timings | None = None  # where its first token went, as its worker measured it
 
 
+@dataclass
+class Dispatch:
+    """The pool thread's record of sending one request to its worker (read and written there only)."""
+
+    sent_at: float = 0.0  # time.monotonic() when it was last sent
+    load_crashes: int = 0  # the worker died this many times while this request waited for its load
+    resent: bool = False  # sent again after its worker crashed before answering it
+    crashes: list[float] = field(
+        default_factory=list
+    )  # monotonic times of its worker's crashes while in flight
+
+
 class Generation:
     """A request to one model: iterate it for streamed text pieces, or wait for ``result()``.
 
     The iterator blocks; it ends when the generation ends and raises the worker's error (a
     TimeshareError) if it failed. ``cancel()`` may be called from any thread at any time.
+
+    Its producer is the pool thread (the one writer): :meth:`feed` and :meth:`add_embeddings` as
+    the worker's messages come, then :meth:`finish`, :meth:`finish_cancelled` or :meth:`fail`
+    (the first of them ends it; later ones are ignored). Consumers only iterate, ``result()``,
+    ``piece_logprobs()`` and ``cancel()``.
     """
 
     def __init__(
@@ -60,11 +77,7 @@ class Generation:
         #: time.monotonic() when its first piece of text arrived (None: none yet); a whole answer's
         #: waiter tells from it when the decode of the rest began
         self.first_piece_at: float | None = None
-        # pool-thread bookkeeping
-        self._sent_at = 0.0
-        self._load_crashes = 0  # the worker died this many times while this request waited for its load
-        self._resent = False  # sent again after its worker crashed before answering it
-        self._crashes: list[float] = []  # monotonic times of its worker's crashes while it was in flight
+        self.dispatch = Dispatch()  # the pool thread's record of sending it
 
     @property
     def req(self) -> str:
@@ -97,14 +110,15 @@ class Generation:
         assert self._result is not None
         return self._result
 
-    # -- called on the pool thread only --
-
     def piece_logprobs(self) -> tuple[protocol.TokenLogprobs, ...]:
         """The logprob entries of the piece the iterator gave last (call once per piece, from the
         one thread that iterates)."""
         return self._piece_logprobs.popleft() if self._piece_logprobs else ()
 
-    def _feed(self, text: str, logprobs: tuple[protocol.TokenLogprobs, ...] = ()) -> None:
+    # -- the producer: called on the pool thread only --
+
+    def feed(self, text: str, logprobs: tuple[protocol.TokenLogprobs, ...] = ()) -> None:
+        """A piece of the answer (and the logprobs of the tokens it completes) arrived."""
         self._logprobs.extend(logprobs)
         if text:
             if self.first_piece_at is None:
@@ -113,10 +127,11 @@ class Generation:
             self._piece_logprobs.append(logprobs)
             self._stream.put(text)
 
-    def _add_embeddings(self, data: tuple[tuple[float, ...], ...]) -> None:
+    def add_embeddings(self, data: tuple[tuple[float, ...], ...]) -> None:
+        """Vectors of an Embed request arrived, in its inputs' order."""
         self._embeddings.extend(data)
 
-    def _finish(
+    def finish(
         self,
         finish_reason: str,
         usage: protocol.Usage,
@@ -125,6 +140,7 @@ class Generation:
         batch_size: int = 1,
         timings: protocol.Timings | None = None,
     ) -> None:
+        """It ended (``Done``): the result is the text fed, and what the worker reported."""
         if self._stream.done:
             return
         self._result = GenerationResult(
@@ -141,11 +157,13 @@ class Generation:
         )
         self._stream.close()
 
-    def _fail(self, error: TimeshareError) -> None:
+    def fail(self, error: TimeshareError) -> None:
+        """It failed: the iterator and ``result()`` raise ``error``."""
         self._stream.close(error)
 
-    def _finish_cancelled(self) -> None:
-        self._finish("cancelled", protocol.Usage(0, 0, 0), SwitchStats(switched=False))
+    def finish_cancelled(self) -> None:
+        """It was cancelled before its worker answered it (dropped from the queue)."""
+        self.finish("cancelled", protocol.Usage(0, 0, 0), SwitchStats(switched=False))
 
 
 # ---- building a request --------------------------------------------------------------------

@@ -128,13 +128,13 @@ class WorkerRecord:
         the earlier ones are taken out of ``crash_times`` and the caller does not count this one.
         A model that never answered keeps counting them (a model that crashes on everything
         still FAILS). Returns (the charged requests, still in flight; whether they are forgiven)."""
-        charged = [g for g in self.inflight.values() if g._resent and not g.text]
+        charged = [g for g in self.inflight.values() if g.dispatch.resent and not g.text]
         for gen in self.inflight.values():
-            gen._crashes.append(now)
+            gen.dispatch.crashes.append(now)
         forgiven = bool(charged) and self.answered > 0
         if forgiven:
             for gen in charged:
-                for at in gen._crashes:
+                for at in gen.dispatch.crashes:
                     if at in self.crash_times:
                         self.crash_times.remove(at)
         return charged, forgiven
@@ -176,9 +176,9 @@ class WorkerRecord:
         while len(self.inflight) < self.capacity and self.queue:
             gen = self.queue.popleft()
             if gen.cancelled:
-                gen._finish_cancelled()
+                gen.finish_cancelled()
                 continue
-            gen._sent_at = time.monotonic()
+            gen.dispatch.sent_at = time.monotonic()
             if self.conn is None:
                 self.queue.appendleft(gen)
                 return
@@ -188,7 +188,7 @@ class WorkerRecord:
                 # this request cannot be framed (a string that is not Unicode, a frame too big):
                 # it alone fails, the next one goes
                 log.warning("%s: request %s cannot be sent: %s", self.id, gen.req, exc)
-                gen._fail(ProtocolError(f"the request cannot be sent to {self.id}: {exc}"))
+                gen.fail(ProtocolError(f"the request cannot be sent to {self.id}: {exc}"))
                 continue
             except (OSError, TimeshareError) as exc:
                 log.warning("%s: could not send request %s: %s", self.id, gen.req, exc)
@@ -201,22 +201,24 @@ class WorkerRecord:
         """Requests in flight go back to the head of the queue, in the order they were sent:
         all of them (they waited for the load, nothing was answered), or ``only_unanswered``:
         those that have streamed nothing yet and were not sent again once already. Returns them."""
-        back = [g for g in self.inflight.values() if not only_unanswered or (not g.text and not g._resent)]
+        back = [
+            g for g in self.inflight.values() if not only_unanswered or (not g.text and not g.dispatch.resent)
+        ]
         for gen in reversed(back):
             del self.inflight[gen.req]
             if only_unanswered:
-                gen._resent = True
+                gen.dispatch.resent = True
             self.queue.appendleft(gen)
         return back
 
     def fail_inflight(self, error: TimeshareError) -> None:
         inflight, self.inflight = self.inflight, {}
         for gen in inflight.values():
-            gen._fail(error)
+            gen.fail(error)
 
     def fail_queued(self, error: TimeshareError) -> None:
         while self.queue:
-            self.queue.popleft()._fail(error)
+            self.queue.popleft().fail(error)
 
     def fail_all(self, error: TimeshareError) -> None:
         self.fail_inflight(error)

@@ -357,7 +357,7 @@ class Pool:
             return
         if gen in w.queue:
             w.queue.remove(gen)
-            gen._finish_cancelled()
+            gen.finish_cancelled()
             self._publish(model=w.id)
         elif w.inflight.get(gen.req) is gen:
             w.send(protocol.Cancel(gen.req))
@@ -611,11 +611,11 @@ class Pool:
         if isinstance(msg, protocol.Token):
             gen = w.inflight.get(msg.req)
             if gen is not None:
-                gen._feed(msg.text, msg.logprobs)
+                gen.feed(msg.text, msg.logprobs)
         elif isinstance(msg, protocol.Embeddings):
             gen = w.inflight.get(msg.req)
             if gen is not None:
-                gen._add_embeddings(msg.data)
+                gen.add_embeddings(msg.data)
         elif isinstance(msg, protocol.WorkerStatus):
             self._on_status(w, msg)
         elif isinstance(msg, protocol.StatusReply):
@@ -705,7 +705,7 @@ class Pool:
         release_ms = 0.0
         if msg.switch.switched and self._last_release is not None:
             holder, ms, at = self._last_release
-            if holder != w.id and at >= gen._sent_at:
+            if holder != w.id and at >= gen.dispatch.sent_at:
                 release_ms = ms
         switch = SwitchStats(
             switched=msg.switch.switched,
@@ -720,9 +720,9 @@ class Pool:
         if msg.finish_reason == "cancelled" and not gen.cancelled:
             # the worker cut the answer short on its own (stopped, removed, restarted, shut down):
             # an error with the reason, never a finished answer (its text so far stays in ``gen``)
-            gen._fail(ModelUnavailableError(cut_short(w, self._actor.closing)))
+            gen.fail(ModelUnavailableError(cut_short(w, self._actor.closing)))
         else:
-            gen._finish(msg.finish_reason, msg.usage, switch, msg.stop, msg.batch_size, msg.timings)
+            gen.finish(msg.finish_reason, msg.usage, switch, msg.stop, msg.batch_size, msg.timings)
             if msg.finish_reason != "cancelled":
                 w.answered += 1  # the model works: a crash charged to a request is forgiven
         self._publish(
@@ -758,7 +758,7 @@ class Pool:
                 ):
                     # "the worker is shutting down": say why, as for an answer it cut short
                     message = cut_short(w, self._actor.closing, begun=bool(gen.text))
-                gen._fail(error_for(msg.code, message))
+                gen.fail(error_for(msg.code, message))
             self._publish(EventKind.MESSAGE, w.id, f"{w.id}: {msg.message}", extra={"code": msg.code})
             if not msg.fatal:
                 self._dispatch(w)
@@ -832,7 +832,7 @@ class Pool:
         for gen in list(w.inflight.values()):
             del w.inflight[gen.req]
             if gen in charged:
-                gen._fail(
+                gen.fail(
                     ModelUnavailableError(
                         f"{w.id} crashed twice while answering this request (it was sent again after "
                         "the first crash): the request itself is the likely cause, so it is not sent "
@@ -845,7 +845,7 @@ class Pool:
                 if gen.text
                 else "again before answering (this request was in flight at both crashes)"
             )
-            gen._fail(ModelUnavailableError(f"{w.id} crashed {said}; it is being restarted — send again"))
+            gen.fail(ModelUnavailableError(f"{w.id} crashed {said}; it is being restarted — send again"))
         if forgiven:
             # charged to a request: not counted toward taking the model offline (record.py)
             log.warning(
@@ -878,13 +878,13 @@ class Pool:
         waiting = list(w.queue)
         w.queue.clear()
         for gen in waiting:
-            gen._load_crashes += 1
-            if gen._load_crashes < LOAD_TRIES:
+            gen.dispatch.load_crashes += 1
+            if gen.dispatch.load_crashes < LOAD_TRIES:
                 w.queue.append(gen)
                 continue
-            gen._fail(
+            gen.fail(
                 ModelUnavailableError(
-                    f"{w.id} died {_times(gen._load_crashes)} while loading for this request (last: "
+                    f"{w.id} died {_times(gen.dispatch.load_crashes)} while loading for this request (last: "
                     f"{why}); see its log {w.log_path}, then send again"
                 )
             )
