@@ -90,6 +90,11 @@ class ModelStatus:
     residency_reason: str = ""  # why the rebuild path was chosen
     backend: str = ""  # "CUDA0", "CPU", ...
     chat_format: str = ""  # "template" (from the GGUF) | "fallback" (plain format, see docs)
+    # the rest of the chat format its worker reported (chatformat.format): the tool-call family,
+    # whether the model thinks first and whether the prompt opens that block itself
+    chat_family: str = ""
+    thinks: bool = False
+    starts_thinking: bool = False
     licence: str = ""  # shown where models are listed (demo models carry theirs)
     weight_bytes: int = 0  # device weight bytes when resident
     host_pinned_bytes: int = 0  # host shadow (+ KV snapshot when sleeping)

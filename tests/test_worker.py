@@ -4,6 +4,7 @@ conversations without re-prefill, KV across a stop."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import signal
 import struct
@@ -14,11 +15,14 @@ from pathlib import Path
 import pytest
 from _e_worker_util import WorkerHandle
 from _proc_util import ResidencyWatch, lease_holders, rss_of
+from timeshare.core.api.dialect import reported_format
 from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.dirs import read_holder
+from timeshare.core.chatformat import format as chat_format
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.observe import read_events
 from timeshare.core.sampling import Sampling
+from timeshare.core.state import ModelState, ModelStatus
 from timeshare.core.worker import protocol as p
 
 pytestmark = pytest.mark.slow
@@ -128,6 +132,37 @@ def test_gemma_base_model_chats_in_the_fallback_format(
     assert text.strip(), "a base model's answer must not be empty"
     assert "User:" not in text and "Assistant:" not in text
     assert done.usage.completion_tokens <= 48
+
+
+def test_ready_reports_the_chat_format_the_api_plans_tool_calls_with(
+    smollm2_path: Path, tmp_path: Path, handles: list[WorkerHandle]
+) -> None:
+    # the API used to read the GGUF and parse its template again to learn this; now the worker
+    # says it in Ready (a thinking hermes template here), and the API takes it from the status
+    qwen3 = (Path(__file__).parent / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    w = WorkerHandle(ModelConfig(id="q", path=str(smollm2_path), n_ctx=256, chat_template=qwen3), tmp_path)
+    handles.append(w)
+    info = w.ready().info
+    expected = chat_format.of_source(qwen3)
+    assert (expected.family.name, expected.thinks) == ("hermes", True)
+    assert (info.chat_format, info.chat_family, info.thinks, info.starts_thinking) == (
+        "template",
+        "hermes",
+        True,
+        expected.starts_thinking,
+    )
+    status = ModelStatus(
+        id="q",
+        name="q",
+        path=str(smollm2_path),
+        state=ModelState.RESIDENT,
+        chat_format=info.chat_format,
+        chat_family=info.chat_family,
+        thinks=info.thinks,
+        starts_thinking=info.starts_thinking,
+    )
+    assert reported_format(status) == expected
+    assert reported_format(dataclasses.replace(status, chat_format="")) is None  # not loaded yet
 
 
 @pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated"])

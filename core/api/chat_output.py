@@ -16,6 +16,7 @@ import string
 from typing import Any
 
 from ..chatformat.families import MISTRAL_ID
+from ..chatformat.format import ChatFormat
 from ..chatformat.parse import AnswerParser, Event, ParsedCall
 from ..config.schema import ModelConfig
 from .errors import BadRequestError
@@ -148,17 +149,17 @@ class ChatOutput:
 
 
 def prepare_chat(
-    req: GenerationRequest, model: ModelConfig | None
+    req: GenerationRequest, model: ModelConfig | None, fmt: ChatFormat | None = None
 ) -> tuple[dict[str, Any], ChatOutput | None]:
     """``Pool.generate``'s keyword arguments for a chat request on ``model`` (None: unknown here,
-    sent as it is), and the shaping its answer needs (None: plain text). Blocking (see
-    ``tools.prepare``); raises BadRequestError."""
+    sent as it is), and the shaping its answer needs (None: plain text); ``fmt``: the chat format
+    its worker reported (None: not yet). Blocking (see ``tools.prepare``); raises BadRequestError."""
     fields = req.pool_fields()
     if req.kind != "chat" or model is None or req.messages is None:
         if req.tools is not None:
             raise BadRequestError("'tools' go with /v1/chat/completions.", "tools")
         return fields, None
-    prepared = prepare(req.messages, req.tools, model)
+    prepared = prepare(req.messages, req.tools, model, fmt)
     grammar = prepared.plan.grammar
     if grammar is not None:
         if req.sampling.grammar is not None:

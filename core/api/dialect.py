@@ -28,6 +28,7 @@ import anyio.to_thread
 import msgspec
 from starlette.requests import Request
 
+from ..chatformat.format import ChatFormat, reported
 from ..chatformat.parse import Event
 from ..config.schema import ModelConfig
 from ..errors import ModelUnavailableError, UnknownModelError
@@ -248,6 +249,14 @@ class Turn:
                 self.host.record_cancel_later(gen)
 
 
+def reported_format(status: ModelStatus) -> ChatFormat | None:
+    """The chat format ``status``'s worker reported since it started (None: it has not loaded
+    yet; the tools path then reads it from the model's file, as the worker will)."""
+    if not status.chat_format:
+        return None
+    return reported(status.chat_format, status.chat_family, status.thinks, status.starts_thinking)
+
+
 async def start(
     host: Host,
     request: Request,
@@ -263,16 +272,18 @@ async def start(
     started = time.monotonic()
     snapshot = host.pool.snapshot()
     model_id = model_id or req.model
-    if snapshot.model(model_id) is None:
+    status = snapshot.model(model_id)
+    if status is None:
         raise unknown_model(req.model, snapshot)
     if tools is not None:
         req = dataclasses.replace(req, tools=tools)
     model = host.pool.config.model(model_id)
+    fmt = reported_format(status)
     choices: list[Choice] = []
     try:
         for i in range(req.n):
             # one preparation per choice: its output parses that choice's text as it streams
-            fields, output = await host.call(prepare_chat, req, model)
+            fields, output = await host.call(prepare_chat, req, model, fmt)
             fields["sampling"] = fields["sampling"].for_choice(i)
             try:
                 gen = await host.call(partial(host.pool.generate, model_id, **fields))

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..chatformat.families import Family, detect_family, generic_system_prompt
+from ..chatformat.families import generic_system_prompt
+from ..chatformat.format import ChatFormat, of_source
 from ..chatformat.grammar import ToolGrammarError, functions_of, tool_grammar, tool_triggers
 from ..chatformat.history import add_system
 from ..chatformat.schema_check import SchemaError, SchemaSize, check_total
-from ..chatformat.template import ChatTemplate, TemplateError
 from ..config.schema import ModelConfig
 from ..gguf.catalog import read_chat_template
 from ..worker.protocol import ChatMessage, ToolCall, ToolSpec
@@ -164,24 +164,16 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
 # ---- the model's chat format -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ChatFormat:
-    """What the API needs to know of a model's chat template."""
-
-    family: Family
-    thinks: bool  # the model writes <think>...</think> first
-    starts_thinking: bool  # the prompt opens the block itself
-    template: bool  # False: the fallback format (no template)
-
-
 _cache: dict[tuple[object, ...], ChatFormat] = {}
 _cache_lock = threading.Lock()
 
 
 def chat_format_of(model: ModelConfig) -> ChatFormat:
-    """The chat format of ``model`` as its worker formats chats: ``chat_template`` when set, else
-    the GGUF's own (read from the header, cached while the file is unchanged), else the fallback
-    format (family ``generic``). Blocking (file I/O): call it off the event loop."""
+    """The chat format of ``model`` before its worker has reported it (``ModelStatus.chat_family``,
+    ...: it has not loaded since it started), derived as the worker derives it
+    (``chatformat.format``): ``chat_template`` when set, else the GGUF's own (read from the header,
+    cached while the file is unchanged), else the fallback format (family ``generic``). Blocking
+    (file I/O): call it off the event loop."""
     path = Path(model.path)
     try:
         stat = path.stat()
@@ -201,14 +193,7 @@ def chat_format_of(model: ModelConfig) -> ChatFormat:
                 source = read_chat_template(path)
             except Exception:  # the worker reports an unreadable file; here: no template
                 source = None
-    if not source:
-        fmt = ChatFormat(detect_family(None), False, False, False)
-    else:
-        try:
-            caps = ChatTemplate(source).caps
-            fmt = ChatFormat(detect_family(source), caps.thinks, caps.starts_thinking, True)
-        except TemplateError:
-            fmt = ChatFormat(detect_family(None), False, False, True)
+    fmt = of_source(source)
     with _cache_lock:
         _cache[key] = fmt
     return fmt
@@ -288,10 +273,16 @@ class Prepared:
     tools: tuple[ToolSpec, ...]  # what the template shows
 
 
-def prepare(messages: Sequence[ChatMessage], request: ToolRequest | None, model: ModelConfig) -> Prepared:
-    """A chat request's plan on ``model`` and what the worker gets (see ``plan``). Blocking (it may
+def prepare(
+    messages: Sequence[ChatMessage],
+    request: ToolRequest | None,
+    model: ModelConfig,
+    fmt: ChatFormat | None = None,
+) -> Prepared:
+    """A chat request's plan on ``model`` and what the worker gets (see ``plan``); ``fmt``: the
+    chat format its worker reported (None: not yet, read from the model's file). Blocking (it may
     read the GGUF's header once): call it off the event loop. Raises BadRequestError."""
-    the_plan = plan(request, chat_format_of(model))
+    the_plan = plan(request, fmt if fmt is not None else chat_format_of(model))
     out = tuple(messages)
     if the_plan.system_prompt:
         if out and out[0].role == "system":

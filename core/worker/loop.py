@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from .. import envvars
+from ..chatformat.format import of_template
 from ..errors import CancelledError, FrameError, ModelFileError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..util.logsetup import setup_logging
@@ -341,6 +342,7 @@ class Worker:
         self._state = "ready"
         res.set_pinned(self.pinned)
         res.start(lambda: self.tasks.put(_Yield()))
+        chat = of_template(engine.template)  # what the API plans tool calls with
         self.send(
             p.Ready(
                 p.ModelInfo(
@@ -361,6 +363,9 @@ class Worker:
                     kv_bytes=self._footprint.kv_total,
                     n_gpu_layers=self._fitted.model.n_gpu_layers if self._fitted else -1,
                     fit=self._fitted.fit.note if self._fitted else "",
+                    chat_family=chat.family.name,
+                    thinks=chat.thinks,
+                    starts_thinking=chat.starts_thinking,
                 )
             )
         )

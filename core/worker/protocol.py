@@ -151,6 +151,12 @@ class ModelInfo(msgspec.Struct, frozen=True):
     kv_bytes: int = 0  # the context's KV cache, every layer (n_ctx × parallel cells)
     n_gpu_layers: int = -1  # as loaded (-1: all; fewer when the fit chose them)
     fit: str = ""  # what the fit chose for settings left unset, and why ("": all were set)
+    # the chat format as the API needs it (chatformat.format.ChatFormat), from the template the
+    # worker renders with: the tool-call family ("hermes", "llama3", "mistral", "generic"), whether
+    # the model thinks first and whether the prompt opens that block itself
+    chat_family: str = "generic"
+    thinks: bool = False
+    starts_thinking: bool = False
 
 
 class Ready(_Message, frozen=True):
