@@ -36,10 +36,10 @@ from typing import Any
 from timeshare.core.config import demo
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.sampling import Sampling
+from timeshare.core.wire.protocol import Generate
 from timeshare.core.worker import decode
 from timeshare.core.worker.decode import Decoder, Live
 from timeshare.core.worker.engine import Engine
-from timeshare.core.worker.protocol import Generate
 
 PROMPTS = [
     "The three primary colours are",

@@ -83,8 +83,8 @@ def main(model_path: str) -> None:
     import llama_cpp  # noqa: F401  (first, as the worker does)
     from timeshare.core.config.schema import ArenaConfig, ModelConfig
     from timeshare.core.errors import OutOfDeviceMemoryError
+    from timeshare.core.wire.spec import WorkerSpec
     from timeshare.core.worker.engine import Engine
-    from timeshare.core.worker.spec import WorkerSpec
     from timeshare.core.worker.tenancy import ArenaTenancy
 
     messages = Messages()

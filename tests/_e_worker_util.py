@@ -19,7 +19,7 @@ from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.config.vram_budget import resolve_arena
 from timeshare.core.errors import FrameError
 from timeshare.core.sampling import FIELDS, Sampling
-from timeshare.core.worker import protocol as p
+from timeshare.core.wire import protocol as p
 
 GUARD_S = 60.0  # a hang guard, not a timing assertion
 EOF = object()

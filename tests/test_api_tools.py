@@ -27,7 +27,7 @@ from timeshare.core.api.tools import (
 )
 from timeshare.core.chatformat.families import FAMILIES
 from timeshare.core.config.schema import ModelConfig
-from timeshare.core.worker.protocol import ChatMessage, ToolSpec
+from timeshare.core.wire.protocol import ChatMessage, ToolSpec
 
 WEATHER = {
     "type": "function",

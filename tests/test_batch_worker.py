@@ -22,7 +22,7 @@ from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelCo
 from timeshare.core.errors import ModelUnavailableError
 from timeshare.core.pool.supervisor import Pool
 from timeshare.core.sampling import Sampling
-from timeshare.core.worker import protocol as p
+from timeshare.core.wire import protocol as p
 
 pytestmark = pytest.mark.slow
 

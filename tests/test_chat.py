@@ -33,7 +33,7 @@ from timeshare.core.errors import (
 from timeshare.core.sampling import Sampling
 from timeshare.core.state import SwitchStats
 from timeshare.core.util.stream import TextStream
-from timeshare.core.worker.protocol import ChatMessage, Usage
+from timeshare.core.wire.protocol import ChatMessage, Usage
 
 WAIT = 120.0  # an upper bound for waits on a loaded 2-core machine; nothing is timed
 

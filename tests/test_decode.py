@@ -18,8 +18,8 @@ from _e_worker_util import generate_message
 from _llama_oracle import plain_completions
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError
+from timeshare.core.wire.protocol import ChatMessage
 from timeshare.core.worker.engine import Engine, GenerationOutcome
-from timeshare.core.worker.protocol import ChatMessage
 from timeshare.core.worker.textstream import TextStream
 
 PROMPTS = (

@@ -21,9 +21,9 @@ import pytest
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import InvalidInputError, InvalidSamplingError, PromptTooLongError
 from timeshare.core.sampling import Sampling
+from timeshare.core.wire.protocol import ChatMessage, Generate
 from timeshare.core.worker.embed import embed_tokens, pack
 from timeshare.core.worker.engine import Engine
-from timeshare.core.worker.protocol import ChatMessage, Generate
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.", "日本語"]
 #: inputs of many lengths, some alike (one decode packs like lengths), one of a few hundred tokens

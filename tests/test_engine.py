@@ -17,9 +17,9 @@ from timeshare.core.chatformat.history import render
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import CancelledError, ModelFileError, PromptTooLongError
 from timeshare.core.sampling import Sampling
+from timeshare.core.wire.protocol import ChatMessage, Generate
 from timeshare.core.worker.engine import Engine
 from timeshare.core.worker.prompts import FALLBACK_STOP, fallback_prompt
-from timeshare.core.worker.protocol import ChatMessage, Generate
 
 PROMPT = "The three primary colours are"
 

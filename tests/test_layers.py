@@ -482,3 +482,55 @@ def test_the_private_member_check_catches_what_it_is_for(tmp_path: Path) -> None
     (tmp_path / "pool.py").write_text("def f(gen, self):\n    gen._feed('x')\n    self._ok = 1\n")
     found = private_member_uses([tmp_path / "pool.py"])
     assert [line.split(" ", 1)[1] for line in found] == ["gen._feed"]
+
+
+# ---- the pool <-> worker wire lies below the rooms it joins ----------------------------------------
+
+#: rooms that talk to a worker only over the wire (core/wire), never through the worker's room
+ABOVE_THE_WIRE = (
+    "timeshare.core.api",
+    "timeshare.core.pool",
+    "timeshare.core.conversations",
+    "timeshare.app",
+)
+WORKER = "timeshare.core.worker"
+WIRE = "timeshare.core.wire"
+#: what the wire itself may import: plain data and its checks
+WIRE_IMPORTS = (
+    "timeshare.core.errors",
+    "timeshare.core.sampling",
+    "timeshare.core.state",
+    "timeshare.core.config.schema",
+)
+
+
+def wire_offenders(graph: dict[str, set[str]]) -> list[str]:
+    """Modules above the wire that import the worker's room, and wire modules that import more than
+    plain data (the worker, the pool, llama.cpp's room...)."""
+    bad = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if name.startswith(ABOVE_THE_WIRE) and (target == WORKER or target.startswith(WORKER + ".")):
+                bad.append(f"{name} imports {target}")
+            if name.startswith(WIRE + ".") and not target.startswith((WIRE, *WIRE_IMPORTS)):
+                bad.append(f"{name} imports {target}")
+    return bad
+
+
+def test_the_wire_is_below_pool_api_worker_and_conversations() -> None:
+    graph = import_graph(source_modules())
+    assert f"{WIRE}.protocol" in graph and f"{WIRE}.spec" in graph
+    assert any(WIRE + ".protocol" in targets for name, targets in graph.items() if name.startswith(WORKER))
+    assert wire_offenders(graph) == []
+
+
+def test_the_wire_check_catches_what_it_is_for() -> None:
+    graph = {
+        "timeshare.core.pool.supervisor": {"timeshare.core.worker.protocol", "timeshare.core.wire.protocol"},
+        "timeshare.core.wire.protocol": {"timeshare.core.errors", "timeshare.core.worker.engine"},
+        "timeshare.core.worker.loop": {"timeshare.core.wire.protocol"},
+    }
+    assert wire_offenders(graph) == [
+        "timeshare.core.pool.supervisor imports timeshare.core.worker.protocol",
+        "timeshare.core.wire.protocol imports timeshare.core.worker.engine",
+    ]

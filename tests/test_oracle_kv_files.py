@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _e_worker_util import WorkerHandle
 from timeshare.core.config.schema import ModelConfig
-from timeshare.core.worker import protocol as p
+from timeshare.core.wire import protocol as p
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ import pytest
 from _e_worker_util import WorkerHandle, generate_message
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.residency import Residency, ResidencyOptions
-from timeshare.core.worker import protocol as p
+from timeshare.core.wire import protocol as p
 from timeshare.core.worker.engine import Engine, GenerationOutcome
 
 N_CTX = 2048

@@ -19,9 +19,9 @@ import pytest
 from _api_util import GEMMA, SMOL, Served, serving_demo_models
 from _e_worker_util import generate_message
 from timeshare.core.config.schema import ModelConfig
+from timeshare.core.wire.protocol import ChatMessage
 from timeshare.core.worker.decode import common_prefix
 from timeshare.core.worker.engine import Engine, GenerationOutcome
-from timeshare.core.worker.protocol import ChatMessage
 from timeshare.core.worker.sequences import BRANCH_MIN_FRACTION, PROMPT_CACHE_MIN_TOKENS
 
 SYSTEM = (

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from timeshare.core.errors import FrameError, ProtocolError
 from timeshare.core.sampling import Sampling
-from timeshare.core.worker import protocol as p
+from timeshare.core.wire import protocol as p
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -42,7 +42,7 @@ from timeshare.core.pool.supervisor import Pool
 from timeshare.core.sampling import FIELDS as SAMPLING_FIELDS
 from timeshare.core.sampling import Sampling
 from timeshare.core.state import ModelState, ModelStatus
-from timeshare.core.worker import protocol
+from timeshare.core.wire import protocol
 
 WAIT = 240.0
 

@@ -359,7 +359,7 @@ def test_workers_switch_with_overlapped_restores(
     from _e_worker_util import WorkerHandle
     from timeshare.core.config.schema import ArenaConfig, ModelConfig
     from timeshare.core.sampling import Sampling
-    from timeshare.core.worker import protocol as p
+    from timeshare.core.wire import protocol as p
 
     monkeypatch.setenv(OVERLAP_ENV, "1")
     arena_dir = tmp_path / "arena"

@@ -22,9 +22,9 @@ from llama_cpp.llama_grammar import json_schema_to_gbnf
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import InvalidSamplingError
 from timeshare.core.sampling import Sampling
+from timeshare.core.wire.protocol import Generate
 from timeshare.core.worker.decode import Decoder
 from timeshare.core.worker.engine import Engine
-from timeshare.core.worker.protocol import Generate
 from timeshare.core.worker.sampler import GrammarError, Sampler
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

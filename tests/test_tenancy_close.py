@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
-from timeshare.core.worker.spec import WorkerSpec
+from timeshare.core.wire.spec import WorkerSpec
 from timeshare.core.worker.tenancy import ArenaTenancy
 
 

@@ -26,7 +26,7 @@ from timeshare.core.pool.supervisor import Pool
 from timeshare.core.pool.watchdog import HolderWatchdog, tick_period
 from timeshare.core.sampling import Sampling
 from timeshare.core.state import EventKind, PoolEvent
-from timeshare.core.worker.protocol import Connection, StatusRequest
+from timeshare.core.wire.protocol import Connection, StatusRequest
 
 WAIT = 600.0  # generous: loaded machines; nothing here is timed
 HUNG_S = 5.0

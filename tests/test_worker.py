@@ -23,7 +23,7 @@ from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.observe import read_events
 from timeshare.core.sampling import Sampling
 from timeshare.core.state import ModelState, ModelStatus
-from timeshare.core.worker import protocol as p
+from timeshare.core.wire import protocol as p
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from _proc_util import wait_until
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.diagnostics.bench_api_procs import worker_log_phases
 from timeshare.core.sampling import Sampling
-from timeshare.core.worker import protocol as p
+from timeshare.core.wire import protocol as p
 
 pytestmark = pytest.mark.slow
 

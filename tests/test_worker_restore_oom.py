@@ -21,8 +21,8 @@ from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.config.vram_budget import resolve_arena
 from timeshare.core.errors import OutOfDeviceMemoryError, TokenTimeoutError
 from timeshare.core.residency import _ggml
+from timeshare.core.wire.spec import WorkerSpec
 from timeshare.core.worker.engine import Engine
-from timeshare.core.worker.spec import WorkerSpec
 from timeshare.core.worker.tenancy import ArenaTenancy
 
 MAX_TOKENS = 12

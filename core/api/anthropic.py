@@ -34,7 +34,7 @@ from starlette.routing import Route
 from ..chatformat.parse import Event
 from ..errors import TimeshareError
 from ..sampling import MAX_STOP, for_front_end
-from ..worker.protocol import ChatMessage, ToolCall
+from ..wire.protocol import ChatMessage, ToolCall
 from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
 from .extras import switch_extras

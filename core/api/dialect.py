@@ -35,7 +35,7 @@ from ..errors import ModelUnavailableError, UnknownModelError
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import ModelStatus, PoolSnapshot
-from ..worker.protocol import TokenLogprobs
+from ..wire.protocol import TokenLogprobs
 from .chat_output import ChatOutput, prepare_chat
 from .errors import BadRequestError
 from .middleware import SHUTTING_DOWN

@@ -9,7 +9,7 @@ import enum
 from typing import Any
 
 from ..state import SwitchStats
-from ..worker.protocol import Timings
+from ..wire.protocol import Timings
 
 
 def plain(value: Any) -> Any:

@@ -35,7 +35,7 @@ from ..modelnames import resolve_api_model
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import USER_SLEEP_LEVEL, EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
-from ..worker.protocol import TokenLogprobs, Usage
+from ..wire.protocol import TokenLogprobs, Usage
 from . import anthropic, ollama, ollama_models, shapes
 from .chat_output import ChatOutput
 from .dialect import Choice, Turn, listing, start, unknown_model

@@ -41,7 +41,7 @@ from ..errors import TimeshareError, UnknownModelError
 from ..pool.generation import GenerationResult
 from ..sampling import MAX_STOP, for_front_end
 from ..state import PoolSnapshot
-from ..worker.protocol import ChatMessage, ToolCall
+from ..wire.protocol import ChatMessage, ToolCall
 from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
 from .extras import switch_extras

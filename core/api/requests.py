@@ -22,7 +22,7 @@ from ..sampling import (
     Sampling,
     for_front_end,
 )
-from ..worker.protocol import ChatMessage
+from ..wire.protocol import ChatMessage
 from .errors import BadRequestError
 from .shapes import MAX_MESSAGES, MAX_N, ChatBody, CompletionBody, RequestMessage
 from .structured import response_format_grammar

@@ -32,7 +32,7 @@ from ..chatformat.history import add_system
 from ..chatformat.schema_check import SchemaError, SchemaSize, check_total
 from ..config.schema import ModelConfig
 from ..gguf.catalog import read_chat_template
-from ..worker.protocol import ChatMessage, ToolCall, ToolSpec
+from ..wire.protocol import ChatMessage, ToolCall, ToolSpec
 from .errors import BadRequestError
 from .structured import check_schema
 

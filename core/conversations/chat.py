@@ -29,7 +29,7 @@ from ..errors import (
 from ..sampling import Sampling, for_front_end, new_conversation, unknown_fields
 from ..state import SwitchStats
 from ..util.stream import TextStream
-from ..worker.protocol import ChatMessage
+from ..wire.protocol import ChatMessage
 from .store import AnswerStats, Conversation, Message, Store
 
 log = logging.getLogger(__name__)

@@ -61,8 +61,8 @@ def _child() -> int:
     import llama_cpp  # noqa: F401  (before anything that imports numpy)
 
     from ..config.schema import ModelConfig
+    from ..wire.protocol import ChatMessage, Generate
     from ..worker.engine import Engine
-    from ..worker.protocol import ChatMessage, Generate
 
     job = json.loads(sys.stdin.read())
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from ..errors import ProtocolError, TimeshareError
 from ..sampling import Sampling
 from ..state import SwitchStats
 from ..util.stream import TextStream
-from ..worker import protocol
+from ..wire import protocol
 
 # ---- generation handle ---------------------------------------------------------------------
 

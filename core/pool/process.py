@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import envvars
 from ..errors import FrameError
-from ..worker import protocol
+from ..wire import protocol
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..config.schema import ModelConfig
 from ..errors import ProtocolError, TimeshareError
 from ..state import ModelStatus, SwitchStats
-from ..worker import protocol
+from ..wire import protocol
 from .generation import Generation
 from .lifecycle import Lifecycle, Phase
 

@@ -42,9 +42,9 @@ from ..state import (
     SwitchStats,
     parse_release_level,
 )
-from ..worker import protocol
-from ..worker.protocol import INTERNAL_SAMPLING
-from ..worker.spec import WorkerSpec
+from ..wire import protocol
+from ..wire.protocol import INTERNAL_SAMPLING
+from ..wire.spec import WorkerSpec
 from .actor import Actor
 from .codes import error_for
 from .configure import check_config, restart_fields

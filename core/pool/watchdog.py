@@ -7,7 +7,7 @@ last report, where no lease can be read) while a ticket of another process waits
 head ticket of the queue while a ticket of another process waits behind it (a stopped head waiter
 never takes its lease, so nobody behind it ever gets one). Each device's arena is looked at.
 
-The ping is the protocol's :class:`~..worker.protocol.StatusRequest`, answered by the worker's
+The ping is the protocol's :class:`~..wire.protocol.StatusRequest`, answered by the worker's
 loop thread (its reader thread only queues it): between decode steps and prefill chunks, while it
 loads or waits for the GPU, and when idle. So the answer proves the loop thread makes progress: a
 process that is stopped (SIGSTOP, a debugger), frozen or dead answers nothing, and neither does
@@ -33,7 +33,7 @@ from ..arena.arena import Arena
 from ..arena.budget import ONE_MODEL, compute_budget, plan_fit
 from ..arena.dirs import device_arena_dir
 from ..errors import ArenaError
-from ..worker import protocol
+from ..wire import protocol
 from .record import WorkerRecord
 
 log = logging.getLogger(__name__)

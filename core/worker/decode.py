@@ -48,7 +48,7 @@ import numpy as np
 
 from ..errors import CancelledError
 from ..sampling import Sampling
-from .protocol import FinishReason
+from ..wire.protocol import FinishReason
 from .sampler import GrammarDeadEnd, GreedyRows, Sampler, TokenLogprob
 from .textstream import TextStream
 

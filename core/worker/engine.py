@@ -42,12 +42,12 @@ from ..gguf.modelfile import check_model_file
 from ..residency import check_gguf
 from ..sampling import Sampling
 from ..util.units import decimal_bytes
+from ..wire.protocol import FinishReason, Generate, LogprobAlt, TokenLogprobs
 from . import kv_files
 from .decode import Decoder, Live
 from .device import default_parallel, llama_placement
 from .embed import embed_tokens
 from .prompts import Prompts, tools_of
-from .protocol import FinishReason, Generate, LogprobAlt, TokenLogprobs
 from .sampler import TokenLogprob
 from .sequences import Sequences, Slot
 from .textstream import token_piece

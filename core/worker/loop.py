@@ -29,14 +29,14 @@ from ..chatformat.format import of_template
 from ..errors import CancelledError, FrameError, ModelFileError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..util.logsetup import setup_logging
+from ..wire import protocol as p
+from ..wire.spec import WorkerSpec
 from . import kv_files
-from . import protocol as p
 from .decode import Live
 from .device import device_memory
 from .engine import Engine
 from .fitting import Fitted, fit_to_device
 from .footprint import Footprint
-from .spec import WorkerSpec
 from .tenancy import Acquired, Tenancy, make_tenancy
 
 #: numbers per Embeddings frame (a frame holds at most MAX_FRAME bytes; a float takes ~20)

@@ -27,7 +27,7 @@ from ..chatformat.history import normalise, render
 from ..chatformat.template import ChatTemplate, TemplateCaps, TemplateError
 from ..config.schema import ModelConfig
 from ..errors import ChatTemplateError, PromptTooLongError
-from .protocol import ChatMessage, Generate
+from ..wire.protocol import ChatMessage, Generate
 
 FALLBACK_STOP = ("\nUser:", "\nAssistant:", "\n\n\n")
 

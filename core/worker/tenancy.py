@@ -24,10 +24,10 @@ from ..residency.residency import RestoreReport, overlap_expected, rss_bytes
 from ..residency.state import Weights
 from ..state import WorkerReleaseLevel
 from ..util.units import decimal_bytes
-from . import protocol as p
+from ..wire import protocol as p
+from ..wire.spec import WorkerSpec
 from .device import DeviceMemory, budget_setting, device_memory
 from .engine import Engine
-from .spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 
