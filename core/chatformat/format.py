@@ -48,5 +48,5 @@ def reported(chat_format: str, family: str, thinks: bool, starts_thinking: bool)
     """The format a worker reported (``ModelInfo``): ``chat_format`` "template" | "fallback"."""
     if chat_format != "template":
         return FALLBACK
-    name: FamilyName = family if family in FAMILIES else "generic"  # type: ignore[assignment]
+    name: FamilyName = family if family in FAMILIES else "generic"
     return ChatFormat(FAMILIES[name], thinks, starts_thinking, True)
