@@ -3,7 +3,9 @@
 Loads a model (default: the smallest demo model) the way the engine does when it wants the
 mechanism (no mmap on a CPU-only build, so host weight buffers play the device), prefills a
 prompt, records the logits of 8 greedy decode steps, then runs release/restore cycles and
-compares the logits bitwise after each. With ``--json`` stdout carries only the JSON report.
+compares the logits bitwise after each (a recurrent or hybrid model's state cannot rewind: its
+prompt's state is saved and put back; an encoder's embeddings are compared instead;
+residency_check.replay_kind). With ``--json`` stdout carries only the JSON report.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def run_doctor(
             "model": model,
             "llama_cpp_version": probe.version,
             "cycles": cycles,
+            # how the check replays (residency_check.replay_kind): "rewind" (the KV cache goes back
+            # to the prompt), "saved state" (recurrent, hybrid, a short sliding window: the prompt's
+            # state is put back) or "embeddings" (an encoder: the embeddings are compared)
+            "check": replay.kind,
             "bitwise_identical": all(same),
             "bitwise_identical_cycles": sum(same),
             "kv_level_bitwise_identical": kv_same,
@@ -214,6 +220,14 @@ def _baseline_lines(r: dict[str, Any]) -> list[str]:
     ]
 
 
+#: what the bitwise check compared, per replay kind (residency_check.replay_kind)
+_CHECKS = {
+    "rewind": "8 greedy steps' logits, the KV cache rewound to the prompt",
+    "saved state": "the prompt's state kept, then 8 greedy steps' logits; the state put back after each",
+    "embeddings": "the embeddings of the prompt (an encoder)",
+}
+
+
 def _print_text(r: dict[str, Any]) -> None:
     ok = "yes" if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else "NO"
     lines = [
@@ -221,7 +235,7 @@ def _print_text(r: dict[str, Any]) -> None:
         f"backend:            {r['backend']} (llama-cpp-python {r['llama_cpp_version']})",
         f"path:               {r['path']}" + (f" ({r['reason']})" if r["reason"] else ""),
         f"cycles:             {r['cycles']} (+1 with the KV cache)",
-        f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']})",
+        f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']}; {_CHECKS[r['check']]})",
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
         f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
         *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
