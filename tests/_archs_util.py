@@ -10,7 +10,9 @@ hand (granitehybrid's ``ssm_conv1d.bias``; qwen3next's ``ssm_in``; qwen35's ``at
 
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,32 @@ KINDS = {
 }
 
 
+@dataclass(frozen=True)
+class Vocab:
+    pre: str
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+
+
+@functools.lru_cache(maxsize=2)
+def _vocab(tokenizer_gguf: str) -> Vocab:
+    """The first N_VOCAB tokens of a BPE vocabulary and the merges among them (read once: reading
+    SmolLM2's 49k tokens with GGUFReader takes seconds)."""
+    import gguf
+
+    f = gguf.GGUFReader(tokenizer_gguf).fields
+    tokens = f["tokenizer.ggml.tokens"].contents()[:N_VOCAB]
+    keep = set(tokens)
+    merges = []
+    for m in f["tokenizer.ggml.merges"].contents():
+        a = m.split(" ")
+        if len(a) == 2 and a[0] in keep and a[1] in keep and a[0] + a[1] in keep:
+            merges.append(m)
+    types = f["tokenizer.ggml.token_type"].contents()[:N_VOCAB]
+    return Vocab(f["tokenizer.ggml.pre"].contents(), tokens, types, merges)
+
+
 def specs() -> dict[str, dict[str, Any]]:
     data: dict[str, dict[str, Any]] = json.loads(SPECS.read_text())
     return data
@@ -45,15 +73,7 @@ def write_model(arch: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> Pa
     import gguf
 
     spec = specs()[arch]
-    voc = gguf.GGUFReader(str(tokenizer_gguf))
-    f = voc.fields
-    tokens = f["tokenizer.ggml.tokens"].contents()[:N_VOCAB]
-    keep = set(tokens)
-    merges = []
-    for m in f["tokenizer.ggml.merges"].contents():
-        a = m.split(" ")
-        if len(a) == 2 and a[0] in keep and a[1] in keep and a[0] + a[1] in keep:
-            merges.append(m)
+    vocab = _vocab(str(tokenizer_gguf))
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in spec["kv"].items():
         key = key.replace("{arch}", arch)
@@ -68,10 +88,10 @@ def write_model(arch: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> Pa
         else:
             w.add_string(key, str(value))
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
-    w.add_token_list(tokens)
-    w.add_token_types(f["tokenizer.ggml.token_type"].contents()[:N_VOCAB])
-    w.add_token_merges(merges)
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     rng = np.random.default_rng(seed)
