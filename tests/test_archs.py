@@ -103,7 +103,8 @@ def partner(
 
 
 GREEDY = Sampling(max_tokens=8, temperature=0.0)
-PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 8 + "Once upon a time"  # past the prompt
+# cache's similarity rule (a reuse of at least 64 tokens: core/worker/engine.py)
 
 
 def take_device(partner: WorkerHandle, req: str) -> None:
@@ -122,7 +123,7 @@ def test_switched_answers_equal_and_prompt_cache_reuse(
     handles: list[WorkerHandle],
 ) -> None:
     w = WorkerHandle(
-        ModelConfig(id=arch, path=str(models[arch]), n_ctx=256),
+        ModelConfig(id=arch, path=str(models[arch]), n_ctx=512),
         tmp_path,
         arena_dir=arena_dir,
         arena=ArenaConfig(min_quantum_ms=0.0),
