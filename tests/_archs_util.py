@@ -6,7 +6,8 @@ The layouts (``tests/data/arch_specs.json``: metadata and every tensor's shape, 
 found with ``scripts/lab/arch_specs.py``, which asks llama.cpp's loader for each missing tensor
 and its expected shape; a few tensors the loader calls optional but the graph needs were added by
 hand (granitehybrid's ``ssm_conv1d.bias``; qwen3next's ``ssm_in``; qwen35's ``attn_qkv`` and
-``attn_gate``)."""
+``attn_gate``). bert carries a classifier head (``cls.*``) that only rank pooling uses: a weight
+the warm-up graph does not show."""
 
 from __future__ import annotations
 

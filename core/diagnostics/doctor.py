@@ -137,6 +137,10 @@ def run_doctor(
         dev = res.device_memory()
         if dev is not None:  # what ggml_backend_dev_memory says now (weights restored)
             report["device_memory"] = {"device": dev[0], "free_bytes": dev[1], "total_bytes": dev[2]}
+        view = res.inplace_view
+        if view is not None:  # how the in-place path found the weights (residency/discovery.py)
+            report["weights_seen_by_graph"] = view.n_weight_tensors_seen
+            report["weights_from_tensor_list"] = list(view.weights_listed)
         report["vram_budget"] = budget_report(budget, res.weight_bytes)
         res.close()
     finally:
@@ -228,6 +232,17 @@ _CHECKS = {
 }
 
 
+def _found_lines(r: dict[str, Any]) -> list[str]:
+    if "weights_seen_by_graph" not in r:
+        return []
+    listed = r["weights_from_tensor_list"]
+    text = f"weights found:      {r['weights_seen_by_graph']} tensors by the warm-up graph"
+    if listed:
+        names = ", ".join(listed[:4]) + (f" and {len(listed) - 4} more" if len(listed) > 4 else "")
+        text += f", {len(listed)} more from the model's tensor list ({names})"
+    return [text]
+
+
 def _print_text(r: dict[str, Any]) -> None:
     ok = "yes" if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else "NO"
     lines = [
@@ -239,6 +254,7 @@ def _print_text(r: dict[str, Any]) -> None:
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
         f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
         *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
+        *_found_lines(r),
         f"release:            {r['release_ms']:.2f} ms (median)",
         f"restore:            {r['restore_ms']:.2f} ms (median), {r['restore_gbps']:.2f} GB/s",
         f"host shadow:        {r['host_bytes'] / 1e6:.1f} MB in {r['host_parts']} allocation(s), "

@@ -142,7 +142,10 @@ class InPlace:
         self._spent: list[int] = []
         self._uploader_pool: ThreadPoolExecutor | None = None
         self._restore_t0 = 0.0
-        self.n_weight_tensors_seen = len(disc.weights)
+        #: weight tensors the warm-up graph showed, and the names of those found in the model's
+        #: tensor lists instead (residency/discovery.complete_from_tensor_lists)
+        self.n_weight_tensors_seen = len(disc.weights) - len(disc.listed)
+        self.weights_listed = list(disc.listed)
         originals = self._plan(disc, gpu)
         self.attach_steps = {
             "discover_ms": (t1 - t0) * 1000.0,
