@@ -147,8 +147,9 @@ def test_switched_answers_equal_and_prompt_cache_reuse(
     assert isinstance(done2, p.Done) and done2.switch.switched
     u = done2.usage
     print(f"\nARCH {arch} turn2 prompt_tokens={u.prompt_tokens} evaluated={u.prompt_tokens_evaluated}")
-    if CHECK[arch] == REWIND:  # a KV cache keeps the common prefix
-        assert u.prompt_tokens_evaluated < u.prompt_tokens
+    # a KV cache keeps the common prefix; a recurrent state goes back to its checkpoint at the end
+    # of the last prompt (before: mamba2, lfm2, qwen3next and qwen35 evaluated the whole prompt)
+    assert u.prompt_tokens_evaluated < u.prompt_tokens - 100
 
 
 @pytest.mark.slow
