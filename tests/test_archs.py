@@ -143,13 +143,16 @@ def test_switched_answers_equal_and_prompt_cache_reuse(
     # a keyless client's next turn: the last prompt, the answer and more
     take_device(partner, f"{arch}-p2")
     turn2 = PROMPT + text + " and then"
-    _, done2 = w.generate("turn2", prompt=turn2, sampling=GREEDY)
+    text2, done2 = w.generate("turn2", prompt=turn2, sampling=GREEDY)
     assert isinstance(done2, p.Done) and done2.switch.switched
     u = done2.usage
     print(f"\nARCH {arch} turn2 prompt_tokens={u.prompt_tokens} evaluated={u.prompt_tokens_evaluated}")
     # a KV cache keeps the common prefix; a recurrent state goes back to its checkpoint at the end
     # of the last prompt (before: mamba2, lfm2, qwen3next and qwen35 evaluated the whole prompt)
     assert u.prompt_tokens_evaluated < u.prompt_tokens - 100
+    fresh, done3 = w.generate("fresh", prompt=turn2, sampling=GREEDY, cache_prompt=False)
+    assert isinstance(done3, p.Done) and done3.usage.prompt_tokens_evaluated == u.prompt_tokens
+    assert text2 == fresh  # the reused state answers as a prompt evaluated from scratch
 
 
 @pytest.mark.slow
