@@ -6,6 +6,7 @@ written to the test's output: docs/ARCHITECTURES.md has the table)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,3 +182,35 @@ def test_an_encoder_embeds_the_same_after_a_switch(
     ref = embed("ref")
     take_device(partner, "bert-p1")
     assert embed("again") == ref
+
+
+# ---- repacked buffers are spot-checked against the file too ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["output.weight", "blk.1.ffn_up.weight"])
+def test_a_changed_file_is_seen_in_a_repacked_buffer(name: str, smollm2_path: Path, tmp_path: Path) -> None:
+    """Q4_0 weights go to the CPU backend's repacking buffer (CPU_REPACK), whose bytes are not
+    the file's: the spot check repacks the file's bytes of its first and last tensor and compares
+    (before: never checked, so a file changed after loading went unseen there)."""
+    import gguf
+    from _residency_util import load
+    from timeshare.core.errors import ModelFileError
+    from timeshare.core.residency import Residency, ResidencyOptions
+
+    path = Path(shutil.copy(small_q4_path, tmp_path / "q4.gguf"))
+    llm = load(path)
+    try:
+        res = Residency.attach(llm, str(path), ResidencyOptions(mode="inplace"))
+        buffers = {b.buft_name for b in res.inplace_view.buffers} if res.inplace_view else set()
+        res.close()
+        assert "CPU_REPACK" in buffers
+        offset = next(int(t.data_offset) for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+        with path.open("r+b") as f:  # one byte of a block's quants (not its scale)
+            f.seek(offset + 4)
+            byte = f.read(1)[0]
+            f.seek(offset + 4)
+            f.write(bytes([byte ^ 0xFF]))
+        with pytest.raises(ModelFileError, match=name.replace(".", r"\.")):
+            Residency.attach(llm, str(path), ResidencyOptions(mode="inplace"))
+    finally:
+        llm.close()
