@@ -188,7 +188,7 @@ def test_an_encoder_embeds_the_same_after_a_switch(
 
 
 @pytest.mark.parametrize("name", ["output.weight", "blk.1.ffn_up.weight"])
-def test_a_changed_file_is_seen_in_a_repacked_buffer(name: str, smollm2_path: Path, tmp_path: Path) -> None:
+def test_a_changed_file_is_seen_in_a_repacked_buffer(name: str, small_q4_path: Path, tmp_path: Path) -> None:
     """Q4_0 weights go to the CPU backend's repacking buffer (CPU_REPACK), whose bytes are not
     the file's: the spot check repacks the file's bytes of its first and last tensor and compares
     (before: never checked, so a file changed after loading went unseen there)."""
