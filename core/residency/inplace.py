@@ -188,6 +188,8 @@ class InPlace:
         self._slice_bytes = shadow_slice_bytes if defer_shadow and not eager_split else None
         self.shadow_note = ""
         self.verified_tensors = 0
+        #: tensors of repacking buffers checked by repacking their file bytes (_verify_repacked)
+        self.verified_repacked = 0
         self._shadow_slices = (0, 0)
         self.shadow_fill_s = 0.0
         self.moved = False  # the last restore put a buffer at another address than before
@@ -639,9 +641,9 @@ class InPlace:
         checked = 0
         scratch = (ctypes.c_char * _VERIFY_BYTES)()
         for b, t in tensors:
-            if b.buft_name.endswith("_REPACK"):
+            if b.buft_name.endswith("_REPACK"):  # counted apart: only a few of them are checked
                 self._verify_repacked(b, t, mem)
-                checked += 1
+                self.verified_repacked += 1
                 continue
             n = min(_VERIFY_BYTES, t.nbytes)
             for off in {0, t.nbytes - n}:
