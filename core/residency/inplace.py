@@ -243,7 +243,7 @@ class InPlace:
         build = self._build
         try:
             if build is None:
-                self.verified_tensors = 0
+                self.verified_tensors = self.verified_repacked = 0
                 build = self._build = self._plan_shadow(self._want_pinned)
             while not build.mem.complete:
                 self._build_slice(build, pin)
@@ -536,7 +536,7 @@ class InPlace:
             return 0
         build = self._build
         if build is None:
-            self.verified_tensors = 0
+            self.verified_tensors = self.verified_repacked = 0
             build = self._build = self._plan_shadow(self._want_pinned)
         if build.from_file is not None:
             return 0
