@@ -3,7 +3,9 @@
 Loads a model (default: the smallest demo model) the way the engine does when it wants the
 mechanism (no mmap on a CPU-only build, so host weight buffers play the device), prefills a
 prompt, records the logits of 8 greedy decode steps, then runs release/restore cycles and
-compares the logits bitwise after each. With ``--json`` stdout carries only the JSON report.
+compares the logits bitwise after each (a recurrent or hybrid model's state cannot rewind: its
+prompt's state is saved and put back; an encoder's embeddings are compared instead;
+residency_check.replay_kind). With ``--json`` stdout carries only the JSON report.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def run_doctor(
             "model": model,
             "llama_cpp_version": probe.version,
             "cycles": cycles,
+            # how the check replays (residency_check.replay_kind): "rewind" (the KV cache goes back
+            # to the prompt), "saved state" (recurrent, hybrid, a short sliding window: the prompt's
+            # state is put back) or "embeddings" (an encoder: the embeddings are compared)
+            "check": replay.kind,
             "bitwise_identical": all(same),
             "bitwise_identical_cycles": sum(same),
             "kv_level_bitwise_identical": kv_same,
@@ -131,6 +137,10 @@ def run_doctor(
         dev = res.device_memory()
         if dev is not None:  # what ggml_backend_dev_memory says now (weights restored)
             report["device_memory"] = {"device": dev[0], "free_bytes": dev[1], "total_bytes": dev[2]}
+        view = res.inplace_view
+        if view is not None:  # how the in-place path found the weights (residency/discovery.py)
+            report["weights_seen_by_graph"] = view.n_weight_tensors_seen
+            report["weights_from_tensor_list"] = list(view.weights_listed)
         report["vram_budget"] = budget_report(budget, res.weight_bytes)
         res.close()
     finally:
@@ -214,6 +224,25 @@ def _baseline_lines(r: dict[str, Any]) -> list[str]:
     ]
 
 
+#: what the bitwise check compared, per replay kind (residency_check.replay_kind)
+_CHECKS = {
+    "rewind": "8 greedy steps' logits, the KV cache rewound to the prompt",
+    "saved state": "the prompt's state kept, then 8 greedy steps' logits; the state put back after each",
+    "embeddings": "the embeddings of the prompt (an encoder)",
+}
+
+
+def _found_lines(r: dict[str, Any]) -> list[str]:
+    if "weights_seen_by_graph" not in r:
+        return []
+    listed = r["weights_from_tensor_list"]
+    text = f"weights found:      {r['weights_seen_by_graph']} tensors by the warm-up graph"
+    if listed:
+        names = ", ".join(listed[:4]) + (f" and {len(listed) - 4} more" if len(listed) > 4 else "")
+        text += f", {len(listed)} more from the model's tensor list ({names})"
+    return [text]
+
+
 def _print_text(r: dict[str, Any]) -> None:
     ok = "yes" if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else "NO"
     lines = [
@@ -221,10 +250,11 @@ def _print_text(r: dict[str, Any]) -> None:
         f"backend:            {r['backend']} (llama-cpp-python {r['llama_cpp_version']})",
         f"path:               {r['path']}" + (f" ({r['reason']})" if r["reason"] else ""),
         f"cycles:             {r['cycles']} (+1 with the KV cache)",
-        f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']})",
+        f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']}; {_CHECKS[r['check']]})",
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
         f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
         *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
+        *_found_lines(r),
         f"release:            {r['release_ms']:.2f} ms (median)",
         f"restore:            {r['restore_ms']:.2f} ms (median), {r['restore_gbps']:.2f} GB/s",
         f"host shadow:        {r['host_bytes'] / 1e6:.1f} MB in {r['host_parts']} allocation(s), "

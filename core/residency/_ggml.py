@@ -43,6 +43,10 @@ class TensorLayout:
     view_offs: int = 240
     data: int = 248
     name: int = 256
+    #: ggml.c's ``struct ggml_object`` (``offs`` first) sits right before each tensor of a context
+    object_size: int = 32
+    #: ``ggml_context.mem_buffer`` (after ``mem_size``): all ggml_get_next_tensor reads of it
+    ctx_mem_buffer: int = 8
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,10 @@ ggml_get_data = _fn("ggml_get_data", c_void_p, c_void_p)
 ggml_init = _fn("ggml_init", c_void_p, GgmlInitParams)
 ggml_free = _fn("ggml_free", None, c_void_p)
 ggml_new_tensor_1d = _fn("ggml_new_tensor_1d", c_void_p, c_void_p, c_int, c_int64)
+ggml_get_mem_buffer = _fn("ggml_get_mem_buffer", c_void_p, c_void_p)
+ggml_new_tensor = _fn("ggml_new_tensor", c_void_p, c_void_p, c_int, c_int, ctypes.POINTER(ctypes.c_int64))
+ggml_tensor_overhead = _fn("ggml_tensor_overhead", c_size_t)
+ggml_get_next_tensor = _fn("ggml_get_next_tensor", c_void_p, c_void_p, c_void_p)
 ggml_add = _fn("ggml_add", c_void_p, c_void_p, c_void_p, c_void_p)
 ggml_view_1d = _fn("ggml_view_1d", c_void_p, c_void_p, c_void_p, c_int64, c_size_t)
 ggml_set_name = _fn("ggml_set_name", c_void_p, c_void_p, c_char_p)
@@ -286,6 +294,16 @@ def device_memory(dev: int) -> tuple[int, int]:
 # layout probes
 
 
+def next_tensor(tensor: int, layout: TensorLayout) -> int:
+    """The tensor created after ``tensor`` in the same ggml context (0: none), found without the
+    context: ``ggml_get_next_tensor`` reads only the context's ``mem_buffer``, which is the tensor's
+    address less its object's ``offs``."""
+    fake_ctx = (ctypes.c_char * 64)()
+    base = tensor - read_size(tensor - layout.object_size)
+    ctypes.c_void_p.from_address(ctypes.addressof(fake_ctx) + layout.ctx_mem_buffer).value = base
+    return int(ggml_get_next_tensor(ctypes.addressof(fake_ctx), tensor) or 0)
+
+
 class LayoutMismatchError(Exception):
     """A ggml struct does not look the way the in-place path expects (reason in the message)."""
 
@@ -302,7 +320,11 @@ def probe_tensor_layout(layout: TensorLayout = TensorLayout()) -> None:
         c = ggml_add(ctx, a, b)
         v = ggml_view_1d(ctx, a, 8, 16)
         ggml_set_name(a, b"timeshare-probe")
+        mem = ggml_get_mem_buffer(ctx) or 0
         checks = {
+            "object.offs": mem + read_size(a - layout.object_size) == a,
+            "ctx.mem_buffer": read_ptr(ctx + layout.ctx_mem_buffer) == mem,
+            "next tensor": next_tensor(a, layout) == b,
             "src[0]": read_ptr(c + layout.src) == a,
             "src[1]": read_ptr(c + layout.src + 8) == b,
             "view_src": read_ptr(v + layout.view_src) == a,

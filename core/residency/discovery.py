@@ -24,12 +24,15 @@ class Discovery:
         #: ``buffer``/``data`` from when it was built)
         self.weight_views = 0
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
+        #: names of the weights the warm-up graph did not show, found in the model's tensor
+        #: lists (:func:`complete_from_tensor_lists`)
+        self.listed: list[str] = []
         #: where an eval hook goes in a live context (overlapped restores); None: not usable,
         #: ``hook_note`` says why
         self.hook: evalhook.HookLayout | None = None
         self.hook_note = "not probed"
 
-    def _is_weight_buffer(self, buf: int) -> bool:
+    def is_weight_buffer(self, buf: int) -> bool:
         return bool(buf) and int(_ggml.buffer_get_usage(buf)) == _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS
 
     def _eval(self, tensor: int | None, ask: bool, _user: int | None) -> bool:
@@ -41,7 +44,7 @@ class Discovery:
             if not src:
                 continue
             root = _ggml.view_root(src, lay)  # a view of a weight leads to the weight
-            if self._is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
+            if self.is_weight_buffer(_ggml.read_ptr(root + lay.buffer)):
                 self.weights.add(root)
                 if root != src:
                     self.weight_views += 1
@@ -101,4 +104,28 @@ def discover(llm: Any, layout: _ggml.TensorLayout, probe_hook: bool = False) -> 
         llama_cpp.llama_free(ctx)
     if not disc.weights:
         raise InPlaceUnsupportedError("the warm-up decode showed no weight tensors")
+    complete_from_tensor_lists(disc)
     return disc
+
+
+def complete_from_tensor_lists(disc: Discovery) -> list[str]:
+    """Add the weight tensors the warm-up graph did not show (a weight only some inputs use: a
+    classifier head, a multi-token-prediction layer), found by walking each ggml context of the
+    model's tensors forward from the weights the graph showed (the model creates each buffer
+    type's tensors in one context; residency/_ggml.next_tensor); a weight created before every
+    one the graph showed in its context stays unseen (the plan's completeness check refuses the
+    buffer then). Returns the names added (also in ``disc.listed``)."""
+    lay = disc.layout
+    seen = set(disc.weights)
+    added: list[str] = []
+    for start in sorted(disc.weights):
+        t = _ggml.next_tensor(start, lay)
+        while t and t not in seen:
+            seen.add(t)
+            is_view = bool(_ggml.read_ptr(t + lay.view_src))
+            if not is_view and disc.is_weight_buffer(_ggml.read_ptr(t + lay.buffer)):
+                disc.weights.add(t)
+                added.append(_ggml.tensor_name(t))
+            t = _ggml.next_tensor(t, lay)
+    disc.listed.extend(added)
+    return added

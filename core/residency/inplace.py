@@ -142,7 +142,10 @@ class InPlace:
         self._spent: list[int] = []
         self._uploader_pool: ThreadPoolExecutor | None = None
         self._restore_t0 = 0.0
-        self.n_weight_tensors_seen = len(disc.weights)
+        #: weight tensors the warm-up graph showed, and the names of those found in the model's
+        #: tensor lists instead (residency/discovery.complete_from_tensor_lists)
+        self.n_weight_tensors_seen = len(disc.weights) - len(disc.listed)
+        self.weights_listed = list(disc.listed)
         originals = self._plan(disc, gpu)
         self.attach_steps = {
             "discover_ms": (t1 - t0) * 1000.0,
@@ -185,6 +188,8 @@ class InPlace:
         self._slice_bytes = shadow_slice_bytes if defer_shadow and not eager_split else None
         self.shadow_note = ""
         self.verified_tensors = 0
+        #: tensors of repacking buffers checked by repacking their file bytes (_verify_repacked)
+        self.verified_repacked = 0
         self._shadow_slices = (0, 0)
         self.shadow_fill_s = 0.0
         self.moved = False  # the last restore put a buffer at another address than before
@@ -238,7 +243,7 @@ class InPlace:
         build = self._build
         try:
             if build is None:
-                self.verified_tensors = 0
+                self.verified_tensors = self.verified_repacked = 0
                 build = self._build = self._plan_shadow(self._want_pinned)
             while not build.mem.complete:
                 self._build_slice(build, pin)
@@ -508,11 +513,14 @@ class InPlace:
         except BaseException:
             mem.close()
             raise
-        verify = (
-            []
-            if not self._verify
-            else [(b, t) for b in self.buffers if not b.buft_name.endswith("_REPACK") for t in b.tensors]
-        )
+        verify: list[tuple[WeightBuffer, WeightTensor]] = []
+        if self._verify:
+            for b in self.buffers:
+                if not b.buft_name.endswith("_REPACK"):
+                    verify.extend((b, t) for t in b.tensors)
+                elif b.tensors:  # repacking its file bytes costs a scratch copy: its first and last
+                    by_offset = sorted(b.tensors, key=lambda x: x.offset)
+                    verify.extend((b, t) for t in {id(x): x for x in (by_offset[0], by_offset[-1])}.values())
         return _ShadowBuild(mem, sorted(ranges, key=lambda r: r.mem_offset), gaps, verify, sliced)
 
     def check_pending_shadow(self) -> int:
@@ -528,7 +536,7 @@ class InPlace:
             return 0
         build = self._build
         if build is None:
-            self.verified_tensors = 0
+            self.verified_tensors = self.verified_repacked = 0
             build = self._build = self._plan_shadow(self._want_pinned)
         if build.from_file is not None:
             return 0
@@ -537,7 +545,11 @@ class InPlace:
         except OSError as exc:
             raise ModelFileError(f"{self.path} is gone ({exc.strerror}): restart the model") from exc
         lo = build.mem.allocated_end
-        left = [(b, t) for b, t in build.tensors if t.shadow_offset >= lo]
+        # (a repacking buffer cannot read its tensors back as file bytes: its spot check needs
+        # the shadow, see _verify_repacked)
+        left = [
+            (b, t) for b, t in build.tensors if t.shadow_offset >= lo and not b.buft_name.endswith("_REPACK")
+        ]
         src = {r.mem_offset: r.file_offset for r in build.ranges}
         t0 = time.perf_counter()
         if file_id != self._file_id:
@@ -628,7 +640,11 @@ class InPlace:
         be the one the model was loaded from."""
         checked = 0
         scratch = (ctypes.c_char * _VERIFY_BYTES)()
-        for _b, t in tensors:
+        for b, t in tensors:
+            if b.buft_name.endswith("_REPACK"):  # counted apart: only a few of them are checked
+                self._verify_repacked(b, t, mem)
+                self.verified_repacked += 1
+                continue
             n = min(_VERIFY_BYTES, t.nbytes)
             for off in {0, t.nbytes - n}:
                 _ggml.tensor_get(t.ptr, scratch, off, n)
@@ -636,6 +652,38 @@ class InPlace:
                     raise self._changed(t.name)
             checked += 1
         return checked
+
+    def _verify_repacked(self, b: WeightBuffer, t: WeightTensor, mem: HostMemory) -> None:
+        """A tensor of a repacking buffer (CPU_REPACK: its bytes are not the file's, and the
+        buffer cannot read them back): repack its file bytes from the shadow into a scratch tensor
+        of the same type, shape and buffer type, and compare the first and last bytes of both
+        (host memory, read directly)."""
+        lay = self.layout
+        ne = (ctypes.c_int64 * 4)(
+            *(ctypes.c_int64.from_address(t.ptr + lay.ne + 8 * i).value for i in range(4))
+        )
+        gtype = ctypes.c_int32.from_address(t.ptr).value  # ggml_tensor.type: the first field
+        ctx = _ggml.ggml_init(_ggml.GgmlInitParams(int(_ggml.ggml_tensor_overhead()) * 2 + 256, None, True))
+        if not ctx:
+            raise InPlaceUnsupportedError("ggml_init failed")
+        buf = 0
+        try:
+            copy = _ggml.ggml_new_tensor(ctx, gtype, 4, ne)
+            buf = int(_ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, b.buft) or 0)
+            if not copy or not buf or int(_ggml.ggml_nbytes(copy)) != t.nbytes:
+                raise InPlaceUnsupportedError(
+                    f"cannot make a {b.buft_name} scratch copy of {t.name} to check it"
+                )
+            _ggml.tensor_set(copy, mem.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
+            mine, loaded = _ggml.read_ptr(copy + lay.data), _ggml.read_ptr(t.ptr + lay.data)
+            n = min(_VERIFY_BYTES, t.nbytes)
+            for off in {0, t.nbytes - n}:
+                if ctypes.string_at(mine + off, n) != ctypes.string_at(loaded + off, n):
+                    raise self._changed(t.name)
+        finally:
+            if buf:
+                _ggml.buffer_free(buf)
+            _ggml.ggml_free(ctx)
 
     # -- release / restore --------------------------------------------------------------------
 

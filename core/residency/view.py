@@ -51,3 +51,8 @@ class InPlaceView:
     @property
     def n_weight_tensors_seen(self) -> int:
         return self._ip.n_weight_tensors_seen
+
+    @property
+    def weights_listed(self) -> tuple[str, ...]:
+        """Weights the warm-up graph did not show, found in the model's tensor lists."""
+        return tuple(self._ip.weights_listed)

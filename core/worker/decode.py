@@ -180,6 +180,13 @@ class Decoder:
         self._greedy = GreedyRows(self._n_vocab)
         self._pieces: dict[int, bytes] = {}
         self.live: list[Live] = []  # in join order
+        model = llm._model.model
+        #: a recurrent or hybrid model: its states cannot be cut back, so each sequence keeps a
+        #: checkpoint of its state at the end of its last prompt (``_checkpoint``)
+        self.recurrent = bool(
+            llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+        )
+        self.checkpoints: dict[int, tuple[list[int], Any, int]] = {}
         self.decodes = 0  # llama_decode calls since start (what batching saves, counted)
         # llama.cpp decodes a batch of more than one token with n_threads_batch: a step of decode
         # tokens only (one per sequence) gets the generation threads instead, as one sequence's
@@ -209,9 +216,51 @@ class Decoder:
             if reuse > 0 and (reuse >= len(ids) or llama_cpp.llama_memory_seq_rm(memory, seq_id, reuse, -1)):
                 del ids[reuse:]
                 return tokens[reuse:]
+            back = self._back_to_checkpoint(seq_id, ids, tokens, reuse)
+            if back is not None:
+                return back
         llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
         ids.clear()
         return list(tokens)
+
+    def _checkpoint(self, live: Live) -> None:
+        """A recurrent or hybrid model's sequence whose prompt was just prefilled: keep its
+        recurrent state (``PARTIAL_ONLY``: not the attention KV cells, which can be cut) with the
+        tokens it follows, so that the next prompt that shares them but not the answer (a keyless
+        client's next turn: the answer re-tokenizes differently) goes back to it instead of
+        evaluating the whole prompt again (a recurrent state cannot be cut back; llama-server
+        keeps such checkpoints too)."""
+        ctx = self.llm.ctx
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(llama_cpp.llama_state_seq_get_size_ext(ctx, live.seq_id, flags))
+        if size <= 0:
+            return
+        buf = (ctypes.c_uint8 * size)()
+        got = int(llama_cpp.llama_state_seq_get_data_ext(ctx, buf, size, live.seq_id, flags))
+        if got > 0:
+            self.checkpoints[live.seq_id] = (list(live.ids), buf, got)
+
+    def _back_to_checkpoint(
+        self, seq_id: int, ids: list[int], tokens: list[int], reuse: int
+    ) -> list[int] | None:
+        """Put sequence ``seq_id`` back to its checkpoint when the KV cannot be cut to ``reuse``
+        (a recurrent state) and the checkpoint's tokens begin both what it holds and the prompt;
+        returns the tokens left to evaluate (None: no such checkpoint)."""
+        cp = self.checkpoints.get(seq_id)
+        if cp is None:
+            return None
+        held, buf, size = cp
+        n = len(held)
+        if not 0 < n <= reuse or ids[:n] != held or tokens[:n] != held:
+            return None
+        ctx = self.llm.ctx
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        if int(llama_cpp.llama_state_seq_set_data_ext(ctx, buf, size, seq_id, flags)) != size:
+            return None
+        if not llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq_id, n, -1):
+            return None
+        del ids[n:]
+        return tokens[n:]
 
     def start(
         self,
@@ -331,6 +380,8 @@ class Decoder:
             live.evaluated += k
             if not live.pending:
                 live.prefill_end = ended
+                if self.recurrent:
+                    self._checkpoint(live)
         ctx = self.llm.ctx
         # plain greedy sequences: one argmax over their rows (the greedy sampler's token, see
         # sampler.GreedyRows); None where it cannot say (a NaN): the sampler chain decides

@@ -85,6 +85,12 @@ class Sequences:
         self._next_keyless = 0
         self._prompts_loaded = False  # the keyless sequences a stopped worker left in kv_dir
         self._n_swa = max(0, int(llama_cpp.llama_model_n_swa(llm.model)))
+        model = llm.model
+        #: a recurrent or hybrid model: its state's lowest position is its last one, not a window
+        #: (the decoder goes back to the sequence's checkpoint, or evaluates the prompt whole)
+        self._recurrent = bool(
+            llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+        )
 
     def _state_ctx(self) -> Any:
         """The llama_context pointer for state I/O (see ``state_ctx``)."""
@@ -275,7 +281,7 @@ class Sequences:
         its first ``reuse`` tokens and continued: a model with sliding-window attention (Gemma 3)
         may have dropped positions the new tokens attend to. llama-server's rule: the KV must
         still hold position ``reuse - n_swa``. Continuing the whole sequence is always fine."""
-        if reuse <= 0 or reuse >= n_tokens:
+        if reuse <= 0 or reuse >= n_tokens or self._recurrent:
             return True
         return pos_min <= max(0, reuse - self._n_swa)
 
