@@ -24,7 +24,7 @@ from timeshare.core.diagnostics.residency_check import (
     load_for_check,
 )
 from timeshare.core.sampling import Sampling
-from timeshare.core.worker import protocol as p
+from timeshare.core.wire import protocol as p
 
 ARCHS = list(KINDS)
 #: how each architecture's doctor check replays (a sliding window of 8 tokens is shorter than

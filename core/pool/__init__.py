@@ -1,7 +1,7 @@
 """The pool: the supervisor of the model workers, in the app process (no Qt, no llama objects).
 
 One worker process per configured model (``python -m timeshare.core.worker``), spawned with a clean
-environment, talking ``core/worker/protocol.py`` over a socketpair. One **pool thread** owns every
+environment, talking ``core/wire/protocol.py`` over a socketpair. One **pool thread** owns every
 piece of pool state (workers, request queues, timers); everyone else talks to it through its inbox:
 
 - public methods (``generate``, ``pin``, ``sleep`` ...) post a call and wait for its answer;

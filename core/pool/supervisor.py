@@ -73,7 +73,7 @@ class Pool:
     """Supervisor of one worker process per configured model.
 
     One worker process per configured model (``python -m timeshare.core.worker``), spawned with a
-    clean environment, talking ``core/worker/protocol.py`` over a socketpair. The pool thread owns
+    clean environment, talking ``core/wire/protocol.py`` over a socketpair. The pool thread owns
     every piece of pool state; public methods post a call to it and wait for its answer, one reader
     thread per worker posts each message and then the exit, timers (restart backoff, idle release,
     stop escalation) run on the pool thread. After every change it publishes a frozen
