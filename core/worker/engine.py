@@ -156,7 +156,7 @@ class Engine:
         if parallel > 1 or model.embedding:
             # an embedding context too: llama-cpp-python makes it of 256 sequences in one unified
             # KV stream, where packed inputs of unlike lengths changed a vector by 2e-3 (embed.py)
-            _sequences(llm, parallel, model, plan, n_ctx, kv_type)
+            make_sequences(llm, parallel, model, plan, n_ctx, kv_type)
         chat_template = None
         want = model.chat_format
         template = (
@@ -565,8 +565,13 @@ def load_failure(
     )
 
 
-def _sequences(
-    llm: Any, parallel: int, model: ModelConfig, plan: LoadPlan | None, n_ctx: int, kv_type: str
+def make_sequences(
+    llm: Any,
+    parallel: int,
+    model: ModelConfig,
+    plan: LoadPlan | None = None,
+    n_ctx: int = 0,
+    kv_type: str = DEFAULT_KV_TYPE,
 ) -> None:
     """Give ``llm`` a context of ``parallel`` sequences, each in its own KV stream (``kv_unified``
     false: a sequence's logits do not depend on the others in the batch; with a unified cache 3 of
