@@ -64,8 +64,8 @@ def shown_texts(root: Any) -> list[str]:
         QGroupBox,
         QLabel,
         QLineEdit,
-        QTabWidget,
         QTableWidget,
+        QTabWidget,
         QWidget,
     )
 
