@@ -763,16 +763,21 @@ class Worker:
         )
 
     def _apply_cancels(self) -> None:
-        """Cancelled requests leave the batch now (no context needed: their KV stays as it is)."""
+        """Cancelled requests leave the batch now (no context needed: their KV stays as it is).
+        Each one's Done carries its real usage: the tokens it generated before the Stop (what the
+        chat window counts), its prompt and what of it was evaluated."""
         engine = self.engine
         while self._to_cancel:
             req_id = self._to_cancel.pop()
             run = self._running.pop(req_id, None)
             if run is None:
                 continue
+            usage = p.Usage(0, 0, 0)
             if run.live is not None and engine is not None:
                 engine.cancel(run.live)
-            self._send_done(run.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
+                out = engine.outcome(run.live)
+                usage = p.Usage(out.prompt_tokens, out.completion_tokens, out.prompt_tokens_evaluated)
+            self._send_done(run.req, "cancelled", usage, p.SwitchMeasured(False))
         if not self._running and self._busy:
             self._busy = False
             self.tenancy.note_use(False)
