@@ -120,7 +120,8 @@ def test_the_settings_fields_come_from_the_config_metadata(
         assert box.specialValueText() == d.meta.special, name
     # a form row's label is a QLabel whose buddy is the field
     labels = [w.text() for w in dialog.findChildren(QLabel) if w.buddy() is dialog.quantum]
-    assert labels == [describe(ArenaConfig, "min_quantum_ms").meta.label + ":"]
+    # (an unstarted pool: no device seen yet, so the words of a GPU build; see test_app_settings_words)
+    assert labels == [describe(ArenaConfig, "min_quantum_ms").meta.worded(gpu=True).label + ":"]
 
     # a model table without the optional keys shows the defaults
     model = ModelDialog({"id": "m", "path": str(smollm2_path)}, set(), config_path)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from .. import envvars
+from ..arena.records import DoorbellRing
 from ..chatformat.format import of_template
 from ..errors import CancelledError, FrameError, ModelFileError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
@@ -68,7 +69,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Yield:
-    """The warden heard the doorbell: another worker wants the token."""
+    """The warden heard the doorbell: another worker wants the token (``ring``: who, and what it
+    asks of this worker, as the doorbell's one scan saw it)."""
+
+    ring: DoorbellRing
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class Worker:
         self._status_lock = threading.Lock()
         self._sent_status: p.WorkerStatus | None = None
         self._yield_wanted = False
+        self._ring: DoorbellRing | None = None  # the doorbell's last ring (with _yield_wanted)
         self._quantum_start = 0.0
         self._exit_code = 0
         self._stopping = False
@@ -341,7 +346,7 @@ class Worker:
         engine = self.engine
         self._state = "ready"
         res.set_pinned(self.pinned)
-        res.start(lambda: self.tasks.put(_Yield()))
+        res.start(lambda ring: self.tasks.put(_Yield(ring)))
         chat = of_template(engine.template)  # what the API plans tool calls with
         self.send(
             p.Ready(
@@ -399,8 +404,10 @@ class Worker:
         elif isinstance(task, p.Sleep):
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
-            if self._should_yield() or self.tenancy.asked_deep():
-                self._give_way()
+            self._ring = task.ring
+            asked = self._asked(idle=True)  # between batches: its weights, or its KV cache
+            if asked is not None:
+                self._give_way(asked)
         elif isinstance(task, p.Shutdown):
             self._shutdown(task.save_kv)
         elif isinstance(task, _Disconnected):
@@ -447,6 +454,7 @@ class Worker:
             self.publish()
         elif isinstance(task, _Yield):
             self._yield_wanted = True
+            self._ring = task.ring
         elif isinstance(task, (p.Shutdown, _Disconnected)):
             self._pending.appendleft(task)
             if self._running:
@@ -479,14 +487,18 @@ class Worker:
         self._poll()
         self.publish()  # waiting_reason becomes visible
 
-    def _should_yield(self) -> bool:
-        """Give the token up now? Not when pinned, not holding, or when the ring was stale."""
-        if self.pinned or not self.tenancy.holds_token:
-            return False
-        if not self.tenancy.others_waiting():
+    def _asked(self, idle: bool = False) -> DoorbellRing | None:
+        """Give way now, and with what? What the head of the queue asks of this worker, from the
+        doorbell's last ring while it is fresh, else from one scan of the arena (tenancy.asked);
+        None when pinned, when nothing is asked any more (the ring was stale), or, during a batch
+        (not ``idle``), when it holds no lease (only its weights may go while sequences run)."""
+        if self.pinned or not (idle or self.tenancy.holds_token):
+            return None
+        asked = self.tenancy.asked(self._ring)
+        if asked is None:
             self._yield_wanted = False
-            return False
-        return True
+            self._ring = None
+        return asked
 
     def _ensure_resident(self, poll: Callable[[], None]) -> Acquired:
         res = self.tenancy
@@ -550,18 +562,20 @@ class Worker:
         engine.park()
         return max(0, engine.snapshot_bytes - before)
 
-    def _give_way(self) -> None:
-        """The head of the queue needs room: free what it asks for (all of the weights, or only
-        some layer parts; the KV cache and compute buffers too when it asks this worker to go
-        deep: ``tenancy.on_deep`` parks the conversations first)."""
+    def _give_way(self, asked: DoorbellRing) -> None:
+        """The head of the queue needs room: free what it asks for (``asked``, from
+        :meth:`_asked`: all of the weights, or only some layer parts; the KV cache and compute
+        buffers too when it asks this worker to go deep: ``tenancy.on_deep`` parks the
+        conversations first)."""
         if self.engine is not None and self.tenancy.frees_context and self.tenancy.kv_resident:
             self.engine.park()  # the rebuild path frees the context: every conversation to the host
         try:
-            released = self.tenancy.give_way()
+            released = self.tenancy.give_way(asked)
         except ModelFileError as exc:  # a deferred shadow's check at the release
             self._file_lost(exc)
             return
         self._yield_wanted = False
+        self._ring = None
         if released is not None:
             self.send(released)
         self.publish()
@@ -603,8 +617,8 @@ class Worker:
                 self._busy = False
                 self.tenancy.note_use(False)
             self.publish()
-        if self._yield_wanted and self._should_yield():
-            self._give_way()  # between requests the quantum does not apply
+        if self._yield_wanted and (asked := self._asked()) is not None:
+            self._give_way(asked)  # between requests the quantum does not apply
 
     def _admissible(self) -> list[p.Generate]:
         """The requests that may join the batch now, in arrival order: the Generates at the head of
@@ -641,8 +655,8 @@ class Worker:
             self._gather()  # the rest of a burst joins the same prefill step
         held_ms = (time.monotonic() - self._quantum_start) * 1000.0
         quantum_over = held_ms >= self.spec.arena.min_quantum_ms
-        if self._yield_wanted and quantum_over and self._should_yield():
-            self._give_way()  # every sequence pauses; the restore resumes them all
+        if self._yield_wanted and quantum_over and (asked := self._asked()) is not None:
+            self._give_way(asked)  # every sequence pauses; the restore resumes them all
             if self._stop_batch:
                 raise CancelledError("the worker is ending: its model file changed")
         got: Acquired | None = None
@@ -763,16 +777,21 @@ class Worker:
         )
 
     def _apply_cancels(self) -> None:
-        """Cancelled requests leave the batch now (no context needed: their KV stays as it is)."""
+        """Cancelled requests leave the batch now (no context needed: their KV stays as it is).
+        Each one's Done carries its real usage: the tokens it generated before the Stop (what the
+        chat window counts), its prompt and what of it was evaluated."""
         engine = self.engine
         while self._to_cancel:
             req_id = self._to_cancel.pop()
             run = self._running.pop(req_id, None)
             if run is None:
                 continue
+            usage = p.Usage(0, 0, 0)
             if run.live is not None and engine is not None:
                 engine.cancel(run.live)
-            self._send_done(run.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
+                out = engine.outcome(run.live)
+                usage = p.Usage(out.prompt_tokens, out.completion_tokens, out.prompt_tokens_evaluated)
+            self._send_done(run.req, "cancelled", usage, p.SwitchMeasured(False))
         if not self._running and self._busy:
             self._busy = False
             self.tenancy.note_use(False)
