@@ -253,13 +253,24 @@ class Sequences:
             raise RuntimeError("every sequence of the context is in the batch")  # the worker admits fewer
         return slot
 
-    def claim_conversation(self, conversation: str, tokens: Sequence[int]) -> Slot:
+    def claim_conversation(self, conversation: str, tokens: Sequence[int], adopt: bool = False) -> Slot:
         """The conversation's own sequence, in a slot (from the host LRU or kv_dir when it is not
-        in one), to be continued from its longest common prefix with ``tokens``."""
+        in one), to be continued from its longest common prefix with ``tokens``. A conversation
+        seen for the first time starts from an empty sequence, or with ``adopt`` from the prompt
+        cache (``use_prompt_cache``'s choice, which becomes the conversation's: the Responses
+        API's first ``previous_response_id`` turn continues the keyless sequence of the response
+        it follows)."""
         slot = self._slot_of(conversation)
         if slot is None:
             if conversation not in self._saved and self.kv_dir is not None:
                 self.load_kv(self.kv_dir, conversation)
+            if adopt and conversation not in self._saved:
+                slot = self.use_prompt_cache(tokens)
+                assert slot.key is not None
+                self._used.pop(slot.key, None)
+                slot.key = conversation
+                self.touch(conversation)
+                return slot
             slot = self.take_slot()
             snap = self._saved.pop(conversation, None)
             if snap is not None:
