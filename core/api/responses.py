@@ -128,7 +128,7 @@ class ResponsesBody(msgspec.Struct, frozen=True, kw_only=True):
     # the extensions every OpenAI route takes (llama-server's names)
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, lt=2**32)] | None = None
     stop: str | Annotated[list[NonEmpty], msgspec.Meta(max_length=MAX_STOP)] | None = None
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
@@ -159,7 +159,7 @@ _RULES = {
     "truncation": "'truncation' must be 'auto' or 'disabled'.",
     "top_k": "'top_k' must be a whole number of at least 0 (0: no limit).",
     "min_p": "'min_p' must be a number from 0 to 1.",
-    "seed": "'seed' must be a whole number.",
+    "seed": "'seed' must be a whole number from 0 to 2**32 - 1.",
     "stop": f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings.",
     "presence_penalty": "'presence_penalty' must be a number from -2 to 2.",
     "frequency_penalty": "'frequency_penalty' must be a number from -2 to 2.",
