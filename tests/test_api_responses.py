@@ -339,6 +339,35 @@ def test_a_thinking_model_answers_with_a_reasoning_item(client: openai.OpenAI) -
     assert "response.reasoning_text.delta" in [e.type for e in events]
 
 
+def test_a_model_stopped_mid_stream_ends_it_with_an_error_and_a_failed_response(
+    served: Served, client: openai.OpenAI
+) -> None:
+    """An answer cut short is never passed off as finished: the stream's last events are an
+    ``error`` (the reason) and ``response.failed``."""
+    stream = client.responses.create(
+        model=THINKS, input="Tell me a long story.", max_output_tokens=2000, temperature=0, stream=True
+    )
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type.endswith(".delta") and len(events) == 6:
+            stopped = httpx.post(
+                f"{served.url}/timeshare/v1/models/{THINKS}/sleep",
+                json={"level": "stop"},
+                headers=served.headers(),
+                timeout=120,
+            )
+            assert stopped.status_code == 200
+    types = [e.type for e in events]
+    assert types[-2:] == ["error", "response.failed"], types[-6:]
+    assert "stopped" in events[-2].message  # type: ignore[union-attr]
+    failed = events[-1].response  # type: ignore[union-attr]
+    assert (
+        failed.status == "failed" and failed.error is not None and failed.error.message == events[-2].message
+    )  # type: ignore[union-attr]
+    assert "response.completed" not in types and "response.incomplete" not in types
+
+
 # ---- previous_response_id ------------------------------------------------------------------------
 
 

@@ -552,8 +552,7 @@ class _Answer:
     request: ResponsesRequest
     model_id: str
     previous: StoredResponse | None
-    conversation: str  # the chain's KV conversation (this response's id for the first of a chain)
-    earlier: tuple[ChatMessage, ...]
+    conversation: str  # the chain's KV conversation (named after the first response of the chain)
 
     def shell(self, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The response object (without usage) in ``status``."""
@@ -688,7 +687,7 @@ class Routes:
             )
         rid = new_id("resp")
         conversation = previous.conversation if previous is not None else f"responses-{rid}"
-        answer = _Answer(rid, time.time(), parsed, model_id, previous, conversation, earlier)
+        answer = _Answer(rid, time.time(), parsed, model_id, previous, conversation)
         # the first response of a chain runs on the prompt cache; its continuations in the chain's
         # conversation (see the module docstring)
         req = generation_request(parsed, model_id, earlier, conversation if previous is not None else None)
