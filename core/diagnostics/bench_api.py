@@ -385,35 +385,10 @@ def main(args: argparse.Namespace) -> int:
             models = list(args.model) if args.model else [str(demo.smollm2_path()), str(demo.gemma3_path())]
         except demo.DemoUnavailableError as exc:
             raise TimeshareError(f"{exc}; give two models with --model PATH --model PATH") from None
-        responses = bool(getattr(args, "responses", False))
-        if responses and (args.llama_server or args.plot or getattr(args, "switch_only", False)):
-            raise TimeshareError(
-                "--responses compares two APIs of timeshare: leave out --llama-server, --plot and "
-                "--switch-only"
-            )
         # before anything starts: timeshare's systems and llama-swap's way run on the same card
         with hold_card(getattr(args, "card", None)) as card:
             if card is not None:
                 progress(card.describe())
-            if responses:
-                from .bench_api_responses import print_report, run_responses_bench
-
-                report = run_responses_bench(
-                    models,
-                    context=int(args.context),
-                    rounds=int(args.rounds),
-                    budget=str(getattr(args, "budget", None) or "one-model"),
-                    flash_attn=bool(args.flash_attn),
-                    progress=progress,
-                    keep_logs=bool(getattr(args, "keep_logs", False)),
-                )
-                if card is not None:
-                    report["card"] = card.to_json()
-                if args.json:
-                    print(json.dumps(report))
-                else:
-                    print_report(report)
-                return 0
             report = run_api_bench(
                 models,
                 context=int(args.context),

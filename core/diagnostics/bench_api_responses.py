@@ -15,7 +15,11 @@ path (the store's chain, the conversation's KV, the two dialects).
 
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -173,3 +177,46 @@ def print_report(r: dict[str, Any]) -> None:
     )
     shown = "-" if ratio is None else f"{ratio:.3f}"
     print(f"responses / chat completions: {shown} x; target <= {r['target']}{verdict}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``timeshare bench api --responses``. Exit 0: it ran; 2: it could not run."""
+    from ..config import demo
+    from .card import hold_card
+    from .doctor import report_failure
+
+    def progress(msg: str) -> None:
+        print(f"bench api: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        if args.llama_server or args.plot or getattr(args, "switch_only", False):
+            raise TimeshareError(
+                "--responses compares two APIs of timeshare: leave out --llama-server, --plot and "
+                "--switch-only"
+            )
+        try:
+            models = list(args.model) if args.model else [str(demo.smollm2_path()), str(demo.gemma3_path())]
+        except demo.DemoUnavailableError as exc:
+            raise TimeshareError(f"{exc}; give two models with --model PATH --model PATH") from None
+        with hold_card(getattr(args, "card", None)) as card:
+            if card is not None:
+                progress(card.describe())
+            report = run_responses_bench(
+                models,
+                context=int(args.context),
+                rounds=int(args.rounds),
+                budget=str(getattr(args, "budget", None) or "one-model"),
+                flash_attn=bool(args.flash_attn),
+                progress=progress,
+                keep_logs=bool(getattr(args, "keep_logs", False)),
+            )
+        if card is not None:
+            report["card"] = card.to_json()
+    except (TimeshareError, subprocess.TimeoutExpired, OSError) as exc:
+        err = exc if isinstance(exc, TimeshareError) else TimeshareError(str(exc))
+        return report_failure("bench api", err, bool(args.json))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
