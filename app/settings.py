@@ -528,9 +528,15 @@ class SettingsDialog(QDialog):
         self.api_queue_limit = QSpinBox()
         spin(self.api_queue_limit, ApiConfig, "queue_limit", initial(api, ApiConfig, "queue_limit"))
         self.api_queue_limit.setMinimumWidth(200)
+        self.api_responses_kept = QSpinBox()
+        spin(self.api_responses_kept, ApiConfig, "responses_kept", initial(api, ApiConfig, "responses_kept"))
+        self.api_responses_days = QSpinBox()
+        spin(self.api_responses_days, ApiConfig, "responses_days", initial(api, ApiConfig, "responses_days"))
         clients = new_form()
         clients.addRow(field_label(ApiConfig, "ollama_listen"), self.api_ollama)
         clients.addRow(field_label(ApiConfig, "queue_limit"), self.api_queue_limit)
+        clients.addRow(field_label(ApiConfig, "responses_kept"), self.api_responses_kept)
+        clients.addRow(field_label(ApiConfig, "responses_days"), self.api_responses_days)
 
         self.api_enabled.toggled.connect(self._show_api_url)
         self.api_host.textChanged.connect(self._show_api_url)
@@ -620,6 +626,8 @@ class SettingsDialog(QDialog):
         else:
             api.pop("ollama_listen", None)
         api["queue_limit"] = self.api_queue_limit.value()
+        api["responses_kept"] = self.api_responses_kept.value()
+        api["responses_days"] = self.api_responses_days.value()
         for key, line in (
             ("allowed_hosts", self.api_allowed_hosts),
             ("allowed_origins", self.api_allowed_origins),

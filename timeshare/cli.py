@@ -307,6 +307,12 @@ def _add_diagnostics(sub: Any) -> None:
         "--switch-only", action="store_true", help="measure the switched turns only (timeshare_switch)"
     )
     bapi.add_argument(
+        "--responses",
+        action="store_true",
+        help="instead: a /v1/responses turn continuing a stored response (previous_response_id) "
+        "after a switch vs the same turn through chat completions with a conversation",
+    )
+    bapi.add_argument(
         "--keep-logs", action="store_true", help="keep the work folder with serve's and the workers' logs"
     )
     bapi.add_argument("--card", metavar="SIZE", help=_CARD_HELP)

@@ -36,7 +36,7 @@ from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import USER_SLEEP_LEVEL, EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..wire.protocol import TokenLogprobs, Usage
-from . import anthropic, ollama, ollama_models, shapes
+from . import anthropic, ollama, ollama_models, responses, shapes
 from .chat_output import ChatOutput
 from .dialect import Choice, Turn, listing, start, unknown_model
 from .embeddings import embedding_response, parse_embedding_request
@@ -60,6 +60,7 @@ from .requests import (
     read_body,
     read_json,
 )
+from .response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -519,6 +520,10 @@ class _Handlers:
 
         return StreamResponse(events(), ping=15, send_timeout=SSE_WRITE_TIMEOUT_S)
 
+    def sse(self, events: AsyncIterator[dict[str, str]]) -> Response:
+        """The API's server-sent events (a client that stops reading is given up on)."""
+        return StreamResponse(events, ping=15, send_timeout=SSE_WRITE_TIMEOUT_S)
+
     # -- Timeshare endpoints --
 
     async def status(self, request: Request) -> Response:
@@ -714,6 +719,9 @@ def create_app(
     ]
     # the other dialects, thin translations onto the same handlers
     routes += anthropic.routes(handlers) + ollama.routes(handlers) + ollama_models.routes(handlers)
+    # the Responses API keeps what it answered (store: true) in the data dir, within the bounds
+    store = ResponseStore(keep=api_config.responses_kept, days=api_config.responses_days)
+    routes += responses.routes(handlers, store, handlers.sse)
     exception_handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         BadRequestError: _on_bad_request,
         TimeshareError: _on_timeshare_error,
@@ -727,6 +735,7 @@ def create_app(
     app.add_middleware(GuardMiddleware, api_config=api_config, closing=lambda: handlers.closing)
     app.state.begin_shutdown = handlers.begin_shutdown
     app.state.counter = counter
+    app.state.responses = store
     app.state.served = handlers.served
     app.state.unsubscribe = pool.subscribe(counter.on_event)
     return app

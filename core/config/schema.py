@@ -293,6 +293,30 @@ class ApiConfig:
             special="none: web pages may not call the API",
         ),
     )
+    # The Responses API's stored responses (store: true; core/api/response_store.py), in the data
+    # dir: the oldest go first beyond this many, and any older than responses_days.
+    responses_kept: int = setting(
+        1000,
+        FieldMeta(
+            "Stored responses, at most",
+            "Answers of the Responses API kept so that a client can continue them "
+            "(previous_response_id); the oldest go first",
+            "responses",
+            0,
+            ui_maximum=1_000_000,
+            special="none: nothing is kept",
+        ),
+    )
+    responses_days: int = setting(
+        30,
+        FieldMeta(
+            "Stored responses are kept for",
+            "Stored answers of the Responses API older than this are forgotten",
+            "days",
+            1,
+            ui_maximum=36500,
+        ),
+    )
     # It serves the same app (every dialect, the same key and guards).
     ollama_listen: str = setting(
         "",

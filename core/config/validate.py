@@ -472,6 +472,8 @@ def validate(
             "port": _integer(c, ApiConfig, "port"),
             "key": lambda w, v: c.string(w, v, allow_empty=False),
             "queue_limit": _integer(c, ApiConfig, "queue_limit"),
+            "responses_kept": _integer(c, ApiConfig, "responses_kept"),
+            "responses_days": _integer(c, ApiConfig, "responses_days"),
             "allowed_hosts": lambda w, v: c.string_list(w, v, _host_checker(c)),
             "allowed_origins": lambda w, v: c.string_list(w, v, _origin_checker(c)),
             "ollama_listen": lambda w, v: _listen_address(c, w, v),

@@ -216,6 +216,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_switch import main as switch_main
 
         return switch_main(args)
+    if args.bench == "api" and getattr(args, "responses", False):
+        from .bench_api_responses import main as responses_main
+
+        return responses_main(args)
     if args.bench == "api":
         from .bench_api import main as api_main
 

@@ -377,7 +377,8 @@ class Engine:
         cache_prompt = self.model.cache_prompt if req.cache_prompt is None else req.cache_prompt
         if req.conversation is not None:
             # the conversation's own sequence, continued from its longest common prefix
-            slot = self.sequences.claim_conversation(req.conversation, tokens)
+            # (a new one with cache_prompt true starts from the prompt cache: Sequences.claim_conversation)
+            slot = self.sequences.claim_conversation(req.conversation, tokens, adopt=req.cache_prompt is True)
         elif cache_prompt:
             slot = self.sequences.use_prompt_cache(tokens)
         else:
