@@ -200,7 +200,9 @@ def check_socket_path(dir_fd: int) -> None:
     PeerRefusedError naming what it is. FileNotFoundError when there is none."""
     st = os.lstat(SOCKET_FILE, dir_fd=dir_fd)
     if not stat.S_ISSOCK(st.st_mode):
-        raise PeerRefusedError(f"the arena's {SOCKET_FILE} is not a socket (mode {stat.filemode(st.st_mode)})")
+        raise PeerRefusedError(
+            f"the arena's {SOCKET_FILE} is not a socket (mode {stat.filemode(st.st_mode)})"
+        )
     if st.st_uid != os.geteuid():
         raise PeerRefusedError(
             f"the arena's {SOCKET_FILE} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})"

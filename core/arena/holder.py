@@ -113,7 +113,12 @@ class Holder:
         listener.setblocking(False)
         self._listener = listener
         self._sel.register(listener, selectors.EVENT_READ, ("listen", 0))
-        log.info("hand-over holder %d on %s (chunk %d bytes)", os.getpid(), self.arena.path, self.ledger.chunk_bytes)
+        log.info(
+            "hand-over holder %d on %s (chunk %d bytes)",
+            os.getpid(),
+            self.arena.path,
+            self.ledger.chunk_bytes,
+        )
         return True
 
     # -- the loop ------------------------------------------------------------------------------
@@ -177,16 +182,22 @@ class Holder:
             sock, _ = self._listener.accept()
         except BlockingIOError:
             return
+        self.admit(sock)
+
+    def admit(self, sock: socket.socket) -> bool:
+        """Serve a connected socket, or close it at once (False) when its peer runs as another
+        uid: refused before a byte is read or sent."""
         peer = peer_of(sock)
-        if peer.uid != os.geteuid():  # refused before a byte is read
+        if peer.uid != os.geteuid():
             log.warning("refused a connection from uid %d (pid %d)", peer.uid, peer.pid)
             sock.close()
-            return
+            return False
         sock.setblocking(True)
         sock.settimeout(5.0)  # a peer that stops reading mid-answer is dropped, not waited for
         self._conns[sock.fileno()] = _Conn(sock, peer.pid)
         self._sel.register(sock, selectors.EVENT_READ, ("conn", sock.fileno()))
         self._watch_pid(peer.pid)
+        return True
 
     def _watch_pid(self, pid: int) -> None:
         if pid in self._pidfds:
@@ -256,12 +267,19 @@ class Holder:
         now = time.monotonic()
         if op == "hello":
             if msg.get("v") != VERSION:
-                raise ValueError(f"hand-over protocol version {msg.get('v')!r} (this holder speaks {VERSION})")
+                raise ValueError(
+                    f"hand-over protocol version {msg.get('v')!r} (this holder speaks {VERSION})"
+                )
             conn.hello, conn.model = True, str(msg.get("model", ""))[:120]
             self._reply(
                 conn,
-                {"op": "welcome", "v": VERSION, "session": self.session, "chunk": self.ledger.chunk_bytes,
-                 "pid": os.getpid()},
+                {
+                    "op": "welcome",
+                    "v": VERSION,
+                    "session": self.session,
+                    "chunk": self.ledger.chunk_bytes,
+                    "pid": os.getpid(),
+                },
             )
         elif op == "take":
             n = _count(msg, "n")
@@ -279,14 +297,15 @@ class Holder:
             if n != len(fds) or n == 0:
                 raise ValueError(f"adopt names {n} chunk(s) but {len(fds)} fd(s) came with it")
             self._last_use = now
-            ids = self.ledger.adopt(fds, conn.pid)
-            self._reply(conn, {"op": "adopted", "ids": ids})
+            self._reply(conn, {"op": "adopted", "ids": self.ledger.adopt(fds, conn.pid)})
         elif op == "put":
-            ids = msg.get("ids")
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            put_ids = msg.get("ids")
+            if not isinstance(put_ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in put_ids
+            ):
                 raise ValueError("put needs 'ids', a list of chunk ids")
             self._last_use = now
-            self._close_fds(self.ledger.put(conn.pid, ids, now, keep=bool(msg.get("keep", True))))
+            self._close_fds(self.ledger.put(conn.pid, put_ids, now, keep=bool(msg.get("keep", True))))
             if self.idle_s <= 0:
                 self._close_fds(self.ledger.trim(0, "idle"))
             self._reply(conn, {"op": "done", "on_hand": self.ledger.on_hand_bytes})
@@ -330,7 +349,7 @@ class Holder:
         if not self.ledger.on_hand_bytes:
             self._over_since = None
             return
-        record = self.arena.lease_files.budget_record()
+        record = self.arena.budget_in_force()
         leases = self.arena.leases(sweep=False)
         if record is None:
             self._over_since = None

@@ -78,7 +78,9 @@ class Ledger:
     @property
     def on_hand(self) -> list[Chunk]:
         """The chunks on hand, the oldest first."""
-        return sorted((c for c in self._chunks.values() if c.state == "on_hand"), key=lambda c: (c.since, c.id))
+        return sorted(
+            (c for c in self._chunks.values() if c.state == "on_hand"), key=lambda c: (c.since, c.id)
+        )
 
     @property
     def on_hand_bytes(self) -> int:
