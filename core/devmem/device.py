@@ -57,6 +57,10 @@ class ChunkDevice(Protocol):
         """Make a mapped range readable and writable by the device."""
         ...
 
+    def synchronize(self) -> None:
+        """Wait until no device work can touch a mapping (called once before unmapping)."""
+        ...
+
     def unmap(self, address: int, nbytes: int) -> None:
         """Unmap one allocation's mapping (the range stays reserved)."""
         ...

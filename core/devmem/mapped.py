@@ -173,6 +173,8 @@ class HandedMemory:
         them, e.g. this process's last release). Returns the chunks unmapped."""
         ids: list[int] = []
         n = 0
+        if any(self.mapped(k) for k in keys):
+            self.device.synchronize()
         for key in keys:
             r = self._ranges.get(key)
             if r is None or not r.mapped:

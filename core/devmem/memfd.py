@@ -94,6 +94,9 @@ class MemfdDevice:
     def set_access(self, address: int, nbytes: int) -> None:
         pass  # mapped read-write already
 
+    def synchronize(self) -> None:
+        pass  # the CPU's writes are done when the caller's are
+
     def unmap(self, address: int, nbytes: int) -> None:
         # the reservation comes back in its place (MAP_FIXED replaces the mapping atomically)
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
