@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import envvars
+from ..devmem.device import CHUNK_BYTES
 from .dirs import ArenaDir
 from .handover import (
-    CHUNK_BYTES,
     IDLE_S,
     MAX_FDS,
     VERSION,

@@ -35,9 +35,6 @@ from .records import O_FILE
 SOCKET_FILE = "handover.sock"
 RECORD_FILE = "handover"
 VERSION = 1
-#: one chunk of device memory; every chunk of an arena has this size (a multiple of any CUDA
-#: allocation granularity seen: 2 MiB on the H100/H200)
-CHUNK_BYTES = 64 << 20
 #: the most fds one packet carries (the kernel's SCM_MAX_FD is 253)
 MAX_FDS = 250
 MAX_MESSAGE = 64 << 10

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..devmem.device import CHUNK_BYTES
 from .arena import Arena
 from .handover import (
-    CHUNK_BYTES,
     IDLE_S,
     MAX_FDS,
     RECORD_FILE,

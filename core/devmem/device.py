@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+#: one chunk of device memory: every chunk of an arena has this size (a multiple of any CUDA
+#: allocation granularity seen: 2 MiB on the H100/H200); the holder says the one in force
+CHUNK_BYTES = 64 << 20
+
 
 class ChunkDeviceError(Exception):
     """A device call failed; ``out_of_memory``: it was an allocation the device had no room for."""
