@@ -17,13 +17,23 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _handover_util import (
+    CHUNK,
+    WAIT_S,
+    Worker,
+    alive,
+    close_clients,
+    memfd_fds,
+    memfd_maps,
+    observer,
+    shared_between,
+    wait_for,
+)
 from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import compute_budget, parse_budget
 from timeshare.core.arena.handclient import HandoverClient
@@ -37,113 +47,6 @@ from timeshare.core.arena.handover import (
 from timeshare.core.arena.holder import Holder
 from timeshare.core.arena.ledger import Ledger, LedgerError, on_hand_limit
 
-CHUNK = 1 << 20
-WORKER = str(Path(__file__).with_name("_handover_worker.py"))
-WAIT_S = 15.0  # waits for an event (a process's exit seen by the holder), never a timing check
-
-
-def wait_for(what: str, cond: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.02)
-
-
-# ---- /proc: where the memfd chunks of a tag are --------------------------------------------
-
-
-def memfd_fds(tag: str) -> dict[int, set[int]]:
-    """pid -> inodes of the tag's memfds it holds an fd of."""
-    name = f"/memfd:timeshare-chunk-{tag} (deleted)"
-    out: dict[int, set[int]] = {}
-    for pid_s in os.listdir("/proc"):
-        if not pid_s.isdigit():
-            continue
-        fd_dir = f"/proc/{pid_s}/fd"
-        try:
-            for fd in os.listdir(fd_dir):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"{fd_dir}/{fd}") == name:
-                        out.setdefault(int(pid_s), set()).add(os.stat(f"{fd_dir}/{fd}").st_ino)
-        except OSError:
-            continue
-    return out
-
-
-def memfd_maps(tag: str) -> dict[int, set[int]]:
-    """pid -> inodes of the tag's memfds it has mapped."""
-    name = f"/memfd:timeshare-chunk-{tag}"
-    out: dict[int, set[int]] = {}
-    for pid_s in os.listdir("/proc"):
-        if not pid_s.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid_s}/maps") as f:
-                for line in f:
-                    if name in line:
-                        out.setdefault(int(pid_s), set()).add(int(line.split()[4]))
-        except OSError:
-            continue
-    return out
-
-
-def shared_between(maps: dict[int, set[int]]) -> set[int]:
-    """Inodes mapped by more than one pid."""
-    seen: dict[int, int] = {}
-    for inodes in maps.values():
-        for i in inodes:
-            seen[i] = seen.get(i, 0) + 1
-    return {i for i, n in seen.items() if n > 1}
-
-
-# ---- processes ----------------------------------------------------------------------------
-
-
-class Worker:
-    """A stand-in worker process (tests/_handover_worker.py)."""
-
-    def __init__(self, arena: Path, tag: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, WORKER, str(arena), tag, str(CHUNK)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        first = self._line()
-        assert first.startswith("ready"), first
-        self.pid = self.proc.pid
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"worker {self.proc.pid} ended (rc {self.proc.wait()})")
-        return line.strip()
-
-    def __call__(self, command: str) -> str:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._line()
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self._close_pipes()
-
-    def end(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        assert self.proc.wait(timeout=WAIT_S) == 0
-        self._close_pipes()
-
-    def _close_pipes(self) -> None:
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-
 
 @pytest.fixture
 def tag() -> str:
@@ -154,7 +57,11 @@ def tag() -> str:
 def arena(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "arena"
     yield path
-    state = read_state(os.open(path, os.O_RDONLY)) if path.exists() else None
+    state = None
+    if path.exists():
+        fd = os.open(path, os.O_RDONLY)
+        state = read_state(fd)
+        os.close(fd)
     if state is not None:  # a test that failed half-way: its holder goes too
         with contextlib.suppress(ProcessLookupError):
             os.kill(state.pid, signal.SIGKILL)
@@ -170,23 +77,10 @@ def workers() -> Iterator[list[Worker]]:
         w._close_pipes()
 
 
-_clients: list[HandoverClient] = []
-
-
 @pytest.fixture(autouse=True)
 def _close_clients() -> Iterator[None]:
     yield
-    while _clients:
-        _clients.pop().close()
-
-
-def observer(arena: Path, idle_s: float = 600.0) -> HandoverClient:
-    """The test's own connection (it keeps the holder alive and reads its status); the first
-    connection starts the holder, with this chunk size and idle time."""
-    client = HandoverClient(arena, "observer", chunk_bytes=CHUNK, idle_s=idle_s)
-    _clients.append(client)
-    client.connect()
-    return client
+    close_clients()
 
 
 # ---- the ledger (pure) ----------------------------------------------------------------------
@@ -263,18 +157,9 @@ def test_memory_passes_from_a_worker_that_exited(arena: Path, tag: str, workers:
     b.end()  # exits without putting back: its chunks come back at its exit
     wait_for("B's chunks on hand", lambda: obs.status()["on_hand_bytes"] == 4 * CHUNK)
     obs.close()
-    wait_for("the holder exits", lambda: holder_pid not in memfd_fds(tag) and not _alive(holder_pid))
+    wait_for("the holder exits", lambda: holder_pid not in memfd_fds(tag) and not alive(holder_pid))
     assert memfd_fds(tag) == {} and memfd_maps(tag) == {}  # no leak
     assert not (arena / SOCKET_FILE).exists() and not (arena / RECORD_FILE).exists()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[-1][0] != "Z"
 
 
 def test_chunks_lent_to_a_live_worker_are_never_given_to_another(
@@ -353,7 +238,7 @@ def test_holder_killed(arena: Path, tag: str, workers: list[Worker]) -> None:
     b_chunks = memfd_fds(tag)[holder_pid]
     assert len(b_chunks) == 5
     os.kill(holder_pid, signal.SIGKILL)
-    wait_for("the holder gone", lambda: not _alive(holder_pid))
+    wait_for("the holder gone", lambda: not alive(holder_pid))
     # its on-hand chunks went back (no fd, no mapping anywhere); A's stay mapped by A alone
     assert memfd_fds(tag) == {}
     assert set(memfd_maps(tag)) == {a.pid} and len(memfd_maps(tag)[a.pid]) == 2
