@@ -141,10 +141,10 @@ def close_clients() -> None:
         _clients.pop().close()
 
 
-def observer(arena: Path, idle_s: float = 600.0) -> HandoverClient:
+def observer(arena: Path, idle_s: float = 600.0, chunk: int = CHUNK) -> HandoverClient:
     """The test's own connection (it keeps the holder alive and reads its status); the first
     connection starts the holder, with this chunk size and idle time."""
-    client = HandoverClient(arena, "observer", chunk_bytes=CHUNK, idle_s=idle_s)
+    client = HandoverClient(arena, "observer", chunk_bytes=chunk, idle_s=idle_s)
     _clients.append(client)
     client.connect()
     return client
