@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,8 @@ from ..arena.arena import Arena
 from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
 from ..arena.client import TokenClient
 from ..arena.dirs import device_arena_dir
+from ..arena.handclient import HandoverClient, holder_env_ok
+from ..arena.handover import HandoverError
 from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
@@ -293,6 +295,8 @@ class ArenaTenancy(Tenancy):
         self._reserve_full = 0
         self._deepens = 0
         self._deep_keeps = 0
+        #: the arena's hand-over holder (issue 40): where handed-over device memory comes from
+        self.handover: HandoverClient | None = None
 
     def _weights_budget(self) -> int:
         if self._closed:  # the worker is ending: a last status reports what was read before
@@ -366,6 +370,21 @@ class ArenaTenancy(Tenancy):
         release (every release stays whole); 1 elsewhere."""
         return max(1, int(self.spec.model.weight_parts)) if overlap_expected() else 1
 
+    def _handover_client(self) -> HandoverClient | None:
+        """The arena's hand-over holder, when ``arena.handover`` (or ``TIMESHARE_HANDOVER``) asks
+        for it: connected now (starting it when none lives); a holder that cannot be reached is
+        tried again at each restore, and meanwhile the worker's chunks are its own."""
+        override = envvars.HANDOVER.switch()
+        wanted = self.spec.arena.handover if override is None else override
+        if not wanted or not holder_env_ok():
+            return None
+        client = HandoverClient(self.arena.path, self.spec.model.id, idle_s=self.spec.arena.handover_idle_s)
+        try:
+            client.connect()
+        except HandoverError as exc:
+            log.warning("the arena's hand-over holder cannot be reached now: %s", exc)
+        return client
+
     def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""
         one_model = self.budget is None or self.budget.one_model
@@ -378,7 +397,10 @@ class ArenaTenancy(Tenancy):
             parts=parts,
             split_at_release=one_model and parts > 1,
         )
-        res = Residency.attach(engine.llm, engine.model.path, options)
+        self.handover = self._handover_client()
+        if self.handover is not None:
+            options = replace(options, handover=True)
+        res = Residency.attach(engine.llm, engine.model.path, options, chunk_source=self.handover)
         self.residency = res
         self.path = res.path
         self.reason = res.reason
@@ -811,9 +833,13 @@ class ArenaTenancy(Tenancy):
             self.client.close()
         finally:
             res = self.residency
-            if res is not None:
-                res.close()
-            self.arena.close()
+            try:
+                if res is not None:
+                    res.close()  # its handed-over chunks go back to the holder, which closes them
+            finally:
+                if self.handover is not None:
+                    self.handover.close()
+                self.arena.close()
 
 
 def make_tenancy(spec: WorkerSpec) -> Tenancy:
