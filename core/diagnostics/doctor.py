@@ -270,7 +270,12 @@ def _print_text(r: dict[str, Any]) -> None:
         f"cycles:             {r['cycles']} (+1 with the KV cache)",
         f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']}; {_CHECKS[r['check']]})",
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
-        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
+        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})"
+        + (
+            "; handed over: the holder keeps it for the next restore"
+            if r.get("handover", {}).get("on")
+            else ""
+        ),
         *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
         *_found_lines(r),
         f"release:            {r['release_ms']:.2f} ms (median)",

@@ -17,7 +17,7 @@ from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
 from ..arena.client import TokenClient
 from ..arena.dirs import device_arena_dir
 from ..arena.handclient import HandoverClient, holder_env_ok
-from ..arena.handover import HandoverError
+from ..arena.handover import HandoverError, read_state
 from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
@@ -255,17 +255,21 @@ class ArenaTenancy(Tenancy):
         self.device_index = self.device.index
         self.device_name = self.device.name
         setting = budget_setting(spec.arena.vram_budget)
+        base = Path(spec.arena_dir) if spec.arena_dir is not None else None
+        self.arena = Arena(device_arena_dir(base, self.device.index) if base is not None else None)
+        # device memory the arena's hand-over holder keeps for the next restore is Timeshare's:
+        # free for an auto budget measured now (else it would count as another program's)
+        holder = read_state(self.arena.dir.fd)
+        kept = holder.on_hand_bytes if holder is not None else 0
         wanted = compute_budget(
             setting,
             total=self.device.total,
-            free=self.device.free,
+            free=min(self.device.total, self.device.free + kept),
             device=self.device.index,
             device_name=self.device.name,
             pid=os.getpid(),
             at=time.time(),
         )
-        base = Path(spec.arena_dir) if spec.arena_dir is not None else None
-        self.arena = Arena(device_arena_dir(base, self.device.index) if base is not None else None)
         self.observer: Observer = EventLog(spec.event_log, spec.model.id) if spec.event_log else NULL_OBSERVER
         try:
             self.client = TokenClient(
