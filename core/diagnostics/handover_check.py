@@ -54,7 +54,7 @@ def handover_lines(h: dict[str, Any] | None) -> list[str]:
         return []
     if not h.get("on"):
         could = "possible" if h.get("possible") else "not possible"
-        return [f"hand-over:          off ({h.get('note', '')}); {could} here: {h.get('possible_note', '')}"]
+        return [f"hand-over:          off: {h.get('note', '')}; {could} here: {h.get('possible_note', '')}"]
     chunk = int(h["chunk_bytes"])
     line = (
         f"hand-over:          {h['device']}, chunks of {chunk / 2**20:.0f} MiB: "

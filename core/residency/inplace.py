@@ -202,7 +202,7 @@ class InPlace:
         #: buffers are allocated and freed through ggml), why not when not, each buffer type's
         #: base-pointer slot, the carriers of the buffers mapped now, buffers to unmap
         self.handed: HandedMemory | None = None
-        self.handover_note = "off"
+        self.handover_note = "not asked for (ResidencyOptions.handover, arena.handover)"
         self._slots: dict[int, BaseSlot] = {}
         self._carried: dict[int, Carried] = {}
         self._unmap_after: list[int] = []

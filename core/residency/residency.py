@@ -217,7 +217,7 @@ class Residency:
         self.last_overlap: OverlapTimeline | None = None
         self.memory_note = ""  # why memory_measure is not the device's own report, when it is not
         #: why restores do not map handed-over memory ("" when they do; issue 40)
-        self.handover_note = "off (ResidencyOptions.handover)"
+        self.handover_note = "not asked for (ResidencyOptions.handover, arena.handover)"
 
     # -- construction -------------------------------------------------------------------------
 
