@@ -114,3 +114,19 @@ def test_two_model_processes_switch_on_the_same_memory(smollm2_path: Path, tmp_p
         b.end()
     close_clients()
     wait_for("the holder exits with nothing left to hold", lambda: not alive(holder_pid))
+
+
+def test_doctor_reports_the_hand_over(smollm2_path: Path) -> None:
+    from timeshare.core.diagnostics.doctor import run_doctor
+
+    report = run_doctor(str(smollm2_path), 2, handover=True)
+    assert report["bitwise_identical"] and report["kv_level_bitwise_identical"]
+    h = report["handover"]
+    assert h["on"] is True and h["device"] == "memfd (CPU stand-in)" and h["note"] == ""
+    n = -(-report["weight_bytes"] // h["chunk_bytes"])
+    # three restores (two cycles and the KV level): the first allocates, the others are handed over
+    assert (h["created_chunks"], h["handed_chunks"], h["creates"]) == (n, 2 * n, n)
+    assert [s["restore"].get("created_chunks") for s in report["steps"]] == [n, 0]
+    assert h["holder"]["adopted"] == n
+    off = run_doctor(str(smollm2_path), 1)["handover"]
+    assert off["on"] is False and off["possible"] is True and "not asked for" in off["note"]
