@@ -206,6 +206,8 @@ class InPlace:
         self._slots: dict[int, BaseSlot] = {}
         self._carried: dict[int, Carried] = {}
         self._unmap_after: list[int] = []
+        #: close() moved resident handed buffers into ggml memory at other addresses (graphs stale)
+        self.moved_at_close = False
         if handed is not None:
             self._setup_handover(handed)
         if not defer_shadow or eager_split:  # split() uploads the parts from the shadow
@@ -992,7 +994,11 @@ class InPlace:
         done: list[WeightBuffer] = []
         first_alloc_s = alloc_max_s = 0.0
         held: list[tuple[Part, list[WeightBuffer]]] = []
-        handed = self._map_handed(todo)
+        try:
+            handed = self._map_handed(todo)
+        except OutOfDeviceMemoryError:
+            self.gate = None
+            raise
         for part, bufs in groups:
             for b in bufs:
                 t_a = time.perf_counter()
@@ -1237,6 +1243,7 @@ class InPlace:
         if handed is None:
             return
         carried = [b for b in self.buffers if id(b) in self._carried]
+        self.moved_at_close = False
         try:
             if carried:
                 self.finish_uploads()
@@ -1246,6 +1253,7 @@ class InPlace:
                 self.handed = None
                 try:
                     self._restore(carried)
+                    self.moved_at_close = self.moved
                 except (OutOfDeviceMemoryError, ResidencyError) as exc:
                     log.warning("closing: the weights stay released (%s)", exc)
         finally:

@@ -984,8 +984,12 @@ class Residency:
             self._kv.close()
             self._kv = None
         if self._inplace is not None:
-            self._inplace.close()
+            ip = self._inplace
+            ip.close()
             self._inplace = None
+            if ip.moved_at_close and self.weights_resident:  # handed-over memory given back
+                with contextlib.suppress(ResidencyError, AttributeError):
+                    _forget_graphs(self._llm._ctx.ctx, self._llm)
         if self._rebuild is not None:
             self._rebuild.close()
         self._llm = None

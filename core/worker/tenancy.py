@@ -702,7 +702,9 @@ class ArenaTenancy(Tenancy):
             report = res.release(kv=kv, final=final, free_context=free_context)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
             if moved >= 0:
-                self._went_deep(report.freed_bytes - report.released_bytes, moved + res.kv_host_bytes)
+                # handed-over weights stay allocated (the arena's holder keeps them): not in freed_bytes
+                weights_freed = 0 if res.handover.get("on") else report.released_bytes
+                self._went_deep(report.freed_bytes - weights_freed, moved + res.kv_host_bytes)
         if res is not None:  # the lease goes only once the weights left the device (the arena's invariant)
             assert res.resident_bytes == 0 and (res.state.weights is Weights.NONE or res.weight_bytes == 0), (
                 res.state,
