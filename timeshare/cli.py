@@ -237,6 +237,12 @@ def _add_diagnostics(sub: Any) -> None:
     )
     doctor.add_argument("--card", metavar="SIZE", help=_CARD_HELP)
     doctor.add_argument(
+        "--handover",
+        action="store_true",
+        help="restores map device memory handed over through a holder of this run's own (issue 40), "
+        "as with arena.handover: the path, the chunks handed over and allocated",
+    )
+    doctor.add_argument(
         "--json", action="store_true", help="print only a JSON report on stdout (progress goes to stderr)"
     )
     doctor.add_argument(
@@ -263,6 +269,11 @@ def _add_diagnostics(sub: Any) -> None:
         action="store_true",
         help="skip the copies under a restore's conditions (fresh buffers, pauses, another thread)",
     )
+    bres.add_argument(
+        "--handover",
+        action="store_true",
+        help="restores map device memory handed over (issue 40): bytes handed over vs allocated",
+    )
     bres.add_argument("--json", action="store_true", help=_JSON_HELP)
     bswitch = bench_sub.add_parser("switch", help="two workers alternating: switch time vs process restart")
     bswitch.add_argument(
@@ -275,6 +286,12 @@ def _add_diagnostics(sub: Any) -> None:
         metavar="SIZE",
         help="the VRAM budget of the two workers (default one-model: they switch; a size that fits "
         "both measures turns without a switch)",
+    )
+    bswitch.add_argument(
+        "--handover",
+        action="store_true",
+        help="the workers hand device memory over (arena.handover); the report counts the chunks "
+        "allocated (cuMemCreate) during the switched turns",
     )
     bswitch.add_argument("--json", action="store_true", help=_JSON_HELP)
     bapi = bench_sub.add_parser(

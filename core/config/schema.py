@@ -224,6 +224,27 @@ class ArenaConfig:
             special="never",
         ),
     )
+    # device memory handed from the releasing worker to the restoring one (issue 40): off until
+    # the GPU run proves it (docs/INTERFACES.md, "Device memory handed over between workers")
+    handover: bool = setting(
+        False,
+        FieldMeta(
+            "Hand GPU memory from one model to the next",
+            "A switch frees no GPU memory: the model that leaves hands its memory to the one that "
+            "comes (CUDA); off: each switch frees and allocates",
+        ),
+    )
+    handover_idle_s: float = setting(
+        300.0,
+        FieldMeta(
+            "Give handed-over GPU memory back after",
+            "GPU memory kept for the next switch goes back to the driver after this long without a "
+            "switch; 0: at once",
+            "s",
+            0,
+            ui_maximum=DAY_S,
+        ),
+    )
     # several models stay resident when they fit (docs/INTERFACES.md, arena)
     vram_budget: str = setting(
         "auto",

@@ -455,6 +455,8 @@ def validate(
             "wait_timeout_s": _number(c, ArenaConfig, "wait_timeout_s"),
             "restore_oom_retry_s": _number(c, ArenaConfig, "restore_oom_retry_s"),
             "hung_holder_s": _number(c, ArenaConfig, "hung_holder_s"),
+            "handover": c.boolean,
+            "handover_idle_s": _number(c, ArenaConfig, "handover_idle_s"),
             "vram_budget": lambda w, v: _budget(c, w, v),
             "kv_cache_type": _kv_cache_type(c, ArenaConfig),
         },

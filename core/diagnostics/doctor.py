@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 from .. import envvars
 from ..errors import TimeshareError
 from .card import hold_card
+from .handover_check import handover_lines, handover_report, handover_source
 
 if TYPE_CHECKING:  # importing residency loads llama_cpp: run_doctor imports it when it runs
+    from ..arena.handclient import HandoverClient
     from ..residency.options import Mode
 
 log = logging.getLogger(__name__)
@@ -45,11 +47,24 @@ _MEASURES = {
 
 
 def run_doctor(
-    model: str, cycles: int, n_ctx: int = 512, mode: Mode = "auto", budget: str = "one-model"
+    model: str,
+    cycles: int,
+    n_ctx: int = 512,
+    mode: Mode = "auto",
+    budget: str = "one-model",
+    handover: bool = False,
 ) -> dict[str, Any]:
     """Run the check; returns the report (raises TimeshareError on bad input). ``mode`` forces
     the in-place or the rebuild path (``make vulkan-check`` checks the rebuild path with it).
-    ``budget``: the VRAM budget setting to report for device 0 (``--budget``; e.g. auto)."""
+    ``budget``: the VRAM budget setting to report for device 0 (``--budget``; e.g. auto).
+    ``handover``: restores map handed-over memory (issue 40) from a holder of this run's own."""
+    with handover_source(handover) as source:
+        return _run_doctor(model, cycles, n_ctx, mode, budget, source)
+
+
+def _run_doctor(
+    model: str, cycles: int, n_ctx: int, mode: Mode, budget: str, source: HandoverClient | None
+) -> dict[str, Any]:
     from ..residency import Residency, ResidencyOptions
     from .copy_baseline import vulkan_baseline
     from .residency_check import Cycles, GreedyReplay, load_for_check, run_cycles
@@ -68,7 +83,9 @@ def run_doctor(
         _step("recording the reference: 8 greedy decode steps")
         reference = replay.run()
         _step("attaching the residency mechanism")
-        res = Residency.attach(llm, model, ResidencyOptions(mode=mode))
+        res = Residency.attach(
+            llm, model, ResidencyOptions(mode=mode, handover=source is not None), chunk_source=source
+        )
         _step(f"{res.path} path on {res.backend}" + (f" ({res.reason})" if res.reason else ""))
         done = Cycles()
         steps: list[dict[str, dict[str, float]]] = []
@@ -142,6 +159,7 @@ def run_doctor(
             report["weights_seen_by_graph"] = view.n_weight_tensors_seen
             report["weights_from_tensor_list"] = list(view.weights_listed)
         report["vram_budget"] = budget_report(budget, res.weight_bytes)
+        report["handover"] = handover_report(res, source)
         res.close()
     finally:
         llm.close()
@@ -252,7 +270,12 @@ def _print_text(r: dict[str, Any]) -> None:
         f"cycles:             {r['cycles']} (+1 with the KV cache)",
         f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']}; {_CHECKS[r['check']]})",
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
-        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
+        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})"
+        + (
+            "; handed over: the holder keeps it for the next restore"
+            if r.get("handover", {}).get("on")
+            else ""
+        ),
         *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
         *_found_lines(r),
         f"release:            {r['release_ms']:.2f} ms (median)",
@@ -261,6 +284,7 @@ def _print_text(r: dict[str, Any]) -> None:
         f"pinned={r['host_pinned']}" + (f" ({r['host_note']})" if r["host_note"] else ""),
         *_baseline_lines(r),
         *_budget_line(r.get("vram_budget")),
+        *handover_lines(r.get("handover")),
     ]
     print("\n".join(lines))
 
@@ -303,7 +327,10 @@ def main(args: argparse.Namespace) -> int:
                 report = run_partial_check(model, int(args.cycles), int(getattr(args, "parts", 8)), _step)
             else:
                 report = run_doctor(
-                    model, int(args.cycles), budget=getattr(args, "budget", None) or "one-model"
+                    model,
+                    int(args.cycles),
+                    budget=getattr(args, "budget", None) or "one-model",
+                    handover=bool(getattr(args, "handover", False)),
                 )
         if card is not None:
             report["card"] = card.to_json()

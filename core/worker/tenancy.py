@@ -16,6 +16,8 @@ from ..arena.arena import Arena
 from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
 from ..arena.client import TokenClient
 from ..arena.dirs import device_arena_dir
+from ..arena.handclient import HandoverClient, holder_env_ok
+from ..arena.handover import HandoverError, read_state
 from ..arena.records import DoorbellRing
 from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
@@ -253,17 +255,21 @@ class ArenaTenancy(Tenancy):
         self.device_index = self.device.index
         self.device_name = self.device.name
         setting = budget_setting(spec.arena.vram_budget)
+        base = Path(spec.arena_dir) if spec.arena_dir is not None else None
+        self.arena = Arena(device_arena_dir(base, self.device.index) if base is not None else None)
+        # device memory the arena's hand-over holder keeps for the next restore is Timeshare's:
+        # free for an auto budget measured now (else it would count as another program's)
+        holder = read_state(self.arena.dir.fd)
+        kept = holder.on_hand_bytes if holder is not None else 0
         wanted = compute_budget(
             setting,
             total=self.device.total,
-            free=self.device.free,
+            free=min(self.device.total, self.device.free + kept),
             device=self.device.index,
             device_name=self.device.name,
             pid=os.getpid(),
             at=time.time(),
         )
-        base = Path(spec.arena_dir) if spec.arena_dir is not None else None
-        self.arena = Arena(device_arena_dir(base, self.device.index) if base is not None else None)
         self.observer: Observer = EventLog(spec.event_log, spec.model.id) if spec.event_log else NULL_OBSERVER
         try:
             self.client = TokenClient(
@@ -295,6 +301,8 @@ class ArenaTenancy(Tenancy):
         self._reserve_full = 0
         self._deepens = 0
         self._deep_keeps = 0
+        #: the arena's hand-over holder (issue 40): where handed-over device memory comes from
+        self.handover: HandoverClient | None = None
 
     def _weights_budget(self) -> int:
         if self._closed:  # the worker is ending: a last status reports what was read before
@@ -368,6 +376,21 @@ class ArenaTenancy(Tenancy):
         release (every release stays whole); 1 elsewhere."""
         return max(1, int(self.spec.model.weight_parts)) if overlap_expected() else 1
 
+    def _handover_client(self) -> HandoverClient | None:
+        """The arena's hand-over holder, when ``arena.handover`` (or ``TIMESHARE_HANDOVER``) asks
+        for it: connected now (starting it when none lives); a holder that cannot be reached is
+        tried again at each restore, and meanwhile the worker's chunks are its own."""
+        override = envvars.HANDOVER.switch()
+        wanted = self.spec.arena.handover if override is None else override
+        if not wanted or not holder_env_ok():
+            return None
+        client = HandoverClient(self.arena.path, self.spec.model.id, idle_s=self.spec.arena.handover_idle_s)
+        try:
+            client.connect()
+        except HandoverError as exc:
+            log.warning("the arena's hand-over holder cannot be reached now: %s", exc)
+        return client
+
     def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""
         one_model = self.budget is None or self.budget.one_model
@@ -380,7 +403,10 @@ class ArenaTenancy(Tenancy):
             parts=parts,
             split_at_release=one_model and parts > 1,
         )
-        res = Residency.attach(engine.llm, engine.model.path, options)
+        self.handover = self._handover_client()
+        if self.handover is not None:
+            options = replace(options, handover=True)
+        res = Residency.attach(engine.llm, engine.model.path, options, chunk_source=self.handover)
         self.residency = res
         self.path = res.path
         self.reason = res.reason
@@ -679,7 +705,9 @@ class ArenaTenancy(Tenancy):
             report = res.release(kv=kv, final=final, free_context=free_context)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
             if moved >= 0:
-                self._went_deep(report.freed_bytes - report.released_bytes, moved + res.kv_host_bytes)
+                # handed-over weights stay allocated (the arena's holder keeps them): not in freed_bytes
+                weights_freed = 0 if res.handover.get("on") else report.released_bytes
+                self._went_deep(report.freed_bytes - weights_freed, moved + res.kv_host_bytes)
         if res is not None:  # the lease goes only once the weights left the device (the arena's invariant)
             assert res.resident_bytes == 0 and (res.state.weights is Weights.NONE or res.weight_bytes == 0), (
                 res.state,
@@ -823,9 +851,13 @@ class ArenaTenancy(Tenancy):
             self.client.close()
         finally:
             res = self.residency
-            if res is not None:
-                res.close()
-            self.arena.close()
+            try:
+                if res is not None:
+                    res.close()  # its handed-over chunks go back to the holder, which closes them
+            finally:
+                if self.handover is not None:
+                    self.handover.close()
+                self.arena.close()
 
 
 def make_tenancy(spec: WorkerSpec) -> Tenancy:
