@@ -30,7 +30,8 @@ from starlette.types import Receive, Scope, Send
 from .. import paths
 from ..config.files import load_config
 from ..config.schema import ApiConfig, Config, ModelConfig
-from ..errors import ConfigError, ModelUnavailableError, TimeshareError
+from ..errors import ConfigError, InvalidInputError, ModelUnavailableError, TimeshareError
+from ..gguf.catalog import read_pooling
 from ..modelnames import resolve_api_model
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
@@ -60,6 +61,7 @@ from .requests import (
     read_body,
     read_json,
 )
+from .rerank import RERANK_PATHS, parse_rerank_request, rerank_response
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +146,13 @@ def status_json(
     }
 
 
-def capabilities(model: ModelConfig | None) -> list[str]:
-    """What a model answers (as llama-swap and LM Studio list it): an embedding model embeds only;
-    a chat model chats, completes, calls tools (its template's syntax, or the generic JSON format
-    for templates without one) and embeds (mean pooling)."""
+def capabilities(model: ModelConfig | None, pooling: str = "") -> list[str]:
+    """What a model answers (as llama-swap and LM Studio list it): a reranker (``pooling`` "rank",
+    as its worker reported) reranks only; an embedding model embeds only; a chat model chats,
+    completes, calls tools (its template's syntax, or the generic JSON format for templates
+    without one) and embeds (mean pooling)."""
+    if pooling == "rank":
+        return ["rerank"]
     if model is not None and model.embedding:
         return ["embedding"]
     return ["chat", "completion", "tools", "embedding"]
@@ -159,7 +164,7 @@ def model_json(status: Any, created: int, model: ModelConfig | None = None) -> d
         "object": "model",
         "created": created,
         "owned_by": "timeshare",
-        "capabilities": capabilities(model),
+        "capabilities": capabilities(model, getattr(status, "pooling", "")),
         "timeshare": {
             "name": status.name,
             "state": plain(status.state),
@@ -333,6 +338,49 @@ class _Handlers:
             embedding_response, req, result.embeddings, result.usage.prompt_tokens
         )
         return JSONResponse(body)
+
+    async def rerank(self, request: Request) -> Response:
+        req = parse_rerank_request(await read_json(request))
+        snapshot = self.pool.snapshot()
+        model_id = resolve_model(snapshot, req.model)
+        await self.call(self._check_reranker, model_id)
+        try:
+            gen = await self.call(partial(self.pool.rerank, model_id, req.query, req.documents))
+        except ValueError as exc:  # the pool's own argument check
+            raise BadRequestError(f"{exc}.") from exc
+        try:
+            result = await self.wait_watching(request, gen, gen.result)
+        except ClientGoneError:
+            return Response(status_code=499)
+        except InvalidInputError as exc:  # the worker's word: the model is no reranker
+            raise BadRequestError(str(exc), "model") from None
+        except BaseException:
+            gen.cancel()
+            raise
+        if result.finish_reason == "cancelled":
+            raise ModelUnavailableError(
+                SHUTTING_DOWN if self.closing else f"{model_id}: the request was cancelled"
+            )
+        return JSONResponse(rerank_response(req, result.embeddings, result.usage.prompt_tokens))
+
+    def _check_reranker(self, model_id: str) -> None:
+        """400 naming the model when it is not a reranker: as its worker reported (its pooling),
+        or, before it has loaded, as its GGUF's header says (the worker refuses it too)."""
+        status = self.pool.snapshot().model(model_id)
+        pooling = status.pooling if status is not None else ""
+        if not (status is not None and status.chat_format):  # not loaded: the file says
+            config = self.pool.config.model(model_id)
+            try:
+                pooling = read_pooling(config.path) if config is not None else "rank"
+            except TimeshareError:
+                return  # the worker says what is wrong with the file
+        if pooling != "rank":
+            name = status.name if status is not None and status.name else model_id
+            raise BadRequestError(
+                f"The model {name!r} is not a reranker: /v1/rerank needs a model whose GGUF pools by "
+                "rank (a cross-encoder such as bge-reranker or Qwen3-Reranker).",
+                "model",
+            )
 
     async def chat_completions(self, request: Request) -> Response:
         # parsed on a thread: building a response_format grammar is bounded, not free (issue 38)
@@ -708,6 +756,8 @@ def create_app(
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
         Route("/v1/embeddings", handlers.embeddings, methods=["POST"]),
+        # llama-server's four routes (Jina's shape; TEI's with ``texts``)
+        *(Route(path, handlers.rerank, methods=["POST"]) for path in RERANK_PATHS),
         Route("/timeshare/v1/status", handlers.status, methods=["GET"]),
         Route("/timeshare/v1/models/{model_id}/{command}", handlers.model_command, methods=["POST"]),
         Route("/timeshare/v1/reload", reload_endpoint, methods=["POST"]),

@@ -27,7 +27,7 @@ class GenerationResult:
     stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
     # per sampled token, when the request asked for logprobs (Sampling.logprobs / top_logprobs)
     logprobs: tuple[protocol.TokenLogprobs, ...] = ()
-    # an Embed request's vectors, in its inputs' order
+    # an Embed request's vectors, in its inputs' order (a rerank's: each document's scores)
     embeddings: tuple[tuple[float, ...], ...] = ()
     batch_size: int = 1  # the most requests its worker decoded together while it ran
     timings: protocol.Timings | None = None  # where its first token went, as its worker measured it
@@ -221,6 +221,21 @@ def make_embed_request(req: str, model_id: str, inputs: Sequence[str | Sequence[
     if not items or not all(items):
         raise ValueError(f"invalid request for {model_id}: give at least one non-empty input")
     request = protocol.Embed(req=req, inputs=tuple(items))
+    try:
+        protocol.encode(request)
+    except ProtocolError as exc:
+        raise ValueError(f"invalid request for {model_id}: {str(exc).removeprefix('protocol: ')}") from None
+    return request
+
+
+def make_rerank_request(req: str, model_id: str, query: str, documents: Sequence[str]) -> protocol.Embed:
+    """The ``Embed`` message (with its ``query``) for ``Pool.rerank``; ValueError when the query
+    or a document is not a non-empty string, or the frame would be too large."""
+    if not isinstance(query, str) or not query:
+        raise ValueError(f"invalid request for {model_id}: the query must be a non-empty string")
+    if not documents or not all(isinstance(d, str) for d in documents):
+        raise ValueError(f"invalid request for {model_id}: give at least one document, each a string")
+    request = protocol.Embed(req=req, inputs=tuple(documents), query=query)
     try:
         protocol.encode(request)
     except ProtocolError as exc:

@@ -50,7 +50,7 @@ from .codes import error_for
 from .configure import check_config, restart_fields
 from .devices import device_statuses
 from .filecheck import FileCheck, find_model_file
-from .generation import Generation, make_embed_request, make_request
+from .generation import Generation, make_embed_request, make_request, make_rerank_request
 from .lifecycle import Phase
 from .process import end_processes, read_log_tail, read_worker, signal_group, spawn_worker
 from .record import WorkerPolicy, WorkerRecord
@@ -258,6 +258,17 @@ class Pool:
         queue as its generations; ``result().embeddings`` holds the unit vectors in order and
         ``usage.prompt_tokens`` the tokens embedded. Raises as ``generate`` does."""
         request = make_embed_request(f"r{next(self._req_ids)}", model_id, inputs)
+        gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
+        self._actor.call(self._submit, gen)
+        return gen
+
+    def rerank(self, model_id: str, query: str, documents: Sequence[str]) -> Generation:
+        """Queue a rerank (issue 42) for ``model_id``, a reranker, in the same queue as its
+        generations: ``result().embeddings`` holds each document's scores (the model's classifier
+        outputs; the first is the relevance score) in the documents' order, ``usage.prompt_tokens``
+        the tokens of all the pairs. A model that is not a reranker fails with InvalidInputError.
+        Raises as ``generate`` does."""
+        request = make_rerank_request(f"r{next(self._req_ids)}", model_id, query, documents)
         gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
         self._actor.call(self._submit, gen)
         return gen

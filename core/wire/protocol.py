@@ -89,10 +89,17 @@ class Generate(_Message, frozen=True, kw_only=True):
 
 class Embed(_Message, frozen=True):
     """Embed texts or token-id lists (core/worker/embed.py); answered by ``Embeddings``, then a
-    ``Done`` (usage.prompt_tokens: the tokens embedded)."""
+    ``Done`` (usage.prompt_tokens: the tokens embedded).
+
+    With a ``query`` it is a rerank (issue 42): each input is a document (a string), and its
+    "vector" in ``Embeddings`` is a reranker's scores for the pair (query, document): its
+    classifier's outputs, the first being llama-server's ``relevance_score``;
+    usage.prompt_tokens: the tokens of every pair. A model that is not a reranker answers
+    ``Error(code="invalid_input")``."""
 
     req: str
     inputs: tuple[str | tuple[int, ...], ...]
+    query: str | None = None
 
 
 class Cancel(_Message, frozen=True):
@@ -157,6 +164,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     chat_family: str = "generic"
     thinks: bool = False
     starts_thinking: bool = False
+    # how its context pools ("" for a chat model's; "mean", "cls", "last", or "rank": a reranker)
+    pooling: str = ""
 
 
 class Ready(_Message, frozen=True):

@@ -17,6 +17,7 @@ tokenizing in cancellable pieces) is ``prompts.Prompts``. The engine owns one of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from ..errors import (
     OutOfDeviceMemoryError,
     TimeshareError,
 )
+from ..gguf.catalog import read_pooling
 from ..gguf.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from ..gguf.modelfile import check_model_file
 from ..residency import check_gguf
@@ -46,13 +48,22 @@ from ..wire.protocol import FinishReason, Generate, LogprobAlt, TokenLogprobs
 from . import kv_files
 from .decode import Decoder, Live
 from .device import default_parallel, llama_placement
-from .embed import embed_tokens
+from .embed import embed_tokens, rank_tokens, rerank_tokens
 from .prompts import Prompts, tools_of
 from .sampler import TokenLogprob
 from .sequences import Sequences, Slot
 from .textstream import token_piece
 
 log = logging.getLogger(__name__)
+
+#: a pooled context's pooling by llama.cpp's value (``ModelInfo.pooling``)
+POOLING = {
+    llama_cpp.LLAMA_POOLING_TYPE_NONE: "mean",  # mean pooling done in embed.py
+    llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
+    llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
+    llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
+    llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
+}
 
 #: the lowest logprob written (OpenAI's floor for impossible tokens)
 LOGPROB_FLOOR = -9999.0
@@ -105,6 +116,8 @@ class Engine:
         self.sequences = Sequences(llm, model, self.info.n_ctx, self.parallel)
         self.prompts = Prompts(llm, model, template, self.info.n_ctx)
         self.prompt_tokens_evaluated = 0  # since start
+        #: a reranker (rank pooling): it answers /v1/rerank only (``rerank``)
+        self.reranker = int(llama_cpp.llama_pooling_type(ctx)) == llama_cpp.LLAMA_POOLING_TYPE_RANK
         self._decoder = Decoder(llm)
         self._last: Slot | None = None
         self._lp_pieces: dict[int, bytes] = {}  # token -> bytes, for logprob entries
@@ -122,6 +135,11 @@ class Engine:
         and V; a quantised one turns flash attention on, which llama.cpp needs for a quantised V."""
         check_model_file(model.path)
         check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
+        if not model.embedding and read_pooling(model.path) == "rank":
+            # a reranker (issue 42): its graph ends in a classifier, it has no logits to sample;
+            # its context pools, as an embedding model's does, whatever the entry says
+            log.info("%s pools by rank (a reranker): loaded for /v1/rerank only", model.id)
+            model = dataclasses.replace(model, embedding=True)
         # an embedding model's sequences let one decode embed several inputs (core/worker/embed.py)
         parallel = model.parallel or default_parallel()
         n_ctx = model.n_ctx or auto_n_ctx(0, plan.gpu if plan is not None else False)
@@ -276,7 +294,13 @@ class Engine:
         recently used, each first kept as a host snapshot: the KV of every conversation stays) and
         gives them back empty (never while a batch decodes). One decode packs as many inputs as
         there are sequences and tokens in the batch (embed.py). Raises PromptTooLongError for an
-        input over the batch, InvalidInputError for a token id outside the vocabulary."""
+        input over the batch, InvalidInputError for a token id outside the vocabulary and for a
+        reranker."""
+        if self.reranker:
+            raise InvalidInputError(
+                f"{self.model.display_name} is a reranker (pooling rank): it scores documents "
+                "against a query on /v1/rerank and has no embeddings; embed with another model"
+            )
         llm = self.llm
         n_vocab = self.info.n_vocab
         token_lists: list[list[int]] = []
@@ -317,11 +341,53 @@ class Engine:
                     slot.dirty = True
         return vectors, sum(len(t) for t in token_lists)
 
+    @property
+    def pooling(self) -> str:
+        """How the context pools, for ``ModelInfo.pooling``: "" for a chat model (embeddings, when
+        asked, are mean-pooled in ``embed``), else the GGUF's ("mean", "cls", "last", "rank")."""
+        if not self.model.embedding:
+            return ""
+        return POOLING.get(int(llama_cpp.llama_pooling_type(self.llm.ctx)), "mean")
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str | Sequence[int]],
+        before_step: Callable[[], None] = lambda: None,
+    ) -> tuple[list[list[float]], int]:
+        """A reranker's scores for each document against ``query`` (the classifier's outputs, the
+        first one llama-server's ``relevance_score``), in the documents' order, and the tokens
+        evaluated. Each pair is formatted as llama-server formats it (``embed.rerank_tokens``) and
+        the pairs are packed into decodes as embeddings are (``embed.rank_tokens``: every
+        sequence of the context, one pair each). Raises InvalidInputError when the model is not
+        a reranker, PromptTooLongError for a pair over the batch."""
+        if not self.reranker:
+            raise InvalidInputError(
+                f"{self.model.display_name} is not a reranker: /v1/rerank needs a model whose GGUF "
+                "pools by rank (a cross-encoder such as bge-reranker or Qwen3-Reranker); "
+                "use /v1/embeddings or chat with this one"
+            )
+        llm = self.llm
+        pairs: list[list[int]] = []
+        for i, document in enumerate(documents):
+            if not isinstance(document, str):
+                raise InvalidInputError(f"documents[{i}] must be a string: a reranker reads text")
+            pairs.append(rerank_tokens(llm, query, document))
+        before_step()  # residency first: the context is about to decode
+        self._decoder.set_threads(prefill=True)
+        seq_ids = [slot.seq_id for slot in self.sequences.slots]
+        scores = rank_tokens(llm, pairs, seq_ids=seq_ids, before_step=before_step)
+        return scores, sum(len(t) for t in pairs)
+
     # ---- generation -------------------------------------------------------------------------
 
     def prepare(self, req: Generate, poll: Callable[[], None] = lambda: None) -> Prepared:
         """Tokenize a request (no residency needed). ``poll`` runs between pieces and may raise
         CancelledError. Raises PromptTooLongError without touching the KV cache of any sequence."""
+        if self.reranker:
+            raise InvalidSamplingError(
+                f"{self.model.display_name} is a reranker (pooling rank): it answers /v1/rerank only"
+            )
         if self.model.embedding:
             raise InvalidSamplingError(
                 f"{self.model.display_name} is an embedding model (embedding = true): "

@@ -366,6 +366,7 @@ class Worker:
                     chat_family=chat.family.name,
                     thinks=chat.thinks,
                     starts_thinking=chat.starts_thinking,
+                    pooling=engine.pooling,
                 )
             )
         )
@@ -824,7 +825,10 @@ class Worker:
         self.tenancy.note_use(True)
         self.publish()
         try:
-            vectors, n_tokens = engine.embed(req.inputs, step)
+            if req.query is not None:  # a rerank: one row of scores per document
+                vectors, n_tokens = engine.rerank(req.query, req.inputs, step)
+            else:
+                vectors, n_tokens = engine.embed(req.inputs, step)
             self.tenancy.settle()
             per_frame = max(1, EMBED_FRAME_VALUES // max(1, len(vectors[0]) if vectors else 1))
             for i in range(0, len(vectors), per_frame):
