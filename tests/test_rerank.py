@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import llama_cpp  # before numpy (worker rule)
 import httpx
+import llama_cpp  # before numpy (worker rule)
 import pytest
 from _api_util import Served, start_serve, stop_serve_proc, write_config
 from _archs_util import write_reranker

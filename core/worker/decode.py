@@ -139,7 +139,7 @@ class Live:
         )
 
 
-class _Batch:
+class TokenBatch:
     """A llama_batch of ``size`` tokens, one sequence id each, over numpy arrays: a step fills
     whole slices (``token``, ``pos``, ``seq``, ``logits``) instead of one ctypes write per field
     and token. Freed with the object (llama_batch_free is not for it)."""
@@ -176,7 +176,7 @@ class Decoder:
         self._n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx))  # per sequence
         self.n_batch = max(1, int(llm.n_batch))  # tokens per step at most
         self._n_vocab = int(llm.n_vocab())
-        self._batch: Any = _Batch(self.n_batch)
+        self._batch: Any = TokenBatch(self.n_batch)
         self._greedy = GreedyRows(self._n_vocab)
         self._pieces: dict[int, bytes] = {}
         self.live: list[Live] = []  # in join order

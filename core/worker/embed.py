@@ -41,6 +41,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import InvalidInputError, PromptTooLongError
+from .decode import TokenBatch
 
 POOLING_NAMES = {
     llama_cpp.LLAMA_POOLING_TYPE_NONE: "none (mean here)",
@@ -190,7 +191,7 @@ def pooled(
     equal = is_pooled and bool(memory) and int(llama_cpp.llama_n_seq_max(ctx)) > 1
     groups = pack([len(t) for t in inputs], limit, len(seqs), equal=equal)
     size = max(sum(len(inputs[i]) for i in group) for group in groups)
-    batch = llama_cpp.llama_batch_init(size, 0, 1)
+    batch = TokenBatch(size)  # numpy arrays under the llama_batch: a decode fills whole slices
     out: list[Any] = [None for _ in inputs]
     if switch:
         llama_cpp.llama_set_embeddings(ctx, True)
@@ -201,15 +202,14 @@ def pooled(
             before_step()
             n = 0
             for seq, i in zip(seqs, group, strict=False):
-                for pos, token in enumerate(inputs[i]):
-                    batch.token[n] = int(token)
-                    batch.pos[n] = pos
-                    batch.n_seq_id[n] = 1
-                    batch.seq_id[n][0] = seq
-                    batch.logits[n] = 1  # every token is an output (llama.cpp wants it for pooling)
-                    n += 1
-            batch.n_tokens = n
-            rc = int(llama_cpp.llama_decode(ctx, batch))
+                k = len(inputs[i])
+                batch.token[n : n + k] = inputs[i]
+                batch.pos[n : n + k] = batch.arange[:k]
+                batch.seq[n : n + k] = seq
+                n += k
+            batch.logits[:n] = 1  # every token is an output (llama.cpp wants it for pooling)
+            batch.struct.n_tokens = n
+            rc = int(llama_cpp.llama_decode(ctx, batch.struct))
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc} while embedding")
             if is_pooled:
@@ -235,7 +235,6 @@ def pooled(
             llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
         if switch:
             llama_cpp.llama_set_embeddings(ctx, False)
-        llama_cpp.llama_batch_free(batch)
     return out
 
 
