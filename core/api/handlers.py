@@ -409,12 +409,16 @@ class _Handlers:
         req: GenerationRequest,
         entries: Sequence[TokenLogprobs],
         offsets: CompletionOffsets | None = None,
+        *,
+        echoed: bool = False,
     ) -> dict[str, Any] | None:
+        """The logprobs of ``entries`` in the request's shape (None: not asked for); ``echoed``:
+        they begin with an echoed prompt (its first token's logprob is null)."""
         if not req.logprobs:
             return None
         if req.kind == "chat":
             return chat_logprobs(entries)
-        return completion_logprobs(entries, offsets)
+        return completion_logprobs(entries, offsets, null_first=echoed)
 
     def full_response(
         self,
@@ -460,7 +464,14 @@ class _Handlers:
                 system_fingerprint=None,
                 choices=[
                     shapes.TextChoice(
-                        i, r.text, self._logprobs(req, r.logprobs), _finish_reason(r.finish_reason)
+                        i,
+                        (req.prompt or "") + r.text if req.echo else r.text,
+                        self._logprobs(
+                            req,
+                            (*r.prompt_logprobs, *r.logprobs) if req.echo else r.logprobs,
+                            echoed=req.echo,
+                        ),
+                        _finish_reason(r.finish_reason),
                     )
                     for i, r in enumerate(results)
                 ],
@@ -524,6 +535,17 @@ class _Handlers:
             if not deltas and logprobs is not None:
                 yield chunk(i, None, None, logprobs=logprobs)
 
+        def echo_chunk(choice: Choice, offsets: CompletionOffsets) -> dict[str, str]:
+            """``echo``: the prompt, as the choice's first chunk (its tokens' logprobs are all in
+            once the choice's first piece has come, or it has ended: they precede any text)."""
+            entries = choice.gen.prompt_logprobs()
+            return chunk(
+                choice.index,
+                req.prompt or "",
+                None,
+                logprobs=self._logprobs(req, entries, offsets, echoed=True),
+            )
+
         async def events() -> AsyncIterator[dict[str, str]]:
             with self.streaming(*turn.gens):
                 results: list[GenerationResult] = []
@@ -531,16 +553,25 @@ class _Handlers:
                     for choice in turn.choices:
                         i, output = choice.index, choice.output
                         offsets = CompletionOffsets()
+                        echo = req.echo  # the prompt is still to be sent
                         if req.kind == "chat":
                             yield chunk(i, "", None, role=True)
+                        if i == 0 and echo:
+                            yield echo_chunk(choice, offsets)
+                            echo = False
                         if i == 0 and first:
                             for item in piece_chunks(choice, first, offsets):
                                 yield item
                         if i > 0 or first is not None:
                             async for piece in turn.rest(i):
+                                if echo:
+                                    yield echo_chunk(choice, offsets)
+                                    echo = False
                                 for item in piece_chunks(choice, piece, offsets):
                                     yield item
                         result = await turn.stream_result(i)
+                        if echo:
+                            yield echo_chunk(choice, offsets)
                         results.append(result)
                         extras = switch_extras(
                             result.switch,

@@ -59,6 +59,8 @@ class GenerationRequest:
     tools: ToolRequest | None = None  # chat: tools, tool_choice ... (None: none, or tool_choice none)
     n: int = 1  # choices: n generations, choice i sampled with seed + i (Sampling.for_choice)
     logprobs: bool = False  # the answer carries logprobs (Sampling.logprobs / top_logprobs)
+    echo: bool = False  # completions: the prompt comes back first (its tokens' logprobs with logprobs)
+    score_only: bool = False  # completions' max_tokens 0: the prompt is evaluated, nothing generated
 
     def pool_fields(self, choice: int = 0) -> dict[str, Any]:
         """``Pool.generate``'s keyword arguments for choice ``choice``."""
@@ -68,6 +70,8 @@ class GenerationRequest:
             "sampling": self.sampling.for_choice(choice),
             "conversation": self.conversation,
             "cache_prompt": self.cache_prompt,
+            "prompt_logprobs": self.echo and self.logprobs,
+            "score_only": self.score_only,
         }
 
 
@@ -128,7 +132,12 @@ def _sentence(param: str, value: object, what: str) -> str:
         low, high = _NUMBERS[top]
         return f"'{top}' must be a number from {low:g} to {high:g}; got {value!r}."
     if top in ("max_tokens", "max_completion_tokens"):
-        return f"'{top}' must be a whole number of at least 1; got {value!r}."
+        return (
+            f"'{top}' must be a whole number of at least 1 (0 on /v1/completions: the prompt scored, "
+            f"nothing generated); got {value!r}."
+        )
+    if top == "echo":
+        return f"'echo' must be true or false; got {value!r}."
     if top == "n":
         return f"'n' must be a whole number from 1 to {MAX_N} (the choices to generate); got {value!r}."
     if top == "logprobs":
@@ -313,14 +322,17 @@ def parse_completion_request(body: object) -> GenerationRequest:
     if not prompt:
         raise BadRequestError("'prompt' is empty: give some text for the model to continue.", "prompt")
     assert isinstance(body, dict)
-    if body.get("echo"):
-        raise BadRequestError("'echo' is not supported; leave it out.", "echo")
     if body.get("suffix"):
         raise BadRequestError("'suffix' is not supported; leave it out.", "suffix")
     for name in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(name) not in (None, [], "none"):
             raise BadRequestError(f"'{name}' goes with /v1/chat/completions; leave it out here.", name)
-    return _request("completion", "api_completion", parsed, prompt, None, parsed.max_tokens)
+    score_only = parsed.max_tokens == 0
+    # max_tokens 0 (OpenAI's scoring request): nothing is sampled, the Sampling's limit is moot
+    request = _request(
+        "completion", "api_completion", parsed, prompt, None, 1 if score_only else parsed.max_tokens
+    )
+    return dataclasses.replace(request, echo=parsed.echo, score_only=score_only)
 
 
 def _too_large() -> BadRequestError:

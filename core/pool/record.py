@@ -208,6 +208,7 @@ class WorkerRecord:
             del self.inflight[gen.req]
             if only_unanswered:
                 gen.dispatch.resent = True
+                gen.drop_partial()  # an echo's prompt entries, an Embed's vectors: they come again
             self.queue.appendleft(gen)
         return back
 

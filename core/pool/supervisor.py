@@ -232,11 +232,15 @@ class Pool:
         conversation: str | None = None,
         cache_prompt: bool | None = None,
         tools: Sequence[protocol.ToolSpec] = (),
+        prompt_logprobs: bool = False,
+        score_only: bool = False,
     ) -> Generation:
         """Queue a request for ``model_id`` (FIFO, one at a time per worker) and return its handle.
 
         Give ``prompt`` (completion) or ``messages`` (chat: ChatMessage or {"role", "content"});
         ``sampling`` is carried to the worker unchanged (default: greedy, 256 tokens at most).
+        ``prompt_logprobs``: the prompt tokens' logprobs too (``result().prompt_logprobs``, with
+        ``sampling.top_logprobs`` alternatives); ``score_only``: generate nothing (max_tokens 0).
         Raises UnknownModelError, ModelUnavailableError (failed model), QueueFullError, and
         ValueError for malformed arguments. A STOPPED model is started on demand."""
         request = make_request(
@@ -248,6 +252,8 @@ class Pool:
             conversation=conversation,
             cache_prompt=cache_prompt,
             tools=tools,
+            prompt_logprobs=prompt_logprobs,
+            score_only=score_only,
         )
         gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
         self._actor.call(self._submit, gen)
@@ -623,6 +629,10 @@ class Pool:
             gen = w.inflight.get(msg.req)
             if gen is not None:
                 gen.feed(msg.text, msg.logprobs)
+        elif isinstance(msg, protocol.PromptLogprobs):
+            gen = w.inflight.get(msg.req)
+            if gen is not None:
+                gen.add_prompt_logprobs(msg.logprobs)
         elif isinstance(msg, protocol.Embeddings):
             gen = w.inflight.get(msg.req)
             if gen is not None:

@@ -85,6 +85,12 @@ class Generate(_Message, frozen=True, kw_only=True):
     conversation: str | None = None  # KV sequence key; None: the prompt cache picks one
     # keyless requests: reuse the prompt cache (None: the model's cache_prompt setting)
     cache_prompt: bool | None = None
+    # the prompt tokens' logprobs too (``echo`` with ``logprobs`` on /v1/completions, issue 42):
+    # sent in ``PromptLogprobs`` frames before the first Token; the prompt is evaluated whole
+    # (every position an output row), in a sequence of its own unless it has a conversation
+    prompt_logprobs: bool = False
+    # evaluate the prompt and generate nothing (``max_tokens: 0``): Done("length"), no Token
+    score_only: bool = False
 
 
 class Embed(_Message, frozen=True):
@@ -223,6 +229,18 @@ class Token(_Message, frozen=True, omit_defaults=True):
     logprobs: tuple[TokenLogprobs, ...] = ()
 
 
+class PromptLogprobs(_Message, frozen=True):
+    """Log-probabilities of a ``Generate``'s prompt tokens (``prompt_logprobs``), in order, in
+    one or more frames before its first ``Token``: each token's given the tokens before it, with
+    the ``top_logprobs`` most likely alternatives. A leading BOS is left out (as llama-cpp-python
+    leaves it out). A prompt without one begins with a token nothing precedes: its entry holds
+    logprob 0 and no alternatives. The API writes null for the first entry either way (OpenAI's
+    and llama-cpp-python's echo)."""
+
+    req: str
+    logprobs: tuple[TokenLogprobs, ...]
+
+
 class Embeddings(_Message, frozen=True):
     """The vectors of an ``Embed``, in its order (unit length)."""
 
@@ -301,9 +319,33 @@ class StatusReply(_Message, frozen=True):
 #: pool → worker
 REQUEST_TYPES = (Generate, Embed, Cancel, Pin, Sleep, Wake, Shutdown, StatusRequest)
 #: worker → pool
-EVENT_TYPES = (Hello, Loading, Ready, WorkerStatus, Token, Embeddings, Done, Released, Error, StatusReply)
+EVENT_TYPES = (
+    Hello,
+    Loading,
+    Ready,
+    WorkerStatus,
+    Token,
+    PromptLogprobs,
+    Embeddings,
+    Done,
+    Released,
+    Error,
+    StatusReply,
+)
 Request = Generate | Embed | Cancel | Pin | Sleep | Wake | Shutdown | StatusRequest
-Event = Hello | Loading | Ready | WorkerStatus | Token | Embeddings | Done | Released | Error | StatusReply
+Event = (
+    Hello
+    | Loading
+    | Ready
+    | WorkerStatus
+    | Token
+    | PromptLogprobs
+    | Embeddings
+    | Done
+    | Released
+    | Error
+    | StatusReply
+)
 Message = Request | Event
 #: every message class by its ``type``
 MESSAGE_TYPES: dict[str, type[_Message]] = {cls.__name__: cls for cls in (*REQUEST_TYPES, *EVENT_TYPES)}

@@ -432,10 +432,13 @@ class Engine:
         prepared: Prepared,
         emit: Callable[[str], None],
         logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
+        prompt_logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
     ) -> Live:
         """The request joins the batch (at the next ``step``) in the sequence its KV rules pick:
-        the conversation's own, the prompt cache's, or (``cache_prompt`` false) an empty one.
-        Needs the context (call after making the weights resident)."""
+        the conversation's own, the prompt cache's, or (``cache_prompt`` false, or its prompt's
+        logprobs wanted: every position evaluated) an empty one. ``prompt_logprobs`` gets the
+        prompt tokens' entries (``req.prompt_logprobs``) as their rows are evaluated. Needs the
+        context (call after making the weights resident)."""
         req = prepared.req
         tokens = prepared.tokens
         if req.conversation is not None and self.busy_with(req.conversation):
@@ -444,7 +447,7 @@ class Engine:
         if req.conversation is not None:
             # the conversation's own sequence, continued from its longest common prefix
             slot = self.sequences.claim_conversation(req.conversation, tokens)
-        elif cache_prompt:
+        elif cache_prompt and not req.prompt_logprobs:
             slot = self.sequences.use_prompt_cache(tokens)
         else:
             # From an empty KV cache, exactly like a fresh Llama, so the same request gives the
@@ -462,6 +465,12 @@ class Engine:
                 stop=prepared.stop,
                 emit=emit,
                 records=None if logprobs is None else (lambda rs: logprobs(self._wire_logprobs(rs))),
+                prompt_records=(
+                    None
+                    if prompt_logprobs is None or not req.prompt_logprobs
+                    else (lambda rs: prompt_logprobs(self._wire_logprobs(rs)))
+                ),
+                score_only=req.score_only,
             )
         except BaseException:
             self._end(slot)
@@ -529,6 +538,7 @@ class Engine:
         before_step: Callable[[], None] = lambda: None,
         poll: Callable[[], None] = lambda: None,
         logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
+        prompt_logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
     ) -> GenerationOutcome:
         """Run one request alone (stepping the batch until it is done). ``before_step`` runs before
         every decode step and may raise CancelledError to stop (finish_reason "cancelled");
@@ -538,7 +548,7 @@ class Engine:
         the KV cache of any conversation."""
         prepared = self.prepare(req, poll)
         before_step()  # residency first: choosing the sequence touches the context
-        live = self.start(prepared, emit, logprobs)
+        live = self.start(prepared, emit, logprobs, prompt_logprobs)
         try:
             while not live.done:
                 before_step()

@@ -41,6 +41,8 @@ from .tenancy import Acquired, Tenancy, make_tenancy
 
 #: numbers per Embeddings frame (a frame holds at most MAX_FRAME bytes; a float takes ~20)
 EMBED_FRAME_VALUES = 256 * 1024
+#: prompt tokens' logprob entries per PromptLogprobs frame (20 alternatives each stay far below MAX_FRAME)
+PROMPT_LOGPROBS_PER_FRAME = 1024
 
 
 def _env_ms(var: envvars.EnvVar) -> float:
@@ -709,9 +711,15 @@ class Worker:
             self.send(p.Token(req=req.req, text=text, logprobs=tuple(logprobs)))
             logprobs.clear()
 
+        def prompt_emit(entries: list[p.TokenLogprobs]) -> None:
+            for i in range(0, len(entries), PROMPT_LOGPROBS_PER_FRAME):
+                self.send(
+                    p.PromptLogprobs(req=req.req, logprobs=tuple(entries[i : i + PROMPT_LOGPROBS_PER_FRAME]))
+                )
+
         try:
             prepared = engine.prepare(req, poll)
-            run.live = engine.start(prepared, emit, logprobs.extend)
+            run.live = engine.start(prepared, emit, logprobs.extend, prompt_emit)
         except CancelledError:
             self._cancelled.discard(req.req)
             self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
