@@ -132,10 +132,7 @@ def _sentence(param: str, value: object, what: str) -> str:
         low, high = _NUMBERS[top]
         return f"'{top}' must be a number from {low:g} to {high:g}; got {value!r}."
     if top in ("max_tokens", "max_completion_tokens"):
-        return (
-            f"'{top}' must be a whole number of at least 1 (0 on /v1/completions: the prompt scored, "
-            f"nothing generated); got {value!r}."
-        )
+        return f"'{top}' must be a whole number of at least 1; got {value!r}."
     if top == "echo":
         return f"'echo' must be true or false; got {value!r}."
     if top == "n":
@@ -198,7 +195,15 @@ def _decode(body: object, shape: type[T]) -> T:
         return msgspec.convert(body, shape)
     except msgspec.ValidationError as exc:
         param, what = _param_of(exc)
-        raise BadRequestError(_sentence(param, _value_at(body, param), what), param or None) from None
+        value = _value_at(body, param)
+        if shape is CompletionBody and param == "max_tokens":
+            sentence = (
+                "'max_tokens' must be a whole number of at least 0 (0: the prompt is scored, nothing "
+                f"generated); got {value!r}."
+            )
+        else:
+            sentence = _sentence(param, value, what)
+        raise BadRequestError(sentence, param or None) from None
 
 
 def _request(
