@@ -206,6 +206,49 @@ def test_echo_with_an_answer_and_logprobs(client: openai.OpenAI, oracle: Any) ->
     assert (empty.choices[0].text, empty.choices[0].finish_reason) == ("", "length")
 
 
+def test_lm_evaluation_harness_loglikelihood_request(served: Served, oracle: Any) -> None:
+    """What lm-evaluation-harness's local-completions model sends for a loglikelihood request
+    (tokenized_requests, its default: a batch of one token list; max_tokens 1, logprobs 1, echo)
+    and how it reads the answer: token_logprobs[ctxlen:-1] are the continuation's."""
+    context, continuation = "The capital of France is", " Paris"
+    ctx = oracle.tokenize(context.encode(), add_bos=False, special=False)
+    cont = oracle.tokenize(continuation.encode(), add_bos=False, special=False)
+    body = {
+        "model": SMOL,
+        "prompt": [ctx + cont],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert (
+        len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1
+    )  # one entry per token sent, then the answer's
+    assert choice["text"].startswith(context + continuation)
+    _tokens, want, _top = oracle_logprobs(oracle, context + continuation)
+    assert _tokens == ctx + cont
+    scored = lp["token_logprobs"][len(ctx) : -1]
+    assert scored == pytest.approx(want[len(ctx) - 1 :], abs=TOLERANCE)
+    # is_greedy as the harness decides it: each token's logprob against its top alternative
+    assert all(isinstance(top, dict) and top for top in lp["top_logprobs"][len(ctx) : -1])
+    # echo of a token-array prompt without logprobs: its text
+    r = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"model": SMOL, "prompt": ctx, "echo": True, "max_tokens": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == context, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    # a token outside the vocabulary: 400
+    r = httpx.post(f"{served.url}/v1/completions", json={"model": SMOL, "prompt": [1, 10**7]}, timeout=60)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], r.text
+
+
 def oracle_pieces(llm: Any, tokens: list[int]) -> list[str]:
     return [llm.detokenize([t]).decode() for t in tokens]
 

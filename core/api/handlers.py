@@ -465,7 +465,7 @@ class _Handlers:
                 choices=[
                     shapes.TextChoice(
                         i,
-                        (req.prompt or "") + r.text if req.echo else r.text,
+                        _echoed(req, r.prompt_logprobs) + r.text if req.echo else r.text,
                         self._logprobs(
                             req,
                             (*r.prompt_logprobs, *r.logprobs) if req.echo else r.logprobs,
@@ -541,7 +541,7 @@ class _Handlers:
             entries = choice.gen.prompt_logprobs()
             return chunk(
                 choice.index,
-                req.prompt or "",
+                _echoed(req, entries),
                 None,
                 logprobs=self._logprobs(req, entries, offsets, echoed=True),
             )
@@ -687,6 +687,14 @@ def _finish_reason(reason: str) -> str:
     if reason in COMPLETE_FINISH_REASONS:
         return reason
     raise ModelUnavailableError(f"the answer ended before it was complete ({reason}); send the request again")
+
+
+def _echoed(req: GenerationRequest, entries: Sequence[TokenLogprobs]) -> str:
+    """The prompt an ``echo`` returns: as sent, or a token-array prompt's tokens as text (their
+    pieces, which come with the prompt's entries)."""
+    if req.prompt is not None:
+        return req.prompt
+    return b"".join(e.piece for e in entries).decode("utf-8", errors="replace")
 
 
 def resolve_model(snapshot: PoolSnapshot, name: str) -> str:

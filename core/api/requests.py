@@ -61,6 +61,7 @@ class GenerationRequest:
     logprobs: bool = False  # the answer carries logprobs (Sampling.logprobs / top_logprobs)
     echo: bool = False  # completions: the prompt comes back first (its tokens' logprobs with logprobs)
     score_only: bool = False  # completions' max_tokens 0: the prompt is evaluated, nothing generated
+    prompt_tokens: tuple[int, ...] | None = None  # completions: a token-array prompt (prompt is None)
 
     def pool_fields(self, choice: int = 0) -> dict[str, Any]:
         """``Pool.generate``'s keyword arguments for choice ``choice``."""
@@ -70,8 +71,10 @@ class GenerationRequest:
             "sampling": self.sampling.for_choice(choice),
             "conversation": self.conversation,
             "cache_prompt": self.cache_prompt,
-            "prompt_logprobs": self.echo and self.logprobs,
+            # an echoed token-array prompt's text is its tokens' pieces: they come with the entries
+            "prompt_logprobs": self.echo and (self.logprobs or self.prompt_tokens is not None),
             "score_only": self.score_only,
+            "prompt_tokens": self.prompt_tokens,
         }
 
 
@@ -315,16 +318,20 @@ def parse_chat_request(body: object) -> GenerationRequest:
 def parse_completion_request(body: object) -> GenerationRequest:
     parsed = _decode(body, CompletionBody)
     prompt: object = parsed.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt (lm-evaluation-harness sends its prompts so)
+    tokens: tuple[int, ...] | None = None
+    if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        tokens = tuple(int(t) for t in prompt)  # OpenAI's token-array prompt
+        prompt = None
+    elif isinstance(prompt, list):
         raise BadRequestError(
-            "'prompt' must be one string: batches of prompts and token arrays are not supported; "
-            "send one request per prompt.",
+            "'prompt' must be one string or one list of token ids (whole numbers of at least 0): "
+            "batches of prompts are not supported; send one request per prompt.",
             "prompt",
         )
-    assert isinstance(prompt, str)
-    if not prompt:
+    assert prompt is None or isinstance(prompt, str)
+    if prompt is not None and not prompt:
         raise BadRequestError("'prompt' is empty: give some text for the model to continue.", "prompt")
     assert isinstance(body, dict)
     if body.get("suffix"):
@@ -337,7 +344,11 @@ def parse_completion_request(body: object) -> GenerationRequest:
     request = _request(
         "completion", "api_completion", parsed, prompt, None, 1 if score_only else parsed.max_tokens
     )
-    return dataclasses.replace(request, echo=parsed.echo, score_only=score_only)
+    return dataclasses.replace(request, echo=parsed.echo, score_only=score_only, prompt_tokens=tokens)
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _too_large() -> BadRequestError:

@@ -200,6 +200,7 @@ def make_request(
     tools: Sequence[protocol.ToolSpec] = (),
     prompt_logprobs: bool = False,
     score_only: bool = False,
+    prompt_tokens: Sequence[int] | None = None,
 ) -> protocol.Generate:
     """The ``Generate`` message for ``Pool.generate``'s arguments; ValueError when they are malformed."""
     chat: tuple[protocol.ChatMessage, ...] | None = None
@@ -217,6 +218,7 @@ def make_request(
         cache_prompt=cache_prompt,
         prompt_logprobs=prompt_logprobs,
         score_only=score_only,
+        prompt_tokens=None if prompt_tokens is None else tuple(int(t) for t in prompt_tokens),
     )
     try:
         protocol.check_generate(request)

@@ -234,12 +234,14 @@ class Pool:
         tools: Sequence[protocol.ToolSpec] = (),
         prompt_logprobs: bool = False,
         score_only: bool = False,
+        prompt_tokens: Sequence[int] | None = None,
     ) -> Generation:
         """Queue a request for ``model_id`` (FIFO, one at a time per worker) and return its handle.
 
         Give ``prompt`` (completion) or ``messages`` (chat: ChatMessage or {"role", "content"});
         ``sampling`` is carried to the worker unchanged (default: greedy, 256 tokens at most).
-        ``prompt_logprobs``: the prompt tokens' logprobs too (``result().prompt_logprobs``, with
+        ``prompt_tokens``: a completion prompt given as token ids (instead of ``prompt``; no BOS
+        added). ``prompt_logprobs``: the prompt tokens' logprobs too (``result().prompt_logprobs``, with
         ``sampling.top_logprobs`` alternatives); ``score_only``: generate nothing (max_tokens 0).
         Raises UnknownModelError, ModelUnavailableError (failed model), QueueFullError, and
         ValueError for malformed arguments. A STOPPED model is started on demand."""
@@ -254,6 +256,7 @@ class Pool:
             tools=tools,
             prompt_logprobs=prompt_logprobs,
             score_only=score_only,
+            prompt_tokens=prompt_tokens,
         )
         gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
         self._actor.call(self._submit, gen)

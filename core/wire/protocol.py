@@ -79,6 +79,8 @@ INTERNAL_SAMPLING = for_front_end("internal")
 class Generate(_Message, frozen=True, kw_only=True):
     req: str
     prompt: str | None = None  # completion mode (raw text, no template)
+    # completion mode from token ids, as given (no BOS added): a token-array prompt of /v1/completions
+    prompt_tokens: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None  # chat mode (template or fallback format)
     tools: tuple[ToolSpec, ...] = ()  # chat mode: the functions the template shows
     sampling: Sampling = INTERNAL_SAMPLING  # carried unchanged from the front end
@@ -510,8 +512,10 @@ def from_dict(obj: object) -> Message:
 def check_generate(msg: Generate) -> None:
     """What the types cannot express: one of prompt and messages, and ``sampling.check``. Raises
     ValueError."""
-    if (msg.prompt is None) == (msg.messages is None):
-        raise ValueError("give exactly one of prompt (completion) and messages (chat)")
+    if sum(x is not None for x in (msg.prompt, msg.messages, msg.prompt_tokens)) != 1:
+        raise ValueError("give exactly one of prompt or prompt_tokens (completion) and messages (chat)")
+    if msg.prompt_tokens is not None and (not msg.prompt_tokens or min(msg.prompt_tokens) < 0):
+        raise ValueError("prompt_tokens must be a non-empty list of token ids (whole numbers of at least 0)")
     if msg.messages is not None and not msg.messages:
         raise ValueError("messages is empty: send at least one message")
     if msg.conversation is not None and not msg.conversation:

@@ -111,7 +111,7 @@ class Live:
         self.records = records  # gets the Sampler's records of the tokens each piece completes
         # gets the prompt tokens' records as their rows are evaluated (echo with logprobs: every
         # prompt position is an output; see ``step``); the first prompt token's comes first, with
-        # logprob 0 and no alternatives (nothing precedes it), unless it is the BOS
+        # logprob 0 and no alternatives (nothing precedes it), unless it is a BOS the caller added
         self.prompt_records = prompt_records
         self.score_only = score_only  # evaluate the prompt and sample nothing (max_tokens 0)
         self.n_prompt = 0
@@ -128,7 +128,7 @@ class Live:
         self.prefill_end = 0.0  # the step that evaluated its last prompt token returned
         self.step_sequences = 0  # sequences in its first prefill step
         self.step_prompts = 0  # prompts prefilled (in part) in its first prefill step, its own included
-        self.skip_first = False  # its prompt begins with the BOS, whose record is not given
+        self.skip_first = False  # its prompt begins with a BOS the caller added: no record for it
 
     @property
     def done(self) -> bool:
@@ -289,12 +289,14 @@ class Decoder:
         records: Callable[[list[TokenLogprob]], None] | None = None,
         prompt_records: Callable[[list[TokenLogprob]], None] | None = None,
         score_only: bool = False,
+        skip_first: bool = False,
     ) -> Live:
         """A sequence joins the batch at the next step: ``tokens`` is its prompt, ``ids`` the
         tokens sequence ``seq_id``'s KV holds now (cut back to the common prefix, then kept
         current). Needs the context (the weights need not be resident). ``prompt_records``: the
         prompt's logprobs are wanted (the whole prompt is evaluated again, each position an
-        output); ``score_only``: the sequence ends (``length``) once its prompt is evaluated."""
+        output; ``skip_first``: the first prompt token, a BOS the caller added, gets no record);
+        ``score_only``: the sequence ends (``length``) once its prompt is evaluated."""
         if any(live.seq_id == seq_id for live in self.live):
             raise RuntimeError(f"sequence {seq_id} is already in the batch")
         room = self._n_ctx - len(tokens)
@@ -329,8 +331,7 @@ class Decoder:
             score_only,
         )
         live.n_prompt = len(tokens)
-        bos = int(llama_cpp.llama_vocab_bos(self.llm._model.vocab))
-        live.skip_first = bool(tokens) and tokens[0] == bos and bos != llama_cpp.LLAMA_TOKEN_NULL
+        live.skip_first = skip_first
         self.live.append(live)
         return live
 

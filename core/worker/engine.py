@@ -400,6 +400,16 @@ class Engine:
             # the decoder stops on it (create_completion's stopping criterion checked the same id)
             tokens, extra_stop = self.prompts.chat_prompt(req.messages, tools_of(req), poll)
             stop += extra_stop
+        elif req.prompt_tokens is not None:
+            # token ids as given (a token-array prompt): no BOS added
+            n_vocab = self.info.n_vocab
+            bad = [t for t in req.prompt_tokens if not 0 <= t < n_vocab]
+            if bad:
+                raise InvalidInputError(
+                    f"prompt: token {bad[0]} is not in {self.model.display_name}'s vocabulary "
+                    f"(0..{n_vocab - 1}); send token ids from this model's tokenizer, or text"
+                )
+            tokens = list(req.prompt_tokens)
         else:
             assert req.prompt is not None
             # the tokens create_completion would make of the string (not tokenized twice)
@@ -471,6 +481,8 @@ class Engine:
                     else (lambda rs: prompt_logprobs(self._wire_logprobs(rs)))
                 ),
                 score_only=req.score_only,
+                # a BOS the tokenizer put before a text prompt has no entry (the client sent none)
+                skip_first=req.prompt is not None and bool(tokens) and tokens[0] == int(self.llm.token_bos()),
             )
         except BaseException:
             self._end(slot)
