@@ -234,9 +234,9 @@ class Token(_Message, frozen=True, omit_defaults=True):
 class PromptLogprobs(_Message, frozen=True):
     """Log-probabilities of a ``Generate``'s prompt tokens (``prompt_logprobs``), in order, in
     one or more frames before its first ``Token``: each token's given the tokens before it, with
-    the ``top_logprobs`` most likely alternatives. A leading BOS is left out (as llama-cpp-python
-    leaves it out). A prompt without one begins with a token nothing precedes: its entry holds
-    logprob 0 and no alternatives. The API writes null for the first entry either way (OpenAI's
+    the ``top_logprobs`` most likely alternatives. The BOS the worker put before a text prompt is
+    left out (as llama-cpp-python leaves it out); otherwise the first entry is the first token's,
+    which nothing precedes: it holds logprob 0 and no alternatives. The API writes null for the first entry either way (OpenAI's
     and llama-cpp-python's echo)."""
 
     req: str
