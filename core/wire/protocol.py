@@ -236,8 +236,8 @@ class PromptLogprobs(_Message, frozen=True):
     one or more frames before its first ``Token``: each token's given the tokens before it, with
     the ``top_logprobs`` most likely alternatives. The BOS the worker put before a text prompt is
     left out (as llama-cpp-python leaves it out); otherwise the first entry is the first token's,
-    which nothing precedes: it holds logprob 0 and no alternatives. The API writes null for the first entry either way (OpenAI's
-    and llama-cpp-python's echo)."""
+    which nothing precedes: it holds logprob 0 and no alternatives. The API writes null for the
+    first entry either way (OpenAI's and llama-cpp-python's echo)."""
 
     req: str
     logprobs: tuple[TokenLogprobs, ...]

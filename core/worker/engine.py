@@ -292,7 +292,8 @@ class Engine:
         tokens). An embedding model's context is its own, all its sequences embed; a chat model
         embeds in as many idle sequences as there are inputs (empty ones first, then the least
         recently used, each first kept as a host snapshot: the KV of every conversation stays) and
-        gives them back empty (never while a batch decodes). One decode packs as many inputs as
+        gives them back empty; between two steps of a batch, in the sequences the batch leaves
+        idle (RuntimeError when there is none). One decode packs as many inputs as
         there are sequences and tokens in the batch (embed.py). Raises PromptTooLongError for an
         input over the batch, InvalidInputError for a token id outside the vocabulary and for a
         reranker."""
@@ -324,9 +325,8 @@ class Engine:
             seq_ids = [slot.seq_id for slot in self.sequences.slots]
             vectors = embed_tokens(llm, token_lists, seq_ids=seq_ids, before_step=before_step)
         else:
-            if self._decoder.live:
-                raise RuntimeError("embeddings while a batch is decoding")  # the worker runs them between
-            slots = self.sequences.take_slots(min(len(token_lists), len(self.sequences.slots)))
+            # idle sequences only: beside a batch (between two of its steps) those not in it
+            slots = self.sequences.take_slots(min(len(token_lists), self.free_slots))
             try:
                 vectors = embed_tokens(
                     llm,
