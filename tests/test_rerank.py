@@ -228,6 +228,18 @@ def test_rerank_answers_as_llama_server(served: Served, rerankers: dict[str, Pat
     # listed as a reranker once loaded
     models = httpx.get(f"{served.url}/v1/models", timeout=30).json()["data"]
     assert next(m for m in models if m["id"] == "tiny-reranker")["capabilities"] == ["rerank"]
+    # time-shared with the chat model: it answers, then the reranker scores as before
+    r = httpx.post(
+        f"{served.url}/v1/completions",
+        json={"model": "smol", "prompt": "1, 2, 3,", "max_tokens": 2},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    r = post(served, {"model": "tiny-reranker", "query": QUERY, "documents": DOCUMENTS})
+    assert [x["index"] for x in r.json()["results"]] == order
+    assert [x["relevance_score"] for x in r.json()["results"]] == pytest.approx(
+        [want[i] for i in order], abs=TOLERANCE
+    )
 
 
 BAD = [
