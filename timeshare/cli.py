@@ -372,6 +372,23 @@ def _add_diagnostics(sub: Any) -> None:
     bemb.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
     bemb.add_argument("--json", action="store_true", help=_JSON_HELP)
 
+    brr = bench_sub.add_parser(
+        "rerank", help="/v1/rerank throughput: 32 documents of ~200 tokens (issue 42), vs llama-server"
+    )
+    brr.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a reranker GGUF (rank pooling; default: a synthetic BERT-base-shaped one, random weights)",
+    )
+    brr.add_argument("--documents", type=int, default=32, help="documents per request (default: 32)")
+    brr.add_argument("--words", type=int, default=150, help="words per document, ~200 tokens (default: 150)")
+    brr.add_argument("--rounds", type=int, default=5, help="requests; the median (default: 5)")
+    brr.add_argument("--n-ctx", type=int, default=512, help="context per sequence (default: 512)")
+    brr.add_argument("--parallel", type=int, default=8, help="sequences / llama-server slots (default: 8)")
+    brr.add_argument("--llama-server", metavar="PATH", help="also llama-server --reranking on the same model")
+    brr.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
+    brr.add_argument("--json", action="store_true", help=_JSON_HELP)
+
     arena = sub.add_parser(
         "arena-test", help="stress the VRAM arena with real workers and check the invariant"
     )

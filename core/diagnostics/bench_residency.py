@@ -267,6 +267,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_embed import main as embed_main
 
         return embed_main(args)
+    if args.bench == "rerank":
+        from .bench_rerank import main as rerank_main
+
+        return rerank_main(args)
     if args.bench == "parallel":
         from .bench_parallel import main as parallel_main
 

@@ -42,6 +42,8 @@ from .tenancy import Acquired, Tenancy, make_tenancy
 
 #: numbers per Embeddings frame (a frame holds at most MAX_FRAME bytes; a float takes ~20)
 EMBED_FRAME_VALUES = 256 * 1024
+#: prompt tokens' logprob entries per PromptLogprobs frame (20 alternatives each stay far below MAX_FRAME)
+PROMPT_LOGPROBS_PER_FRAME = 1024
 
 
 def _env_ms(var: envvars.EnvVar) -> float:
@@ -371,6 +373,7 @@ class Worker:
                     chat_family=chat.family.name,
                     thinks=chat.thinks,
                     starts_thinking=chat.starts_thinking,
+                    pooling=engine.pooling,
                 )
             )
         )
@@ -622,7 +625,8 @@ class Worker:
 
     def _admissible(self) -> list[p.Generate]:
         """The requests that may join the batch now, in arrival order: the Generates at the head of
-        the queue (up to the first other task, which waits for the batch to end), as many as the
+        the queue (up to the first other task, which waits for the batch to end; an Embed runs
+        between two steps where a sequence is idle: ``_embed_beside``), as many as the
         context has free sequences, skipping one whose conversation is being answered (a
         conversation is never decoded twice at once)."""
         engine = self.engine
@@ -670,6 +674,22 @@ class Worker:
             self._admit(req, got, started)
         if admitted:
             self.publish()  # once for all who joined (the pool hears of the batch once per step)
+        self._embed_beside()
+
+    def _embed_beside(self) -> None:
+        """An Embed at the head of the queue runs now, between two steps of the batch, in the
+        sequences the batch leaves idle (issue 45: it no longer waits for every answer to end).
+        A chat model's only: its context switches to embeddings for the Embed's decodes and back,
+        and the sequences of the batch are not touched (each decodes in its own KV stream; their
+        next step evaluates their last token as before). With no idle sequence it waits."""
+        engine = self.engine
+        if engine is None or engine.model.embedding or not self._running or not self._pending:
+            return
+        task = self._pending[0]
+        if not isinstance(task, p.Embed) or task.query is not None or engine.free_slots < 1:
+            return
+        self._pending.popleft()
+        self._embed(task, beside_batch=True)
 
     def _batch_wait_poll(self) -> None:
         """``poll`` while waiting for the GPU with a batch: cancels take effect at once; the wait
@@ -722,9 +742,15 @@ class Worker:
             self.send(p.Token(req=req.req, text=text, logprobs=tuple(logprobs)))
             logprobs.clear()
 
+        def prompt_emit(entries: list[p.TokenLogprobs]) -> None:
+            for i in range(0, len(entries), PROMPT_LOGPROBS_PER_FRAME):
+                self.send(
+                    p.PromptLogprobs(req=req.req, logprobs=tuple(entries[i : i + PROMPT_LOGPROBS_PER_FRAME]))
+                )
+
         try:
             prepared = engine.prepare(req, poll)
-            run.live = engine.start(prepared, emit, logprobs.extend)
+            run.live = engine.start(prepared, emit, logprobs.extend, prompt_emit)
         except CancelledError:
             self._cancelled.discard(req.req)
             self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
@@ -815,10 +841,11 @@ class Worker:
             self.tenancy.note_use(False)
         self.publish()
 
-    def _embed(self, req: p.Embed) -> None:
-        """An Embed request, between batches (its context switches to embeddings): the vectors go
-        in ``Embeddings`` frames of at most EMBED_FRAME_VALUES numbers, then a ``Done``
-        (usage.prompt_tokens: the tokens embedded)."""
+    def _embed(self, req: p.Embed, beside_batch: bool = False) -> None:
+        """An Embed request, between batches or (``beside_batch``) between two steps of one (a
+        chat model's context switches to embeddings): the vectors go in ``Embeddings`` frames of
+        at most EMBED_FRAME_VALUES numbers, then a ``Done`` (usage.prompt_tokens: the tokens
+        embedded)."""
         engine = self.engine
         assert engine is not None
         if req.req in self._cancelled:
@@ -833,17 +860,22 @@ class Worker:
             self._poll()
             if req.req in self._cancelled or self._stop_batch:
                 self._cancelled.discard(req.req)
-                self._stop_batch = False
+                if not beside_batch:  # beside one, the batch ends on it at its next step
+                    self._stop_batch = False
                 raise CancelledError(f"request {req.req} cancelled")
             if not (self.tenancy.holds_token and self.tenancy.weights_resident):
                 switch = self._ensure_resident(self._wait_poll)
 
         reply: p.Done | p.Error
-        self._busy = True
-        self.tenancy.note_use(True)
-        self.publish()
+        if not beside_batch:
+            self._busy = True
+            self.tenancy.note_use(True)
+            self.publish()
         try:
-            vectors, n_tokens = engine.embed(req.inputs, step)
+            if req.query is not None:  # a rerank: one row of scores per document
+                vectors, n_tokens = engine.rerank(req.query, req.inputs, step)
+            else:
+                vectors, n_tokens = engine.embed(req.inputs, step)
             self.tenancy.settle()
             per_frame = max(1, EMBED_FRAME_VALUES // max(1, len(vectors[0]) if vectors else 1))
             for i in range(0, len(vectors), per_frame):
@@ -863,10 +895,14 @@ class Worker:
             reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
         except TimeshareError as exc:
             reply = p.Error(req=req.req, code=exc.code, message=str(exc))
+        except Exception as exc:  # llama_decode failed: this request fails, the worker goes on
+            log.exception("embedding request %s failed", req.req)
+            reply = p.Error(req=req.req, code="internal", message=str(exc) or type(exc).__name__)
         finally:
-            self._busy = False
-            self.tenancy.note_use(False)
-            self.publish()
+            if not beside_batch:  # the batch keeps the worker busy
+                self._busy = False
+                self.tenancy.note_use(False)
+                self.publish()
         self.send(reply)
 
     def _shutdown(self, save_kv: bool) -> None:
