@@ -52,8 +52,9 @@ class DirectMtmd:
     def support_vision(self) -> bool:
         return bool(mtmd.mtmd_support_vision(self.ctx))
 
-    def first_logits(self, text: str, images: list[bytes]) -> np.ndarray:
-        """``text`` holds one media marker per image; the KV cache is cleared first."""
+    def first_logits(self, text: str, images: list[bytes], add_special: bool = True) -> np.ndarray:
+        """``text`` holds ``<image>`` where each image goes; the KV cache is cleared first.
+        ``add_special``: BOS as the vocabulary adds it (off for a chat template's text)."""
         bitmaps = []
         for img in images:
             arr = (ctypes.c_uint8 * len(img)).from_buffer_copy(img)
@@ -62,7 +63,7 @@ class DirectMtmd:
             bitmaps.append(bm)
         data = text.replace("<image>", mtmd.mtmd_default_marker().decode()).encode()
         it = mtmd.mtmd_input_text()
-        it.text, it.text_len, it.add_special, it.parse_special = data, len(data), True, True
+        it.text, it.text_len, it.add_special, it.parse_special = data, len(data), add_special, True
         chunks = mtmd.mtmd_input_chunks_init()
         try:
             arr_b = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
