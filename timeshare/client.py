@@ -131,6 +131,8 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         last = m.get("last_switch") or {}
         restore = f"{last['restore_ms']:.0f} ms" if last.get("switched") else "-"
         note = m.get("reason") or ""
+        if m.get("vision"):
+            note = words.READS_IMAGES + ("; " + note if note else "")
         if m.get("residency_path") == "rebuild" and m.get("residency_reason"):
             note = (note + "; " if note else "") + f"rebuild path: {m['residency_reason']}"
         rows.append(

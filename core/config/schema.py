@@ -312,6 +312,16 @@ class ApiConfig:
             special="off (Ollama's own address: 127.0.0.1:11434)",
         ),
     )
+    # an OpenAI image_url part that is an http(s) URL: fetched by Timeshare (bounded in size and
+    # time) only when this is on; data: URLs are always taken (issue 41)
+    fetch_image_urls: bool = setting(
+        False,
+        FieldMeta(
+            "Fetch image URLs",
+            "An image given as an http(s) URL is downloaded by Timeshare (at most 8 MiB, 10 s); "
+            "off: such images are refused and clients send them inline (data: URLs, base64)",
+        ),
+    )
 
 
 @dataclass(frozen=True)

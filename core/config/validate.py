@@ -488,6 +488,7 @@ def validate(
             "allowed_hosts": lambda w, v: c.string_list(w, v, _host_checker(c)),
             "allowed_origins": lambda w, v: c.string_list(w, v, _origin_checker(c)),
             "ollama_listen": lambda w, v: _listen_address(c, w, v),
+            "fetch_image_urls": lambda w, v: c.boolean(w, v),
         },
     )
     api_raw = raw.get("api", {})

@@ -179,6 +179,7 @@ def make_request(
     conversation: str | None,
     cache_prompt: bool | None = None,
     tools: Sequence[protocol.ToolSpec] = (),
+    images: Sequence[protocol.ImagePart] = (),
 ) -> protocol.Generate:
     """The ``Generate`` message for ``Pool.generate``'s arguments; ValueError when they are malformed."""
     chat: tuple[protocol.ChatMessage, ...] | None = None
@@ -194,6 +195,7 @@ def make_request(
         sampling=sampling,
         conversation=conversation,
         cache_prompt=cache_prompt,
+        images=tuple(images),
     )
     try:
         protocol.check_generate(request)

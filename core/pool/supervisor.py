@@ -232,10 +232,12 @@ class Pool:
         conversation: str | None = None,
         cache_prompt: bool | None = None,
         tools: Sequence[protocol.ToolSpec] = (),
+        images: Sequence[protocol.ImagePart] = (),
     ) -> Generation:
         """Queue a request for ``model_id`` (FIFO, one at a time per worker) and return its handle.
 
-        Give ``prompt`` (completion) or ``messages`` (chat: ChatMessage or {"role", "content"});
+        Give ``prompt`` (completion; ``images``: the images among its text) or ``messages``
+        (chat: ChatMessage, which carry their own images, or {"role", "content"});
         ``sampling`` is carried to the worker unchanged (default: greedy, 256 tokens at most).
         Raises UnknownModelError, ModelUnavailableError (failed model), QueueFullError, and
         ValueError for malformed arguments. A STOPPED model is started on demand."""
@@ -248,6 +250,7 @@ class Pool:
             conversation=conversation,
             cache_prompt=cache_prompt,
             tools=tools,
+            images=images,
         )
         gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
         self._actor.call(self._submit, gen)

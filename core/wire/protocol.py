@@ -75,6 +75,8 @@ class ImagePart(msgspec.Struct, frozen=True):
 
 #: the most images one request may hold (the API refuses more, naming the part)
 MAX_IMAGES = 16
+#: the most pixels one image may have (the API checks it from the header; the worker again)
+MAX_IMAGE_PIXELS = 50_000_000
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -176,6 +178,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     chat_family: str = "generic"
     thinks: bool = False
     starts_thinking: bool = False
+    projector_bytes: int = 0  # the vision projector's weights (0: none)
 
 
 class Ready(_Message, frozen=True):

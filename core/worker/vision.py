@@ -46,11 +46,12 @@ import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 
 from ..errors import InvalidInputError, ModelFileError
+from ..wire.protocol import MAX_IMAGE_PIXELS
 
 log = logging.getLogger(__name__)
 
 #: the most pixels one image may have (the API refuses more before decoding; checked again here)
-MAX_PIXELS = 50_000_000
+MAX_PIXELS = MAX_IMAGE_PIXELS
 #: the encoded images kept by content hash (bytes of float32 embeddings)
 ENCODED_CACHE_BYTES = 64 * 1024 * 1024
 
@@ -153,6 +154,7 @@ class Vision:
         self._encoded: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._encoded_bytes = 0
         self.encodes = 0  # images the projector encoded (the rest came from the LRU)
+        self.weight_bytes = projector_weight_bytes(path)
         _route_logs()
         self._init()
         self.non_causal = False  # set by the first image chunk's answer (libmtmd asks per chunk)
@@ -320,6 +322,16 @@ class Vision:
         if self._ctx:
             mtmd.mtmd_free(self._ctx)
             self._ctx = None
+
+
+def projector_weight_bytes(path: str) -> int:
+    """The bytes of a projector GGUF's tensors (what its weights take, as the file holds them)."""
+    import mmap
+
+    from ..gguf.header import parse_header
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return sum(parse_header(buf, len(buf)).type_bytes.values())
 
 
 _LOG_CALLBACK: Any = None
