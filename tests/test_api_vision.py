@@ -222,6 +222,7 @@ def image_part(url: str) -> dict[str, Any]:
         "not-an-image",
         "truncated",
         "bomb",
+        "too-large",
         "100-images",
         "svg",
         "wrong-mime",
