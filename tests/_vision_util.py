@@ -6,15 +6,20 @@ from __future__ import annotations
 import ctypes
 import io
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
+from _e_worker_util import generate_message
 from PIL import Image
 from timeshare.core.diagnostics.synthetic_projector import ProjectorShape, write_projector_for
+from timeshare.core.wire.protocol import ChatMessage, ImagePart, TokenLogprobs
+from timeshare.core.worker.engine import Engine
 
 #: the generated Gemma 3 projector's shape: 8-pixel patches pooled 2x2, 16 image tokens
 GEMMA3_SHAPE = ProjectorShape(patch_size=8, merge=2)
+QUESTION = "What is in this picture?"
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (40, 30), stripe: bool = False) -> bytes:
@@ -84,3 +89,36 @@ class DirectMtmd:
     def close(self) -> None:
         mtmd.mtmd_free(self.ctx)
         self.llm.close()
+
+
+def ask(image: bytes, text: str = QUESTION, at: int = 0) -> ChatMessage:
+    return ChatMessage("user", text, images=(ImagePart(image, at),))
+
+
+class Run:
+    """One request through the engine: its streamed text and its first token's logprobs."""
+
+    def __init__(self, engine: Engine, name: str = "r", **fields: Any) -> None:
+        fields.setdefault("max_tokens", 6)
+        fields.setdefault("cache_prompt", False)
+        fields.setdefault("logprobs", True)
+        fields.setdefault("top_logprobs", 5)
+        self.pieces: list[str] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.prepared = engine.prepare(generate_message(name, **fields))
+        self.live = engine.start(self.prepared, self.pieces.append, self.logprobs.extend)
+
+    @property
+    def first(self) -> TokenLogprobs:
+        return self.logprobs[0]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def alone(engine: Engine, **fields: Any) -> Run:
+    run = Run(engine, **fields)
+    while engine.active:
+        engine.step()
+    return run

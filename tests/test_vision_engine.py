@@ -14,21 +14,19 @@ import llama_cpp  # noqa: F401  (before anything that imports numpy)
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from _e_worker_util import generate_message
-from _vision_util import DirectMtmd, png, projector_for
+from _vision_util import QUESTION, DirectMtmd, Run, alone, ask, png, projector_for
 from timeshare.core.chatformat.history import render
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import InvalidInputError
-from timeshare.core.wire.protocol import ChatMessage, ImagePart, TokenLogprobs
+from timeshare.core.wire.protocol import ChatMessage, ImagePart
 from timeshare.core.worker.engine import Engine
 from timeshare.core.worker.prompts import fallback_prompt
 from timeshare.core.worker.vision import ImageSpan, close_spans, placeholder_ids, snap_to_image_start
 
 RED, BLUE = png((255, 0, 0)), png((0, 0, 255))
-QUESTION = "What is in this picture?"
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -43,39 +41,6 @@ def engine(model: tuple[Path, Path]) -> Iterator[Engine]:
     e = Engine.load(ModelConfig(id="vis", path=str(path), n_ctx=1024, n_seq=4, parallel=2, mmproj=str(proj)))
     yield e
     e.close()
-
-
-def ask(image: bytes, text: str = QUESTION, at: int = 0) -> ChatMessage:
-    return ChatMessage("user", text, images=(ImagePart(image, at),))
-
-
-class Run:
-    """One request through the engine: its streamed text and its first token's logprobs."""
-
-    def __init__(self, engine: Engine, name: str = "r", **fields: Any) -> None:
-        fields.setdefault("max_tokens", 6)
-        fields.setdefault("cache_prompt", False)
-        fields.setdefault("logprobs", True)
-        fields.setdefault("top_logprobs", 5)
-        self.pieces: list[str] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.prepared = engine.prepare(generate_message(name, **fields))
-        self.live = engine.start(self.prepared, self.pieces.append, self.logprobs.extend)
-
-    @property
-    def first(self) -> TokenLogprobs:
-        return self.logprobs[0]
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-
-def alone(engine: Engine, **fields: Any) -> Run:
-    run = Run(engine, **fields)
-    while engine.active:
-        engine.step()
-    return run
 
 
 def test_two_images_differ_and_the_same_image_repeats_bit_for_bit(engine: Engine) -> None:

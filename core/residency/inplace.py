@@ -93,9 +93,12 @@ class InPlace:
         gpu: _ggml.Device | None,
         options: ResidencyOptions,
         overlap: bool = False,
+        discovery: Discovery | None = None,
     ) -> None:
         """``overlap``: probe the eval hook an overlapped restore needs (Residency decides
-        whether restores may overlap at all)."""
+        whether restores may overlap at all). ``discovery``: the weight tensors found already
+        (a vision projector's, whose clip context ran the callback: core/worker/vision.py);
+        None: the warm-up decode of ``llm`` finds them."""
         want_pinned = options.host_shadow == "pinned"
         verify, coalesce, parallel = options.verify_shadow, options.coalesce_upload, options.parallel_buffers
         parts, defer_shadow = options.parts, options.defer_shadow
@@ -121,7 +124,7 @@ class InPlace:
             raise InPlaceUnsupportedError(str(exc)) from exc
         vulkan = gpu is not None and gpu.name.startswith("Vulkan")
         t0 = time.perf_counter()
-        disc = discover(llm, self.layout, overlap and not vulkan)
+        disc = discovery if discovery is not None else discover(llm, self.layout, overlap and not vulkan)
         t1 = time.perf_counter()
         #: where the upload gate goes in the live context (None: restores stay synchronous,
         #: ``overlap_note`` says why)

@@ -379,6 +379,8 @@ class ArenaTenancy(Tenancy):
             split_at_release=one_model and parts > 1,
         )
         res = Residency.attach(engine.llm, engine.model.path, options)
+        if engine.vision is not None:  # its projector's weights go and come back with the model's
+            res.attach_projector(engine.vision.watch, engine.vision.path)
         self.residency = res
         self.path = res.path
         self.reason = res.reason

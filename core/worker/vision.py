@@ -46,6 +46,7 @@ import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 
 from ..errors import InvalidInputError, ModelFileError
+from ..residency import ProjectorWatch
 from ..wire.protocol import MAX_IMAGE_PIXELS
 
 log = logging.getLogger(__name__)
@@ -160,11 +161,16 @@ class Vision:
         self.non_causal = False  # set by the first image chunk's answer (libmtmd asks per chunk)
 
     def _init(self) -> None:
+        # the clip scheduler's eval callback: libmtmd's warm-up encode at init shows the
+        # projector's weights to it, for the residency (core/residency/projector.py)
+        self.watch = ProjectorWatch()
         params = mtmd.mtmd_context_params_default()
         params.use_gpu = self._use_gpu
         params.n_threads = self._n_threads
         params.print_timings = False
-        params.warmup = False
+        params.warmup = True
+        params.cb_eval = self.watch.callback
+        params.cb_eval_user_data = None
         params.media_marker = self._marker_bytes
         if self._device is not None:
             params.device = self._device
@@ -187,6 +193,36 @@ class Vision:
             )
         self._ctx = ctx
         self._model_ptr = model
+        self._show_weights()
+
+    def _show_weights(self) -> None:
+        """Encode a blank image once, so the watch sees the weights of the whole vision tower
+        (libmtmd's own warm-up only reserves the graph's memory; it computes nothing)."""
+        side = 64
+        pixels = (ctypes.c_uint8 * (side * side * 3))(*([128] * (side * side * 3)))
+        bm = mtmd.mtmd_bitmap_init(side, side, pixels)
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            it = mtmd.mtmd_input_text()
+            it.text, it.text_len, it.add_special, it.parse_special = (
+                self._marker_bytes,
+                len(self._marker_bytes),
+                False,
+                True,
+            )
+            arr = (mtmd.mtmd_bitmap_p_ctypes * 1)(bm)
+            if mtmd.mtmd_tokenize(self._ctx, chunks, ctypes.byref(it), arr, 1) != 0:
+                log.warning("the projector's warm-up image could not be tokenized")
+                return
+            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                    if mtmd.mtmd_encode_chunk(self._ctx, chunk) != 0:
+                        log.warning("the projector's warm-up encode failed")
+                    return
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            mtmd.mtmd_bitmap_free(bm)
 
     def ensure(self) -> None:
         """Make the mtmd context again when the llama model is another object (a rebuild-path
@@ -293,6 +329,12 @@ class Vision:
             _, old = self._encoded.popitem(last=False)
             self._encoded_bytes -= old.nbytes
         return embd
+
+    def forget_encoded(self) -> None:
+        """Drop the encoded images kept by content hash: the next image runs the projector (the
+        doctor and the tests check its weights after a restore this way)."""
+        self._encoded.clear()
+        self._encoded_bytes = 0
 
     def evaluate(self, ctx: Any, span: ImageSpan, n_past: int, seq_id: int, n_batch: int) -> None:
         """Put the image's embeddings into sequence ``seq_id`` at positions ``n_past``.. (one
