@@ -52,3 +52,15 @@ def test_the_projector_is_released_and_restored_with_the_weights_bitwise(
     finally:
         res.close()
         engine.close()
+
+
+def test_doctor_checks_a_generated_projector_with_the_weights(smollm2_path: Path) -> None:
+    """``timeshare doctor --mmproj generated``: the projector's bytes go with the weights and the
+    same image's embeddings after each restore are bitwise the ones before."""
+    from timeshare.core.diagnostics.doctor import run_doctor
+
+    report = run_doctor(str(smollm2_path), 2, mmproj="generated")
+    proj = report["projector"]
+    assert proj["released_with_weights"] and proj["device_bytes"] > 0
+    assert proj["bitwise_identical"] and proj["bitwise_identical_cycles"] == 2
+    assert report["bitwise_identical"] and report["weight_bytes"] >= proj["device_bytes"]

@@ -309,20 +309,32 @@ class Vision:
             for bm in bitmaps:
                 mtmd.mtmd_bitmap_free(bm)
 
+    def _encode(self, span: ImageSpan) -> np.ndarray:
+        """The projector's output for the image (a copy)."""
+        rc = mtmd.mtmd_encode_chunk(self._ctx, span.chunk)
+        if rc != 0:
+            raise RuntimeError(f"the projector could not encode an image (libmtmd: {rc})")
+        self.encodes += 1
+        ptr = mtmd.mtmd_get_output_embd(self._ctx)
+        size = span.n_tokens * self.n_embd
+        return np.array(np.ctypeslib.as_array(ptr, shape=(size,)), copy=True)
+
+    def encode_image(self, data: bytes) -> np.ndarray:
+        """The projector's embeddings of one image file, encoded now (the doctor compares them
+        across release/restore cycles)."""
+        _tokens, spans = self.tokenize(self.marker + ".", [data], add_special=False, parse_special=True)
+        try:
+            return self._encode(next(iter(spans.values())))
+        finally:
+            close_spans(spans)
+
     def _embeddings(self, span: ImageSpan) -> np.ndarray:
         """The image's embeddings: from the LRU, or encoded by the projector now."""
         got = self._encoded.get(span.digest)
         if got is not None:
             self._encoded.move_to_end(span.digest)
             return got
-        rc = mtmd.mtmd_encode_chunk(self._ctx, span.chunk)
-        if rc != 0:
-            raise RuntimeError(f"the projector could not encode an image (libmtmd: {rc})")
-        self.encodes += 1
-        ptr = mtmd.mtmd_get_output_embd(self._ctx)
-        embd: np.ndarray = np.array(
-            np.ctypeslib.as_array(ptr, shape=(span.n_tokens * self.n_embd,)), copy=True
-        )
+        embd = self._encode(span)
         self._encoded[span.digest] = embd
         self._encoded_bytes += embd.nbytes
         while self._encoded_bytes > ENCODED_CACHE_BYTES and len(self._encoded) > 1:
