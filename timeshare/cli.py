@@ -222,7 +222,7 @@ def _add_diagnostics(sub: Any) -> None:
     doctor.add_argument(
         "--mmproj",
         metavar="PATH",
-        help='a vision projector for the model, checked with it ("generated": one made for it, random weights)',
+        help='a vision projector checked with the model ("generated": one made for it, random weights)',
     )
     doctor.add_argument(
         "--budget",
