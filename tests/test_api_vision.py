@@ -19,8 +19,10 @@ import httpx
 import ollama
 import openai
 import pytest
-from _api_util import Served, serving
-from _vision_util import png, projector_for
+from _api_util import Served, run_cli, serving
+from _vision_util import QUESTION, png, projector_for
+
+from timeshare.image_paths import content_with_images, split_images
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +30,6 @@ VISION = "smol-vision"
 TEXT = "smol-text"
 N = 8
 RED, BLUE = png((255, 0, 0)), png((0, 0, 255))
-QUESTION = "What is in this picture?"
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
@@ -259,3 +260,28 @@ def test_an_image_for_a_text_model_is_a_400_naming_the_model(served: Served, cli
         model=TEXT, messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
     assert text.choices[0].finish_reason in ("stop", "length")
+
+
+def test_timeshare_run_takes_an_image_path_in_the_prompt(
+    served: Served, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    """As ``ollama run`` does: ``timeshare run MODEL "question ./cat.png"`` sends the file as an
+    image with the rest of the text."""
+    (tmp_path / "red picture.png").write_bytes(RED)
+    expected = openai_ask(client, RED).choices[0].message.content
+    prompt = f'{QUESTION} "{tmp_path / "red picture.png"}"'
+    done = run_cli(served.home, "run", VISION, prompt, "--max-tokens", str(N), "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected.strip()
+    assert "Added image" in done.stderr
+
+
+def test_image_paths_in_a_prompt(tmp_path: Path) -> None:
+    (tmp_path / "cat.png").write_bytes(RED)
+    (tmp_path / "my cat.jpg").write_bytes(RED)
+    assert split_images("what is this? ./cat.png", tmp_path) == ("what is this?", [tmp_path / "cat.png"])
+    text, found = split_images('compare "my cat.jpg" and my\\ cat.jpg then missing.png', tmp_path)
+    assert found == [tmp_path / "my cat.jpg"] * 2 and text == "compare and then missing.png"
+    assert split_images("no image.png here", tmp_path) == ("no image.png here", [])
+    parts = content_with_images("hi", [tmp_path / "cat.png"])
+    assert isinstance(parts, list) and parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
