@@ -192,8 +192,8 @@ def main() -> int:
         for name, r in (("with projector", with_proj), ("without", without)):
             print(
                 f"{name:15s} switched turn: first token {r['median_first_token_ms']:.1f} ms, restore "
-                f"{r['median_restore_ms']:.1f} ms, {r['median_restored_bytes'] / 1e9:.3f} GB restored (median of "
-                f"{len(r['turns'])})"
+                f"{r['median_restore_ms']:.1f} ms, {r['median_restored_bytes'] / 1e9:.3f} GB restored "
+                f"(median of {len(r['turns'])})"
             )
         print(f"ratio (first token, with / without): {ratio:.3f} (target <= 1.1)" if ratio else "ratio: n/a")
         print(
