@@ -64,3 +64,28 @@ def test_doctor_checks_a_generated_projector_with_the_weights(smollm2_path: Path
     assert proj["released_with_weights"] and proj["device_bytes"] > 0
     assert proj["bitwise_identical"] and proj["bitwise_identical_cycles"] == 2
     assert report["bitwise_identical"] and report["weight_bytes"] >= proj["device_bytes"]
+
+
+def test_on_the_rebuild_path_the_projector_follows_the_reloaded_model(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """The rebuild path frees the model and loads it again: the projector's context, which holds
+    the model, is made again (vision.Vision.ensure), stays where it is (nothing to move with a
+    model that is not released in place) and the image answers the same."""
+    proj = projector_for(smollm2_path, tmp_path)
+    engine = Engine.load(
+        ModelConfig(id="v", path=str(smollm2_path), n_ctx=512, mmproj=str(proj)), use_mmap=False
+    )
+    res = Residency.attach(engine.llm, str(smollm2_path), ResidencyOptions(mode="rebuild"))
+    try:
+        assert engine.vision is not None
+        assert not res.attach_projector(engine.vision.watch, proj) and "rebuild" in res.projector_note
+        before = alone(engine, messages=(ask(RED),), max_tokens=8)
+        res.release()
+        res.restore()
+        engine.vision.forget_encoded()
+        after = alone(engine, messages=(ask(RED),), max_tokens=8)
+        assert after.text == before.text and after.logprobs == before.logprobs
+    finally:
+        res.close()
+        engine.close()
