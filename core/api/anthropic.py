@@ -586,7 +586,8 @@ class Routes:
             kind="chat",
             model=parsed.model,
             prompt=None,
-            messages=_messages(parsed),
+            # (on a thread: its images are decoded to be checked)
+            messages=await anyio.to_thread.run_sync(_messages, parsed),
             sampling=for_front_end("api_anthropic", max_tokens=1, temperature=0.0),
             stream=False,
             include_usage=False,
