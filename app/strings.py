@@ -245,6 +245,10 @@ def search_hits(n: int, query: str) -> str:
     )
 
 
+#: under a search hit until the hub told its GGUF sizes
+SIZES_COMING = "sizes: asking the hub…"
+
+
 def search_none(query: str) -> str:
     return f"No model with GGUF files matches “{query}” on the hub: try fewer or other words."
 

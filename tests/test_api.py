@@ -168,8 +168,10 @@ def test_parse_chat_request_refuses_with_a_sentence(body: dict[str, object], par
     [
         ({"model": GEMMA}, "prompt"),
         ({"model": GEMMA, "prompt": ["a", "b"]}, "prompt"),
-        ({"model": GEMMA, "prompt": [1, 2, 3]}, "prompt"),
-        ({"model": GEMMA, "prompt": "a", "echo": True}, "echo"),
+        ({"model": GEMMA, "prompt": [[1, 2], [3]]}, "prompt"),
+        ({"model": GEMMA, "prompt": [1, -2]}, "prompt"),
+        ({"model": GEMMA, "prompt": []}, "prompt"),
+        ({"model": GEMMA, "prompt": "a", "echo": "yes"}, "echo"),
         ({"model": GEMMA, "prompt": "a", "best_of": 3}, "best_of"),
     ],
 )

@@ -142,10 +142,11 @@ def test_chunked_prefill_interleaves_with_the_others_decode_steps(
     long_prompt = " ".join(f"word{i}" for i in range(120))  # several chunks of 64
     ref = plain_completions(smollm2_path, (PROMPTS[0], long_prompt), 20)
     llm = llama_cpp.Llama(str(smollm2_path), n_ctx=2048 * 2, n_batch=64, verbose=False)
-    from timeshare.core.worker.engine import _sequences  # the load's own context of 2 sequences
+    from timeshare.core.worker.engine import make_sequences  # the load's own context of 2 sequences
 
-    _sequences(llm, 2)
-    e = Engine(llm, ModelConfig(id="smol", path=str(smollm2_path), n_ctx=2048, parallel=2), None)
+    config = ModelConfig(id="smol", path=str(smollm2_path), n_ctx=2048, parallel=2)
+    make_sequences(llm, 2, config)
+    e = Engine(llm, config, None)
     try:
         b = Batch(e)
         b.join("a", prompt=PROMPTS[0], max_tokens=20)

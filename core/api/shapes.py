@@ -105,7 +105,9 @@ class ChatBody(_Body, frozen=True, kw_only=True):
 
 class CompletionBody(_Body, frozen=True, kw_only=True):
     prompt: str | list[Any]
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # 0: score the prompt only
     logprobs: TopLogprobs | None = None  # the legacy field: how many alternatives per token
+    echo: bool = False  # the prompt comes back before the answer (with its logprobs when asked)
 
 
 # ---- responses -----------------------------------------------------------------------------------

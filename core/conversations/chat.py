@@ -183,7 +183,7 @@ class ChatTurn:
                     last_flush = now
             result = self._gen.result()
             text = "".join(parts)
-            stats = self._stats(result, first_piece_at, time.monotonic(), len(parts))
+            stats = self._stats(result, first_piece_at, time.monotonic())
             if self._prewoken and not stats.switched:
                 stats = replace(stats, prewoken=True)
             self._store.update_message(self.assistant_message_id, text, complete=True, stats=stats)
@@ -216,19 +216,13 @@ class ChatTurn:
         except TimeshareError as exc:  # e.g. the conversation was deleted meanwhile
             log.warning("could not save the answer in conversation %s: %s", self.conversation_id, exc)
 
-    def _stats(
-        self, result: ResultLike, first_piece_at: float | None, ended: float, pieces: int
-    ) -> AnswerStats:
+    def _stats(self, result: ResultLike, first_piece_at: float | None, ended: float) -> AnswerStats:
         usage = result.usage
         switch = result.switch or SwitchStats(switched=False)
         elapsed = ended - self._started
         gen_time = ended - first_piece_at if first_piece_at is not None else 0.0
+        # after a Stop too: the worker counts the tokens generated before it (loop._apply_cancels)
         completion = usage.completion_tokens
-        if result.finish_reason == "cancelled" and completion == 0:
-            # a Stop: the worker reports no usage for a cancelled request, so count what streamed
-            # (a piece per token, but for the rare piece that completes several: a character
-            # split across tokens), not "0 tokens" under hundreds shown
-            completion = pieces
         # tokens after the first, over the time after the first: the decode rate, not prefill
         tps = (completion - 1) / gen_time if gen_time > 0 and completion > 1 else 0.0
         return AnswerStats(

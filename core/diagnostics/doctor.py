@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 from .. import envvars
 from ..errors import TimeshareError
 from .card import hold_card
+from .handover_check import handover_lines, handover_report, handover_source
 
 if TYPE_CHECKING:  # importing residency loads llama_cpp: run_doctor imports it when it runs
+    from ..arena.handclient import HandoverClient
     from ..residency.options import Mode
 
 log = logging.getLogger(__name__)
@@ -54,13 +56,28 @@ def run_doctor(
     mode: Mode = "auto",
     budget: str = "one-model",
     mmproj: str = "",
+    handover: bool = False,
 ) -> dict[str, Any]:
     """Run the check; returns the report (raises TimeshareError on bad input). ``mode`` forces
     the in-place or the rebuild path (``make vulkan-check`` checks the rebuild path with it).
     ``budget``: the VRAM budget setting to report for device 0 (``--budget``; e.g. auto).
     ``mmproj``: a vision projector for the model (a path, or "generated": one made for it with
     random weights, core/diagnostics/synthetic_projector.py), released and restored with the
-    weights and checked bitwise (the same image's embeddings after each restore)."""
+    weights and checked bitwise (the same image's embeddings after each restore).
+    ``handover``: restores map handed-over memory (issue 40) from a holder of this run's own."""
+    with handover_source(handover) as source:
+        return _run_doctor(model, cycles, n_ctx, mode, budget, source, mmproj)
+
+
+def _run_doctor(
+    model: str,
+    cycles: int,
+    n_ctx: int,
+    mode: Mode,
+    budget: str,
+    source: HandoverClient | None,
+    mmproj: str = "",
+) -> dict[str, Any]:
     from ..residency import Residency, ResidencyOptions
     from .copy_baseline import vulkan_baseline
     from .residency_check import Cycles, GreedyReplay, load_for_check, run_cycles
@@ -80,7 +97,9 @@ def run_doctor(
         reference = replay.run()
         projector = ProjectorCheck.start(llm, model, mmproj) if mmproj else None
         _step("attaching the residency mechanism")
-        res = Residency.attach(llm, model, ResidencyOptions(mode=mode))
+        res = Residency.attach(
+            llm, model, ResidencyOptions(mode=mode, handover=source is not None), chunk_source=source
+        )
         _step(f"{res.path} path on {res.backend}" + (f" ({res.reason})" if res.reason else ""))
         if projector is not None:
             projector.attach(res)
@@ -163,6 +182,7 @@ def run_doctor(
         report["vram_budget"] = budget_report(budget, res.weight_bytes)
         if projector is not None:
             report["projector"] = projector.report(res)
+        report["handover"] = handover_report(res, source)
         res.close()
         if projector is not None:
             projector.close()
@@ -354,7 +374,12 @@ def _print_text(r: dict[str, Any]) -> None:
         f"cycles:             {r['cycles']} (+1 with the KV cache)",
         f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']}; {_CHECKS[r['check']]})",
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
-        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
+        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})"
+        + (
+            "; handed over: the holder keeps it for the next restore"
+            if r.get("handover", {}).get("on")
+            else ""
+        ),
         *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
         *_found_lines(r),
         f"release:            {r['release_ms']:.2f} ms (median)",
@@ -364,6 +389,7 @@ def _print_text(r: dict[str, Any]) -> None:
         *_baseline_lines(r),
         *_budget_line(r.get("vram_budget")),
         *_projector_lines(r.get("projector")),
+        *handover_lines(r.get("handover")),
     ]
     print("\n".join(lines))
 
@@ -425,6 +451,7 @@ def main(args: argparse.Namespace) -> int:
                     int(args.cycles),
                     budget=getattr(args, "budget", None) or "one-model",
                     mmproj=getattr(args, "mmproj", None) or "",
+                    handover=bool(getattr(args, "handover", False)),
                 )
         if card is not None:
             report["card"] = card.to_json()

@@ -17,7 +17,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +62,7 @@ class CatalogEntry:
     mmproj: str = ""
     #: the model's n_embd, or a projector's output width (clip.vision.projection_dim); 0: unknown
     width: int = 0
+    pooling: str = ""  # <arch>.pooling_type's name ("rank": a reranker; "": none set, a causal LM)
 
     def to_model_config(self, taken_ids: Iterable[str] = ()) -> ModelConfig:
         """A ModelConfig for this file with a fresh id (settings dialog: "add from catalog")."""
@@ -87,6 +88,8 @@ def model_config_from_entry(entry: CatalogEntry, taken_ids: Iterable[str] = ()) 
         n_ctx=n_ctx,
         licence=entry.licence,
         mmproj=entry.mmproj,
+        # a reranker (rank pooling, issue 42) answers /v1/rerank only: its context is an embedding one
+        embedding=entry.pooling == "rank",
     )
 
 
@@ -152,6 +155,7 @@ def _entry(p: Path, header: Header, file_size: int, source: Source, size: int | 
         has_chat_template=isinstance(v.get("tokenizer.chat_template"), str),
         parameters=text("general.size_label"),
         width=width if isinstance(width, int) and not isinstance(width, bool) else 0,
+        pooling=pooling_name(v),
     )
 
 
@@ -193,14 +197,29 @@ _PROJECTOR_TYPES = {
 }
 
 
-def read_chat_template(path: str | Path) -> str | None:
-    """The GGUF's ``tokenizer.chat_template`` (None: it has none), read from its header. Raises
+#: llama.cpp's ``enum llama_pooling_type`` by value (``<arch>.pooling_type`` in a GGUF)
+POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def pooling_name(values: dict[str, Any]) -> str:
+    """The pooling a GGUF's metadata sets (``POOLING_NAMES``; "rank": a reranker), "" when it
+    sets none (a causal LM)."""
+    arch = values.get("general.architecture")
+    value = values.get(f"{arch}.pooling_type") if isinstance(arch, str) else None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return ""
+    return POOLING_NAMES.get(value, "")
+
+
+def _read_values(path: str | Path, wanted: Callable[[str], bool]) -> dict[str, Any]:
+    """The metadata values whose keys ``wanted(key)`` accepts, read from the header (no tensor
+    table, so no gguf package: the API process and the worker read this). Raises
     ModelFileError as ``read_gguf_header`` does."""
     p = Path(path)
     file_size, _ = check_fixed_header(p)
+    found: dict[str, Any] = {}
     try:
         with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            # the metadata only (no tensor table, so no gguf package: the API process reads this)
             endian = "<" if struct.unpack_from("<I", buf, 4)[0] in (2, 3) else ">"
             cur = GgufCursor(buf, file_size, endian)
             cur.pos = 4
@@ -208,13 +227,28 @@ def read_chat_template(path: str | Path) -> str | None:
             cur.take("Q")  # tensor count
             for _ in range(cur.take("Q")):
                 key = cur.string()
-                wanted = key == "tokenizer.chat_template"
-                value = cur.value(cur.take("I"), wanted)
-                if wanted:
-                    return value if isinstance(value, str) else None
+                keep = bool(wanted(key))
+                value = cur.value(cur.take("I"), keep)
+                if keep:
+                    found[key] = value
     except (GgufTruncatedError, GgufCorruptError, OSError, ValueError, struct.error) as exc:
         raise ModelFileError(f"{p.name} cannot be read ({exc}): check the file") from None
-    return None
+    return found
+
+
+def read_chat_template(path: str | Path) -> str | None:
+    """The GGUF's ``tokenizer.chat_template`` (None: it has none), read from its header. Raises
+    ModelFileError as ``read_gguf_header`` does."""
+    value = _read_values(path, lambda key: key == "tokenizer.chat_template").get("tokenizer.chat_template")
+    return value if isinstance(value, str) else None
+
+
+def read_pooling(path: str | Path) -> str:
+    """The pooling the GGUF sets (see ``pooling_name``: "rank" for a reranker), read from its
+    header. Raises ModelFileError as ``read_gguf_header`` does."""
+    return pooling_name(
+        _read_values(path, lambda key: key == "general.architecture" or key.endswith(".pooling_type"))
+    )
 
 
 def _display_stem(path: Path) -> str:

@@ -208,6 +208,7 @@ class WorkerRecord:
             del self.inflight[gen.req]
             if only_unanswered:
                 gen.dispatch.resent = True
+                gen.drop_partial()  # an echo's prompt entries, an Embed's vectors: they come again
             self.queue.appendleft(gen)
         return back
 
@@ -263,6 +264,7 @@ class WorkerRecord:
             chat_family=info.chat_family if info else "",
             thinks=info.thinks if info else False,
             starts_thinking=info.starts_thinking if info else False,
+            pooling=info.pooling if info else "",
             licence=self.config.licence,
             vision=bool(self.config.mmproj),
             projector_bytes=info.projector_bytes if info else 0,

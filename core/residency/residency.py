@@ -19,6 +19,10 @@ from typing import Any, Literal
 import llama_cpp
 
 from .. import envvars
+from ..devmem.device import CHUNK_BYTES, ChunkDevice, ChunkDeviceError, ChunkSource
+from ..devmem.mapped import HandedMemory
+from ..devmem.memfd import MemfdDevice
+from ..devmem.vmm import CudaVmmDevice
 from ..errors import OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
@@ -145,6 +149,29 @@ def _forget_graphs(ctx: Any, llm: Any) -> None:
         )
 
 
+def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple[HandedMemory | None, str]:
+    """The hand-over's memory for a model on ``gpu`` (None: a CPU build, where the memfd stand-in
+    plays the device), or None and why it cannot be used."""
+    device: ChunkDevice
+    try:
+        if gpu is None:
+            device = MemfdDevice()
+        elif gpu.name.startswith("CUDA"):
+            index = gpu.name[4:]
+            device = CudaVmmDevice(_ggml.device_id(gpu.handle), int(index) if index.isdigit() else 0)
+        else:
+            return None, f"{gpu.name}: the hand-over is built for CUDA (Vulkan external memory is not yet)"
+    except ChunkDeviceError as exc:
+        return None, str(exc)
+    chunk = source.chunk_bytes if source is not None else CHUNK_BYTES
+    if chunk % device.granularity:
+        return (
+            None,
+            f"the arena's chunk of {chunk} bytes is not a multiple of {device.name}'s {device.granularity}",
+        )
+    return HandedMemory(device, source, chunk), ""
+
+
 def rss_bytes() -> int:
     """This process's resident set size (``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
@@ -194,6 +221,8 @@ class Residency:
         #: what the last overlapped restore's gate saw, once settled (see :meth:`settle`)
         self.last_overlap: OverlapTimeline | None = None
         self.memory_note = ""  # why memory_measure is not the device's own report, when it is not
+        #: why restores do not map handed-over memory ("" when they do; issue 40)
+        self.handover_note = "not asked for (ResidencyOptions.handover, arena.handover)"
 
     # -- construction -------------------------------------------------------------------------
 
@@ -229,11 +258,17 @@ class Residency:
 
     @classmethod
     def attach(
-        cls, llm: Any, model_path: str | os.PathLike[str], options: ResidencyOptions | None = None
+        cls,
+        llm: Any,
+        model_path: str | os.PathLike[str],
+        options: ResidencyOptions | None = None,
+        chunk_source: ChunkSource | None = None,
     ) -> Residency:
         """Take charge of ``llm``'s residency. Raises ModelFileError when ``model_path`` is not a
         sound GGUF or no longer holds the loaded weights; ResidencyError when ``mode="inplace"``
-        was asked for and cannot be used (the reason says why)."""
+        was asked for and cannot be used (the reason says why). ``chunk_source``: with
+        ``options.handover``, where handed-over memory comes from and goes back to (the arena's
+        holder; None: the chunks are this process's own)."""
         self = cls()
         self._llm = llm
         self.model_path = os.fspath(model_path)
@@ -265,8 +300,13 @@ class Residency:
         overlap_probe = self._opts.parts > 1 and (
             wanted is True or (wanted is None and self._gpu is not None)
         )
+        handed: HandedMemory | None = None
+        if self._opts.handover:
+            handed, self.handover_note = handed_memory(self._gpu, chunk_source)
         try:
-            self._inplace = InPlace(llm, self.model_path, self._gpu, self._opts, overlap=overlap_probe)
+            self._inplace = InPlace(
+                llm, self.model_path, self._gpu, self._opts, overlap=overlap_probe, handed=handed
+            )
         except NothingToReleaseError as exc:
             if mode != "auto":
                 self._fallback(mode, str(exc))
@@ -292,6 +332,8 @@ class Residency:
         self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
+        if handed is not None:
+            self.handover_note = ip.handover_note
         self._note_shadow()
         self.parts_note = ip.parts_note
         if wanted is False:
@@ -611,6 +653,14 @@ class Residency:
     def device(self) -> _ggml.Device | None:
         """The ggml device the model's weights live on (None on a CPU-only build)."""
         return self._gpu
+
+    @property
+    def handover(self) -> dict[str, object]:
+        """What the hand-over of device memory did (issue 40): ``on``, ``note``, and while on the
+        device, chunk size, chunks handed / created / put back, cuMemCreate calls, mapped bytes."""
+        if self._inplace is not None:
+            return self._inplace.handover_stats()
+        return {"on": False, "note": self.handover_note}
 
     @property
     def release_steps(self) -> dict[str, float]:
@@ -989,8 +1039,12 @@ class Residency:
             self._kv.close()
             self._kv = None
         if self._inplace is not None:
-            self._inplace.close()
+            ip = self._inplace
+            ip.close()
             self._inplace = None
+            if ip.moved_at_close and self.weights_resident:  # handed-over memory given back
+                with contextlib.suppress(ResidencyError, AttributeError):
+                    _forget_graphs(self._llm._ctx.ctx, self._llm)
         if self._projector is not None:
             self._projector.close()
             self._projector = None

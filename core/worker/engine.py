@@ -17,6 +17,7 @@ tokenizing in cancellable pieces) is ``prompts.Prompts``. The engine owns one of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from ..errors import (
     OutOfDeviceMemoryError,
     TimeshareError,
 )
+from ..gguf.catalog import read_pooling
 from ..gguf.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from ..gguf.modelfile import check_model_file
 from ..residency import check_gguf, ggml_devices
@@ -46,7 +48,7 @@ from ..wire.protocol import FinishReason, Generate, LogprobAlt, TokenLogprobs
 from . import kv_files
 from .decode import Decoder, Live
 from .device import default_parallel, llama_placement
-from .embed import embed_tokens
+from .embed import embed_tokens, rank_tokens, rerank_tokens
 from .prompts import Media, Prompts, tools_of
 from .sampler import TokenLogprob
 from .sequences import Sequences, Slot
@@ -54,6 +56,15 @@ from .textstream import token_piece
 from .vision import Vision, close_spans
 
 log = logging.getLogger(__name__)
+
+#: a pooled context's pooling by llama.cpp's value (``ModelInfo.pooling``)
+POOLING = {
+    llama_cpp.LLAMA_POOLING_TYPE_NONE: "mean",  # mean pooling done in embed.py
+    llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
+    llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
+    llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
+    llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
+}
 
 #: the lowest logprob written (OpenAI's floor for impossible tokens)
 LOGPROB_FLOOR = -9999.0
@@ -112,6 +123,8 @@ class Engine:
         self.sequences = Sequences(llm, model, self.info.n_ctx, self.parallel)
         self.prompts = Prompts(llm, model, template, self.info.n_ctx, vision)
         self.prompt_tokens_evaluated = 0  # since start
+        #: a reranker (rank pooling): it answers /v1/rerank only (``rerank``)
+        self.reranker = int(llama_cpp.llama_pooling_type(ctx)) == llama_cpp.LLAMA_POOLING_TYPE_RANK
         self._decoder = Decoder(llm, vision)
         self._last: Slot | None = None
         self._lp_pieces: dict[int, bytes] = {}  # token -> bytes, for logprob entries
@@ -129,6 +142,11 @@ class Engine:
         and V; a quantised one turns flash attention on, which llama.cpp needs for a quantised V."""
         check_model_file(model.path)
         check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
+        if not model.embedding and read_pooling(model.path) == "rank":
+            # a reranker (issue 42): its graph ends in a classifier, it has no logits to sample;
+            # its context pools, as an embedding model's does, whatever the entry says
+            log.info("%s pools by rank (a reranker): loaded for /v1/rerank only", model.id)
+            model = dataclasses.replace(model, embedding=True)
         # an embedding model's sequences let one decode embed several inputs (core/worker/embed.py)
         parallel = model.parallel or default_parallel()
         n_ctx = model.n_ctx or auto_n_ctx(0, plan.gpu if plan is not None else False)
@@ -163,7 +181,7 @@ class Engine:
         if parallel > 1 or model.embedding:
             # an embedding context too: llama-cpp-python makes it of 256 sequences in one unified
             # KV stream, where packed inputs of unlike lengths changed a vector by 2e-3 (embed.py)
-            _sequences(llm, parallel, model, plan, n_ctx, kv_type)
+            make_sequences(llm, parallel, model, plan, n_ctx, kv_type)
         chat_template = None
         want = model.chat_format
         template = (
@@ -288,9 +306,16 @@ class Engine:
         tokens). An embedding model's context is its own, all its sequences embed; a chat model
         embeds in as many idle sequences as there are inputs (empty ones first, then the least
         recently used, each first kept as a host snapshot: the KV of every conversation stays) and
-        gives them back empty (never while a batch decodes). One decode packs as many inputs as
+        gives them back empty; between two steps of a batch, in the sequences the batch leaves
+        idle (RuntimeError when there is none). One decode packs as many inputs as
         there are sequences and tokens in the batch (embed.py). Raises PromptTooLongError for an
-        input over the batch, InvalidInputError for a token id outside the vocabulary."""
+        input over the batch, InvalidInputError for a token id outside the vocabulary and for a
+        reranker."""
+        if self.reranker:
+            raise InvalidInputError(
+                f"{self.model.display_name} is a reranker (pooling rank): it scores documents "
+                "against a query on /v1/rerank and has no embeddings; embed with another model"
+            )
         llm = self.llm
         n_vocab = self.info.n_vocab
         token_lists: list[list[int]] = []
@@ -314,9 +339,8 @@ class Engine:
             seq_ids = [slot.seq_id for slot in self.sequences.slots]
             vectors = embed_tokens(llm, token_lists, seq_ids=seq_ids, before_step=before_step)
         else:
-            if self._decoder.live:
-                raise RuntimeError("embeddings while a batch is decoding")  # the worker runs them between
-            slots = self.sequences.take_slots(min(len(token_lists), len(self.sequences.slots)))
+            # idle sequences only: beside a batch (between two of its steps) those not in it
+            slots = self.sequences.take_slots(min(len(token_lists), self.free_slots))
             try:
                 vectors = embed_tokens(
                     llm,
@@ -331,11 +355,53 @@ class Engine:
                     slot.dirty = True
         return vectors, sum(len(t) for t in token_lists)
 
+    @property
+    def pooling(self) -> str:
+        """How the context pools, for ``ModelInfo.pooling``: "" for a chat model (embeddings, when
+        asked, are mean-pooled in ``embed``), else the GGUF's ("mean", "cls", "last", "rank")."""
+        if not self.model.embedding:
+            return ""
+        return POOLING.get(int(llama_cpp.llama_pooling_type(self.llm.ctx)), "mean")
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str | Sequence[int]],
+        before_step: Callable[[], None] = lambda: None,
+    ) -> tuple[list[list[float]], int]:
+        """A reranker's scores for each document against ``query`` (the classifier's outputs, the
+        first one llama-server's ``relevance_score``), in the documents' order, and the tokens
+        evaluated. Each pair is formatted as llama-server formats it (``embed.rerank_tokens``) and
+        the pairs are packed into decodes as embeddings are (``embed.rank_tokens``: every
+        sequence of the context, one pair each). Raises InvalidInputError when the model is not
+        a reranker, PromptTooLongError for a pair over the batch."""
+        if not self.reranker:
+            raise InvalidInputError(
+                f"{self.model.display_name} is not a reranker: /v1/rerank needs a model whose GGUF "
+                "pools by rank (a cross-encoder such as bge-reranker or Qwen3-Reranker); "
+                "use /v1/embeddings or chat with this one"
+            )
+        llm = self.llm
+        pairs: list[list[int]] = []
+        for i, document in enumerate(documents):
+            if not isinstance(document, str):
+                raise InvalidInputError(f"documents[{i}] must be a string: a reranker reads text")
+            pairs.append(rerank_tokens(llm, query, document))
+        before_step()  # residency first: the context is about to decode
+        self._decoder.set_threads(prefill=True)
+        seq_ids = [slot.seq_id for slot in self.sequences.slots]
+        scores = rank_tokens(llm, pairs, seq_ids=seq_ids, before_step=before_step)
+        return scores, sum(len(t) for t in pairs)
+
     # ---- generation -------------------------------------------------------------------------
 
     def prepare(self, req: Generate, poll: Callable[[], None] = lambda: None) -> Prepared:
         """Tokenize a request (no residency needed). ``poll`` runs between pieces and may raise
         CancelledError. Raises PromptTooLongError without touching the KV cache of any sequence."""
+        if self.reranker:
+            raise InvalidSamplingError(
+                f"{self.model.display_name} is a reranker (pooling rank): it answers /v1/rerank only"
+            )
         if self.model.embedding:
             raise InvalidSamplingError(
                 f"{self.model.display_name} is an embedding model (embedding = true): "
@@ -348,6 +414,16 @@ class Engine:
             # the decoder stops on it (create_completion's stopping criterion checked the same id)
             tokens, extra_stop, media = self.prompts.chat_prompt(req.messages, tools_of(req), poll)
             stop += extra_stop
+        elif req.prompt_tokens is not None:
+            # token ids as given (a token-array prompt): no BOS added
+            n_vocab = self.info.n_vocab
+            bad = [t for t in req.prompt_tokens if not 0 <= t < n_vocab]
+            if bad:
+                raise InvalidInputError(
+                    f"prompt: token {bad[0]} is not in {self.model.display_name}'s vocabulary "
+                    f"(0..{n_vocab - 1}); send token ids from this model's tokenizer, or text"
+                )
+            tokens, media = list(req.prompt_tokens), {}
         else:
             assert req.prompt is not None
             # the tokens create_completion would make of the string (not tokenized twice)
@@ -355,6 +431,9 @@ class Engine:
         if len(tokens) >= self.info.n_ctx:
             close_spans(media)
             raise self.prompts.too_long(len(tokens))
+        if media and req.prompt_logprobs:
+            close_spans(media)
+            raise InvalidInputError("the prompt's logprobs (echo) are not given for a prompt with images")
         if media and tokens[-1] < 0:
             close_spans(media)
             # (libmtmd's image decode gives no logits: the first answer token needs a text token's)
@@ -385,10 +464,13 @@ class Engine:
         prepared: Prepared,
         emit: Callable[[str], None],
         logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
+        prompt_logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
     ) -> Live:
         """The request joins the batch (at the next ``step``) in the sequence its KV rules pick:
-        the conversation's own, the prompt cache's, or (``cache_prompt`` false) an empty one.
-        Needs the context (call after making the weights resident)."""
+        the conversation's own, the prompt cache's, or (``cache_prompt`` false, or its prompt's
+        logprobs wanted: every position evaluated) an empty one. ``prompt_logprobs`` gets the
+        prompt tokens' entries (``req.prompt_logprobs``) as their rows are evaluated. Needs the
+        context (call after making the weights resident)."""
         req = prepared.req
         tokens = prepared.tokens
         if req.conversation is not None and self.busy_with(req.conversation):
@@ -396,8 +478,9 @@ class Engine:
         cache_prompt = self.model.cache_prompt if req.cache_prompt is None else req.cache_prompt
         if req.conversation is not None:
             # the conversation's own sequence, continued from its longest common prefix
-            slot = self.sequences.claim_conversation(req.conversation, tokens)
-        elif cache_prompt:
+            # (a new one with cache_prompt true starts from the prompt cache: Sequences.claim_conversation)
+            slot = self.sequences.claim_conversation(req.conversation, tokens, adopt=req.cache_prompt is True)
+        elif cache_prompt and not req.prompt_logprobs:
             slot = self.sequences.use_prompt_cache(tokens)
         else:
             # From an empty KV cache, exactly like a fresh Llama, so the same request gives the
@@ -416,6 +499,14 @@ class Engine:
                 emit=emit,
                 records=None if logprobs is None else (lambda rs: logprobs(self._wire_logprobs(rs))),
                 media=prepared.media,
+                prompt_records=(
+                    None
+                    if prompt_logprobs is None or not req.prompt_logprobs
+                    else (lambda rs: prompt_logprobs(self._wire_logprobs(rs)))
+                ),
+                score_only=req.score_only,
+                # a BOS the tokenizer put before a text prompt has no entry (the client sent none)
+                skip_first=req.prompt is not None and bool(tokens) and tokens[0] == int(self.llm.token_bos()),
             )
         except BaseException:
             close_spans(prepared.media)
@@ -484,6 +575,7 @@ class Engine:
         before_step: Callable[[], None] = lambda: None,
         poll: Callable[[], None] = lambda: None,
         logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
+        prompt_logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
     ) -> GenerationOutcome:
         """Run one request alone (stepping the batch until it is done). ``before_step`` runs before
         every decode step and may raise CancelledError to stop (finish_reason "cancelled");
@@ -493,7 +585,7 @@ class Engine:
         the KV cache of any conversation."""
         prepared = self.prepare(req, poll)
         before_step()  # residency first: choosing the sequence touches the context
-        live = self.start(prepared, emit, logprobs)
+        live = self.start(prepared, emit, logprobs, prompt_logprobs)
         try:
             while not live.done:
                 before_step()
@@ -603,8 +695,13 @@ def load_failure(
     )
 
 
-def _sequences(
-    llm: Any, parallel: int, model: ModelConfig, plan: LoadPlan | None, n_ctx: int, kv_type: str
+def make_sequences(
+    llm: Any,
+    parallel: int,
+    model: ModelConfig,
+    plan: LoadPlan | None = None,
+    n_ctx: int = 0,
+    kv_type: str = DEFAULT_KV_TYPE,
 ) -> None:
     """Give ``llm`` a context of ``parallel`` sequences, each in its own KV stream (``kv_unified``
     false: a sequence's logits do not depend on the others in the batch; with a unified cache 3 of
