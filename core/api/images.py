@@ -47,7 +47,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "BMP": ("image/bmp", "image/x-ms-bmp"),
 }
 _ACCEPTED = "PNG, JPEG, WebP, GIF or BMP"
-_DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)$", re.S)
+_DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)$", re.S | re.I)
 
 #: fetches an http(s) URL's bytes for ``where`` (None: fetching is off)
 Fetcher = Callable[[str, str], bytes]
