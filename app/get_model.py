@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -52,7 +52,7 @@ from ..core.config.parallel import auto_parallel
 from ..core.errors import CancelledError, ConfigError, TimeshareError
 from ..core.gguf.kvcache import KvShape, kv_shape
 from ..core.pull import add, progress, remote, search, shortnames, sources
-from ..core.pull.download import PullResult, pull
+from ..core.pull.download import PullResult, pull, pull_projector
 from ..core.state import PoolSnapshot
 from ..core.util.units import human_bytes
 from . import strings
@@ -490,6 +490,12 @@ class GetModelDialog(QDialog):
         def work() -> None:
             try:
                 result = pull(listing, choice, progress=lambda p: emit(self._progressed, p), cancel=cancel)
+                # the repo's vision projector comes beside the model; its entry names it (issue 41)
+                projector = pull_projector(
+                    listing, progress=lambda p: emit(self._progressed, p), cancel=cancel
+                )
+                if projector is not None:
+                    result = replace(result, entry=replace(result.entry, mmproj=str(projector.path)))
             except CancelledError:
                 emit(
                     self._failed,

@@ -38,6 +38,8 @@ ANSWERING = "answering"
 WAITING_GPU = "waiting for the GPU"
 WAITING_TURN = "waiting for its turn"
 WAKING = "waking up"
+#: a model with a vision projector (models[].mmproj): it takes images with the text
+READS_IMAGES = "reads images"
 
 
 def has_gpu(backends: Iterable[str]) -> bool:

@@ -97,7 +97,7 @@ def test_parse_chat_request_maps_openai_fields() -> None:
         (
             {"model": SMOL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content",
-            "only text parts",
+            "only text and image_url parts",
         ),
         (
             {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "n": 9},
@@ -209,7 +209,7 @@ def test_parse_chat_request_defaults() -> None:
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
             "messages[0].content",
-            "messages[0].content: only text parts are supported",
+            "messages[0].content: only text and image_url parts are supported",
         ),
         ({"top_p": 1.5}, "top_p", "'top_p' must be a number from 0 to 1; got 1.5."),
         ({"top_k": -1}, "top_k", "'top_k' must be a whole number of at least 0 (0: no limit)."),

@@ -234,6 +234,37 @@ def test_the_model_goes_into_the_config_once(hub: FakeHub, ggufs: dict[str, byte
     assert (named.id, named.name) == ("tiny-three", "My tiny")
 
 
+def test_the_repos_vision_projector_comes_beside_the_model(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    """Issue 41: a repo's mmproj-*.gguf is listed apart from the quantisations, pulled beside the
+    model (the F16 one of several), checked to be a projector (clip), named by the model's entry
+    (mmproj) in the config, and paired with the model by the catalog."""
+    repo = _three_quants(ggufs)
+    repo.files["mmproj-Tiny-Q8_0.gguf"] = make_gguf(tmp_path / "q.gguf", arch="clip", name="P8", floats=512)
+    hub.repos[REPO] = repo
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
+    assert sorted(f.name for f in listing.projectors) == ["mmproj-Tiny-F16.gguf", "mmproj-Tiny-Q8_0.gguf"]
+    projector = sources.projector_choice(listing)
+    assert projector is not None and projector.filename == "mmproj-Tiny-F16.gguf"
+    result = download.pull(listing, sources.choose(listing))
+    got = download.pull_projector(listing)
+    assert got is not None and got.path.parent == result.path.parent  # the same snapshot
+    assert got.entry.architecture == "clip" and got.path.read_bytes() == ggufs["mmproj"]
+    config_path = _config(tmp_path)
+    _, model, added = add.add_to_config(result, config_path, mmproj=got.path)
+    assert added and model.mmproj == str(got.path)
+    assert load_config(config_path).model(model.id).mmproj == str(got.path)  # type: ignore[union-attr]
+    found = catalog.scan(["hf"], hf=tmp_path / "hf" / "hub")
+    assert [(e.path, e.mmproj) for e in found] == [(str(result.path), str(got.path))]
+    # a "projector" that is a language model is refused (and deleted)
+    hub.repos[REPO].files["mmproj-Tiny-F16.gguf"] = ggufs["q4"]
+    other = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
+    with pytest.raises(UnsupportedArchitectureError, match="not a vision projector"):
+        download.pull_projector(other, dest_dir=tmp_path / "elsewhere")
+    assert not list((tmp_path / "elsewhere").glob("*.gguf"))
+
+
 def test_a_file_named_in_a_repo_or_a_url_is_named_by_its_stem(
     hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
 ) -> None:
@@ -605,8 +636,10 @@ def test_the_dialog_cancels_and_the_next_download_resumes(
     hub.faults.delay_per_chunk = 0
     with qtbot.waitSignal(dialog.pulled, timeout=30000):
         qtbot.mouseClick(dialog.download_button, Qt.MouseButton.LeftButton)
-    assert hub.seen("GET", "/cdn/")[-1].range == f"bytes={kept}-"
-    assert [m.id for m in load_config(config_path).models] == ["tiny-f16"]
+    # the model's file resumed (then the repo's vision projector came beside it, whole)
+    assert [s.range for s in hub.seen("GET", "/cdn/")][-2:] == [f"bytes={kept}-", None]
+    (model,) = load_config(config_path).models
+    assert model.id == "tiny-f16" and Path(model.mmproj).name == "mmproj-Tiny-F16.gguf"
 
 
 @pytest.mark.gui

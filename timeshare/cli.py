@@ -220,6 +220,11 @@ def _add_diagnostics(sub: Any) -> None:
     doctor.add_argument("--model", metavar="PATH", help="GGUF file (default: the smallest demo model)")
     doctor.add_argument("--cycles", type=int, default=3, help="release/restore cycles (default: 3)")
     doctor.add_argument(
+        "--mmproj",
+        metavar="PATH",
+        help='a vision projector checked with the model ("generated": one made for it, random weights)',
+    )
+    doctor.add_argument(
         "--budget",
         default="one-model",
         metavar="SIZE",

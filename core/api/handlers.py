@@ -50,6 +50,7 @@ from .errors import (
     timeshare_error_status,
 )
 from .extras import plain, switch_extras
+from .images import fetch_url
 from .logprobs import CompletionOffsets, chat_logprobs, completion_logprobs
 from .middleware import HEALTH_PATH, SHUTTING_DOWN, AuthMiddleware, GuardMiddleware
 from .requests import (
@@ -156,7 +157,10 @@ def capabilities(model: ModelConfig | None, pooling: str = "") -> list[str]:
         return ["rerank"]
     if model is not None and model.embedding:
         return ["embedding"]
-    return ["chat", "completion", "tools", "embedding"]
+    found = ["chat", "completion", "tools", "embedding"]
+    if model is not None and model.mmproj:
+        found.append("vision")  # it reads images (a vision projector, models[].mmproj)
+    return found
 
 
 def model_json(status: Any, created: int, model: ModelConfig | None = None) -> dict[str, Any]:
@@ -385,7 +389,9 @@ class _Handlers:
 
     async def chat_completions(self, request: Request) -> Response:
         # parsed on a thread: building a response_format grammar is bounded, not free (issue 38)
-        return await self.generate(request, await self.call(parse_chat_request, await read_json(request)))
+        fetch = fetch_url if self.api_config.fetch_image_urls else None  # http(s) image URLs
+        body = await read_json(request)
+        return await self.generate(request, await self.call(parse_chat_request, body, fetch))
 
     async def completions(self, request: Request) -> Response:
         return await self.generate(

@@ -30,6 +30,15 @@ class ModelConfig:
     # a demo model by reference ("smollm2-135m-instruct", "gemma3-270m"): its file is found (and
     # Gemma assembled) when the model starts, and the config file holds this instead of a path
     demo: str = setting("", FieldMeta("Demo model"))
+    # a vision projector (mmproj GGUF) for this model: it then reads images (issue 41)
+    mmproj: str = setting(
+        "",
+        FieldMeta(
+            "Vision projector",
+            "An mmproj GGUF made for this model: with it the model reads images (llama.cpp's libmtmd)",
+            special="none (text only)",
+        ),
+    )
     name: str = setting("", FieldMeta("Name", "The name shown in menus and lists; the id when empty"))
     # 0: auto (core/config/fit.py: the trained context capped at 4096 on a GPU build, 2048 on a CPU
     # one, halved while the KV cache takes more than 1/8 of the free memory)
@@ -346,6 +355,16 @@ class ApiConfig:
             "A second address (HOST:PORT) for programs that expect Ollama at its own address. "
             "Every dialect is also served on the address above.",
             special="off (Ollama's own address: 127.0.0.1:11434)",
+        ),
+    )
+    # an OpenAI image_url part that is an http(s) URL: fetched by Timeshare (bounded in size and
+    # time) only when this is on; data: URLs are always taken (issue 41)
+    fetch_image_urls: bool = setting(
+        False,
+        FieldMeta(
+            "Fetch image URLs",
+            "An image given as an http(s) URL is downloaded by Timeshare (at most 8 MiB, 10 s); "
+            "off: such images are refused and clients send them inline (data: URLs, base64)",
         ),
     )
 

@@ -29,7 +29,7 @@ from ..errors import (
 from ..sampling import Sampling, for_front_end, new_conversation, unknown_fields
 from ..state import SwitchStats
 from ..util.stream import TextStream
-from ..wire.protocol import ChatMessage
+from ..wire.protocol import ChatMessage, ImagePart
 from .store import AnswerStats, Conversation, Message, Store
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,7 @@ class ChatService:
         for m in history:
             if m.role == "assistant" and not m.complete and not m.content:
                 continue
-            out.append(ChatMessage(m.role, m.content))
+            out.append(ChatMessage(m.role, m.content, images=m.images))
         return tuple(out)
 
     def send(
@@ -296,9 +296,12 @@ class ChatService:
         prewoken: bool = False,
         listener: TurnListener | None = None,
         continuation: bool = False,
+        images: tuple[ImagePart, ...] = (),
         **sampling: Any,
     ) -> ChatTurn:
         """Save ``text`` as the user's message and start the model's answer.
+        ``images``: the message's images (each placed in ``text``), saved with it and sent with
+        the conversation's history every turn (a vision model keeps them in its KV cache).
 
         ``sampling``: fields of :class:`~timeshare.core.sampling.Sampling` (the rest come from the
         conversation's settings, ``Store.set_options``, then the "chat_window" row of
@@ -312,13 +315,13 @@ class ChatService:
         (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
         message stays saved and ``regenerate`` can answer it later.
         """
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str) or (not text.strip() and not images):
             raise EmptyMessageError("the message is empty: type something to send")
         check_text(text, "the message")
         _check_sampling(sampling)
         conversation = self.store.get(conversation_id)
         with self._reserved(conversation_id):
-            user = self.store.add_message(conversation_id, "user", text)
+            user = self.store.add_message(conversation_id, "user", text, images=tuple(images))
             if not conversation.title:
                 conversation = self.store.rename(conversation_id, _title_from(text))
             history = self.store.messages(conversation_id)

@@ -57,6 +57,11 @@ class CatalogEntry:
     has_chat_template: bool = False  # tokenizer.chat_template present (else: fallback format)
     origin: str = ""  # where it came from, for display: "org/repo", "publisher/repo", "name:tag"
     parameters: str = ""  # general.size_label ("135M", "8B") when the header has it
+    #: the vision projector paired with it (issue 41): an mmproj GGUF in the same folder whose
+    #: output width is the model's n_embd ("": none found)
+    mmproj: str = ""
+    #: the model's n_embd, or a projector's output width (clip.vision.projection_dim); 0: unknown
+    width: int = 0
     pooling: str = ""  # <arch>.pooling_type's name ("rank": a reranker; "": none set, a causal LM)
 
     def to_model_config(self, taken_ids: Iterable[str] = ()) -> ModelConfig:
@@ -82,6 +87,7 @@ def model_config_from_entry(entry: CatalogEntry, taken_ids: Iterable[str] = ()) 
         name=entry.name,
         n_ctx=n_ctx,
         licence=entry.licence,
+        mmproj=entry.mmproj,
         # a reranker (rank pooling, issue 42) answers /v1/rerank only: its context is an embedding one
         embedding=entry.pooling == "rank",
     )
@@ -135,6 +141,8 @@ def _entry(p: Path, header: Header, file_size: int, source: Source, size: int | 
         return value.strip() if isinstance(value, str) else ""
 
     ctx = v.get("_context_length")
+    arch = text("general.architecture")
+    width = v.get("clip.vision.projection_dim") if arch == "clip" else v.get(f"{arch}.embedding_length")
     return CatalogEntry(
         path=str(p),
         name=text("general.name") or _display_stem(p),
@@ -146,8 +154,47 @@ def _entry(p: Path, header: Header, file_size: int, source: Source, size: int | 
         licence=text("general.license"),
         has_chat_template=isinstance(v.get("tokenizer.chat_template"), str),
         parameters=text("general.size_label"),
+        width=width if isinstance(width, int) and not isinstance(width, bool) else 0,
         pooling=pooling_name(v),
     )
+
+
+def is_projector(entry: CatalogEntry) -> bool:
+    """A vision projector (mmproj), not a language model."""
+    return entry.architecture == "clip" or entry.architecture.startswith("mmproj")
+
+
+def pair_projectors(entries: list[CatalogEntry], projectors: list[CatalogEntry]) -> list[CatalogEntry]:
+    """Each model with the projector beside it (the same folder: a hub snapshot holds one repo's
+    files) whose output width is the model's n_embd; where widths are unknown, the folder's only
+    projector. A model with none, or several that fit, keeps none."""
+    by_folder: dict[str, list[CatalogEntry]] = {}
+    for proj in projectors:
+        by_folder.setdefault(str(Path(proj.path).parent), []).append(proj)
+    out = []
+    for entry in entries:
+        here = by_folder.get(str(Path(entry.path).parent), [])
+        fits = [p for p in here if p.width and entry.width and p.width == entry.width]
+        if not fits and len(here) == 1 and not (here[0].width and entry.width):
+            fits = here
+        if fits:
+            chosen = min(fits, key=lambda p: (_PROJECTOR_TYPES.get(p.quantisation, 9), p.size))
+            entry = replace(entry, mmproj=chosen.path)
+        out.append(entry)
+    return out
+
+
+#: which of a repo's projectors to take when several fit: F16 first (what llama.cpp's converters
+#: write by default), then BF16, Q8_0, F32
+_PROJECTOR_TYPES = {
+    "F16": 0,
+    "MOSTLY_F16": 0,
+    "BF16": 1,
+    "MOSTLY_BF16": 1,
+    "Q8_0": 2,
+    "MOSTLY_Q8_0": 2,
+    "F32": 3,
+}
 
 
 #: llama.cpp's ``enum llama_pooling_type`` by value (``<arch>.pooling_type`` in a GGUF)
@@ -406,6 +453,7 @@ def scan_report(
     candidates.extend(_Candidate(Path(f), "file") for f in files)
 
     entries: list[CatalogEntry] = []
+    projectors: list[CatalogEntry] = []
     skipped: list[tuple[str, str]] = []
     seen: set[str] = set()
     for cand in candidates:
@@ -422,8 +470,9 @@ def scan_report(
             log.info("catalog: skipping %s: %s", cand.path, exc)
             skipped.append((str(cand.path), str(exc)))
             continue
-        if entry.architecture == "clip" or entry.architecture.startswith("mmproj"):
+        if is_projector(entry):
             skipped.append((str(cand.path), "a vision projector (mmproj), not a language model"))
+            projectors.append(entry)
             continue
         changes: dict[str, Any] = {"origin": cand.origin}
         if cand.name:
@@ -431,6 +480,7 @@ def scan_report(
         if cand.licence and not entry.licence:
             changes["licence"] = cand.licence
         entries.append(replace(entry, **changes))
+    entries = pair_projectors(entries, projectors)
     return ScanReport(entries=tuple(entries), skipped=tuple(skipped), roots=tuple(roots))
 
 

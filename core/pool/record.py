@@ -266,6 +266,8 @@ class WorkerRecord:
             starts_thinking=info.starts_thinking if info else False,
             pooling=info.pooling if info else "",
             licence=self.config.licence,
+            vision=bool(self.config.mmproj),
+            projector_bytes=info.projector_bytes if info else 0,
             weight_bytes=info.weight_bytes if info else 0,
             host_pinned_bytes=self._host_bytes(alive_status),
             device_bytes=alive_status.device_bytes if alive_status else 0,

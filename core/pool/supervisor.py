@@ -232,13 +232,15 @@ class Pool:
         conversation: str | None = None,
         cache_prompt: bool | None = None,
         tools: Sequence[protocol.ToolSpec] = (),
+        images: Sequence[protocol.ImagePart] = (),
         prompt_logprobs: bool = False,
         score_only: bool = False,
         prompt_tokens: Sequence[int] | None = None,
     ) -> Generation:
         """Queue a request for ``model_id`` (FIFO, one at a time per worker) and return its handle.
 
-        Give ``prompt`` (completion) or ``messages`` (chat: ChatMessage or {"role", "content"});
+        Give ``prompt`` (completion; ``images``: the images among its text) or ``messages``
+        (chat: ChatMessage, which carry their own images, or {"role", "content"});
         ``sampling`` is carried to the worker unchanged (default: greedy, 256 tokens at most).
         ``prompt_tokens``: a completion prompt given as token ids (instead of ``prompt``; no BOS
         added). ``prompt_logprobs``: the prompt tokens' logprobs too (``result().prompt_logprobs``, with
@@ -254,6 +256,7 @@ class Pool:
             conversation=conversation,
             cache_prompt=cache_prompt,
             tools=tools,
+            images=images,
             prompt_logprobs=prompt_logprobs,
             score_only=score_only,
             prompt_tokens=prompt_tokens,

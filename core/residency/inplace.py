@@ -97,10 +97,14 @@ class InPlace:
         options: ResidencyOptions,
         overlap: bool = False,
         handed: HandedMemory | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
         """``overlap``: probe the eval hook an overlapped restore needs (Residency decides
         whether restores may overlap at all). ``handed``: restores map handed-over memory
-        (issue 40) instead of allocating, releases unmap it (see :meth:`_setup_handover`)."""
+        (issue 40) instead of allocating, releases unmap it (see :meth:`_setup_handover`).
+        ``discovery``: the weight tensors found already (a vision projector's, whose clip
+        context ran the callback: core/worker/vision.py); None: the warm-up decode of ``llm``
+        finds them."""
         want_pinned = options.host_shadow == "pinned"
         verify, coalesce, parallel = options.verify_shadow, options.coalesce_upload, options.parallel_buffers
         parts, defer_shadow = options.parts, options.defer_shadow
@@ -126,7 +130,7 @@ class InPlace:
             raise InPlaceUnsupportedError(str(exc)) from exc
         vulkan = gpu is not None and gpu.name.startswith("Vulkan")
         t0 = time.perf_counter()
-        disc = discover(llm, self.layout, overlap and not vulkan)
+        disc = discovery if discovery is not None else discover(llm, self.layout, overlap and not vulkan)
         t1 = time.perf_counter()
         #: where the upload gate goes in the live context (None: restores stay synchronous,
         #: ``overlap_note`` says why)

@@ -33,6 +33,7 @@ from .inplace import InPlace
 from .kv import KvSnapshot
 from .kvbuffer import KvBuffers, KvBufferUnsupportedError
 from .options import Mode, ResidencyOptions
+from .projector import ProjectorWatch
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
 from .timeline import OverlapTimeline, RestoreSteps
@@ -197,6 +198,10 @@ class Residency:
         self._opts = ResidencyOptions()
         self._gpu: _ggml.Device | None = None
         self._inplace: InPlace | None = None
+        #: a vision projector's weights, released and restored with the model's (attach_projector)
+        self._projector: InPlace | None = None
+        self.projector_bytes = 0  # its device weight bytes (in weight_bytes too); 0: none attached
+        self.projector_note = ""  # why a projector stays on the device ("": none, or it moves)
         self._rebuild: RebuildPath | None = None
         self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
         self._kv: KvSnapshot | None = None
@@ -361,6 +366,43 @@ class Residency:
     def _overlap_wanted(self) -> bool | None:
         return overlap_wanted(self._opts.overlap_restore)
 
+    def attach_projector(self, watch: ProjectorWatch, path: str | os.PathLike[str]) -> bool:
+        """Release and restore a vision projector's weights with the model's (issue 41): the
+        weights ``watch`` saw in the clip context's warm-up encode, their host shadow read from
+        the projector's GGUF ``path``. Only beside the in-place path, with the weights resident
+        (call it right after :meth:`attach`). Counted in :attr:`weight_bytes`,
+        :attr:`resident_bytes` and :attr:`host_bytes`; False (``projector_note`` says why) when
+        it stays on the device."""
+        self._check_open()
+        if self.path != "inplace" or not self.weights_resident:
+            self.projector_note = f"the model's residency is {self.path!r}: its projector stays where it is"
+            return False
+        opts = ResidencyOptions(
+            mode="inplace",
+            host_shadow=self._opts.host_shadow,
+            verify_shadow=self._opts.verify_shadow,
+            coalesce_upload=self._opts.coalesce_upload,
+            parallel_buffers=self._opts.parallel_buffers,
+        )
+        try:
+            proj = InPlace(None, os.fspath(path), self._gpu, opts, discovery=watch.stop())
+        except (InPlaceUnsupportedError, NothingToReleaseError) as exc:
+            self.projector_note = str(exc)
+            log.info("the projector %s stays on the device: %s", path, exc)
+            return False
+        self._projector = proj
+        self.projector_bytes = proj.weight_bytes
+        self.weight_bytes += proj.weight_bytes
+        self._note_shadow()
+        log.info(
+            "residency of the projector %s: in place, %d buffer(s), %.1f MB, %d weight tensors seen",
+            path,
+            len(proj.buffers),
+            proj.weight_bytes / 1e6,
+            proj.n_weight_tensors_seen,
+        )
+        return True
+
     def _split(self, ip: InPlace) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed
         with the model (its ExitStack). The graphs are built anew (every weight moved), except on
@@ -401,10 +443,11 @@ class Residency:
         ip = self._inplace
         if ip is None or ip.shadow_pending:
             return
-        self.host_bytes = ip.shadow.size
-        self.host_pinned = ip.shadow.pinned
+        proj = self._projector
+        self.host_bytes = ip.shadow.size + (proj.shadow.size if proj is not None else 0)
+        self.host_pinned = ip.shadow.pinned and (proj is None or proj.shadow.pinned)
         self.host_note = ip.shadow_note
-        self.host_parts = len(ip.shadow.segments)
+        self.host_parts = len(ip.shadow.segments) + (len(proj.shadow.segments) if proj is not None else 0)
 
     @property
     def shadow_pending(self) -> bool:
@@ -566,7 +609,8 @@ class Residency:
         """Exact bytes of the resident parts (what a lease must cover); ``weight_bytes`` when all
         are resident, 0 when released."""
         if self._inplace is not None:
-            return self._inplace.resident_bytes
+            proj = self._projector
+            return self._inplace.resident_bytes + (proj.resident_bytes if proj is not None else 0)
         return self.weight_bytes if self.weights_resident else 0
 
     @property
@@ -601,7 +645,7 @@ class Residency:
         ip = self._inplace
         if ip is None or ip.resident_bytes <= 0:
             return Weights.NONE
-        return Weights.ALL if ip.resident_bytes == self.weight_bytes else Weights.SOME
+        return Weights.ALL if self.resident_bytes == self.weight_bytes else Weights.SOME
 
     # -- measurements -------------------------------------------------------------------------
 
@@ -751,6 +795,9 @@ class Residency:
                 if ip is not None:
                     splitting = ip.split_pending  # split_at_release: this release splits
                     ip.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
+                    proj = self._projector
+                    if proj is not None and proj.resident_bytes:  # any release takes it along
+                        proj.release(None, final)
                     if splitting and not ip.split_pending:
                         self._own_part_buffers(ip)
                 if self.kv_resident and self._saved_ctx is None:
@@ -814,7 +861,15 @@ class Residency:
             if not self.weights_resident and ip is not None:
                 if ip.shadow_pending:  # a release came before its deferred shadow was built
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
-                nbytes = ip.restore(overlap=overlap)
+                proj = self._projector
+                if proj is not None and proj.resident_bytes < proj.weight_bytes:
+                    nbytes += proj.restore()  # first (small; nothing computes with it before a decode)
+                try:
+                    nbytes += ip.restore(overlap=overlap)
+                except BaseException:
+                    if proj is not None and proj.resident_bytes:  # as released as it was
+                        proj.release(None)
+                    raise
                 moved = ip.moved
             self._enter(weights=Weights.ALL)
             try:
@@ -990,6 +1045,9 @@ class Residency:
             if ip.moved_at_close and self.weights_resident:  # handed-over memory given back
                 with contextlib.suppress(ResidencyError, AttributeError):
                     _forget_graphs(self._llm._ctx.ctx, self._llm)
+        if self._projector is not None:
+            self._projector.close()
+            self._projector = None
         if self._rebuild is not None:
             self._rebuild.close()
         self._llm = None

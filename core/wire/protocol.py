@@ -64,12 +64,28 @@ class ToolSpec(msgspec.Struct, frozen=True):
     parameters: Any = None  # its JSON Schema (an object); None: no parameters
 
 
+class ImagePart(msgspec.Struct, frozen=True):
+    """An image in a message or prompt (issue 41): the file's bytes as the client sent them (the
+    API checked that they are a whole image of an accepted format and size: core/api/images.py)
+    and where it goes: before character ``at`` of the text (0..len(text), in order)."""
+
+    data: bytes
+    at: int
+
+
+#: the most images one request may hold (the API refuses more, naming the part)
+MAX_IMAGES = 16
+#: the most pixels one image may have (the API checks it from the header; the worker again)
+MAX_IMAGE_PIXELS = 50_000_000
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str  # "" for an assistant message that only calls tools
     tool_calls: tuple[ToolCall, ...] = ()  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call it answers
     name: str | None = None  # tool: the function's name
+    images: tuple[ImagePart, ...] = ()  # user: the images among its text (a vision model's)
 
 
 #: a Generate's sampling when none is given: Sampling's own, 256 tokens at most
@@ -87,12 +103,17 @@ class Generate(_Message, frozen=True, kw_only=True):
     conversation: str | None = None  # KV sequence key; None: the prompt cache picks one
     # keyless requests: reuse the prompt cache (None: the model's cache_prompt setting)
     cache_prompt: bool | None = None
+    images: tuple[ImagePart, ...] = ()  # completion mode: the images among the prompt's text
     # the prompt tokens' logprobs too (``echo`` with ``logprobs`` on /v1/completions, issue 42):
     # sent in ``PromptLogprobs`` frames before the first Token; the prompt is evaluated whole
     # (every position an output row), in a sequence of its own unless it has a conversation
     prompt_logprobs: bool = False
     # evaluate the prompt and generate nothing (``max_tokens: 0``): Done("length"), no Token
     score_only: bool = False
+
+    @property
+    def image_count(self) -> int:
+        return len(self.images) + sum(len(m.images) for m in self.messages or ())
 
 
 class Embed(_Message, frozen=True):
@@ -172,6 +193,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     chat_family: str = "generic"
     thinks: bool = False
     starts_thinking: bool = False
+    projector_bytes: int = 0  # the vision projector's weights (0: none)
     # how its context pools ("" for a chat model's; "mean", "cls", "last", or "rank": a reranker)
     pooling: str = ""
 
@@ -520,6 +542,15 @@ def check_generate(msg: Generate) -> None:
         raise ValueError("messages is empty: send at least one message")
     if msg.conversation is not None and not msg.conversation:
         raise ValueError("conversation must be a non-empty id or null")
+    if msg.images and msg.prompt is None:
+        raise ValueError("images outside the messages belong to a completion prompt")
+    if msg.image_count > MAX_IMAGES:
+        raise ValueError(f"{msg.image_count} images, over the {MAX_IMAGES} one request may hold")
+    texts = [(msg.prompt or "", msg.images)] + [(m.content, m.images) for m in msg.messages or ()]
+    for text, images in texts:
+        at = [i.at for i in images]
+        if at != sorted(at) or any(not 0 <= a <= len(text) for a in at):
+            raise ValueError("an image's place (at) is outside its text or out of order")
     check_sampling(msg.sampling)
 
 

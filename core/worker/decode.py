@@ -51,6 +51,7 @@ from ..sampling import Sampling
 from ..wire.protocol import FinishReason
 from .sampler import GrammarDeadEnd, GreedyRows, Sampler, TokenLogprob, row_logprobs
 from .textstream import TextStream
+from .vision import ImageSpan, Vision, close_spans, snap_to_image_start
 
 #: prompt tokens a sequence whose prompt logprobs are wanted (echo) prefills per step at most: each
 #: is an output row (n_vocab floats in llama.cpp's output buffer, which grows to the most rows a
@@ -98,6 +99,7 @@ class Live:
         records: Callable[[list[TokenLogprob]], None] | None = None,
         prompt_records: Callable[[list[TokenLogprob]], None] | None = None,
         score_only: bool = False,
+        media: dict[int, ImageSpan] | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.ids = ids  # the tokens the sequence's KV holds (the caller's list, kept current)
@@ -109,6 +111,9 @@ class Live:
         self.room = room
         self.tag = tag  # the caller's
         self.records = records  # gets the Sampler's records of the tokens each piece completes
+        #: its prompt's images by start (owned: freed when it leaves the batch); the ones that
+        #: ``pending`` still holds are evaluated by the projector (``Decoder._images``)
+        self.media = media or {}
         # gets the prompt tokens' records as their rows are evaluated (echo with logprobs: every
         # prompt position is an output; see ``step``); the first prompt token's comes first, with
         # logprob 0 and no alternatives (nothing precedes it), unless it is a BOS the caller added
@@ -183,8 +188,9 @@ class TokenBatch:
 class Decoder:
     """The batch of one ``Llama``'s context: its live sequences and the llama_batch (allocated once)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, vision: Vision | None = None) -> None:
         self.llm = llm
+        self.vision = vision  # the model's projector: evaluates the images of prompts
         ctx = llm.ctx
         self.n_seq = max(1, int(llama_cpp.llama_n_seq_max(ctx)))
         self._n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx))  # per sequence
@@ -219,14 +225,17 @@ class Decoder:
 
     # ---- joining and leaving ----------------------------------------------------------------
 
-    def _to_evaluate(self, seq_id: int, ids: list[int], tokens: list[int]) -> list[int]:
+    def _to_evaluate(
+        self, seq_id: int, ids: list[int], tokens: list[int], media: dict[int, ImageSpan] | None = None
+    ) -> list[int]:
         """``Llama.generate``'s prefix matching for one sequence: cut its KV back to the longest
         common prefix with the prompt, keeping at least the last prompt token to evaluate, and
-        return the tokens left to evaluate (``ids`` is cut to match)."""
+        return the tokens left to evaluate (``ids`` is cut to match). An image of the prompt is
+        kept whole or evaluated whole (``media``: a cut inside one moves back to its start)."""
         memory = llama_cpp.llama_get_memory(self.llm.ctx)
         if ids:
             prefix = common_prefix(ids, tokens)
-            reuse = min(prefix, len(tokens) - 1)
+            reuse = snap_to_image_start(min(prefix, len(tokens) - 1), media)
             if reuse > 0 and (reuse >= len(ids) or llama_cpp.llama_memory_seq_rm(memory, seq_id, reuse, -1)):
                 del ids[reuse:]
                 return tokens[reuse:]
@@ -290,15 +299,20 @@ class Decoder:
         prompt_records: Callable[[list[TokenLogprob]], None] | None = None,
         score_only: bool = False,
         skip_first: bool = False,
+        media: dict[int, ImageSpan] | None = None,
     ) -> Live:
         """A sequence joins the batch at the next step: ``tokens`` is its prompt, ``ids`` the
         tokens sequence ``seq_id``'s KV holds now (cut back to the common prefix, then kept
         current). Needs the context (the weights need not be resident). ``prompt_records``: the
         prompt's logprobs are wanted (the whole prompt is evaluated again, each position an
         output; ``skip_first``: the first prompt token, a BOS the caller added, gets no record);
-        ``score_only``: the sequence ends (``length``) once its prompt is evaluated."""
+        ``score_only``: the sequence ends (``length``) once its prompt is evaluated. ``media``: its
+        images by start (placeholder ids in ``tokens``: vision.py; the sequence owns them from
+        here)."""
         if any(live.seq_id == seq_id for live in self.live):
             raise RuntimeError(f"sequence {seq_id} is already in the batch")
+        if media and self.vision is None:
+            raise RuntimeError("a prompt with images for a model without a projector")
         room = self._n_ctx - len(tokens)
         max_tokens = sampling.max_tokens or 0
         if max_tokens <= 0 or max_tokens >= room:
@@ -311,7 +325,7 @@ class Decoder:
                 ids.clear()
                 pending = list(tokens)
             else:
-                pending = self._to_evaluate(seq_id, ids, tokens)
+                pending = self._to_evaluate(seq_id, ids, tokens, media)
         except BaseException:
             sampler.close()
             raise
@@ -329,6 +343,7 @@ class Decoder:
             records,
             prompt_records,
             score_only,
+            media,
         )
         live.n_prompt = len(tokens)
         live.skip_first = skip_first
@@ -342,11 +357,13 @@ class Decoder:
         if live.finish is None:
             live.finish = finish
         live.sampler.close()
+        close_spans(live.media)
 
     def _finish(self, live: Live, finish: FinishReason) -> None:
         live.finish = finish
         self.live.remove(live)
         live.sampler.close()
+        close_spans(live.media)
         if not live.text.stop:
             rest = live.text.flush()
             if rest:
@@ -361,6 +378,7 @@ class Decoder:
         if not self.live:
             return []
         started = time.monotonic()
+        imaged = self._images(started)
         b = self._batch
         outputs: list[tuple[Live, int]] = []
         taken: list[tuple[Live, int]] = []  # (sequence, prompt tokens taken)
@@ -384,7 +402,9 @@ class Decoder:
                 break
             if not live.pending:
                 continue
-            k = min(budget, len(live.pending))
+            k = min(budget, len(live.pending), self._text_ahead(live))
+            if k <= 0:
+                continue  # an image comes next: the next step evaluates it
             if live.prompt_records is not None:
                 k = min(k, PROMPT_LOGPROB_ROWS)
             last = k == len(live.pending)
@@ -404,7 +424,7 @@ class Decoder:
                 outputs.append((live, n - 1))
             taken.append((live, k))
         if n == 0:
-            return []
+            return []  # (only images this step: their sequences' text follows at the next)
         b.struct.n_tokens = n
         self.set_threads(prefill=bool(taken))
         rc = int(llama_cpp.llama_decode(self.llm.ctx, b.struct))
@@ -422,7 +442,8 @@ class Decoder:
                 live.prefill_start = started
                 live.step_sequences = size
                 live.step_prompts = len(taken)
-            live.prefill_steps += 1
+            if live not in imaged:
+                live.prefill_steps += 1
             live.ids.extend(live.pending[:k])
             del live.pending[:k]
             live.evaluated += k
@@ -462,6 +483,38 @@ class Decoder:
             if self.accept(live, token):
                 finished.append(live)
         return finished
+
+    def _text_ahead(self, live: Live) -> int:
+        """How many of ``live``'s pending tokens come before its next image (all: none)."""
+        at = len(live.ids)
+        starts = [start - at for start in live.media if start >= at]
+        return min(starts, default=len(live.pending))
+
+    def _images(self, started: float) -> set[Live]:
+        """The sequences whose next prompt piece is an image: each puts it into its KV now, in a
+        llama_decode of its own (vision.Vision.evaluate; one image per sequence per step, so the
+        others' tokens wait at most one image). Raises RuntimeError as a failed step does."""
+        done: set[Live] = set()
+        if self.vision is None:
+            return done
+        for live in self.live:
+            span = live.media.get(len(live.ids)) if live.pending else None
+            if span is None:
+                continue
+            self.set_threads(prefill=True)
+            self.vision.evaluate(self.llm.ctx, span, len(live.ids), live.seq_id, self.n_batch)
+            if live.first_step < 0:
+                live.first_step = self.decodes
+                live.prefill_start = started
+                live.step_sequences = len(self.live)
+                live.step_prompts = 1
+            self.decodes += 1
+            live.prefill_steps += 1
+            live.ids.extend(live.pending[: span.n_tokens])
+            del live.pending[: span.n_tokens]
+            live.evaluated += span.n_tokens
+            done.add(live)
+        return done
 
     def _prompt_logprobs(self, ctx: Any, live: Live, row: int, chunk: list[int]) -> list[TokenLogprob]:
         """The records of the prompt tokens that follow the positions whose rows start at output

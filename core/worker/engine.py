@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from ..errors import (
 from ..gguf.catalog import read_pooling
 from ..gguf.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from ..gguf.modelfile import check_model_file
-from ..residency import check_gguf
+from ..residency import check_gguf, ggml_devices
 from ..sampling import Sampling
 from ..util.units import decimal_bytes
 from ..wire.protocol import FinishReason, Generate, LogprobAlt, TokenLogprobs
@@ -49,10 +49,11 @@ from . import kv_files
 from .decode import Decoder, Live
 from .device import default_parallel, llama_placement
 from .embed import embed_tokens, rank_tokens, rerank_tokens
-from .prompts import Prompts, tools_of
+from .prompts import Media, Prompts, tools_of
 from .sampler import TokenLogprob
 from .sequences import Sequences, Slot
 from .textstream import token_piece
+from .vision import Vision, close_spans
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +97,21 @@ class Prepared:
     req: Generate
     tokens: list[int]
     stop: tuple[str, ...]
+    #: its images, by where they start in ``tokens`` (their placeholder ids: vision.py); the live
+    #: sequence owns them once it joined the batch
+    media: Media = field(default_factory=dict)
 
 
 class Engine:
     """A loaded model. Build it with ``Engine.load``; call only from one thread."""
 
-    def __init__(self, llm: Any, model: ModelConfig, template: ChatTemplate | None) -> None:
+    def __init__(
+        self, llm: Any, model: ModelConfig, template: ChatTemplate | None, vision: Vision | None = None
+    ) -> None:
         self.llm = llm
         self.model = model
         self.template = template  # the chat template, or None for the fallback format
+        self.vision = vision  # the vision projector (models[].mmproj), None: text only
         ctx = llm.ctx
         self.parallel = max(1, int(llama_cpp.llama_n_seq_max(ctx)))
         self.info = EngineInfo(
@@ -114,11 +121,11 @@ class Engine:
             parallel=self.parallel,
         )
         self.sequences = Sequences(llm, model, self.info.n_ctx, self.parallel)
-        self.prompts = Prompts(llm, model, template, self.info.n_ctx)
+        self.prompts = Prompts(llm, model, template, self.info.n_ctx, vision)
         self.prompt_tokens_evaluated = 0  # since start
         #: a reranker (rank pooling): it answers /v1/rerank only (``rerank``)
         self.reranker = int(llama_cpp.llama_pooling_type(ctx)) == llama_cpp.LLAMA_POOLING_TYPE_RANK
-        self._decoder = Decoder(llm)
+        self._decoder = Decoder(llm, vision)
         self._last: Slot | None = None
         self._lp_pieces: dict[int, bytes] = {}  # token -> bytes, for logprob entries
         self._lives: dict[Live, Slot] = {}  # the batch's sequences and their slots
@@ -196,7 +203,14 @@ class Engine:
                 raise ModelFileError(
                     f'{exc} ({model.id}); fix the model\'s chat_template or set chat_format = "fallback"'
                 ) from None
-        engine = cls(llm, model, chat_template)
+        vision = None
+        if model.mmproj and not model.embedding:
+            try:
+                vision = load_projector(llm, model)
+            except BaseException:
+                llm.close()
+                raise
+        engine = cls(llm, model, chat_template, vision)
         log.info(
             "loaded %s: n_ctx=%d x %d sequences, n_vocab=%d chat=%s",
             model.id,
@@ -398,7 +412,7 @@ class Engine:
         if req.messages is not None:
             # the template's end-of-turn token is an end-of-generation token of the vocabulary:
             # the decoder stops on it (create_completion's stopping criterion checked the same id)
-            tokens, extra_stop = self.prompts.chat_prompt(req.messages, tools_of(req), poll)
+            tokens, extra_stop, media = self.prompts.chat_prompt(req.messages, tools_of(req), poll)
             stop += extra_stop
         elif req.prompt_tokens is not None:
             # token ids as given (a token-array prompt): no BOS added
@@ -409,14 +423,22 @@ class Engine:
                     f"prompt: token {bad[0]} is not in {self.model.display_name}'s vocabulary "
                     f"(0..{n_vocab - 1}); send token ids from this model's tokenizer, or text"
                 )
-            tokens = list(req.prompt_tokens)
+            tokens, media = list(req.prompt_tokens), {}
         else:
             assert req.prompt is not None
             # the tokens create_completion would make of the string (not tokenized twice)
-            tokens = self.prompts.completion_tokens(req.prompt, poll)
+            tokens, media = self.prompts.completion_prompt(req.prompt, req.images, poll)
         if len(tokens) >= self.info.n_ctx:
+            close_spans(media)
             raise self.prompts.too_long(len(tokens))
-        return Prepared(req, tokens, tuple(stop))
+        if media and req.prompt_logprobs:
+            close_spans(media)
+            raise InvalidInputError("the prompt's logprobs (echo) are not given for a prompt with images")
+        if media and tokens[-1] < 0:
+            close_spans(media)
+            # (libmtmd's image decode gives no logits: the first answer token needs a text token's)
+            raise InvalidInputError("the prompt ends with an image: put some text after it")
+        return Prepared(req, tokens, tuple(stop), media)
 
     @property
     def free_slots(self) -> int:
@@ -476,6 +498,7 @@ class Engine:
                 stop=prepared.stop,
                 emit=emit,
                 records=None if logprobs is None else (lambda rs: logprobs(self._wire_logprobs(rs))),
+                media=prepared.media,
                 prompt_records=(
                     None
                     if prompt_logprobs is None or not req.prompt_logprobs
@@ -486,6 +509,7 @@ class Engine:
                 skip_first=req.prompt is not None and bool(tokens) and tokens[0] == int(self.llm.token_bos()),
             )
         except BaseException:
+            close_spans(prepared.media)
             self._end(slot)
             raise
         self._lives[live] = slot
@@ -577,7 +601,24 @@ class Engine:
     def close(self) -> None:
         self.sequences.drop_snapshots()
         self._decoder.close()
+        if self.vision is not None:
+            self.vision.close()
         self.llm.close()
+
+
+def load_projector(llm: Any, model: ModelConfig) -> Vision:
+    """The model's vision projector, on its device (the GPU the model's layers are on; the CPU
+    when it has none or ``n_gpu_layers`` is 0). Raises ModelFileError naming the file."""
+    check_model_file(model.mmproj)
+    gpus = [d for d in ggml_devices() if d.is_gpu]
+    on_gpu = bool(gpus) and model.n_gpu_layers != 0 and model.device < len(gpus)
+    return Vision(
+        llm,
+        model.mmproj,
+        n_threads=max(1, int(getattr(llm, "n_threads_batch", 1) or 1)),
+        device=gpus[model.device].handle if on_gpu else None,
+        use_gpu=on_gpu,
+    )
 
 
 def batch_invariant(parallel: int) -> dict[str, Any]:

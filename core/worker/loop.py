@@ -373,6 +373,7 @@ class Worker:
                     chat_family=chat.family.name,
                     thinks=chat.thinks,
                     starts_thinking=chat.starts_thinking,
+                    projector_bytes=engine.vision.weight_bytes if engine.vision is not None else 0,
                     pooling=engine.pooling,
                 )
             )
