@@ -103,19 +103,23 @@ class KvEstimate:
 
     def describe(self) -> str:
         if self.bytes is None:
-            return f"KV cache unknown ({self.why}): the GPU column counts the weights only."
+            return f"KV cache unknown ({self.why}): the Fits column counts the weights only."
         return (
-            f"The GPU column counts the weights, a tenth for compute buffers and a KV cache of "
+            f"The Fits column counts the weights, a tenth for compute buffers and a KV cache of "
             f"{human_bytes(self.bytes)} (n_ctx {self.n_ctx} × {self.parallel} sequences, "
             "the new entry's auto settings, before they are fitted to the memory)."
         )
 
 
+#: the Fits column on a machine without a GPU
+CPU_BUILD = "CPU build: host memory"
+
+
 def fit_text(size: int | None, snapshot: PoolSnapshot, kv: KvEstimate | None = None) -> str:
-    """The "GPU" column: "fits", "too big", "weights fit; KV unknown", or why it is unknown."""
+    """The "Fits" column: "fits", "too big", "weights fit; KV unknown", or why it is unknown."""
     backends = {m.backend for m in snapshot.models if m.backend}
     if backends and all(b.upper().startswith("CPU") for b in backends):
-        return "CPU build: host memory"
+        return CPU_BUILD
     kv_bytes = kv.bytes if kv is not None else None
     fit = sources.gpu_fit(size, vram_budget(snapshot), kv_bytes)
     if fit == "fits" and kv_bytes is None:
@@ -216,7 +220,7 @@ class GetModelDialog(QDialog):
 
         self.table = QTableWidget(0, 4)
         self.table.setObjectName("choices")
-        self.table.setHorizontalHeaderLabels(["Quantisation", "Size", "GPU", "File"])
+        self.table.setHorizontalHeaderLabels(["Quantisation", "Size", "Fits", "File"])
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -451,16 +455,20 @@ class GetModelDialog(QDialog):
                 "This repository is gated: accept its conditions on the hub and log in "
                 "(`hf auth login` or HF_TOKEN) before downloading."
             )
-        if listing.choices and not any(
+        if listing.choices and fit_text(listing.choices[0].size, snapshot, kv) == CPU_BUILD:
+            notes.append(
+                "The models run in this computer's memory (no GPU): the size is what the weights need."
+            )
+        elif listing.choices and not any(
             fit_text(c.size, snapshot, kv) in ("fits", "too big", WEIGHTS_FIT) for c in listing.choices
         ):
             one_model = any(d.budget == "one-model" for d in snapshot.devices)
             why = (
-                'with the setting "one model at a time" Timeshare does not measure the GPU\'s memory'
+                'with the setting "one model at a time" Timeshare does not measure the memory'
                 if one_model
-                else "Timeshare does not know the GPU's memory budget yet (no model has loaded on it)"
+                else "Timeshare does not know the memory budget yet (no model has loaded)"
             )
-            notes.append(f"GPU fit unknown: {why}; the size is what the weights need.")
+            notes.append(f"Fit unknown: {why}; the size is what the weights need.")
         elif listing.choices and kv is not None:
             notes.append(kv.describe())
         self.info.setText(" ".join(notes))

@@ -590,7 +590,7 @@ def test_the_dialog_lists_downloads_and_adds_the_model(
         and cells[1][3] == "Tiny-Q8_0.gguf"
     )
     assert "Licence (repo card): apache-2.0" in dialog.info.text()
-    assert "GPU fit unknown" in dialog.info.text()
+    assert "Fit unknown" in dialog.info.text()
     selected = dialog.selected()
     assert selected is not None and selected.label == "Q4_K_M"  # the usual default
     dialog.table.selectRow(1)
@@ -699,7 +699,7 @@ def test_the_gpu_column_uses_the_pools_vram_budget(
     _look_up(qtbot, dialog, 3)
     # these tiny files have no layers or heads: the KV cache is not guessed, the weights are compared
     assert [dialog.table.item(r, 2).text() for r in range(3)] == [WEIGHTS_FIT, WEIGHTS_FIT, "too big"]
-    assert "GPU fit unknown" not in dialog.info.text()
+    assert "Fit unknown" not in dialog.info.text()
     assert "KV cache unknown (the file has no llama.block_count" in dialog.info.text()
     assert hub.seen("GET", "/cdn/")[-1].range == f"bytes=0-{remote.METADATA_LIMIT - 1}"
 
@@ -710,6 +710,26 @@ def test_the_gpu_column_uses_the_pools_vram_budget(
     other.show()
     _look_up(qtbot, other, 3)
     assert 'with the setting "one model at a time"' in other.info.text()
+
+
+@pytest.mark.gui
+def test_on_a_cpu_build_the_dialog_says_host_memory_and_never_gpu(
+    qtbot: Any, hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    """A pool whose models run on the CPU: the fit column says so, and no header or note says GPU."""
+    from timeshare.app.get_model import CPU_BUILD, GetModelDialog
+    from timeshare.core.state import ModelState, ModelStatus
+
+    cpu = PoolSnapshot(models=(ModelStatus("smol", "smol", "/m.gguf", ModelState.RELEASED, backend="CPU"),))
+    hub.repos[REPO] = _three_quants(ggufs)
+    dialog = GetModelDialog(lambda: cpu, _config(tmp_path), source=f"hf.co/{REPO}")
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _look_up(qtbot, dialog, 3)
+    headers = [dialog.table.horizontalHeaderItem(c).text() for c in range(4)]
+    assert headers == ["Quantisation", "Size", "Fits", "File"]
+    assert [dialog.table.item(r, 2).text() for r in range(3)] == [CPU_BUILD] * 3
+    assert "no GPU" in dialog.info.text() and "GPU" not in dialog.info.text().replace("no GPU", "")
 
 
 #: SmolLM2-135M's attention: 30 layers of 3 KV heads of 64 (the embedding 576 over 9 heads)
