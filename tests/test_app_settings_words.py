@@ -121,7 +121,7 @@ def test_on_this_cpu_machine_no_settings_text_says_gpu(
         "A busy model keeps its turn at least:",
         "A request waits for its turn at most:",
         "Restart the active model that stops answering after:",
-        "Arena folder:",
+        "Folder the models take turns through:",
     ]
     assert dialog.vram_budget.toolTip().startswith("auto: what host memory has free at start")
 
@@ -154,7 +154,7 @@ def test_with_a_gpu_the_settings_say_gpu(qtbot: Any, pool: Any, bridge: Any, tmp
         "A busy model keeps the GPU at least:",
         "A request waits for the GPU at most:",
         "Restart a GPU holder that stops answering after:",
-        "Arena folder:",
+        "Folder the models take turns through:",
     ]
     assert dialog.vram_budget.toolTip().startswith("auto: what the GPU has free at start")
     assert dialog.tabs.tabText(dialog.sharing_index) == "Sharing the GPU"

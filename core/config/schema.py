@@ -187,7 +187,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ArenaConfig:
     # None: platformdirs runtime dir /arena (or $TIMESHARE_VRAM_ARENA)
-    dir: str | None = setting(None, FieldMeta("Arena folder", special="default (the runtime folder)"))
+    dir: str | None = setting(
+        None, FieldMeta("Folder the models take turns through", special="default (the runtime folder)")
+    )
     min_quantum_ms: float = setting(
         250.0,
         FieldMeta(
@@ -238,17 +240,17 @@ class ArenaConfig:
     handover: bool = setting(
         False,
         FieldMeta(
-            "Hand GPU memory from one model to the next",
-            "A switch frees no GPU memory: the model that leaves hands its memory to the one that "
-            "comes (CUDA); off: each switch frees and allocates",
+            "Hand {GPU memory|memory} from one model to the next",
+            "A switch frees no {GPU memory|memory}: the model that leaves hands its memory to the one "
+            "that comes (CUDA only); off: each switch frees and allocates",
         ),
     )
     handover_idle_s: float = setting(
         300.0,
         FieldMeta(
-            "Give handed-over GPU memory back after",
-            "GPU memory kept for the next switch goes back to the driver after this long without a "
-            "switch; 0: at once",
+            "Give handed-over {GPU memory|memory} back after",
+            "{GPU memory|Memory} kept for the next switch goes back to the driver after this long "
+            "without a switch; 0: at once",
             "s",
             0,
             ui_maximum=DAY_S,
