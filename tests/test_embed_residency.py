@@ -102,13 +102,23 @@ def test_a_rebuilt_reranker_scores_after_its_release(reranker_path: Path) -> Non
 
 
 def vectors_of(w: WorkerHandle, req: str) -> tuple[list[tuple[float, ...]], p.Done | p.Error]:
+    """The vectors of Embed ``req`` and its Done or Error (messages already read for another
+    request's collect included: request ids are not reused)."""
     out: list[tuple[float, ...]] = []
+    pos = 0
     while True:
-        msg = w.expect((p.Embeddings, p.Done, p.Error), req=req)
+        if pos < len(w.seen):
+            msg = w.seen[pos]
+            pos += 1
+        else:
+            msg = w.expect((p.Embeddings, p.Done, p.Error), req=req)
+            pos = len(w.seen)
+        if getattr(msg, "req", None) != req:
+            continue
         if isinstance(msg, p.Embeddings):
             out.extend(msg.data)
-            continue
-        return out, msg
+        elif isinstance(msg, (p.Done, p.Error)):
+            return out, msg
 
 
 def waiting_for(w: WorkerHandle, holder: str) -> None:
