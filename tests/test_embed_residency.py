@@ -27,6 +27,7 @@ from _api_util import Served, start_serve, stop_serve_proc, write_config
 from _archs_util import write_reranker
 from _e_worker_util import WorkerHandle
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
+from timeshare.core.observe import read_events
 from timeshare.core.residency import Residency, ResidencyOptions
 from timeshare.core.wire import protocol as p
 from timeshare.core.worker.engine import Engine
@@ -181,6 +182,58 @@ def test_an_embed_waiting_for_the_token_is_cancelled_and_the_queue_goes_on(
     got, end = vectors_of(a, "e3")
     assert got == [] and (isinstance(end, p.Error) or end.finish_reason == "cancelled"), end
     assert a.wait_exit() == 0
+
+
+@pytest.mark.parametrize("path", ["auto", "rebuild"])
+def test_a_long_embed_gives_the_gpu_way_after_the_quantum(
+    path: str,
+    smollm2_path: Path,
+    reranker_path: Path,
+    tmp_path: Path,
+    handles: list[WorkerHandle],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An Embed of many inputs (one sequence: a decode each) is a batch of work like a
+    generation's: when another model asks for the GPU, it gives way after the quantum (50 ms here)
+    and takes it back to go on (the token's intervals: smol, rr, smol while it runs), and its
+    vectors are those it gave alone. On the rebuild path the context is made again meanwhile."""
+    monkeypatch.setenv("TIMESHARE_RESIDENCY_PATH", path)
+    log = tmp_path / "intervals.jsonl"
+    arena_dir = tmp_path / "arena"
+    arena = ArenaConfig(min_quantum_ms=50.0, wait_timeout_s=120.0)
+    a = WorkerHandle(
+        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=1),
+        tmp_path / "a",
+        arena_dir=arena_dir,
+        arena=arena,
+        event_log=log,
+    )
+    handles.append(a)
+    assert a.ready().info.residency_path == ("rebuild" if path == "rebuild" else "inplace")
+    many = tuple(f"{i}: the quick brown fox" for i in range(60))
+    a.send(p.Embed(req="e0", inputs=many))
+    want, done = vectors_of(a, "e0")
+    assert isinstance(done, p.Done) and len(want) == len(many)
+    b = WorkerHandle(
+        ModelConfig(id="rr", path=str(reranker_path), n_ctx=256),
+        tmp_path / "b",
+        arena_dir=arena_dir,
+        arena=arena,
+        event_log=log,
+    )
+    handles.append(b)
+    b.ready()
+    a.send(p.Embed(req="e1", inputs=many))
+    a.expect(p.WorkerStatus, busy=True, holds_token=True)  # at it
+    b.send(p.Embed(req="r1", inputs=DOCUMENTS, query=QUERY))
+    scores, done = vectors_of(b, "r1")
+    assert isinstance(done, p.Done) and len(scores) == len(DOCUMENTS)
+    got, done = vectors_of(a, "e1")
+    assert isinstance(done, p.Done) and got == want
+    a.close()
+    b.close()
+    holders = [r["model"] for r in sorted(read_events(log), key=lambda r: r["start"]) if r["kind"] == "token"]
+    assert holders[-3:] == ["smol", "rr", "smol"], holders
 
 
 # ---- a real `timeshare serve` ----------------------------------------------------------------------
