@@ -184,6 +184,45 @@ def test_an_embed_waiting_for_the_token_is_cancelled_and_the_queue_goes_on(
     assert a.wait_exit() == 0
 
 
+def test_a_rerank_waits_for_another_models_batch_and_both_answer_as_alone(
+    smollm2_path: Path, reranker_path: Path, tmp_path: Path, handles: list[WorkerHandle]
+) -> None:
+    """A rerank sent while another model's generation batch holds the GPU: the batch gives way
+    after its quantum, the rerank scores, the batch takes the GPU back; no one waits for the
+    other for good, and each answers what it answers alone."""
+    arena_dir = tmp_path / "arena"
+    arena = ArenaConfig(min_quantum_ms=50.0, wait_timeout_s=120.0)
+    gen = WorkerHandle(
+        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2),
+        tmp_path / "gen",
+        arena_dir=arena_dir,
+        arena=arena,
+    )
+    handles.append(gen)
+    gen.ready()
+    rr = WorkerHandle(
+        ModelConfig(id="rr", path=str(reranker_path), n_ctx=256),
+        tmp_path / "rr",
+        arena_dir=arena_dir,
+        arena=arena,
+    )
+    handles.append(rr)
+    rr.ready()
+    rr.send(p.Embed(req="r0", inputs=DOCUMENTS, query=QUERY))
+    want_scores, done = vectors_of(rr, "r0")
+    assert isinstance(done, p.Done)
+    sampling = p.INTERNAL_SAMPLING.replace(max_tokens=32, temperature=0.0)
+    want_text, done = gen.generate("g0", prompt="1, 2, 3, 4,", sampling=sampling, cache_prompt=False)
+    assert isinstance(done, p.Done) and done.usage.completion_tokens == 32
+    gen.send(p.Generate(req="g1", prompt="1, 2, 3, 4,", sampling=sampling, cache_prompt=False))
+    gen.expect(p.Token, req="g1")  # the batch runs, holding the GPU
+    rr.send(p.Embed(req="r1", inputs=DOCUMENTS, query=QUERY))
+    scores, done = vectors_of(rr, "r1")
+    assert isinstance(done, p.Done) and done.switch.switched and scores == want_scores
+    text, done = gen.collect("g1")
+    assert isinstance(done, p.Done) and text == want_text
+
+
 @pytest.mark.parametrize("path", ["auto", "rebuild"])
 def test_a_long_embed_gives_the_gpu_way_after_the_quantum(
     path: str,
