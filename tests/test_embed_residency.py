@@ -28,7 +28,9 @@ from _archs_util import write_reranker
 from _e_worker_util import WorkerHandle
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.observe import read_events
+from timeshare.core.errors import ConfigError
 from timeshare.core.residency import Residency, ResidencyOptions
+from timeshare.core.residency.residency import mode_wanted
 from timeshare.core.wire import protocol as p
 from timeshare.core.worker.engine import Engine
 
@@ -97,6 +99,27 @@ def test_a_rebuilt_reranker_scores_after_its_release(reranker_path: Path) -> Non
         Restorer(res)()
         res.close()
         engine.close()
+
+
+def test_the_residency_path_variable(
+    smollm2_path: Path, tmp_path: Path, handles: list[WorkerHandle], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMESHARE_RESIDENCY_PATH: auto, inplace or rebuild (any case) override the worker's auto;
+    anything else is an error naming the variable, and a worker started with it fails to load
+    saying so."""
+    for value, want in (("", "auto"), ("auto", "auto"), ("Rebuild", "rebuild"), (" inplace ", "inplace")):
+        monkeypatch.setenv("TIMESHARE_RESIDENCY_PATH", value)
+        assert mode_wanted("auto") == want
+    monkeypatch.setenv("TIMESHARE_RESIDENCY_PATH", "fast")
+    with pytest.raises(ConfigError, match=r"TIMESHARE_RESIDENCY_PATH='fast': give auto, inplace or rebuild"):
+        mode_wanted("auto")
+    w = WorkerHandle(
+        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256), tmp_path, arena_dir=tmp_path / "a"
+    )
+    handles.append(w)
+    err = w.expect(p.Error)
+    assert err.fatal and err.code == "invalid_config" and "TIMESHARE_RESIDENCY_PATH='fast'" in err.message
+    assert w.wait_exit() == 2
 
 
 # ---- a worker that waits for the token ------------------------------------------------------------
@@ -168,7 +191,7 @@ def test_an_embed_waiting_for_the_token_is_cancelled_and_the_queue_goes_on(
     assert got == [] and isinstance(done, p.Done) and done.finish_reason == "cancelled", done
     assert not a.status().holds_token  # it did not wait for the token to end
     b.send(p.Pin(False))  # the holder lets go: what was queued behind the cancelled Embed runs
-    text, done = a.collect("g1")
+    _, done = a.collect("g1")
     assert isinstance(done, p.Done) and done.usage.completion_tokens == 4, done
     got, done = vectors_of(a, "e2")
     assert isinstance(done, p.Done) and got == want

@@ -66,8 +66,10 @@ def mode_wanted(option: Mode = "auto") -> Mode:
     modes: dict[str, Mode] = {"auto": "auto", "inplace": "inplace", "rebuild": "rebuild"}
     if value not in modes:
         raise ConfigError(
-            f"{envvars.RESIDENCY_PATH.name}={envvars.RESIDENCY_PATH.text()!r}: give auto, inplace or "
-            "rebuild, or unset it"
+            [
+                f"{envvars.RESIDENCY_PATH.name}={envvars.RESIDENCY_PATH.text()!r}: give auto, inplace "
+                "or rebuild, or unset it"
+            ]
         )
     return modes[value]
 

@@ -365,12 +365,14 @@ class Engine:
                 "pools by rank (a cross-encoder such as bge-reranker or Qwen3-Reranker); "
                 "use /v1/embeddings or chat with this one"
             )
+        texts: list[str] = []
         for i, document in enumerate(documents):
             if not isinstance(document, str):
                 raise InvalidInputError(f"documents[{i}] must be a string: a reranker reads text")
+            texts.append(document)
         step = self._embed_step(before_step)
         step()  # residency first: the rebuild path's release frees the vocabulary and template
-        pairs = [rerank_tokens(self.llm, query, document) for document in documents]
+        pairs = [rerank_tokens(self.llm, query, text) for text in texts]
         seq_ids = [slot.seq_id for slot in self.sequences.slots]
         scores = rank_tokens(self.llm, pairs, seq_ids=seq_ids, before_step=step)
         return scores, sum(len(t) for t in pairs)
