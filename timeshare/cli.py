@@ -380,6 +380,12 @@ def _add_diagnostics(sub: Any) -> None:
         metavar="PATH",
         help="a reranker GGUF (rank pooling; default: a synthetic BERT-base-shaped one, random weights)",
     )
+    brr.add_argument(
+        "--vocab",
+        metavar="PATH",
+        help="any GGUF with a tokenizer: the synthetic reranker's vocabulary (default: the SmolLM2 "
+        "demo model's; not used with --model)",
+    )
     brr.add_argument("--documents", type=int, default=32, help="documents per request (default: 32)")
     brr.add_argument("--words", type=int, default=150, help="words per document, ~200 tokens (default: 150)")
     brr.add_argument("--rounds", type=int, default=5, help="requests; the median (default: 5)")
