@@ -369,6 +369,13 @@ def _add_diagnostics(sub: Any) -> None:
         metavar="PATH",
         help="also llama-server --embeddings --pooling mean on the same model",
     )
+    bemb.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a request that takes longer ends the run, naming it (default: 300)",
+    )
     bemb.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
     bemb.add_argument("--json", action="store_true", help=_JSON_HELP)
 

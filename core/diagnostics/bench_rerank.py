@@ -242,7 +242,7 @@ def run_rerank_bench(
             Path(tmp) / "ts", ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel
         )
         try:
-            serve.wait_ready()
+            progress(f"timeshare serve: ready in {serve.wait_ready(progress):.1f} s ({serve.states()})")
             report["systems"]["timeshare"] = _measure(serve.port, count, words, rounds)
         finally:
             serve.close()
@@ -258,7 +258,7 @@ def run_rerank_bench(
                 extra=("--reranking",),
             )
             try:
-                server.wait_healthy()
+                progress(f"llama-server: healthy in {server.wait_healthy(progress):.1f} s")
                 report["systems"]["llama_server"] = _measure(server.port, count, words, rounds)
             finally:
                 server.stop()
