@@ -27,8 +27,8 @@ from _api_util import Served, start_serve, stop_serve_proc, write_config
 from _archs_util import write_reranker
 from _e_worker_util import WorkerHandle
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
-from timeshare.core.observe import read_events
 from timeshare.core.errors import ConfigError
+from timeshare.core.observe import read_events
 from timeshare.core.residency import Residency, ResidencyOptions
 from timeshare.core.residency.residency import mode_wanted
 from timeshare.core.wire import protocol as p
