@@ -144,6 +144,14 @@ HANDOVER = EnvVar(
     "escape hatch",
     "Device memory handed over between workers (issue 40) off (0) or on (1), whatever arena.handover says",
 )
+RESIDENCY_PATH = EnvVar(
+    "TIMESHARE_RESIDENCY_PATH",
+    '"auto", "inplace" or "rebuild"',
+    "auto (in place where the probe passes)",
+    "escape hatch",
+    "The residency path of every worker: rebuild (the portable one) where the in-place path "
+    "misbehaves for a model; a CPU build reproduces a GPU's fallback with it",
+)
 VK_HOST_VISIBLE_VIDMEM = EnvVar(
     "TIMESHARE_VK_HOST_VISIBLE_VIDMEM",
     "1",
@@ -211,6 +219,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     VRAM_BUDGET,
     OVERLAP_RESTORE,
     HANDOVER,
+    RESIDENCY_PATH,
     VK_HOST_VISIBLE_VIDMEM,
     VK_DISABLE_HOST_VISIBLE_VIDMEM,
     SHADOW_SLICE_MIB,

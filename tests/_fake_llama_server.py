@@ -1,7 +1,8 @@
 """A stand-in for llama-server in `timeshare bench api` tests (no llama-server build on the CPU box):
 it takes llama-server's flags, answers ``/health`` once "loaded" (a short pause) and streams
 ``/completion`` the way llama-server does (``data: {"content": ..., "stop": false}`` events, then a
-last one with ``"stop": true`` and ``timings``). It refuses a model file that does not exist."""
+last one with ``"stop": true`` and ``timings``). It refuses a model file that does not exist.
+``FAKE_LLAMA_LOADING_S`` (this test helper's own variable) makes its loading last that long."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def main() -> int:
     if not os.path.isfile(args.model):
         print(f"error: failed to load model '{args.model}'", file=sys.stderr)
         return 1
-    ready_at = time.monotonic() + 0.3  # "loading"
+    # "loading"; FAKE_LLAMA_LOADING_S: a server that takes that long (a model that never loads)
+    ready_at = time.monotonic() + float(os.environ.get("FAKE_LLAMA_LOADING_S", "0.3"))
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *_args: object) -> None:

@@ -374,6 +374,13 @@ def _add_diagnostics(sub: Any) -> None:
         metavar="PATH",
         help="also llama-server --embeddings --pooling mean on the same model",
     )
+    bemb.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a request that takes longer ends the run, naming it (default: 300)",
+    )
     bemb.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
     bemb.add_argument("--json", action="store_true", help=_JSON_HELP)
 
@@ -384,6 +391,12 @@ def _add_diagnostics(sub: Any) -> None:
         "--model",
         metavar="PATH",
         help="a reranker GGUF (rank pooling; default: a synthetic BERT-base-shaped one, random weights)",
+    )
+    brr.add_argument(
+        "--vocab",
+        metavar="PATH",
+        help="any GGUF with a tokenizer: the synthetic reranker's vocabulary (default: the SmolLM2 "
+        "demo model's; not used with --model)",
     )
     brr.add_argument("--documents", type=int, default=32, help="documents per request (default: 32)")
     brr.add_argument("--words", type=int, default=150, help="words per document, ~200 tokens (default: 150)")

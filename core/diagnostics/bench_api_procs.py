@@ -12,10 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import envvars
 from ..errors import TimeshareError
@@ -28,6 +29,52 @@ _OVERLAP_RE = re.compile(r"overlapped restore settled \(.*?\): (\{.*\})\s*$")
 _KV_READ_RE = re.compile(r"KV loaded from disk \((\d+) tokens, ([\d.]+) MB in (\d+) ms")
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0
+#: a wait (a server's start, a long request) says how it stands this often (``watched``)
+PROGRESS_EVERY_S = 10.0
+
+T = TypeVar("T")
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def watched(
+    call: Callable[[], T],
+    what: str,
+    timeout_s: float,
+    progress: Callable[[str], None] = _quiet,
+    state: Callable[[], str] = lambda: "",
+) -> T:
+    """``call()`` on a thread of its own, saying every PROGRESS_EVERY_S how long it has taken
+    (and ``state()``: what the server says meanwhile); a TimeshareError naming ``what`` when it has
+    not returned in ``timeout_s`` (the thread is left to the socket's own timeout and the server's
+    end). What ``call`` raises is raised here."""
+    result: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="bench-request", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    while True:
+        elapsed = time.monotonic() - started
+        thread.join(max(0.0, min(PROGRESS_EVERY_S, timeout_s - elapsed)))
+        if not thread.is_alive():
+            break
+        elapsed = time.monotonic() - started
+        now = state()
+        if elapsed >= timeout_s:
+            raise TimeshareError(f"{what}: no answer in {timeout_s:g} s{f' ({now})' if now else ''}")
+        progress(f"{what}: {elapsed:.0f} s so far{f' ({now})' if now else ''}")
+    if failed:
+        raise failed[0]
+    return result[0]
 
 
 # ---- HTTP -----------------------------------------------------------------------------------
@@ -248,15 +295,28 @@ class Serve:
         self._address = home / "run" / "api.json"
         self._logs = home / "log"
 
-    def wait_ready(self) -> float:
+    def wait_ready(
+        self, progress: Callable[[str], None] = _quiet, timeout_s: float = START_TIMEOUT_S
+    ) -> float:
+        """Until every model has loaded (resident, released or sleeping); seconds it took. Says
+        every PROGRESS_EVERY_S how each model stands; TimeshareError when serve exits, a model
+        fails, or ``timeout_s`` passes (with the models' states and the log's tail)."""
         t0 = time.monotonic()
+        said = t0
         while True:
             if self.proc.poll() is not None:
                 raise TimeshareError(
                     f"timeshare serve exited ({self.proc.returncode}): {_log_tail(self.log)}"
                 )
-            if time.monotonic() - t0 > START_TIMEOUT_S:
-                raise TimeshareError(f"timeshare serve was not ready in {START_TIMEOUT_S:.0f} s")
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                raise TimeshareError(
+                    f"timeshare serve was not ready in {timeout_s:.0f} s ({self.states() or 'no answer'}); "
+                    f"its log ends: {_log_tail(self.log, 600)}"
+                )
+            if now - said >= PROGRESS_EVERY_S:
+                said = now
+                progress(f"timeshare serve: {now - t0:.0f} s, {self.states() or 'starting'}")
             if not self.port:
                 try:
                     record = json.loads(self._address.read_text())
@@ -281,6 +341,20 @@ class Serve:
         except OSError:
             return {}
         return body if code == 200 and isinstance(body, dict) else {}
+
+    def states(self) -> str:
+        """Each model's state as the status says it (busy, waiting reason), for progress lines."""
+        parts = []
+        for m in self.status().get("models", []):
+            words = [str(m.get("state", "?"))]
+            if m.get("busy"):
+                words.append("busy")
+            if m.get("waiting_reason"):
+                words.append(str(m["waiting_reason"]))
+            if m.get("state") == "failed" and m.get("reason"):
+                words.append(str(m["reason"]))
+            parts.append(f"{m.get('id')}: {', '.join(words)}")
+        return "; ".join(parts)
 
     def state(self, model: str) -> str:
         return str(next((m["state"] for m in self.status().get("models", []) if m["id"] == model), ""))
@@ -404,21 +478,45 @@ class LlamaServer:
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
 
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def wait_healthy(
+        self, progress: Callable[[str], None] = _quiet, timeout_s: float = START_TIMEOUT_S
+    ) -> float:
+        """Until ``/health`` answers 200; seconds it took. Says every PROGRESS_EVERY_S what
+        ``/health`` answers; TimeshareError when llama-server exits or ``timeout_s`` passes (with
+        its log's tail: a model it cannot load, an unknown flag)."""
+        t0 = time.monotonic()
+        said = t0
         while True:
             if self.proc.poll() is not None:
                 raise TimeshareError(
                     f"llama-server exited ({self.proc.returncode}): {_log_tail(self.log, 600)}"
                 )
+            answer = "no answer"
             try:
-                if _http(self.port, "GET", "/health", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeshareError(f"llama-server was not healthy within {START_TIMEOUT_S:.0f} s")
-            time.sleep(0.02)
+                code, body = _http(self.port, "GET", "/health", timeout=2)
+                if code == 200:
+                    return time.monotonic() - t0
+                answer = f"/health {code} {body}"
+            except OSError as exc:
+                answer = str(exc) or type(exc).__name__
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                raise TimeshareError(
+                    f"llama-server was not healthy within {timeout_s:.0f} s ({answer}); its log ends: "
+                    f"{_log_tail(self.log, 600)}"
+                )
+            if now - said >= PROGRESS_EVERY_S:
+                said = now
+                progress(f"llama-server: {now - t0:.0f} s, {answer}")
+            time.sleep(0.05)
+
+    def state(self) -> str:
+        """What ``/health`` answers now, for progress lines."""
+        try:
+            code, body = _http(self.port, "GET", "/health", timeout=2)
+        except OSError as exc:
+            return f"/health: {exc}"
+        return f"/health {code} {body}"
 
     def turn(self, prompt: str, n_predict: int = MAX_TOKENS, cache_prompt: bool = True) -> dict[str, Any]:
         body = {

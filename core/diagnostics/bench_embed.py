@@ -10,6 +10,11 @@ on the same model (mean pooling is what Timeshare does on a chat model; llama-se
 ``/v1/embeddings`` with pooling ``none``), the ratio is printed, and the two servers' vectors for
 the same inputs are compared (the least cosine similarity over the inputs: they differ in the
 last bits, llama-server's KV cache being unified). Prints a table, or ``--json`` one object.
+
+It says on stderr what it is doing, phase by phase (a server starting, each request and its
+time), and every 10 s how a long wait stands (the model's state, llama-server's ``/health``);
+a request that takes longer than ``--timeout`` seconds ends the run with the phase named. The
+servers it started are stopped on every way out (a SIGTERM too: timeshare/cli.py).
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ from typing import Any
 from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
 from .bench_api import word_salad
-from .bench_api_procs import REQUEST_TIMEOUT_S, LlamaServer, Serve
+from .bench_api_procs import LlamaServer, Serve, watched
+
+#: a request of the bench that takes longer fails the run (``--timeout``)
+DEFAULT_TIMEOUT_S = 300.0
 
 SYSTEMS = ("timeshare", "llama_server")
 
@@ -40,10 +48,12 @@ def inputs(count: int, words: int) -> list[str]:
     return [f"{i}: {word_salad(7000 + i, words)}" for i in range(count)]
 
 
-def post_embeddings(port: int, texts: list[str]) -> tuple[float, list[list[float]], int]:
+def post_embeddings(
+    port: int, texts: list[str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[float, list[list[float]], int]:
     """One ``/v1/embeddings`` request: its time at the client (s), the vectors, prompt tokens."""
     body = json.dumps({"model": "m", "input": texts, "encoding_format": "float"})
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         t0 = time.perf_counter()
         c.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
@@ -60,16 +70,33 @@ def post_embeddings(port: int, texts: list[str]) -> tuple[float, list[list[float
     return elapsed, [list(d["embedding"]) for d in data], int(usage.get("prompt_tokens") or 0)
 
 
-def _measure(port: int, counts: list[int], words: int, rounds: int) -> dict[str, Any]:
-    post_embeddings(port, inputs(1, words))  # warm: the first request after the load restores
+def _measure(
+    port: int,
+    counts: list[int],
+    words: int,
+    rounds: int,
+    *,
+    system: str,
+    timeout_s: float,
+    progress: Callable[[str], None],
+    state: Callable[[], str],
+) -> dict[str, Any]:
+    def post(texts: list[str], what: str) -> tuple[float, list[list[float]], int]:
+        progress(f"{what} ...")
+        got = watched(lambda: post_embeddings(port, texts, timeout_s), what, timeout_s, progress, state)
+        progress(f"{what}: {got[0]:.3f} s, {got[2]} tokens")
+        return got
+
+    # warm: the first request after the load restores
+    post(inputs(1, words), f"{system}: warm-up, 1 input")
     out: dict[str, Any] = {}
     for count in counts:
         texts = inputs(count, words)
         times: list[float] = []
         vectors: list[list[float]] = []
         tokens = 0
-        for _ in range(rounds):
-            elapsed, vectors, tokens = post_embeddings(port, texts)
+        for r in range(rounds):
+            elapsed, vectors, tokens = post(texts, f"{system}: {count} input(s), round {r + 1}/{rounds}")
             times.append(elapsed)
         median = statistics.median(times)
         out[str(count)] = {
@@ -84,13 +111,15 @@ def _measure(port: int, counts: list[int], words: int, rounds: int) -> dict[str,
 
 
 def _least_cosine(a: list[list[float]], b: list[list[float]]) -> float:
-    least = 1.0
-    for x, y in zip(a, b, strict=True):
-        dot = sum(p * q for p, q in zip(x, y, strict=True))
-        nx = sum(p * p for p in x) ** 0.5
-        ny = sum(q * q for q in y) ** 0.5
-        least = min(least, dot / (nx * ny) if nx > 0 and ny > 0 else 0.0)
-    return least
+    import numpy as np  # only to compare; imported where used, as bench_rerank's writer does
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape:
+        raise TimeshareError(f"the two servers gave vectors of shapes {x.shape} and {y.shape}")
+    nx, ny = np.linalg.norm(x, axis=1), np.linalg.norm(y, axis=1)
+    dots = np.einsum("ij,ij->i", x, y)
+    cos = np.where((nx > 0) & (ny > 0), dots / np.maximum(nx * ny, 1e-300), 0.0)
+    return float(min(1.0, cos.min())) if len(cos) else 1.0
 
 
 def run_embed_bench(
@@ -110,19 +139,34 @@ def run_embed_bench(
         "load_before": os.getloadavg(),
         "systems": {},
     }
+    timeout_s = float(args.timeout)
+    if timeout_s <= 0:
+        raise TimeshareError("--timeout takes seconds above 0, e.g. 300")
+    words, rounds = int(args.words), int(args.rounds)
     with tempfile.TemporaryDirectory(prefix="timeshare-bench-embed-") as tmp:
-        progress(f"timeshare serve, parallel {parallel or 'default'}")
+        progress(f"timeshare serve, parallel {parallel or 'default'}: starting, loading {Path(model).name}")
         serve = Serve(
             Path(tmp) / "ts", ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel
         )
         try:
-            serve.wait_ready()
-            report["systems"]["timeshare"] = _measure(serve.port, counts, int(args.words), int(args.rounds))
+            ready_s = serve.wait_ready(progress)
+            progress(f"timeshare serve: ready in {ready_s:.1f} s ({serve.states()})")
+            report["systems"]["timeshare"] = _measure(
+                serve.port,
+                counts,
+                words,
+                rounds,
+                system="timeshare",
+                timeout_s=timeout_s,
+                progress=progress,
+                state=serve.states,
+            )
         finally:
+            progress("timeshare serve: stopping")
             serve.close()
         if args.llama_server:
             n = max(1, parallel)
-            progress(f"llama-server --embeddings --pooling mean -np {n}")
+            progress(f"llama-server --embeddings --pooling mean -np {n}: starting")
             server = LlamaServer(
                 args.llama_server,
                 model,
@@ -133,12 +177,22 @@ def run_embed_bench(
                 extra=("--embeddings", "--pooling", "mean"),
             )
             try:
-                server.wait_healthy()
+                healthy_s = server.wait_healthy(progress)
+                progress(f"llama-server: healthy in {healthy_s:.1f} s")
                 report["systems"]["llama_server"] = _measure(
-                    server.port, counts, int(args.words), int(args.rounds)
+                    server.port,
+                    counts,
+                    words,
+                    rounds,
+                    system="llama-server",
+                    timeout_s=timeout_s,
+                    progress=progress,
+                    state=server.state,
                 )
             finally:
+                progress("llama-server: stopping")
                 server.stop()
+    progress("comparing the vectors")
     ours = report["systems"]["timeshare"]
     theirs = report["systems"].get("llama_server")
     for key, row in ours.items():

@@ -11,9 +11,10 @@ median round). With ``--llama-server PATH`` the same requests go to ``llama-serv
 
 The model: ``--model PATH`` (a reranker GGUF: rank pooling), or by default a synthetic one
 written first (``write_synthetic_reranker``): BERT-base-shaped (12 layers, 768 wide: the shape
-of bge-reranker-base and ms-marco cross-encoders), random F16 weights, the SmolLM2 demo model's
-BPE vocabulary, rank pooling with a classifier head: its scores mean nothing, its cost is a real
-BERT-base reranker's. Prints a table, or ``--json`` one object.
+of bge-reranker-base and ms-marco cross-encoders), random F16 weights, the vocabulary of
+``--vocab PATH`` (any GGUF with a tokenizer; default: the SmolLM2 demo model's BPE vocabulary),
+rank pooling with a classifier head: its scores mean nothing, its cost is a real BERT-base
+reranker's. Prints a table, or ``--json`` one object.
 """
 
 from __future__ import annotations
@@ -86,19 +87,48 @@ def _measure(port: int, count: int, words: int, rounds: int) -> dict[str, Any]:
     }
 
 
+#: tokenizer keys a synthetic reranker sets itself (its pair format: BOS, EOS and SEP added)
+_OWN_KEYS = frozenset(
+    (
+        "tokenizer.ggml.sep_token_id",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.add_eos_token",
+        "tokenizer.ggml.add_sep_token",
+    )
+)
+
+
+def vocab_problem(path: str) -> str:
+    """Why the GGUF at ``path`` cannot lend a synthetic reranker its vocabulary ("" when it can):
+    not a GGUF, or no tokenizer in it (``tokenizer.ggml.model`` and ``tokenizer.ggml.tokens``)."""
+    problem = gguf_problem(path)
+    if problem:
+        return problem
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(path).fields
+    except (OSError, ValueError) as exc:
+        return f"{path} could not be read as a GGUF: {exc}"
+    missing = [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if k not in fields]
+    if missing:
+        return f"{path} has no tokenizer (no {', '.join(missing)}): give a GGUF model that has one"
+    return ""
+
+
 def write_synthetic_reranker(
     out: Path, vocab_gguf: Path, *, layers: int = 12, width: int = 768, context: int = 512
 ) -> Path:
     """A BERT-shaped reranker GGUF with random F16 weights (see the module docstring): the
     tensors llama.cpp's bert loader asks for, rank pooling, a one-output classifier head, and
-    ``vocab_gguf``'s BPE vocabulary (adding BOS, EOS and SEP: ``[BOS] q [EOS] [SEP] d [EOS]``)."""
+    ``vocab_gguf``'s vocabulary (its tokenizer model, tokens, types, merges or scores, BOS and
+    EOS; adding BOS, EOS and SEP = EOS: ``[BOS] q [EOS] [SEP] d [EOS]``)."""
     import gguf
     import numpy as np
 
     fields = gguf.GGUFReader(str(vocab_gguf)).fields
     tokens = fields["tokenizer.ggml.tokens"].contents()
     w = gguf.GGUFWriter(str(out), "bert")
-    w.add_uint32("tokenizer.ggml.token_type_count", 2)
     w.add_bool("bert.attention.causal", False)
     w.add_uint32("bert.attention.head_count", width // 64)
     w.add_float32("bert.attention.layer_norm_epsilon", 1e-12)
@@ -108,14 +138,21 @@ def write_synthetic_reranker(
     w.add_uint32("bert.feed_forward_length", 4 * width)
     w.add_uint32("bert.pooling_type", 4)  # LLAMA_POOLING_TYPE_RANK
     w.add_file_type(1)  # F16
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(tokens)
-    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(fields["tokenizer.ggml.merges"].contents())
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_sep_token_id(2)
+    # the vocabulary's whole tokenizer (model, pre-tokenizer, tokens, types, merges or scores,
+    # special ids, SentencePiece's space prefix...), each key with its own type
+    for key, field in fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in _OWN_KEYS:
+            vtype = field.types[0]
+            sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), vtype, sub)
+    if "tokenizer.ggml.token_type_count" not in fields:
+        w.add_uint32("tokenizer.ggml.token_type_count", 2)
+    if "tokenizer.ggml.bos_token_id" not in fields:
+        w.add_bos_token_id(1)
+    if "tokenizer.ggml.eos_token_id" not in fields:
+        w.add_eos_token_id(2)
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    w.add_sep_token_id(int(eos.contents()) if eos is not None else 2)
     w.add_add_bos_token(True)
     w.add_add_eos_token(True)
     w.add_bool("tokenizer.ggml.add_sep_token", True)
@@ -151,6 +188,20 @@ def write_synthetic_reranker(
     return out
 
 
+def demo_vocab() -> Path:
+    """The SmolLM2 demo model, whose vocabulary the synthetic reranker takes when ``--vocab`` is
+    not given; TimeshareError saying what to pass where the demo packages are not installed."""
+    from ..config import demo
+
+    try:
+        return demo.smollm2_path()
+    except demo.DemoUnavailableError as exc:
+        raise TimeshareError(
+            f"{exc}: the synthetic reranker takes the SmolLM2 demo model's vocabulary by default; "
+            "pass --model PATH (a reranker GGUF) or --vocab PATH (any GGUF with a tokenizer)"
+        ) from None
+
+
 def _compare(ours: list[tuple[int, float]], theirs: list[tuple[int, float]]) -> dict[str, Any]:
     a, b = dict(ours), dict(theirs)
     return {
@@ -179,17 +230,19 @@ def run_rerank_bench(
     }
     with tempfile.TemporaryDirectory(prefix="timeshare-bench-rerank-") as tmp:
         if not model:
-            from ..config import demo
-
-            progress("writing a synthetic BERT-base-shaped reranker (random F16 weights)")
-            model = str(write_synthetic_reranker(Path(tmp) / "synthetic-reranker.gguf", demo.smollm2_path()))
-            report["model"] = "synthetic BERT-base reranker (12 x 768, F16, SmolLM2's vocabulary)"
+            vocab = Path(args.vocab) if args.vocab else demo_vocab()
+            progress(
+                f"writing a synthetic BERT-base-shaped reranker (random F16 weights, "
+                f"{vocab.name}'s vocabulary)"
+            )
+            model = str(write_synthetic_reranker(Path(tmp) / "synthetic-reranker.gguf", vocab))
+            report["model"] = f"synthetic BERT-base reranker (12 x 768, F16, {vocab.name}'s vocabulary)"
         progress(f"timeshare serve, parallel {parallel}")
         serve = Serve(
             Path(tmp) / "ts", ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel
         )
         try:
-            serve.wait_ready()
+            progress(f"timeshare serve: ready in {serve.wait_ready(progress):.1f} s ({serve.states()})")
             report["systems"]["timeshare"] = _measure(serve.port, count, words, rounds)
         finally:
             serve.close()
@@ -205,7 +258,7 @@ def run_rerank_bench(
                 extra=("--reranking",),
             )
             try:
-                server.wait_healthy()
+                progress(f"llama-server: healthy in {server.wait_healthy(progress):.1f} s")
                 report["systems"]["llama_server"] = _measure(server.port, count, words, rounds)
             finally:
                 server.stop()
@@ -261,6 +314,12 @@ def main(args: argparse.Namespace) -> int:
             problem = gguf_problem(model)
             if problem:
                 raise TimeshareError(problem)
+        elif args.vocab:
+            problem = vocab_problem(args.vocab)
+            if problem:
+                raise TimeshareError(f"--vocab: {problem}")
+        else:
+            demo_vocab()  # before anything starts: a machine without the demo packages is told what to pass
         report = run_rerank_bench(model, args, progress)
     except (TimeshareError, subprocess.TimeoutExpired, OSError) as exc:
         err = exc if isinstance(exc, TimeshareError) else TimeshareError(str(exc))

@@ -23,7 +23,7 @@ from ..devmem.device import CHUNK_BYTES, ChunkDevice, ChunkDeviceError, ChunkSou
 from ..devmem.mapped import HandedMemory
 from ..devmem.memfd import MemfdDevice
 from ..devmem.vmm import CudaVmmDevice
-from ..errors import OutOfDeviceMemoryError, ResidencyError
+from ..errors import ConfigError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
 from . import _ggml, evalhook, hostmem
@@ -56,6 +56,23 @@ def overlap_wanted(option: bool | None = None) -> bool | None:
     overrides ``option`` (``ResidencyOptions.overlap_restore``; None: auto, :func:`overlap_expected`)."""
     override = envvars.OVERLAP_RESTORE.switch()
     return option if override is None else override
+
+
+def mode_wanted(option: Mode = "auto") -> Mode:
+    """The residency path as asked: ``TIMESHARE_RESIDENCY_PATH`` (auto, inplace or rebuild)
+    overrides ``option`` (the worker's "auto"); any other value is a ConfigError that names it."""
+    value = envvars.RESIDENCY_PATH.text().lower()
+    if not value:
+        return option
+    modes: dict[str, Mode] = {"auto": "auto", "inplace": "inplace", "rebuild": "rebuild"}
+    if value not in modes:
+        raise ConfigError(
+            [
+                f"{envvars.RESIDENCY_PATH.name}={envvars.RESIDENCY_PATH.text()!r}: give auto, inplace "
+                "or rebuild, or unset it"
+            ]
+        )
+    return modes[value]
 
 
 def overlap_expected() -> bool:

@@ -40,7 +40,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from ..errors import InvalidInputError, PromptTooLongError
+from ..errors import InvalidInputError, PromptTooLongError, ResidencyError
 from .decode import TokenBatch
 
 POOLING_NAMES = {
@@ -200,6 +200,12 @@ def pooled(
             llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
         for group in groups:
             before_step()
+            # the worker may have given the GPU way and restored in it: a context made again (the
+            # rebuild path, the KV level) is another, its embeddings off; our sequences are empty
+            ctx = llm.ctx
+            memory = llama_cpp.llama_get_memory(ctx)
+            if switch:
+                llama_cpp.llama_set_embeddings(ctx, True)
             n = 0
             for seq, i in zip(seqs, group, strict=False):
                 k = len(inputs[i])
@@ -231,11 +237,20 @@ def pooled(
             for seq in seqs[: len(group)]:
                 llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
     finally:
-        for seq in seqs:
-            llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
-        if switch:
-            llama_cpp.llama_set_embeddings(ctx, False)
+        if llm_context(llm) is ctx:  # not when a release freed it (before_step raised after it)
+            for seq in seqs:
+                llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
+            if switch:
+                llama_cpp.llama_set_embeddings(ctx, False)
     return out
+
+
+def llm_context(llm: Any) -> Any:
+    """``llm.ctx``, or None while a release has the context out (``residency.context.Released``)."""
+    try:
+        return llm.ctx
+    except ResidencyError:
+        return None
 
 
 def _unit(vector: Any) -> list[float]:

@@ -318,11 +318,8 @@ class Engine:
             )
         llm = self.llm
         n_vocab = self.info.n_vocab
-        token_lists: list[list[int]] = []
         for i, item in enumerate(inputs):
-            if isinstance(item, str):
-                token_lists.append(list(llm.tokenize(item.encode("utf-8"))))
-            else:
+            if not isinstance(item, str):
                 bad = [t for t in item if not 0 <= int(t) < n_vocab]
                 if bad:
                     where = "input" if len(inputs) == 1 else f"input[{i}]"
@@ -330,14 +327,15 @@ class Engine:
                         f"{where}: token {bad[0]} is not in {self.model.display_name}'s vocabulary "
                         f"(0..{n_vocab - 1}); send token ids from this model's tokenizer, or text"
                     )
-                token_lists.append([int(t) for t in item])
-        before_step()  # residency first: the context is about to decode
-        # every decode is a batch of prompt tokens: the batch thread count, whatever the last
-        # generation step left (Decoder.set_threads)
-        self._decoder.set_threads(prefill=True)
+        step = self._embed_step(before_step)
+        step()  # residency first: the rebuild path's release frees the vocabulary the texts need
+        token_lists = [
+            list(llm.tokenize(item.encode("utf-8"))) if isinstance(item, str) else [int(t) for t in item]
+            for item in inputs
+        ]
         if self.model.embedding:
             seq_ids = [slot.seq_id for slot in self.sequences.slots]
-            vectors = embed_tokens(llm, token_lists, seq_ids=seq_ids, before_step=before_step)
+            vectors = embed_tokens(llm, token_lists, seq_ids=seq_ids, before_step=step)
         else:
             # idle sequences only: beside a batch (between two of its steps) those not in it
             slots = self.sequences.take_slots(min(len(token_lists), self.free_slots))
@@ -347,7 +345,7 @@ class Engine:
                     token_lists,
                     seq_ids=[slot.seq_id for slot in slots],
                     switch=True,
-                    before_step=before_step,
+                    before_step=step,
                 )
             finally:
                 for slot in slots:
@@ -381,17 +379,30 @@ class Engine:
                 "pools by rank (a cross-encoder such as bge-reranker or Qwen3-Reranker); "
                 "use /v1/embeddings or chat with this one"
             )
-        llm = self.llm
-        pairs: list[list[int]] = []
+        texts: list[str] = []
         for i, document in enumerate(documents):
             if not isinstance(document, str):
                 raise InvalidInputError(f"documents[{i}] must be a string: a reranker reads text")
-            pairs.append(rerank_tokens(llm, query, document))
-        before_step()  # residency first: the context is about to decode
-        self._decoder.set_threads(prefill=True)
+            texts.append(document)
+        step = self._embed_step(before_step)
+        step()  # residency first: the rebuild path's release frees the vocabulary and template
+        pairs = [rerank_tokens(self.llm, query, text) for text in texts]
         seq_ids = [slot.seq_id for slot in self.sequences.slots]
-        scores = rank_tokens(llm, pairs, seq_ids=seq_ids, before_step=before_step)
+        scores = rank_tokens(self.llm, pairs, seq_ids=seq_ids, before_step=step)
         return scores, sum(len(t) for t in pairs)
+
+    def _embed_step(self, before_step: Callable[[], None]) -> Callable[[], None]:
+        """What runs before an embedding's or a rerank's tokenizing and before each of its decodes:
+        the caller's ``before_step`` (the worker makes the weights resident there, as before a
+        generation step: nothing here touches the model before it), then the batch thread count
+        (every decode is a batch of prompt tokens, whatever the last generation step left; a
+        context made again by a restore starts from the defaults: Decoder.set_threads)."""
+
+        def step() -> None:
+            before_step()
+            self._decoder.set_threads(prefill=True)
+
+        return step
 
     # ---- generation -------------------------------------------------------------------------
 

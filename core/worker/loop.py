@@ -856,20 +856,46 @@ class Worker:
         self._arrived.pop(req.req, None)
         switch = Acquired(switched=False)
 
-        def step() -> None:
-            nonlocal switch
-            self._poll()
-            if req.req in self._cancelled or self._stop_batch:
+        def check() -> None:
+            """Cancelled, or the worker is ending (a shutdown: beside a batch, the batch ends on
+            it at its next step): CancelledError."""
+            ending = any(isinstance(t, (p.Shutdown, _Disconnected)) for t in self._pending)
+            if req.req in self._cancelled or self._stop_batch or ending:
                 self._cancelled.discard(req.req)
-                if not beside_batch:  # beside one, the batch ends on it at its next step
+                if not beside_batch:
                     self._stop_batch = False
                 raise CancelledError(f"request {req.req} cancelled")
+
+        def wait_poll() -> None:  # while it waits for the GPU: a cancel or a shutdown ends the wait
+            self._wait_poll()
+            check()
+
+        def step() -> None:
+            """Before the tokenizing and before each decode, as ``_before_step`` before a
+            generation step: give the GPU way when asked once the quantum is over (between
+            batches; beside one, the batch's own step does), then make the weights resident."""
+            nonlocal switch
+            self._poll()
+            check()
+            held_ms = (time.monotonic() - self._quantum_start) * 1000.0
+            if (
+                not beside_batch
+                and self._yield_wanted
+                and held_ms >= self.spec.arena.min_quantum_ms
+                and (asked := self._asked()) is not None
+            ):
+                self._give_way(asked)
+                check()  # a model file that changed ends the worker (_file_lost)
             if not (self.tenancy.holds_token and self.tenancy.weights_resident):
-                switch = self._ensure_resident(self._wait_poll)
+                got = self._ensure_resident(wait_poll)
+                if not switch.switched:  # the switch it waited for first
+                    switch = got
 
         reply: p.Done | p.Error
         if not beside_batch:
             self._busy = True
+            if self.tenancy.holds_token:
+                self._quantum_start = time.monotonic()  # the quantum counts work, not idle holding
             self.tenancy.note_use(True)
             self.publish()
         try:

@@ -23,7 +23,7 @@ from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
-from ..residency.residency import RestoreReport, overlap_expected, rss_bytes
+from ..residency.residency import RestoreReport, mode_wanted, overlap_expected, rss_bytes
 from ..residency.state import Weights
 from ..state import WorkerReleaseLevel
 from ..util.units import decimal_bytes
@@ -396,7 +396,7 @@ class ArenaTenancy(Tenancy):
         one_model = self.budget is None or self.budget.one_model
         parts = self._overlap_parts() if one_model else self._weight_parts()
         options = ResidencyOptions(
-            mode="auto",
+            mode=mode_wanted("auto"),  # TIMESHARE_RESIDENCY_PATH may ask for a path
             host_shadow=engine.model.host_shadow,
             defer_shadow=defer_shadow,
             shadow_slice_bytes=shadow_slice_bytes(),
