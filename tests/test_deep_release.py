@@ -12,7 +12,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-import llama_cpp  # noqa: F401  (before numpy)
+import llama_cpp  # before numpy
 import pytest
 from _budget_pool_util import WAIT
 from _proc_util import wait_until
@@ -25,10 +25,12 @@ from timeshare.core.arena.budget import (
     plan_fit,
 )
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
+from timeshare.core.errors import OutOfDeviceMemoryError, ResidencyError
 from timeshare.core.pool.supervisor import Pool
 from timeshare.core.residency import Residency, _ggml
 from timeshare.core.sampling import Sampling
 from timeshare.core.state import ModelState
+from timeshare.core.worker.footprint import compute_bytes
 
 A, B = "smol-a", "smol-b"
 N_CTX, PARALLEL = 4096, 2  # 8192 cells: a KV cache far larger than the noise of a process's RSS
@@ -96,13 +98,23 @@ def test_the_kv_level_keeps_the_context_and_moves_only_the_cells_in_use(
         llm.n_tokens = greedy.n_prefix
         llm.eval([greedy.tokens[-1]])
         n_tokens, ctx = llm.n_tokens, llm._ctx
+        compute = compute_bytes(ctx.ctx).host  # the CPU build: host memory is the device
+        assert compute > 2**20 and res.buffers_releasable and res.buffers_note == ""
         rel = res.release(kv=True)
         assert rel.level == "weights+kv" and not res.kv_resident
         # the cells in use (n_tokens of them, plus the state's small headers), not n_ctx's 4096
         assert n_tokens * CELL_BYTES <= res.kv_host_bytes < (n_tokens + 8) * CELL_BYTES, res.kv_host_bytes
+        # the compute buffers went too (the scheduler itself reports them gone), the context kept
+        assert res.context_kept and not res.buffers_kept and res.compute_released_bytes == compute
+        assert compute_bytes(ctx.ctx).host < 4096
+        reused = llama_cpp.llama_perf_context(ctx.ctx).n_reused
         res.restore()
         assert llm._ctx is ctx and llm.n_tokens == n_tokens  # the same context object, the KV kept
-        assert same(greedy.run(), weights_only)  # bitwise: the logits of 8 greedy steps
+        assert compute_bytes(ctx.ctx).host == compute and res.compute_released_bytes == 0
+        # bitwise: the logits of 8 greedy steps; the first step's graph (one token, as the last
+        # decode before the release) is built anew, the next seven reuse it
+        assert same(greedy.run(), weights_only)
+        assert llama_cpp.llama_perf_context(ctx.ctx).n_reused - reused == 7
         # a KV buffer that comes back at another address: the graphs are built anew, still bitwise
         alloc = _ggml.buft_alloc_buffer
         held: list[int] = []
@@ -122,6 +134,58 @@ def test_the_kv_level_keeps_the_context_and_moves_only_the_cells_in_use(
             _ggml.buffer_free(h)
         assert rst.graphs_reset and llm._ctx is ctx
         assert same(greedy.run(), weights_only)
+        # the KV level alone (the weights kept), its compute buffers back elsewhere and the KV
+        # cache where it was: no scheduler reserve, the graph built anew, still bitwise
+        res.release(kv=True, keep_bytes=res.weight_bytes)
+        assert res.weights_resident and not res.kv_resident and res.compute_released_bytes == compute
+
+        def compute_elsewhere(buft: int, size: int) -> int | None:
+            if size == compute:
+                held.append(alloc(buft, size) or 0)
+            return alloc(buft, size)
+
+        held.clear()
+        sched = _ggml.ctx_get_sched(ctx.ctx)
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", compute_elsewhere)
+        rst = res.restore()
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
+        for h in held:
+            _ggml.buffer_free(h)
+        assert len(held) == 1 and llm._ctx is ctx and rst.graphs_reset and rst.addresses_moved is False, rst
+        assert same(greedy.run(), weights_only)
+        # no reserve happened: a reserve makes a new scheduler (before the old one is freed)
+        assert _ggml.ctx_get_sched(ctx.ctx) == sched
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_out_of_memory_for_the_compute_buffers_leaves_the_model_deep(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = load(smollm2_path, n_ctx=1024, use_mmap=False)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = Residency.attach(llm, smollm2_path)
+        compute = compute_bytes(llm.ctx).host
+        res.release(kv=True)
+        assert res.compute_released_bytes == compute > 0
+        alloc = _ggml.buft_alloc_buffer
+
+        def no_compute(buft: int, size: int) -> int | None:
+            return None if size == compute else alloc(buft, size)  # injected: the device is full
+
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", no_compute)
+        with pytest.raises(OutOfDeviceMemoryError, match="compute buffer"):
+            res.restore()
+        # the KV cache went back to host memory with it: the deep level as a whole, nothing lost
+        assert not res.kv_resident and res.context_kept and res.compute_released_bytes == compute
+        with pytest.raises(ResidencyError):
+            llm.eval([1])
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
+        res.restore()
+        assert res.kv_resident and same(greedy.run(), ref)
         res.close()
     finally:
         llm.close()
@@ -202,7 +266,9 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     pool = _start(tmp_path / "one", smollm2_path, "auto")
     pools.append(pool)
     reference = _turns(pool)
-    assert [t[3] for t in reference] == [True, True, True]  # each turn switched (weights only)
+    # each turn switched (weights only); the first may come before its model released after its
+    # load (a race with the worker's startup that a busy machine loses: the same numerics)
+    assert [t[3] for t in reference][1:] == [True, True]
     pool.stop()
     monkeypatch.delenv("TIMESHARE_VRAM_BUDGET")
 
@@ -214,6 +280,8 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     snap = pool.snapshot()
     weights = max(m.weight_bytes for m in snap.models)
     kv = max(m.kv_bytes for m in snap.models)
+    buffers = max(m.buffer_bytes for m in snap.models)  # the compute buffers (host memory here)
+    assert buffers > 2**20, snap
     assert kv >= 8192 * 23_040  # SmolLM2-135M: 30 layers x (K + V) x 192 f16 values per cell
     reserves = {x.model: x for x in _leases(home) if x.kind == "reserve"}
     assert set(reserves) == {A, B} and all(x.deepens > 0 for x in reserves.values())
@@ -233,10 +301,25 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     first = _turn(pool, A, QUESTION)  # B's KV cache must go for A's weights to fit
     wait_until(lambda: pool.snapshot().model(B).kv_bytes == 0, WAIT, "b's KV cache released")  # type: ignore[union-attr]
     deep_rss = _rss(b_pid)
-    assert parked_rss - deep_rss >= kv * 9 // 10, (parked_rss, deep_rss, kv)  # measured from outside
+    # its KV cache released in place, measured from outside; its compute buffers too (status),
+    # though B has not decoded yet: their pages were never touched, so its RSS never held them
+    assert parked_rss - deep_rss >= kv * 9 // 10, (parked_rss, deep_rss, kv)
+    assert pool.snapshot().model(B).buffer_bytes == 0  # type: ignore[union-attr]
     b_reserve = next(x for x in _leases(home) if x.kind == "reserve" and x.model == B)
     assert b_reserve.deepens == 0 and b_reserve.bytes <= reserves[B].bytes - kv * 9 // 10
+    a_pid = pool.snapshot().model(A).pid  # type: ignore[union-attr]
+    assert a_pid is not None
+    resident_rss = _rss(a_pid)  # A has decoded: its compute buffers' pages are in its RSS
     second = _turn(pool, B, QUESTION)  # back from the deep level; A goes (weights and KV cache)
+    wait_until(lambda: pool.snapshot().model(A).kv_bytes == 0, WAIT, "a's KV cache released")  # type: ignore[union-attr]
+    # A's weights, KV cache and compute buffers left (the weights' host shadow stays); of the
+    # compute buffers, its RSS held only the pages its turn touched (a ~100-token batch of the
+    # 512 they are planned for): the status says they are gone
+    gone = weights + kv
+    assert resident_rss - _rss(a_pid) >= gone * 9 // 10, (resident_rss, _rss(a_pid), weights, kv, buffers)
+    assert pool.snapshot().model(A).buffer_bytes == 0  # type: ignore[union-attr]
+    a_reserve = next(x for x in _leases(home) if x.kind == "reserve" and x.model == A)
+    assert a_reserve.deepens == 0 and a_reserve.bytes <= reserves[A].bytes - kv * 9 // 10
     third = _turn(pool, A, QUESTION + FOLLOW_UP)  # back from the deep level, its conversation kept
     assert [first, second, third] == [(*t[:3], True) for t in reference]  # bitwise the same answers
     moved = []

@@ -172,15 +172,6 @@ class KvBuffers:
             raise KvBufferUnsupportedError("no KV buffer found")
         return cls(list(by_buffer.values()))
 
-    @staticmethod
-    def _swap(a: int, b: int, lay: _ggml.BufferLayout) -> None:
-        ca, cb = _ggml.read_ptr(a + lay.context), _ggml.read_ptr(b + lay.context)
-        sa, sb = _ggml.read_size(a + lay.size), _ggml.read_size(b + lay.size)
-        _ggml.write_ptr(a + lay.context, cb)
-        _ggml.write_ptr(b + lay.context, ca)
-        _ggml.write_size(a + lay.size, sb)
-        _ggml.write_size(b + lay.size, sa)
-
     def release(self) -> None:
         """Free the buffers' memory (the tensors' data dangle until :meth:`restore`); the caller
         saved the cells in use and emptied the cache first."""
@@ -192,7 +183,7 @@ class KvBuffers:
                 raise ResidencyError(
                     "cannot allocate a placeholder for the KV buffer: the KV cache was not released"
                 )
-            self._swap(b.ptr, placeholder, b.layout)
+            _ggml.swap_buffer_memory(b.ptr, placeholder, b.layout)
             _ggml.buffer_free(placeholder)  # frees the KV cache's memory
             b.released = True
 
@@ -209,13 +200,13 @@ class KvBuffers:
                 for d in done:  # back to released
                     placeholder = _ggml.buft_alloc_buffer(d.buft, _PLACEHOLDER_BYTES)
                     if placeholder is not None:
-                        self._swap(d.ptr, placeholder, d.layout)
+                        _ggml.swap_buffer_memory(d.ptr, placeholder, d.layout)
                         _ggml.buffer_free(placeholder)
                         d.released = True
                 raise OutOfDeviceMemoryError(
                     f"cannot allocate the {b.size}-byte KV cache again: free device memory and try again"
                 )
-            self._swap(b.ptr, new, b.layout)
+            _ggml.swap_buffer_memory(b.ptr, new, b.layout)
             _ggml.buffer_free(new)  # now the tiny placeholder
             base = int(_ggml.buffer_get_base(b.ptr) or 0)
             self.moved = self.moved or base != b.base

@@ -23,6 +23,7 @@ from ..errors import OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
 from . import _ggml, evalhook, hostmem
+from .computebuf import ComputeBufferFinder, ComputeBuffers, ComputeBufferUnsupportedError, forget_graph
 from .context import Released, new_context
 from .gguf_check import check_gguf
 from .inplace import InPlace
@@ -182,6 +183,11 @@ class Residency:
         self._kvbuf: KvBuffers | None = None
         self._kv_ctx: Any = None
         self.kv_note = ""
+        # and the context's compute buffers with it (item 1): found again at each deep release
+        # (a scheduler reserve replaces them), held while released; buffers_note says why they stay
+        self._compute_finder: ComputeBufferFinder | None = None
+        self._compute: ComputeBuffers | None = None
+        self.buffers_note = ""
         self._closed = False
         self._measure: str | None = None  # memory_measure, decided at the first release
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
@@ -284,6 +290,14 @@ class Residency:
         except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
             self.kv_note = str(exc)
             log.info("the KV level of %s frees the context: %s", self.model_path, exc)
+        else:
+            try:
+                # on a GPU build only the device's buffers (a host one is not what the budget counts)
+                host = self._gpu is None
+                self._compute_finder = ComputeBufferFinder.probe(int(live.ctx), include_host=host)
+            except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
+                self.buffers_note = str(exc)
+                log.info("the KV level of %s keeps the compute buffers: %s", self.model_path, exc)
         self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
@@ -485,8 +499,25 @@ class Residency:
 
     @property
     def context_kept(self) -> bool:
-        """The KV cache is released in place: the context (and its compute buffers) stays."""
+        """The KV cache is released in place: the context stays (its compute buffers too where
+        :attr:`buffers_kept`)."""
         return self._kv_ctx is not None
+
+    @property
+    def buffers_kept(self) -> bool:
+        """The KV cache is released in place and the context's compute buffers stay on the device
+        (they could not be released in place: :attr:`buffers_note` says why)."""
+        return self._kv_ctx is not None and self._compute is None
+
+    @property
+    def buffers_releasable(self) -> bool:
+        """A deep release frees the compute buffers: in place, or with the context."""
+        return self.path != "none" and (self._kvbuf is None or self._compute_finder is not None)
+
+    @property
+    def compute_released_bytes(self) -> int:
+        """Bytes of compute buffers released in place now (0 otherwise)."""
+        return self._compute.nbytes if self._compute is not None else 0
 
     @property
     def kv_host_bytes(self) -> int:
@@ -657,8 +688,9 @@ class Residency:
             weights_todo = self.weights_resident
         kv_todo = kv and self.kv_resident
         if free_context and self._kv_ctx is not None:  # deeper still: the kept context goes too
-            self._kv_ctx.close()
+            self._kv_ctx.close()  # (its released compute buffers' placeholders with it)
             self._kv_ctx = None
+            self._compute = None
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
@@ -766,6 +798,8 @@ class Residency:
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
                 nbytes = ip.restore(overlap=overlap)
                 moved = ip.moved
+            elif ip is not None:  # the KV cache alone was released: the weights never moved
+                moved = False
             self._enter(weights=Weights.ALL)
             try:
                 if not self.kv_resident:
@@ -871,6 +905,7 @@ class Residency:
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
             self._kvbuf.release()
             self._kv_ctx = ctx_obj
+            self._release_compute(int(ctx_obj.ctx))
         else:
             ctx_obj.close()
         self._saved_ctx = None
@@ -884,9 +919,24 @@ class Residency:
         if self._kv_ctx is not None and self._kvbuf is not None:
             ctx_obj = self._kv_ctx
             self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
-            reset = self._kvbuf.moved or weights_moved is not False
-            if reset:
+            reset = False
+            if self._compute is not None:
+                try:
+                    self._compute.restore()  # the next decode builds its graph anew (no reserve)
+                except OutOfDeviceMemoryError:
+                    self._kvbuf.release()  # back to the deep level as a whole, the snapshot kept
+                    raise
+                self._compute = None
+                reset = True
+            if weights_moved is not False:  # as after a weights-only restore: a scheduler reserve
                 _forget_graphs(ctx_obj.ctx, llm)
+                reset = True
+            elif self._kvbuf.moved:
+                # the previous graph's views of the KV cache hold its old addresses: that graph is
+                # built anew (and, on CUDA, its captured graph updated: a new graph has a new uid,
+                # whose nodes' data pointers ggml-cuda compares); the scheduler's plan stays
+                forget_graph(int(ctx_obj.ctx))
+                reset = True
             if self._kv is not None:
                 self._kv.apply(ctx_obj.ctx)
                 self._kv.close()
@@ -907,6 +957,22 @@ class Residency:
                 self._kvbuf = None
                 self.kv_note = str(exc)
         return False
+
+    def _release_compute(self, ctx: int) -> None:
+        """The kept context's compute buffers go too (found now: a reserve since the last
+        release may have replaced them); kept, with the reason in buffers_note, when they cannot
+        be found for sure."""
+        if self._compute_finder is None:
+            return
+        try:
+            found = self._compute_finder.find(ctx)
+            found.release()
+        except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError, ResidencyError) as exc:
+            self.buffers_note = str(exc)
+            log.warning("the compute buffers of %s stay on the device: %s", self.model_path, exc)
+            return
+        self._compute = found
+        log.info("released the compute buffers of %s: %.1f MB", self.model_path, found.nbytes / 1e6)
 
     def _want_pinned_kv(self) -> bool:
         return self._opts.host_shadow == "pinned"

@@ -156,7 +156,9 @@ class Worker:
         else:
             state = self._state
         held = self._footprint.now(
-            kv_resident=state in ("resident", "released") and res.kv_resident, context_kept=res.context_kept
+            kv_resident=state in ("resident", "released") and res.kv_resident,
+            context_kept=res.context_kept,
+            buffers_kept=res.buffers_kept,
         )
         status = p.WorkerStatus(
             state=state,
@@ -371,7 +373,9 @@ class Worker:
         )
         self._poll()
         work_waiting = any(isinstance(t, (p.Generate, p.Embed, p.Wake)) for t in self._pending)
-        if not self.pinned and (not work_waiting or self._yield_wanted):
+        # over the budget once its reserve is known (auto): the waiting work asks again through the
+        # queue, whose plan makes the room (parked workers go deep) before it computes
+        if not self.pinned and (not work_waiting or self._yield_wanted or res.over_budget):
             self._release(kv=False)  # a pinned model keeps the GPU once it has it
         else:
             self._quantum_start = time.monotonic()

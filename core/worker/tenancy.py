@@ -190,7 +190,13 @@ class Tenancy:
 
     @property
     def context_kept(self) -> bool:
-        """The KV cache is released in place: the context and its compute buffers stay."""
+        """The KV cache is released in place: the context stays."""
+        return False
+
+    @property
+    def buffers_kept(self) -> bool:
+        """The KV cache is released in place and the compute buffers stay on the device (they
+        could not be released in place)."""
         return False
 
     def settle(self) -> None:
@@ -208,9 +214,18 @@ class Tenancy:
         budget: its reserve lease is named by the plan; never while pinned)."""
         return False
 
+    @property
+    def over_budget(self) -> bool:
+        """The device's weights leases exceed its budget now: after a load under an auto budget,
+        whose reserve is measured only once the weights are in (the load leased the device to
+        itself). The holder gives its lease back and asks through the queue, whose plan then asks
+        the parked workers to go deep first."""
+        return False
+
     #: the KV cache and the compute buffers the context holds on the device (from the GGUF's
     #: shape and ggml's scheduler, worker/footprint.py; 0: not known): what a deep release frees
-    #: (the KV cache alone where it is released in place, the context kept)
+    #: (both, in place or with the context; the KV cache alone where the compute buffers cannot be
+    #: released in place: Residency.buffers_note)
     kv_footprint: tuple[int, int] = (0, 0)
 
     #: called before the KV cache leaves the device (the loop moves its idle conversations to
@@ -465,13 +480,9 @@ class ArenaTenancy(Tenancy):
             self._reserve_full = reserve
             self._deepens = reserve - (GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0)
             kv, buffers = self.kv_footprint
-            estimate = kv + (
-                0
-                if self.residency is not None
-                and self.residency.kv_note == ""
-                and self.residency.path == "inplace"
-                else buffers
-            )
+            # the compute buffers go too: in place, or with the context
+            res = self.residency
+            estimate = kv + (buffers if res is None or res.buffers_releasable else 0)
             if estimate > 0:  # the measured reserve holds more on the CPU build (the host shadow)
                 self._deepens = min(self._deepens, estimate)
             self._deep_keeps = reserve - self._deepens
@@ -664,6 +675,10 @@ class ArenaTenancy(Tenancy):
     def context_kept(self) -> bool:
         return self.residency is not None and self.residency.context_kept
 
+    @property
+    def buffers_kept(self) -> bool:
+        return self.residency is not None and self.residency.buffers_kept
+
     def release(self, kv: bool, final: bool = False, free_context: bool = False) -> p.Released | None:
         res = self.residency
         report = None
@@ -741,6 +756,19 @@ class ArenaTenancy(Tenancy):
             log.warning("scanning the arena's waiters failed: %s", exc)
             return False
 
+    @property
+    def over_budget(self) -> bool:
+        budget = self.budget
+        if budget is None or budget.kind != "auto" or not self.client.holds_token:
+            return False
+        try:
+            limit = self.client.weights_budget()
+            leased = sum(x.bytes for x in self.client.holders())
+        except OSError as exc:
+            log.warning("reading the arena's leases failed: %s", exc)
+            return False
+        return limit is not None and leased > limit
+
     def _regrow(self) -> int:
         """What its reserve must grow by before the context is made again (back from the deep
         level: the KV cache and compute buffers); 0 otherwise."""
@@ -771,9 +799,10 @@ class ArenaTenancy(Tenancy):
             self._deep_keeps = keeps
             self._deepens = self._reserve_full - keeps
         log.info(
-            "%s went deep (its KV cache released): it keeps %s on %s (measured %s "
+            "%s went deep (its KV cache released, %s): it keeps %s on %s (measured %s "
             "freed; %s kept while released at the weights level)",
             self.spec.model.id,
+            "its compute buffers kept" if self.buffers_kept else "its compute buffers too",
             decimal_bytes(keeps),
             self.device_name or "the device",
             decimal_bytes(max(0, freed)),
