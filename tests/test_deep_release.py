@@ -108,7 +108,11 @@ def test_the_kv_level_keeps_the_context_and_moves_only_the_cells_in_use(
         assert res.context_kept and not res.buffers_kept and res.compute_released_bytes == compute
         assert compute_bytes(ctx.ctx).host < 4096
         reused = llama_cpp.llama_perf_context(ctx.ctx).n_reused
+        assert res.kv_upload_note == ""  # the cells go back layer by layer, with the weights
         res.restore()
+        kv_steps = res.restore_steps
+        # each layer's cells in use, written right after its weights: the state's KV bytes
+        assert n_tokens * CELL_BYTES == kv_steps.kv_bytes, kv_steps
         assert llm._ctx is ctx and llm.n_tokens == n_tokens  # the same context object, the KV kept
         assert compute_bytes(ctx.ctx).host == compute and res.compute_released_bytes == 0
         # bitwise: the logits of 8 greedy steps; the first step's graph (one token, as the last

@@ -144,6 +144,10 @@ buft_get_device = _fn("ggml_backend_buft_get_device", c_void_p, c_void_p)
 _buft_alloc_buffer = _fn("ggml_backend_buft_alloc_buffer", c_void_p, c_void_p, c_size_t)
 tensor_set = _fn("ggml_backend_tensor_set", None, c_void_p, c_void_p, c_size_t, c_size_t)
 tensor_get = _fn("ggml_backend_tensor_get", None, c_void_p, c_void_p, c_size_t, c_size_t)
+#: (tensor, data, offset, size, n_copies, stride_tensor, stride_data): n_copies rows of ``size``
+tensor_set_2d = _fn(
+    "ggml_backend_tensor_set_2d", None, c_void_p, c_void_p, c_size_t, c_size_t, c_size_t, c_size_t, c_size_t
+)
 
 # devices
 dev_count = _fn("ggml_backend_dev_count", c_size_t)

@@ -82,12 +82,31 @@ def _method(name: str) -> Any:
     return fn
 
 
+@dataclass(frozen=True)
+class KvLayer:
+    """One layer's K and V tensors (the cache's own, not views), as the layer-wise restore
+    (residency/kvupload.py) writes them."""
+
+    index: int
+    k: int
+    v: int
+
+
 class KvBuffers:
     """The KV cache buffers of one context. The loop thread's Residency is its only caller."""
 
-    def __init__(self, buffers: list[KvBuffer]) -> None:
+    def __init__(
+        self,
+        buffers: list[KvBuffer],
+        layers: list[KvLayer] | None = None,
+        memory: int = 0,
+        v_trans: bool = False,
+    ) -> None:
         self.buffers = buffers
         self.moved = False  # the last restore put a buffer at another address
+        self.layers = layers or []  # in layer order
+        self.memory = memory  # the context's llama_kv_cache (its cells' metadata: kvupload.py)
+        self.v_trans = v_trans  # V is stored transposed (no flash attention)
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +135,7 @@ class KvBuffers:
             raise KvBufferUnsupportedError("ggml_init failed")
         sinfo = (ctypes.c_uint8 * _SLOT_INFO_BYTES)()
         roots: list[int] = []
+        v_trans = False
         try:
             for il in range(n_layer):
                 for fn in (get_k, get_v):
@@ -123,8 +143,11 @@ class KvBuffers:
                     if not view:
                         raise KvBufferUnsupportedError(f"no KV tensor for layer {il}")
                     roots.append(_ggml.view_root(view, lay))
+                    if fn is get_v:  # its view of one cell: a transposed V's first dimension is the cells
+                        v_trans = ctypes.c_int64.from_address(view + lay.ne).value == 1
         finally:
             _ggml.ggml_free(gctx)
+        layers = [KvLayer(il, roots[2 * il], roots[2 * il + 1]) for il in range(n_layer)]
         by_buffer: dict[int, KvBuffer] = {}
         for t in dict.fromkeys(roots):
             buf = _ggml.read_ptr(t + lay.buffer)
@@ -170,7 +193,7 @@ class KvBuffers:
                 )
         if not by_buffer:
             raise KvBufferUnsupportedError("no KV buffer found")
-        return cls(list(by_buffer.values()))
+        return cls(list(by_buffer.values()), layers, int(mem), v_trans)
 
     def release(self) -> None:
         """Free the buffers' memory (the tensors' data dangle until :meth:`restore`); the caller

@@ -8,6 +8,7 @@ The worker's loop thread is the only caller of a ``Residency`` (one owner, no lo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from .gguf_check import check_gguf
 from .inplace import InPlace
 from .kv import KvSnapshot
 from .kvbuffer import KvBuffers, KvBufferUnsupportedError
+from .kvupload import KvUpload, KvUploadUnsupportedError
 from .options import Mode, ResidencyOptions
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
@@ -188,6 +190,12 @@ class Residency:
         self._compute_finder: ComputeBufferFinder | None = None
         self._compute: ComputeBuffers | None = None
         self.buffers_note = ""
+        # and its cells come back layer by layer with the weights' parts (item 2): planned at the
+        # release; kv_upload_note says why the portable way (after the weights) is used instead
+        self._kv_upload: KvUpload | None = None
+        self._kv_uploading: KvUpload | None = None  # an overlapped restore's, until settled
+        self.kv_upload_note = ""
+        self._restore_t0 = 0.0
         self._closed = False
         self._measure: str | None = None  # memory_measure, decided at the first release
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
@@ -527,6 +535,25 @@ class Residency:
         return self._kv.nbytes if self._kv is not None else 0
 
     @property
+    def kv_in_place(self) -> bool:
+        """The KV level keeps the context: its cells' metadata stays and the cells in use come
+        back where they were (the caller need not move its sequences to host memory first)."""
+        return self.path == "inplace" and self._kvbuf is not None
+
+    def parked_states(self) -> dict[int, tuple[bytes, int]]:
+        """While the KV cache is released (its snapshot held): each saved sequence's state, as
+        ``llama_state_seq_get_data`` wrote it, and its lowest position (from the kept context's
+        metadata; 0 where the context was freed). Empty otherwise."""
+        if self.kv_resident or self._kv is None:
+            return {}
+        mem = llama_cpp.llama_get_memory(self._kv_ctx.ctx) if self._kv_ctx is not None else None
+
+        def pos_min(seq: int) -> int:
+            return int(llama_cpp.llama_memory_seq_pos_min(mem, seq)) if mem else 0
+
+        return {seq: (ctypes.string_at(addr, size), pos_min(seq)) for seq, addr, size in self._kv.segments()}
+
+    @property
     def kv_context(self) -> Any | None:
         """The llama_context handle that holds the KV cache, also while the weights are released
         and the context is kept aside (KV snapshots read only the cache, never the weights);
@@ -691,6 +718,7 @@ class Residency:
             self._kv_ctx.close()  # (its released compute buffers' placeholders with it)
             self._kv_ctx = None
             self._compute = None
+            self._kv_upload = None  # the snapshot goes into a new context the portable way
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
@@ -793,13 +821,24 @@ class Residency:
             self.host_bytes = 0
         else:
             nbytes = 0
+            self._restore_t0 = t0
+            # the deep level in place: the KV cache's and compute buffers' memory first, so the
+            # KV cells can go up with the weights' parts (OutOfDeviceMemoryError: nothing changed)
+            kv_up = self._kv_buffers_back()
+            kv_alloc_ms = (time.perf_counter() - t0) * 1000
             if not self.weights_resident and ip is not None:
                 if ip.shadow_pending:  # a release came before its deferred shadow was built
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
-                nbytes = ip.restore(overlap=overlap)
+                try:
+                    nbytes = ip.restore(overlap=overlap, kv=kv_up)
+                except BaseException:
+                    self._kv_buffers_out()  # back to the deep level as a whole
+                    raise
                 moved = ip.moved
             elif ip is not None:  # the KV cache alone was released: the weights never moved
                 moved = False
+            if ip is not None and kv_up is not None:
+                ip.restore_steps["kv_alloc_ms"] = kv_alloc_ms
             self._enter(weights=Weights.ALL)
             try:
                 if not self.kv_resident:
@@ -878,6 +917,9 @@ class Residency:
         try:
             ip.finish_uploads()
         finally:
+            up, self._kv_uploading = self._kv_uploading, None
+            if up is not None:
+                self._kv_uploaded(up)
             if self._gated_ctx:
                 assert ip.hook is not None
                 if self._live_ctx() == self._gated_ctx:  # (a context freed meanwhile has no hook)
@@ -901,8 +943,9 @@ class Residency:
         llm = self._llm
         ctx_obj = self._saved_ctx if self._saved_ctx is not None else llm._ctx
         self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
-        if self._kvbuf is not None and not free_context:  # in place: the context stays, its KV buffers go
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
+        if self._kvbuf is not None and not free_context:
+            # in place: the context stays with its cells' metadata, its KV buffers' memory goes
+            self._plan_kv_upload(int(ctx_obj.ctx))
             self._kvbuf.release()
             self._kv_ctx = ctx_obj
             self._release_compute(int(ctx_obj.ctx))
@@ -912,20 +955,39 @@ class Residency:
         llm._ctx = Released("context")
         self._enter(kv=Kv.HOST)
 
+    def _kv_buffers_back(self) -> KvUpload | None:
+        """At the deep level in place: allocate the KV cache's buffers (cleared) and the compute
+        buffers again, before the weights; returns the layer-wise upload of the cells (None: the
+        portable way, after the weights, or nothing to do). OutOfDeviceMemoryError: nothing
+        changed."""
+        if self.kv_resident or self._kv_ctx is None or self._kvbuf is None:
+            return None
+        if self._kvbuf.released:
+            self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
+        if self._compute is not None and self._compute.released:
+            try:
+                self._compute.restore()  # the next decode builds its graph anew (no reserve)
+            except OutOfDeviceMemoryError:
+                self._kvbuf.release()  # back to the deep level as a whole, the snapshot kept
+                raise
+        return self._kv_upload
+
+    def _kv_buffers_out(self) -> None:
+        """Undo :meth:`_kv_buffers_back` (the weights could not come back)."""
+        if self._kvbuf is not None and not self._kvbuf.released and self._kv_ctx is not None:
+            self._kvbuf.release()
+        if self._compute is not None and not self._compute.released:
+            self._compute.release()
+
     def _new_context_with_kv(self, weights_moved: bool | None) -> bool:
         """The KV cache back on the device; True when the context's graphs were reset (a buffer
         came back at another address)."""
         llm = self._llm
         if self._kv_ctx is not None and self._kvbuf is not None:
             ctx_obj = self._kv_ctx
-            self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
+            self._kv_buffers_back()  # (done by restore() already: the KV cells may be on their way)
             reset = False
             if self._compute is not None:
-                try:
-                    self._compute.restore()  # the next decode builds its graph anew (no reserve)
-                except OutOfDeviceMemoryError:
-                    self._kvbuf.release()  # back to the deep level as a whole, the snapshot kept
-                    raise
                 self._compute = None
                 reset = True
             if weights_moved is not False:  # as after a weights-only restore: a scheduler reserve
@@ -937,7 +999,15 @@ class Residency:
                 # whose nodes' data pointers ggml-cuda compares); the scheduler's plan stays
                 forget_graph(int(ctx_obj.ctx))
                 reset = True
-            if self._kv is not None:
+            up, self._kv_upload = self._kv_upload, None
+            if up is not None:
+                up.upload_unclaimed()  # the layers of parts that stayed resident
+                if self._inplace is not None and self._inplace.uploads_pending:
+                    self._kv_uploading = up  # its snapshot is freed once settled
+                else:
+                    self._kv_uploaded(up)
+            elif self._kv is not None:  # the portable way: the metadata emptied, the state put back
+                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
                 self._kv.apply(ctx_obj.ctx)
                 self._kv.close()
                 self._kv = None
@@ -957,6 +1027,37 @@ class Residency:
                 self._kvbuf = None
                 self.kv_note = str(exc)
         return False
+
+    def _kv_uploaded(self, up: KvUpload) -> None:
+        """The layer-wise KV upload is over: its figures go into the restore's steps (from the
+        start of Residency.restore) and the snapshot is freed."""
+        st = up.stats
+        ip = self._inplace
+        if ip is not None:
+            ip.restore_steps["kv_bytes"] = float(st.bytes)
+            ip.restore_steps["kv_upload_ms"] = st.busy_s * 1000
+            if st.first_start:  # on the weights' timeline (from the start of their restore)
+                t0 = max(ip.restore_started, self._restore_t0)  # (no weights restored: this call's)
+                ip.restore_steps["kv_first_upload_at_ms"] = (st.first_start - t0) * 1000
+                ip.restore_steps["kv_last_upload_end_at_ms"] = (st.last_end - t0) * 1000
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
+
+    def _plan_kv_upload(self, ctx: int) -> None:
+        """After a release in place: where each saved cell goes back, layer by layer (the
+        metadata is kept); the portable way when it cannot be told (kv_upload_note)."""
+        self._kv_upload = None
+        if self._kv is None or self._kvbuf is None:
+            return
+        try:
+            self._kv_upload = KvUpload.plan(self._kvbuf, self._kv)
+        except (KvUploadUnsupportedError, _ggml.LayoutMismatchError) as exc:
+            if str(exc) != self.kv_upload_note:
+                log.info("the KV cells of %s come back after the weights: %s", self.model_path, exc)
+            self.kv_upload_note = str(exc)
+            return
+        self.kv_upload_note = ""
 
     def _release_compute(self, ctx: int) -> None:
         """The kept context's compute buffers go too (found now: a reserve since the last

@@ -876,6 +876,11 @@ class Worker:
                 log.exception("releasing the GPU before the exit failed")
             if save_kv and engine is not None:
                 try:
+                    # released deep, the context kept: the sequences' KV is the residency's
+                    # snapshot (the context's own cells have no memory under them)
+                    states = self.tenancy.parked_states()
+                    if states:
+                        engine.park_states(states)
                     engine.save_kv(Path(self.spec.kv_dir))
                 except Exception:
                     log.exception("saving the KV snapshots failed")

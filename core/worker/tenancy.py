@@ -193,6 +193,11 @@ class Tenancy:
         """The KV cache is released in place: the context stays."""
         return False
 
+    def parked_states(self) -> dict[int, tuple[bytes, int]]:
+        """While the KV cache is released: each of its sequences' saved state and lowest position
+        (Residency.parked_states), for a worker that ends before it comes back."""
+        return {}
+
     @property
     def buffers_kept(self) -> bool:
         """The KV cache is released in place and the compute buffers stay on the device (they
@@ -228,8 +233,9 @@ class Tenancy:
     #: released in place: Residency.buffers_note)
     kv_footprint: tuple[int, int] = (0, 0)
 
-    #: called before the KV cache leaves the device (the loop moves its idle conversations to
-    #: host snapshots, as before a sleep); returns the bytes of KV it moved
+    #: called before the KV cache leaves the device with its context (the loop moves its idle
+    #: conversations to host snapshots, as before a sleep; not where the KV level keeps the
+    #: context: Residency.kv_in_place); returns the bytes of KV it moved
     on_deep: Callable[[], int] | None = None
 
     def waiting_reason(self) -> str:
@@ -679,6 +685,9 @@ class ArenaTenancy(Tenancy):
     def buffers_kept(self) -> bool:
         return self.residency is not None and self.residency.buffers_kept
 
+    def parked_states(self) -> dict[int, tuple[bytes, int]]:
+        return self.residency.parked_states() if self.residency is not None else {}
+
     def release(self, kv: bool, final: bool = False, free_context: bool = False) -> p.Released | None:
         res = self.residency
         report = None
@@ -687,7 +696,11 @@ class ArenaTenancy(Tenancy):
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
             moved = -1
             if kv and res.kv_resident and not final:
-                moved = self.on_deep() if self.on_deep is not None else 0
+                # the conversations stay in their sequences where the KV level keeps the context
+                # (their cells come back where they were, with the weights' parts); else they are
+                # moved to host snapshots first, as before a sleep
+                parks = self.on_deep is not None and not res.kv_in_place
+                moved = self.on_deep() if parks and self.on_deep is not None else 0
             report = res.release(kv=kv, final=final, free_context=free_context)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
             if moved >= 0:
