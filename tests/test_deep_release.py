@@ -7,10 +7,12 @@ switches (one-model budget) and of no switch at all; only the KV cells in use mo
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import llama_cpp  # before numpy
 import pytest
@@ -159,6 +161,73 @@ def test_the_kv_level_keeps_the_context_and_moves_only_the_cells_in_use(
         assert same(greedy.run(), weights_only)
         # no reserve happened: a reserve makes a new scheduler (before the old one is freed)
         assert _ggml.ctx_get_sched(ctx.ctx) == sched
+        res.close()
+    finally:
+        llm.close()
+
+
+def _two_sequences(llm: llama_cpp.Llama) -> Any:
+    """A context of two sequences, each in its own KV stream (as a worker's), with a hole in the
+    first one's cells; returns it (the caller closes it)."""
+    from llama_cpp import _internals
+
+    params = llm.context_params
+    params.n_seq_max, params.kv_unified = 2, False
+    ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
+    batch = llama_cpp.llama_batch_init(64, 0, 2)
+
+    def decode(tokens: list[int], seq: int, start: int) -> None:
+        batch.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = i == len(tokens) - 1
+        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
+
+    a = llm.tokenize(b"The history of Lyon, its rivers and its silk, told in a few words.")
+    b = llm.tokenize(b"Bridges of Paris:")
+    decode(a, 0, 0)
+    decode(b, 1, 0)
+    mem = llama_cpp.llama_get_memory(ctx.ctx)
+    llama_cpp.llama_memory_seq_rm(mem, 0, 6, -1)  # a prompt cache's reuse: cells 6.. freed
+    decode(a[6:9], 0, 6)  # new cells after the freed ones: two runs of cells in stream 0
+    llama_cpp.llama_batch_free(batch)
+    return ctx
+
+
+def _next_logits(ctx: Any, n_vocab: int, token: int, seqs: dict[int, int]) -> list[bytes]:
+    """The logits of ``token`` decoded next in each sequence (seq -> its next position)."""
+    out = []
+    batch = llama_cpp.llama_batch_init(4, 0, 2)
+    for seq, pos in seqs.items():
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = token, pos, 1, True
+        batch.seq_id[0][0] = seq
+        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
+        logits = llama_cpp.llama_get_logits_ith(ctx.ctx, -1)
+        out.append(ctypes.string_at(ctypes.cast(logits, ctypes.c_void_p).value, 4 * n_vocab))
+    llama_cpp.llama_batch_free(batch)
+    return out
+
+
+def test_two_sequences_come_back_in_their_cells(smollm2_path: Path) -> None:
+    """Two sequences in two KV streams, one with a hole in its cells: at the deep level in place
+    the metadata stays and each cell comes back where it was, so the next token's logits of both
+    are bitwise those of an identical context that was never released."""
+    llm = load(smollm2_path, n_ctx=1024, use_mmap=False)
+    try:
+        n_vocab = llm.n_vocab()
+        reference = _two_sequences(llm)
+        want = _next_logits(reference, n_vocab, 42, {0: 9, 1: 5})
+        reference.close()
+        llm._ctx.close()
+        llm._ctx = _two_sequences(llm)
+        res = Residency.attach(llm, smollm2_path)
+        res.release(kv=True)
+        assert res.kv_upload_note == "", res.kv_upload_note
+        res.restore()
+        assert res.restore_steps.kv_bytes == (9 + 5) * CELL_BYTES
+        assert _next_logits(llm._ctx, n_vocab, 42, {0: 9, 1: 5}) == want
         res.close()
     finally:
         llm.close()
@@ -333,3 +402,11 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     # only the cells in use moved: ~130 tokens of KV (and a few headers), never n_ctx's 8192
     assert len(moved) >= 3 and max(moved) > 0 and all(n < 200 * 23_040 for n in moved), moved
     wait_until(lambda: pool.snapshot().model(A).kv_bytes == kv, WAIT, "a's KV cache back")  # type: ignore[union-attr]
+    # B is deep now (A's third turn needed the room), its conversation still in its sequence:
+    # a stop saves it from the residency's snapshot of the cells in use
+    wait_until(lambda: pool.snapshot().model(B).kv_bytes == 0, WAIT, "b deep again")  # type: ignore[union-attr]
+    pool.stop()
+    log_b = (home / "log" / f"worker-{B}.log").read_text()
+    assert re.search(r"saved the KV of 1 conversation\(s\)", log_b), log_b[-2000:]
+    saved = list((home / "kv" / B).glob(f"{B}-*.kv"))
+    assert len(saved) == 1 and saved[0].stat().st_size > 100 * 23_040, saved  # ~130 tokens' cells
