@@ -535,6 +535,25 @@ class Residency:
         return self._kv.nbytes if self._kv is not None else 0
 
     @property
+    def deep_note(self) -> str:
+        """How the KV level goes for this model, in words: "" where it is wholly in place (the
+        context kept; its KV cells and compute buffers released and back with the weights'
+        parts), else what differs and why (a sliding-window, recurrent or hybrid cache, a build
+        whose scheduler or state format is not the one checked)."""
+        if self.path == "rebuild":
+            return "the rebuild path frees the context (its KV cache and compute buffers) at every release"
+        if self.path != "inplace":
+            return ""
+        notes = []
+        if self._kvbuf is None:
+            notes.append(f"the KV level frees the context and makes it again ({self.kv_note})")
+        if self.buffers_note:
+            notes.append(f"the compute buffers stay on the device ({self.buffers_note})")
+        if self.kv_upload_note:
+            notes.append(f"the KV cells come back after the weights ({self.kv_upload_note})")
+        return "; ".join(notes)
+
+    @property
     def kv_in_place(self) -> bool:
         """The KV level keeps the context: its cells' metadata stays and the cells in use come
         back where they were (the caller need not move its sequences to host memory first)."""

@@ -157,6 +157,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     chat_family: str = "generic"
     thinks: bool = False
     starts_thinking: bool = False
+    # how a deep release (issue 39) goes for this model: "" in place (the context kept, its KV
+    # cells and compute buffers released and back with the weights' parts), else why not
+    deep_note: str = ""
 
 
 class Ready(_Message, frozen=True):

@@ -353,6 +353,7 @@ class Worker:
                     chat_format=engine.info.chat_format,
                     residency_path=self.tenancy.path,
                     residency_reason=self.tenancy.reason,
+                    deep_note=self.tenancy.deep_note,
                     backend=self.tenancy.backend,
                     weight_bytes=self.tenancy.weight_bytes,
                     host_pinned_bytes=self.tenancy.host_bytes,

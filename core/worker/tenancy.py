@@ -199,6 +199,11 @@ class Tenancy:
         return {}
 
     @property
+    def deep_note(self) -> str:
+        """How a deep release goes for this model ("": in place; Residency.deep_note)."""
+        return ""
+
+    @property
     def buffers_kept(self) -> bool:
         """The KV cache is released in place and the compute buffers stay on the device (they
         could not be released in place)."""
@@ -687,6 +692,10 @@ class ArenaTenancy(Tenancy):
 
     def parked_states(self) -> dict[int, tuple[bytes, int]]:
         return self.residency.parked_states() if self.residency is not None else {}
+
+    @property
+    def deep_note(self) -> str:
+        return self.residency.deep_note if self.residency is not None else ""
 
     def release(self, kv: bool, final: bool = False, free_context: bool = False) -> p.Released | None:
         res = self.residency
