@@ -307,6 +307,12 @@ def _add_diagnostics(sub: Any) -> None:
         "--switch-only", action="store_true", help="measure the switched turns only (timeshare_switch)"
     )
     bapi.add_argument(
+        "--deep",
+        action="store_true",
+        help="also the deep switch: the first model twice under an auto budget on a card that sends "
+        "every parked worker to the deep level, against the weights-only switch and the issue's target",
+    )
+    bapi.add_argument(
         "--keep-logs", action="store_true", help="keep the work folder with serve's and the workers' logs"
     )
     bapi.add_argument("--card", metavar="SIZE", help=_CARD_HELP)

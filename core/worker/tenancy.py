@@ -491,9 +491,13 @@ class ArenaTenancy(Tenancy):
             self._reserve_full = reserve
             self._deepens = reserve - (GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0)
             kv, buffers = self.kv_footprint
-            # the compute buffers go too: in place, or with the context
+            # the compute buffers go too: in place, or with the context. Not counted on the CPU
+            # build: their pages are in the RSS (the measure there) only once a decode touched
+            # them, so the reserve measured at the load does not hold them and a deep release of
+            # a worker that has not computed yet frees the KV cache alone
             res = self.residency
-            estimate = kv + (buffers if res is None or res.buffers_releasable else 0)
+            counted = self.device.gpu and (res is None or res.buffers_releasable)
+            estimate = kv + (buffers if counted else 0)
             if estimate > 0:  # the measured reserve holds more on the CPU build (the host shadow)
                 self._deepens = min(self._deepens, estimate)
             self._deep_keeps = reserve - self._deepens
