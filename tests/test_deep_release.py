@@ -256,6 +256,16 @@ def test_out_of_memory_for_the_compute_buffers_leaves_the_model_deep(
         assert not res.kv_resident and res.context_kept and res.compute_released_bytes == compute
         with pytest.raises(ResidencyError):
             llm.eval([1])
+        # the weights' turn to fail: the KV and compute buffers, allocated before them, go again
+        weights = max(b.size for b in res.inplace_view.buffers)  # type: ignore[union-attr]
+
+        def no_weights(buft: int, size: int) -> int | None:
+            return None if size == weights else alloc(buft, size)
+
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", no_weights)
+        with pytest.raises(OutOfDeviceMemoryError, match="stays released"):
+            res.restore()
+        assert not res.kv_resident and not res.weights_resident and res.compute_released_bytes == compute
         monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
         res.restore()
         assert res.kv_resident and same(greedy.run(), ref)

@@ -244,6 +244,12 @@ class KvUpload:
                 raise KvUploadUnsupportedError("the KV state holds more than its layout says")
         return cls(kvbuf, streams, k_row, k_stride, v_row, v_stride, v_rows, kv_size, nbytes)
 
+    def reset(self) -> None:
+        """Before a restore: nothing claimed or uploaded yet (a restore that failed for memory
+        leaves its claims; the next one writes every layer again)."""
+        self.claimed.clear()
+        self.stats = KvUploadStats()
+
     def claim(self, first: int, last: int) -> list[int]:
         """Layers ``first``..``last`` go with a weight part (uploaded by :meth:`upload` on the
         upload thread): their K and V tensors, for the gate to wait on."""

@@ -983,6 +983,8 @@ class Residency:
             return None
         if self._kvbuf.released:
             self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
+            if self._kv_upload is not None:
+                self._kv_upload.reset()
         if self._compute is not None and self._compute.released:
             try:
                 self._compute.restore()  # the next decode builds its graph anew (no reserve)
