@@ -68,19 +68,13 @@ def _raw_copy_gbps(nbytes: int) -> float | None:
     """Host to device copy rate of ``nbytes`` (at least 64 MiB) from pinned host memory where the
     build has it, through ``ggml_backend_tensor_set`` (the call a restore uploads with): the best
     of three into one buffer. None when it cannot be measured here."""
-    from ..residency import _ggml
     from ..residency.hostmem import HostMemory
-    from ..residency.scratch import ScratchTensor
+    from ..residency.scratch import ScratchTensor, first_device_buffer_type
 
     n = max(nbytes, 64 << 20)
-    gpu = _ggml.first_gpu()
-    if gpu is not None:
-        buft = int(_ggml.dev_buffer_type(gpu.handle))
-    else:
-        cpu = next((d for d in _ggml.devices() if not d.is_gpu), None)
-        if cpu is None:
-            return None
-        buft = int(_ggml.dev_buffer_type(cpu.handle))
+    buft = first_device_buffer_type()
+    if buft is None:
+        return None
     host = HostMemory(n, True)
     try:
         target = ScratchTensor(buft, n)
