@@ -7,10 +7,12 @@ transcript, the answer's stream and the waits.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QFocusEvent, QKeyEvent
+from PySide6.QtCore import QBuffer, QIODevice, QMimeData, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QFocusEvent, QImage, QKeyEvent, QPixmap
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -19,6 +21,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QPlainTextEdit,
     QSpinBox,
+    QTextBrowser,
     QWidget,
 )
 
@@ -34,15 +37,39 @@ if TYPE_CHECKING:
     from ..core.conversations.store import Conversation, Store
     from ..core.state import PoolSnapshot
 
+log = logging.getLogger(__name__)
+
 SAVE_PROMPT_MS = 400  # a typed system prompt is saved this long after the last key
 MAX_TOKENS_LIMIT = 32768  # the most the max-tokens box allows (the model's context limits it anyway)
 
 
 class InputBox(QPlainTextEdit):
-    """Enter sends, Shift+Enter makes a new line; focus is reported (pre-wake)."""
+    """Enter sends, Shift+Enter makes a new line; focus is reported (pre-wake). An image pasted
+    or dropped (a picture, or an image file) is reported as ``image`` (its file's bytes, PNG for a
+    pasted picture) instead of being inserted as text."""
 
     submitted = Signal()
     focused = Signal()
+    image = Signal(bytes, str)  # the image file's bytes, and a name for it
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:
+        return bool(image_files(source)) or source.hasImage() or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        files = image_files(source)
+        if files:
+            for path in files:
+                try:
+                    emit(self.image, path.read_bytes(), path.name)
+                except OSError as exc:
+                    log.warning("could not read %s: %s", path, exc)
+            return
+        if source.hasImage():
+            data = png_bytes(source.imageData())
+            if data:
+                emit(self.image, data, "pasted image")
+            return
+        super().insertFromMimeData(source)
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
@@ -55,6 +82,54 @@ class InputBox(QPlainTextEdit):
     def focusInEvent(self, event: QFocusEvent) -> None:
         super().focusInEvent(event)
         emit(self.focused)
+
+
+#: the image files the chat window takes (their suffixes)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+
+
+def image_files(source: QMimeData) -> list[Path]:
+    """The local image files a paste or drop names."""
+    if not source.hasUrls():
+        return []
+    paths = [Path(u.toLocalFile()) for u in source.urls() if u.isLocalFile()]
+    return [p for p in paths if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+
+
+def png_bytes(image: object) -> bytes:
+    """A pasted picture (a QImage, or a QPixmap) as PNG bytes ("" when it is none)."""
+    if isinstance(image, QPixmap):
+        image = image.toImage()
+    if not isinstance(image, QImage) or image.isNull():
+        return b""
+    buf = QBuffer()
+    buf.open(QIODevice.OpenModeFlag.WriteOnly)
+    # (a QIODevice: the stubs name only paths)
+    image.save(buf, "PNG")  # type: ignore[call-overload]
+    return bytes(buf.data().data())
+
+
+class ImageBrowser(QTextBrowser):
+    """The transcript: a QTextBrowser that shows the messages' images (``image:KEY`` sources,
+    registered with :meth:`add_image`, kept small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._images: dict[str, QImage] = {}
+
+    def add_image(self, key: str, data: bytes, height: int) -> None:
+        if key in self._images:
+            return
+        image = QImage.fromData(data)
+        if not image.isNull() and image.height() > height:
+            image = image.scaledToHeight(height, Qt.TransformationMode.SmoothTransformation)
+        self._images[key] = image
+
+    def loadResource(self, kind: int, name: QUrl | str) -> object:
+        url = QUrl(name) if isinstance(name, str) else name
+        if url.scheme() == "image" and url.path() in self._images:
+            return self._images[url.path()]
+        return super().loadResource(kind, name)
 
 
 class ModelPicker(QComboBox):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QEvent, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QCloseEvent, QDesktopServices, QGuiApplication
+from PySide6.QtGui import QCloseEvent, QDesktopServices, QGuiApplication, QImage, QPixmap
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QFileDialog,
@@ -38,7 +38,6 @@ from PySide6.QtWidgets import (
     QPushButton,
     QSizePolicy,
     QSplitter,
-    QTextBrowser,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -46,10 +45,11 @@ from PySide6.QtWidgets import (
 
 from ..core.sampling import new_conversation
 from ..core.state import ModelState, PoolSnapshot
+from ..core.wire.protocol import ImagePart
 from . import conversation_export, icons, rich_transcript, scheme, strings
 from .answer_stream import AnswerStream, StreamListener
 from .bridge import PoolBridge
-from .chat_widgets import AnswerSettingsPanel, InputBox, ModelPicker
+from .chat_widgets import AnswerSettingsPanel, ImageBrowser, InputBox, ModelPicker
 from .menu_model import display_state
 from .model_problem import ModelProblemBar
 from .qt_compat import emit
@@ -60,6 +60,7 @@ from .transcript import (
     failure_line,
     first_run,
     history_blocks,
+    image_key,
     live_block,
     live_rate,
     switched_defaults,
@@ -224,7 +225,7 @@ class ChatWindow(QMainWindow):
         self.settings_panel.failed.connect(lambda line: self.statusBar().showMessage(line, 10000))
         rv.addWidget(self.settings_panel)
 
-        self.transcript = QTextBrowser()
+        self.transcript = ImageBrowser()  # a QTextBrowser that shows the messages' images
         self.transcript.setObjectName("transcript")
         self.transcript.setOpenLinks(False)  # copy:N links copy; the others open in the browser
         self.transcript.anchorClicked.connect(self._on_link)
@@ -264,6 +265,24 @@ class ChatWindow(QMainWindow):
         self.edit_bar.hide()
         rv.addWidget(self.edit_bar)
 
+        # images waiting to go with the next message (attached, pasted or dropped; issue 41)
+        self.pending_images: list[tuple[bytes, str]] = []
+        self.images_bar = QWidget()
+        self.images_bar.setObjectName("images_bar")
+        images_layout = QHBoxLayout(self.images_bar)
+        images_layout.setContentsMargins(0, 0, 0, 0)
+        self.images_thumbs = QHBoxLayout()
+        images_layout.addLayout(self.images_thumbs)
+        self.images_label = QLabel()
+        self.images_label.setWordWrap(True)
+        images_layout.addWidget(self.images_label, 1)
+        self.remove_images_button = QPushButton(strings.REMOVE_IMAGES)
+        self.remove_images_button.setObjectName("remove_images")
+        self.remove_images_button.clicked.connect(self.clear_images)
+        images_layout.addWidget(self.remove_images_button)
+        self.images_bar.hide()
+        rv.addWidget(self.images_bar)
+
         bottom = QHBoxLayout()
         self.input = InputBox()
         self.input.setObjectName("input")
@@ -272,6 +291,7 @@ class ChatWindow(QMainWindow):
         self.input.submitted.connect(self.send)
         self.input.focused.connect(self.prewake)
         self.input.textChanged.connect(self._on_typing)
+        self.input.image.connect(self.attach_image)
         bottom.addWidget(self.input, 1)
         col = QVBoxLayout()
         self.send_button = QPushButton("Send")
@@ -283,7 +303,12 @@ class ChatWindow(QMainWindow):
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(self.stop)
         self.retry_button.clicked.connect(self.regenerate)
+        self.attach_button = QPushButton(strings.ATTACH)
+        self.attach_button.setObjectName("attach")
+        self.attach_button.setToolTip(strings.ATTACH_TIP)
+        self.attach_button.clicked.connect(self.choose_images)
         col.addWidget(self.send_button)
+        col.addWidget(self.attach_button)
         col.addWidget(self.stop_button)
         col.addWidget(self.retry_button)
         bottom.addLayout(col)
@@ -511,6 +536,9 @@ class ChatWindow(QMainWindow):
         if live and messages and messages[-1].role == "assistant" and not messages[-1].complete:
             messages.pop()  # the periodically saved partial answer: the live text replaces it
         gpu = strings.has_gpu(self.bridge.snapshot)
+        for message in messages:  # the thumbnails the transcript shows
+            for image in message.images:
+                self.transcript.add_image(image_key(image.data), image.data, rich_transcript.THUMBNAIL_PX)
         blocks = history_blocks(messages, conv_model, self._who, gpu=gpu, base=self._is_base)
         self._live_prompt = None
         if live and self._is_base(conv_model) and messages and messages[-1].role == "user":
@@ -718,10 +746,48 @@ class ChatWindow(QMainWindow):
         """Answer the conversation's last message again (the answer there, if any, is replaced):
         Retry after a crash, a Stop or an error; Regenerate for another answer."""
         if self._stream is None and self.retry_kind(self.current_conversation()):
-            self._start_answer("")
+            self._start_answer("", with_images=False)
+
+    # ---- images (issue 41) --------------------------------------------------------------------
+
+    def choose_images(self) -> None:
+        paths, _filter = QFileDialog.getOpenFileNames(self, strings.ATTACH, "", strings.ATTACH_FILTER)
+        for name in paths:
+            try:
+                self.attach_image(Path(name).read_bytes(), Path(name).name)
+            except OSError as exc:
+                self.statusBar().showMessage(f"{name}: {exc.strerror}", 10000)
+
+    def attach_image(self, data: bytes, name: str) -> None:
+        """An image goes with the next message (the model's server checks it again)."""
+        if QImage.fromData(data).isNull():
+            self.statusBar().showMessage(strings.NOT_AN_IMAGE.format(name=name), 10000)
+            return
+        self.pending_images.append((data, name))
+        self._show_pending_images()
+
+    def clear_images(self) -> None:
+        self.pending_images = []
+        self._show_pending_images()
+
+    def _show_pending_images(self) -> None:
+        while self.images_thumbs.count():
+            item = self.images_thumbs.takeAt(0)
+            widget = item.widget() if item is not None else None
+            if widget is not None:
+                widget.deleteLater()
+        for data, name in self.pending_images:
+            thumb = QLabel()
+            thumb.setToolTip(name)
+            thumb.setPixmap(QPixmap.fromImage(QImage.fromData(data)).scaledToHeight(48))
+            self.images_thumbs.addWidget(thumb)
+        self.images_label.setText(strings.images_attached([n for _d, n in self.pending_images]))
+        self.images_bar.setVisible(bool(self.pending_images))
+        self._update_buttons()
 
     def send(self) -> None:
-        """Send the typed message; with an empty box, answer an unanswered last message again."""
+        """Send the typed message (and the images attached); with an empty box and no images,
+        answer an unanswered last message again."""
         text = self.input.toPlainText().strip()
         if self._stream is not None:
             return
@@ -729,12 +795,13 @@ class ChatWindow(QMainWindow):
         if self.editing is not None and not text:
             self.statusBar().showMessage(strings.EDIT_EMPTY, 8000)
             return
-        if not text and (conv_id is None or not self._unanswered(conv_id)):
+        if not text and not self.pending_images and (conv_id is None or not self._unanswered(conv_id)):
             return
         self._start_answer(text)
 
-    def _start_answer(self, text: str) -> None:
-        """Send ``text``, or with "" answer the conversation's last message again."""
+    def _start_answer(self, text: str, with_images: bool = True) -> None:
+        """Send ``text`` (and the images attached, ``with_images``), or with "" and no images answer
+        the conversation's last message again."""
         conv_id = self.current_conversation()
         blocked = self._cannot_answer()
         if blocked:  # nothing is saved for a model that cannot answer; the bar says what to do
@@ -746,6 +813,12 @@ class ChatWindow(QMainWindow):
                 return
         self.settings_panel.save_typed()  # the system prompt just typed counts for this answer
         model_id = self.store.get(conv_id).model_id
+        # the images go before the text, as Ollama places a message's images
+        images = tuple(ImagePart(data, 0) for data, _name in self.pending_images) if with_images else ()
+        status = self.bridge.snapshot.model(model_id)
+        if images and status is not None and not status.vision:
+            self.statusBar().showMessage(strings.no_vision(self._who(model_id)), 20000)
+            return
         continuation = self._is_base(model_id)  # a base model continues the text
         prewoken = model_id in self._last_prewake  # the window restored it while the user typed
         # the conversation's settings apply (ChatService reads them); the tests' cap wins
@@ -764,9 +837,15 @@ class ChatWindow(QMainWindow):
                 for message in store.messages(conv_id):
                     if message.id >= replaced:
                         store.delete_message(message.id)
-            if text:
+            if text or images:
                 return chat.send(
-                    conv_id, text, prewoken=prewoken, listener=listener, continuation=continuation, **sampling
+                    conv_id,
+                    text,
+                    prewoken=prewoken,
+                    listener=listener,
+                    continuation=continuation,
+                    images=images,
+                    **sampling,
                 )
             return chat.regenerate(
                 conv_id, prewoken=prewoken, listener=listener, continuation=continuation, **sampling
@@ -792,6 +871,7 @@ class ChatWindow(QMainWindow):
     def _on_started(self, stream: AnswerStream, conv_id: str, model_id: str) -> None:
         """The answer's turn exists: the user's message is saved (and the conversation titled)."""
         self.input.clear()
+        self.clear_images()  # they went with it
         self.reload_conversations(select=conv_id)  # ChatService titles new conversations
         self._last_prewake.pop(model_id, None)
         self.render_transcript()

@@ -3,7 +3,9 @@ from Hugging Face or a URL, with progress and Cancel, and add it.
 
 Words that are no source (``qwen coder``) search the hub for repositories with GGUF files
 (core/pull/search.py); the list on the left shows the hits, or before any search the suggestions
-(the short-name table: ``qwen3:8b``…). Picking one looks it up.
+(the short-name table: ``qwen3:8b``…). Under each hit come its GGUF sizes per quantisation and
+which fit the GPU budget, as the hub tells them (a few hits at a time, on a thread of their own that
+never makes the dialog busy). Picking one looks it up.
 
 The dialog takes the same SOURCE as ``timeshare pull`` (``user/repo``, ``user/repo:Q4_K_M``,
 ``user/repo/file.gguf``, ``hf.co/…``, or the URL of a ``.gguf`` file), lists the quantisations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -50,7 +52,7 @@ from ..core.config.parallel import auto_parallel
 from ..core.errors import CancelledError, ConfigError, TimeshareError
 from ..core.gguf.kvcache import KvShape, kv_shape
 from ..core.pull import add, progress, remote, search, shortnames, sources
-from ..core.pull.download import PullResult, pull
+from ..core.pull.download import PullResult, pull, pull_projector
 from ..core.state import PoolSnapshot
 from ..core.util.units import human_bytes
 from . import strings
@@ -101,19 +103,23 @@ class KvEstimate:
 
     def describe(self) -> str:
         if self.bytes is None:
-            return f"KV cache unknown ({self.why}): the GPU column counts the weights only."
+            return f"KV cache unknown ({self.why}): the Fits column counts the weights only."
         return (
-            f"The GPU column counts the weights, a tenth for compute buffers and a KV cache of "
+            f"The Fits column counts the weights, a tenth for compute buffers and a KV cache of "
             f"{human_bytes(self.bytes)} (n_ctx {self.n_ctx} × {self.parallel} sequences, "
             "the new entry's auto settings, before they are fitted to the memory)."
         )
 
 
+#: the Fits column on a machine without a GPU
+CPU_BUILD = "CPU build: host memory"
+
+
 def fit_text(size: int | None, snapshot: PoolSnapshot, kv: KvEstimate | None = None) -> str:
-    """The "GPU" column: "fits", "too big", "weights fit; KV unknown", or why it is unknown."""
+    """The "Fits" column: "fits", "too big", "weights fit; KV unknown", or why it is unknown."""
     backends = {m.backend for m in snapshot.models if m.backend}
     if backends and all(b.upper().startswith("CPU") for b in backends):
-        return "CPU build: host memory"
+        return CPU_BUILD
     kv_bytes = kv.bytes if kv is not None else None
     fit = sources.gpu_fit(size, vram_budget(snapshot), kv_bytes)
     if fit == "fits" and kv_bytes is None:
@@ -152,6 +158,7 @@ class GetModelDialog(QDialog):
     # from the worker thread to the GUI thread
     _listed = Signal(object, object)  # Listing, KvEstimate | None
     _searched = Signal(str, object)  # the query, list[search.Found]
+    _sized = Signal(int, object)  # the search it belongs to, search.Sizes
     _progressed = Signal(object)  # Progress
     _done = Signal(object)  # PullResult
     _failed = Signal(str, bool)  # message, whether it was a cancel
@@ -176,6 +183,11 @@ class GetModelDialog(QDialog):
         self.pulled_result: PullResult | None = None
         self._worker: threading.Thread | None = None
         self._cancel = threading.Event()
+        # the hits shown (repo id -> its item and what the search said), and their sizes' look-up:
+        # a search of its own number, stopped by its event when the list shows something else
+        self._hits: dict[str, tuple[QListWidgetItem, search.Found]] = {}
+        self._search_number = 0
+        self._sizes_cancel = threading.Event()
 
         self.source = QLineEdit(source)
         self.source.setObjectName("source")
@@ -208,7 +220,7 @@ class GetModelDialog(QDialog):
 
         self.table = QTableWidget(0, 4)
         self.table.setObjectName("choices")
-        self.table.setHorizontalHeaderLabels(["Quantisation", "Size", "GPU", "File"])
+        self.table.setHorizontalHeaderLabels(["Quantisation", "Size", "Fits", "File"])
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -261,6 +273,7 @@ class GetModelDialog(QDialog):
 
         self._listed.connect(self._on_listed)
         self._searched.connect(self._on_searched)
+        self._sized.connect(self._on_sized)
         self._progressed.connect(self._on_progress)
         self._done.connect(self._on_done)
         self._failed.connect(self._on_failed)
@@ -303,6 +316,7 @@ class GetModelDialog(QDialog):
 
     def show_suggestions(self) -> None:
         """The list shows the suggested models (the short-name table)."""
+        self._forget_hits()
         self.found.clear()
         self.found_label.setText(SUGGESTED)
         for s in search.suggestions():
@@ -372,16 +386,47 @@ class GetModelDialog(QDialog):
     def _on_searched(self, query: str, found: list[search.Found]) -> None:
         self._worker = None
         self.status.setText("")
+        self._forget_hits()
         self.found.clear()
         if found:
             self.found_label.setText(strings.search_hits(len(found), query))
         else:
             self.found_label.setText(strings.search_none(query))
         for hit in found:
-            item = QListWidgetItem(f"{hit.repo_id}\n{hit.describe()}")
+            item = QListWidgetItem(f"{hit.repo_id}\n{hit.describe()}\n{strings.SIZES_COMING}")
             item.setData(Qt.ItemDataRole.UserRole, hit.repo_id)
             self.found.addItem(item)
+            self._hits[hit.repo_id] = (item, hit)
         self._update_buttons()
+        self._look_up_sizes([hit.repo_id for hit in found])
+
+    def _forget_hits(self) -> None:
+        """The list is about to show something else: the sizes still coming are not wanted."""
+        self._sizes_cancel.set()
+        self._search_number += 1
+        self._hits = {}
+
+    def _look_up_sizes(self, repo_ids: list[str]) -> None:
+        """Each hit's GGUF sizes per quantisation (core/pull/search.py), on a thread of its own."""
+        if not repo_ids:
+            return
+        number, cancel = self._search_number, threading.Event()
+        self._sizes_cancel = cancel
+
+        def work() -> None:
+            try:
+                search.look_up_sizes(repo_ids, lambda sizes: emit(self._sized, number, sizes), cancel=cancel)
+            except Exception:  # a bug: the hits stay without sizes, the log says why
+                log.exception("looking up the sizes of %d hits failed", len(repo_ids))
+
+        threading.Thread(target=work, name="get-model-sizes", daemon=True).start()
+
+    def _on_sized(self, number: int, sizes: search.Sizes) -> None:
+        shown = self._hits.get(sizes.repo_id)
+        if number != self._search_number or shown is None:
+            return  # an older search's
+        item, hit = shown
+        item.setText(f"{hit.repo_id}\n{hit.describe()}\n{sizes.describe(vram_budget(self._snapshot()))}")
 
     def _on_listed(self, listing: sources.Listing, kv: KvEstimate | None) -> None:
         self._worker = None
@@ -410,16 +455,20 @@ class GetModelDialog(QDialog):
                 "This repository is gated: accept its conditions on the hub and log in "
                 "(`hf auth login` or HF_TOKEN) before downloading."
             )
-        if listing.choices and not any(
+        if listing.choices and fit_text(listing.choices[0].size, snapshot, kv) == CPU_BUILD:
+            notes.append(
+                "The models run in this computer's memory (no GPU): the size is what the weights need."
+            )
+        elif listing.choices and not any(
             fit_text(c.size, snapshot, kv) in ("fits", "too big", WEIGHTS_FIT) for c in listing.choices
         ):
             one_model = any(d.budget == "one-model" for d in snapshot.devices)
             why = (
-                'with the setting "one model at a time" Timeshare does not measure the GPU\'s memory'
+                'with the setting "one model at a time" Timeshare does not measure the memory'
                 if one_model
-                else "Timeshare does not know the GPU's memory budget yet (no model has loaded on it)"
+                else "Timeshare does not know the memory budget yet (no model has loaded)"
             )
-            notes.append(f"GPU fit unknown: {why}; the size is what the weights need.")
+            notes.append(f"Fit unknown: {why}; the size is what the weights need.")
         elif listing.choices and kv is not None:
             notes.append(kv.describe())
         self.info.setText(" ".join(notes))
@@ -449,6 +498,12 @@ class GetModelDialog(QDialog):
         def work() -> None:
             try:
                 result = pull(listing, choice, progress=lambda p: emit(self._progressed, p), cancel=cancel)
+                # the repo's vision projector comes beside the model; its entry names it (issue 41)
+                projector = pull_projector(
+                    listing, progress=lambda p: emit(self._progressed, p), cancel=cancel
+                )
+                if projector is not None:
+                    result = replace(result, entry=replace(result.entry, mmproj=str(projector.path)))
             except CancelledError:
                 emit(
                     self._failed,
@@ -516,6 +571,10 @@ class GetModelDialog(QDialog):
             self.status.setText("Cancelling…")
         else:
             self.reject()
+
+    def done(self, result: int) -> None:
+        self._sizes_cancel.set()  # closed (accepted or not): the sizes still coming are not wanted
+        super().done(result)
 
     def reject(self) -> None:
         if self.busy:  # closing the window cancels the download; its partial file stays

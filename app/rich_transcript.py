@@ -101,7 +101,19 @@ def render_block(block: Block, dark: bool, copies: list[str]) -> str:
         parts.append(code_html(code, match.group(1), dark))
         at = match.end()
     parts.append(markdown_html(block.markdown[at:]))
-    return "".join(parts) + _links(block, dark, copies)
+    return "".join(parts) + _thumbnails(block) + _links(block, dark, copies)
+
+
+#: how tall a message's image is shown in the transcript (pixels)
+THUMBNAIL_PX = 120
+
+
+def _thumbnails(block: Block) -> str:
+    """A user message's images, small (the chat window's browser loads ``image:KEY``)."""
+    if not block.images:
+        return ""
+    imgs = " ".join(f'<img src="image:{key}" height="{THUMBNAIL_PX}">' for key in block.images)
+    return f'<p style="margin:4px 0">{imgs}</p>'
 
 
 def _links(block: Block, dark: bool, copies: list[str]) -> str:

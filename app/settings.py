@@ -76,6 +76,7 @@ from .settings_form import (
     note_label,
     problems_text,
     resolved,
+    reword_row,
     spin,
     text_field,
 )
@@ -300,17 +301,27 @@ class SettingsDialog(QDialog):
         row = self._selected_row() if row is None else row
         if row is None:
             return False
-        model = self.draft["models"][row]
-        status = self.bridge.snapshot.model(str(model.get("id", "")))
-        dialog = ModelDialog(
-            model, self._taken_ids(except_row=row), self.config_path, self, fitted=strings.fitted(status)
-        )
+        dialog = self.model_dialog(row)
         if dialog.exec() != QDialog.DialogCode.Accepted:
             return False
         self.draft["models"][row] = dialog.value()
         self._refresh_models()
         self._show_problems([])
         return True
+
+    def model_dialog(self, row: int) -> ModelDialog:
+        """The dialog that edits model ``row`` of the draft (not shown), in this build's words."""
+        model = self.draft["models"][row]
+        snapshot = self.bridge.snapshot
+        status = snapshot.model(str(model.get("id", "")))
+        return ModelDialog(
+            model,
+            self._taken_ids(except_row=row),
+            self.config_path,
+            self,
+            fitted=strings.fitted(status),
+            gpu=strings.has_gpu(snapshot),
+        )
 
     def remove_model(self, row: int | None = None) -> bool:
         row = self._selected_row() if row is None else row
@@ -350,7 +361,8 @@ class SettingsDialog(QDialog):
         for col in (1, 2):
             header.setSectionResizeMode(col, QHeaderView.ResizeMode.ResizeToContents)
         arena = self.draft["arena"]
-        budget = field_meta(ArenaConfig, "vram_budget")
+        gpu = strings.has_gpu(self.bridge.snapshot)  # known once a model has loaded: _refresh_arena
+        budget = field_meta(ArenaConfig, "vram_budget", gpu)
         self.vram_budget = QComboBox()
         self.vram_budget.setEditable(True)  # or a size ("20GB", "12000MiB") or a share ("80%")
         self.vram_budget.addItems(budget.choices)
@@ -372,13 +384,16 @@ class SettingsDialog(QDialog):
         glance.addRow(self.budget_note)
 
         self.quantum = QDoubleSpinBox()
-        spin(self.quantum, ArenaConfig, "min_quantum_ms", initial(arena, ArenaConfig, "min_quantum_ms"))
         self.wait_timeout = QDoubleSpinBox()
-        spin(self.wait_timeout, ArenaConfig, "wait_timeout_s", initial(arena, ArenaConfig, "wait_timeout_s"))
-        self.arena_dir = QLineEdit(str(arena.get("dir") or ""))
-        self.arena_dir.setPlaceholderText(field_meta(ArenaConfig, "dir").special)
         self.hung_holder = QDoubleSpinBox()
-        spin(self.hung_holder, ArenaConfig, "hung_holder_s", initial(arena, ArenaConfig, "hung_holder_s"))
+        for box, name in (
+            (self.quantum, "min_quantum_ms"),
+            (self.wait_timeout, "wait_timeout_s"),
+            (self.hung_holder, "hung_holder_s"),
+        ):
+            spin(box, ArenaConfig, name, initial(arena, ArenaConfig, name), gpu)
+        self.arena_dir = QLineEdit(str(arena.get("dir") or ""))
+        self.arena_dir.setPlaceholderText(field_meta(ArenaConfig, "dir", gpu).special)
         # the engineering view: how each model switches and what it holds where
         self.arena_table = QTableWidget(0, 5)
         self.arena_table.setObjectName("arena")
@@ -388,10 +403,16 @@ class SettingsDialog(QDialog):
         self.arena_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.arena_table.horizontalHeader().setStretchLastSection(True)
         form = QFormLayout()
-        form.addRow(field_label(ArenaConfig, "min_quantum_ms"), self.quantum)
-        form.addRow(field_label(ArenaConfig, "wait_timeout_s"), self.wait_timeout)
-        form.addRow(field_label(ArenaConfig, "hung_holder_s"), self.hung_holder)
-        form.addRow(field_label(ArenaConfig, "dir"), self.arena_dir)
+        #: the Advanced rows, worded again for the build once a model has loaded (_refresh_arena)
+        self.advanced_form = form
+        self.advanced_rows: list[tuple[QWidget, type, str]] = [
+            (self.quantum, ArenaConfig, "min_quantum_ms"),
+            (self.wait_timeout, ArenaConfig, "wait_timeout_s"),
+            (self.hung_holder, ArenaConfig, "hung_holder_s"),
+            (self.arena_dir, ArenaConfig, "dir"),
+        ]
+        for widget, cls, name in self.advanced_rows:
+            form.addRow(field_label(cls, name, gpu), widget)
         self.advanced = QWidget()
         self.advanced.setObjectName("advanced")
         advanced_layout = QVBoxLayout(self.advanced)
@@ -428,6 +449,9 @@ class SettingsDialog(QDialog):
         self.tabs.setTabText(self.sharing_index, strings.sharing_tab(gpu))
         self.budget_note.setText(strings.budget_note(gpu))
         self.budget_slider.setToolTip(strings.budget_slider_tip(gpu))
+        self.vram_budget.setToolTip(field_meta(ArenaConfig, "vram_budget", gpu).help)
+        for widget, cls, name in self.advanced_rows:
+            reword_row(self.advanced_form, widget, cls, name, gpu)
         holder = snapshot.model(snapshot.holder) if snapshot.holder else None
         self.holder_label.setText(
             f"{holder.display_name} {strings.holds(gpu)} now."
@@ -504,9 +528,15 @@ class SettingsDialog(QDialog):
         self.api_queue_limit = QSpinBox()
         spin(self.api_queue_limit, ApiConfig, "queue_limit", initial(api, ApiConfig, "queue_limit"))
         self.api_queue_limit.setMinimumWidth(200)
+        self.api_responses_kept = QSpinBox()
+        spin(self.api_responses_kept, ApiConfig, "responses_kept", initial(api, ApiConfig, "responses_kept"))
+        self.api_responses_days = QSpinBox()
+        spin(self.api_responses_days, ApiConfig, "responses_days", initial(api, ApiConfig, "responses_days"))
         clients = new_form()
         clients.addRow(field_label(ApiConfig, "ollama_listen"), self.api_ollama)
         clients.addRow(field_label(ApiConfig, "queue_limit"), self.api_queue_limit)
+        clients.addRow(field_label(ApiConfig, "responses_kept"), self.api_responses_kept)
+        clients.addRow(field_label(ApiConfig, "responses_days"), self.api_responses_days)
 
         self.api_enabled.toggled.connect(self._show_api_url)
         self.api_host.textChanged.connect(self._show_api_url)
@@ -596,6 +626,8 @@ class SettingsDialog(QDialog):
         else:
             api.pop("ollama_listen", None)
         api["queue_limit"] = self.api_queue_limit.value()
+        api["responses_kept"] = self.api_responses_kept.value()
+        api["responses_days"] = self.api_responses_days.value()
         for key, line in (
             ("allowed_hosts", self.api_allowed_hosts),
             ("allowed_origins", self.api_allowed_origins),

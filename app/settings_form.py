@@ -38,9 +38,10 @@ IDLE_UNIT = "min"
 Table = dict[str, Any]
 
 
-def field_meta(cls: type, name: str) -> FieldMeta:
-    """What the config layer says about field ``name`` of ``cls`` (label, unit, range, help)."""
-    return describe(cls, name).meta
+def field_meta(cls: type, name: str, gpu: bool = True) -> FieldMeta:
+    """What the config layer says about field ``name`` of ``cls`` (label, unit, range, help), in
+    the words of a build with (``gpu``) or without a GPU ("GPU" only where there is one)."""
+    return describe(cls, name).meta.worded(gpu)
 
 
 def initial(table: Table, cls: type, name: str) -> Any:
@@ -48,13 +49,13 @@ def initial(table: Table, cls: type, name: str) -> Any:
     return table.get(name, describe(cls, name).default)
 
 
-def field_label(cls: type, name: str) -> str:
-    return f"{field_meta(cls, name).label}:"
+def field_label(cls: type, name: str, gpu: bool = True) -> str:
+    return f"{field_meta(cls, name, gpu).label}:"
 
 
-def spin(box: QSpinBox | QDoubleSpinBox, cls: type, name: str, value: object) -> None:
+def spin(box: QSpinBox | QDoubleSpinBox, cls: type, name: str, value: object, gpu: bool = True) -> None:
     """``box`` set up from the field's metadata: range, unit, special value, tooltip; then ``value``."""
-    meta = field_meta(cls, name)
+    meta = field_meta(cls, name, gpu)
     low = meta.minimum if meta.minimum is not None else 0
     high = meta.top if meta.top is not None else low
     if isinstance(box, QSpinBox):
@@ -71,13 +72,28 @@ def spin(box: QSpinBox | QDoubleSpinBox, cls: type, name: str, value: object) ->
         box.setToolTip(meta.help)
 
 
-def text_field(edit: QLineEdit, cls: type, name: str) -> None:
+def text_field(edit: QLineEdit, cls: type, name: str, gpu: bool = True) -> None:
     """A text field's placeholder (what empty means) and tooltip from the field's metadata."""
-    meta = field_meta(cls, name)
+    meta = field_meta(cls, name, gpu)
     if meta.special:
         edit.setPlaceholderText(meta.special)
     if meta.help:
         edit.setToolTip(meta.help)
+
+
+def reword_row(form: QFormLayout, widget: QWidget, cls: type, name: str, gpu: bool) -> None:
+    """The row of ``widget`` in ``form`` (field ``name`` of ``cls``) in the words of a build with
+    or without a GPU: its label, tooltip and special text (known once a model has loaded)."""
+    meta = field_meta(cls, name, gpu)
+    label = form.labelForField(widget)
+    if isinstance(label, QLabel):
+        label.setText(f"{meta.label}:")
+    if meta.help:
+        widget.setToolTip(meta.help)
+    if meta.special and isinstance(widget, (QSpinBox, QDoubleSpinBox)):
+        widget.setSpecialValueText(meta.special)
+    elif meta.special and isinstance(widget, QLineEdit):
+        widget.setPlaceholderText(meta.special)
 
 
 def resolved(path: str) -> str:

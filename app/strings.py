@@ -188,6 +188,27 @@ SWITCHING_METHODS = {"inplace": "in place (fast)", "rebuild": "rebuilt each time
 
 RETRY = "Retry"
 REGENERATE = "Regenerate"
+#: images in the chat window (issue 41)
+ATTACH = "Image…"
+ATTACH_TIP = "Attach an image to the next message (or paste or drop one into the box)"
+ATTACH_FILTER = "Images (*.png *.jpg *.jpeg *.webp *.gif *.bmp)"
+REMOVE_IMAGES = "Remove images"
+NOT_AN_IMAGE = "{name} is not an image this window can read (PNG, JPEG, WebP, GIF or BMP)"
+
+
+def images_attached(names: list[str]) -> str:
+    """The line above the box while images wait to be sent."""
+    n = len(names)
+    return f"{n} image{'' if n == 1 else 's'} go with the next message: " + ", ".join(names)
+
+
+def no_vision(model: str) -> str:
+    """A message with images for a model that reads text only."""
+    return (
+        f"{model} does not read images (it has no vision projector): remove the images or pick a vision model"
+    )
+
+
 RETRY_TIP = "Answer the last message again (the answer was cut off, stopped or failed)"
 REGENERATE_TIP = "Replace the last answer with a new one"
 
@@ -222,6 +243,10 @@ def search_hits(n: int, query: str) -> str:
     return (
         f"{n} {'model' if n == 1 else 'models'} with GGUF files match “{query}” (pick one to see its sizes):"
     )
+
+
+#: under a search hit until the hub told its GGUF sizes
+SIZES_COMING = "sizes: asking the hub…"
 
 
 def search_none(query: str) -> str:

@@ -6,6 +6,7 @@ shows what comes back; the tests check the text without a display.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +34,13 @@ class Block:
     #: as one text after ``markdown`` (who continued it), with ``footer`` (the statistics) under it
     continued: tuple[str, str] | None = None
     footer: str = ""
+    #: a user message's images (issue 41), by :func:`image_key`: shown as thumbnails
+    images: tuple[str, ...] = ()
+
+
+def image_key(data: bytes) -> str:
+    """The name a message's image is shown by (its content's hash)."""
+    return hashlib.sha256(data).hexdigest()[:20]
 
 
 def _md_escape(text: str) -> str:
@@ -137,7 +145,8 @@ def history_blocks(
                 skip = True
                 continue
         if msg.role == "user":
-            blocks.append(Block(f"**You**\n\n{msg.content}", msg.content, msg.id))
+            keys = tuple(image_key(i.data) for i in msg.images)
+            blocks.append(Block(f"**You**\n\n{msg.content}", msg.content, msg.id, images=keys))
             continue
         author = (msg.stats.model_id if msg.stats is not None else "") or model_id
         shown = answer_block(

@@ -137,6 +137,13 @@ OVERLAP_RESTORE = EnvVar(
     "escape hatch",
     "Overlapped restores (the first decode computes each layer part as it arrives) off (0) or on (1)",
 )
+HANDOVER = EnvVar(
+    "TIMESHARE_HANDOVER",
+    "0 or 1",
+    "arena.handover (off)",
+    "escape hatch",
+    "Device memory handed over between workers (issue 40) off (0) or on (1), whatever arena.handover says",
+)
 VK_HOST_VISIBLE_VIDMEM = EnvVar(
     "TIMESHARE_VK_HOST_VISIBLE_VIDMEM",
     "1",
@@ -203,6 +210,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     XDG_RUNTIME_DIR,
     VRAM_BUDGET,
     OVERLAP_RESTORE,
+    HANDOVER,
     VK_HOST_VISIBLE_VIDMEM,
     VK_DISABLE_HOST_VISIBLE_VIDMEM,
     SHADOW_SLICE_MIB,

@@ -85,6 +85,11 @@ def conversations_db() -> Path:
     return data_dir() / "conversations.sqlite3"
 
 
+def responses_db() -> Path:
+    """The Responses API's stored responses (``core/api/response_store.py``)."""
+    return data_dir() / "responses.sqlite3"
+
+
 def api_address_file() -> Path:
     """Where a running instance records the URL of its API, so the CLI finds it without flags."""
     return runtime_dir() / "api.json"

@@ -139,6 +139,8 @@ DEFAULTS: dict[str, dict[str, object]] = {
     "cli_run": {"max_tokens": None, "temperature": CLI_TEMPERATURE},
     # the other dialects (core/api/anthropic.py, ollama.py): their own servers' defaults
     "api_anthropic": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+    # core/api/responses.py: OpenAI's Responses API (as chat: no length limit unless asked)
+    "api_responses": {"max_tokens": None, "temperature": 1.0, "top_p": 1.0},
     "api_ollama": {"max_tokens": None, "temperature": 0.8, "top_p": 0.9, "top_k": 40, "repeat_penalty": 1.1},
     "internal": {"max_tokens": 256},
 }

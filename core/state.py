@@ -96,7 +96,12 @@ class ModelStatus:
     chat_family: str = ""
     thinks: bool = False
     starts_thinking: bool = False
+    # how its context pools, as its worker reported ("" until it loaded, and for a chat model;
+    # "rank": a reranker, which answers /v1/rerank only)
+    pooling: str = ""
     licence: str = ""  # shown where models are listed (demo models carry theirs)
+    vision: bool = False  # it reads images (a vision projector: models[].mmproj)
+    projector_bytes: int = 0  # its projector's weights (0: none, or not loaded yet)
     weight_bytes: int = 0  # device weight bytes when resident
     host_pinned_bytes: int = 0  # host shadow (+ KV snapshot when sleeping)
     # device memory this worker holds now (host memory on a CPU build): weights on the device +

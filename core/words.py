@@ -8,6 +8,7 @@ whose weights are loaded is "in memory" and a request waits "for its turn".
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 #: A model's state (``ModelState.value``, the API's ``state``) → what people read, with a GPU.
@@ -37,6 +38,8 @@ ANSWERING = "answering"
 WAITING_GPU = "waiting for the GPU"
 WAITING_TURN = "waiting for its turn"
 WAKING = "waking up"
+#: a model with a vision projector (models[].mmproj): it takes images with the text
+READS_IMAGES = "reads images"
 
 
 def has_gpu(backends: Iterable[str]) -> bool:
@@ -49,6 +52,17 @@ def has_gpu(backends: Iterable[str]) -> bool:
 def device_word(gpu: bool) -> str:
     """What holds a model's weights: "the GPU", or "memory" on a machine without one."""
     return "the GPU" if gpu else "memory"
+
+
+#: a choice of words in a text written once for both builds: "{the GPU|its turn}" (core/config
+#: schema's labels and help, read by the Settings dialogs through :func:`for_device`)
+DEVICE_CHOICE = re.compile(r"\{([^{}|]*)\|([^{}|]*)\}")
+
+
+def for_device(text: str, gpu: bool) -> str:
+    """``text`` with each "{GPU words|CPU words}" choice made: "A request waits for {the GPU|its
+    turn} at most" reads "… for the GPU …" where there is one, "… for its turn …" where not."""
+    return DEVICE_CHOICE.sub(lambda m: m.group(1) if gpu else m.group(2), text)
 
 
 def seconds_text(ms: float) -> str:

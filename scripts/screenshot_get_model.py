@@ -1,8 +1,8 @@
 """Screenshots of "Get model…" without a network: Qt's offscreen platform and the test suite's local
 stand-in for the Hugging Face hub (tests/_hub_util.py), holding a few repositories of tiny GGUF
 files (so their sizes are KiB, not GB). Saves get-model.png (the suggestions: the short-name table)
-and get-model-search.png (a search, one hit picked: its quantisations with sizes and GPU fit
-against a budget) in docs/screenshots/.
+and get-model-search.png (a search, each hit with its sizes per quantisation, one hit picked: its
+quantisations with sizes and GPU fit against a budget) in docs/screenshots/.
 
 Usage: .venv/bin/python scripts/screenshot_get_model.py [OUT_DIR]
 """
@@ -24,6 +24,7 @@ os.environ["HF_HUB_CACHE"] = str(WORK / "hf")
 from _hub_util import FakeHub, Repo, make_gguf  # noqa: E402
 from PySide6.QtCore import QEventLoop, QTimer  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
+from timeshare.app import strings  # noqa: E402
 from timeshare.app.get_model import GetModelDialog  # noqa: E402
 from timeshare.core.state import DeviceStatus, PoolSnapshot  # noqa: E402
 
@@ -65,6 +66,9 @@ def main() -> int:
     dialog.found.setCurrentRow(0)
     dialog.pick(dialog.found.item(0))
     while dialog.busy or dialog.table.rowCount() != 3:
+        wait(100)
+    # each hit's sizes per quantisation come on their own thread
+    while any(strings.SIZES_COMING in dialog.found.item(i).text() for i in range(dialog.found.count())):
         wait(100)
     wait(300)
     dialog.grab().save(str(out / "get-model-search.png"))

@@ -104,3 +104,53 @@ def write_model(arch: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> Pa
     w.write_tensors_to_file(progress=False)
     w.close()
     return out
+
+
+def write_reranker(
+    out: Path, tokenizer_gguf: Path, seed: int = 0, rerank_template: str | None = None
+) -> Path:
+    """A tiny generated reranker (issue 42): the bert layout above with pooling ``rank`` (4), its
+    classifier head (``cls.*``, one output) scaled up so that the scores of different documents
+    differ, and a vocabulary that adds BOS, EOS and SEP (``[BOS] query [EOS] [SEP] document
+    [EOS]``, what llama-server builds for such a model: XLM-R's ``<s> q </s></s> d </s>``).
+    ``rerank_template``: a ``tokenizer.chat_template.rerank`` (Qwen3-Reranker's conversion
+    carries one; ``{query}`` and ``{document}`` are put in)."""
+    import gguf
+
+    spec = specs()["bert"]
+    vocab = _vocab(str(tokenizer_gguf))
+    w = gguf.GGUFWriter(str(out), "bert")
+    for key, value in spec["kv"].items():
+        key = key.replace("{arch}", "bert")
+        if key == "bert.pooling_type":
+            value = 4  # LLAMA_POOLING_TYPE_RANK
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, str(value))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_sep_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_bool("tokenizer.ggml.add_sep_token", True)
+    if rerank_template is not None:
+        w.add_string("tokenizer.chat_template.rerank", rerank_template)
+    rng = np.random.default_rng(seed)
+    for name, shape in spec["tensors"].items():
+        scale = 0.5 if name.startswith("cls") else 0.05
+        w.add_tensor(name, (rng.standard_normal(tuple(reversed(shape))) * scale).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    return out

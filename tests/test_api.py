@@ -97,7 +97,7 @@ def test_parse_chat_request_maps_openai_fields() -> None:
         (
             {"model": SMOL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content",
-            "only text parts",
+            "only text and image_url parts",
         ),
         (
             {"model": SMOL, "messages": [{"role": "user", "content": "x"}], "n": 9},
@@ -168,8 +168,10 @@ def test_parse_chat_request_refuses_with_a_sentence(body: dict[str, object], par
     [
         ({"model": GEMMA}, "prompt"),
         ({"model": GEMMA, "prompt": ["a", "b"]}, "prompt"),
-        ({"model": GEMMA, "prompt": [1, 2, 3]}, "prompt"),
-        ({"model": GEMMA, "prompt": "a", "echo": True}, "echo"),
+        ({"model": GEMMA, "prompt": [[1, 2], [3]]}, "prompt"),
+        ({"model": GEMMA, "prompt": [1, -2]}, "prompt"),
+        ({"model": GEMMA, "prompt": []}, "prompt"),
+        ({"model": GEMMA, "prompt": "a", "echo": "yes"}, "echo"),
         ({"model": GEMMA, "prompt": "a", "best_of": 3}, "best_of"),
     ],
 )
@@ -207,7 +209,7 @@ def test_parse_chat_request_defaults() -> None:
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
             "messages[0].content",
-            "messages[0].content: only text parts are supported",
+            "messages[0].content: only text and image_url parts are supported",
         ),
         ({"top_p": 1.5}, "top_p", "'top_p' must be a number from 0 to 1; got 1.5."),
         ({"top_k": -1}, "top_k", "'top_k' must be a whole number of at least 0 (0: no limit)."),

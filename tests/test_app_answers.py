@@ -1,7 +1,7 @@
 """The chat window's answers with real workers on the two demo models (offscreen Qt): a base model's
 conversation starts with a length limit and the repetition guard (shown in Answer settings), the
 chat defaults are finite, "greedy" is said in words; Retry after a Stop and after a killed worker,
-Regenerate after an answer; a Stop keeps the count of the tokens shown.
+Regenerate after an answer; a Stop keeps the true count of the tokens generated.
 """
 
 from __future__ import annotations
@@ -132,10 +132,22 @@ def test_stop_keeps_the_token_count_and_retry_answers_again(qtbot: Any, app: Any
         qtbot.waitUntil(lambda: "tokens/s" in window.transcript.toPlainText(), timeout=30_000)
         qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
 
-    _, stats, error = _finished(qtbot, window, send_then_stop)
+    from timeshare.core.state import EventKind
+
+    done: list[dict[str, Any]] = []
+    unsubscribe = app.pool.subscribe(
+        lambda e: done.append(dict(e.extra)) if e.kind == EventKind.REQUEST_DONE else None
+    )
+    try:
+        _, stats, error = _finished(qtbot, window, send_then_stop)
+    finally:
+        unsubscribe()
     assert error == "" and stats.finish_reason == "cancelled"
     shown = app.store.messages(conv)[-1].content
     assert stats.completion_tokens > 5 and shown  # the tokens shown, not "0 tokens"
+    # the true count (and the decode rate from it): the tokens the worker generated before the Stop
+    (worker_said,) = [e for e in done if e.get("finish_reason") == "cancelled"]
+    assert stats.completion_tokens == worker_said["completion_tokens"]
     assert "0 tokens" not in window.transcript.toPlainText()
     # after a Stop: Retry answers the same message again, replacing the stopped answer
     assert window.retry_button.isEnabled() and window.retry_button.text() == strings.RETRY

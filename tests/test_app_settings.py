@@ -120,7 +120,8 @@ def test_the_settings_fields_come_from_the_config_metadata(
         assert box.specialValueText() == d.meta.special, name
     # a form row's label is a QLabel whose buddy is the field
     labels = [w.text() for w in dialog.findChildren(QLabel) if w.buddy() is dialog.quantum]
-    assert labels == [describe(ArenaConfig, "min_quantum_ms").meta.label + ":"]
+    # (an unstarted pool: no device seen yet, so the words of a GPU build; see test_app_settings_words)
+    assert labels == [describe(ArenaConfig, "min_quantum_ms").meta.worded(gpu=True).label + ":"]
 
     # a model table without the optional keys shows the defaults
     model = ModelDialog({"id": "m", "path": str(smollm2_path)}, set(), config_path)
@@ -152,6 +153,8 @@ def test_api_settings_round_trip_every_api_option(
         "allowed_hosts",
         "allowed_origins",
         "ollama_listen",
+        "responses_kept",
+        "responses_days",
     }  # a new API option needs its field on the tab
     dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
     assert "nothing: the API is off" in dialog.api_url.text()  # smol_config has the API off
@@ -162,12 +165,15 @@ def test_api_settings_round_trip_every_api_option(
     dialog.api_allowed_hosts.setText(" ts.lan, box.local ,")
     dialog.api_allowed_origins.setText("http://localhost:3000")
     dialog.api_ollama.setText("127.0.0.1:11434")
+    dialog.api_responses_kept.setValue(50)
+    dialog.api_responses_days.setValue(7)
     assert dialog.save()
     loaded = config_files.load_config(config_path)
     assert loaded.api.enabled and loaded.api.port == 8123 and loaded.api.queue_limit == 3
     assert loaded.api.allowed_hosts == ("ts.lan", "box.local")
     assert loaded.api.allowed_origins == ("http://localhost:3000",)
     assert loaded.api.ollama_listen == "127.0.0.1:11434"
+    assert (loaded.api.responses_kept, loaded.api.responses_days) == (50, 7)
     again = SettingsDialog(loaded, bridge, config_path)
     qtbot.addWidget(again)
     assert again.api_allowed_hosts.text() == "ts.lan, box.local" and again.api_queue_limit.value() == 3

@@ -100,6 +100,37 @@ def test_bench_api_runs_every_system_and_plots(tmp_path: Path, smollm2_path: Pat
     assert _left_behind(tmp_path) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_bench_api_responses_compares_a_continued_response_with_a_conversation(
+    tmp_path: Path, smollm2_path: Path, gemma3_path: Path
+) -> None:
+    """``--responses``: each measured turn of the first model came after a switch, and both the
+    previous_response_id chain and the chat conversation evaluated only the new turn."""
+    models = ("--model", str(smollm2_path), "--model", str(gemma3_path))
+    out = _bench(tmp_path, *models, "--context", "64", "--rounds", "2", "--responses", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    systems = report["systems"]
+    assert set(systems) == {"responses_previous_response_id", "chat_conversation"}
+    assert report["switched"] and report["ratio"] > 0 and report["target"] == 1.05
+    for entry in systems.values():
+        assert len(entry["samples"]) == 2 and all(s > 0 for s in entry["samples"])
+        for row in entry["rows"]:
+            assert row["switched"] and 0 < row["prompt_tokens_evaluated"] < row["prompt_tokens"] - 64, row
+    # the two copies of the conversation are the same: the same prompt, the same tokens evaluated
+    pairs = zip(
+        systems["responses_previous_response_id"]["rows"], systems["chat_conversation"]["rows"], strict=True
+    )
+    for resp, chat in pairs:
+        assert resp["prompt_tokens"] == chat["prompt_tokens"], (resp, chat)
+        assert resp["prompt_tokens_evaluated"] == chat["prompt_tokens_evaluated"], (resp, chat)
+    assert not list(tmp_path.glob("timeshare-bench-responses-*")), "the work dir was not removed"
+    assert _left_behind(tmp_path) == []
+    refused = _bench(tmp_path, "--responses", "--switch-only", "--json", timeout=120)
+    assert refused.returncode == 2 and "--responses" in json.loads(refused.stdout)["error"]
+
+
 def test_a_missing_llama_server_is_a_clear_error(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "llama-server"
     out = _bench(tmp_path, "--llama-server", str(missing), "--json", timeout=120)

@@ -75,8 +75,9 @@ class ScriptedGeneration:
             self._stream.put(p)
 
     def finish(self, finish_reason: str = "stop", switched: bool = True) -> None:
-        # a cancelled request's usage is all zeros, as the worker reports it (core/worker/loop.py)
-        n = 0 if finish_reason == "cancelled" else self._pieces
+        # a cancelled request's usage counts what it generated, as the worker reports it
+        # (core/worker/loop.py: _apply_cancels); here a token per piece
+        n = self._pieces
         usage = Usage(
             prompt_tokens=20 if n else 0, completion_tokens=n, prompt_tokens_evaluated=7 if n else 0
         )
@@ -379,7 +380,7 @@ def test_cancel_keeps_the_text_so_far(store: Store) -> None:
     assert (result.text, result.finish_reason) == ("partial", "cancelled")
     saved = store.message(turn.assistant_message_id)
     assert (saved.content, saved.complete, saved.stats.finish_reason) == ("partial", True, "cancelled")
-    # Stop keeps the count of what was shown (the worker reports 0 for a cancelled request)
+    # Stop keeps the count the worker reports for the cancelled request
     assert result.stats.completion_tokens == saved.stats.completion_tokens == 2
 
 
@@ -509,6 +510,12 @@ def test_real_worker_killed_mid_answer_loses_nothing_saved(real_pool: Any, store
 
 @pytest.mark.slow
 def test_real_pool_cancel_keeps_what_was_streamed(real_pool: Any, store: Store) -> None:
+    from timeshare.core.state import EventKind
+
+    done: list[dict[str, Any]] = []
+    unsubscribe = real_pool.subscribe(
+        lambda e: done.append(dict(e.extra)) if e.kind == EventKind.REQUEST_DONE else None
+    )
     chat = ChatService(real_pool, store)
     conv = chat.new_conversation("smol")
     turn = chat.send(conv.id, "Write a long story about a lighthouse keeper.", max_tokens=1500)
@@ -517,11 +524,16 @@ def test_real_pool_cancel_keeps_what_was_streamed(real_pool: Any, store: Store) 
     turn.cancel()
     got.extend(pieces)  # whatever was already on its way
     result = turn.result(timeout=WAIT)
+    unsubscribe()
     assert result.finish_reason == "cancelled"
     assert result.text == "".join(got)
     saved = store.message(turn.assistant_message_id)
     assert (saved.content, saved.complete, saved.stats.finish_reason) == (result.text, True, "cancelled")
-    assert saved.stats.completion_tokens >= len(got) >= 2  # not "0 tokens" after a Stop
+    # Stop keeps the true count: the tokens the worker generated before it (not "0 tokens" after
+    # a Stop, nor the pieces counted); tests/test_worker.py checks that count against llama.cpp
+    (worker_said,) = [e for e in done if e.get("finish_reason") == "cancelled"]
+    assert saved.stats.completion_tokens == worker_said["completion_tokens"] >= len(got) >= 2
+    assert saved.stats.prompt_tokens == worker_said["prompt_tokens"] > 0
     # the model is free again at once
     assert chat.send(conv.id, "Thanks.", max_tokens=4).result(timeout=WAIT).finish_reason in (
         "stop",

@@ -119,13 +119,15 @@ def _field_defaults() -> dict[str, object]:
 
 
 def _meta_words() -> set[str]:
-    """Labels (long enough not to be everyday words), help and special texts of every field."""
+    """Labels (long enough not to be everyday words), help and special texts of every field, as a
+    GPU build and a CPU-only one word them ("{the GPU|its turn}": core/words.for_device)."""
     words: set[str] = set()
     for cls in SECTIONS.values():
         for d in described(cls):
-            words.update(w for w in (d.meta.help, d.meta.special) if w)
-            if len(d.meta.label) >= 12:
-                words.add(d.meta.label)
+            for meta in (d.meta.worded(gpu=True), d.meta.worded(gpu=False)):
+                words.update(w for w in (meta.help, meta.special) if w)
+                if len(meta.label) >= 12:
+                    words.add(meta.label)
     return words
 
 

@@ -6,6 +6,7 @@ says "no network" in words. Against the local fake hub the pull tests use (tests
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from PySide6.QtCore import Qt
 from timeshare.core.errors import DownloadError
 from timeshare.core.pull import search, shortnames
 from timeshare.core.state import DeviceStatus, PoolSnapshot
+from timeshare.core.util.units import human_bytes
 
 
 @pytest.fixture
@@ -66,6 +68,51 @@ def test_search_lists_gguf_repos_most_downloaded_first(hub: FakeHub, quants: dic
         search.search_hub("  ")
 
 
+def test_each_hit_gets_its_gguf_sizes_per_quantisation_from_the_hub(
+    hub: FakeHub, quants: dict[str, bytes]
+) -> None:
+    """The search listing tells no sizes: each hit's model info (``?blobs=true``) does, over HTTP
+    from the fake hub; the sizes are the byte counts of the files it serves."""
+    _fill(hub, quants)
+    sizes = search.hub_sizes("tiny-org/Tiny-Coder-GGUF")
+    assert sizes.problem == ""
+    assert [(c.label, c.size) for c in sizes.choices] == [
+        ("Q4_K_M", len(quants["q4"])),
+        ("Q8_0", len(quants["q8"])),
+        ("F16", len(quants["f16"])),
+    ]
+    asked = hub.seen("GET", "/api/models/tiny-org/Tiny-Coder-GGUF")
+    assert asked and "blobs=true" in asked[-1].path  # huggingface_hub's files_metadata
+    q4, q8, f16 = (human_bytes(len(quants[k])) for k in ("q4", "q8", "f16"))
+    assert sizes.describe() == f"Q4_K_M {q4} · Q8_0 {q8} · F16 {f16}"
+    # with a GPU budget known: which fit (the weights and a tenth for buffers)
+    budget = int(len(quants["q8"]) * 1.5)
+    assert sizes.describe(budget) == f"weights fit the GPU: Q4_K_M {q4}, Q8_0 {q8} · too big: F16 {f16}"
+    assert sizes.describe(10) == f"too big: Q4_K_M {q4}, Q8_0 {q8}, F16 {f16}"
+    # a repo gone since the search: why, in words, not an exception
+    gone = search.hub_sizes("tiny-org/Gone-GGUF")
+    assert gone.choices == () and "Gone-GGUF" in gone.problem
+    assert gone.describe().startswith("sizes unknown: ")
+
+
+def test_sizes_are_looked_up_for_every_hit_a_few_at_a_time(hub: FakeHub, quants: dict[str, bytes]) -> None:
+    _fill(hub, quants)
+    hits = [f.repo_id for f in search.search_hub("tiny")]
+    got: list[search.Sizes] = []
+    search.look_up_sizes(hits, got.append, workers=2)
+    assert sorted(s.repo_id for s in got) == sorted(hits)  # each once
+    by_repo = {s.repo_id: s for s in got}
+    assert [c.label for c in by_repo["other/tiny-coder-GGUF"].choices] == ["Q4_K_M"]
+    assert by_repo["tiny-org/Tiny-Chat-GGUF"].choices[0].size == len(quants["q4"])
+    # once cancelled, nothing more is asked or handed on
+    before = len(hub.seen("GET", "/api/models/"))
+    cancel = threading.Event()
+    cancel.set()
+    late: list[search.Sizes] = []
+    search.look_up_sizes(hits, late.append, cancel=cancel, workers=1)
+    assert late == [] and len(hub.seen("GET", "/api/models/")) - before <= 1  # one under way at most
+
+
 def test_suggestions_are_the_short_name_table() -> None:
     offered = search.suggestions()
     assert [s.name for s in offered] == list(shortnames.SHORT_NAMES)
@@ -105,7 +152,20 @@ def test_the_dialog_searches_picks_and_tells_what_fits(
     qtbot.keyClick(dialog.source, Qt.Key.Key_Return)
     qtbot.waitUntil(lambda: not dialog.busy and dialog.found.count() == 2, timeout=20000)
     assert "2 models with GGUF files match “tiny coder”" in dialog.found_label.text()
-    assert dialog.found.item(1).text() == "tiny-org/Tiny-Coder-GGUF\n135 M parameters · llama · 900 downloads"
+    assert (
+        dialog.found.item(1)
+        .text()
+        .startswith("tiny-org/Tiny-Coder-GGUF\n135 M parameters · llama · 900 downloads\n")
+    )
+    # then each hit's sizes per quantisation, and which fit the GPU budget (the weights)
+    q4, q8, f16 = (human_bytes(len(quants[k])) for k in ("q4", "q8", "f16"))
+    sized = f"weights fit the GPU: Q4_K_M {q4}, Q8_0 {q8} · too big: F16 {f16}"
+    qtbot.waitUntil(lambda: dialog.found.item(1).text().endswith(sized), timeout=20000)
+    assert (
+        dialog.found.item(1).text()
+        == f"tiny-org/Tiny-Coder-GGUF\n135 M parameters · llama · 900 downloads\n{sized}"
+    )
+    qtbot.waitUntil(lambda: dialog.found.item(0).text().endswith(f"weights fit the GPU: Q4_K_M {q4}"))
 
     item = dialog.found.item(1)
     qtbot.mouseClick(

@@ -168,6 +168,26 @@ def test_keyless_requests_never_touch_a_conversation(smol: Engine) -> None:
     assert smol.conversations == ("c",)
 
 
+def test_a_new_conversation_with_cache_prompt_true_adopts_the_prompt_cache(smol: Engine) -> None:
+    """The Responses API's first previous_response_id turn: a conversation seen for the first time
+    whose request says cache_prompt true continues the keyless sequence its prompt extends (which
+    becomes the conversation's); without it, a new conversation starts from an empty KV cache."""
+    first = run(smol, messages=chat("Do you sell rye bread?"), max_tokens=16)  # keyless
+    assert first.prompt_tokens_evaluated == first.prompt_tokens
+    follow = chat("Do you sell rye bread?", first.text, "Is it sliced?")
+    plain = run(smol, messages=follow, max_tokens=8, conversation="plain")
+    assert plain.prompt_tokens_evaluated == plain.prompt_tokens  # a new conversation: from empty
+    adopted = run(smol, messages=follow, max_tokens=8, conversation="adopted", cache_prompt=True)
+    # everything the keyless sequence held (the first prompt and its answer) was reused
+    reused = adopted.prompt_tokens - adopted.prompt_tokens_evaluated
+    assert reused >= first.prompt_tokens + first.completion_tokens - 1, (first, adopted)
+    assert "adopted" in smol.conversations
+    # the conversation goes on in its own sequence (the keyless one became it)
+    third = chat("Do you sell rye bread?", first.text, "Is it sliced?", adopted.text, "Thanks.")
+    again = run(smol, messages=third, max_tokens=4, conversation="adopted")
+    assert 0 < again.prompt_tokens_evaluated < again.prompt_tokens - adopted.prompt_tokens
+
+
 # ---- engine: exactness, bounds, disk -------------------------------------------------------------
 
 

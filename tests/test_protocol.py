@@ -52,7 +52,9 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
 
 
 def valid_generate() -> st.SearchStrategy[p.Generate]:
-    chat = st.lists(strategy_for(p.ChatMessage), min_size=1, max_size=3).map(tuple)
+    # (images: their places must lie in their text; test_images_and_their_places checks them)
+    message = strategy_for(p.ChatMessage).map(lambda m: msgspec.structs.replace(m, images=()))
+    chat = st.lists(message, min_size=1, max_size=3).map(tuple)
     sampling = st.builds(
         Sampling,
         max_tokens=st.none() | st.integers(1, 4096),
@@ -299,3 +301,25 @@ def test_connection_reader_returns_none_when_peer_closes_while_blocked() -> None
     assert not reader.is_alive()
     assert result == [None]
     cb.close()
+
+
+def test_images_and_their_places() -> None:
+    """Issue 41: a message's or a prompt's images travel as the client's bytes with their place in
+    the text; a place outside the text, out of order, images outside a completion prompt's or
+    more than MAX_IMAGES are refused at the frame."""
+    img = p.ImagePart(b"\x89PNG...", 3)
+    ok = p.Generate(req="r", messages=(p.ChatMessage("user", "abc def", images=(img, p.ImagePart(b"x", 7))),))
+    decoder = p.FrameDecoder()
+    decoder.feed(p.encode(ok))
+    assert decoder.next() == ok and ok.image_count == 2
+    bad = [
+        p.Generate(req="r", messages=(p.ChatMessage("user", "ab", images=(img,)),)),  # 3 > len("ab")
+        p.Generate(req="r", messages=(p.ChatMessage("user", "abcdef", images=(img, p.ImagePart(b"x", 1))),)),
+        p.Generate(req="r", messages=(p.ChatMessage("user", "abc"),), images=(img,)),
+        p.Generate(req="r", prompt="abc", images=(p.ImagePart(b"x", 0),) * (p.MAX_IMAGES + 1)),
+    ]
+    for msg in bad:
+        decoder = p.FrameDecoder()
+        decoder.feed(p.encode(msg))
+        with pytest.raises(FrameError, match="invalid Generate"):
+            decoder.next()

@@ -234,6 +234,37 @@ def test_the_model_goes_into_the_config_once(hub: FakeHub, ggufs: dict[str, byte
     assert (named.id, named.name) == ("tiny-three", "My tiny")
 
 
+def test_the_repos_vision_projector_comes_beside_the_model(
+    hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    """Issue 41: a repo's mmproj-*.gguf is listed apart from the quantisations, pulled beside the
+    model (the F16 one of several), checked to be a projector (clip), named by the model's entry
+    (mmproj) in the config, and paired with the model by the catalog."""
+    repo = _three_quants(ggufs)
+    repo.files["mmproj-Tiny-Q8_0.gguf"] = make_gguf(tmp_path / "q.gguf", arch="clip", name="P8", floats=512)
+    hub.repos[REPO] = repo
+    listing = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
+    assert sorted(f.name for f in listing.projectors) == ["mmproj-Tiny-F16.gguf", "mmproj-Tiny-Q8_0.gguf"]
+    projector = sources.projector_choice(listing)
+    assert projector is not None and projector.filename == "mmproj-Tiny-F16.gguf"
+    result = download.pull(listing, sources.choose(listing))
+    got = download.pull_projector(listing)
+    assert got is not None and got.path.parent == result.path.parent  # the same snapshot
+    assert got.entry.architecture == "clip" and got.path.read_bytes() == ggufs["mmproj"]
+    config_path = _config(tmp_path)
+    _, model, added = add.add_to_config(result, config_path, mmproj=got.path)
+    assert added and model.mmproj == str(got.path)
+    assert load_config(config_path).model(model.id).mmproj == str(got.path)  # type: ignore[union-attr]
+    found = catalog.scan(["hf"], hf=tmp_path / "hf" / "hub")
+    assert [(e.path, e.mmproj) for e in found] == [(str(result.path), str(got.path))]
+    # a "projector" that is a language model is refused (and deleted)
+    hub.repos[REPO].files["mmproj-Tiny-F16.gguf"] = ggufs["q4"]
+    other = remote.list_source(sources.parse_source(f"{REPO}:Q4_K_M"))
+    with pytest.raises(UnsupportedArchitectureError, match="not a vision projector"):
+        download.pull_projector(other, dest_dir=tmp_path / "elsewhere")
+    assert not list((tmp_path / "elsewhere").glob("*.gguf"))
+
+
 def test_a_file_named_in_a_repo_or_a_url_is_named_by_its_stem(
     hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
 ) -> None:
@@ -559,7 +590,7 @@ def test_the_dialog_lists_downloads_and_adds_the_model(
         and cells[1][3] == "Tiny-Q8_0.gguf"
     )
     assert "Licence (repo card): apache-2.0" in dialog.info.text()
-    assert "GPU fit unknown" in dialog.info.text()
+    assert "Fit unknown" in dialog.info.text()
     selected = dialog.selected()
     assert selected is not None and selected.label == "Q4_K_M"  # the usual default
     dialog.table.selectRow(1)
@@ -605,8 +636,10 @@ def test_the_dialog_cancels_and_the_next_download_resumes(
     hub.faults.delay_per_chunk = 0
     with qtbot.waitSignal(dialog.pulled, timeout=30000):
         qtbot.mouseClick(dialog.download_button, Qt.MouseButton.LeftButton)
-    assert hub.seen("GET", "/cdn/")[-1].range == f"bytes={kept}-"
-    assert [m.id for m in load_config(config_path).models] == ["tiny-f16"]
+    # the model's file resumed (then the repo's vision projector came beside it, whole)
+    assert [s.range for s in hub.seen("GET", "/cdn/")][-2:] == [f"bytes={kept}-", None]
+    (model,) = load_config(config_path).models
+    assert model.id == "tiny-f16" and Path(model.mmproj).name == "mmproj-Tiny-F16.gguf"
 
 
 @pytest.mark.gui
@@ -666,7 +699,7 @@ def test_the_gpu_column_uses_the_pools_vram_budget(
     _look_up(qtbot, dialog, 3)
     # these tiny files have no layers or heads: the KV cache is not guessed, the weights are compared
     assert [dialog.table.item(r, 2).text() for r in range(3)] == [WEIGHTS_FIT, WEIGHTS_FIT, "too big"]
-    assert "GPU fit unknown" not in dialog.info.text()
+    assert "Fit unknown" not in dialog.info.text()
     assert "KV cache unknown (the file has no llama.block_count" in dialog.info.text()
     assert hub.seen("GET", "/cdn/")[-1].range == f"bytes=0-{remote.METADATA_LIMIT - 1}"
 
@@ -677,6 +710,26 @@ def test_the_gpu_column_uses_the_pools_vram_budget(
     other.show()
     _look_up(qtbot, other, 3)
     assert 'with the setting "one model at a time"' in other.info.text()
+
+
+@pytest.mark.gui
+def test_on_a_cpu_build_the_dialog_says_host_memory_and_never_gpu(
+    qtbot: Any, hub: FakeHub, ggufs: dict[str, bytes], tmp_path: Path
+) -> None:
+    """A pool whose models run on the CPU: the fit column says so, and no header or note says GPU."""
+    from timeshare.app.get_model import CPU_BUILD, GetModelDialog
+    from timeshare.core.state import ModelState, ModelStatus
+
+    cpu = PoolSnapshot(models=(ModelStatus("smol", "smol", "/m.gguf", ModelState.RELEASED, backend="CPU"),))
+    hub.repos[REPO] = _three_quants(ggufs)
+    dialog = GetModelDialog(lambda: cpu, _config(tmp_path), source=f"hf.co/{REPO}")
+    qtbot.addWidget(dialog)
+    dialog.show()
+    _look_up(qtbot, dialog, 3)
+    headers = [dialog.table.horizontalHeaderItem(c).text() for c in range(4)]
+    assert headers == ["Quantisation", "Size", "Fits", "File"]
+    assert [dialog.table.item(r, 2).text() for r in range(3)] == [CPU_BUILD] * 3
+    assert "no GPU" in dialog.info.text() and "GPU" not in dialog.info.text().replace("no GPU", "")
 
 
 #: SmolLM2-135M's attention: 30 layers of 3 KV heads of 64 (the embedding 576 over 9 heads)

@@ -14,7 +14,7 @@ from timeshare.core import diskspace, instance, paths
 
 from timeshare import cli
 
-_INFO = re.compile(r"^\d{4}-\d\d-\d\d \S+ INFO ")
+_INFO = re.compile(r"^\d{4}-\d\d-\d\d \S+ INFO[: ]")  # serve's plain format: "INFO: message"
 
 
 def _serve(capsys: pytest.CaptureFixture[str], config: Path) -> tuple[int, list[str]]:

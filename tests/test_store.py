@@ -276,7 +276,7 @@ def test_a_schema_1_database_gains_the_conversation_settings(tmp_path: Path) -> 
         assert [m.content for m in s.messages("c1")] == ["hi"]
     check = sqlite3.connect(path)
     try:
-        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert check.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     finally:
         check.close()
 
@@ -289,6 +289,7 @@ def test_schema_3_turns_the_old_512_token_default_into_no_limit(tmp_path: Path) 
     db = sqlite3.connect(path)
     db.execute("UPDATE conversations SET max_tokens = 512 WHERE id = ?", (old.id,))
     db.execute("ALTER TABLE conversations DROP COLUMN repeat_penalty")  # schema 4's
+    db.execute("DROP TABLE message_images")  # schema 5's
     db.execute("PRAGMA user_version=2")  # as schema 2 left it
     db.commit()
     db.close()
@@ -334,3 +335,20 @@ def test_new_conversations_have_a_finite_limit_and_a_base_models_a_repetition_gu
         assert s.set_options(base.id, repeat_penalty=1.0).repeat_penalty == 1.0
         with pytest.raises(ValueError, match="repeat_penalty"):
             s.set_options(base.id, repeat_penalty=0.5)
+
+
+def test_a_user_messages_images_are_kept_with_it(tmp_path: Path) -> None:
+    """Issue 41: a message's images (bytes and place) come back with it, in order; deleting the
+    message (or its conversation) deletes them."""
+    from timeshare.core.wire.protocol import ImagePart
+
+    store = Store(tmp_path / "c.db")
+    conv = store.create_conversation("smol")
+    images = (ImagePart(b"\x89PNG one", 0), ImagePart(b"\x89PNG two", 5))
+    m = store.add_message(conv.id, "user", "hello there", images=images)
+    store.add_message(conv.id, "assistant", "hi")
+    got = store.messages(conv.id)
+    assert got[0].images == images and got[1].images == ()
+    store.delete_message(m.id)
+    assert store.messages(conv.id)[0].images == ()
+    store.close()

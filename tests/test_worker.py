@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _e_worker_util import WorkerHandle
+from _llama_oracle import plain_completions
 from _proc_util import ResidencyWatch, lease_holders, rss_of
 from timeshare.core.api.dialect import reported_format
 from timeshare.core.arena.arena import Arena
@@ -88,6 +89,25 @@ def test_cancel_mid_generation_then_keeps_serving(smol: WorkerHandle) -> None:
     assert done_b.usage.completion_tokens == 0
     _text, done = smol.generate("after", prompt="Hello", sampling=Sampling(max_tokens=3))
     assert isinstance(done, p.Done) and done.finish_reason == "length"
+
+
+def test_a_cancelled_answer_reports_the_tokens_it_generated(smol: WorkerHandle, smollm2_path: Path) -> None:
+    """Stop keeps the true count (issue 43): the cancelled request's Done carries the tokens it
+    generated before the cancel, its prompt and what was evaluated. The oracle: plain
+    llama-cpp-python, greedy, asked for exactly that many tokens, says the text that streamed."""
+    prompt = "Count slowly from one to five hundred, in words:"
+    smol.send(p.Generate(req="stopped", prompt=prompt, sampling=Sampling(max_tokens=300)))
+    for _ in range(3):
+        smol.expect(p.Token, req="stopped")
+    smol.send(p.Cancel("stopped"))
+    text, done = smol.collect("stopped")
+    assert isinstance(done, p.Done) and done.finish_reason == "cancelled"
+    tokens = [m for m in smol.seen if isinstance(m, p.Token) and m.req == "stopped"]
+    n = done.usage.completion_tokens
+    assert len(tokens) <= n < 300  # not 0: what it generated before the Stop
+    assert done.usage.prompt_tokens > 0
+    assert done.usage.prompt_tokens_evaluated == done.usage.prompt_tokens  # a prompt new to it
+    assert plain_completions(smollm2_path, [prompt], n, n_ctx=256) == [text]
 
 
 def test_garbage_frames_get_error_replies_and_the_worker_keeps_serving(smol: WorkerHandle) -> None:

@@ -220,6 +220,11 @@ def _add_diagnostics(sub: Any) -> None:
     doctor.add_argument("--model", metavar="PATH", help="GGUF file (default: the smallest demo model)")
     doctor.add_argument("--cycles", type=int, default=3, help="release/restore cycles (default: 3)")
     doctor.add_argument(
+        "--mmproj",
+        metavar="PATH",
+        help='a vision projector checked with the model ("generated": one made for it, random weights)',
+    )
+    doctor.add_argument(
         "--budget",
         default="one-model",
         metavar="SIZE",
@@ -236,6 +241,12 @@ def _add_diagnostics(sub: Any) -> None:
         "--parts", type=int, default=8, metavar="N", help="layer parts for --partial (default: 8)"
     )
     doctor.add_argument("--card", metavar="SIZE", help=_CARD_HELP)
+    doctor.add_argument(
+        "--handover",
+        action="store_true",
+        help="restores map device memory handed over through a holder of this run's own (issue 40), "
+        "as with arena.handover: the path, the chunks handed over and allocated",
+    )
     doctor.add_argument(
         "--json", action="store_true", help="print only a JSON report on stdout (progress goes to stderr)"
     )
@@ -263,6 +274,11 @@ def _add_diagnostics(sub: Any) -> None:
         action="store_true",
         help="skip the copies under a restore's conditions (fresh buffers, pauses, another thread)",
     )
+    bres.add_argument(
+        "--handover",
+        action="store_true",
+        help="restores map device memory handed over (issue 40): bytes handed over vs allocated",
+    )
     bres.add_argument("--json", action="store_true", help=_JSON_HELP)
     bswitch = bench_sub.add_parser("switch", help="two workers alternating: switch time vs process restart")
     bswitch.add_argument(
@@ -275,6 +291,12 @@ def _add_diagnostics(sub: Any) -> None:
         metavar="SIZE",
         help="the VRAM budget of the two workers (default one-model: they switch; a size that fits "
         "both measures turns without a switch)",
+    )
+    bswitch.add_argument(
+        "--handover",
+        action="store_true",
+        help="the workers hand device memory over (arena.handover); the report counts the chunks "
+        "allocated (cuMemCreate) during the switched turns",
     )
     bswitch.add_argument("--json", action="store_true", help=_JSON_HELP)
     bapi = bench_sub.add_parser(
@@ -311,6 +333,12 @@ def _add_diagnostics(sub: Any) -> None:
         action="store_true",
         help="also the deep switch: the first model twice under an auto budget on a card that sends "
         "every parked worker to the deep level, against the weights-only switch and the issue's target",
+    )
+    bapi.add_argument(
+        "--responses",
+        action="store_true",
+        help="instead: a /v1/responses turn continuing a stored response (previous_response_id) "
+        "after a switch vs the same turn through chat completions with a conversation",
     )
     bapi.add_argument(
         "--keep-logs", action="store_true", help="keep the work folder with serve's and the workers' logs"
@@ -354,6 +382,23 @@ def _add_diagnostics(sub: Any) -> None:
     )
     bemb.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
     bemb.add_argument("--json", action="store_true", help=_JSON_HELP)
+
+    brr = bench_sub.add_parser(
+        "rerank", help="/v1/rerank throughput: 32 documents of ~200 tokens (issue 42), vs llama-server"
+    )
+    brr.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a reranker GGUF (rank pooling; default: a synthetic BERT-base-shaped one, random weights)",
+    )
+    brr.add_argument("--documents", type=int, default=32, help="documents per request (default: 32)")
+    brr.add_argument("--words", type=int, default=150, help="words per document, ~200 tokens (default: 150)")
+    brr.add_argument("--rounds", type=int, default=5, help="requests; the median (default: 5)")
+    brr.add_argument("--n-ctx", type=int, default=512, help="context per sequence (default: 512)")
+    brr.add_argument("--parallel", type=int, default=8, help="sequences / llama-server slots (default: 8)")
+    brr.add_argument("--llama-server", metavar="PATH", help="also llama-server --reranking on the same model")
+    brr.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
+    brr.add_argument("--json", action="store_true", help=_JSON_HELP)
 
     arena = sub.add_parser(
         "arena-test", help="stress the VRAM arena with real workers and check the invariant"

@@ -30,6 +30,7 @@ from .core import words
 from .core.sampling import for_front_end
 from .core.state import STOP_LEVEL, UNLOAD_LEVEL, USER_SLEEP_LEVEL
 from .core.util.units import human_bytes
+from .image_paths import content_with_images, split_images
 
 # ---- commands ----------------------------------------------------------------------------------
 
@@ -131,6 +132,8 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         last = m.get("last_switch") or {}
         restore = f"{last['restore_ms']:.0f} ms" if last.get("switched") else "-"
         note = m.get("reason") or ""
+        if m.get("vision"):
+            note = words.READS_IMAGES + ("; " + note if note else "")
         if m.get("residency_path") == "rebuild" and m.get("residency_reason"):
             note = (note + "; " if note else "") + f"rebuild path: {m['residency_reason']}"
         rows.append(
@@ -479,7 +482,7 @@ def _isatty(stream: TextIO) -> bool:
         return False
 
 
-def _generation_body(args: argparse.Namespace, messages: list[dict[str, str]]) -> dict[str, Any]:
+def _generation_body(args: argparse.Namespace, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat request: the options given, the rest from the command's row of sampling.DEFAULTS."""
     sampling = for_front_end(args.front_end, max_tokens=args.max_tokens, temperature=args.temperature)
     return {
@@ -497,6 +500,19 @@ class _Answer:
     text: str = ""
     extras: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
+    sent: str | list[dict[str, Any]] | None = None  # the user message's content as sent
+
+
+def _user_content(text: str, err: TextIO) -> str | list[dict[str, Any]]:
+    """The prompt's content: the image files it names (``./cat.png``) sent as images, as ``ollama
+    run`` does (timeshare/image_paths.py)."""
+    cleaned, images = split_images(text)
+    for path in images:
+        err.write(f"Added image '{path}'\n")
+    try:
+        return content_with_images(cleaned, images)
+    except OSError as exc:
+        raise ClientError(f"cannot read the image {exc.filename}: {exc.strerror}", EXIT_USAGE) from None
 
 
 def _stream_answer(
@@ -536,7 +552,10 @@ def _chat(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO, stdin: T
     _check_generation_args(args)
     prompt = _read_prompt(args, err, stdin or sys.stdin)
     answer = _Answer()
-    _stream_answer(api, args, _generation_body(args, [{"role": "user", "content": prompt}]), out, err, answer)
+    content = _user_content(prompt, err)
+    _stream_answer(
+        api, args, _generation_body(args, [{"role": "user", "content": content}]), out, err, answer
+    )
     out.write("\n")
     out.flush()
     if getattr(args, "verbose", False):
@@ -613,7 +632,7 @@ def _repl(api: Api, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             continue  # the turn did not happen
         if answer.text:  # what the model said, all or up to Ctrl-C, stays in the conversation
             session.messages += [
-                {"role": "user", "content": text},
+                {"role": "user", "content": answer.sent if answer.sent is not None else text},
                 {"role": "assistant", "content": answer.text},
             ]
 
@@ -628,7 +647,8 @@ def _turn(
     out: TextIO,
     err: TextIO,
 ) -> None:
-    body = _generation_body(args, session.request_messages(text))
+    answer.sent = _user_content(text, err)  # its images stay in the conversation with it
+    body = _generation_body(args, session.request_messages(answer.sent))
     body.update(session.parameters)  # /set parameter wins over the options and defaults
     body["conversation"] = conversation
     _stream_answer(api, args, body, out, err, answer)

@@ -60,6 +60,8 @@ def capabilities(model: ModelConfig | None, has_template: bool, template: str) -
     found = ["completion", "chat" if has_template else "chat (fallback format)"]
     if "tools" in template:
         found.append("tools")
+    if model is not None and model.mmproj:
+        found.append("vision")
     return found
 
 
@@ -72,6 +74,8 @@ def describe(path: str, model: ModelConfig | None, status: dict[str, Any] | None
     if model is not None:
         info.update(id=model.id, name=model.display_name, context=model.n_ctx or "auto")
         info.update(parallel=model.parallel or "auto", kv_cache_type=model.kv_cache_type or "default")
+        if model.mmproj:
+            info["projector"] = model.mmproj  # it reads images (issue 41)
     if status is not None:
         info.update(state=status.get("state"), context=status.get("n_ctx") or info.get("context"))
         if status.get("parallel"):
@@ -135,6 +139,8 @@ def print_description(info: dict[str, Any], out: TextIO) -> None:
             ("Licence", info.get("licence") or "-"),
             ("Capabilities", ", ".join(info["capabilities"])),
         ]
+        if info.get("projector"):
+            rows.append(("Projector", info["projector"]))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         out.write(f"{key.ljust(width)}  {value}\n")

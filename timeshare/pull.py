@@ -17,6 +17,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 from .core.config.files import cli_config_path
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         err.write(f"timeshare pull: {exc}\n")
         return EXIT_USAGE
     printer = ProgressPrinter(err)
+    mmproj: Path | None = None  # the repo's vision projector, pulled beside the model
     try:
         err.write(f"Looking up {source}…\n")
         listing = remote.list_source(source)
@@ -126,6 +128,13 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             f"Checked {checks}, GGUF header and {arch}: {entry.architecture}, {entry.quantisation}"
             f"{', licence ' + entry.licence if entry.licence else ''}\n"
         )
+        projector = sources.projector_choice(listing)
+        if projector is not None:  # the model reads images with it (issue 41)
+            size = human_bytes(projector.size or 0, empty="size unknown")
+            err.write(f"Getting its vision projector {projector.filename} ({size})\n")
+            got = download.pull_projector(listing, dest_dir=args.dir, progress=printer)
+            printer.end()
+            mmproj = got.path if got is not None else None
     except CancelledError:
         printer.end()
         err.write("timeshare pull: cancelled; run the same command again (it resumes where it can)\n")
@@ -144,13 +153,14 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     config_path = cli_config_path(getattr(args, "config", None))
     try:
         _config, model, added = add.add_to_config(
-            result, config_path, model_id=args.id, name=getattr(args, "name", None)
+            result, config_path, model_id=args.id, name=getattr(args, "name", None), mmproj=mmproj
         )
     except ConfigError as exc:
         err.write(f"timeshare pull: the model is in {result.path}, but it was not added: {exc}\n")
         return EXIT_FAILED
     if added:
-        out.write(f"Added model {model.id} ({model.display_name}, {result.path}) to {config_path}\n")
+        seeing = f", reads images with {model.mmproj}" if model.mmproj else ""
+        out.write(f"Added model {model.id} ({model.display_name}, {result.path}{seeing}) to {config_path}\n")
     else:
         out.write(f"{result.path} is already configured as model {model.id} in {config_path}\n")
     out.flush()

@@ -59,9 +59,9 @@ class Session:
 
     parameters: dict[str, Any] = field(default_factory=dict)  # request field -> value
     system: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # content: text, or parts with images
 
-    def request_messages(self, text: str) -> list[dict[str, str]]:
+    def request_messages(self, text: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return [*head, *self.messages, {"role": "user", "content": text}]
 

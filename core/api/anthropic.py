@@ -6,11 +6,13 @@ Mapped: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use
 ``tool_result`` blocks, ``max_tokens`` (required, as Anthropic requires), ``stop_sequences``,
 ``temperature``, ``top_p``, ``top_k``, ``tools`` (``input_schema``), ``tool_choice`` (auto, any,
 tool, none; ``disable_parallel_tool_use``), ``output_config.format`` (a JSON schema: structured
-output's grammar), ``stream``. Ignored: ``metadata``, ``output_config.effort``, ``service_tier``,
-``cache_control``, ``citations``, ``thinking`` blocks in the history (their text is dropped),
-``anthropic-version`` / ``anthropic-beta`` headers. Refused (400 naming the field): image and
-document blocks, server tools (a tool with a ``type``), ``thinking`` enabled, ``container``,
-``mcp_servers``. Errors are Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``
+output's grammar), ``stream``, ``image`` blocks of user messages (``source`` base64, for a model
+with a vision projector: core/api/images.py checks them). Ignored: ``metadata``,
+``output_config.effort``, ``service_tier``, ``cache_control``, ``citations``, ``thinking`` blocks in
+the history (their text is dropped), ``anthropic-version`` / ``anthropic-beta`` headers. Refused
+(400 naming the field): document blocks, images in tool results or given by URL, server tools (a
+tool with a ``type``), ``thinking`` enabled, ``container``, ``mcp_servers``. Errors are Anthropic's
+shape ``{"type": "error", "error": {"type", "message"}}``
 (``errors.dialect_body``); the answer carries Timeshare's switch statistics in ``timeshare``.
 """
 
@@ -38,6 +40,7 @@ from ..wire.protocol import ChatMessage, ToolCall
 from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
 from .extras import switch_extras
+from .images import ImageBudget, image_from_base64, placed
 from .requests import GenerationRequest, read_json
 from .shapes import MAX_MESSAGES
 from .structured import schema_grammar
@@ -164,8 +167,8 @@ _RULES = {
 
 
 _MESSAGE = (
-    'a message is {"role": "user" | "assistant", "content": a string or a list of text, tool_use '
-    "and tool_result blocks}."
+    'a message is {"role": "user" | "assistant", "content": a string or a list of text, image, '
+    "tool_use and tool_result blocks}."
 )
 
 
@@ -175,11 +178,33 @@ _MESSAGE = (
 def _refuse_block(block: object, where: str) -> None:
     if isinstance(block, ImageBlock | DocumentBlock):
         kind = "image" if isinstance(block, ImageBlock) else "document"
+        where_ok = " here (only in a user message's content)" if kind == "image" else ""
         raise BadRequestError(
-            f"{where}: {kind} blocks are not supported: Timeshare's local models read text only; "
-            "send the text instead.",
+            f"{where}: {kind} blocks are not supported{where_ok}: send the text instead.",
             where,
         )
+
+
+def _image(block: ImageBlock, where: str, budget: ImageBudget) -> bytes:
+    """An image block's bytes (``source``: base64 with its media_type), checked."""
+    budget.take(where)
+    source = block.source
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url":
+        raise BadRequestError(
+            f"{where}.source: images by URL are not supported; send the image as base64", f"{where}.source"
+        )
+    if kind != "base64":
+        raise BadRequestError(
+            f'{where}.source must be {{"type": "base64", "media_type": "image/png", "data": "..."}}',
+            f"{where}.source",
+        )
+    mime = source.get("media_type")
+    if not isinstance(mime, str):
+        raise BadRequestError(
+            f"{where}.source.media_type must be an image type", f"{where}.source.media_type"
+        )
+    return image_from_base64(source.get("data"), f"{where}.source.data", mime)
 
 
 def _text_of(content: str | list[Any], where: str) -> str:
@@ -199,18 +224,22 @@ def _messages(body: _Prompt) -> tuple[ChatMessage, ...]:
         system = _text_of(body.system, "system")
         if system:
             out.append(ChatMessage(role="system", content=system))
+    budget = ImageBudget()
     for i, message in enumerate(body.messages):
         where = f"messages[{i}].content"
         if isinstance(message.content, str):
             out.append(ChatMessage(role=message.role, content=message.content))
             continue
-        texts: list[str] = []
+        texts: list[tuple[str, bytes | None]] = []
         calls: list[ToolCall] = []
         for j, block in enumerate(message.content):
             at = f"{where}[{j}]"
+            if isinstance(block, ImageBlock) and message.role == "user":
+                texts.append(("", _image(block, at, budget)))
+                continue
             _refuse_block(block, at)
             if isinstance(block, TextBlock):
-                texts.append(block.text)
+                texts.append((block.text, None))
             elif isinstance(block, ToolUseBlock):
                 if message.role != "assistant":
                     raise BadRequestError(f"{at}: tool_use blocks belong to assistant messages.", at)
@@ -228,7 +257,8 @@ def _messages(body: _Prompt) -> tuple[ChatMessage, ...]:
                 out.append(ChatMessage(role="tool", content=result, tool_call_id=block.tool_use_id))
             # thinking blocks: the history's reasoning is not shown to the model again
         if calls or texts or message.role == "assistant":
-            out.append(ChatMessage(role=message.role, content="".join(texts), tool_calls=tuple(calls)))
+            text, images = placed(texts)
+            out.append(ChatMessage(role=message.role, content=text, tool_calls=tuple(calls), images=images))
     return tuple(out)
 
 
@@ -556,7 +586,8 @@ class Routes:
             kind="chat",
             model=parsed.model,
             prompt=None,
-            messages=_messages(parsed),
+            # (on a thread: its images are decoded to be checked)
+            messages=await anyio.to_thread.run_sync(_messages, parsed),
             sampling=for_front_end("api_anthropic", max_tokens=1, temperature=0.0),
             stream=False,
             include_usage=False,

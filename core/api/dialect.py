@@ -278,6 +278,13 @@ async def start(
     if tools is not None:
         req = dataclasses.replace(req, tools=tools)
     model = host.pool.config.model(model_id)
+    if req.image_count and (model is None or not model.mmproj):
+        name = model.display_name if model is not None else model_id
+        raise BadRequestError(
+            f"{name} does not read images: it has no vision projector (models[].mmproj); send text only, "
+            "or choose a vision model.",
+            "messages" if req.messages is not None else "images",
+        )
     fmt = reported_format(status)
     choices: list[Choice] = []
     try:

@@ -30,13 +30,14 @@ from starlette.types import Receive, Scope, Send
 from .. import paths
 from ..config.files import load_config
 from ..config.schema import ApiConfig, Config, ModelConfig
-from ..errors import ConfigError, ModelUnavailableError, TimeshareError
+from ..errors import ConfigError, InvalidInputError, ModelUnavailableError, TimeshareError
+from ..gguf.catalog import read_pooling
 from ..modelnames import resolve_api_model
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
 from ..state import USER_SLEEP_LEVEL, EventKind, PoolEvent, PoolSnapshot, SwitchStats, parse_release_level
 from ..wire.protocol import TokenLogprobs, Usage
-from . import anthropic, ollama, ollama_models, shapes
+from . import anthropic, ollama, ollama_models, responses, shapes
 from .chat_output import ChatOutput
 from .dialect import Choice, Turn, listing, start, unknown_model
 from .embeddings import embedding_response, parse_embedding_request
@@ -49,6 +50,7 @@ from .errors import (
     timeshare_error_status,
 )
 from .extras import plain, switch_extras
+from .images import fetch_url
 from .logprobs import CompletionOffsets, chat_logprobs, completion_logprobs
 from .middleware import HEALTH_PATH, SHUTTING_DOWN, AuthMiddleware, GuardMiddleware
 from .requests import (
@@ -60,6 +62,8 @@ from .requests import (
     read_body,
     read_json,
 )
+from .rerank import RERANK_PATHS, parse_rerank_request, rerank_response
+from .response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +148,19 @@ def status_json(
     }
 
 
-def capabilities(model: ModelConfig | None) -> list[str]:
-    """What a model answers (as llama-swap and LM Studio list it): an embedding model embeds only;
-    a chat model chats, completes, calls tools (its template's syntax, or the generic JSON format
-    for templates without one) and embeds (mean pooling)."""
+def capabilities(model: ModelConfig | None, pooling: str = "") -> list[str]:
+    """What a model answers (as llama-swap and LM Studio list it): a reranker (``pooling`` "rank",
+    as its worker reported) reranks only; an embedding model embeds only; a chat model chats,
+    completes, calls tools (its template's syntax, or the generic JSON format for templates
+    without one) and embeds (mean pooling)."""
+    if pooling == "rank":
+        return ["rerank"]
     if model is not None and model.embedding:
         return ["embedding"]
-    return ["chat", "completion", "tools", "embedding"]
+    found = ["chat", "completion", "tools", "embedding"]
+    if model is not None and model.mmproj:
+        found.append("vision")  # it reads images (a vision projector, models[].mmproj)
+    return found
 
 
 def model_json(status: Any, created: int, model: ModelConfig | None = None) -> dict[str, Any]:
@@ -159,7 +169,7 @@ def model_json(status: Any, created: int, model: ModelConfig | None = None) -> d
         "object": "model",
         "created": created,
         "owned_by": "timeshare",
-        "capabilities": capabilities(model),
+        "capabilities": capabilities(model, getattr(status, "pooling", "")),
         "timeshare": {
             "name": status.name,
             "state": plain(status.state),
@@ -334,9 +344,54 @@ class _Handlers:
         )
         return JSONResponse(body)
 
+    async def rerank(self, request: Request) -> Response:
+        req = parse_rerank_request(await read_json(request))
+        snapshot = self.pool.snapshot()
+        model_id = resolve_model(snapshot, req.model)
+        await self.call(self._check_reranker, model_id)
+        try:
+            gen = await self.call(partial(self.pool.rerank, model_id, req.query, req.documents))
+        except ValueError as exc:  # the pool's own argument check
+            raise BadRequestError(f"{exc}.") from exc
+        try:
+            result = await self.wait_watching(request, gen, gen.result)
+        except ClientGoneError:
+            return Response(status_code=499)
+        except InvalidInputError as exc:  # the worker's word: the model is no reranker
+            raise BadRequestError(str(exc), "model") from None
+        except BaseException:
+            gen.cancel()
+            raise
+        if result.finish_reason == "cancelled":
+            raise ModelUnavailableError(
+                SHUTTING_DOWN if self.closing else f"{model_id}: the request was cancelled"
+            )
+        return JSONResponse(rerank_response(req, result.embeddings, result.usage.prompt_tokens))
+
+    def _check_reranker(self, model_id: str) -> None:
+        """400 naming the model when it is not a reranker: as its worker reported (its pooling),
+        or, before it has loaded, as its GGUF's header says (the worker refuses it too)."""
+        status = self.pool.snapshot().model(model_id)
+        pooling = status.pooling if status is not None else ""
+        if not (status is not None and status.chat_format):  # not loaded: the file says
+            config = self.pool.config.model(model_id)
+            try:
+                pooling = read_pooling(config.path) if config is not None else "rank"
+            except TimeshareError:
+                return  # the worker says what is wrong with the file
+        if pooling != "rank":
+            name = status.name if status is not None and status.name else model_id
+            raise BadRequestError(
+                f"The model {name!r} is not a reranker: /v1/rerank needs a model whose GGUF pools by "
+                "rank (a cross-encoder such as bge-reranker or Qwen3-Reranker).",
+                "model",
+            )
+
     async def chat_completions(self, request: Request) -> Response:
         # parsed on a thread: building a response_format grammar is bounded, not free (issue 38)
-        return await self.generate(request, await self.call(parse_chat_request, await read_json(request)))
+        fetch = fetch_url if self.api_config.fetch_image_urls else None  # http(s) image URLs
+        body = await read_json(request)
+        return await self.generate(request, await self.call(parse_chat_request, body, fetch))
 
     async def completions(self, request: Request) -> Response:
         return await self.generate(
@@ -361,12 +416,16 @@ class _Handlers:
         req: GenerationRequest,
         entries: Sequence[TokenLogprobs],
         offsets: CompletionOffsets | None = None,
+        *,
+        echoed: bool = False,
     ) -> dict[str, Any] | None:
+        """The logprobs of ``entries`` in the request's shape (None: not asked for); ``echoed``:
+        they begin with an echoed prompt (its first token's logprob is null)."""
         if not req.logprobs:
             return None
         if req.kind == "chat":
             return chat_logprobs(entries)
-        return completion_logprobs(entries, offsets)
+        return completion_logprobs(entries, offsets, null_first=echoed)
 
     def full_response(
         self,
@@ -412,7 +471,14 @@ class _Handlers:
                 system_fingerprint=None,
                 choices=[
                     shapes.TextChoice(
-                        i, r.text, self._logprobs(req, r.logprobs), _finish_reason(r.finish_reason)
+                        i,
+                        _echoed(req, r.prompt_logprobs) + r.text if req.echo else r.text,
+                        self._logprobs(
+                            req,
+                            (*r.prompt_logprobs, *r.logprobs) if req.echo else r.logprobs,
+                            echoed=req.echo,
+                        ),
+                        _finish_reason(r.finish_reason),
                     )
                     for i, r in enumerate(results)
                 ],
@@ -476,6 +542,17 @@ class _Handlers:
             if not deltas and logprobs is not None:
                 yield chunk(i, None, None, logprobs=logprobs)
 
+        def echo_chunk(choice: Choice, offsets: CompletionOffsets) -> dict[str, str]:
+            """``echo``: the prompt, as the choice's first chunk (its tokens' logprobs are all in
+            once the choice's first piece has come, or it has ended: they precede any text)."""
+            entries = choice.gen.prompt_logprobs()
+            return chunk(
+                choice.index,
+                _echoed(req, entries),
+                None,
+                logprobs=self._logprobs(req, entries, offsets, echoed=True),
+            )
+
         async def events() -> AsyncIterator[dict[str, str]]:
             with self.streaming(*turn.gens):
                 results: list[GenerationResult] = []
@@ -483,16 +560,25 @@ class _Handlers:
                     for choice in turn.choices:
                         i, output = choice.index, choice.output
                         offsets = CompletionOffsets()
+                        echo = req.echo  # the prompt is still to be sent
                         if req.kind == "chat":
                             yield chunk(i, "", None, role=True)
+                        if i == 0 and echo:
+                            yield echo_chunk(choice, offsets)
+                            echo = False
                         if i == 0 and first:
                             for item in piece_chunks(choice, first, offsets):
                                 yield item
                         if i > 0 or first is not None:
                             async for piece in turn.rest(i):
+                                if echo:
+                                    yield echo_chunk(choice, offsets)
+                                    echo = False
                                 for item in piece_chunks(choice, piece, offsets):
                                     yield item
                         result = await turn.stream_result(i)
+                        if echo:
+                            yield echo_chunk(choice, offsets)
                         results.append(result)
                         extras = switch_extras(
                             result.switch,
@@ -518,6 +604,10 @@ class _Handlers:
                     turn.abandon()
 
         return StreamResponse(events(), ping=15, send_timeout=SSE_WRITE_TIMEOUT_S)
+
+    def sse(self, events: AsyncIterator[dict[str, str]]) -> Response:
+        """The API's server-sent events (a client that stops reading is given up on)."""
+        return StreamResponse(events, ping=15, send_timeout=SSE_WRITE_TIMEOUT_S)
 
     # -- Timeshare endpoints --
 
@@ -608,6 +698,14 @@ def _finish_reason(reason: str) -> str:
     if reason in COMPLETE_FINISH_REASONS:
         return reason
     raise ModelUnavailableError(f"the answer ended before it was complete ({reason}); send the request again")
+
+
+def _echoed(req: GenerationRequest, entries: Sequence[TokenLogprobs]) -> str:
+    """The prompt an ``echo`` returns: as sent, or a token-array prompt's tokens as text (their
+    pieces, which come with the prompt's entries)."""
+    if req.prompt is not None:
+        return req.prompt
+    return b"".join(e.piece for e in entries).decode("utf-8", errors="replace")
 
 
 def resolve_model(snapshot: PoolSnapshot, name: str) -> str:
@@ -708,12 +806,17 @@ def create_app(
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
         Route("/v1/embeddings", handlers.embeddings, methods=["POST"]),
+        # llama-server's four routes (Jina's shape; TEI's with ``texts``)
+        *(Route(path, handlers.rerank, methods=["POST"]) for path in RERANK_PATHS),
         Route("/timeshare/v1/status", handlers.status, methods=["GET"]),
         Route("/timeshare/v1/models/{model_id}/{command}", handlers.model_command, methods=["POST"]),
         Route("/timeshare/v1/reload", reload_endpoint, methods=["POST"]),
     ]
     # the other dialects, thin translations onto the same handlers
     routes += anthropic.routes(handlers) + ollama.routes(handlers) + ollama_models.routes(handlers)
+    # the Responses API keeps what it answered (store: true) in the data dir, within the bounds
+    store = ResponseStore(keep=api_config.responses_kept, days=api_config.responses_days)
+    routes += responses.routes(handlers, store, handlers.sse)
     exception_handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         BadRequestError: _on_bad_request,
         TimeshareError: _on_timeshare_error,
@@ -727,6 +830,7 @@ def create_app(
     app.add_middleware(GuardMiddleware, api_config=api_config, closing=lambda: handlers.closing)
     app.state.begin_shutdown = handlers.begin_shutdown
     app.state.counter = counter
+    app.state.responses = store
     app.state.served = handlers.served
     app.state.unsubscribe = pool.subscribe(counter.on_event)
     return app

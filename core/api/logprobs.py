@@ -7,7 +7,9 @@ alternatives; see core/worker/sampler.py).
   carries the entries of its own tokens.
 - completions (``logprobs: 0..20``, the number of alternatives): the legacy ``{"tokens",
   "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, offsets in characters
-  of the answer text (no ``echo``, so the prompt is not counted).
+  of the answer text; with ``echo`` the prompt's tokens come first (a leading BOS left out) and
+  the offsets count from the prompt's start; the first token's ``token_logprobs`` and
+  ``top_logprobs`` are null (nothing precedes it: OpenAI's and llama-cpp-python's echo).
 
 A token whose bytes are not whole UTF-8 (a character split across tokens) has its ``token``
 string decoded with replacement characters; ``bytes`` is exact.
@@ -67,17 +69,25 @@ class CompletionOffsets:
         return at
 
 
-def completion_logprobs(entries: Sequence[Entry], offsets: CompletionOffsets | None = None) -> dict[str, Any]:
+def completion_logprobs(
+    entries: Sequence[Entry], offsets: CompletionOffsets | None = None, *, null_first: bool = False
+) -> dict[str, Any]:
+    """The legacy shape; ``null_first``: the entries begin with an echoed prompt, whose first
+    token has no logprob (null in ``token_logprobs`` and ``top_logprobs``)."""
     offsets = offsets or CompletionOffsets()
-    top: list[dict[str, float]] = []
+    top: list[dict[str, float] | None] = []
     for e in entries:
         alternatives: dict[str, float] = {}
         for a in e.top:
             alternatives.setdefault(_text(a.piece), a.logprob)
         top.append(alternatives)
+    logprobs: list[float | None] = [e.logprob for e in entries]
+    if null_first and entries:
+        logprobs[0] = None
+        top[0] = None
     return {
         "tokens": [_text(e.piece) for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
+        "token_logprobs": logprobs,
         "top_logprobs": top,
         "text_offset": [offsets.next(e.piece) for e in entries],
     }

@@ -41,10 +41,11 @@ from ..errors import TimeshareError, UnknownModelError
 from ..pool.generation import GenerationResult
 from ..sampling import MAX_STOP, for_front_end
 from ..state import PoolSnapshot
-from ..wire.protocol import ChatMessage, ToolCall
+from ..wire.protocol import ChatMessage, ImagePart, ToolCall
 from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
 from .extras import switch_extras
+from .images import ImageBudget, image_from_base64
 from .requests import GenerationRequest, read_json
 from .shapes import MAX_MESSAGES
 from .structured import json_object_grammar, schema_grammar
@@ -328,12 +329,15 @@ def release_now(host: Host, model_id: str) -> None:
 # ---- translation ---------------------------------------------------------------------------------
 
 
-def _refuse_images(images: list[Any] | None, where: str) -> None:
-    if images:
-        raise BadRequestError(
-            f"{where}: images are not supported: Timeshare's local models read text only; send text.",
-            where,
-        )
+def _images(images: list[Any] | None, where: str, budget: ImageBudget) -> tuple[ImagePart, ...]:
+    """Ollama's ``images`` (base64 strings), checked, placed before the text (as Ollama shows a
+    message's images ahead of its content)."""
+    out: list[ImagePart] = []
+    for k, data in enumerate(images or ()):
+        at = f"{where}[{k}]"
+        budget.take(at)
+        out.append(ImagePart(image_from_base64(data, at, None), 0))
+    return tuple(out)
 
 
 def _arguments(value: dict[str, Any] | str) -> str:
@@ -341,10 +345,15 @@ def _arguments(value: dict[str, Any] | str) -> str:
 
 
 def chat_messages(messages: list[OllamaMessage]) -> tuple[ChatMessage, ...]:
+    """Ollama's chat messages as the pool's (blocking: their images are decoded to be checked)."""
     out: list[ChatMessage] = []
     pending: list[tuple[str, str]] = []  # (call id, name) of the last assistant's calls
+    budget = ImageBudget()
     for i, m in enumerate(messages):
-        _refuse_images(m.images, f"messages[{i}].images")
+        if m.images and m.role != "user":
+            where = f"messages[{i}].images"
+            raise BadRequestError(f"{where}: only user messages may hold images.", where)
+        images = _images(m.images, f"messages[{i}].images", budget)
         if m.role == "tool":
             call_id = next((cid for cid, name in pending if name == m.tool_name), None)
             if call_id is None and pending:
@@ -362,7 +371,7 @@ def chat_messages(messages: list[OllamaMessage]) -> tuple[ChatMessage, ...]:
         )
         if calls:
             pending = [(c.id, c.name) for c in calls]
-        out.append(ChatMessage(role=m.role, content=m.content, tool_calls=calls))
+        out.append(ChatMessage(role=m.role, content=m.content, tool_calls=calls, images=images))
     return tuple(out)
 
 
@@ -409,9 +418,15 @@ class Contexts:
 
 
 def _request(
-    model_id: str, body: _Body, messages: Any, prompt: str | None, conversation: str | None
+    model_id: str,
+    body: _Body,
+    messages: Any,
+    prompt: str | None,
+    conversation: str | None,
+    images: tuple[ImagePart, ...] = (),
 ) -> GenerationRequest:
     return GenerationRequest(
+        images=images,
         kind="chat" if prompt is None else "completion",
         model=model_id,
         prompt=prompt,
@@ -484,7 +499,7 @@ class Routes:
         keep = keep_alive_seconds(body.keep_alive)
         if not body.messages:  # Ollama's way to load (or, keep_alive 0, unload) a model
             return await self._load_only(model_id, keep, {"message": {"role": "assistant", "content": ""}})
-        messages = chat_messages(body.messages)
+        messages = await anyio.to_thread.run_sync(chat_messages, body.messages)
         tools = tool_request(body.tools, body.tool_choice)
         req = await anyio.to_thread.run_sync(lambda: _request(model_id, body, messages, None, None))
 
@@ -497,7 +512,7 @@ class Routes:
         body: GenerateBody = decode(await read_json(request), GenerateBody)
         model_id = resolve(body.model, self.host.pool.snapshot())
         keep = keep_alive_seconds(body.keep_alive)
-        _refuse_images(body.images, "images")
+        images = await anyio.to_thread.run_sync(_images, body.images, "images", ImageBudget())
         if body.template:
             raise BadRequestError(
                 "'template' is not supported: Timeshare renders prompts with the model's own chat "
@@ -512,7 +527,9 @@ class Routes:
         if body.raw:
             if body.context:
                 raise BadRequestError("'context' goes with templated prompts, not 'raw': true.", "context")
-            req = await anyio.to_thread.run_sync(lambda: _request(model_id, body, None, body.prompt, None))
+            req = await anyio.to_thread.run_sync(
+                lambda: _request(model_id, body, None, body.prompt, None, images)
+            )
             history: tuple[ChatMessage, ...] | None = None
         else:
             earlier, conversation = (
@@ -525,7 +542,7 @@ class Routes:
                     ChatMessage(role="system", content=body.system),
                     *(m for m in earlier if m.role != "system"),
                 )
-            messages = (*earlier, ChatMessage(role="user", content=body.prompt))
+            messages = (*earlier, ChatMessage(role="user", content=body.prompt, images=images))
             history = messages
             req = await anyio.to_thread.run_sync(
                 lambda: _request(model_id, body, messages, None, conversation)

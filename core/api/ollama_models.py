@@ -229,6 +229,8 @@ class ModelRoutes:
         capabilities = ["completion", "tools"]
         if config is not None and config.embedding:
             capabilities = ["embedding"]
+        elif config is not None and config.mmproj:
+            capabilities.append("vision")  # as Ollama lists a model that reads images
         parameters = [f"num_ctx {status.n_ctx}"] if status.n_ctx else []
         return {
             "license": entry.licence if entry else "",

@@ -96,10 +96,15 @@ class PullJob:
                 put({"error": f"{exc}; name one as {listing.title}:QUANT (one of: {labels})"})
                 return
             result = download.pull(listing, choice, progress=self._progress, cancel=self._cancel)
+            # the repo's vision projector, beside the model (issue 41)
+            projector = download.pull_projector(listing, progress=self._progress, cancel=self._cancel)
             put({"status": "writing manifest"})
             # the one writer: the file as it is now, under its lock, applied before the next change
             _config, model, _added = add.add_to_config(
-                result, self.config_path, then=self.host.pool.apply_config
+                result,
+                self.config_path,
+                then=self.host.pool.apply_config,
+                mmproj=projector.path if projector is not None else None,
             )
             put({"status": "success", "timeshare": {"id": model.id, "path": str(result.path)}})
         except (TimeshareError, ConfigError, ValueError) as exc:

@@ -22,9 +22,10 @@ from ..sampling import (
     Sampling,
     for_front_end,
 )
-from ..wire.protocol import ChatMessage
+from ..wire.protocol import ChatMessage, ImagePart
 from .errors import BadRequestError
-from .shapes import MAX_MESSAGES, MAX_N, ChatBody, CompletionBody, RequestMessage
+from .images import Fetcher, ImageBudget, image_from_url, placed
+from .shapes import MAX_MESSAGES, MAX_N, ChatBody, CompletionBody, RequestMessage, TextPart
 from .structured import response_format_grammar
 from .tools import ToolRequest, has_tool_fields, parse_tool_request, tool_message
 
@@ -58,7 +59,11 @@ class GenerationRequest:
     cache_prompt: bool | None  # llama-server's field; None: the model's setting
     tools: ToolRequest | None = None  # chat: tools, tool_choice ... (None: none, or tool_choice none)
     n: int = 1  # choices: n generations, choice i sampled with seed + i (Sampling.for_choice)
+    images: tuple[ImagePart, ...] = ()  # a completion prompt's images (Ollama's /api/generate)
     logprobs: bool = False  # the answer carries logprobs (Sampling.logprobs / top_logprobs)
+    echo: bool = False  # completions: the prompt comes back first (its tokens' logprobs with logprobs)
+    score_only: bool = False  # completions' max_tokens 0: the prompt is evaluated, nothing generated
+    prompt_tokens: tuple[int, ...] | None = None  # completions: a token-array prompt (prompt is None)
 
     def pool_fields(self, choice: int = 0) -> dict[str, Any]:
         """``Pool.generate``'s keyword arguments for choice ``choice``."""
@@ -68,7 +73,16 @@ class GenerationRequest:
             "sampling": self.sampling.for_choice(choice),
             "conversation": self.conversation,
             "cache_prompt": self.cache_prompt,
+            "images": self.images,
+            # an echoed token-array prompt's text is its tokens' pieces: they come with the entries
+            "prompt_logprobs": self.echo and (self.logprobs or self.prompt_tokens is not None),
+            "score_only": self.score_only,
+            "prompt_tokens": self.prompt_tokens,
         }
+
+    @property
+    def image_count(self) -> int:
+        return len(self.images) + sum(len(m.images) for m in self.messages or ())
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
@@ -122,13 +136,19 @@ def _sentence(param: str, value: object, what: str) -> str:
         return f"{param} {value!r} is not supported: use system, user, assistant or tool."
     if top == "messages[].content":
         if isinstance(value, list):  # a part broke the rule
-            return f'{param}: only text parts are supported (\'{{"type": "text", "text": "..."}}\').'
+            return (
+                f"{param}: only text and image_url parts are supported "
+                '(\'{"type": "text", "text": "..."}\', \'{"type": "image_url", "image_url": {"url": '
+                '"data:image/png;base64,..."}}\').'
+            )
         return f"{param} must be a string."
     if top in _NUMBERS:
         low, high = _NUMBERS[top]
         return f"'{top}' must be a number from {low:g} to {high:g}; got {value!r}."
     if top in ("max_tokens", "max_completion_tokens"):
         return f"'{top}' must be a whole number of at least 1; got {value!r}."
+    if top == "echo":
+        return f"'echo' must be true or false; got {value!r}."
     if top == "n":
         return f"'n' must be a whole number from 1 to {MAX_N} (the choices to generate); got {value!r}."
     if top == "logprobs":
@@ -189,7 +209,15 @@ def _decode(body: object, shape: type[T]) -> T:
         return msgspec.convert(body, shape)
     except msgspec.ValidationError as exc:
         param, what = _param_of(exc)
-        raise BadRequestError(_sentence(param, _value_at(body, param), what), param or None) from None
+        value = _value_at(body, param)
+        if shape is CompletionBody and param == "max_tokens":
+            sentence = (
+                "'max_tokens' must be a whole number of at least 0 (0: the prompt is scored, nothing "
+                f"generated); got {value!r}."
+            )
+        else:
+            sentence = _sentence(param, value, what)
+        raise BadRequestError(sentence, param or None) from None
 
 
 def _request(
@@ -275,24 +303,42 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...] |
 _ROLES: dict[str, Any] = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _chat_message(m: RequestMessage, raw: Mapping[str, Any], index: int) -> ChatMessage:
+def _chat_message(
+    m: RequestMessage, raw: Mapping[str, Any], index: int, fetch: Fetcher | None, budget: ImageBudget
+) -> ChatMessage:
+    images: tuple[ImagePart, ...] = ()
     if m.content is None:
         text = ""
+    elif isinstance(m.content, str):
+        text = m.content
     else:
-        text = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+        parts: list[tuple[str, bytes | None]] = []
+        for j, part in enumerate(m.content):
+            if isinstance(part, TextPart):
+                parts.append((part.text, None))
+                continue
+            where = f"messages[{index}].content[{j}].image_url"
+            if m.role != "user":
+                raise BadRequestError(f"{where}: only user messages may hold images.", where)
+            budget.take(where)
+            parts.append(("", image_from_url(part.image_url.url, f"{where}.url", fetch)))
+        text, images = placed(parts)
     if has_tool_fields(raw):  # the tools path (tools.py): calls, results, the legacy forms
         return tool_message(raw, index, text)
     if m.content is None:
         where = f"messages[{index}].content"
         raise BadRequestError(f"{where} must be a string (null only with tool_calls).", where)
-    return ChatMessage(role=_ROLES[m.role], content=text)
+    return ChatMessage(role=_ROLES[m.role], content=text, images=images)
 
 
-def parse_chat_request(body: object) -> GenerationRequest:
+def parse_chat_request(body: object, fetch: Fetcher | None = None) -> GenerationRequest:
+    """A /v1/chat/completions body as a GenerationRequest; ``fetch``: how an http(s) image URL is
+    fetched (None: refused; ``api.fetch_image_urls``)."""
     parsed = _decode(body, ChatBody)
     assert isinstance(body, dict)
     raw = body["messages"]
-    messages = tuple(_chat_message(m, raw[i], i) for i, m in enumerate(parsed.messages))
+    budget = ImageBudget()
+    messages = tuple(_chat_message(m, raw[i], i, fetch, budget) for i, m in enumerate(parsed.messages))
     max_tokens = parsed.max_completion_tokens or parsed.max_tokens
     request = _request("chat", "api_chat", parsed, None, messages, max_tokens)
     return dataclasses.replace(request, tools=parse_tool_request(body))
@@ -301,26 +347,37 @@ def parse_chat_request(body: object) -> GenerationRequest:
 def parse_completion_request(body: object) -> GenerationRequest:
     parsed = _decode(body, CompletionBody)
     prompt: object = parsed.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt (lm-evaluation-harness sends its prompts so)
+    tokens: tuple[int, ...] | None = None
+    if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        tokens = tuple(int(t) for t in prompt)  # OpenAI's token-array prompt
+        prompt = None
+    elif isinstance(prompt, list):
         raise BadRequestError(
-            "'prompt' must be one string: batches of prompts and token arrays are not supported; "
-            "send one request per prompt.",
+            "'prompt' must be one string or one list of token ids (whole numbers of at least 0): "
+            "batches of prompts are not supported; send one request per prompt.",
             "prompt",
         )
-    assert isinstance(prompt, str)
-    if not prompt:
+    assert prompt is None or isinstance(prompt, str)
+    if prompt is not None and not prompt:
         raise BadRequestError("'prompt' is empty: give some text for the model to continue.", "prompt")
     assert isinstance(body, dict)
-    if body.get("echo"):
-        raise BadRequestError("'echo' is not supported; leave it out.", "echo")
     if body.get("suffix"):
         raise BadRequestError("'suffix' is not supported; leave it out.", "suffix")
     for name in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(name) not in (None, [], "none"):
             raise BadRequestError(f"'{name}' goes with /v1/chat/completions; leave it out here.", name)
-    return _request("completion", "api_completion", parsed, prompt, None, parsed.max_tokens)
+    score_only = parsed.max_tokens == 0
+    # max_tokens 0 (OpenAI's scoring request): nothing is sampled, the Sampling's limit is moot
+    request = _request(
+        "completion", "api_completion", parsed, prompt, None, 1 if score_only else parsed.max_tokens
+    )
+    return dataclasses.replace(request, echo=parsed.echo, score_only=score_only, prompt_tokens=tokens)
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _too_large() -> BadRequestError:

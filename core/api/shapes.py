@@ -29,14 +29,25 @@ MAX_N = 8
 # ---- requests ------------------------------------------------------------------------------------
 
 
-class TextPart(msgspec.Struct, frozen=True):
-    type: Literal["text"]
+class TextPart(msgspec.Struct, frozen=True, tag="text", tag_field="type"):
     text: str
+
+
+class ImageUrl(msgspec.Struct, frozen=True):
+    url: Any = None  # checked by images.image_from_url (a data: URL, or http(s) when fetched)
+    detail: str | None = None  # "auto" | "low" | "high": ignored (the projector decides)
+
+
+class ImageUrlPart(msgspec.Struct, frozen=True, tag="image_url", tag_field="type"):
+    image_url: ImageUrl
+
+
+ContentPart = TextPart | ImageUrlPart
 
 
 class RequestMessage(msgspec.Struct, frozen=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None  # null: an assistant message that only calls tools
+    content: str | list[ContentPart] | None = None  # null: an assistant message that only calls tools
     # tool history (validated in tools.py, which reads them from the body): an assistant's calls,
     # the call a tool message answers, the function's name; the legacy function_call
     tool_calls: Any = None
@@ -94,7 +105,9 @@ class ChatBody(_Body, frozen=True, kw_only=True):
 
 class CompletionBody(_Body, frozen=True, kw_only=True):
     prompt: str | list[Any]
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # 0: score the prompt only
     logprobs: TopLogprobs | None = None  # the legacy field: how many alternatives per token
+    echo: bool = False  # the prompt comes back before the answer (with its logprobs when asked)
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
+
 from ..chatformat.families import generic_system_prompt
 from ..chatformat.format import ChatFormat, of_source
 from ..chatformat.grammar import ToolGrammarError, functions_of, tool_grammar, tool_triggers
@@ -303,13 +305,7 @@ def prepare(
 
 
 def _with_content(message: ChatMessage, content: str) -> ChatMessage:
-    return ChatMessage(
-        role=message.role,
-        content=content,
-        tool_calls=message.tool_calls,
-        tool_call_id=message.tool_call_id,
-        name=message.name,
-    )
+    return msgspec.structs.replace(message, content=content)  # (its images keep their places)
 
 
 # ---- tool history in messages ------------------------------------------------------------------

@@ -96,6 +96,13 @@ class TokenClient:
         # Set while the doorbell has a reason to scan: this client holds a lease (only a holder
         # rings), or close() stops the doorbell. While clear the warden sleeps on it, not scanning.
         self._doorbell_armed = threading.Event()
+        # scans of the arena made to judge what the head of the queue asks (ring_now: the waiters
+        # and the leases read, the head's plan made): by the warden for its rings, and by any other
+        # thread (a worker deciding a yield). Counters for tests and benchmarks: one ring is one
+        # scan, and a yield decided from a fresh ring adds none
+        self.ring_scans = 0
+        self.yield_scans = 0
+        self._scans_lock = threading.Lock()
         self.budget, self._budget_fd, self.budget_note = arena.lease_files.join_budget(budget)
 
     # -- state --
@@ -222,39 +229,64 @@ class TokenClient:
         what the head lacks; None when not asked (it is not named by the plan of
         :func:`~.budget.plan_fit`, the head is this client's own request, or the head can never
         fit). Judged as if this client were unpinned: the caller checks its own pin."""
-        held = self._held
-        if held is None:
+        if self._held is None:
             return None
-        if waiters is None:
-            waiters = tuple(self.arena.waiters())
-        if not waiters or waiters[0].name in self._own_tickets:
-            return None
-        head = waiters[0]
-        need = self.arena.ticket_need(head)
-        # judged as if unpinned: a pinned holder hears the bell too (and ignores it while pinned),
-        # so that unpinning yields at the next ring
-        leases = [replace(x, pinned=False) if x.name == held.name else x for x in self.arena.leases()]
-        plan = plan_fit(need, leases, self.budget, time.monotonic(), requester=(head.pid, head.model))
-        if plan.fits or not plan.possible:
-            return None
-        return plan.asked(held.name)
+        return self.ring_now(waiters).ask
 
     def asked_to_deepen(self, waiters: tuple[Ticket, ...] | None = None) -> bool:
         """The head of the queue's plan asks this client's worker to go deep: release its KV cache
         and compute buffers (its reserve lease is named; issue 39). Judged as if unpinned, as
         :meth:`asked_to_free`."""
-        reserve = self._reserve
-        if reserve is None or reserve[2].deepens <= 0 or self.budget.kind != "auto":
+        if not self._may_deepen():
             return False
+        return self.ring_now(waiters).deepen
+
+    def _may_deepen(self) -> bool:
+        reserve = self._reserve
+        return reserve is not None and reserve[2].deepens > 0 and self.budget.kind == "auto"
+
+    def ring_now(self, waiters: tuple[Ticket, ...] | None = None) -> DoorbellRing:
+        """One scan of the arena (``waiters``: every live ticket in queue order, listed now when
+        None): who waits, and what the head of the queue asks of this client, its weights
+        (:meth:`asked_to_free`) and its KV cache (:meth:`asked_to_deepen`), each judged as if this
+        client were unpinned (a pinned holder hears the bell too, and ignores it while pinned, so
+        that unpinning yields at the next ring). What the doorbell rings with; a worker deciding a
+        yield calls it only when the last ring is no longer fresh."""
+        at = time.monotonic()
+        self._count_scan()
         if waiters is None:
             waiters = tuple(self.arena.waiters())
-        if not waiters or waiters[0].name in self._own_tickets:
-            return False
+        others = tuple(t for t in waiters if t.name not in self._own_tickets)
+        held, reserve = self._held, self._reserve
+        deepable = reserve is not None and self._may_deepen()
+        if not waiters or waiters[0].name in self._own_tickets or (held is None and not deepable):
+            return DoorbellRing(waiters=others, at=at)
         head = waiters[0]
         need = self.arena.ticket_need(head)
-        leases = [replace(x, pinned=False) if x.name == reserve[0] else x for x in self.arena.leases()]
-        plan = plan_fit(need, leases, self.budget, time.monotonic(), requester=(head.pid, head.model))
-        return not plan.fits and plan.possible and plan.asked_to_deepen(reserve[0])
+        leases = self.arena.leases()
+        ask: int | None = None
+        deepen = False
+        if held is not None:
+            plan = self._head_plan(head, need, leases, held.name)
+            ask = None if plan.fits or not plan.possible else plan.asked(held.name)
+        if reserve is not None and deepable:
+            plan = self._head_plan(head, need, leases, reserve[0])
+            deepen = not plan.fits and plan.possible and plan.asked_to_deepen(reserve[0])
+        return DoorbellRing(waiters=others, at=at, ask=ask, deepen=deepen, need=need)
+
+    def _count_scan(self) -> None:
+        """One more scan: :attr:`ring_scans` on the warden's thread, else :attr:`yield_scans`."""
+        with self._scans_lock:
+            if threading.current_thread() is self._doorbell:
+                self.ring_scans += 1
+            else:
+                self.yield_scans += 1
+
+    def _head_plan(self, head: Ticket, need: int | None, leases: list[LeaseRecord], mine: str) -> Plan:
+        """The plan of the head of the queue for ``need`` bytes beside ``leases``, with this
+        client's lease ``mine`` judged as if unpinned."""
+        leases = [replace(x, pinned=False) if x.name == mine else x for x in leases]
+        return plan_fit(need, leases, self.budget, time.monotonic(), requester=(head.pid, head.model))
 
     # -- leases --
 
@@ -582,24 +614,24 @@ class TokenClient:
                 # Not holding: nothing to ring for (waiters sweep stale tickets in their own scans).
                 self._doorbell_armed.wait()
                 continue
+            ring: DoorbellRing | None = None
             try:
-                waiters = tuple(self.arena.waiters())
-                others = tuple(t for t in waiters if t.name not in self._own_tickets)
-                asked = self.asked_to_yield(waiters) or self.asked_to_deepen(waiters)
+                ring = self.ring_now()  # the one scan: who waits, and what the head asks of this client
+                others, asked = ring.waiters, ring.ask is not None or ring.deepen
             except OSError as exc:
                 log.warning("scanning %s failed: %s", self.arena.waiters_path, exc)
-                others, asked = (), False
+                ring, others, asked = None, (), False
             names = {t.name for t in others}
             generation = self._ring_generation
             now = time.monotonic()
             due = bool(names - rung) or generation != rung_generation or now - last_ring >= RING_REPEAT_S
-            if asked and (self.holds_token or self.reserve_deepens > 0) and due:
+            if ring is not None and asked and (self.holds_token or self.reserve_deepens > 0) and due:
                 rung |= names
                 rung_generation = generation
                 last_ring = now
                 log.debug("doorbell: %s wait(s) for the GPU (%s)", len(others), others[0].model)
                 try:
-                    on_waiter(DoorbellRing(waiters=others, at=now))
+                    on_waiter(ring)  # with what the head asks: the worker need not scan again
                 except Exception:
                     log.exception("the doorbell callback failed")
             rung &= names  # forget waiters that left, so a returning name rings again

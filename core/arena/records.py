@@ -107,7 +107,24 @@ class TokenGrant:
 
 @dataclass(frozen=True)
 class DoorbellRing:
-    """Other processes wait for the token this client holds (or is about to hold)."""
+    """Other processes wait for the token this client holds (or is about to hold), and what the
+    head of their queue asks of this client, as the one scan of the arena that rang saw it: so
+    that a worker decides a yield from the ring while it is fresh, without scanning again."""
 
-    waiters: tuple[Ticket, ...]
-    at: float  # time.monotonic() of the scan that saw them
+    waiters: tuple[Ticket, ...]  # the others' live tickets, in queue order (the head first)
+    at: float  # time.monotonic() when the scan that saw them began
+    # the weight bytes the head asks this client to free: its whole lease, or (a partial lease
+    # under a byte budget) what the head lacks; None: not asked (judged as if unpinned)
+    ask: int | None = None
+    deepen: bool = False  # the head asks this client to go deep too (its KV cache: auto budgets)
+    need: int | None = None  # the weight bytes the head asks for (None: the device to itself)
+
+    @property
+    def head(self) -> Ticket | None:
+        """Who asks: the first of the others in the queue."""
+        return self.waiters[0] if self.waiters else None
+
+    def fresh(self, now: float) -> bool:
+        """Younger than RING_REPEAT_S: the doorbell has not rung again since, so what it saw still
+        stands (the scan a yield decision would make is not needed)."""
+        return now - self.at < RING_REPEAT_S

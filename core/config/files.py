@@ -170,7 +170,7 @@ def _model_dict(model: ModelConfig) -> dict[str, Any]:
         value = getattr(model, f.name)
         if f.name == "idle_sleep_s":
             out[f.name] = False if value is None else value
-        elif value is None or (f.name in ("name", "licence", "demo") and value == ""):
+        elif value is None or (f.name in ("name", "licence", "demo", "mmproj") and value == ""):
             continue
         else:
             out[f.name] = value

@@ -9,8 +9,10 @@ range is written twice (qutebrowser's configdata idea).
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, TypeVar
+
+from ..words import for_device
 
 T = TypeVar("T")
 
@@ -22,7 +24,9 @@ META_KEY = "timeshare"
 class FieldMeta:
     """One config field as a person sees it."""
 
-    label: str  # what a form calls it (no trailing colon)
+    # what a form calls it (no trailing colon). Label, help and special may hold "{GPU words|CPU
+    # words}" choices ("keeps {the GPU|its turn}"): read them through :meth:`worded`
+    label: str
     help: str = ""  # one or two sentences: the tooltip, the example config's comment
     unit: str = ""  # "ms", "s", "tokens"... ("" for none); the Settings spin box's suffix
     minimum: float | None = None  # the least value the file may hold (None: no bound)
@@ -35,6 +39,16 @@ class FieldMeta:
     # the words a field offers (a combo box's items): the only values it takes, except where its
     # check takes more (vram_budget also takes a size or a share); empty: any text
     choices: tuple[str, ...] = ()
+
+    def worded(self, gpu: bool) -> FieldMeta:
+        """This field as a person reads it on a build with (``gpu``) or without a GPU: the
+        "{GPU words|CPU words}" choices of its label, help and special made (core/words.py)."""
+        return replace(
+            self,
+            label=for_device(self.label, gpu),
+            help=for_device(self.help, gpu),
+            special=for_device(self.special, gpu),
+        )
 
     @property
     def top(self) -> float | None:

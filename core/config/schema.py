@@ -30,6 +30,15 @@ class ModelConfig:
     # a demo model by reference ("smollm2-135m-instruct", "gemma3-270m"): its file is found (and
     # Gemma assembled) when the model starts, and the config file holds this instead of a path
     demo: str = setting("", FieldMeta("Demo model"))
+    # a vision projector (mmproj GGUF) for this model: it then reads images (issue 41)
+    mmproj: str = setting(
+        "",
+        FieldMeta(
+            "Vision projector",
+            "An mmproj GGUF made for this model: with it the model reads images (llama.cpp's libmtmd)",
+            special="none (text only)",
+        ),
+    )
     name: str = setting("", FieldMeta("Name", "The name shown in menus and lists; the id when empty"))
     # 0: auto (core/config/fit.py: the trained context capped at 4096 on a GPU build, 2048 on a CPU
     # one, halved while the KV cache takes more than 1/8 of the free memory)
@@ -68,10 +77,10 @@ class ModelConfig:
         FieldMeta(
             "Answers at once",
             "Requests answered at once, decoded together. Each has the whole context, so the "
-            "KV cache is context tokens × this (kept on the GPU while the model is set aside).",
+            "KV cache is context tokens × this (kept {on the GPU|in memory} while the model is set aside).",
             minimum=0,
             maximum=64,
-            special="auto (4 on a GPU, 1 on a CPU, fewer when the KV cache does not fit)",
+            special="auto ({4 on a GPU, fewer when the KV cache does not fit|1 on a CPU})",
         ),
     )
     # "": arena.kv_cache_type. A quantised cache turns flash attention on (llama.cpp needs it for
@@ -101,7 +110,7 @@ class ModelConfig:
             choices=get_args(ChatFormat),
         ),
     )
-    pinned: bool = setting(False, FieldMeta("Pinned", "Keep the GPU once it has it"))
+    pinned: bool = setting(False, FieldMeta("Pinned", "Keep {the GPU|its turn} once it has it"))
     idle_sleep_s: float | None = setting(
         600.0,
         FieldMeta(
@@ -178,12 +187,14 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ArenaConfig:
     # None: platformdirs runtime dir /arena (or $TIMESHARE_VRAM_ARENA)
-    dir: str | None = setting(None, FieldMeta("Arena folder", special="default (the runtime folder)"))
+    dir: str | None = setting(
+        None, FieldMeta("Folder the models take turns through", special="default (the runtime folder)")
+    )
     min_quantum_ms: float = setting(
         250.0,
         FieldMeta(
-            "A busy model keeps the GPU at least",
-            "A busy holder keeps the GPU at least this long before yielding",
+            "A busy model keeps {the GPU|its turn} at least",
+            "A busy model keeps {the GPU|its turn} at least this long before giving way",
             "ms",
             0,
             ui_maximum=60000,
@@ -192,8 +203,8 @@ class ArenaConfig:
     wait_timeout_s: float = setting(
         300.0,
         FieldMeta(
-            "A request waits for the GPU at most",
-            "A request waiting longer for the GPU fails with a clear error",
+            "A request waits for {the GPU|its turn} at most",
+            "A request waiting longer for {the GPU|its turn} fails with a clear error",
             "s",
             0,
             strict_minimum=True,
@@ -205,7 +216,7 @@ class ArenaConfig:
         10.0,
         FieldMeta(
             "Retry a restore short of device memory for",
-            "A restore that meets out-of-device-memory keeps the GPU and tries again this long",
+            "A restore that meets out-of-device-memory keeps {the GPU|its turn} and tries again this long",
             "s",
             0,
             ui_maximum=DAY_S,
@@ -215,8 +226,8 @@ class ArenaConfig:
     hung_holder_s: float = setting(
         30.0,
         FieldMeta(
-            "Restart a GPU holder that stops answering after",
-            "A worker that holds the GPU (or heads its queue) while others wait, and answers no "
+            "Restart {a GPU holder|the active model} that stops answering after",
+            "A worker that {holds the GPU|is active} (or heads its queue) while others wait, and answers no "
             "status ping for this long, is killed and restarted; 0: never",
             "s",
             0,
@@ -224,14 +235,35 @@ class ArenaConfig:
             special="never",
         ),
     )
+    # device memory handed from the releasing worker to the restoring one (issue 40): off until
+    # the GPU run proves it (docs/INTERFACES.md, "Device memory handed over between workers")
+    handover: bool = setting(
+        False,
+        FieldMeta(
+            "Hand {GPU memory|memory} from one model to the next",
+            "A switch frees no {GPU memory|memory}: the model that leaves hands its memory to the one "
+            "that comes (CUDA only); off: each switch frees and allocates",
+        ),
+    )
+    handover_idle_s: float = setting(
+        300.0,
+        FieldMeta(
+            "Give handed-over {GPU memory|memory} back after",
+            "{GPU memory|Memory} kept for the next switch goes back to the driver after this long "
+            "without a switch; 0: at once",
+            "s",
+            0,
+            ui_maximum=DAY_S,
+        ),
+    )
     # several models stay resident when they fit (docs/INTERFACES.md, arena)
     vram_budget: str = setting(
         "auto",
         FieldMeta(
-            "VRAM for model weights",
-            "auto: what the GPU has free at start, less a margin and what each model keeps there "
-            "while asleep; one-model: one model's weights at a time; or a size (20GB, 12000MiB) "
-            "or a share (80%). Models that fit together stay on the GPU together.",
+            "{VRAM|Memory} for model weights",
+            "auto: what {the GPU|host memory} has free at start, less a margin and what each model "
+            "keeps there while asleep; one-model: one model's weights at a time; or a size (20GB, "
+            "12000MiB) or a share (80%). Models that fit together stay {on the GPU|in memory} together.",
             choices=("auto", "one-model"),  # the words; a size or a share is also taken
         ),
     )
@@ -293,6 +325,30 @@ class ApiConfig:
             special="none: web pages may not call the API",
         ),
     )
+    # The Responses API's stored responses (store: true; core/api/response_store.py), in the data
+    # dir: the oldest go first beyond this many, and any older than responses_days.
+    responses_kept: int = setting(
+        1000,
+        FieldMeta(
+            "Stored responses, at most",
+            "Answers of the Responses API kept so that a client can continue them "
+            "(previous_response_id); the oldest go first",
+            "responses",
+            0,
+            ui_maximum=1_000_000,
+            special="none: nothing is kept",
+        ),
+    )
+    responses_days: int = setting(
+        30,
+        FieldMeta(
+            "Stored responses are kept for",
+            "Stored answers of the Responses API older than this are forgotten",
+            "days",
+            1,
+            ui_maximum=36500,
+        ),
+    )
     # It serves the same app (every dialect, the same key and guards).
     ollama_listen: str = setting(
         "",
@@ -301,6 +357,16 @@ class ApiConfig:
             "A second address (HOST:PORT) for programs that expect Ollama at its own address. "
             "Every dialect is also served on the address above.",
             special="off (Ollama's own address: 127.0.0.1:11434)",
+        ),
+    )
+    # an OpenAI image_url part that is an http(s) URL: fetched by Timeshare (bounded in size and
+    # time) only when this is on; data: URLs are always taken (issue 41)
+    fetch_image_urls: bool = setting(
+        False,
+        FieldMeta(
+            "Fetch image URLs",
+            "An image given as an http(s) URL is downloaded by Timeshare (at most 8 MiB, 10 s); "
+            "off: such images are refused and clients send them inline (data: URLs, base64)",
         ),
     )
 

@@ -181,6 +181,18 @@ class _Checker:
                 return None
         return str(path)
 
+    def projector_path(self, where: str, value: object) -> str | None:
+        """``models[].mmproj``: "" (none) or a file, as ``path`` is found (``~``, relative to the
+        config's folder); whether it loads is the worker's to say (the model fails, not the
+        config)."""
+        text = self.string(where, value)
+        if not text:
+            return "" if text is not None else None
+        path = Path(text).expanduser()
+        if not path.is_absolute() and self.base_dir is not None:
+            path = self.base_dir / path
+        return str(path)
+
 
 def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
     where = f"models[{i}]"
@@ -253,6 +265,7 @@ def _check_model(c: _Checker, i: int, raw: object) -> ModelConfig | None:
         "embedding": lambda w, v: c.boolean(w, v),
         "max_tokens": _integer(c, ModelConfig, "max_tokens"),
         "licence": lambda w, v: c.string(w, v),
+        "mmproj": lambda w, v: c.projector_path(w, v),
     }
     checked, all_ok = c.fields(where, raw, checks)
     values.update(checked)
@@ -455,6 +468,8 @@ def validate(
             "wait_timeout_s": _number(c, ArenaConfig, "wait_timeout_s"),
             "restore_oom_retry_s": _number(c, ArenaConfig, "restore_oom_retry_s"),
             "hung_holder_s": _number(c, ArenaConfig, "hung_holder_s"),
+            "handover": c.boolean,
+            "handover_idle_s": _number(c, ArenaConfig, "handover_idle_s"),
             "vram_budget": lambda w, v: _budget(c, w, v),
             "kv_cache_type": _kv_cache_type(c, ArenaConfig),
         },
@@ -472,9 +487,12 @@ def validate(
             "port": _integer(c, ApiConfig, "port"),
             "key": lambda w, v: c.string(w, v, allow_empty=False),
             "queue_limit": _integer(c, ApiConfig, "queue_limit"),
+            "responses_kept": _integer(c, ApiConfig, "responses_kept"),
+            "responses_days": _integer(c, ApiConfig, "responses_days"),
             "allowed_hosts": lambda w, v: c.string_list(w, v, _host_checker(c)),
             "allowed_origins": lambda w, v: c.string_list(w, v, _origin_checker(c)),
             "ollama_listen": lambda w, v: _listen_address(c, w, v),
+            "fetch_image_urls": lambda w, v: c.boolean(w, v),
         },
     )
     api_raw = raw.get("api", {})

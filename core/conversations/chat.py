@@ -29,7 +29,7 @@ from ..errors import (
 from ..sampling import Sampling, for_front_end, new_conversation, unknown_fields
 from ..state import SwitchStats
 from ..util.stream import TextStream
-from ..wire.protocol import ChatMessage
+from ..wire.protocol import ChatMessage, ImagePart
 from .store import AnswerStats, Conversation, Message, Store
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class ChatTurn:
                     last_flush = now
             result = self._gen.result()
             text = "".join(parts)
-            stats = self._stats(result, first_piece_at, time.monotonic(), len(parts))
+            stats = self._stats(result, first_piece_at, time.monotonic())
             if self._prewoken and not stats.switched:
                 stats = replace(stats, prewoken=True)
             self._store.update_message(self.assistant_message_id, text, complete=True, stats=stats)
@@ -216,19 +216,13 @@ class ChatTurn:
         except TimeshareError as exc:  # e.g. the conversation was deleted meanwhile
             log.warning("could not save the answer in conversation %s: %s", self.conversation_id, exc)
 
-    def _stats(
-        self, result: ResultLike, first_piece_at: float | None, ended: float, pieces: int
-    ) -> AnswerStats:
+    def _stats(self, result: ResultLike, first_piece_at: float | None, ended: float) -> AnswerStats:
         usage = result.usage
         switch = result.switch or SwitchStats(switched=False)
         elapsed = ended - self._started
         gen_time = ended - first_piece_at if first_piece_at is not None else 0.0
+        # after a Stop too: the worker counts the tokens generated before it (loop._apply_cancels)
         completion = usage.completion_tokens
-        if result.finish_reason == "cancelled" and completion == 0:
-            # a Stop: the worker reports no usage for a cancelled request, so count what streamed
-            # (a piece per token, but for the rare piece that completes several: a character
-            # split across tokens), not "0 tokens" under hundreds shown
-            completion = pieces
         # tokens after the first, over the time after the first: the decode rate, not prefill
         tps = (completion - 1) / gen_time if gen_time > 0 and completion > 1 else 0.0
         return AnswerStats(
@@ -291,7 +285,7 @@ class ChatService:
         for m in history:
             if m.role == "assistant" and not m.complete and not m.content:
                 continue
-            out.append(ChatMessage(m.role, m.content))
+            out.append(ChatMessage(m.role, m.content, images=m.images))
         return tuple(out)
 
     def send(
@@ -302,9 +296,12 @@ class ChatService:
         prewoken: bool = False,
         listener: TurnListener | None = None,
         continuation: bool = False,
+        images: tuple[ImagePart, ...] = (),
         **sampling: Any,
     ) -> ChatTurn:
         """Save ``text`` as the user's message and start the model's answer.
+        ``images``: the message's images (each placed in ``text``), saved with it and sent with
+        the conversation's history every turn (a vision model keeps them in its KV cache).
 
         ``sampling``: fields of :class:`~timeshare.core.sampling.Sampling` (the rest come from the
         conversation's settings, ``Store.set_options``, then the "chat_window" row of
@@ -318,13 +315,13 @@ class ChatService:
         (UnknownModelError, ModelUnavailableError, QueueFullError) — in which case the user's
         message stays saved and ``regenerate`` can answer it later.
         """
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str) or (not text.strip() and not images):
             raise EmptyMessageError("the message is empty: type something to send")
         check_text(text, "the message")
         _check_sampling(sampling)
         conversation = self.store.get(conversation_id)
         with self._reserved(conversation_id):
-            user = self.store.add_message(conversation_id, "user", text)
+            user = self.store.add_message(conversation_id, "user", text, images=tuple(images))
             if not conversation.title:
                 conversation = self.store.rename(conversation_id, _title_from(text))
             history = self.store.messages(conversation_id)

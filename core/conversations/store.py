@@ -18,19 +18,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from .. import paths
 from ..errors import StoreError, UnknownConversationError, UnknownMessageError
 from ..sampling import AnswerDefaults, new_conversation
+from ..wire.protocol import ImagePart
 
 log = logging.getLogger(__name__)
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: a conversation's answer settings until the user changes them (the chat window's defaults:
 #: sampling.DEFAULTS["chat_window"]; a base model's conversation starts with "chat_window_base")
@@ -78,6 +79,16 @@ _MIGRATIONS: tuple[str, ...] = (
     # 4: the repetition guard (llama.cpp's repeat penalty; 1.0: off, as every answer had it)
     f"""
     ALTER TABLE conversations ADD COLUMN repeat_penalty REAL NOT NULL DEFAULT {DEFAULT_REPEAT_PENALTY!r};
+    """,
+    # 5: a user message's images (issue 41): the file's bytes and its place in the text
+    """
+    CREATE TABLE message_images (
+        message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        at INTEGER NOT NULL,
+        data BLOB NOT NULL,
+        PRIMARY KEY (message_id, position)
+    );
     """,
 )
 
@@ -183,6 +194,7 @@ class Message:
     created: float
     complete: bool = True  # False: generation was running (or crashed) when this was last written
     stats: AnswerStats | None = None  # an assistant message's, once it ended
+    images: tuple[ImagePart, ...] = ()  # a user message's images, in order, each with its place
 
 
 def _no_conversation(conversation_id: str) -> UnknownConversationError:
@@ -464,7 +476,19 @@ class Store:
         if not self._read("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)):
             raise _no_conversation(conversation_id)
         rows = self._read("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))
-        return [self._message(r) for r in rows]
+        images = self._images_of(conversation_id)
+        return [replace(self._message(r), images=images.get(r["id"], ())) for r in rows]
+
+    def _images_of(self, conversation_id: str) -> dict[int, tuple[ImagePart, ...]]:
+        rows = self._read(
+            "SELECT i.message_id, i.at, i.data FROM message_images i JOIN messages m ON m.id = i.message_id "
+            "WHERE m.conversation_id = ? ORDER BY i.message_id, i.position",
+            (conversation_id,),
+        )
+        out: dict[int, list[ImagePart]] = {}
+        for r in rows:
+            out.setdefault(int(r["message_id"]), []).append(ImagePart(bytes(r["data"]), int(r["at"])))
+        return {k: tuple(v) for k, v in out.items()}
 
     def message(self, message_id: int) -> Message:
         rows = self._read("SELECT * FROM messages WHERE id = ?", (message_id,))
@@ -480,7 +504,9 @@ class Store:
         *,
         complete: bool = True,
         stats: AnswerStats | None = None,
+        images: tuple[ImagePart, ...] = (),
     ) -> Message:
+        """``images``: a user message's, each placed in ``content`` (ImagePart.at)."""
         checked = _check_role(role)
         now = time.time()
         stats_json = _stats_json(stats)
@@ -492,10 +518,15 @@ class Store:
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 (conversation_id, checked, content, now, int(complete), stats_json),
             )
-            return int(cur.lastrowid or 0)
+            message_id = int(cur.lastrowid or 0)
+            db.executemany(
+                "INSERT INTO message_images (message_id, position, at, data) VALUES (?, ?, ?, ?)",
+                [(message_id, i, img.at, img.data) for i, img in enumerate(images)],
+            )
+            return message_id
 
         message_id = self._write(insert)
-        return Message(message_id, conversation_id, checked, content, now, complete, stats)
+        return Message(message_id, conversation_id, checked, content, now, complete, stats, images)
 
     def update_message(
         self,

@@ -54,9 +54,23 @@ def _http(port: int, method: str, path: str, body: object = None, timeout: float
         c.close()
 
 
+def _piece(event: dict[str, Any]) -> str | None:
+    """The text an event of a stream carries: a completion chunk's, a chat chunk's delta, a
+    Responses ``response.output_text.delta``, llama-server's ``content``."""
+    if event.get("type") == "response.output_text.delta":
+        return str(event.get("delta") or "")
+    choices = event.get("choices") or []
+    if choices:
+        choice = choices[0]
+        return choice.get("text") or (choice.get("delta") or {}).get("content")
+    content = event.get("content")
+    return content if isinstance(content, str) else None
+
+
 def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """POST a streaming request; the client's view: time to the first piece of text, total time,
-    and what the last events said (usage, Timeshare's ``timeshare``, llama-server's timings)."""
+    the text, and what the last events said (usage, Timeshare's ``timeshare``, llama-server's
+    timings; a Responses stream's final response: its ``id`` too)."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     t0 = time.perf_counter()
     try:
@@ -66,6 +80,7 @@ def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
             raise TimeshareError(f"{path} answered {r.status}: {r.read()[:300]!r}")
         first: float | None = None
         out: dict[str, Any] = {}
+        text: list[str] = []
         for raw in r:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:"):
@@ -74,15 +89,22 @@ def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
             if data == "[DONE]":
                 break
             event = json.loads(data)
-            if "error" in event:
-                raise TimeshareError(f"{path}: error event {event['error']}")
-            choices = event.get("choices") or []
-            piece = (choices[0].get("text") if choices else None) or event.get("content")
+            if "error" in event or event.get("type") in ("error", "response.failed"):
+                raise TimeshareError(f"{path}: error event {event.get('error') or event.get('message')}")
+            piece = _piece(event)
             if first is None and piece:
                 first = time.perf_counter() - t0
-            for key in ("usage", "timeshare", "timings"):
-                if event.get(key):
-                    out[key] = event[key]
+            if piece:
+                text.append(piece)
+            final = (
+                event.get("response")
+                if event.get("type") in ("response.completed", "response.incomplete")
+                else None
+            )
+            for key in ("usage", "timeshare", "timings", "id"):
+                value = final.get(key) if isinstance(final, dict) else event.get(key) if key != "id" else None
+                if value:
+                    out[key] = value
             if event.get("stop") is True:
                 break
         total = time.perf_counter() - t0
@@ -90,6 +112,7 @@ def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
         c.close()
     out["ttft_ms"] = (first if first is not None else total) * 1000.0
     out["total_ms"] = total * 1000.0
+    out["text"] = "".join(text)
     return out
 
 
@@ -148,6 +171,25 @@ def worker_log_overlaps(text: str) -> list[dict[str, float]]:
 
 
 # ---- Timeshare ------------------------------------------------------------------------------
+
+
+def _row(model: str, got: dict[str, Any]) -> dict[str, Any]:
+    """A measured turn: the client's times, what the answer's ``timeshare`` and usage said."""
+    ts = got.get("timeshare") or {}
+    usage = got.get("usage") or {}
+    return {
+        "model": model,
+        "ttft_ms": got["ttft_ms"],
+        "total_ms": got["total_ms"],
+        "switched": bool(ts.get("switched")),
+        "restore_ms": ts.get("restore_ms"),
+        "restored_bytes": ts.get("restored_bytes"),
+        "wait_ms": ts.get("wait_ms"),
+        "worker_first_token_ms": ts.get("first_token_ms"),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "prompt_tokens_evaluated": ts.get("prompt_tokens_evaluated"),
+        "completion_tokens": usage.get("completion_tokens"),
+    }
 
 
 class Serve:
@@ -257,22 +299,45 @@ class Serve:
         }
         if conversation is not None:
             body["conversation"] = conversation
-        got = stream(self.port, "/v1/completions", body)
-        ts = got.get("timeshare") or {}
-        usage = got.get("usage") or {}
-        return {
+        return _row(model, stream(self.port, "/v1/completions", body))
+
+    def chat_turn(
+        self, model: str, messages: list[dict[str, str]], conversation: str, max_tokens: int = MAX_TOKENS
+    ) -> dict[str, Any]:
+        """A streamed /v1/chat/completions turn with the ``conversation`` extension (its ``text``
+        too: the next turn's history)."""
+        body: dict[str, Any] = {
             "model": model,
-            "ttft_ms": got["ttft_ms"],
-            "total_ms": got["total_ms"],
-            "switched": bool(ts.get("switched")),
-            "restore_ms": ts.get("restore_ms"),
-            "restored_bytes": ts.get("restored_bytes"),
-            "wait_ms": ts.get("wait_ms"),
-            "worker_first_token_ms": ts.get("first_token_ms"),
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "prompt_tokens_evaluated": ts.get("prompt_tokens_evaluated"),
-            "completion_tokens": usage.get("completion_tokens"),
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "conversation": conversation,
         }
+        got = stream(self.port, "/v1/chat/completions", body)
+        return {**_row(model, got), "text": got["text"]}
+
+    def response_turn(
+        self, model: str, text: str, previous: str | None, max_tokens: int = MAX_TOKENS
+    ) -> dict[str, Any]:
+        """A streamed /v1/responses turn continuing ``previous`` (its ``response_id`` too)."""
+        body: dict[str, Any] = {
+            "model": model,
+            "input": text,
+            "max_output_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        if previous is not None:
+            body["previous_response_id"] = previous
+        got = stream(self.port, "/v1/responses", body)
+        usage = got.get("usage") or {}
+        got["usage"] = {
+            "prompt_tokens": usage.get("input_tokens"),
+            "completion_tokens": usage.get("output_tokens"),
+        }
+        return {**_row(model, got), "response_id": got.get("id"), "text": got["text"]}
 
     def worker_phases(self, model: str) -> dict[str, Any]:
         """:func:`worker_log_phases` of ``model``'s worker log ({} when there is none)."""

@@ -12,10 +12,14 @@ import logging
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import TimeshareError
 from .doctor import report_failure
+from .handover_check import handover_lines, handover_report, handover_source
+
+if TYPE_CHECKING:
+    from ..arena.handclient import HandoverClient
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +29,30 @@ def _median(xs: list[float]) -> float:
 
 
 def run_residency_bench(
-    model: str, cycles: int, n_ctx: int, n_prefill: int | None = None, parts: int = 1, probe_copy: bool = True
+    model: str,
+    cycles: int,
+    n_ctx: int,
+    n_prefill: int | None = None,
+    parts: int = 1,
+    probe_copy: bool = True,
+    handover: bool = False,
 ) -> dict[str, Any]:
     """``parts``: the layer parts the weights are held in (1: the model's own buffers);
-    ``probe_copy``: also copy the shadow under a restore's conditions (rawcopy.copy_probe)."""
+    ``probe_copy``: also copy the shadow under a restore's conditions (rawcopy.copy_probe);
+    ``handover``: restores map handed-over memory (issue 40) from a holder of this run's own."""
+    with handover_source(handover) as source:
+        return _run_residency_bench(model, cycles, n_ctx, n_prefill, parts, probe_copy, source)
+
+
+def _run_residency_bench(
+    model: str,
+    cycles: int,
+    n_ctx: int,
+    n_prefill: int | None,
+    parts: int,
+    probe_copy: bool,
+    source: HandoverClient | None,
+) -> dict[str, Any]:
     import llama_cpp  # before numpy
 
     from ..residency import Residency, ResidencyOptions
@@ -54,7 +78,12 @@ def run_residency_bench(
         out["prefill_s"] = time.perf_counter() - t0
         reference = replay.run()
         t0 = time.perf_counter()
-        res = Residency.attach(llm, model, ResidencyOptions(mode="auto", parts=parts, overlap_restore=False))
+        res = Residency.attach(
+            llm,
+            model,
+            ResidencyOptions(mode="auto", parts=parts, overlap_restore=False, handover=source is not None),
+            chunk_source=source,
+        )
         out["attach_s"] = time.perf_counter() - t0
         out.update(path=res.path, reason=res.reason, backend=res.backend, weight_bytes=res.weight_bytes)
         out["parts"] = len(res.parts())
@@ -121,6 +150,10 @@ def run_residency_bench(
         out["release_steps"] = res.release_steps
         out["restore_steps"] = res.restore_steps.as_dict()
         out["restore_steps_all"] = steps
+        out["handover"] = handover_report(res, source)
+        # bytes handed over vs allocated, over the measured cycles
+        out["handover_handed_bytes"] = sum(s.get("handed_chunks", 0.0) for s in steps) * _chunk(out)
+        out["handover_created_bytes"] = sum(s.get("created_chunks", 0.0) for s in steps) * _chunk(out)
         # alternative 1: reload from the page cache (what a process swap pays, without the process)
         res.release()
         mp = llama_cpp.llama_model_default_params()
@@ -184,6 +217,10 @@ def run_residency_bench(
     return out
 
 
+def _chunk(out: dict[str, Any]) -> float:
+    return float(out["handover"].get("chunk_bytes", 0))
+
+
 def _print_table(r: dict[str, Any]) -> None:
     print(
         f"model {r['model']} ({r['file_bytes'] / 1e9:.2f} GB), backend {r['backend']}, path {r['path']}"
@@ -204,6 +241,8 @@ def _print_table(r: dict[str, Any]) -> None:
             f"restore {r['restore_gbps']:.1f} GB/s vs raw copy {r['raw_copy_gbps']:.1f} GB/s: "
             f"{r['restore_vs_raw']:.3f} (best cycle {r['best_restore_vs_raw']:.3f})"
         )
+    for line in handover_lines(r.get("handover")):
+        print(line)
     print(f"{'':48} {'ms':>10} {'x in-place restore':>20}")
     for row in r["table"]:
         ms = "-" if row["ms"] is None else f"{row['ms']:.2f}"
@@ -216,6 +255,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_switch import main as switch_main
 
         return switch_main(args)
+    if args.bench == "api" and getattr(args, "responses", False):
+        from .bench_api_responses import main as responses_main
+
+        return responses_main(args)
     if args.bench == "api":
         from .bench_api import main as api_main
 
@@ -224,6 +267,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_embed import main as embed_main
 
         return embed_main(args)
+    if args.bench == "rerank":
+        from .bench_rerank import main as rerank_main
+
+        return rerank_main(args)
     if args.bench == "parallel":
         from .bench_parallel import main as parallel_main
 
@@ -241,6 +288,7 @@ def main(args: argparse.Namespace) -> int:
             int(args.n_ctx),
             parts=int(args.parts),
             probe_copy=not args.no_copy_probe,
+            handover=bool(getattr(args, "handover", False)),
         )
     except TimeshareError as exc:
         return report_failure("bench", exc, bool(args.json))

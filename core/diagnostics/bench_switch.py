@@ -50,6 +50,37 @@ def _median(xs: list[float]) -> float | None:
     return float(statistics.median(xs)) if xs else None
 
 
+def _holder_status(arena: Path) -> dict[str, Any] | None:
+    """The arena's hand-over holder's status (None: no holder lives)."""
+    from ..arena.handclient import HandoverClient
+    from ..arena.handover import HandoverError
+
+    client = HandoverClient(arena, "bench", start=False)
+    try:
+        return client.status()
+    except HandoverError:
+        return None
+    finally:
+        client.close()
+
+
+def _handover_counts(
+    before: dict[str, Any] | None, after: dict[str, Any] | None, turns: int
+) -> dict[str, Any]:
+    """What the holder did during the switched turns: ``creates`` = chunks the workers allocated
+    (cuMemCreate) and handed to it, ``given`` = chunks it lent to a restoring worker."""
+    if before is None or after is None:
+        return {"error": "no hand-over holder lived (see the workers' logs)", "turns": turns}
+    return {
+        "turns": turns,
+        "creates": after["adopted"] - before["adopted"],
+        "given": after["given"] - before["given"],
+        "given_bytes": (after["given"] - before["given"]) * after["chunk"],
+        "chunk_bytes": after["chunk"],
+        "holder": after,
+    }
+
+
 def _first_message() -> str:
     phrases = [
         f"Note {i}: the {('red', 'green', 'blue', 'amber')[i % 4]} box on shelf {i % 7} holds {i * 3} bolts."
@@ -149,9 +180,13 @@ def run_switch_bench(
     work_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
     budget: str = "one-model",
+    handover: bool = False,
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError on bad input or a
-    model that cannot be served. ``budget``: the workers' VRAM budget (one-model: they switch)."""
+    model that cannot be served. ``budget``: the workers' VRAM budget (one-model: they switch).
+    ``handover``: the workers hand device memory over (arena.handover, issue 40); the report's
+    ``handover`` counts the chunks the holder was handed (each one a worker's cuMemCreate) and
+    gave during the switched turns."""
     from ..arena.arena import env_arena_dir
     from ..arena.budget import parse_budget
     from ..config.schema import ArenaConfig, Config, ModelConfig
@@ -186,7 +221,9 @@ def run_switch_bench(
             ModelConfig(id=mid, path=str(path), n_ctx=ctx, idle_sleep_s=None)
             for mid, path in zip(ids, models, strict=True)
         ),
-        arena=ArenaConfig(dir=str(arena), wait_timeout_s=REQUEST_TIMEOUT_S, vram_budget=budget),
+        arena=ArenaConfig(
+            dir=str(arena), wait_timeout_s=REQUEST_TIMEOUT_S, vram_budget=budget, handover=handover
+        ),
     )
     pool = Pool(config, arena_dir=arena, log_dir=work / "logs", kv_dir=work / "kv")
     report: dict[str, Any] = {"n_ctx": ctx, "rounds": rounds, "max_tokens": MAX_TOKENS, "budget": budget}
@@ -236,6 +273,7 @@ def run_switch_bench(
         say("first turn of each conversation (full prefill)")
         report["warm"] = [turn(mid, "warm") for mid in (a, b)]
         rows: list[dict[str, Any]] = []
+        holder_before = _holder_status(arena) if handover else None
         for i in range(rounds * 2):
             mid = (a, b)[i % 2]
             row = turn(mid, f"round {i // 2}")
@@ -246,6 +284,8 @@ def run_switch_bench(
                 f"prefilled {row['prefilled']}/{row['prompt_tokens']}"
             )
         report["turns"] = rows
+        if handover:
+            report["handover"] = _handover_counts(holder_before, _holder_status(arena), len(rows))
 
         # baseline: the model that answered last continues its conversation, no switch
         steady = [turn(b, f"steady {k}") for k in range(min(3, rounds))]
@@ -394,6 +434,15 @@ def _print_table(r: dict[str, Any]) -> None:
         f"n_ctx {r['n_ctx']}, {r['rounds']} rounds ({s['switched_turns']} of {s['turns']} turns switched), "
         f"{s['restart_count']} restarts, {r['max_tokens']} tokens per turn"
     )
+    h = r.get("handover")
+    if h is not None:
+        if "error" in h:
+            print(f"hand-over: {h['error']}")
+        else:
+            print(
+                f"hand-over: {h['creates']} chunks allocated (cuMemCreate) and {h['given']} handed over "
+                f"({h['given_bytes'] / 1e9:.2f} GB) in {h['turns']} switched turns"
+            )
     print(
         f"switch medians: wait {_fmt(s['switch_wait_ms'], '.1f')} ms, "
         f"restore {_fmt(s['switch_restore_ms'], '.1f')} ms, "
@@ -429,7 +478,11 @@ def main(args: argparse.Namespace) -> int:
         return _fail(args, TimeshareError(msg))
     try:
         report = run_switch_bench(
-            models, int(args.rounds), progress=progress, budget=getattr(args, "budget", None) or "one-model"
+            models,
+            int(args.rounds),
+            progress=progress,
+            budget=getattr(args, "budget", None) or "one-model",
+            handover=bool(getattr(args, "handover", False)),
         )
     except (TimeshareError, TimeoutError) as exc:
         return _fail(args, exc)

@@ -13,15 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import statistics
 import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import envvars
 from ..errors import TimeshareError
 from .card import hold_card
+from .handover_check import handover_lines, handover_report, handover_source
 
 if TYPE_CHECKING:  # importing residency loads llama_cpp: run_doctor imports it when it runs
+    from ..arena.handclient import HandoverClient
     from ..residency.options import Mode
 
 log = logging.getLogger(__name__)
@@ -45,11 +50,34 @@ _MEASURES = {
 
 
 def run_doctor(
-    model: str, cycles: int, n_ctx: int = 512, mode: Mode = "auto", budget: str = "one-model"
+    model: str,
+    cycles: int,
+    n_ctx: int = 512,
+    mode: Mode = "auto",
+    budget: str = "one-model",
+    mmproj: str = "",
+    handover: bool = False,
 ) -> dict[str, Any]:
     """Run the check; returns the report (raises TimeshareError on bad input). ``mode`` forces
     the in-place or the rebuild path (``make vulkan-check`` checks the rebuild path with it).
-    ``budget``: the VRAM budget setting to report for device 0 (``--budget``; e.g. auto)."""
+    ``budget``: the VRAM budget setting to report for device 0 (``--budget``; e.g. auto).
+    ``mmproj``: a vision projector for the model (a path, or "generated": one made for it with
+    random weights, core/diagnostics/synthetic_projector.py), released and restored with the
+    weights and checked bitwise (the same image's embeddings after each restore).
+    ``handover``: restores map handed-over memory (issue 40) from a holder of this run's own."""
+    with handover_source(handover) as source:
+        return _run_doctor(model, cycles, n_ctx, mode, budget, source, mmproj)
+
+
+def _run_doctor(
+    model: str,
+    cycles: int,
+    n_ctx: int,
+    mode: Mode,
+    budget: str,
+    source: HandoverClient | None,
+    mmproj: str = "",
+) -> dict[str, Any]:
     from ..residency import Residency, ResidencyOptions
     from .copy_baseline import vulkan_baseline
     from .residency_check import Cycles, GreedyReplay, load_for_check, run_cycles
@@ -67,9 +95,14 @@ def run_doctor(
         replay = GreedyReplay(llm)
         _step("recording the reference: 8 greedy decode steps")
         reference = replay.run()
+        projector = ProjectorCheck.start(llm, model, mmproj) if mmproj else None
         _step("attaching the residency mechanism")
-        res = Residency.attach(llm, model, ResidencyOptions(mode=mode))
+        res = Residency.attach(
+            llm, model, ResidencyOptions(mode=mode, handover=source is not None), chunk_source=source
+        )
         _step(f"{res.path} path on {res.backend}" + (f" ({res.reason})" if res.reason else ""))
+        if projector is not None:
+            projector.attach(res)
         done = Cycles()
         steps: list[dict[str, dict[str, float]]] = []
         baseline: list[dict[str, Any]] = []
@@ -85,7 +118,12 @@ def run_doctor(
         for i in range(cycles):
             _step(f"release/restore cycle {i + 1}/{cycles}, then the replay compared bitwise")
             one = run_cycles(
-                res, replay, reference, 1, while_first_released=measure_baseline if i == 0 else None
+                res,
+                replay,
+                reference,
+                1,
+                while_first_released=measure_baseline if i == 0 else None,
+                after_restore=projector.after_restore if projector is not None else None,
             )
             done.releases += one.releases
             done.restores += one.restores
@@ -153,10 +191,94 @@ def run_doctor(
             report["weights_seen_by_graph"] = view.n_weight_tensors_seen
             report["weights_from_tensor_list"] = list(view.weights_listed)
         report["vram_budget"] = budget_report(budget, res.weight_bytes)
+        if projector is not None:
+            report["projector"] = projector.report(res)
+        report["handover"] = handover_report(res, source)
         res.close()
+        if projector is not None:
+            projector.close()
     finally:
         llm.close()
     return report
+
+
+class ProjectorCheck:
+    """A vision projector beside the model (``--mmproj``): its embeddings of one image before the
+    cycles, and after each restore (the image encoded again by the restored projector), compared
+    bitwise."""
+
+    def __init__(self, vision: Any, path: str, generated: bool) -> None:
+        self.vision = vision
+        self.path = path
+        self.generated = generated
+        self.image = _test_image()
+        self.reference = vision.encode_image(self.image)
+        self.same: list[bool] = []
+        self.attached = False
+
+    @classmethod
+    def start(cls, llm: Any, model: str, mmproj: str) -> ProjectorCheck:
+        from ..residency import ggml_devices
+        from ..worker.vision import Vision
+        from .synthetic_projector import write_projector_for
+
+        generated = mmproj == "generated"
+        if generated:
+            folder = Path(tempfile.mkdtemp(prefix="timeshare-doctor-"))
+            _step("writing a generated projector for the model (random weights)")
+            path = str(write_projector_for(Path(model), folder / "mmproj-generated.gguf"))
+        else:
+            path = mmproj
+        _step(f"loading the projector {path}")
+        gpus = [d for d in ggml_devices() if d.is_gpu]
+        vision = Vision(
+            llm,
+            path,
+            n_threads=max(1, int(llm.n_threads_batch or 1)),
+            device=gpus[0].handle if gpus else None,
+            use_gpu=bool(gpus),
+        )
+        return cls(vision, path, generated)
+
+    def attach(self, res: Any) -> None:
+        self.attached = res.attach_projector(self.vision.watch, self.path)
+        _step(
+            f"the projector's {res.projector_bytes / 1e6:.1f} MB go with the weights"
+            if self.attached
+            else f"the projector stays on the device: {res.projector_note}"
+        )
+
+    def after_restore(self) -> None:
+        self.same.append(bool((self.vision.encode_image(self.image) == self.reference).all()))
+
+    def report(self, res: Any) -> dict[str, Any]:
+        return {
+            "path": self.path if not self.generated else "generated (random weights)",
+            "weight_bytes": self.vision.weight_bytes,
+            "released_with_weights": self.attached,
+            "device_bytes": res.projector_bytes,
+            "note": res.projector_note,
+            "bitwise_identical": bool(self.same) and all(self.same),
+            "bitwise_identical_cycles": sum(self.same),
+        }
+
+    def close(self) -> None:
+        self.vision.close()
+        if self.generated:
+            shutil.rmtree(Path(self.path).parent, ignore_errors=True)
+
+
+def _test_image() -> bytes:
+    """A small PNG with some structure (a gradient), made with Pillow."""
+    import io
+
+    from PIL import Image
+
+    im = Image.new("RGB", (48, 40))
+    im.putdata([(x * 5 % 256, y * 6 % 256, (x + y) * 3 % 256) for y in range(40) for x in range(48)])
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
 
 
 #: each step of the check as it starts (``main`` shows them: on stdout, on stderr with --json)
@@ -278,7 +400,12 @@ def _print_text(r: dict[str, Any]) -> None:
         _kv_level_line(r.get("kv_level")),
         f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']}; {_CHECKS[r['check']]})",
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
-        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})",
+        f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})"
+        + (
+            "; handed over: the holder keeps it for the next restore"
+            if r.get("handover", {}).get("on")
+            else ""
+        ),
         *([f"memory note:        {r['memory_note']}"] if r.get("memory_note") else []),
         *_found_lines(r),
         f"release:            {r['release_ms']:.2f} ms (median)",
@@ -287,8 +414,25 @@ def _print_text(r: dict[str, Any]) -> None:
         f"pinned={r['host_pinned']}" + (f" ({r['host_note']})" if r["host_note"] else ""),
         *_baseline_lines(r),
         *_budget_line(r.get("vram_budget")),
+        *_projector_lines(r.get("projector")),
+        *handover_lines(r.get("handover")),
     ]
     print("\n".join(lines))
+
+
+def _projector_lines(p: dict[str, Any] | None) -> list[str]:
+    if not p:
+        return []
+    same = "yes" if p["bitwise_identical"] else "NO"
+    where = (
+        f"released and restored with the weights ({p['device_bytes'] / 1e6:.1f} MB)"
+        if p["released_with_weights"]
+        else f"stays on the device ({p['note']})"
+    )
+    return [
+        f"projector:          {p['path']}, {p['weight_bytes'] / 1e6:.1f} MB: {where}",
+        f"projector bitwise:  {same} ({p['bitwise_identical_cycles']} restores; one image's embeddings)",
+    ]
 
 
 def print_env(as_json: bool) -> None:
@@ -329,7 +473,11 @@ def main(args: argparse.Namespace) -> int:
                 report = run_partial_check(model, int(args.cycles), int(getattr(args, "parts", 8)), _step)
             else:
                 report = run_doctor(
-                    model, int(args.cycles), budget=getattr(args, "budget", None) or "one-model"
+                    model,
+                    int(args.cycles),
+                    budget=getattr(args, "budget", None) or "one-model",
+                    mmproj=getattr(args, "mmproj", None) or "",
+                    handover=bool(getattr(args, "handover", False)),
                 )
         if card is not None:
             report["card"] = card.to_json()
@@ -341,4 +489,6 @@ def main(args: argparse.Namespace) -> int:
         print_partial(report)
     else:
         _print_text(report)
-    return 0 if report["bitwise_identical"] and report.get("kv_level_bitwise_identical", True) else 1
+    projector_ok = report.get("projector", {}).get("bitwise_identical", True)
+    ok = report["bitwise_identical"] and report.get("kv_level_bitwise_identical", True) and projector_ok
+    return 0 if ok else 1

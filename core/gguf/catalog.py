@@ -17,7 +17,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +57,12 @@ class CatalogEntry:
     has_chat_template: bool = False  # tokenizer.chat_template present (else: fallback format)
     origin: str = ""  # where it came from, for display: "org/repo", "publisher/repo", "name:tag"
     parameters: str = ""  # general.size_label ("135M", "8B") when the header has it
+    #: the vision projector paired with it (issue 41): an mmproj GGUF in the same folder whose
+    #: output width is the model's n_embd ("": none found)
+    mmproj: str = ""
+    #: the model's n_embd, or a projector's output width (clip.vision.projection_dim); 0: unknown
+    width: int = 0
+    pooling: str = ""  # <arch>.pooling_type's name ("rank": a reranker; "": none set, a causal LM)
 
     def to_model_config(self, taken_ids: Iterable[str] = ()) -> ModelConfig:
         """A ModelConfig for this file with a fresh id (settings dialog: "add from catalog")."""
@@ -81,6 +87,9 @@ def model_config_from_entry(entry: CatalogEntry, taken_ids: Iterable[str] = ()) 
         name=entry.name,
         n_ctx=n_ctx,
         licence=entry.licence,
+        mmproj=entry.mmproj,
+        # a reranker (rank pooling, issue 42) answers /v1/rerank only: its context is an embedding one
+        embedding=entry.pooling == "rank",
     )
 
 
@@ -132,6 +141,8 @@ def _entry(p: Path, header: Header, file_size: int, source: Source, size: int | 
         return value.strip() if isinstance(value, str) else ""
 
     ctx = v.get("_context_length")
+    arch = text("general.architecture")
+    width = v.get("clip.vision.projection_dim") if arch == "clip" else v.get(f"{arch}.embedding_length")
     return CatalogEntry(
         path=str(p),
         name=text("general.name") or _display_stem(p),
@@ -143,17 +154,72 @@ def _entry(p: Path, header: Header, file_size: int, source: Source, size: int | 
         licence=text("general.license"),
         has_chat_template=isinstance(v.get("tokenizer.chat_template"), str),
         parameters=text("general.size_label"),
+        width=width if isinstance(width, int) and not isinstance(width, bool) else 0,
+        pooling=pooling_name(v),
     )
 
 
-def read_chat_template(path: str | Path) -> str | None:
-    """The GGUF's ``tokenizer.chat_template`` (None: it has none), read from its header. Raises
+def is_projector(entry: CatalogEntry) -> bool:
+    """A vision projector (mmproj), not a language model."""
+    return entry.architecture == "clip" or entry.architecture.startswith("mmproj")
+
+
+def pair_projectors(entries: list[CatalogEntry], projectors: list[CatalogEntry]) -> list[CatalogEntry]:
+    """Each model with the projector beside it (the same folder: a hub snapshot holds one repo's
+    files) whose output width is the model's n_embd; where widths are unknown, the folder's only
+    projector. A model with none, or several that fit, keeps none."""
+    by_folder: dict[str, list[CatalogEntry]] = {}
+    for proj in projectors:
+        by_folder.setdefault(str(Path(proj.path).parent), []).append(proj)
+    out = []
+    for entry in entries:
+        here = by_folder.get(str(Path(entry.path).parent), [])
+        fits = [p for p in here if p.width and entry.width and p.width == entry.width]
+        if not fits and len(here) == 1 and not (here[0].width and entry.width):
+            fits = here
+        if fits:
+            chosen = min(fits, key=lambda p: (_PROJECTOR_TYPES.get(p.quantisation, 9), p.size))
+            entry = replace(entry, mmproj=chosen.path)
+        out.append(entry)
+    return out
+
+
+#: which of a repo's projectors to take when several fit: F16 first (what llama.cpp's converters
+#: write by default), then BF16, Q8_0, F32
+_PROJECTOR_TYPES = {
+    "F16": 0,
+    "MOSTLY_F16": 0,
+    "BF16": 1,
+    "MOSTLY_BF16": 1,
+    "Q8_0": 2,
+    "MOSTLY_Q8_0": 2,
+    "F32": 3,
+}
+
+
+#: llama.cpp's ``enum llama_pooling_type`` by value (``<arch>.pooling_type`` in a GGUF)
+POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def pooling_name(values: dict[str, Any]) -> str:
+    """The pooling a GGUF's metadata sets (``POOLING_NAMES``; "rank": a reranker), "" when it
+    sets none (a causal LM)."""
+    arch = values.get("general.architecture")
+    value = values.get(f"{arch}.pooling_type") if isinstance(arch, str) else None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return ""
+    return POOLING_NAMES.get(value, "")
+
+
+def _read_values(path: str | Path, wanted: Callable[[str], bool]) -> dict[str, Any]:
+    """The metadata values whose keys ``wanted(key)`` accepts, read from the header (no tensor
+    table, so no gguf package: the API process and the worker read this). Raises
     ModelFileError as ``read_gguf_header`` does."""
     p = Path(path)
     file_size, _ = check_fixed_header(p)
+    found: dict[str, Any] = {}
     try:
         with p.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            # the metadata only (no tensor table, so no gguf package: the API process reads this)
             endian = "<" if struct.unpack_from("<I", buf, 4)[0] in (2, 3) else ">"
             cur = GgufCursor(buf, file_size, endian)
             cur.pos = 4
@@ -161,13 +227,28 @@ def read_chat_template(path: str | Path) -> str | None:
             cur.take("Q")  # tensor count
             for _ in range(cur.take("Q")):
                 key = cur.string()
-                wanted = key == "tokenizer.chat_template"
-                value = cur.value(cur.take("I"), wanted)
-                if wanted:
-                    return value if isinstance(value, str) else None
+                keep = bool(wanted(key))
+                value = cur.value(cur.take("I"), keep)
+                if keep:
+                    found[key] = value
     except (GgufTruncatedError, GgufCorruptError, OSError, ValueError, struct.error) as exc:
         raise ModelFileError(f"{p.name} cannot be read ({exc}): check the file") from None
-    return None
+    return found
+
+
+def read_chat_template(path: str | Path) -> str | None:
+    """The GGUF's ``tokenizer.chat_template`` (None: it has none), read from its header. Raises
+    ModelFileError as ``read_gguf_header`` does."""
+    value = _read_values(path, lambda key: key == "tokenizer.chat_template").get("tokenizer.chat_template")
+    return value if isinstance(value, str) else None
+
+
+def read_pooling(path: str | Path) -> str:
+    """The pooling the GGUF sets (see ``pooling_name``: "rank" for a reranker), read from its
+    header. Raises ModelFileError as ``read_gguf_header`` does."""
+    return pooling_name(
+        _read_values(path, lambda key: key == "general.architecture" or key.endswith(".pooling_type"))
+    )
 
 
 def _display_stem(path: Path) -> str:
@@ -372,6 +453,7 @@ def scan_report(
     candidates.extend(_Candidate(Path(f), "file") for f in files)
 
     entries: list[CatalogEntry] = []
+    projectors: list[CatalogEntry] = []
     skipped: list[tuple[str, str]] = []
     seen: set[str] = set()
     for cand in candidates:
@@ -388,8 +470,9 @@ def scan_report(
             log.info("catalog: skipping %s: %s", cand.path, exc)
             skipped.append((str(cand.path), str(exc)))
             continue
-        if entry.architecture == "clip" or entry.architecture.startswith("mmproj"):
+        if is_projector(entry):
             skipped.append((str(cand.path), "a vision projector (mmproj), not a language model"))
+            projectors.append(entry)
             continue
         changes: dict[str, Any] = {"origin": cand.origin}
         if cand.name:
@@ -397,6 +480,7 @@ def scan_report(
         if cand.licence and not entry.licence:
             changes["licence"] = cand.licence
         entries.append(replace(entry, **changes))
+    entries = pair_projectors(entries, projectors)
     return ScanReport(entries=tuple(entries), skipped=tuple(skipped), roots=tuple(roots))
 
 

@@ -44,8 +44,17 @@ class ArchSupport:
     exact: bool  # True: read from the library itself; False: the gguf package's table stands in
     source: str  # where the list came from, for messages and the log
 
+    #: the list of a vision projector's download (issue 41): "clip" alone
+    projector: bool = False
+
     def supports(self, architecture: str) -> bool:
+        if self.projector:
+            return architecture in NOT_LANGUAGE_MODELS
         return architecture in self.names and architecture not in NOT_LANGUAGE_MODELS
+
+
+#: what a vision projector (mmproj) downloaded beside its model may be
+PROJECTORS = ArchSupport(NOT_LANGUAGE_MODELS, True, "vision projectors", projector=True)
 
 
 def llama_library() -> Path | None:

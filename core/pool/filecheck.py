@@ -51,6 +51,10 @@ def find_model_file(config: ModelConfig) -> FileCheck:
                     code=errors.ModelFileError.code,
                 )
         problem = gguf_problem(path, raise_transient=True)
+        if not problem and config.mmproj:
+            problem = gguf_problem(config.mmproj, raise_transient=True)
+            if problem:
+                problem = f"its vision projector (models[].mmproj): {problem}"
     except OSError as exc:
         if is_transient(exc):
             return FileCheck(config, transient=exc)

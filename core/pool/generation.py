@@ -27,10 +27,12 @@ class GenerationResult:
     stop: str = ""  # the stop string that ended it ("": none, e.g. the model's end-of-turn token)
     # per sampled token, when the request asked for logprobs (Sampling.logprobs / top_logprobs)
     logprobs: tuple[protocol.TokenLogprobs, ...] = ()
-    # an Embed request's vectors, in its inputs' order
+    # an Embed request's vectors, in its inputs' order (a rerank's: each document's scores)
     embeddings: tuple[tuple[float, ...], ...] = ()
     batch_size: int = 1  # the most requests its worker decoded together while it ran
     timings: protocol.Timings | None = None  # where its first token went, as its worker measured it
+    # the prompt tokens' entries (``prompt_logprobs``; see protocol.PromptLogprobs)
+    prompt_logprobs: tuple[protocol.TokenLogprobs, ...] = ()
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Generation:
         # each streamed piece's logprob entries, in the pieces' order (see ``piece_logprobs``)
         self._piece_logprobs: collections.deque[tuple[protocol.TokenLogprobs, ...]] = collections.deque()
         self._embeddings: list[tuple[float, ...]] = []
+        self._prompt_logprobs: list[protocol.TokenLogprobs] = []
         self._result: GenerationResult | None = None
         self.cancelled = False
         #: time.monotonic() when its first piece of text arrived (None: none yet); a whole answer's
@@ -127,6 +130,21 @@ class Generation:
             self._piece_logprobs.append(logprobs)
             self._stream.put(text)
 
+    def prompt_logprobs(self) -> tuple[protocol.TokenLogprobs, ...]:
+        """The prompt tokens' entries so far: all of them once its first piece has arrived or it
+        has ended (the worker sends them before any Token)."""
+        return tuple(self._prompt_logprobs)
+
+    def add_prompt_logprobs(self, entries: tuple[protocol.TokenLogprobs, ...]) -> None:
+        """Entries of the prompt's tokens arrived (``PromptLogprobs``), in order."""
+        self._prompt_logprobs.extend(entries)
+
+    def drop_partial(self) -> None:
+        """It is sent again (its worker crashed before any text): what came without text (an
+        echo's prompt entries, an Embed's first vectors) comes again with the answer."""
+        self._prompt_logprobs.clear()
+        self._embeddings.clear()
+
     def add_embeddings(self, data: tuple[tuple[float, ...], ...]) -> None:
         """Vectors of an Embed request arrived, in its inputs' order."""
         self._embeddings.extend(data)
@@ -154,6 +172,7 @@ class Generation:
             tuple(self._embeddings),
             batch_size,
             timings,
+            tuple(self._prompt_logprobs),
         )
         self._stream.close()
 
@@ -179,6 +198,10 @@ def make_request(
     conversation: str | None,
     cache_prompt: bool | None = None,
     tools: Sequence[protocol.ToolSpec] = (),
+    images: Sequence[protocol.ImagePart] = (),
+    prompt_logprobs: bool = False,
+    score_only: bool = False,
+    prompt_tokens: Sequence[int] | None = None,
 ) -> protocol.Generate:
     """The ``Generate`` message for ``Pool.generate``'s arguments; ValueError when they are malformed."""
     chat: tuple[protocol.ChatMessage, ...] | None = None
@@ -194,6 +217,10 @@ def make_request(
         sampling=sampling,
         conversation=conversation,
         cache_prompt=cache_prompt,
+        images=tuple(images),
+        prompt_logprobs=prompt_logprobs,
+        score_only=score_only,
+        prompt_tokens=None if prompt_tokens is None else tuple(int(t) for t in prompt_tokens),
     )
     try:
         protocol.check_generate(request)
@@ -221,6 +248,21 @@ def make_embed_request(req: str, model_id: str, inputs: Sequence[str | Sequence[
     if not items or not all(items):
         raise ValueError(f"invalid request for {model_id}: give at least one non-empty input")
     request = protocol.Embed(req=req, inputs=tuple(items))
+    try:
+        protocol.encode(request)
+    except ProtocolError as exc:
+        raise ValueError(f"invalid request for {model_id}: {str(exc).removeprefix('protocol: ')}") from None
+    return request
+
+
+def make_rerank_request(req: str, model_id: str, query: str, documents: Sequence[str]) -> protocol.Embed:
+    """The ``Embed`` message (with its ``query``) for ``Pool.rerank``; ValueError when the query
+    or a document is not a non-empty string, or the frame would be too large."""
+    if not isinstance(query, str) or not query:
+        raise ValueError(f"invalid request for {model_id}: the query must be a non-empty string")
+    if not documents or not all(isinstance(d, str) for d in documents):
+        raise ValueError(f"invalid request for {model_id}: give at least one document, each a string")
+    request = protocol.Embed(req=req, inputs=tuple(documents), query=query)
     try:
         protocol.encode(request)
     except ProtocolError as exc:

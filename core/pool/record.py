@@ -208,6 +208,7 @@ class WorkerRecord:
             del self.inflight[gen.req]
             if only_unanswered:
                 gen.dispatch.resent = True
+                gen.drop_partial()  # an echo's prompt entries, an Embed's vectors: they come again
             self.queue.appendleft(gen)
         return back
 
@@ -264,7 +265,10 @@ class WorkerRecord:
             chat_family=info.chat_family if info else "",
             thinks=info.thinks if info else False,
             starts_thinking=info.starts_thinking if info else False,
+            pooling=info.pooling if info else "",
             licence=self.config.licence,
+            vision=bool(self.config.mmproj),
+            projector_bytes=info.projector_bytes if info else 0,
             weight_bytes=info.weight_bytes if info else 0,
             host_pinned_bytes=self._host_bytes(alive_status),
             device_bytes=alive_status.device_bytes if alive_status else 0,

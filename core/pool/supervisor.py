@@ -50,7 +50,7 @@ from .codes import error_for
 from .configure import check_config, restart_fields
 from .devices import device_statuses
 from .filecheck import FileCheck, find_model_file
-from .generation import Generation, make_embed_request, make_request
+from .generation import Generation, make_embed_request, make_request, make_rerank_request
 from .lifecycle import Phase
 from .process import end_processes, read_log_tail, read_worker, signal_group, spawn_worker
 from .record import WorkerPolicy, WorkerRecord
@@ -232,11 +232,19 @@ class Pool:
         conversation: str | None = None,
         cache_prompt: bool | None = None,
         tools: Sequence[protocol.ToolSpec] = (),
+        images: Sequence[protocol.ImagePart] = (),
+        prompt_logprobs: bool = False,
+        score_only: bool = False,
+        prompt_tokens: Sequence[int] | None = None,
     ) -> Generation:
         """Queue a request for ``model_id`` (FIFO, one at a time per worker) and return its handle.
 
-        Give ``prompt`` (completion) or ``messages`` (chat: ChatMessage or {"role", "content"});
+        Give ``prompt`` (completion; ``images``: the images among its text) or ``messages``
+        (chat: ChatMessage, which carry their own images, or {"role", "content"});
         ``sampling`` is carried to the worker unchanged (default: greedy, 256 tokens at most).
+        ``prompt_tokens``: a completion prompt given as token ids (instead of ``prompt``; no BOS
+        added). ``prompt_logprobs``: the prompt tokens' logprobs too (``result().prompt_logprobs``, with
+        ``sampling.top_logprobs`` alternatives); ``score_only``: generate nothing (max_tokens 0).
         Raises UnknownModelError, ModelUnavailableError (failed model), QueueFullError, and
         ValueError for malformed arguments. A STOPPED model is started on demand."""
         request = make_request(
@@ -248,6 +256,10 @@ class Pool:
             conversation=conversation,
             cache_prompt=cache_prompt,
             tools=tools,
+            images=images,
+            prompt_logprobs=prompt_logprobs,
+            score_only=score_only,
+            prompt_tokens=prompt_tokens,
         )
         gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
         self._actor.call(self._submit, gen)
@@ -258,6 +270,17 @@ class Pool:
         queue as its generations; ``result().embeddings`` holds the unit vectors in order and
         ``usage.prompt_tokens`` the tokens embedded. Raises as ``generate`` does."""
         request = make_embed_request(f"r{next(self._req_ids)}", model_id, inputs)
+        gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
+        self._actor.call(self._submit, gen)
+        return gen
+
+    def rerank(self, model_id: str, query: str, documents: Sequence[str]) -> Generation:
+        """Queue a rerank (issue 42) for ``model_id``, a reranker, in the same queue as its
+        generations: ``result().embeddings`` holds each document's scores (the model's classifier
+        outputs; the first is the relevance score) in the documents' order, ``usage.prompt_tokens``
+        the tokens of all the pairs. A model that is not a reranker fails with InvalidInputError.
+        Raises as ``generate`` does."""
+        request = make_rerank_request(f"r{next(self._req_ids)}", model_id, query, documents)
         gen = Generation(model_id, request, functools.partial(self._actor.post, self._cancel))
         self._actor.call(self._submit, gen)
         return gen
@@ -612,6 +635,10 @@ class Pool:
             gen = w.inflight.get(msg.req)
             if gen is not None:
                 gen.feed(msg.text, msg.logprobs)
+        elif isinstance(msg, protocol.PromptLogprobs):
+            gen = w.inflight.get(msg.req)
+            if gen is not None:
+                gen.add_prompt_logprobs(msg.logprobs)
         elif isinstance(msg, protocol.Embeddings):
             gen = w.inflight.get(msg.req)
             if gen is not None:

@@ -47,6 +47,7 @@ def add_to_config(
     model_id: str | None = None,
     name: str | None = None,
     then: Callable[[Config], None] | None = None,
+    mmproj: Path | None = None,
 ) -> tuple[Config, ModelConfig, bool]:
     """Add the pulled model to the config file (created with the defaults, demo models included,
     when there is none), through the one writer (``files.update_config``: the file as it is now,
@@ -54,6 +55,8 @@ def add_to_config(
     it was added): a model already configured with this file is left as it is. Its id and display
     name come from what was pulled (:func:`pulled_label`), or ``model_id``/``name``; unique in
     the config. ``then(config)`` runs before the lock is let go (a pool's ``apply_config``).
+    ``mmproj``: the vision projector pulled beside it (a model already configured without one
+    gets it).
     Raises ConfigError (an id or name in use, a bad file)."""
     target = Path(config_path).expanduser() if config_path is not None else paths.config_file()
     found: list[tuple[ModelConfig, bool]] = []
@@ -62,6 +65,10 @@ def add_to_config(
         found.clear()
         same = next((m for m in config.models if _same_file(m.path, result.path)), None)
         if same is not None and (model_id is None or model_id == same.id):
+            if mmproj is not None and not same.mmproj:
+                with_proj = replace(same, mmproj=str(mmproj))
+                found.append((with_proj, True))
+                return replace(config, models=tuple(with_proj if m is same else m for m in config.models))
             found.append((same, False))
             return config
         taken = {m.id for m in config.models}
@@ -80,6 +87,8 @@ def add_to_config(
         chosen_id, display = pulled_names(pulled_label(result), config.models, model_id=model_id, name=name)
         model = model_config_from_entry(result.entry, taken)
         model = replace(model, id=chosen_id, name=display, path=str(result.path))
+        if mmproj is not None:
+            model = replace(model, mmproj=str(mmproj))
         found.append((model, True))
         return replace(config, models=(*config.models, model))
 

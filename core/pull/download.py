@@ -48,7 +48,7 @@ from ..errors import (
     UnsupportedArchitectureError,
 )
 from ..gguf.catalog import CatalogEntry, read_gguf_header
-from ..gguf.llama_archs import ArchSupport, supported_architectures
+from ..gguf.llama_archs import PROJECTORS, ArchSupport, supported_architectures
 from ..util.units import human_bytes
 from . import (
     names,
@@ -56,7 +56,7 @@ from . import (
 )
 from .progress import Meter, ProgressFn
 from .remote import http_client, transport_error, url_status_error
-from .sources import Choice, HubSource, Listing
+from .sources import Choice, HubSource, Listing, projector_choice
 from .targets import (
     Target,
     hub_targets,
@@ -433,8 +433,11 @@ def pull(
     cancel: threading.Event | None = None,
     chunk_size: int | None = None,
     max_size: int | None = None,
+    projector: bool = False,
 ) -> PullResult:
-    """Download ``choice`` (all its parts), check it, and return where it is.
+    """Download ``choice`` (all its parts), check it, and return where it is. ``projector``: it
+    is the repo's vision projector (``sources.projector_choice``), whose architecture must be
+    ``clip``.
 
     Raises DownloadError subclasses (not found, access, space, corrupt), CancelledError when
     ``cancel`` is set (what was downloaded is kept for the next pull to resume), and
@@ -450,7 +453,8 @@ def pull(
         targets = hub_targets(listing, choice, folder, token)
     else:
         targets = url_targets(choice, folder)
-    support = supported_architectures()  # (it caches the list it read in the cache dir)
+    # (supported_architectures caches the list it read in the cache dir)
+    support = PROJECTORS if projector else supported_architectures()
     total = (
         sum(t.size for t in targets if t.size is not None)
         if all(t.size is not None for t in targets)
@@ -477,6 +481,24 @@ def pull(
     )
     log.info("pulled %s (%s) to %s", listing.title, choice.label, files[0])
     return PullResult(files[0], files, entry, listing, choice, downloaded, support.exact)
+
+
+def pull_projector(
+    listing: Listing,
+    *,
+    dest_dir: str | os.PathLike[str] | None = None,
+    token: str | None = None,
+    progress: ProgressFn | None = None,
+    cancel: threading.Event | None = None,
+) -> PullResult | None:
+    """The repo's vision projector (``sources.projector_choice``: the F16 one when there are
+    several), downloaded and checked as the model was, beside it (None: the repo has none)."""
+    choice = projector_choice(listing)
+    if choice is None:
+        return None
+    return pull(
+        listing, choice, dest_dir=dest_dir, token=token, progress=progress, cancel=cancel, projector=True
+    )
 
 
 def _final_check(files: tuple[Path, ...], targets: list[Target], support: ArchSupport) -> CatalogEntry:

@@ -29,6 +29,7 @@ from .sources import (
     Source,
     UrlSource,
     group_choices,
+    is_projector_name,
     quant_label,
 )
 
@@ -160,6 +161,7 @@ def _list_hub(src: HubSource, token: str | None) -> Listing:
         licence=_card_licence(info),
         revision=src.revision,
         gated=bool(getattr(info, "gated", False)),
+        projectors=tuple(f for f in files if is_projector_name(f.name)),
     )
 
 

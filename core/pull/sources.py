@@ -150,6 +150,8 @@ class Listing:
     licence: str = ""  # the repo card's licence (hub)
     revision: str = "main"
     gated: bool = False
+    #: the repo's vision projectors (mmproj-*.gguf), which a model of it reads images with
+    projectors: tuple[RemoteFile, ...] = ()
 
 
 def quant_label(filename: str) -> str:
@@ -190,6 +192,35 @@ def group_choices(files: list[RemoteFile]) -> tuple[Choice, ...]:
             label = re.sub(r"\.gguf$", "", label, flags=re.IGNORECASE)
         choices.append(Choice(label, group))
     return tuple(sorted(choices, key=lambda c: (c.size is None, c.size or 0, c.label)))
+
+
+def is_projector_name(filename: str) -> bool:
+    """A vision projector's file name (``mmproj-model-f16.gguf``, ``gemma-3-4b-mmproj-F16.gguf``)."""
+    base = filename.rsplit("/", 1)[-1].lower()
+    return base.endswith(".gguf") and "mmproj" in base
+
+
+#: a repo's projectors, most wanted first: F16 (llama.cpp's converters' default), BF16, Q8_0, F32
+_PROJECTOR_PREFERENCE = ("F16", "BF16", "Q8_0", "F32")
+
+
+def projector_choice(listing: Listing) -> Choice | None:
+    """The projector to fetch beside a model of ``listing`` (None: the repo has none): F16 when
+    there is one, then BF16, Q8_0, F32, else the smallest."""
+    if not listing.projectors:
+        return None
+
+    def rank(f: RemoteFile) -> tuple[int, int, str]:
+        label = quant_label(f.name)
+        pref = (
+            _PROJECTOR_PREFERENCE.index(label)
+            if label in _PROJECTOR_PREFERENCE
+            else len(_PROJECTOR_PREFERENCE)
+        )
+        return pref, f.size if f.size is not None else 1 << 62, f.name
+
+    best = min(listing.projectors, key=rank)
+    return Choice(quant_label(best.name) or "mmproj", (best,))
 
 
 def choose(listing: Listing, quant: str | None = None) -> Choice:

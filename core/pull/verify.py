@@ -94,6 +94,8 @@ def check_file_start(path: Path, name: str, support: ArchSupport, first_part: bo
 def check_architecture(arch: str, name: str, support: ArchSupport) -> None:
     if support.supports(arch):
         return
+    if support.projector:
+        raise UnsupportedArchitectureError(f"{name} is a {arch!r} model, not a vision projector (mmproj)")
     if arch == "clip" or arch.startswith("mmproj"):
         raise UnsupportedArchitectureError(
             f"{name} is a vision projector (mmproj), not a language model: pick the model's own GGUF"

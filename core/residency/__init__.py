@@ -10,6 +10,7 @@ from ._ggml import devices as ggml_devices
 from .gguf_check import GgufInfo, check_gguf
 from .hostmem import fix_malloc_mmap_threshold
 from .options import ResidencyOptions
+from .projector import ProjectorWatch
 from .residency import (
     ProbeResult,
     ReleaseReport,
@@ -23,6 +24,7 @@ __all__ = [
     "GgmlDevice",
     "GgufInfo",
     "ProbeResult",
+    "ProjectorWatch",
     "ReleaseReport",
     "Residency",
     "ResidencyOptions",

@@ -23,7 +23,7 @@ class Discovery:
         #: graph nodes' sources that were views of a weight (a reused graph keeps their
         #: ``buffer``/``data`` from when it was built)
         self.weight_views = 0
-        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self.observe)
         #: names of the weights the warm-up graph did not show, found in the model's tensor
         #: lists (:func:`complete_from_tensor_lists`)
         self.listed: list[str] = []
@@ -35,7 +35,9 @@ class Discovery:
     def is_weight_buffer(self, buf: int) -> bool:
         return bool(buf) and int(_ggml.buffer_get_usage(buf)) == _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS
 
-    def _eval(self, tensor: int | None, ask: bool, _user: int | None) -> bool:
+    def observe(self, tensor: int | None, ask: bool, _user: int | None) -> bool:
+        """cb_eval: note the weights among the sources of the node asked about (never asks to
+        see its data)."""
         if not ask or not tensor:
             return True
         lay = self.layout

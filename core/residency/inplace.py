@@ -41,9 +41,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..devmem.device import ChunkDeviceError
+from ..devmem.mapped import HandedMemory
 from ..errors import ModelFileChangedError, ModelFileError, OutOfDeviceMemoryError, ResidencyError
 from ..util.fileid import FileId
 from . import _ggml
+from .carrier import BaseSlot, Carried, make_carrier, probe_base_slot, uncarry
 from .discovery import Discovery, discover
 from .gate import PartGate
 from .hostmem import HostMemory, ReadRange, parallel_read
@@ -94,9 +97,15 @@ class InPlace:
         gpu: _ggml.Device | None,
         options: ResidencyOptions,
         overlap: bool = False,
+        handed: HandedMemory | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
         """``overlap``: probe the eval hook an overlapped restore needs (Residency decides
-        whether restores may overlap at all)."""
+        whether restores may overlap at all). ``handed``: restores map handed-over memory
+        (issue 40) instead of allocating, releases unmap it (see :meth:`_setup_handover`).
+        ``discovery``: the weight tensors found already (a vision projector's, whose clip
+        context ran the callback: core/worker/vision.py); None: the warm-up decode of ``llm``
+        finds them."""
         want_pinned = options.host_shadow == "pinned"
         verify, coalesce, parallel = options.verify_shadow, options.coalesce_upload, options.parallel_buffers
         parts, defer_shadow = options.parts, options.defer_shadow
@@ -122,7 +131,7 @@ class InPlace:
             raise InPlaceUnsupportedError(str(exc)) from exc
         vulkan = gpu is not None and gpu.name.startswith("Vulkan")
         t0 = time.perf_counter()
-        disc = discover(llm, self.layout, overlap and not vulkan)
+        disc = discovery if discovery is not None else discover(llm, self.layout, overlap and not vulkan)
         t1 = time.perf_counter()
         #: where the upload gate goes in the live context (None: restores stay synchronous,
         #: ``overlap_note`` says why)
@@ -195,6 +204,18 @@ class InPlace:
         self._shadow_slices = (0, 0)
         self.shadow_fill_s = 0.0
         self.moved = False  # the last restore put a buffer at another address than before
+        #: device memory handed over between workers (issue 40): the mapped chunks (None: the
+        #: buffers are allocated and freed through ggml), why not when not, each buffer type's
+        #: base-pointer slot, the carriers of the buffers mapped now, buffers to unmap
+        self.handed: HandedMemory | None = None
+        self.handover_note = "not asked for (ResidencyOptions.handover, arena.handover)"
+        self._slots: dict[int, BaseSlot] = {}
+        self._carried: dict[int, Carried] = {}
+        self._unmap_after: list[int] = []
+        #: close() moved resident handed buffers into ggml memory at other addresses (graphs stale)
+        self.moved_at_close = False
+        if handed is not None:
+            self._setup_handover(handed)
         if not defer_shadow or eager_split:  # split() uploads the parts from the shadow
             self.fill_shadow()
 
@@ -687,6 +708,54 @@ class InPlace:
                 _ggml.buffer_free(buf)
             _ggml.ggml_free(ctx)
 
+    # -- handed-over memory (issue 40) --------------------------------------------------------
+
+    def _setup_handover(self, handed: HandedMemory) -> None:
+        """Use ``handed`` for every weight buffer, or for none (``handover_note`` says why)."""
+        if self._parallel():
+            self.handover_note = (
+                "the buffers are allocated on several threads (Vulkan): its hand-over is "
+                "VK_KHR_external_memory_fd, not built yet"
+            )
+            return
+        slots: dict[int, BaseSlot] = {}
+        for b in self.buffers:
+            if b.buft in slots:
+                continue
+            assert b.layout is not None
+            try:
+                slots[b.buft] = probe_base_slot(b.buft, b.layout)
+            except _ggml.LayoutMismatchError as exc:
+                self.handover_note = str(exc)
+                return
+        self._slots = slots
+        self.handed = handed
+        self.handover_note = ""
+
+    def handover_stats(self) -> dict[str, object]:
+        """What the hand-over did (doctor, bench residency, the worker's status)."""
+        h = self.handed
+        out: dict[str, object] = {"on": h is not None, "note": self.handover_note}
+        if h is not None:
+            out.update(
+                device=h.device.name,
+                chunk_bytes=h.chunk_bytes,
+                handed_chunks=h.handed_chunks,
+                created_chunks=h.created_chunks,
+                put_chunks=h.put_chunks,
+                creates=h.device.creates,
+                mapped_bytes=h.mapped_bytes,
+                padding_bytes=h.padding_bytes,
+                source_note=h.source_note,
+            )
+        return out
+
+    def _unmap_handed(self, keep: bool = True) -> None:
+        """Unmap the buffers whose carriers went (their chunks go back to the holder)."""
+        keys, self._unmap_after = self._unmap_after, []
+        if keys and self.handed is not None:
+            self.handed.unmap(keys, keep=keep)
+
     # -- release / restore --------------------------------------------------------------------
 
     def _swap(self, a: int, b: int, lay: _ggml.BufferLayout) -> None:
@@ -725,6 +794,10 @@ class InPlace:
             )
         self._swap(b.ptr, placeholder, b.layout)
         b.released = True
+        carried = self._carried.pop(id(b), None)
+        if carried is not None:  # the placeholder holds the carrier's context: its own pointer back
+            uncarry(placeholder, b.layout, self._slots[b.buft], carried)
+            self._unmap_after.append(id(b))
         return placeholder
 
     def _release_buffer(self, b: WeightBuffer) -> None:
@@ -836,9 +909,12 @@ class InPlace:
                 finally:  # what was detached is freed, also when a placeholder failed
                     list(self._pool().map(_ggml.buffer_free, held))
             else:
-                for b in todo:
-                    self._release_buffer(b)
-                    done.append(b)
+                try:
+                    for b in todo:
+                        self._release_buffer(b)
+                        done.append(b)
+                finally:
+                    self._unmap_handed(keep=not final)
         except ResidencyError:
             self._restore(done)  # undo this call: the lease still covers those bytes
             raise
@@ -933,10 +1009,15 @@ class InPlace:
         done: list[WeightBuffer] = []
         first_alloc_s = alloc_max_s = 0.0
         held: list[tuple[Part, list[WeightBuffer]]] = []
+        try:
+            handed = self._map_handed(todo)
+        except OutOfDeviceMemoryError:
+            self.gate = None
+            raise
         for part, bufs in groups:
             for b in bufs:
                 t_a = time.perf_counter()
-                new = _ggml.buft_alloc_buffer(b.buft, b.size)
+                new = self._new_buffer(b, handed)
                 if new is None:
                     # the uploads submitted so far end first (they write into buffers given back now)
                     _copy_s, _error = self._wait_uploads()
@@ -944,6 +1025,11 @@ class InPlace:
                     self._free_spent()
                     for d in done:
                         self._release_buffer(d)
+                    if handed is not None:  # mapped, never carried: unmapped too
+                        self._unmap_after.extend(
+                            id(x) for x in todo if x not in done and handed.mapped(id(x))
+                        )
+                    self._unmap_handed()
                     raise self._out_of_memory(b, todo)
                 alloc_max_s = max(alloc_max_s, time.perf_counter() - t_a)
                 # the placeholder is freed at the next release: on CUDA cudaFree waits for the
@@ -968,12 +1054,48 @@ class InPlace:
             "parts": len(groups),
             "overlapped": float(background),
         }
+        if handed is not None:
+            rep = handed.last
+            self.restore_steps.update(
+                handover_ms=rep.ms,
+                handed_chunks=float(rep.handed),
+                created_chunks=float(rep.created),
+                creates_total=float(handed.device.creates),
+            )
         if background:
             assert gate is not None
             self.restore_steps["pending_bytes"] = float(gate.pending_bytes)
             return nbytes
         self.finish_uploads()
         return nbytes
+
+    def _map_handed(self, todo: list[WeightBuffer]) -> HandedMemory | None:
+        """Map handed-over memory for ``todo`` (one request to the holder); None: the buffers
+        are allocated through ggml this time (no hand-over, or it failed: ``handover_note``)."""
+        handed = self.handed
+        if handed is None or not todo:
+            return None
+        try:
+            handed.map_all([(id(b), b.size) for b in todo])
+        except ChunkDeviceError as exc:
+            if exc.out_of_memory:
+                raise self._out_of_memory(todo[0], todo) from exc
+            self.handover_note = f"the last restore allocated through ggml: {exc}"
+            log.warning("%s", self.handover_note)
+            return None
+        return handed
+
+    def _new_buffer(self, b: WeightBuffer, handed: HandedMemory | None) -> int | None:
+        """A buffer of ``b``'s type and size to put under ``b``: a carrier of its mapped range,
+        or a fresh ggml allocation; None when there is no room."""
+        if handed is None:
+            return _ggml.buft_alloc_buffer(b.buft, b.size)
+        assert b.layout is not None
+        made = make_carrier(b.buft, b.layout, self._slots[b.buft], handed.address(id(b)), b.size)
+        if made is None:
+            return None
+        self._carried[id(b)] = made[1]
+        return made[0]
 
     def _submit_uploads(
         self, held: list[tuple[Part, list[WeightBuffer]]], shadow: HostMemory, gate: PartGate | None
@@ -1150,9 +1272,35 @@ class InPlace:
         _ggml.buffer_free(self._relocate(b, new))  # the tiny placeholder memory
         self._upload(b, self.shadow)
 
+    def _give_back_handed(self) -> None:
+        """Before close: buffers resident in handed-over memory move into memory ggml allocates
+        (released, then restored from the shadow), so the model stays usable and ggml never
+        frees a mapping; every chunk goes back to the holder, which closes it."""
+        handed = self.handed
+        if handed is None:
+            return
+        carried = [b for b in self.buffers if id(b) in self._carried]
+        self.moved_at_close = False
+        try:
+            if carried:
+                self.finish_uploads()
+                for b in carried:
+                    _ggml.buffer_free(self._detach_buffer(b))
+                self._unmap_handed(keep=False)
+                self.handed = None
+                try:
+                    self._restore(carried)
+                    self.moved_at_close = self.moved
+                except (OutOfDeviceMemoryError, ResidencyError) as exc:
+                    log.warning("closing: the weights stay released (%s)", exc)
+        finally:
+            self.handed = None
+            handed.close(keep=False)
+
     def close(self) -> None:
         try:
             self.finish_uploads()
+            self._give_back_handed()
             self._free_spent()
         finally:
             if self._uploader_pool is not None:

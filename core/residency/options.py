@@ -51,3 +51,9 @@ class ResidencyOptions:
     #: them) instead of at attach (a device copy, and a shadow made at attach). For a one-model
     #: budget, where every release is whole and the parts serve overlapped restores only
     split_at_release: bool = False
+    #: device memory handed over between workers (issue 40): restores map chunks of memory
+    #: another worker released (CUDA VMM with POSIX-fd handles; on a CPU build the memfd stand-in,
+    #: named as such) instead of allocating, releases unmap and hand them to the arena's holder.
+    #: Off by default until the GPU run proves it; where it cannot be used the buffers are
+    #: allocated and freed as before and ``Residency.handover_note`` says why
+    handover: bool = False

@@ -20,6 +20,10 @@ from typing import Any, Literal
 import llama_cpp
 
 from .. import envvars
+from ..devmem.device import CHUNK_BYTES, ChunkDevice, ChunkDeviceError, ChunkSource
+from ..devmem.mapped import HandedMemory
+from ..devmem.memfd import MemfdDevice
+from ..devmem.vmm import CudaVmmDevice
 from ..errors import OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
@@ -32,6 +36,7 @@ from .kv import KvSnapshot
 from .kvbuffer import KvBuffers, KvBufferUnsupportedError
 from .kvupload import KvUpload, KvUploadUnsupportedError
 from .options import Mode, ResidencyOptions
+from .projector import ProjectorWatch
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
 from .timeline import OverlapTimeline, RestoreSteps
@@ -147,6 +152,29 @@ def _forget_graphs(ctx: Any, llm: Any) -> None:
         )
 
 
+def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple[HandedMemory | None, str]:
+    """The hand-over's memory for a model on ``gpu`` (None: a CPU build, where the memfd stand-in
+    plays the device), or None and why it cannot be used."""
+    device: ChunkDevice
+    try:
+        if gpu is None:
+            device = MemfdDevice()
+        elif gpu.name.startswith("CUDA"):
+            index = gpu.name[4:]
+            device = CudaVmmDevice(_ggml.device_id(gpu.handle), int(index) if index.isdigit() else 0)
+        else:
+            return None, f"{gpu.name}: the hand-over is built for CUDA (Vulkan external memory is not yet)"
+    except ChunkDeviceError as exc:
+        return None, str(exc)
+    chunk = source.chunk_bytes if source is not None else CHUNK_BYTES
+    if chunk % device.granularity:
+        return (
+            None,
+            f"the arena's chunk of {chunk} bytes is not a multiple of {device.name}'s {device.granularity}",
+        )
+    return HandedMemory(device, source, chunk), ""
+
+
 def rss_bytes() -> int:
     """This process's resident set size (``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
@@ -173,6 +201,10 @@ class Residency:
         self._opts = ResidencyOptions()
         self._gpu: _ggml.Device | None = None
         self._inplace: InPlace | None = None
+        #: a vision projector's weights, released and restored with the model's (attach_projector)
+        self._projector: InPlace | None = None
+        self.projector_bytes = 0  # its device weight bytes (in weight_bytes too); 0: none attached
+        self.projector_note = ""  # why a projector stays on the device ("": none, or it moves)
         self._rebuild: RebuildPath | None = None
         self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
         self._kv: KvSnapshot | None = None
@@ -203,6 +235,8 @@ class Residency:
         #: what the last overlapped restore's gate saw, once settled (see :meth:`settle`)
         self.last_overlap: OverlapTimeline | None = None
         self.memory_note = ""  # why memory_measure is not the device's own report, when it is not
+        #: why restores do not map handed-over memory ("" when they do; issue 40)
+        self.handover_note = "not asked for (ResidencyOptions.handover, arena.handover)"
 
     # -- construction -------------------------------------------------------------------------
 
@@ -238,11 +272,17 @@ class Residency:
 
     @classmethod
     def attach(
-        cls, llm: Any, model_path: str | os.PathLike[str], options: ResidencyOptions | None = None
+        cls,
+        llm: Any,
+        model_path: str | os.PathLike[str],
+        options: ResidencyOptions | None = None,
+        chunk_source: ChunkSource | None = None,
     ) -> Residency:
         """Take charge of ``llm``'s residency. Raises ModelFileError when ``model_path`` is not a
         sound GGUF or no longer holds the loaded weights; ResidencyError when ``mode="inplace"``
-        was asked for and cannot be used (the reason says why)."""
+        was asked for and cannot be used (the reason says why). ``chunk_source``: with
+        ``options.handover``, where handed-over memory comes from and goes back to (the arena's
+        holder; None: the chunks are this process's own)."""
         self = cls()
         self._llm = llm
         self.model_path = os.fspath(model_path)
@@ -274,8 +314,13 @@ class Residency:
         overlap_probe = self._opts.parts > 1 and (
             wanted is True or (wanted is None and self._gpu is not None)
         )
+        handed: HandedMemory | None = None
+        if self._opts.handover:
+            handed, self.handover_note = handed_memory(self._gpu, chunk_source)
         try:
-            self._inplace = InPlace(llm, self.model_path, self._gpu, self._opts, overlap=overlap_probe)
+            self._inplace = InPlace(
+                llm, self.model_path, self._gpu, self._opts, overlap=overlap_probe, handed=handed
+            )
         except NothingToReleaseError as exc:
             if mode != "auto":
                 self._fallback(mode, str(exc))
@@ -309,6 +354,8 @@ class Residency:
         self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
+        if handed is not None:
+            self.handover_note = ip.handover_note
         self._note_shadow()
         self.parts_note = ip.parts_note
         if wanted is False:
@@ -340,6 +387,43 @@ class Residency:
 
     def _overlap_wanted(self) -> bool | None:
         return overlap_wanted(self._opts.overlap_restore)
+
+    def attach_projector(self, watch: ProjectorWatch, path: str | os.PathLike[str]) -> bool:
+        """Release and restore a vision projector's weights with the model's (issue 41): the
+        weights ``watch`` saw in the clip context's warm-up encode, their host shadow read from
+        the projector's GGUF ``path``. Only beside the in-place path, with the weights resident
+        (call it right after :meth:`attach`). Counted in :attr:`weight_bytes`,
+        :attr:`resident_bytes` and :attr:`host_bytes`; False (``projector_note`` says why) when
+        it stays on the device."""
+        self._check_open()
+        if self.path != "inplace" or not self.weights_resident:
+            self.projector_note = f"the model's residency is {self.path!r}: its projector stays where it is"
+            return False
+        opts = ResidencyOptions(
+            mode="inplace",
+            host_shadow=self._opts.host_shadow,
+            verify_shadow=self._opts.verify_shadow,
+            coalesce_upload=self._opts.coalesce_upload,
+            parallel_buffers=self._opts.parallel_buffers,
+        )
+        try:
+            proj = InPlace(None, os.fspath(path), self._gpu, opts, discovery=watch.stop())
+        except (InPlaceUnsupportedError, NothingToReleaseError) as exc:
+            self.projector_note = str(exc)
+            log.info("the projector %s stays on the device: %s", path, exc)
+            return False
+        self._projector = proj
+        self.projector_bytes = proj.weight_bytes
+        self.weight_bytes += proj.weight_bytes
+        self._note_shadow()
+        log.info(
+            "residency of the projector %s: in place, %d buffer(s), %.1f MB, %d weight tensors seen",
+            path,
+            len(proj.buffers),
+            proj.weight_bytes / 1e6,
+            proj.n_weight_tensors_seen,
+        )
+        return True
 
     def _split(self, ip: InPlace) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed
@@ -381,10 +465,11 @@ class Residency:
         ip = self._inplace
         if ip is None or ip.shadow_pending:
             return
-        self.host_bytes = ip.shadow.size
-        self.host_pinned = ip.shadow.pinned
+        proj = self._projector
+        self.host_bytes = ip.shadow.size + (proj.shadow.size if proj is not None else 0)
+        self.host_pinned = ip.shadow.pinned and (proj is None or proj.shadow.pinned)
         self.host_note = ip.shadow_note
-        self.host_parts = len(ip.shadow.segments)
+        self.host_parts = len(ip.shadow.segments) + (len(proj.shadow.segments) if proj is not None else 0)
 
     @property
     def shadow_pending(self) -> bool:
@@ -601,7 +686,8 @@ class Residency:
         """Exact bytes of the resident parts (what a lease must cover); ``weight_bytes`` when all
         are resident, 0 when released."""
         if self._inplace is not None:
-            return self._inplace.resident_bytes
+            proj = self._projector
+            return self._inplace.resident_bytes + (proj.resident_bytes if proj is not None else 0)
         return self.weight_bytes if self.weights_resident else 0
 
     @property
@@ -636,7 +722,7 @@ class Residency:
         ip = self._inplace
         if ip is None or ip.resident_bytes <= 0:
             return Weights.NONE
-        return Weights.ALL if ip.resident_bytes == self.weight_bytes else Weights.SOME
+        return Weights.ALL if self.resident_bytes == self.weight_bytes else Weights.SOME
 
     # -- measurements -------------------------------------------------------------------------
 
@@ -644,6 +730,14 @@ class Residency:
     def device(self) -> _ggml.Device | None:
         """The ggml device the model's weights live on (None on a CPU-only build)."""
         return self._gpu
+
+    @property
+    def handover(self) -> dict[str, object]:
+        """What the hand-over of device memory did (issue 40): ``on``, ``note``, and while on the
+        device, chunk size, chunks handed / created / put back, cuMemCreate calls, mapped bytes."""
+        if self._inplace is not None:
+            return self._inplace.handover_stats()
+        return {"on": False, "note": self.handover_note}
 
     @property
     def release_steps(self) -> dict[str, float]:
@@ -780,6 +874,9 @@ class Residency:
                 if ip is not None:
                     splitting = ip.split_pending  # split_at_release: this release splits
                     ip.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
+                    proj = self._projector
+                    if proj is not None and proj.resident_bytes:  # any release takes it along
+                        proj.release(None, final)
                     if splitting and not ip.split_pending:
                         self._own_part_buffers(ip)
                 if self.kv_resident and self._saved_ctx is None:
@@ -848,9 +945,14 @@ class Residency:
             if not self.weights_resident and ip is not None:
                 if ip.shadow_pending:  # a release came before its deferred shadow was built
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
+                proj = self._projector
                 try:
-                    nbytes = ip.restore(overlap=overlap, kv=kv_up)
+                    if proj is not None and proj.resident_bytes < proj.weight_bytes:
+                        nbytes += proj.restore()  # first (small; nothing computes with it before a decode)
+                    nbytes += ip.restore(overlap=overlap, kv=kv_up)
                 except BaseException:
+                    if proj is not None and proj.resident_bytes:  # as released as it was
+                        proj.release(None)
                     self._kv_buffers_out()  # back to the deep level as a whole
                     raise
                 moved = ip.moved
@@ -1122,8 +1224,15 @@ class Residency:
             self._kv.close()
             self._kv = None
         if self._inplace is not None:
-            self._inplace.close()
+            ip = self._inplace
+            ip.close()
             self._inplace = None
+            if ip.moved_at_close and self.weights_resident:  # handed-over memory given back
+                with contextlib.suppress(ResidencyError, AttributeError):
+                    _forget_graphs(self._llm._ctx.ctx, self._llm)
+        if self._projector is not None:
+            self._projector.close()
+            self._projector = None
         if self._rebuild is not None:
             self._rebuild.close()
         self._llm = None

@@ -44,6 +44,11 @@ class RestoreSteps:
     kv_upload_ms: float | None = None
     kv_first_upload_at_ms: float | None = None
     kv_last_upload_end_at_ms: float | None = None
+    # handed-over memory (issue 40): mapping it (take, import, create what was lacking, map)
+    handover_ms: float | None = None
+    handed_chunks: float | None = None  # chunks taken from the holder (nothing allocated)
+    created_chunks: float | None = None  # chunks allocated (cuMemCreate) by this restore
+    creates_total: float | None = None  # the worker's cuMemCreate calls since it started
 
     @classmethod
     def of(cls, steps: Mapping[str, float]) -> RestoreSteps:

@@ -64,12 +64,28 @@ class ToolSpec(msgspec.Struct, frozen=True):
     parameters: Any = None  # its JSON Schema (an object); None: no parameters
 
 
+class ImagePart(msgspec.Struct, frozen=True):
+    """An image in a message or prompt (issue 41): the file's bytes as the client sent them (the
+    API checked that they are a whole image of an accepted format and size: core/api/images.py)
+    and where it goes: before character ``at`` of the text (0..len(text), in order)."""
+
+    data: bytes
+    at: int
+
+
+#: the most images one request may hold (the API refuses more, naming the part)
+MAX_IMAGES = 16
+#: the most pixels one image may have (the API checks it from the header; the worker again)
+MAX_IMAGE_PIXELS = 50_000_000
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str  # "" for an assistant message that only calls tools
     tool_calls: tuple[ToolCall, ...] = ()  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call it answers
     name: str | None = None  # tool: the function's name
+    images: tuple[ImagePart, ...] = ()  # user: the images among its text (a vision model's)
 
 
 #: a Generate's sampling when none is given: Sampling's own, 256 tokens at most
@@ -79,20 +95,40 @@ INTERNAL_SAMPLING = for_front_end("internal")
 class Generate(_Message, frozen=True, kw_only=True):
     req: str
     prompt: str | None = None  # completion mode (raw text, no template)
+    # completion mode from token ids, as given (no BOS added): a token-array prompt of /v1/completions
+    prompt_tokens: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None  # chat mode (template or fallback format)
     tools: tuple[ToolSpec, ...] = ()  # chat mode: the functions the template shows
     sampling: Sampling = INTERNAL_SAMPLING  # carried unchanged from the front end
     conversation: str | None = None  # KV sequence key; None: the prompt cache picks one
     # keyless requests: reuse the prompt cache (None: the model's cache_prompt setting)
     cache_prompt: bool | None = None
+    images: tuple[ImagePart, ...] = ()  # completion mode: the images among the prompt's text
+    # the prompt tokens' logprobs too (``echo`` with ``logprobs`` on /v1/completions, issue 42):
+    # sent in ``PromptLogprobs`` frames before the first Token; the prompt is evaluated whole
+    # (every position an output row), in a sequence of its own unless it has a conversation
+    prompt_logprobs: bool = False
+    # evaluate the prompt and generate nothing (``max_tokens: 0``): Done("length"), no Token
+    score_only: bool = False
+
+    @property
+    def image_count(self) -> int:
+        return len(self.images) + sum(len(m.images) for m in self.messages or ())
 
 
 class Embed(_Message, frozen=True):
     """Embed texts or token-id lists (core/worker/embed.py); answered by ``Embeddings``, then a
-    ``Done`` (usage.prompt_tokens: the tokens embedded)."""
+    ``Done`` (usage.prompt_tokens: the tokens embedded).
+
+    With a ``query`` it is a rerank (issue 42): each input is a document (a string), and its
+    "vector" in ``Embeddings`` is a reranker's scores for the pair (query, document): its
+    classifier's outputs, the first being llama-server's ``relevance_score``;
+    usage.prompt_tokens: the tokens of every pair. A model that is not a reranker answers
+    ``Error(code="invalid_input")``."""
 
     req: str
     inputs: tuple[str | tuple[int, ...], ...]
+    query: str | None = None
 
 
 class Cancel(_Message, frozen=True):
@@ -160,6 +196,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # how a deep release (issue 39) goes for this model: "" in place (the context kept, its KV
     # cells and compute buffers released and back with the weights' parts), else why not
     deep_note: str = ""
+    projector_bytes: int = 0  # the vision projector's weights (0: none)
+    # how its context pools ("" for a chat model's; "mean", "cls", "last", or "rank": a reranker)
+    pooling: str = ""
 
 
 class Ready(_Message, frozen=True):
@@ -215,6 +254,18 @@ class Token(_Message, frozen=True, omit_defaults=True):
     text: str
     # the tokens whose text this piece completes, when the request asked for logprobs
     logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+class PromptLogprobs(_Message, frozen=True):
+    """Log-probabilities of a ``Generate``'s prompt tokens (``prompt_logprobs``), in order, in
+    one or more frames before its first ``Token``: each token's given the tokens before it, with
+    the ``top_logprobs`` most likely alternatives. The BOS the worker put before a text prompt is
+    left out (as llama-cpp-python leaves it out); otherwise the first entry is the first token's,
+    which nothing precedes: it holds logprob 0 and no alternatives. The API writes null for the
+    first entry either way (OpenAI's and llama-cpp-python's echo)."""
+
+    req: str
+    logprobs: tuple[TokenLogprobs, ...]
 
 
 class Embeddings(_Message, frozen=True):
@@ -295,9 +346,33 @@ class StatusReply(_Message, frozen=True):
 #: pool → worker
 REQUEST_TYPES = (Generate, Embed, Cancel, Pin, Sleep, Wake, Shutdown, StatusRequest)
 #: worker → pool
-EVENT_TYPES = (Hello, Loading, Ready, WorkerStatus, Token, Embeddings, Done, Released, Error, StatusReply)
+EVENT_TYPES = (
+    Hello,
+    Loading,
+    Ready,
+    WorkerStatus,
+    Token,
+    PromptLogprobs,
+    Embeddings,
+    Done,
+    Released,
+    Error,
+    StatusReply,
+)
 Request = Generate | Embed | Cancel | Pin | Sleep | Wake | Shutdown | StatusRequest
-Event = Hello | Loading | Ready | WorkerStatus | Token | Embeddings | Done | Released | Error | StatusReply
+Event = (
+    Hello
+    | Loading
+    | Ready
+    | WorkerStatus
+    | Token
+    | PromptLogprobs
+    | Embeddings
+    | Done
+    | Released
+    | Error
+    | StatusReply
+)
 Message = Request | Event
 #: every message class by its ``type``
 MESSAGE_TYPES: dict[str, type[_Message]] = {cls.__name__: cls for cls in (*REQUEST_TYPES, *EVENT_TYPES)}
@@ -462,12 +537,23 @@ def from_dict(obj: object) -> Message:
 def check_generate(msg: Generate) -> None:
     """What the types cannot express: one of prompt and messages, and ``sampling.check``. Raises
     ValueError."""
-    if (msg.prompt is None) == (msg.messages is None):
-        raise ValueError("give exactly one of prompt (completion) and messages (chat)")
+    if sum(x is not None for x in (msg.prompt, msg.messages, msg.prompt_tokens)) != 1:
+        raise ValueError("give exactly one of prompt or prompt_tokens (completion) and messages (chat)")
+    if msg.prompt_tokens is not None and (not msg.prompt_tokens or min(msg.prompt_tokens) < 0):
+        raise ValueError("prompt_tokens must be a non-empty list of token ids (whole numbers of at least 0)")
     if msg.messages is not None and not msg.messages:
         raise ValueError("messages is empty: send at least one message")
     if msg.conversation is not None and not msg.conversation:
         raise ValueError("conversation must be a non-empty id or null")
+    if msg.images and msg.prompt is None:
+        raise ValueError("images outside the messages belong to a completion prompt")
+    if msg.image_count > MAX_IMAGES:
+        raise ValueError(f"{msg.image_count} images, over the {MAX_IMAGES} one request may hold")
+    texts = [(msg.prompt or "", msg.images)] + [(m.content, m.images) for m in msg.messages or ()]
+    for text, images in texts:
+        at = [i.at for i in images]
+        if at != sorted(at) or any(not 0 <= a <= len(text) for a in at):
+            raise ValueError("an image's place (at) is outside its text or out of order")
     check_sampling(msg.sampling)
 
 

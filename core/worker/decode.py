@@ -49,8 +49,15 @@ import numpy as np
 from ..errors import CancelledError
 from ..sampling import Sampling
 from ..wire.protocol import FinishReason
-from .sampler import GrammarDeadEnd, GreedyRows, Sampler, TokenLogprob
+from .sampler import GrammarDeadEnd, GreedyRows, Sampler, TokenLogprob, row_logprobs
 from .textstream import TextStream
+from .vision import ImageSpan, Vision, close_spans, snap_to_image_start
+
+#: prompt tokens a sequence whose prompt logprobs are wanted (echo) prefills per step at most: each
+#: is an output row (n_vocab floats in llama.cpp's output buffer, which grows to the most rows a
+#: decode had and stays: 256 rows of a 128k vocabulary are 128 MiB), and its log-softmax is taken
+#: here between two steps while the others wait
+PROMPT_LOGPROB_ROWS = 256
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -90,6 +97,9 @@ class Live:
         room: int,
         tag: object,
         records: Callable[[list[TokenLogprob]], None] | None = None,
+        prompt_records: Callable[[list[TokenLogprob]], None] | None = None,
+        score_only: bool = False,
+        media: dict[int, ImageSpan] | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.ids = ids  # the tokens the sequence's KV holds (the caller's list, kept current)
@@ -101,6 +111,14 @@ class Live:
         self.room = room
         self.tag = tag  # the caller's
         self.records = records  # gets the Sampler's records of the tokens each piece completes
+        #: its prompt's images by start (owned: freed when it leaves the batch); the ones that
+        #: ``pending`` still holds are evaluated by the projector (``Decoder._images``)
+        self.media = media or {}
+        # gets the prompt tokens' records as their rows are evaluated (echo with logprobs: every
+        # prompt position is an output; see ``step``); the first prompt token's comes first, with
+        # logprob 0 and no alternatives (nothing precedes it), unless it is a BOS the caller added
+        self.prompt_records = prompt_records
+        self.score_only = score_only  # evaluate the prompt and sample nothing (max_tokens 0)
         self.n_prompt = 0
         self.evaluated = 0
         self.completion = 0
@@ -115,6 +133,7 @@ class Live:
         self.prefill_end = 0.0  # the step that evaluated its last prompt token returned
         self.step_sequences = 0  # sequences in its first prefill step
         self.step_prompts = 0  # prompts prefilled (in part) in its first prefill step, its own included
+        self.skip_first = False  # its prompt begins with a BOS the caller added: no record for it
 
     @property
     def done(self) -> bool:
@@ -139,7 +158,7 @@ class Live:
         )
 
 
-class _Batch:
+class TokenBatch:
     """A llama_batch of ``size`` tokens, one sequence id each, over numpy arrays: a step fills
     whole slices (``token``, ``pos``, ``seq``, ``logits``) instead of one ctypes write per field
     and token. Freed with the object (llama_batch_free is not for it)."""
@@ -169,14 +188,15 @@ class _Batch:
 class Decoder:
     """The batch of one ``Llama``'s context: its live sequences and the llama_batch (allocated once)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, vision: Vision | None = None) -> None:
         self.llm = llm
+        self.vision = vision  # the model's projector: evaluates the images of prompts
         ctx = llm.ctx
         self.n_seq = max(1, int(llama_cpp.llama_n_seq_max(ctx)))
         self._n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx))  # per sequence
         self.n_batch = max(1, int(llm.n_batch))  # tokens per step at most
         self._n_vocab = int(llm.n_vocab())
-        self._batch: Any = _Batch(self.n_batch)
+        self._batch: Any = TokenBatch(self.n_batch)
         self._greedy = GreedyRows(self._n_vocab)
         self._pieces: dict[int, bytes] = {}
         self.live: list[Live] = []  # in join order
@@ -205,14 +225,17 @@ class Decoder:
 
     # ---- joining and leaving ----------------------------------------------------------------
 
-    def _to_evaluate(self, seq_id: int, ids: list[int], tokens: list[int]) -> list[int]:
+    def _to_evaluate(
+        self, seq_id: int, ids: list[int], tokens: list[int], media: dict[int, ImageSpan] | None = None
+    ) -> list[int]:
         """``Llama.generate``'s prefix matching for one sequence: cut its KV back to the longest
         common prefix with the prompt, keeping at least the last prompt token to evaluate, and
-        return the tokens left to evaluate (``ids`` is cut to match)."""
+        return the tokens left to evaluate (``ids`` is cut to match). An image of the prompt is
+        kept whole or evaluated whole (``media``: a cut inside one moves back to its start)."""
         memory = llama_cpp.llama_get_memory(self.llm.ctx)
         if ids:
             prefix = common_prefix(ids, tokens)
-            reuse = min(prefix, len(tokens) - 1)
+            reuse = snap_to_image_start(min(prefix, len(tokens) - 1), media)
             if reuse > 0 and (reuse >= len(ids) or llama_cpp.llama_memory_seq_rm(memory, seq_id, reuse, -1)):
                 del ids[reuse:]
                 return tokens[reuse:]
@@ -273,25 +296,57 @@ class Decoder:
         emit: Callable[[str], None],
         tag: object = None,
         records: Callable[[list[TokenLogprob]], None] | None = None,
+        prompt_records: Callable[[list[TokenLogprob]], None] | None = None,
+        score_only: bool = False,
+        skip_first: bool = False,
+        media: dict[int, ImageSpan] | None = None,
     ) -> Live:
         """A sequence joins the batch at the next step: ``tokens`` is its prompt, ``ids`` the
         tokens sequence ``seq_id``'s KV holds now (cut back to the common prefix, then kept
-        current). Needs the context (the weights need not be resident)."""
+        current). Needs the context (the weights need not be resident). ``prompt_records``: the
+        prompt's logprobs are wanted (the whole prompt is evaluated again, each position an
+        output; ``skip_first``: the first prompt token, a BOS the caller added, gets no record);
+        ``score_only``: the sequence ends (``length``) once its prompt is evaluated. ``media``: its
+        images by start (placeholder ids in ``tokens``: vision.py; the sequence owns them from
+        here)."""
         if any(live.seq_id == seq_id for live in self.live):
             raise RuntimeError(f"sequence {seq_id} is already in the batch")
+        if media and self.vision is None:
+            raise RuntimeError("a prompt with images for a model without a projector")
         room = self._n_ctx - len(tokens)
         max_tokens = sampling.max_tokens or 0
         if max_tokens <= 0 or max_tokens >= room:
             max_tokens = room
         sampler = Sampler(self.llm, sampling)
         try:
-            pending = self._to_evaluate(seq_id, ids, tokens)
+            if prompt_records is not None:
+                # every prompt position's logits are needed: nothing of the KV is reused
+                llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.llm.ctx), seq_id, -1, -1)
+                ids.clear()
+                pending = list(tokens)
+            else:
+                pending = self._to_evaluate(seq_id, ids, tokens, media)
         except BaseException:
             sampler.close()
             raise
         text = TextStream(self.llm, stop, self._pieces)
-        live = Live(seq_id, ids, pending, sampler, text, emit, max_tokens, room, tag, records)
+        live = Live(
+            seq_id,
+            ids,
+            pending,
+            sampler,
+            text,
+            emit,
+            max_tokens,
+            room,
+            tag,
+            records,
+            prompt_records,
+            score_only,
+            media,
+        )
         live.n_prompt = len(tokens)
+        live.skip_first = skip_first
         self.live.append(live)
         return live
 
@@ -302,11 +357,13 @@ class Decoder:
         if live.finish is None:
             live.finish = finish
         live.sampler.close()
+        close_spans(live.media)
 
     def _finish(self, live: Live, finish: FinishReason) -> None:
         live.finish = finish
         self.live.remove(live)
         live.sampler.close()
+        close_spans(live.media)
         if not live.text.stop:
             rest = live.text.flush()
             if rest:
@@ -321,9 +378,12 @@ class Decoder:
         if not self.live:
             return []
         started = time.monotonic()
+        imaged = self._images(started)
         b = self._batch
         outputs: list[tuple[Live, int]] = []
         taken: list[tuple[Live, int]] = []  # (sequence, prompt tokens taken)
+        # (sequence, its first row, its first position, the tokens taken and the one after them)
+        scored: list[tuple[Live, int, int, list[int]]] = []
         size = len(self.live)
         decoding = [live for live in self.live if live.token >= 0]
         n = len(decoding)
@@ -342,21 +402,29 @@ class Decoder:
                 break
             if not live.pending:
                 continue
-            k = min(budget, len(live.pending))
+            k = min(budget, len(live.pending), self._text_ahead(live))
+            if k <= 0:
+                continue  # an image comes next: the next step evaluates it
+            if live.prompt_records is not None:
+                k = min(k, PROMPT_LOGPROB_ROWS)
             last = k == len(live.pending)
             base = len(live.ids)
             b.token[n : n + k] = live.pending[:k]
             b.pos[n : n + k] = b.arange[:k]
             b.pos[n : n + k] += base
             b.seq[n : n + k] = live.seq_id
-            b.logits[n : n + k] = 0
+            if live.prompt_records is not None:
+                b.logits[n : n + k] = 1  # each position's row: the logprob of the token after it
+                scored.append((live, n, base, list(live.pending[: k + 1])))
+            else:
+                b.logits[n : n + k] = 0
             n += k
-            if last:
+            if last and not live.score_only:
                 b.logits[n - 1] = 1
                 outputs.append((live, n - 1))
             taken.append((live, k))
         if n == 0:
-            return []
+            return []  # (only images this step: their sequences' text follows at the next)
         b.struct.n_tokens = n
         self.set_threads(prefill=bool(taken))
         rc = int(llama_cpp.llama_decode(self.llm.ctx, b.struct))
@@ -374,7 +442,8 @@ class Decoder:
                 live.prefill_start = started
                 live.step_sequences = size
                 live.step_prompts = len(taken)
-            live.prefill_steps += 1
+            if live not in imaged:
+                live.prefill_steps += 1
             live.ids.extend(live.pending[:k])
             del live.pending[:k]
             live.evaluated += k
@@ -383,6 +452,17 @@ class Decoder:
                 if self.recurrent:
                     self._checkpoint(live)
         ctx = self.llm.ctx
+        for live, row, base, chunk in scored:
+            assert live.prompt_records is not None
+            records = self._prompt_logprobs(ctx, live, row, chunk)
+            if base == 0 and not live.skip_first:
+                records.insert(0, TokenLogprob(chunk[0], 0.0, ()))  # nothing precedes it
+            live.prompt_records(records)
+        finished: list[Live] = []
+        for live, _k in taken:
+            if live.score_only and not live.pending:
+                self._finish(live, "length")
+                finished.append(live)
         # plain greedy sequences: one argmax over their rows (the greedy sampler's token, see
         # sampler.GreedyRows); None where it cannot say (a NaN): the sampler chain decides
         fast = [(live, row) for live, row in outputs if live.sampler.plain_greedy]
@@ -390,7 +470,6 @@ class Decoder:
         if fast:
             tokens = self._greedy.tokens(ctx, [row for _live, row in fast])
             picked = {live: token for (live, _row), token in zip(fast, tokens, strict=True)}
-        finished: list[Live] = []
         for live, row in outputs:
             token = picked.get(live)
             if token is None:
@@ -404,6 +483,53 @@ class Decoder:
             if self.accept(live, token):
                 finished.append(live)
         return finished
+
+    def _text_ahead(self, live: Live) -> int:
+        """How many of ``live``'s pending tokens come before its next image (all: none)."""
+        at = len(live.ids)
+        starts = [start - at for start in live.media if start >= at]
+        return min(starts, default=len(live.pending))
+
+    def _images(self, started: float) -> set[Live]:
+        """The sequences whose next prompt piece is an image: each puts it into its KV now, in a
+        llama_decode of its own (vision.Vision.evaluate; one image per sequence per step, so the
+        others' tokens wait at most one image). Raises RuntimeError as a failed step does."""
+        done: set[Live] = set()
+        if self.vision is None:
+            return done
+        for live in self.live:
+            span = live.media.get(len(live.ids)) if live.pending else None
+            if span is None:
+                continue
+            self.set_threads(prefill=True)
+            self.vision.evaluate(self.llm.ctx, span, len(live.ids), live.seq_id, self.n_batch)
+            if live.first_step < 0:
+                live.first_step = self.decodes
+                live.prefill_start = started
+                live.step_sequences = len(self.live)
+                live.step_prompts = 1
+            self.decodes += 1
+            live.prefill_steps += 1
+            live.ids.extend(live.pending[: span.n_tokens])
+            del live.pending[: span.n_tokens]
+            live.evaluated += span.n_tokens
+            done.add(live)
+        return done
+
+    def _prompt_logprobs(self, ctx: Any, live: Live, row: int, chunk: list[int]) -> list[TokenLogprob]:
+        """The records of the prompt tokens that follow the positions whose rows start at output
+        ``row``: ``chunk`` holds the positions' tokens and the one after them (absent after the
+        prompt's last token, whose row is the first answer token's)."""
+        wanted = chunk[1:]  # the token each row predicts
+        if not wanted:
+            return []
+        first = ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, row), ctypes.c_void_p).value
+        last = ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, row + len(wanted) - 1), ctypes.c_void_p).value
+        if not first or last != first + 4 * self._n_vocab * (len(wanted) - 1):
+            raise RuntimeError("llama.cpp's prompt rows are not whole rows of one buffer")
+        buf = (ctypes.c_float * (len(wanted) * self._n_vocab)).from_address(first)
+        block = np.frombuffer(memoryview(buf), dtype=np.float32).reshape(len(wanted), self._n_vocab)
+        return row_logprobs(block, wanted, live.sampler.top_logprobs)
 
     def accept(self, live: Live, token: int) -> bool:
         """Take ``live``'s sampled ``token``: it ends the sequence (end of generation, a stop

@@ -6,7 +6,8 @@ Two kinds of model embed:
 - a model entry with ``embedding = true``: its context is made for it (``Llama(embedding=True)``,
   pooling from the GGUF's ``<arch>.pooling_type``). Pooling ``mean``, ``cls`` or ``last`` is
   llama.cpp's (``llama_get_embeddings_seq``); a GGUF that sets none (a causal LM) gets mean
-  pooling, done here over the tokens' embeddings. ``rank`` (rerankers) is refused.
+  pooling, done here over the tokens' embeddings. ``rank`` (rerankers) gives no embeddings: its
+  pooled output is the classifier's scores (``rank_tokens``, for ``/v1/rerank``; issue 42).
 - a chat model, on request: its context is switched to embeddings (``llama_set_embeddings``) for
   the request and back. Its pooling is ``none``: mean pooling is done here. The inputs are decoded
   in sequences of their own (``seq_ids``, idle sequences the engine emptied), whose KV cells are
@@ -39,7 +40,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from ..errors import PromptTooLongError
+from ..errors import InvalidInputError, PromptTooLongError
+from .decode import TokenBatch
 
 POOLING_NAMES = {
     llama_cpp.LLAMA_POOLING_TYPE_NONE: "none (mean here)",
@@ -81,26 +83,101 @@ def embed_tokens(
     context is a chat model's (embeddings are switched on for the call and off again).
     ``before_step`` runs before each decode (the worker's residency and cancel check; it may
     raise)."""
+    if int(llama_cpp.llama_pooling_type(llm.ctx)) == llama_cpp.LLAMA_POOLING_TYPE_RANK:
+        raise InvalidInputError(
+            "this model is a reranker (pooling rank): it scores query and document pairs on "
+            "/v1/rerank and has no embeddings to give"
+        )
+    rows = pooled(llm, inputs, seq_ids=seq_ids, switch=switch, before_step=before_step)
+    return [_unit(row.astype(np.float64)) for row in rows]
+
+
+def rank_tokens(
+    llm: Any,
+    inputs: Sequence[Sequence[int]],
+    *,
+    seq_ids: Sequence[int] = (0,),
+    before_step: Callable[[], None] = lambda: None,
+) -> list[list[float]]:
+    """A reranker's scores (its classifier's ``n_cls_out`` outputs, as llama.cpp's rank pooling
+    gives them: no sigmoid) for each token list, one query and document pair each (see
+    ``rerank_tokens``), packed as ``embed_tokens`` packs its inputs. The context must pool by
+    rank."""
+    if int(llama_cpp.llama_pooling_type(llm.ctx)) != llama_cpp.LLAMA_POOLING_TYPE_RANK:
+        raise InvalidInputError("this model is not a reranker (its pooling is not rank)")
+    rows = pooled(llm, inputs, seq_ids=seq_ids, before_step=before_step)
+    return [[float(x) for x in row] for row in rows]
+
+
+def rerank_tokens(llm: Any, query: str, document: str) -> list[int]:
+    """The tokens of one query and document pair, as llama-server's ``format_prompt_rerank``
+    makes them: the model's ``rerank`` chat template with ``{query}`` and ``{document}`` put in
+    (tokenized without BOS, special tokens parsed) when its GGUF has one
+    (``tokenizer.chat_template.rerank``: Qwen3-Reranker's conversion); otherwise
+    ``[BOS] query [EOS] [SEP] document [EOS]``, each of BOS, EOS and SEP only where the vocabulary
+    adds it (EOS falls back to SEP where there is none: BERT's ``[CLS] q [SEP] d [SEP]``,
+    XLM-R's ``<s> q </s></s> d </s>``), query and document tokenized without special tokens."""
+    model = llm._model.model
+    vocab = llm._model.vocab
+    template = llama_cpp.llama_model_chat_template(model, b"rerank")
+    if template:
+        text = template.decode("utf-8", errors="replace")
+        text = text.replace("{query}", query).replace("{document}", document)
+        return list(llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+    q = list(llm.tokenize(query.encode("utf-8"), add_bos=False, special=False))
+    d = list(llm.tokenize(document.encode("utf-8"), add_bos=False, special=False))
+    eos = int(llama_cpp.llama_vocab_eos(vocab))
+    sep = int(llama_cpp.llama_vocab_sep(vocab))
+    if eos == llama_cpp.LLAMA_TOKEN_NULL:
+        eos = sep
+    add_eos = bool(llama_cpp.llama_vocab_get_add_eos(vocab))
+    out: list[int] = []
+    if llama_cpp.llama_vocab_get_add_bos(vocab):
+        out.append(int(llama_cpp.llama_vocab_bos(vocab)))
+    out += q
+    if add_eos:
+        out.append(eos)
+    if llama_cpp.llama_vocab_get_add_sep(vocab):
+        out.append(sep)
+    out += d
+    if add_eos:
+        out.append(eos)
+    return out
+
+
+def pooled(
+    llm: Any,
+    inputs: Sequence[Sequence[int]],
+    *,
+    seq_ids: Sequence[int] = (0,),
+    switch: bool = False,
+    before_step: Callable[[], None] = lambda: None,
+) -> list[Any]:
+    """Each input's pooled output (a float32 numpy row: ``n_embd`` numbers, or a reranker's
+    ``n_cls_out`` scores), in order; the work of ``embed_tokens`` and ``rank_tokens`` (see the
+    module docstring)."""
     if not seq_ids:
         raise ValueError("embed_tokens needs at least one sequence")
     ctx = llm.ctx
     n_embd = int(llm.n_embd())
     pooling = int(llama_cpp.llama_pooling_type(ctx))
+    width = n_embd
     if pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK:
-        raise PromptTooLongError(  # a 400 either way; a reranker answers scores, not embeddings
-            "this model pools for ranking (a reranker): it has no embeddings to give"
-        )
+        width = max(1, int(llama_cpp.llama_model_n_cls_out(llm._model.model)))
     memory = llama_cpp.llama_get_memory(ctx)
-    pooled = pooling != llama_cpp.LLAMA_POOLING_TYPE_NONE
+    is_pooled = pooling != llama_cpp.LLAMA_POOLING_TYPE_NONE
     limit = int(llm.n_batch)
-    if pooled:
+    if is_pooled:
         limit = min(limit, int(llama_cpp.llama_n_ubatch(ctx)))
+    what = (
+        "a query and document pair" if pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else "an embedding input"
+    )
     for tokens in inputs:
         if not tokens:
-            raise PromptTooLongError("an embedding input is empty: give some text or tokens")
+            raise PromptTooLongError(f"{what} is empty: give some text or tokens")
         if len(tokens) > limit:
             raise PromptTooLongError(
-                f"an embedding input is {len(tokens)} tokens but this model embeds at most {limit} "
+                f"{what} is {len(tokens)} tokens but this model takes at most {limit} "
                 "at once (n_ctx / n_batch): shorten it or split it"
             )
     if not inputs:
@@ -111,11 +188,11 @@ def embed_tokens(
         # off its own vector (SmolLM2, llama-cpp-python 0.3.36); separate streams are bit for bit
         seqs = seqs[:1]
     # several KV streams split a batch into micro-batches of equally many tokens per sequence
-    equal = pooled and bool(memory) and int(llama_cpp.llama_n_seq_max(ctx)) > 1
+    equal = is_pooled and bool(memory) and int(llama_cpp.llama_n_seq_max(ctx)) > 1
     groups = pack([len(t) for t in inputs], limit, len(seqs), equal=equal)
     size = max(sum(len(inputs[i]) for i in group) for group in groups)
-    batch = llama_cpp.llama_batch_init(size, 0, 1)
-    out: list[list[float]] = [[] for _ in inputs]
+    batch = TokenBatch(size)  # numpy arrays under the llama_batch: a decode fills whole slices
+    out: list[Any] = [None for _ in inputs]
     if switch:
         llama_cpp.llama_set_embeddings(ctx, True)
     try:
@@ -125,23 +202,22 @@ def embed_tokens(
             before_step()
             n = 0
             for seq, i in zip(seqs, group, strict=False):
-                for pos, token in enumerate(inputs[i]):
-                    batch.token[n] = int(token)
-                    batch.pos[n] = pos
-                    batch.n_seq_id[n] = 1
-                    batch.seq_id[n][0] = seq
-                    batch.logits[n] = 1  # every token is an output (llama.cpp wants it for pooling)
-                    n += 1
-            batch.n_tokens = n
-            rc = int(llama_cpp.llama_decode(ctx, batch))
+                k = len(inputs[i])
+                batch.token[n : n + k] = inputs[i]
+                batch.pos[n : n + k] = batch.arange[:k]
+                batch.seq[n : n + k] = seq
+                n += k
+            batch.logits[:n] = 1  # every token is an output (llama.cpp wants it for pooling)
+            batch.struct.n_tokens = n
+            rc = int(llama_cpp.llama_decode(ctx, batch.struct))
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc} while embedding")
-            if pooled:
+            if is_pooled:
                 for seq, i in zip(seqs, group, strict=False):
                     ptr = llama_cpp.llama_get_embeddings_seq(ctx, seq)
                     if not ptr:
                         raise RuntimeError("llama.cpp gave no pooled embedding")
-                    out[i] = _unit(np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64))
+                    out[i] = np.ctypeslib.as_array(ptr, shape=(width,)).copy()
             else:
                 ptr = llama_cpp.llama_get_embeddings(ctx)  # every token's row, in batch order
                 if not ptr:
@@ -150,7 +226,7 @@ def embed_tokens(
                 start = 0
                 for i in group:
                     end = start + len(inputs[i])
-                    out[i] = _unit(rows[start:end].astype(np.float64).mean(axis=0))
+                    out[i] = rows[start:end].astype(np.float64).mean(axis=0)
                     start = end
             for seq in seqs[: len(group)]:
                 llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
@@ -159,7 +235,6 @@ def embed_tokens(
             llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
         if switch:
             llama_cpp.llama_set_embeddings(ctx, False)
-        llama_cpp.llama_batch_free(batch)
     return out
 
 

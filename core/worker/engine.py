@@ -17,9 +17,10 @@ tokenizing in cancellable pieces) is ``prompts.Prompts``. The engine owns one of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,22 +38,33 @@ from ..errors import (
     OutOfDeviceMemoryError,
     TimeshareError,
 )
+from ..gguf.catalog import read_pooling
 from ..gguf.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from ..gguf.modelfile import check_model_file
-from ..residency import check_gguf
+from ..residency import check_gguf, ggml_devices
 from ..sampling import Sampling
 from ..util.units import decimal_bytes
 from ..wire.protocol import FinishReason, Generate, LogprobAlt, TokenLogprobs
 from . import kv_files
 from .decode import Decoder, Live
 from .device import default_parallel, llama_placement
-from .embed import embed_tokens
-from .prompts import Prompts, tools_of
+from .embed import embed_tokens, rank_tokens, rerank_tokens
+from .prompts import Media, Prompts, tools_of
 from .sampler import TokenLogprob
 from .sequences import Sequences, Slot
 from .textstream import token_piece
+from .vision import Vision, close_spans
 
 log = logging.getLogger(__name__)
+
+#: a pooled context's pooling by llama.cpp's value (``ModelInfo.pooling``)
+POOLING = {
+    llama_cpp.LLAMA_POOLING_TYPE_NONE: "mean",  # mean pooling done in embed.py
+    llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
+    llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
+    llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
+    llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
+}
 
 #: the lowest logprob written (OpenAI's floor for impossible tokens)
 LOGPROB_FLOOR = -9999.0
@@ -85,15 +97,21 @@ class Prepared:
     req: Generate
     tokens: list[int]
     stop: tuple[str, ...]
+    #: its images, by where they start in ``tokens`` (their placeholder ids: vision.py); the live
+    #: sequence owns them once it joined the batch
+    media: Media = field(default_factory=dict)
 
 
 class Engine:
     """A loaded model. Build it with ``Engine.load``; call only from one thread."""
 
-    def __init__(self, llm: Any, model: ModelConfig, template: ChatTemplate | None) -> None:
+    def __init__(
+        self, llm: Any, model: ModelConfig, template: ChatTemplate | None, vision: Vision | None = None
+    ) -> None:
         self.llm = llm
         self.model = model
         self.template = template  # the chat template, or None for the fallback format
+        self.vision = vision  # the vision projector (models[].mmproj), None: text only
         ctx = llm.ctx
         self.parallel = max(1, int(llama_cpp.llama_n_seq_max(ctx)))
         self.info = EngineInfo(
@@ -103,9 +121,11 @@ class Engine:
             parallel=self.parallel,
         )
         self.sequences = Sequences(llm, model, self.info.n_ctx, self.parallel)
-        self.prompts = Prompts(llm, model, template, self.info.n_ctx)
+        self.prompts = Prompts(llm, model, template, self.info.n_ctx, vision)
         self.prompt_tokens_evaluated = 0  # since start
-        self._decoder = Decoder(llm)
+        #: a reranker (rank pooling): it answers /v1/rerank only (``rerank``)
+        self.reranker = int(llama_cpp.llama_pooling_type(ctx)) == llama_cpp.LLAMA_POOLING_TYPE_RANK
+        self._decoder = Decoder(llm, vision)
         self._last: Slot | None = None
         self._lp_pieces: dict[int, bytes] = {}  # token -> bytes, for logprob entries
         self._lives: dict[Live, Slot] = {}  # the batch's sequences and their slots
@@ -122,6 +142,11 @@ class Engine:
         and V; a quantised one turns flash attention on, which llama.cpp needs for a quantised V."""
         check_model_file(model.path)
         check_gguf(model.path)  # truncation is caught before llama.cpp sees the file
+        if not model.embedding and read_pooling(model.path) == "rank":
+            # a reranker (issue 42): its graph ends in a classifier, it has no logits to sample;
+            # its context pools, as an embedding model's does, whatever the entry says
+            log.info("%s pools by rank (a reranker): loaded for /v1/rerank only", model.id)
+            model = dataclasses.replace(model, embedding=True)
         # an embedding model's sequences let one decode embed several inputs (core/worker/embed.py)
         parallel = model.parallel or default_parallel()
         n_ctx = model.n_ctx or auto_n_ctx(0, plan.gpu if plan is not None else False)
@@ -178,7 +203,14 @@ class Engine:
                 raise ModelFileError(
                     f'{exc} ({model.id}); fix the model\'s chat_template or set chat_format = "fallback"'
                 ) from None
-        engine = cls(llm, model, chat_template)
+        vision = None
+        if model.mmproj and not model.embedding:
+            try:
+                vision = load_projector(llm, model)
+            except BaseException:
+                llm.close()
+                raise
+        engine = cls(llm, model, chat_template, vision)
         log.info(
             "loaded %s: n_ctx=%d x %d sequences, n_vocab=%d chat=%s",
             model.id,
@@ -278,9 +310,16 @@ class Engine:
         tokens). An embedding model's context is its own, all its sequences embed; a chat model
         embeds in as many idle sequences as there are inputs (empty ones first, then the least
         recently used, each first kept as a host snapshot: the KV of every conversation stays) and
-        gives them back empty (never while a batch decodes). One decode packs as many inputs as
+        gives them back empty; between two steps of a batch, in the sequences the batch leaves
+        idle (RuntimeError when there is none). One decode packs as many inputs as
         there are sequences and tokens in the batch (embed.py). Raises PromptTooLongError for an
-        input over the batch, InvalidInputError for a token id outside the vocabulary."""
+        input over the batch, InvalidInputError for a token id outside the vocabulary and for a
+        reranker."""
+        if self.reranker:
+            raise InvalidInputError(
+                f"{self.model.display_name} is a reranker (pooling rank): it scores documents "
+                "against a query on /v1/rerank and has no embeddings; embed with another model"
+            )
         llm = self.llm
         n_vocab = self.info.n_vocab
         token_lists: list[list[int]] = []
@@ -304,9 +343,8 @@ class Engine:
             seq_ids = [slot.seq_id for slot in self.sequences.slots]
             vectors = embed_tokens(llm, token_lists, seq_ids=seq_ids, before_step=before_step)
         else:
-            if self._decoder.live:
-                raise RuntimeError("embeddings while a batch is decoding")  # the worker runs them between
-            slots = self.sequences.take_slots(min(len(token_lists), len(self.sequences.slots)))
+            # idle sequences only: beside a batch (between two of its steps) those not in it
+            slots = self.sequences.take_slots(min(len(token_lists), self.free_slots))
             try:
                 vectors = embed_tokens(
                     llm,
@@ -321,11 +359,53 @@ class Engine:
                     slot.dirty = True
         return vectors, sum(len(t) for t in token_lists)
 
+    @property
+    def pooling(self) -> str:
+        """How the context pools, for ``ModelInfo.pooling``: "" for a chat model (embeddings, when
+        asked, are mean-pooled in ``embed``), else the GGUF's ("mean", "cls", "last", "rank")."""
+        if not self.model.embedding:
+            return ""
+        return POOLING.get(int(llama_cpp.llama_pooling_type(self.llm.ctx)), "mean")
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str | Sequence[int]],
+        before_step: Callable[[], None] = lambda: None,
+    ) -> tuple[list[list[float]], int]:
+        """A reranker's scores for each document against ``query`` (the classifier's outputs, the
+        first one llama-server's ``relevance_score``), in the documents' order, and the tokens
+        evaluated. Each pair is formatted as llama-server formats it (``embed.rerank_tokens``) and
+        the pairs are packed into decodes as embeddings are (``embed.rank_tokens``: every
+        sequence of the context, one pair each). Raises InvalidInputError when the model is not
+        a reranker, PromptTooLongError for a pair over the batch."""
+        if not self.reranker:
+            raise InvalidInputError(
+                f"{self.model.display_name} is not a reranker: /v1/rerank needs a model whose GGUF "
+                "pools by rank (a cross-encoder such as bge-reranker or Qwen3-Reranker); "
+                "use /v1/embeddings or chat with this one"
+            )
+        llm = self.llm
+        pairs: list[list[int]] = []
+        for i, document in enumerate(documents):
+            if not isinstance(document, str):
+                raise InvalidInputError(f"documents[{i}] must be a string: a reranker reads text")
+            pairs.append(rerank_tokens(llm, query, document))
+        before_step()  # residency first: the context is about to decode
+        self._decoder.set_threads(prefill=True)
+        seq_ids = [slot.seq_id for slot in self.sequences.slots]
+        scores = rank_tokens(llm, pairs, seq_ids=seq_ids, before_step=before_step)
+        return scores, sum(len(t) for t in pairs)
+
     # ---- generation -------------------------------------------------------------------------
 
     def prepare(self, req: Generate, poll: Callable[[], None] = lambda: None) -> Prepared:
         """Tokenize a request (no residency needed). ``poll`` runs between pieces and may raise
         CancelledError. Raises PromptTooLongError without touching the KV cache of any sequence."""
+        if self.reranker:
+            raise InvalidSamplingError(
+                f"{self.model.display_name} is a reranker (pooling rank): it answers /v1/rerank only"
+            )
         if self.model.embedding:
             raise InvalidSamplingError(
                 f"{self.model.display_name} is an embedding model (embedding = true): "
@@ -336,15 +416,33 @@ class Engine:
         if req.messages is not None:
             # the template's end-of-turn token is an end-of-generation token of the vocabulary:
             # the decoder stops on it (create_completion's stopping criterion checked the same id)
-            tokens, extra_stop = self.prompts.chat_prompt(req.messages, tools_of(req), poll)
+            tokens, extra_stop, media = self.prompts.chat_prompt(req.messages, tools_of(req), poll)
             stop += extra_stop
+        elif req.prompt_tokens is not None:
+            # token ids as given (a token-array prompt): no BOS added
+            n_vocab = self.info.n_vocab
+            bad = [t for t in req.prompt_tokens if not 0 <= t < n_vocab]
+            if bad:
+                raise InvalidInputError(
+                    f"prompt: token {bad[0]} is not in {self.model.display_name}'s vocabulary "
+                    f"(0..{n_vocab - 1}); send token ids from this model's tokenizer, or text"
+                )
+            tokens, media = list(req.prompt_tokens), {}
         else:
             assert req.prompt is not None
             # the tokens create_completion would make of the string (not tokenized twice)
-            tokens = self.prompts.completion_tokens(req.prompt, poll)
+            tokens, media = self.prompts.completion_prompt(req.prompt, req.images, poll)
         if len(tokens) >= self.info.n_ctx:
+            close_spans(media)
             raise self.prompts.too_long(len(tokens))
-        return Prepared(req, tokens, tuple(stop))
+        if media and req.prompt_logprobs:
+            close_spans(media)
+            raise InvalidInputError("the prompt's logprobs (echo) are not given for a prompt with images")
+        if media and tokens[-1] < 0:
+            close_spans(media)
+            # (libmtmd's image decode gives no logits: the first answer token needs a text token's)
+            raise InvalidInputError("the prompt ends with an image: put some text after it")
+        return Prepared(req, tokens, tuple(stop), media)
 
     @property
     def free_slots(self) -> int:
@@ -370,10 +468,13 @@ class Engine:
         prepared: Prepared,
         emit: Callable[[str], None],
         logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
+        prompt_logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
     ) -> Live:
         """The request joins the batch (at the next ``step``) in the sequence its KV rules pick:
-        the conversation's own, the prompt cache's, or (``cache_prompt`` false) an empty one.
-        Needs the context (call after making the weights resident)."""
+        the conversation's own, the prompt cache's, or (``cache_prompt`` false, or its prompt's
+        logprobs wanted: every position evaluated) an empty one. ``prompt_logprobs`` gets the
+        prompt tokens' entries (``req.prompt_logprobs``) as their rows are evaluated. Needs the
+        context (call after making the weights resident)."""
         req = prepared.req
         tokens = prepared.tokens
         if req.conversation is not None and self.busy_with(req.conversation):
@@ -381,8 +482,9 @@ class Engine:
         cache_prompt = self.model.cache_prompt if req.cache_prompt is None else req.cache_prompt
         if req.conversation is not None:
             # the conversation's own sequence, continued from its longest common prefix
-            slot = self.sequences.claim_conversation(req.conversation, tokens)
-        elif cache_prompt:
+            # (a new one with cache_prompt true starts from the prompt cache: Sequences.claim_conversation)
+            slot = self.sequences.claim_conversation(req.conversation, tokens, adopt=req.cache_prompt is True)
+        elif cache_prompt and not req.prompt_logprobs:
             slot = self.sequences.use_prompt_cache(tokens)
         else:
             # From an empty KV cache, exactly like a fresh Llama, so the same request gives the
@@ -400,8 +502,18 @@ class Engine:
                 stop=prepared.stop,
                 emit=emit,
                 records=None if logprobs is None else (lambda rs: logprobs(self._wire_logprobs(rs))),
+                media=prepared.media,
+                prompt_records=(
+                    None
+                    if prompt_logprobs is None or not req.prompt_logprobs
+                    else (lambda rs: prompt_logprobs(self._wire_logprobs(rs)))
+                ),
+                score_only=req.score_only,
+                # a BOS the tokenizer put before a text prompt has no entry (the client sent none)
+                skip_first=req.prompt is not None and bool(tokens) and tokens[0] == int(self.llm.token_bos()),
             )
         except BaseException:
+            close_spans(prepared.media)
             self._end(slot)
             raise
         self._lives[live] = slot
@@ -467,6 +579,7 @@ class Engine:
         before_step: Callable[[], None] = lambda: None,
         poll: Callable[[], None] = lambda: None,
         logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
+        prompt_logprobs: Callable[[list[TokenLogprobs]], None] | None = None,
     ) -> GenerationOutcome:
         """Run one request alone (stepping the batch until it is done). ``before_step`` runs before
         every decode step and may raise CancelledError to stop (finish_reason "cancelled");
@@ -476,7 +589,7 @@ class Engine:
         the KV cache of any conversation."""
         prepared = self.prepare(req, poll)
         before_step()  # residency first: choosing the sequence touches the context
-        live = self.start(prepared, emit, logprobs)
+        live = self.start(prepared, emit, logprobs, prompt_logprobs)
         try:
             while not live.done:
                 before_step()
@@ -492,7 +605,24 @@ class Engine:
     def close(self) -> None:
         self.sequences.drop_snapshots()
         self._decoder.close()
+        if self.vision is not None:
+            self.vision.close()
         self.llm.close()
+
+
+def load_projector(llm: Any, model: ModelConfig) -> Vision:
+    """The model's vision projector, on its device (the GPU the model's layers are on; the CPU
+    when it has none or ``n_gpu_layers`` is 0). Raises ModelFileError naming the file."""
+    check_model_file(model.mmproj)
+    gpus = [d for d in ggml_devices() if d.is_gpu]
+    on_gpu = bool(gpus) and model.n_gpu_layers != 0 and model.device < len(gpus)
+    return Vision(
+        llm,
+        model.mmproj,
+        n_threads=max(1, int(getattr(llm, "n_threads_batch", 1) or 1)),
+        device=gpus[model.device].handle if on_gpu else None,
+        use_gpu=on_gpu,
+    )
 
 
 def batch_invariant(parallel: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from .. import envvars
+from ..arena.records import DoorbellRing
 from ..chatformat.format import of_template
 from ..errors import CancelledError, FrameError, ModelFileError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
@@ -41,6 +42,8 @@ from .tenancy import Acquired, Tenancy, make_tenancy
 
 #: numbers per Embeddings frame (a frame holds at most MAX_FRAME bytes; a float takes ~20)
 EMBED_FRAME_VALUES = 256 * 1024
+#: prompt tokens' logprob entries per PromptLogprobs frame (20 alternatives each stay far below MAX_FRAME)
+PROMPT_LOGPROBS_PER_FRAME = 1024
 
 
 def _env_ms(var: envvars.EnvVar) -> float:
@@ -68,7 +71,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Yield:
-    """The warden heard the doorbell: another worker wants the token."""
+    """The warden heard the doorbell: another worker wants the token (``ring``: who, and what it
+    asks of this worker, as the doorbell's one scan saw it)."""
+
+    ring: DoorbellRing
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ class Worker:
         self._status_lock = threading.Lock()
         self._sent_status: p.WorkerStatus | None = None
         self._yield_wanted = False
+        self._ring: DoorbellRing | None = None  # the doorbell's last ring (with _yield_wanted)
         self._quantum_start = 0.0
         self._exit_code = 0
         self._stopping = False
@@ -343,7 +350,7 @@ class Worker:
         engine = self.engine
         self._state = "ready"
         res.set_pinned(self.pinned)
-        res.start(lambda: self.tasks.put(_Yield()))
+        res.start(lambda ring: self.tasks.put(_Yield(ring)))
         chat = of_template(engine.template)  # what the API plans tool calls with
         self.send(
             p.Ready(
@@ -369,6 +376,8 @@ class Worker:
                     chat_family=chat.family.name,
                     thinks=chat.thinks,
                     starts_thinking=chat.starts_thinking,
+                    projector_bytes=engine.vision.weight_bytes if engine.vision is not None else 0,
+                    pooling=engine.pooling,
                 )
             )
         )
@@ -404,8 +413,10 @@ class Worker:
         elif isinstance(task, p.Sleep):
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
-            if self._should_yield() or self.tenancy.asked_deep():
-                self._give_way()
+            self._ring = task.ring
+            asked = self._asked(idle=True)  # between batches: its weights, or its KV cache
+            if asked is not None:
+                self._give_way(asked)
         elif isinstance(task, p.Shutdown):
             self._shutdown(task.save_kv)
         elif isinstance(task, _Disconnected):
@@ -452,6 +463,7 @@ class Worker:
             self.publish()
         elif isinstance(task, _Yield):
             self._yield_wanted = True
+            self._ring = task.ring
         elif isinstance(task, (p.Shutdown, _Disconnected)):
             self._pending.appendleft(task)
             if self._running:
@@ -484,14 +496,18 @@ class Worker:
         self._poll()
         self.publish()  # waiting_reason becomes visible
 
-    def _should_yield(self) -> bool:
-        """Give the token up now? Not when pinned, not holding, or when the ring was stale."""
-        if self.pinned or not self.tenancy.holds_token:
-            return False
-        if not self.tenancy.others_waiting():
+    def _asked(self, idle: bool = False) -> DoorbellRing | None:
+        """Give way now, and with what? What the head of the queue asks of this worker, from the
+        doorbell's last ring while it is fresh, else from one scan of the arena (tenancy.asked);
+        None when pinned, when nothing is asked any more (the ring was stale), or, during a batch
+        (not ``idle``), when it holds no lease (only its weights may go while sequences run)."""
+        if self.pinned or not (idle or self.tenancy.holds_token):
+            return None
+        asked = self.tenancy.asked(self._ring)
+        if asked is None:
             self._yield_wanted = False
-            return False
-        return True
+            self._ring = None
+        return asked
 
     def _ensure_resident(self, poll: Callable[[], None]) -> Acquired:
         res = self.tenancy
@@ -555,18 +571,20 @@ class Worker:
         engine.park()
         return max(0, engine.snapshot_bytes - before)
 
-    def _give_way(self) -> None:
-        """The head of the queue needs room: free what it asks for (all of the weights, or only
-        some layer parts; the KV cache and compute buffers too when it asks this worker to go
-        deep: ``tenancy.on_deep`` parks the conversations first)."""
+    def _give_way(self, asked: DoorbellRing) -> None:
+        """The head of the queue needs room: free what it asks for (``asked``, from
+        :meth:`_asked`: all of the weights, or only some layer parts; the KV cache and compute
+        buffers too when it asks this worker to go deep: ``tenancy.on_deep`` parks the
+        conversations first)."""
         if self.engine is not None and self.tenancy.frees_context and self.tenancy.kv_resident:
             self.engine.park()  # the rebuild path frees the context: every conversation to the host
         try:
-            released = self.tenancy.give_way()
+            released = self.tenancy.give_way(asked)
         except ModelFileError as exc:  # a deferred shadow's check at the release
             self._file_lost(exc)
             return
         self._yield_wanted = False
+        self._ring = None
         if released is not None:
             self.send(released)
         self.publish()
@@ -608,12 +626,13 @@ class Worker:
                 self._busy = False
                 self.tenancy.note_use(False)
             self.publish()
-        if self._yield_wanted and self._should_yield():
-            self._give_way()  # between requests the quantum does not apply
+        if self._yield_wanted and (asked := self._asked()) is not None:
+            self._give_way(asked)  # between requests the quantum does not apply
 
     def _admissible(self) -> list[p.Generate]:
         """The requests that may join the batch now, in arrival order: the Generates at the head of
-        the queue (up to the first other task, which waits for the batch to end), as many as the
+        the queue (up to the first other task, which waits for the batch to end; an Embed runs
+        between two steps where a sequence is idle: ``_embed_beside``), as many as the
         context has free sequences, skipping one whose conversation is being answered (a
         conversation is never decoded twice at once)."""
         engine = self.engine
@@ -646,8 +665,8 @@ class Worker:
             self._gather()  # the rest of a burst joins the same prefill step
         held_ms = (time.monotonic() - self._quantum_start) * 1000.0
         quantum_over = held_ms >= self.spec.arena.min_quantum_ms
-        if self._yield_wanted and quantum_over and self._should_yield():
-            self._give_way()  # every sequence pauses; the restore resumes them all
+        if self._yield_wanted and quantum_over and (asked := self._asked()) is not None:
+            self._give_way(asked)  # every sequence pauses; the restore resumes them all
             if self._stop_batch:
                 raise CancelledError("the worker is ending: its model file changed")
         got: Acquired | None = None
@@ -661,6 +680,22 @@ class Worker:
             self._admit(req, got, started)
         if admitted:
             self.publish()  # once for all who joined (the pool hears of the batch once per step)
+        self._embed_beside()
+
+    def _embed_beside(self) -> None:
+        """An Embed at the head of the queue runs now, between two steps of the batch, in the
+        sequences the batch leaves idle (issue 45: it no longer waits for every answer to end).
+        A chat model's only: its context switches to embeddings for the Embed's decodes and back,
+        and the sequences of the batch are not touched (each decodes in its own KV stream; their
+        next step evaluates their last token as before). With no idle sequence it waits."""
+        engine = self.engine
+        if engine is None or engine.model.embedding or not self._running or not self._pending:
+            return
+        task = self._pending[0]
+        if not isinstance(task, p.Embed) or task.query is not None or engine.free_slots < 1:
+            return
+        self._pending.popleft()
+        self._embed(task, beside_batch=True)
 
     def _batch_wait_poll(self) -> None:
         """``poll`` while waiting for the GPU with a batch: cancels take effect at once; the wait
@@ -713,9 +748,15 @@ class Worker:
             self.send(p.Token(req=req.req, text=text, logprobs=tuple(logprobs)))
             logprobs.clear()
 
+        def prompt_emit(entries: list[p.TokenLogprobs]) -> None:
+            for i in range(0, len(entries), PROMPT_LOGPROBS_PER_FRAME):
+                self.send(
+                    p.PromptLogprobs(req=req.req, logprobs=tuple(entries[i : i + PROMPT_LOGPROBS_PER_FRAME]))
+                )
+
         try:
             prepared = engine.prepare(req, poll)
-            run.live = engine.start(prepared, emit, logprobs.extend)
+            run.live = engine.start(prepared, emit, logprobs.extend, prompt_emit)
         except CancelledError:
             self._cancelled.discard(req.req)
             self._send_done(req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
@@ -768,16 +809,21 @@ class Worker:
         )
 
     def _apply_cancels(self) -> None:
-        """Cancelled requests leave the batch now (no context needed: their KV stays as it is)."""
+        """Cancelled requests leave the batch now (no context needed: their KV stays as it is).
+        Each one's Done carries its real usage: the tokens it generated before the Stop (what the
+        chat window counts), its prompt and what of it was evaluated."""
         engine = self.engine
         while self._to_cancel:
             req_id = self._to_cancel.pop()
             run = self._running.pop(req_id, None)
             if run is None:
                 continue
+            usage = p.Usage(0, 0, 0)
             if run.live is not None and engine is not None:
                 engine.cancel(run.live)
-            self._send_done(run.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
+                out = engine.outcome(run.live)
+                usage = p.Usage(out.prompt_tokens, out.completion_tokens, out.prompt_tokens_evaluated)
+            self._send_done(run.req, "cancelled", usage, p.SwitchMeasured(False))
         if not self._running and self._busy:
             self._busy = False
             self.tenancy.note_use(False)
@@ -801,10 +847,11 @@ class Worker:
             self.tenancy.note_use(False)
         self.publish()
 
-    def _embed(self, req: p.Embed) -> None:
-        """An Embed request, between batches (its context switches to embeddings): the vectors go
-        in ``Embeddings`` frames of at most EMBED_FRAME_VALUES numbers, then a ``Done``
-        (usage.prompt_tokens: the tokens embedded)."""
+    def _embed(self, req: p.Embed, beside_batch: bool = False) -> None:
+        """An Embed request, between batches or (``beside_batch``) between two steps of one (a
+        chat model's context switches to embeddings): the vectors go in ``Embeddings`` frames of
+        at most EMBED_FRAME_VALUES numbers, then a ``Done`` (usage.prompt_tokens: the tokens
+        embedded)."""
         engine = self.engine
         assert engine is not None
         if req.req in self._cancelled:
@@ -819,17 +866,22 @@ class Worker:
             self._poll()
             if req.req in self._cancelled or self._stop_batch:
                 self._cancelled.discard(req.req)
-                self._stop_batch = False
+                if not beside_batch:  # beside one, the batch ends on it at its next step
+                    self._stop_batch = False
                 raise CancelledError(f"request {req.req} cancelled")
             if not (self.tenancy.holds_token and self.tenancy.weights_resident):
                 switch = self._ensure_resident(self._wait_poll)
 
         reply: p.Done | p.Error
-        self._busy = True
-        self.tenancy.note_use(True)
-        self.publish()
+        if not beside_batch:
+            self._busy = True
+            self.tenancy.note_use(True)
+            self.publish()
         try:
-            vectors, n_tokens = engine.embed(req.inputs, step)
+            if req.query is not None:  # a rerank: one row of scores per document
+                vectors, n_tokens = engine.rerank(req.query, req.inputs, step)
+            else:
+                vectors, n_tokens = engine.embed(req.inputs, step)
             self.tenancy.settle()
             per_frame = max(1, EMBED_FRAME_VALUES // max(1, len(vectors[0]) if vectors else 1))
             for i in range(0, len(vectors), per_frame):
@@ -849,10 +901,14 @@ class Worker:
             reply = p.Done(req.req, "cancelled", p.Usage(0, 0, 0), p.SwitchMeasured(False))
         except TimeshareError as exc:
             reply = p.Error(req=req.req, code=exc.code, message=str(exc))
+        except Exception as exc:  # llama_decode failed: this request fails, the worker goes on
+            log.exception("embedding request %s failed", req.req)
+            reply = p.Error(req=req.req, code="internal", message=str(exc) or type(exc).__name__)
         finally:
-            self._busy = False
-            self.tenancy.note_use(False)
-            self.publish()
+            if not beside_batch:  # the batch keeps the worker busy
+                self._busy = False
+                self.tenancy.note_use(False)
+                self.publish()
         self.send(reply)
 
     def _shutdown(self, save_kv: bool) -> None:

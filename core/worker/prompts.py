@@ -26,8 +26,12 @@ import llama_cpp
 from ..chatformat.history import normalise, render
 from ..chatformat.template import ChatTemplate, TemplateCaps, TemplateError
 from ..config.schema import ModelConfig
-from ..errors import ChatTemplateError, PromptTooLongError
-from ..wire.protocol import ChatMessage, Generate
+from ..errors import ChatTemplateError, InvalidInputError, PromptTooLongError
+from ..wire.protocol import ChatMessage, Generate, ImagePart
+from .vision import ImageSpan, Vision, close_spans
+
+#: a prompt's images: where each lies in its token list (by start), for the decoder
+Media = dict[int, ImageSpan]
 
 FALLBACK_STOP = ("\nUser:", "\nAssistant:", "\n\n\n")
 
@@ -49,11 +53,19 @@ class Prompts:
     """Builds a loaded model's prompts: ``chat_prompt`` and ``completion_tokens``. Not
     thread-safe: the worker's loop thread is the only caller."""
 
-    def __init__(self, llm: Any, model: ModelConfig, template: ChatTemplate | None, n_ctx: int) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        model: ModelConfig,
+        template: ChatTemplate | None,
+        n_ctx: int,
+        vision: Vision | None = None,
+    ) -> None:
         self.llm = llm
         self.model = model
         self.template = template  # the chat template, or None for the fallback format
         self.n_ctx = n_ctx  # per sequence
+        self.vision = vision  # the model's projector (None: it reads text only)
         self._markers = self._template_markers(template.source if template is not None else "")
 
     def _template_markers(self, template: str) -> re.Pattern[str] | None:
@@ -113,14 +125,26 @@ class Prompts:
                 raise self.too_long(len(tokens), at_least=i + 1 < len(pieces))
         return tokens
 
+    def _vision(self) -> Vision:
+        if self.vision is None:
+            raise InvalidInputError(
+                f"{self.model.display_name} does not read images: it has no vision projector "
+                "(models[].mmproj); send text only, or use a vision model"
+            )
+        return self.vision
+
     def chat_prompt(
         self,
         messages: Sequence[ChatMessage],
         tools: Sequence[dict[str, Any]] = (),
         poll: Callable[[], None] = lambda: None,
-    ) -> tuple[list[int], list[str]]:
-        """Tokens and extra stop strings for a chat request (``tools``: OpenAI tool objects)."""
-        history = [chat_message_dict(m) for m in messages]
+    ) -> tuple[list[int], list[str], Media]:
+        """Tokens, extra stop strings and images (by start) for a chat request (``tools``: OpenAI
+        tool objects). A message's images go where its ``images[].at`` say, as the projector's
+        marker in the text the template renders (llama-server's way)."""
+        images = [i.data for m in messages for i in m.images]
+        marker = self._vision().marker if images else ""
+        history = [chat_message_dict(m, marker) for m in messages]
         if self.template is not None:
             try:
                 prompt = render(self.template, history, tools)
@@ -129,18 +153,50 @@ class Prompts:
                     f"the chat template of {self.model.display_name} refused these messages: {exc}"
                 ) from None
             # the template writes BOS itself (as llama-cpp-python's formatter: added_special)
+            if images:
+                tokens, media = self._with_images(prompt, images, add_special=False, special=True)
+                return tokens, [self.template.eos_token], media
             tokens = self.tokenize(prompt, add_bos=False, special=True, poll=poll)
-            return tokens, [self.template.eos_token]
+            return tokens, [self.template.eos_token], {}
         # the fallback format shows only user and assistant turns: tool calls and results as text
         plain = [ChatMessage(role=m["role"], content=m["content"]) for m in normalise(history, _NO_TOOLS)]
-        return (
-            self.tokenize(fallback_prompt(plain), add_bos=True, special=False, poll=poll),
-            list(FALLBACK_STOP),
-        )
+        text = fallback_prompt(plain)
+        if images:
+            tokens, media = self._with_images(text, images, add_special=True, special=False)
+            return tokens, list(FALLBACK_STOP), media
+        return self.tokenize(text, add_bos=True, special=False, poll=poll), list(FALLBACK_STOP), {}
 
-    def completion_tokens(self, prompt: str, poll: Callable[[], None] = lambda: None) -> list[int]:
-        """A completion prompt's tokens, built as ``Llama.create_completion`` builds them for a
-        string prompt (BOS or CLS when the vocabulary adds one, EOS or SEP when it adds one)."""
+    def _with_images(
+        self, text: str, images: Sequence[bytes], *, add_special: bool, special: bool
+    ) -> tuple[list[int], Media]:
+        """A prompt with images as tokens (libmtmd's tokenizer: the text between the images as
+        the model's tokenizer makes it, the projector's own tokens around each image)."""
+        vision = self._vision()
+        if text.count(vision.marker) != len(images):
+            raise ChatTemplateError(
+                f"the chat template of {self.model.display_name} did not show every image of these "
+                "messages (an image in a message it leaves out?)"
+            )
+        tokens, media = vision.tokenize(text, images, add_special=add_special, parse_special=special)
+        if len(tokens) >= self.n_ctx:
+            close_spans(media)
+            raise self.too_long(len(tokens))
+        return tokens, media
+
+    def completion_prompt(
+        self, prompt: str, images: Sequence[ImagePart], poll: Callable[[], None] = lambda: None
+    ) -> tuple[list[int], Media]:
+        """``completion_tokens`` of a prompt with images (where ``images[].at`` put them), and
+        the images by start."""
+        if not images:
+            return self.completion_tokens(prompt, poll), {}
+        head, tail = self._ends()
+        text = with_markers(prompt, images, self._vision().marker)
+        body, media = self._with_images(text, [i.data for i in images], add_special=False, special=True)
+        return [*head, *body, *tail], {start + len(head): _moved(s, len(head)) for start, s in media.items()}
+
+    def _ends(self) -> tuple[list[int], list[int]]:
+        """The tokens create_completion puts before and after a string prompt."""
         llm = self.llm
         vocab = llm._model
         bos, cls_id, sep = int(llm.token_bos()), int(vocab.token_cls()), int(vocab.token_sep())
@@ -150,6 +206,12 @@ class Prompts:
         tail = [sep if sep != -1 else int(llm.token_eos())]
         if not vocab.add_eos_token() and sep == -1:
             tail = []
+        return head, tail
+
+    def completion_tokens(self, prompt: str, poll: Callable[[], None] = lambda: None) -> list[int]:
+        """A completion prompt's tokens, built as ``Llama.create_completion`` builds them for a
+        string prompt (BOS or CLS when the vocabulary adds one, EOS or SEP when it adds one)."""
+        head, tail = self._ends()
         body = self.tokenize(prompt, add_bos=False, special=True, poll=poll) if prompt else []
         return [*head, *(int(t) for t in body), *tail]
 
@@ -174,9 +236,28 @@ _NO_TOOLS = TemplateCaps(
 )
 
 
-def chat_message_dict(m: ChatMessage) -> dict[str, Any]:
-    """A protocol chat message as the OpenAI-shaped dict core/chatformat takes."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
+def with_markers(text: str, images: Sequence[ImagePart], marker: str) -> str:
+    """``text`` with ``marker`` before character ``at`` of each image (the images in order)."""
+    out: list[str] = []
+    last = 0
+    for image in images:
+        out.append(text[last : image.at])
+        out.append(marker)
+        last = image.at
+    out.append(text[last:])
+    return "".join(out)
+
+
+def _moved(span: ImageSpan, by: int) -> ImageSpan:
+    span.start += by
+    return span
+
+
+def chat_message_dict(m: ChatMessage, marker: str = "") -> dict[str, Any]:
+    """A protocol chat message as the OpenAI-shaped dict core/chatformat takes (its images as
+    ``marker`` in its text)."""
+    content = with_markers(m.content, m.images, marker) if m.images else m.content
+    out: dict[str, Any] = {"role": m.role, "content": content}
     if m.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

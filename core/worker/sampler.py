@@ -104,6 +104,29 @@ def check_triggers(patterns: Sequence[str]) -> None:
             raise GrammarError(f"grammar trigger {p!r} is not a regular expression: {exc}") from None
 
 
+def row_logprobs(block: Any, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """The record of ``tokens[i]`` in row ``i`` of ``block`` (raw logits, one row per token): its
+    log-softmax, as ``Sampler`` measures a sampled token's, and the ``top`` most likely tokens
+    (the prompt tokens' logprobs of an echo). Computed in float64, a few rows at a time."""
+    out: list[TokenLogprob] = []
+    n_vocab = int(block.shape[1])
+    k = min(top, n_vocab)
+    step = 32
+    for start in range(0, len(tokens), step):
+        x = block[start : start + step].astype(np.float64)
+        peak = x.max(axis=1, keepdims=True)
+        lse = peak[:, 0] + np.log(np.exp(x - peak).sum(axis=1))
+        best = np.argpartition(-x, k - 1, axis=1)[:, :k] if k > 0 else None
+        for j in range(x.shape[0]):
+            token = int(tokens[start + j])
+            alternatives: tuple[tuple[int, float], ...] = ()
+            if best is not None:
+                row_best = best[j][np.argsort(-x[j, best[j]], kind="stable")]
+                alternatives = tuple((int(t), float(x[j, t] - lse[j])) for t in row_best)
+            out.append(TokenLogprob(token, float(x[j, token] - lse[j]), alternatives))
+    return out
+
+
 class GreedyRows:
     """The greedy sampler's token for output rows of the last decode, by one argmax (see the
     module docstring); one per context's batch (it keeps a numpy view of the logits buffer while
@@ -349,6 +372,11 @@ class Sampler:
         if self._want_logprobs and not llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self.records.append(self._logprob(ctx, idx, token))
         return token
+
+    @property
+    def top_logprobs(self) -> int:
+        """The alternatives per token the request asked for."""
+        return self._top
 
     def take_records(self) -> list[TokenLogprob]:
         """The records since the last call (the loop hands them on with the text it emits)."""

@@ -270,13 +270,26 @@ class Sequences:
             raise RuntimeError("every sequence of the context is in the batch")  # the worker admits fewer
         return slot
 
-    def claim_conversation(self, conversation: str, tokens: Sequence[int]) -> Slot:
+    def claim_conversation(self, conversation: str, tokens: Sequence[int], adopt: bool = False) -> Slot:
         """The conversation's own sequence, in a slot (from the host LRU or kv_dir when it is not
-        in one), to be continued from its longest common prefix with ``tokens``."""
+        in one), to be continued from its longest common prefix with ``tokens``. A conversation
+        seen for the first time starts from an empty sequence, or with ``adopt`` from the prompt
+        cache (``use_prompt_cache``'s choice without the similarity rule, which becomes the
+        conversation's: the Responses
+        API's first ``previous_response_id`` turn continues the keyless sequence of the response
+        it follows)."""
         slot = self._slot_of(conversation)
         if slot is None:
             if conversation not in self._saved and self.kv_dir is not None:
                 self.load_kv(self.kv_dir, conversation)
+            if adopt and conversation not in self._saved:
+                # the client continues an answer: whatever it shares with a cached sequence counts
+                slot = self.use_prompt_cache(tokens, any_prefix=True)
+                assert slot.key is not None
+                self._used.pop(slot.key, None)
+                slot.key = conversation
+                self.touch(conversation)
+                return slot
             slot = self.take_slot()
             snap = self._saved.pop(conversation, None)
             if snap is not None:
@@ -316,8 +329,9 @@ class Sequences:
         self._next_keyless += 1
         return self._next_keyless
 
-    def use_prompt_cache(self, tokens: Sequence[int]) -> Slot:
-        """The slot a keyless request with prompt ``tokens`` continues.
+    def use_prompt_cache(self, tokens: Sequence[int], *, any_prefix: bool = False) -> Slot:
+        """The slot a keyless request with prompt ``tokens`` continues (``any_prefix``: any
+        common prefix is worth reusing, the similarity rule aside: a conversation's adoption).
 
         The candidate is the cached keyless sequence (idle in a slot, or a host snapshot) with the
         longest common prefix with the prompt (ties: the most recent), less the last prompt token
@@ -355,7 +369,8 @@ class Sequences:
                 pos_min = self._pos_min(slot)
             if self._window_holds(pos_min, reuse, len(ids)):
                 best, best_reuse, best_prompt_len, best_len = key, reuse, prompt_len, len(ids)
-        if best is None or best_reuse < max(PROMPT_CACHE_MIN_TOKENS, PROMPT_CACHE_MIN_FRACTION * len(tokens)):
+        least = 1 if any_prefix else max(PROMPT_CACHE_MIN_TOKENS, PROMPT_CACHE_MIN_FRACTION * len(tokens))
+        if best is None or best_reuse < least:
             slot = self.take_slot()
             slot.key = self._new_keyless()
         else:

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,9 @@ from ..arena.arena import Arena
 from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
 from ..arena.client import TokenClient
 from ..arena.dirs import device_arena_dir
+from ..arena.handclient import HandoverClient, holder_env_ok
+from ..arena.handover import HandoverError, read_state
+from ..arena.records import DoorbellRing
 from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
@@ -102,8 +105,8 @@ class Tenancy:
         """True when a plain yield also frees the context (rebuild path): park the KV first."""
         return False
 
-    def start(self, enqueue_yield: Callable[[], None]) -> None:
-        """Begin watching the doorbell (warden thread)."""
+    def start(self, enqueue_yield: Callable[[DoorbellRing], None]) -> None:
+        """Begin watching the doorbell (warden thread): each ring goes to ``enqueue_yield``."""
 
     def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
         """Attach the release/restore mechanism to a freshly loaded model; ``defer_shadow``: the
@@ -213,16 +216,19 @@ class Tenancy:
         """After a decode: the uploads of an overlapped restore are complete and its gate is out
         of the context (a no-op, and cheap, otherwise: called after every decode step)."""
 
-    def give_way(self) -> p.Released | None:
-        """Make the room the head of the queue asks this worker for: the whole lease, or (a
-        partial lease) only the layer parts it needs; and, asked to go deep (:meth:`asked_deep`),
-        the KV cache and compute buffers too. None when nobody asks any more."""
+    def asked(self, ring: DoorbellRing | None = None) -> DoorbellRing | None:
+        """What the head of the queue asks of this worker now: the doorbell's ``ring`` while it is
+        fresh (no scan of the arena), else one scan. None when nothing is asked of it: pinned, or
+        its weights not asked for while it holds a lease, or its KV cache not asked for while it
+        holds none."""
         return None
 
-    def asked_deep(self) -> bool:
-        """The head of the queue needs this worker's KV cache and compute buffers too (an auto
-        budget: its reserve lease is named by the plan; never while pinned)."""
-        return False
+    def give_way(self, ring: DoorbellRing | None = None) -> p.Released | None:
+        """Make the room the head of the queue asks this worker for (``ring``: what
+        :meth:`asked` said; None: ask now): the whole lease, or (a partial lease) only the layer
+        parts it needs; and, asked to go deep, the KV cache and compute buffers too. None when
+        nobody asks any more."""
+        return None
 
     @property
     def over_budget(self) -> bool:
@@ -245,10 +251,6 @@ class Tenancy:
 
     def waiting_reason(self) -> str:
         return ""
-
-    def others_waiting(self) -> bool:
-        """Another worker waits for the token now."""
-        return False
 
     def close(self) -> None:
         pass
@@ -279,17 +281,21 @@ class ArenaTenancy(Tenancy):
         self.device_index = self.device.index
         self.device_name = self.device.name
         setting = budget_setting(spec.arena.vram_budget)
+        base = Path(spec.arena_dir) if spec.arena_dir is not None else None
+        self.arena = Arena(device_arena_dir(base, self.device.index) if base is not None else None)
+        # device memory the arena's hand-over holder keeps for the next restore is Timeshare's:
+        # free for an auto budget measured now (else it would count as another program's)
+        holder = read_state(self.arena.dir.fd)
+        kept = holder.on_hand_bytes if holder is not None else 0
         wanted = compute_budget(
             setting,
             total=self.device.total,
-            free=self.device.free,
+            free=min(self.device.total, self.device.free + kept),
             device=self.device.index,
             device_name=self.device.name,
             pid=os.getpid(),
             at=time.time(),
         )
-        base = Path(spec.arena_dir) if spec.arena_dir is not None else None
-        self.arena = Arena(device_arena_dir(base, self.device.index) if base is not None else None)
         self.observer: Observer = EventLog(spec.event_log, spec.model.id) if spec.event_log else NULL_OBSERVER
         try:
             self.client = TokenClient(
@@ -309,9 +315,11 @@ class ArenaTenancy(Tenancy):
         self._budget_read_at = 0.0
         self._closed = False
         self._pinned = spec.model.pinned
-        # set by the doorbell (warden thread): a partly released holder waiting to grow back looks
-        # at it while it waits, so that it makes room for the head of the queue meanwhile
+        # set by the doorbell (warden thread), with its last ring (one reference, replaced whole):
+        # a partly released holder waiting to grow back looks at them while it waits, so that it
+        # makes room for the head of the queue meanwhile
         self._rung = threading.Event()
+        self._last_ring: DoorbellRing | None = None
         # the deep level (issue 39; auto budgets): the reserve measured at the load (KV cache,
         # compute buffers, context), the bytes of it the KV level frees, and what the worker keeps
         # once it went deep (measured at its first deep release; the driver context's allowance
@@ -319,6 +327,8 @@ class ArenaTenancy(Tenancy):
         self._reserve_full = 0
         self._deepens = 0
         self._deep_keeps = 0
+        #: the arena's hand-over holder (issue 40): where handed-over device memory comes from
+        self.handover: HandoverClient | None = None
 
     def _weights_budget(self) -> int:
         if self._closed:  # the worker is ending: a last status reports what was read before
@@ -392,6 +402,21 @@ class ArenaTenancy(Tenancy):
         release (every release stays whole); 1 elsewhere."""
         return max(1, int(self.spec.model.weight_parts)) if overlap_expected() else 1
 
+    def _handover_client(self) -> HandoverClient | None:
+        """The arena's hand-over holder, when ``arena.handover`` (or ``TIMESHARE_HANDOVER``) asks
+        for it: connected now (starting it when none lives); a holder that cannot be reached is
+        tried again at each restore, and meanwhile the worker's chunks are its own."""
+        override = envvars.HANDOVER.switch()
+        wanted = self.spec.arena.handover if override is None else override
+        if not wanted or not holder_env_ok():
+            return None
+        client = HandoverClient(self.arena.path, self.spec.model.id, idle_s=self.spec.arena.handover_idle_s)
+        try:
+            client.connect()
+        except HandoverError as exc:
+            log.warning("the arena's hand-over holder cannot be reached now: %s", exc)
+        return client
+
     def attach(self, engine: Engine, *, defer_shadow: bool = False) -> None:
         """Attach the residency mechanism to the loaded model (under the token)."""
         one_model = self.budget is None or self.budget.one_model
@@ -404,7 +429,12 @@ class ArenaTenancy(Tenancy):
             parts=parts,
             split_at_release=one_model and parts > 1,
         )
-        res = Residency.attach(engine.llm, engine.model.path, options)
+        self.handover = self._handover_client()
+        if self.handover is not None:
+            options = replace(options, handover=True)
+        res = Residency.attach(engine.llm, engine.model.path, options, chunk_source=self.handover)
+        if engine.vision is not None:  # its projector's weights go and come back with the model's
+            res.attach_projector(engine.vision.watch, engine.vision.path)
         self.residency = res
         self.path = res.path
         self.reason = res.reason
@@ -504,10 +534,14 @@ class ArenaTenancy(Tenancy):
             self.client.reserve(reserve, deepens=self._deepens)
         self._budget_bytes = self._weights_budget()
 
-    def start(self, enqueue_yield: Callable[[], None]) -> None:
-        def ring(_ring: object) -> None:
+    def start(self, enqueue_yield: Callable[[DoorbellRing], None]) -> None:
+        """Start the doorbell: each ring (with what the head of the queue asks) goes to
+        ``enqueue_yield``, on the warden thread."""
+
+        def ring(heard: DoorbellRing) -> None:
+            self._last_ring = heard
             self._rung.set()
-            enqueue_yield()
+            enqueue_yield(heard)
 
         self.client.start_doorbell(ring)
 
@@ -578,6 +612,7 @@ class ArenaTenancy(Tenancy):
             request = self.client.request(left, need)
             self._request = request
             gave_way = False
+            ring: DoorbellRing | None = None
             try:
                 while not request.wait(0.05):
                     poll()
@@ -585,12 +620,8 @@ class ArenaTenancy(Tenancy):
                         self._rung.clear()
                         # asked for its weights (a partly released holder), or for its KV cache
                         # (a parked worker behind the head): give way, then ask again
-                        asked = (
-                            self.client.asked_to_free() is not None
-                            if self.client.holds_token
-                            else self.asked_deep()
-                        )
-                        if asked and request.cancel():
+                        ring = self.asked(self._last_ring)
+                        if ring is not None and request.cancel():
                             request.wait()  # its thread has given back what it took meanwhile
                             gave_way = True
                             break
@@ -602,7 +633,7 @@ class ArenaTenancy(Tenancy):
             finally:
                 self._request = None
             if gave_way:
-                self.give_way()
+                self.give_way(ring)
                 continue
             grant = request.result()
             if self._covered() or self.residency is None:
@@ -717,7 +748,9 @@ class ArenaTenancy(Tenancy):
             report = res.release(kv=kv, final=final, free_context=free_context)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
             if moved >= 0:
-                self._went_deep(report.freed_bytes - report.released_bytes, moved + res.kv_host_bytes)
+                # handed-over weights stay allocated (the arena's holder keeps them): not in freed_bytes
+                weights_freed = 0 if res.handover.get("on") else report.released_bytes
+                self._went_deep(report.freed_bytes - weights_freed, moved + res.kv_host_bytes)
         if res is not None:  # the lease goes only once the weights left the device (the arena's invariant)
             assert res.resident_bytes == 0 and (res.state.weights is Weights.NONE or res.weight_bytes == 0), (
                 res.state,
@@ -731,27 +764,49 @@ class ArenaTenancy(Tenancy):
             return p.Released(level=level, release_ms=0.0, freed_bytes=0)
         return p.Released(level=level, release_ms=report.ms, freed_bytes=report.freed_bytes)
 
-    def give_way(self) -> p.Released | None:
+    def asked(self, ring: DoorbellRing | None = None) -> DoorbellRing | None:
+        """What the head of the queue asks of this worker now (see :meth:`Tenancy.asked`): the
+        ring while it is fresh (younger than RING_REPEAT_S: the doorbell scanned for it), else
+        one scan of the arena (``TokenClient.ring_now``)."""
+        if self._pinned:
+            return None
+        if ring is None or not ring.fresh(time.monotonic()):
+            try:
+                ring = self.client.ring_now()
+            except OSError as exc:
+                log.warning("scanning the arena's waiters failed: %s", exc)
+                # err on the side of yielding: the whole lease
+                lease = self.client.lease_bytes if self.client.holds_token else None
+                ring = DoorbellRing(waiters=(), at=time.monotonic(), ask=lease)
+        return self._for_me(ring)
+
+    def _for_me(self, ring: DoorbellRing) -> DoorbellRing | None:
+        """``ring`` as it concerns this worker now: its weights while it holds a lease, its KV
+        cache while it holds none (and only where it has one to free); None when neither."""
+        if self._pinned:
+            return None
+        deepen = ring.deepen and self._deepable()
+        if self.client.holds_token:
+            return replace(ring, deepen=deepen) if ring.ask is not None else None
+        return replace(ring, ask=None, deepen=True) if deepen else None
+
+    def give_way(self, ring: DoorbellRing | None = None) -> p.Released | None:
         """Free what the head of the queue asks for (see :meth:`Tenancy.give_way`): a partial
         lease asked for less than it holds releases parts from its last layer down until its
         resident bytes are at most its lease less the ask, then leases exactly those (the
         resident interval goes on: it still has weights on the device); anything else, or a
         release that left nothing resident, gives the whole lease back."""
-        if self._pinned:
+        asked = self.asked() if ring is None else self._for_me(ring)
+        if asked is None:
             return None
-        if not self.client.holds_token:  # parked: the head may need its KV cache
-            return self.release(kv=True) if self.asked_deep() else None
-        try:
-            ask = self.client.asked_to_free()
-        except OSError as exc:
-            log.warning("scanning the arena's waiters failed: %s", exc)
-            ask = self.client.lease_bytes  # err on the side of yielding
-        if ask is None:
-            return None
+        if not self.client.holds_token:  # parked: the head needs its KV cache
+            return self.release(kv=True)
+        ask = asked.ask
+        assert ask is not None
         res = self.residency
         lease = self.client.lease_bytes
         if res is None or not self.partial or ask >= lease:
-            return self.release(kv=self.asked_deep())
+            return self.release(kv=asked.deepen)
         report = res.release(keep_bytes=lease - ask)
         self.host_bytes = res.host_bytes
         if res.resident_bytes <= 0:
@@ -772,15 +827,10 @@ class ArenaTenancy(Tenancy):
             resident_bytes=res.resident_bytes,
         )
 
-    def asked_deep(self) -> bool:
+    def _deepable(self) -> bool:
+        """It has a KV cache on the device that a deep release would free."""
         res = self.residency
-        if self._pinned or res is None or not res.kv_resident or self._deepens <= 0:
-            return False
-        try:
-            return self.client.asked_to_deepen()
-        except OSError as exc:
-            log.warning("scanning the arena's waiters failed: %s", exc)
-            return False
+        return res is not None and res.kv_resident and self._deepens > 0
 
     @property
     def over_budget(self) -> bool:
@@ -836,14 +886,6 @@ class ArenaTenancy(Tenancy):
         )
         self.client.reserve(keeps, deepens=0)
 
-    def others_waiting(self) -> bool:
-        """The head of the arena's queue needs this worker's lease to go."""
-        try:
-            return self.client.asked_to_yield()
-        except OSError as exc:
-            log.warning("scanning the arena's waiters failed: %s", exc)
-            return True  # err on the side of yielding
-
     def _end_resident(self) -> None:
         if self._resident_since is None:
             return
@@ -866,9 +908,13 @@ class ArenaTenancy(Tenancy):
             self.client.close()
         finally:
             res = self.residency
-            if res is not None:
-                res.close()
-            self.arena.close()
+            try:
+                if res is not None:
+                    res.close()  # its handed-over chunks go back to the holder, which closes them
+            finally:
+                if self.handover is not None:
+                    self.handover.close()
+                self.arena.close()
 
 
 def make_tenancy(spec: WorkerSpec) -> Tenancy:

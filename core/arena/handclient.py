@@ -1,0 +1,263 @@
+"""A worker's side of the hand-over holder (issue 40): connect (starting the holder when none
+lives), take chunks, hand over the ones it created, put them back.
+
+It is the ``ChunkSource`` the worker's mapped memory (:mod:`core.devmem.mapped`) takes its chunks
+from; it knows nothing of devices: it passes fds and ids. Any failure of the holder (none answers,
+a refused socket, its end) raises :class:`~.handover.HandoverError`; the caller then allocates and
+frees its own memory, and :meth:`HandoverClient.take` later tries a new holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import envvars
+from ..devmem.device import CHUNK_BYTES
+from .dirs import ArenaDir
+from .handover import (
+    IDLE_S,
+    MAX_FDS,
+    VERSION,
+    HandoverError,
+    PeerRefusedError,
+    RequestRefusedError,
+    close_all,
+    connect,
+    not_there,
+    receive,
+    send,
+)
+
+log = logging.getLogger(__name__)
+
+#: how long a worker waits for a holder it started to listen
+START_TIMEOUT_S = 10.0
+
+
+class HandoverClient:
+    """One worker's connection to its arena's holder. Thread-safe (one request at a time).
+
+    ``chunk_bytes`` and ``idle_s`` are what a holder this client starts is started with; a holder
+    that lives already says its own chunk size (:attr:`chunk_bytes` after :meth:`connect`).
+    ``start``: start a holder when none lives (False: only use a live one)."""
+
+    def __init__(
+        self,
+        arena_dir: str | os.PathLike[str],
+        model: str,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        idle_s: float = IDLE_S,
+        start: bool = True,
+        timeout: float = 5.0,
+    ) -> None:
+        self.dir = ArenaDir(Path(os.path.abspath(arena_dir)))
+        self.model = model
+        self.chunk_bytes = chunk_bytes
+        self.idle_s = idle_s
+        self.start = start
+        self.timeout = timeout
+        self.session = ""
+        self.holder_pid = 0
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        #: holders this client started (for doctor and the tests)
+        self.started = 0
+
+    # -- connection ----------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> None:
+        """Connect (starting a holder when none lives and ``start``); a no-op when connected.
+        Raises HandoverError (PeerRefusedError: a stranger's or stale socket that is not a live
+        holder's)."""
+        with self._lock:
+            self._connect()
+
+    def _connect(self) -> None:
+        if self._sock is not None:
+            return
+        deadline = time.monotonic() + START_TIMEOUT_S
+        spawned = False
+        while True:
+            try:
+                sock = connect(self.dir.fd, str(self.dir.path), self.timeout)
+                break
+            except PeerRefusedError:
+                if not spawned:
+                    raise
+                # a holder we started has bound the socket but not rewritten its record yet
+            except OSError as exc:
+                if not not_there(exc):
+                    raise HandoverError(f"cannot reach the hand-over holder: {exc}") from exc
+                if not self.start:
+                    raise HandoverError("no hand-over holder lives") from exc
+            if not spawned:
+                self._spawn()
+                spawned = True
+            if time.monotonic() > deadline:
+                raise HandoverError(f"the hand-over holder did not start within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+        try:
+            send(sock, {"op": "hello", "v": VERSION, "pid": os.getpid(), "model": self.model})
+            reply = self._answer(sock, "welcome")
+        except BaseException:
+            sock.close()
+            raise
+        chunk = reply.get("chunk")
+        if not isinstance(chunk, int) or chunk <= 0:
+            sock.close()
+            raise HandoverError(f"the hand-over holder named a chunk size of {chunk!r}")
+        self.chunk_bytes = chunk
+        self.session = str(reply.get("session", ""))
+        self.holder_pid = int(reply.get("pid", 0))
+        self._sock = sock
+
+    def _spawn(self) -> None:
+        """Start a holder (it forks and goes on in its own session; the first process exits at
+        once and is waited for here, so no zombie is left)."""
+        module = f"{__package__}.holder"
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            str(self.dir.path),
+            "--chunk",
+            str(self.chunk_bytes),
+            "--idle",
+            str(self.idle_s),
+            "--detach",
+        ]
+        log_path = self.dir.path / "handover.log"
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                env=envvars.environment(),
+                close_fds=True,
+                cwd="/",
+            )
+        proc.wait()
+        self.started += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._lost()
+        self.dir.close()
+
+    def _lost(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _answer(self, sock: socket.socket, op: str) -> dict[str, Any]:
+        message, fds = receive(sock)
+        if message is None:
+            raise HandoverError("the hand-over holder closed the connection")
+        if fds and op != "given":
+            close_all(fds)
+            raise HandoverError(f"the hand-over holder sent fds with {message.get('op')!r}")
+        if message.get("op") == "error":
+            close_all(fds)
+            raise RequestRefusedError(f"the hand-over holder refused: {message.get('message', '?')}")
+        if message.get("op") != op:
+            close_all(fds)
+            raise HandoverError(f"the hand-over holder answered {message.get('op')!r}, not {op!r}")
+        if fds:
+            message["_fds"] = fds
+        return message
+
+    def _request(self, message: dict[str, Any], op: str, fds: list[int] | None = None) -> dict[str, Any]:
+        self._connect()
+        sock = self._sock
+        assert sock is not None
+        try:
+            send(sock, message, fds or [])
+            return self._answer(sock, op)
+        except RequestRefusedError:
+            raise
+        except (OSError, HandoverError) as exc:
+            self._lost()
+            raise HandoverError(f"the hand-over holder is gone: {exc}") from exc
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        """Up to ``n`` chunks on hand, lent to this process: (id, fd) pairs, the fds this
+        process's to close (after importing them)."""
+        if n <= 0:
+            return []
+        with self._lock:
+            out: list[tuple[int, int]] = []
+            reply = self._request({"op": "take", "n": n}, "given")
+            while True:
+                fds: list[int] = reply.pop("_fds", [])
+                ids = reply.get("ids")
+                if not isinstance(ids, list) or len(ids) != len(fds):
+                    close_all(fds)
+                    close_all([fd for _i, fd in out])
+                    self._lost()
+                    raise HandoverError("the hand-over holder sent a 'given' whose ids and fds differ")
+                out.extend(zip((int(i) for i in ids), fds, strict=True))
+                if not reply.get("more"):
+                    return out
+                assert self._sock is not None
+                try:
+                    reply = self._answer(self._sock, "given")
+                except (OSError, HandoverError) as exc:
+                    close_all([fd for _i, fd in out])
+                    self._lost()
+                    raise HandoverError(f"the hand-over holder is gone: {exc}") from exc
+
+    def adopt(self, fds: list[int]) -> list[int]:
+        """Hand the holder chunks this process created (their exported fds; they stay this
+        process's to close): lent to it from now on. Their ids, in order."""
+        with self._lock:
+            ids: list[int] = []
+            for i in range(0, len(fds), MAX_FDS):
+                batch = fds[i : i + MAX_FDS]
+                reply = self._request({"op": "adopt", "n": len(batch)}, "adopted", batch)
+                got = reply.get("ids")
+                if not isinstance(got, list) or len(got) != len(batch):
+                    raise HandoverError("the hand-over holder adopted another number of chunks")
+                ids.extend(int(x) for x in got)
+            return ids
+
+    def put(self, ids: list[int], keep: bool = True) -> None:
+        """The chunks ``ids`` (lent to this process) are unmapped: on hand again, or closed
+        (``keep`` False: this process's last release)."""
+        if not ids:
+            return
+        with self._lock:
+            self._request({"op": "put", "ids": ids, "keep": keep}, "done")
+
+    def trim(self, keep_bytes: int = 0) -> int:
+        """Close on-hand chunks down to ``keep_bytes``; the bytes on hand after."""
+        with self._lock:
+            return int(self._request({"op": "trim", "keep_bytes": keep_bytes}, "done").get("on_hand", 0))
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            reply = self._request({"op": "status"}, "status")
+            reply.pop("op", None)
+            return reply
+
+
+def holder_env_ok() -> bool:
+    """The hand-over may be used at all here: Linux (memfd, pidfds, SCM_RIGHTS)."""
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")

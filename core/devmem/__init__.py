@@ -1,0 +1,8 @@
+"""Device memory handed over between worker processes (issue 40): the device side.
+
+``device``: what a chunk device does (:class:`~.device.ChunkDevice`) and where chunks come from
+(:class:`~.device.ChunkSource`, the arena's hand-over client); ``memfd``: the CPU stand-in
+(memfd_create + mmap), named as such; ``vmm``: CUDA's virtual memory management through libcuda;
+``mapped``: one worker's buffers mapped from chunks (:class:`~.mapped.HandedMemory`).
+Imports ``errors`` only: no llama.cpp, no arena (the worker joins the two).
+"""

@@ -1,0 +1,90 @@
+"""What a chunk device does, and where chunks come from: the two interfaces the worker's mapped
+memory (:mod:`.mapped`) works with."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+#: one chunk of device memory: every chunk of an arena has this size (a multiple of any CUDA
+#: allocation granularity seen: 2 MiB on the H100/H200); the holder says the one in force
+CHUNK_BYTES = 64 << 20
+
+
+class ChunkDeviceError(Exception):
+    """A device call failed; ``out_of_memory``: it was an allocation the device had no room for."""
+
+    def __init__(self, message: str, out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
+
+
+class ChunkDevice(Protocol):
+    """Physical allocations with shareable fd handles, mapped at addresses reserved once.
+
+    A handle keeps its memory alive until it is released and no mapping and no fd of it is left
+    (CUDA VMM's rule, which the memfd stand-in follows)."""
+
+    #: "CUDA VMM (CUDA0)", "memfd (CPU stand-in)"
+    name: str
+    #: allocation sizes and mapping addresses are multiples of this
+    granularity: int
+    #: allocations made by :meth:`create` since this object was made (cuMemCreate calls)
+    creates: int
+
+    def create(self, nbytes: int) -> int:
+        """A new allocation of ``nbytes`` (a multiple of the granularity): its handle."""
+        ...
+
+    def export(self, handle: int) -> int:
+        """A new fd for the allocation (the caller closes it)."""
+        ...
+
+    def import_fd(self, fd: int) -> int:
+        """A handle for the allocation behind ``fd`` (``fd`` stays the caller's)."""
+        ...
+
+    def release(self, handle: int) -> None:
+        """Drop the handle (the memory lives on while mapped or held elsewhere)."""
+        ...
+
+    def reserve(self, nbytes: int) -> int:
+        """Reserve an address range of ``nbytes``; its address."""
+        ...
+
+    def free_reserve(self, address: int, nbytes: int) -> None: ...
+
+    def map(self, address: int, nbytes: int, handle: int) -> None:
+        """Map the whole allocation at ``address`` (inside a reserved range)."""
+        ...
+
+    def set_access(self, address: int, nbytes: int) -> None:
+        """Make a mapped range readable and writable by the device."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until no device work can touch a mapping (called once before unmapping)."""
+        ...
+
+    def unmap(self, address: int, nbytes: int) -> None:
+        """Unmap one allocation's mapping (the range stays reserved)."""
+        ...
+
+
+class ChunkSource(Protocol):
+    """Where a worker's chunks come from and go back to: the arena's hand-over holder
+    (``core/arena/handclient.HandoverClient``). Any of its methods may raise an exception of the
+    arena's (the holder is gone, refused, not started): the worker then uses its own memory."""
+
+    chunk_bytes: int
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        """Up to ``n`` chunks: (id, fd) pairs; the fds are the caller's to close."""
+        ...
+
+    def adopt(self, fds: list[int]) -> list[int]:
+        """Hand over chunks this process created (exported fds, still the caller's to close)."""
+        ...
+
+    def put(self, ids: list[int], keep: bool = True) -> None:
+        """The chunks are unmapped: the holder's again (closed when not ``keep``)."""
+        ...

@@ -1,0 +1,53 @@
+"""The hand-over through the product (issue 40): two real workers of a Pool with
+``arena.handover`` on alternate turns under a one-model budget; after the first handed restore no
+switch allocates (the holder's count of chunks the workers created and handed to it stays put),
+and every answer is the one given before any switch. CPU build: the memfd stand-in plays the
+device (named as such: core/devmem/memfd.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _budget_pool_util import WAIT
+from timeshare.core.arena.handclient import HandoverClient
+from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
+from timeshare.core.pool.supervisor import Pool
+from timeshare.core.sampling import Sampling
+from timeshare.core.state import ModelState
+
+PROMPT = "The three primary colours are"
+
+
+def test_two_workers_switch_on_handed_memory(tmp_path: Path, smollm2_path: Path, pools: list[Pool]) -> None:
+    ids = ("smol-a", "smol-b")
+    config = Config(
+        models=tuple(ModelConfig(id=i, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for i in ids),
+        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget="one-model", handover=True),
+    )
+    pool = Pool(config, arena_dir=tmp_path / "arena", log_dir=tmp_path / "log", kv_dir=tmp_path / "kv")
+    pools.append(pool)
+    pool.start()
+    pool.wait_ready(timeout=WAIT)
+    assert all(m.state is not ModelState.FAILED for m in pool.snapshot().models), pool.snapshot()
+
+    def answer(model: str) -> tuple[str, bool]:
+        got = pool.generate(model, prompt=PROMPT, sampling=Sampling(max_tokens=8, temperature=0.0))
+        result = got.result(timeout=WAIT)
+        return result.text, result.switch.switched
+
+    first = {m: answer(m)[0] for m in ids}  # each restored once: from here on memory is handed over
+    holder = HandoverClient(tmp_path / "arena", "test", start=False)
+    try:
+        before = holder.status()
+        for model in ids * 3:
+            text, switched = answer(model)
+            assert switched and text == first[model]
+        after = holder.status()
+    finally:
+        holder.close()
+    chunk = before["chunk"]
+    weight_bytes = next(m.weight_bytes for m in pool.snapshot().models if m.id == ids[0])
+    n = -(-weight_bytes // chunk)
+    assert after["adopted"] == before["adopted"]  # 6 switches, nothing allocated
+    assert after["given"] - before["given"] == 6 * n  # each switch took the other's chunks
+    assert after["chunks"] <= 2 * n  # never more than the two models' worth held

@@ -1,0 +1,132 @@
+"""The hand-over in the residency (issue 40), on the CPU build with real llama-cpp-python: a
+restore maps chunks another release handed over instead of allocating, the model's CPU weight
+buffer pointed at them (the memfd stand-in, ``MemfdDevice``, plays the device: named as such; the
+CUDA path is proven on the GPU, scripts/lab/handover_gpu.sh). Bitwise against the logits before
+the first release, every time."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp  # before numpy
+import pytest
+from _handover_util import Worker, alive, close_clients, observer, wait_for
+from _residency_util import Greedy, load, same
+from timeshare.core.residency import Residency, ResidencyOptions
+
+MODEL = str(Path(__file__).with_name("_handover_model.py"))
+CHUNK = 8 << 20
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    close_clients()
+
+
+@pytest.fixture
+def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
+    llm = load(smollm2_path)
+    yield llm
+    llm.close()
+
+
+def test_restores_map_handed_memory_and_stay_bitwise(
+    smol: llama_cpp.Llama, smollm2_path: Path, tmp_path: Path
+) -> None:
+    greedy = Greedy(smol)
+    reference = greedy.run()
+    holder = observer(tmp_path / "arena", chunk=CHUNK)
+    client = observer(tmp_path / "arena")
+    res = Residency.attach(smol, smollm2_path, ResidencyOptions(handover=True), chunk_source=client)
+    assert res.path == "inplace" and res.handover_note == ""
+    assert res.handover["device"] == "memfd (CPU stand-in)"
+    chunk = int(res.handover["chunk_bytes"])  # type: ignore[call-overload]
+    n = -(-res.weight_bytes // chunk)
+    res.release()  # the model's own buffer: freed through ggml (it was never handed memory)
+    assert holder.status()["chunks"] == 0
+    report = res.restore()
+    steps = res.restore_steps
+    assert (steps.handed_chunks, steps.created_chunks) == (0, n)  # nothing on hand: allocated
+    assert report.addresses_moved is True
+    assert same(reference, greedy.run())
+    first_address = res.handover["mapped_bytes"]
+    for _ in range(3):
+        res.release()
+        st = holder.status()
+        assert st["on_hand_bytes"] == n * chunk and st["lent_bytes"] == 0  # handed back, not freed
+        report = res.restore()
+        steps = res.restore_steps
+        assert (steps.handed_chunks, steps.created_chunks) == (n, 0)  # the same memory: no allocation
+        assert report.addresses_moved is False  # the range reserved once: graphs kept
+        assert same(reference, greedy.run())
+    assert res.handover["creates"] == n and res.handover["mapped_bytes"] == first_address
+    res.close()  # the weights move back into memory ggml allocates; the chunks are closed
+    assert same(reference, greedy.run())
+    st = holder.status()
+    assert st["chunks"] == 0 and st["closed"] == {"drop": n}
+
+
+def test_a_buffer_type_that_repacks_keeps_the_alloc_path(small_q4_path: Path, tmp_path: Path) -> None:
+    llm = load(small_q4_path)
+    try:
+        greedy = Greedy(llm)
+        reference = greedy.run()
+        res = Residency.attach(llm, small_q4_path, ResidencyOptions(handover=True), chunk_source=None)
+        assert res.path == "inplace"
+        assert "CPU_REPACK buffers are not plain memory" in res.handover_note
+        assert res.handover["on"] is False
+        res.release()
+        res.restore()
+        assert same(reference, greedy.run())
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_two_model_processes_switch_on_the_same_memory(smollm2_path: Path, tmp_path: Path) -> None:
+    arena = tmp_path / "arena"
+    tag = secrets.token_hex(4)
+    holder = observer(arena, chunk=CHUNK)
+    holder_pid = holder.status()["pid"]
+    a = Worker(arena, tag, MODEL, str(smollm2_path))
+    b = Worker(arena, tag, MODEL, str(smollm2_path))
+    try:
+        a("release")
+        b("release")  # both released their own (ggml) memory: nothing on hand
+        first = a("restore").split()
+        n = int(first[2])
+        assert first[:2] == ["ok", "0"] and n > 0  # allocated: the arena had nothing
+        assert a("check") == "ok"
+        for i in range(3):  # alternating switches allocate nothing
+            a("release")
+            # B's first restore from handed memory moves its buffer into its reserved range
+            assert b("restore") == f"ok {n} 0 {i == 0}"
+            assert b("check") == "ok"
+            b("release")
+            assert a("restore") == f"ok {n} 0 False"
+            assert a("check") == "ok"
+        assert holder.status()["by_pid"] == {str(a.pid): n}
+    finally:
+        a.end()
+        b.end()
+    close_clients()
+    wait_for("the holder exits with nothing left to hold", lambda: not alive(holder_pid))
+
+
+def test_doctor_reports_the_hand_over(smollm2_path: Path) -> None:
+    from timeshare.core.diagnostics.doctor import run_doctor
+
+    report = run_doctor(str(smollm2_path), 2, handover=True)
+    assert report["bitwise_identical"] and report["kv_level_bitwise_identical"]
+    h = report["handover"]
+    assert h["on"] is True and h["device"] == "memfd (CPU stand-in)" and h["note"] == ""
+    n = -(-report["weight_bytes"] // h["chunk_bytes"])
+    # three restores (two cycles and the KV level): the first allocates, the others are handed over
+    assert (h["created_chunks"], h["handed_chunks"], h["creates"]) == (n, 2 * n, n)
+    assert [s["restore"].get("created_chunks") for s in report["steps"]] == [n, 0]
+    assert h["holder"]["adopted"] == n
+    off = run_doctor(str(smollm2_path), 1)["handover"]
+    assert off["on"] is False and off["possible"] is True and "not asked for" in off["note"]
