@@ -88,6 +88,7 @@ class ModelStatus:
     failure_code: str = ""
     residency_path: str = ""  # "inplace" | "rebuild" | "" (not loaded yet)
     residency_reason: str = ""  # why the rebuild path was chosen
+    deep_note: str = ""  # why a deep release frees the context or keeps its buffers ("": in place)
     backend: str = ""  # "CUDA0", "CPU", ...
     chat_format: str = ""  # "template" (from the GGUF) | "fallback" (plain format, see docs)
     # the rest of the chat format its worker reported (chatformat.format): the tool-call family,

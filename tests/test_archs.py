@@ -41,6 +41,21 @@ CHECK = {
     "qwen35": SAVED_STATE,
     "bert": EMBEDDINGS,
 }
+#: how the KV level (a deep release, issue 39) goes: in place (the context kept, its KV cells and
+#: compute buffers released and back with the weights), else the context is freed and made again,
+#: for the reason the report gives (never a crash)
+KV_LEVEL = {
+    "llama": "",
+    "qwen3moe": "",
+    "gemma3": "sliding-window",
+    "gpt-oss": "sliding-window",
+    "mamba2": "recurrent or hybrid",
+    "lfm2": "recurrent or hybrid",
+    "granitehybrid": "recurrent or hybrid",
+    "qwen3next": "recurrent or hybrid",
+    "qwen35": "recurrent or hybrid",
+    "bert": "no KV cache",
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +73,10 @@ def test_doctor_checks_every_architecture(arch: str, models: dict[str, Path]) ->
     assert report["path"] == "inplace", report["reason"]
     assert report["bitwise_identical"] and report["kv_level_bitwise_identical"], report
     assert report["released_fraction"] > 0.9
+    kv_level, why = report["kv_level"], KV_LEVEL[arch]
+    assert kv_level["in_place"] == (why == ""), kv_level
+    assert why in kv_level["note"] and (why == "") == (kv_level["note"] == ""), kv_level
+    assert kv_level["compute_buffers_released"]
     # bert's classifier head (cls.*) is used only by rank pooling: the warm-up graph does not show
     # it, and before, that sent the model to the rebuild path ("not covered by the tensors ...")
     listed = ["cls.weight", "cls.bias", "cls.output.weight", "cls.output.bias"] if arch == "bert" else []
@@ -215,3 +234,26 @@ def test_a_changed_file_is_seen_in_a_repacked_buffer(name: str, small_q4_path: P
             Residency.attach(llm, str(path), ResidencyOptions(mode="inplace"))
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mamba2", "lfm2"])
+def test_the_worker_reports_how_its_kv_level_goes(
+    arch: str, models: dict[str, Path], arena_dir: Path, tmp_path: Path, handles: list[WorkerHandle]
+) -> None:
+    """Issue 39, item 3: a sliding-window, recurrent or hybrid model's deep release frees its
+    context (the KV buffers are not the plain cache's): its Ready says so, in words; a plain one's
+    is in place (no note). After a sleep (the context freed) it answers as before."""
+    w = WorkerHandle(
+        ModelConfig(id=f"kv-{arch}", path=str(models[arch]), n_ctx=256),
+        tmp_path,
+        arena_dir=arena_dir,
+        arena=ArenaConfig(min_quantum_ms=0.0),
+    )
+    handles.append(w)
+    info = w.ready().info
+    assert KV_LEVEL[arch] in info.deep_note and (KV_LEVEL[arch] == "") == (info.deep_note == ""), info
+    ref, done = w.generate("ref", prompt=PROMPT, sampling=GREEDY)
+    assert isinstance(done, p.Done)
+    w.send(p.Sleep(level="weights+kv"))
+    text, done = w.generate("again", prompt=PROMPT, sampling=GREEDY)
+    assert isinstance(done, p.Done) and text == ref

@@ -205,3 +205,28 @@ def test_a_terminated_bench_stops_what_it_started(
         for line in _left_behind(tmp_path):
             with contextlib.suppress(OSError):
                 os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_bench_api_deep_compares_the_deep_switch_with_the_weights_only_one(
+    tmp_path: Path, smollm2_path: Path, gemma3_path: Path
+) -> None:
+    """``--deep`` (issue 39): the first model twice under an auto budget on a card (a host-memory
+    cap on the CPU build) that sends every parked worker to the deep level; every such turn
+    switched from a deep model, beside the weights-only switches of the same run, and the target
+    is computed from the KV bytes in use and a raw copy measured in the same run."""
+    models = ("--model", str(smollm2_path), "--model", str(gemma3_path))
+    out = _bench(tmp_path, *models, "--context", "64", "--rounds", "2", "--switch-only", "--deep", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    rows = report["systems"]["timeshare_deep_switch"]["rows"]
+    assert len(rows) == 4 and all(r["switched"] and r["deep"] for r in rows), rows
+    for r in rows:  # its conversation kept: only the new tokens evaluated
+        assert 0 < r["prompt_tokens_evaluated"] < r["prompt_tokens"], r
+    deep = report["deep"]
+    assert deep["deep_turns"] == 4 and deep["budget_bytes"] > 0 and deep["card_bytes"] > deep["budget_bytes"]
+    assert 0 < deep["kv_bytes_in_use_median"] < 200 * 23_040  # SmolLM2's cells in use, not n_ctx's
+    assert deep["raw_copy_gbps"] > 0 and deep["target_ms"] > deep["weights_only_ttft_ms_median"]
+    assert isinstance(deep["meets_target"], bool)
+    assert _left_behind(tmp_path) == []

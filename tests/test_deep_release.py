@@ -7,12 +7,14 @@ switches (one-model budget) and of no switch at all; only the KV cells in use mo
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-import llama_cpp  # noqa: F401  (before numpy)
+import llama_cpp  # before numpy
 import pytest
 from _budget_pool_util import WAIT
 from _proc_util import wait_until
@@ -25,10 +27,12 @@ from timeshare.core.arena.budget import (
     plan_fit,
 )
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
+from timeshare.core.errors import OutOfDeviceMemoryError, ResidencyError
 from timeshare.core.pool.supervisor import Pool
 from timeshare.core.residency import Residency, _ggml
 from timeshare.core.sampling import Sampling
 from timeshare.core.state import ModelState
+from timeshare.core.worker.footprint import compute_bytes
 
 A, B = "smol-a", "smol-b"
 N_CTX, PARALLEL = 4096, 2  # 8192 cells: a KV cache far larger than the noise of a process's RSS
@@ -96,13 +100,27 @@ def test_the_kv_level_keeps_the_context_and_moves_only_the_cells_in_use(
         llm.n_tokens = greedy.n_prefix
         llm.eval([greedy.tokens[-1]])
         n_tokens, ctx = llm.n_tokens, llm._ctx
+        compute = compute_bytes(ctx.ctx).host  # the CPU build: host memory is the device
+        assert compute > 2**20 and res.buffers_releasable and res.buffers_note == ""
         rel = res.release(kv=True)
         assert rel.level == "weights+kv" and not res.kv_resident
         # the cells in use (n_tokens of them, plus the state's small headers), not n_ctx's 4096
         assert n_tokens * CELL_BYTES <= res.kv_host_bytes < (n_tokens + 8) * CELL_BYTES, res.kv_host_bytes
+        # the compute buffers went too (the scheduler itself reports them gone), the context kept
+        assert res.context_kept and not res.buffers_kept and res.compute_released_bytes == compute
+        assert compute_bytes(ctx.ctx).host < 4096
+        reused = llama_cpp.llama_perf_context(ctx.ctx).n_reused
+        assert res.kv_upload_note == ""  # the cells go back layer by layer, with the weights
         res.restore()
+        kv_steps = res.restore_steps
+        # each layer's cells in use, written right after its weights: the state's KV bytes
+        assert n_tokens * CELL_BYTES == kv_steps.kv_bytes, kv_steps
         assert llm._ctx is ctx and llm.n_tokens == n_tokens  # the same context object, the KV kept
-        assert same(greedy.run(), weights_only)  # bitwise: the logits of 8 greedy steps
+        assert compute_bytes(ctx.ctx).host == compute and res.compute_released_bytes == 0
+        # bitwise: the logits of 8 greedy steps; the first step's graph (one token, as the last
+        # decode before the release) is built anew, the next seven reuse it
+        assert same(greedy.run(), weights_only)
+        assert llama_cpp.llama_perf_context(ctx.ctx).n_reused - reused == 7
         # a KV buffer that comes back at another address: the graphs are built anew, still bitwise
         alloc = _ggml.buft_alloc_buffer
         held: list[int] = []
@@ -122,6 +140,135 @@ def test_the_kv_level_keeps_the_context_and_moves_only_the_cells_in_use(
             _ggml.buffer_free(h)
         assert rst.graphs_reset and llm._ctx is ctx
         assert same(greedy.run(), weights_only)
+        # the KV level alone (the weights kept), its compute buffers back elsewhere and the KV
+        # cache where it was: no scheduler reserve, the graph built anew, still bitwise
+        res.release(kv=True, keep_bytes=res.weight_bytes)
+        assert res.weights_resident and not res.kv_resident and res.compute_released_bytes == compute
+
+        def compute_elsewhere(buft: int, size: int) -> int | None:
+            if size == compute:
+                held.append(alloc(buft, size) or 0)
+            return alloc(buft, size)
+
+        held.clear()
+        sched = _ggml.ctx_get_sched(ctx.ctx)
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", compute_elsewhere)
+        rst = res.restore()
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
+        for h in held:
+            _ggml.buffer_free(h)
+        assert len(held) == 1 and llm._ctx is ctx and rst.graphs_reset and rst.addresses_moved is False, rst
+        assert same(greedy.run(), weights_only)
+        # no reserve happened: a reserve makes a new scheduler (before the old one is freed)
+        assert _ggml.ctx_get_sched(ctx.ctx) == sched
+        res.close()
+    finally:
+        llm.close()
+
+
+def _two_sequences(llm: llama_cpp.Llama) -> Any:
+    """A context of two sequences, each in its own KV stream (as a worker's), with a hole in the
+    first one's cells; returns it (the caller closes it)."""
+    from llama_cpp import _internals
+
+    params = llm.context_params
+    params.n_seq_max, params.kv_unified = 2, False
+    ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
+    batch = llama_cpp.llama_batch_init(64, 0, 2)
+
+    def decode(tokens: list[int], seq: int, start: int) -> None:
+        batch.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = i == len(tokens) - 1
+        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
+
+    a = llm.tokenize(b"The history of Lyon, its rivers and its silk, told in a few words.")
+    b = llm.tokenize(b"Bridges of Paris:")
+    decode(a, 0, 0)
+    decode(b, 1, 0)
+    mem = llama_cpp.llama_get_memory(ctx.ctx)
+    llama_cpp.llama_memory_seq_rm(mem, 0, 6, -1)  # a prompt cache's reuse: cells 6.. freed
+    decode(a[6:9], 0, 6)  # new cells after the freed ones: two runs of cells in stream 0
+    llama_cpp.llama_batch_free(batch)
+    return ctx
+
+
+def _next_logits(ctx: Any, n_vocab: int, token: int, seqs: dict[int, int]) -> list[bytes]:
+    """The logits of ``token`` decoded next in each sequence (seq -> its next position)."""
+    out = []
+    batch = llama_cpp.llama_batch_init(4, 0, 2)
+    for seq, pos in seqs.items():
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = token, pos, 1, True
+        batch.seq_id[0][0] = seq
+        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
+        logits = llama_cpp.llama_get_logits_ith(ctx.ctx, -1)
+        out.append(ctypes.string_at(ctypes.cast(logits, ctypes.c_void_p).value, 4 * n_vocab))
+    llama_cpp.llama_batch_free(batch)
+    return out
+
+
+def test_two_sequences_come_back_in_their_cells(smollm2_path: Path) -> None:
+    """Two sequences in two KV streams, one with a hole in its cells: at the deep level in place
+    the metadata stays and each cell comes back where it was, so the next token's logits of both
+    are bitwise those of an identical context that was never released."""
+    llm = load(smollm2_path, n_ctx=1024, use_mmap=False)
+    try:
+        n_vocab = llm.n_vocab()
+        reference = _two_sequences(llm)
+        want = _next_logits(reference, n_vocab, 42, {0: 9, 1: 5})
+        reference.close()
+        llm._ctx.close()
+        llm._ctx = _two_sequences(llm)
+        res = Residency.attach(llm, smollm2_path)
+        res.release(kv=True)
+        assert res.kv_upload_note == "", res.kv_upload_note
+        res.restore()
+        assert res.restore_steps.kv_bytes == (9 + 5) * CELL_BYTES
+        assert _next_logits(llm._ctx, n_vocab, 42, {0: 9, 1: 5}) == want
+        res.close()
+    finally:
+        llm.close()
+
+
+def test_out_of_memory_for_the_compute_buffers_leaves_the_model_deep(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = load(smollm2_path, n_ctx=1024, use_mmap=False)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = Residency.attach(llm, smollm2_path)
+        compute = compute_bytes(llm.ctx).host
+        res.release(kv=True)
+        assert res.compute_released_bytes == compute > 0
+        alloc = _ggml.buft_alloc_buffer
+
+        def no_compute(buft: int, size: int) -> int | None:
+            return None if size == compute else alloc(buft, size)  # injected: the device is full
+
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", no_compute)
+        with pytest.raises(OutOfDeviceMemoryError, match="compute buffer"):
+            res.restore()
+        # the KV cache went back to host memory with it: the deep level as a whole, nothing lost
+        assert not res.kv_resident and res.context_kept and res.compute_released_bytes == compute
+        with pytest.raises(ResidencyError):
+            llm.eval([1])
+        # the weights' turn to fail: the KV and compute buffers, allocated before them, go again
+        weights = max(b.size for b in res.inplace_view.buffers)  # type: ignore[union-attr]
+
+        def no_weights(buft: int, size: int) -> int | None:
+            return None if size == weights else alloc(buft, size)
+
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", no_weights)
+        with pytest.raises(OutOfDeviceMemoryError, match="stays released"):
+            res.restore()
+        assert not res.kv_resident and not res.weights_resident and res.compute_released_bytes == compute
+        monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
+        res.restore()
+        assert res.kv_resident and same(greedy.run(), ref)
         res.close()
     finally:
         llm.close()
@@ -202,7 +349,9 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     pool = _start(tmp_path / "one", smollm2_path, "auto")
     pools.append(pool)
     reference = _turns(pool)
-    assert [t[3] for t in reference] == [True, True, True]  # each turn switched (weights only)
+    # each turn switched (weights only); the first may come before its model released after its
+    # load (a race with the worker's startup that a busy machine loses: the same numerics)
+    assert [t[3] for t in reference][1:] == [True, True]
     pool.stop()
     monkeypatch.delenv("TIMESHARE_VRAM_BUDGET")
 
@@ -214,6 +363,8 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     snap = pool.snapshot()
     weights = max(m.weight_bytes for m in snap.models)
     kv = max(m.kv_bytes for m in snap.models)
+    buffers = max(m.buffer_bytes for m in snap.models)  # the compute buffers (host memory here)
+    assert buffers > 2**20, snap
     assert kv >= 8192 * 23_040  # SmolLM2-135M: 30 layers x (K + V) x 192 f16 values per cell
     reserves = {x.model: x for x in _leases(home) if x.kind == "reserve"}
     assert set(reserves) == {A, B} and all(x.deepens > 0 for x in reserves.values())
@@ -233,10 +384,25 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     first = _turn(pool, A, QUESTION)  # B's KV cache must go for A's weights to fit
     wait_until(lambda: pool.snapshot().model(B).kv_bytes == 0, WAIT, "b's KV cache released")  # type: ignore[union-attr]
     deep_rss = _rss(b_pid)
-    assert parked_rss - deep_rss >= kv * 9 // 10, (parked_rss, deep_rss, kv)  # measured from outside
+    # its KV cache released in place, measured from outside; its compute buffers too (status),
+    # though B has not decoded yet: their pages were never touched, so its RSS never held them
+    assert parked_rss - deep_rss >= kv * 9 // 10, (parked_rss, deep_rss, kv)
+    assert pool.snapshot().model(B).buffer_bytes == 0  # type: ignore[union-attr]
     b_reserve = next(x for x in _leases(home) if x.kind == "reserve" and x.model == B)
     assert b_reserve.deepens == 0 and b_reserve.bytes <= reserves[B].bytes - kv * 9 // 10
+    a_pid = pool.snapshot().model(A).pid  # type: ignore[union-attr]
+    assert a_pid is not None
+    resident_rss = _rss(a_pid)  # A has decoded: its compute buffers' pages are in its RSS
     second = _turn(pool, B, QUESTION)  # back from the deep level; A goes (weights and KV cache)
+    wait_until(lambda: pool.snapshot().model(A).kv_bytes == 0, WAIT, "a's KV cache released")  # type: ignore[union-attr]
+    # A's weights, KV cache and compute buffers left (the weights' host shadow stays); of the
+    # compute buffers, its RSS held only the pages its turn touched (a ~100-token batch of the
+    # 512 they are planned for): the status says they are gone
+    gone = weights + kv
+    assert resident_rss - _rss(a_pid) >= gone * 9 // 10, (resident_rss, _rss(a_pid), weights, kv, buffers)
+    assert pool.snapshot().model(A).buffer_bytes == 0  # type: ignore[union-attr]
+    a_reserve = next(x for x in _leases(home) if x.kind == "reserve" and x.model == A)
+    assert a_reserve.deepens == 0 and a_reserve.bytes <= reserves[A].bytes - kv * 9 // 10
     third = _turn(pool, A, QUESTION + FOLLOW_UP)  # back from the deep level, its conversation kept
     assert [first, second, third] == [(*t[:3], True) for t in reference]  # bitwise the same answers
     moved = []
@@ -246,3 +412,11 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     # only the cells in use moved: ~130 tokens of KV (and a few headers), never n_ctx's 8192
     assert len(moved) >= 3 and max(moved) > 0 and all(n < 200 * 23_040 for n in moved), moved
     wait_until(lambda: pool.snapshot().model(A).kv_bytes == kv, WAIT, "a's KV cache back")  # type: ignore[union-attr]
+    # B is deep now (A's third turn needed the room), its conversation still in its sequence:
+    # a stop saves it from the residency's snapshot of the cells in use
+    wait_until(lambda: pool.snapshot().model(B).kv_bytes == 0, WAIT, "b deep again")  # type: ignore[union-attr]
+    pool.stop()
+    log_b = (home / "log" / f"worker-{B}.log").read_text()
+    assert re.search(r"saved the KV of 1 conversation\(s\)", log_b), log_b[-2000:]
+    saved = list((home / "kv" / B).glob(f"{B}-*.kv"))
+    assert len(saved) == 1 and saved[0].stat().st_size > 100 * 23_040, saved  # ~130 tokens' cells

@@ -571,3 +571,77 @@ def test_uploads_over_before_the_restore_returned(
         res.close()
     finally:
         llm.close()
+
+
+def test_the_deep_level_uploads_each_layers_kv_cells_after_its_part(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39, item 2: at the deep level in place the KV cells in use go up on the upload
+    thread, each layer's right after the weights of its part (first layers first), and the gate
+    waits for them as for the weights: bitwise the same logits."""
+    llm = load(smollm2_path)
+    try:
+        greedy = Greedy(llm)
+        ref = greedy.run()
+        res = _attach(llm, smollm2_path)
+        ip, kvbuf = res._inplace, res._kvbuf
+        assert ip is not None and kvbuf is not None
+        part_of = {t.ptr: p.index for p in ip.parts for b in p.buffers for t in b.tensors}
+        layer_of = {t: layer.index for layer in kvbuf.layers for t in (layer.k, layer.v)}
+        first = {p.index: p.first_layer for p in ip.parts}
+        order: list[tuple[int, str]] = []  # (layer, "weights" | "kv") of each copy of the upload thread
+        real_set, real_2d = _ggml.tensor_set, _ggml.tensor_set_2d
+
+        def note(tensor: int) -> None:
+            if not threading.current_thread().name.startswith("residency-upload"):
+                return
+            if tensor in layer_of:
+                order.append((layer_of[tensor], "kv"))
+            else:
+                root = _ggml.view_root(tensor, _ggml.TensorLayout())
+                if root in part_of:
+                    order.append((first[part_of[root]], "weights"))
+
+        def set_(tensor: int, data: int, offset: int, size: int) -> None:
+            note(tensor)
+            real_set(tensor, data, offset, size)
+
+        def set_2d(tensor: int, data: int, offset: int, size: int, n: int, st: int, sd: int) -> None:
+            note(tensor)
+            real_2d(tensor, data, offset, size, n, st, sd)
+
+        llm.n_tokens = greedy.n_prefix
+        llm.eval([greedy.tokens[-1]])
+        res.release(kv=True)
+        assert res.kv_upload_note == "" and not res.kv_resident
+        monkeypatch.setattr(_ggml, "tensor_set", set_)
+        monkeypatch.setattr(_ggml, "tensor_set_2d", set_2d)
+        rst = res.restore()
+        assert rst.overlapped
+        gate = _gate(res)
+        assert all(layer_of.get(t, -1) >= 0 or t in part_of for t in gate._part_of)
+        assert any(t in layer_of for t in gate._part_of)  # the KV tensors are gated too
+        out = greedy.run()
+        res.settle()
+        monkeypatch.setattr(_ggml, "tensor_set", real_set)
+        monkeypatch.setattr(_ggml, "tensor_set_2d", real_2d)
+        assert same(out, ref)
+        # every layer's KV cells went up after its part's weights and before the next part's
+        kv_layers = [layer for layer, kind in order if kind == "kv"]
+        assert sorted(set(kv_layers)) == [layer.index for layer in kvbuf.layers]
+        seen_part, kv_seen = -1, set()
+        for layer, kind in order:
+            if kind == "weights":
+                assert layer >= seen_part
+                if layer > seen_part:  # a new part: the layers before it have their KV cells
+                    assert kv_seen >= set(range(layer)), (layer, sorted(kv_seen))
+                seen_part = layer
+            else:
+                assert layer >= seen_part  # its part's weights (first layer <= it) came first
+                kv_seen.add(layer)
+        tl = res.last_overlap
+        assert tl is not None and tl.kv_bytes > 0 and tl.kv_last_upload_end_at_ms > 0
+        assert tl.kv_last_upload_end_at_ms <= tl.last_upload_end_at_ms + 1e-6
+        res.close()
+    finally:
+        llm.close()

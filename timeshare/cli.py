@@ -329,6 +329,12 @@ def _add_diagnostics(sub: Any) -> None:
         "--switch-only", action="store_true", help="measure the switched turns only (timeshare_switch)"
     )
     bapi.add_argument(
+        "--deep",
+        action="store_true",
+        help="also the deep switch: the first model twice under an auto budget on a card that sends "
+        "every parked worker to the deep level, against the weights-only switch and the issue's target",
+    )
+    bapi.add_argument(
         "--responses",
         action="store_true",
         help="instead: a /v1/responses turn continuing a stored response (previous_response_id) "

@@ -50,6 +50,7 @@ from typing import Any
 from ..arena.budget import parse_budget
 from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
+from .bench_api_deep import run_deep_phase, summarise_deep
 from .bench_api_procs import MAX_TOKENS, LlamaServer, Serve, decode_rate, fresh_process
 from .bench_api_report import SYSTEMS, plot, print_table, summarise
 from .card import hold_card
@@ -57,6 +58,8 @@ from .card import hold_card
 log = logging.getLogger(__name__)
 
 DECODE_TOKENS = 256
+#: the weights-only run's figures of the first model that the deep phase starts from
+_DEEP_GUESS = ("weight_bytes", "kv_bytes", "buffer_bytes", "context_bytes")
 MAX_ROUNDS = 100
 RESTARTS = 3  # at most; fewer when --rounds is smaller
 FRESH = 4  # fresh-process samples at most (alternating the models)
@@ -153,12 +156,15 @@ def run_api_bench(
     budget: str = "one-model",
     switch_only: bool = False,
     keep_logs: bool = False,
+    deep: bool = False,
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError when it cannot run.
     ``budget``: the VRAM budget of the timeshare systems (a byte budget below both models makes
     each switch a partial one); ``switch_only``: measure the switched turns only; ``keep_logs``:
     keep the work folder (serve's and the workers' logs) also when the run succeeds (the
-    report's ``work`` says where)."""
+    report's ``work`` says where); ``deep``: also the deep switch (bench_api_deep.py: the first
+    model twice under an auto budget on a card that sends every parked worker to the deep level),
+    compared with the weights-only switch of the same run."""
     from .arena_test import model_ids_for_paths
 
     if len(models) != 2:
@@ -225,6 +231,14 @@ def run_api_bench(
             report["overlaps"] = {mid: serve.worker_overlaps(mid) for mid in ids}
         finally:
             serve.close()
+        if deep:
+            guess = {k: int(status.get(ids[0], {}).get(k) or 0) for k in _DEEP_GUESS}
+            deep_rows, info = run_deep_phase(
+                work, models[0], lambda _i, r: conv.prompt(0, r), n_ctx, flash_attn, rounds, guess, say
+            )
+            rows["timeshare_deep_switch"] = deep_rows
+            weights_only = [r for r in rows["timeshare_switch"] if r["model"] == ids[0]]
+            report["deep"] = {**info, **summarise_deep(deep_rows, weights_only, info)}
         if switch_only:
             ok = True
             return _summarised(report, rows, skipped, decode)
@@ -399,6 +413,7 @@ def main(args: argparse.Namespace) -> int:
                 budget=str(getattr(args, "budget", None) or "one-model"),
                 switch_only=bool(getattr(args, "switch_only", False)),
                 keep_logs=bool(getattr(args, "keep_logs", False)),
+                deep=bool(getattr(args, "deep", False)),
             )
         if card is not None:
             report["card"] = card.to_json()

@@ -251,6 +251,7 @@ class Serve:
         flash_attn: bool,
         parallel: int = 0,
         budget: str = "one-model",
+        env: dict[str, str] | None = None,
     ) -> None:
         home = work / "home"
         home.mkdir(parents=True)
@@ -279,7 +280,7 @@ class Serve:
                 f"parallel = {parallel}",  # 0: the build's default
             ]
         config.write_text("\n".join(lines) + "\n")
-        env = envvars.environment(**{envvars.HOME.name: str(home)})
+        env = envvars.environment(**{envvars.HOME.name: str(home)}, **(env or {}))
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "timeshare", "--config", str(config), "serve", "--port", "0"],

@@ -7,6 +7,7 @@ from typing import Any
 
 SYSTEMS = (
     "timeshare_switch",
+    "timeshare_deep_switch",
     "timeshare_same",
     "timeshare_plain_client",
     "worker_restart",
@@ -16,6 +17,7 @@ SYSTEMS = (
 )
 LABELS = {
     "timeshare_switch": "timeshare: switched turn (conversation)",
+    "timeshare_deep_switch": "timeshare: deep switch (KV + buffers released)",
     "timeshare_same": "timeshare: same model again, no switch",
     "timeshare_plain_client": "timeshare: switched turn, standard client",
     "worker_restart": "worker restart (sleep level stop), then the turn",
@@ -125,6 +127,19 @@ def print_table(r: dict[str, Any]) -> None:
             f"best alternative within one model's VRAM: {s['best_alternative']} "
             f"({_fmt(s['best_alternative_ms'], '.1f')} ms) = {_fmt(s['best_alternative_x_switch'], '.1f')} x "
             "the switched turn"
+        )
+    deep = r.get("deep")
+    if deep:
+        print(
+            f"deep switch: {deep['deep_turns']} of {deep['turns']} turns deep, median "
+            f"{_fmt(deep['deep_ttft_ms_median'], '.1f')} ms against the weights-only switch's "
+            f"{_fmt(deep['weights_only_ttft_ms_median'], '.1f')} ms (same model); KV in use "
+            f"{deep['kv_bytes_in_use_median'] / 1e6:.1f} MB, "
+            f"raw copy {_fmt(deep['raw_copy_gbps'], '.2f')} GB/s; "
+            f"restore {_fmt(deep.get('deep_restore_ms_median'), '.1f')} vs "
+            f"{_fmt(deep.get('weights_only_restore_ms_median'), '.1f')} ms; "
+            f"target {_fmt(deep.get('target_ms'), '.1f')} ms: "
+            + ("met" if deep.get("meets_target") else "NOT met" if "meets_target" in deep else "-")
         )
     d = r["decode"]
     rate = _fmt(d.get("timeshare", {}).get("tok_s"), ".1f")

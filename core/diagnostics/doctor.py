@@ -134,11 +134,20 @@ def _run_doctor(
         freed = [r.freed_bytes for r in done.releases]
         gbps = [r.gbps for r in done.restores]
         same = done.same
-        # one deeper cycle: weights + KV cache (what sleep does)
-        _step("release/restore with the KV cache (what sleep does)")
+        # one deeper cycle: weights + KV cache (a deep release on contention: in place where the
+        # cache is a plain one, else the context freed and made again)
+        _step("release/restore with the KV cache (the deep level)")
         res.release(kv=True)
+        kv_level = {
+            "in_place": res.kv_in_place,
+            "compute_buffers_released": res.compute_released_bytes > 0 or not res.kv_in_place,
+            "compute_released_bytes": res.compute_released_bytes,
+            "kv_saved_bytes": res.kv_host_bytes,
+            "note": res.deep_note,
+        }
         res.restore()
         kv_same = replay.run() == reference
+        kv_level["restore_steps"] = res.restore_steps.as_dict()
         report: dict[str, Any] = {
             "path": res.path,
             "reason": res.reason,
@@ -153,6 +162,8 @@ def _run_doctor(
             "bitwise_identical": all(same),
             "bitwise_identical_cycles": sum(same),
             "kv_level_bitwise_identical": kv_same,
+            # how the KV level went (issue 39): in place, or the context freed, and why
+            "kv_level": kv_level,
             "weight_bytes": res.weight_bytes,
             "released_bytes": int(statistics.median(freed)),
             "released_fraction": (statistics.median(freed) / res.weight_bytes) if res.weight_bytes else 0.0,
@@ -354,6 +365,20 @@ _CHECKS = {
 }
 
 
+def _kv_level_line(k: dict[str, Any] | None) -> str:
+    if not k:
+        return "KV level:           -"
+    if k["in_place"]:
+        text = "KV level:           in place (the context kept; the KV cells in use"
+        text += f", {k['kv_saved_bytes'] / 1e6:.2f} MB, back with the weights' parts"
+        if k["compute_released_bytes"]:
+            text += f"; compute buffers {k['compute_released_bytes'] / 1e6:.1f} MB released too"
+        text += ")"
+    else:
+        text = "KV level:           the context freed and made again"
+    return text + (f"; {k['note']}" if k["note"] else "")
+
+
 def _found_lines(r: dict[str, Any]) -> list[str]:
     if "weights_seen_by_graph" not in r:
         return []
@@ -372,6 +397,7 @@ def _print_text(r: dict[str, Any]) -> None:
         f"backend:            {r['backend']} (llama-cpp-python {r['llama_cpp_version']})",
         f"path:               {r['path']}" + (f" ({r['reason']})" if r["reason"] else ""),
         f"cycles:             {r['cycles']} (+1 with the KV cache)",
+        _kv_level_line(r.get("kv_level")),
         f"bitwise identical:  {ok} ({r['bitwise_identical_cycles']}/{r['cycles']}; {_CHECKS[r['check']]})",
         f"weights:            {r['weight_bytes'] / 1e6:.1f} MB, freed {r['released_bytes'] / 1e6:.1f} MB "
         f"({100 * r['released_fraction']:.1f} %, {r['memory_measure']})"

@@ -259,6 +259,7 @@ class WorkerRecord:
             failure_code=self.failure_code if self.phase is Phase.FAILED else "",
             residency_path=info.residency_path if info else "",
             residency_reason=info.residency_reason if info else "",
+            deep_note=info.deep_note if info else "",
             backend=info.backend if info else "",
             chat_format=info.chat_format if info else "",
             chat_family=info.chat_family if info else "",

@@ -144,6 +144,10 @@ buft_get_device = _fn("ggml_backend_buft_get_device", c_void_p, c_void_p)
 _buft_alloc_buffer = _fn("ggml_backend_buft_alloc_buffer", c_void_p, c_void_p, c_size_t)
 tensor_set = _fn("ggml_backend_tensor_set", None, c_void_p, c_void_p, c_size_t, c_size_t)
 tensor_get = _fn("ggml_backend_tensor_get", None, c_void_p, c_void_p, c_size_t, c_size_t)
+#: (tensor, data, offset, size, n_copies, stride_tensor, stride_data): n_copies rows of ``size``
+tensor_set_2d = _fn(
+    "ggml_backend_tensor_set_2d", None, c_void_p, c_void_p, c_size_t, c_size_t, c_size_t, c_size_t, c_size_t
+)
 
 # devices
 dev_count = _fn("ggml_backend_dev_count", c_size_t)
@@ -182,6 +186,15 @@ sched_set_eval_callback = _fn("ggml_backend_sched_set_eval_callback", None, c_vo
 ctx_get_cparams = _fn_optional("_ZNK13llama_context11get_cparamsEv", c_void_p, c_void_p)
 ctx_get_sched = _fn_optional("_ZNK13llama_context9get_schedEv", c_void_p, c_void_p)
 ctx_sched_reserve = _fn_optional("_ZN13llama_context13sched_reserveEv", None, c_void_p)
+# the scheduler's compute buffers (residency/computebuf.py): public ggml API, and the context's
+# previous graph (``llama_context::get_gf_res_prev``, ``llm_graph_result::reset``: exported C++)
+sched_get_n_backends = _fn("ggml_backend_sched_get_n_backends", c_int, c_void_p)
+sched_get_backend = _fn("ggml_backend_sched_get_backend", c_void_p, c_void_p, c_int)
+sched_get_buffer_type = _fn("ggml_backend_sched_get_buffer_type", c_void_p, c_void_p, c_void_p)
+sched_get_buffer_size = _fn("ggml_backend_sched_get_buffer_size", c_size_t, c_void_p, c_void_p)
+buft_is_host = _fn("ggml_backend_buft_is_host", c_bool, c_void_p)
+ctx_get_gf_res_prev = _fn_optional("_ZN13llama_context15get_gf_res_prevEv", c_void_p, c_void_p)
+graph_result_reset = _fn_optional("_ZN16llm_graph_result5resetEv", None, c_void_p)
 
 
 def buft_alloc_buffer(buft: int, size: int) -> int | None:
@@ -212,6 +225,18 @@ def view_root(tensor: int, layout: TensorLayout) -> int:
         if not parent:
             return root
         root = parent
+
+
+def swap_buffer_memory(a: int, b: int, layout: BufferLayout) -> None:
+    """Swap the memory (``context`` and ``size``) of two live backend buffers of one type: each
+    struct stays where it is (whoever holds it keeps a valid buffer), its memory changes hands.
+    Freeing ``b`` afterwards frees what ``a`` had."""
+    ca, cb = read_ptr(a + layout.context), read_ptr(b + layout.context)
+    sa, sb = read_size(a + layout.size), read_size(b + layout.size)
+    write_ptr(a + layout.context, cb)
+    write_ptr(b + layout.context, ca)
+    write_size(a + layout.size, sb)
+    write_size(b + layout.size, sa)
 
 
 def write_ptr(addr: int, value: int) -> None:

@@ -50,6 +50,7 @@ from .carrier import BaseSlot, Carried, make_carrier, probe_base_slot, uncarry
 from .discovery import Discovery, discover
 from .gate import PartGate
 from .hostmem import HostMemory, ReadRange, parallel_read
+from .kvupload import KvUpload
 from .options import ResidencyOptions
 from .plan import Part, WeightBuffer, WeightTensor, layer_of, pad, plain_copy, split_runs
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
@@ -146,6 +147,7 @@ class InPlace:
         self.gate: PartGate | None = None
         self._retired_gate: PartGate | None = None
         self._uploads: list[Future[float]] = []
+        self._kv: KvUpload | None = None  # the KV cells a deep restore uploads with the parts
         #: (start, end) of each part's upload of the last restore, in order (the upload thread)
         self._upload_spans: list[tuple[float, float]] = []
         self._spent: list[int] = []
@@ -932,7 +934,7 @@ class InPlace:
             "(release or stop another model) and try again"
         )
 
-    def restore(self, overlap: bool = False) -> int:
+    def restore(self, overlap: bool = False, kv: KvUpload | None = None) -> int:
         """Restore every released buffer (parts in layer order); on an allocation failure,
         release again what this call restored and raise OutOfDeviceMemoryError (the model stays
         as released as it was, and intact). Returns the bytes uploaded. ``moved`` then says
@@ -949,9 +951,18 @@ class InPlace:
         calls it first). Every buffer is allocated before this returns: the caller decides from
         ``moved`` whether the graphs must be rebuilt, and a graph's views of a weight take their
         data pointer when the graph is allocated, so no address may change after the decode
-        started."""
+        started.
+
+        ``kv``: the KV cache's cells of the deep level (its buffers already allocated), written
+        on the upload thread right after the weights of each part, the layers of that part (the
+        gate waits for them too); the layers of no part restored here are left to the caller
+        (``kv.upload_unclaimed``)."""
         self.finish_uploads()
-        return self._restore([b for b in self.buffers if b.released], overlap)
+        self._kv = kv
+        try:
+            return self._restore([b for b in self.buffers if b.released], overlap)
+        finally:
+            self._kv = None
 
     def _part_groups(self, todo: list[WeightBuffer]) -> list[tuple[Part, list[WeightBuffer]]]:
         mine = {id(b) for b in todo}
@@ -990,7 +1001,7 @@ class InPlace:
                         p.index,
                         p.first_layer,
                         sum(b.size for b in bufs),
-                        [t.ptr for b in bufs for t in b.tensors],
+                        [t.ptr for b in bufs for t in b.tensors] + self._kv_claim(p),
                     )
                     for p, bufs in groups
                 ],
@@ -1089,10 +1100,19 @@ class InPlace:
     def _submit_uploads(
         self, held: list[tuple[Part, list[WeightBuffer]]], shadow: HostMemory, gate: PartGate | None
     ) -> None:
-        """Hand the parts in ``held`` to the upload thread, in order, and empty it."""
+        """Hand the parts in ``held`` to the upload thread, in order, and empty it (with the KV
+        cache's layers of each part, when a deep restore gave them)."""
         for part, bufs in held:
-            self._uploads.append(self._uploader().submit(self._upload_part, bufs, shadow, gate, part.index))
+            kv = None
+            if self._kv is not None:
+                self._kv_claim(part)
+                kv = (self._kv, part.first_layer, part.last_layer)
+            job = self._uploader().submit(self._upload_part, bufs, shadow, gate, part.index, kv)
+            self._uploads.append(job)
         held.clear()
+
+    def _kv_claim(self, part: Part) -> list[int]:
+        return self._kv.claim(part.first_layer, part.last_layer) if self._kv is not None else []
 
     def _restore_parallel(self, todo: list[WeightBuffer], t_start: float) -> int:
         """Vulkan: every buffer allocated at once on the pool's threads, each uploaded (on this
@@ -1126,19 +1146,32 @@ class InPlace:
         return sum(t.nbytes for b in done for t in b.tensors)
 
     @property
+    def restore_started(self) -> float:
+        """``perf_counter()`` at the start of the last restore: the origin of its timeline."""
+        return self._restore_t0
+
+    @property
     def uploads_pending(self) -> bool:
         """An overlapped restore's uploads are not all known to be complete (finish_uploads)."""
         return bool(self._uploads)
 
     def _upload_part(
-        self, bufs: list[WeightBuffer], shadow: HostMemory, gate: PartGate | None, idx: int
+        self,
+        bufs: list[WeightBuffer],
+        shadow: HostMemory,
+        gate: PartGate | None,
+        idx: int,
+        kv: tuple[KvUpload, int, int] | None = None,
     ) -> float:
-        """One part's uploads (on the upload thread); returns their seconds. The gate learns of
-        the part in any case (a failed upload is raised by finish_uploads)."""
+        """One part's uploads (on the upload thread), then its layers' KV cells (``kv``); returns
+        their seconds. The gate learns of the part in any case (a failed upload is raised by
+        finish_uploads)."""
         t0 = time.perf_counter()
         try:
             for b in bufs:
                 self._upload(b, shadow)
+            if kv is not None:
+                kv[0].upload(kv[1], kv[2])
         finally:
             t1 = time.perf_counter()
             self._upload_spans.append((t0, t1))  # one writer: the upload thread

@@ -40,6 +40,11 @@ class KvSnapshot:
     def pinned(self) -> bool:
         return self._mem.pinned
 
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(sequence id, host address, bytes) of each sequence's state, as
+        ``llama_state_seq_get_data`` wrote it (valid until :meth:`close`)."""
+        return [(s.seq_id, self._mem.ptr + s.offset, s.size) for s in self._seqs]
+
     @classmethod
     def take(cls, ctx: int, want_pinned: bool) -> KvSnapshot:
         memory = llama_cpp.llama_get_memory(ctx)

@@ -82,12 +82,31 @@ def _method(name: str) -> Any:
     return fn
 
 
+@dataclass(frozen=True)
+class KvLayer:
+    """One layer's K and V tensors (the cache's own, not views), as the layer-wise restore
+    (residency/kvupload.py) writes them."""
+
+    index: int
+    k: int
+    v: int
+
+
 class KvBuffers:
     """The KV cache buffers of one context. The loop thread's Residency is its only caller."""
 
-    def __init__(self, buffers: list[KvBuffer]) -> None:
+    def __init__(
+        self,
+        buffers: list[KvBuffer],
+        layers: list[KvLayer] | None = None,
+        memory: int = 0,
+        v_trans: bool = False,
+    ) -> None:
         self.buffers = buffers
         self.moved = False  # the last restore put a buffer at another address
+        self.layers = layers or []  # in layer order
+        self.memory = memory  # the context's llama_kv_cache (its cells' metadata: kvupload.py)
+        self.v_trans = v_trans  # V is stored transposed (no flash attention)
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +135,7 @@ class KvBuffers:
             raise KvBufferUnsupportedError("ggml_init failed")
         sinfo = (ctypes.c_uint8 * _SLOT_INFO_BYTES)()
         roots: list[int] = []
+        v_trans = False
         try:
             for il in range(n_layer):
                 for fn in (get_k, get_v):
@@ -123,8 +143,11 @@ class KvBuffers:
                     if not view:
                         raise KvBufferUnsupportedError(f"no KV tensor for layer {il}")
                     roots.append(_ggml.view_root(view, lay))
+                    if fn is get_v:  # its view of one cell: a transposed V's first dimension is the cells
+                        v_trans = ctypes.c_int64.from_address(view + lay.ne).value == 1
         finally:
             _ggml.ggml_free(gctx)
+        layers = [KvLayer(il, roots[2 * il], roots[2 * il + 1]) for il in range(n_layer)]
         by_buffer: dict[int, KvBuffer] = {}
         for t in dict.fromkeys(roots):
             buf = _ggml.read_ptr(t + lay.buffer)
@@ -170,16 +193,7 @@ class KvBuffers:
                 )
         if not by_buffer:
             raise KvBufferUnsupportedError("no KV buffer found")
-        return cls(list(by_buffer.values()))
-
-    @staticmethod
-    def _swap(a: int, b: int, lay: _ggml.BufferLayout) -> None:
-        ca, cb = _ggml.read_ptr(a + lay.context), _ggml.read_ptr(b + lay.context)
-        sa, sb = _ggml.read_size(a + lay.size), _ggml.read_size(b + lay.size)
-        _ggml.write_ptr(a + lay.context, cb)
-        _ggml.write_ptr(b + lay.context, ca)
-        _ggml.write_size(a + lay.size, sb)
-        _ggml.write_size(b + lay.size, sa)
+        return cls(list(by_buffer.values()), layers, int(mem), v_trans)
 
     def release(self) -> None:
         """Free the buffers' memory (the tensors' data dangle until :meth:`restore`); the caller
@@ -192,7 +206,7 @@ class KvBuffers:
                 raise ResidencyError(
                     "cannot allocate a placeholder for the KV buffer: the KV cache was not released"
                 )
-            self._swap(b.ptr, placeholder, b.layout)
+            _ggml.swap_buffer_memory(b.ptr, placeholder, b.layout)
             _ggml.buffer_free(placeholder)  # frees the KV cache's memory
             b.released = True
 
@@ -209,13 +223,13 @@ class KvBuffers:
                 for d in done:  # back to released
                     placeholder = _ggml.buft_alloc_buffer(d.buft, _PLACEHOLDER_BYTES)
                     if placeholder is not None:
-                        self._swap(d.ptr, placeholder, d.layout)
+                        _ggml.swap_buffer_memory(d.ptr, placeholder, d.layout)
                         _ggml.buffer_free(placeholder)
                         d.released = True
                 raise OutOfDeviceMemoryError(
                     f"cannot allocate the {b.size}-byte KV cache again: free device memory and try again"
                 )
-            self._swap(b.ptr, new, b.layout)
+            _ggml.swap_buffer_memory(b.ptr, new, b.layout)
             _ggml.buffer_free(new)  # now the tiny placeholder
             base = int(_ggml.buffer_get_base(b.ptr) or 0)
             self.moved = self.moved or base != b.base

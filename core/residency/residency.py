@@ -8,6 +8,7 @@ The worker's loop thread is the only caller of a ``Residency`` (one owner, no lo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -27,11 +28,13 @@ from ..errors import ConfigError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
 from . import _ggml, evalhook, hostmem
+from .computebuf import ComputeBufferFinder, ComputeBuffers, ComputeBufferUnsupportedError, forget_graph
 from .context import Released, new_context
 from .gguf_check import check_gguf
 from .inplace import InPlace
 from .kv import KvSnapshot
 from .kvbuffer import KvBuffers, KvBufferUnsupportedError
+from .kvupload import KvUpload, KvUploadUnsupportedError
 from .options import Mode, ResidencyOptions
 from .projector import ProjectorWatch
 from .rebuild import RebuildPath
@@ -231,6 +234,17 @@ class Residency:
         self._kvbuf: KvBuffers | None = None
         self._kv_ctx: Any = None
         self.kv_note = ""
+        # and the context's compute buffers with it (item 1): found again at each deep release
+        # (a scheduler reserve replaces them), held while released; buffers_note says why they stay
+        self._compute_finder: ComputeBufferFinder | None = None
+        self._compute: ComputeBuffers | None = None
+        self.buffers_note = ""
+        # and its cells come back layer by layer with the weights' parts (item 2): planned at the
+        # release; kv_upload_note says why the portable way (after the weights) is used instead
+        self._kv_upload: KvUpload | None = None
+        self._kv_uploading: KvUpload | None = None  # an overlapped restore's, until settled
+        self.kv_upload_note = ""
+        self._restore_t0 = 0.0
         self._closed = False
         self._measure: str | None = None  # memory_measure, decided at the first release
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
@@ -346,6 +360,14 @@ class Residency:
         except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
             self.kv_note = str(exc)
             log.info("the KV level of %s frees the context: %s", self.model_path, exc)
+        else:
+            try:
+                # on a GPU build only the device's buffers (a host one is not what the budget counts)
+                host = self._gpu is None
+                self._compute_finder = ComputeBufferFinder.probe(int(live.ctx), include_host=host)
+            except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
+                self.buffers_note = str(exc)
+                log.info("the KV level of %s keeps the compute buffers: %s", self.model_path, exc)
         self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
@@ -587,8 +609,25 @@ class Residency:
 
     @property
     def context_kept(self) -> bool:
-        """The KV cache is released in place: the context (and its compute buffers) stays."""
+        """The KV cache is released in place: the context stays (its compute buffers too where
+        :attr:`buffers_kept`)."""
         return self._kv_ctx is not None
+
+    @property
+    def buffers_kept(self) -> bool:
+        """The KV cache is released in place and the context's compute buffers stay on the device
+        (they could not be released in place: :attr:`buffers_note` says why)."""
+        return self._kv_ctx is not None and self._compute is None
+
+    @property
+    def buffers_releasable(self) -> bool:
+        """A deep release frees the compute buffers: in place, or with the context."""
+        return self.path != "none" and (self._kvbuf is None or self._compute_finder is not None)
+
+    @property
+    def compute_released_bytes(self) -> int:
+        """Bytes of compute buffers released in place now (0 otherwise)."""
+        return self._compute.nbytes if self._compute is not None else 0
 
     @property
     def kv_host_bytes(self) -> int:
@@ -596,6 +635,44 @@ class Residency:
         if self._rebuild is not None:
             return self._rebuild.kv_bytes
         return self._kv.nbytes if self._kv is not None else 0
+
+    @property
+    def deep_note(self) -> str:
+        """How the KV level goes for this model, in words: "" where it is wholly in place (the
+        context kept; its KV cells and compute buffers released and back with the weights'
+        parts), else what differs and why (a sliding-window, recurrent or hybrid cache, a build
+        whose scheduler or state format is not the one checked)."""
+        if self.path == "rebuild":
+            return "the rebuild path frees the context (its KV cache and compute buffers) at every release"
+        if self.path != "inplace":
+            return ""
+        notes = []
+        if self._kvbuf is None:
+            notes.append(f"the KV level frees the context and makes it again ({self.kv_note})")
+        if self.buffers_note:
+            notes.append(f"the compute buffers stay on the device ({self.buffers_note})")
+        if self.kv_upload_note:
+            notes.append(f"the KV cells come back after the weights ({self.kv_upload_note})")
+        return "; ".join(notes)
+
+    @property
+    def kv_in_place(self) -> bool:
+        """The KV level keeps the context: its cells' metadata stays and the cells in use come
+        back where they were (the caller need not move its sequences to host memory first)."""
+        return self.path == "inplace" and self._kvbuf is not None
+
+    def parked_states(self) -> dict[int, tuple[bytes, int]]:
+        """While the KV cache is released (its snapshot held): each saved sequence's state, as
+        ``llama_state_seq_get_data`` wrote it, and its lowest position (from the kept context's
+        metadata; 0 where the context was freed). Empty otherwise."""
+        if self.kv_resident or self._kv is None:
+            return {}
+        mem = llama_cpp.llama_get_memory(self._kv_ctx.ctx) if self._kv_ctx is not None else None
+
+        def pos_min(seq: int) -> int:
+            return int(llama_cpp.llama_memory_seq_pos_min(mem, seq)) if mem else 0
+
+        return {seq: (ctypes.string_at(addr, size), pos_min(seq)) for seq, addr, size in self._kv.segments()}
 
     @property
     def kv_context(self) -> Any | None:
@@ -768,8 +845,10 @@ class Residency:
             weights_todo = self.weights_resident
         kv_todo = kv and self.kv_resident
         if free_context and self._kv_ctx is not None:  # deeper still: the kept context goes too
-            self._kv_ctx.close()
+            self._kv_ctx.close()  # (its released compute buffers' placeholders with it)
             self._kv_ctx = None
+            self._compute = None
+            self._kv_upload = None  # the snapshot goes into a new context the portable way
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
@@ -875,19 +954,29 @@ class Residency:
             self.host_bytes = 0
         else:
             nbytes = 0
+            self._restore_t0 = t0
+            # the deep level in place: the KV cache's and compute buffers' memory first, so the
+            # KV cells can go up with the weights' parts (OutOfDeviceMemoryError: nothing changed)
+            kv_up = self._kv_buffers_back()
+            kv_alloc_ms = (time.perf_counter() - t0) * 1000
             if not self.weights_resident and ip is not None:
                 if ip.shadow_pending:  # a release came before its deferred shadow was built
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
                 proj = self._projector
-                if proj is not None and proj.resident_bytes < proj.weight_bytes:
-                    nbytes += proj.restore()  # first (small; nothing computes with it before a decode)
                 try:
-                    nbytes += ip.restore(overlap=overlap)
+                    if proj is not None and proj.resident_bytes < proj.weight_bytes:
+                        nbytes += proj.restore()  # first (small; nothing computes with it before a decode)
+                    nbytes += ip.restore(overlap=overlap, kv=kv_up)
                 except BaseException:
                     if proj is not None and proj.resident_bytes:  # as released as it was
                         proj.release(None)
+                    self._kv_buffers_out()  # back to the deep level as a whole
                     raise
                 moved = ip.moved
+            elif ip is not None:  # the KV cache alone was released: the weights never moved
+                moved = False
+            if ip is not None and kv_up is not None:
+                ip.restore_steps["kv_alloc_ms"] = kv_alloc_ms
             self._enter(weights=Weights.ALL)
             try:
                 if not self.kv_resident:
@@ -966,6 +1055,9 @@ class Residency:
         try:
             ip.finish_uploads()
         finally:
+            up, self._kv_uploading = self._kv_uploading, None
+            if up is not None:
+                self._kv_uploaded(up)
             if self._gated_ctx:
                 assert ip.hook is not None
                 if self._live_ctx() == self._gated_ctx:  # (a context freed meanwhile has no hook)
@@ -989,15 +1081,43 @@ class Residency:
         llm = self._llm
         ctx_obj = self._saved_ctx if self._saved_ctx is not None else llm._ctx
         self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
-        if self._kvbuf is not None and not free_context:  # in place: the context stays, its KV buffers go
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
+        if self._kvbuf is not None and not free_context:
+            # in place: the context stays with its cells' metadata, its KV buffers' memory goes
+            self._plan_kv_upload(int(ctx_obj.ctx))
             self._kvbuf.release()
             self._kv_ctx = ctx_obj
+            self._release_compute(int(ctx_obj.ctx))
         else:
             ctx_obj.close()
         self._saved_ctx = None
         llm._ctx = Released("context")
         self._enter(kv=Kv.HOST)
+
+    def _kv_buffers_back(self) -> KvUpload | None:
+        """At the deep level in place: allocate the KV cache's buffers (cleared) and the compute
+        buffers again, before the weights; returns the layer-wise upload of the cells (None: the
+        portable way, after the weights, or nothing to do). OutOfDeviceMemoryError: nothing
+        changed."""
+        if self.kv_resident or self._kv_ctx is None or self._kvbuf is None:
+            return None
+        if self._kvbuf.released:
+            self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
+            if self._kv_upload is not None:
+                self._kv_upload.reset()
+        if self._compute is not None and self._compute.released:
+            try:
+                self._compute.restore()  # the next decode builds its graph anew (no reserve)
+            except OutOfDeviceMemoryError:
+                self._kvbuf.release()  # back to the deep level as a whole, the snapshot kept
+                raise
+        return self._kv_upload
+
+    def _kv_buffers_out(self) -> None:
+        """Undo :meth:`_kv_buffers_back` (the weights could not come back)."""
+        if self._kvbuf is not None and not self._kvbuf.released and self._kv_ctx is not None:
+            self._kvbuf.release()
+        if self._compute is not None and not self._compute.released:
+            self._compute.release()
 
     def _new_context_with_kv(self, weights_moved: bool | None) -> bool:
         """The KV cache back on the device; True when the context's graphs were reset (a buffer
@@ -1005,11 +1125,29 @@ class Residency:
         llm = self._llm
         if self._kv_ctx is not None and self._kvbuf is not None:
             ctx_obj = self._kv_ctx
-            self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
-            reset = self._kvbuf.moved or weights_moved is not False
-            if reset:
+            self._kv_buffers_back()  # (done by restore() already: the KV cells may be on their way)
+            reset = False
+            if self._compute is not None:
+                self._compute = None
+                reset = True
+            if weights_moved is not False:  # as after a weights-only restore: a scheduler reserve
                 _forget_graphs(ctx_obj.ctx, llm)
-            if self._kv is not None:
+                reset = True
+            elif self._kvbuf.moved:
+                # the previous graph's views of the KV cache hold its old addresses: that graph is
+                # built anew (and, on CUDA, its captured graph updated: a new graph has a new uid,
+                # whose nodes' data pointers ggml-cuda compares); the scheduler's plan stays
+                forget_graph(int(ctx_obj.ctx))
+                reset = True
+            up, self._kv_upload = self._kv_upload, None
+            if up is not None:
+                up.upload_unclaimed()  # the layers of parts that stayed resident
+                if self._inplace is not None and self._inplace.uploads_pending:
+                    self._kv_uploading = up  # its snapshot is freed once settled
+                else:
+                    self._kv_uploaded(up)
+            elif self._kv is not None:  # the portable way: the metadata emptied, the state put back
+                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
                 self._kv.apply(ctx_obj.ctx)
                 self._kv.close()
                 self._kv = None
@@ -1029,6 +1167,53 @@ class Residency:
                 self._kvbuf = None
                 self.kv_note = str(exc)
         return False
+
+    def _kv_uploaded(self, up: KvUpload) -> None:
+        """The layer-wise KV upload is over: its figures go into the restore's steps (from the
+        start of Residency.restore) and the snapshot is freed."""
+        st = up.stats
+        ip = self._inplace
+        if ip is not None:
+            ip.restore_steps["kv_bytes"] = float(st.bytes)
+            ip.restore_steps["kv_upload_ms"] = st.busy_s * 1000
+            if st.first_start:  # on the weights' timeline (from the start of their restore)
+                t0 = max(ip.restore_started, self._restore_t0)  # (no weights restored: this call's)
+                ip.restore_steps["kv_first_upload_at_ms"] = (st.first_start - t0) * 1000
+                ip.restore_steps["kv_last_upload_end_at_ms"] = (st.last_end - t0) * 1000
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
+
+    def _plan_kv_upload(self, ctx: int) -> None:
+        """After a release in place: where each saved cell goes back, layer by layer (the
+        metadata is kept); the portable way when it cannot be told (kv_upload_note)."""
+        self._kv_upload = None
+        if self._kv is None or self._kvbuf is None:
+            return
+        try:
+            self._kv_upload = KvUpload.plan(self._kvbuf, self._kv)
+        except (KvUploadUnsupportedError, _ggml.LayoutMismatchError) as exc:
+            if str(exc) != self.kv_upload_note:
+                log.info("the KV cells of %s come back after the weights: %s", self.model_path, exc)
+            self.kv_upload_note = str(exc)
+            return
+        self.kv_upload_note = ""
+
+    def _release_compute(self, ctx: int) -> None:
+        """The kept context's compute buffers go too (found now: a reserve since the last
+        release may have replaced them); kept, with the reason in buffers_note, when they cannot
+        be found for sure."""
+        if self._compute_finder is None:
+            return
+        try:
+            found = self._compute_finder.find(ctx)
+            found.release()
+        except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError, ResidencyError) as exc:
+            self.buffers_note = str(exc)
+            log.warning("the compute buffers of %s stay on the device: %s", self.model_path, exc)
+            return
+        self._compute = found
+        log.info("released the compute buffers of %s: %.1f MB", self.model_path, found.nbytes / 1e6)
 
     def _want_pinned_kv(self) -> bool:
         return self._opts.host_shadow == "pinned"

@@ -40,6 +40,16 @@ class ScratchTensor:
             self.ctx = 0
 
 
+def first_device_buffer_type() -> int | None:
+    """The own buffer type of the first GPU, else of the CPU device (host memory plays the device
+    on a CPU build); None when ggml lists neither."""
+    gpu = _ggml.first_gpu()
+    if gpu is not None:
+        return int(_ggml.dev_buffer_type(gpu.handle))
+    cpu = next((d for d in _ggml.devices() if not d.is_gpu), None)
+    return int(_ggml.dev_buffer_type(cpu.handle)) if cpu is not None else None
+
+
 def device_buffer_type(buft: int) -> int:
     """The own buffer type of the device behind ``buft`` (an "extra" type like CPU_REPACK would
     repack the bytes), or ``buft`` itself when it has no device."""

@@ -36,6 +36,14 @@ class RestoreSteps:
     last_upload_end_at_ms: float | None = None
     reserve_ms: float | None = None  # the scheduler's reserve (graphs reset)
     returned_ms: float | None = None  # until restore() returned
+    # the deep level's KV cells, written layer by layer after each part's weights (issue 39):
+    # the KV and compute buffers' allocation (before the weights'), bytes, the time spent writing
+    # them, and (on the weights' timeline) when the first began and the last ended
+    kv_alloc_ms: float | None = None
+    kv_bytes: float | None = None
+    kv_upload_ms: float | None = None
+    kv_first_upload_at_ms: float | None = None
+    kv_last_upload_end_at_ms: float | None = None
     # handed-over memory (issue 40): mapping it (take, import, create what was lacking, map)
     handover_ms: float | None = None
     handed_chunks: float | None = None  # chunks taken from the holder (nothing allocated)
@@ -74,6 +82,9 @@ class OverlapTimeline:
     last_wait_end_at_ms: float
     last_upload_end_at_ms: float
     pending_bytes: float
+    kv_bytes: float  # the deep level's KV cells, uploaded with the parts (0: not a deep restore)
+    kv_upload_ms: float
+    kv_last_upload_end_at_ms: float
     pending_bytes_at_first_node: float
     gate_calls: float
     gate_waits: float

@@ -193,6 +193,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     chat_family: str = "generic"
     thinks: bool = False
     starts_thinking: bool = False
+    # how a deep release (issue 39) goes for this model: "" in place (the context kept, its KV
+    # cells and compute buffers released and back with the weights' parts), else why not
+    deep_note: str = ""
     projector_bytes: int = 0  # the vision projector's weights (0: none)
     # how its context pools ("" for a chat model's; "mean", "cls", "last", or "rank": a reranker)
     pooling: str = ""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,6 +250,10 @@ class Engine:
     def park(self) -> None:
         """Move the idle sequences into the host LRU (see Sequences.park)."""
         self.sequences.park()
+
+    def park_states(self, states: Mapping[int, tuple[bytes, int]]) -> None:
+        """Move the sequences into the host LRU from states saved elsewhere (Sequences.park_states)."""
+        self.sequences.park_states(states)
 
     @property
     def conversations(self) -> tuple[str, ...]:

@@ -4,6 +4,9 @@ compute buffers and, on a GPU, the driver context; and while it is parked at eac
 - resident or released (``weights``): all three stay (a release frees only the weights);
 - sleeping (``weights+kv``): the context is freed, KV and compute buffers with it; the driver
   context stays (the process lives);
+- deep on contention (``weights+kv``, in place): the KV cache and the compute buffers are released
+  in place, the context object kept; the same as sleeping on the device (the compute buffers stay
+  only where they cannot be released in place: ``Residency.buffers_note``);
 - stopped: nothing (the process is gone).
 
 On a CPU-only build the same parts are host memory, and are reported as such. The compute buffers
@@ -123,12 +126,12 @@ class Footprint:
             context=GPU_CONTEXT_ALLOWANCE if gpu else 0,
         )
 
-    def now(self, kv_resident: bool, context_kept: bool = False) -> Held:
+    def now(self, kv_resident: bool, context_kept: bool = False, buffers_kept: bool = False) -> Held:
         """What is held while the context lives (``kv_resident``), or after it was freed; or
-        after a deep release in place (``context_kept``: the KV cache released, the context and
-        its compute buffers kept; issue 39)."""
+        after a deep release in place (``context_kept``: the KV cache released, the context kept;
+        its compute buffers released in place too unless ``buffers_kept``; issue 39)."""
         if kv_resident:
             return Held(self.kv, self.buffers, self.context)
-        if context_kept:
+        if context_kept and buffers_kept:
             return Held(buffers=self.buffers, context=self.context)
         return Held(context=self.context)

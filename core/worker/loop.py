@@ -163,7 +163,9 @@ class Worker:
         else:
             state = self._state
         held = self._footprint.now(
-            kv_resident=state in ("resident", "released") and res.kv_resident, context_kept=res.context_kept
+            kv_resident=state in ("resident", "released") and res.kv_resident,
+            context_kept=res.context_kept,
+            buffers_kept=res.buffers_kept,
         )
         status = p.WorkerStatus(
             state=state,
@@ -358,6 +360,7 @@ class Worker:
                     chat_format=engine.info.chat_format,
                     residency_path=self.tenancy.path,
                     residency_reason=self.tenancy.reason,
+                    deep_note=self.tenancy.deep_note,
                     backend=self.tenancy.backend,
                     weight_bytes=self.tenancy.weight_bytes,
                     host_pinned_bytes=self.tenancy.host_bytes,
@@ -380,7 +383,9 @@ class Worker:
         )
         self._poll()
         work_waiting = any(isinstance(t, (p.Generate, p.Embed, p.Wake)) for t in self._pending)
-        if not self.pinned and (not work_waiting or self._yield_wanted):
+        # over the budget once its reserve is known (auto): the waiting work asks again through the
+        # queue, whose plan makes the room (parked workers go deep) before it computes
+        if not self.pinned and (not work_waiting or self._yield_wanted or res.over_budget):
             self._release(kv=False)  # a pinned model keeps the GPU once it has it
         else:
             self._quantum_start = time.monotonic()
@@ -954,6 +959,11 @@ class Worker:
                 log.exception("releasing the GPU before the exit failed")
             if save_kv and engine is not None:
                 try:
+                    # released deep, the context kept: the sequences' KV is the residency's
+                    # snapshot (the context's own cells have no memory under them)
+                    states = self.tenancy.parked_states()
+                    if states:
+                        engine.park_states(states)
                     engine.save_kv(Path(self.spec.kv_dir))
                 except Exception:
                     log.exception("saving the KV snapshots failed")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +168,23 @@ class Sequences:
                     slot.key = None
                     slot.ids.clear()
         self._trim(self.model.n_seq)
+
+    def park_states(self, states: Mapping[int, tuple[bytes, int]]) -> None:
+        """Move the slots' sequences into the host LRU from states saved elsewhere (by seq id:
+        the state ``llama_state_seq_get_data`` wrote, and its lowest position): the residency's,
+        while the KV cache is released and the context cannot be read."""
+        for slot in self.slots:
+            got = states.get(slot.seq_id)
+            if got is None or slot.key is None or not slot.ids:
+                continue
+            state, pos_min = got
+            ids = tuple(slot.ids)
+            pos = self._restored_pos_min(len(ids), pos_min)
+            self._saved[slot.key] = KVSnapshot(len(ids), ids, bytearray(state), pos, slot.prompt_len)
+            slot.key = None
+            slot.ids.clear()
+            slot.dirty = False
+            slot.prompt_len = 0
 
     def _park(self, slot: Slot) -> None:
         """Keep the slot's sequence as a host snapshot and empty the slot."""

@@ -193,7 +193,23 @@ class Tenancy:
 
     @property
     def context_kept(self) -> bool:
-        """The KV cache is released in place: the context and its compute buffers stay."""
+        """The KV cache is released in place: the context stays."""
+        return False
+
+    def parked_states(self) -> dict[int, tuple[bytes, int]]:
+        """While the KV cache is released: each of its sequences' saved state and lowest position
+        (Residency.parked_states), for a worker that ends before it comes back."""
+        return {}
+
+    @property
+    def deep_note(self) -> str:
+        """How a deep release goes for this model ("": in place; Residency.deep_note)."""
+        return ""
+
+    @property
+    def buffers_kept(self) -> bool:
+        """The KV cache is released in place and the compute buffers stay on the device (they
+        could not be released in place)."""
         return False
 
     def settle(self) -> None:
@@ -214,13 +230,23 @@ class Tenancy:
         nobody asks any more."""
         return None
 
+    @property
+    def over_budget(self) -> bool:
+        """The device's weights leases exceed its budget now: after a load under an auto budget,
+        whose reserve is measured only once the weights are in (the load leased the device to
+        itself). The holder gives its lease back and asks through the queue, whose plan then asks
+        the parked workers to go deep first."""
+        return False
+
     #: the KV cache and the compute buffers the context holds on the device (from the GGUF's
     #: shape and ggml's scheduler, worker/footprint.py; 0: not known): what a deep release frees
-    #: (the KV cache alone where it is released in place, the context kept)
+    #: (both, in place or with the context; the KV cache alone where the compute buffers cannot be
+    #: released in place: Residency.buffers_note)
     kv_footprint: tuple[int, int] = (0, 0)
 
-    #: called before the KV cache leaves the device (the loop moves its idle conversations to
-    #: host snapshots, as before a sleep); returns the bytes of KV it moved
+    #: called before the KV cache leaves the device with its context (the loop moves its idle
+    #: conversations to host snapshots, as before a sleep; not where the KV level keeps the
+    #: context: Residency.kv_in_place); returns the bytes of KV it moved
     on_deep: Callable[[], int] | None = None
 
     def waiting_reason(self) -> str:
@@ -495,13 +521,13 @@ class ArenaTenancy(Tenancy):
             self._reserve_full = reserve
             self._deepens = reserve - (GPU_CONTEXT_ALLOWANCE if self.device.gpu else 0)
             kv, buffers = self.kv_footprint
-            estimate = kv + (
-                0
-                if self.residency is not None
-                and self.residency.kv_note == ""
-                and self.residency.path == "inplace"
-                else buffers
-            )
+            # the compute buffers go too: in place, or with the context. Not counted on the CPU
+            # build: their pages are in the RSS (the measure there) only once a decode touched
+            # them, so the reserve measured at the load does not hold them and a deep release of
+            # a worker that has not computed yet frees the KV cache alone
+            res = self.residency
+            counted = self.device.gpu and (res is None or res.buffers_releasable)
+            estimate = kv + (buffers if counted else 0)
             if estimate > 0:  # the measured reserve holds more on the CPU build (the host shadow)
                 self._deepens = min(self._deepens, estimate)
             self._deep_keeps = reserve - self._deepens
@@ -695,6 +721,17 @@ class ArenaTenancy(Tenancy):
     def context_kept(self) -> bool:
         return self.residency is not None and self.residency.context_kept
 
+    @property
+    def buffers_kept(self) -> bool:
+        return self.residency is not None and self.residency.buffers_kept
+
+    def parked_states(self) -> dict[int, tuple[bytes, int]]:
+        return self.residency.parked_states() if self.residency is not None else {}
+
+    @property
+    def deep_note(self) -> str:
+        return self.residency.deep_note if self.residency is not None else ""
+
     def release(self, kv: bool, final: bool = False, free_context: bool = False) -> p.Released | None:
         res = self.residency
         report = None
@@ -703,7 +740,11 @@ class ArenaTenancy(Tenancy):
         if res is not None and (res.resident_bytes > 0 or (kv and res.kv_resident)):
             moved = -1
             if kv and res.kv_resident and not final:
-                moved = self.on_deep() if self.on_deep is not None else 0
+                # the conversations stay in their sequences where the KV level keeps the context
+                # (their cells come back where they were, with the weights' parts); else they are
+                # moved to host snapshots first, as before a sleep
+                parks = self.on_deep is not None and not res.kv_in_place
+                moved = self.on_deep() if parks and self.on_deep is not None else 0
             report = res.release(kv=kv, final=final, free_context=free_context)
             self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
             if moved >= 0:
@@ -791,6 +832,19 @@ class ArenaTenancy(Tenancy):
         res = self.residency
         return res is not None and res.kv_resident and self._deepens > 0
 
+    @property
+    def over_budget(self) -> bool:
+        budget = self.budget
+        if budget is None or budget.kind != "auto" or not self.client.holds_token:
+            return False
+        try:
+            limit = self.client.weights_budget()
+            leased = sum(x.bytes for x in self.client.holders())
+        except OSError as exc:
+            log.warning("reading the arena's leases failed: %s", exc)
+            return False
+        return limit is not None and leased > limit
+
     def _regrow(self) -> int:
         """What its reserve must grow by before the context is made again (back from the deep
         level: the KV cache and compute buffers); 0 otherwise."""
@@ -821,9 +875,10 @@ class ArenaTenancy(Tenancy):
             self._deep_keeps = keeps
             self._deepens = self._reserve_full - keeps
         log.info(
-            "%s went deep (its KV cache released): it keeps %s on %s (measured %s "
+            "%s went deep (its KV cache released, %s): it keeps %s on %s (measured %s "
             "freed; %s kept while released at the weights level)",
             self.spec.model.id,
+            "its compute buffers kept" if self.buffers_kept else "its compute buffers too",
             decimal_bytes(keeps),
             self.device_name or "the device",
             decimal_bytes(max(0, freed)),

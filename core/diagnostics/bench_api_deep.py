@@ -1,0 +1,238 @@
+"""``timeshare bench api --deep``: the deep switch against the weights-only switch (issue 39).
+
+A deep switch is one whose model was parked at the deep level (its KV cache and compute buffers
+released in place, the context kept) because the other model needed the room. To make every
+switch one, the first model runs twice (two workers on the same file, so either direction is the
+same) under an ``auto`` budget on a card just too small for both reserves and one model's weights:
+
+    budget for weights = weights + both reserves - half of one deep release
+
+so each turn's weights fit only once the parked worker has gone deep. The card is found by trial:
+a first guess from the weights-only run's figures, then the budget and the reserves the serve's
+own workers measured (its arena's records) correct it, up to :data:`ATTEMPTS` serve starts. On a
+GPU the card is a ballast (``--card``'s); on the CPU build a host-memory cap.
+
+The rows (``timeshare_deep_switch``) are timed as the weights-only ones, on conversations of the
+same size; each says whether its model was deep before the turn. The summary's ``deep`` compares
+the medians with the issue's target: the weights-only switch (the first model's rows) plus the KV
+bytes in use over the raw copy rate (host to device, measured here with ggml's own copy) plus
+15 ms.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import envvars
+from ..arena.arena import Arena
+from ..arena.budget import auto_margin
+from ..errors import TimeshareError
+from .bench_api_procs import Serve
+from .card import hold_card
+
+ATTEMPTS = 3
+#: the issue's allowance on top of the weights-only switch and the KV copy
+TARGET_EXTRA_MS = 15.0
+_MOVED_RE = re.compile(r"KV cache released, (\d+) bytes of it")
+
+
+def _arena_view(serve_home: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The auto budget's bytes (before reserves) and each model's reserve (bytes, deepens), as the
+    serve's arena records them."""
+    arena = Arena(serve_home / "run" / "arena")
+    try:
+        record = arena.budget_record()
+        leases = arena.leases()
+    finally:
+        arena.close()
+    if record is None:
+        raise TimeshareError("bench api --deep: the serve's arena has no budget record")
+    return record.bytes, {x.model: (x.bytes, x.deepens) for x in leases if x.kind == "reserve"}
+
+
+def _card_for(budget: int, overhead: int) -> int:
+    """The card whose auto budget (before reserves) is ``budget``: its free memory less the margin
+    (a share of it, with a floor) and ``overhead`` (what the first worker finds used already)."""
+    size = budget + overhead + auto_margin(budget + overhead)
+    while size - overhead - auto_margin(size - overhead) < budget:
+        size += 1 << 20
+    return size
+
+
+def _raw_copy_gbps(nbytes: int) -> float | None:
+    """Host to device copy rate of ``nbytes`` (at least 64 MiB) from pinned host memory where the
+    build has it, through ``ggml_backend_tensor_set`` (the call a restore uploads with): the best
+    of three into one buffer. None when it cannot be measured here."""
+    from ..residency.hostmem import HostMemory
+    from ..residency.scratch import ScratchTensor, first_device_buffer_type
+
+    n = max(nbytes, 64 << 20)
+    buft = first_device_buffer_type()
+    if buft is None:
+        return None
+    host = HostMemory(n, True)
+    try:
+        target = ScratchTensor(buft, n)
+        try:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                target.set(host.ptr, 0, n)
+                times.append(time.perf_counter() - t0)
+        finally:
+            target.free()
+    finally:
+        host.close()
+    return n / min(times) / 1e9
+
+
+def run_deep_phase(
+    work: Path,
+    model: str,
+    prompts: Callable[[int, int], str],
+    n_ctx: int,
+    flash_attn: bool,
+    rounds: int,
+    guess: dict[str, int],
+    say: Callable[[str], None],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Alternating turns of two workers of ``model`` under an auto budget on a card that makes
+    every switch deep; returns the rows and what was found (card, budget, reserves, KV moved).
+    ``prompts(i, r)``: worker i's prompt at turn r; ``guess``: the weights-only run's figures of
+    the model (weight_bytes, kv_bytes, buffer_bytes, context_bytes)."""
+    ids = ["deep-a", "deep-b"]
+    weights = int(guess.get("weight_bytes") or 0)
+    if weights <= 0:
+        raise TimeshareError("bench api --deep: the first model's weight bytes are not known")
+    parked = int(guess.get("kv_bytes") or 0) + int(guess.get("buffer_bytes") or 0)
+    reserve = parked + int(guess.get("context_bytes") or 0)
+    deepens = max(parked, 1 << 20)
+    overhead = 0
+    info: dict[str, Any] = {"model": model, "attempts": []}
+    for attempt in range(1, ATTEMPTS + 1):
+        target = weights + 2 * reserve - deepens // 2
+        size = _card_for(target, overhead)
+        say(
+            f"deep switch: attempt {attempt}, a card of {size / 1e9:.3f} GB "
+            f"(weights budget {target / 1e9:.3f} GB)"
+        )
+        home = work / f"deep-{attempt}"
+        with hold_card(str(size)):
+            # auto whatever $TIMESHARE_VRAM_BUDGET says (it replaces "auto": the tests set one-model)
+            env = {envvars.VRAM_BUDGET.name: "auto"}
+            serve = Serve(home, ids, [model, model], n_ctx, flash_attn, budget="auto", env=env)
+            try:
+                failed = ""
+                try:
+                    serve.wait_ready()
+                except TimeshareError as exc:  # too small a card: a model did not fit (corrected below)
+                    failed = str(exc)
+                budget, reserves = _arena_view(home / "home")
+                got = {
+                    "card_bytes": size,
+                    "budget_bytes": budget,
+                    "reserves": {k: {"bytes": b, "deepens": d} for k, (b, d) in reserves.items()},
+                    "failed": failed,
+                }
+                info["attempts"].append(got)
+                if not reserves:
+                    raise TimeshareError(f"bench api --deep: no worker started on the card ({failed})")
+                each = max(b for b, _d in reserves.values())
+                least = (
+                    min(d for _b, d in reserves.values() if d > 0)
+                    if any(d > 0 for _b, d in reserves.values())
+                    else deepens
+                )
+                limit = budget - 2 * each  # the weights' budget with both parked at the weights level
+                # every switch deep: one model's weights do not fit beside both reserves, and do
+                # once the other's deep release is counted
+                if not failed and set(reserves) == set(ids) and limit < weights <= limit + least:
+                    rows = _turns(serve, ids, prompts, rounds, say)
+                    info.update(got)
+                    info["kv_moved_bytes"] = _kv_moved(home / "home" / "log", ids)
+                    info["overlaps"] = {mid: serve.worker_overlaps(mid) for mid in ids}
+                    return rows, info
+                # correct the guess with what the workers measured, and try again
+                overhead += target - budget  # what the card's first worker found used besides
+                reserve, deepens = each, max(least, 1 << 20)
+            finally:
+                serve.close()
+    raise TimeshareError(
+        f"bench api --deep: no card made every switch deep in {ATTEMPTS} attempts "
+        f"(the last: {info['attempts'][-1] if info['attempts'] else 'none'})"
+    )
+
+
+def _turns(
+    serve: Serve, ids: list[str], prompts: Callable[[int, int], str], rounds: int, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    for i, mid in enumerate(ids):  # the first turn of each conversation: a full prefill, not counted
+        serve.turn(mid, prompts(i, 0), f"bench-deep-{mid}")
+    rows = []
+    for r in range(1, rounds + 1):
+        for i, mid in enumerate(ids):
+            kv_before = next(
+                (int(m.get("kv_bytes") or 0) for m in serve.status().get("models", []) if m["id"] == mid), -1
+            )
+            row = serve.turn(mid, prompts(i, r), f"bench-deep-{mid}")
+            row.update(round=r, deep=kv_before == 0)
+            rows.append(row)
+            say(
+                f"timeshare_deep_switch {mid} turn {r}: {row['ttft_ms']:.1f} ms, switched {row['switched']}, "
+                f"deep before it {row['deep']}"
+            )
+    return rows
+
+
+def _kv_moved(log_dir: Path, ids: list[str]) -> list[int]:
+    """The KV bytes each deep release moved to host memory (the cells in use), from the logs."""
+    out: list[int] = []
+    for mid in ids:
+        try:
+            text = (log_dir / f"worker-{mid}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        out += [int(n) for n in _MOVED_RE.findall(text)]
+    return out
+
+
+def summarise_deep(
+    rows: list[dict[str, Any]], weights_only: list[dict[str, Any]], info: dict[str, Any]
+) -> dict[str, Any]:
+    """The deep switch against the issue's target: the medians of the switched turns that were
+    deep, of the weights-only switches of the same model, the KV bytes in use and the raw copy."""
+    deep = [float(r["ttft_ms"]) for r in rows if r.get("switched") and r.get("deep")]
+    plain = [float(r["ttft_ms"]) for r in weights_only if r.get("switched")]
+    moved = [n for n in info.get("kv_moved_bytes", []) if n > 0]
+    kv = float(statistics.median(moved)) if moved else 0.0
+    gbps = None
+    try:
+        gbps = _raw_copy_gbps(int(kv))
+    except Exception as exc:  # a figure for the report only
+        info["raw_copy_error"] = str(exc)
+
+    def restores(rs: list[dict[str, Any]]) -> float | None:
+        ms = [float(r["restore_ms"]) for r in rs if r.get("switched") and r.get("restore_ms") is not None]
+        return statistics.median(ms) if ms else None
+
+    out: dict[str, Any] = {
+        "deep_turns": len(deep),
+        "turns": len(rows),
+        "deep_ttft_ms_median": statistics.median(deep) if deep else None,
+        "weights_only_ttft_ms_median": statistics.median(plain) if plain else None,
+        # the worker's own restore (the switch's share of the first token, from its report)
+        "deep_restore_ms_median": restores([r for r in rows if r.get("deep")]),
+        "weights_only_restore_ms_median": restores(weights_only),
+        "kv_bytes_in_use_median": kv,
+        "raw_copy_gbps": gbps,
+    }
+    if deep and plain and gbps:
+        target = statistics.median(plain) + kv / (gbps * 1e9) * 1000 + TARGET_EXTRA_MS
+        out["target_ms"] = target
+        out["meets_target"] = statistics.median(deep) <= target
+    return out
