@@ -144,6 +144,14 @@ HANDOVER = EnvVar(
     "escape hatch",
     "Device memory handed over between workers (issue 40) off (0) or on (1), whatever arena.handover says",
 )
+DEEP_INPLACE = EnvVar(
+    "TIMESHARE_DEEP_INPLACE",
+    "0 or 1",
+    "on for a CPU build, off on a GPU until measured there",
+    "escape hatch",
+    "The deep level's compute buffers released in place and its KV cells uploaded layer by layer "
+    "with the weights (1), or the compute buffers kept and the KV cells put back after the weights (0)",
+)
 RESIDENCY_PATH = EnvVar(
     "TIMESHARE_RESIDENCY_PATH",
     '"auto", "inplace" or "rebuild"',
@@ -219,6 +227,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     VRAM_BUDGET,
     OVERLAP_RESTORE,
     HANDOVER,
+    DEEP_INPLACE,
     RESIDENCY_PATH,
     VK_HOST_VISIBLE_VIDMEM,
     VK_DISABLE_HOST_VISIBLE_VIDMEM,

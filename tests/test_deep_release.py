@@ -85,6 +85,37 @@ def test_the_plan_asks_a_parked_workers_kv_cache_after_every_holders_weights() -
 CELL_BYTES = 30 * 2 * 192 * 2
 
 
+def test_with_deep_inplace_off_the_kv_level_keeps_the_compute_buffers_and_is_still_bitwise(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMESHARE_DEEP_INPLACE=0 (a GPU build's default until a run there proves the new way): the
+    KV buffer still goes in place, the compute buffers stay (and the budget does not count them),
+    the KV cells come back after the weights; the answer equals a weights-only switch's."""
+    from timeshare.core.residency.residency import DEEP_UNVERIFIED
+
+    monkeypatch.setenv("TIMESHARE_DEEP_INPLACE", "0")
+    llm = load(smollm2_path, n_ctx=4096, use_mmap=False)
+    try:
+        greedy = Greedy(llm, b"The history of Lyon, its rivers and its silk: " * 4)
+        weights_only = greedy.run()
+        res = Residency.attach(llm, smollm2_path)
+        note = DEEP_UNVERIFIED.format(backend=res.backend)
+        assert res.kv_note == "" and res.buffers_note == note and not res.buffers_releasable
+        llm.n_tokens = greedy.n_prefix
+        llm.eval([greedy.tokens[-1]])
+        n_tokens, ctx = llm.n_tokens, llm._ctx
+        compute = compute_bytes(ctx.ctx).host
+        rel = res.release(kv=True)
+        assert rel.level == "weights+kv" and not res.kv_resident and res.context_kept
+        assert res.compute_released_bytes == 0 and compute_bytes(ctx.ctx).host == compute
+        assert res.kv_upload_note == note
+        res.restore()
+        assert llm._ctx is ctx and llm.n_tokens == n_tokens
+        assert same(greedy.run(), weights_only)
+    finally:
+        llm.close()
+
+
 def test_the_kv_level_keeps_the_context_and_moves_only_the_cells_in_use(
     smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

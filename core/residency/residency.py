@@ -52,6 +52,8 @@ Path_ = Literal["inplace", "rebuild", "none"]
 
 #: the environment variable that turns overlapped restores off ("0") or on ("1")
 OVERLAP_ENV = envvars.OVERLAP_RESTORE.name
+#: why a GPU build keeps the compute buffers and puts the KV cells back after the weights
+DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLACE.name + "=1 turns it on"
 
 
 def overlap_wanted(option: bool | None = None) -> bool | None:
@@ -361,13 +363,10 @@ class Residency:
             self.kv_note = str(exc)
             log.info("the KV level of %s frees the context: %s", self.model_path, exc)
         else:
-            try:
-                # on a GPU build only the device's buffers (a host one is not what the budget counts)
-                host = self._gpu is None
-                self._compute_finder = ComputeBufferFinder.probe(int(live.ctx), include_host=host)
-            except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
-                self.buffers_note = str(exc)
-                log.info("the KV level of %s keeps the compute buffers: %s", self.model_path, exc)
+            if not self._deep_inplace():
+                self.buffers_note = DEEP_UNVERIFIED.format(backend=ip.backend)
+            else:
+                self._probe_compute(int(live.ctx))
         self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
@@ -1184,11 +1183,30 @@ class Residency:
             self._kv.close()
             self._kv = None
 
+    def _deep_inplace(self) -> bool:
+        """Whether the deep level goes in place beyond the KV buffer (compute buffers released,
+        KV cells uploaded with the weights): on a CPU build, or where TIMESHARE_DEEP_INPLACE=1;
+        a GPU build keeps the way measured there until a run proves the new one bitwise."""
+        override = envvars.DEEP_INPLACE.switch()
+        return override if override is not None else self._gpu is None
+
+    def _probe_compute(self, ctx: int) -> None:
+        try:
+            # on a GPU build only the device's buffers (a host one is not what the budget counts)
+            host = self._gpu is None
+            self._compute_finder = ComputeBufferFinder.probe(ctx, include_host=host)
+        except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
+            self.buffers_note = str(exc)
+            log.info("the KV level of %s keeps the compute buffers: %s", self.model_path, exc)
+
     def _plan_kv_upload(self, ctx: int) -> None:
         """After a release in place: where each saved cell goes back, layer by layer (the
         metadata is kept); the portable way when it cannot be told (kv_upload_note)."""
         self._kv_upload = None
         if self._kv is None or self._kvbuf is None:
+            return
+        if not self._deep_inplace():
+            self.kv_upload_note = DEEP_UNVERIFIED.format(backend=self.backend)
             return
         try:
             self._kv_upload = KvUpload.plan(self._kvbuf, self._kv)
