@@ -47,6 +47,7 @@ from .connections import (
 )
 from .errors import BadRequestError, dialect_of
 from .handlers import HEALTH_HEADER, ConfigReloader, create_app, reload_config
+from .rerank import RERANK_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,8 @@ def dialect_paths(app: Starlette) -> dict[str, list[str]]:
         if not isinstance(path, str):
             continue
         dialect = dialect_of(path)
-        if dialect != "openai" or path.startswith("/v1/"):
+        # llama-server's /rerank and /reranking are the OpenAI-style API's too
+        if dialect != "openai" or path.startswith("/v1/") or path in RERANK_PATHS:
             out[dialect].append(path)
     return out
 
