@@ -40,7 +40,7 @@ from ..config.validate import MAX_IDLE_SLEEP_S
 from ..errors import TimeshareError, UnknownModelError
 from ..pool.generation import GenerationResult
 from ..sampling import MAX_STOP, for_front_end
-from ..state import PoolSnapshot
+from ..state import ModelState, PoolSnapshot
 from ..wire.protocol import ChatMessage, ImagePart, ToolCall
 from .dialect import Host, Turn, decode_body, start
 from .errors import BadRequestError, ClientGoneError, dialect_body, timeshare_error_status
@@ -321,9 +321,17 @@ def apply_keep_alive(host: Host, model_id: str, seconds: float | None) -> None:
     update_config(change, host.config_path or paths.config_file(), then=then)
 
 
+#: how long keep_alive 0 waits for the weights to go before it answers (an answer still being
+#: written finishes first)
+RELEASE_WAIT_S = 10.0
+
+
 def release_now(host: Host, model_id: str) -> None:
-    """keep_alive 0: let go of the weights now (KV kept), as ``timeshare unload`` does."""
+    """keep_alive 0: let go of the weights now (KV kept), as ``timeshare unload`` does, and answer
+    once they have gone (at most :data:`RELEASE_WAIT_S`), so that /api/ps right after shows it."""
     host.pool.sleep(model_id, level="weights")
+    gone = (ModelState.RELEASED, ModelState.SLEEPING, ModelState.STOPPED, ModelState.FAILED)
+    host.pool.wait_state(model_id, gone, RELEASE_WAIT_S)
 
 
 # ---- translation ---------------------------------------------------------------------------------

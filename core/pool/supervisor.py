@@ -220,6 +220,20 @@ class Pool:
                     )
                 self._state_cond.wait(min(left, 0.5))
 
+    def wait_state(self, model_id: str, states: Iterable[ModelState], timeout: float) -> bool:
+        """Wait until ``model_id`` is in one of ``states``; False when ``timeout`` ran out first."""
+        wanted = set(states)
+        deadline = time.monotonic() + timeout
+        with self._state_cond:
+            while True:
+                status = self._snapshot.model(model_id)
+                if status is not None and status.state in wanted:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._state_cond.wait(min(left, 0.5))
+
     # ---- commands ------------------------------------------------------------------------
 
     def generate(
