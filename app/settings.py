@@ -537,6 +537,10 @@ class SettingsDialog(QDialog):
         clients.addRow(field_label(ApiConfig, "queue_limit"), self.api_queue_limit)
         clients.addRow(field_label(ApiConfig, "responses_kept"), self.api_responses_kept)
         clients.addRow(field_label(ApiConfig, "responses_days"), self.api_responses_days)
+        self.api_fetch_images = QCheckBox(field_meta(ApiConfig, "fetch_image_urls").label)
+        self.api_fetch_images.setToolTip(field_meta(ApiConfig, "fetch_image_urls").help)
+        self.api_fetch_images.setChecked(bool(initial(api, ApiConfig, "fetch_image_urls")))
+        clients.addRow(self.api_fetch_images)
 
         self.api_enabled.toggled.connect(self._show_api_url)
         self.api_host.textChanged.connect(self._show_api_url)
@@ -628,6 +632,7 @@ class SettingsDialog(QDialog):
         api["queue_limit"] = self.api_queue_limit.value()
         api["responses_kept"] = self.api_responses_kept.value()
         api["responses_days"] = self.api_responses_days.value()
+        api["fetch_image_urls"] = self.api_fetch_images.isChecked()
         for key, line in (
             ("allowed_hosts", self.api_allowed_hosts),
             ("allowed_origins", self.api_allowed_origins),

@@ -155,6 +155,7 @@ def test_api_settings_round_trip_every_api_option(
         "ollama_listen",
         "responses_kept",
         "responses_days",
+        "fetch_image_urls",
     }  # a new API option needs its field on the tab
     dialog = dialog_for(qtbot, smol_config(smollm2_path), bridge, config_path)
     assert "nothing: the API is off" in dialog.api_url.text()  # smol_config has the API off
@@ -167,6 +168,8 @@ def test_api_settings_round_trip_every_api_option(
     dialog.api_ollama.setText("127.0.0.1:11434")
     dialog.api_responses_kept.setValue(50)
     dialog.api_responses_days.setValue(7)
+    assert not dialog.api_fetch_images.isChecked()  # off by default
+    dialog.api_fetch_images.setChecked(True)
     assert dialog.save()
     loaded = config_files.load_config(config_path)
     assert loaded.api.enabled and loaded.api.port == 8123 and loaded.api.queue_limit == 3
@@ -174,6 +177,7 @@ def test_api_settings_round_trip_every_api_option(
     assert loaded.api.allowed_origins == ("http://localhost:3000",)
     assert loaded.api.ollama_listen == "127.0.0.1:11434"
     assert (loaded.api.responses_kept, loaded.api.responses_days) == (50, 7)
+    assert loaded.api.fetch_image_urls is True
     again = SettingsDialog(loaded, bridge, config_path)
     qtbot.addWidget(again)
     assert again.api_allowed_hosts.text() == "ts.lan, box.local" and again.api_queue_limit.value() == 3
