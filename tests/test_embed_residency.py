@@ -153,33 +153,31 @@ def waiting_for(w: WorkerHandle, holder: str) -> None:
     assert not status.holds_token
 
 
+def _ready(model: ModelConfig, tmp_path: Path, handles: list[WorkerHandle]) -> WorkerHandle:
+    """A worker of ``model`` in tmp_path/<its id>, on the arena tmp_path/arena (no wait times out
+    for 600 s), ready."""
+    w = WorkerHandle(
+        model,
+        tmp_path / model.id,
+        arena_dir=tmp_path / "arena",
+        arena=ArenaConfig(wait_timeout_s=600.0),
+    )
+    handles.append(w)
+    w.ready()
+    return w
+
+
 def test_an_embed_waiting_for_the_token_is_cancelled_and_the_queue_goes_on(
     smollm2_path: Path, reranker_path: Path, tmp_path: Path, handles: list[WorkerHandle]
 ) -> None:
     """The Embed waits for a pinned holder (no timeout for a minute and more: wait_timeout_s 600);
     its Cancel ends the wait at once, a Generate and an Embed queued behind it run once the holder
     lets go, the Embed's vectors those it gave before."""
-    arena_dir = tmp_path / "arena"
-    arena = ArenaConfig(wait_timeout_s=600.0)
-    a = WorkerHandle(
-        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2),
-        tmp_path / "a",
-        arena_dir=arena_dir,
-        arena=arena,
-    )
-    handles.append(a)
-    a.ready()
+    a = _ready(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2), tmp_path, handles)
     a.send(p.Embed(req="e0", inputs=TEXTS))
     want, done = vectors_of(a, "e0")
     assert isinstance(done, p.Done) and len(want) == len(TEXTS)
-    b = WorkerHandle(
-        ModelConfig(id="rr", path=str(reranker_path), n_ctx=256, pinned=True),
-        tmp_path / "b",
-        arena_dir=arena_dir,
-        arena=arena,
-    )
-    handles.append(b)
-    b.ready()
+    b = _ready(ModelConfig(id="rr", path=str(reranker_path), n_ctx=256, pinned=True), tmp_path, handles)
     b.send(p.Wake())
     b.expect(p.WorkerStatus, holds_token=True)
     a.send(p.Embed(req="e1", inputs=TEXTS))
@@ -207,24 +205,8 @@ def test_a_shutdown_ends_an_embeds_wait_for_the_token(
 ) -> None:
     """The holder takes the token back and keeps it (pinned); an Embed waits; a Shutdown ends the
     wait with a cancel or an error, and the worker exits cleanly."""
-    arena_dir = tmp_path / "arena"
-    arena = ArenaConfig(wait_timeout_s=600.0)
-    a = WorkerHandle(
-        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2),
-        tmp_path / "a",
-        arena_dir=arena_dir,
-        arena=arena,
-    )
-    handles.append(a)
-    a.ready()
-    b = WorkerHandle(
-        ModelConfig(id="rr", path=str(reranker_path), n_ctx=256, pinned=True),
-        tmp_path / "b",
-        arena_dir=arena_dir,
-        arena=arena,
-    )
-    handles.append(b)
-    b.ready()
+    a = _ready(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2), tmp_path, handles)
+    b = _ready(ModelConfig(id="rr", path=str(reranker_path), n_ctx=256, pinned=True), tmp_path, handles)
     a.send(p.Embed(req="e0", inputs=TEXTS))
     _, done = vectors_of(a, "e0")
     assert isinstance(done, p.Done)

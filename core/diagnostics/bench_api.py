@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,26 @@ def check_plot(path: str) -> None:
         raise TimeshareError(f"--plot {path}: the folder {parent} does not exist")
 
 
+def check_arguments(models: Sequence[str], rounds: int, context: int, budget: str) -> None:
+    """The two models, rounds, context and budget every ``bench api`` mode takes, checked:
+    TimeshareError naming the option otherwise."""
+    if len(models) != 2:
+        raise TimeshareError(
+            f"give --model exactly twice (got {len(models)}): the benchmark switches between two"
+        )
+    if not 1 <= rounds <= MAX_ROUNDS:
+        raise TimeshareError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {rounds})")
+    if context < 32:
+        raise TimeshareError(f"--context must be at least 32 tokens (got {context})")
+    for path in models:
+        if problem := gguf_problem(path):
+            raise TimeshareError(problem)
+    try:
+        parse_budget(budget)
+    except ValueError as exc:
+        raise TimeshareError(f"--budget {budget!r}: {exc}") from None
+
+
 def run_api_bench(
     models: list[str],
     *,
@@ -167,21 +187,7 @@ def run_api_bench(
     compared with the weights-only switch of the same run."""
     from .arena_test import model_ids_for_paths
 
-    if len(models) != 2:
-        raise TimeshareError(
-            f"give --model exactly twice (got {len(models)}): the benchmark switches between two"
-        )
-    if not 1 <= rounds <= MAX_ROUNDS:
-        raise TimeshareError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {rounds})")
-    if context < 32:
-        raise TimeshareError(f"--context must be at least 32 tokens (got {context})")
-    for path in models:
-        if problem := gguf_problem(path):
-            raise TimeshareError(problem)
-    try:
-        parse_budget(budget)
-    except ValueError as exc:
-        raise TimeshareError(f"--budget {budget!r}: {exc}") from None
+    check_arguments(models, rounds, context, budget)
     if switch_only and llama_server:
         raise TimeshareError("--switch-only measures the switched turns only: leave out --llama-server")
     binary = check_llama_server(llama_server) if llama_server else None

@@ -25,10 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..arena.budget import parse_budget
 from ..errors import TimeshareError
-from ..gguf.modelfile import gguf_problem
-from .bench_api import MAX_ROUNDS, Conversations, word_salad
+from .bench_api import Conversations, check_arguments, word_salad
 from .bench_api_procs import MAX_TOKENS, Serve
 from .bench_api_report import median
 
@@ -55,21 +53,7 @@ def run_responses_bench(
     """Run the comparison; returns the JSON report. Raises TimeshareError when it cannot run."""
     from .arena_test import model_ids_for_paths
 
-    if len(models) != 2:
-        raise TimeshareError(
-            f"give --model exactly twice (got {len(models)}): the benchmark switches between two"
-        )
-    if not 1 <= rounds <= MAX_ROUNDS:
-        raise TimeshareError(f"--rounds must be between 1 and {MAX_ROUNDS} (got {rounds})")
-    if context < 32:
-        raise TimeshareError(f"--context must be at least 32 tokens (got {context})")
-    for path in models:
-        if problem := gguf_problem(path):
-            raise TimeshareError(problem)
-    try:
-        parse_budget(budget)
-    except ValueError as exc:
-        raise TimeshareError(f"--budget {budget!r}: {exc}") from None
+    check_arguments(models, rounds, context, budget)
     say = progress or (lambda _msg: None)
     ids = model_ids_for_paths(models)
     say(f"building a conversation of about {context} tokens")
