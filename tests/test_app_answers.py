@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _app_util import running_app
 from timeshare.app import strings
 from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.sampling import new_conversation
@@ -49,28 +50,8 @@ def pool(smollm2_path: Path, gemma3_path: Path, tmp_path_factory: pytest.TempPat
 
 @pytest.fixture
 def app(qtbot: Any, pool: Any, tmp_path: Path) -> Iterator[Any]:
-    from timeshare.app.application import TimeshareApp
-    from timeshare.core.conversations.chat import ChatService
-    from timeshare.core.conversations.store import Store
-
-    store = Store(tmp_path / "conversations.sqlite3")
-    ta = TimeshareApp(
-        pool.config,
-        pool,
-        store,
-        ChatService(pool, store),
-        config_path=tmp_path / "config.toml",
-        tray_available=True,  # without a tray, closing the window would ask (a modal dialog)
-    )
-    ta.start(background=False)
-    qtbot.addWidget(ta.window)
-    yield ta
-    ta.window.detach()
-    ta.bridge.detach()
-    ta.window.hide()
-    if ta.tray is not None:
-        ta.tray.hide()
-    store.close()
+    with running_app(qtbot, pool, tmp_path) as ta:
+        yield ta
 
 
 def _finished(qtbot: Any, window: Any, act: Any, timeout: int = 120_000) -> tuple[str, Any, str]:

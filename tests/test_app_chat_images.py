@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _app_util import running_app
 from _vision_util import png, projector_for
 from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 
@@ -43,29 +44,8 @@ def pool(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture
 def app(qtbot: Any, pool: Any, tmp_path: Path) -> Iterator[Any]:
-    from timeshare.app.application import TimeshareApp
-    from timeshare.core.conversations.chat import ChatService
-    from timeshare.core.conversations.store import Store
-
-    store = Store(tmp_path / "conversations.sqlite3")
-    ta = TimeshareApp(
-        pool.config,
-        pool,
-        store,
-        ChatService(pool, store),
-        config_path=tmp_path / "config.toml",
-        tray_available=True,
-    )
-    ta.start(background=False)
-    qtbot.addWidget(ta.window)
-    ta.window.max_tokens = 8
-    yield ta
-    ta.window.detach()
-    ta.bridge.detach()
-    ta.window.hide()
-    if ta.tray is not None:
-        ta.tray.hide()
-    store.close()
+    with running_app(qtbot, pool, tmp_path, max_tokens=8) as ta:
+        yield ta
 
 
 def test_a_pasted_picture_goes_with_the_message_and_shows_in_the_transcript(
