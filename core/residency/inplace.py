@@ -41,18 +41,17 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..devmem.device import ChunkDeviceError
 from ..devmem.mapped import HandedMemory
 from ..errors import ModelFileChangedError, ModelFileError, OutOfDeviceMemoryError, ResidencyError
 from ..util.fileid import FileId
 from . import _ggml
-from .carrier import BaseSlot, Carried, make_carrier, probe_base_slot, uncarry
 from .discovery import Discovery, discover
 from .gate import PartGate
+from .handover import WeightHandover
 from .hostmem import HostMemory, ReadRange, parallel_read
 from .kvupload import KvUpload
 from .options import ResidencyOptions
-from .plan import Part, WeightBuffer, WeightTensor, layer_of, pad, plain_copy, split_runs
+from .plan import Part, WeightBuffer, WeightTensor, layer_of, out_of_memory, pad, plain_copy, split_runs
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ class InPlace:
     ) -> None:
         """``overlap``: probe the eval hook an overlapped restore needs (Residency decides
         whether restores may overlap at all). ``handed``: restores map handed-over memory
-        (issue 40) instead of allocating, releases unmap it (see :meth:`_setup_handover`).
+        (issue 40) instead of allocating, releases unmap it (residency/handover.py).
         ``discovery``: the weight tensors found already (a vision projector's, whose clip
         context ran the callback: core/worker/vision.py); None: the warm-up decode of ``llm``
         finds them."""
@@ -204,18 +203,10 @@ class InPlace:
         self._shadow_slices = (0, 0)
         self.shadow_fill_s = 0.0
         self.moved = False  # the last restore put a buffer at another address than before
-        #: device memory handed over between workers (issue 40): the mapped chunks (None: the
-        #: buffers are allocated and freed through ggml), why not when not, each buffer type's
-        #: base-pointer slot, the carriers of the buffers mapped now, buffers to unmap
-        self.handed: HandedMemory | None = None
-        self.handover_note = "not asked for (ResidencyOptions.handover, arena.handover)"
-        self._slots: dict[int, BaseSlot] = {}
-        self._carried: dict[int, Carried] = {}
-        self._unmap_after: list[int] = []
-        #: close() moved resident handed buffers into ggml memory at other addresses (graphs stale)
-        self.moved_at_close = False
+        #: device memory handed over between workers (issue 40)
+        self.handover = WeightHandover()
         if handed is not None:
-            self._setup_handover(handed)
+            self.handover.setup(handed, self.buffers, self._parallel())
         if not defer_shadow or eager_split:  # split() uploads the parts from the shadow
             self.fill_shadow()
 
@@ -708,53 +699,21 @@ class InPlace:
                 _ggml.buffer_free(buf)
             _ggml.ggml_free(ctx)
 
-    # -- handed-over memory (issue 40) --------------------------------------------------------
+    # -- handed-over memory (issue 40): residency/handover.py ---------------------------------
 
-    def _setup_handover(self, handed: HandedMemory) -> None:
-        """Use ``handed`` for every weight buffer, or for none (``handover_note`` says why)."""
-        if self._parallel():
-            self.handover_note = (
-                "the buffers are allocated on several threads (Vulkan): its hand-over is "
-                "VK_KHR_external_memory_fd, not built yet"
-            )
-            return
-        slots: dict[int, BaseSlot] = {}
-        for b in self.buffers:
-            if b.buft in slots:
-                continue
-            assert b.layout is not None
-            try:
-                slots[b.buft] = probe_base_slot(b.buft, b.layout)
-            except _ggml.LayoutMismatchError as exc:
-                self.handover_note = str(exc)
-                return
-        self._slots = slots
-        self.handed = handed
-        self.handover_note = ""
+    @property
+    def handover_note(self) -> str:
+        """Why restores do not map handed-over memory ("" when they do)."""
+        return self.handover.note
+
+    @property
+    def moved_at_close(self) -> bool:
+        """close() moved resident handed buffers into ggml memory at other addresses (graphs stale)."""
+        return self.handover.moved_at_close
 
     def handover_stats(self) -> dict[str, object]:
         """What the hand-over did (doctor, bench residency, the worker's status)."""
-        h = self.handed
-        out: dict[str, object] = {"on": h is not None, "note": self.handover_note}
-        if h is not None:
-            out.update(
-                device=h.device.name,
-                chunk_bytes=h.chunk_bytes,
-                handed_chunks=h.handed_chunks,
-                created_chunks=h.created_chunks,
-                put_chunks=h.put_chunks,
-                creates=h.device.creates,
-                mapped_bytes=h.mapped_bytes,
-                padding_bytes=h.padding_bytes,
-                source_note=h.source_note,
-            )
-        return out
-
-    def _unmap_handed(self, keep: bool = True) -> None:
-        """Unmap the buffers whose carriers went (their chunks go back to the holder)."""
-        keys, self._unmap_after = self._unmap_after, []
-        if keys and self.handed is not None:
-            self.handed.unmap(keys, keep=keep)
+        return self.handover.stats()
 
     # -- release / restore --------------------------------------------------------------------
 
@@ -794,10 +753,7 @@ class InPlace:
             )
         self._swap(b.ptr, placeholder, b.layout)
         b.released = True
-        carried = self._carried.pop(id(b), None)
-        if carried is not None:  # the placeholder holds the carrier's context: its own pointer back
-            uncarry(placeholder, b.layout, self._slots[b.buft], carried)
-            self._unmap_after.append(id(b))
+        self.handover.uncarry(b, placeholder)  # a carrier's context: its own pointer back
         return placeholder
 
     def _release_buffer(self, b: WeightBuffer) -> None:
@@ -914,7 +870,7 @@ class InPlace:
                         self._release_buffer(b)
                         done.append(b)
                 finally:
-                    self._unmap_handed(keep=not final)
+                    self.handover.unmap(keep=not final)
         except ResidencyError:
             self._restore(done)  # undo this call: the lease still covers those bytes
             raise
@@ -924,15 +880,6 @@ class InPlace:
             "parts": len(chosen),
         }
         return sum(b.size for b in done)
-
-    def _out_of_memory(self, b: WeightBuffer, todo: list[WeightBuffer]) -> OutOfDeviceMemoryError:
-        need = sum(x.size for x in todo)
-        return OutOfDeviceMemoryError(
-            f"not enough {b.buft_name} memory to restore the model's weights "
-            f"({need / 1e9:.2f} GB needed, a {b.size / 1e9:.2f} GB buffer failed): the model stays "
-            "released; free device memory "
-            "(release or stop another model) and try again"
-        )
 
     def restore(self, overlap: bool = False, kv: KvUpload | None = None) -> int:
         """Restore every released buffer (parts in layer order); on an allocation failure,
@@ -1010,14 +957,14 @@ class InPlace:
         first_alloc_s = alloc_max_s = 0.0
         held: list[tuple[Part, list[WeightBuffer]]] = []
         try:
-            handed = self._map_handed(todo)
+            handed = self.handover.map(todo)
         except OutOfDeviceMemoryError:
             self.gate = None
             raise
         for part, bufs in groups:
             for b in bufs:
                 t_a = time.perf_counter()
-                new = self._new_buffer(b, handed)
+                new = self.handover.new_buffer(b, handed)
                 if new is None:
                     # the uploads submitted so far end first (they write into buffers given back now)
                     _copy_s, _error = self._wait_uploads()
@@ -1025,12 +972,8 @@ class InPlace:
                     self._free_spent()
                     for d in done:
                         self._release_buffer(d)
-                    if handed is not None:  # mapped, never carried: unmapped too
-                        self._unmap_after.extend(
-                            id(x) for x in todo if x not in done and handed.mapped(id(x))
-                        )
-                    self._unmap_handed()
-                    raise self._out_of_memory(b, todo)
+                    self.handover.unmap_unused(handed, todo, done)  # mapped, never carried
+                    raise out_of_memory(b, todo)
                 alloc_max_s = max(alloc_max_s, time.perf_counter() - t_a)
                 # the placeholder is freed at the next release: on CUDA cudaFree waits for the
                 # whole device (the uploads in flight), and it is time a restore need not take
@@ -1069,34 +1012,6 @@ class InPlace:
         self.finish_uploads()
         return nbytes
 
-    def _map_handed(self, todo: list[WeightBuffer]) -> HandedMemory | None:
-        """Map handed-over memory for ``todo`` (one request to the holder); None: the buffers
-        are allocated through ggml this time (no hand-over, or it failed: ``handover_note``)."""
-        handed = self.handed
-        if handed is None or not todo:
-            return None
-        try:
-            handed.map_all([(id(b), b.size) for b in todo])
-        except ChunkDeviceError as exc:
-            if exc.out_of_memory:
-                raise self._out_of_memory(todo[0], todo) from exc
-            self.handover_note = f"the last restore allocated through ggml: {exc}"
-            log.warning("%s", self.handover_note)
-            return None
-        return handed
-
-    def _new_buffer(self, b: WeightBuffer, handed: HandedMemory | None) -> int | None:
-        """A buffer of ``b``'s type and size to put under ``b``: a carrier of its mapped range,
-        or a fresh ggml allocation; None when there is no room."""
-        if handed is None:
-            return _ggml.buft_alloc_buffer(b.buft, b.size)
-        assert b.layout is not None
-        made = make_carrier(b.buft, b.layout, self._slots[b.buft], handed.address(id(b)), b.size)
-        if made is None:
-            return None
-        self._carried[id(b)] = made[1]
-        return made[0]
-
     def _submit_uploads(
         self, held: list[tuple[Part, list[WeightBuffer]]], shadow: HostMemory, gate: PartGate | None
     ) -> None:
@@ -1131,7 +1046,7 @@ class InPlace:
                         _ggml.buffer_free(extra)
                 for d in done:
                     self._release_buffer(d)
-                raise self._out_of_memory(b, todo)
+                raise out_of_memory(b, todo)
             t1 = time.perf_counter()
             self._attach_buffer(b, new)
             copy_s += time.perf_counter() - t1
@@ -1272,35 +1187,15 @@ class InPlace:
         _ggml.buffer_free(self._relocate(b, new))  # the tiny placeholder memory
         self._upload(b, self.shadow)
 
-    def _give_back_handed(self) -> None:
-        """Before close: buffers resident in handed-over memory move into memory ggml allocates
-        (released, then restored from the shadow), so the model stays usable and ggml never
-        frees a mapping; every chunk goes back to the holder, which closes it."""
-        handed = self.handed
-        if handed is None:
-            return
-        carried = [b for b in self.buffers if id(b) in self._carried]
-        self.moved_at_close = False
-        try:
-            if carried:
-                self.finish_uploads()
-                for b in carried:
-                    _ggml.buffer_free(self._detach_buffer(b))
-                self._unmap_handed(keep=False)
-                self.handed = None
-                try:
-                    self._restore(carried)
-                    self.moved_at_close = self.moved
-                except (OutOfDeviceMemoryError, ResidencyError) as exc:
-                    log.warning("closing: the weights stay released (%s)", exc)
-        finally:
-            self.handed = None
-            handed.close(keep=False)
+    def _moved_back(self, carried: list[WeightBuffer]) -> bool:
+        """Restore ``carried`` (released) into ggml memory; True when a buffer moved."""
+        self._restore(carried)
+        return self.moved
 
     def close(self) -> None:
         try:
             self.finish_uploads()
-            self._give_back_handed()
+            self.handover.give_back(self.buffers, self.finish_uploads, self._release_buffer, self._moved_back)
             self._free_spent()
         finally:
             if self._uploader_pool is not None:

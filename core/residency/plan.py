@@ -8,6 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..errors import OutOfDeviceMemoryError
 from . import _ggml
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -96,3 +97,14 @@ def plain_copy(buft_name: str) -> bool:
 
 def pad(n: int, align: int) -> int:
     return (n + align - 1) // align * align
+
+
+def out_of_memory(b: WeightBuffer, todo: list[WeightBuffer]) -> OutOfDeviceMemoryError:
+    """The error of a restore of ``todo`` that found no room for ``b``."""
+    need = sum(x.size for x in todo)
+    return OutOfDeviceMemoryError(
+        f"not enough {b.buft_name} memory to restore the model's weights "
+        f"({need / 1e9:.2f} GB needed, a {b.size / 1e9:.2f} GB buffer failed): the model stays "
+        "released; free device memory "
+        "(release or stop another model) and try again"
+    )
