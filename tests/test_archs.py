@@ -221,7 +221,9 @@ def test_a_changed_file_is_seen_in_a_repacked_buffer(name: str, small_q4_path: P
     try:
         res = Residency.attach(llm, str(path), ResidencyOptions(mode="inplace"))
         buffers = {b.buft_name for b in res.inplace_view.buffers} if res.inplace_view else set()
-        assert res._inplace is not None and res._inplace.verified_repacked == 2  # its first and last
+        assert (
+            res._inplace is not None and res._inplace.host_shadow.verified_repacked == 2
+        )  # its first and last
         res.close()
         assert "CPU_REPACK" in buffers
         offset = next(int(t.data_offset) for t in gguf.GGUFReader(str(path)).tensors if t.name == name)

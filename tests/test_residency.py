@@ -179,7 +179,7 @@ def test_inplace_smollm2_bitwise(smol: llama_cpp.Llama, smollm2_path: Path) -> N
     assert res.weight_bytes == sum(b.size for b in ip.buffers) > 90_000_000
     assert ip.tensor_bytes <= res.host_bytes <= res.weight_bytes and not res.host_pinned
     assert "pageable" in res.host_note
-    assert ip.verified_tensors > 0  # shadow spot-checked against the loaded weights
+    assert ip.host_shadow.verified_tensors > 0  # shadow spot-checked against the loaded weights
     res.close()
 
 
@@ -628,8 +628,8 @@ def test_deferred_shadow_released_first_comes_back_from_the_file_bitwise(
         assert not res.weights_resident and res.shadow_pending and res.shadow_fillable
         assert res.host_bytes == 0 and rel.freed_bytes > 0  # nothing read for the release
         ip = res._inplace
-        assert ip is not None and ip.shadow_from_file
-        assert ip.verified_tensors == _readable_tensors(res) > 0  # each checked against the file
+        assert ip is not None and ip.host_shadow.from_file
+        assert ip.host_shadow.verified_tensors == _readable_tensors(res) > 0  # each checked against the file
         res.restore()  # builds the shadow from the file first
         assert not res.shadow_pending and res.host_bytes > 0
         assert set(res.attach_steps) >= {"shadow_alloc_ms", "shadow_read_ms", "verify_ms"}
@@ -650,7 +650,7 @@ def test_a_final_release_neither_checks_nor_builds_a_deferred_shadow(
     try:
         rel = res.release(final=True)
         ip = res._inplace
-        assert ip is not None and ip.verified_tensors == 0 and not ip.shadow_from_file
+        assert ip is not None and ip.host_shadow.verified_tensors == 0 and not ip.host_shadow.from_file
         assert rel.freed_bytes > 0 and not res.weights_resident and res.host_bytes == 0
         with pytest.raises(ResidencyError, match="released for good"):
             res.restore()
@@ -664,7 +664,7 @@ def test_deferred_shadow_filled_on_request(small_q4: llama_cpp.Llama, small_q4_p
         res.fill_shadow()
         assert not res.shadow_pending and res.host_bytes > 0
         ip = res._inplace
-        assert ip is not None and ip.verified_tensors > 0
+        assert ip is not None and ip.host_shadow.verified_tensors > 0
         res.fill_shadow()  # once
         assert res.host_bytes > 0
     finally:
@@ -827,7 +827,7 @@ def test_a_deferred_shadow_in_slices_stops_between_them_and_a_release_builds_the
         assert res.shadow_slices == (total, total) and not res.shadow_pending
         assert res.host_parts == total and res.host_bytes > 0  # one host allocation per slice
         ip = res._inplace
-        assert ip is not None and ip.verified_tensors == _readable_tensors(res) > 0  # each once
+        assert ip is not None and ip.host_shadow.verified_tensors == _readable_tensors(res) > 0  # each once
         res.restore()
         assert same(greedy.run(), reference), "logits differ after a shadow built in slices"
         sliced = _shadow_bytes(res)

@@ -33,56 +33,33 @@ the model closes); release and restore then swap placeholders per part, from the
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 from ..devmem.mapped import HandedMemory
-from ..errors import ModelFileChangedError, ModelFileError, OutOfDeviceMemoryError, ResidencyError
+from ..errors import OutOfDeviceMemoryError, ResidencyError
 from ..util.fileid import FileId
 from . import _ggml
 from .discovery import Discovery, discover
 from .gate import PartGate
 from .handover import WeightHandover
-from .hostmem import HostMemory, ReadRange, parallel_read
+from .hostmem import HostMemory
 from .kvupload import KvUpload
 from .options import ResidencyOptions
-from .plan import Part, WeightBuffer, WeightTensor, layer_of, out_of_memory, pad, plain_copy, split_runs
+from .plan import Part, WeightBuffer, WeightTensor, layer_of, out_of_memory, pad, split_runs
+from .shadow import Shadow
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 
 log = logging.getLogger(__name__)
 
 _PLACEHOLDER_BYTES = 64
-_VERIFY_BYTES = 4096
 #: buffer types whose bytes ggml_backend_tensor_get can read back unchanged (others repack).
 #: Vulkan: the device buffers (VulkanN; Vulkan_Host buffers are host memory and never released)
 #: hand out data pointers from the constant vk_ptr_base (0x1000) and find their VkBuffer through
 #: the buffer's context at every use, so a swapped context is all a restored buffer needs.
 _READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
-
-
-@dataclass
-class _ShadowBuild:
-    """A host shadow under construction: its memory (segments allocated one slice at a time) and
-    what each slice must do once allocated (zero the gaps, read the tensors, spot-check them)."""
-
-    mem: HostMemory
-    ranges: list[ReadRange]  # the file's bytes of every tensor, by shadow offset
-    gaps: list[tuple[int, int]]  # (offset, length) of the alignment gaps and padding (zeros)
-    tensors: list[tuple[WeightBuffer, WeightTensor]]  # the tensors to spot-check
-    sliced: bool  # one segment per slice (deferred), or every segment in one slice
-    #: a release came before the build was done: the tensors of the slices left were checked
-    #: against the file then (the weights they would be compared with are gone now), and the file
-    #: must still be this one when each of them is read
-    from_file: FileId | None = None
-    slices: int = 0  # slices built
-    alloc_s: float = 0.0
-    read_s: float = 0.0
-    verify_s: float = 0.0
 
 
 class InPlace:
@@ -112,17 +89,14 @@ class InPlace:
         self.path = model_path
         #: the file the weights were loaded from (just before this): what a shadow built after a
         #: release must still read
-        self._file_id = FileId.of(model_path)
-        self._coalesce = coalesce
-        self._gpu = gpu
+        file_id = FileId.of(model_path)
         self._parallel_opt = parallel  # None: Vulkan buffers only (see _parallel)
         self._executor: ThreadPoolExecutor | None = None
         #: per-step times of the last release and restore, milliseconds (doctor reports them)
         self.release_steps: dict[str, float] = {}
         self.restore_steps: dict[str, float] = {}
-        #: milliseconds of attach's steps (discover, plan) and of the shadow's (alloc, read, verify)
-        self.attach_steps: dict[str, float] = {}
-        self._whole_ctx = 0
+        #: milliseconds of attach's steps (discover, plan); the shadow's: Shadow.steps
+        self._attach_steps: dict[str, float] = {}
         self.layout = _ggml.TensorLayout()
         try:
             _ggml.probe_tensor_layout(self.layout)
@@ -157,7 +131,7 @@ class InPlace:
         self.n_weight_tensors_seen = len(disc.weights) - len(disc.listed)
         self.weights_listed = list(disc.listed)
         originals = self._plan(disc, gpu)
-        self.attach_steps = {
+        self._attach_steps = {
             "discover_ms": (t1 - t0) * 1000.0,
             "plan_ms": (time.perf_counter() - t1) * 1000.0,
         }
@@ -185,138 +159,52 @@ class InPlace:
         self.backend = self._backend_name(gpu)
         self.weight_bytes = sum(b.size for b in self.buffers)
         self.tensor_bytes = sum(t.nbytes for b in self.buffers for t in b.tensors)
-        self._want_pinned = want_pinned
-        self._verify = verify
-        self._shadow: HostMemory | None = None
-        self._build: _ShadowBuild | None = None
-        #: a deferred shadow is built in slices of at most this many bytes
         #: the split waits for the first release, which frees the model's own buffers and leaves
         #: every part released (the next restore allocates and fills them): no device copy at
         #: attach, and the shadow may be deferred; that first release is whole
         self.split_at_release = split_at_release and self.split_pending
         eager_split = self.split_pending and not self.split_at_release
-        self._slice_bytes = shadow_slice_bytes if defer_shadow and not eager_split else None
-        self.shadow_note = ""
-        self.verified_tensors = 0
-        #: tensors of repacking buffers checked by repacking their file bytes (_verify_repacked)
-        self.verified_repacked = 0
-        self._shadow_slices = (0, 0)
-        self.shadow_fill_s = 0.0
+        #: the GGUF bytes of the released weights in host memory; a deferred shadow is built in
+        #: slices of at most shadow_slice_bytes
+        self.host_shadow = Shadow(
+            model_path,
+            file_id,
+            self.buffers,
+            self.layout,
+            gpu,
+            want_pinned=want_pinned,
+            verify=verify,
+            coalesce=coalesce,
+            slice_bytes=shadow_slice_bytes if defer_shadow and not eager_split else None,
+        )
         self.moved = False  # the last restore put a buffer at another address than before
         #: device memory handed over between workers (issue 40)
         self.handover = WeightHandover()
         if handed is not None:
             self.handover.setup(handed, self.buffers, self._parallel())
         if not defer_shadow or eager_split:  # split() uploads the parts from the shadow
-            self.fill_shadow()
+            self.host_shadow.fill()
 
-    # -- shadow -------------------------------------------------------------------------------
-
-    @property
-    def shadow_pending(self) -> bool:
-        """The host shadow is deferred and not filled yet (see :meth:`fill_shadow`)."""
-        return self._shadow is None
-
-    @property
-    def shadow_from_file(self) -> bool:
-        """A release came while the shadow was pending: its slices left are read from the file
-        alone (:meth:`check_pending_shadow`)."""
-        return self._build is not None and self._build.from_file is not None
+    # -- shadow: residency/shadow.py -----------------------------------------------------------
 
     @property
     def shadow(self) -> HostMemory:
-        """The host shadow, filled now (all of its slices) if it was deferred: a restore cannot
-        wait for seconds of pinning, so the slices left go to pageable memory (pinned later by
-        :meth:`pin_shadow`)."""
-        mem = self.fill_shadow(pin=False)
-        assert mem is not None  # no stop: built to the end
-        return mem
-
-    @property
-    def shadow_slices(self) -> tuple[int, int]:
-        """(built, total) slices of the host shadow: (0, 0) before its build started."""
-        if self._build is not None:
-            return self._build.slices, self._build.mem.n_segments
-        if self._shadow is not None:
-            return self._shadow_slices
-        return 0, 0
-
-    def fill_shadow(self, stop: Callable[[], bool] | None = None, pin: bool = True) -> HostMemory | None:
-        """Allocate the host shadow, fill it from the file and spot-check it against the loaded
-        weights (which must be resident: nothing is released before the shadow exists); once. A
-        deferred shadow is built in slices (``shadow_slice_bytes`` each: allocation, read, spot
-        check); ``stop`` is asked after each slice, and True leaves the rest for a later call
-        (returns None then; the shadow stays pending). ``pin`` False (a release that cannot wait
-        for the pinning, seconds on an 8B model): the slices left go to pageable memory, pinned
-        later by :meth:`pin_shadow`. A file that no longer holds the loaded weights raises
-        ModelFileError and leaves no shadow (a later call starts again). After a release
-        (:meth:`check_pending_shadow`) the slices left are read from the file alone, which must
-        still be the one checked then (ModelFileError otherwise, the shadow still pending)."""
-        if self._shadow is not None:
-            return self._shadow
-        build = self._build
-        try:
-            if build is None:
-                self.verified_tensors = self.verified_repacked = 0
-                build = self._build = self._plan_shadow(self._want_pinned)
-            while not build.mem.complete:
-                self._build_slice(build, pin)
-                if not build.mem.complete and stop is not None and stop():
-                    return None
-        except ModelFileError:
-            if build is not None and build.from_file is not None:
-                raise  # the weights are released: what was built stays (the file may come back)
-            self._build = None
-            if build is not None:
-                build.mem.close()
-            raise
-        except BaseException:
-            self._build = None
-            if build is not None:
-                build.mem.close()
-            raise
-        self._build = None
-        mem = build.mem
-        self._shadow = mem
-        self._shadow_slices = (build.slices, build.mem.n_segments)
-        self.attach_steps["shadow_alloc_ms"] = build.alloc_s * 1000.0
-        self.attach_steps["shadow_read_ms"] = build.read_s * 1000.0
-        self.attach_steps["verify_ms"] = build.verify_s * 1000.0
-        self.shadow_fill_s = build.read_s
-        self.shadow_note = mem.note
-        log.info(
-            "host shadow: %.1f MB, read in %.3f s (%.2f GB/s), %d allocation(s) in %d slice(s), pinned=%s",
-            mem.size / 1e6,
-            build.read_s,
-            mem.size / 1e9 / max(build.read_s, 1e-9),
-            len(mem.segments),
-            build.slices,
-            mem.pinned,
-        )
-        return mem
-
-    @property
-    def shadow_to_pin(self) -> int:
-        """Segments of a complete shadow that a release made pageable, still to be pinned."""
-        return self._shadow.to_pin if self._shadow is not None else 0
+        """The host shadow, filled now (all of its slices) if it was deferred (Shadow.memory)."""
+        return self.host_shadow.memory
 
     def pin_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
-        """Pin the segments a release made pageable, one per step (allocation and copy; the
-        shadow stays complete throughout, so nothing ever waits for this); ``stop`` is asked
-        after each. True when none is left."""
-        mem = self._shadow
-        if mem is None:
+        """Pin the segments of the host shadow a release made pageable (Shadow.pin), once the
+        uploads that read them are over. True when none is left."""
+        if self.host_shadow.pending:
             return True
         self.finish_uploads()  # pinning replaces the segments the uploads read from
-        t0 = time.perf_counter()
-        while mem.pin_next():
-            if mem.to_pin and stop is not None and stop():
-                break
-        self.attach_steps["shadow_pin_ms"] = (
-            self.attach_steps.get("shadow_pin_ms", 0.0) + (time.perf_counter() - t0) * 1000.0
-        )
-        self.shadow_note = mem.note
-        return mem.to_pin == 0
+        return self.host_shadow.pin(stop)
+
+    @property
+    def attach_steps(self) -> dict[str, float]:
+        """Milliseconds of attach's steps (discover, plan) and of the shadow's (alloc, read,
+        verify, pin)."""
+        return {**self._attach_steps, **self.host_shadow.steps}
 
     # -- plan ---------------------------------------------------------------------------------
 
@@ -449,255 +337,6 @@ class InPlace:
                 if raw:
                     return str(raw.decode())
         return gpu.name
-
-    # the shadow's allocation and read (fill_shadow above)
-
-    def _plan_shadow(self, want_pinned: bool) -> _ShadowBuild:
-        """Lay the shadow out (each tensor's place in it and in the file) and plan its host
-        memory's segments, allocating none yet: per buffer (a mirrored buffer uploads in one copy
-        per segment), or, for a deferred shadow, per slice of at most ``_slice_bytes`` cut at
-        tensor boundaries."""
-        meta = _ggml.gguf_open_meta(self.path)
-        if meta is None:
-            raise ModelFileError(f"{self.path} is not a readable GGUF file: re-download it")
-        try:
-            data_off = int(_ggml.gguf_get_data_offset(meta))
-            file_size = os.path.getsize(self.path)
-            ranges: list[ReadRange] = []
-            parts: list[int] = []  # the shadow of each buffer: no upload or read straddles two
-            units: list[int] = []  # each tensor's span: no read or spot check straddles two
-            offset = 0
-            for b in self.buffers:
-                b.mirror = self._coalesce and plain_copy(b.buft_name)
-                b.shadow_base = offset
-                for t in b.tensors:
-                    tid = int(_ggml.gguf_find_tensor(meta, t.name.encode()))
-                    if tid < 0:
-                        raise InPlaceUnsupportedError(
-                            f"tensor {t.name} of the loaded model is not in {self.path}"
-                        )
-                    size = int(_ggml.gguf_get_tensor_size(meta, tid))
-                    if size != t.nbytes:
-                        raise InPlaceUnsupportedError(
-                            f"tensor {t.name} has {t.nbytes} bytes in the model but {size} in the file "
-                            "(converted at load time)"
-                        )
-                    src = data_off + int(_ggml.gguf_get_tensor_offset(meta, tid))
-                    if src + size > file_size:
-                        raise ModelFileError(
-                            f"{self.path} is truncated: tensor {t.name} ends at byte {src + size} but "
-                            f"the file has {file_size} bytes; re-download it"
-                        )
-                    if b.mirror:
-                        t.shadow_offset = b.shadow_base + t.offset
-                    else:
-                        t.shadow_offset = offset
-                        offset += size
-                        units.append(size)
-                    ranges.append(ReadRange(src, t.shadow_offset, size))
-                if b.mirror:
-                    offset = b.shadow_base + b.size
-                    cuts = sorted({0, *(t.offset for t in b.tensors if 0 < t.offset < b.size)})
-                    units.extend(hi - lo for lo, hi in zip(cuts, [*cuts[1:], b.size], strict=True))
-                parts.append(offset - b.shadow_base)
-        finally:
-            _ggml.gguf_free(meta)
-        gaps: list[tuple[int, int]] = []
-        for b in self.buffers:  # alignment gaps and padding of a mirrored buffer upload as zeros
-            if b.mirror:
-                pos = 0
-                for t in sorted(b.tensors, key=lambda x: x.offset):
-                    if t.offset > pos:
-                        gaps.append((b.shadow_base + pos, t.offset - pos))
-                    pos = max(pos, t.offset + t.nbytes)
-                if b.size > pos:
-                    gaps.append((b.shadow_base + pos, b.size - pos))
-        sliced = self._slice_bytes is not None
-        mem = HostMemory(
-            offset,
-            want_pinned,
-            units if sliced else parts,
-            self._gpu,
-            max_segment=self._slice_bytes,
-            lazy=True,
-        )
-        try:
-            if not self._whole_ctx:
-                self._make_whole_tensors()
-        except BaseException:
-            mem.close()
-            raise
-        verify: list[tuple[WeightBuffer, WeightTensor]] = []
-        if self._verify:
-            for b in self.buffers:
-                if not b.buft_name.endswith("_REPACK"):
-                    verify.extend((b, t) for t in b.tensors)
-                elif b.tensors:  # repacking its file bytes costs a scratch copy: its first and last
-                    by_offset = sorted(b.tensors, key=lambda x: x.offset)
-                    verify.extend((b, t) for t in {id(x): x for x in (by_offset[0], by_offset[-1])}.values())
-        return _ShadowBuild(mem, sorted(ranges, key=lambda r: r.mem_offset), gaps, verify, sliced)
-
-    def check_pending_shadow(self) -> int:
-        """Before a release that comes while the host shadow is still to be built (deferred, maybe
-        half built): spot-check the tensors of the slices not built yet against the file -- the
-        first and last bytes of each, read from the file and from the loaded weights -- so that
-        they can be read from the file alone later (idle, or by the next restore), rather than
-        before this release (seconds of reading and pinning an 8B model that the model asking for
-        the GPU would wait for). Returns the tensors checked (0: no shadow pending). Raises
-        ModelFileError when the file no longer holds the loaded weights (nothing changed: the
-        release must not go on)."""
-        if self._shadow is not None:
-            return 0
-        build = self._build
-        if build is None:
-            self.verified_tensors = self.verified_repacked = 0
-            build = self._build = self._plan_shadow(self._want_pinned)
-        if build.from_file is not None:
-            return 0
-        try:
-            file_id = FileId.of(self.path)
-        except OSError as exc:
-            raise ModelFileError(f"{self.path} is gone ({exc.strerror}): restart the model") from exc
-        lo = build.mem.allocated_end
-        # (a repacking buffer cannot read its tensors back as file bytes: its spot check needs
-        # the shadow, see _verify_repacked)
-        left = [
-            (b, t) for b, t in build.tensors if t.shadow_offset >= lo and not b.buft_name.endswith("_REPACK")
-        ]
-        src = {r.mem_offset: r.file_offset for r in build.ranges}
-        t0 = time.perf_counter()
-        if file_id != self._file_id:
-            raise self._changed(left[0][1].name if left else "?")
-        scratch = (ctypes.c_char * _VERIFY_BYTES)()
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as exc:
-            raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
-        try:
-            for _b, t in left:
-                n = min(_VERIFY_BYTES, t.nbytes)
-                for off in {0, t.nbytes - n}:
-                    _ggml.tensor_get(t.ptr, scratch, off, n)
-                    if ctypes.string_at(scratch, n) != os.pread(fd, n, src[t.shadow_offset] + off):
-                        raise self._changed(t.name)
-        except OSError as exc:
-            raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
-        finally:
-            os.close(fd)
-        build.verify_s += time.perf_counter() - t0
-        self.verified_tensors += len(left)
-        build.tensors = [(b, t) for b, t in build.tensors if t.shadow_offset < lo]
-        build.from_file = file_id
-        return len(left)
-
-    def _changed(self, name: str) -> ModelFileError:
-        return ModelFileError(
-            f"{self.path} no longer holds the weights the model was loaded from "
-            f"(tensor {name} differs): the file was replaced or modified after loading; "
-            "restart the model"
-        )
-
-    def _build_slice(self, build: _ShadowBuild, pin: bool = True) -> None:
-        """Allocate the next slice's segment (all of them, unsliced), zero its gaps, read its
-        tensors from the file and spot-check them against the loaded weights (after a release:
-        check that the file is still the one they were checked against then)."""
-        mem = build.mem
-        if build.from_file is not None:
-            try:
-                same = FileId.of(self.path) == build.from_file
-            except OSError:
-                same = False
-            if not same:
-                raise ModelFileChangedError(
-                    f"{self.path} was replaced or modified after the model was loaded, and its "
-                    "released weights were to be read from it: restart the model"
-                )
-        t0 = time.perf_counter()
-        spans: list[tuple[int, int]] = []
-        while (got := mem.allocate_next(pin)) is not None:
-            spans.append(got)
-            if build.sliced:
-                break
-        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
-        t1 = time.perf_counter()
-        build.alloc_s += t1 - t0
-        for off, n in build.gaps:
-            if lo <= off < hi:
-                ctypes.memset(mem.address(off, n), 0, n)
-        mine = [r for r in build.ranges if lo <= r.mem_offset < hi]
-        try:
-            parallel_read(self.path, mem, sorted(mine, key=lambda r: r.file_offset))
-        except (OSError, EOFError) as exc:
-            raise ModelFileError(f"cannot read the weights of {self.path}: {exc}") from exc
-        t2 = time.perf_counter()
-        build.read_s += t2 - t1
-        self.verified_tensors += self._verify_tensors(
-            mem, [(b, t) for b, t in build.tensors if lo <= t.shadow_offset < hi]
-        )
-        build.verify_s += time.perf_counter() - t2
-        build.slices += 1
-
-    def _make_whole_tensors(self) -> None:
-        mirrored = [b for b in self.buffers if b.mirror]
-        if not mirrored:
-            return
-        ctx = _ggml.ggml_init(_ggml.GgmlInitParams(len(mirrored) * 1024 + 4096, None, True))
-        if not ctx:
-            raise InPlaceUnsupportedError("ggml_init failed")
-        self._whole_ctx = int(ctx)
-        for b in mirrored:
-            b.whole = int(_ggml.ggml_new_tensor_1d(ctx, _ggml.GGML_TYPE_I8, b.size))
-
-    def _verify_tensors(self, mem: HostMemory, tensors: list[tuple[WeightBuffer, WeightTensor]]) -> int:
-        """Compare the first and last bytes of each of ``tensors`` (readable ones: repacked
-        layouts cannot be read back as file bytes) with the shadow: the file on disk must still
-        be the one the model was loaded from."""
-        checked = 0
-        scratch = (ctypes.c_char * _VERIFY_BYTES)()
-        for b, t in tensors:
-            if b.buft_name.endswith("_REPACK"):  # counted apart: only a few of them are checked
-                self._verify_repacked(b, t, mem)
-                self.verified_repacked += 1
-                continue
-            n = min(_VERIFY_BYTES, t.nbytes)
-            for off in {0, t.nbytes - n}:
-                _ggml.tensor_get(t.ptr, scratch, off, n)
-                if ctypes.string_at(scratch, n) != ctypes.string_at(mem.address(t.shadow_offset + off, n), n):
-                    raise self._changed(t.name)
-            checked += 1
-        return checked
-
-    def _verify_repacked(self, b: WeightBuffer, t: WeightTensor, mem: HostMemory) -> None:
-        """A tensor of a repacking buffer (CPU_REPACK: its bytes are not the file's, and the
-        buffer cannot read them back): repack its file bytes from the shadow into a scratch tensor
-        of the same type, shape and buffer type, and compare the first and last bytes of both
-        (host memory, read directly)."""
-        lay = self.layout
-        ne = (ctypes.c_int64 * 4)(
-            *(ctypes.c_int64.from_address(t.ptr + lay.ne + 8 * i).value for i in range(4))
-        )
-        gtype = ctypes.c_int32.from_address(t.ptr).value  # ggml_tensor.type: the first field
-        ctx = _ggml.ggml_init(_ggml.GgmlInitParams(int(_ggml.ggml_tensor_overhead()) * 2 + 256, None, True))
-        if not ctx:
-            raise InPlaceUnsupportedError("ggml_init failed")
-        buf = 0
-        try:
-            copy = _ggml.ggml_new_tensor(ctx, gtype, 4, ne)
-            buf = int(_ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, b.buft) or 0)
-            if not copy or not buf or int(_ggml.ggml_nbytes(copy)) != t.nbytes:
-                raise InPlaceUnsupportedError(
-                    f"cannot make a {b.buft_name} scratch copy of {t.name} to check it"
-                )
-            _ggml.tensor_set(copy, mem.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
-            mine, loaded = _ggml.read_ptr(copy + lay.data), _ggml.read_ptr(t.ptr + lay.data)
-            n = min(_VERIFY_BYTES, t.nbytes)
-            for off in {0, t.nbytes - n}:
-                if ctypes.string_at(mine + off, n) != ctypes.string_at(loaded + off, n):
-                    raise self._changed(t.name)
-        finally:
-            if buf:
-                _ggml.buffer_free(buf)
-            _ggml.ggml_free(ctx)
 
     # -- handed-over memory (issue 40): residency/handover.py ---------------------------------
 
@@ -840,7 +479,7 @@ class InPlace:
         if not final:
             # a deferred shadow's slices not built yet: checked against the file, which they are
             # read from later -- nothing is released that could not come back
-            self.check_pending_shadow()
+            self.host_shadow.check_pending()
         t0 = time.perf_counter()
         if self.split_pending:  # split_at_release: the model's buffers go, every part is released
             if not self.parts_to_release(keep_bytes):
@@ -1204,12 +843,4 @@ class InPlace:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._shadow is not None:
-            self._shadow.close()
-            self._shadow = None
-        if self._build is not None:
-            self._build.mem.close()
-            self._build = None
-        if self._whole_ctx:
-            _ggml.ggml_free(self._whole_ctx)
-            self._whole_ctx = 0
+        self.host_shadow.close()

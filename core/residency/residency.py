@@ -396,7 +396,7 @@ class Residency:
             len(ip.parts),
             self.weight_bytes / 1e6,
             ip.n_weight_tensors_seen,
-            "deferred" if ip.shadow_pending else f"pinned={self.host_pinned}",
+            "deferred" if ip.host_shadow.pending else f"pinned={self.host_pinned}",
             f"off ({self.overlap_note})" if self.overlap_note else "on",
         )
         return self
@@ -479,24 +479,24 @@ class Residency:
 
     def _note_shadow(self) -> None:
         ip = self._inplace
-        if ip is None or ip.shadow_pending:
+        if ip is None or ip.host_shadow.pending:
             return
         proj = self._projector
         self.host_bytes = ip.shadow.size + (proj.shadow.size if proj is not None else 0)
         self.host_pinned = ip.shadow.pinned and (proj is None or proj.shadow.pinned)
-        self.host_note = ip.shadow_note
+        self.host_note = ip.host_shadow.note
         self.host_parts = len(ip.shadow.segments) + (len(proj.shadow.segments) if proj is not None else 0)
 
     @property
     def shadow_pending(self) -> bool:
         """The in-place path's host shadow was deferred (``defer_shadow``) and is not filled yet."""
-        return self._inplace is not None and self._inplace.shadow_pending
+        return self._inplace is not None and self._inplace.host_shadow.pending
 
     @property
     def shadow_slices(self) -> tuple[int, int]:
         """(built, total) slices of the in-place path's host shadow ((0, 0) before its build
         started, and on other paths)."""
-        return self._inplace.shadow_slices if self._inplace is not None else (0, 0)
+        return self._inplace.host_shadow.slices if self._inplace is not None else (0, 0)
 
     @property
     def shadow_fillable(self) -> bool:
@@ -504,7 +504,9 @@ class Residency:
         are resident (each slice is checked against them), or a release checked the slices left
         against the file (they are read from it alone)."""
         ip = self._inplace
-        return ip is not None and ip.shadow_pending and (self.weights_resident or ip.shadow_from_file)
+        return (
+            ip is not None and ip.host_shadow.pending and (self.weights_resident or ip.host_shadow.from_file)
+        )
 
     def fill_shadow(self, stop: Callable[[], bool] | None = None, pin: bool = True) -> bool:
         """Fill a deferred host shadow now, slice by slice (before the first release, or after it
@@ -518,21 +520,21 @@ class Residency:
         released, what was built is kept)."""
         self._check_open()
         ip = self._inplace
-        if ip is None or not ip.shadow_pending:
+        if ip is None or not ip.host_shadow.pending:
             return True
-        if not (self.weights_resident or ip.shadow_from_file):
+        if not (self.weights_resident or ip.host_shadow.from_file):
             raise ResidencyError("the deferred host shadow cannot be built: the weights are released")
-        before, total = ip.shadow_slices
+        before, total = ip.host_shadow.slices
 
         def stop_after_slice() -> bool:
-            built, total = ip.shadow_slices
+            built, total = ip.host_shadow.slices
             if built == 1:
                 log.info("host shadow of %s: building %d slices", self.model_path, total)
             return stop is not None and stop()
 
         t0 = time.perf_counter()
-        done = ip.fill_shadow(stop_after_slice if stop is not None else None, pin) is not None
-        built, total = ip.shadow_slices
+        done = ip.host_shadow.fill(stop_after_slice if stop is not None else None, pin) is not None
+        built, total = ip.host_shadow.slices
         self._shadow_build_s += time.perf_counter() - t0
         if not done:
             log.info(
@@ -552,7 +554,7 @@ class Residency:
             self.host_pinned,
             built,
             built - before,
-            f", {ip.shadow_to_pin} pageable until pinned" if ip.shadow_to_pin else "",
+            f", {ip.host_shadow.to_pin} pageable until pinned" if ip.host_shadow.to_pin else "",
         )
         return True
 
@@ -560,14 +562,14 @@ class Residency:
     def shadow_to_pin(self) -> int:
         """Allocations of the host shadow a release made pageable (it could not wait for the
         pinning), still to be pinned by :meth:`pin_shadow`."""
-        return self._inplace.shadow_to_pin if self._inplace is not None else 0
+        return self._inplace.host_shadow.to_pin if self._inplace is not None else 0
 
     def pin_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
         """Pin what a release left pageable, one allocation at a time (``stop`` asked after
         each; the shadow is complete throughout). True when nothing is left to pin."""
         self._check_open()
         ip = self._inplace
-        if ip is None or not ip.shadow_to_pin:
+        if ip is None or not ip.host_shadow.to_pin:
             return True
         self.settle()
         done = ip.pin_shadow(stop)
@@ -858,7 +860,7 @@ class Residency:
             # is released that could not come back), read from it later -- idle, or by the next
             # restore -- not before this release, which another model may be waiting for
             t1 = time.perf_counter()
-            checked = ip.check_pending_shadow()
+            checked = ip.host_shadow.check_pending()
             built, total = self.shadow_slices
             log.info(
                 "release of %s: %d of %d host shadow slices built; the rest will be read from the "
@@ -959,7 +961,7 @@ class Residency:
             kv_up = self._kv_buffers_back()
             kv_alloc_ms = (time.perf_counter() - t0) * 1000
             if not self.weights_resident and ip is not None:
-                if ip.shadow_pending:  # a release came before its deferred shadow was built
+                if ip.host_shadow.pending:  # a release came before its deferred shadow was built
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
                 proj = self._projector
                 try:

@@ -46,7 +46,7 @@ class InPlaceView:
 
     @property
     def shadow_fill_s(self) -> float:
-        return self._ip.shadow_fill_s
+        return self._ip.host_shadow.fill_s
 
     @property
     def n_weight_tensors_seen(self) -> int:
