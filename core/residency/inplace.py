@@ -48,18 +48,13 @@ from .handover import WeightHandover
 from .hostmem import HostMemory
 from .kvupload import KvUpload
 from .options import ResidencyOptions
-from .plan import Part, WeightBuffer, WeightTensor, layer_of, out_of_memory, pad, split_runs
+from .plan import Part, WeightBuffer, backend_name, layer_of, out_of_memory, plan_buffers, split_plan
 from .shadow import Shadow
-from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
+from .unsupported import InPlaceUnsupportedError
 
 log = logging.getLogger(__name__)
 
 _PLACEHOLDER_BYTES = 64
-#: buffer types whose bytes ggml_backend_tensor_get can read back unchanged (others repack).
-#: Vulkan: the device buffers (VulkanN; Vulkan_Host buffers are host memory and never released)
-#: hand out data pointers from the constant vk_ptr_base (0x1000) and find their VkBuffer through
-#: the buffer's context at every use, so a swapped context is all a restored buffer needs.
-_READABLE_BUFT_PREFIXES = ("CPU", "CUDA", "Vulkan")
 
 
 class InPlace:
@@ -130,7 +125,7 @@ class InPlace:
         #: tensor lists instead (residency/discovery.complete_from_tensor_lists)
         self.n_weight_tensors_seen = len(disc.weights) - len(disc.listed)
         self.weights_listed = list(disc.listed)
-        originals = self._plan(disc, gpu)
+        originals = plan_buffers(disc, self.layout, gpu)
         self._attach_steps = {
             "discover_ms": (t1 - t0) * 1000.0,
             "plan_ms": (time.perf_counter() - t1) * 1000.0,
@@ -146,7 +141,9 @@ class InPlace:
                 "on Vulkan after the weights move: whole buffers are released"
             )
             parts = 1
-        split = self._split_plan(originals, parts) if parts > 1 else None
+        split = split_plan(originals, parts) if parts > 1 else None
+        if isinstance(split, str):
+            self.parts_note, split = split, None
         if split is not None:
             self.parts, self.buffers = split
         else:
@@ -156,7 +153,7 @@ class InPlace:
             self.parts = [Part(0, min(layers, default=0), max(layers, default=0), list(originals))]
         #: split() has still to move the weights into the part buffers
         self.split_pending = parts > 1
-        self.backend = self._backend_name(gpu)
+        self.backend = backend_name(self.buffers, gpu)
         self.weight_bytes = sum(b.size for b in self.buffers)
         self.tensor_bytes = sum(t.nbytes for b in self.buffers for t in b.tensors)
         #: the split waits for the first release, which frees the model's own buffers and leaves
@@ -205,138 +202,6 @@ class InPlace:
         """Milliseconds of attach's steps (discover, plan) and of the shadow's (alloc, read,
         verify, pin)."""
         return {**self._attach_steps, **self.host_shadow.steps}
-
-    # -- plan ---------------------------------------------------------------------------------
-
-    def _plan(self, disc: Discovery, gpu: _ggml.Device | None) -> list[WeightBuffer]:
-        lay = self.layout
-        by_buf: dict[int, WeightBuffer] = {}
-        all_bufs: dict[int, str] = {}
-        for t in sorted(disc.weights):
-            buf = _ggml.read_ptr(t + lay.buffer)
-            buft = int(_ggml.buffer_get_type(buf))
-            name = _ggml.buffer_type_name(buft)
-            all_bufs[buf] = name
-            if gpu is not None and _ggml.buffer_is_host(buf):
-                continue  # host weights of a GPU build stay where they are
-            if buf not in by_buf:
-                by_buf[buf] = WeightBuffer(
-                    buf, buft, name, int(_ggml.buffer_get_size(buf)), int(_ggml.buffer_get_base(buf) or 0)
-                )
-            b = by_buf[buf]
-            data = _ggml.read_ptr(t + lay.data)
-            b.tensors.append(WeightTensor(t, _ggml.tensor_name(t), data - b.base, int(_ggml.ggml_nbytes(t))))
-        if gpu is None and any(n == "CPU_Mapped" for n in all_bufs.values()):
-            raise NothingToReleaseError(
-                "the weights are memory-mapped on a CPU-only build: nothing to release "
-                "(load the model with use_mmap=False to use the in-place path)"
-            )
-        if not by_buf:
-            raise InPlaceUnsupportedError("no weight buffer on the device to release (is n_gpu_layers 0?)")
-        for b in by_buf.values():
-            if not any(b.buft_name.startswith(p) for p in _READABLE_BUFT_PREFIXES):
-                raise InPlaceUnsupportedError(
-                    f"backend buffer type {b.buft_name} is not checked for in-place release"
-                )
-            self._check_complete(b)
-        buft_layouts: dict[int, _ggml.BufferLayout] = {}
-        for b in by_buf.values():
-            if b.buft not in buft_layouts:
-                try:
-                    buft_layouts[b.buft] = _ggml.probe_buffer_layout(b.buft, reference=b.ptr)
-                except _ggml.LayoutMismatchError as exc:
-                    raise InPlaceUnsupportedError(str(exc)) from exc
-            b.layout = buft_layouts[b.buft]
-            lay_b = b.layout
-            if _ggml.read_size(b.ptr + lay_b.size) != b.size:
-                raise InPlaceUnsupportedError(
-                    f"the {b.buft_name} weight buffer's size field is not where the probe found it"
-                )
-        return list(by_buf.values())
-
-    def _split_plan(
-        self, originals: list[WeightBuffer], n: int
-    ) -> tuple[list[Part], list[WeightBuffer]] | None:
-        """Up to ``n`` parts of consecutive layers with near-equal bytes (the tensors outside the
-        layers count with the first layer), and their buffers: one per part and original buffer
-        holding any of its tensors, laid out as ggml-alloc lays out a buffer (each tensor at an
-        aligned offset, its allocation size padded to the alignment). None (``parts_note`` says
-        why) when the weights make fewer than two parts."""
-        padded: dict[int, int] = {}
-        layer_bytes: dict[int, int] = {}
-        outside = 0
-        for o in originals:
-            align = int(_ggml.buft_get_alignment(o.buft))
-            for t in o.tensors:
-                size = pad(int(_ggml.buft_get_alloc_size(o.buft, t.ptr)), align)
-                padded[t.ptr] = size
-                layer = layer_of(t.name)
-                if layer is None:
-                    outside += size
-                else:
-                    layer_bytes[layer] = layer_bytes.get(layer, 0) + size
-        layers = sorted(layer_bytes)
-        if len(layers) < 2:
-            self.parts_note = f"{len(layers)} blk.<i> layer(s) among the weights: released whole"
-            return None
-        sizes = [layer_bytes[x] for x in layers]
-        sizes[0] += outside
-        runs = split_runs(sizes, n)
-        part_of = {x: j for j, (lo, hi) in enumerate(runs) for x in layers[lo:hi]}
-
-        def part_index(name: str) -> int:
-            layer = layer_of(name)
-            return part_of[layers[0] if layer is None else layer]
-
-        parts = [Part(j, layers[lo], layers[hi - 1], []) for j, (lo, hi) in enumerate(runs)]
-        units: list[WeightBuffer] = []
-        for part in parts:
-            for o in originals:
-                mine = sorted(
-                    (t for t in o.tensors if part_index(t.name) == part.index), key=lambda x: x.offset
-                )
-                if not mine:
-                    continue
-                u = WeightBuffer(0, o.buft, o.buft_name, 0, 0, layout=o.layout, released=True, owned=True)
-                pos = 0
-                for t in mine:
-                    u.tensors.append(WeightTensor(t.ptr, t.name, pos, t.nbytes))
-                    pos += padded[t.ptr]
-                u.size = pos
-                part.buffers.append(u)
-                units.append(u)
-        return parts, units
-
-    def _check_complete(self, b: WeightBuffer) -> None:
-        align = int(_ggml.buft_get_alignment(b.buft))
-        spans = sorted(
-            (t.offset, pad(int(_ggml.buft_get_alloc_size(b.buft, t.ptr)), align), t.name) for t in b.tensors
-        )
-        pos = 0
-        for off, length, name in spans:
-            if off != pos:
-                raise InPlaceUnsupportedError(
-                    f"weight buffer {b.buft_name} ({b.size} bytes) is not covered by the tensors the "
-                    f"warm-up graph showed: {'a gap' if off > pos else 'an overlap'} at byte {pos} "
-                    f"before {name}"
-                )
-            pos = off + length
-        if pos != b.size:
-            raise InPlaceUnsupportedError(
-                f"weight buffer {b.buft_name} holds {b.size} bytes but the tensors the warm-up graph showed "
-                f"cover {pos}: some weight was not seen, so releasing it would leave a dangling pointer"
-            )
-
-    def _backend_name(self, gpu: _ggml.Device | None) -> str:
-        if gpu is None:
-            return "CPU"
-        for b in self.buffers:
-            dev = _ggml.buft_get_device(b.buft)
-            if dev:
-                raw = _ggml.dev_name(dev)
-                if raw:
-                    return str(raw.decode())
-        return gpu.name
 
     # -- handed-over memory (issue 40): residency/handover.py ---------------------------------
 
