@@ -82,7 +82,7 @@ def test_a_split_shadow_round_trips_bitwise(
     steps = res.restore_steps
     assert steps.buffers == n_buffers and (steps.copy_ms or 0.0) >= 0 and (steps.alloc_ms or 0.0) >= 0
     assert steps.copy_ms is not None and steps.alloc_ms is not None
-    assert res.release_steps["buffers"] == n_buffers
+    assert res.release_steps.buffers == n_buffers
     res.close()
 
 

@@ -147,7 +147,7 @@ def _run_residency_bench(
             if baseline[0].get("gbps"):
                 out["baseline_gbps"] = baseline[0]["gbps"]
                 out["restore_vs_baseline"] = out["restore_gbps"] / baseline[0]["gbps"]
-        out["release_steps"] = res.release_steps
+        out["release_steps"] = res.release_steps.as_dict()
         out["restore_steps"] = res.restore_steps.as_dict()
         out["restore_steps_all"] = steps
         out["handover"] = handover_report(res, source)

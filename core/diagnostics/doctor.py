@@ -128,7 +128,7 @@ def _run_doctor(
             done.releases += one.releases
             done.restores += one.restores
             done.same += one.same
-            steps.append({"release": res.release_steps, "restore": res.restore_steps.as_dict()})
+            steps.append({"release": res.release_steps.as_dict(), "restore": res.restore_steps.as_dict()})
         releases = [r.ms for r in done.releases]
         restores = [r.ms for r in done.restores]
         freed = [r.freed_bytes for r in done.releases]

@@ -180,7 +180,7 @@ def run_partial_check(
                 released.append(rel.released_bytes)
                 freed.append(rel.freed_bytes)
                 restored.append(rst.bytes)
-                steps.append({"release": res.release_steps, "restore": res.restore_steps.as_dict()})
+                steps.append({"release": res.release_steps.as_dict(), "restore": res.restore_steps.as_dict()})
             return {
                 "parts": len(res.parts()),
                 "weight_bytes": res.weight_bytes,

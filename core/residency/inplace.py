@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..devmem.mapped import HandedMemory
 from ..errors import OutOfDeviceMemoryError, ResidencyError
@@ -50,11 +49,12 @@ from .kvupload import KvUpload
 from .options import ResidencyOptions
 from .plan import Part, WeightBuffer, backend_name, layer_of, out_of_memory, plan_buffers, split_plan
 from .shadow import Shadow
+from .swaps import Swaps
+from .timeline import ReleaseSteps
 from .unsupported import InPlaceUnsupportedError
+from .uploads import Uploads, restore_parallel
 
 log = logging.getLogger(__name__)
-
-_PLACEHOLDER_BYTES = 64
 
 
 class InPlace:
@@ -85,10 +85,8 @@ class InPlace:
         #: the file the weights were loaded from (just before this): what a shadow built after a
         #: release must still read
         file_id = FileId.of(model_path)
-        self._parallel_opt = parallel  # None: Vulkan buffers only (see _parallel)
-        self._executor: ThreadPoolExecutor | None = None
         #: per-step times of the last release and restore, milliseconds (doctor reports them)
-        self.release_steps: dict[str, float] = {}
+        self.release_steps = ReleaseSteps()
         self.restore_steps: dict[str, float] = {}
         #: milliseconds of attach's steps (discover, plan); the shadow's: Shadow.steps
         self._attach_steps: dict[str, float] = {}
@@ -110,17 +108,8 @@ class InPlace:
                 "Vulkan: restores stay synchronous (ggml-vulkan's uploads and graph computes from two "
                 "threads are not checked to be safe, and its graphs cannot be reset: see _forget_graphs)"
             )
-        #: the restore in progress: its gate (overlapped), its parts' uploads (futures), the
-        #: placeholders to free at the next release
-        self.gate: PartGate | None = None
-        self._retired_gate: PartGate | None = None
-        self._uploads: list[Future[float]] = []
-        self._kv: KvUpload | None = None  # the KV cells a deep restore uploads with the parts
-        #: (start, end) of each part's upload of the last restore, in order (the upload thread)
-        self._upload_spans: list[tuple[float, float]] = []
-        self._spent: list[int] = []
-        self._uploader_pool: ThreadPoolExecutor | None = None
-        self._restore_t0 = 0.0
+        #: the uploads of the restore in progress: its gate (overlapped), its parts' uploads
+        self.uploads = Uploads(self.layout)
         #: weight tensors the warm-up graph showed, and the names of those found in the model's
         #: tensor lists instead (residency/discovery.complete_from_tensor_lists)
         self.n_weight_tensors_seen = len(disc.weights) - len(disc.listed)
@@ -174,11 +163,12 @@ class InPlace:
             coalesce=coalesce,
             slice_bytes=shadow_slice_bytes if defer_shadow and not eager_split else None,
         )
-        self.moved = False  # the last restore put a buffer at another address than before
         #: device memory handed over between workers (issue 40)
         self.handover = WeightHandover()
+        #: the buffers' swaps: the placeholders to free at the next release, whether one moved
+        self.swaps = Swaps(self.layout, self.buffers, parallel, self.handover)
         if handed is not None:
-            self.handover.setup(handed, self.buffers, self._parallel())
+            self.handover.setup(handed, self.buffers, self.swaps.parallel)
         if not defer_shadow or eager_split:  # split() uploads the parts from the shadow
             self.host_shadow.fill()
 
@@ -219,49 +209,15 @@ class InPlace:
         """What the hand-over did (doctor, bench residency, the worker's status)."""
         return self.handover.stats()
 
-    # -- release / restore --------------------------------------------------------------------
+    @property
+    def gate(self) -> PartGate | None:
+        """The overlapped restore's gate, until its uploads are finished."""
+        return self.uploads.gate
 
-    def _swap(self, a: int, b: int, lay: _ggml.BufferLayout) -> None:
-        ca, cb = _ggml.read_ptr(a + lay.context), _ggml.read_ptr(b + lay.context)
-        sa, sb = _ggml.read_size(a + lay.size), _ggml.read_size(b + lay.size)
-        _ggml.write_ptr(a + lay.context, cb)
-        _ggml.write_ptr(b + lay.context, ca)
-        _ggml.write_size(a + lay.size, sb)
-        _ggml.write_size(b + lay.size, sa)
-
-    def _parallel(self) -> bool:
-        """Allocate and free the weight buffers on several threads: Vulkan, where each
-        vkAllocateMemory / vkFreeMemory costs time in proportion to its size (about 20 ms per GiB
-        on the H200's driver), so the uploads overlap the allocations that follow them (restore
-        191 -> 177 ms there, release 100 -> 90 ms: docs/lab/HISTORY.md); never on CUDA (unchanged)."""
-        if self._parallel_opt is not None:
-            return self._parallel_opt and len(self.buffers) > 1
-        return len(self.buffers) > 1 and all(b.buft_name.startswith("Vulkan") for b in self.buffers)
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=min(8, len(self.buffers)), thread_name_prefix="residency-buffers"
-            )
-        return self._executor
-
-    def _detach_buffer(self, b: WeightBuffer) -> int:
-        """Swap ``b`` with a tiny placeholder; returns the placeholder, which now owns the weights'
-        memory (freeing it frees them)."""
-        assert b.layout is not None
-        placeholder = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
-        if placeholder is None:
-            raise ResidencyError(
-                f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} placeholder buffer: "
-                "the model was not released"
-            )
-        self._swap(b.ptr, placeholder, b.layout)
-        b.released = True
-        self.handover.uncarry(b, placeholder)  # a carrier's context: its own pointer back
-        return placeholder
-
-    def _release_buffer(self, b: WeightBuffer) -> None:
-        _ggml.buffer_free(self._detach_buffer(b))  # frees the weights' memory
+    @property
+    def moved(self) -> bool:
+        """The last restore put a buffer at another address than before."""
+        return self.swaps.moved
 
     # -- layer parts --------------------------------------------------------------------------
 
@@ -274,33 +230,9 @@ class InPlace:
         changed)."""
         if not self.split_pending:
             return
-        made: list[WeightBuffer] = []
-
-        def unmake() -> None:
-            for m in made:
-                _ggml.buffer_free(m.ptr)
-                m.ptr = 0
-
-        for b in self.buffers:
-            ph = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
-            if ph is None:
-                unmake()
-                raise ResidencyError(
-                    f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} buffer for a layer part: "
-                    "the model keeps its own buffers"
-                )
-            b.ptr = ph
-            made.append(b)
-            _ggml.buffer_set_usage(ph, _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)  # the scheduler's rules
-            assert b.layout is not None
-            if _ggml.read_size(ph + b.layout.size) != _PLACEHOLDER_BYTES:
-                unmake()
-                raise ResidencyError(
-                    f"a fresh {b.buft_name} buffer's size field is not where the probe found it: "
-                    "the model keeps its own buffers"
-                )
+        self.swaps.make_part_buffers(self.buffers)
         for o in self.originals:
-            self._release_buffer(o)  # the model's struct keeps the placeholder, freed at its close
+            self.swaps.free(o)  # the model's struct keeps the placeholder, freed at its close
         self.split_pending = False
         if restore:
             self.restore()
@@ -334,13 +266,15 @@ class InPlace:
                 resident -= p.bytes
         return out
 
+    # -- release / restore --------------------------------------------------------------------
+
     def release(self, keep_bytes: int | None = None, final: bool = False) -> int:
         """Release parts from the last layer down until at most ``keep_bytes`` stay resident (all
         with None); returns the bytes released. A placeholder that cannot be made: what this
         call released is restored again and ResidencyError raised. ``final``: never restored
         (the process is ending), so a deferred shadow is not checked against the file."""
         self.finish_uploads()  # an overlapped restore's uploads are over before anything is freed
-        self._free_spent()  # the last restore's placeholders (kept out of its time)
+        self.swaps.free_spent()  # the last restore's placeholders (kept out of its time)
         if not final:
             # a deferred shadow's slices not built yet: checked against the file, which they are
             # read from later -- nothing is released that could not come back
@@ -350,39 +284,33 @@ class InPlace:
             if not self.parts_to_release(keep_bytes):
                 return 0
             self.split(restore=False)
-            self.release_steps = {
-                "free_ms": (time.perf_counter() - t0) * 1000,
-                "buffers": len(self.originals),
-                "parts": len(self.parts),
-            }
+            self.release_steps = ReleaseSteps(
+                (time.perf_counter() - t0) * 1000, len(self.originals), len(self.parts)
+            )
             return self.weight_bytes
         chosen = self.parts_to_release(keep_bytes)
         todo = [b for p in chosen for b in p.buffers if not b.released]
         done: list[WeightBuffer] = []
         try:
-            if self._parallel():
+            if self.swaps.parallel:
                 held: list[int] = []
                 try:
                     for b in todo:
-                        held.append(self._detach_buffer(b))
+                        held.append(self.swaps.detach(b))
                         done.append(b)
                 finally:  # what was detached is freed, also when a placeholder failed
-                    list(self._pool().map(_ggml.buffer_free, held))
+                    list(self.swaps.pool().map(_ggml.buffer_free, held))
             else:
                 try:
                     for b in todo:
-                        self._release_buffer(b)
+                        self.swaps.free(b)
                         done.append(b)
                 finally:
                     self.handover.unmap(keep=not final)
         except ResidencyError:
             self._restore(done)  # undo this call: the lease still covers those bytes
             raise
-        self.release_steps = {
-            "free_ms": (time.perf_counter() - t0) * 1000,
-            "buffers": len(todo),
-            "parts": len(chosen),
-        }
+        self.release_steps = ReleaseSteps((time.perf_counter() - t0) * 1000, len(todo), len(chosen))
         return sum(b.size for b in done)
 
     def restore(self, overlap: bool = False, kv: KvUpload | None = None) -> int:
@@ -409,23 +337,16 @@ class InPlace:
         gate waits for them too); the layers of no part restored here are left to the caller
         (``kv.upload_unclaimed``)."""
         self.finish_uploads()
-        self._kv = kv
+        self.uploads.kv = kv
         try:
             return self._restore([b for b in self.buffers if b.released], overlap)
         finally:
-            self._kv = None
+            self.uploads.kv = None
 
     def _part_groups(self, todo: list[WeightBuffer]) -> list[tuple[Part, list[WeightBuffer]]]:
         mine = {id(b) for b in todo}
         groups = [(p, [b for b in p.buffers if id(b) in mine]) for p in self.parts]
         return [(p, bufs) for p, bufs in groups if bufs]
-
-    def _uploader(self) -> ThreadPoolExecutor:
-        if self._uploader_pool is None:
-            # one thread: the parts upload in layer order (on CUDA from its own per-thread stream,
-            # beside the compute streams of the decoding thread)
-            self._uploader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="residency-upload")
-        return self._uploader_pool
 
     def _restore(self, todo: list[WeightBuffer], overlap: bool = False) -> int:
         """Allocate and relocate the buffers of ``todo`` part by part in layer order, each part's
@@ -434,36 +355,23 @@ class InPlace:
         first part's allocation, not after the last one's). Overlapped (``background``): the
         gate exists before the first upload is submitted (an upload marks its part ready there)
         and this returns with the uploads running; synchronous: it waits for them."""
-        self._restore_t0 = t_start = time.perf_counter()
-        self.moved = False
-        if self._parallel():
-            return self._restore_parallel(todo, t_start)
+        self.uploads.started = t_start = time.perf_counter()
+        self.swaps.moved = False
+        if self.swaps.parallel:
+            nbytes, self.restore_steps = restore_parallel(todo, self.swaps, lambda: self.shadow, t_start)
+            return nbytes
         groups = self._part_groups(todo)
         background = overlap and self.hook is not None and len(groups) >= 2
         shadow = self.shadow
-        self._upload_spans = []
-        gate: PartGate | None = None
-        if background:
-            # the tensors' struct pointers never change: the gate can be made before any allocation
-            gate = self.gate = PartGate(
-                self.layout,
-                [
-                    (
-                        p.index,
-                        p.first_layer,
-                        sum(b.size for b in bufs),
-                        [t.ptr for b in bufs for t in b.tensors] + self._kv_claim(p),
-                    )
-                    for p, bufs in groups
-                ],
-            )
+        self.uploads.begin()
+        gate = self.uploads.make_gate(groups) if background else None
         done: list[WeightBuffer] = []
         first_alloc_s = alloc_max_s = 0.0
         held: list[tuple[Part, list[WeightBuffer]]] = []
         try:
             handed = self.handover.map(todo)
         except OutOfDeviceMemoryError:
-            self.gate = None
+            self.uploads.gate = None
             raise
         for part, bufs in groups:
             for b in bufs:
@@ -471,22 +379,20 @@ class InPlace:
                 new = self.handover.new_buffer(b, handed)
                 if new is None:
                     # the uploads submitted so far end first (they write into buffers given back now)
-                    _copy_s, _error = self._wait_uploads()
-                    self.gate = None
-                    self._free_spent()
+                    _copy_s, _error = self.uploads.wait()
+                    self.uploads.gate = None
+                    self.swaps.free_spent()
                     for d in done:
-                        self._release_buffer(d)
+                        self.swaps.free(d)
                     self.handover.unmap_unused(handed, todo, done)  # mapped, never carried
                     raise out_of_memory(b, todo)
                 alloc_max_s = max(alloc_max_s, time.perf_counter() - t_a)
-                # the placeholder is freed at the next release: on CUDA cudaFree waits for the
-                # whole device (the uploads in flight), and it is time a restore need not take
-                self._spent.append(self._relocate(b, new))
+                self.swaps.keep_spent(self.swaps.relocate(b, new))
                 done.append(b)
             if not first_alloc_s:
                 first_alloc_s = time.perf_counter() - t_start
             held.append((part, bufs))
-            self._submit_uploads(held, shadow, gate)
+            self.uploads.submit(held, shadow, gate)
         alloc_s = time.perf_counter() - t_start
         nbytes = sum(t.nbytes for b in done for t in b.tensors)
         self.restore_steps = {
@@ -516,180 +422,20 @@ class InPlace:
         self.finish_uploads()
         return nbytes
 
-    def _submit_uploads(
-        self, held: list[tuple[Part, list[WeightBuffer]]], shadow: HostMemory, gate: PartGate | None
-    ) -> None:
-        """Hand the parts in ``held`` to the upload thread, in order, and empty it (with the KV
-        cache's layers of each part, when a deep restore gave them)."""
-        for part, bufs in held:
-            kv = None
-            if self._kv is not None:
-                self._kv_claim(part)
-                kv = (self._kv, part.first_layer, part.last_layer)
-            job = self._uploader().submit(self._upload_part, bufs, shadow, gate, part.index, kv)
-            self._uploads.append(job)
-        held.clear()
-
-    def _kv_claim(self, part: Part) -> list[int]:
-        return self._kv.claim(part.first_layer, part.last_layer) if self._kv is not None else []
-
-    def _restore_parallel(self, todo: list[WeightBuffer], t_start: float) -> int:
-        """Vulkan: every buffer allocated at once on the pool's threads, each uploaded (on this
-        thread) as soon as its allocation is back."""
-        copy_s = 0.0
-        futures: list[Future[int | None]] = [
-            self._pool().submit(_ggml.buft_alloc_buffer, b.buft, b.size) for b in todo
-        ]
-        done: list[WeightBuffer] = []
-        for i, b in enumerate(todo):
-            new = futures[i].result()
-            if new is None:
-                for f in futures[i + 1 :]:  # the other allocations that came back are not needed
-                    extra = f.result()
-                    if extra is not None:
-                        _ggml.buffer_free(extra)
-                for d in done:
-                    self._release_buffer(d)
-                raise out_of_memory(b, todo)
-            t1 = time.perf_counter()
-            self._attach_buffer(b, new)
-            copy_s += time.perf_counter() - t1
-            done.append(b)
-        total_s = time.perf_counter() - t_start
-        self.restore_steps = {
-            "alloc_ms": (total_s - copy_s) * 1000,  # allocation (not overlapped with copies) and relocation
-            "copy_ms": copy_s * 1000,
-            "buffers": len(done),
-            "total_ms": total_s * 1000,
-        }
-        return sum(t.nbytes for b in done for t in b.tensors)
-
     @property
     def restore_started(self) -> float:
         """``perf_counter()`` at the start of the last restore: the origin of its timeline."""
-        return self._restore_t0
+        return self.uploads.started
 
     @property
     def uploads_pending(self) -> bool:
         """An overlapped restore's uploads are not all known to be complete (finish_uploads)."""
-        return bool(self._uploads)
-
-    def _upload_part(
-        self,
-        bufs: list[WeightBuffer],
-        shadow: HostMemory,
-        gate: PartGate | None,
-        idx: int,
-        kv: tuple[KvUpload, int, int] | None = None,
-    ) -> float:
-        """One part's uploads (on the upload thread), then its layers' KV cells (``kv``); returns
-        their seconds. The gate learns of the part in any case (a failed upload is raised by
-        finish_uploads)."""
-        t0 = time.perf_counter()
-        try:
-            for b in bufs:
-                self._upload(b, shadow)
-            if kv is not None:
-                kv[0].upload(kv[1], kv[2])
-        finally:
-            t1 = time.perf_counter()
-            self._upload_spans.append((t0, t1))  # one writer: the upload thread
-            if gate is not None:
-                gate.set_ready(idx)
-        return t1 - t0
-
-    def _wait_uploads(self) -> tuple[float, BaseException | None]:
-        copy_s, error = 0.0, None
-        for f in self._uploads:
-            try:
-                copy_s += f.result()
-            except BaseException as exc:  # raised once every upload is over
-                error = error or exc
-        self._uploads = []
-        return copy_s, error
-
-    def _free_spent(self) -> None:
-        for ph in self._spent:
-            _ggml.buffer_free(ph)
-        self._spent = []
+        return self.uploads.pending
 
     def finish_uploads(self) -> None:
-        """Wait for the uploads of the last restore; a no-op when none is pending. Then
-        ``restore_steps`` has ``copy_ms`` (the upload thread's busy time), ``wait_ms`` (how long
-        this call waited), ``first_upload_at_ms`` (from the restore's start to its first copy),
-        ``upload_wall_ms`` (first copy's start to last copy's end) and ``upload_gaps_ms`` (the
-        upload thread idle in between: waiting for allocations); ``total_ms`` of a synchronous
-        restore is its whole time, ``uploads_ms`` of an overlapped one its upload wall time."""
-        if not self._uploads:
-            return
-        t0 = time.perf_counter()
-        copy_s, error = self._wait_uploads()
-        t1 = time.perf_counter()
-        steps = self.restore_steps
-        steps["copy_ms"] = copy_s * 1000
-        steps["wait_ms"] = (t1 - t0) * 1000
-        spans = self._upload_spans
-        if spans:
-            wall = max(e for _s, e in spans) - spans[0][0]
-            steps["first_upload_at_ms"] = (spans[0][0] - self._restore_t0) * 1000
-            steps["upload_wall_ms"] = wall * 1000
-            steps["upload_gaps_ms"] = max(0.0, wall - copy_s) * 1000
-        if steps.get("overlapped"):
-            # from the start of the uploads to the end of the last one
-            steps["uploads_ms"] = steps.get("upload_wall_ms", 0.0)
-            if self.gate is not None and self.gate.stats.first_ask_t:
-                st = self.gate.stats
-                # when the decode's first node was asked about, and got past its last wait
-                steps["first_node_at_ms"] = (st.first_ask_t - self._restore_t0) * 1000
-                if st.last_wait_end_t:
-                    steps["last_wait_end_at_ms"] = (st.last_wait_end_t - self._restore_t0) * 1000
-            if spans:
-                steps["last_upload_end_at_ms"] = (max(e for _s, e in spans) - self._restore_t0) * 1000
-        else:
-            steps["total_ms"] = (time.perf_counter() - self._restore_t0) * 1000
-        # kept alive until the next restore: the context may still hold its callback pointer
-        # until whoever installed it clears it (Residency.settle)
-        self._retired_gate, self.gate = self.gate, None
-        if error is not None:
-            raise ResidencyError(f"uploading the restored weights failed: {error}") from error
-
-    def _relocate(self, b: WeightBuffer, new: int) -> int:
-        """Put the fresh allocation ``new`` under ``b`` and relocate its tensors (no upload);
-        returns the placeholder that now holds the tiny memory, for the caller to free."""
-        assert b.layout is not None
-        lay_t = self.layout
-        self._swap(b.ptr, new, b.layout)
-        base = int(_ggml.buffer_get_base(b.ptr) or 0)
-        if base != b.base:  # never on Vulkan: its bases are the constant vk_ptr_base
-            self.moved = True
-        b.base = base
-        for t in b.tensors:
-            if b.owned:  # a layer part: the tensor moved in from the model's buffer at split()
-                _ggml.write_ptr(t.ptr + lay_t.buffer, b.ptr)
-            _ggml.write_ptr(t.ptr + lay_t.data, base + t.offset)
-            _ggml.buffer_init_tensor(b.ptr, t.ptr)
-        if b.mirror:
-            _ggml.write_ptr(b.whole + lay_t.buffer, b.ptr)
-            _ggml.write_ptr(b.whole + lay_t.data, base)
-        b.released = False
-        return new
-
-    def _upload(self, b: WeightBuffer, shadow: HostMemory) -> None:
-        """Copy ``b``'s bytes from the host shadow, through the buffer's own set_tensor: a
-        mirrored buffer in one copy per host allocation it spans, others tensor by tensor."""
-        if b.mirror:
-            for off, size, _addr in shadow.segments:
-                lo, hi = max(off, b.shadow_base), min(off + size, b.shadow_base + b.size)
-                if lo < hi:
-                    _ggml.tensor_set(b.whole, shadow.address(lo, hi - lo), lo - b.shadow_base, hi - lo)
-        else:
-            for t in b.tensors:
-                _ggml.tensor_set(t.ptr, shadow.address(t.shadow_offset, t.nbytes), 0, t.nbytes)
-
-    def _attach_buffer(self, b: WeightBuffer, new: int) -> None:
-        """Put the fresh allocation ``new`` under ``b``, relocate its tensors and upload them."""
-        _ggml.buffer_free(self._relocate(b, new))  # the tiny placeholder memory
-        self._upload(b, self.shadow)
+        """Wait for the uploads of the last restore (Uploads.finish: their steps go into
+        ``restore_steps``); a no-op when none is pending."""
+        self.uploads.finish(self.restore_steps)
 
     def _moved_back(self, carried: list[WeightBuffer]) -> bool:
         """Restore ``carried`` (released) into ggml memory; True when a buffer moved."""
@@ -699,13 +445,9 @@ class InPlace:
     def close(self) -> None:
         try:
             self.finish_uploads()
-            self.handover.give_back(self.buffers, self.finish_uploads, self._release_buffer, self._moved_back)
-            self._free_spent()
+            self.handover.give_back(self.buffers, self.finish_uploads, self.swaps.free, self._moved_back)
+            self.swaps.free_spent()
         finally:
-            if self._uploader_pool is not None:
-                self._uploader_pool.shutdown(wait=True)
-                self._uploader_pool = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+            self.uploads.close()
+        self.swaps.close()
         self.host_shadow.close()

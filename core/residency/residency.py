@@ -39,7 +39,7 @@ from .options import Mode, ResidencyOptions
 from .projector import ProjectorWatch
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
-from .timeline import OverlapTimeline, RestoreSteps
+from .timeline import OverlapTimeline, ReleaseSteps, RestoreSteps
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 from .view import InPlaceView
 
@@ -758,9 +758,10 @@ class Residency:
         return {"on": False, "note": self.handover_note}
 
     @property
-    def release_steps(self) -> dict[str, float]:
-        """Per-step milliseconds of the last in-place release (empty on other paths)."""
-        return dict(self._inplace.release_steps) if self._inplace is not None else {}
+    def release_steps(self) -> ReleaseSteps:
+        """The last in-place release: milliseconds, buffers and parts (all None on other paths,
+        and before the first release)."""
+        return self._inplace.release_steps if self._inplace is not None else ReleaseSteps()
 
     @property
     def restore_steps(self) -> RestoreSteps:

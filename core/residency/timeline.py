@@ -1,5 +1,5 @@
-"""Typed restore timelines: the steps of the last in-place restore, and what an overlapped
-restore's upload gate saw once settled."""
+"""Typed release and restore timelines: the steps of the last in-place release and restore, and
+what an overlapped restore's upload gate saw once settled."""
 
 from __future__ import annotations
 
@@ -8,6 +8,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .gate import GateStats
+
+
+@dataclass(frozen=True)
+class ReleaseSteps:
+    """The last in-place release (``Residency.release_steps``): its milliseconds and how many
+    buffers and layer parts it freed; all None on other paths and before the first release.
+    ``as_dict()`` gives the keys the diagnostics' JSON has always printed (none: ``{}``)."""
+
+    free_ms: float | None = None  # swapping and freeing the buffers
+    buffers: int | None = None
+    parts: int | None = None
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
 
 
 @dataclass(frozen=True)

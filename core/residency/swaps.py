@@ -1,0 +1,158 @@
+"""The in-place path's buffer swaps: a weight buffer's memory leaves and comes back by swapping
+the ``context`` and ``size`` of its ggml buffer struct with those of another buffer of the same
+type (steps 4 and 5 of residency/inplace.py).
+
+Release: swap with a tiny placeholder and free the placeholder (which now owns the weights'
+memory). Restore: swap with a fresh allocation, relocate every tensor's ``data`` (and, for a layer
+part's buffer, its ``buffer``) and ``init_tensor`` it; the placeholder that comes out is freed at
+the next release (on CUDA cudaFree waits for the whole device: the uploads in flight).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import ResidencyError
+from . import _ggml
+from .handover import WeightHandover
+from .plan import WeightBuffer
+
+_PLACEHOLDER_BYTES = 64
+
+
+def swap(a: int, b: int, lay: _ggml.BufferLayout) -> None:
+    """Swap the ``context`` and ``size`` fields of the buffer structs ``a`` and ``b``."""
+    ca, cb = _ggml.read_ptr(a + lay.context), _ggml.read_ptr(b + lay.context)
+    sa, sb = _ggml.read_size(a + lay.size), _ggml.read_size(b + lay.size)
+    _ggml.write_ptr(a + lay.context, cb)
+    _ggml.write_ptr(b + lay.context, ca)
+    _ggml.write_size(a + lay.size, sb)
+    _ggml.write_size(b + lay.size, sa)
+
+
+class Swaps:
+    """Owns what the swaps leave behind (the placeholders of the last restore, whether a buffer
+    came back at another address) and the threads that allocate and free buffers in parallel.
+    Not thread-safe: the in-place path's caller is its only caller."""
+
+    def __init__(
+        self,
+        layout: _ggml.TensorLayout,
+        buffers: list[WeightBuffer],
+        parallel: bool | None,
+        handover: WeightHandover,
+    ) -> None:
+        """``parallel``: allocate and free ``buffers`` on several threads (None: Vulkan buffers
+        only, see :attr:`parallel`)."""
+        self._layout = layout
+        self._buffers = buffers
+        self._parallel_opt = parallel
+        self._handover = handover
+        self._executor: ThreadPoolExecutor | None = None
+        self._spent: list[int] = []
+        self.moved = False  # the last restore put a buffer at another address than before
+
+    @property
+    def parallel(self) -> bool:
+        """Allocate and free the weight buffers on several threads: Vulkan, where each
+        vkAllocateMemory / vkFreeMemory costs time in proportion to its size (about 20 ms per GiB
+        on the H200's driver), so the uploads overlap the allocations that follow them (restore
+        191 -> 177 ms there, release 100 -> 90 ms: docs/lab/HISTORY.md); never on CUDA (unchanged)."""
+        if self._parallel_opt is not None:
+            return self._parallel_opt and len(self._buffers) > 1
+        return len(self._buffers) > 1 and all(b.buft_name.startswith("Vulkan") for b in self._buffers)
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The threads that allocate and free buffers in parallel."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=min(8, len(self._buffers)), thread_name_prefix="residency-buffers"
+            )
+        return self._executor
+
+    def detach(self, b: WeightBuffer) -> int:
+        """Swap ``b`` with a tiny placeholder; returns the placeholder, which now owns the weights'
+        memory (freeing it frees them)."""
+        assert b.layout is not None
+        placeholder = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
+        if placeholder is None:
+            raise ResidencyError(
+                f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} placeholder buffer: "
+                "the model was not released"
+            )
+        swap(b.ptr, placeholder, b.layout)
+        b.released = True
+        self._handover.uncarry(b, placeholder)  # a carrier's context: its own pointer back
+        return placeholder
+
+    def free(self, b: WeightBuffer) -> None:
+        """Release ``b``: detach it and free the weights' memory."""
+        _ggml.buffer_free(self.detach(b))
+
+    def relocate(self, b: WeightBuffer, new: int) -> int:
+        """Put the fresh allocation ``new`` under ``b`` and relocate its tensors (no upload);
+        returns the placeholder that now holds the tiny memory, for the caller to free."""
+        assert b.layout is not None
+        lay_t = self._layout
+        swap(b.ptr, new, b.layout)
+        base = int(_ggml.buffer_get_base(b.ptr) or 0)
+        if base != b.base:  # never on Vulkan: its bases are the constant vk_ptr_base
+            self.moved = True
+        b.base = base
+        for t in b.tensors:
+            if b.owned:  # a layer part: the tensor moved in from the model's buffer at split()
+                _ggml.write_ptr(t.ptr + lay_t.buffer, b.ptr)
+            _ggml.write_ptr(t.ptr + lay_t.data, base + t.offset)
+            _ggml.buffer_init_tensor(b.ptr, t.ptr)
+        if b.mirror:
+            _ggml.write_ptr(b.whole + lay_t.buffer, b.ptr)
+            _ggml.write_ptr(b.whole + lay_t.data, base)
+        b.released = False
+        return new
+
+    def keep_spent(self, placeholder: int) -> None:
+        """Free ``placeholder`` at the next release (:meth:`free_spent`), not now: on CUDA
+        cudaFree waits for the whole device (the uploads in flight), time a restore need not
+        take."""
+        self._spent.append(placeholder)
+
+    def free_spent(self) -> None:
+        for ph in self._spent:
+            _ggml.buffer_free(ph)
+        self._spent = []
+
+    def make_part_buffers(self, buffers: list[WeightBuffer]) -> None:
+        """The structs of the layer parts' ``buffers``: each a placeholder of its type, used for
+        weights (the scheduler's rules). ResidencyError when one cannot be made (those made are
+        freed again: nothing changed)."""
+        made: list[WeightBuffer] = []
+
+        def unmake() -> None:
+            for m in made:
+                _ggml.buffer_free(m.ptr)
+                m.ptr = 0
+
+        for b in buffers:
+            ph = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
+            if ph is None:
+                unmake()
+                raise ResidencyError(
+                    f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} buffer for a layer part: "
+                    "the model keeps its own buffers"
+                )
+            b.ptr = ph
+            made.append(b)
+            _ggml.buffer_set_usage(ph, _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)  # the scheduler's rules
+            assert b.layout is not None
+            if _ggml.read_size(ph + b.layout.size) != _PLACEHOLDER_BYTES:
+                unmake()
+                raise ResidencyError(
+                    f"a fresh {b.buft_name} buffer's size field is not where the probe found it: "
+                    "the model keeps its own buffers"
+                )
+
+    def close(self) -> None:
+        """End the threads."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
