@@ -10,13 +10,13 @@ from ._ggml import devices as ggml_devices
 from .gguf_check import GgufInfo, check_gguf
 from .hostmem import fix_malloc_mmap_threshold
 from .options import ResidencyOptions
+from .paths import WeightPart
 from .projector import ProjectorWatch
 from .residency import (
     ProbeResult,
     ReleaseReport,
     Residency,
     RestoreReport,
-    WeightPart,
 )
 from .vkenv import prefer_device_local_memory
 

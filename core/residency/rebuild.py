@@ -14,17 +14,32 @@ from ..errors import ModelFileChangedError, OutOfDeviceMemoryError
 from ..util.fileid import FileId
 from .context import Released, new_context, point_tokenizer
 from .kv import KvSnapshot
+from .kvupload import KvUpload
+from .paths import PathName, WeightPart
+from .state import Weights
+from .timeline import ReleaseSteps, RestoreSteps
 
 
 class RebuildPath:
     """Frees and rebuilds ``llm``'s model and context in place (the same ``llm`` object works
-    again after :meth:`restore`). The loop thread's :class:`Residency` is its only caller."""
+    again after :meth:`restore`); a :class:`~.paths.ResidencyPath` of one part, ``weight_bytes``
+    (the model's size) over ``n_layer`` layers. The loop thread's :class:`Residency` is its only
+    caller."""
 
-    def __init__(self, llm: Any, model_path: str, file_id: FileId, pinned_kv: bool) -> None:
+    name: PathName = "rebuild"
+    frees_memory = True
+    releases_context = True  # the context goes with the model, its KV cache held here
+    tracks_addresses = False
+
+    def __init__(
+        self, llm: Any, model_path: str, file_id: FileId, pinned_kv: bool, n_layer: int, weight_bytes: int
+    ) -> None:
         self._llm = llm
         self.model_path = model_path
         self._file_id = file_id  # the file the model was loaded from: what a restore must read
         self._pinned_kv = pinned_kv
+        self._n_layer = n_layer
+        self.weight_bytes = weight_bytes
         self._kv: KvSnapshot | None = None
 
     @property
@@ -36,8 +51,31 @@ class RebuildPath:
     def kv_pinned(self) -> bool:
         return self._kv.pinned if self._kv is not None else False
 
-    def release(self) -> None:
-        """Snapshot the KV cache, then free the context and the model (stand-ins take their place)."""
+    def weights_todo(self, resident: bool, kv: bool, keep_bytes: int | None) -> bool:
+        """Everything goes (one part), unless ``keep_bytes`` covers the model and the KV cache stays."""
+        return resident and (kv or keep_bytes is None or keep_bytes < self.weight_bytes)
+
+    def resident_bytes(self, resident: bool) -> int:
+        return self.weight_bytes if resident else 0
+
+    def parts(self, resident: bool) -> list[WeightPart]:
+        return [WeightPart(0, 0, max(self._n_layer - 1, 0), self.weight_bytes, resident)]
+
+    @property
+    def release_steps(self) -> ReleaseSteps:
+        return ReleaseSteps()
+
+    @property
+    def restore_steps(self) -> RestoreSteps:
+        return RestoreSteps()
+
+    @property
+    def attach_steps(self) -> dict[str, float]:
+        return {}
+
+    def release(self, keep_bytes: int | None = None, final: bool = False) -> Weights:
+        """Snapshot the KV cache, then free the context and the model (stand-ins take their
+        place): all of it, whatever ``keep_bytes``."""
         llm = self._llm
         ctx_obj, model_obj = llm._ctx, llm._model
         self._kv = KvSnapshot.take(ctx_obj.ctx, self._pinned_kv)
@@ -46,11 +84,13 @@ class RebuildPath:
         llm._ctx = Released("context")
         llm._model = Released("model")
         point_tokenizer(llm, llm._model)
+        return Weights.NONE
 
-    def restore(self) -> int:
+    def restore(self, overlap: bool = False, kv: KvUpload | None = None) -> tuple[int, bool | None]:
         """Load the model again, make its context and apply the KV snapshot; returns the model's
-        bytes. Raises ModelFileChangedError (the file is gone or changed) or
-        OutOfDeviceMemoryError; the model stays released either way."""
+        bytes (and None: where the weights are now is not known). Raises ModelFileChangedError
+        (the file is gone or changed) or OutOfDeviceMemoryError; the model stays released either
+        way. Never overlapped; ``kv`` is the in-place path's."""
         from llama_cpp import _internals
 
         llm = self._llm
@@ -89,7 +129,7 @@ class RebuildPath:
         llm._model = model
         llm._ctx = ctx
         point_tokenizer(llm, model)
-        return int(llama_cpp.llama_model_size(model.model))
+        return int(llama_cpp.llama_model_size(model.model)), None
 
     def close(self) -> None:
         if self._kv is not None:

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import llama_cpp
 
@@ -36,6 +36,7 @@ from .kv import KvSnapshot
 from .kvbuffer import KvBuffers, KvBufferUnsupportedError
 from .kvupload import KvUpload, KvUploadUnsupportedError
 from .options import Mode, ResidencyOptions
+from .paths import InPlacePath, NoPath, PathName, ResidencyPath, WeightPart
 from .projector import ProjectorWatch
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 #: ggml device names (CUDA0, Vulkan0, ...) of the backends the in-place path was checked on
 _INPLACE_BACKENDS = ("CUDA", "Vulkan")
-Path_ = Literal["inplace", "rebuild", "none"]
 
 
 #: the environment variable that turns overlapped restores off ("0") or on ("1")
@@ -86,18 +86,6 @@ def overlap_expected() -> bool:
     (the attach-time probe passes on CUDA only, never on Vulkan; off on the CPU build)."""
     wanted = overlap_wanted()
     return wanted if wanted is not None else Residency.probe().backend.startswith("CUDA")
-
-
-@dataclass(frozen=True)
-class WeightPart:
-    """One run of consecutive layers of the weights (the tensors outside the layers belong to
-    the first layer's part); ``bytes``: its buffers' exact sizes (alignment padding in)."""
-
-    index: int
-    first_layer: int
-    last_layer: int
-    bytes: int
-    resident: bool
 
 
 @dataclass(frozen=True)
@@ -206,7 +194,10 @@ class Residency:
     def __init__(self) -> None:  # use attach()
         self._llm: Any = None
         self.model_path = ""
-        self.path: Path_ = "rebuild"
+        #: how the weights leave and come back (residency/paths.py), chosen once at attach
+        self._path: ResidencyPath = NoPath(0)
+        #: the same, where it is the in-place path (what only it has: shadow, overlap, hand-over)
+        self._inpath: InPlacePath | None = None
         self.reason = ""
         self.backend = "CPU"
         self._state = ResidencyState.RESIDENT
@@ -219,12 +210,8 @@ class Residency:
         self._n_layer = 0
         self._opts = ResidencyOptions()
         self._gpu: _ggml.Device | None = None
-        self._inplace: InPlace | None = None
-        #: a vision projector's weights, released and restored with the model's (attach_projector)
-        self._projector: InPlace | None = None
         self.projector_bytes = 0  # its device weight bytes (in weight_bytes too); 0: none attached
         self.projector_note = ""  # why a projector stays on the device ("": none, or it moves)
-        self._rebuild: RebuildPath | None = None
         self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
         self._kv: KvSnapshot | None = None
         self._file_id: FileId | None = None
@@ -337,14 +324,12 @@ class Residency:
         if self._opts.handover:
             handed, self.handover_note = handed_memory(self._gpu, chunk_source)
         try:
-            self._inplace = InPlace(
-                llm, self.model_path, self._gpu, self._opts, overlap=overlap_probe, handed=handed
-            )
+            ip = InPlace(llm, self.model_path, self._gpu, self._opts, overlap=overlap_probe, handed=handed)
         except NothingToReleaseError as exc:
             if mode != "auto":
                 self._fallback(mode, str(exc))
                 return self
-            self.path = "none"
+            self._path = NoPath(self._n_layer)
             self.reason = str(exc)
             self.backend = "CPU"
             log.info("residency of %s: nothing to release (%s)", self.model_path, self.reason)
@@ -352,7 +337,7 @@ class Residency:
         except InPlaceUnsupportedError as exc:
             self._fallback(mode, str(exc))
             return self
-        ip = self._inplace
+        self._path = self._inpath = InPlacePath(ip, self._own_part_buffers, self._graphs_moved_at_close)
         if ip.split_pending and not ip.split_at_release:
             self._split(ip)
         try:
@@ -367,7 +352,6 @@ class Residency:
                 self.buffers_note = DEEP_UNVERIFIED.format(backend=ip.backend)
             else:
                 self._probe_compute(int(live.ctx))
-        self.path = "inplace"
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
         if handed is not None:
@@ -404,6 +388,17 @@ class Residency:
     def _overlap_wanted(self) -> bool | None:
         return overlap_wanted(self._opts.overlap_restore)
 
+    @property
+    def path(self) -> PathName:
+        """How the weights leave and come back: ``inplace``, ``rebuild`` or ``none`` (nothing to
+        free: memory-mapped weights of a CPU-only build)."""
+        return self._path.name
+
+    @property
+    def _inplace(self) -> InPlace | None:
+        """The in-place path's InPlace (None on other paths)."""
+        return self._inpath.ip if self._inpath is not None else None
+
     def attach_projector(self, watch: ProjectorWatch, path: str | os.PathLike[str]) -> bool:
         """Release and restore a vision projector's weights with the model's (issue 41): the
         weights ``watch`` saw in the clip context's warm-up encode, their host shadow read from
@@ -412,7 +407,8 @@ class Residency:
         :attr:`resident_bytes` and :attr:`host_bytes`; False (``projector_note`` says why) when
         it stays on the device."""
         self._check_open()
-        if self.path != "inplace" or not self.weights_resident:
+        inpath = self._inpath
+        if inpath is None or not self.weights_resident:
             self.projector_note = f"the model's residency is {self.path!r}: its projector stays where it is"
             return False
         opts = ResidencyOptions(
@@ -428,7 +424,7 @@ class Residency:
             self.projector_note = str(exc)
             log.info("the projector %s stays on the device: %s", path, exc)
             return False
-        self._projector = proj
+        inpath.projector = proj
         self.projector_bytes = proj.weight_bytes
         self.weight_bytes += proj.weight_bytes
         self._note_shadow()
@@ -460,7 +456,7 @@ class Residency:
             self._enter(weights=Weights.NONE)
         except ResidencyError:  # nothing moved (a placeholder could not be made): the shadow goes
             ip.close()
-            self._inplace = None
+            self._path, self._inpath = NoPath(self._n_layer), None
             raise
         finally:
             if not ip.split_pending:
@@ -477,11 +473,18 @@ class Residency:
 
         self._llm._stack.callback(free_parts, ip.part_buffers())
 
+    def _graphs_moved_at_close(self) -> None:
+        """Closing moved resident weights (their handed-over memory given back): the graphs are
+        built anew at the next decode."""
+        if self.weights_resident:
+            with contextlib.suppress(ResidencyError, AttributeError):
+                _forget_graphs(self._llm._ctx.ctx, self._llm)
+
     def _note_shadow(self) -> None:
-        ip = self._inplace
-        if ip is None or ip.host_shadow.pending:
+        inpath = self._inpath
+        if inpath is None or inpath.ip.host_shadow.pending:
             return
-        proj = self._projector
+        ip, proj = inpath.ip, inpath.projector
         self.host_bytes = ip.shadow.size + (proj.shadow.size if proj is not None else 0)
         self.host_pinned = ip.shadow.pinned and (proj is None or proj.shadow.pinned)
         self.host_note = ip.host_shadow.note
@@ -592,7 +595,7 @@ class Residency:
     def attach_steps(self) -> dict[str, float]:
         """Milliseconds of the in-place attach's steps (discover, plan; shadow alloc, read and
         verify once filled); empty on other paths."""
-        return dict(self._inplace.attach_steps) if self._inplace is not None else {}
+        return self._path.attach_steps
 
     def _fallback(self, mode: Mode, reason: str) -> None:
         if mode == "inplace":
@@ -601,11 +604,17 @@ class Residency:
 
     def _use_rebuild(self, reason: str) -> None:
         assert self._file_id is not None
-        self._rebuild = RebuildPath(self._llm, self.model_path, self._file_id, self._want_pinned_kv())
-        self.path = "rebuild"
         self.reason = reason
         self.backend = self._gpu.name if self._gpu and self._llm.model_params.n_gpu_layers != 0 else "CPU"
         self.weight_bytes = int(llama_cpp.llama_model_size(self._llm._model.model))
+        self._path = RebuildPath(
+            self._llm,
+            self.model_path,
+            self._file_id,
+            self._want_pinned_kv(),
+            self._n_layer,
+            self.weight_bytes,
+        )
         log.info("residency of %s: rebuild path (%s)", self.model_path, reason)
 
     @property
@@ -623,7 +632,7 @@ class Residency:
     @property
     def buffers_releasable(self) -> bool:
         """A deep release frees the compute buffers: in place, or with the context."""
-        return self.path != "none" and (self._kvbuf is None or self._compute_finder is not None)
+        return self._path.frees_memory and (self._kvbuf is None or self._compute_finder is not None)
 
     @property
     def compute_released_bytes(self) -> int:
@@ -633,8 +642,8 @@ class Residency:
     @property
     def kv_host_bytes(self) -> int:
         """Bytes of the KV snapshot held in host memory while the context is freed (0 otherwise)."""
-        if self._rebuild is not None:
-            return self._rebuild.kv_bytes
+        if self._path.releases_context:
+            return self._path.kv_bytes
         return self._kv.nbytes if self._kv is not None else 0
 
     @property
@@ -643,9 +652,9 @@ class Residency:
         context kept; its KV cells and compute buffers released and back with the weights'
         parts), else what differs and why (a sliding-window, recurrent or hybrid cache, a build
         whose scheduler or state format is not the one checked)."""
-        if self.path == "rebuild":
+        if self._path.releases_context:
             return "the rebuild path frees the context (its KV cache and compute buffers) at every release"
-        if self.path != "inplace":
+        if self._inpath is None:
             return ""
         notes = []
         if self._kvbuf is None:
@@ -660,7 +669,7 @@ class Residency:
     def kv_in_place(self) -> bool:
         """The KV level keeps the context: its cells' metadata stays and the cells in use come
         back where they were (the caller need not move its sequences to host memory first)."""
-        return self.path == "inplace" and self._kvbuf is not None
+        return self._inpath is not None and self._kvbuf is not None
 
     def parked_states(self) -> dict[int, tuple[bytes, int]]:
         """While the KV cache is released (its snapshot held): each saved sequence's state, as
@@ -691,22 +700,13 @@ class Residency:
     def parts(self) -> list[WeightPart]:
         """The weights' layer parts in layer order (one part on the rebuild path, or with
         ``parts=1``)."""
-        ip = self._inplace
-        if ip is not None:
-            return [
-                WeightPart(p.index, p.first_layer, p.last_layer, p.bytes, p.resident or ip.split_pending)
-                for p in ip.parts
-            ]
-        return [WeightPart(0, 0, max(self._n_layer - 1, 0), self.weight_bytes, self.weights_resident)]
+        return self._path.parts(self.weights_resident)
 
     @property
     def resident_bytes(self) -> int:
         """Exact bytes of the resident parts (what a lease must cover); ``weight_bytes`` when all
         are resident, 0 when released."""
-        if self._inplace is not None:
-            proj = self._projector
-            return self._inplace.resident_bytes + (proj.resident_bytes if proj is not None else 0)
-        return self.weight_bytes if self.weights_resident else 0
+        return self._path.resident_bytes(self.weights_resident)
 
     @property
     def state(self) -> ResidencyState:
@@ -735,13 +735,6 @@ class Residency:
         )
         self._state = check_transition(self._state, new)
 
-    def _weights_in_place(self) -> Weights:
-        """How much of the weights the in-place path holds on the device now."""
-        ip = self._inplace
-        if ip is None or ip.resident_bytes <= 0:
-            return Weights.NONE
-        return Weights.ALL if self.resident_bytes == self.weight_bytes else Weights.SOME
-
     # -- measurements -------------------------------------------------------------------------
 
     @property
@@ -761,13 +754,13 @@ class Residency:
     def release_steps(self) -> ReleaseSteps:
         """The last in-place release: milliseconds, buffers and parts (all None on other paths,
         and before the first release)."""
-        return self._inplace.release_steps if self._inplace is not None else ReleaseSteps()
+        return self._path.release_steps
 
     @property
     def restore_steps(self) -> RestoreSteps:
         """Per-step milliseconds of the last in-place restore: allocation, copy (all None on other
         paths, and before the first restore)."""
-        return RestoreSteps.of(self._inplace.restore_steps) if self._inplace is not None else RestoreSteps()
+        return self._path.restore_steps
 
     @property
     def memory_measure(self) -> str:
@@ -836,15 +829,8 @@ class Residency:
         self.settle()  # an overlapped restore's uploads are over before anything is freed
         if keep_bytes is not None and keep_bytes < 0:
             raise ValueError(f"keep_bytes must be at least 0 (or None: release all), not {keep_bytes}")
-        ip = self._inplace
-        if ip is not None:
-            weights_todo = bool(ip.parts_to_release(keep_bytes))
-        elif self._rebuild is not None:
-            weights_todo = self.weights_resident and (
-                kv or keep_bytes is None or keep_bytes < self.weight_bytes
-            )
-        else:
-            weights_todo = self.weights_resident
+        path, ip = self._path, self._inplace
+        weights_todo = path.weights_todo(self.weights_resident, kv, keep_bytes)
         kv_todo = kv and self.kv_resident
         if free_context and self._kv_ctx is not None:  # deeper still: the kept context goes too
             self._kv_ctx.close()  # (its released compute buffers' placeholders with it)
@@ -880,28 +866,21 @@ class Residency:
         before = self._device_free()
         resident_before = self.resident_bytes
         t0 = time.perf_counter()
-        if self._rebuild is not None:  # the model and its context go together, the KV cache saved first
-            self._rebuild.release()
-            self.host_bytes, self.host_pinned = self._rebuild.kv_bytes, self._rebuild.kv_pinned
+        if path.releases_context:  # the model and its context go together, the KV cache saved first
+            weights = path.release(keep_bytes, final)
+            self.host_bytes, self.host_pinned = path.kv_bytes, path.kv_pinned
             self._enter(kv=Kv.HOST)
             self._level = "weights+kv"
-            self._enter(weights=Weights.NONE)
+            self._enter(weights=weights)
         else:
             if kv_todo:
                 self._snapshot_kv_and_free_context(free_context)
             if weights_todo:
-                if ip is not None:
-                    splitting = ip.split_pending  # split_at_release: this release splits
-                    ip.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
-                    proj = self._projector
-                    if proj is not None and proj.resident_bytes:  # any release takes it along
-                        proj.release(None, final)
-                    if splitting and not ip.split_pending:
-                        self._own_part_buffers(ip)
+                weights = path.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
                 if self.kv_resident and self._saved_ctx is None:
                     self._saved_ctx = llm._ctx
                     llm._ctx = Released("context")
-                self._enter(weights=self._weights_in_place())
+                self._enter(weights=weights)
             self._level = "weights" if self.kv_resident else "weights+kv"
         if self.memory_measure == "rss":
             hostmem.trim_heap()
@@ -923,7 +902,7 @@ class Residency:
     def overlap_available(self) -> bool:
         """Restores may overlap their uploads with the next decode (:attr:`overlap_note` says
         why not)."""
-        return self.path == "inplace" and not self.overlap_note
+        return self._inpath is not None and not self.overlap_note
 
     def restore(self, overlap: bool | None = None) -> RestoreReport:
         """Bring the weights (every released part) and the KV cache back; the same ``llm`` works
@@ -950,9 +929,9 @@ class Residency:
         t0 = time.perf_counter()
         moved: bool | None = None
         reset = False
-        ip = self._inplace
-        if self._rebuild is not None:
-            nbytes = self._rebuild.restore()
+        path, ip = self._path, self._inplace
+        if path.releases_context:
+            nbytes, moved = path.restore(overlap, None)
             self.host_bytes = 0
         else:
             nbytes = 0
@@ -961,21 +940,15 @@ class Residency:
             # KV cells can go up with the weights' parts (OutOfDeviceMemoryError: nothing changed)
             kv_up = self._kv_buffers_back()
             kv_alloc_ms = (time.perf_counter() - t0) * 1000
-            if not self.weights_resident and ip is not None:
-                if ip.host_shadow.pending:  # a release came before its deferred shadow was built
+            if not self.weights_resident:
+                if self.shadow_pending:  # a release came before its deferred shadow was built
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
-                proj = self._projector
                 try:
-                    if proj is not None and proj.resident_bytes < proj.weight_bytes:
-                        nbytes += proj.restore()  # first (small; nothing computes with it before a decode)
-                    nbytes += ip.restore(overlap=overlap, kv=kv_up)
+                    nbytes, moved = path.restore(overlap, kv_up)
                 except BaseException:
-                    if proj is not None and proj.resident_bytes:  # as released as it was
-                        proj.release(None)
                     self._kv_buffers_out()  # back to the deep level as a whole
                     raise
-                moved = ip.moved
-            elif ip is not None:  # the KV cache alone was released: the weights never moved
+            elif path.tracks_addresses:  # the KV cache alone was released: the weights never moved
                 moved = False
             if ip is not None and kv_up is not None:
                 ip.restore_steps["kv_alloc_ms"] = kv_alloc_ms
@@ -1261,16 +1234,6 @@ class Residency:
         if self._kv is not None:
             self._kv.close()
             self._kv = None
-        if self._inplace is not None:
-            ip = self._inplace
-            ip.close()
-            self._inplace = None
-            if ip.moved_at_close and self.weights_resident:  # handed-over memory given back
-                with contextlib.suppress(ResidencyError, AttributeError):
-                    _forget_graphs(self._llm._ctx.ctx, self._llm)
-        if self._projector is not None:
-            self._projector.close()
-            self._projector = None
-        if self._rebuild is not None:
-            self._rebuild.close()
+        self._path.close()  # (in place: the graphs reset where handed-over memory was given back)
+        self._inpath = None
         self._llm = None
