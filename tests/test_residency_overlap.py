@@ -44,8 +44,8 @@ def _attach(llm: llama_cpp.Llama, path: Path, parts: int = 8, **kw: Any) -> Resi
 
 def _gate(res: Residency) -> PartGate:
     ip = res._inplace
-    assert ip is not None and ip.gate is not None
-    return ip.gate
+    assert ip is not None and ip.uploads.gate is not None
+    return ip.uploads.gate
 
 
 def _hook_installed(res: Residency, llm: llama_cpp.Llama) -> bool:
@@ -90,7 +90,7 @@ def _gate_called(res: Residency) -> Callable[[], bool]:
     assert ip is not None
 
     def go() -> bool:
-        gate = ip.gate
+        gate = ip.uploads.gate
         return gate is None or gate.stats.calls > 0
 
     return go
@@ -486,7 +486,7 @@ def test_out_of_memory_during_an_overlapped_restore(
             assert ([p.resident for p in res.parts()], res.resident_bytes) == before
             assert not res.uploads_pending  # nor a gated context
             ip = res._inplace
-            assert ip is not None and ip.gate is None
+            assert ip is not None and ip.uploads.gate is None
             with pytest.raises(ResidencyError):
                 llm.eval([1])
             rst = res.restore()

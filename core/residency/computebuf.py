@@ -28,8 +28,9 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-from ..errors import OutOfDeviceMemoryError, ResidencyError
+from ..errors import ResidencyError
 from . import _ggml
+from .swaps import PLACEHOLDER_BYTES, free_memory, renew_released
 
 #: struct ggml_backend_sched (ggml-backend.cpp): bool is_reset, is_alloc; int n_backends;
 #: ggml_backend_t backends[GGML_SCHED_MAX_BACKENDS]; ggml_backend_buffer_type_t bufts[...];
@@ -45,7 +46,6 @@ _GALLOC_BUFFERS = 8
 _GALLOC_N_BUFFERS = 24
 #: struct vbuffer: ggml_backend_buffer_t chunks[GGML_VBUFFER_MAX_CHUNKS]
 _VBUFFER_MAX_CHUNKS = 16
-_PLACEHOLDER_BYTES = 64
 
 
 class ComputeBufferUnsupportedError(Exception):
@@ -89,15 +89,12 @@ class ComputeBuffers:
         for b in self.buffers:
             if b.released:
                 continue
-            placeholder = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
-            if placeholder is None:
+            if not free_memory(b.ptr, b.buft, b.layout):
                 self.restore()
                 raise ResidencyError(
                     "cannot allocate a placeholder for a compute buffer: "
                     "the compute buffers were not released"
                 )
-            _ggml.swap_buffer_memory(b.ptr, placeholder, b.layout)
-            _ggml.buffer_free(placeholder)  # frees the compute buffer's memory
             b.released = True
 
     def restore(self) -> None:
@@ -105,29 +102,7 @@ class ComputeBuffers:
         build its graph anew. OutOfDeviceMemoryError: what this call allocated is freed again,
         the buffers stay released."""
         self.moved = False
-        done: list[ComputeBuffer] = []
-        for b in self.buffers:
-            if not b.released:
-                continue
-            new = _ggml.buft_alloc_buffer(b.buft, b.size)
-            if new is None:
-                for d in done:
-                    placeholder = _ggml.buft_alloc_buffer(d.buft, _PLACEHOLDER_BYTES)
-                    if placeholder is not None:
-                        _ggml.swap_buffer_memory(d.ptr, placeholder, d.layout)
-                        _ggml.buffer_free(placeholder)
-                        d.released = True
-                raise OutOfDeviceMemoryError(
-                    f"cannot allocate the {b.size}-byte compute buffer again: "
-                    "free device memory and try again"
-                )
-            _ggml.swap_buffer_memory(b.ptr, new, b.layout)
-            _ggml.buffer_free(new)  # now the tiny placeholder
-            base = int(_ggml.buffer_get_base(b.ptr) or 0)
-            self.moved = self.moved or base != b.base
-            b.base = base
-            b.released = False
-            done.append(b)
+        done, self.moved = renew_released(self.buffers, "compute buffer", lambda _b: None)
         if done:
             forget_graph(self.ctx)
 
@@ -233,7 +208,7 @@ class ComputeBufferFinder:
                     layout = _ggml.probe_buffer_layout(bufts[i], reference=chunk)
                     self.layouts[bufts[i]] = layout
                 size = int(_ggml.buffer_get_size(chunk))
-                if size > _PLACEHOLDER_BYTES:
+                if size > PLACEHOLDER_BYTES:
                     out.buffers.append(
                         ComputeBuffer(chunk, bufts[i], size, int(_ggml.buffer_get_base(chunk) or 0), layout)
                     )

@@ -42,7 +42,6 @@ from ..errors import OutOfDeviceMemoryError, ResidencyError
 from ..util.fileid import FileId
 from . import _ggml
 from .discovery import Discovery, discover
-from .gate import PartGate
 from .handover import WeightHandover
 from .hostmem import HostMemory
 from .kvupload import KvUpload
@@ -193,32 +192,6 @@ class InPlace:
         verify, pin)."""
         return {**self._attach_steps, **self.host_shadow.steps}
 
-    # -- handed-over memory (issue 40): residency/handover.py ---------------------------------
-
-    @property
-    def handover_note(self) -> str:
-        """Why restores do not map handed-over memory ("" when they do)."""
-        return self.handover.note
-
-    @property
-    def moved_at_close(self) -> bool:
-        """close() moved resident handed buffers into ggml memory at other addresses (graphs stale)."""
-        return self.handover.moved_at_close
-
-    def handover_stats(self) -> dict[str, object]:
-        """What the hand-over did (doctor, bench residency, the worker's status)."""
-        return self.handover.stats()
-
-    @property
-    def gate(self) -> PartGate | None:
-        """The overlapped restore's gate, until its uploads are finished."""
-        return self.uploads.gate
-
-    @property
-    def moved(self) -> bool:
-        """The last restore put a buffer at another address than before."""
-        return self.swaps.moved
-
     # -- layer parts --------------------------------------------------------------------------
 
     def split(self, restore: bool = True) -> None:
@@ -316,7 +289,7 @@ class InPlace:
     def restore(self, overlap: bool = False, kv: KvUpload | None = None) -> int:
         """Restore every released buffer (parts in layer order); on an allocation failure,
         release again what this call restored and raise OutOfDeviceMemoryError (the model stays
-        as released as it was, and intact). Returns the bytes uploaded. ``moved`` then says
+        as released as it was, and intact). Returns the bytes uploaded. ``swaps.moved`` then says
         whether any buffer came back at another address than before.
 
         Each part's upload runs on the upload thread as soon as its buffers are allocated, so the
@@ -325,10 +298,10 @@ class InPlace:
 
         ``overlap`` (with at least two parts to restore and a usable eval hook): allocate every
         buffer, point its tensors into it and return with the uploads running (the first since
-        the first part's allocation); :attr:`gate` holds the parts' readiness (made before the
+        the first part's allocation); ``uploads.gate`` holds the parts' readiness (made before the
         first upload) and :meth:`finish_uploads` waits for them (anything but a gated decode
         calls it first). Every buffer is allocated before this returns: the caller decides from
-        ``moved`` whether the graphs must be rebuilt, and a graph's views of a weight take their
+        ``swaps.moved`` whether the graphs must be rebuilt, and a graph's views of a weight take their
         data pointer when the graph is allocated, so no address may change after the decode
         started.
 
@@ -422,16 +395,6 @@ class InPlace:
         self.finish_uploads()
         return nbytes
 
-    @property
-    def restore_started(self) -> float:
-        """``perf_counter()`` at the start of the last restore: the origin of its timeline."""
-        return self.uploads.started
-
-    @property
-    def uploads_pending(self) -> bool:
-        """An overlapped restore's uploads are not all known to be complete (finish_uploads)."""
-        return self.uploads.pending
-
     def finish_uploads(self) -> None:
         """Wait for the uploads of the last restore (Uploads.finish: their steps go into
         ``restore_steps``); a no-op when none is pending."""
@@ -440,7 +403,7 @@ class InPlace:
     def _moved_back(self, carried: list[WeightBuffer]) -> bool:
         """Restore ``carried`` (released) into ggml memory; True when a buffer moved."""
         self._restore(carried)
-        return self.moved
+        return self.swaps.moved
 
     def close(self) -> None:
         try:

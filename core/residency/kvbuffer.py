@@ -25,13 +25,13 @@ from typing import Any
 
 import llama_cpp
 
-from ..errors import OutOfDeviceMemoryError, ResidencyError
+from ..errors import ResidencyError
 from . import _ggml
+from .swaps import free_memory, renew_released
 
 _GET_K = "_ZNK14llama_kv_cache5get_kEP12ggml_contextijRKNS_9slot_infoE"
 _GET_V = "_ZNK14llama_kv_cache5get_vEP12ggml_contextijRKNS_9slot_infoE"
 _SLOT_INFO_BYTES = 64  # uint32 s0, s1; two std::vector (24 bytes each) on LP64; zeroed: stream 0
-_PLACEHOLDER_BYTES = 64
 #: struct ggml_object (ggml.c): size_t offs, size; ggml_object * next; enum type; char padding[4]
 _OBJECT_BYTES = 32
 _OBJECT_NEXT = 16
@@ -201,47 +201,26 @@ class KvBuffers:
         for b in self.buffers:
             if b.released:
                 continue
-            placeholder = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
-            if placeholder is None:
+            if not free_memory(b.ptr, b.buft, b.layout):
                 raise ResidencyError(
                     "cannot allocate a placeholder for the KV buffer: the KV cache was not released"
                 )
-            _ggml.swap_buffer_memory(b.ptr, placeholder, b.layout)
-            _ggml.buffer_free(placeholder)  # frees the KV cache's memory
             b.released = True
 
     def restore(self) -> None:
         """Allocate the buffers again, point the tensors into them and clear them (zeros).
         OutOfDeviceMemoryError: what this call allocated is freed again, the cache stays released."""
         self.moved = False
-        done: list[KvBuffer] = []
-        for b in self.buffers:
-            if not b.released:
-                continue
-            new = _ggml.buft_alloc_buffer(b.buft, b.size)
-            if new is None:
-                for d in done:  # back to released
-                    placeholder = _ggml.buft_alloc_buffer(d.buft, _PLACEHOLDER_BYTES)
-                    if placeholder is not None:
-                        _ggml.swap_buffer_memory(d.ptr, placeholder, d.layout)
-                        _ggml.buffer_free(placeholder)
-                        d.released = True
-                raise OutOfDeviceMemoryError(
-                    f"cannot allocate the {b.size}-byte KV cache again: free device memory and try again"
-                )
-            _ggml.swap_buffer_memory(b.ptr, new, b.layout)
-            _ggml.buffer_free(new)  # now the tiny placeholder
-            base = int(_ggml.buffer_get_base(b.ptr) or 0)
-            self.moved = self.moved or base != b.base
-            b.base = base
+
+        def relocate(b: KvBuffer) -> None:  # the tensors and their views into the new memory, cleared
             lay = _ggml.TensorLayout()
             for t, off in b.tensors:
-                _ggml.write_ptr(t + lay.data, base + off)
+                _ggml.write_ptr(t + lay.data, b.base + off)
                 _ggml.buffer_init_tensor(b.ptr, t)
             for v, root in b.views:
                 _ggml.write_ptr(
                     v + lay.data, _ggml.read_ptr(root + lay.data) + _ggml.read_size(v + lay.view_offs)
                 )
             _ggml.buffer_clear(b.ptr, 0)
-            b.released = False
-            done.append(b)
+
+        _done, self.moved = renew_released(self.buffers, "KV cache", relocate)

@@ -136,13 +136,8 @@ class NoPath:
     def parts(self, resident: bool) -> list[WeightPart]:
         return [WeightPart(0, 0, max(self._n_layer - 1, 0), 0, resident)]
 
-    @property
-    def release_steps(self) -> ReleaseSteps:
-        return ReleaseSteps()
-
-    @property
-    def restore_steps(self) -> RestoreSteps:
-        return RestoreSteps()
+    release_steps = ReleaseSteps()  # (frozen: none to record)
+    restore_steps = RestoreSteps()
 
     @property
     def attach_steps(self) -> dict[str, float]:
@@ -206,7 +201,7 @@ class InPlacePath:
             if proj is not None and proj.resident_bytes:  # as released as it was
                 proj.release(None)
             raise
-        return nbytes, self.ip.moved
+        return nbytes, self.ip.swaps.moved
 
     def resident_bytes(self, resident: bool) -> int:
         proj = self.projector
@@ -233,7 +228,7 @@ class InPlacePath:
 
     def close(self) -> None:
         self.ip.close()
-        if self.ip.moved_at_close:
+        if self.ip.handover.moved_at_close:
             self._moved_at_close()
         if self.projector is not None:
             self.projector.close()

@@ -61,13 +61,8 @@ class RebuildPath:
     def parts(self, resident: bool) -> list[WeightPart]:
         return [WeightPart(0, 0, max(self._n_layer - 1, 0), self.weight_bytes, resident)]
 
-    @property
-    def release_steps(self) -> ReleaseSteps:
-        return ReleaseSteps()
-
-    @property
-    def restore_steps(self) -> RestoreSteps:
-        return RestoreSteps()
+    release_steps = ReleaseSteps()  # (frozen: the rebuild path times no steps)
+    restore_steps = RestoreSteps()
 
     @property
     def attach_steps(self) -> dict[str, float]:

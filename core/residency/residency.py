@@ -355,7 +355,7 @@ class Residency:
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
         if handed is not None:
-            self.handover_note = ip.handover_note
+            self.handover_note = ip.handover.note
         self._note_shadow()
         self.parts_note = ip.parts_note
         if wanted is False:
@@ -747,7 +747,7 @@ class Residency:
         """What the hand-over of device memory did (issue 40): ``on``, ``note``, and while on the
         device, chunk size, chunks handed / created / put back, cuMemCreate calls, mapped bytes."""
         if self._inplace is not None:
-            return self._inplace.handover_stats()
+            return self._inplace.handover.stats()
         return {"on": False, "note": self.handover_note}
 
     @property
@@ -971,18 +971,18 @@ class Residency:
                     ip.finish_uploads()
                 raise
         pending, overlapped = 0, False
-        if ip is not None and ip.gate is not None and not (ip.hook is not None and self._live_ctx()):
+        if ip is not None and ip.uploads.gate is not None and not (ip.hook is not None and self._live_ctx()):
             ip.finish_uploads()  # no context to gate (never expected): synchronous
-        if ip is not None and ip.gate is not None and ip.hook is not None:
+        if ip is not None and ip.uploads.gate is not None and ip.hook is not None:
             ctx = self._live_ctx()
             if reset:  # now, not in the decode: a reserve frees compute buffers (on CUDA a device-wide wait)
                 t_r = time.perf_counter()
                 evalhook.reserve_now(ctx)
                 ip.restore_steps["reserve_ms"] = (time.perf_counter() - t_r) * 1000
-            evalhook.install(ctx, ip.hook, ip.gate.pointer)
+            evalhook.install(ctx, ip.hook, ip.uploads.gate.pointer)
             self._gated_ctx = ctx
             # the uploads began with the first part's allocation: some may be over already
-            pending, overlapped = ip.gate.pending_bytes, True
+            pending, overlapped = ip.uploads.gate.pending_bytes, True
         if ip is not None and moved is not None:
             # from the restore's start until the caller may decode (the uploads may still run)
             ip.restore_steps["returned_ms"] = (time.perf_counter() - t0) * 1000
@@ -1016,7 +1016,7 @@ class Residency:
     @property
     def uploads_pending(self) -> bool:
         """An overlapped restore's uploads or its gate are still to be settled."""
-        return self._gated_ctx != 0 or (self._inplace is not None and self._inplace.uploads_pending)
+        return self._gated_ctx != 0 or (self._inplace is not None and self._inplace.uploads.pending)
 
     def settle(self) -> None:
         """After the first decode that followed an overlapped restore (or before anything else
@@ -1024,9 +1024,9 @@ class Residency:
         the context, so no later decode pays for a callback. A no-op otherwise (cheap: call it
         after every decode). :attr:`last_overlap` then holds what the gate saw."""
         ip = self._inplace
-        if ip is None or (not self._gated_ctx and not ip.uploads_pending):
+        if ip is None or (not self._gated_ctx and not ip.uploads.pending):
             return
-        gate = ip.gate
+        gate = ip.uploads.gate
         try:
             ip.finish_uploads()
         finally:
@@ -1117,7 +1117,7 @@ class Residency:
             up, self._kv_upload = self._kv_upload, None
             if up is not None:
                 up.upload_unclaimed()  # the layers of parts that stayed resident
-                if self._inplace is not None and self._inplace.uploads_pending:
+                if self._inplace is not None and self._inplace.uploads.pending:
                     self._kv_uploading = up  # its snapshot is freed once settled
                 else:
                     self._kv_uploaded(up)
@@ -1152,7 +1152,7 @@ class Residency:
             ip.restore_steps["kv_bytes"] = float(st.bytes)
             ip.restore_steps["kv_upload_ms"] = st.busy_s * 1000
             if st.first_start:  # on the weights' timeline (from the start of their restore)
-                t0 = max(ip.restore_started, self._restore_t0)  # (no weights restored: this call's)
+                t0 = max(ip.uploads.started, self._restore_t0)  # (no weights restored: this call's)
                 ip.restore_steps["kv_first_upload_at_ms"] = (st.first_start - t0) * 1000
                 ip.restore_steps["kv_last_upload_end_at_ms"] = (st.last_end - t0) * 1000
         if self._kv is not None:

@@ -10,24 +10,88 @@ the next release (on CUDA cudaFree waits for the whole device: the uploads in fl
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from ..errors import ResidencyError
+from ..errors import OutOfDeviceMemoryError, ResidencyError
 from . import _ggml
-from .handover import WeightHandover
 from .plan import WeightBuffer
 
-_PLACEHOLDER_BYTES = 64
+if TYPE_CHECKING:
+    from .handover import WeightHandover
+
+#: bytes of the tiny buffer a released buffer's struct holds
+PLACEHOLDER_BYTES = 64
 
 
-def swap(a: int, b: int, lay: _ggml.BufferLayout) -> None:
-    """Swap the ``context`` and ``size`` fields of the buffer structs ``a`` and ``b``."""
-    ca, cb = _ggml.read_ptr(a + lay.context), _ggml.read_ptr(b + lay.context)
-    sa, sb = _ggml.read_size(a + lay.size), _ggml.read_size(b + lay.size)
-    _ggml.write_ptr(a + lay.context, cb)
-    _ggml.write_ptr(b + lay.context, ca)
-    _ggml.write_size(a + lay.size, sb)
-    _ggml.write_size(b + lay.size, sa)
+def free_memory(ptr: int, buft: int, layout: _ggml.BufferLayout) -> bool:
+    """Free the memory of the live buffer ``ptr`` (of type ``buft``): its struct stays, holding a
+    tiny placeholder's memory instead. False: no placeholder could be made (nothing changed)."""
+    placeholder = _ggml.buft_alloc_buffer(buft, PLACEHOLDER_BYTES)
+    if placeholder is None:
+        return False
+    _ggml.swap_buffer_memory(ptr, placeholder, layout)
+    _ggml.buffer_free(placeholder)  # frees the buffer's memory
+    return True
+
+
+class LiveBuffer(Protocol):
+    """A ggml buffer whose memory goes and comes back under its struct (the KV cache's and the
+    compute buffers: residency/kvbuffer.py, residency/computebuf.py)."""
+
+    ptr: int
+    buft: int
+    size: int
+    base: int
+    layout: _ggml.BufferLayout
+    released: bool
+
+
+_B = TypeVar("_B", bound=LiveBuffer)
+
+
+def release_again(buffers: Iterable[LiveBuffer]) -> None:
+    """A restore failed: the ``buffers`` it gave memory to are released again (each one for which
+    a placeholder can be made)."""
+    for d in buffers:
+        if free_memory(d.ptr, d.buft, d.layout):
+            d.released = True
+
+
+def renew_released(buffers: Sequence[_B], what: str, then: Callable[[_B], None]) -> tuple[list[_B], bool]:
+    """Give each released buffer of ``buffers`` fresh memory in turn, note its new base and call
+    ``then`` on it (before the next one is allocated); returns those renewed and whether any came
+    back at another address. OutOfDeviceMemoryError (naming ``what``): those renewed are released
+    again, the buffers stay released."""
+    done: list[_B] = []
+    moved = False
+    for b in buffers:
+        if not b.released:
+            continue
+        if not renew_memory(b.ptr, b.buft, b.size, b.layout):
+            release_again(done)
+            raise OutOfDeviceMemoryError(
+                f"cannot allocate the {b.size}-byte {what} again: free device memory and try again"
+            )
+        base = int(_ggml.buffer_get_base(b.ptr) or 0)
+        moved = moved or base != b.base
+        b.base = base
+        then(b)
+        b.released = False
+        done.append(b)
+    return done, moved
+
+
+def renew_memory(ptr: int, buft: int, size: int, layout: _ggml.BufferLayout) -> bool:
+    """Give the released buffer ``ptr`` fresh memory of ``size`` bytes (the tiny placeholder's
+    freed). False: no room (nothing changed)."""
+    new = _ggml.buft_alloc_buffer(buft, size)
+    if new is None:
+        return False
+    _ggml.swap_buffer_memory(ptr, new, layout)
+    _ggml.buffer_free(new)  # now the tiny placeholder
+    return True
 
 
 class Swaps:
@@ -74,13 +138,13 @@ class Swaps:
         """Swap ``b`` with a tiny placeholder; returns the placeholder, which now owns the weights'
         memory (freeing it frees them)."""
         assert b.layout is not None
-        placeholder = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
+        placeholder = _ggml.buft_alloc_buffer(b.buft, PLACEHOLDER_BYTES)
         if placeholder is None:
             raise ResidencyError(
-                f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} placeholder buffer: "
+                f"cannot allocate a {PLACEHOLDER_BYTES}-byte {b.buft_name} placeholder buffer: "
                 "the model was not released"
             )
-        swap(b.ptr, placeholder, b.layout)
+        _ggml.swap_buffer_memory(b.ptr, placeholder, b.layout)
         b.released = True
         self._handover.uncarry(b, placeholder)  # a carrier's context: its own pointer back
         return placeholder
@@ -94,7 +158,7 @@ class Swaps:
         returns the placeholder that now holds the tiny memory, for the caller to free."""
         assert b.layout is not None
         lay_t = self._layout
-        swap(b.ptr, new, b.layout)
+        _ggml.swap_buffer_memory(b.ptr, new, b.layout)
         base = int(_ggml.buffer_get_base(b.ptr) or 0)
         if base != b.base:  # never on Vulkan: its bases are the constant vk_ptr_base
             self.moved = True
@@ -133,18 +197,18 @@ class Swaps:
                 m.ptr = 0
 
         for b in buffers:
-            ph = _ggml.buft_alloc_buffer(b.buft, _PLACEHOLDER_BYTES)
+            ph = _ggml.buft_alloc_buffer(b.buft, PLACEHOLDER_BYTES)
             if ph is None:
                 unmake()
                 raise ResidencyError(
-                    f"cannot allocate a {_PLACEHOLDER_BYTES}-byte {b.buft_name} buffer for a layer part: "
+                    f"cannot allocate a {PLACEHOLDER_BYTES}-byte {b.buft_name} buffer for a layer part: "
                     "the model keeps its own buffers"
                 )
             b.ptr = ph
             made.append(b)
             _ggml.buffer_set_usage(ph, _ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)  # the scheduler's rules
             assert b.layout is not None
-            if _ggml.read_size(ph + b.layout.size) != _PLACEHOLDER_BYTES:
+            if _ggml.read_size(ph + b.layout.size) != PLACEHOLDER_BYTES:
                 unmake()
                 raise ResidencyError(
                     f"a fresh {b.buft_name} buffer's size field is not where the probe found it: "
