@@ -308,13 +308,22 @@ class Worker:
             phases["process_start_to_loop_ms"] = age * 1000.0  # interpreter, imports, arena
         self.publish()
         t0 = time.monotonic()
+        # an auto budget: the model is fitted to the budget it time-shares (not to what a model
+        # parked at the weights level leaves free now), and the parked models go as deep as its
+        # load needs first (core/config/fit.py, rule 1)
+        shared = res.shared_room()
+        fitted: Fitted | None = None
+        if shared is not None:
+            fitted = fit_to_device(model, self.spec.arena.kv_cache_type, device_memory(model.device), shared)
+            res.make_room(fitted.fit.need, self._load_poll, None)
         res.acquire(self._load_poll, None)
         t1 = time.monotonic()
         try:
             self.send(p.Loading("model", 0.0))
             # On a CPU build the host weight buffers play the device; they can only be released
             # when they are not an mmap of the file (core/residency says which).
-            fitted = fit_to_device(model, self.spec.arena.kv_cache_type, device_memory(model.device))
+            if fitted is None:
+                fitted = fit_to_device(model, self.spec.arena.kv_cache_type, device_memory(model.device))
             self._fitted = fitted
             engine = Engine.load(fitted.model, use_mmap=res.use_mmap, plan=fitted.plan)
             self._footprint = Footprint.measure(engine, fitted)
