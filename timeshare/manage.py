@@ -131,7 +131,8 @@ def print_description(info: dict[str, Any], out: TextIO) -> None:
                 "Fitted",
                 info.get("fit")
                 or (
-                    "settings left on auto are fitted to the device when the model loads"
+                    "settings left on auto are fitted to the device when the model loads "
+                    "(an auto budget: to the budget it time-shares)"
                     if info.get("state") == NOT_RUNNING
                     else "-"
                 ),
