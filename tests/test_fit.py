@@ -9,14 +9,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _budget_pool_util import WAIT
 from _proc_util import wait_until
-from dataclasses import replace
-
 from timeshare.core.arena.budget import (
     AUTO,
     GPU_CONTEXT_ALLOWANCE,
@@ -74,7 +73,9 @@ def test_the_second_model_is_fitted_to_the_budget_it_time_shares_not_to_what_the
     assert alone.n_gpu_layers == -1 and alone.parallel == 1 and alone.need <= budget.bytes
     reserve = alone.kv_bytes + 400 * 10**6 + GPU_CONTEXT_ALLOWANCE  # a parked at the weights level
     parked = LeaseRecord("a", pid=1, bytes=reserve, kind="reserve", deepens=reserve - GPU_CONTEXT_ALLOWANCE)
-    room = time_share_room(budget, [parked, LeaseRecord("c", pid=3, bytes=10**9)], (2, "b"), GPU_CONTEXT_ALLOWANCE)
+    room = time_share_room(
+        budget, [parked, LeaseRecord("c", pid=3, bytes=10**9)], (2, "b"), GPU_CONTEXT_ALLOWANCE
+    )
     # a's floor (its driver context) and b's own; an unpinned holder's weights (c) leave for b
     assert room == budget.bytes - 2 * GPU_CONTEXT_ALLOWANCE
     second = fit_model(eight_b(8 * GiB - 4_220_000_000 - reserve, n_ctx=6000, shared=room))

@@ -32,7 +32,9 @@ QUESTION = "Name three rivers of France and say where each one meets the sea."
 def _start(home: Path, smollm2: Path, budget: str) -> Pool:
     config = Config(
         models=tuple(
-            ModelConfig(id=m, path=str(smollm2), n_ctx=0, parallel=0, kv_cache_type=KV_TYPE, idle_sleep_s=None)
+            ModelConfig(
+                id=m, path=str(smollm2), n_ctx=0, parallel=0, kv_cache_type=KV_TYPE, idle_sleep_s=None
+            )
             for m in (A, B)
         ),
         arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget=budget),

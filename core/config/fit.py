@@ -124,7 +124,9 @@ def fit_model(x: FitInput) -> Fit:
     room = x.shared if shared else max(0, x.free - auto_margin(x.free))
     # the words for where the room comes from
     of_room = (
-        f"the {decimal_bytes(room)} budget it time-shares" if shared else f"the {decimal_bytes(room)} Timeshare may use"
+        f"the {decimal_bytes(room)} budget it time-shares"
+        if shared
+        else f"the {decimal_bytes(room)} Timeshare may use"
     )
     auto_par = x.parallel <= 0
     auto_ctx = x.n_ctx <= 0
@@ -180,7 +182,7 @@ def fit_model(x: FitInput) -> Fit:
 
 def _source(x: FitInput) -> str:
     if x.shared >= 0:
-        return "the auto VRAM budget it time-shares, less what the other models keep there at their deepest level"
+        return "the auto VRAM budget it time-shares, less what the other models keep at their deepest level"
     return f"{decimal_bytes(x.free)} free, less the margin"
 
 

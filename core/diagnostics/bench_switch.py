@@ -156,6 +156,8 @@ def _wait_state(pool: Any, model: str, state: str, timeout: float = 60.0) -> Non
 def _reload_in_fresh_process(path: str, n_ctx: int, messages: list[dict[str, str]]) -> dict[str, Any]:
     """A new Python process: load the GGUF, prefill the whole conversation, sample one token."""
     r = fresh_process.run(path, n_ctx, messages=messages, timeout=LOAD_TIMEOUT_S)
+    if "unfit" in r:  # the model does not fit the device even alone (the workers loaded it: rare)
+        raise TimeshareError(f"the fresh process: {r['unfit']}")
     return {
         "load_ms": r["load_ms"],
         "ttft_ms": r["in_process_ttft_ms"],  # load + full prefill + first token

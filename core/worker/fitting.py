@@ -61,7 +61,9 @@ def fit_to_device(
         )
     )
     if fit.note:
-        where = f"a time-shared budget of {shared} bytes" if shared is not None else f"{device.free} bytes free"
+        where = (
+            f"a time-shared budget of {shared} bytes" if shared is not None else f"{device.free} bytes free"
+        )
         log.info("%s fitted to %s (%s): %s", model.id, device.name, where, fit.note)
     fitted = replace(
         model, n_ctx=fit.n_ctx, parallel=fit.parallel, n_gpu_layers=fit.n_gpu_layers, kv_cache_type=kv_type
