@@ -242,7 +242,7 @@ def test_quantised_kv_caches_load_answer_and_hold_less(
     ps = {m["timeshare"]["id"]: m for m in _api_ps(pool)}
     assert ps["smol-f16"]["size_vram"] == 0 and ps["smol-f16"]["timeshare"]["held"] == f16.held()
     assert ps["smol-q8_0"]["timeshare"]["held"]["kv"] == q8.kv_bytes
-    # asleep (weights+kv): the context is freed, so nothing is held
+    # asleep (weights+kv): the KV cache and compute buffers released (in place here), nothing held
     pool.sleep("smol-f16", level="weights+kv")
     wait_until(
         lambda: (

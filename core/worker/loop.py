@@ -556,10 +556,18 @@ class Worker:
         self._stop_batch = True
 
     def _release(self, kv: bool) -> None:
-        if self.engine is not None and (kv or self.tenancy.frees_context) and self.tenancy.kv_resident:
+        # a sleep (kv) takes the deep level in place where it is wholly in place (the KV cache and
+        # compute buffers released, the context and its conversations kept: they come back
+        # bitwise, as after a deep release on contention); elsewhere it frees the context
+        in_place = kv and self.tenancy.sleeps_in_place
+        if (
+            self.engine is not None
+            and ((kv and not in_place) or self.tenancy.frees_context)
+            and self.tenancy.kv_resident
+        ):
             self.engine.park()  # the context goes away: every conversation becomes a host snapshot
         try:
-            released = self.tenancy.release(kv, free_context=kv)  # a sleep frees the context too
+            released = self.tenancy.release(kv, free_context=kv and not in_place)
         except ModelFileError as exc:  # a deferred shadow's check at the release
             self._file_lost(exc)
             return

@@ -206,6 +206,14 @@ class Tenancy:
         """The KV cache is released in place: the context stays."""
         return False
 
+    @property
+    def sleeps_in_place(self) -> bool:
+        """A sleep (``weights+kv``) can keep the context: the deep level is wholly in place here
+        (the KV buffer and the compute buffers are released in place: the rule of a deep release
+        on contention, with the compute buffers' too, so that a sleep frees as much as freeing
+        the context did)."""
+        return False
+
     def parked_states(self) -> dict[int, tuple[bytes, int]]:
         """While the KV cache is released: each of its sequences' saved state and lowest position
         (Residency.parked_states), for a worker that ends before it comes back."""
@@ -789,6 +797,11 @@ class ArenaTenancy(Tenancy):
     @property
     def context_kept(self) -> bool:
         return self.residency is not None and self.residency.context_kept
+
+    @property
+    def sleeps_in_place(self) -> bool:
+        res = self.residency
+        return res is not None and res.kv_in_place and res.buffers_releasable
 
     @property
     def buffers_kept(self) -> bool:
