@@ -475,11 +475,12 @@ def test_a_sleep_at_weights_and_kv_goes_in_place_and_wakes_bitwise(
     log = home / "log" / f"worker-{A}.log"
     compute_lines = log.read_text().count("released the compute buffers of")
     pool.sleep(A, level="weights+kv")
-    wait_until(
-        lambda: (s := pool.snapshot().model(A)) is not None and s.state is ModelState.SLEEPING and s.kv_bytes == 0,
-        WAIT,
-        "A asleep",
-    )
+
+    def asleep_now() -> bool:
+        s = pool.snapshot().model(A)
+        return s is not None and s.state is ModelState.SLEEPING and s.kv_bytes == 0
+
+    wait_until(asleep_now, WAIT, "A asleep")
     asleep = pool.snapshot().model(A)
     assert asleep is not None and asleep.buffer_bytes == 0 and asleep.device_bytes == 0, asleep
     # in place: the compute buffers released in place (freeing the context says no such line),
