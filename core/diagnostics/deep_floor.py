@@ -169,6 +169,14 @@ def print_report(r: dict[str, Any]) -> None:
 
 # ---- the child -------------------------------------------------------------------------------
 
+_WORDS = ("river", "stone", "light", "garden", "window", "market", "winter", "paper", "silver", "forest")
+
+
+def _words(n: int) -> str:
+    """About ``n`` tokens of plain words (a fixed sequence: every variant prefills the same)."""
+    return " ".join(_WORDS[(i * 7 + i // 10) % len(_WORDS)] for i in range(n))
+
+
 
 def _child() -> int:
     import llama_cpp  # noqa: F401  (before anything that imports numpy)
@@ -182,7 +190,6 @@ def _child() -> int:
     from ..worker.engine import Engine
     from ..worker.fitting import fit_to_device
     from ..worker.footprint import compute_bytes
-    from .bench_api import word_salad
 
     job = json.loads(sys.stdin.read())
     before = job.get("gpu_used_before")
@@ -209,7 +216,7 @@ def _child() -> int:
     try:
         stages["loaded"] = used()
         compute = compute_bytes(engine.llm.ctx).device if dev.gpu else 0
-        prompt = word_salad(1, int(job["prompt_tokens"]))
+        prompt = _words(int(job["prompt_tokens"]))
         engine.generate(
             Generate(req="floor", prompt=prompt, sampling=Sampling(max_tokens=8), cache_prompt=False),
             lambda _t: None,
