@@ -34,8 +34,10 @@ def test_the_deep_floor_is_measured_step_by_step_in_each_variant(smollm2_path: P
 
 def test_bad_deep_floor_arguments_are_refused(smollm2_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "timeshare", "doctor", "--deep-floor", "--model", str(smollm2_path)]
-        + ["--prompt-tokens", "0", "--json"],
+        [
+            *(sys.executable, "-m", "timeshare", "doctor", "--deep-floor", "--model", str(smollm2_path)),
+            *("--prompt-tokens", "0", "--json"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -177,7 +177,6 @@ def _words(n: int) -> str:
     return " ".join(_WORDS[(i * 7 + i // 10) % len(_WORDS)] for i in range(n))
 
 
-
 def _child() -> int:
     import llama_cpp  # noqa: F401  (before anything that imports numpy)
 
