@@ -144,6 +144,30 @@ HANDOVER = EnvVar(
     "escape hatch",
     "Device memory handed over between workers (issue 40) off (0) or on (1), whatever arena.handover says",
 )
+HANDOVER_KEEP = EnvVar(
+    "TIMESHARE_HANDOVER_KEEP",
+    "0 or 1",
+    "on",
+    "escape hatch",
+    "With the hand-over: a released worker keeps its chunks mapped until another needs them (1), or "
+    "unmaps them at each release (0)",
+)
+HANDOVER_CHUNK = EnvVar(
+    "TIMESHARE_HANDOVER_CHUNK",
+    "size (256MiB)",
+    "64MiB",
+    "escape hatch",
+    "With the hand-over: the chunk size a new hand-over holder starts with (a multiple of 2 MiB; "
+    "larger chunks: fewer map calls, more padding)",
+)
+STANDIN_FREE = EnvVar(
+    "TIMESHARE_STANDIN_FREE",
+    "bytes",
+    "the host's available memory",
+    "test",
+    "What the hand-over's memfd stand-in device (CPU builds) says is free: 0 plays a full card, so "
+    "a restore has the memory another worker keeps mapped asked back",
+)
 DEEP_INPLACE = EnvVar(
     "TIMESHARE_DEEP_INPLACE",
     "0 or 1",
@@ -227,6 +251,9 @@ REGISTRY: tuple[EnvVar, ...] = (
     VRAM_BUDGET,
     OVERLAP_RESTORE,
     HANDOVER,
+    HANDOVER_KEEP,
+    HANDOVER_CHUNK,
+    STANDIN_FREE,
     DEEP_INPLACE,
     RESIDENCY_PATH,
     VK_HOST_VISIBLE_VIDMEM,

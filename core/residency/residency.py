@@ -177,7 +177,8 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
     device: ChunkDevice
     try:
         if gpu is None:
-            device = MemfdDevice()
+            free = envvars.STANDIN_FREE.text()
+            device = MemfdDevice(free_bytes=int(free) if free.isdigit() else None)
         elif gpu.name.startswith("CUDA"):
             index = gpu.name[4:]
             device = CudaVmmDevice(_ggml.device_id(gpu.handle), int(index) if index.isdigit() else 0)
@@ -191,7 +192,9 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
             None,
             f"the arena's chunk of {chunk} bytes is not a multiple of {device.name}'s {device.granularity}",
         )
-    return HandedMemory(device, source, chunk), ""
+    mem = HandedMemory(device, source, chunk)
+    mem.keep_mappings = envvars.HANDOVER_KEEP.switch() is not False
+    return mem, ""
 
 
 def rss_bytes() -> int:
