@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from _budget_pool_util import WAIT
 from timeshare.core.arena.handclient import HandoverClient
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
@@ -18,7 +19,11 @@ from timeshare.core.state import ModelState
 PROMPT = "The three primary colours are"
 
 
-def test_two_workers_switch_on_handed_memory(tmp_path: Path, smollm2_path: Path, pools: list[Pool]) -> None:
+def test_two_workers_switch_on_handed_memory(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # no room on the (stand-in) card: each switch has the other's kept chunks asked back
+    monkeypatch.setenv("TIMESHARE_STANDIN_FREE", "0")
     ids = ("smol-a", "smol-b")
     config = Config(
         models=tuple(ModelConfig(id=i, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for i in ids),
@@ -50,4 +55,5 @@ def test_two_workers_switch_on_handed_memory(tmp_path: Path, smollm2_path: Path,
     n = -(-weight_bytes // chunk)
     assert after["adopted"] == before["adopted"]  # 6 switches, nothing allocated
     assert after["given"] - before["given"] == 6 * n  # each switch took the other's chunks
+    assert after["released"] - before["released"] == 6 * n  # ... once the other had unmapped them
     assert after["chunks"] <= 2 * n  # never more than the two models' worth held
