@@ -225,10 +225,7 @@ class Ledger:
         for i in wanted:
             c = self._chunks[i]
             c.state, c.pid, c.since, c.asked = "on_hand", 0, now, False
-        for i in asked:
-            c = self._chunks.get(i)
-            if c is not None:
-                c.asked = False
+        self.unask(asked)
         self.stats.released += len(wanted)
         return len(wanted)
 
