@@ -57,3 +57,10 @@ def test_two_workers_switch_on_handed_memory(
     assert after["given"] - before["given"] == 6 * n  # each switch took the other's chunks
     assert after["released"] - before["released"] == 6 * n  # ... once the other had unmapped them
     assert after["chunks"] <= 2 * n  # never more than the two models' worth held
+    # the workers' status: each one's last restore mapped the other's n chunks; its cuMemCreate
+    # calls are the first restore's; the lease counts whole chunks (padding is device memory)
+    models = {m.id: m for m in pool.snapshot().models}
+    assert all(models[i].handover_mapped_chunks == n for i in ids)
+    assert sum(models[i].handover_creates for i in ids) == after["adopted"]
+    holding = [m for m in models.values() if m.holds_gpu]
+    assert len(holding) == 1 and holding[0].lease_bytes == n * chunk == holding[0].weight_bytes

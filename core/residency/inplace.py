@@ -752,6 +752,8 @@ class InPlace:
                 reclaimed_chunks=h.reclaimed_chunks,
                 maps=h.device.maps,
                 unmaps=h.device.unmaps,
+                last_mapped_chunks=h.last.mapped,
+                lease_padding_bytes=sum(h.chunks_for(b.size) * h.chunk_bytes - b.size for b in self.buffers),
                 source_note=h.source_note,
             )
         return out
