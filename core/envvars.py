@@ -160,13 +160,13 @@ HANDOVER_CHUNK = EnvVar(
     "With the hand-over: the chunk size a new hand-over holder starts with (a multiple of 2 MiB; "
     "larger chunks: fewer map calls, more padding)",
 )
-STANDIN_FREE = EnvVar(
-    "TIMESHARE_STANDIN_FREE",
+HANDOVER_ROOM = EnvVar(
+    "TIMESHARE_HANDOVER_ROOM",
     "bytes",
-    "the host's available memory",
+    "the device's free memory less 5 % of it (at least 256 MiB)",
     "test",
-    "What the hand-over's memfd stand-in device (CPU builds) says is free: 0 plays a full card, so "
-    "a restore has the memory another worker keeps mapped asked back",
+    "With the hand-over: what a restoring worker may allocate itself before the holder asks other "
+    "workers' kept chunks back; 0 plays a full card (every switch takes the other's memory)",
 )
 DEEP_INPLACE = EnvVar(
     "TIMESHARE_DEEP_INPLACE",
@@ -253,7 +253,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     HANDOVER,
     HANDOVER_KEEP,
     HANDOVER_CHUNK,
-    STANDIN_FREE,
+    HANDOVER_ROOM,
     DEEP_INPLACE,
     RESIDENCY_PATH,
     VK_HOST_VISIBLE_VIDMEM,

@@ -22,8 +22,8 @@ PROMPT = "The three primary colours are"
 def test_two_workers_switch_on_handed_memory(
     tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # no room on the (stand-in) card: each switch has the other's kept chunks asked back
-    monkeypatch.setenv("TIMESHARE_STANDIN_FREE", "0")
+    # no room on the card: each switch has the other's kept chunks asked back
+    monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
     ids = ("smol-a", "smol-b")
     config = Config(
         models=tuple(ModelConfig(id=i, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for i in ids),

@@ -101,8 +101,8 @@ def test_a_buffer_type_that_repacks_keeps_the_alloc_path(small_q4_path: Path, tm
 def test_two_model_processes_switch_on_the_same_memory(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No room on the (stand-in) card: each restore has the other's kept chunks asked back."""
-    monkeypatch.setenv("TIMESHARE_STANDIN_FREE", "0")
+    """No room on the card: each restore has the other's kept chunks asked back."""
+    monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
     arena = tmp_path / "arena"
     tag = secrets.token_hex(4)
     holder = observer(arena, chunk=CHUNK)

@@ -86,6 +86,9 @@ class HandedMemory:
         #: releases keep their mappings where the source can ask for them back (False: unmap
         #: at each release, as before)
         self.keep_mappings = True
+        #: what a mapping may allocate itself before the holder asks others' kept chunks back
+        #: (None: the device's free memory less a margin, :meth:`_room`)
+        self.room_bytes: int | None = None
         # totals since start
         self.handed_chunks = 0
         self.created_chunks = 0
@@ -151,6 +154,8 @@ class HandedMemory:
     def _room(self) -> int | None:
         """Bytes this worker may allocate without the holder asking others' kept chunks back:
         the device's free memory less a margin (None: the device cannot say)."""
+        if self.room_bytes is not None:
+            return self.room_bytes
         try:
             free, total = self.device.memory()
         except ChunkDeviceError:

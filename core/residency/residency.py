@@ -177,8 +177,7 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
     device: ChunkDevice
     try:
         if gpu is None:
-            free = envvars.STANDIN_FREE.text()
-            device = MemfdDevice(free_bytes=int(free) if free.isdigit() else None)
+            device = MemfdDevice()
         elif gpu.name.startswith("CUDA"):
             index = gpu.name[4:]
             device = CudaVmmDevice(_ggml.device_id(gpu.handle), int(index) if index.isdigit() else 0)
@@ -194,6 +193,8 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
         )
     mem = HandedMemory(device, source, chunk)
     mem.keep_mappings = envvars.HANDOVER_KEEP.switch() is not False
+    room = envvars.HANDOVER_ROOM.text()
+    mem.room_bytes = int(room) if room.isdigit() else None
     return mem, ""
 
 
