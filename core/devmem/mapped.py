@@ -308,8 +308,8 @@ class HandedMemory:
                     log.warning("a kept range asked back could not be unmapped: %s", exc)
                     continue
                 out.extend(i for i in r.ids if i)
+                self.reclaimed_chunks += r.chunks
                 r.ids = []
-        self.reclaimed_chunks += len(out)
         return out
 
     def close(self, keep: bool = False) -> None:
