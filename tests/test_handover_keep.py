@@ -353,3 +353,60 @@ def test_keep_mappings_off_unmaps_at_each_release(tmp_path: Path) -> None:
     assert mem.map_all([(1, 2 * CHUNK)]).handed == 2 and device.maps == 4
     mem.close()
     assert client.status()["chunks"] == 0
+
+
+# ---- bad requests are refused, and lose nothing ------------------------------------------------
+
+
+def test_bad_keep_take_and_released_requests_are_refused(arena: Path, tag: str) -> None:
+    from timeshare.core.arena.handover import RequestRefusedError, connect, receive, send
+
+    client = observer(arena)  # no reclaim channel on this connection
+    device = MemfdDevice(tag)
+    handle = device.create(CHUNK)
+    fd = device.export(handle)
+    ids = client.adopt([fd])
+    os.close(fd)
+    device.release(handle)
+    with pytest.raises(RequestRefusedError, match="no reclaim channel"):
+        client.keep(ids)  # nobody could ask it back: refused, the chunk stays lent
+    with pytest.raises(RequestRefusedError, match="not kept by pid"):
+        client.take(0, use=ids)  # lent, not kept
+    dir_fd = os.open(arena, os.O_RDONLY)
+    raw = connect(dir_fd, str(arena), 5.0)  # a raw connection of this process: its bad requests
+    try:
+        send(raw, {"op": "hello", "v": 1, "pid": os.getpid(), "model": "raw"})
+        assert receive(raw)[0]["op"] == "welcome"  # type: ignore[index]
+        for bad, why in (
+            ({"op": "take", "n": 1, "room": -1}, "'room' must be a count"),
+            ({"op": "take", "n": 0, "use": "all"}, "'use' must be a list"),
+            ({"op": "keep", "ids": [True]}, "'ids' must be a list"),
+            ({"op": "released", "ids": ids, "asked": []}, "'released' on a request connection"),
+        ):
+            send(raw, bad)
+            answer, fds = receive(raw)
+            assert answer is not None and fds == [] and answer["op"] == "error", answer
+            assert why in answer["message"], answer
+    finally:
+        raw.close()
+        os.close(dir_fd)
+    st = client.status()
+    assert st["lent_bytes"] == CHUNK and st["kept_bytes"] == 0  # nothing changed, nothing lost
+    client.put(ids, keep=False)
+    assert client.status()["chunks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("", 64 << 20), ("256MiB", 256 << 20), ("3MB", 4 << 20), ("100GiB", 4 << 30), ("lots", 64 << 20)],
+)
+def test_the_chunk_size_is_a_choice(
+    text: str, want: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from timeshare.core.arena.handclient import HandoverClient, chunk_choice
+
+    monkeypatch.setenv("TIMESHARE_HANDOVER_CHUNK", text)
+    assert chunk_choice() == want
+    client = HandoverClient(tmp_path / "arena", "m", start=False)
+    assert client.chunk_bytes == want  # what a holder it starts is started with
+    client.close()

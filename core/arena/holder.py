@@ -301,8 +301,8 @@ class Holder:
             close_all(fds)  # fds only come with adopt
             fds = []
         now = time.monotonic()
-        if conn.role == "reclaim" and op != "released":
-            raise ValueError(f"{op!r} on a reclaim channel")
+        if (conn.role == "reclaim") != (op == "released") and op != "hello":
+            raise ValueError(f"{op!r} on a {conn.role} connection")
         if op == "hello":
             if msg.get("v") != VERSION:
                 raise ValueError(

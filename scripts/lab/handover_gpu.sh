@@ -13,7 +13,8 @@
 #   3. the same 20 switches on a "full card" (TIMESHARE_HANDOVER_ROOM=0: each restore has the
 #      other worker's kept chunks asked back, unmapped by its reclaim thread, then mapped)
 #   4. bench residency --handover with TIMESHARE_HANDOVER_KEEP=0 (unmap at each release: the
-#      mapping cost per restore, as before this change)
+#      mapping cost per restore, as before this change), with 64 MiB chunks and with 256 MiB
+#      chunks (TIMESHARE_HANDOVER_CHUNK: fewer cuMemMap calls when memory passes, more padding)
 #   5. the VMM probe without ggml (scripts/lab/handover_vmm_probe.py: memory passes from an
 #      exited worker, kill -9 mid-release, a kept mapping asked back from a live worker)
 #   6. device memory used before and after everything (no leak), no holder left
@@ -88,6 +89,11 @@ if [ "$(left)" -gt 60 ]; then bswitch off 0; else el "skipped: bench switch with
 if [ "$(left)" -gt 55 ]; then TIMESHARE_HANDOVER_ROOM=0 bswitch fullcard 1; else el "skipped: full-card switch (time)"; fi
 # 4. unmapped at each release, as before this change
 if [ "$(left)" -gt 40 ]; then TIMESHARE_HANDOVER_KEEP=0 bres nokeep; else el "skipped: bench residency keep off (time)"; fi
+if [ "$(left)" -gt 35 ]; then
+  TIMESHARE_HANDOVER_KEEP=0 TIMESHARE_HANDOVER_CHUNK=256MiB bres nokeep256
+else
+  el "skipped: bench residency keep off, 256 MiB chunks (time)"
+fi
 # 5. the VMM probe (no ggml)
 if [ "$(left)" -gt 15 ]; then
   timeout 40 python3 -P "$R/scripts/lab/handover_vmm_probe.py" > "$OUT/probe.txt" 2>&1
