@@ -32,13 +32,14 @@ BUDGET_S=${BUDGET_S:-220}
 T0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+cap() { local l; l=$(( $(left) - 5 )); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }  # a step's timeout (never 0: no limit)
 used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; }
 U0=$(used)
 el "device memory used at start: ${U0} MiB"
 
 bres() {  # $1: label; environment from the caller
   local f="$OUT/bres_$1"
-  timeout 90 timeshare bench residency --handover --model "$A" --cycles 5 --n-ctx 2048 --no-copy-probe --json > "$f.json" 2> "$f.err"
+  timeout "$(cap 90)" timeshare bench residency --handover --model "$A" --cycles 5 --n-ctx 2048 --no-copy-probe --json > "$f.json" 2> "$f.err"
   el "bench residency --handover ($1) rc=$?"
   python3 - "$f.json" <<'EOF' 2>&1 | tail -4
 import json, sys
@@ -55,7 +56,7 @@ EOF
 
 bswitch() {  # $1: label, $2: 1/0 hand-over; environment from the caller
   local f="$OUT/switch_$1"
-  timeout 120 python3 -P - "$A" "$B" "$2" > "$f.json" 2> "$f.err" <<'EOF'
+  timeout "$(cap 120)" python3 -P - "$A" "$B" "$2" > "$f.json" 2> "$f.err" <<'EOF'
 import json, sys
 from timeshare.core.diagnostics.bench_switch import run_switch_bench
 a, b, h = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -96,7 +97,7 @@ else
 fi
 # 5. the VMM probe (no ggml)
 if [ "$(left)" -gt 15 ]; then
-  timeout 40 python3 -P "$R/scripts/lab/handover_vmm_probe.py" > "$OUT/probe.txt" 2>&1
+  timeout "$(cap 40)" python3 -P "$R/scripts/lab/handover_vmm_probe.py" > "$OUT/probe.txt" 2>&1
   el "vmm probe rc=$?"; tail -16 "$OUT/probe.txt"
 else
   el "skipped: vmm probe (time)"
