@@ -375,6 +375,10 @@ def test_bad_keep_take_and_released_requests_are_refused(arena: Path, tag: str) 
     dir_fd = os.open(arena, os.O_RDONLY)
     raw = connect(dir_fd, str(arena), 5.0)  # a raw connection of this process: its bad requests
     try:
+        send(raw, {"op": "hello", "v": 1, "pid": os.getpid(), "model": "raw", "role": "boss"})
+        refused = receive(raw)[0]
+        assert refused is not None and refused["op"] == "error"
+        assert "unknown role 'boss'" in refused["message"]
         send(raw, {"op": "hello", "v": 1, "pid": os.getpid(), "model": "raw"})
         assert receive(raw)[0]["op"] == "welcome"  # type: ignore[index]
         for bad, why in (

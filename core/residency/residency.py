@@ -195,6 +195,8 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
     mem.keep_mappings = envvars.HANDOVER_KEEP.switch() is not False
     room = envvars.HANDOVER_ROOM.text()
     mem.room_bytes = int(room) if room.isdigit() else None
+    if room and mem.room_bytes is None:
+        log.warning("$%s=%r is not a number of bytes: ignored", envvars.HANDOVER_ROOM.name, room)
     return mem, ""
 
 
