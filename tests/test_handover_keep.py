@@ -414,3 +414,19 @@ def test_the_chunk_size_is_a_choice(
     client = HandoverClient(tmp_path / "arena", "m", start=False)
     assert client.chunk_bytes == want  # what a holder it starts is started with
     client.close()
+
+
+def test_a_last_release_gives_kept_ranges_back_too(tmp_path: Path) -> None:
+    """``unmap(keep=False)`` (a worker's last release): the buffers released now and the ranges
+    kept since an earlier release are unmapped, and the holder closes their chunks."""
+    client = observer(tmp_path / "arena")
+    device = MemfdDevice(secrets.token_hex(4))
+    mem = HandedMemory(device, client, client.chunk_bytes)
+    mem.map_all([(1, 2 * CHUNK), (2, CHUNK)])
+    assert mem.unmap([1]) == 2 and mem.kept(1)  # a part released earlier: kept
+    assert client.status()["kept_bytes"] == 2 * CHUNK
+    assert mem.unmap([2], keep=False) == 1
+    assert not mem.kept(1) and mem.kept_bytes == 0 and device.unmaps == 3
+    st = client.status()
+    assert st["chunks"] == 0 and st["closed"] == {"drop": 3}
+    mem.close()

@@ -265,10 +265,18 @@ class HandedMemory:
         """Release the buffers ``keys``: their ranges stay mapped, kept (``keep_mapped``, by
         default :attr:`keep_mappings`, and the source can ask them back), or are unmapped and
         their chunks put back (``keep`` False: the source closes them, e.g. this process's
-        last release; never kept then). Returns the chunks released."""
+        last release; never kept then, and the ranges kept before are unmapped and closed too).
+        Returns the chunks released."""
         keep_mapped = self.keep_mappings if keep_mapped is None else keep_mapped
         with self._lock:
             chosen = [r for k in keys if (r := self._ranges.get(k)) is not None and r.mapped and not r.kept]
+            if not keep:  # the last release: what stays kept goes back to the driver too
+                kept = [r for r in self._ranges.values() if r.mapped and r.kept]
+                dropped = [i for r in kept for i in r.ids if i]
+                for r in kept:
+                    self._unmap_range(r)
+                    r.ids = []
+                self._put(dropped, keep=False)
             if not chosen:
                 return 0
             self.device.synchronize()  # no kernel reads a released range from here on
