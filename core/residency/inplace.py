@@ -746,6 +746,14 @@ class InPlace:
                 creates=h.device.creates,
                 mapped_bytes=h.mapped_bytes,
                 padding_bytes=h.padding_bytes,
+                kept_bytes=h.kept_bytes,
+                kept_chunks=h.kept_chunks,
+                reused_chunks=h.reused_chunks,
+                reclaimed_chunks=h.reclaimed_chunks,
+                maps=h.device.maps,
+                unmaps=h.device.unmaps,
+                last_mapped_chunks=h.last.mapped,
+                lease_padding_bytes=sum(h.chunks_for(b.size) * h.chunk_bytes - b.size for b in self.buffers),
                 source_note=h.source_note,
             )
         return out
@@ -1061,6 +1069,8 @@ class InPlace:
                 handed_chunks=float(rep.handed),
                 created_chunks=float(rep.created),
                 creates_total=float(handed.device.creates),
+                mapped_chunks=float(rep.mapped),
+                kept_chunks=float(rep.kept),
             )
         if background:
             assert gate is not None

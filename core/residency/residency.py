@@ -191,7 +191,13 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
             None,
             f"the arena's chunk of {chunk} bytes is not a multiple of {device.name}'s {device.granularity}",
         )
-    return HandedMemory(device, source, chunk), ""
+    mem = HandedMemory(device, source, chunk)
+    mem.keep_mappings = envvars.HANDOVER_KEEP.switch() is not False
+    room = envvars.HANDOVER_ROOM.text()
+    mem.room_bytes = int(room) if room.isdigit() else None
+    if room and mem.room_bytes is None:
+        log.warning("$%s=%r is not a number of bytes: ignored", envvars.HANDOVER_ROOM.name, room)
+    return mem, ""
 
 
 def rss_bytes() -> int:

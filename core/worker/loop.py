@@ -184,6 +184,7 @@ class Worker:
             active=len(self._running),
             lease_bytes=res.lease_bytes,
             budget_bytes=res.budget_bytes,
+            **res.handover_figures(),
         )
         with self._status_lock:
             self._status = status

@@ -163,6 +163,10 @@ class Tenancy:
         """The device's weights budget now (0: one model at a time, or no arena)."""
         return 0
 
+    def handover_figures(self) -> dict[str, int]:
+        """The hand-over's figures for the worker's status (none without an arena)."""
+        return {}
+
     def acquire(self, poll: Callable[[], None], timeout_s: float | None) -> float:
         """Take the token only (no restore); returns the wait in ms."""
         return 0.0
@@ -457,9 +461,11 @@ class ArenaTenancy(Tenancy):
         self.path = res.path
         self.reason = res.reason
         self.backend = res.backend
-        self.weight_bytes = res.weight_bytes
+        # handed-over memory is mapped in whole chunks: the last chunk of each buffer's padding
+        # is device memory too, so its lease counts it (a small card's budget holds)
+        self.weight_bytes = res.weight_bytes + int(res.handover.get("lease_padding_bytes", 0) or 0)  # type: ignore[call-overload]
         self.host_bytes = res.host_bytes
-        self._fit_budget(res.weight_bytes)
+        self._fit_budget(self.weight_bytes)
         self.client.set_partial(self.partial)
 
     @property
@@ -590,6 +596,18 @@ class ArenaTenancy(Tenancy):
             if ctx is not None:
                 return ctx
         return engine.llm.ctx
+
+    def handover_figures(self) -> dict[str, int]:
+        """The hand-over's figures for the worker's status (all 0 while it is off)."""
+        res = self.residency
+        h = res.handover if res is not None else {}
+        if not h.get("on"):
+            return {}
+        return {
+            "handover_creates": int(h.get("creates", 0) or 0),  # type: ignore[call-overload]
+            "handover_mapped_chunks": int(h.get("last_mapped_chunks", 0) or 0),  # type: ignore[call-overload]
+            "handover_kept_bytes": int(h.get("kept_bytes", 0) or 0),  # type: ignore[call-overload]
+        }
 
     @property
     def device_bytes(self) -> int:
