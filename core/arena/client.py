@@ -53,7 +53,8 @@ class TokenClient:
 
     ``request(timeout, need)`` → :class:`TokenRequest` for ``need`` weight bytes (None: the device
     to itself; immediately granted if this client holds a lease; the same pending request if one
-    is pending and not cancelled). ``release()`` ends the lease (call it only after the weights are off the device).
+    is pending and not cancelled). ``release()`` ends the lease (call it only after the weights
+    are off the device).
     ``start_doorbell(on_waiter)`` starts the warden thread that calls ``on_waiter(DoorbellRing)``
     when the head of the queue needs this client's lease to go (always, under a one-model budget,
     unless pinned): at once for a new waiter, after each new acquisition and after
