@@ -348,6 +348,59 @@ def test_a_long_embed_gives_the_gpu_way_after_the_quantum(
     assert holders[-3:] == ["smol", "rr", "smol"], holders
 
 
+def test_a_stream_of_embeds_gives_the_gpu_way_between_two(
+    smollm2_path: Path, reranker_path: Path, tmp_path: Path, handles: list[WorkerHandle]
+) -> None:
+    """Embeds queued one behind the other, each shorter than the quantum (a minute here): when
+    another model asks for the GPU, the worker gives way at the end of the Embed it is at, as at
+    the end of a generation batch (between requests the quantum does not apply), and takes it
+    back for the rest (the token's intervals: smol, rr, smol); every answer is the one it gives
+    alone. Each Embed starts a quantum of its own, so without this the other model waited for
+    the whole stream."""
+    log = tmp_path / "intervals.jsonl"
+    arena_dir = tmp_path / "arena"
+    arena = ArenaConfig(min_quantum_ms=60000.0, wait_timeout_s=600.0)
+    a = WorkerHandle(
+        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2),
+        tmp_path / "a",
+        arena_dir=arena_dir,
+        arena=arena,
+        event_log=log,
+    )
+    handles.append(a)
+    a.ready()
+    b = WorkerHandle(
+        ModelConfig(id="rr", path=str(reranker_path), n_ctx=256),
+        tmp_path / "b",
+        arena_dir=arena_dir,
+        arena=arena,
+        event_log=log,
+    )
+    handles.append(b)
+    b.ready()
+    b.send(p.Embed(req="r0", inputs=DOCUMENTS, query=QUERY))
+    want_scores, done = vectors_of(b, "r0")
+    assert isinstance(done, p.Done)
+    inputs = tuple(f"{i}: the quick brown fox" for i in range(4))
+    a.send(p.Embed(req="e0", inputs=inputs))
+    want, done = vectors_of(a, "e0")
+    assert isinstance(done, p.Done) and len(want) == len(inputs)
+    stream = [f"e{i}" for i in range(1, 4)]
+    for req in stream:
+        a.send(p.Embed(req=req, inputs=inputs))
+    a.expect(p.WorkerStatus, busy=True, holds_token=True)  # at the first of them
+    b.send(p.Embed(req="r1", inputs=DOCUMENTS, query=QUERY))
+    scores, done = vectors_of(b, "r1")
+    assert isinstance(done, p.Done) and done.switch.switched and scores == want_scores
+    for req in stream:
+        got, done = vectors_of(a, req)
+        assert isinstance(done, p.Done) and got == want, req
+    a.close()
+    b.close()
+    holders = [r["model"] for r in sorted(read_events(log), key=lambda r: r["start"]) if r["kind"] == "token"]
+    assert holders[-3:] == ["smol", "rr", "smol"], holders
+
+
 # ---- a real `timeshare serve` ----------------------------------------------------------------------
 
 
