@@ -3,7 +3,9 @@ sequence), ``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/i
 translation onto the turn pipeline (``dialect``: the GenerationRequest, Sampling, tools path,
 structured output and guards every dialect shares), the answer shaped by ``response_output``.
 
-Mapped: ``input`` (a string, or items: messages with text parts, ``function_call`` and
+Mapped: ``input`` (a string, or items: messages with text parts and, in a user message,
+``input_image`` parts (an ``image_url`` data URL, or http(s) when ``api.fetch_image_urls`` is on:
+the one check of ``images``, the same image parts as chat completions'), ``function_call`` and
 ``function_call_output``; ``reasoning`` items are accepted and not shown to the model again),
 ``instructions`` (the system message), ``max_output_tokens``, ``temperature``, ``top_p``,
 ``tools`` (function tools) with ``tool_choice`` (``allowed_tools`` too) and
@@ -21,8 +23,8 @@ conversation (``cache_prompt`` true on a new conversation: ``Sequences.claim_con
 
 Refused (400 naming the field): hosted tools (web search, file search, code interpreter, computer
 use, image generation, MCP, shell, custom tools), ``background``, ``conversation`` (OpenAI's
-Conversations API), ``prompt`` (stored prompt templates), image, audio and file parts, input items
-of another type, a ``function_call_output`` whose call is not in the conversation, a
+Conversations API), ``prompt`` (stored prompt templates), an image by ``file_id``, audio and file
+parts, input items of another type, a ``function_call_output`` whose call is not in the conversation, a
 ``previous_response_id`` that is not stored (never, deleted, past the bounds), whose chain lost an
 earlier response, or that belongs to another model. docs/API.md lists every field.
 """
@@ -707,7 +709,14 @@ class Routes:
     async def create(self, request: Request) -> Response:
         body = await read_json(request)
         answer, req = await self.host.call(self._prepare, body)
-        turn = await start(self.host, request, req, answer.request.tools)
+        try:
+            turn = await start(self.host, request, req, answer.request.tools)
+        except (
+            BadRequestError
+        ) as exc:  # the pipeline's "messages" (images for a text model...) is 'input' here
+            if exc.param != "messages":
+                raise
+            raise BadRequestError(exc.message, "input", code=exc.code, status=exc.status) from None
         if req.stream:
             return await self._stream(turn, answer)
         try:
