@@ -954,6 +954,11 @@ class Worker:
                 self.tenancy.note_use(False)
                 self.publish()
         self.send(reply)
+        if not beside_batch and self._yield_wanted and (asked := self._asked()) is not None:
+            # between requests the quantum does not apply, as after a batch: each Embed starts a
+            # quantum of its own, so a stream of short ones would otherwise keep the GPU from the
+            # head of the queue for as long as the stream lasts (its rings taken between decodes)
+            self._give_way(asked)
 
     def _shutdown(self, save_kv: bool) -> None:
         self._stopping = True
