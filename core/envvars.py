@@ -144,6 +144,30 @@ HANDOVER = EnvVar(
     "escape hatch",
     "Device memory handed over between workers (issue 40) off (0) or on (1), whatever arena.handover says",
 )
+HANDOVER_KEEP = EnvVar(
+    "TIMESHARE_HANDOVER_KEEP",
+    "0 or 1",
+    "on",
+    "escape hatch",
+    "With the hand-over: a released worker keeps its chunks mapped until another needs them (1), or "
+    "unmaps them at each release (0)",
+)
+HANDOVER_CHUNK = EnvVar(
+    "TIMESHARE_HANDOVER_CHUNK",
+    "size (256MiB)",
+    "64MiB",
+    "escape hatch",
+    "With the hand-over: the chunk size a new hand-over holder starts with (a multiple of 2 MiB; "
+    "larger chunks: fewer map calls, more padding)",
+)
+HANDOVER_ROOM = EnvVar(
+    "TIMESHARE_HANDOVER_ROOM",
+    "bytes",
+    "the device's free memory less 5 % of it (at least 256 MiB)",
+    "test",
+    "With the hand-over: what a restoring worker may allocate itself before the holder asks other "
+    "workers' kept chunks back; 0 plays a full card (every switch takes the other's memory)",
+)
 DEEP_INPLACE = EnvVar(
     "TIMESHARE_DEEP_INPLACE",
     "0 or 1",
@@ -227,6 +251,9 @@ REGISTRY: tuple[EnvVar, ...] = (
     VRAM_BUDGET,
     OVERLAP_RESTORE,
     HANDOVER,
+    HANDOVER_KEEP,
+    HANDOVER_CHUNK,
+    HANDOVER_ROOM,
     DEEP_INPLACE,
     RESIDENCY_PATH,
     VK_HOST_VISIBLE_VIDMEM,

@@ -121,6 +121,12 @@ class ModelStatus:
     device: int = 0  # the GPU it runs on (models[].device)
     holds_gpu: bool = False  # holds a lease on its device's VRAM budget (its weights may be there)
     lease_bytes: int = 0  # the weight bytes of that lease
+    # device memory handed over (issue 40; 0 while off): the worker's cuMemCreate calls since it
+    # started, the chunks its last restore mapped (0: its kept mapping was used), the bytes it
+    # keeps mapped while released
+    handover_creates: int = 0
+    handover_mapped_chunks: int = 0
+    handover_kept_bytes: int = 0
     # the share of its weights on the device: 1.0 resident, 0.0 released; in between a RELEASED
     # model that made room for another by freeing only some layer parts ("partly on the GPU")
     resident_fraction: float = 0.0

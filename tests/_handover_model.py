@@ -2,7 +2,8 @@
 llama-cpp-python model (loaded as a CPU worker loads it: no mmap), its residency with the
 hand-over on (the memfd stand-in plays the device: named as such), driven line by line.
 
-    release | restore       the residency's; restore answers "ok <handed> <created> <moved>"
+    release | restore       the residency's; restore answers "ok <handed> <created> <moved> <mapped>"
+                            (mapped: chunks mapped by it; 0 when its own kept mapping was used)
     check                   "ok" when 8 greedy steps give bitwise the logits of before attach
     stats                   the residency's hand-over figures (JSON)
 """
@@ -37,7 +38,7 @@ def main() -> None:
             report = res.restore()
             steps = res.restore_steps
             handed, created = int(steps.handed_chunks or 0), int(steps.created_chunks or 0)
-            out = f"ok {handed} {created} {report.addresses_moved}"
+            out = f"ok {handed} {created} {report.addresses_moved} {int(steps.mapped_chunks or 0)}"
         elif cmd == "check":
             out = "ok" if same(reference, greedy.run()) else "different"
         elif cmd == "stats":

@@ -6,9 +6,10 @@ such: no GPU), driven line by line on stdin; each command answers one line on st
     fill KEY BYTE           write BYTE over the whole buffer
     check KEY BYTE          "ok" when every byte of the buffer is BYTE, else "bad <first byte>"
     unmap KEY               unmap and put the chunks back
+    release KEY             release as a worker does: kept mapped where the holder can ask it back
     unmap_some KEY N        unmap the first N chunks only, put nothing back (a release cut short)
     take N                  take N chunks and import them, map none (a restore cut short)
-    report                  the last mapping's report and the device's create count
+    report                  the last mapping's report and the device's create, map and unmap counts
     status                  the holder's status
 """
 
@@ -26,9 +27,10 @@ from timeshare.core.devmem.memfd import MemfdDevice
 
 def main() -> None:
     arena, tag, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    free = int(sys.argv[4]) if len(sys.argv) > 4 else None  # the stand-in's free bytes (0: full)
     client = HandoverClient(arena, f"w{os.getpid()}", chunk_bytes=chunk, idle_s=600.0)
     client.connect()
-    device = MemfdDevice(tag)
+    device = MemfdDevice(tag, free_bytes=free)
     mem = HandedMemory(device, client, client.chunk_bytes)
     sizes: dict[int, int] = {}
     held: list[int] = []  # handles of a cut-short restore
@@ -41,7 +43,10 @@ def main() -> None:
         if cmd == "map":
             sizes[args[0]] = args[1]
             rep = mem.map_all([(args[0], args[1])])
-            out = f"ok handed={rep.handed} created={rep.created} adopted={rep.adopted} note={rep.note!r}"
+            out = (
+                f"ok handed={rep.handed} created={rep.created} adopted={rep.adopted} "
+                f"kept={rep.kept} mapped={rep.mapped} note={rep.note!r}"
+            )
         elif cmd == "fill":  # the whole mapped range (a taker may get the chunks in any order)
             ctypes.memset(mem.address(args[0]), args[1], mem.chunks_for(sizes[args[0]]) * mem.chunk_bytes)
             out = "ok"
@@ -50,7 +55,9 @@ def main() -> None:
             want = bytes([args[1]])
             out = "ok" if data.count(want) == len(data) else f"bad {data[0]}"
         elif cmd == "unmap":
-            out = f"ok {mem.unmap([args[0]])}"
+            out = f"ok {mem.unmap([args[0]], keep_mapped=False)}"
+        elif cmd == "release":
+            out = f"ok {mem.unmap([args[0]])} kept={mem.kept(args[0])}"
         elif cmd == "unmap_some":
             base = mem.address(args[0])
             for i in range(args[1]):
@@ -63,7 +70,18 @@ def main() -> None:
             out = f"ok {len(held)}"
         elif cmd == "report":
             rep = mem.last
-            out = json.dumps({"handed": rep.handed, "created": rep.created, "creates": device.creates})
+            out = json.dumps(
+                {
+                    "handed": rep.handed,
+                    "created": rep.created,
+                    "kept": rep.kept,
+                    "mapped": rep.mapped,
+                    "creates": device.creates,
+                    "maps": device.maps,
+                    "unmaps": device.unmaps,
+                    "reclaimed": mem.reclaimed_chunks,
+                }
+            )
         elif cmd == "status":
             out = json.dumps(client.status())
         else:

@@ -11,8 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from _vision_util import png
-from timeshare.core.api import images
+from timeshare.core.api import images, responses
 from timeshare.core.api.errors import BadRequestError
+from timeshare.core.wire.protocol import ImagePart
 
 RED = png((255, 0, 0))
 
@@ -61,6 +62,20 @@ def test_an_http_image_is_fetched_only_when_allowed_and_then_bounded(web: str) -
     assert big.value.param == where  # type: ignore[attr-defined]
     with pytest.raises(BadRequestError, match=r"file: URLs are not supported"):
         images.image_from_url("file:///etc/passwd", where, images.fetch_url)
+
+
+def test_a_responses_input_image_url_is_fetched_only_when_allowed(web: str) -> None:
+    """/v1/responses' input_image takes an http(s) URL as chat completions do: fetched when
+    api.fetch_image_urls is on (the handler passes ``fetch_url``), refused naming the part when off."""
+    body = {
+        "model": "m",
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": f"{web}/red.png"}]}],
+    }
+    fetched = responses.parse(body, (), images.fetch_url)
+    assert fetched.turn_input[0].images == (ImagePart(RED, 0),)
+    with pytest.raises(BadRequestError, match=r"api.fetch_image_urls is off") as off:
+        responses.parse(body)
+    assert off.value.param == "input[0].content[0].image_url"
 
 
 @pytest.mark.parametrize(

@@ -192,6 +192,94 @@ def test_the_same_answer_after_a_switch_and_after_a_restart_with_its_kv(
     assert 0 < evaluated < answers["restarted"].usage.prompt_tokens - 16  # the image was not evaluated again
 
 
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def image_input(image: bytes, text: str = QUESTION) -> list[dict[str, Any]]:
+    """A Responses ``input``: one user message of an ``input_image`` and the text."""
+    content = [{"type": "input_image", "image_url": data_url(image)}, {"type": "input_text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+def responses_first_logprobs(response: Any) -> list[tuple[str, float]]:
+    first = response.output[0].content[0].logprobs[0]
+    return [(t.token, t.logprob) for t in first.top_logprobs]
+
+
+def test_the_responses_api_reads_images_as_chat_completions_do(served: Served, client: openai.OpenAI) -> None:
+    """/v1/responses' input_image parts: the same greedy answer and first-token logprobs as the
+    same image through chat completions (and another image answers otherwise); the stored input
+    items give the image back as sent; a previous_response_id turn replays the image from the
+    store, answering as the same two turns through chat completions in one conversation do; a
+    file_id, or an image for a text model, is a 400 naming the field, and nothing else is lost."""
+    ask: dict[str, Any] = {
+        "model": VISION,
+        "max_output_tokens": N,
+        "temperature": 0,
+        "top_logprobs": 5,
+        "include": LOGPROBS,
+    }
+    r = client.responses.create(input=image_input(RED), **ask)  # type: ignore[arg-type]
+    oracle = openai_ask(client, RED)
+    assert r.output_text == oracle.choices[0].message.content
+    assert responses_first_logprobs(r) == first_logprobs(oracle)
+    assert r.usage is not None and oracle.usage is not None
+    assert r.usage.input_tokens == oracle.usage.prompt_tokens
+    blue = client.responses.create(input=image_input(BLUE), store=False, **ask)  # type: ignore[arg-type]
+    assert responses_first_logprobs(blue) != responses_first_logprobs(r)
+    items = httpx.get(f"{served.url}/v1/responses/{r.id}/input_items", params={"order": "asc"}, timeout=30)
+    assert items.status_code == 200, items.text
+    stored = items.json()["data"]
+    assert stored[0]["content"][0] == {"type": "input_image", "image_url": data_url(RED)}
+    # the chain's next turn: the image comes back from the store (the chat oracle sends it again)
+    follow = client.responses.create(
+        input="And the colour?",
+        previous_response_id=r.id,
+        **ask,  # type: ignore[arg-type]
+    )
+    content = [{"type": "image_url", "image_url": {"url": data_url(RED)}}, {"type": "text", "text": QUESTION}]
+    history: list[dict[str, Any]] = [{"role": "user", "content": content}]
+    first = client.chat.completions.create(
+        model=VISION,
+        messages=history,  # type: ignore[arg-type]
+        max_tokens=N,
+        temperature=0,
+        extra_body={"conversation": "oracle-image-chain"},
+    )
+    assert first.choices[0].message.content == r.output_text
+    history += [
+        {"role": "assistant", "content": r.output_text},
+        {"role": "user", "content": "And the colour?"},
+    ]
+    second = client.chat.completions.create(
+        model=VISION,
+        messages=history,  # type: ignore[arg-type]
+        max_tokens=N,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"conversation": "oracle-image-chain"},
+    )
+    assert follow.output_text == second.choices[0].message.content
+    assert responses_first_logprobs(follow) == first_logprobs(second)
+    assert follow.usage is not None and second.usage is not None
+    assert follow.usage.input_tokens == second.usage.prompt_tokens
+    evaluated = follow.model_extra["timeshare"]["prompt_tokens_evaluated"]  # type: ignore[index]
+    assert 0 < evaluated < follow.usage.input_tokens - 16  # the image was not evaluated again
+    # refusals name the field
+    with pytest.raises(openai.BadRequestError) as by_file:
+        client.responses.create(
+            input=[{"role": "user", "content": [{"type": "input_image", "file_id": "file-abc"}]}],  # type: ignore[list-item]
+            **ask,  # type: ignore[arg-type]
+        )
+    assert by_file.value.param == "input[0].content[0].file_id" and "Files API" in by_file.value.message
+    with pytest.raises(openai.BadRequestError) as text_model:
+        client.responses.create(input=image_input(RED), **{**ask, "model": TEXT})  # type: ignore[arg-type]
+    assert text_model.value.param == "input" and "Smol Text does not read images" in text_model.value.message
+    again = client.responses.create(input=image_input(RED), store=False, **ask)  # type: ignore[arg-type]
+    assert again.output_text == r.output_text
+
+
 def bad(served: Served, content: list[dict[str, Any]], model: str = VISION) -> httpx.Response:
     body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
     return httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)

@@ -433,6 +433,46 @@ def test_cancel_leaves_the_queue_and_the_next_waiter_proceeds(arena_dir: Path) -
     holder.close()
 
 
+class GatedClient(TokenClient):
+    """A client whose requests' threads stop, as they end, at ``gate`` (``ticket_gone`` is called
+    on the request's thread): a cancelled request stays pending until the gate opens."""
+
+    def __init__(self, arena: Arena, model: str) -> None:
+        super().__init__(arena, model)
+        self.gate = threading.Event()
+
+    def ticket_gone(self, ticket: Ticket) -> None:
+        self.gate.wait(30)
+        super().ticket_gone(ticket)
+
+
+def test_a_request_after_a_cancel_is_a_new_one(arena_dir: Path) -> None:
+    """A request made while the client's cancelled request is still pending (its thread has not
+    ended yet) is a new request that waits and is granted: not the cancelled one, whose result is
+    a CancelledError (a worker's Embed sent after a cancelled waiting Embed was answered
+    "cancelled", though nobody had cancelled it)."""
+    arena = Arena(arena_dir)
+    holder = TokenClient(arena, "holder")
+    holder.acquire(timeout=5)
+    client = GatedClient(arena, "client")
+    r1 = client.request(timeout=30)
+    wait_until(lambda: r1.ticket is not None, what="its ticket")
+    assert r1.cancel() is True and r1.cancelled
+    opener = threading.Timer(0.3, client.gate.set)  # the new request waits for the old one to end
+    opener.start()
+    r2 = client.request(timeout=30)
+    assert r2 is not r1 and not r2.cancelled
+    with pytest.raises(CancelledError):
+        r1.result(timeout=10)
+    wait_until(lambda: [t.model for t in arena.waiters()] == ["client"], what="the new request's ticket")
+    holder.release()
+    assert r2.result(timeout=10).previous == "holder"
+    assert client.holds_token
+    opener.join()
+    client.close()
+    holder.close()
+
+
 def test_cancel_of_the_head_waiter_blocked_in_flock(arena_dir: Path) -> None:
     arena = Arena(arena_dir)
     holder = TokenClient(arena, "holder")

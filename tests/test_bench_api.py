@@ -230,3 +230,54 @@ def test_bench_api_deep_compares_the_deep_switch_with_the_weights_only_one(
     assert deep["raw_copy_gbps"] > 0 and deep["target_ms"] > deep["weights_only_ttft_ms_median"]
     assert isinstance(deep["meets_target"], bool)
     assert _left_behind(tmp_path) == []
+
+
+def test_every_row_is_sized_to_the_card_and_a_model_that_cannot_fit_even_alone_is_said(
+    tmp_path: Path,
+    smollm2_path: Path,
+    gemma3_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 39 (the H100 run's fresh-process row asked n_ctx 6656 x 4 f16 of an 8 GiB card and
+    stopped the bench): each model is fitted to the card alone by the workers' rule before any
+    row runs, the fresh process loads with that fit, and a model that cannot fit even alone is
+    said and skipped while the bench goes on. A CPU "card" (a host-memory cap) whose room holds
+    Gemma-3-270M's KV cache for the conversations' n_ctx (18,432 bytes a cell) but not SmolLM2's
+    (23,040)."""
+    rounds = 1
+    n_ctx = bench_api.Conversations([str(smollm2_path), str(gemma3_path)], 64).n_ctx(
+        rounds + min(bench_api.RESTARTS, rounds) + 1
+    )
+    room = n_ctx * (18_432 + 23_040) // 2
+    monkeypatch.setenv("TIMESHARE_HOST_MEMORY", str(256 * 2**20 + room))  # the margin (256 MiB) + room
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    said: list[str] = []
+    report = bench_api.run_api_bench(
+        [str(smollm2_path), str(gemma3_path)], context=64, rounds=rounds, progress=said.append
+    )
+    fits = report["card_fit"]
+    smol, gemma = list(fits)
+    assert "unfit" in fits[smol] and "KV cache needs" in fits[smol]["unfit"], fits
+    assert fits[gemma] == {
+        "n_ctx": n_ctx,  # what the conversations need, kept
+        "parallel": 1,  # the CPU build's auto
+        "n_gpu_layers": -1,
+        "kv_bytes": 18_432 * n_ctx,
+        "room": room,
+        "note": fits[gemma]["note"],
+    }
+    assert fits[gemma]["note"].startswith("parallel 1 (auto")
+    assert any(f"{smol} on the card alone: does not fit even alone" in line for line in said), said
+    assert any(f"{gemma} on the card alone: n_ctx {n_ctx} x parallel 1" in line for line in said), said
+    systems = report["systems"]
+    # the timeshare systems need both models: skipped with the reason; the bench went on
+    for key in ("timeshare_switch", "timeshare_same", "timeshare_plain_client", "worker_restart"):
+        assert f"{smol} does not fit the card even alone" in systems[key]["skipped"], key
+    rows = systems["fresh_process"]["rows"]
+    assert rows and all(r["model"] == gemma and r["fit"] == fits[gemma] for r in rows), rows
+    assert all(r["ttft_ms"] > 0 and r["prompt_tokens_evaluated"] == r["prompt_tokens"] for r in rows)
+    bench_api.print_table(report)  # the table says both
+    table = capsys.readouterr().out
+    assert f"{smol} on the card alone (fresh process, llama-server): does not fit even alone" in table
+    assert f"{gemma} on the card alone (fresh process, llama-server): n_ctx {n_ctx} x parallel 1" in table

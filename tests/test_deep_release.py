@@ -451,3 +451,42 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     assert re.search(r"saved the KV of 1 conversation\(s\)", log_b), log_b[-2000:]
     saved = list((home / "kv" / B).glob(f"{B}-*.kv"))
     assert len(saved) == 1 and saved[0].stat().st_size > 100 * 23_040, saved  # ~130 tokens' cells
+
+
+def test_a_sleep_at_weights_and_kv_goes_in_place_and_wakes_bitwise(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39: ``sleep --level weights+kv`` takes the deep level in place (the KV buffer and the
+    compute buffers released, the context and its conversation kept) instead of freeing the
+    context, where the deep path is wholly in place (a plain llama cache on this build); the
+    answer, the first token's log-probabilities and the tokens evaluated after the wake equal
+    those after a weights-only switch."""
+    monkeypatch.setenv("TIMESHARE_VRAM_BUDGET", "one-model")
+    pool = _start(tmp_path / "switch", smollm2_path, "one-model")
+    pools.append(pool)
+    reference = _turns(pool)[2]  # A's follow-up, after B took the GPU (weights only)
+    assert reference[3]
+    pool.stop()
+
+    home = tmp_path / "sleep"
+    pool = _start(home, smollm2_path, "one-model")
+    pools.append(pool)
+    _turn(pool, A, QUESTION)
+    log = home / "log" / f"worker-{A}.log"
+    compute_lines = log.read_text().count("released the compute buffers of")
+    pool.sleep(A, level="weights+kv")
+
+    def asleep_now() -> bool:
+        s = pool.snapshot().model(A)
+        return s is not None and s.state is ModelState.SLEEPING and s.kv_bytes == 0
+
+    wait_until(asleep_now, WAIT, "A asleep")
+    asleep = pool.snapshot().model(A)
+    assert asleep is not None and asleep.buffer_bytes == 0 and asleep.device_bytes == 0, asleep
+    # in place: the compute buffers released in place (freeing the context says no such line),
+    # the conversation kept in its sequence
+    text = log.read_text()
+    assert text.count("released the compute buffers of") == compute_lines + 1, text[-2000:]
+    assert "(weights+kv)" in text
+    after = _turn(pool, A, QUESTION + FOLLOW_UP)
+    assert after == reference  # bitwise: text, first-token logprobs, tokens evaluated, switched

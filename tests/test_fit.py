@@ -9,12 +9,21 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _budget_pool_util import WAIT
 from _proc_util import wait_until
+from timeshare.core.arena.budget import (
+    AUTO,
+    GPU_CONTEXT_ALLOWANCE,
+    LeaseRecord,
+    compute_budget,
+    plan_fit,
+    time_share_room,
+)
 from timeshare.core.config.fit import FitInput, fit_model
 from timeshare.core.config.schema import ApiConfig, ArenaConfig, Config, ModelConfig
 from timeshare.core.config.validate import validate
@@ -53,6 +62,36 @@ def test_a_big_card_keeps_four_sequences_of_the_capped_trained_context() -> None
     assert (fit.parallel, fit.n_ctx, fit.n_gpu_layers) == (4, 4096, -1)
     assert fit.kv_bytes == LLAMA8B.bytes(4096, 4) == 2 * GiB
     assert "parallel 4, n_ctx 4096 (auto" in fit.note
+
+
+def test_the_second_model_is_fitted_to_the_budget_it_time_shares_not_to_what_the_first_leaves_free() -> None:
+    """The H100 run of issue 39: two 8B Q4_0 models on an 8 GiB card, auto budget. Model a loads
+    first and parks at the weights level (its KV cache and compute buffers kept); model b must get
+    the same settings and all its layers on the GPU, since a goes deep for it."""
+    budget = compute_budget(AUTO, total=8 * GiB, free=8 * GiB - 600 * 2**20, pid=1)  # a's context in "others"
+    alone = fit_model(eight_b(0, n_ctx=6000, shared=budget.bytes))
+    assert alone.n_gpu_layers == -1 and alone.parallel == 1 and alone.need <= budget.bytes
+    reserve = alone.kv_bytes + 400 * 10**6 + GPU_CONTEXT_ALLOWANCE  # a parked at the weights level
+    parked = LeaseRecord("a", pid=1, bytes=reserve, kind="reserve", deepens=reserve - GPU_CONTEXT_ALLOWANCE)
+    room = time_share_room(
+        budget, [parked, LeaseRecord("c", pid=3, bytes=10**9)], (2, "b"), GPU_CONTEXT_ALLOWANCE
+    )
+    # a's floor (its driver context) and b's own; an unpinned holder's weights (c) leave for b
+    assert room == budget.bytes - 2 * GPU_CONTEXT_ALLOWANCE
+    second = fit_model(eight_b(8 * GiB - 4_220_000_000 - reserve, n_ctx=6000, shared=room))
+    assert (second.n_ctx, second.parallel, second.n_gpu_layers) == (alone.n_ctx, alone.parallel, -1)
+    assert "budget it time-shares" in second.note
+    # the old rule, fitted to what a left free at b's load: fewer layers (part on the CPU)
+    assert 0 < fit_model(eight_b(8 * GiB - 4_220_000_000 - reserve, n_ctx=6000)).n_gpu_layers < 32
+    # b's need is more than the budget leaves beside a's whole reserve, but fits once a is deep:
+    # the load asks for it first (ArenaTenancy.make_room), and the plan sends a deep
+    need = second.need + GPU_CONTEXT_ALLOWANCE
+    plan = plan_fit(need, [parked], budget, now=1.0, requester=(2, "b"))
+    assert need > budget.weights_budget(reserve) and not plan.fits and plan.deepen == (parked,)
+    # a pinned model keeps all it has; other budgets fit to the free memory (no time-share room)
+    pinned = replace(parked, pinned=True)
+    assert time_share_room(budget, [pinned], (2, "b")) == budget.bytes - reserve
+    assert time_share_room(replace(budget, kind="one-model"), [parked], (2, "b")) is None
 
 
 def test_an_8gb_card_halves_parallel_before_the_context() -> None:
@@ -203,7 +242,7 @@ def test_quantised_kv_caches_load_answer_and_hold_less(
     ps = {m["timeshare"]["id"]: m for m in _api_ps(pool)}
     assert ps["smol-f16"]["size_vram"] == 0 and ps["smol-f16"]["timeshare"]["held"] == f16.held()
     assert ps["smol-q8_0"]["timeshare"]["held"]["kv"] == q8.kv_bytes
-    # asleep (weights+kv): the context is freed, so nothing is held
+    # asleep (weights+kv): the KV cache and compute buffers released (in place here), nothing held
     pool.sleep("smol-f16", level="weights+kv")
     wait_until(
         lambda: (

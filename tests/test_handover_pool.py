@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from _budget_pool_util import WAIT
 from timeshare.core.arena.handclient import HandoverClient
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
@@ -18,7 +19,11 @@ from timeshare.core.state import ModelState
 PROMPT = "The three primary colours are"
 
 
-def test_two_workers_switch_on_handed_memory(tmp_path: Path, smollm2_path: Path, pools: list[Pool]) -> None:
+def test_two_workers_switch_on_handed_memory(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # no room on the card: each switch has the other's kept chunks asked back
+    monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
     ids = ("smol-a", "smol-b")
     config = Config(
         models=tuple(ModelConfig(id=i, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for i in ids),
@@ -50,4 +55,12 @@ def test_two_workers_switch_on_handed_memory(tmp_path: Path, smollm2_path: Path,
     n = -(-weight_bytes // chunk)
     assert after["adopted"] == before["adopted"]  # 6 switches, nothing allocated
     assert after["given"] - before["given"] == 6 * n  # each switch took the other's chunks
+    assert after["released"] - before["released"] == 6 * n  # ... once the other had unmapped them
     assert after["chunks"] <= 2 * n  # never more than the two models' worth held
+    # the workers' status: each one's last restore mapped the other's n chunks; its cuMemCreate
+    # calls are the first restore's; the lease counts whole chunks (padding is device memory)
+    models = {m.id: m for m in pool.snapshot().models}
+    assert all(models[i].handover_mapped_chunks == n for i in ids)
+    assert sum(models[i].handover_creates for i in ids) == after["adopted"]
+    holding = [m for m in models.values() if m.holds_gpu]
+    assert len(holding) == 1 and holding[0].lease_bytes == n * chunk == holding[0].weight_bytes

@@ -33,9 +33,13 @@ def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
     llm.close()
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "unmapped"])
 def test_restores_map_handed_memory_and_stay_bitwise(
-    smol: llama_cpp.Llama, smollm2_path: Path, tmp_path: Path
+    smol: llama_cpp.Llama, smollm2_path: Path, tmp_path: Path, keep: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A release keeps its mappings (the next restore maps nothing), or, with
+    $TIMESHARE_HANDOVER_KEEP=0, unmaps and hands the chunks back (the next restore maps them)."""
+    monkeypatch.setenv("TIMESHARE_HANDOVER_KEEP", "1" if keep else "0")
     greedy = Greedy(smol)
     reference = greedy.run()
     holder = observer(tmp_path / "arena", chunk=CHUNK)
@@ -53,16 +57,24 @@ def test_restores_map_handed_memory_and_stay_bitwise(
     assert report.addresses_moved is True
     assert same(reference, greedy.run())
     first_address = res.handover["mapped_bytes"]
+    maps = res.handover["maps"]
     for _ in range(3):
         res.release()
         st = holder.status()
-        assert st["on_hand_bytes"] == n * chunk and st["lent_bytes"] == 0  # handed back, not freed
+        assert st["lent_bytes"] == 0  # handed back, not freed: kept mapped, or on hand
+        assert (st["kept_bytes"], st["on_hand_bytes"]) == ((n * chunk, 0) if keep else (0, n * chunk))
+        assert res.handover["kept_bytes"] == (n * chunk if keep else 0)
         report = res.restore()
         steps = res.restore_steps
-        assert (steps.handed_chunks, steps.created_chunks) == (n, 0)  # the same memory: no allocation
+        assert steps.created_chunks == 0  # the same memory: no allocation
+        if keep:  # still mapped: nothing taken, nothing mapped
+            assert (steps.handed_chunks, steps.kept_chunks, steps.mapped_chunks) == (0, n, 0)
+        else:
+            assert (steps.handed_chunks, steps.kept_chunks, steps.mapped_chunks) == (n, 0, n)
         assert report.addresses_moved is False  # the range reserved once: graphs kept
         assert same(reference, greedy.run())
     assert res.handover["creates"] == n and res.handover["mapped_bytes"] == first_address
+    assert res.handover["maps"] == maps + (0 if keep else 3 * n)
     res.close()  # the weights move back into memory ggml allocates; the chunks are closed
     assert same(reference, greedy.run())
     st = holder.status()
@@ -86,7 +98,11 @@ def test_a_buffer_type_that_repacks_keeps_the_alloc_path(small_q4_path: Path, tm
         llm.close()
 
 
-def test_two_model_processes_switch_on_the_same_memory(smollm2_path: Path, tmp_path: Path) -> None:
+def test_two_model_processes_switch_on_the_same_memory(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No room on the card: each restore has the other's kept chunks asked back."""
+    monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
     arena = tmp_path / "arena"
     tag = secrets.token_hex(4)
     holder = observer(arena, chunk=CHUNK)
@@ -103,12 +119,47 @@ def test_two_model_processes_switch_on_the_same_memory(smollm2_path: Path, tmp_p
         for i in range(3):  # alternating switches allocate nothing
             a("release")
             # B's first restore from handed memory moves its buffer into its reserved range
-            assert b("restore") == f"ok {n} 0 {i == 0}"
+            assert b("restore") == f"ok {n} 0 {i == 0} {n}"
             assert b("check") == "ok"
             b("release")
-            assert a("restore") == f"ok {n} 0 False"
+            assert a("restore") == f"ok {n} 0 False {n}"
             assert a("check") == "ok"
-        assert holder.status()["by_pid"] == {str(a.pid): n}
+        st = holder.status()
+        assert st["by_pid"] == {str(a.pid): n} and st["asked_back"] == st["released"] == 6 * n
+    finally:
+        a.end()
+        b.end()
+    close_clients()
+    wait_for("the holder exits with nothing left to hold", lambda: not alive(holder_pid))
+
+
+def test_two_model_processes_with_room_keep_their_own_and_map_nothing(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """Room on the card: each keeps its own chunks mapped; the alternating switch maps nothing
+    and allocates nothing once each has restored once."""
+    arena = tmp_path / "arena"
+    tag = secrets.token_hex(4)
+    holder = observer(arena, chunk=CHUNK)
+    holder_pid = holder.status()["pid"]
+    a = Worker(arena, tag, MODEL, str(smollm2_path))
+    b = Worker(arena, tag, MODEL, str(smollm2_path))
+    try:
+        a("release")
+        b("release")
+        n = int(a("restore").split()[2])
+        a("release")
+        assert b("restore") == f"ok 0 {n} True {n}"  # allocated its own: A's stay kept
+        b("release")
+        for _ in range(3):
+            assert a("restore") == "ok 0 0 False 0"
+            assert a("check") == "ok"
+            a("release")
+            assert b("restore") == "ok 0 0 False 0"
+            assert b("check") == "ok"
+            b("release")
+        st = holder.status()
+        assert st["adopted"] == 2 * n and st["reused"] == 6 * n and st["asked_back"] == 0
     finally:
         a.end()
         b.end()
@@ -124,9 +175,12 @@ def test_doctor_reports_the_hand_over(smollm2_path: Path) -> None:
     h = report["handover"]
     assert h["on"] is True and h["device"] == "memfd (CPU stand-in)" and h["note"] == ""
     n = -(-report["weight_bytes"] // h["chunk_bytes"])
-    # three restores (two cycles and the KV level): the first allocates, the others are handed over
-    assert (h["created_chunks"], h["handed_chunks"], h["creates"]) == (n, 2 * n, n)
+    # three restores (two cycles and the KV level): the first allocates, the others find their
+    # chunks still mapped (kept since the release: nothing handed over, nothing mapped)
+    assert (h["created_chunks"], h["handed_chunks"], h["creates"]) == (n, 0, n)
+    assert (h["reused_chunks"], h["maps"]) == (2 * n, n)
     assert [s["restore"].get("created_chunks") for s in report["steps"]] == [n, 0]
+    assert [s["restore"].get("mapped_chunks") for s in report["steps"]] == [n, 0]
     assert h["holder"]["adopted"] == n
     off = run_doctor(str(smollm2_path), 1)["handover"]
     assert off["on"] is False and off["possible"] is True and "not asked for" in off["note"]

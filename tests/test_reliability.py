@@ -377,6 +377,26 @@ def test_an_allowed_origin_gets_cors_answers(api: ApiServer) -> None:
     assert "Origin" in r.headers["vary"]
 
 
+def test_a_preflight_allows_delete_and_the_delete_carries_cors(api: ApiServer) -> None:
+    """A web page may DELETE a stored response (``DELETE /v1/responses/{id}``; Ollama's
+    ``DELETE /api/delete`` too): its preflight lists DELETE among the allowed methods, and the
+    answer (here the 404 of an id that is not stored) carries the CORS headers, so the page can
+    read it."""
+    headers = {
+        "Origin": "http://localhost:3000",
+        "Access-Control-Request-Method": "DELETE",
+        "Access-Control-Request-Headers": "authorization",
+    }
+    for path in ("/v1/responses/resp_nothing", "/api/delete"):
+        r = _get(api, path, method="OPTIONS", headers=headers)
+        assert r.status_code == 204, (path, r.text)
+        allowed = [m.strip() for m in r.headers["access-control-allow-methods"].split(",")]
+        assert "DELETE" in allowed and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    r = _get(api, "/v1/responses/resp_nothing", method="DELETE", headers={"Origin": "http://localhost:3000"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
 def test_malformed_http_gets_a_json_400(api: ApiServer) -> None:
     for garbage in (b"GARBAGE\x00 / HTTP/1.1\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"):
         raw = _raw(api, garbage)

@@ -7,6 +7,9 @@ builds them)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ from typing import Any
 import httpx
 import llama_cpp  # before numpy (worker rule)
 import pytest
-from _api_util import Served, start_serve, stop_serve_proc, write_config
+from _api_util import Served, serve_env, start_serve, stop_serve_proc, write_config
 from _archs_util import write_reranker
 from timeshare.core.config.schema import ModelConfig
 from timeshare.core.errors import InvalidInputError, InvalidSamplingError
@@ -150,6 +153,43 @@ def test_the_catalog_and_pull_see_a_reranker(rerankers: dict[str, Path], smollm2
     assert not model_config_from_entry(read_gguf_header(smollm2_path)).embedding
 
 
+def test_ls_and_show_without_a_running_instance_say_rerank(
+    tmp_path: Path, rerankers: dict[str, Path], smollm2_path: Path
+) -> None:
+    """The offline ``ls`` (``--json`` and the table) and ``show`` read the file's header: a
+    reranker's capabilities are ``rerank``, as /v1/models lists it once loaded, also as ``timeshare
+    pull`` adds one (``embedding = true``); a chat model's are unchanged."""
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[[models]]\nid = "rr"\npath = "{rerankers["plain"]}"\n\n'
+        f'[[models]]\nid = "rr-pulled"\npath = "{rerankers["template"]}"\nembedding = true\n\n'
+        f'[[models]]\nid = "smol"\npath = "{smollm2_path}"\n'
+    )
+    env = serve_env(tmp_path / "home")  # nothing runs there
+
+    def cli(*argv: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "timeshare", "--config", str(config), *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        assert done.returncode == 0 and "not running" in done.stderr, done.stderr
+        return done.stdout
+
+    listed = {m["id"]: m["capabilities"] for m in json.loads(cli("ls", "--json"))["data"]}
+    assert listed["rr"] == listed["rr-pulled"] == ["rerank"]
+    assert "completion" in listed["smol"] and "rerank" not in listed["smol"]
+    table = {line.split()[0]: line.split()[-1] for line in cli("ls").splitlines()[1:]}
+    assert table["rr"] == table["rr-pulled"] == "rerank" and "completion" in table["smol"]
+    assert "Capabilities  rerank\n" in cli("show", "rr")
+    assert "Capabilities  rerank\n" in cli("show", "rr-pulled")
+    assert "Capabilities  completion, chat" in cli("show", "smol")
+
+
 # ---- /v1/rerank through a real `timeshare serve` --------------------------------------------------
 
 
@@ -225,9 +265,17 @@ def test_rerank_answers_as_llama_server(served: Served, rerankers: dict[str, Pat
     assert [x["index"] for x in tei] == order
     assert [x["text"] for x in tei] == [DOCUMENTS[i] for i in order]
     assert [x["score"] for x in tei] == pytest.approx([want[i] for i in order], abs=TOLERANCE)
-    # listed as a reranker once loaded
+    # listed as a reranker once loaded, by the OpenAI and the Ollama routes alike
     models = httpx.get(f"{served.url}/v1/models", timeout=30).json()["data"]
     assert next(m for m in models if m["id"] == "tiny-reranker")["capabilities"] == ["rerank"]
+    tags = {m["timeshare"]["id"]: m for m in httpx.get(f"{served.url}/api/tags", timeout=30).json()["models"]}
+    assert tags["tiny-reranker"]["capabilities"] == ["rerank"]
+    assert "completion" in tags["smol"]["capabilities"] and "rerank" not in tags["smol"]["capabilities"]
+    shown = httpx.post(f"{served.url}/api/show", json={"model": "tiny-reranker"}, timeout=30)
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["capabilities"] == ["rerank"]
+    shown = httpx.post(f"{served.url}/api/show", json={"model": "smol"}, timeout=30).json()
+    assert "completion" in shown["capabilities"] and "rerank" not in shown["capabilities"]
     # time-shared with the chat model: it answers, then the reranker scores as before
     r = httpx.post(
         f"{served.url}/v1/completions",

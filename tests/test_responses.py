@@ -4,6 +4,7 @@ stream events an answer's events make. End to end with real clients: tests/test_
 
 from __future__ import annotations
 
+import base64
 import json
 import sqlite3
 import time
@@ -11,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _vision_util import png
 from timeshare.core.api.errors import BadRequestError
+from timeshare.core.api.requests import parse_chat_request
 from timeshare.core.api.response_output import Output
 from timeshare.core.api.response_store import (
     DAY_S,
@@ -22,7 +25,11 @@ from timeshare.core.api.response_store import (
 )
 from timeshare.core.api.responses import MAX_INPUT_ITEMS, generation_request, parse
 from timeshare.core.chatformat.parse import Event, ParsedCall
-from timeshare.core.wire.protocol import ChatMessage, ToolCall
+from timeshare.core.wire.protocol import ChatMessage, ImagePart, ToolCall
+
+RED, BLUE = png((255, 0, 0)), png((0, 0, 255))
+RED_URL = "data:image/png;base64," + base64.b64encode(RED).decode()
+BLUE_URL = "data:image/png;base64," + base64.b64encode(BLUE).decode()
 
 # ---- the store -----------------------------------------------------------------------------------
 
@@ -178,6 +185,71 @@ def test_items_become_the_chat_messages_the_template_renders() -> None:
     assert all(item.get("id") for item in r.input_items)
 
 
+def test_an_input_image_is_the_image_part_chat_completions_makes(tmp_path: Path) -> None:
+    """``input_image`` parts (a data: URL) become the images among the user's text, where they
+    stood, as /v1/chat/completions' image_url parts do (the one check of core/api/images.py); the
+    stored input items keep them as given, and a stored turn (its ChatMessages, images included)
+    comes back from the store to continue the chain."""
+    content = [
+        {"type": "input_text", "text": "Compare "},
+        {"type": "input_image", "image_url": RED_URL, "detail": "auto"},
+        {"type": "input_text", "text": " and "},
+        {"type": "input_image", "image_url": {"url": BLUE_URL}},
+        {"type": "input_text", "text": "."},
+    ]
+    r = parse({"model": "m", "input": [{"role": "user", "content": content}]})
+    chat = parse_chat_request(
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Compare "},
+                        {"type": "image_url", "image_url": {"url": RED_URL}},
+                        {"type": "text", "text": " and "},
+                        {"type": "image_url", "image_url": {"url": BLUE_URL}},
+                        {"type": "text", "text": "."},
+                    ],
+                }
+            ],
+        }
+    )
+    req = generation_request(r, "m", (), None)
+    assert req.messages == chat.messages and req.image_count == 2
+    assert req.messages[0].images == (ImagePart(RED, 8), ImagePart(BLUE, 13))
+    assert r.input_items[0]["content"] == content  # as given
+    # the chain's next turn: the stored turn (images included) comes back as its history
+    store = ResponseStore(tmp_path / "responses.sqlite3")
+    record = StoredResponse(
+        id="resp_img",
+        model="m",
+        created=time.time(),
+        previous=None,
+        conversation="responses-resp_img",
+        depth=1,
+        turn=(*r.turn_input, ChatMessage("assistant", "Red and blue.")),
+        input_items=r.input_items,
+        body={},
+    )
+    store.put(record)
+    earlier = tuple(m for x in store.chain("resp_img", 10) for m in x.turn)
+    assert earlier == record.turn and earlier[0].images == req.messages[0].images
+    stored = store.get("resp_img")
+    assert stored is not None and stored.input_items == r.input_items
+    follow = parse({"model": "m", "input": "Which is warmer?"}, earlier)
+    again = generation_request(follow, "m", earlier, "responses-resp_img")
+    assert again.messages is not None and again.messages[0].images == req.messages[0].images
+    assert again.image_count == 2
+    store.close()
+    # the chain's images count toward the request's limit
+    too_many = [{"type": "input_image", "image_url": RED_URL}] * 15
+    with pytest.raises(BadRequestError) as refused:
+        parse({"model": "m", "input": [{"role": "user", "content": too_many}]}, earlier)
+    assert refused.value.param == "input[0].content[14]"
+    assert "previous_response_id continues hold 2" in refused.value.message
+
+
 def test_a_continuation_goes_to_the_chain_conversation_and_may_answer_its_calls() -> None:
     earlier = (
         ChatMessage("user", "Weather?"),
@@ -290,13 +362,65 @@ REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role", "'robot'"),
     (
         {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0].image_url",
+        "send a data: URL",
+    ),
+    (
+        {
+            "model": "m",
+            "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}],
+        },
+        "input[0].content[0].file_id",
+        "no Files API",
+    ),
+    (
+        {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+        "input[0].content[0].image_url",
+        "must be a data: URL",
+    ),
+    (
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": [{"type": "input_image", "image_url": "https://x.test/a.png"}]}
+            ],
+        },
+        "input[0].content[0].image_url",
+        "api.fetch_image_urls is off",
+    ),
+    (
+        {
+            "model": "m",
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}],
+                }
+            ],
+        },
+        "input[0].content[0].image_url",
+        "not an image",
+    ),
+    (
+        {
+            "model": "m",
+            "input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": RED_URL}]}],
+        },
         "input[0].content[0].type",
-        "read text only",
+        "only user messages",
+    ),
+    (
+        {
+            "model": "m",
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": RED_URL}] * 17}],
+        },
+        "input[0].content[16]",
+        "more than 16 images",
     ),
     (
         {"model": "m", "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
         "input[0].content[0].type",
-        "read text only",
+        "input_file parts are not supported",
     ),
     ({"model": "m", "input": [{"role": "user", "content": 7}]}, "input[0].content", "string or a list"),
     (

@@ -240,6 +240,24 @@ def _add_diagnostics(sub: Any) -> None:
     doctor.add_argument(
         "--parts", type=int, default=8, metavar="N", help="layer parts for --partial (default: 8)"
     )
+    doctor.add_argument(
+        "--deep-floor",
+        action="store_true",
+        help="what a parked worker keeps on the device, part by part (CUDA context, what the first decode "
+        "grew, the weights and the deep level's floor, what the kept llama context still holds), measured "
+        "by nvidia-smi in a child process per variant (TIMESHARE_DEEP_INPLACE, CUDA_MODULE_LOADING)",
+    )
+    doctor.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--deep-floor: n_ctx (default 0: fitted, as a worker)",
+    )
+    doctor.add_argument(
+        "--prompt-tokens", type=int, default=1500, metavar="N", help="--deep-floor: the first prompt's length"
+    )
+    doctor.add_argument("--flash-attn", action="store_true", help="--deep-floor: flash attention on")
     doctor.add_argument("--card", metavar="SIZE", help=_CARD_HELP)
     doctor.add_argument(
         "--handover",

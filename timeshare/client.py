@@ -159,7 +159,7 @@ def print_models(models: dict[str, Any], out: TextIO) -> None:
     if not data:
         out.write("No models are configured.\n")
         return
-    rows = [["ID", "NAME", "STATE", "CHAT FORMAT", "LICENCE"]]
+    rows = [["ID", "NAME", "STATE", "CHAT FORMAT", "LICENCE", "CAPABILITIES"]]
     for m in data:
         extra = m.get("timeshare") or {}
         rows.append(
@@ -169,6 +169,7 @@ def print_models(models: dict[str, Any], out: TextIO) -> None:
                 extra.get("state", ""),
                 extra.get("chat_format") or "-",
                 extra.get("licence", ""),
+                ",".join(m.get("capabilities") or []) or "-",
             ]
         )
     _table(rows, out)

@@ -32,7 +32,8 @@ def configured(args: argparse.Namespace) -> Config:
 
 
 def models_json(config: Config) -> dict[str, Any]:
-    """``GET /v1/models``' shape for the configured models, each in state "not running"."""
+    """``GET /v1/models``' shape for the configured models, each in state "not running" (its
+    capabilities as its file's header says: none when the file cannot be read)."""
     return {
         "object": "list",
         "data": [
@@ -40,6 +41,7 @@ def models_json(config: Config) -> dict[str, Any]:
                 "id": m.id,
                 "object": "model",
                 "owned_by": "timeshare",
+                "capabilities": file_capabilities(m.path, m),
                 "timeshare": {
                     "name": m.display_name,
                     "state": NOT_RUNNING,
@@ -52,9 +54,14 @@ def models_json(config: Config) -> dict[str, Any]:
     }
 
 
-def capabilities(model: ModelConfig | None, has_template: bool, template: str) -> list[str]:
-    """What the model answers: embeddings only, or completion and chat (with its template or the
-    fallback format) and tools when its template takes them."""
+def capabilities(
+    model: ModelConfig | None, has_template: bool, template: str, pooling: str = ""
+) -> list[str]:
+    """What the model answers: reranking only (``pooling`` "rank", as the GGUF's header says: a
+    reranker, as /v1/models lists it), embeddings only, or completion and chat (with its
+    template or the fallback format) and tools when its template takes them."""
+    if pooling == "rank":
+        return ["rerank"]
     if model is not None and model.embedding:
         return ["embedding"]
     found = ["completion", "chat" if has_template else "chat (fallback format)"]
@@ -63,6 +70,19 @@ def capabilities(model: ModelConfig | None, has_template: bool, template: str) -
     if model is not None and model.mmproj:
         found.append("vision")
     return found
+
+
+def file_capabilities(path: str, model: ModelConfig | None) -> list[str]:
+    """:func:`capabilities` from the file's header ([] when the file cannot be read)."""
+    from .core.gguf.catalog import read_chat_template, read_gguf_header
+    from .core.gguf.header import GgufCorruptError, GgufTruncatedError
+
+    try:
+        entry = read_gguf_header(path)
+        template = read_chat_template(path) or ""
+    except (OSError, ValueError, TimeshareError, GgufCorruptError, GgufTruncatedError):
+        return []
+    return capabilities(model, entry.has_chat_template, template, entry.pooling)
 
 
 def describe(path: str, model: ModelConfig | None, status: dict[str, Any] | None) -> dict[str, Any]:
@@ -103,7 +123,7 @@ def describe(path: str, model: ModelConfig | None, status: dict[str, Any] | None
         trained_context=entry.context_length,
         licence=(model.licence if model is not None and model.licence else entry.licence),
         template=template,
-        capabilities=capabilities(model, entry.has_chat_template, template),
+        capabilities=capabilities(model, entry.has_chat_template, template, entry.pooling),
     )
     return info
 
@@ -131,7 +151,8 @@ def print_description(info: dict[str, Any], out: TextIO) -> None:
                 "Fitted",
                 info.get("fit")
                 or (
-                    "settings left on auto are fitted to the device when the model loads"
+                    "settings left on auto are fitted to the device when the model loads "
+                    "(an auto budget: to the budget it time-shares)"
                     if info.get("state") == NOT_RUNNING
                     else "-"
                 ),

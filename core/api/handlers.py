@@ -816,7 +816,9 @@ def create_app(
     routes += anthropic.routes(handlers) + ollama.routes(handlers) + ollama_models.routes(handlers)
     # the Responses API keeps what it answered (store: true) in the data dir, within the bounds
     store = ResponseStore(keep=api_config.responses_kept, days=api_config.responses_days)
-    routes += responses.routes(handlers, store, handlers.sse)
+    routes += responses.routes(
+        handlers, store, handlers.sse, lambda: fetch_url if handlers.api_config.fetch_image_urls else None
+    )
     exception_handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         BadRequestError: _on_bad_request,
         TimeshareError: _on_timeshare_error,

@@ -58,6 +58,7 @@ class AuthMiddleware:
 
 #: the 503 while shutting down: the guard's to new requests, the handlers' to those waiting
 SHUTTING_DOWN = "Timeshare is shutting down; send the request again once it has restarted"
+#: what a preflight allows: every method a route takes (DELETE: /v1/responses/{id}, /api/delete)
 _CORS_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
 _CORS_HEADERS = "authorization, content-type, x-api-key, anthropic-version"
 

@@ -81,6 +81,21 @@ def _family(architecture: str) -> str:
     return architecture or "unknown"
 
 
+def _capabilities(status: ModelStatus, config: ModelConfig | None, entry: CatalogEntry | None) -> list[str]:
+    """Ollama's capabilities of a model: ``rerank`` for a reranker (rank pooling, as its worker
+    reported or, before it has loaded, as its GGUF's header says: what /v1/models lists once it
+    has), ``embedding`` for an embedding model, else ``completion`` and ``tools`` (and ``vision``
+    with a projector, as Ollama lists a model that reads images)."""
+    if status.pooling == "rank" or (entry is not None and entry.pooling == "rank"):
+        return ["rerank"]
+    if config is not None and config.embedding:
+        return ["embedding"]
+    found = ["completion", "tools"]
+    if config is not None and config.mmproj:
+        found.append("vision")
+    return found
+
+
 class Files:
     """What the GGUF files say (header and sha256), cached while a file is unchanged."""
 
@@ -185,6 +200,7 @@ class ModelRoutes:
 
     def _tag(self, status: ModelStatus) -> dict[str, Any]:
         details, entry = self._details(status.path)
+        capabilities = _capabilities(status, self.host.pool.config.model(status.id), entry)
         try:
             st = Path(status.path).stat()
             size, modified = (entry.size if entry else st.st_size), st.st_mtime
@@ -198,6 +214,7 @@ class ModelRoutes:
             "size": size,
             "digest": digest.removeprefix("sha256:"),
             "details": details,
+            "capabilities": capabilities,  # as /api/show's (Ollama's tags have none: an addition)
             "timeshare": {"id": status.id, "name": status.display_name, "state": status.state.value},
         }
 
@@ -226,11 +243,7 @@ class ModelRoutes:
                     f"{arch}.context_length": entry.context_length,
                 }
             )
-        capabilities = ["completion", "tools"]
-        if config is not None and config.embedding:
-            capabilities = ["embedding"]
-        elif config is not None and config.mmproj:
-            capabilities.append("vision")  # as Ollama lists a model that reads images
+        capabilities = _capabilities(status, config, entry)
         parameters = [f"num_ctx {status.n_ctx}"] if status.n_ctx else []
         return {
             "license": entry.licence if entry else "",

@@ -3,7 +3,9 @@ sequence), ``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/i
 translation onto the turn pipeline (``dialect``: the GenerationRequest, Sampling, tools path,
 structured output and guards every dialect shares), the answer shaped by ``response_output``.
 
-Mapped: ``input`` (a string, or items: messages with text parts, ``function_call`` and
+Mapped: ``input`` (a string, or items: messages with text parts and, in a user message,
+``input_image`` parts (an ``image_url`` data URL, or http(s) when ``api.fetch_image_urls`` is on:
+the one check of ``images``, the same image parts as chat completions'), ``function_call`` and
 ``function_call_output``; ``reasoning`` items are accepted and not shown to the model again),
 ``instructions`` (the system message), ``max_output_tokens``, ``temperature``, ``top_p``,
 ``tools`` (function tools) with ``tool_choice`` (``allowed_tools`` too) and
@@ -21,8 +23,8 @@ conversation (``cache_prompt`` true on a new conversation: ``Sequences.claim_con
 
 Refused (400 naming the field): hosted tools (web search, file search, code interpreter, computer
 use, image generation, MCP, shell, custom tools), ``background``, ``conversation`` (OpenAI's
-Conversations API), ``prompt`` (stored prompt templates), image, audio and file parts, input items
-of another type, a ``function_call_output`` whose call is not in the conversation, a
+Conversations API), ``prompt`` (stored prompt templates), an image by ``file_id``, audio and file
+parts, input items of another type, a ``function_call_output`` whose call is not in the conversation, a
 ``previous_response_id`` that is not stored (never, deleted, past the bounds), whose chain lost an
 earlier response, or that belongs to another model. docs/API.md lists every field.
 """
@@ -33,7 +35,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -44,10 +46,11 @@ from starlette.routing import Route
 from ..errors import ModelUnavailableError, TimeshareError
 from ..modelnames import resolve_api_model
 from ..sampling import MAX_STOP, MAX_TOP_LOGPROBS, for_front_end
-from ..wire.protocol import ChatMessage, ToolCall
+from ..wire.protocol import ChatMessage, ImagePart, ToolCall
 from .dialect import Host, Turn, decode_body, start, unknown_model
 from .errors import BadRequestError, ClientGoneError, error_body, timeshare_error_status
 from .extras import switch_extras
+from .images import Fetcher, ImageBudget, image_from_url, placed
 from .requests import GenerationRequest, read_json
 from .response_output import Output, new_id
 from .response_store import BrokenChainError, ChainTooLongError, ResponseStore, StoredResponse
@@ -209,13 +212,51 @@ def _refuse_unsupported(body: ResponsesBody) -> None:
         )
 
 
-def _text_parts(content: object, where: str) -> str:
-    """A message's content (a string or parts) as its text; 400 naming the part otherwise."""
+@dataclass
+class _Images:
+    """How one request's ``input_image`` parts are read: ``fetch`` for an http(s) URL (None: refused;
+    ``api.fetch_image_urls``), and the request's count (the chain's stored images included)."""
+
+    fetch: Fetcher | None = None
+    budget: ImageBudget = field(default_factory=ImageBudget)
+    earlier: int = 0  # the images of the stored responses previous_response_id continues
+
+    def __post_init__(self) -> None:
+        self.budget.count = self.earlier
+
+    def take(self, part: dict[str, Any], at: str) -> bytes:
+        """An ``input_image`` part's image: its ``image_url`` (a data: URL, or http(s) when
+        fetching is on), checked as every dialect's (core/api/images.py); a ``file_id`` is a 400."""
+        if part.get("file_id") is not None and part.get("image_url") is None:
+            raise _bad(
+                f"{at}.file_id: images by file_id are not supported (Timeshare has no Files API); "
+                "send the image in image_url as a data: URL (data:image/png;base64,...).",
+                f"{at}.file_id",
+            )
+        url = part.get("image_url")
+        if isinstance(url, dict):  # the chat completions shape ({"url": ...}), which some clients send
+            url = url.get("url")
+        try:
+            self.budget.take(at)
+        except BadRequestError as exc:
+            if not self.earlier:
+                raise
+            raise _bad(
+                f"{exc.message} (the stored responses previous_response_id continues hold "
+                f"{self.earlier} of them)",
+                exc.param,
+            ) from None
+        return image_from_url(url, f"{at}.image_url", self.fetch)
+
+
+def _content(content: object, where: str, images: _Images | None = None) -> tuple[str, tuple[ImagePart, ...]]:
+    """A message's content (a string or parts) as its text and the images among it (``images``:
+    how they are read; None: none may be there, a 400 naming the part otherwise)."""
     if isinstance(content, str):
-        return content
+        return content, ()
     if not isinstance(content, list):
         raise _bad(f"{where} must be a string or a list of content parts.", where)
-    texts: list[str] = []
+    parts: list[tuple[str, bytes | None]] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
@@ -223,23 +264,33 @@ def _text_parts(content: object, where: str) -> str:
             text = part.get("text") if isinstance(part, dict) else None
             if not isinstance(text, str):
                 raise _bad(f"{at}.text must be a string.", f"{at}.text")
-            texts.append(text)
+            parts.append((text, None))
         elif kind == "refusal":
             refusal = part.get("refusal") if isinstance(part, dict) else None
-            texts.append(refusal if isinstance(refusal, str) else "")
-        elif kind in ("input_image", "input_file", "input_audio"):
+            parts.append((refusal if isinstance(refusal, str) else "", None))
+        elif kind == "input_image" and isinstance(part, dict):
+            if images is None:
+                raise _bad(f"{at}: only user messages may hold images.", f"{at}.type")
+            parts.append(("", images.take(part, at)))
+        elif kind in ("input_file", "input_audio"):
             raise _bad(
-                f"{at}: {kind} parts are not supported: Timeshare's local models read text only; "
-                "send the text instead.",
+                f"{at}: {kind} parts are not supported: Timeshare's local models read text and "
+                "images (input_image); send the text instead.",
                 f"{at}.type",
             )
         else:
             raise _bad(
-                f"{at}.type {kind!r} is not supported: use input_text parts (output_text for "
-                "an assistant's earlier answer).",
+                f"{at}.type {kind!r} is not supported: use input_text parts (input_image for an "
+                "image, output_text for an assistant's earlier answer).",
                 f"{at}.type",
             )
-    return "".join(texts)
+    return placed(parts)
+
+
+def _text_parts(content: object, where: str) -> str:
+    """A content that holds no image (a function's output) as its text; 400 naming the part
+    otherwise."""
+    return _content(content, where)[0]
 
 
 _ROLES: dict[str, Literal["system", "user", "assistant"]] = {
@@ -278,10 +329,11 @@ def _string_field(item: dict[str, Any], name: str, where: str) -> str:
 
 
 def _input_messages(
-    raw: str | list[Any], earlier: Sequence[ChatMessage]
+    raw: str | list[Any], earlier: Sequence[ChatMessage], fetch: Fetcher | None = None
 ) -> tuple[tuple[ChatMessage, ...], tuple[dict[str, Any], ...]]:
     """``input`` as chat messages (after ``earlier``, the chain's history) and as the items the
-    store lists (each with an id). 400 naming the item otherwise."""
+    store lists (each with an id, images as given). ``fetch``: how an http(s) image URL is
+    fetched (None: refused). 400 naming the item otherwise."""
     if isinstance(raw, str):
         item = {
             "type": "message",
@@ -298,6 +350,7 @@ def _input_messages(
         )
     history = _History(earlier)
     items: list[dict[str, Any]] = []
+    images = _Images(fetch, earlier=sum(len(m.images) for m in earlier))
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -310,8 +363,9 @@ def _input_messages(
                     f"{where}.role {role!r} is not supported: use user, system, developer or assistant.",
                     f"{where}.role",
                 )
-            text = _text_parts(item.get("content"), f"{where}.content")
-            history.add(ChatMessage(role=_ROLES[role], content=text))
+            user = _ROLES[role] == "user"
+            text, placed_images = _content(item.get("content"), f"{where}.content", images if user else None)
+            history.add(ChatMessage(role=_ROLES[role], content=text, images=placed_images))
             items.append({"id": new_id("msg"), **item, "type": "message"})
         elif kind == "function_call":
             call = ToolCall(
@@ -452,13 +506,16 @@ def _grammar(body: ResponsesBody) -> str | None:
         raise BadRequestError(message, "text.format") from None
 
 
-def parse(body: object, earlier: Sequence[ChatMessage] = ()) -> ResponsesRequest:
+def parse(
+    body: object, earlier: Sequence[ChatMessage] = (), fetch: Fetcher | None = None
+) -> ResponsesRequest:
     """A /v1/responses body (``earlier``: the history its previous_response_id's chain holds)
-    as the request the pool runs. BadRequestError naming the field."""
+    as the request the pool runs; ``fetch``: how an http(s) image URL is fetched (None: refused;
+    ``api.fetch_image_urls``). BadRequestError naming the field."""
     parsed: ResponsesBody = decode_body(body, ResponsesBody, _RULES, _ITEM)
     _refuse_unsupported(parsed)
     include = parsed.include or []
-    messages, items = _input_messages(parsed.input, earlier)
+    messages, items = _input_messages(parsed.input, earlier, fetch)
     if not messages and not earlier:
         raise _bad("'input' is empty: give the user's message (a string or input items).", "input")
     raw_tools, tools = _tools(parsed)
@@ -640,17 +697,26 @@ class Routes:
         host: Host,
         store: ResponseStore,
         sse: Callable[[AsyncIterator[dict[str, str]]], Response],
+        fetch: Callable[[], Fetcher | None] = lambda: None,
     ) -> None:
         self.host = host
         self.store = store
         self.sse = sse  # the API's server-sent events response (handlers.StreamResponse)
+        self.fetch = fetch  # how an http(s) image URL is fetched now (None: api.fetch_image_urls is off)
 
     # -- POST /v1/responses --
 
     async def create(self, request: Request) -> Response:
         body = await read_json(request)
         answer, req = await self.host.call(self._prepare, body)
-        turn = await start(self.host, request, req, answer.request.tools)
+        try:
+            turn = await start(self.host, request, req, answer.request.tools)
+        except (
+            BadRequestError
+        ) as exc:  # the pipeline's "messages" (images for a text model...) is 'input' here
+            if exc.param != "messages":
+                raise
+            raise BadRequestError(exc.message, "input", code=exc.code, status=exc.status) from None
         if req.stream:
             return await self._stream(turn, answer)
         try:
@@ -673,7 +739,7 @@ class Routes:
         if isinstance(previous_id, str) and previous_id:
             chain = self._chain(previous_id)
         earlier = tuple(m for r in chain for m in r.turn)
-        parsed = parse(body, earlier)
+        parsed = parse(body, earlier, self.fetch())
         model_id = resolve_api_model(snapshot.models, parsed.body.model)
         if model_id is None:
             raise unknown_model(parsed.body.model, snapshot)
@@ -823,9 +889,13 @@ class Routes:
 
 
 def routes(
-    host: Host, store: ResponseStore, sse: Callable[[AsyncIterator[dict[str, str]]], Response]
+    host: Host,
+    store: ResponseStore,
+    sse: Callable[[AsyncIterator[dict[str, str]]], Response],
+    fetch: Callable[[], Fetcher | None] = lambda: None,
 ) -> list[Route]:
-    r = Routes(host, store, sse)
+    """``fetch``: how an http(s) image URL is fetched now (None: refused; api.fetch_image_urls)."""
+    r = Routes(host, store, sse, fetch)
     return [
         Route("/v1/responses", r.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", r.get, methods=["GET"]),

@@ -436,3 +436,25 @@ def lease_bytes_for(need: int | None, budget: BudgetRecord, reserved: int) -> in
         return need
     limit = budget.weights_budget(reserved)
     return 0 if limit is None else limit
+
+
+def time_share_room(
+    budget: BudgetRecord, leases: Sequence[LeaseRecord], requester: tuple[int, str], allowance: int = 0
+) -> int | None:
+    """The bytes a model time-shares under an auto budget (core/config/fit.py's room, rule 1): the
+    arena's budget less what every other model keeps on the device at the deepest level it can
+    reach — a parked model's reserve less what its deep release frees (``deepens``), a pinned
+    model's whole reserve and weights (they never go) — and ``allowance`` (the requester's own
+    driver context on a GPU, not yet in any reserve). Unpinned holders' weights are not counted:
+    they leave when the model needs the room. None: no auto budget (the room is the free memory)."""
+    if budget.kind != "auto":
+        return None
+    kept = 0
+    for x in leases:
+        if (x.pid, x.model) == requester:
+            continue
+        if x.kind == "reserve":
+            kept += x.bytes if x.pinned else x.bytes - min(x.bytes, x.deepens)
+        elif x.pinned:
+            kept += x.bytes
+    return max(0, budget.bytes - kept - allowance)

@@ -53,7 +53,8 @@ class TokenClient:
 
     ``request(timeout, need)`` → :class:`TokenRequest` for ``need`` weight bytes (None: the device
     to itself; immediately granted if this client holds a lease; the same pending request if one
-    is pending). ``release()`` ends the lease (call it only after the weights are off the device).
+    is pending and not cancelled). ``release()`` ends the lease (call it only after the weights
+    are off the device).
     ``start_doorbell(on_waiter)`` starts the warden thread that calls ``on_waiter(DoorbellRing)``
     when the head of the queue needs this client's lease to go (always, under a one-model budget,
     unless pinned): at once for a new waiter, after each new acquisition and after
@@ -294,16 +295,26 @@ class TokenClient:
         """A request for ``need`` weight bytes (see the class docstring). A holder whose lease is
         smaller than ``need`` under a byte budget (a partial release shrank it) asks for the rest
         through the queue like any request: the bytes it holds count as its own, and once it fits
-        its lease grows to ``need``."""
-        with self._lock:
-            if self._pending is not None and not self._pending.done():
-                return self._pending
-            held = self._held
-            grows = held is not None and need is not None and held.record.bytes < need
-            if held is not None and not (grows and not self.budget.one_model):
-                return TokenRequest.granted(self, held.grant)
-            req = TokenRequest(self, timeout, need)
-            self._pending = req
+        its lease grows to ``need``.
+
+        A pending request that was cancelled is never handed out again (its ``result()`` raises
+        CancelledError: the caller that asks now cancelled nothing): this waits until its thread
+        has finished (it gives back what it took meanwhile; a cancel is seen at its next scan) and
+        makes a new one."""
+        while True:
+            with self._lock:
+                pending = self._pending
+                if pending is None or pending.done():
+                    held = self._held
+                    grows = held is not None and need is not None and held.record.bytes < need
+                    if held is not None and not (grows and not self.budget.one_model):
+                        return TokenRequest.granted(self, held.grant)
+                    req = TokenRequest(self, timeout, need)
+                    self._pending = req
+                    break
+                if not pending.cancelled:
+                    return pending
+            pending.wait()  # outside the lock: its thread calls back into this client as it ends
         req.start()
         return req
 

@@ -17,11 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .. import envvars
 from ..devmem.device import CHUNK_BYTES
+from ..util.units import parse_size
 from .dirs import ArenaDir
 from .handover import (
     IDLE_S,
@@ -42,12 +44,17 @@ log = logging.getLogger(__name__)
 #: how long a worker waits for a holder it started to listen
 START_TIMEOUT_S = 10.0
 
+#: what unmaps kept chunks when the holder asks them back: (ids asked, the holder's session) ->
+#: the ids unmapped (the mapped memory's :meth:`~core.devmem.mapped.HandedMemory.reclaim`)
+Reclaimer = Callable[[list[int], str], list[int]]
+
 
 class HandoverClient:
     """One worker's connection to its arena's holder. Thread-safe (one request at a time).
 
-    ``chunk_bytes`` and ``idle_s`` are what a holder this client starts is started with; a holder
-    that lives already says its own chunk size (:attr:`chunk_bytes` after :meth:`connect`).
+    ``chunk_bytes`` and ``idle_s`` are what a holder this client starts is started with (None:
+    :func:`chunk_choice`); a holder that lives already says its own chunk size
+    (:attr:`chunk_bytes` after :meth:`connect`).
     ``start``: start a holder when none lives (False: only use a live one)."""
 
     def __init__(
@@ -55,14 +62,14 @@ class HandoverClient:
         arena_dir: str | os.PathLike[str],
         model: str,
         *,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         idle_s: float = IDLE_S,
         start: bool = True,
         timeout: float = 5.0,
     ) -> None:
         self.dir = ArenaDir(Path(os.path.abspath(arena_dir)))
         self.model = model
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_choice() if chunk_bytes is None else chunk_bytes
         self.idle_s = idle_s
         self.start = start
         self.timeout = timeout
@@ -70,6 +77,10 @@ class HandoverClient:
         self.holder_pid = 0
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._reclaimer: Reclaimer | None = None
+        self._channel: socket.socket | None = None  # the reclaim channel (its own thread reads it)
+        #: kept chunks unmapped at the holder's request (by the reclaim thread)
+        self.reclaimed = 0
         #: holders this client started (for doctor and the tests)
         self.started = 0
 
@@ -124,6 +135,78 @@ class HandoverClient:
         self.session = str(reply.get("session", ""))
         self.holder_pid = int(reply.get("pid", 0))
         self._sock = sock
+        if self._reclaimer is not None:
+            self._open_channel()
+
+    # -- the reclaim channel -------------------------------------------------------------------
+
+    @property
+    def keeps(self) -> bool:
+        """Released chunks may stay mapped here: the holder can ask them back (the reclaim
+        channel is open)."""
+        return self._channel is not None
+
+    def serve_reclaims(self, reclaimer: Reclaimer) -> None:
+        """Open the reclaim channel (now when connected, else at the next connection): a second
+        connection on which the holder asks kept chunks back; a thread of its own answers,
+        calling ``reclaimer``."""
+        with self._lock:
+            self._reclaimer = reclaimer
+            if self._sock is not None and self._channel is None:
+                self._open_channel()
+
+    def _open_channel(self) -> None:
+        try:
+            sock = connect(self.dir.fd, str(self.dir.path), self.timeout)
+        except (OSError, HandoverError) as exc:
+            log.warning("no reclaim channel to the hand-over holder: %s", exc)
+            return
+        try:
+            hello = {"op": "hello", "v": VERSION, "pid": os.getpid(), "model": self.model, "role": "reclaim"}
+            send(sock, hello)
+            reply = self._answer(sock, "welcome")
+            if str(reply.get("session", "")) != self.session:
+                raise HandoverError("another holder answered the reclaim channel")
+        except (OSError, HandoverError) as exc:
+            sock.close()
+            log.warning("no reclaim channel to the hand-over holder: %s", exc)
+            return
+        self._close_channel()
+        self._channel = sock
+        thread = threading.Thread(
+            target=self._serve_channel, args=(sock, self.session), name="handover-reclaim", daemon=True
+        )
+        thread.start()
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            with contextlib.suppress(OSError):
+                self._channel.shutdown(socket.SHUT_RDWR)
+            self._channel = None
+
+    def _serve_channel(self, sock: socket.socket, session: str) -> None:
+        """The reclaim thread: unmap what the holder asks back, answer ``released``."""
+        sock.settimeout(None)
+        try:
+            while True:
+                message, fds = receive(sock)
+                close_all(fds)
+                if message is None:
+                    return
+                if message.get("op") != "reclaim":
+                    log.warning("the hand-over holder sent %r on the reclaim channel", message)
+                    continue
+                asked = [int(i) for i in message.get("ids", []) if isinstance(i, int)]
+                reclaimer = self._reclaimer
+                done = reclaimer(asked, session) if reclaimer is not None else []
+                self.reclaimed += len(done)
+                send(sock, {"op": "released", "ids": done, "asked": asked})
+        except (OSError, HandoverError, ValueError) as exc:
+            log.info("the reclaim channel ended: %s", exc)
+        finally:
+            if self._channel is sock:  # kept chunks cannot be asked back any more: keep none
+                self._channel = None
+            sock.close()
 
     def _spawn(self) -> None:
         """Start a holder (it forks and goes on in its own session; the first process exits at
@@ -164,6 +247,7 @@ class HandoverClient:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
+        self._close_channel()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -197,14 +281,21 @@ class HandoverClient:
             self._lost()
             raise HandoverError(f"the hand-over holder is gone: {exc}") from exc
 
-    def take(self, n: int) -> list[tuple[int, int]]:
+    def take(self, n: int, room: int | None = None, use: list[int] | None = None) -> list[tuple[int, int]]:
         """Up to ``n`` chunks on hand, lent to this process: (id, fd) pairs, the fds this
-        process's to close (after importing them)."""
-        if n <= 0:
+        process's to close (after importing them). ``room``: the bytes this process may
+        allocate on its device (the holder asks kept chunks of others back for the rest);
+        ``use``: chunks this process kept mapped and restores into now (in use again)."""
+        if n <= 0 and not use:
             return []
         with self._lock:
             out: list[tuple[int, int]] = []
-            reply = self._request({"op": "take", "n": n}, "given")
+            request: dict[str, Any] = {"op": "take", "n": max(0, n)}
+            if room is not None:
+                request["room"] = max(0, room)
+            if use:
+                request["use"] = use
+            reply = self._request(request, "given")
             while True:
                 fds: list[int] = reply.pop("_fds", [])
                 ids = reply.get("ids")
@@ -246,6 +337,15 @@ class HandoverClient:
         with self._lock:
             self._request({"op": "put", "ids": ids, "keep": keep}, "done")
 
+    def keep(self, ids: list[int]) -> None:
+        """The chunks ``ids`` (lent to this process) stay mapped here while its model is
+        released: the holder may ask them back (the reclaim channel). Raises HandoverError
+        (RequestRefusedError: no reclaim channel, an id not lent here): unmap and put them."""
+        if not ids:
+            return
+        with self._lock:
+            self._request({"op": "keep", "ids": ids}, "done")
+
     def trim(self, keep_bytes: int = 0) -> int:
         """Close on-hand chunks down to ``keep_bytes``; the bytes on hand after."""
         with self._lock:
@@ -256,6 +356,27 @@ class HandoverClient:
             reply = self._request({"op": "status"}, "status")
             reply.pop("op", None)
             return reply
+
+
+#: the largest chunk a holder may be started with (one chunk per buffer is the most that helps)
+MAX_CHUNK_BYTES = 4 << 30
+#: chunk sizes are multiples of this (every CUDA allocation granularity seen divides it)
+CHUNK_STEP = 2 << 20
+
+
+def chunk_choice() -> int:
+    """The chunk size a new holder starts with: ``$TIMESHARE_HANDOVER_CHUNK`` (a size, rounded
+    up to a multiple of 2 MiB, at most 4 GiB) or :data:`CHUNK_BYTES`. Larger chunks mean fewer
+    map calls per restore and more padding per buffer (the last chunk's unused part)."""
+    text = envvars.HANDOVER_CHUNK.text()
+    if not text:
+        return CHUNK_BYTES
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        log.warning("$%s: %s; chunks of %d bytes", envvars.HANDOVER_CHUNK.name, exc, CHUNK_BYTES)
+        return CHUNK_BYTES
+    return min(MAX_CHUNK_BYTES, max(CHUNK_STEP, -(-size // CHUNK_STEP) * CHUNK_STEP))
 
 
 def holder_env_ok() -> bool:

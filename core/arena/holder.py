@@ -10,6 +10,13 @@ the :class:`~.ledger.Ledger` that says who may have each chunk mapped. One threa
 It lives while a worker is connected or a chunk is lent; then it closes what it holds (the
 memory goes back to the driver) and exits. On-hand chunks are closed sooner when the budget
 shrinks, after ``--idle`` seconds without a take or a put, or when asked (``trim``).
+
+Kept chunks (a released worker keeps its mapping: its next restore maps nothing) are asked back
+through the worker's second connection, its *reclaim channel* (``hello`` with ``role``
+"reclaim"): when a restoring worker needs more than is on hand and may not allocate the rest
+(the room it reports on its device, the byte budget), when the budget shrinks, when idle. The
+take waits (at most ``RECLAIM_WAIT_S``) for the owners' ``released``; an owner that does not
+answer keeps its chunks and the taker allocates what it still lacks.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from .handover import (
     send,
     write_state,
 )
-from .ledger import Ledger, LedgerError, on_hand_limit
+from .ledger import Ledger, LedgerError, on_hand_limit, outside_limit
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,19 @@ log = logging.getLogger(__name__)
 CHECK_S = 1.0
 #: a starting holder tries this long for the record's lock (a reader probes it for microseconds)
 LOCK_TRY_S = 0.5
+#: a take that asked kept chunks back waits this long for their owners' answers (then it gets
+#: what is on hand; less than a worker's socket timeout)
+RECLAIM_WAIT_S = 3.0
+
+
+@dataclass
+class _Waiting:
+    """A take that waits for kept chunks to be unmapped by their owners."""
+
+    conn: _Conn
+    n: int
+    asked: list[int]
+    deadline: float
 
 
 @dataclass
@@ -62,6 +82,8 @@ class _Conn:
     pid: int
     model: str = ""
     hello: bool = False
+    #: "request" (the worker's requests) or "reclaim" (the holder asks kept chunks back on it)
+    role: str = "request"
     #: adopt messages still expected (a worker sends more than MAX_FDS fds in several packets)
     pending: list[int] = field(default_factory=list)
 
@@ -76,6 +98,8 @@ class Holder:
         self.session = secrets.token_hex(8)
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}  # socket fd -> connection
+        self._reclaimers: dict[int, _Conn] = {}  # pid -> its reclaim channel
+        self._waiting: list[_Waiting] = []  # takes waiting for kept chunks to come back
         self._pidfds: dict[int, int] = {}  # pid -> pidfd
         self._last_use = time.monotonic()
         self._over_since: float | None = None  # on hand above the budget's limit since (monotonic)
@@ -129,6 +153,8 @@ class Holder:
             while not self._stop:
                 now = time.monotonic()
                 timeout = max(0.0, next_check - now)
+                if self._waiting:
+                    timeout = min(timeout, max(0.0, min(w.deadline for w in self._waiting) - now))
                 if self.idle_s > 0 and self.ledger.on_hand_bytes:
                     timeout = min(timeout, max(0.0, self._last_use + self.idle_s - now))
                 for key, _mask in self._sel.select(timeout):
@@ -140,12 +166,17 @@ class Holder:
                     else:
                         self._pid_exited(ident)
                 now = time.monotonic()
-                if self.idle_s > 0 and self.ledger.on_hand_bytes and now >= self._last_use + self.idle_s:
-                    self._close_fds(self.ledger.trim(0, "idle"))
+                self._serve_waiting(now)
+                if self.idle_s > 0 and now >= self._last_use + self.idle_s:
+                    if self.ledger.on_hand_bytes:
+                        self._close_fds(self.ledger.trim(0, "idle"))
+                    if self.ledger.kept_bytes:  # asked back; closed as they come on hand
+                        self._ask_back(len(self.ledger.chunks), but=0)
                 if now >= next_check:
                     next_check = now + CHECK_S
                     self._check_budget(now)
-                if not self._conns and not self.ledger.lent_bytes and not self._members_live(now):
+                mapped = self.ledger.lent_bytes + self.ledger.kept_bytes
+                if not self._conns and not mapped and not self._members_live(now):
                     break  # nobody to hold memory for
         finally:
             self.shutdown()
@@ -218,11 +249,16 @@ class Holder:
         pidfd = self._pidfds.pop(pid)
         self._sel.unregister(pidfd)
         os.close(pidfd)
+        self._waiting = [w for w in self._waiting if w.conn.pid != pid]
+        self._serve_waiting(time.monotonic())
         self._write_record()
 
     def _drop_conn(self, conn: _Conn) -> None:
         self._sel.unregister(conn.sock)
         del self._conns[conn.sock.fileno()]
+        if self._reclaimers.get(conn.pid) is conn:
+            del self._reclaimers[conn.pid]
+        self._waiting = [w for w in self._waiting if w.conn is not conn]
         conn.sock.close()
         # what is lent to its pid stays lent until the pid exits (its pidfd says so)
 
@@ -265,12 +301,22 @@ class Holder:
             close_all(fds)  # fds only come with adopt
             fds = []
         now = time.monotonic()
+        if (conn.role == "reclaim") != (op == "released") and op != "hello":
+            raise ValueError(f"{op!r} on a {conn.role} connection")
         if op == "hello":
             if msg.get("v") != VERSION:
                 raise ValueError(
                     f"hand-over protocol version {msg.get('v')!r} (this holder speaks {VERSION})"
                 )
-            conn.hello, conn.model = True, str(msg.get("model", ""))[:120]
+            role = msg.get("role", "request")
+            if role not in ("request", "reclaim"):
+                raise ValueError(f"unknown role {role!r}")
+            conn.hello, conn.model, conn.role = True, str(msg.get("model", ""))[:120], str(role)
+            if role == "reclaim":
+                old = self._reclaimers.get(conn.pid)
+                if old is not None and old is not conn:
+                    self._drop_conn(old)
+                self._reclaimers[conn.pid] = conn
             self._reply(
                 conn,
                 {
@@ -283,15 +329,28 @@ class Holder:
             )
         elif op == "take":
             n = _count(msg, "n")
+            room = msg.get("room")
+            if room is not None:
+                room = _count(msg, "room", 1 << 62)
             self._last_use = now
-            chunks = self.ledger.give(conn.pid, n)
-            batches = [chunks[i : i + MAX_FDS] for i in range(0, len(chunks), MAX_FDS)] or [[]]
-            for i, batch in enumerate(batches):
-                self._reply(
-                    conn,
-                    {"op": "given", "ids": [c.id for c in batch], "more": i + 1 < len(batches)},
-                    [c.fd for c in batch],
-                )
+            self.ledger.use(conn.pid, _ids(msg, "use"))
+            asked = self._ask_for(conn.pid, n, room)
+            if asked:
+                self._waiting.append(_Waiting(conn, n, asked, now + RECLAIM_WAIT_S))
+            else:
+                self._give(conn, n)
+        elif op == "keep":
+            ids = _ids(msg, "ids")
+            if ids and conn.pid not in self._reclaimers:
+                raise ValueError("no reclaim channel: kept chunks could not be asked back")
+            self._last_use = now
+            self.ledger.keep(conn.pid, ids, now)
+            self._reply(conn, {"op": "done", "on_hand": self.ledger.on_hand_bytes})
+        elif op == "released":
+            back = self.ledger.released(conn.pid, _ids(msg, "ids"), _ids(msg, "asked"), now)
+            if back:
+                log.info("pid %d unmapped %d kept chunk(s): on hand", conn.pid, back)
+            self._serve_waiting(now)
         elif op == "adopt":
             n = _count(msg, "n")
             if n != len(fds) or n == 0:
@@ -299,24 +358,94 @@ class Holder:
             self._last_use = now
             self._reply(conn, {"op": "adopted", "ids": self.ledger.adopt(fds, conn.pid)})
         elif op == "put":
-            put_ids = msg.get("ids")
-            if not isinstance(put_ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in put_ids
-            ):
-                raise ValueError("put needs 'ids', a list of chunk ids")
+            put_ids = _ids(msg, "ids")
             self._last_use = now
             self._close_fds(self.ledger.put(conn.pid, put_ids, now, keep=bool(msg.get("keep", True))))
             if self.idle_s <= 0:
                 self._close_fds(self.ledger.trim(0, "idle"))
             self._reply(conn, {"op": "done", "on_hand": self.ledger.on_hand_bytes})
         elif op == "trim":
-            keep = _count(msg, "keep_bytes")
+            keep = _count(msg, "keep_bytes", 1 << 62)
             self._close_fds(self.ledger.trim(keep, "trim"))
+            over = self.ledger.on_hand_bytes + self.ledger.kept_bytes - keep
+            if over > 0:  # kept ones too: asked back, closed at the next trim
+                self._ask_back(-(-over // self.ledger.chunk_bytes), but=0)
             self._reply(conn, {"op": "done", "on_hand": self.ledger.on_hand_bytes})
         elif op == "status":
             self._reply(conn, {"op": "status", **self.status()})
         else:
             raise ValueError(f"unknown op {op!r}")
+
+    # -- kept chunks asked back --------------------------------------------------------------------
+
+    def _give(self, conn: _Conn, n: int) -> None:
+        chunks = self.ledger.give(conn.pid, n)
+        batches = [chunks[i : i + MAX_FDS] for i in range(0, len(chunks), MAX_FDS)] or [[]]
+        for i, batch in enumerate(batches):
+            self._reply(
+                conn,
+                {"op": "given", "ids": [c.id for c in batch], "more": i + 1 < len(batches)},
+                [c.fd for c in batch],
+            )
+
+    def _ask_for(self, pid: int, n: int, room: int | None) -> list[int]:
+        """A take of ``n`` by ``pid``: the kept chunks of other workers asked back for it (their
+        ids; none when what is on hand and what ``pid`` may allocate cover it). ``room``: the
+        bytes ``pid`` may allocate on its device (None: no limit said). Under a byte budget the
+        memory held outside the leases stays within what the leases leave."""
+        led = self.ledger
+        on_hand = len(led.on_hand)
+        short = n - min(n, on_hand)
+        if short <= 0 or not led.kept_bytes:
+            return []
+        chunk = led.chunk_bytes
+        may_create = short if room is None else min(short, room // chunk)
+        need = short - may_create
+        record = self.arena.budget_in_force()
+        if record is not None:
+            leases = self.arena.leases(sweep=False)
+            reserved = sum(x.bytes for x in leases if x.kind == "reserve")
+            budget = record.weights_budget(reserved)
+            if budget is not None:
+                leased = sum(x.bytes for x in leases if x.kind == "weights")
+                outside = (on_hand - min(n, on_hand)) * chunk + led.kept_bytes
+                excess = outside - outside_limit(budget, leased)
+                need = max(need, -(-excess // chunk))
+        return self._ask_back(min(need, short), but=pid)
+
+    def _ask_back(self, n: int, but: int) -> list[int]:
+        """Ask owners of kept chunks (not ``but``) to unmap up to ``n`` of them; the ids asked."""
+        asked: list[int] = []
+        if n <= 0:
+            return asked
+        for pid, ids in self.ledger.ask_back(n, but).items():
+            channel = self._reclaimers.get(pid)
+            if channel is None:
+                self.ledger.unask(ids)
+                continue
+            try:
+                send(channel.sock, {"op": "reclaim", "ids": ids})
+            except OSError as exc:
+                log.warning("pid %d's reclaim channel: %s", pid, exc)
+                self.ledger.unask(ids)
+                self._drop_conn(channel)
+                continue
+            asked.extend(ids)
+        return asked
+
+    def _serve_waiting(self, now: float) -> None:
+        """Answer the takes whose asked chunks came back (or whose owners took too long)."""
+        still: list[_Waiting] = []
+        for w in self._waiting:
+            if self.ledger.still_asked(w.asked) and now < w.deadline:
+                still.append(w)
+                continue
+            if self.ledger.still_asked(w.asked):
+                log.warning("kept chunks not unmapped within %.1f s: the taker allocates", RECLAIM_WAIT_S)
+                self.ledger.unask(w.asked)
+            if w.conn.sock.fileno() in self._conns:
+                self._give(w.conn, w.n)
+        self._waiting = still
 
     def status(self) -> dict[str, Any]:
         led = self.ledger
@@ -327,6 +456,8 @@ class Holder:
             "chunks": len(led.chunks),
             "on_hand_bytes": led.on_hand_bytes,
             "lent_bytes": led.lent_bytes,
+            "kept_bytes": led.kept_bytes,
+            "waiting": len(self._waiting),
             "by_pid": {str(k): v for k, v in led.borrowers().items()},
             "connections": len(self._conns),
             **led.stats.as_dict(),
@@ -346,7 +477,7 @@ class Holder:
 
     def _check_budget(self, now: float) -> None:
         """On hand above what the budget leaves (seen at two checks running): the oldest go."""
-        if not self.ledger.on_hand_bytes:
+        if not self.ledger.on_hand_bytes and not self.ledger.kept_bytes:
             self._over_since = None
             return
         record = self.arena.budget_in_force()
@@ -356,8 +487,11 @@ class Holder:
             return  # no budget recorded: nothing to hold it against
         reserved = sum(x.bytes for x in leases if x.kind == "reserve")
         leased = sum(x.bytes for x in leases if x.kind == "weights")
-        limit = on_hand_limit(record.weights_budget(reserved), leased, self.ledger)
-        if self.ledger.on_hand_bytes <= limit:
+        budget = record.weights_budget(reserved)
+        limit = on_hand_limit(budget, leased, self.ledger)
+        # kept beyond what a byte budget leaves outside the leases: asked back (then closed)
+        kept_over = 0 if budget is None else self.ledger.kept_bytes - outside_limit(budget, leased)
+        if self.ledger.on_hand_bytes <= limit and kept_over <= 0:
             self._over_since = None
             return
         if self._over_since is None:
@@ -366,6 +500,8 @@ class Holder:
         closed = self.ledger.trim(limit, "budget")
         log.info("budget: %d chunk(s) on hand went back to the driver", len(closed))
         self._close_fds(closed)
+        if kept_over > 0:
+            self._ask_back(-(-kept_over // self.ledger.chunk_bytes), but=0)
         self._over_since = None
         self._write_record()
 
@@ -391,10 +527,17 @@ class Holder:
             )
 
 
-def _count(msg: dict[str, Any], key: str) -> int:
+def _count(msg: dict[str, Any], key: str, most: int = 1 << 20) -> int:
     value = msg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 1 << 20:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > most:
         raise ValueError(f"{key!r} must be a count, not {value!r}")
+    return value
+
+
+def _ids(msg: dict[str, Any], key: str) -> list[int]:
+    value = msg.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ValueError(f"{key!r} must be a list of chunk ids")
     return value
 
 

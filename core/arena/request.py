@@ -150,6 +150,12 @@ class TokenRequest:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def cancelled(self) -> bool:
+        """:meth:`cancel` gave its place up (before any grant): it ends without the lease."""
+        with self._lock:
+            return self._cancelled
+
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
 

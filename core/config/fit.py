@@ -5,9 +5,16 @@ with any device size.
 
 The rule (docs: README, *Fitting the card*):
 
-1. *Room*: the device's free bytes when the worker starts (the memory Timeshare may use; on a CPU
-   build, host memory), less the auto budget's margin (:func:`..arena.budget.auto_margin`: 5 %,
-   at least 256 MiB).
+1. *Room*: under an auto VRAM budget, the budget the model time-shares: the arena's budget (the
+   device's memory less what other programs used at the first worker's start and the margin) less
+   what the other models keep there at the deepest level they can reach (a parked model's floor:
+   its driver context; a pinned model's weights and whole reserve) and, on a GPU, this worker's own
+   driver context (:func:`..arena.budget.time_share_room`). Not the memory free at the load: a
+   model parked at the weights level still holds its KV cache then, and goes deep when the new
+   model needs the room (the load asks for it first). Without an arena budget (one-model, a size,
+   a share), the device's free bytes when the worker loads (the memory Timeshare may use; on a
+   CPU build, host memory), less the auto budget's margin (:func:`..arena.budget.auto_margin`:
+   5 %, at least 256 MiB).
 2. *Start*: ``parallel`` as set, or auto (4 on a GPU build, 1 on a CPU one: config.parallel);
    ``n_ctx`` as set, or the model's trained context capped at :data:`AUTO_N_CTX_GPU` (4096) on a
    GPU build and :data:`AUTO_N_CTX_CPU` (2048) on a CPU one.
@@ -62,6 +69,9 @@ class FitInput:
     n_gpu_layers: int = -1  # models[].n_gpu_layers (-1: all)
     model: str = "the model"  # for the error's sentence
     kv_cache_type: str = "f16"
+    #: the budget the model time-shares (rule 1: auto budgets); -1: none, the room is ``free``
+    #: less the margin
+    shared: int = -1
 
 
 @dataclass(frozen=True)
@@ -72,8 +82,11 @@ class Fit:
     parallel: int
     n_gpu_layers: int
     kv_bytes: int  # the KV cache (all layers' cells; on the device for the offloaded layers)
-    room: int  # free less the margin
+    room: int  # the budget it time-shares, or free less the margin
     note: str = ""  # what was chosen and why ("" when every setting was given)
+    #: what the model asks of the room once loaded: its weights on the device (the offloaded
+    #: layers' share), their compute allowance and its KV cache
+    need: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,7 +120,14 @@ def _kv(x: FitInput, n_ctx: int, parallel: int) -> int:
 def fit_model(x: FitInput) -> Fit:
     """The rule of this module's docstring. Raises OutOfDeviceMemoryError when the model cannot
     fit even at its smallest."""
-    room = max(0, x.free - auto_margin(x.free))
+    shared = x.shared >= 0
+    room = x.shared if shared else max(0, x.free - auto_margin(x.free))
+    # the words for where the room comes from
+    of_room = (
+        f"the {decimal_bytes(room)} budget it time-shares"
+        if shared
+        else f"the {decimal_bytes(room)} Timeshare may use"
+    )
     auto_par = x.parallel <= 0
     auto_ctx = x.n_ctx <= 0
     parallel = x.parallel if not auto_par else auto_parallel(x.gpu)
@@ -129,7 +149,7 @@ def fit_model(x: FitInput) -> Fit:
         raise OutOfDeviceMemoryError(
             f"out of {words}: {x.model}'s KV cache needs {decimal_bytes(kv)} (n_ctx {n_ctx} × "
             f"{parallel} sequences, {x.kv_cache_type}) and {decimal_bytes(room)} of {words} is free "
-            f"{where} for Timeshare ({decimal_bytes(x.free)} free, less the margin): {change}"
+            f"{where} for Timeshare ({_source(x)}): {change}"
         )
     n_gpu_layers = x.n_gpu_layers
     notes = []
@@ -138,8 +158,7 @@ def fit_model(x: FitInput) -> Fit:
             part for part, auto in ((f"parallel {parallel}", auto_par), (f"n_ctx {n_ctx}", auto_ctx)) if auto
         )
         notes.append(
-            f"{chosen} (auto: KV {decimal_bytes(kv)} ≤ 1/{KV_SHARE} of the {decimal_bytes(room)} "
-            f"Timeshare may use)"
+            f"{chosen} (auto: KV {decimal_bytes(kv)} ≤ 1/{KV_SHARE} of {of_room})"
             if kv <= limit
             else f"{chosen} (auto, at its smallest: KV {decimal_bytes(kv)})"
         )
@@ -151,11 +170,26 @@ def fit_model(x: FitInput) -> Fit:
             raise OutOfDeviceMemoryError(
                 f"out of {words}: {x.model} cannot put even one layer ({decimal_bytes(int(per_layer))}) "
                 f"beside its KV cache of {decimal_bytes(kv)} in the {decimal_bytes(room)} of {words} free "
-                f"for Timeshare: {change}, or set n_gpu_layers = 0 (CPU only)"
+                f"for Timeshare ({_source(x)}): {change}, or set n_gpu_layers = 0 (CPU only)"
             )
         n_gpu_layers = min(fits, x.layers)
         notes.append(
             f"n_gpu_layers {n_gpu_layers} of {x.layers} (auto: the weights, "
-            f"{decimal_bytes(x.weight_bytes)}, do not all fit {decimal_bytes(room)}; the rest run on the CPU)"
+            f"{decimal_bytes(x.weight_bytes)}, do not all fit {of_room}; the rest run on the CPU)"
         )
-    return Fit(n_ctx, parallel, n_gpu_layers, kv, room, "; ".join(notes))
+    return Fit(n_ctx, parallel, n_gpu_layers, kv, room, "; ".join(notes), _need(x, n_gpu_layers, kv))
+
+
+def _source(x: FitInput) -> str:
+    if x.shared >= 0:
+        return "the auto VRAM budget it time-shares, less what the other models keep at their deepest level"
+    return f"{decimal_bytes(x.free)} free, less the margin"
+
+
+def _need(x: FitInput, n_gpu_layers: int, kv: int) -> int:
+    """The bytes a fitted model asks of its room: weights (the offloaded layers' share on a GPU),
+    their compute allowance, and the KV cache."""
+    weights = x.weight_bytes + x.weight_bytes // COMPUTE_SHARE
+    if x.gpu and x.layers > 0 and 0 <= n_gpu_layers < x.layers:
+        weights = int(weights * (n_gpu_layers + 1) / (x.layers + 1))
+    return weights + kv

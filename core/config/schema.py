@@ -47,7 +47,8 @@ class ModelConfig:
         FieldMeta(
             "Context tokens",
             "Context tokens per conversation sequence; auto: fitted to the device when the model "
-            "loads (the trained context, at most 4096, less while its KV cache does not fit)",
+            "loads (the trained context, at most 4096, less while its KV cache takes more than 1/8 of the "
+            "budget it time-shares with the other models)",
             "tokens",
             0,
             ui_maximum=1 << 20,

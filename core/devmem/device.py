@@ -3,6 +3,7 @@ memory (:mod:`.mapped`) works with."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 #: one chunk of device memory: every chunk of an arena has this size (a multiple of any CUDA
@@ -30,6 +31,13 @@ class ChunkDevice(Protocol):
     granularity: int
     #: allocations made by :meth:`create` since this object was made (cuMemCreate calls)
     creates: int
+    #: :meth:`map` and :meth:`unmap` calls since this object was made (cuMemMap, cuMemUnmap)
+    maps: int
+    unmaps: int
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device now."""
+        ...
 
     def create(self, nbytes: int) -> int:
         """A new allocation of ``nbytes`` (a multiple of the granularity): its handle."""
@@ -76,9 +84,28 @@ class ChunkSource(Protocol):
     arena's (the holder is gone, refused, not started): the worker then uses its own memory."""
 
     chunk_bytes: int
+    #: the holder's session the ids belong to (a new holder: new ids, the old ones mean nothing)
+    session: str
 
-    def take(self, n: int) -> list[tuple[int, int]]:
-        """Up to ``n`` chunks: (id, fd) pairs; the fds are the caller's to close."""
+    @property
+    def keeps(self) -> bool:
+        """Released chunks may stay mapped (the holder can ask them back)."""
+        ...
+
+    def take(self, n: int, room: int | None = None, use: list[int] | None = None) -> list[tuple[int, int]]:
+        """Up to ``n`` chunks: (id, fd) pairs; the fds are the caller's to close. ``room``: the
+        bytes the caller may allocate itself (kept chunks of others are asked back for the
+        rest); ``use``: kept chunks the caller restores into (in use again)."""
+        ...
+
+    def keep(self, ids: list[int]) -> None:
+        """The chunks stay mapped by the caller while its model is released (lent back to the
+        arena: the holder may ask them back)."""
+        ...
+
+    def serve_reclaims(self, reclaimer: Callable[[list[int], str], list[int]]) -> None:
+        """Call ``reclaimer(ids, session)`` (on a thread of the source's) when the holder asks
+        kept chunks back; it returns the ids it unmapped."""
         ...
 
     def adopt(self, fds: list[int]) -> list[int]:

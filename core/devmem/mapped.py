@@ -5,7 +5,17 @@ mapping, of ⌈size / chunk⌉ chunks, and kept until :meth:`HandedMemory.close`
 again comes back at the same address. A mapping takes chunks from the source (the arena's
 holder: any model's memory), creates what the source lacked (counted: :attr:`ChunkDevice.creates`)
 and hands those to the source too, maps every chunk in place, sets access once and drops its
-own handles (the mapping keeps the memory). Unmapping unmaps each chunk and puts them back.
+own handles (the mapping keeps the memory).
+
+Keeping mappings: a release (:meth:`HandedMemory.unmap` with ``keep``) does not unmap when the
+source can ask the chunks back (its reclaim channel, :attr:`ChunkSource.keeps`): the range stays
+mapped and its chunks are *kept* -- lent back to the arena, still mapped here. The next mapping
+of that buffer maps nothing (0 map calls: the source is told the chunks are in use again). When
+another worker needs the memory, the holder asks for it back and :meth:`HandedMemory.reclaim`
+(on the source's thread) unmaps those ranges first; only then does the holder give the chunks
+away. A range is either in use (mapped for the model) or kept; :meth:`HandedMemory.reclaim`
+touches only kept ones, under the lock a restore claims them with, so a range in use is never
+unmapped behind the model's back.
 
 Without a source, or when the source fails (the holder is gone or refused), the chunks are this
 process's own: created at the mapping, freed at the unmapping (as an allocation and a free).
@@ -16,12 +26,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
 from .device import ChunkDevice, ChunkDeviceError, ChunkSource
 
 log = logging.getLogger(__name__)
+
+#: room left on the device for others when a worker decides it may allocate chunks itself rather
+#: than have the holder ask kept chunks of other workers back: this share of the device's total
+#: memory, and at least ROOM_MARGIN_MIN (the auto budget's margin, core/arena/budget.py)
+ROOM_MARGIN_FRACTION = 0.05
+ROOM_MARGIN_MIN = 256 << 20
 
 
 @dataclass
@@ -31,6 +48,9 @@ class _Range:
     nbytes: int  # what the buffer asked for
     ids: list[int] = field(default_factory=list)  # the source's ids of the mapped chunks (0: own)
     mapped: bool = False
+    #: mapped, the model released: lent back to the holder, which may ask for it back
+    kept: bool = False
+    session: str = ""  # the holder's session the ids belong to
 
 
 @dataclass
@@ -41,12 +61,15 @@ class MapReport:
     handed: int = 0  # chunks taken from the source (someone else's memory, nothing allocated)
     created: int = 0  # chunks allocated here (the device's create)
     adopted: int = 0  # created ones the source holds too
+    kept: int = 0  # chunks found still mapped (kept since the release): nothing mapped for them
+    mapped: int = 0  # chunks mapped by this call (the device's map calls)
     ms: float = 0.0
     note: str = ""  # why the source was not used, when it was not
 
 
 class HandedMemory:
-    """The mapped ranges of one worker. Not thread-safe: the worker's loop thread calls it."""
+    """The mapped ranges of one worker. The worker's loop thread maps and unmaps; the source's
+    reclaim thread unmaps kept ranges (:meth:`reclaim`); a lock keeps the two apart."""
 
     def __init__(self, device: ChunkDevice, source: ChunkSource | None, chunk_bytes: int) -> None:
         if chunk_bytes <= 0 or chunk_bytes % device.granularity:
@@ -58,12 +81,24 @@ class HandedMemory:
         self.source = source
         self.chunk_bytes = chunk_bytes
         self._ranges: dict[int, _Range] = {}
+        self._lock = threading.Lock()
         self.source_note = ""  # why the source is not used now ("" while it is)
+        #: releases keep their mappings where the source can ask for them back (False: unmap
+        #: at each release, as before)
+        self.keep_mappings = True
+        #: what a mapping may allocate itself before the holder asks others' kept chunks back
+        #: (None: the device's free memory less a margin, :meth:`_room`)
+        self.room_bytes: int | None = None
         # totals since start
         self.handed_chunks = 0
         self.created_chunks = 0
         self.put_chunks = 0
+        self.kept_chunks = 0  # chunks a release kept mapped
+        self.reused_chunks = 0  # chunks a mapping found kept (no map call)
+        self.reclaimed_chunks = 0  # kept chunks unmapped at the holder's request
         self.last = MapReport()
+        if source is not None:
+            source.serve_reclaims(self.reclaim)
 
     def chunks_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.chunk_bytes))
@@ -72,17 +107,31 @@ class HandedMemory:
         return self._ranges[key].address
 
     def mapped(self, key: int) -> bool:
+        """The buffer is mapped for its model (in use; a kept range is not)."""
         r = self._ranges.get(key)
-        return r is not None and r.mapped
+        return r is not None and r.mapped and not r.kept
+
+    def kept(self, key: int) -> bool:
+        """The buffer's range stays mapped while its model is released."""
+        r = self._ranges.get(key)
+        return r is not None and r.mapped and r.kept
 
     @property
     def mapped_bytes(self) -> int:
-        return sum(r.chunks for r in self._ranges.values() if r.mapped) * self.chunk_bytes
+        """Bytes mapped for the model now (kept ranges not counted)."""
+        return sum(r.chunks for r in self._ranges.values() if r.mapped and not r.kept) * self.chunk_bytes
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes kept mapped while the model is released (device memory no model uses)."""
+        return sum(r.chunks for r in self._ranges.values() if r.mapped and r.kept) * self.chunk_bytes
 
     @property
     def padding_bytes(self) -> int:
         """Bytes mapped beyond what the buffers asked for (the last chunk of each)."""
-        return sum(r.chunks * self.chunk_bytes - r.nbytes for r in self._ranges.values() if r.mapped)
+        return sum(
+            r.chunks * self.chunk_bytes - r.nbytes for r in self._ranges.values() if r.mapped and not r.kept
+        )
 
     def _range(self, key: int, nbytes: int) -> _Range:
         r = self._ranges.get(key)
@@ -99,22 +148,56 @@ class HandedMemory:
         r.nbytes = nbytes
         return r
 
+    def _session(self) -> str:
+        return self.source.session if self.source is not None else ""
+
+    def _room(self) -> int | None:
+        """Bytes this worker may allocate without the holder asking others' kept chunks back:
+        the device's free memory less a margin (None: the device cannot say)."""
+        if self.room_bytes is not None:
+            return self.room_bytes
+        try:
+            free, total = self.device.memory()
+        except ChunkDeviceError:
+            return None
+        return max(0, free - max(ROOM_MARGIN_MIN, int(ROOM_MARGIN_FRACTION * total)))
+
     def map_all(self, wanted: list[tuple[int, int]]) -> MapReport:
-        """Map the buffers ``wanted`` ((key, nbytes) each, none mapped now): the chunks they need
-        are taken from the source in one request, the rest created. Returns what it did
-        (:attr:`last`); raises ChunkDeviceError (``out_of_memory`` when creating failed) with
-        nothing mapped and every chunk taken given back."""
+        """Map the buffers ``wanted`` ((key, nbytes) each, none mapped for the model now): a
+        kept range is used again as it is (no map call), the chunks the others need are taken
+        from the source in one request, the rest created. Returns what it did (:attr:`last`);
+        raises ChunkDeviceError (``out_of_memory`` when creating failed) with nothing mapped and
+        every chunk taken given back."""
         t0 = time.perf_counter()
-        ranges = [self._range(key, nbytes) for key, nbytes in wanted]
-        for key, _n in wanted:
-            if self._ranges[key].mapped:
-                raise ValueError(f"buffer {key} is mapped already")
-        need = sum(r.chunks for r in ranges)
-        report = MapReport(chunks=need)
+        with self._lock:
+            for key, _n in wanted:
+                if self.mapped(key):
+                    raise ValueError(f"buffer {key} is mapped already")
+            session = self._session()
+            reuse: list[_Range] = []
+            for key, nbytes in wanted:
+                r = self._ranges.get(key)
+                if r is not None and r.mapped and r.kept and r.chunks >= self.chunks_for(nbytes):
+                    if r.session == session:
+                        r.kept = False  # claimed: reclaim() leaves it alone from here on
+                        r.nbytes = nbytes
+                        reuse.append(r)
+                        continue
+                    self._unmap_range(r)  # kept under a holder that is gone: its ids mean nothing
+                elif r is not None and r.mapped and r.kept:
+                    self._unmap_range(r)
+                    self._put(list(r.ids), keep=True)
+                    r.ids = []
+            ranges = [self._range(key, nbytes) for key, nbytes in wanted]
+            fresh = [r for r in ranges if not r.mapped]
+        need = sum(r.chunks for r in fresh)
+        report = MapReport(chunks=sum(r.chunks for r in ranges), kept=sum(r.chunks for r in reuse))
         handles: list[int] = []
         ids: list[int] = []
         created: list[int] = []  # handles of the chunks created here
-        taken = self._take(need, report)
+        use = [i for r in reuse for i in r.ids if i]
+        taken = self._take(need, report, use)
+        session = self._session()
         adopted: list[int] = []
         try:
             try:
@@ -137,7 +220,7 @@ class HandedMemory:
             pos = 0
             placed: list[int] = []  # addresses mapped so far
             try:
-                for r in ranges:
+                for r in fresh:
                     for i in range(r.chunks):
                         at = r.address + i * self.chunk_bytes
                         self.device.map(at, self.chunk_bytes, handles[pos])
@@ -153,44 +236,97 @@ class HandedMemory:
             for h in handles:
                 with contextlib.suppress(ChunkDeviceError, OSError):
                     self.device.release(h)
-            self._put([i for i, _fd in taken] + [i for i in adopted if i], keep=True)
+            with self._lock:  # the kept ranges claimed go too: nothing stays mapped
+                back: list[int] = []
+                for r in reuse:
+                    with contextlib.suppress(ChunkDeviceError):
+                        self._unmap_range(r)
+                    back.extend(i for i in r.ids if i)
+                    r.ids = []
+            self._put([i for i, _fd in taken] + [i for i in adopted if i] + back, keep=True)
             raise
         for h in handles:  # the mappings keep the memory
             self.device.release(h)
-        pos = 0
-        for r in ranges:
-            r.ids = ids[pos : pos + r.chunks]
-            r.mapped = True
-            pos += r.chunks
+        with self._lock:
+            pos = 0
+            for r in fresh:
+                r.ids = ids[pos : pos + r.chunks]
+                r.mapped, r.kept, r.session = True, False, session
+                pos += r.chunks
+        report.mapped = need
         self.handed_chunks += report.handed
         self.created_chunks += report.created
+        self.reused_chunks += report.kept
         report.ms = (time.perf_counter() - t0) * 1000.0
         self.last = report
         return report
 
-    def unmap(self, keys: list[int], keep: bool = True) -> int:
-        """Unmap the buffers ``keys`` and put their chunks back (``keep`` False: the source closes
-        them, e.g. this process's last release). Returns the chunks unmapped."""
-        ids: list[int] = []
-        n = 0
-        if any(self.mapped(k) for k in keys):
-            self.device.synchronize()
-        for key in keys:
-            r = self._ranges.get(key)
-            if r is None or not r.mapped:
-                continue
-            self._unmap_chunks(r)
-            ids.extend(i for i in r.ids if i)
-            n += r.chunks
-            r.ids = []
-            r.mapped = False
-        self._put(ids, keep)
-        return n
+    def unmap(self, keys: list[int], keep: bool = True, keep_mapped: bool | None = None) -> int:
+        """Release the buffers ``keys``: their ranges stay mapped, kept (``keep_mapped``, by
+        default :attr:`keep_mappings`, and the source can ask them back), or are unmapped and
+        their chunks put back (``keep`` False: the source closes them, e.g. this process's
+        last release; never kept then, and the ranges kept before are unmapped and closed too).
+        Returns the chunks released."""
+        keep_mapped = self.keep_mappings if keep_mapped is None else keep_mapped
+        with self._lock:
+            chosen = [r for k in keys if (r := self._ranges.get(k)) is not None and r.mapped and not r.kept]
+            if not keep:  # the last release: what stays kept goes back to the driver too
+                kept = [r for r in self._ranges.values() if r.mapped and r.kept]
+                dropped = [i for r in kept for i in r.ids if i]
+                for r in kept:
+                    self._unmap_range(r)
+                    r.ids = []
+                self._put(dropped, keep=False)
+            if not chosen:
+                return 0
+            self.device.synchronize()  # no kernel reads a released range from here on
+            session = self._session()
+            keeping: list[_Range] = []
+            if keep and keep_mapped and self.source is not None and self.source.keeps:
+                keeping = [r for r in chosen if r.session == session and r.ids and all(r.ids)]
+                if keeping and not self._keep([i for r in keeping for i in r.ids]):
+                    keeping = []
+            ids: list[int] = []
+            n = 0
+            for r in chosen:
+                n += r.chunks
+                if r in keeping:
+                    r.kept = True
+                    self.kept_chunks += r.chunks
+                    continue
+                self._unmap_range(r)
+                ids.extend(i for i in r.ids if i)
+                r.ids = []
+            self._put(ids, keep)
+            return n
+
+    def reclaim(self, ids: list[int], session: str) -> list[int]:
+        """The holder (session ``session``) asks kept chunks ``ids`` back: unmap each kept
+        range holding one of them; the ids unmapped (whole ranges: maybe more than asked; none
+        of a range a restore uses again). Called on the source's reclaim thread."""
+        wanted = set(ids)
+        out: list[int] = []
+        with self._lock:
+            for r in self._ranges.values():
+                if not (r.mapped and r.kept and r.session == session and wanted.intersection(r.ids)):
+                    continue
+                try:
+                    self._unmap_range(r)
+                except ChunkDeviceError as exc:
+                    log.warning("a kept range asked back could not be unmapped: %s", exc)
+                    continue
+                out.extend(i for i in r.ids if i)
+                self.reclaimed_chunks += r.chunks
+                r.ids = []
+        return out
 
     def close(self, keep: bool = False) -> None:
-        """Unmap everything (put back: ``keep`` says whether the source keeps it) and give the
-        address ranges back."""
-        self.unmap([k for k, r in self._ranges.items() if r.mapped], keep=keep)
+        """Unmap everything, kept ranges too (put back: ``keep`` says whether the source keeps
+        it) and give the address ranges back."""
+        with self._lock:
+            for r in self._ranges.values():
+                r.kept = False  # in use again, for the unmapping below
+        self.unmap([k for k, r in self._ranges.items() if r.mapped], keep=keep, keep_mapped=False)
         for r in self._ranges.values():
             with contextlib.suppress(ChunkDeviceError):
                 self.device.free_reserve(r.address, r.chunks * self.chunk_bytes)
@@ -198,22 +334,35 @@ class HandedMemory:
 
     # -- the source ----------------------------------------------------------------------------
 
-    def _unmap_chunks(self, r: _Range) -> None:
+    def _unmap_range(self, r: _Range) -> None:
+        """Unmap each chunk of ``r`` (the range stays reserved); the caller holds the lock."""
         for i in range(r.chunks):
             self.device.unmap(r.address + i * self.chunk_bytes, self.chunk_bytes)
+        r.mapped = r.kept = False
 
-    def _take(self, n: int, report: MapReport) -> list[tuple[int, int]]:
+    def _take(self, n: int, report: MapReport, use: list[int]) -> list[tuple[int, int]]:
         if self.source is None:
             report.note = self.source_note = self.source_note or "no hand-over holder"
             return []
+        if n <= 0 and not use:
+            return []
         try:
-            got = self.source.take(n)
+            got = self.source.take(n, self._room() if n > 0 else None, use)
         except Exception as exc:  # the arena's HandoverError, an OSError: own memory this time
             report.note = self.source_note = f"the hand-over holder could not be used: {exc}"
             log.warning("%s", report.note)
             return []
         self.source_note = ""
         return got
+
+    def _keep(self, ids: list[int]) -> bool:
+        assert self.source is not None
+        try:
+            self.source.keep(ids)
+        except Exception as exc:  # refused or gone: unmapped and put back as before
+            log.warning("keeping %d chunk(s) mapped was refused: %s", len(ids), exc)
+            return False
+        return True
 
     def _adopt(self, handles: list[int], report: MapReport) -> list[int]:
         if self.source is None or self.source_note:

@@ -48,11 +48,22 @@ class MemfdDevice:
     every memfd's name (``timeshare-chunk-<tag>``), so a test can find its own chunks in
     ``/proc``."""
 
-    def __init__(self, tag: str = "") -> None:
+    def __init__(self, tag: str = "", free_bytes: int | None = None) -> None:
         self.name = "memfd (CPU stand-in)"
         self.granularity = mmap.PAGESIZE
         self.creates = 0
+        self.maps = 0
+        self.unmaps = 0
         self.memfd_name = f"{MEMFD_PREFIX}-{tag}" if tag else MEMFD_PREFIX
+        #: what :meth:`memory` says is free (None: the host's available memory); a test sets 0
+        #: to play a card with no room left
+        self.free_bytes = free_bytes
+
+    def memory(self) -> tuple[int, int]:
+        total = os.sysconf("SC_PHYS_PAGES") * mmap.PAGESIZE
+        if self.free_bytes is not None:
+            return self.free_bytes, total
+        return os.sysconf("SC_AVPHYS_PAGES") * mmap.PAGESIZE, total
 
     def create(self, nbytes: int) -> int:
         if nbytes <= 0 or nbytes % self.granularity:
@@ -88,6 +99,7 @@ class MemfdDevice:
     def map(self, address: int, nbytes: int, handle: int) -> None:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         got = _check(_mmap(address, nbytes, prot, _MAP_SHARED | _MAP_FIXED, handle, 0), "mapping a chunk")
+        self.maps += 1
         if got != address:
             raise ChunkDeviceError(f"a chunk was mapped at {got:#x}, not at {address:#x}")
 
@@ -101,3 +113,4 @@ class MemfdDevice:
         # the reservation comes back in its place (MAP_FIXED replaces the mapping atomically)
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
         _check(_mmap(address, nbytes, _PROT_NONE, flags, -1, 0), "unmapping a chunk")
+        self.unmaps += 1

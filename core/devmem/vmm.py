@@ -167,6 +167,8 @@ class CudaVmmDevice:
         self.granularity = int(gran.value)
         self.name = f"CUDA VMM (device {self.ordinal})"
         self.creates = 0
+        self.maps = 0
+        self.unmaps = 0
         self._lock = threading.Lock()
 
     def _check(self, rc: int, what: str) -> None:
@@ -234,6 +236,8 @@ class CudaVmmDevice:
 
     def map(self, address: int, nbytes: int, handle: int) -> None:
         self._check(self._lib.cuMemMap(address, nbytes, 0, handle, 0), "cuMemMap")
+        with self._lock:
+            self.maps += 1
 
     def set_access(self, address: int, nbytes: int) -> None:
         self._check(self._lib.cuMemSetAccess(address, nbytes, byref(self._access), 1), "cuMemSetAccess")
@@ -244,4 +248,9 @@ class CudaVmmDevice:
         self._check(self._lib.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def unmap(self, address: int, nbytes: int) -> None:
+        """Unmap one whole mapping (cuMemUnmap takes no part of one). Also called on the reclaim
+        thread (kept chunks the holder asks back), which may have no current context yet."""
+        self._current()
         self._check(self._lib.cuMemUnmap(address, nbytes), "cuMemUnmap")
+        with self._lock:
+            self.unmaps += 1

@@ -51,8 +51,8 @@ from ..arena.budget import parse_budget
 from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
 from .bench_api_deep import run_deep_phase, summarise_deep
-from .bench_api_procs import MAX_TOKENS, LlamaServer, Serve, decode_rate, fresh_process
-from .bench_api_report import SYSTEMS, plot, print_table, summarise
+from .bench_api_procs import MAX_TOKENS, LlamaServer, Serve, card_fit, decode_rate, fresh_process
+from .bench_api_report import SYSTEMS, describe_fit, plot, print_table, summarise
 from .card import hold_card
 
 log = logging.getLogger(__name__)
@@ -215,30 +215,34 @@ def run_api_bench(
         report["work"] = str(work)
     ok = False
     try:
-        say(f"starting timeshare serve (n_ctx {n_ctx}, VRAM budget {budget})")
-        serve = Serve(work, ids, models, n_ctx, flash_attn, budget=budget)
-        try:
-            report["serve_ready_s"] = serve.wait_ready()
-            status = {m["id"]: m for m in serve.status().get("models", [])}
-            report["models"] = [
-                {
-                    "id": mid,
-                    "path": path,
-                    "file_bytes": os.path.getsize(path),
-                    "backend": status.get(mid, {}).get("backend"),
-                    "residency_path": status.get(mid, {}).get("residency_path"),
-                    "weight_bytes": status.get(mid, {}).get("weight_bytes"),
-                    "worker": serve.worker_phases(mid),  # its start's phases (attach steps)
-                }
-                for mid, path in zip(ids, models, strict=True)
-            ]
-            _timeshare_phases(serve, ids, conv, rounds, n_restarts, rows, decode, say, switch_only)
-            # each overlapped restore's gate and timeline, as the workers logged them
-            report["overlaps"] = {mid: serve.worker_overlaps(mid) for mid in ids}
-        finally:
-            serve.close()
-        if deep:
-            guess = {k: int(status.get(ids[0], {}).get(k) or 0) for k in _DEEP_GUESS}
+        # every row sized to the card: each model alone, by the workers' fit rule (n_ctx as the
+        # conversations need, parallel and GPU layers chosen); serve's workers fit themselves
+        fits = _card_fits(models, ids, n_ctx, flash_attn, work, say)
+        report["card_fit"] = fits
+        unfit = {mid: f["unfit"] for mid, f in fits.items() if "unfit" in f}
+        if unfit:
+            why = "; ".join(f"{mid} does not fit the card even alone ({text})" for mid, text in unfit.items())
+            for key in ("timeshare_switch", "timeshare_same", "timeshare_plain_client", "worker_restart"):
+                skipped[key] = why
+            say(f"the timeshare systems are skipped: {why}")
+        else:
+            first = _serve_phases(
+                report,
+                work,
+                ids,
+                models,
+                conv,
+                n_ctx,
+                flash_attn,
+                budget,
+                (rounds, n_restarts),
+                rows,
+                decode,
+                say,
+                switch_only,
+            )
+        if deep and not unfit:
+            guess = {k: int(first.get(k) or 0) for k in _DEEP_GUESS}
             deep_rows, info = run_deep_phase(
                 work, models[0], lambda _i, r: conv.prompt(0, r), n_ctx, flash_attn, rounds, guess, say
             )
@@ -248,14 +252,24 @@ def run_api_bench(
         if switch_only:
             ok = True
             return _summarised(report, rows, skipped, decode)
-        say("fresh process: load the GGUF, prefill the conversation, sample a token")
-        for k in range(max(2, min(FRESH, rounds))):
-            i = k % 2
+        say("fresh process: fit to the card, load the GGUF, prefill the conversation, sample a token")
+        fitting = [i for i, mid in enumerate(ids) if mid not in unfit]
+        if not fitting:
+            skipped["fresh_process"] = "; ".join(f"{mid} does not fit the card even alone" for mid in unfit)
+        for k in range(max(2, min(FRESH, rounds)) if fitting else 0):
+            i = fitting[k % len(fitting)]
             row = fresh_process(models[i], n_ctx, conv.prompt(i, rounds + 1), flash_attn, work)
+            if "unfit" in row:  # the card changed since the fit (another program): said, not fatal
+                skipped["fresh_process"] = f"{ids[i]}: {row['unfit']}"
+                say(skipped["fresh_process"])
+                continue
             rows["fresh_process"].append(dict(row, model=ids[i]))
-        if binary is not None:
+        if binary is not None and unfit:
+            why = "; ".join(f"{mid} does not fit the card even alone" for mid in unfit)
+            skipped["llama_swap"] = skipped["llama_server_coresident"] = why
+        elif binary is not None:
             _llama_server_phases(
-                binary, models, ids, conv, rounds, n_ctx, flash_attn, work, rows, skipped, decode, say
+                binary, models, ids, conv, rounds, fits, flash_attn, work, rows, skipped, decode, say
             )
         ok = True
     finally:
@@ -264,6 +278,68 @@ def run_api_bench(
         else:
             say(f"the logs are kept in {work}")
     return _summarised(report, rows, skipped, decode)
+
+
+def _card_fits(
+    models: list[str], ids: list[str], n_ctx: int, flash_attn: bool, work: Path, say: Callable[[str], None]
+) -> dict[str, dict[str, Any]]:
+    """Each model alone on the card, fitted by the workers' rule (a fresh process measures it):
+    ``{"n_ctx", "parallel", "n_gpu_layers", "kv_bytes", "room", "note"}`` or ``{"unfit": sentence}``."""
+    fits: dict[str, dict[str, Any]] = {}
+    for mid, path in zip(ids, models, strict=True):
+        got = card_fit(path, n_ctx, flash_attn, work)
+        fits[mid] = got.get("fit") or {"unfit": str(got.get("unfit") or "no fit reported")}
+        say(f"{mid} on the card alone: {describe_fit(fits[mid])}")
+    return fits
+
+
+def _serve_phases(
+    report: dict[str, Any],
+    work: Path,
+    ids: list[str],
+    models: list[str],
+    conv: Conversations,
+    n_ctx: int,
+    flash_attn: bool,
+    budget: str,
+    rounds: tuple[int, int],
+    rows: dict[str, list[dict[str, Any]]],
+    decode: dict[str, Any],
+    say: Callable[[str], None],
+    switch_only: bool,
+) -> dict[str, Any]:
+    """The timeshare systems: its own serve, whose workers fit themselves (parallel 0: auto).
+    ``rounds``: the rounds and the worker restarts. Returns the first model's status at the start."""
+    say(f"starting timeshare serve (n_ctx {n_ctx}, parallel auto, VRAM budget {budget})")
+    serve = Serve(work, ids, models, n_ctx, flash_attn, budget=budget)
+    try:
+        report["serve_ready_s"] = serve.wait_ready()
+        status = {m["id"]: m for m in serve.status().get("models", [])}
+        report["models"] = [
+            {
+                "id": mid,
+                "path": path,
+                "file_bytes": os.path.getsize(path),
+                "backend": status.get(mid, {}).get("backend"),
+                "residency_path": status.get(mid, {}).get("residency_path"),
+                "weight_bytes": status.get(mid, {}).get("weight_bytes"),
+                # what its worker's fit chose (n_ctx and parallel; the note says GPU layers)
+                "n_ctx": status.get(mid, {}).get("n_ctx"),
+                "parallel": status.get(mid, {}).get("parallel"),
+                "fit": status.get(mid, {}).get("fit"),
+                "worker": serve.worker_phases(mid),  # its start's phases (attach steps)
+            }
+            for mid, path in zip(ids, models, strict=True)
+        ]
+        for m in report["models"]:
+            fitted = m["fit"] or "as set"
+            say(f"{m['id']} in timeshare serve: n_ctx {m['n_ctx']} x parallel {m['parallel']} ({fitted})")
+        _timeshare_phases(serve, ids, conv, rounds[0], rounds[1], rows, decode, say, switch_only)
+        # each overlapped restore's gate and timeline, as the workers logged them
+        report["overlaps"] = {mid: serve.worker_overlaps(mid) for mid in ids}
+    finally:
+        serve.close()
+    return dict(status.get(ids[0], {}))
 
 
 def _summarised(
@@ -324,7 +400,7 @@ def _llama_server_phases(
     ids: list[str],
     conv: Conversations,
     rounds: int,
-    n_ctx: int,
+    fits: dict[str, dict[str, Any]],
     flash_attn: bool,
     work: Path,
     rows: dict[str, list[dict[str, Any]]],
@@ -333,6 +409,21 @@ def _llama_server_phases(
     say: Callable[[str], None],
 ) -> None:
     log_path = work / "llama-server.log"
+
+    def server(i: int) -> LlamaServer:
+        # sized to the card as the fit chose for the model alone: parallel slots of n_ctx each
+        # (llama-server's -c is shared by its slots), the GPU layers that fit
+        fit = fits[ids[i]]
+        return LlamaServer(
+            binary,
+            models[i],
+            fit["n_ctx"] * fit["parallel"],
+            flash_attn,
+            log_path,
+            parallel=fit["parallel"],
+            gpu_layers=fit["n_gpu_layers"],
+        )
+
     say("llama_swap: stop the old llama-server, start the new one, wait for /health, send the turn")
     current: LlamaServer | None = None
     try:
@@ -342,7 +433,7 @@ def _llama_server_phases(
                 if current is not None:
                     current.stop()
                 stopped = time.perf_counter()
-                current = LlamaServer(binary, models[i], n_ctx, flash_attn, log_path)
+                current = server(i)
                 current.wait_healthy()
                 ready = time.perf_counter()
                 got = current.turn(conv.prompt(i, r))
@@ -359,7 +450,7 @@ def _llama_server_phases(
     servers: list[LlamaServer] = []
     try:
         for i in range(2):
-            servers.append(LlamaServer(binary, models[i], n_ctx, flash_attn, log_path))
+            servers.append(server(i))
             try:
                 servers[-1].wait_healthy()
             except TimeshareError as exc:

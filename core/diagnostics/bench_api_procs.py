@@ -444,20 +444,29 @@ class Serve:
 
 
 def fresh_process(path: str, n_ctx: int, prompt: str, flash_attn: bool, work: Path) -> dict[str, Any]:
-    """A new Python process: load the GGUF, prefill ``prompt``, sample one token."""
+    """A new Python process: fit the model to the card alone, load the GGUF, prefill ``prompt``,
+    sample one token. ``{"unfit": sentence}`` when the model does not fit the card even alone."""
     r = fresh_process_.run(
         path, n_ctx, prompt=prompt, flash_attn=flash_attn, timeout=START_TIMEOUT_S, cwd=work
     )
-    keys = ("load_ms", "prompt_tokens", "prompt_tokens_evaluated")
+    if "unfit" in r:
+        return {"unfit": r["unfit"]}
+    keys = ("load_ms", "prompt_tokens", "prompt_tokens_evaluated", "fit")
     return {**{k: r[k] for k in keys}, "ttft_ms": r["process_ttft_ms"]}
+
+
+def card_fit(path: str, n_ctx: int, flash_attn: bool, work: Path) -> dict[str, Any]:
+    """The model alone on the card now, fitted by the workers' rule with ``n_ctx`` (a fresh process
+    measures the device, so this one holds no GPU context): ``{"fit": {...}}`` or ``{"unfit": ...}``."""
+    return fresh_process_.fit(path, n_ctx, flash_attn=flash_attn, timeout=START_TIMEOUT_S, cwd=work)
 
 
 # ---- llama-server ---------------------------------------------------------------------------
 
 
 class LlamaServer:
-    """One llama-server process (e2e_switch.py's flags: all layers on the GPU, one slot, or
-    ``parallel`` slots sharing ``n_ctx``; ``extra`` flags after them)."""
+    """One llama-server process (e2e_switch.py's flags: all layers on the GPU, or ``gpu_layers``;
+    one slot, or ``parallel`` slots sharing ``n_ctx``; ``extra`` flags after them)."""
 
     def __init__(
         self,
@@ -468,10 +477,12 @@ class LlamaServer:
         log_path: Path,
         parallel: int = 1,
         extra: Sequence[str] = (),
+        gpu_layers: int = -1,
     ) -> None:
         self.port = _free_port()
         self.log = log_path
-        cmd = [binary, "-m", model, "-ngl", "999", "-c", str(n_ctx), "--port", str(self.port)]
+        ngl = "999" if gpu_layers < 0 else str(gpu_layers)  # -1: all
+        cmd = [binary, "-m", model, "-ngl", ngl, "-c", str(n_ctx), "--port", str(self.port)]
         cmd += ["--host", "127.0.0.1", "-np", str(parallel), "-b", "2048", "-ub", "512"]
         cmd += ["--flash-attn", "on" if flash_attn else "off", *extra]
         with log_path.open("ab") as out:

@@ -91,15 +91,30 @@ def summarise(
 # ---- output ---------------------------------------------------------------------------------
 
 
+def describe_fit(fit: dict[str, Any]) -> str:
+    """A fit of :func:`_card_fits` in words."""
+    if "unfit" in fit:
+        return f"does not fit even alone: {fit['unfit']}"
+    layers = "all layers on the GPU" if fit["n_gpu_layers"] < 0 else f"{fit['n_gpu_layers']} GPU layers"
+    note = f" ({fit['note']})" if fit.get("note") else ""
+    return (
+        f"n_ctx {fit['n_ctx']} x parallel {fit['parallel']}, {layers}, KV {fit['kv_bytes'] / 1e9:.2f} GB "
+        f"of {fit['room'] / 1e9:.2f} GB{note}"
+    )
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
 def print_table(r: dict[str, Any]) -> None:
+    for mid, fit in r.get("card_fit", {}).items():
+        print(f"{mid} on the card alone (fresh process, llama-server): {describe_fit(fit)}")
     for m in r.get("models", []):
         print(
             f"model {m['id']}: {m['path']} ({m['file_bytes'] / 1e9:.2f} GB), backend {m['backend'] or '?'}, "
-            f"residency {m['residency_path'] or '?'}"
+            f"residency {m['residency_path'] or '?'}; in timeshare serve n_ctx {m.get('n_ctx') or '?'} x "
+            f"parallel {m.get('parallel') or '?'}" + (f" ({m['fit']})" if m.get("fit") else "")
         )
     s = r["summary"]
     print(

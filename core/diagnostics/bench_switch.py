@@ -68,12 +68,22 @@ def _handover_counts(
     before: dict[str, Any] | None, after: dict[str, Any] | None, turns: int
 ) -> dict[str, Any]:
     """What the holder did during the switched turns: ``creates`` = chunks the workers allocated
-    (cuMemCreate) and handed to it, ``given`` = chunks it lent to a restoring worker."""
+    (cuMemCreate) and handed to it, ``given`` = chunks it lent to a restoring worker, ``maps`` =
+    chunks the restores mapped (one cuMemMap each: given + created), ``reused`` = chunks a
+    restore found still mapped (kept since its release: no call at all), ``asked_back`` = kept
+    chunks their owner had to unmap for another worker."""
     if before is None or after is None:
         return {"error": "no hand-over holder lived (see the workers' logs)", "turns": turns}
+
+    def delta(key: str) -> int:
+        return int(after.get(key, 0)) - int(before.get(key, 0))
+
     return {
         "turns": turns,
-        "creates": after["adopted"] - before["adopted"],
+        "creates": delta("adopted"),
+        "maps": delta("adopted") + delta("given"),
+        "reused": delta("reused"),
+        "asked_back": delta("asked_back"),
         "given": after["given"] - before["given"],
         "given_bytes": (after["given"] - before["given"]) * after["chunk"],
         "chunk_bytes": after["chunk"],
@@ -156,6 +166,8 @@ def _wait_state(pool: Any, model: str, state: str, timeout: float = 60.0) -> Non
 def _reload_in_fresh_process(path: str, n_ctx: int, messages: list[dict[str, str]]) -> dict[str, Any]:
     """A new Python process: load the GGUF, prefill the whole conversation, sample one token."""
     r = fresh_process.run(path, n_ctx, messages=messages, timeout=LOAD_TIMEOUT_S)
+    if "unfit" in r:  # the model does not fit the device even alone (the workers loaded it: rare)
+        raise TimeshareError(f"the fresh process: {r['unfit']}")
     return {
         "load_ms": r["load_ms"],
         "ttft_ms": r["in_process_ttft_ms"],  # load + full prefill + first token
@@ -441,7 +453,9 @@ def _print_table(r: dict[str, Any]) -> None:
         else:
             print(
                 f"hand-over: {h['creates']} chunks allocated (cuMemCreate) and {h['given']} handed over "
-                f"({h['given_bytes'] / 1e9:.2f} GB) in {h['turns']} switched turns"
+                f"({h['given_bytes'] / 1e9:.2f} GB) in {h['turns']} switched turns; "
+                f"{h.get('maps', '?')} chunks mapped (cuMemMap), {h.get('reused', '?')} found still "
+                f"mapped, {h.get('asked_back', '?')} asked back from their owner"
             )
     print(
         f"switch medians: wait {_fmt(s['switch_wait_ms'], '.1f')} ms, "

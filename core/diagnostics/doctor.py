@@ -467,6 +467,22 @@ def main(args: argparse.Namespace) -> int:
         with hold_card(getattr(args, "card", None)) as card:  # before anything loads
             if card is not None:
                 _step(card.describe())
+            if getattr(args, "deep_floor", False):
+                from .deep_floor import print_report, run_deep_floor
+
+                context, prompt = int(getattr(args, "context", 0)), int(getattr(args, "prompt_tokens", 1500))
+                if context < 0 or prompt < 1:
+                    raise TimeshareError("--context must be 0 (fitted) or more, --prompt-tokens at least 1")
+                report = run_deep_floor(
+                    model, context, prompt, bool(getattr(args, "flash_attn", False)), _step
+                )
+                if card is not None:
+                    report["card"] = card.to_json()
+                if as_json:
+                    print(json.dumps(report))
+                else:
+                    print_report(report)
+                return 0
             if getattr(args, "partial", False):
                 from .partial_check import print_partial, run_partial_check
 

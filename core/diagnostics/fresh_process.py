@@ -5,6 +5,13 @@ samples one greedy token, as a tool without Timeshare would after a model change
 ``run`` starts ``python -m timeshare.core.diagnostics.fresh_process`` with the job as JSON on
 stdin and returns the child's figures plus ``process_ttft_ms`` (process start to the first token,
 the Python start counted).
+
+The child fits the model to its device before it loads, by the workers' rule (core/config/fit.py,
+core/worker/fitting.py: the device's free memory less the margin, the model alone): ``n_ctx`` as
+given, ``parallel`` and the GPU layers chosen, so that it never asks more than the card
+(``--card``). Its figures carry the ``fit``; a model that cannot fit even alone answers
+``{"unfit": sentence}`` instead of failing. :func:`fit` asks for the fit only (llama-server's
+flags are sized by it).
 """
 
 from __future__ import annotations
@@ -39,6 +46,23 @@ def run(
     child fails (its last stderr lines), subprocess.TimeoutExpired after ``timeout``."""
     job = {"path": path, "n_ctx": n_ctx, "prompt": prompt, "messages": messages, "flash_attn": flash_attn}
     started = time.time()
+    child = _call(job, timeout, cwd)
+    if "unfit" not in child:
+        child["process_ttft_ms"] = (child.pop("first_token_at") - started) * 1000.0
+    return child
+
+
+def fit(
+    path: str, n_ctx: int, *, flash_attn: bool = False, timeout: float, cwd: Path | None = None
+) -> dict[str, Any]:
+    """The fit of ``path`` alone on its device now, with ``n_ctx`` (a fresh process measures the
+    device): ``{"fit": {"n_ctx", "parallel", "n_gpu_layers", "kv_bytes", "room", "note"}}``, or
+    ``{"unfit": sentence}`` when it cannot fit even alone. Raises as :func:`run`."""
+    job = {"path": path, "n_ctx": n_ctx, "flash_attn": flash_attn, "fit_only": True}
+    return _call(job, timeout, cwd)
+
+
+def _call(job: dict[str, Any], timeout: float, cwd: Path | None) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "timeshare.core.diagnostics.fresh_process"],
         input=json.dumps(job),
@@ -52,7 +76,6 @@ def run(
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         raise TimeshareError(f"the fresh process failed (exit {proc.returncode}): {tail}")
     child: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    child["process_ttft_ms"] = (child.pop("first_token_at") - started) * 1000.0
     return child
 
 
@@ -61,14 +84,35 @@ def _child() -> int:
     import llama_cpp  # noqa: F401  (before anything that imports numpy)
 
     from ..config.schema import ModelConfig
+    from ..errors import OutOfDeviceMemoryError
     from ..wire.protocol import ChatMessage, Generate
+    from ..worker.device import device_memory
     from ..worker.engine import Engine
+    from ..worker.fitting import fit_to_device
 
     job = json.loads(sys.stdin.read())
     t0 = time.perf_counter()
-    engine = Engine.load(
-        ModelConfig(id="fresh", path=job["path"], n_ctx=int(job["n_ctx"]), flash_attn=bool(job["flash_attn"]))
+    model = ModelConfig(
+        id="fresh", path=job["path"], n_ctx=int(job["n_ctx"]), flash_attn=bool(job["flash_attn"])
     )
+    try:
+        fitted = fit_to_device(model, "f16", device_memory(0))
+    except OutOfDeviceMemoryError as exc:
+        print(json.dumps({"unfit": str(exc)}))
+        return 0
+    chosen = fitted.model
+    fit = {
+        "n_ctx": chosen.n_ctx,
+        "parallel": chosen.parallel,
+        "n_gpu_layers": chosen.n_gpu_layers,
+        "kv_bytes": fitted.fit.kv_bytes,
+        "room": fitted.fit.room,
+        "note": fitted.fit.note,
+    }
+    if job.get("fit_only"):
+        print(json.dumps({"fit": fit}))
+        return 0
+    engine = Engine.load(chosen, plan=fitted.plan)
     t1 = time.perf_counter()
     first: list[float] = []
 
@@ -94,6 +138,7 @@ def _child() -> int:
                 "prompt_tokens": outcome.prompt_tokens,
                 "prompt_tokens_evaluated": outcome.prompt_tokens_evaluated,
                 "first_token_at": first[1],
+                "fit": fit,
             }
         )
     )

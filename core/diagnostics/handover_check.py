@@ -60,7 +60,9 @@ def handover_lines(h: dict[str, Any] | None) -> list[str]:
         f"hand-over:          {h['device']}, chunks of {chunk / 2**20:.0f} MiB: "
         f"{h['handed_chunks']} handed over "
         f"({h['handed_chunks'] * chunk / 1e9:.2f} GB), {h['created_chunks']} allocated "
-        f"({h['creates']} cuMemCreate/memfd calls), padding {h['padding_bytes'] / 1e6:.1f} MB"
+        f"({h['creates']} cuMemCreate/memfd calls), padding {h['padding_bytes'] / 1e6:.1f} MB; "
+        f"{h.get('reused_chunks', 0)} found still mapped (kept since the release), "
+        f"{h.get('maps', 0)} map calls"
     )
     notes = [x for x in (h.get("note"), h.get("source_note")) if x]
     return [line + (f" ({'; '.join(notes)})" if notes else "")]

@@ -286,6 +286,9 @@ class WorkerRecord:
             holds_gpu=alive_status is not None and alive_status.holds_token,
             lease_bytes=alive_status.lease_bytes if alive_status and alive_status.holds_token else 0,
             resident_fraction=alive_status.resident_fraction if alive_status and self.alive else 0.0,
+            handover_creates=alive_status.handover_creates if alive_status else 0,
+            handover_mapped_chunks=alive_status.handover_mapped_chunks if alive_status else 0,
+            handover_kept_bytes=alive_status.handover_kept_bytes if alive_status else 0,
         )
         return status, switching
 

@@ -54,8 +54,8 @@ class WeightHandover:
         self.handed = handed
         self.note = ""
 
-    def stats(self) -> dict[str, object]:
-        """What the hand-over did (doctor, bench residency, the worker's status)."""
+    def stats(self, buffers: list[WeightBuffer]) -> dict[str, object]:
+        """What the hand-over of ``buffers`` did (doctor, bench residency, the worker's status)."""
         h = self.handed
         out: dict[str, object] = {"on": h is not None, "note": self.note}
         if h is not None:
@@ -68,6 +68,14 @@ class WeightHandover:
                 creates=h.device.creates,
                 mapped_bytes=h.mapped_bytes,
                 padding_bytes=h.padding_bytes,
+                kept_bytes=h.kept_bytes,
+                kept_chunks=h.kept_chunks,
+                reused_chunks=h.reused_chunks,
+                reclaimed_chunks=h.reclaimed_chunks,
+                maps=h.device.maps,
+                unmaps=h.device.unmaps,
+                last_mapped_chunks=h.last.mapped,
+                lease_padding_bytes=sum(h.chunks_for(b.size) * h.chunk_bytes - b.size for b in buffers),
                 source_note=h.source_note,
             )
         return out

@@ -387,6 +387,8 @@ class InPlace:
                 handed_chunks=float(rep.handed),
                 created_chunks=float(rep.created),
                 creates_total=float(handed.device.creates),
+                mapped_chunks=float(rep.mapped),
+                kept_chunks=float(rep.kept),
             )
         if background:
             assert gate is not None

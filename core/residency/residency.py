@@ -179,7 +179,13 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
             None,
             f"the arena's chunk of {chunk} bytes is not a multiple of {device.name}'s {device.granularity}",
         )
-    return HandedMemory(device, source, chunk), ""
+    mem = HandedMemory(device, source, chunk)
+    mem.keep_mappings = envvars.HANDOVER_KEEP.switch() is not False
+    room = envvars.HANDOVER_ROOM.text()
+    mem.room_bytes = int(room) if room.isdigit() else None
+    if room and mem.room_bytes is None:
+        log.warning("$%s=%r is not a number of bytes: ignored", envvars.HANDOVER_ROOM.name, room)
+    return mem, ""
 
 
 def rss_bytes() -> int:
@@ -747,7 +753,7 @@ class Residency:
         """What the hand-over of device memory did (issue 40): ``on``, ``note``, and while on the
         device, chunk size, chunks handed / created / put back, cuMemCreate calls, mapped bytes."""
         if self._inplace is not None:
-            return self._inplace.handover.stats()
+            return self._inplace.handover.stats(self._inplace.buffers)
         return {"on": False, "note": self.handover_note}
 
     @property

@@ -63,6 +63,8 @@ class RestoreSteps:
     handed_chunks: float | None = None  # chunks taken from the holder (nothing allocated)
     created_chunks: float | None = None  # chunks allocated (cuMemCreate) by this restore
     creates_total: float | None = None  # the worker's cuMemCreate calls since it started
+    mapped_chunks: float | None = None  # chunks mapped by this restore (cuMemMap calls)
+    kept_chunks: float | None = None  # chunks still mapped since the release: nothing to map
 
     @classmethod
     def of(cls, steps: Mapping[str, float]) -> RestoreSteps:

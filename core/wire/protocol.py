@@ -231,6 +231,12 @@ class WorkerStatus(_Message, frozen=True):
     # the share of its weights on the device now: 1.0 resident, 0.0 released, in between partly
     # released (state "released": it restores what it lost before it computes anything)
     resident_fraction: float = 0.0
+    # device memory handed over (issue 40; 0 while off): its cuMemCreate calls since it started,
+    # the chunks its last restore mapped (0: its kept mapping was used), the bytes it keeps
+    # mapped while released (the arena's, asked back when another worker needs them)
+    handover_creates: int = 0
+    handover_mapped_chunks: int = 0
+    handover_kept_bytes: int = 0
 
 
 class LogprobAlt(msgspec.Struct, frozen=True, array_like=True):

@@ -26,9 +26,13 @@ class Fitted:
     kv_shape: KvShape | None  # None: the cache is not plain K/V (recurrent, MLA) or not known
 
 
-def fit_to_device(model: ModelConfig, default_kv_type: KvCacheType, device: DeviceMemory) -> Fitted:
-    """``model`` fitted to ``device`` (its free bytes now). Raises ModelFileError for a file whose
-    header cannot be read, OutOfDeviceMemoryError when the model cannot fit even at its smallest."""
+def fit_to_device(
+    model: ModelConfig, default_kv_type: KvCacheType, device: DeviceMemory, shared: int | None = None
+) -> Fitted:
+    """``model`` fitted to ``device``: to ``shared``, the budget it time-shares (an auto budget:
+    core/arena/budget.time_share_room), else to the device's free bytes now. Raises ModelFileError
+    for a file whose header cannot be read, OutOfDeviceMemoryError when the model cannot fit even
+    at its smallest."""
     kv_type = model.kv_type(default_kv_type)
     # the file's own checks first, with their words (the path, truncation): as Engine.load's
     check_gguf(model.path)
@@ -43,6 +47,7 @@ def fit_to_device(model: ModelConfig, default_kv_type: KvCacheType, device: Devi
     fit = fit_model(
         FitInput(
             free=device.free,
+            shared=-1 if shared is None else shared,
             gpu=device.gpu,
             weight_bytes=weight_bytes,
             layers=layers if isinstance(layers, int) and not isinstance(layers, bool) else 0,
@@ -56,7 +61,10 @@ def fit_to_device(model: ModelConfig, default_kv_type: KvCacheType, device: Devi
         )
     )
     if fit.note:
-        log.info("%s fitted to %s (%d bytes free): %s", model.id, device.name, device.free, fit.note)
+        where = (
+            f"a time-shared budget of {shared} bytes" if shared is not None else f"{device.free} bytes free"
+        )
+        log.info("%s fitted to %s (%s): %s", model.id, device.name, where, fit.note)
     fitted = replace(
         model, n_ctx=fit.n_ctx, parallel=fit.parallel, n_gpu_layers=fit.n_gpu_layers, kv_cache_type=kv_type
     )

@@ -184,6 +184,7 @@ class Worker:
             active=len(self._running),
             lease_bytes=res.lease_bytes,
             budget_bytes=res.budget_bytes,
+            **res.handover_figures(),
         )
         with self._status_lock:
             self._status = status
@@ -308,13 +309,22 @@ class Worker:
             phases["process_start_to_loop_ms"] = age * 1000.0  # interpreter, imports, arena
         self.publish()
         t0 = time.monotonic()
+        # an auto budget: the model is fitted to the budget it time-shares (not to what a model
+        # parked at the weights level leaves free now), and the parked models go as deep as its
+        # load needs first (core/config/fit.py, rule 1)
+        shared = res.shared_room()
+        fitted: Fitted | None = None
+        if shared is not None:
+            fitted = fit_to_device(model, self.spec.arena.kv_cache_type, device_memory(model.device), shared)
+            res.make_room(fitted.fit.need, self._load_poll, None)
         res.acquire(self._load_poll, None)
         t1 = time.monotonic()
         try:
             self.send(p.Loading("model", 0.0))
             # On a CPU build the host weight buffers play the device; they can only be released
             # when they are not an mmap of the file (core/residency says which).
-            fitted = fit_to_device(model, self.spec.arena.kv_cache_type, device_memory(model.device))
+            if fitted is None:
+                fitted = fit_to_device(model, self.spec.arena.kv_cache_type, device_memory(model.device))
             self._fitted = fitted
             engine = Engine.load(fitted.model, use_mmap=res.use_mmap, plan=fitted.plan)
             self._footprint = Footprint.measure(engine, fitted)
@@ -547,10 +557,18 @@ class Worker:
         self._stop_batch = True
 
     def _release(self, kv: bool) -> None:
-        if self.engine is not None and (kv or self.tenancy.frees_context) and self.tenancy.kv_resident:
+        # a sleep (kv) takes the deep level in place where it is wholly in place (the KV cache and
+        # compute buffers released, the context and its conversations kept: they come back
+        # bitwise, as after a deep release on contention); elsewhere it frees the context
+        in_place = kv and self.tenancy.sleeps_in_place
+        if (
+            self.engine is not None
+            and ((kv and not in_place) or self.tenancy.frees_context)
+            and self.tenancy.kv_resident
+        ):
             self.engine.park()  # the context goes away: every conversation becomes a host snapshot
         try:
-            released = self.tenancy.release(kv, free_context=kv)  # a sleep frees the context too
+            released = self.tenancy.release(kv, free_context=kv and not in_place)
         except ModelFileError as exc:  # a deferred shadow's check at the release
             self._file_lost(exc)
             return
@@ -936,6 +954,11 @@ class Worker:
                 self.tenancy.note_use(False)
                 self.publish()
         self.send(reply)
+        if not beside_batch and self._yield_wanted and (asked := self._asked()) is not None:
+            # between requests the quantum does not apply, as after a batch: each Embed starts a
+            # quantum of its own, so a stream of short ones would otherwise keep the GPU from the
+            # head of the queue for as long as the stream lasts (its rings taken between decodes)
+            self._give_way(asked)
 
     def _shutdown(self, save_kv: bool) -> None:
         self._stopping = True

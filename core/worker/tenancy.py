@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import envvars
 from ..arena.arena import Arena
-from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget
+from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget, time_share_room
 from ..arena.client import TokenClient
 from ..arena.dirs import device_arena_dir
 from ..arena.handclient import HandoverClient, holder_env_ok
@@ -163,9 +163,23 @@ class Tenancy:
         """The device's weights budget now (0: one model at a time, or no arena)."""
         return 0
 
+    def handover_figures(self) -> dict[str, int]:
+        """The hand-over's figures for the worker's status (none without an arena)."""
+        return {}
+
     def acquire(self, poll: Callable[[], None], timeout_s: float | None) -> float:
         """Take the token only (no restore); returns the wait in ms."""
         return 0.0
+
+    def shared_room(self) -> int | None:
+        """The budget this model time-shares, for its fit (core/config/fit.py, rule 1): an auto
+        budget less what the other models keep at their deepest level; None: no such budget
+        (the model is fitted to the free memory at its load)."""
+        return None
+
+    def make_room(self, need: int, poll: Callable[[], None], timeout_s: float | None) -> None:
+        """Before a load: have the parked models go as deep as ``need`` bytes of the budget ask
+        (the fitted model's weights, compute allowance and KV cache). Nothing without an arena."""
 
     @property
     def holds_token(self) -> bool:
@@ -194,6 +208,14 @@ class Tenancy:
     @property
     def context_kept(self) -> bool:
         """The KV cache is released in place: the context stays."""
+        return False
+
+    @property
+    def sleeps_in_place(self) -> bool:
+        """A sleep (``weights+kv``) can keep the context: the deep level is wholly in place here
+        (the KV buffer and the compute buffers are released in place: the rule of a deep release
+        on contention, with the compute buffers' too, so that a sleep frees as much as freeing
+        the context did)."""
         return False
 
     def parked_states(self) -> dict[int, tuple[bytes, int]]:
@@ -439,9 +461,11 @@ class ArenaTenancy(Tenancy):
         self.path = res.path
         self.reason = res.reason
         self.backend = res.backend
-        self.weight_bytes = res.weight_bytes
+        # handed-over memory is mapped in whole chunks: the last chunk of each buffer's padding
+        # is device memory too, so its lease counts it (a small card's budget holds)
+        self.weight_bytes = res.weight_bytes + int(res.handover.get("lease_padding_bytes", 0) or 0)  # type: ignore[call-overload]
         self.host_bytes = res.host_bytes
-        self._fit_budget(res.weight_bytes)
+        self._fit_budget(self.weight_bytes)
         self.client.set_partial(self.partial)
 
     @property
@@ -573,6 +597,18 @@ class ArenaTenancy(Tenancy):
                 return ctx
         return engine.llm.ctx
 
+    def handover_figures(self) -> dict[str, int]:
+        """The hand-over's figures for the worker's status (all 0 while it is off)."""
+        res = self.residency
+        h = res.handover if res is not None else {}
+        if not h.get("on"):
+            return {}
+        return {
+            "handover_creates": int(h.get("creates", 0) or 0),  # type: ignore[call-overload]
+            "handover_mapped_chunks": int(h.get("last_mapped_chunks", 0) or 0),  # type: ignore[call-overload]
+            "handover_kept_bytes": int(h.get("kept_bytes", 0) or 0),  # type: ignore[call-overload]
+        }
+
     @property
     def device_bytes(self) -> int:
         res = self.residency
@@ -592,6 +628,65 @@ class ArenaTenancy(Tenancy):
         if not self.client.holds_token:
             return False
         return self.residency is None or self.client.lease_bytes >= self.residency.weight_bytes
+
+    def _own_allowance(self) -> int:
+        """The driver context this worker holds on a GPU that no budget counts yet: the first
+        member's is in the auto budget's "others" (measured after its context existed)."""
+        budget = self.budget
+        if not self.device.gpu or budget is None or budget.pid == os.getpid():
+            return 0
+        return GPU_CONTEXT_ALLOWANCE
+
+    def shared_room(self) -> int | None:
+        budget = self.budget
+        if budget is None or budget.kind != "auto":
+            return None
+        try:
+            leases = self.arena.leases()
+        except OSError as exc:
+            log.warning("reading the arena's leases failed: %s", exc)
+            return None
+        return time_share_room(budget, leases, (os.getpid(), self.spec.model.id), self._own_allowance())
+
+    def make_room(self, need: int, poll: Callable[[], None], timeout_s: float | None) -> None:
+        """Under an auto budget, when ``need`` (plus this worker's driver context) exceeds what the
+        budget has left beside the others' reserves, a request for that many bytes goes through
+        the queue first: its plan sends holders away and parked models deep (least recently used
+        first), as for a restore; the lease is given back at once, and the load then asks for the
+        device to itself (the reserve it measures must not move with another's restore). A need
+        the budget cannot make room for even so is left to the load (its failure has the words)."""
+        budget = self.budget
+        if budget is None or budget.kind != "auto" or self.residency is not None:
+            return
+        need += self._own_allowance()
+        try:
+            limit = self.client.weights_budget()
+            deepable = self.client.deepable_bytes()
+        except OSError as exc:
+            log.warning("reading the arena's leases failed: %s", exc)
+            return
+        if limit is None or need <= limit or need > limit + deepable:
+            return
+        log.info(
+            "%s needs %s of the budget to load, %s is left beside the parked models: they go deep first",
+            self.spec.model.id,
+            decimal_bytes(need),
+            decimal_bytes(limit),
+        )
+        request = self.client.request(timeout_s, need)
+        try:
+            while not request.wait(0.05):
+                poll()
+            request.result()
+        except VramBudgetError as exc:  # the others changed meanwhile: the load goes on as it can
+            log.warning("making room for the load: %s", exc)
+            return
+        except BaseException:
+            if not request.cancel():  # granted meanwhile: given back below
+                request.wait()
+                self.client.release()
+            raise
+        self.client.release()
 
     def acquire(self, poll: Callable[[], None], timeout_s: float | None) -> float:
         """Wait for a lease (on the arena's helper thread), polling; returns the wait in ms. The
@@ -720,6 +815,11 @@ class ArenaTenancy(Tenancy):
     @property
     def context_kept(self) -> bool:
         return self.residency is not None and self.residency.context_kept
+
+    @property
+    def sleeps_in_place(self) -> bool:
+        res = self.residency
+        return res is not None and res.kv_in_place and res.buffers_releasable
 
     @property
     def buffers_kept(self) -> bool:
