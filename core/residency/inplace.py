@@ -1,6 +1,9 @@
 """The in-place path: free a loaded model's device weight buffers and put them back, in place.
-Step 1 lives in residency/discovery.py, the plan's types and rules in residency/plan.py, the
-reasons it is not used in residency/unsupported.py; the shadow, swaps and uploads are here.
+:class:`InPlace` coordinates the steps; each lives in a module of its own, with one owner:
+discovery (residency/discovery.py), plan (residency/plan.py), host shadow (residency/shadow.py,
+``Shadow``), swaps (residency/swaps.py, ``Swaps``), uploads (residency/uploads.py, ``Uploads``)
+and the hand-over's carrier calls (residency/handover.py, ``WeightHandover``); the reasons it is
+not used in residency/unsupported.py.
 
 1. discovery: a throwaway context with ``cb_eval`` runs one warm-up decode; every ``src`` of a graph
    node whose buffer is used for WEIGHTS is a weight tensor (views lead to their ``view_src``; the
@@ -12,11 +15,11 @@ reasons it is not used in residency/unsupported.py; the shadow, swaps and upload
    dangling pointer, so an incomplete buffer refuses the in-place path;
 3. host shadow: the GGUF file bytes of every released tensor (``set_tensor`` repacks them where the
    buffer type wants it), in pinned host memory, filled with parallel reads, spot-checked against
-   the loaded weights; at attach, or (``defer_shadow``) later by :meth:`InPlace.fill_shadow`:
+   the loaded weights; at attach, or (``defer_shadow``) later by :meth:`Shadow.fill`:
    pinning and reading a model's weights takes seconds on an 8B model, which a request waiting
    for a just-started worker need not wait for, nor another model whose turn makes this one
    release before its shadow is built (the release then spot-checks the slices left against the
-   file, :meth:`InPlace.check_pending_shadow`, and they are read from the file afterwards);
+   file, :meth:`Shadow.check_pending`, and they are read from the file afterwards);
 4. release: swap ``context``/``size`` of each buffer with a tiny placeholder of the same type and free
    the placeholder (which now owns the device memory);
 5. restore: allocate, swap back, relocate every tensor's ``data``, ``init_tensor``, upload.
@@ -57,8 +60,9 @@ log = logging.getLogger(__name__)
 
 
 class InPlace:
-    """Owns the plan, the host shadow and the buffer swaps of one model. Not thread-safe: the
-    worker's loop thread is its only caller."""
+    """The in-place path of one model: owns its plan (buffers, parts) and composes its steps'
+    owners (``host_shadow``, ``swaps``, ``uploads``, ``handover``), whose order it keeps. Not
+    thread-safe: the worker's loop thread is its only caller."""
 
     def __init__(
         self,
