@@ -399,6 +399,41 @@ def test_pinned_holder_makes_the_other_wait_then_time_out(
     assert isinstance(done, p.Done) and not done.switch.switched
 
 
+def test_a_shutdown_ends_a_wakes_wait_for_the_token(
+    smollm2_path: Path, tmp_path: Path, arena_dir: Path, handles: list[WorkerHandle]
+) -> None:
+    """A Wake (pre-warm) waits for a pinned holder (no timeout for ten minutes); a Shutdown ends
+    that wait at once: the worker says it is shutting down and exits cleanly, and the holder was
+    never asked to leave."""
+    a = WorkerHandle(
+        ModelConfig(id="holder", path=str(smollm2_path), n_ctx=256), tmp_path / "a", arena_dir=arena_dir
+    )
+    handles.append(a)
+    a.ready()
+    b = WorkerHandle(
+        ModelConfig(id="waker", path=str(smollm2_path), n_ctx=256),
+        tmp_path / "b",
+        arena_dir=arena_dir,
+        arena=ArenaConfig(wait_timeout_s=600.0),
+    )
+    handles.append(b)
+    b.ready()
+    assert not a.status("before-pin").pinned  # the statuses of its load are read first
+    a.send(p.Pin(True))
+    a.send(p.Wake())
+    a.expect(p.WorkerStatus, holds_token=True, pinned=True)
+    b.send(p.Wake())
+    waiting = b.expect(p.WorkerStatus)
+    while "pinned" not in waiting.waiting_reason or "holder" not in waiting.waiting_reason:
+        waiting = b.expect(p.WorkerStatus)
+    b.send(p.Shutdown(save_kv=False))
+    err = b.expect(p.Error)
+    assert err.req is None and err.code == "model_unavailable" and not err.fatal, err
+    assert "shutting down" in err.message
+    assert b.wait_exit() == 0
+    assert a.status().holds_token
+
+
 def chat_turns(first_answer: str) -> tuple[tuple[p.ChatMessage, ...], tuple[p.ChatMessage, ...]]:
     one = (p.ChatMessage("user", "Name a fruit."),)
     two = (*one, p.ChatMessage("assistant", first_answer), p.ChatMessage("user", "And a vegetable?"))

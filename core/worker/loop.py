@@ -27,7 +27,7 @@ from typing import Literal
 from .. import envvars
 from ..arena.records import DoorbellRing
 from ..chatformat.format import of_template
-from ..errors import CancelledError, FrameError, ModelFileError, TimeshareError
+from ..errors import CancelledError, FrameError, ModelFileError, ModelUnavailableError, TimeshareError
 from ..residency import fix_malloc_mmap_threshold, prefer_device_local_memory
 from ..util.logsetup import setup_logging
 from ..wire import protocol as p
@@ -417,9 +417,7 @@ class Worker:
         elif isinstance(task, p.Pin):
             self._set_pinned(task.pinned)
         elif isinstance(task, p.Wake):
-            started = time.monotonic()
-            got = self._ensure_resident(self._wait_poll)
-            self._last_wake = (started, time.monotonic(), got) if got.switched else None
+            self._wake()
         elif isinstance(task, p.Sleep):
             self._release(kv=task.level == "weights+kv")
         elif isinstance(task, _Yield):
@@ -433,6 +431,25 @@ class Worker:
             log.info("%s: shutting down", task.reason)
             self._connected = False
             self._shutdown(save_kv=True)
+
+    def _wake(self) -> None:
+        """A Wake (a pre-warm): take the token and restore now. A shutdown while it waits for the
+        GPU ends the wait at once, as it ends an Embed's or a batch's: the pool hears that the
+        worker is shutting down, and the Shutdown, next in the queue, ends the worker."""
+        started = time.monotonic()
+
+        def poll() -> None:
+            self._wait_poll()
+            if any(isinstance(t, (p.Shutdown, _Disconnected)) for t in self._pending):
+                raise CancelledError("the worker is shutting down")
+
+        try:
+            got = self._ensure_resident(poll)
+        except CancelledError as exc:
+            log.info("wake ended: %s", exc)
+            self.send(p.Error(req=None, code=ModelUnavailableError.code, message=str(exc)))
+            return
+        self._last_wake = (started, time.monotonic(), got) if got.switched else None
 
     def _cancel_queued(self, req: str) -> None:
         self._received.pop(req, None)
