@@ -553,7 +553,7 @@ def run(args: argparse.Namespace) -> int:
         return _fatal("Timeshare: conversations", strings.CONVERSATIONS_UNREADABLE, str(e))
     pool = Pool(config)
     try:
-        pool.start()
+        pool.start(conversation_gone=store.gone)  # KV files of deleted conversations go
     except TimeshareError as e:
         store.close()
         return _fatal("Timeshare could not start", strings.plain_reason(str(e)), str(e))

@@ -492,7 +492,7 @@ class ChatWindow(QMainWindow):
         title = self.store.get(conv_id).title or "this conversation"
         answer = QMessageBox.question(self, "Delete conversation", f"Delete “{title}” and all its messages?")
         if answer == QMessageBox.StandardButton.Yes:
-            self.store.delete(conv_id)
+            self.chat.delete(conv_id)  # its KV files too
             self.reload_conversations()
 
     def _on_model_picked(self) -> None:

@@ -77,6 +77,8 @@ class PoolLike(Protocol):
         conversation: str | None = ...,
     ) -> Any: ...
 
+    def forget_conversation(self, conversation: str) -> int: ...
+
 
 # ---- results ---------------------------------------------------------------------------------
 
@@ -268,6 +270,11 @@ class ChatService:
         (``base_model``: no chat template; a shorter limit and the repetition guard)."""
         check_text(title, "the title")
         return self.store.create_conversation(model_id, title, answers=new_conversation(base_model))
+
+    def delete(self, conversation_id: str) -> None:
+        """Delete a conversation, its messages and its KV files (every model's)."""
+        self.store.delete(conversation_id)
+        self.pool.forget_conversation(conversation_id)
 
     def model_messages(self, conversation_id: str) -> tuple[ChatMessage, ...]:
         """What the model sees: the conversation's system prompt (else the service's), then the

@@ -461,6 +461,15 @@ class Store:
         self._write(update)
         return self.get(conversation_id)
 
+    def gone(self, key: str) -> bool:
+        """``key`` has the shape of this store's conversation ids (a UUID) and names none of its
+        conversations: a deleted one (what a KV file of it is kept for is gone)."""
+        try:
+            uuid.UUID(key)
+        except ValueError:
+            return False
+        return not self._read("SELECT 1 FROM conversations WHERE id = ?", (key,))
+
     def delete(self, conversation_id: str) -> None:
         def remove(db: sqlite3.Connection) -> None:
             cur = db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))

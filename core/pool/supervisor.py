@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from .. import errors, paths
+from .. import errors, kv_folder, paths
 from ..arena.arena import check_arena_dir
 from ..arena.dirs import resolve_arena_dir
 from ..config.schema import Config, ModelConfig
@@ -132,8 +132,11 @@ class Pool:
 
     # ---- starting and stopping -----------------------------------------------------------
 
-    def start(self) -> None:
-        """Validate the arena, then spawn a worker per model and return at once.
+    def start(self, conversation_gone: Callable[[str], bool] | None = None) -> None:
+        """Validate the arena, then spawn a worker per model and return at once. Before the
+        first spawn the KV folder is swept (``kv_folder.sweep``): the folders of models not
+        configured go, and, with ``conversation_gone``, the files of the conversations it says
+        are gone (the app: deleted from its conversations).
 
         Raises ArenaError when the arena directory is unsafe (nothing is spawned then)."""
         with self._actor.lock:
@@ -154,7 +157,7 @@ class Pool:
             self._log_dir.mkdir(parents=True, exist_ok=True)
             self._kv_root = Path(self._kv_dir_arg) if self._kv_dir_arg else paths.kv_dir()
             self._actor.start()
-        self._actor.post(self._start_all)
+        self._actor.post(self._start_all, conversation_gone)
 
     def _resolve_arena_dir(self) -> Path:
         if self._arena_dir_arg is not None:
@@ -319,6 +322,15 @@ class Pool:
     def sleep(self, model_id: str, level: ReleaseLevel = "weights") -> None:
         self._actor.call(self._sleep, model_id, parse_release_level(level))
 
+    def forget_conversation(self, conversation: str) -> int:
+        """A conversation was deleted: its KV files go, every model's, now, on the caller's thread
+        (a few unlinks: the pool thread is not waited for). A worker that holds its sequence and
+        saves it when it stops leaves a file that the next start's sweep removes. Returns how
+        many files went (0 before ``start``)."""
+        if not self._actor.running:
+            return 0
+        return kv_folder.remove_conversation(self._kv_root, conversation)
+
     def wake(self, model_id: str) -> None:
         self._actor.call(self._wake, model_id)
 
@@ -349,7 +361,11 @@ class Pool:
 
     # ---- starting (pool thread) ----------------------------------------------------------
 
-    def _start_all(self) -> None:
+    def _start_all(self, conversation_gone: Callable[[str], bool] | None) -> None:
+        try:  # no worker runs yet: no KV file is in use
+            kv_folder.sweep(self._kv_root, (cfg.id for cfg in self._config.models), conversation_gone)
+        except Exception:  # a cache's upkeep: the models start all the same
+            log.exception("sweeping the KV folder %s failed", self._kv_root)
         for cfg in self._config.models:
             self._workers[cfg.id] = self._new_worker(cfg)
         self._publish()
@@ -999,6 +1015,7 @@ class Pool:
         w.file_check = None
         w.fail_all(UnknownModelError(f"{w.id} was removed from the configuration"))
         del self._workers[w.id]
+        kv_folder.remove_model(self._kv_root, w.id)  # its process is gone: its files are not in use
         self._publish(model=w.id)
 
     # ---- timers (pool thread) -----------------------------------------------------------

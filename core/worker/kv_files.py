@@ -13,12 +13,10 @@ is refused with the reason in the log, and its sequence is evaluated again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import mmap
 import os
-import re
 import struct
 import threading
 import zlib
@@ -26,11 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ..kv_folder import KV_MAGIC
+from ..kv_folder import kv_file as kv_file  # the folder's layout, named where the files are written
+from ..kv_folder import prompt_file as prompt_file
+from ..kv_folder import prompt_files as prompt_files
 from ..util import crc
 
 log = logging.getLogger(__name__)
 
-_KV_MAGIC = b"TSKV2\n"
+_KV_MAGIC = KV_MAGIC
 _OLD_MAGICS = (b"TSKV1\n",)
 
 
@@ -84,29 +86,6 @@ def identity(model_path: str, n_ctx: int) -> dict[str, object]:
         "n_ctx": n_ctx,
         "state": "sequence",
     }
-
-
-def kv_file(kv_dir: Path, model_id: str, conversation: str) -> Path:
-    digest = hashlib.sha256(conversation.encode()).hexdigest()[:32]
-    return kv_dir / f"{model_id}-{digest}.kv"
-
-
-def prompt_file(kv_dir: Path, model_id: str, rank: int) -> Path:
-    return kv_dir / f"{model_id}-prompt-{rank}.kvp"
-
-
-def prompt_files(kv_dir: Path, model_id: str) -> dict[int, Path]:
-    """This model's cached-prompt files in ``kv_dir``, by rank (0: the most recent)."""
-    pattern = re.compile(re.escape(model_id) + r"-prompt-(\d+)\.kvp")
-    found: dict[int, Path] = {}
-    try:
-        for path in kv_dir.iterdir():
-            match = pattern.fullmatch(path.name)
-            if match:
-                found[int(match.group(1))] = path
-    except OSError:
-        pass
-    return found
 
 
 def write(
