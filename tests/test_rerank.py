@@ -190,6 +190,38 @@ def test_ls_and_show_without_a_running_instance_say_rerank(
     assert "Capabilities  completion, chat" in cli("show", "smol")
 
 
+def test_v1_models_lists_a_reranker_before_its_worker_has_loaded(
+    rerankers: dict[str, Path], smollm2_path: Path
+) -> None:
+    """Before any worker has loaded (the pool's first snapshot: every model "starting"), the API
+    reads the GGUF header as the Ollama routes do: the reranker is listed as one by /v1/models and
+    /v1/models/{id} (not as a chat model), the chat model as before, and /api/tags agrees."""
+    from timeshare.core.api.server import ApiServer
+    from timeshare.core.config.schema import ApiConfig, Config
+    from timeshare.core.pool.supervisor import Pool
+
+    pool = Pool(
+        Config(
+            models=(
+                ModelConfig(id="rr", path=str(rerankers["plain"])),
+                ModelConfig(id="smol", path=str(smollm2_path)),
+            )
+        )
+    )  # not started: no worker runs, none has reported its pooling
+    server = ApiServer(pool, ApiConfig(port=0))
+    url = server.start()
+    try:
+        models = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+        assert models["rr"]["timeshare"]["state"] == "starting"
+        assert models["rr"]["capabilities"] == ["rerank"]
+        assert "chat" in models["smol"]["capabilities"] and "rerank" not in models["smol"]["capabilities"]
+        assert httpx.get(f"{url}/v1/models/rr", timeout=30).json()["capabilities"] == ["rerank"]
+        tags = {m["timeshare"]["id"]: m for m in httpx.get(f"{url}/api/tags", timeout=30).json()["models"]}
+        assert tags["rr"]["capabilities"] == ["rerank"]
+    finally:
+        server.stop()
+
+
 # ---- /v1/rerank through a real `timeshare serve` --------------------------------------------------
 
 

@@ -39,6 +39,7 @@ from ..wire.protocol import TokenLogprobs
 from .chat_output import ChatOutput, prepare_chat
 from .errors import BadRequestError
 from .middleware import SHUTTING_DOWN
+from .model_files import Files
 from .requests import GenerationRequest
 from .shapes import schema_error_path
 from .tools import ToolRequest
@@ -52,6 +53,7 @@ class Host(Protocol):
     pool: Pool
     closing: bool
     config_path: Path | None  # the config file (None: the user's)
+    files: Files  # what the models' GGUF files say (headers cached), for the listings
     generation_limiter: anyio.CapacityLimiter
 
     async def call(self, func: Callable[..., T], *args: Any) -> T: ...

@@ -53,6 +53,7 @@ from .extras import plain, switch_extras
 from .images import fetch_url
 from .logprobs import CompletionOffsets, chat_logprobs, completion_logprobs
 from .middleware import HEALTH_PATH, SHUTTING_DOWN, AuthMiddleware, GuardMiddleware
+from .model_files import Files
 from .requests import (
     GenerationRequest,
     T,
@@ -150,9 +151,10 @@ def status_json(
 
 def capabilities(model: ModelConfig | None, pooling: str = "") -> list[str]:
     """What a model answers (as llama-swap and LM Studio list it): a reranker (``pooling`` "rank",
-    as its worker reported) reranks only; an embedding model embeds only; a chat model chats,
-    completes, calls tools (its template's syntax, or the generic JSON format for templates
-    without one) and embeds (mean pooling)."""
+    as its worker reported or, before it has loaded, its GGUF's header: ``Files.pooling``)
+    reranks only; an embedding model embeds only; a chat model chats, completes, calls tools (its
+    template's syntax, or the generic JSON format for templates without one) and embeds (mean
+    pooling)."""
     if pooling == "rank":
         return ["rerank"]
     if model is not None and model.embedding:
@@ -163,13 +165,16 @@ def capabilities(model: ModelConfig | None, pooling: str = "") -> list[str]:
     return found
 
 
-def model_json(status: Any, created: int, model: ModelConfig | None = None) -> dict[str, Any]:
+def model_json(
+    status: Any, created: int, model: ModelConfig | None = None, pooling: str = ""
+) -> dict[str, Any]:
+    """/v1/models' entry of a model; ``pooling``: its pooling (``Files.pooling``)."""
     return {
         "id": status.id,
         "object": "model",
         "created": created,
         "owned_by": "timeshare",
-        "capabilities": capabilities(model, getattr(status, "pooling", "")),
+        "capabilities": capabilities(model, pooling),
         "timeshare": {
             "name": status.name,
             "state": plain(status.state),
@@ -191,6 +196,7 @@ class _Handlers:
     ) -> None:
         self.pool = pool
         self.config_path = config_path  # the config file the dialects' model routes edit
+        self.files = Files()  # the GGUF headers the listings read (the Ollama routes' too)
         self.served: dict[str, Any] = {}  # which dialects are served where (ApiServer fills it)
         self.api_config = api_config
         self.counter = counter
@@ -308,18 +314,19 @@ class _Handlers:
     # -- OpenAI endpoints --
 
     async def list_models(self, request: Request) -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [model_json(m, self.created, config) for m, config in listing(self.pool)],
-            }
+        listed = listing(self.pool)
+        # a model not loaded yet: its GGUF's header (read once per file version) says its pooling
+        data = await anyio.to_thread.run_sync(
+            lambda: [model_json(m, self.created, config, self.files.pooling(m)) for m, config in listed]
         )
+        return JSONResponse({"object": "list", "data": data})
 
     async def get_model(self, request: Request) -> Response:
         snapshot = self.pool.snapshot()
         model_id = resolve_model(snapshot, request.path_params["model_id"])
         status = next(m for m in snapshot.models if m.id == model_id)
-        return JSONResponse(model_json(status, self.created, self.pool.config.model(model_id)))
+        pooling = await anyio.to_thread.run_sync(self.files.pooling, status)
+        return JSONResponse(model_json(status, self.created, self.pool.config.model(model_id), pooling))
 
     async def embeddings(self, request: Request) -> Response:
         req = parse_embedding_request(await read_json(request))

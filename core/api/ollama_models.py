@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import json
 import threading
 import time
@@ -30,7 +29,7 @@ from .. import paths
 from ..config.files import update_config
 from ..config.schema import Config, ModelConfig
 from ..errors import TimeshareError
-from ..gguf.catalog import CatalogEntry, read_chat_template, read_gguf_header
+from ..gguf.catalog import CatalogEntry, read_chat_template
 from ..state import EventKind, ModelState, ModelStatus, PoolEvent
 from .dialect import Host, listing
 from .embeddings import MAX_INPUTS
@@ -96,48 +95,6 @@ def _capabilities(status: ModelStatus, config: ModelConfig | None, entry: Catalo
     return found
 
 
-class Files:
-    """What the GGUF files say (header and sha256), cached while a file is unchanged."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._headers: dict[tuple[str, int, int], CatalogEntry] = {}
-        self._digests: dict[tuple[str, int, int], str] = {}
-
-    @staticmethod
-    def _key(path: str) -> tuple[str, int, int]:
-        st = Path(path).stat()
-        return (path, st.st_mtime_ns, st.st_size)
-
-    def header(self, path: str) -> CatalogEntry:
-        key = self._key(path)
-        with self._lock:
-            known = self._headers.get(key)
-        if known is None:
-            known = read_gguf_header(path)
-            with self._lock:
-                self._headers[key] = known
-        return known
-
-    def digest(self, path: str) -> str:
-        """``sha256:<hex>`` of the file: a Hugging Face cache blob is named by it already."""
-        resolved = Path(path).resolve()
-        if resolved.parent.name == "blobs" and len(resolved.name) == 64:
-            return f"sha256:{resolved.name}"
-        key = self._key(path)
-        with self._lock:
-            known = self._digests.get(key)
-        if known is None:
-            h = hashlib.sha256()
-            with resolved.open("rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-            known = f"sha256:{h.hexdigest()}"
-            with self._lock:
-                self._digests[key] = known
-        return known
-
-
 class LastUse:
     """When each model last finished a request (the pool's REQUEST_DONE events): the start of its
     idle timer."""
@@ -159,7 +116,7 @@ class LastUse:
 class ModelRoutes:
     def __init__(self, host: Host) -> None:
         self.host = host
-        self.files = Files()
+        self.files = host.files
         self.last_use = LastUse()
         self.started = time.time()
         host.pool.subscribe(self.last_use.on_event)
