@@ -177,6 +177,7 @@ def run_api_bench(
     switch_only: bool = False,
     keep_logs: bool = False,
     deep: bool = False,
+    progress_every_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the whole benchmark; returns the JSON report. Raises TimeshareError when it cannot run.
     ``budget``: the VRAM budget of the timeshare systems (a byte budget below both models makes
@@ -184,7 +185,9 @@ def run_api_bench(
     keep the work folder (serve's and the workers' logs) also when the run succeeds (the
     report's ``work`` says where); ``deep``: also the deep switch (bench_api_deep.py: the first
     model twice under an auto budget on a card that sends every parked worker to the deep level),
-    compared with the weights-only switch of the same run."""
+    compared with the weights-only switch of the same run. A request or a server's start that
+    takes long is said through ``progress`` every ``progress_every_s`` (10 s): which system, row
+    and round, the seconds so far and what the server says."""
     from .arena_test import model_ids_for_paths
 
     check_arguments(models, rounds, context, budget)
@@ -240,6 +243,7 @@ def run_api_bench(
                 decode,
                 say,
                 switch_only,
+                progress_every_s,
             )
         if deep and not unfit:
             guess = {k: int(first.get(k) or 0) for k in _DEEP_GUESS}
@@ -269,7 +273,19 @@ def run_api_bench(
             skipped["llama_swap"] = skipped["llama_server_coresident"] = why
         elif binary is not None:
             _llama_server_phases(
-                binary, models, ids, conv, rounds, fits, flash_attn, work, rows, skipped, decode, say
+                binary,
+                models,
+                ids,
+                conv,
+                rounds,
+                fits,
+                flash_attn,
+                work,
+                rows,
+                skipped,
+                decode,
+                say,
+                progress_every_s,
             )
         ok = True
     finally:
@@ -307,13 +323,14 @@ def _serve_phases(
     decode: dict[str, Any],
     say: Callable[[str], None],
     switch_only: bool,
+    every_s: float | None = None,
 ) -> dict[str, Any]:
     """The timeshare systems: its own serve, whose workers fit themselves (parallel 0: auto).
     ``rounds``: the rounds and the worker restarts. Returns the first model's status at the start."""
     say(f"starting timeshare serve (n_ctx {n_ctx}, parallel auto, VRAM budget {budget})")
-    serve = Serve(work, ids, models, n_ctx, flash_attn, budget=budget)
+    serve = Serve(work, ids, models, n_ctx, flash_attn, budget=budget, progress=say, progress_every_s=every_s)
     try:
-        report["serve_ready_s"] = serve.wait_ready()
+        report["serve_ready_s"] = serve.wait_ready(say)
         status = {m["id"]: m for m in serve.status().get("models", [])}
         report["models"] = [
             {
@@ -367,10 +384,20 @@ def _timeshare_phases(
     for key, conversation in systems[:1] if switch_only else systems:
         say(f"{key}: the first turn of each conversation (full prefill, not counted)")
         for i, mid in enumerate(ids):
-            serve.turn(mid, conv.prompt(i, 0), conversation and f"{conversation}-{mid}")
+            serve.turn(
+                mid,
+                conv.prompt(i, 0),
+                conversation and f"{conversation}-{mid}",
+                what=f"{key} {mid} first turn",
+            )
         for r in range(1, rounds + 1):
             for i, mid in enumerate(ids):
-                row = serve.turn(mid, conv.prompt(i, r), conversation and f"{conversation}-{mid}")
+                row = serve.turn(
+                    mid,
+                    conv.prompt(i, r),
+                    conversation and f"{conversation}-{mid}",
+                    what=f"{key} {mid} turn {r}/{rounds}",
+                )
                 rows[key].append(dict(row, round=r))
                 moved = (
                     f", restored {row['restored_bytes'] / 1e9:.3f} GB" if row.get("restored_bytes") else ""
@@ -380,16 +407,24 @@ def _timeshare_phases(
         return
     a = ids[0]
     say("timeshare_same: consecutive turns of one model")
-    serve.turn(a, conv.prompt(0, 0), "bench-same")
+    serve.turn(a, conv.prompt(0, 0), "bench-same", what=f"timeshare_same {a} first turn")
     for r in range(1, rounds + 1):
-        rows["timeshare_same"].append(dict(serve.turn(a, conv.prompt(0, r), "bench-same"), round=r))
+        row = serve.turn(a, conv.prompt(0, r), "bench-same", what=f"timeshare_same {a} turn {r}/{rounds}")
+        rows["timeshare_same"].append(dict(row, round=r))
     say(f"decode: a {DECODE_TOKENS}-token greedy answer")
-    row = serve.turn(a, conv.prompt(0, rounds + 1), "bench-same", max_tokens=DECODE_TOKENS)
+    row = serve.turn(
+        a, conv.prompt(0, rounds + 1), "bench-same", max_tokens=DECODE_TOKENS, what=f"decode {a} (timeshare)"
+    )
     decode["timeshare"] = dict(row, tok_s=decode_rate(row))
     for k in range(n_restarts):
         say(f"worker restart {k + 1}/{n_restarts}: sleep level stop, then the turn")
         serve.stop_worker(a)
-        row = serve.turn(a, conv.prompt(0, rounds + 1 + k), f"bench-switch-{a}")
+        row = serve.turn(
+            a,
+            conv.prompt(0, rounds + 1 + k),
+            f"bench-switch-{a}",
+            what=f"worker_restart {a} {k + 1}/{n_restarts}",
+        )
         # where the restart's time went, from the worker's own log (startup phases, KV read)
         rows["worker_restart"].append(dict(row, round=rounds + 1 + k, worker=serve.worker_phases(a)))
 
@@ -407,6 +442,7 @@ def _llama_server_phases(
     skipped: dict[str, str],
     decode: dict[str, Any],
     say: Callable[[str], None],
+    every_s: float | None = None,
 ) -> None:
     log_path = work / "llama-server.log"
 
@@ -422,6 +458,8 @@ def _llama_server_phases(
             log_path,
             parallel=fit["parallel"],
             gpu_layers=fit["n_gpu_layers"],
+            progress=say,
+            progress_every_s=every_s,
         )
 
     say("llama_swap: stop the old llama-server, start the new one, wait for /health, send the turn")
@@ -434,9 +472,9 @@ def _llama_server_phases(
                     current.stop()
                 stopped = time.perf_counter()
                 current = server(i)
-                current.wait_healthy()
+                current.wait_healthy(say)
                 ready = time.perf_counter()
-                got = current.turn(conv.prompt(i, r))
+                got = current.turn(conv.prompt(i, r), what=f"llama_swap {mid} turn {r}/{rounds}")
                 row = dict(got, model=mid, round=r)
                 row["stop_ms"] = (stopped - t0) * 1000.0
                 row["ready_ms"] = (ready - t0) * 1000.0
@@ -452,7 +490,7 @@ def _llama_server_phases(
         for i in range(2):
             servers.append(server(i))
             try:
-                servers[-1].wait_healthy()
+                servers[-1].wait_healthy(say)
             except TimeshareError as exc:
                 if i == 0:
                     raise
@@ -463,16 +501,19 @@ def _llama_server_phases(
                 servers.pop().stop()
         if len(servers) == 2:
             for i in range(2):
-                servers[i].turn(conv.prompt(i, 0))
+                servers[i].turn(conv.prompt(i, 0), what=f"llama_server_coresident {ids[i]} first turn")
             for r in range(1, rounds + 1):
                 for i, mid in enumerate(ids):
-                    rows["llama_server_coresident"].append(
-                        dict(servers[i].turn(conv.prompt(i, r)), model=mid, round=r)
+                    got = servers[i].turn(
+                        conv.prompt(i, r), what=f"llama_server_coresident {mid} turn {r}/{rounds}"
                     )
+                    rows["llama_server_coresident"].append(dict(got, model=mid, round=r))
         else:
-            servers[0].turn(conv.prompt(0, rounds))
+            servers[0].turn(conv.prompt(0, rounds), what=f"llama-server {ids[0]} warm-up")
         say(f"decode on llama-server: a {DECODE_TOKENS}-token greedy answer")
-        row = servers[0].turn(conv.prompt(0, rounds + 1), n_predict=DECODE_TOKENS)
+        row = servers[0].turn(
+            conv.prompt(0, rounds + 1), n_predict=DECODE_TOKENS, what=f"decode {ids[0]} (llama-server)"
+        )
         decode["llama_server"] = dict(row, tok_s=decode_rate(row))
     finally:
         for s in servers:

@@ -125,11 +125,11 @@ def run_deep_phase(
         with hold_card(str(size)):
             # auto whatever $TIMESHARE_VRAM_BUDGET says (it replaces "auto": the tests set one-model)
             env = {envvars.VRAM_BUDGET.name: "auto"}
-            serve = Serve(home, ids, [model, model], n_ctx, flash_attn, budget="auto", env=env)
+            serve = Serve(home, ids, [model, model], n_ctx, flash_attn, budget="auto", env=env, progress=say)
             try:
                 failed = ""
                 try:
-                    serve.wait_ready()
+                    serve.wait_ready(say)
                 except TimeshareError as exc:  # too small a card: a model did not fit (corrected below)
                     failed = str(exc)
                 budget, reserves = _arena_view(home / "home")
@@ -172,14 +172,16 @@ def _turns(
     serve: Serve, ids: list[str], prompts: Callable[[int, int], str], rounds: int, say: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     for i, mid in enumerate(ids):  # the first turn of each conversation: a full prefill, not counted
-        serve.turn(mid, prompts(i, 0), f"bench-deep-{mid}")
+        serve.turn(mid, prompts(i, 0), f"bench-deep-{mid}", what=f"timeshare_deep_switch {mid} first turn")
     rows = []
     for r in range(1, rounds + 1):
         for i, mid in enumerate(ids):
             kv_before = next(
                 (int(m.get("kv_bytes") or 0) for m in serve.status().get("models", []) if m["id"] == mid), -1
             )
-            row = serve.turn(mid, prompts(i, r), f"bench-deep-{mid}")
+            row = serve.turn(
+                mid, prompts(i, r), f"bench-deep-{mid}", what=f"timeshare_deep_switch {mid} turn {r}/{rounds}"
+            )
             row.update(round=r, deep=kv_before == 0)
             rows.append(row)
             say(

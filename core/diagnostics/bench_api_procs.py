@@ -45,11 +45,14 @@ def watched(
     timeout_s: float,
     progress: Callable[[str], None] = _quiet,
     state: Callable[[], str] = lambda: "",
+    every_s: float | None = None,
 ) -> T:
-    """``call()`` on a thread of its own, saying every PROGRESS_EVERY_S how long it has taken
-    (and ``state()``: what the server says meanwhile); a TimeshareError naming ``what`` when it has
-    not returned in ``timeout_s`` (the thread is left to the socket's own timeout and the server's
-    end). What ``call`` raises is raised here."""
+    """``call()`` on a thread of its own, saying every ``every_s`` (PROGRESS_EVERY_S) how long it
+    has taken (and ``state()``: what the server says meanwhile); a TimeshareError naming ``what``
+    when it has not returned in ``timeout_s`` (the thread is left to the socket's own timeout and
+    the server's end). What ``call`` raises is raised here. The benches' requests (``stream``,
+    ``bench embed``'s) and waits go through it."""
+    every = PROGRESS_EVERY_S if every_s is None else every_s
     result: list[T] = []
     failed: list[BaseException] = []
 
@@ -64,7 +67,7 @@ def watched(
     thread.start()
     while True:
         elapsed = time.monotonic() - started
-        thread.join(max(0.0, min(PROGRESS_EVERY_S, timeout_s - elapsed)))
+        thread.join(max(0.0, min(every, timeout_s - elapsed)))
         if not thread.is_alive():
             break
         elapsed = time.monotonic() - started
@@ -114,10 +117,29 @@ def _piece(event: dict[str, Any]) -> str | None:
     return content if isinstance(content, str) else None
 
 
-def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+def stream(
+    port: int,
+    path: str,
+    body: dict[str, Any],
+    *,
+    what: str = "",
+    progress: Callable[[str], None] = _quiet,
+    state: Callable[[], str] = lambda: "",
+    every_s: float | None = None,
+) -> dict[str, Any]:
     """POST a streaming request; the client's view: time to the first piece of text, total time,
     the text, and what the last events said (usage, Timeshare's ``timeshare``, llama-server's
-    timings; a Responses stream's final response: its ``id`` too)."""
+    timings; a Responses stream's final response: its ``id`` too). With ``progress``, a request
+    that takes long is said every ``every_s`` (``watched``: ``what``, the seconds so far and
+    ``state()``); the times are the request's own either way."""
+    if progress is _quiet:
+        return _stream(port, path, body)
+    return watched(
+        lambda: _stream(port, path, body), what or path, REQUEST_TIMEOUT_S, progress, state, every_s
+    )
+
+
+def _stream(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     t0 = time.perf_counter()
     try:
@@ -240,7 +262,8 @@ def _row(model: str, got: dict[str, Any]) -> dict[str, Any]:
 
 
 class Serve:
-    """``timeshare serve`` in its own TIMESHARE_HOME, session and port."""
+    """``timeshare serve`` in its own TIMESHARE_HOME, session and port. ``progress``: where a
+    turn that takes long is said, every ``progress_every_s`` (``stream``)."""
 
     def __init__(
         self,
@@ -252,7 +275,11 @@ class Serve:
         parallel: int = 0,
         budget: str = "one-model",
         env: dict[str, str] | None = None,
+        progress: Callable[[str], None] = _quiet,
+        progress_every_s: float | None = None,
     ) -> None:
+        self.progress = progress
+        self.progress_every_s = progress_every_s
         home = work / "home"
         home.mkdir(parents=True)
         self.log = work / "serve.log"
@@ -360,9 +387,28 @@ class Serve:
     def state(self, model: str) -> str:
         return str(next((m["state"] for m in self.status().get("models", []) if m["id"] == model), ""))
 
+    def stream(self, model: str, path: str, body: dict[str, Any], what: str = "") -> dict[str, Any]:
+        """``stream`` to this serve, a long wait said with the models' states."""
+        return stream(
+            self.port,
+            path,
+            body,
+            what=what or f"timeshare {model}",
+            progress=self.progress,
+            state=self.states,
+            every_s=self.progress_every_s,
+        )
+
     def turn(
-        self, model: str, prompt: str, conversation: str | None, max_tokens: int = MAX_TOKENS
+        self,
+        model: str,
+        prompt: str,
+        conversation: str | None,
+        max_tokens: int = MAX_TOKENS,
+        what: str = "",
     ) -> dict[str, Any]:
+        """A streamed /v1/completions turn (``what``: which system, row and round, for the
+        progress lines of a long wait)."""
         body: dict[str, Any] = {
             "model": model,
             "prompt": prompt,
@@ -373,10 +419,15 @@ class Serve:
         }
         if conversation is not None:
             body["conversation"] = conversation
-        return _row(model, stream(self.port, "/v1/completions", body))
+        return _row(model, self.stream(model, "/v1/completions", body, what))
 
     def chat_turn(
-        self, model: str, messages: list[dict[str, str]], conversation: str, max_tokens: int = MAX_TOKENS
+        self,
+        model: str,
+        messages: list[dict[str, str]],
+        conversation: str,
+        max_tokens: int = MAX_TOKENS,
+        what: str = "",
     ) -> dict[str, Any]:
         """A streamed /v1/chat/completions turn with the ``conversation`` extension (its ``text``
         too: the next turn's history)."""
@@ -389,11 +440,11 @@ class Serve:
             "stream_options": {"include_usage": True},
             "conversation": conversation,
         }
-        got = stream(self.port, "/v1/chat/completions", body)
+        got = self.stream(model, "/v1/chat/completions", body, what)
         return {**_row(model, got), "text": got["text"]}
 
     def response_turn(
-        self, model: str, text: str, previous: str | None, max_tokens: int = MAX_TOKENS
+        self, model: str, text: str, previous: str | None, max_tokens: int = MAX_TOKENS, what: str = ""
     ) -> dict[str, Any]:
         """A streamed /v1/responses turn continuing ``previous`` (its ``response_id`` too)."""
         body: dict[str, Any] = {
@@ -405,7 +456,7 @@ class Serve:
         }
         if previous is not None:
             body["previous_response_id"] = previous
-        got = stream(self.port, "/v1/responses", body)
+        got = self.stream(model, "/v1/responses", body, what)
         usage = got.get("usage") or {}
         got["usage"] = {
             "prompt_tokens": usage.get("input_tokens"),
@@ -478,7 +529,11 @@ class LlamaServer:
         parallel: int = 1,
         extra: Sequence[str] = (),
         gpu_layers: int = -1,
+        progress: Callable[[str], None] = _quiet,
+        progress_every_s: float | None = None,
     ) -> None:
+        self.progress = progress  # where a turn that takes long is said (``stream``)
+        self.progress_every_s = progress_every_s
         self.port = _free_port()
         self.log = log_path
         ngl = "999" if gpu_layers < 0 else str(gpu_layers)  # -1: all
@@ -530,7 +585,9 @@ class LlamaServer:
             return f"/health: {exc}"
         return f"/health {code} {body}"
 
-    def turn(self, prompt: str, n_predict: int = MAX_TOKENS, cache_prompt: bool = True) -> dict[str, Any]:
+    def turn(
+        self, prompt: str, n_predict: int = MAX_TOKENS, cache_prompt: bool = True, what: str = "llama-server"
+    ) -> dict[str, Any]:
         body = {
             "prompt": prompt,
             "n_predict": n_predict,
@@ -538,7 +595,15 @@ class LlamaServer:
             "stream": True,
             "cache_prompt": cache_prompt,
         }
-        got = stream(self.port, "/completion", body)
+        got = stream(
+            self.port,
+            "/completion",
+            body,
+            what=what,
+            progress=self.progress,
+            state=self.state,
+            every_s=self.progress_every_s,
+        )
         timings = got.get("timings") or {}
         return {
             "ttft_ms": got["ttft_ms"],

@@ -75,9 +75,9 @@ def run_responses_bench(
     ok = False
     try:
         say(f"starting timeshare serve (n_ctx {n_ctx}, VRAM budget {budget})")
-        serve = Serve(work, ids, models, n_ctx, flash_attn, budget=budget)
+        serve = Serve(work, ids, models, n_ctx, flash_attn, budget=budget, progress=say)
         try:
-            report["serve_ready_s"] = serve.wait_ready()
+            report["serve_ready_s"] = serve.wait_ready(say)
             _phases(serve, ids, conv, rounds, rows, say)
         finally:
             serve.close()
@@ -116,22 +116,29 @@ def _phases(
     a, b = ids
     opening = conv.base[0] + "\n\nWhat do you make of this?"
     say("the first turns of both copies and of the other model (full prefill, not counted)")
-    first = serve.response_turn(a, opening, None)
+    first = serve.response_turn(a, opening, None, what=f"{RESPONSES} {a} first turn")
     previous = first["response_id"]
     if not previous:
         raise TimeshareError("/v1/responses answered without a response id (is the response stored?)")
     history = [{"role": "user", "content": opening}]
-    history.append({"role": "assistant", "content": serve.chat_turn(a, history, "bench-chat")["text"]})
-    serve.turn(b, conv.prompt(1, 0), "bench-other")
+    got = serve.chat_turn(a, history, "bench-chat", what=f"{CHAT} {a} first turn")
+    history.append({"role": "assistant", "content": got["text"]})
+    serve.turn(b, conv.prompt(1, 0), "bench-other", what=f"the other model {b}, first turn")
     for r in range(1, rounds + 1):
         question = word_salad(100 * r + 7, 25)
         for key in (RESPONSES, CHAT) if r % 2 else (CHAT, RESPONSES):
-            serve.turn(b, conv.prompt(1, r), "bench-other")  # the GPU leaves A
+            # the GPU leaves A
+            serve.turn(b, conv.prompt(1, r), "bench-other", what=f"the other model {b}, round {r}/{rounds}")
             if key == RESPONSES:
-                row = serve.response_turn(a, question, previous)
+                row = serve.response_turn(a, question, previous, what=f"{key} {a} round {r}/{rounds}")
                 previous = row["response_id"]
             else:
-                row = serve.chat_turn(a, [*history, {"role": "user", "content": question}], "bench-chat")
+                row = serve.chat_turn(
+                    a,
+                    [*history, {"role": "user", "content": question}],
+                    "bench-chat",
+                    what=f"{key} {a} round {r}/{rounds}",
+                )
                 history += [
                     {"role": "user", "content": question},
                     {"role": "assistant", "content": row["text"]},

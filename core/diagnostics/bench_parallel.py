@@ -12,6 +12,8 @@ docs/API.md) and their medians (``timings_median``). ``--baseline``
 also runs each N with ``parallel = 1`` (one request at a time: the queue before batching);
 ``--llama-server PATH`` the same N streams against ``llama-server -np N -c n_ctx×N`` on the same
 model (llama-server's slots are its continuous batching). Prints a table, or ``--json`` one object.
+A server's start or a request that takes long is said on stderr every 10 s (which system,
+concurrency and stream, the seconds so far, what the server says).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
 from .bench_api import word_salad
-from .bench_api_procs import LlamaServer, Serve, stream
+from .bench_api_procs import LlamaServer, Serve
 
 SYSTEMS = ("timeshare", "timeshare_parallel_1", "llama_server")
 
@@ -108,11 +110,27 @@ def _timings_median(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _timeshare(
-    model: str, n: int, parallel: int, args: argparse.Namespace, work: Path, prompts: list[str]
+    model: str,
+    n: int,
+    parallel: int,
+    args: argparse.Namespace,
+    work: Path,
+    prompts: list[str],
+    progress: Callable[[str], None],
+    every_s: float | None,
 ) -> dict[str, Any]:
-    serve = Serve(work, ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel)
+    serve = Serve(
+        work,
+        ["m"],
+        [model],
+        int(args.n_ctx),
+        bool(args.flash_attn),
+        parallel=parallel,
+        progress=progress,
+        progress_every_s=every_s,
+    )
     try:
-        serve.wait_ready()
+        serve.wait_ready(progress)
 
         def one(i: int) -> dict[str, Any]:
             body = {
@@ -124,7 +142,8 @@ def _timeshare(
                 "stream_options": {"include_usage": True},
                 "cache_prompt": False,
             }
-            got = stream(serve.port, "/v1/completions", body)
+            what = f"timeshare, parallel {parallel}: {n} stream(s), stream {i + 1}"
+            got = serve.stream("m", "/v1/completions", body, what)
             usage = got.get("usage") or {}
             ts = got.get("timeshare") or {}
             return {
@@ -143,7 +162,13 @@ def _timeshare(
 
 
 def _llama_server(
-    model: str, n: int, args: argparse.Namespace, work: Path, prompts: list[str]
+    model: str,
+    n: int,
+    args: argparse.Namespace,
+    work: Path,
+    prompts: list[str],
+    progress: Callable[[str], None],
+    every_s: float | None,
 ) -> dict[str, Any]:
     server = LlamaServer(
         args.llama_server,
@@ -152,13 +177,15 @@ def _llama_server(
         bool(args.flash_attn),
         work / f"llama-server-{n}.log",
         parallel=n,
+        progress=progress,
+        progress_every_s=every_s,
     )
     try:
-        server.wait_healthy()
+        server.wait_healthy(progress)
 
         def one(i: int) -> dict[str, Any]:
-            row = server.turn(prompts[i], n_predict=int(args.tokens), cache_prompt=False)
-            return row
+            what = f"llama-server -np {n}: {n} stream(s), stream {i + 1}"
+            return server.turn(prompts[i], n_predict=int(args.tokens), cache_prompt=False, what=what)
 
         one(0)
         rows, wall = _at_once(n, one)
@@ -168,8 +195,13 @@ def _llama_server(
 
 
 def run_parallel_bench(
-    model: str, args: argparse.Namespace, progress: Callable[[str], None] = lambda _m: None
+    model: str,
+    args: argparse.Namespace,
+    progress: Callable[[str], None] = lambda _m: None,
+    progress_every_s: float | None = None,
 ) -> dict[str, Any]:
+    """Run the bench; returns the JSON report. ``progress``: each phase, and every
+    ``progress_every_s`` (10 s) how a long wait stands."""
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     if not levels or min(levels) < 1:
         raise TimeshareError("--concurrency takes counts of at least 1, e.g. 1,2,4,8")
@@ -187,13 +219,19 @@ def run_parallel_bench(
             prompts = _prompts(n, int(args.prompt_words))
             level: dict[str, Any] = {}
             progress(f"{n} stream(s): timeshare, parallel {n}")
-            level["timeshare"] = _timeshare(model, n, n, args, Path(tmp) / f"ts-{n}", prompts)
+            level["timeshare"] = _timeshare(
+                model, n, n, args, Path(tmp) / f"ts-{n}", prompts, progress, progress_every_s
+            )
             if args.baseline and n > 1:
                 progress(f"{n} stream(s): timeshare, parallel 1 (one at a time)")
-                level["timeshare_parallel_1"] = _timeshare(model, n, 1, args, Path(tmp) / f"ts1-{n}", prompts)
+                level["timeshare_parallel_1"] = _timeshare(
+                    model, n, 1, args, Path(tmp) / f"ts1-{n}", prompts, progress, progress_every_s
+                )
             if args.llama_server:
                 progress(f"{n} stream(s): llama-server -np {n}")
-                level["llama_server"] = _llama_server(model, n, args, Path(tmp), prompts)
+                level["llama_server"] = _llama_server(
+                    model, n, args, Path(tmp), prompts, progress, progress_every_s
+                )
             report["levels"][str(n)] = level
     report["load_after"] = os.getloadavg()
     return report
