@@ -8,8 +8,10 @@ a cache: removing one costs its sequence's prompt evaluated again, never a messa
 Nothing else removes them, so the folder is kept here: a deleted conversation's files go with it
 (:func:`remove_conversation`), a model's folder when the model leaves the configuration
 (:func:`remove_model`), and at start, before any worker runs (no file is in use then),
-:func:`sweep` removes what belongs to no configured model, what a crash left half written, and
-the conversations its caller says are gone.
+:func:`sweep` removes what a crash left half written, the conversations its caller says are gone,
+and the folders of models no longer configured once nothing in them changed for
+``STALE_MODEL_FOLDER_DAYS``: another configuration (``timeshare serve --config other.toml``) may
+share the folder, and its models' files must survive a start of this one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import re
 import shutil
 import struct
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 #: the first bytes of a snapshot file of the current format (a 4-byte header length follows)
 KV_MAGIC = b"TSKV2\n"
+STALE_MODEL_FOLDER_DAYS = 30.0  # an unconfigured model's folder untouched this long goes at a start
 
 
 def kv_file(kv_dir: Path, model_id: str, conversation: str) -> Path:
@@ -116,16 +120,37 @@ class Swept:
     files: tuple[Path, ...] = ()  # files in the folders of configured models
 
 
-def sweep(root: Path, models: Iterable[str], conversation_gone: Callable[[str], bool] | None = None) -> Swept:
+def _newest_change(folder: Path) -> float:
+    """The newest modification time of ``folder`` and the files in it (0.0 when unreadable)."""
+    try:
+        newest = folder.stat().st_mtime
+        for path in folder.iterdir():
+            newest = max(newest, path.stat().st_mtime)
+    except OSError:
+        return 0.0
+    return newest
+
+
+def sweep(
+    root: Path,
+    models: Iterable[str],
+    conversation_gone: Callable[[str], bool] | None = None,
+    now: float | None = None,
+) -> Swept:
     """At start, before any worker of ``root`` runs: remove the folders of models not in
-    ``models``, the files a crash left half written (``*.tmp``) or that are no snapshot at all,
-    and, with ``conversation_gone``, every conversation file whose key it says is gone. The
-    prompt-cache files and every other conversation's stay."""
+    ``models`` in which nothing changed for ``STALE_MODEL_FOLDER_DAYS`` (a newer one may be
+    another configuration's, sharing the folder: it stays), the files a crash left half written
+    (``*.tmp``) or that are no snapshot at all, and, with ``conversation_gone``, every
+    conversation file whose key it says is gone. The prompt-cache files and every other
+    conversation's stay. ``now``: the clock to age folders by (default: time.time())."""
     wanted = set(models)
+    clock = time.time() if now is None else now
     gone_models: list[str] = []
     files: list[Path] = []
     for folder in _model_folders(root):
         if folder.name not in wanted:
+            if clock - _newest_change(folder) < STALE_MODEL_FOLDER_DAYS * 86400.0:
+                continue  # maybe another configuration's model: its files are not ours to remove
             if remove_model(root, folder.name):
                 gone_models.append(folder.name)
             continue

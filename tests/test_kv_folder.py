@@ -6,6 +6,7 @@ live conversations, of a client's own conversation key and of the prompt cache s
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -68,10 +69,17 @@ def test_deleted_conversations_removed_models_and_orphans_leave_the_kv_folder(
         pool.stop()  # the worker writes every conversation's KV file as it stops
     assert set(_conversation_files(folder)) == {kept, deleted, deleted_late, CLIENT_KEY}
 
-    # what a start finds and removes: a model no longer configured, a file a crash left half
-    # written; a file of an unknown kind in the folder is not the KV folder's and stays
+    # what a start finds and removes: a model no longer configured whose folder nobody touched
+    # for STALE_MODEL_FOLDER_DAYS, a file a crash left half written; a recent unconfigured
+    # model's folder (another configuration may share the KV folder) and a file of an unknown
+    # kind in the folder are not this start's to remove and stay
+    old = time.time() - (kv_folder.STALE_MODEL_FOLDER_DAYS + 1) * 86400.0
     (tmp_path / "kv" / "gone-model").mkdir()
     (tmp_path / "kv" / "gone-model" / "gone-model-0123.kv").write_bytes(b"TSKV2\n....")
+    for stale in (tmp_path / "kv" / "gone-model" / "gone-model-0123.kv", tmp_path / "kv" / "gone-model"):
+        os.utime(stale, (old, old))
+    (tmp_path / "kv" / "other-config").mkdir()
+    (tmp_path / "kv" / "other-config" / "other-config-0123.kv").write_bytes(b"TSKV2\n....")
     half = folder / "smol-0123.tmp"
     half.write_bytes(b"TSKV2\n")
     foreign = folder / "notes.txt"
@@ -83,6 +91,7 @@ def test_deleted_conversations_removed_models_and_orphans_leave_the_kv_folder(
     try:
         pool.wait_ready(timeout=GUARD_S)
         assert not (tmp_path / "kv" / "gone-model").exists()
+        assert (tmp_path / "kv" / "other-config" / "other-config-0123.kv").exists()
         assert not half.exists() and foreign.exists()
         assert set(_conversation_files(folder)) == {kept, deleted, CLIENT_KEY}
 
