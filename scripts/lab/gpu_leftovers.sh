@@ -1,0 +1,62 @@
+#!/bin/bash
+# The GPU measurements left open by 2026-12-07's sessions, in one command, every result printed to
+# stdout (the device tool brings back at most 8 files: a result only in a file can be lost).
+# Needs the prepared machine (.gpu/build.sh + .gpu/setup.sh: llama-cpp-python CUDA in /tmp/site with
+# libmtmd, llama-server in /tmp/llbuild/bin, `timeshare` on /tmp/bin, /tmp/A.gguf and /tmp/B.gguf).
+# usage: bash scripts/lab/gpu_leftovers.sh [STEP ...]   (default: every step; LIMIT=seconds caps the run)
+#   rerank   issue 42: 32 documents of ~200 tokens, timeshare vs llama-server --reranking (target ≥ 0.9 ×)
+#   vision   issue 41: switched turn with a 1.3 GB generated projector ÷ without (target ≤ 1.1 ×)
+#   deep     issue 39: deep switch vs weights-only, flash attention (target weights-only + KV ÷ copy + 15 ms)
+#   handover issue 40: scripts/lab/handover_gpu.sh (kept mappings, 20 switches, chunk sizes)
+#   embed    issue 45: 2,048 inputs vs llama-server (llama-server alone needs ~6.5 min: run it last)
+set -u
+R=$(cd "$(dirname "$0")/../.." && pwd)
+export PATH=/tmp/bin:$PATH
+LS=${LS:-/tmp/llbuild/bin/llama-server}
+W=$(mktemp -d /tmp/leftovers-XXXX)
+T0=$(date +%s)
+el() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+cap() { local l=$(( ${LIMIT:-580} - ($(date +%s) - T0) )); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+show() {  # $1: a JSON file; the rest: dotted keys to print (all scalars at the top level when none)
+  python3 - "$@" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as exc:  # noqa: BLE001 - a lab script: say what happened
+    print("  (no JSON:", exc, ")"); sys.exit(0)
+def get(o, k):
+    for part in k.split("."):
+        o = o.get(part) if isinstance(o, dict) else None
+    return o
+keys = sys.argv[2:] or [k for k, v in d.items() if not isinstance(v, (dict, list))]
+for k in keys:
+    print(" ", k, "=", json.dumps(get(d, k))[:400])
+PY
+}
+steps=${*:-rerank vision deep handover embed}
+cd /tmp
+for s in $steps; do
+  case $s in
+  rerank)
+    timeout "$(cap 120)" timeshare bench rerank --vocab "$R/.gpu/vocab.gguf" --llama-server "$LS" --json > "$W/rerank.json" 2> "$W/rerank.err"
+    el "rerank rc=$?"; show "$W/rerank.json"; show "$W/rerank.json" systems summary ratio
+    ;;
+  vision)
+    timeout "$(cap 150)" python3 -P "$R/scripts/bench_vision_switch.py" --model /tmp/A.gguf --other /tmp/B.gguf --rounds 5 --projector-embd 1024 --projector-layers 24 2>&1 | grep -v "^llama\|^load\|^print_info\|^clip" | tail -8
+    el "vision rc=${PIPESTATUS[0]}"
+    ;;
+  deep)
+    timeout "$(cap 150)" timeshare bench api --model /tmp/A.gguf --model /tmp/B.gguf --context 7500 --rounds 3 --switch-only --deep --flash-attn --json > "$W/deep.json" 2> "$W/deep.err"
+    el "deep rc=$?"; show "$W/deep.json" deep.deep_ttft_ms_median deep.weights_only_ttft_ms_median deep.kv_bytes_in_use_median deep.target_ms deep.meets_target
+    ;;
+  handover)
+    BUDGET_S=$(cap 220) OUT="$W/ho" timeout "$(cap 230)" bash "$R/scripts/lab/handover_gpu.sh" 2>&1 | tail -60
+    el "handover rc=${PIPESTATUS[0]}"
+    ;;
+  embed)
+    timeout "$(cap 560)" timeshare bench embed --model /tmp/A.gguf --parallel 4 --llama-server "$LS" --counts 2048 --rounds 1 --timeout 540 --json > "$W/embed.json" 2> "$W/embed.err"
+    el "embed rc=$?"; show "$W/embed.json" systems; grep -v "so far" "$W/embed.err" | tail -5
+    ;;
+  *) echo "unknown step $s (rerank vision deep handover embed)"; exit 2 ;;
+  esac
+done
