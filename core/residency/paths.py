@@ -203,7 +203,9 @@ class InPlacePath:
             proj.join()  # (a restore of the last switch: over long ago)
         nbytes = self.ip.restore(overlap=overlap, kv=kv)
         if proj is not None:
-            nbytes += proj.start_restore(after=self.ip.uploads.queued)
+            # (Vulkan: over before the caller decodes; see InPlace's overlap_note)
+            background = not self.ip.backend.startswith("Vulkan")
+            nbytes += proj.start_restore(after=self.ip.uploads.queued, background=background)
         return nbytes, self.ip.swaps.moved
 
     def projector_ready(self) -> None:

@@ -130,16 +130,20 @@ class ProjectorResidency:
             return 0
         return self.ip.weight_bytes
 
-    def start_restore(self, after: Sequence[Future[Any]] = ()) -> int:
+    def start_restore(self, after: Sequence[Future[Any]] = (), background: bool = True) -> int:
         """Start bringing the weights back on the projector's thread, once the futures ``after``
         (the uploads the model's restore queued) are over; returns the bytes it uploads (0:
-        resident already)."""
+        resident already). ``background`` False: return once it is over (Vulkan, whose uploads
+        beside a decode on another thread are not checked to be safe); its error, as a
+        background one's, is raised by :meth:`ready`."""
         self.join()
         if self.ip.resident_bytes >= self.ip.weight_bytes:
             return 0
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="residency-projector")
         self._job = self._pool.submit(self._restore, tuple(after), time.perf_counter())
+        if not background:
+            wait_for([self._job])
         return self.ip.tensor_bytes
 
     def _restore(self, after: tuple[Future[Any], ...], started: float) -> dict[str, float]:
