@@ -176,6 +176,7 @@ class ProjectorResidency:
             try:
                 self.steps = job.result()
             except BaseException as exc:
+                self.steps = {}
                 log.warning("the projector %s did not come back: %s", self.ip.path, exc)
                 raise
             return
