@@ -12,7 +12,9 @@ conversation on MODEL (with an image in the first run, the same text without it 
 then ``rounds`` times: a turn on OTHER (MODEL is set aside), then the conversation's next turn on
 MODEL (switched back: its weights, and the projector's, restored; the image stays in the KV
 cache, so only the new text is evaluated). Reported per run: the switched turns' first-token
-time as the API measured it, restore_ms and restored_bytes (timeshare extras), and the ratio of
+time as the API measured it, restore_ms and restored_bytes (timeshare extras), the projector's
+own restore ms (it runs after the model's, off the first token's path: the worker log's
+"restored off the first token's path" lines), and the ratio of
 the medians (target: first token with projector <= 1.1 x without; restored bytes with - without =
 the projector's weight bytes). Not a test: numbers, for docs/PERFORMANCE.md.
 """
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -129,7 +133,7 @@ def _run(model: str, other: str, projector: Path | None, rounds: int, image: byt
             )
         status = httpx.get(f"{url}/timeshare/v1/status", timeout=30).json()
         m = next(x for x in status["models"] if x["id"] == "m")
-        return {
+        result: dict[str, Any] = {
             "projector": str(projector) if projector else None,
             "weight_bytes": m.get("weight_bytes"),
             "projector_bytes": m.get("projector_bytes"),
@@ -141,7 +145,36 @@ def _run(model: str, other: str, projector: Path | None, rounds: int, image: byt
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
+        try:
+            log_text = (home / "log" / "worker-m.log").read_text(errors="replace")
+        except OSError:
+            log_text = ""
         shutil.rmtree(home, ignore_errors=True)
+    # the projector's restores, off the first token's path on their own thread (one line each)
+    restores = _projector_restores(log_text)
+    result["projector_restores"] = restores
+    result["median_projector_ms"] = (
+        statistics.median(r["projector_ms"] for r in restores) if restores else None
+    )
+    result["median_projector_after_ms"] = (
+        statistics.median(r["projector_after_ms"] for r in restores) if restores else None
+    )
+    return result
+
+
+_PROJECTOR_RE = re.compile(r"projector .* restored off the first token's path: (\{.*\})\s*$")
+
+
+def _projector_restores(text: str) -> list[dict[str, float]]:
+    """The "restored off the first token's path" lines of a worker log (core/residency/projector.py):
+    each restore's projector_ms (its allocation and upload), projector_after_ms (waiting for the
+    model's uploads first) and projector_bytes."""
+    out: list[dict[str, float]] = []
+    for line in text.splitlines():
+        if m := _PROJECTOR_RE.search(line):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(m.group(1)))
+    return out
 
 
 def main() -> int:
@@ -185,6 +218,7 @@ def main() -> int:
         "extra_restored_bytes": with_proj["median_restored_bytes"] - without["median_restored_bytes"],
         "projector_bytes": with_proj["projector_bytes"],
     }
+    report["projector_ms"] = with_proj["median_projector_ms"]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -196,6 +230,15 @@ def main() -> int:
                 f"(median of {len(r['turns'])})"
             )
         print(f"ratio (first token, with / without): {ratio:.3f} (target <= 1.1)" if ratio else "ratio: n/a")
+        if with_proj["median_projector_ms"] is not None:
+            print(
+                f"projector restore (off the first token's path, its own thread): "
+                f"{with_proj['median_projector_ms']:.1f} ms, begun "
+                f"{with_proj['median_projector_after_ms']:.1f} ms after the model's restore returned "
+                f"(median of {len(with_proj['projector_restores'])})"
+            )
+        else:
+            print("projector restore: no line in the worker log")
         print(
             f"restored bytes with - without: {report['extra_restored_bytes'] / 1e6:.1f} MB "
             f"(projector: {(report['projector_bytes'] or 0) / 1e6:.1f} MB)"

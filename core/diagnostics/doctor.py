@@ -242,6 +242,8 @@ class ProjectorCheck:
 
     def attach(self, res: Any) -> None:
         self.attached = res.attach_projector(self.vision.watch, self.path)
+        if self.attached:  # its restore runs off the caller's path: an encode waits for it
+            self.vision.ready = res.projector_ready
         _step(
             f"the projector's {res.projector_bytes / 1e6:.1f} MB go with the weights"
             if self.attached

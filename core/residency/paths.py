@@ -3,7 +3,8 @@ interface (:class:`ResidencyPath`) that :class:`~.residency.Residency` chooses o
 and then only delegates to.
 
 - ``inplace`` (:class:`InPlacePath`): the weight buffers are freed and put back in place from a
-  host shadow (residency/inplace.py), layer part by layer part; a vision projector's with them;
+  host shadow (residency/inplace.py), layer part by layer part; a vision projector's with them
+  (restored after them, off the caller's path: residency/projector.py);
 - ``rebuild`` (residency/rebuild.py's ``RebuildPath``): the model and its context are freed and
   loaded again from the file;
 - ``none`` (:class:`NoPath`): nothing to free (memory-mapped weights of a CPU-only build).
@@ -21,6 +22,7 @@ from typing import Literal, Protocol
 
 from .inplace import InPlace
 from .kvupload import KvUpload
+from .projector import ProjectorResidency
 from .state import Weights
 from .timeline import ReleaseSteps, RestoreSteps
 
@@ -148,8 +150,10 @@ class NoPath:
 
 
 class InPlacePath:
-    """The in-place path: the model's :class:`InPlace` and, once attached, a vision projector's,
-    released and restored with it (the projector first on the way back). ``own_parts`` is called
+    """The in-place path: the model's :class:`InPlace` and, once attached, a vision projector's
+    (:class:`ProjectorResidency`), released with it and restored after it: its restore starts
+    once the model's has returned, on its own thread, its copies after the model's (a text turn
+    never waits for it; :meth:`projector_ready` does). ``own_parts`` is called
     with the InPlace once a release made its layer parts' buffers (split_at_release): whoever
     closes the model frees them; ``moved_at_close`` once close() moved resident weights (their
     hand-over memory given back): the graphs hold their old addresses."""
@@ -165,7 +169,7 @@ class InPlacePath:
         self, ip: InPlace, own_parts: Callable[[InPlace], None], moved_at_close: Callable[[], None]
     ) -> None:
         self.ip = ip
-        self.projector: InPlace | None = None
+        self.projector: ProjectorResidency | None = None
         self._own_parts = own_parts
         self._moved_at_close = moved_at_close
 
@@ -182,8 +186,8 @@ class InPlacePath:
         splitting = ip.split_pending  # split_at_release: this release splits
         ip.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
         proj = self.projector
-        if proj is not None and proj.resident_bytes:  # any release takes it along
-            proj.release(None, final)
+        if proj is not None:  # any release takes it along (a pending restore of it joined first)
+            proj.release(final)
         if splitting and not ip.split_pending:
             self._own_parts(ip)
         if ip.resident_bytes <= 0:
@@ -191,17 +195,24 @@ class InPlacePath:
         return Weights.ALL if self.resident_bytes(True) == self.weight_bytes else Weights.SOME
 
     def restore(self, overlap: bool, kv: KvUpload | None) -> tuple[int, bool | None]:
-        nbytes = 0
+        """The model's weights (InPlace.restore), then the projector's restore started on its
+        thread, queued after the uploads the model's restore left running: the bytes returned
+        count it (it moves with every switch), the caller does not wait for it."""
         proj = self.projector
-        try:
-            if proj is not None and proj.resident_bytes < proj.weight_bytes:
-                nbytes += proj.restore()  # first (small; nothing computes with it before a decode)
-            nbytes += self.ip.restore(overlap=overlap, kv=kv)
-        except BaseException:
-            if proj is not None and proj.resident_bytes:  # as released as it was
-                proj.release(None)
-            raise
+        if proj is not None:
+            proj.join()  # (a restore of the last switch: over long ago)
+        nbytes = self.ip.restore(overlap=overlap, kv=kv)
+        if proj is not None:
+            # (Vulkan: over before the caller decodes; see InPlace's overlap_note)
+            background = not self.ip.backend.startswith("Vulkan")
+            nbytes += proj.start_restore(after=self.ip.uploads.queued, background=background)
         return nbytes, self.ip.swaps.moved
+
+    def projector_ready(self) -> None:
+        """The projector's weights are on the device (ProjectorResidency.ready); a no-op without
+        one that moves."""
+        if self.projector is not None:
+            self.projector.ready(model_resident=self.ip.resident_bytes >= self.ip.weight_bytes)
 
     def resident_bytes(self, resident: bool) -> int:
         proj = self.projector
@@ -220,13 +231,18 @@ class InPlacePath:
 
     @property
     def restore_steps(self) -> RestoreSteps:
-        return RestoreSteps.of(self.ip.restore_steps)
+        """The model's restore's steps, with the projector's (``projector_ms``,
+        ``projector_after_ms``) once its restore is over."""
+        extra = self.projector.last_steps if self.projector is not None else {}
+        return RestoreSteps.of({**self.ip.restore_steps, **extra})
 
     @property
     def attach_steps(self) -> dict[str, float]:
         return dict(self.ip.attach_steps)
 
     def close(self) -> None:
+        if self.projector is not None:
+            self.projector.join()  # its thread is over before anything is freed
         self.ip.close()
         if self.ip.handover.moved_at_close:
             self._moved_at_close()

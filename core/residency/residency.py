@@ -37,7 +37,7 @@ from .kvbuffer import KvBuffers, KvBufferUnsupportedError
 from .kvupload import KvUpload, KvUploadUnsupportedError
 from .options import Mode, ResidencyOptions
 from .paths import InPlacePath, NoPath, PathName, ResidencyPath, WeightPart
-from .projector import ProjectorWatch
+from .projector import ProjectorResidency, ProjectorWatch
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
 from .timeline import OverlapTimeline, ReleaseSteps, RestoreSteps
@@ -430,7 +430,7 @@ class Residency:
             self.projector_note = str(exc)
             log.info("the projector %s stays on the device: %s", path, exc)
             return False
-        inpath.projector = proj
+        inpath.projector = ProjectorResidency(proj)
         self.projector_bytes = proj.weight_bytes
         self.weight_bytes += proj.weight_bytes
         self._note_shadow()
@@ -442,6 +442,15 @@ class Residency:
             proj.n_weight_tensors_seen,
         )
         return True
+
+    def projector_ready(self) -> None:
+        """Call before the projector's weights compute (an image encode): its restore runs off
+        the caller's path after the model's (residency/projector.py); this waits for it. Raises
+        its error (OutOfDeviceMemoryError: the projector stays released, the image fails; the
+        next call, or the next restore, tries again). A no-op without a projector that moves."""
+        self._check_open()
+        if self._inpath is not None:
+            self._inpath.projector_ready()
 
     def _split(self, ip: InPlace) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed

@@ -65,6 +65,11 @@ class RestoreSteps:
     creates_total: float | None = None  # the worker's cuMemCreate calls since it started
     mapped_chunks: float | None = None  # chunks mapped by this restore (cuMemMap calls)
     kept_chunks: float | None = None  # chunks still mapped since the release: nothing to map
+    # a vision projector's restore (issue 41), off the caller's path on a thread of its own once
+    # the model's restore returned: its allocation and upload, and how long it first waited for
+    # the model's uploads (from its start); known once joined (an image encode, a release)
+    projector_ms: float | None = None
+    projector_after_ms: float | None = None
 
     @classmethod
     def of(cls, steps: Mapping[str, float]) -> RestoreSteps:

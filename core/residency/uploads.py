@@ -98,6 +98,12 @@ class Uploads:
         """An overlapped restore's uploads are not all known to be complete (:meth:`finish`)."""
         return bool(self._jobs)
 
+    @property
+    def queued(self) -> tuple[Future[float], ...]:
+        """The uploads submitted and not yet waited for by :meth:`finish` (another thread may
+        wait for them to be over: the projector's restore, residency/projector.py)."""
+        return tuple(self._jobs)
+
     def begin(self) -> None:
         """A restore's first upload is to come (its spans start anew)."""
         self._spans = []

@@ -46,7 +46,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from ..errors import CancelledError
+from ..errors import CancelledError, ResidencyError
 from ..sampling import Sampling
 from ..wire.protocol import FinishReason
 from .sampler import GrammarDeadEnd, GreedyRows, Sampler, TokenLogprob, row_logprobs
@@ -124,7 +124,8 @@ class Live:
         self.completion = 0
         self.token = -1  # sampled, evaluated at the next step (-1: none)
         self.finish: FinishReason | None = None
-        self.error: GrammarDeadEnd | None = None  # why it ended without an answer (its sampler's)
+        #: why it ended without an answer (its sampler's grammar, its projector's weights)
+        self.error: GrammarDeadEnd | ResidencyError | None = None
         self.batch_size = 0  # the most sequences in one step while this one was live
         # where its first token's time went (the worker's ``Timings``; monotonic clock):
         self.first_step = -1  # the Decoder's ``decodes`` before its first prefill step (-1: none yet)
@@ -378,7 +379,7 @@ class Decoder:
         if not self.live:
             return []
         started = time.monotonic()
-        imaged = self._images(started)
+        imaged, failed = self._images(started)
         b = self._batch
         outputs: list[tuple[Live, int]] = []
         taken: list[tuple[Live, int]] = []  # (sequence, prompt tokens taken)
@@ -424,7 +425,7 @@ class Decoder:
                 outputs.append((live, n - 1))
             taken.append((live, k))
         if n == 0:
-            return []  # (only images this step: their sequences' text follows at the next)
+            return failed  # (only images this step: their sequences' text follows at the next)
         b.struct.n_tokens = n
         self.set_threads(prefill=bool(taken))
         rc = int(llama_cpp.llama_decode(self.llm.ctx, b.struct))
@@ -458,7 +459,7 @@ class Decoder:
             if base == 0 and not live.skip_first:
                 records.insert(0, TokenLogprob(chunk[0], 0.0, ()))  # nothing precedes it
             live.prompt_records(records)
-        finished: list[Live] = []
+        finished: list[Live] = failed
         for live, _k in taken:
             if live.score_only and not live.pending:
                 self._finish(live, "length")
@@ -490,19 +491,28 @@ class Decoder:
         starts = [start - at for start in live.media if start >= at]
         return min(starts, default=len(live.pending))
 
-    def _images(self, started: float) -> set[Live]:
+    def _images(self, started: float) -> tuple[set[Live], list[Live]]:
         """The sequences whose next prompt piece is an image: each puts it into its KV now, in a
         llama_decode of its own (vision.Vision.evaluate; one image per sequence per step, so the
-        others' tokens wait at most one image). Raises RuntimeError as a failed step does."""
+        others' tokens wait at most one image). Raises RuntimeError as a failed step does.
+        Returns them, and those that ended in error: the projector's weights could not come
+        back (ResidencyError before any decode: that request alone fails, the batch goes on)."""
         done: set[Live] = set()
+        failed: list[Live] = []
         if self.vision is None:
-            return done
-        for live in self.live:
+            return done, failed
+        for live in list(self.live):
             span = live.media.get(len(live.ids)) if live.pending else None
             if span is None:
                 continue
             self.set_threads(prefill=True)
-            self.vision.evaluate(self.llm.ctx, span, len(live.ids), live.seq_id, self.n_batch)
+            try:
+                self.vision.evaluate(self.llm.ctx, span, len(live.ids), live.seq_id, self.n_batch)
+            except ResidencyError as exc:
+                live.error = exc
+                self._finish(live, "stop")
+                failed.append(live)
+                continue
             if live.first_step < 0:
                 live.first_step = self.decodes
                 live.prefill_start = started
@@ -514,7 +524,7 @@ class Decoder:
             del live.pending[: span.n_tokens]
             live.evaluated += span.n_tokens
             done.add(live)
-        return done
+        return done, failed
 
     def _prompt_logprobs(self, ctx: Any, live: Live, row: int, chunk: list[int]) -> list[TokenLogprob]:
         """The records of the prompt tokens that follow the positions whose rows start at output

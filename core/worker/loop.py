@@ -822,7 +822,7 @@ class Worker:
             self._busy = False
             self.tenancy.note_use(False)
         self.publish()  # the snapshot is current before the reply arrives
-        if live.error is not None:  # its grammar left no token: this request fails, the batch goes on
+        if live.error is not None:  # no token for its grammar, no projector for its image: it alone fails
             self.send(p.Error(req=req_id, code=live.error.code, message=str(live.error)))
             return
         self.send(

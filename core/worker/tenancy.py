@@ -455,8 +455,10 @@ class ArenaTenancy(Tenancy):
         if self.handover is not None:
             options = replace(options, handover=True)
         res = Residency.attach(engine.llm, engine.model.path, options, chunk_source=self.handover)
-        if engine.vision is not None:  # its projector's weights go and come back with the model's
-            res.attach_projector(engine.vision.watch, engine.vision.path)
+        if engine.vision is not None and res.attach_projector(engine.vision.watch, engine.vision.path):
+            # its projector's weights go and come back with the model's (restored after them, off
+            # the first token's path): an encode waits for them
+            engine.vision.ready = res.projector_ready
         self.residency = res
         self.path = res.path
         self.reason = res.reason

@@ -15,7 +15,8 @@ What it does for the engine:
   it, never a vocabulary id. So the prompt cache, the conversations' sequences and the KV files,
   which match token ids, match an image by its content: a second turn about the same image
   reuses its KV and evaluates only the new text (``ImageSpan`` says where each image lies);
-- **evaluate an image** (``evaluate``): the projector encodes it (``mtmd_encode_chunk``; the
+- **evaluate an image** (``evaluate``): the projector encodes it (``mtmd_encode_chunk``, once its
+  weights are back: ``ready``, the residency's ``projector_ready``; the
   output is kept in a small LRU by content hash, so the same image in another sequence is not
   encoded again) and ``mtmd_helper_decode_image_chunk`` puts its embeddings into the sequence's
   KV cache in one ``llama_decode`` of that image alone (libmtmd's batch of embeddings cannot hold
@@ -37,7 +38,7 @@ import io
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +156,10 @@ class Vision:
         self._encoded: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._encoded_bytes = 0
         self.encodes = 0  # images the projector encoded (the rest came from the LRU)
+        #: called before the projector's weights compute (an encode): Residency.projector_ready
+        #: where they are released and restored with the model's (their restore runs off the
+        #: first token's path); raises its error (the image's request fails)
+        self.ready: Callable[[], None] = _nothing
         self.weight_bytes = projector_weight_bytes(path)
         _route_logs()
         self._init()
@@ -311,6 +316,7 @@ class Vision:
 
     def _encode(self, span: ImageSpan) -> np.ndarray:
         """The projector's output for the image (a copy)."""
+        self.ready()
         rc = mtmd.mtmd_encode_chunk(self._ctx, span.chunk)
         if rc != 0:
             raise RuntimeError(f"the projector could not encode an image (libmtmd: {rc})")
@@ -376,6 +382,10 @@ class Vision:
         if self._ctx:
             mtmd.mtmd_free(self._ctx)
             self._ctx = None
+
+
+def _nothing() -> None:
+    pass
 
 
 def projector_weight_bytes(path: str) -> int:
