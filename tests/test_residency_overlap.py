@@ -584,7 +584,7 @@ def test_the_deep_level_uploads_each_layers_kv_cells_after_its_part(
         greedy = Greedy(llm)
         ref = greedy.run()
         res = _attach(llm, smollm2_path)
-        ip, kvbuf = res._inplace, res._kvbuf
+        ip, kvbuf = res._inplace, res._kvl.buffers
         assert ip is not None and kvbuf is not None
         part_of = {t.ptr: p.index for p in ip.parts for b in p.buffers for t in b.tensors}
         layer_of = {t: layer.index for layer in kvbuf.layers for t in (layer.k, layer.v)}

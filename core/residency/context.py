@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+import llama_cpp
+
 from ..errors import OutOfDeviceMemoryError, ResidencyError
 from .kv import KvSnapshot
 
@@ -56,3 +58,29 @@ def point_tokenizer(llm: Any, model: Any) -> None:
     tok = getattr(llm, "tokenizer_", None)
     if tok is not None and hasattr(tok, "_model"):
         tok._model = model
+
+
+def forget_graphs(ctx: Any, llm: Any) -> None:
+    """Make the context build its compute graphs anew at the next decode.
+
+    llama.cpp reuses the previous decode's graph when the batch has the same shape, and then
+    ggml-cuda replays its captured CUDA graph without comparing the tensors' data pointers --
+    which still point at the weights' old addresses after an in-place restore (an illegal memory
+    access on the H200 whenever cudaMalloc did not hand back the same address). Clearing the
+    control vector (none is set: Llama has no API for one) is the public call that marks the
+    scheduler for a new reserve, so the next decode gets fresh graphs and CUDA graphs re-capture.
+
+    Never needed on Vulkan, and never called there: a Vulkan buffer's base is the constant
+    ``vk_ptr_base``, so its tensors' data pointers never move (restore reports ``moved`` False);
+    ggml-vulkan finds the VkBuffer through the buffer's context at every dispatch and drops its
+    cached descriptor bindings whenever any VkBuffer is destroyed. It would also crash there:
+    re-creating the scheduler mid-context (this very call, even with no release at all) makes the
+    next decode segfault in ggml-vulkan 0.3.36 on lavapipe for a model with a CPU split
+    (Gemma-3-270M, whose output matrix stays on the CPU); docs/lab/HISTORY.md, Vulkan.
+    """
+    n_embd = int(llama_cpp.llama_model_n_embd(llm._model.model))
+    rc = int(llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1))
+    if rc != 0:
+        raise ResidencyError(
+            f"could not reset the context's graphs after restore (llama_set_adapter_cvec returned {rc})"
+        )

@@ -8,7 +8,6 @@ The worker's loop thread is the only caller of a ``Residency`` (one owner, no lo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -27,14 +26,11 @@ from ..devmem.vmm import CudaVmmDevice
 from ..errors import ConfigError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
-from . import _ggml, evalhook, hostmem
-from .computebuf import ComputeBufferFinder, ComputeBuffers, ComputeBufferUnsupportedError, forget_graph
-from .context import Released, new_context
+from . import _ggml, context, evalhook, hostmem
+from .context import Released
 from .gguf_check import check_gguf
 from .inplace import InPlace
-from .kv import KvSnapshot
-from .kvbuffer import KvBuffers, KvBufferUnsupportedError
-from .kvupload import KvUpload, KvUploadUnsupportedError
+from .kvlevel import KvLevel
 from .options import Mode, ResidencyOptions
 from .paths import InPlacePath, NoPath, PathName, ResidencyPath, WeightPart
 from .projector import ProjectorWatch
@@ -52,8 +48,6 @@ _INPLACE_BACKENDS = ("CUDA", "Vulkan")
 
 #: the environment variable that turns overlapped restores off ("0") or on ("1")
 OVERLAP_ENV = envvars.OVERLAP_RESTORE.name
-#: why a GPU build keeps the compute buffers and puts the KV cells back after the weights
-DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLACE.name + "=1 turns it on"
 
 
 def overlap_wanted(option: bool | None = None) -> bool | None:
@@ -133,32 +127,6 @@ class ProbeResult:
     use_mmap_for_inplace: bool
 
 
-def _forget_graphs(ctx: Any, llm: Any) -> None:
-    """Make the context build its compute graphs anew at the next decode.
-
-    llama.cpp reuses the previous decode's graph when the batch has the same shape, and then
-    ggml-cuda replays its captured CUDA graph without comparing the tensors' data pointers --
-    which still point at the weights' old addresses after an in-place restore (an illegal memory
-    access on the H200 whenever cudaMalloc did not hand back the same address). Clearing the
-    control vector (none is set: Llama has no API for one) is the public call that marks the
-    scheduler for a new reserve, so the next decode gets fresh graphs and CUDA graphs re-capture.
-
-    Never needed on Vulkan, and never called there: a Vulkan buffer's base is the constant
-    ``vk_ptr_base``, so its tensors' data pointers never move (restore reports ``moved`` False);
-    ggml-vulkan finds the VkBuffer through the buffer's context at every dispatch and drops its
-    cached descriptor bindings whenever any VkBuffer is destroyed. It would also crash there:
-    re-creating the scheduler mid-context (this very call, even with no release at all) makes the
-    next decode segfault in ggml-vulkan 0.3.36 on lavapipe for a model with a CPU split
-    (Gemma-3-270M, whose output matrix stays on the CPU); docs/lab/HISTORY.md, Vulkan.
-    """
-    n_embd = int(llama_cpp.llama_model_n_embd(llm._model.model))
-    rc = int(llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1))
-    if rc != 0:
-        raise ResidencyError(
-            f"could not reset the context's graphs after restore (llama_set_adapter_cvec returned {rc})"
-        )
-
-
 def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple[HandedMemory | None, str]:
     """The hand-over's memory for a model on ``gpu`` (None: a CPU build, where the memfd stand-in
     plays the device), or None and why it cannot be used."""
@@ -219,27 +187,12 @@ class Residency:
         self.projector_bytes = 0  # its device weight bytes (in weight_bytes too); 0: none attached
         self.projector_note = ""  # why a projector stays on the device ("": none, or it moves)
         self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
-        self._kv: KvSnapshot | None = None
         self._file_id: FileId | None = None
         self._final = False  # release(final=True): never restored
         self._level: WorkerReleaseLevel = "weights"
         self._saved_ctx: Any = None
-        # the KV level in place (issue 39, item 2): the KV cache's buffers, and the context kept
-        # (not freed) while they are released; kv_note says why the context is freed instead
-        self._kvbuf: KvBuffers | None = None
-        self._kv_ctx: Any = None
-        self.kv_note = ""
-        # and the context's compute buffers with it (item 1): found again at each deep release
-        # (a scheduler reserve replaces them), held while released; buffers_note says why they stay
-        self._compute_finder: ComputeBufferFinder | None = None
-        self._compute: ComputeBuffers | None = None
-        self.buffers_note = ""
-        # and its cells come back layer by layer with the weights' parts (item 2): planned at the
-        # release; kv_upload_note says why the portable way (after the weights) is used instead
-        self._kv_upload: KvUpload | None = None
-        self._kv_uploading: KvUpload | None = None  # an overlapped restore's, until settled
-        self.kv_upload_note = ""
-        self._restore_t0 = 0.0
+        #: the KV level (residency/kvlevel.py): the snapshot, in place the KV and compute buffers
+        self._kvl = KvLevel(None, "", None, False)
         self._closed = False
         self._measure: str | None = None  # memory_measure, decided at the first release
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
@@ -309,6 +262,7 @@ class Residency:
         # the model's own GPU (``models[].device`` loads with split mode none and main_gpu):
         # freed bytes and the backend name are measured there, not on GPU 0
         self._gpu = _ggml.gpu_at(int(getattr(getattr(llm, "model_params", None), "main_gpu", 0) or 0))
+        self._kvl = KvLevel(llm, self.model_path, self._gpu, self._want_pinned_kv())
         mode = self._opts.mode
         if mode not in ("auto", "inplace", "rebuild"):
             raise ValueError(f"mode must be auto, inplace or rebuild, not {mode!r}")
@@ -346,18 +300,9 @@ class Residency:
         self._path = self._inpath = InPlacePath(ip, self._own_part_buffers, self._graphs_moved_at_close)
         if ip.split_pending and not ip.split_at_release:
             self._split(ip)
-        try:
-            # the context may be set aside (a split that met out-of-memory left the model released)
-            live = self._saved_ctx if self._saved_ctx is not None else llm._ctx
-            self._kvbuf = KvBuffers.find(int(llm._model.model), int(live.ctx))
-        except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
-            self.kv_note = str(exc)
-            log.info("the KV level of %s frees the context: %s", self.model_path, exc)
-        else:
-            if not self._deep_inplace():
-                self.buffers_note = DEEP_UNVERIFIED.format(backend=ip.backend)
-            else:
-                self._probe_compute(int(live.ctx))
+        # the context may be set aside (a split that met out-of-memory left the model released)
+        live = self._saved_ctx if self._saved_ctx is not None else llm._ctx
+        self._kvl.find(int(live.ctx), ip.backend)
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
         if handed is not None:
@@ -446,7 +391,7 @@ class Residency:
     def _split(self, ip: InPlace) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed
         with the model (its ExitStack). The graphs are built anew (every weight moved), except on
-        Vulkan, where that reset itself breaks the context (see _forget_graphs) and is not needed:
+        Vulkan, where that reset itself breaks the context (see context.forget_graphs) and is not needed:
         ggml-vulkan reads each weight's ``buffer`` and ``data`` (vk_ptr_base + its offset in the
         part) from the tensor at every dispatch and drops its cached descriptor bindings when the
         model's own VkBuffers are destroyed, and the weights' tensor structs are the ones the
@@ -468,7 +413,7 @@ class Residency:
             if not ip.split_pending:
                 self._own_part_buffers(ip)
         if self.weights_resident and not ip.backend.startswith("Vulkan"):
-            _forget_graphs(llm.ctx, llm)
+            context.forget_graphs(llm.ctx, llm)
 
     def _own_part_buffers(self, ip: InPlace) -> None:
         """The parts' structs exist (the split happened): the model's close frees them."""
@@ -484,7 +429,7 @@ class Residency:
         built anew at the next decode."""
         if self.weights_resident:
             with contextlib.suppress(ResidencyError, AttributeError):
-                _forget_graphs(self._llm._ctx.ctx, self._llm)
+                context.forget_graphs(self._llm._ctx.ctx, self._llm)
 
     def _note_shadow(self) -> None:
         inpath = self._inpath
@@ -627,30 +572,30 @@ class Residency:
     def context_kept(self) -> bool:
         """The KV cache is released in place: the context stays (its compute buffers too where
         :attr:`buffers_kept`)."""
-        return self._kv_ctx is not None
+        return self._kvl.context_kept
 
     @property
     def buffers_kept(self) -> bool:
         """The KV cache is released in place and the context's compute buffers stay on the device
         (they could not be released in place: :attr:`buffers_note` says why)."""
-        return self._kv_ctx is not None and self._compute is None
+        return self._kvl.buffers_kept
 
     @property
     def buffers_releasable(self) -> bool:
         """A deep release frees the compute buffers: in place, or with the context."""
-        return self._path.frees_memory and (self._kvbuf is None or self._compute_finder is not None)
+        return self._path.frees_memory and self._kvl.compute_releasable
 
     @property
     def compute_released_bytes(self) -> int:
         """Bytes of compute buffers released in place now (0 otherwise)."""
-        return self._compute.nbytes if self._compute is not None else 0
+        return self._kvl.compute_released_bytes
 
     @property
     def kv_host_bytes(self) -> int:
         """Bytes of the KV snapshot held in host memory while the context is freed (0 otherwise)."""
         if self._path.releases_context:
             return self._path.kv_bytes
-        return self._kv.nbytes if self._kv is not None else 0
+        return self._kvl.snapshot_bytes
 
     @property
     def deep_note(self) -> str:
@@ -662,33 +607,19 @@ class Residency:
             return "the rebuild path frees the context (its KV cache and compute buffers) at every release"
         if self._inpath is None:
             return ""
-        notes = []
-        if self._kvbuf is None:
-            notes.append(f"the KV level frees the context and makes it again ({self.kv_note})")
-        if self.buffers_note:
-            notes.append(f"the compute buffers stay on the device ({self.buffers_note})")
-        if self.kv_upload_note:
-            notes.append(f"the KV cells come back after the weights ({self.kv_upload_note})")
-        return "; ".join(notes)
+        return "; ".join(self._kvl.notes())
 
     @property
     def kv_in_place(self) -> bool:
         """The KV level keeps the context: its cells' metadata stays and the cells in use come
         back where they were (the caller need not move its sequences to host memory first)."""
-        return self._inpath is not None and self._kvbuf is not None
+        return self._inpath is not None and self._kvl.in_place
 
     def parked_states(self) -> dict[int, tuple[bytes, int]]:
         """While the KV cache is released (its snapshot held): each saved sequence's state, as
         ``llama_state_seq_get_data`` wrote it, and its lowest position (from the kept context's
         metadata; 0 where the context was freed). Empty otherwise."""
-        if self.kv_resident or self._kv is None:
-            return {}
-        mem = llama_cpp.llama_get_memory(self._kv_ctx.ctx) if self._kv_ctx is not None else None
-
-        def pos_min(seq: int) -> int:
-            return int(llama_cpp.llama_memory_seq_pos_min(mem, seq)) if mem else 0
-
-        return {seq: (ctypes.string_at(addr, size), pos_min(seq)) for seq, addr, size in self._kv.segments()}
+        return {} if self.kv_resident else self._kvl.parked_states()
 
     @property
     def kv_context(self) -> Any | None:
@@ -838,11 +769,8 @@ class Residency:
         path, ip = self._path, self._inplace
         weights_todo = path.weights_todo(self.weights_resident, kv, keep_bytes)
         kv_todo = kv and self.kv_resident
-        if free_context and self._kv_ctx is not None:  # deeper still: the kept context goes too
-            self._kv_ctx.close()  # (its released compute buffers' placeholders with it)
-            self._kv_ctx = None
-            self._compute = None
-            self._kv_upload = None  # the snapshot goes into a new context the portable way
+        if free_context:  # deeper still: a kept context goes too
+            self._kvl.free_kept()
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
         llm = self._llm
@@ -880,7 +808,10 @@ class Residency:
             self._enter(weights=weights)
         else:
             if kv_todo:
-                self._snapshot_kv_and_free_context(free_context)
+                self._kvl.release(self._saved_ctx if self._saved_ctx is not None else llm._ctx, free_context)
+                self._saved_ctx = None
+                llm._ctx = Released("context")
+                self._enter(kv=Kv.HOST)
             if weights_todo:
                 weights = path.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
                 if self.kv_resident and self._saved_ctx is None:
@@ -941,10 +872,9 @@ class Residency:
             self.host_bytes = 0
         else:
             nbytes = 0
-            self._restore_t0 = t0
             # the deep level in place: the KV cache's and compute buffers' memory first, so the
             # KV cells can go up with the weights' parts (OutOfDeviceMemoryError: nothing changed)
-            kv_up = self._kv_buffers_back()
+            kv_up = self._kvl.begin_restore(t0)
             kv_alloc_ms = (time.perf_counter() - t0) * 1000
             if not self.weights_resident:
                 if self.shadow_pending:  # a release came before its deferred shadow was built
@@ -952,7 +882,7 @@ class Residency:
                 try:
                     nbytes, moved = path.restore(overlap, kv_up)
                 except BaseException:
-                    self._kv_buffers_out()  # back to the deep level as a whole
+                    self._kvl.buffers_out()  # back to the deep level as a whole
                     raise
             elif path.tracks_addresses:  # the KV cache alone was released: the weights never moved
                 moved = False
@@ -961,14 +891,15 @@ class Residency:
             self._enter(weights=Weights.ALL)
             try:
                 if not self.kv_resident:
-                    reset = self._new_context_with_kv(moved)
+                    self._llm._ctx, reset = self._kvl.context_back(moved, ip)
+                    self._enter(kv=Kv.DEVICE)
                 elif self._saved_ctx is not None:
                     # Graphs (and captured CUDA graphs) hold the weights' addresses: they must be
                     # built anew only when a buffer moved. Every buffer back at its old address (the
                     # allocator often hands the same block back) skips the scheduler's reserve.
-                    # Vulkan buffers never move (see _forget_graphs), so a Vulkan restore never resets.
+                    # Vulkan buffers never move (see context.forget_graphs), so a Vulkan restore never resets.
                     if moved is not False:
-                        _forget_graphs(self._saved_ctx.ctx, self._llm)
+                        context.forget_graphs(self._saved_ctx.ctx, self._llm)
                         reset = True
                     self._llm._ctx = self._saved_ctx
                     self._saved_ctx = None
@@ -1036,9 +967,7 @@ class Residency:
         try:
             ip.finish_uploads()
         finally:
-            up, self._kv_uploading = self._kv_uploading, None
-            if up is not None:
-                self._kv_uploaded(up)
+            self._kvl.settled(ip)
             if self._gated_ctx:
                 assert ip.hook is not None
                 if self._live_ctx() == self._gated_ctx:  # (a context freed meanwhile has no hook)
@@ -1055,165 +984,6 @@ class Residency:
             )
             if gate.error is not None:
                 raise ResidencyError(f"the upload gate failed: {gate.error}") from gate.error
-
-    # KV level (in-place path)
-
-    def _snapshot_kv_and_free_context(self, free_context: bool) -> None:
-        llm = self._llm
-        ctx_obj = self._saved_ctx if self._saved_ctx is not None else llm._ctx
-        self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
-        if self._kvbuf is not None and not free_context:
-            # in place: the context stays with its cells' metadata, its KV buffers' memory goes
-            self._plan_kv_upload(int(ctx_obj.ctx))
-            self._kvbuf.release()
-            self._kv_ctx = ctx_obj
-            self._release_compute(int(ctx_obj.ctx))
-        else:
-            ctx_obj.close()
-        self._saved_ctx = None
-        llm._ctx = Released("context")
-        self._enter(kv=Kv.HOST)
-
-    def _kv_buffers_back(self) -> KvUpload | None:
-        """At the deep level in place: allocate the KV cache's buffers (cleared) and the compute
-        buffers again, before the weights; returns the layer-wise upload of the cells (None: the
-        portable way, after the weights, or nothing to do). OutOfDeviceMemoryError: nothing
-        changed."""
-        if self.kv_resident or self._kv_ctx is None or self._kvbuf is None:
-            return None
-        if self._kvbuf.released:
-            self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
-            if self._kv_upload is not None:
-                self._kv_upload.reset()
-        if self._compute is not None and self._compute.released:
-            try:
-                self._compute.restore()  # the next decode builds its graph anew (no reserve)
-            except OutOfDeviceMemoryError:
-                self._kvbuf.release()  # back to the deep level as a whole, the snapshot kept
-                raise
-        return self._kv_upload
-
-    def _kv_buffers_out(self) -> None:
-        """Undo :meth:`_kv_buffers_back` (the weights could not come back)."""
-        if self._kvbuf is not None and not self._kvbuf.released and self._kv_ctx is not None:
-            self._kvbuf.release()
-        if self._compute is not None and not self._compute.released:
-            self._compute.release()
-
-    def _new_context_with_kv(self, weights_moved: bool | None) -> bool:
-        """The KV cache back on the device; True when the context's graphs were reset (a buffer
-        came back at another address)."""
-        llm = self._llm
-        if self._kv_ctx is not None and self._kvbuf is not None:
-            ctx_obj = self._kv_ctx
-            self._kv_buffers_back()  # (done by restore() already: the KV cells may be on their way)
-            reset = False
-            if self._compute is not None:
-                self._compute = None
-                reset = True
-            if weights_moved is not False:  # as after a weights-only restore: a scheduler reserve
-                _forget_graphs(ctx_obj.ctx, llm)
-                reset = True
-            elif self._kvbuf.moved:
-                # the previous graph's views of the KV cache hold its old addresses: that graph is
-                # built anew (and, on CUDA, its captured graph updated: a new graph has a new uid,
-                # whose nodes' data pointers ggml-cuda compares); the scheduler's plan stays
-                forget_graph(int(ctx_obj.ctx))
-                reset = True
-            up, self._kv_upload = self._kv_upload, None
-            if up is not None:
-                up.upload_unclaimed()  # the layers of parts that stayed resident
-                if self._inplace is not None and self._inplace.uploads.pending:
-                    self._kv_uploading = up  # its snapshot is freed once settled
-                else:
-                    self._kv_uploaded(up)
-            elif self._kv is not None:  # the portable way: the metadata emptied, the state put back
-                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
-                self._kv.apply(ctx_obj.ctx)
-                self._kv.close()
-                self._kv = None
-            self._kv_ctx = None
-            llm._ctx = ctx_obj
-            self._enter(kv=Kv.DEVICE)
-            return reset
-        ctx = new_context(llm, llm._model, self._kv, self.model_path, stays_released="")
-        self._kv = None  # applied and closed
-        llm._stack.enter_context(contextlib.closing(ctx))
-        llm._ctx = ctx
-        self._enter(kv=Kv.DEVICE)
-        if self._kvbuf is not None:  # the new context's KV buffers, for the next release in place
-            try:
-                self._kvbuf = KvBuffers.find(int(llm._model.model), int(ctx.ctx))
-            except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
-                self._kvbuf = None
-                self.kv_note = str(exc)
-        return False
-
-    def _kv_uploaded(self, up: KvUpload) -> None:
-        """The layer-wise KV upload is over: its figures go into the restore's steps (from the
-        start of Residency.restore) and the snapshot is freed."""
-        st = up.stats
-        ip = self._inplace
-        if ip is not None:
-            ip.restore_steps["kv_bytes"] = float(st.bytes)
-            ip.restore_steps["kv_upload_ms"] = st.busy_s * 1000
-            if st.first_start:  # on the weights' timeline (from the start of their restore)
-                t0 = max(ip.uploads.started, self._restore_t0)  # (no weights restored: this call's)
-                ip.restore_steps["kv_first_upload_at_ms"] = (st.first_start - t0) * 1000
-                ip.restore_steps["kv_last_upload_end_at_ms"] = (st.last_end - t0) * 1000
-        if self._kv is not None:
-            self._kv.close()
-            self._kv = None
-
-    def _deep_inplace(self) -> bool:
-        """Whether the deep level goes in place beyond the KV buffer (compute buffers released,
-        KV cells uploaded with the weights): on a CPU build, or where TIMESHARE_DEEP_INPLACE=1;
-        a GPU build keeps the way measured there until a run proves the new one bitwise."""
-        override = envvars.DEEP_INPLACE.switch()
-        return override if override is not None else self._gpu is None
-
-    def _probe_compute(self, ctx: int) -> None:
-        try:
-            # on a GPU build only the device's buffers (a host one is not what the budget counts)
-            host = self._gpu is None
-            self._compute_finder = ComputeBufferFinder.probe(ctx, include_host=host)
-        except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
-            self.buffers_note = str(exc)
-            log.info("the KV level of %s keeps the compute buffers: %s", self.model_path, exc)
-
-    def _plan_kv_upload(self, ctx: int) -> None:
-        """After a release in place: where each saved cell goes back, layer by layer (the
-        metadata is kept); the portable way when it cannot be told (kv_upload_note)."""
-        self._kv_upload = None
-        if self._kv is None or self._kvbuf is None:
-            return
-        if not self._deep_inplace():
-            self.kv_upload_note = DEEP_UNVERIFIED.format(backend=self.backend)
-            return
-        try:
-            self._kv_upload = KvUpload.plan(self._kvbuf, self._kv)
-        except (KvUploadUnsupportedError, _ggml.LayoutMismatchError) as exc:
-            if str(exc) != self.kv_upload_note:
-                log.info("the KV cells of %s come back after the weights: %s", self.model_path, exc)
-            self.kv_upload_note = str(exc)
-            return
-        self.kv_upload_note = ""
-
-    def _release_compute(self, ctx: int) -> None:
-        """The kept context's compute buffers go too (found now: a reserve since the last
-        release may have replaced them); kept, with the reason in buffers_note, when they cannot
-        be found for sure."""
-        if self._compute_finder is None:
-            return
-        try:
-            found = self._compute_finder.find(ctx)
-            found.release()
-        except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError, ResidencyError) as exc:
-            self.buffers_note = str(exc)
-            log.warning("the compute buffers of %s stay on the device: %s", self.model_path, exc)
-            return
-        self._compute = found
-        log.info("released the compute buffers of %s: %.1f MB", self.model_path, found.nbytes / 1e6)
 
     def _want_pinned_kv(self) -> bool:
         return self._opts.host_shadow == "pinned"
@@ -1237,9 +1007,7 @@ class Residency:
         if self._saved_ctx is not None and self.weights_resident:
             self._llm._ctx = self._saved_ctx
             self._saved_ctx = None
-        if self._kv is not None:
-            self._kv.close()
-            self._kv = None
+        self._kvl.close()
         self._path.close()  # (in place: the graphs reset where handed-over memory was given back)
         self._inpath = None
         self._llm = None
