@@ -610,6 +610,21 @@ class Residency:
         return "; ".join(self._kvl.notes())
 
     @property
+    def kv_note(self) -> str:
+        """Why the KV level frees the context ("": in place, or not the in-place path)."""
+        return self._kvl.kv_note
+
+    @property
+    def buffers_note(self) -> str:
+        """Why the compute buffers stay at the KV level in place ("": they go too)."""
+        return self._kvl.buffers_note
+
+    @property
+    def kv_upload_note(self) -> str:
+        """Why the KV cells come back after the weights ("": layer by layer with the parts)."""
+        return self._kvl.kv_upload_note
+
+    @property
     def kv_in_place(self) -> bool:
         """The KV level keeps the context: its cells' metadata stays and the cells in use come
         back where they were (the caller need not move its sequences to host memory first)."""
