@@ -514,7 +514,7 @@ def test_each_overlapped_restore_logs_its_timeline(
         ref = greedy.run()
         res = _attach(llm, smollm2_path)
         seen: list[dict[str, float]] = []
-        with caplog.at_level(logging.INFO, logger="timeshare.core.residency.residency"):
+        with caplog.at_level(logging.INFO, logger="timeshare.core.residency"):
             for keep in (None, res.weight_bytes // 2):
                 _overlapped_cycle(res, llm, greedy, ref, keep)
                 assert res.last_overlap is not None

@@ -11,9 +11,9 @@ from .gguf_check import GgufInfo, check_gguf
 from .hostmem import fix_malloc_mmap_threshold
 from .options import ResidencyOptions
 from .paths import WeightPart
+from .probe import ProbeResult
 from .projector import ProjectorWatch
 from .residency import (
-    ProbeResult,
     ReleaseReport,
     Residency,
     RestoreReport,

@@ -112,7 +112,7 @@ class KvLevel:
 
     @property
     def compute_released_bytes(self) -> int:
-        return self._compute.nbytes if self._compute is not None else 0
+        return self._compute.live.nbytes if self._compute is not None else 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -201,7 +201,7 @@ class KvLevel:
             log.warning("the compute buffers of %s stay on the device: %s", self._model_path, exc)
             return
         self._compute = found
-        log.info("released the compute buffers of %s: %.1f MB", self._model_path, found.nbytes / 1e6)
+        log.info("released the compute buffers of %s: %.1f MB", self._model_path, found.live.nbytes / 1e6)
 
     # -- restore --------------------------------------------------------------------------------
 
@@ -216,11 +216,11 @@ class KvLevel:
     def _buffers_back(self) -> KvUpload | None:
         if self._kept is None or self.buffers is None:  # (kept only while the KV cache is released)
             return None
-        if self.buffers.released:
+        if self.buffers.live.released:
             self.buffers.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
             if self._upload is not None:
                 self._upload.reset()
-        if self._compute is not None and self._compute.released:
+        if self._compute is not None and self._compute.live.released:
             try:
                 self._compute.restore()  # the next decode builds its graph anew (no reserve)
             except OutOfDeviceMemoryError:
@@ -230,9 +230,9 @@ class KvLevel:
 
     def buffers_out(self) -> None:
         """Undo :meth:`begin_restore` (the weights could not come back)."""
-        if self.buffers is not None and not self.buffers.released and self._kept is not None:
+        if self.buffers is not None and not self.buffers.live.released and self._kept is not None:
             self.buffers.release()
-        if self._compute is not None and not self._compute.released:
+        if self._compute is not None and not self._compute.live.released:
             self._compute.release()
 
     def context_back(self, weights_moved: bool | None, ip: InPlace | None) -> tuple[Any, bool]:
@@ -251,7 +251,7 @@ class KvLevel:
             if weights_moved is not False:  # as after a weights-only restore: a scheduler reserve
                 context.forget_graphs(ctx_obj.ctx, llm)
                 reset = True
-            elif self.buffers.moved:
+            elif self.buffers.live.moved:
                 # the previous graph's views of the KV cache hold its old addresses: that graph is
                 # built anew (and, on CUDA, its captured graph updated: a new graph has a new uid,
                 # whose nodes' data pointers ggml-cuda compares); the scheduler's plan stays

@@ -8,12 +8,11 @@ The worker's loop thread is the only caller of a ``Residency`` (one owner, no lo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import llama_cpp
@@ -26,13 +25,16 @@ from ..devmem.vmm import CudaVmmDevice
 from ..errors import ConfigError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
-from . import _ggml, context, evalhook, hostmem
+from . import _ggml, context, hostmem
 from .context import Released
 from .gguf_check import check_gguf
 from .inplace import InPlace
 from .kvlevel import KvLevel
+from .measure import MemoryMeasure
 from .options import Mode, ResidencyOptions
-from .paths import InPlacePath, NoPath, PathName, ResidencyPath, WeightPart
+from .overlap import RestoreGate
+from .paths import HostFigures, InPlacePath, NoPath, PathName, ResidencyPath, WeightPart
+from .probe import probe as probe_build
 from .projector import ProjectorWatch
 from .rebuild import RebuildPath
 from .state import Kv, ResidencyState, Weights, check_transition
@@ -41,9 +43,6 @@ from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 from .view import InPlaceView
 
 log = logging.getLogger(__name__)
-
-#: ggml device names (CUDA0, Vulkan0, ...) of the backends the in-place path was checked on
-_INPLACE_BACKENDS = ("CUDA", "Vulkan")
 
 
 #: the environment variable that turns overlapped restores off ("0") or on ("1")
@@ -79,7 +78,7 @@ def overlap_expected() -> bool:
     splits a one-model budget's weights into parts only then): as asked, else auto, a CUDA build
     (the attach-time probe passes on CUDA only, never on Vulkan; off on the CPU build)."""
     wanted = overlap_wanted()
-    return wanted if wanted is not None else Residency.probe().backend.startswith("CUDA")
+    return wanted if wanted is not None else probe_build().backend.startswith("CUDA")
 
 
 @dataclass(frozen=True)
@@ -111,22 +110,6 @@ class RestoreReport:
     pending_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class ProbeResult:
-    """What this build of llama-cpp-python allows, before any model is loaded."""
-
-    version: str
-    version_ok: bool
-    backend: str  # the first GPU's name, or "CPU"
-    gpu: bool
-    layout_ok: bool
-    inplace_possible: bool
-    reason: str  # why not ("" when possible)
-    #: what the engine must pass as ``Llama(use_mmap=...)`` for the in-place path: False on a
-    #: CPU-only build (host weight buffers play the device), True on a GPU build
-    use_mmap_for_inplace: bool
-
-
 def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple[HandedMemory | None, str]:
     """The hand-over's memory for a model on ``gpu`` (None: a CPU build, where the memfd stand-in
     plays the device), or None and why it cannot be used."""
@@ -156,12 +139,6 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
     return mem, ""
 
 
-def rss_bytes() -> int:
-    """This process's resident set size (``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class Residency:
     """Release/restore of a loaded ``llama_cpp.Llama``. Create with :meth:`attach`."""
 
@@ -186,7 +163,6 @@ class Residency:
         self._gpu: _ggml.Device | None = None
         self.projector_bytes = 0  # its device weight bytes (in weight_bytes too); 0: none attached
         self.projector_note = ""  # why a projector stays on the device ("": none, or it moves)
-        self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
         self._file_id: FileId | None = None
         self._final = False  # release(final=True): never restored
         self._level: WorkerReleaseLevel = "weights"
@@ -194,46 +170,16 @@ class Residency:
         #: the KV level (residency/kvlevel.py): the snapshot, in place the KV and compute buffers
         self._kvl = KvLevel(None, "", None, False)
         self._closed = False
-        self._measure: str | None = None  # memory_measure, decided at the first release
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
-        self._gated_ctx = 0  # the context the upload gate is installed in (0: none)
-        #: what the last overlapped restore's gate saw, once settled (see :meth:`settle`)
-        self.last_overlap: OverlapTimeline | None = None
-        self.memory_note = ""  # why memory_measure is not the device's own report, when it is not
+        self._gate = RestoreGate("")  # an overlapped restore's upload gate (residency/overlap.py)
+        self._memory = MemoryMeasure(None)  # memory_measure (residency/measure.py)
         #: why restores do not map handed-over memory ("" when they do; issue 40)
         self.handover_note = "not asked for (ResidencyOptions.handover, arena.handover)"
 
     # -- construction -------------------------------------------------------------------------
 
-    @staticmethod
-    def probe() -> ProbeResult:
-        version = str(getattr(llama_cpp, "__version__", "?"))
-        gpu = _ggml.first_gpu()
-        version_ok = version == _ggml.PINNED_VERSION
-        layout_ok = True
-        reason = ""
-        try:
-            _ggml.probe_tensor_layout()
-        except _ggml.LayoutMismatchError as exc:
-            layout_ok = False
-            reason = str(exc)
-        if not version_ok:
-            reason = (
-                f"llama-cpp-python {version} is not the pinned {_ggml.PINNED_VERSION}: "
-                "its ggml struct layouts are unchecked"
-            )
-        if gpu is not None and not gpu.name.startswith(_INPLACE_BACKENDS):
-            reason = reason or f"backend {gpu.name} is not checked for in-place release"
-        return ProbeResult(
-            version=version,
-            version_ok=version_ok,
-            backend=gpu.name if gpu else "CPU",
-            gpu=gpu is not None,
-            layout_ok=layout_ok,
-            inplace_possible=not reason,
-            reason=reason,
-            use_mmap_for_inplace=gpu is not None,
-        )
+    #: what this build allows, before any model is loaded (residency/probe.py)
+    probe = staticmethod(probe_build)
 
     @classmethod
     def attach(
@@ -263,6 +209,8 @@ class Residency:
         # freed bytes and the backend name are measured there, not on GPU 0
         self._gpu = _ggml.gpu_at(int(getattr(getattr(llm, "model_params", None), "main_gpu", 0) or 0))
         self._kvl = KvLevel(llm, self.model_path, self._gpu, self._want_pinned_kv())
+        self._memory = MemoryMeasure(self._gpu)
+        self._gate = RestoreGate(self.model_path)
         mode = self._opts.mode
         if mode not in ("auto", "inplace", "rebuild"):
             raise ValueError(f"mode must be auto, inplace or rebuild, not {mode!r}")
@@ -271,7 +219,7 @@ class Residency:
         if mode == "rebuild":
             self._use_rebuild("rebuild path asked for (mode=rebuild)")
             return self
-        probe = cls.probe()
+        probe = probe_build()
         if not probe.inplace_possible:
             self._fallback(mode, probe.reason)
             return self
@@ -362,30 +310,12 @@ class Residency:
         if inpath is None or not self.weights_resident:
             self.projector_note = f"the model's residency is {self.path!r}: its projector stays where it is"
             return False
-        opts = ResidencyOptions(
-            mode="inplace",
-            host_shadow=self._opts.host_shadow,
-            verify_shadow=self._opts.verify_shadow,
-            coalesce_upload=self._opts.coalesce_upload,
-            parallel_buffers=self._opts.parallel_buffers,
-        )
-        try:
-            proj = InPlace(None, os.fspath(path), self._gpu, opts, discovery=watch.stop())
-        except (InPlaceUnsupportedError, NothingToReleaseError) as exc:
-            self.projector_note = str(exc)
-            log.info("the projector %s stays on the device: %s", path, exc)
+        self.projector_note = inpath.attach_projector(watch, os.fspath(path), self._gpu, self._opts)
+        if inpath.projector is None:
             return False
-        inpath.projector = proj
-        self.projector_bytes = proj.weight_bytes
-        self.weight_bytes += proj.weight_bytes
+        self.projector_bytes = inpath.projector.weight_bytes
+        self.weight_bytes += self.projector_bytes
         self._note_shadow()
-        log.info(
-            "residency of the projector %s: in place, %d buffer(s), %.1f MB, %d weight tensors seen",
-            path,
-            len(proj.buffers),
-            proj.weight_bytes / 1e6,
-            proj.n_weight_tensors_seen,
-        )
         return True
 
     def _split(self, ip: InPlace) -> None:
@@ -431,15 +361,10 @@ class Residency:
             with contextlib.suppress(ResidencyError, AttributeError):
                 context.forget_graphs(self._llm._ctx.ctx, self._llm)
 
-    def _note_shadow(self) -> None:
-        inpath = self._inpath
-        if inpath is None or inpath.ip.host_shadow.pending:
-            return
-        ip, proj = inpath.ip, inpath.projector
-        self.host_bytes = ip.shadow.size + (proj.shadow.size if proj is not None else 0)
-        self.host_pinned = ip.shadow.pinned and (proj is None or proj.shadow.pinned)
-        self.host_note = ip.host_shadow.note
-        self.host_parts = len(ip.shadow.segments) + (len(proj.shadow.segments) if proj is not None else 0)
+    def _note_shadow(self, fig: HostFigures | None = None) -> None:
+        fig = fig or (self._inpath.host_figures() if self._inpath is not None else None)
+        if fig is not None:
+            self.host_bytes, self.host_pinned, self.host_note, self.host_parts = astuple(fig)
 
     @property
     def shadow_pending(self) -> bool:
@@ -478,39 +403,10 @@ class Residency:
             return True
         if not (self.weights_resident or ip.host_shadow.from_file):
             raise ResidencyError("the deferred host shadow cannot be built: the weights are released")
-        before, total = ip.host_shadow.slices
-
-        def stop_after_slice() -> bool:
-            built, total = ip.host_shadow.slices
-            if built == 1:
-                log.info("host shadow of %s: building %d slices", self.model_path, total)
-            return stop is not None and stop()
-
-        t0 = time.perf_counter()
-        done = ip.host_shadow.fill(stop_after_slice if stop is not None else None, pin) is not None
-        built, total = ip.host_shadow.slices
-        self._shadow_build_s += time.perf_counter() - t0
-        if not done:
-            log.info(
-                "host shadow of %s: %d of %d slices built, paused (a request is waiting)",
-                self.model_path,
-                built,
-                total,
-            )
-            return False
-        self._note_shadow()
-        log.info(
-            "host shadow of %s filled (deferred) in %.0f ms: %.1f MB, pinned=%s, %d slices, "
-            "%d of them in this call%s",
-            self.model_path,
-            self._shadow_build_s * 1000.0,
-            self.host_bytes / 1e6,
-            self.host_pinned,
-            built,
-            built - before,
-            f", {ip.host_shadow.to_pin} pageable until pinned" if ip.host_shadow.to_pin else "",
-        )
-        return True
+        assert self._inpath is not None
+        fig = self._inpath.fill_shadow(stop, pin)
+        self._note_shadow(fig)
+        return fig is not None
 
     @property
     def shadow_to_pin(self) -> int:
@@ -526,15 +422,9 @@ class Residency:
         if ip is None or not ip.host_shadow.to_pin:
             return True
         self.settle()
-        done = ip.pin_shadow(stop)
+        assert self._inpath is not None
+        done = self._inpath.pin_shadow(stop)
         self._note_shadow()
-        if done:
-            log.info(
-                "host shadow of %s pinned (the part a release made pageable) in %.0f ms, pinned=%s",
-                self.model_path,
-                ip.attach_steps.get("shadow_pin_ms", 0.0),
-                self.host_pinned,
-            )
         return done
 
     @property
@@ -719,43 +609,17 @@ class Residency:
         """What release reports measure as freed memory: ``"device"`` (the device's free memory,
         ``ggml_backend_dev_memory``) or ``"rss"`` (the process's resident memory: a CPU build, or
         a device that does not report its usage -- see :attr:`memory_note`)."""
-        if self._measure is not None:
-            return self._measure
-        measure = self._choose_measure()
-        if self.weights_resident:  # only then does free == total say the device cannot tell
-            self._measure = measure
-        return measure
+        return self._memory.measure(self.backend, self.weights_resident, self.weight_bytes)
 
-    def _choose_measure(self) -> str:
-        if self._gpu is None or self.backend == "CPU":
-            return "rss"
-        free, total = _ggml.device_memory(self._gpu.handle)
-        if free >= total and self.weights_resident and self.weight_bytes > 0:
-            # e.g. Vulkan without VK_EXT_memory_budget (Mesa's lavapipe): ggml reports the heap
-            # size as free whatever is allocated, so a release would always measure 0 bytes
-            self.memory_note = (
-                f"{self._gpu.name} reports {free} bytes free of {total} with the weights loaded (its "
-                "driver does not report memory usage, e.g. no VK_EXT_memory_budget): measured as process "
-                "RSS instead, which is the device memory where the device is the CPU (lavapipe)"
-            )
-            log.info("%s", self.memory_note)
-            return "rss"
-        return "device"
+    @property
+    def memory_note(self) -> str:
+        """Why :attr:`memory_measure` is not the device's own report, when it is not."""
+        return self._memory.note
 
     def device_memory(self) -> tuple[str, int, int] | None:
-        """(device name, free bytes, total bytes) of the first GPU as ``ggml_backend_dev_memory``
+        """(device name, free bytes, total bytes) of the model's GPU as ``ggml_backend_dev_memory``
         reports them; None on a CPU-only build."""
-        if self._gpu is None:
-            return None
-        free, total = _ggml.device_memory(self._gpu.handle)
-        return self._gpu.name, free, total
-
-    def _device_free(self) -> int | None:
-        """Free bytes of the device the weights live on (RSS, negated, on a CPU build or a device
-        that does not report its usage)."""
-        if self.memory_measure == "device" and self._gpu is not None:
-            return _ggml.device_memory(self._gpu.handle)[0]
-        return -rss_bytes()
+        return self._memory.device_memory()
 
     # -- release / restore --------------------------------------------------------------------
 
@@ -781,7 +645,7 @@ class Residency:
         self.settle()  # an overlapped restore's uploads are over before anything is freed
         if keep_bytes is not None and keep_bytes < 0:
             raise ValueError(f"keep_bytes must be at least 0 (or None: release all), not {keep_bytes}")
-        path, ip = self._path, self._inplace
+        path = self._path
         weights_todo = path.weights_todo(self.weights_resident, kv, keep_bytes)
         kv_todo = kv and self.kv_resident
         if free_context:  # deeper still: a kept context goes too
@@ -791,28 +655,14 @@ class Residency:
         llm = self._llm
         if final:
             self._final = True
-        elif ip is not None and self.weights_resident and self.shadow_pending:
-            # a deferred shadow's slices not built yet: checked against the file now (nothing
-            # is released that could not come back), read from it later -- idle, or by the next
-            # restore -- not before this release, which another model may be waiting for
-            t1 = time.perf_counter()
-            checked = ip.host_shadow.check_pending()
-            built, total = self.shadow_slices
-            log.info(
-                "release of %s: %d of %d host shadow slices built; the rest will be read from the "
-                "file (%d tensors checked against it in %.1f ms)",
-                self.model_path,
-                built,
-                total,
-                checked,
-                (time.perf_counter() - t1) * 1000.0,
-            )
+        elif self._inpath is not None and self.weights_resident and self.shadow_pending:
+            self._inpath.check_shadow()  # the slices left checked against the file, read later
         if self.memory_measure == "rss":
             # host memory freed into a hole of glibc's heap goes back to the system only when the
             # heap is trimmed (a CPU release is for that memory): trimmed before and after, so the
             # report counts only what this release freed
             hostmem.trim_heap()
-        before = self._device_free()
+        before = self._memory.free(self.memory_measure)
         resident_before = self.resident_bytes
         t0 = time.perf_counter()
         if path.releases_context:  # the model and its context go together, the KV cache saved first
@@ -837,8 +687,8 @@ class Residency:
         if self.memory_measure == "rss":
             hostmem.trim_heap()
         ms = (time.perf_counter() - t0) * 1000.0
-        after = self._device_free()
-        freed = (after - before) if (before is not None and after is not None) else 0
+        after = self._memory.free(self.memory_measure)
+        freed = after - before
         resident = self.resident_bytes
         log.info(
             "released %s (%s): %.2f ms, %.1f MB freed, %.1f MB of weights resident",
@@ -922,19 +772,8 @@ class Residency:
                 if ip is not None:
                     ip.finish_uploads()
                 raise
-        pending, overlapped = 0, False
-        if ip is not None and ip.uploads.gate is not None and not (ip.hook is not None and self._live_ctx()):
-            ip.finish_uploads()  # no context to gate (never expected): synchronous
-        if ip is not None and ip.uploads.gate is not None and ip.hook is not None:
-            ctx = self._live_ctx()
-            if reset:  # now, not in the decode: a reserve frees compute buffers (on CUDA a device-wide wait)
-                t_r = time.perf_counter()
-                evalhook.reserve_now(ctx)
-                ip.restore_steps["reserve_ms"] = (time.perf_counter() - t_r) * 1000
-            evalhook.install(ctx, ip.hook, ip.uploads.gate.pointer)
-            self._gated_ctx = ctx
-            # the uploads began with the first part's allocation: some may be over already
-            pending, overlapped = ip.uploads.gate.pending_bytes, True
+        gated = self._gate.install(ip, self._live_ctx(), reset) if ip is not None else None
+        pending, overlapped = gated or 0, gated is not None
         if ip is not None and moved is not None:
             # from the restore's start until the caller may decode (the uploads may still run)
             ip.restore_steps["returned_ms"] = (time.perf_counter() - t0) * 1000
@@ -968,7 +807,7 @@ class Residency:
     @property
     def uploads_pending(self) -> bool:
         """An overlapped restore's uploads or its gate are still to be settled."""
-        return self._gated_ctx != 0 or (self._inplace is not None and self._inplace.uploads.pending)
+        return self._gate.installed or (self._inplace is not None and self._inplace.uploads.pending)
 
     def settle(self) -> None:
         """After the first decode that followed an overlapped restore (or before anything else
@@ -976,29 +815,21 @@ class Residency:
         the context, so no later decode pays for a callback. A no-op otherwise (cheap: call it
         after every decode). :attr:`last_overlap` then holds what the gate saw."""
         ip = self._inplace
-        if ip is None or (not self._gated_ctx and not ip.uploads.pending):
+        if ip is None or (not self._gate.installed and not ip.uploads.pending):
             return
         gate = ip.uploads.gate
         try:
             ip.finish_uploads()
         finally:
             self._kvl.settled(ip)
-            if self._gated_ctx:
-                assert ip.hook is not None
-                if self._live_ctx() == self._gated_ctx:  # (a context freed meanwhile has no hook)
-                    evalhook.clear(self._gated_ctx, ip.hook)
-                self._gated_ctx = 0
+            self._gate.take_out(ip, self._live_ctx())
         if gate is not None:
-            self.last_overlap = OverlapTimeline.settled(ip.restore_steps, gate.stats)
-            # one line per overlapped restore, its timeline from the restore's start (bench api
-            # collects them from the worker logs)
-            log.info(
-                "overlapped restore settled (%s): %s",
-                self.model_path,
-                json.dumps({k: round(v, 3) for k, v in self.last_overlap.as_dict().items()}),
-            )
-            if gate.error is not None:
-                raise ResidencyError(f"the upload gate failed: {gate.error}") from gate.error
+            self._gate.settled(ip.restore_steps, gate)
+
+    @property
+    def last_overlap(self) -> OverlapTimeline | None:
+        """What the last overlapped restore's gate saw, once settled (see :meth:`settle`)."""
+        return self._gate.last
 
     def _want_pinned_kv(self) -> bool:
         return self._opts.host_shadow == "pinned"

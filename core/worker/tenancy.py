@@ -23,7 +23,8 @@ from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
-from ..residency.residency import RestoreReport, mode_wanted, overlap_expected, rss_bytes
+from ..residency.measure import rss_bytes
+from ..residency.residency import RestoreReport, mode_wanted, overlap_expected
 from ..residency.state import Weights
 from ..state import WorkerReleaseLevel
 from ..util.units import decimal_bytes
