@@ -25,7 +25,7 @@ from _residency_util import Greedy, load, make_small_q4_0, same
 from timeshare.core.errors import OutOfDeviceMemoryError, ResidencyError
 from timeshare.core.residency import Residency, ResidencyOptions, _ggml
 from timeshare.core.residency.gate import PartGate
-from timeshare.core.residency.residency import OVERLAP_ENV
+from timeshare.core.residency.overlap import OVERLAP_ENV
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,8 @@ from .options import ResidencyOptions
 from .paths import WeightPart
 from .probe import ProbeResult
 from .projector import ProjectorWatch
-from .residency import (
-    ReleaseReport,
-    Residency,
-    RestoreReport,
-)
+from .reports import ReleaseReport, RestoreReport
+from .residency import Residency
 from .vkenv import prefer_device_local_memory
 
 __all__ = [

@@ -9,13 +9,54 @@ import logging
 import time
 from collections.abc import Mapping
 
+from .. import envvars
 from ..errors import ResidencyError
-from . import evalhook
+from . import _ggml, evalhook
 from .gate import PartGate
 from .inplace import InPlace
+from .probe import probe
 from .timeline import OverlapTimeline
 
 log = logging.getLogger(__name__)
+
+#: the environment variable that turns overlapped restores off ("0") or on ("1")
+OVERLAP_ENV = envvars.OVERLAP_RESTORE.name
+
+
+def overlap_wanted(option: bool | None = None) -> bool | None:
+    """The one rule for overlapped restores, as asked: ``TIMESHARE_OVERLAP_RESTORE`` = 0 / 1
+    overrides ``option`` (``ResidencyOptions.overlap_restore``; None: auto, :func:`overlap_expected`)."""
+    override = envvars.OVERLAP_RESTORE.switch()
+    return option if override is None else override
+
+
+def overlap_expected() -> bool:
+    """Whether an attach here will overlap restores, known before any model loads (the worker
+    splits a one-model budget's weights into parts only then): as asked, else auto, a CUDA build
+    (the attach-time probe passes on CUDA only, never on Vulkan; off on the CPU build)."""
+    wanted = overlap_wanted()
+    return wanted if wanted is not None else probe().backend.startswith("CUDA")
+
+
+def overlap_probed(wanted: bool | None, parts: int, gpu: _ggml.Device | None) -> bool:
+    """Whether attach probes the eval hook (a few tiny decodes): only where overlap would be used."""
+    return parts > 1 and (wanted is True or (wanted is None and gpu is not None))
+
+
+def overlap_note(wanted: bool | None, gpu: _ggml.Device | None, ip: InPlace) -> str:
+    """Why ``ip``'s restores are synchronous ("": they may overlap), as ``wanted``
+    (:func:`overlap_wanted`) on ``gpu`` (None: the CPU build)."""
+    if wanted is False:
+        return f"off (ResidencyOptions.overlap_restore=False or {OVERLAP_ENV}=0)"
+    if wanted is None and gpu is None:
+        return (
+            "off on the CPU build: the copy and the compute share the same cores, so overlapping them "
+            f"is slower (docs/lab/HISTORY.md); ResidencyOptions.overlap_restore=True or {OVERLAP_ENV}=1 "
+            "turns it on"
+        )
+    if len(ip.parts) < 2:
+        return "one layer part: nothing to overlap (ResidencyOptions.parts > 1)"
+    return "" if ip.hook is not None else ip.overlap_note
 
 
 class RestoreGate:

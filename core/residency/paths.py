@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from . import _ggml
 from .inplace import InPlace
@@ -166,12 +166,17 @@ class NoPath:
         pass
 
 
+def _free_buffers(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        _ggml.buffer_free(ptr)
+
+
 class InPlacePath:
     """The in-place path: the model's :class:`InPlace` and, once attached, a vision projector's,
-    released and restored with it (the projector first on the way back). ``own_parts`` is called
-    with the InPlace once a release made its layer parts' buffers (split_at_release): whoever
-    closes the model frees them; ``moved_at_close`` once close() moved resident weights (their
-    hand-over memory given back): the graphs hold their old addresses."""
+    released and restored with it (the projector first on the way back). The layer parts'
+    buffers, once made (:meth:`own_parts`), are freed with the Llama ``llm`` (its ExitStack);
+    ``moved_at_close`` is called once close() moved resident weights (their hand-over memory
+    given back): the graphs hold their old addresses."""
 
     name: PathName = "inplace"
     frees_memory = True
@@ -180,12 +185,10 @@ class InPlacePath:
     kv_bytes = 0
     kv_pinned = False
 
-    def __init__(
-        self, ip: InPlace, own_parts: Callable[[InPlace], None], moved_at_close: Callable[[], None]
-    ) -> None:
+    def __init__(self, ip: InPlace, llm: Any, moved_at_close: Callable[[], None]) -> None:
         self.ip = ip
         self.projector: InPlace | None = None
-        self._own_parts = own_parts
+        self._llm = llm
         self._moved_at_close = moved_at_close
         self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
 
@@ -196,6 +199,11 @@ class InPlacePath:
 
     def weights_todo(self, resident: bool, kv: bool, keep_bytes: int | None) -> bool:
         return bool(self.ip.parts_to_release(keep_bytes))
+
+    def own_parts(self) -> None:
+        """The parts' structs exist (the split happened, at attach or at a release): the model's
+        close frees them."""
+        self._llm._stack.callback(_free_buffers, self.ip.part_buffers())
 
     def attach_projector(
         self, watch: ProjectorWatch, path: str, gpu: _ggml.Device | None, model_opts: ResidencyOptions
@@ -317,7 +325,7 @@ class InPlacePath:
         if proj is not None and proj.resident_bytes:  # any release takes it along
             proj.release(None, final)
         if splitting and not ip.split_pending:
-            self._own_parts(ip)
+            self.own_parts()
         if ip.resident_bytes <= 0:
             return Weights.NONE
         return Weights.ALL if self.resident_bytes(True) == self.weight_bytes else Weights.SOME

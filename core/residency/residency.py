@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from typing import Any
 
 import llama_cpp
@@ -32,28 +32,18 @@ from .inplace import InPlace
 from .kvlevel import KvLevel
 from .measure import MemoryMeasure
 from .options import Mode, ResidencyOptions
-from .overlap import RestoreGate
+from .overlap import RestoreGate, overlap_note, overlap_probed, overlap_wanted
 from .paths import HostFigures, InPlacePath, NoPath, PathName, ResidencyPath, WeightPart
 from .probe import probe as probe_build
 from .projector import ProjectorWatch
 from .rebuild import RebuildPath
+from .reports import ReleaseReport, RestoreReport
 from .state import Kv, ResidencyState, Weights, check_transition
 from .timeline import OverlapTimeline, ReleaseSteps, RestoreSteps
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 from .view import InPlaceView
 
 log = logging.getLogger(__name__)
-
-
-#: the environment variable that turns overlapped restores off ("0") or on ("1")
-OVERLAP_ENV = envvars.OVERLAP_RESTORE.name
-
-
-def overlap_wanted(option: bool | None = None) -> bool | None:
-    """The one rule for overlapped restores, as asked: ``TIMESHARE_OVERLAP_RESTORE`` = 0 / 1
-    overrides ``option`` (``ResidencyOptions.overlap_restore``; None: auto, :func:`overlap_expected`)."""
-    override = envvars.OVERLAP_RESTORE.switch()
-    return option if override is None else override
 
 
 def mode_wanted(option: Mode = "auto") -> Mode:
@@ -71,43 +61,6 @@ def mode_wanted(option: Mode = "auto") -> Mode:
             ]
         )
     return modes[value]
-
-
-def overlap_expected() -> bool:
-    """Whether an attach here will overlap restores, known before any model loads (the worker
-    splits a one-model budget's weights into parts only then): as asked, else auto, a CUDA build
-    (the attach-time probe passes on CUDA only, never on Vulkan; off on the CPU build)."""
-    wanted = overlap_wanted()
-    return wanted if wanted is not None else probe_build().backend.startswith("CUDA")
-
-
-@dataclass(frozen=True)
-class ReleaseReport:
-    ms: float
-    #: what the memory measure (device free memory, or RSS) says this call freed
-    freed_bytes: int
-    level: WorkerReleaseLevel
-    #: exact bytes of the weight parts this call released, and of those resident after it
-    released_bytes: int = 0
-    resident_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    ms: float
-    bytes: int
-    gbps: float
-    level: WorkerReleaseLevel
-    #: the in-place path: whether a weight buffer came back at another address (None: not known,
-    #: another path); graphs_reset: whether the context's graphs were made to be built anew
-    addresses_moved: bool | None = None
-    graphs_reset: bool = False
-    #: the uploads go on after this call returned (``ms`` is then the allocation only) and the
-    #: next decode waits for each part it reaches that is not in yet: ``pending_bytes`` were
-    #: still to upload as it returned (the uploads began with the first part's allocation, so
-    #: some, or even all, may be over by then)
-    overlapped: bool = False
-    pending_bytes: int = 0
 
 
 def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple[HandedMemory | None, str]:
@@ -223,11 +176,8 @@ class Residency:
         if not probe.inplace_possible:
             self._fallback(mode, probe.reason)
             return self
-        wanted = self._overlap_wanted()
-        # the eval-hook probe (a few tiny decodes at attach) only where overlap would be used
-        overlap_probe = self._opts.parts > 1 and (
-            wanted is True or (wanted is None and self._gpu is not None)
-        )
+        wanted = overlap_wanted(self._opts.overlap_restore)
+        overlap_probe = overlap_probed(wanted, self._opts.parts, self._gpu)
         handed: HandedMemory | None = None
         if self._opts.handover:
             handed, self.handover_note = handed_memory(self._gpu, chunk_source)
@@ -245,9 +195,9 @@ class Residency:
         except InPlaceUnsupportedError as exc:
             self._fallback(mode, str(exc))
             return self
-        self._path = self._inpath = InPlacePath(ip, self._own_part_buffers, self._graphs_moved_at_close)
+        self._path = self._inpath = InPlacePath(ip, llm, self._graphs_moved_at_close)
         if ip.split_pending and not ip.split_at_release:
-            self._split(ip)
+            self._split(self._inpath)
         # the context may be set aside (a split that met out-of-memory left the model released)
         live = self._saved_ctx if self._saved_ctx is not None else llm._ctx
         self._kvl.find(int(live.ctx), ip.backend)
@@ -257,18 +207,7 @@ class Residency:
             self.handover_note = ip.handover.note
         self._note_shadow()
         self.parts_note = ip.parts_note
-        if wanted is False:
-            self.overlap_note = f"off (ResidencyOptions.overlap_restore=False or {OVERLAP_ENV}=0)"
-        elif wanted is None and self._gpu is None:
-            self.overlap_note = (
-                "off on the CPU build: the copy and the compute share the same cores, so overlapping them "
-                f"is slower (docs/lab/HISTORY.md); ResidencyOptions.overlap_restore=True or {OVERLAP_ENV}=1 "
-                "turns it on"
-            )
-        elif len(ip.parts) < 2:
-            self.overlap_note = "one layer part: nothing to overlap (ResidencyOptions.parts > 1)"
-        else:
-            self.overlap_note = "" if ip.hook is not None else ip.overlap_note
+        self.overlap_note = overlap_note(wanted, self._gpu, ip)
         self.reason = ""
         log.info(
             "residency of %s: in-place on %s, %d buffers in %d part(s), %.1f MB, %d weight tensors seen, "
@@ -283,9 +222,6 @@ class Residency:
             f"off ({self.overlap_note})" if self.overlap_note else "on",
         )
         return self
-
-    def _overlap_wanted(self) -> bool | None:
-        return overlap_wanted(self._opts.overlap_restore)
 
     @property
     def path(self) -> PathName:
@@ -318,7 +254,7 @@ class Residency:
         self._note_shadow()
         return True
 
-    def _split(self, ip: InPlace) -> None:
+    def _split(self, inpath: InPlacePath) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed
         with the model (its ExitStack). The graphs are built anew (every weight moved), except on
         Vulkan, where that reset itself breaks the context (see context.forget_graphs) and is not needed:
@@ -327,7 +263,7 @@ class Residency:
         model's own VkBuffers are destroyed, and the weights' tensor structs are the ones the
         graphs name (none of them is a view). Out of memory there leaves the model released
         (restore() brings it back)."""
-        llm = self._llm
+        llm, ip = self._llm, inpath.ip
         try:
             ip.split()
         except OutOfDeviceMemoryError as exc:
@@ -341,18 +277,9 @@ class Residency:
             raise
         finally:
             if not ip.split_pending:
-                self._own_part_buffers(ip)
+                inpath.own_parts()
         if self.weights_resident and not ip.backend.startswith("Vulkan"):
             context.forget_graphs(llm.ctx, llm)
-
-    def _own_part_buffers(self, ip: InPlace) -> None:
-        """The parts' structs exist (the split happened): the model's close frees them."""
-
-        def free_parts(ptrs: list[int]) -> None:
-            for ptr in ptrs:
-                _ggml.buffer_free(ptr)
-
-        self._llm._stack.callback(free_parts, ip.part_buffers())
 
     def _graphs_moved_at_close(self) -> None:
         """Closing moved resident weights (their handed-over memory given back): the graphs are
@@ -501,17 +428,21 @@ class Residency:
 
     @property
     def kv_note(self) -> str:
-        """Why the KV level frees the context ("": in place, or not the in-place path)."""
+        """Why the KV level frees the context and makes it again ("": in place, or not the in-place
+        path): a sliding-window, recurrent or hybrid cache, a build whose KV buffers are not found."""
         return self._kvl.kv_note
 
     @property
     def buffers_note(self) -> str:
-        """Why the compute buffers stay at the KV level in place ("": they go too)."""
+        """Why the compute buffers stay on the device at the KV level in place ("": they go too):
+        they cannot be found for sure, or a GPU build until TIMESHARE_DEEP_INPLACE=1."""
         return self._kvl.buffers_note
 
     @property
     def kv_upload_note(self) -> str:
-        """Why the KV cells come back after the weights ("": layer by layer with the parts)."""
+        """Why the KV cells come back after the weights, the portable way ("": layer by layer
+        with the weights' parts), e.g. a GPU build until TIMESHARE_DEEP_INPLACE=1, a state format
+        not the one checked."""
         return self._kvl.kv_upload_note
 
     @property
@@ -687,18 +618,11 @@ class Residency:
         if self.memory_measure == "rss":
             hostmem.trim_heap()
         ms = (time.perf_counter() - t0) * 1000.0
-        after = self._memory.free(self.memory_measure)
-        freed = after - before
+        freed = self._memory.free(self.memory_measure) - before
         resident = self.resident_bytes
-        log.info(
-            "released %s (%s): %.2f ms, %.1f MB freed, %.1f MB of weights resident",
-            self.model_path,
-            self._level,
-            ms,
-            freed / 1e6,
-            resident / 1e6,
+        return ReleaseReport.logged(
+            self.model_path, ms, freed, self._level, resident_before - resident, resident
         )
-        return ReleaseReport(ms, freed, self._level, resident_before - resident, resident)
 
     @property
     def overlap_available(self) -> bool:
@@ -780,21 +704,7 @@ class Residency:
         dt = time.perf_counter() - t0
         self._enter(weights=Weights.ALL)
         self._enter(kv=Kv.DEVICE)
-        gbps = nbytes / 1e9 / dt if dt > 0 and not overlapped else 0.0
-        # the rate of what this call moved, once it is all there: none while uploads go on (an
-        # overlapped restore's uploads end at its settle, whose line has its timeline)
-        rate = f", {nbytes / 1e9 / dt:.2f} GB/s" if dt > 0 and nbytes and not pending else ""
-        log.info(
-            "restored %s (%s): %.2f ms, %.1f MB%s%s%s",
-            self.model_path,
-            level,
-            dt * 1000,
-            nbytes / 1e6,
-            rate,
-            "" if moved is None else f", weights {'moved' if moved else 'back at their addresses'}",
-            f", overlapped ({pending / 1e6:.1f} MB uploading on)" if overlapped else "",
-        )
-        return RestoreReport(dt * 1000.0, nbytes, gbps, level, moved, reset, overlapped, pending)
+        return RestoreReport.logged(self.model_path, dt, nbytes, level, moved, reset, overlapped, pending)
 
     def _live_ctx(self) -> int:
         """The llama_context handle ``llm`` computes in now (0: none, or released)."""
