@@ -29,6 +29,54 @@ class Released:
         return True
 
 
+class ContextAside:
+    """The Llama's context object while the weights are released and the KV cache stays in it:
+    set aside, a :class:`Released` stand-in in its place (nothing may decode), until a restore
+    puts it back. The Residency (the loop thread) is its only caller."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        self._ctx: Any = None  # the context object set aside (None: the Llama holds its own)
+
+    @property
+    def held(self) -> bool:
+        return self._ctx is not None
+
+    def current(self) -> Any:
+        """The context object: the one set aside, else the Llama's."""
+        return self._ctx if self._ctx is not None else self._llm._ctx
+
+    def set_aside(self) -> None:
+        self._ctx = self._llm._ctx
+        self._llm._ctx = Released("context")
+
+    def handed_on(self) -> None:
+        """The context object (:meth:`current`) was handed on (the KV level keeps or freed it):
+        the Llama holds the stand-in."""
+        self._ctx = None
+        self._llm._ctx = Released("context")
+
+    def put_back(self, forget: bool = False) -> None:
+        """The context set aside back into the Llama; ``forget``: its graphs are built anew at the
+        next decode (:func:`forget_graphs`: a weight buffer came back at another address)."""
+        if forget:
+            forget_graphs(self._ctx.ctx, self._llm)
+        self._llm._ctx = self._ctx
+        self._ctx = None
+
+    def close(self) -> None:
+        """The Residency is closed: the Llama is no longer its (a context set aside stays here)."""
+        self._llm = None
+
+    def live(self) -> int:
+        """The llama_context handle the Llama computes in now (0: none, released, or closed)."""
+        try:
+            ctx = self._llm._ctx.ctx
+        except (AttributeError, ResidencyError):
+            return 0
+        return int(ctx or 0)
+
+
 def new_context(llm: Any, model: Any, kv: KvSnapshot | None, model_path: str, *, stays_released: str) -> Any:
     """A new llama context on ``model`` with ``llm``'s context parameters and the KV snapshot
     ``kv`` (if any) applied, then closed: the caller drops it. Out of memory:

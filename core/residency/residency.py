@@ -26,7 +26,7 @@ from ..errors import ConfigError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
 from . import _ggml, context, hostmem
-from .context import Released
+from .context import ContextAside
 from .gguf_check import check_gguf
 from .inplace import InPlace
 from .kvlevel import KvLevel
@@ -119,7 +119,8 @@ class Residency:
         self._file_id: FileId | None = None
         self._final = False  # release(final=True): never restored
         self._level: WorkerReleaseLevel = "weights"
-        self._saved_ctx: Any = None
+        #: the Llama's context while set aside (weights released, the KV cache kept in it)
+        self._aside = ContextAside(None)
         #: the KV level (residency/kvlevel.py): the snapshot, in place the KV and compute buffers
         self._kvl = KvLevel(None, "", None, False)
         self._closed = False
@@ -162,6 +163,7 @@ class Residency:
         # freed bytes and the backend name are measured there, not on GPU 0
         self._gpu = _ggml.gpu_at(int(getattr(getattr(llm, "model_params", None), "main_gpu", 0) or 0))
         self._kvl = KvLevel(llm, self.model_path, self._gpu, self._want_pinned_kv())
+        self._aside = ContextAside(llm)
         self._memory = MemoryMeasure(self._gpu)
         self._gate = RestoreGate(self.model_path)
         mode = self._opts.mode
@@ -199,8 +201,7 @@ class Residency:
         if ip.split_pending and not ip.split_at_release:
             self._split(self._inpath)
         # the context may be set aside (a split that met out-of-memory left the model released)
-        live = self._saved_ctx if self._saved_ctx is not None else llm._ctx
-        self._kvl.find(int(live.ctx), ip.backend)
+        self._kvl.find(int(self._aside.current().ctx), ip.backend)
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
         if handed is not None:
@@ -268,8 +269,7 @@ class Residency:
             ip.split()
         except OutOfDeviceMemoryError as exc:
             log.warning("%s: the model stays released until a restore", exc)
-            self._saved_ctx = llm._ctx
-            llm._ctx = Released("context")
+            self._aside.set_aside()
             self._enter(weights=Weights.NONE)
         except ResidencyError:  # nothing moved (a placeholder could not be made): the shadow goes
             ip.close()
@@ -464,9 +464,7 @@ class Residency:
         None while the context itself is freed (``release(kv=True)``, the rebuild path)."""
         if not self.kv_resident:
             return None
-        if self._saved_ctx is not None:
-            return self._saved_ctx.ctx
-        return self._llm.ctx if self._llm is not None else None
+        return self._aside.current().ctx if self._aside.held or self._llm is not None else None
 
     # -- layer parts --------------------------------------------------------------------------
 
@@ -583,7 +581,6 @@ class Residency:
             self._kvl.free_kept()
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
-        llm = self._llm
         if final:
             self._final = True
         elif self._inpath is not None and self.weights_resident and self.shadow_pending:
@@ -604,15 +601,13 @@ class Residency:
             self._enter(weights=weights)
         else:
             if kv_todo:
-                self._kvl.release(self._saved_ctx if self._saved_ctx is not None else llm._ctx, free_context)
-                self._saved_ctx = None
-                llm._ctx = Released("context")
+                self._kvl.release(self._aside.current(), free_context)
+                self._aside.handed_on()
                 self._enter(kv=Kv.HOST)
             if weights_todo:
                 weights = path.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
-                if self.kv_resident and self._saved_ctx is None:
-                    self._saved_ctx = llm._ctx
-                    llm._ctx = Released("context")
+                if self.kv_resident and not self._aside.held:
+                    self._aside.set_aside()
                 self._enter(weights=weights)
             self._level = "weights" if self.kv_resident else "weights+kv"
         if self.memory_measure == "rss":
@@ -682,21 +677,18 @@ class Residency:
                 if not self.kv_resident:
                     self._llm._ctx, reset = self._kvl.context_back(moved, ip)
                     self._enter(kv=Kv.DEVICE)
-                elif self._saved_ctx is not None:
+                elif self._aside.held:
                     # Graphs (and captured CUDA graphs) hold the weights' addresses: they must be
                     # built anew only when a buffer moved. Every buffer back at its old address (the
                     # allocator often hands the same block back) skips the scheduler's reserve.
                     # Vulkan buffers never move (see context.forget_graphs), so a Vulkan restore never resets.
-                    if moved is not False:
-                        context.forget_graphs(self._saved_ctx.ctx, self._llm)
-                        reset = True
-                    self._llm._ctx = self._saved_ctx
-                    self._saved_ctx = None
+                    reset = moved is not False
+                    self._aside.put_back(forget=reset)
             except BaseException:
                 if ip is not None:
                     ip.finish_uploads()
                 raise
-        gated = self._gate.install(ip, self._live_ctx(), reset) if ip is not None else None
+        gated = self._gate.install(ip, self._aside.live(), reset) if ip is not None else None
         pending, overlapped = gated or 0, gated is not None
         if ip is not None and moved is not None:
             # from the restore's start until the caller may decode (the uploads may still run)
@@ -705,14 +697,6 @@ class Residency:
         self._enter(weights=Weights.ALL)
         self._enter(kv=Kv.DEVICE)
         return RestoreReport.logged(self.model_path, dt, nbytes, level, moved, reset, overlapped, pending)
-
-    def _live_ctx(self) -> int:
-        """The llama_context handle ``llm`` computes in now (0: none, or released)."""
-        try:
-            ctx = self._llm._ctx.ctx if self._llm is not None else None
-        except (AttributeError, ResidencyError):
-            return 0
-        return int(ctx or 0)
 
     @property
     def uploads_pending(self) -> bool:
@@ -732,7 +716,7 @@ class Residency:
             ip.finish_uploads()
         finally:
             self._kvl.settled(ip)
-            self._gate.take_out(ip, self._live_ctx())
+            self._gate.take_out(ip, self._aside.live())
         if gate is not None:
             self._gate.settled(ip.restore_steps, gate)
 
@@ -760,9 +744,9 @@ class Residency:
         except ResidencyError:
             log.exception("the last overlapped restore of %s failed", self.model_path)
         self._closed = True
-        if self._saved_ctx is not None and self.weights_resident:
-            self._llm._ctx = self._saved_ctx
-            self._saved_ctx = None
+        if self._aside.held and self.weights_resident:
+            self._aside.put_back()
+        self._aside.close()
         self._kvl.close()
         self._path.close()  # (in place: the graphs reset where handed-over memory was given back)
         self._inpath = None
