@@ -171,7 +171,7 @@ HANDOVER_ROOM = EnvVar(
 DEEP_INPLACE = EnvVar(
     "TIMESHARE_DEEP_INPLACE",
     "0 or 1",
-    "on for a CPU build, off on a GPU until measured there",
+    "on for a CPU build and on CUDA (measured there), off on Vulkan until measured",
     "escape hatch",
     "The deep level's compute buffers released in place and its KV cells uploaded layer by layer "
     "with the weights (1), or the compute buffers kept and the KV cells put back after the weights (0)",

@@ -91,7 +91,7 @@ def test_with_deep_inplace_off_the_kv_level_keeps_the_compute_buffers_and_is_sti
     """TIMESHARE_DEEP_INPLACE=0 (a GPU build's default until a run there proves the new way): the
     KV buffer still goes in place, the compute buffers stay (and the budget does not count them),
     the KV cells come back after the weights; the answer equals a weights-only switch's."""
-    from timeshare.core.residency.residency import DEEP_UNVERIFIED
+    from timeshare.core.residency.kvlevel import DEEP_UNVERIFIED
 
     monkeypatch.setenv("TIMESHARE_DEEP_INPLACE", "0")
     llm = load(smollm2_path, n_ctx=4096, use_mmap=False)

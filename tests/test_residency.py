@@ -241,14 +241,14 @@ def test_restore_rebuilds_graphs_only_when_a_weight_buffer_moved(
     """The scheduler's reserve after a restore (graphs built anew: a captured CUDA graph holds the
     weights' old addresses) is forced only when a weight buffer came back elsewhere; the restore
     records which. A move is forced by an allocator that never hands back an old address."""
-    from timeshare.core.residency import residency as residency_mod
+    from timeshare.core.residency import context as context_mod
 
     greedy = Greedy(smol)
     ref = greedy.run()
     resets: list[int] = []
-    forget = residency_mod._forget_graphs
+    forget = context_mod.forget_graphs
     monkeypatch.setattr(
-        residency_mod, "_forget_graphs", lambda ctx, llm: (resets.append(1), forget(ctx, llm))[1]
+        context_mod, "forget_graphs", lambda ctx, llm: (resets.append(1), forget(ctx, llm))[1]
     )
     res = Residency.attach(smol, smollm2_path, ResidencyOptions(mode="inplace"))
     ip = res._inplace
@@ -284,7 +284,7 @@ def test_restore_rebuilds_graphs_only_when_a_weight_buffer_moved(
     # at the KV level the context stays (issue 39): its compute buffers come back too, so its
     # next graph is always built anew (a scheduler reserve only where a weight buffer moved)
     res.release(kv=True)
-    assert res.context_kept and res._kvbuf is not None and res.compute_released_bytes > 0
+    assert res.context_kept and res._kvl.buffers is not None and res.compute_released_bytes > 0
     rst = res.restore()
     assert rst.graphs_reset
     assert same(greedy.run(), ref)

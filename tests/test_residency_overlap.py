@@ -25,7 +25,7 @@ from _residency_util import Greedy, load, make_small_q4_0, same
 from timeshare.core.errors import OutOfDeviceMemoryError, ResidencyError
 from timeshare.core.residency import Residency, ResidencyOptions, _ggml
 from timeshare.core.residency.gate import PartGate
-from timeshare.core.residency.residency import OVERLAP_ENV
+from timeshare.core.residency.overlap import OVERLAP_ENV
 
 
 @pytest.fixture(scope="module")
@@ -514,7 +514,7 @@ def test_each_overlapped_restore_logs_its_timeline(
         ref = greedy.run()
         res = _attach(llm, smollm2_path)
         seen: list[dict[str, float]] = []
-        with caplog.at_level(logging.INFO, logger="timeshare.core.residency.residency"):
+        with caplog.at_level(logging.INFO, logger="timeshare.core.residency"):
             for keep in (None, res.weight_bytes // 2):
                 _overlapped_cycle(res, llm, greedy, ref, keep)
                 assert res.last_overlap is not None
@@ -584,7 +584,7 @@ def test_the_deep_level_uploads_each_layers_kv_cells_after_its_part(
         greedy = Greedy(llm)
         ref = greedy.run()
         res = _attach(llm, smollm2_path)
-        ip, kvbuf = res._inplace, res._kvbuf
+        ip, kvbuf = res._inplace, res._kvl.buffers
         assert ip is not None and kvbuf is not None
         part_of = {t.ptr: p.index for p in ip.parts for b in p.buffers for t in b.tensors}
         layer_of = {t: layer.index for layer in kvbuf.layers for t in (layer.k, layer.v)}

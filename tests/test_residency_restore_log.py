@@ -23,7 +23,7 @@ def test_the_restore_line_never_says_zero_gb_per_s(
             llm, smollm2_path, ResidencyOptions(mode="inplace", parts=8, overlap_restore=overlap)
         )
         reports = []
-        with caplog.at_level(logging.INFO, logger="timeshare.core.residency.residency"):
+        with caplog.at_level(logging.INFO, logger="timeshare.core.residency"):
             for _ in range(3):
                 res.release()
                 reports.append(res.restore())

@@ -16,6 +16,7 @@ import pytest
 from timeshare.core.residency import Residency, _ggml
 from timeshare.core.residency import plan as plan_mod
 from timeshare.core.residency import residency as residency_mod
+from timeshare.core.residency.measure import MemoryMeasure
 from timeshare.core.residency.state import ResidencyState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +75,7 @@ def _resident_on(monkeypatch: pytest.MonkeyPatch, free: int, total: int) -> Resi
     res._gpu = _ggml.Device(1, "Vulkan0", _ggml.GGML_BACKEND_DEVICE_TYPE_GPU)
     res.backend = "Vulkan0"
     res.weight_bytes = 100 << 20
+    res._memory = MemoryMeasure(res._gpu)
     monkeypatch.setattr(residency_mod._ggml, "device_memory", lambda _dev: (free, total))
     return res
 
@@ -83,7 +85,7 @@ def test_a_device_that_reports_no_usage_is_measured_by_rss(monkeypatch: pytest.M
     res = _resident_on(monkeypatch, 2 << 30, 2 << 30)
     assert res.memory_measure == "rss"
     assert "Vulkan0 reports" in res.memory_note and "VK_EXT_memory_budget" in res.memory_note
-    assert (res._device_free() or 0) < 0  # RSS, negated
+    assert res._memory.free(res.memory_measure) < 0  # RSS, negated
     assert res.device_memory() == ("Vulkan0", 2 << 30, 2 << 30)
 
 
@@ -91,7 +93,7 @@ def test_a_device_that_reports_usage_is_measured_by_itself(monkeypatch: pytest.M
     res = _resident_on(monkeypatch, 1 << 30, 2 << 30)
     assert res.memory_measure == "device"
     assert res.memory_note == ""
-    assert res._device_free() == 1 << 30
+    assert res._memory.free(res.memory_measure) == 1 << 30
 
 
 def test_the_measure_is_decided_only_while_the_weights_are_resident(monkeypatch: pytest.MonkeyPatch) -> None:

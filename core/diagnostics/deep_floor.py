@@ -182,7 +182,7 @@ def _child() -> int:
 
     from ..config.schema import ModelConfig
     from ..residency import Residency, ResidencyOptions
-    from ..residency.residency import rss_bytes
+    from ..residency.measure import rss_bytes
     from ..sampling import Sampling
     from ..wire.protocol import Generate
     from ..worker.device import device_memory

@@ -16,7 +16,9 @@ import numpy as np
 from ..errors import TimeshareError
 from ..residency.gguf_check import GgufInfo, check_gguf
 from ..residency.hostmem import fix_malloc_mmap_threshold
-from ..residency.residency import ProbeResult, ReleaseReport, Residency, RestoreReport
+from ..residency.probe import ProbeResult
+from ..residency.reports import ReleaseReport, RestoreReport
+from ..residency.residency import Residency
 from ..residency.vkenv import prefer_device_local_memory
 
 PROMPT = b"The quick brown fox jumps over the lazy dog. Once upon a time, in a quiet village,"

@@ -11,13 +11,10 @@ from .gguf_check import GgufInfo, check_gguf
 from .hostmem import fix_malloc_mmap_threshold
 from .options import ResidencyOptions
 from .paths import WeightPart
+from .probe import ProbeResult
 from .projector import ProjectorWatch
-from .residency import (
-    ProbeResult,
-    ReleaseReport,
-    Residency,
-    RestoreReport,
-)
+from .reports import ReleaseReport, RestoreReport
+from .residency import Residency
 from .vkenv import prefer_device_local_memory
 
 __all__ = [

@@ -172,7 +172,9 @@ gguf_get_data_offset = _fn("gguf_get_data_offset", c_size_t, c_void_p)
 gguf_get_n_tensors = _fn("gguf_get_n_tensors", c_int64, c_void_p)
 
 
-def _fn_optional(name: str, restype: Any, *argtypes: Any) -> Any | None:
+def bind_optional(name: str, restype: Any, *argtypes: Any) -> Any | None:
+    """The exported function ``name`` of libggml-base, libggml or libllama (the copies llama_cpp
+    loaded), bound to these types; None where none exports it."""
     try:
         return _fn(name, restype, *argtypes)
     except OSError:
@@ -183,9 +185,9 @@ def _fn_optional(name: str, restype: Any, *argtypes: Any) -> Any | None:
 # libllama exports (it is built with default symbol visibility): the eval hook of an overlapped
 # restore (residency/evalhook.py) finds the context's cparams and scheduler through them
 sched_set_eval_callback = _fn("ggml_backend_sched_set_eval_callback", None, c_void_p, c_void_p, c_void_p)
-ctx_get_cparams = _fn_optional("_ZNK13llama_context11get_cparamsEv", c_void_p, c_void_p)
-ctx_get_sched = _fn_optional("_ZNK13llama_context9get_schedEv", c_void_p, c_void_p)
-ctx_sched_reserve = _fn_optional("_ZN13llama_context13sched_reserveEv", None, c_void_p)
+ctx_get_cparams = bind_optional("_ZNK13llama_context11get_cparamsEv", c_void_p, c_void_p)
+ctx_get_sched = bind_optional("_ZNK13llama_context9get_schedEv", c_void_p, c_void_p)
+ctx_sched_reserve = bind_optional("_ZN13llama_context13sched_reserveEv", None, c_void_p)
 # the scheduler's compute buffers (residency/computebuf.py): public ggml API, and the context's
 # previous graph (``llama_context::get_gf_res_prev``, ``llm_graph_result::reset``: exported C++)
 sched_get_n_backends = _fn("ggml_backend_sched_get_n_backends", c_int, c_void_p)
@@ -193,8 +195,8 @@ sched_get_backend = _fn("ggml_backend_sched_get_backend", c_void_p, c_void_p, c_
 sched_get_buffer_type = _fn("ggml_backend_sched_get_buffer_type", c_void_p, c_void_p, c_void_p)
 sched_get_buffer_size = _fn("ggml_backend_sched_get_buffer_size", c_size_t, c_void_p, c_void_p)
 buft_is_host = _fn("ggml_backend_buft_is_host", c_bool, c_void_p)
-ctx_get_gf_res_prev = _fn_optional("_ZN13llama_context15get_gf_res_prevEv", c_void_p, c_void_p)
-graph_result_reset = _fn_optional("_ZN16llm_graph_result5resetEv", None, c_void_p)
+ctx_get_gf_res_prev = bind_optional("_ZN13llama_context15get_gf_res_prevEv", c_void_p, c_void_p)
+graph_result_reset = bind_optional("_ZN16llm_graph_result5resetEv", None, c_void_p)
 
 
 def buft_alloc_buffer(buft: int, size: int) -> int | None:

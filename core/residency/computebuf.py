@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ResidencyError
 from . import _ggml
-from .swaps import PLACEHOLDER_BYTES, free_memory, renew_released
+from .swaps import PLACEHOLDER_BYTES, LiveBuffers
 
 #: struct ggml_backend_sched (ggml-backend.cpp): bool is_reset, is_alloc; int n_backends;
 #: ggml_backend_t backends[GGML_SCHED_MAX_BACKENDS]; ggml_backend_buffer_type_t bufts[...];
@@ -72,38 +72,23 @@ class ComputeBuffers:
     valid until the scheduler's next reserve). The loop thread's Residency is its only caller."""
 
     ctx: int
-    buffers: list[ComputeBuffer] = field(default_factory=list)
-    moved: bool = False  # the last restore put a buffer at another address
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.size for b in self.buffers)
-
-    @property
-    def released(self) -> bool:
-        return any(b.released for b in self.buffers)
+    #: their memory (``live.moved``: the last restore put a buffer at another address)
+    live: LiveBuffers[ComputeBuffer] = field(default_factory=LiveBuffers)
 
     def release(self) -> None:
         """Free the buffers' memory; no decode may run until :meth:`restore`. ResidencyError
         (a placeholder could not be made): the buffers released so far come back first."""
-        for b in self.buffers:
-            if b.released:
-                continue
-            if not free_memory(b.ptr, b.buft, b.layout):
-                self.restore()
-                raise ResidencyError(
-                    "cannot allocate a placeholder for a compute buffer: "
-                    "the compute buffers were not released"
-                )
-            b.released = True
+        if not self.live.release():
+            self.restore()
+            raise ResidencyError(
+                "cannot allocate a placeholder for a compute buffer: the compute buffers were not released"
+            )
 
     def restore(self) -> None:
         """Allocate each released buffer again (same size and type) and make the next decode
         build its graph anew. OutOfDeviceMemoryError: what this call allocated is freed again,
         the buffers stay released."""
-        self.moved = False
-        done, self.moved = renew_released(self.buffers, "compute buffer", lambda _b: None)
-        if done:
+        if self.live.renew("compute buffer", lambda _b: None):
             forget_graph(self.ctx)
 
 
@@ -139,7 +124,7 @@ class ComputeBufferFinder:
             )
         finder = cls(include_host)
         found = finder.find(ctx)
-        if not found.buffers:
+        if not found.live.items:
             raise ComputeBufferUnsupportedError("the context's scheduler has no compute buffer to release")
         return finder
 
@@ -209,7 +194,7 @@ class ComputeBufferFinder:
                     self.layouts[bufts[i]] = layout
                 size = int(_ggml.buffer_get_size(chunk))
                 if size > PLACEHOLDER_BYTES:
-                    out.buffers.append(
+                    out.live.items.append(
                         ComputeBuffer(chunk, bufts[i], size, int(_ggml.buffer_get_base(chunk) or 0), layout)
                     )
         return out

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+import llama_cpp
+
 from ..errors import OutOfDeviceMemoryError, ResidencyError
 from .kv import KvSnapshot
 
@@ -25,6 +27,54 @@ class Released:
 
     def __bool__(self) -> bool:
         return True
+
+
+class ContextAside:
+    """The Llama's context object while the weights are released and the KV cache stays in it:
+    set aside, a :class:`Released` stand-in in its place (nothing may decode), until a restore
+    puts it back. The Residency (the loop thread) is its only caller."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        self._ctx: Any = None  # the context object set aside (None: the Llama holds its own)
+
+    @property
+    def held(self) -> bool:
+        return self._ctx is not None
+
+    def current(self) -> Any:
+        """The context object: the one set aside, else the Llama's."""
+        return self._ctx if self._ctx is not None else self._llm._ctx
+
+    def set_aside(self) -> None:
+        self._ctx = self._llm._ctx
+        self._llm._ctx = Released("context")
+
+    def handed_on(self) -> None:
+        """The context object (:meth:`current`) was handed on (the KV level keeps or freed it):
+        the Llama holds the stand-in."""
+        self._ctx = None
+        self._llm._ctx = Released("context")
+
+    def put_back(self, forget: bool = False) -> None:
+        """The context set aside back into the Llama; ``forget``: its graphs are built anew at the
+        next decode (:func:`forget_graphs`: a weight buffer came back at another address)."""
+        if forget:
+            forget_graphs(self._ctx.ctx, self._llm)
+        self._llm._ctx = self._ctx
+        self._ctx = None
+
+    def close(self) -> None:
+        """The Residency is closed: the Llama is no longer its (a context set aside stays here)."""
+        self._llm = None
+
+    def live(self) -> int:
+        """The llama_context handle the Llama computes in now (0: none, released, or closed)."""
+        try:
+            ctx = self._llm._ctx.ctx
+        except (AttributeError, ResidencyError):
+            return 0
+        return int(ctx or 0)
 
 
 def new_context(llm: Any, model: Any, kv: KvSnapshot | None, model_path: str, *, stays_released: str) -> Any:
@@ -56,3 +106,29 @@ def point_tokenizer(llm: Any, model: Any) -> None:
     tok = getattr(llm, "tokenizer_", None)
     if tok is not None and hasattr(tok, "_model"):
         tok._model = model
+
+
+def forget_graphs(ctx: Any, llm: Any) -> None:
+    """Make the context build its compute graphs anew at the next decode.
+
+    llama.cpp reuses the previous decode's graph when the batch has the same shape, and then
+    ggml-cuda replays its captured CUDA graph without comparing the tensors' data pointers --
+    which still point at the weights' old addresses after an in-place restore (an illegal memory
+    access on the H200 whenever cudaMalloc did not hand back the same address). Clearing the
+    control vector (none is set: Llama has no API for one) is the public call that marks the
+    scheduler for a new reserve, so the next decode gets fresh graphs and CUDA graphs re-capture.
+
+    Never needed on Vulkan, and never called there: a Vulkan buffer's base is the constant
+    ``vk_ptr_base``, so its tensors' data pointers never move (restore reports ``moved`` False);
+    ggml-vulkan finds the VkBuffer through the buffer's context at every dispatch and drops its
+    cached descriptor bindings whenever any VkBuffer is destroyed. It would also crash there:
+    re-creating the scheduler mid-context (this very call, even with no release at all) makes the
+    next decode segfault in ggml-vulkan 0.3.36 on lavapipe for a model with a CPU split
+    (Gemma-3-270M, whose output matrix stays on the CPU); docs/lab/HISTORY.md, Vulkan.
+    """
+    n_embd = int(llama_cpp.llama_model_n_embd(llm._model.model))
+    rc = int(llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1))
+    if rc != 0:
+        raise ResidencyError(
+            f"could not reset the context's graphs after restore (llama_set_adapter_cvec returned {rc})"
+        )

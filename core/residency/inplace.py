@@ -8,7 +8,7 @@ not used in residency/unsupported.py.
 1. discovery: a throwaway context with ``cb_eval`` runs one warm-up decode; every ``src`` of a graph
    node whose buffer is used for WEIGHTS is a weight tensor (views lead to their ``view_src``; the
    views themselves are the graph's own, freed with the throwaway context -- the live context's
-   are built anew whenever a buffer moved, see residency._forget_graphs -- and never written);
+   are built anew whenever a buffer moved, see context.forget_graphs -- and never written);
 2. plan: group by buffer, keep the buffers to release (device buffers; on a CPU-only build the host
    weight buffers of a model loaded without mmap) and check that the tensors found fill each
    buffer exactly as ggml-alloc laid it out -- a tensor the graph did not show would keep a
@@ -109,7 +109,8 @@ class InPlace:
         if overlap and vulkan:
             self.overlap_note = (
                 "Vulkan: restores stay synchronous (ggml-vulkan's uploads and graph computes from two "
-                "threads are not checked to be safe, and its graphs cannot be reset: see _forget_graphs)"
+                "threads are not checked to be safe, and its graphs cannot be reset: "
+                "see context.forget_graphs)"
             )
         #: the uploads of the restore in progress: its gate (overlapped), its parts' uploads
         self.uploads = Uploads(self.layout)

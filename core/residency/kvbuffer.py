@@ -27,7 +27,7 @@ import llama_cpp
 
 from ..errors import ResidencyError
 from . import _ggml
-from .swaps import free_memory, renew_released
+from .swaps import LiveBuffers
 
 _GET_K = "_ZNK14llama_kv_cache5get_kEP12ggml_contextijRKNS_9slot_infoE"
 _GET_V = "_ZNK14llama_kv_cache5get_vEP12ggml_contextijRKNS_9slot_infoE"
@@ -72,13 +72,9 @@ class KvBuffer:
 
 
 def _method(name: str) -> Any:
-    lib = llama_cpp.llama_cpp._lib
-    try:
-        fn = getattr(lib, name)
-    except AttributeError:
-        raise KvBufferUnsupportedError(f"this llama.cpp build does not export {name}") from None
-    fn.restype = c_void_p
-    fn.argtypes = [c_void_p, c_void_p, c_int32, c_uint32, c_void_p]
+    fn = _ggml.bind_optional(name, c_void_p, c_void_p, c_void_p, c_int32, c_uint32, c_void_p)
+    if fn is None:
+        raise KvBufferUnsupportedError(f"this llama.cpp build does not export {name}")
     return fn
 
 
@@ -102,19 +98,11 @@ class KvBuffers:
         memory: int = 0,
         v_trans: bool = False,
     ) -> None:
-        self.buffers = buffers
-        self.moved = False  # the last restore put a buffer at another address
+        #: their memory (``live.moved``: the last restore put a buffer at another address)
+        self.live = LiveBuffers(buffers)
         self.layers = layers or []  # in layer order
         self.memory = memory  # the context's llama_kv_cache (its cells' metadata: kvupload.py)
         self.v_trans = v_trans  # V is stored transposed (no flash attention)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.size for b in self.buffers)
-
-    @property
-    def released(self) -> bool:
-        return any(b.released for b in self.buffers)
 
     @classmethod
     def find(cls, model: int, ctx: int) -> KvBuffers:
@@ -198,19 +186,14 @@ class KvBuffers:
     def release(self) -> None:
         """Free the buffers' memory (the tensors' data dangle until :meth:`restore`); the caller
         saved the cells in use and emptied the cache first."""
-        for b in self.buffers:
-            if b.released:
-                continue
-            if not free_memory(b.ptr, b.buft, b.layout):
-                raise ResidencyError(
-                    "cannot allocate a placeholder for the KV buffer: the KV cache was not released"
-                )
-            b.released = True
+        if not self.live.release():
+            raise ResidencyError(
+                "cannot allocate a placeholder for the KV buffer: the KV cache was not released"
+            )
 
     def restore(self) -> None:
         """Allocate the buffers again, point the tensors into them and clear them (zeros).
         OutOfDeviceMemoryError: what this call allocated is freed again, the cache stays released."""
-        self.moved = False
 
         def relocate(b: KvBuffer) -> None:  # the tensors and their views into the new memory, cleared
             lay = _ggml.TensorLayout()
@@ -223,4 +206,4 @@ class KvBuffers:
                 )
             _ggml.buffer_clear(b.ptr, 0)
 
-        _done, self.moved = renew_released(self.buffers, "KV cache", relocate)
+        self.live.renew("KV cache", relocate)

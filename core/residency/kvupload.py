@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import llama_cpp
 import numpy as np
 
 from . import _ggml
@@ -56,13 +55,9 @@ class KvUploadUnsupportedError(Exception):
 
 
 def _bind(name: str, restype: Any, *argtypes: Any) -> Any:
-    lib = llama_cpp.llama_cpp._lib
-    try:
-        fn = getattr(lib, name)
-    except AttributeError:
-        raise KvUploadUnsupportedError(f"this llama.cpp build does not export {name}") from None
-    fn.restype = restype
-    fn.argtypes = list(argtypes)
+    fn = _ggml.bind_optional(name, restype, *argtypes)
+    if fn is None:
+        raise KvUploadUnsupportedError(f"this llama.cpp build does not export {name}")
     return fn
 
 

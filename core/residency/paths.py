@@ -16,15 +16,22 @@ device memory, the KV level in place) stays on :class:`InPlacePath` and its
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
+from . import _ggml
 from .inplace import InPlace
 from .kvupload import KvUpload
-from .projector import ProjectorResidency
+from .options import ResidencyOptions
+from .projector import ProjectorResidency, ProjectorWatch
 from .state import Weights
 from .timeline import ReleaseSteps, RestoreSteps
+from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
+
+log = logging.getLogger(__name__)
 
 PathName = Literal["inplace", "rebuild", "none"]
 
@@ -39,6 +46,17 @@ class WeightPart:
     last_layer: int
     bytes: int
     resident: bool
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    """The in-place path's host shadow, the projector's in: bytes, whether every allocation is
+    pinned, why not, and its separate host allocations (pinned ones are per-buffer)."""
+
+    bytes: int
+    pinned: bool
+    note: str
+    parts: int
 
 
 class ResidencyPath(Protocol):
@@ -149,14 +167,19 @@ class NoPath:
         pass
 
 
+def _free_buffers(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        _ggml.buffer_free(ptr)
+
+
 class InPlacePath:
     """The in-place path: the model's :class:`InPlace` and, once attached, a vision projector's
     (:class:`ProjectorResidency`), released with it and restored after it: its restore starts
     once the model's has returned, on its own thread, its copies after the model's (a text turn
-    never waits for it; :meth:`projector_ready` does). ``own_parts`` is called
-    with the InPlace once a release made its layer parts' buffers (split_at_release): whoever
-    closes the model frees them; ``moved_at_close`` once close() moved resident weights (their
-    hand-over memory given back): the graphs hold their old addresses."""
+    never waits for it; :meth:`projector_ready` does). The layer parts' buffers, once made
+    (:meth:`own_parts`), are freed with the Llama ``llm`` (its ExitStack); ``moved_at_close`` is
+    called once close() moved resident weights (their hand-over memory given back): the graphs
+    hold their old addresses."""
 
     name: PathName = "inplace"
     frees_memory = True
@@ -165,13 +188,12 @@ class InPlacePath:
     kv_bytes = 0
     kv_pinned = False
 
-    def __init__(
-        self, ip: InPlace, own_parts: Callable[[InPlace], None], moved_at_close: Callable[[], None]
-    ) -> None:
+    def __init__(self, ip: InPlace, llm: Any, moved_at_close: Callable[[], None]) -> None:
         self.ip = ip
         self.projector: ProjectorResidency | None = None
-        self._own_parts = own_parts
+        self._llm = llm
         self._moved_at_close = moved_at_close
+        self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
 
     @property
     def weight_bytes(self) -> int:
@@ -181,6 +203,123 @@ class InPlacePath:
     def weights_todo(self, resident: bool, kv: bool, keep_bytes: int | None) -> bool:
         return bool(self.ip.parts_to_release(keep_bytes))
 
+    def own_parts(self) -> None:
+        """The parts' structs exist (the split happened, at attach or at a release): the model's
+        close frees them."""
+        self._llm._stack.callback(_free_buffers, self.ip.part_buffers())
+
+    def attach_projector(
+        self, watch: ProjectorWatch, path: str, gpu: _ggml.Device | None, model_opts: ResidencyOptions
+    ) -> str:
+        """Take a vision projector's weights in charge (Residency.attach_projector): those
+        ``watch`` saw, their host shadow read from the GGUF ``path``, on ``gpu`` as the model's
+        options say. Returns why it stays on the device ("": :attr:`projector` is set)."""
+        opts = ResidencyOptions(
+            mode="inplace",
+            host_shadow=model_opts.host_shadow,
+            verify_shadow=model_opts.verify_shadow,
+            coalesce_upload=model_opts.coalesce_upload,
+            parallel_buffers=model_opts.parallel_buffers,
+        )
+        try:
+            proj = InPlace(None, path, gpu, opts, discovery=watch.stop())
+        except (InPlaceUnsupportedError, NothingToReleaseError) as exc:
+            log.info("the projector %s stays on the device: %s", path, exc)
+            return str(exc)
+        self.projector = ProjectorResidency(proj)
+        log.info(
+            "residency of the projector %s: in place, %d buffer(s), %.1f MB, %d weight tensors seen",
+            path,
+            len(proj.buffers),
+            proj.weight_bytes / 1e6,
+            proj.n_weight_tensors_seen,
+        )
+        return ""
+
+    # -- the host shadow and its deferral (the Residency checks the state first) ----------------
+
+    def host_figures(self) -> HostFigures | None:
+        """The host shadow's figures (None while it is deferred)."""
+        ip, proj = self.ip, self.projector
+        if ip.host_shadow.pending:
+            return None
+        return HostFigures(
+            ip.shadow.size + (proj.shadow.size if proj is not None else 0),
+            ip.shadow.pinned and (proj is None or proj.shadow.pinned),
+            ip.host_shadow.note,
+            len(ip.shadow.segments) + (len(proj.shadow.segments) if proj is not None else 0),
+        )
+
+    def check_shadow(self) -> None:
+        """Before a release of resident weights whose deferred shadow's slices are not all built:
+        those left are checked against the file now (nothing is released that could not come
+        back) and read from it later -- idle, or by the next restore -- not before this release,
+        which another model may be waiting for."""
+        t1 = time.perf_counter()
+        checked = self.ip.host_shadow.check_pending()
+        built, total = self.ip.host_shadow.slices
+        log.info(
+            "release of %s: %d of %d host shadow slices built; the rest will be read from the "
+            "file (%d tensors checked against it in %.1f ms)",
+            self.ip.path,
+            built,
+            total,
+            checked,
+            (time.perf_counter() - t1) * 1000.0,
+        )
+
+    def fill_shadow(self, stop: Callable[[], bool] | None, pin: bool) -> HostFigures | None:
+        """Fill the deferred host shadow (Residency.fill_shadow); its figures once complete (None:
+        ``stop`` paused it)."""
+        shadow = self.ip.host_shadow
+        before, total = shadow.slices
+
+        def stop_after_slice() -> bool:
+            built, total = shadow.slices
+            if built == 1:
+                log.info("host shadow of %s: building %d slices", self.ip.path, total)
+            return stop is not None and stop()
+
+        t0 = time.perf_counter()
+        done = shadow.fill(stop_after_slice if stop is not None else None, pin) is not None
+        built, total = shadow.slices
+        self._shadow_build_s += time.perf_counter() - t0
+        if not done:
+            log.info(
+                "host shadow of %s: %d of %d slices built, paused (a request is waiting)",
+                self.ip.path,
+                built,
+                total,
+            )
+            return None
+        fig = self.host_figures()
+        assert fig is not None
+        log.info(
+            "host shadow of %s filled (deferred) in %.0f ms: %.1f MB, pinned=%s, %d slices, "
+            "%d of them in this call%s",
+            self.ip.path,
+            self._shadow_build_s * 1000.0,
+            fig.bytes / 1e6,
+            fig.pinned,
+            built,
+            built - before,
+            f", {shadow.to_pin} pageable until pinned" if shadow.to_pin else "",
+        )
+        return fig
+
+    def pin_shadow(self, stop: Callable[[], bool] | None) -> bool:
+        """Pin what a release left pageable (Residency.pin_shadow)."""
+        done = self.ip.pin_shadow(stop)
+        if done:
+            fig = self.host_figures()
+            log.info(
+                "host shadow of %s pinned (the part a release made pageable) in %.0f ms, pinned=%s",
+                self.ip.path,
+                self.ip.attach_steps.get("shadow_pin_ms", 0.0),
+                fig is not None and fig.pinned,
+            )
+        return done
+
     def release(self, keep_bytes: int | None, final: bool) -> Weights:
         ip = self.ip
         splitting = ip.split_pending  # split_at_release: this release splits
@@ -189,7 +328,7 @@ class InPlacePath:
         if proj is not None:  # any release takes it along (a pending restore of it joined first)
             proj.release(final)
         if splitting and not ip.split_pending:
-            self._own_parts(ip)
+            self.own_parts()
         if ip.resident_bytes <= 0:
             return Weights.NONE
         return Weights.ALL if self.resident_bytes(True) == self.weight_bytes else Weights.SOME

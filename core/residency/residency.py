@@ -8,13 +8,11 @@ The worker's loop thread is the only caller of a ``Residency`` (one owner, no lo
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple
 from typing import Any
 
 import llama_cpp
@@ -27,40 +25,25 @@ from ..devmem.vmm import CudaVmmDevice
 from ..errors import ConfigError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
-from . import _ggml, evalhook, hostmem
-from .computebuf import ComputeBufferFinder, ComputeBuffers, ComputeBufferUnsupportedError, forget_graph
-from .context import Released, new_context
+from . import _ggml, context, hostmem
+from .context import ContextAside
 from .gguf_check import check_gguf
 from .inplace import InPlace
-from .kv import KvSnapshot
-from .kvbuffer import KvBuffers, KvBufferUnsupportedError
-from .kvupload import KvUpload, KvUploadUnsupportedError
+from .kvlevel import KvLevel
+from .measure import MemoryMeasure
 from .options import Mode, ResidencyOptions
-from .paths import InPlacePath, NoPath, PathName, ResidencyPath, WeightPart
-from .projector import ProjectorResidency, ProjectorWatch
+from .overlap import RestoreGate, overlap_note, overlap_probed, overlap_wanted
+from .paths import HostFigures, InPlacePath, NoPath, PathName, ResidencyPath, WeightPart
+from .probe import probe as probe_build
+from .projector import ProjectorWatch
 from .rebuild import RebuildPath
+from .reports import ReleaseReport, RestoreReport
 from .state import Kv, ResidencyState, Weights, check_transition
 from .timeline import OverlapTimeline, ReleaseSteps, RestoreSteps
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 from .view import InPlaceView
 
 log = logging.getLogger(__name__)
-
-#: ggml device names (CUDA0, Vulkan0, ...) of the backends the in-place path was checked on
-_INPLACE_BACKENDS = ("CUDA", "Vulkan")
-
-
-#: the environment variable that turns overlapped restores off ("0") or on ("1")
-OVERLAP_ENV = envvars.OVERLAP_RESTORE.name
-#: why a GPU build keeps the compute buffers and puts the KV cells back after the weights
-DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLACE.name + "=1 turns it on"
-
-
-def overlap_wanted(option: bool | None = None) -> bool | None:
-    """The one rule for overlapped restores, as asked: ``TIMESHARE_OVERLAP_RESTORE`` = 0 / 1
-    overrides ``option`` (``ResidencyOptions.overlap_restore``; None: auto, :func:`overlap_expected`)."""
-    override = envvars.OVERLAP_RESTORE.switch()
-    return option if override is None else override
 
 
 def mode_wanted(option: Mode = "auto") -> Mode:
@@ -78,85 +61,6 @@ def mode_wanted(option: Mode = "auto") -> Mode:
             ]
         )
     return modes[value]
-
-
-def overlap_expected() -> bool:
-    """Whether an attach here will overlap restores, known before any model loads (the worker
-    splits a one-model budget's weights into parts only then): as asked, else auto, a CUDA build
-    (the attach-time probe passes on CUDA only, never on Vulkan; off on the CPU build)."""
-    wanted = overlap_wanted()
-    return wanted if wanted is not None else Residency.probe().backend.startswith("CUDA")
-
-
-@dataclass(frozen=True)
-class ReleaseReport:
-    ms: float
-    #: what the memory measure (device free memory, or RSS) says this call freed
-    freed_bytes: int
-    level: WorkerReleaseLevel
-    #: exact bytes of the weight parts this call released, and of those resident after it
-    released_bytes: int = 0
-    resident_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    ms: float
-    bytes: int
-    gbps: float
-    level: WorkerReleaseLevel
-    #: the in-place path: whether a weight buffer came back at another address (None: not known,
-    #: another path); graphs_reset: whether the context's graphs were made to be built anew
-    addresses_moved: bool | None = None
-    graphs_reset: bool = False
-    #: the uploads go on after this call returned (``ms`` is then the allocation only) and the
-    #: next decode waits for each part it reaches that is not in yet: ``pending_bytes`` were
-    #: still to upload as it returned (the uploads began with the first part's allocation, so
-    #: some, or even all, may be over by then)
-    overlapped: bool = False
-    pending_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """What this build of llama-cpp-python allows, before any model is loaded."""
-
-    version: str
-    version_ok: bool
-    backend: str  # the first GPU's name, or "CPU"
-    gpu: bool
-    layout_ok: bool
-    inplace_possible: bool
-    reason: str  # why not ("" when possible)
-    #: what the engine must pass as ``Llama(use_mmap=...)`` for the in-place path: False on a
-    #: CPU-only build (host weight buffers play the device), True on a GPU build
-    use_mmap_for_inplace: bool
-
-
-def _forget_graphs(ctx: Any, llm: Any) -> None:
-    """Make the context build its compute graphs anew at the next decode.
-
-    llama.cpp reuses the previous decode's graph when the batch has the same shape, and then
-    ggml-cuda replays its captured CUDA graph without comparing the tensors' data pointers --
-    which still point at the weights' old addresses after an in-place restore (an illegal memory
-    access on the H200 whenever cudaMalloc did not hand back the same address). Clearing the
-    control vector (none is set: Llama has no API for one) is the public call that marks the
-    scheduler for a new reserve, so the next decode gets fresh graphs and CUDA graphs re-capture.
-
-    Never needed on Vulkan, and never called there: a Vulkan buffer's base is the constant
-    ``vk_ptr_base``, so its tensors' data pointers never move (restore reports ``moved`` False);
-    ggml-vulkan finds the VkBuffer through the buffer's context at every dispatch and drops its
-    cached descriptor bindings whenever any VkBuffer is destroyed. It would also crash there:
-    re-creating the scheduler mid-context (this very call, even with no release at all) makes the
-    next decode segfault in ggml-vulkan 0.3.36 on lavapipe for a model with a CPU split
-    (Gemma-3-270M, whose output matrix stays on the CPU); docs/lab/HISTORY.md, Vulkan.
-    """
-    n_embd = int(llama_cpp.llama_model_n_embd(llm._model.model))
-    rc = int(llama_cpp.llama_set_adapter_cvec(ctx, None, 0, n_embd, -1, -1))
-    if rc != 0:
-        raise ResidencyError(
-            f"could not reset the context's graphs after restore (llama_set_adapter_cvec returned {rc})"
-        )
 
 
 def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple[HandedMemory | None, str]:
@@ -188,12 +92,6 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
     return mem, ""
 
 
-def rss_bytes() -> int:
-    """This process's resident set size (``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class Residency:
     """Release/restore of a loaded ``llama_cpp.Llama``. Create with :meth:`attach`."""
 
@@ -218,69 +116,24 @@ class Residency:
         self._gpu: _ggml.Device | None = None
         self.projector_bytes = 0  # its device weight bytes (in weight_bytes too); 0: none attached
         self.projector_note = ""  # why a projector stays on the device ("": none, or it moves)
-        self._shadow_build_s = 0.0  # the deferred shadow's slices so far, seconds
-        self._kv: KvSnapshot | None = None
         self._file_id: FileId | None = None
         self._final = False  # release(final=True): never restored
         self._level: WorkerReleaseLevel = "weights"
-        self._saved_ctx: Any = None
-        # the KV level in place (issue 39, item 2): the KV cache's buffers, and the context kept
-        # (not freed) while they are released; kv_note says why the context is freed instead
-        self._kvbuf: KvBuffers | None = None
-        self._kv_ctx: Any = None
-        self.kv_note = ""
-        # and the context's compute buffers with it (item 1): found again at each deep release
-        # (a scheduler reserve replaces them), held while released; buffers_note says why they stay
-        self._compute_finder: ComputeBufferFinder | None = None
-        self._compute: ComputeBuffers | None = None
-        self.buffers_note = ""
-        # and its cells come back layer by layer with the weights' parts (item 2): planned at the
-        # release; kv_upload_note says why the portable way (after the weights) is used instead
-        self._kv_upload: KvUpload | None = None
-        self._kv_uploading: KvUpload | None = None  # an overlapped restore's, until settled
-        self.kv_upload_note = ""
-        self._restore_t0 = 0.0
+        #: the Llama's context while set aside (weights released, the KV cache kept in it)
+        self._aside = ContextAside(None)
+        #: the KV level (residency/kvlevel.py): the snapshot, in place the KV and compute buffers
+        self._kvl = KvLevel(None, "", None, False)
         self._closed = False
-        self._measure: str | None = None  # memory_measure, decided at the first release
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
-        self._gated_ctx = 0  # the context the upload gate is installed in (0: none)
-        #: what the last overlapped restore's gate saw, once settled (see :meth:`settle`)
-        self.last_overlap: OverlapTimeline | None = None
-        self.memory_note = ""  # why memory_measure is not the device's own report, when it is not
+        self._gate = RestoreGate("")  # an overlapped restore's upload gate (residency/overlap.py)
+        self._memory = MemoryMeasure(None)  # memory_measure (residency/measure.py)
         #: why restores do not map handed-over memory ("" when they do; issue 40)
         self.handover_note = "not asked for (ResidencyOptions.handover, arena.handover)"
 
     # -- construction -------------------------------------------------------------------------
 
-    @staticmethod
-    def probe() -> ProbeResult:
-        version = str(getattr(llama_cpp, "__version__", "?"))
-        gpu = _ggml.first_gpu()
-        version_ok = version == _ggml.PINNED_VERSION
-        layout_ok = True
-        reason = ""
-        try:
-            _ggml.probe_tensor_layout()
-        except _ggml.LayoutMismatchError as exc:
-            layout_ok = False
-            reason = str(exc)
-        if not version_ok:
-            reason = (
-                f"llama-cpp-python {version} is not the pinned {_ggml.PINNED_VERSION}: "
-                "its ggml struct layouts are unchecked"
-            )
-        if gpu is not None and not gpu.name.startswith(_INPLACE_BACKENDS):
-            reason = reason or f"backend {gpu.name} is not checked for in-place release"
-        return ProbeResult(
-            version=version,
-            version_ok=version_ok,
-            backend=gpu.name if gpu else "CPU",
-            gpu=gpu is not None,
-            layout_ok=layout_ok,
-            inplace_possible=not reason,
-            reason=reason,
-            use_mmap_for_inplace=gpu is not None,
-        )
+    #: what this build allows, before any model is loaded (residency/probe.py)
+    probe = staticmethod(probe_build)
 
     @classmethod
     def attach(
@@ -309,6 +162,10 @@ class Residency:
         # the model's own GPU (``models[].device`` loads with split mode none and main_gpu):
         # freed bytes and the backend name are measured there, not on GPU 0
         self._gpu = _ggml.gpu_at(int(getattr(getattr(llm, "model_params", None), "main_gpu", 0) or 0))
+        self._kvl = KvLevel(llm, self.model_path, self._gpu, self._want_pinned_kv())
+        self._aside = ContextAside(llm)
+        self._memory = MemoryMeasure(self._gpu)
+        self._gate = RestoreGate(self.model_path)
         mode = self._opts.mode
         if mode not in ("auto", "inplace", "rebuild"):
             raise ValueError(f"mode must be auto, inplace or rebuild, not {mode!r}")
@@ -317,15 +174,12 @@ class Residency:
         if mode == "rebuild":
             self._use_rebuild("rebuild path asked for (mode=rebuild)")
             return self
-        probe = cls.probe()
+        probe = probe_build()
         if not probe.inplace_possible:
             self._fallback(mode, probe.reason)
             return self
-        wanted = self._overlap_wanted()
-        # the eval-hook probe (a few tiny decodes at attach) only where overlap would be used
-        overlap_probe = self._opts.parts > 1 and (
-            wanted is True or (wanted is None and self._gpu is not None)
-        )
+        wanted = overlap_wanted(self._opts.overlap_restore)
+        overlap_probe = overlap_probed(wanted, self._opts.parts, self._gpu)
         handed: HandedMemory | None = None
         if self._opts.handover:
             handed, self.handover_note = handed_memory(self._gpu, chunk_source)
@@ -343,39 +197,18 @@ class Residency:
         except InPlaceUnsupportedError as exc:
             self._fallback(mode, str(exc))
             return self
-        self._path = self._inpath = InPlacePath(ip, self._own_part_buffers, self._graphs_moved_at_close)
+        self._path = self._inpath = InPlacePath(ip, llm, self._graphs_moved_at_close)
         if ip.split_pending and not ip.split_at_release:
-            self._split(ip)
-        try:
-            # the context may be set aside (a split that met out-of-memory left the model released)
-            live = self._saved_ctx if self._saved_ctx is not None else llm._ctx
-            self._kvbuf = KvBuffers.find(int(llm._model.model), int(live.ctx))
-        except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
-            self.kv_note = str(exc)
-            log.info("the KV level of %s frees the context: %s", self.model_path, exc)
-        else:
-            if not self._deep_inplace():
-                self.buffers_note = DEEP_UNVERIFIED.format(backend=ip.backend)
-            else:
-                self._probe_compute(int(live.ctx))
+            self._split(self._inpath)
+        # the context may be set aside (a split that met out-of-memory left the model released)
+        self._kvl.find(int(self._aside.current().ctx), ip.backend)
         self.backend = ip.backend
         self.weight_bytes = ip.weight_bytes
         if handed is not None:
             self.handover_note = ip.handover.note
         self._note_shadow()
         self.parts_note = ip.parts_note
-        if wanted is False:
-            self.overlap_note = f"off (ResidencyOptions.overlap_restore=False or {OVERLAP_ENV}=0)"
-        elif wanted is None and self._gpu is None:
-            self.overlap_note = (
-                "off on the CPU build: the copy and the compute share the same cores, so overlapping them "
-                f"is slower (docs/lab/HISTORY.md); ResidencyOptions.overlap_restore=True or {OVERLAP_ENV}=1 "
-                "turns it on"
-            )
-        elif len(ip.parts) < 2:
-            self.overlap_note = "one layer part: nothing to overlap (ResidencyOptions.parts > 1)"
-        else:
-            self.overlap_note = "" if ip.hook is not None else ip.overlap_note
+        self.overlap_note = overlap_note(wanted, self._gpu, ip)
         self.reason = ""
         log.info(
             "residency of %s: in-place on %s, %d buffers in %d part(s), %.1f MB, %d weight tensors seen, "
@@ -390,9 +223,6 @@ class Residency:
             f"off ({self.overlap_note})" if self.overlap_note else "on",
         )
         return self
-
-    def _overlap_wanted(self) -> bool | None:
-        return overlap_wanted(self._opts.overlap_restore)
 
     @property
     def path(self) -> PathName:
@@ -417,30 +247,12 @@ class Residency:
         if inpath is None or not self.weights_resident:
             self.projector_note = f"the model's residency is {self.path!r}: its projector stays where it is"
             return False
-        opts = ResidencyOptions(
-            mode="inplace",
-            host_shadow=self._opts.host_shadow,
-            verify_shadow=self._opts.verify_shadow,
-            coalesce_upload=self._opts.coalesce_upload,
-            parallel_buffers=self._opts.parallel_buffers,
-        )
-        try:
-            proj = InPlace(None, os.fspath(path), self._gpu, opts, discovery=watch.stop())
-        except (InPlaceUnsupportedError, NothingToReleaseError) as exc:
-            self.projector_note = str(exc)
-            log.info("the projector %s stays on the device: %s", path, exc)
+        self.projector_note = inpath.attach_projector(watch, os.fspath(path), self._gpu, self._opts)
+        if inpath.projector is None:
             return False
-        inpath.projector = ProjectorResidency(proj)
-        self.projector_bytes = proj.weight_bytes
-        self.weight_bytes += proj.weight_bytes
+        self.projector_bytes = inpath.projector.weight_bytes
+        self.weight_bytes += self.projector_bytes
         self._note_shadow()
-        log.info(
-            "residency of the projector %s: in place, %d buffer(s), %.1f MB, %d weight tensors seen",
-            path,
-            len(proj.buffers),
-            proj.weight_bytes / 1e6,
-            proj.n_weight_tensors_seen,
-        )
         return True
 
     def projector_ready(self) -> None:
@@ -452,22 +264,21 @@ class Residency:
         if self._inpath is not None:
             self._inpath.projector_ready()
 
-    def _split(self, ip: InPlace) -> None:
+    def _split(self, inpath: InPlacePath) -> None:
         """Move the weights into their layer parts (InPlace.split); the part buffers are freed
         with the model (its ExitStack). The graphs are built anew (every weight moved), except on
-        Vulkan, where that reset itself breaks the context (see _forget_graphs) and is not needed:
+        Vulkan, where that reset itself breaks the context (see context.forget_graphs) and is not needed:
         ggml-vulkan reads each weight's ``buffer`` and ``data`` (vk_ptr_base + its offset in the
         part) from the tensor at every dispatch and drops its cached descriptor bindings when the
         model's own VkBuffers are destroyed, and the weights' tensor structs are the ones the
         graphs name (none of them is a view). Out of memory there leaves the model released
         (restore() brings it back)."""
-        llm = self._llm
+        llm, ip = self._llm, inpath.ip
         try:
             ip.split()
         except OutOfDeviceMemoryError as exc:
             log.warning("%s: the model stays released until a restore", exc)
-            self._saved_ctx = llm._ctx
-            llm._ctx = Released("context")
+            self._aside.set_aside()
             self._enter(weights=Weights.NONE)
         except ResidencyError:  # nothing moved (a placeholder could not be made): the shadow goes
             ip.close()
@@ -475,35 +286,21 @@ class Residency:
             raise
         finally:
             if not ip.split_pending:
-                self._own_part_buffers(ip)
+                inpath.own_parts()
         if self.weights_resident and not ip.backend.startswith("Vulkan"):
-            _forget_graphs(llm.ctx, llm)
-
-    def _own_part_buffers(self, ip: InPlace) -> None:
-        """The parts' structs exist (the split happened): the model's close frees them."""
-
-        def free_parts(ptrs: list[int]) -> None:
-            for ptr in ptrs:
-                _ggml.buffer_free(ptr)
-
-        self._llm._stack.callback(free_parts, ip.part_buffers())
+            context.forget_graphs(llm.ctx, llm)
 
     def _graphs_moved_at_close(self) -> None:
         """Closing moved resident weights (their handed-over memory given back): the graphs are
         built anew at the next decode."""
         if self.weights_resident:
             with contextlib.suppress(ResidencyError, AttributeError):
-                _forget_graphs(self._llm._ctx.ctx, self._llm)
+                context.forget_graphs(self._llm._ctx.ctx, self._llm)
 
-    def _note_shadow(self) -> None:
-        inpath = self._inpath
-        if inpath is None or inpath.ip.host_shadow.pending:
-            return
-        ip, proj = inpath.ip, inpath.projector
-        self.host_bytes = ip.shadow.size + (proj.shadow.size if proj is not None else 0)
-        self.host_pinned = ip.shadow.pinned and (proj is None or proj.shadow.pinned)
-        self.host_note = ip.host_shadow.note
-        self.host_parts = len(ip.shadow.segments) + (len(proj.shadow.segments) if proj is not None else 0)
+    def _note_shadow(self, fig: HostFigures | None = None) -> None:
+        fig = fig or (self._inpath.host_figures() if self._inpath is not None else None)
+        if fig is not None:
+            self.host_bytes, self.host_pinned, self.host_note, self.host_parts = astuple(fig)
 
     @property
     def shadow_pending(self) -> bool:
@@ -542,39 +339,10 @@ class Residency:
             return True
         if not (self.weights_resident or ip.host_shadow.from_file):
             raise ResidencyError("the deferred host shadow cannot be built: the weights are released")
-        before, total = ip.host_shadow.slices
-
-        def stop_after_slice() -> bool:
-            built, total = ip.host_shadow.slices
-            if built == 1:
-                log.info("host shadow of %s: building %d slices", self.model_path, total)
-            return stop is not None and stop()
-
-        t0 = time.perf_counter()
-        done = ip.host_shadow.fill(stop_after_slice if stop is not None else None, pin) is not None
-        built, total = ip.host_shadow.slices
-        self._shadow_build_s += time.perf_counter() - t0
-        if not done:
-            log.info(
-                "host shadow of %s: %d of %d slices built, paused (a request is waiting)",
-                self.model_path,
-                built,
-                total,
-            )
-            return False
-        self._note_shadow()
-        log.info(
-            "host shadow of %s filled (deferred) in %.0f ms: %.1f MB, pinned=%s, %d slices, "
-            "%d of them in this call%s",
-            self.model_path,
-            self._shadow_build_s * 1000.0,
-            self.host_bytes / 1e6,
-            self.host_pinned,
-            built,
-            built - before,
-            f", {ip.host_shadow.to_pin} pageable until pinned" if ip.host_shadow.to_pin else "",
-        )
-        return True
+        assert self._inpath is not None
+        fig = self._inpath.fill_shadow(stop, pin)
+        self._note_shadow(fig)
+        return fig is not None
 
     @property
     def shadow_to_pin(self) -> int:
@@ -590,15 +358,9 @@ class Residency:
         if ip is None or not ip.host_shadow.to_pin:
             return True
         self.settle()
-        done = ip.pin_shadow(stop)
+        assert self._inpath is not None
+        done = self._inpath.pin_shadow(stop)
         self._note_shadow()
-        if done:
-            log.info(
-                "host shadow of %s pinned (the part a release made pageable) in %.0f ms, pinned=%s",
-                self.model_path,
-                ip.attach_steps.get("shadow_pin_ms", 0.0),
-                self.host_pinned,
-            )
         return done
 
     @property
@@ -636,30 +398,30 @@ class Residency:
     def context_kept(self) -> bool:
         """The KV cache is released in place: the context stays (its compute buffers too where
         :attr:`buffers_kept`)."""
-        return self._kv_ctx is not None
+        return self._kvl.context_kept
 
     @property
     def buffers_kept(self) -> bool:
         """The KV cache is released in place and the context's compute buffers stay on the device
         (they could not be released in place: :attr:`buffers_note` says why)."""
-        return self._kv_ctx is not None and self._compute is None
+        return self._kvl.buffers_kept
 
     @property
     def buffers_releasable(self) -> bool:
         """A deep release frees the compute buffers: in place, or with the context."""
-        return self._path.frees_memory and (self._kvbuf is None or self._compute_finder is not None)
+        return self._path.frees_memory and self._kvl.compute_releasable
 
     @property
     def compute_released_bytes(self) -> int:
         """Bytes of compute buffers released in place now (0 otherwise)."""
-        return self._compute.nbytes if self._compute is not None else 0
+        return self._kvl.compute_released_bytes
 
     @property
     def kv_host_bytes(self) -> int:
         """Bytes of the KV snapshot held in host memory while the context is freed (0 otherwise)."""
         if self._path.releases_context:
             return self._path.kv_bytes
-        return self._kv.nbytes if self._kv is not None else 0
+        return self._kvl.snapshot_bytes
 
     @property
     def deep_note(self) -> str:
@@ -671,33 +433,38 @@ class Residency:
             return "the rebuild path frees the context (its KV cache and compute buffers) at every release"
         if self._inpath is None:
             return ""
-        notes = []
-        if self._kvbuf is None:
-            notes.append(f"the KV level frees the context and makes it again ({self.kv_note})")
-        if self.buffers_note:
-            notes.append(f"the compute buffers stay on the device ({self.buffers_note})")
-        if self.kv_upload_note:
-            notes.append(f"the KV cells come back after the weights ({self.kv_upload_note})")
-        return "; ".join(notes)
+        return "; ".join(self._kvl.notes())
+
+    @property
+    def kv_note(self) -> str:
+        """Why the KV level frees the context and makes it again ("": in place, or not the in-place
+        path): a sliding-window, recurrent or hybrid cache, a build whose KV buffers are not found."""
+        return self._kvl.kv_note
+
+    @property
+    def buffers_note(self) -> str:
+        """Why the compute buffers stay on the device at the KV level in place ("": they go too):
+        they cannot be found for sure, or a Vulkan build until TIMESHARE_DEEP_INPLACE=1."""
+        return self._kvl.buffers_note
+
+    @property
+    def kv_upload_note(self) -> str:
+        """Why the KV cells come back after the weights, the portable way ("": layer by layer
+        with the weights' parts), e.g. a Vulkan build until TIMESHARE_DEEP_INPLACE=1, a state format
+        not the one checked."""
+        return self._kvl.kv_upload_note
 
     @property
     def kv_in_place(self) -> bool:
         """The KV level keeps the context: its cells' metadata stays and the cells in use come
         back where they were (the caller need not move its sequences to host memory first)."""
-        return self._inpath is not None and self._kvbuf is not None
+        return self._inpath is not None and self._kvl.in_place
 
     def parked_states(self) -> dict[int, tuple[bytes, int]]:
         """While the KV cache is released (its snapshot held): each saved sequence's state, as
         ``llama_state_seq_get_data`` wrote it, and its lowest position (from the kept context's
         metadata; 0 where the context was freed). Empty otherwise."""
-        if self.kv_resident or self._kv is None:
-            return {}
-        mem = llama_cpp.llama_get_memory(self._kv_ctx.ctx) if self._kv_ctx is not None else None
-
-        def pos_min(seq: int) -> int:
-            return int(llama_cpp.llama_memory_seq_pos_min(mem, seq)) if mem else 0
-
-        return {seq: (ctypes.string_at(addr, size), pos_min(seq)) for seq, addr, size in self._kv.segments()}
+        return {} if self.kv_resident else self._kvl.parked_states()
 
     @property
     def kv_context(self) -> Any | None:
@@ -706,9 +473,7 @@ class Residency:
         None while the context itself is freed (``release(kv=True)``, the rebuild path)."""
         if not self.kv_resident:
             return None
-        if self._saved_ctx is not None:
-            return self._saved_ctx.ctx
-        return self._llm.ctx if self._llm is not None else None
+        return self._aside.current().ctx if self._aside.held or self._llm is not None else None
 
     # -- layer parts --------------------------------------------------------------------------
 
@@ -782,43 +547,17 @@ class Residency:
         """What release reports measure as freed memory: ``"device"`` (the device's free memory,
         ``ggml_backend_dev_memory``) or ``"rss"`` (the process's resident memory: a CPU build, or
         a device that does not report its usage -- see :attr:`memory_note`)."""
-        if self._measure is not None:
-            return self._measure
-        measure = self._choose_measure()
-        if self.weights_resident:  # only then does free == total say the device cannot tell
-            self._measure = measure
-        return measure
+        return self._memory.measure(self.backend, self.weights_resident, self.weight_bytes)
 
-    def _choose_measure(self) -> str:
-        if self._gpu is None or self.backend == "CPU":
-            return "rss"
-        free, total = _ggml.device_memory(self._gpu.handle)
-        if free >= total and self.weights_resident and self.weight_bytes > 0:
-            # e.g. Vulkan without VK_EXT_memory_budget (Mesa's lavapipe): ggml reports the heap
-            # size as free whatever is allocated, so a release would always measure 0 bytes
-            self.memory_note = (
-                f"{self._gpu.name} reports {free} bytes free of {total} with the weights loaded (its "
-                "driver does not report memory usage, e.g. no VK_EXT_memory_budget): measured as process "
-                "RSS instead, which is the device memory where the device is the CPU (lavapipe)"
-            )
-            log.info("%s", self.memory_note)
-            return "rss"
-        return "device"
+    @property
+    def memory_note(self) -> str:
+        """Why :attr:`memory_measure` is not the device's own report, when it is not."""
+        return self._memory.note
 
     def device_memory(self) -> tuple[str, int, int] | None:
-        """(device name, free bytes, total bytes) of the first GPU as ``ggml_backend_dev_memory``
+        """(device name, free bytes, total bytes) of the model's GPU as ``ggml_backend_dev_memory``
         reports them; None on a CPU-only build."""
-        if self._gpu is None:
-            return None
-        free, total = _ggml.device_memory(self._gpu.handle)
-        return self._gpu.name, free, total
-
-    def _device_free(self) -> int | None:
-        """Free bytes of the device the weights live on (RSS, negated, on a CPU build or a device
-        that does not report its usage)."""
-        if self.memory_measure == "device" and self._gpu is not None:
-            return _ggml.device_memory(self._gpu.handle)[0]
-        return -rss_bytes()
+        return self._memory.device_memory()
 
     # -- release / restore --------------------------------------------------------------------
 
@@ -844,41 +583,23 @@ class Residency:
         self.settle()  # an overlapped restore's uploads are over before anything is freed
         if keep_bytes is not None and keep_bytes < 0:
             raise ValueError(f"keep_bytes must be at least 0 (or None: release all), not {keep_bytes}")
-        path, ip = self._path, self._inplace
+        path = self._path
         weights_todo = path.weights_todo(self.weights_resident, kv, keep_bytes)
         kv_todo = kv and self.kv_resident
-        if free_context and self._kv_ctx is not None:  # deeper still: the kept context goes too
-            self._kv_ctx.close()  # (its released compute buffers' placeholders with it)
-            self._kv_ctx = None
-            self._compute = None
-            self._kv_upload = None  # the snapshot goes into a new context the portable way
+        if free_context:  # deeper still: a kept context goes too
+            self._kvl.free_kept()
         if not weights_todo and not kv_todo:
             return ReleaseReport(0.0, 0, self._level, 0, self.resident_bytes)
-        llm = self._llm
         if final:
             self._final = True
-        elif ip is not None and self.weights_resident and self.shadow_pending:
-            # a deferred shadow's slices not built yet: checked against the file now (nothing
-            # is released that could not come back), read from it later -- idle, or by the next
-            # restore -- not before this release, which another model may be waiting for
-            t1 = time.perf_counter()
-            checked = ip.host_shadow.check_pending()
-            built, total = self.shadow_slices
-            log.info(
-                "release of %s: %d of %d host shadow slices built; the rest will be read from the "
-                "file (%d tensors checked against it in %.1f ms)",
-                self.model_path,
-                built,
-                total,
-                checked,
-                (time.perf_counter() - t1) * 1000.0,
-            )
+        elif self._inpath is not None and self.weights_resident and self.shadow_pending:
+            self._inpath.check_shadow()  # the slices left checked against the file, read later
         if self.memory_measure == "rss":
             # host memory freed into a hole of glibc's heap goes back to the system only when the
             # heap is trimmed (a CPU release is for that memory): trimmed before and after, so the
             # report counts only what this release freed
             hostmem.trim_heap()
-        before = self._device_free()
+        before = self._memory.free(self.memory_measure)
         resident_before = self.resident_bytes
         t0 = time.perf_counter()
         if path.releases_context:  # the model and its context go together, the KV cache saved first
@@ -889,29 +610,23 @@ class Residency:
             self._enter(weights=weights)
         else:
             if kv_todo:
-                self._snapshot_kv_and_free_context(free_context)
+                self._kvl.release(self._aside.current(), free_context)
+                self._aside.handed_on()
+                self._enter(kv=Kv.HOST)
             if weights_todo:
                 weights = path.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
-                if self.kv_resident and self._saved_ctx is None:
-                    self._saved_ctx = llm._ctx
-                    llm._ctx = Released("context")
+                if self.kv_resident and not self._aside.held:
+                    self._aside.set_aside()
                 self._enter(weights=weights)
             self._level = "weights" if self.kv_resident else "weights+kv"
         if self.memory_measure == "rss":
             hostmem.trim_heap()
         ms = (time.perf_counter() - t0) * 1000.0
-        after = self._device_free()
-        freed = (after - before) if (before is not None and after is not None) else 0
+        freed = self._memory.free(self.memory_measure) - before
         resident = self.resident_bytes
-        log.info(
-            "released %s (%s): %.2f ms, %.1f MB freed, %.1f MB of weights resident",
-            self.model_path,
-            self._level,
-            ms,
-            freed / 1e6,
-            resident / 1e6,
+        return ReleaseReport.logged(
+            self.model_path, ms, freed, self._level, resident_before - resident, resident
         )
-        return ReleaseReport(ms, freed, self._level, resident_before - resident, resident)
 
     @property
     def overlap_available(self) -> bool:
@@ -950,10 +665,9 @@ class Residency:
             self.host_bytes = 0
         else:
             nbytes = 0
-            self._restore_t0 = t0
             # the deep level in place: the KV cache's and compute buffers' memory first, so the
             # KV cells can go up with the weights' parts (OutOfDeviceMemoryError: nothing changed)
-            kv_up = self._kv_buffers_back()
+            kv_up = self._kvl.begin_restore(t0)
             kv_alloc_ms = (time.perf_counter() - t0) * 1000
             if not self.weights_resident:
                 if self.shadow_pending:  # a release came before its deferred shadow was built
@@ -961,7 +675,7 @@ class Residency:
                 try:
                     nbytes, moved = path.restore(overlap, kv_up)
                 except BaseException:
-                    self._kv_buffers_out()  # back to the deep level as a whole
+                    self._kvl.buffers_out()  # back to the deep level as a whole
                     raise
             elif path.tracks_addresses:  # the KV cache alone was released: the weights never moved
                 moved = False
@@ -970,68 +684,33 @@ class Residency:
             self._enter(weights=Weights.ALL)
             try:
                 if not self.kv_resident:
-                    reset = self._new_context_with_kv(moved)
-                elif self._saved_ctx is not None:
+                    self._llm._ctx, reset = self._kvl.context_back(moved, ip)
+                    self._enter(kv=Kv.DEVICE)
+                elif self._aside.held:
                     # Graphs (and captured CUDA graphs) hold the weights' addresses: they must be
                     # built anew only when a buffer moved. Every buffer back at its old address (the
                     # allocator often hands the same block back) skips the scheduler's reserve.
-                    # Vulkan buffers never move (see _forget_graphs), so a Vulkan restore never resets.
-                    if moved is not False:
-                        _forget_graphs(self._saved_ctx.ctx, self._llm)
-                        reset = True
-                    self._llm._ctx = self._saved_ctx
-                    self._saved_ctx = None
+                    # Vulkan buffers never move (see context.forget_graphs), so a Vulkan restore never resets.
+                    reset = moved is not False
+                    self._aside.put_back(forget=reset)
             except BaseException:
                 if ip is not None:
                     ip.finish_uploads()
                 raise
-        pending, overlapped = 0, False
-        if ip is not None and ip.uploads.gate is not None and not (ip.hook is not None and self._live_ctx()):
-            ip.finish_uploads()  # no context to gate (never expected): synchronous
-        if ip is not None and ip.uploads.gate is not None and ip.hook is not None:
-            ctx = self._live_ctx()
-            if reset:  # now, not in the decode: a reserve frees compute buffers (on CUDA a device-wide wait)
-                t_r = time.perf_counter()
-                evalhook.reserve_now(ctx)
-                ip.restore_steps["reserve_ms"] = (time.perf_counter() - t_r) * 1000
-            evalhook.install(ctx, ip.hook, ip.uploads.gate.pointer)
-            self._gated_ctx = ctx
-            # the uploads began with the first part's allocation: some may be over already
-            pending, overlapped = ip.uploads.gate.pending_bytes, True
+        gated = self._gate.install(ip, self._aside.live(), reset) if ip is not None else None
+        pending, overlapped = gated or 0, gated is not None
         if ip is not None and moved is not None:
             # from the restore's start until the caller may decode (the uploads may still run)
             ip.restore_steps["returned_ms"] = (time.perf_counter() - t0) * 1000
         dt = time.perf_counter() - t0
         self._enter(weights=Weights.ALL)
         self._enter(kv=Kv.DEVICE)
-        gbps = nbytes / 1e9 / dt if dt > 0 and not overlapped else 0.0
-        # the rate of what this call moved, once it is all there: none while uploads go on (an
-        # overlapped restore's uploads end at its settle, whose line has its timeline)
-        rate = f", {nbytes / 1e9 / dt:.2f} GB/s" if dt > 0 and nbytes and not pending else ""
-        log.info(
-            "restored %s (%s): %.2f ms, %.1f MB%s%s%s",
-            self.model_path,
-            level,
-            dt * 1000,
-            nbytes / 1e6,
-            rate,
-            "" if moved is None else f", weights {'moved' if moved else 'back at their addresses'}",
-            f", overlapped ({pending / 1e6:.1f} MB uploading on)" if overlapped else "",
-        )
-        return RestoreReport(dt * 1000.0, nbytes, gbps, level, moved, reset, overlapped, pending)
-
-    def _live_ctx(self) -> int:
-        """The llama_context handle ``llm`` computes in now (0: none, or released)."""
-        try:
-            ctx = self._llm._ctx.ctx if self._llm is not None else None
-        except (AttributeError, ResidencyError):
-            return 0
-        return int(ctx or 0)
+        return RestoreReport.logged(self.model_path, dt, nbytes, level, moved, reset, overlapped, pending)
 
     @property
     def uploads_pending(self) -> bool:
         """An overlapped restore's uploads or its gate are still to be settled."""
-        return self._gated_ctx != 0 or (self._inplace is not None and self._inplace.uploads.pending)
+        return self._gate.installed or (self._inplace is not None and self._inplace.uploads.pending)
 
     def settle(self) -> None:
         """After the first decode that followed an overlapped restore (or before anything else
@@ -1039,190 +718,21 @@ class Residency:
         the context, so no later decode pays for a callback. A no-op otherwise (cheap: call it
         after every decode). :attr:`last_overlap` then holds what the gate saw."""
         ip = self._inplace
-        if ip is None or (not self._gated_ctx and not ip.uploads.pending):
+        if ip is None or (not self._gate.installed and not ip.uploads.pending):
             return
         gate = ip.uploads.gate
         try:
             ip.finish_uploads()
         finally:
-            up, self._kv_uploading = self._kv_uploading, None
-            if up is not None:
-                self._kv_uploaded(up)
-            if self._gated_ctx:
-                assert ip.hook is not None
-                if self._live_ctx() == self._gated_ctx:  # (a context freed meanwhile has no hook)
-                    evalhook.clear(self._gated_ctx, ip.hook)
-                self._gated_ctx = 0
+            self._kvl.settled(ip)
+            self._gate.take_out(ip, self._aside.live())
         if gate is not None:
-            self.last_overlap = OverlapTimeline.settled(ip.restore_steps, gate.stats)
-            # one line per overlapped restore, its timeline from the restore's start (bench api
-            # collects them from the worker logs)
-            log.info(
-                "overlapped restore settled (%s): %s",
-                self.model_path,
-                json.dumps({k: round(v, 3) for k, v in self.last_overlap.as_dict().items()}),
-            )
-            if gate.error is not None:
-                raise ResidencyError(f"the upload gate failed: {gate.error}") from gate.error
+            self._gate.settled(ip.restore_steps, gate)
 
-    # KV level (in-place path)
-
-    def _snapshot_kv_and_free_context(self, free_context: bool) -> None:
-        llm = self._llm
-        ctx_obj = self._saved_ctx if self._saved_ctx is not None else llm._ctx
-        self._kv = KvSnapshot.take(ctx_obj.ctx, self._want_pinned_kv())
-        if self._kvbuf is not None and not free_context:
-            # in place: the context stays with its cells' metadata, its KV buffers' memory goes
-            self._plan_kv_upload(int(ctx_obj.ctx))
-            self._kvbuf.release()
-            self._kv_ctx = ctx_obj
-            self._release_compute(int(ctx_obj.ctx))
-        else:
-            ctx_obj.close()
-        self._saved_ctx = None
-        llm._ctx = Released("context")
-        self._enter(kv=Kv.HOST)
-
-    def _kv_buffers_back(self) -> KvUpload | None:
-        """At the deep level in place: allocate the KV cache's buffers (cleared) and the compute
-        buffers again, before the weights; returns the layer-wise upload of the cells (None: the
-        portable way, after the weights, or nothing to do). OutOfDeviceMemoryError: nothing
-        changed."""
-        if self.kv_resident or self._kv_ctx is None or self._kvbuf is None:
-            return None
-        if self._kvbuf.released:
-            self._kvbuf.restore()  # OutOfDeviceMemoryError: still released, the snapshot kept
-            if self._kv_upload is not None:
-                self._kv_upload.reset()
-        if self._compute is not None and self._compute.released:
-            try:
-                self._compute.restore()  # the next decode builds its graph anew (no reserve)
-            except OutOfDeviceMemoryError:
-                self._kvbuf.release()  # back to the deep level as a whole, the snapshot kept
-                raise
-        return self._kv_upload
-
-    def _kv_buffers_out(self) -> None:
-        """Undo :meth:`_kv_buffers_back` (the weights could not come back)."""
-        if self._kvbuf is not None and not self._kvbuf.released and self._kv_ctx is not None:
-            self._kvbuf.release()
-        if self._compute is not None and not self._compute.released:
-            self._compute.release()
-
-    def _new_context_with_kv(self, weights_moved: bool | None) -> bool:
-        """The KV cache back on the device; True when the context's graphs were reset (a buffer
-        came back at another address)."""
-        llm = self._llm
-        if self._kv_ctx is not None and self._kvbuf is not None:
-            ctx_obj = self._kv_ctx
-            self._kv_buffers_back()  # (done by restore() already: the KV cells may be on their way)
-            reset = False
-            if self._compute is not None:
-                self._compute = None
-                reset = True
-            if weights_moved is not False:  # as after a weights-only restore: a scheduler reserve
-                _forget_graphs(ctx_obj.ctx, llm)
-                reset = True
-            elif self._kvbuf.moved:
-                # the previous graph's views of the KV cache hold its old addresses: that graph is
-                # built anew (and, on CUDA, its captured graph updated: a new graph has a new uid,
-                # whose nodes' data pointers ggml-cuda compares); the scheduler's plan stays
-                forget_graph(int(ctx_obj.ctx))
-                reset = True
-            up, self._kv_upload = self._kv_upload, None
-            if up is not None:
-                up.upload_unclaimed()  # the layers of parts that stayed resident
-                if self._inplace is not None and self._inplace.uploads.pending:
-                    self._kv_uploading = up  # its snapshot is freed once settled
-                else:
-                    self._kv_uploaded(up)
-            elif self._kv is not None:  # the portable way: the metadata emptied, the state put back
-                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx_obj.ctx), False)
-                self._kv.apply(ctx_obj.ctx)
-                self._kv.close()
-                self._kv = None
-            self._kv_ctx = None
-            llm._ctx = ctx_obj
-            self._enter(kv=Kv.DEVICE)
-            return reset
-        ctx = new_context(llm, llm._model, self._kv, self.model_path, stays_released="")
-        self._kv = None  # applied and closed
-        llm._stack.enter_context(contextlib.closing(ctx))
-        llm._ctx = ctx
-        self._enter(kv=Kv.DEVICE)
-        if self._kvbuf is not None:  # the new context's KV buffers, for the next release in place
-            try:
-                self._kvbuf = KvBuffers.find(int(llm._model.model), int(ctx.ctx))
-            except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
-                self._kvbuf = None
-                self.kv_note = str(exc)
-        return False
-
-    def _kv_uploaded(self, up: KvUpload) -> None:
-        """The layer-wise KV upload is over: its figures go into the restore's steps (from the
-        start of Residency.restore) and the snapshot is freed."""
-        st = up.stats
-        ip = self._inplace
-        if ip is not None:
-            ip.restore_steps["kv_bytes"] = float(st.bytes)
-            ip.restore_steps["kv_upload_ms"] = st.busy_s * 1000
-            if st.first_start:  # on the weights' timeline (from the start of their restore)
-                t0 = max(ip.uploads.started, self._restore_t0)  # (no weights restored: this call's)
-                ip.restore_steps["kv_first_upload_at_ms"] = (st.first_start - t0) * 1000
-                ip.restore_steps["kv_last_upload_end_at_ms"] = (st.last_end - t0) * 1000
-        if self._kv is not None:
-            self._kv.close()
-            self._kv = None
-
-    def _deep_inplace(self) -> bool:
-        """Whether the deep level goes in place beyond the KV buffer (compute buffers released,
-        KV cells uploaded with the weights): on a CPU build, or where TIMESHARE_DEEP_INPLACE=1;
-        a GPU build keeps the way measured there until a run proves the new one bitwise."""
-        override = envvars.DEEP_INPLACE.switch()
-        return override if override is not None else self._gpu is None
-
-    def _probe_compute(self, ctx: int) -> None:
-        try:
-            # on a GPU build only the device's buffers (a host one is not what the budget counts)
-            host = self._gpu is None
-            self._compute_finder = ComputeBufferFinder.probe(ctx, include_host=host)
-        except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
-            self.buffers_note = str(exc)
-            log.info("the KV level of %s keeps the compute buffers: %s", self.model_path, exc)
-
-    def _plan_kv_upload(self, ctx: int) -> None:
-        """After a release in place: where each saved cell goes back, layer by layer (the
-        metadata is kept); the portable way when it cannot be told (kv_upload_note)."""
-        self._kv_upload = None
-        if self._kv is None or self._kvbuf is None:
-            return
-        if not self._deep_inplace():
-            self.kv_upload_note = DEEP_UNVERIFIED.format(backend=self.backend)
-            return
-        try:
-            self._kv_upload = KvUpload.plan(self._kvbuf, self._kv)
-        except (KvUploadUnsupportedError, _ggml.LayoutMismatchError) as exc:
-            if str(exc) != self.kv_upload_note:
-                log.info("the KV cells of %s come back after the weights: %s", self.model_path, exc)
-            self.kv_upload_note = str(exc)
-            return
-        self.kv_upload_note = ""
-
-    def _release_compute(self, ctx: int) -> None:
-        """The kept context's compute buffers go too (found now: a reserve since the last
-        release may have replaced them); kept, with the reason in buffers_note, when they cannot
-        be found for sure."""
-        if self._compute_finder is None:
-            return
-        try:
-            found = self._compute_finder.find(ctx)
-            found.release()
-        except (ComputeBufferUnsupportedError, _ggml.LayoutMismatchError, ResidencyError) as exc:
-            self.buffers_note = str(exc)
-            log.warning("the compute buffers of %s stay on the device: %s", self.model_path, exc)
-            return
-        self._compute = found
-        log.info("released the compute buffers of %s: %.1f MB", self.model_path, found.nbytes / 1e6)
+    @property
+    def last_overlap(self) -> OverlapTimeline | None:
+        """What the last overlapped restore's gate saw, once settled (see :meth:`settle`)."""
+        return self._gate.last
 
     def _want_pinned_kv(self) -> bool:
         return self._opts.host_shadow == "pinned"
@@ -1243,12 +753,10 @@ class Residency:
         except ResidencyError:
             log.exception("the last overlapped restore of %s failed", self.model_path)
         self._closed = True
-        if self._saved_ctx is not None and self.weights_resident:
-            self._llm._ctx = self._saved_ctx
-            self._saved_ctx = None
-        if self._kv is not None:
-            self._kv.close()
-            self._kv = None
+        if self._aside.held and self.weights_resident:
+            self._aside.put_back()
+        self._aside.close()
+        self._kvl.close()
         self._path.close()  # (in place: the graphs reset where handed-over memory was given back)
         self._inpath = None
         self._llm = None

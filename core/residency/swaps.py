@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from ..errors import OutOfDeviceMemoryError, ResidencyError
 from . import _ggml
@@ -81,6 +82,41 @@ def renew_released(buffers: Sequence[_B], what: str, then: Callable[[_B], None])
         b.released = False
         done.append(b)
     return done, moved
+
+
+@dataclass
+class LiveBuffers(Generic[_B]):
+    """Live buffers whose memory goes and comes back together (the KV cache's, a context's
+    compute buffers), and what their last renewal did. Its owner's thread is its only caller."""
+
+    items: list[_B] = field(default_factory=list)
+    moved: bool = False  # the last renewal put a buffer at another address
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self.items)
+
+    @property
+    def released(self) -> bool:
+        return any(b.released for b in self.items)
+
+    def release(self) -> bool:
+        """Free the memory of each live buffer in turn (:func:`free_memory`). False at the first
+        for which no placeholder can be made (those before it stay released)."""
+        for b in self.items:
+            if b.released:
+                continue
+            if not free_memory(b.ptr, b.buft, b.layout):
+                return False
+            b.released = True
+        return True
+
+    def renew(self, what: str, then: Callable[[_B], None]) -> list[_B]:
+        """:func:`renew_released` of the items, :attr:`moved` noted (False first: also when it
+        raises)."""
+        self.moved = False
+        done, self.moved = renew_released(self.items, what, then)
+        return done
 
 
 def renew_memory(ptr: int, buft: int, size: int, layout: _ggml.BufferLayout) -> bool:

@@ -23,7 +23,10 @@ from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
 from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
-from ..residency.residency import RestoreReport, mode_wanted, overlap_expected, rss_bytes
+from ..residency.measure import rss_bytes
+from ..residency.overlap import overlap_expected
+from ..residency.reports import RestoreReport
+from ..residency.residency import mode_wanted
 from ..residency.state import Weights
 from ..state import WorkerReleaseLevel
 from ..util.units import decimal_bytes
