@@ -33,6 +33,12 @@ for k in keys:
     print(" ", k, "=", json.dumps(get(d, k))[:400])
 PY
 }
+# libmtmd (vision): .gpu/build.sh builds llama-cpp-python with LLAVA_BUILD=OFF (llama.cpp's tools
+# build mtmd themselves; adding tools/mtmd twice fails), so llama_cpp/lib lacks it: copy it there
+if [ ! -e /tmp/site/llama_cpp/lib/libmtmd.so ]; then
+  for f in $(find /tmp/llbuild -name "libmtmd.so*" 2>/dev/null); do cp -a "$f" /tmp/site/llama_cpp/lib/; done
+  ls /tmp/site/llama_cpp/lib/libmtmd.so > /dev/null 2>&1 && el "libmtmd copied into llama_cpp/lib" || el "no libmtmd built: the vision step will fail"
+fi
 steps=${*:-rerank vision deep handover embed}
 cd /tmp
 for s in $steps; do
