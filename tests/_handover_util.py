@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from timeshare.core.arena.handclient import HandoverClient
+from timeshare.core.arena.handover import read_state
 
 CHUNK = 1 << 20
 WORKER = str(Path(__file__).with_name("_handover_worker.py"))
@@ -125,6 +127,15 @@ class Worker:
         assert self.proc.wait(timeout=WAIT_S) == 0
         self._close_pipes()
 
+    def discard(self) -> None:
+        """After a test: a process still running (stopped by SIGSTOP or not) is killed; its pipes
+        are closed either way."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.kill()
+        self._close_pipes()
+
     def _close_pipes(self) -> None:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
@@ -133,6 +144,43 @@ class Worker:
 
 
 _clients: list[HandoverClient] = []
+
+
+# ---- the fixtures' bodies (each test module makes them fixtures: ``pytest.fixture(name=...)``) --
+
+
+def new_tag() -> str:
+    """A tag of the test's own (its memfd chunks are named after it)."""
+    return secrets.token_hex(4)
+
+
+def arena_dir(tmp_path: Path) -> Iterator[Path]:
+    """The test's arena folder; after the test, a holder it left (a test that failed half-way)
+    is killed."""
+    path = tmp_path / "arena"
+    yield path
+    state = None
+    if path.exists():
+        fd = os.open(path, os.O_RDONLY)
+        state = read_state(fd)
+        os.close(fd)
+    if state is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.pid, signal.SIGKILL)
+
+
+def worker_list() -> Iterator[list[Worker]]:
+    """The workers a test starts (it appends them); each discarded after the test."""
+    made: list[Worker] = []
+    yield made
+    for w in made:
+        w.discard()
+
+
+def clients_closed() -> Iterator[None]:
+    """After each test, the connections :func:`observer` made are closed."""
+    yield
+    close_clients()
 
 
 def close_clients() -> None:

@@ -11,14 +11,11 @@ live pids". The CUDA path is proven on the GPU (scripts/lab/handover_gpu.sh).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,12 +24,15 @@ from _handover_util import (
     WAIT_S,
     Worker,
     alive,
-    close_clients,
+    arena_dir,
+    clients_closed,
     memfd_fds,
     memfd_maps,
+    new_tag,
     observer,
     shared_between,
     wait_for,
+    worker_list,
 )
 from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import compute_budget, parse_budget
@@ -42,45 +42,14 @@ from timeshare.core.arena.handover import (
     SOCKET_FILE,
     HandoverError,
     PeerRefusedError,
-    read_state,
 )
 from timeshare.core.arena.holder import Holder
 from timeshare.core.arena.ledger import Ledger, LedgerError, on_hand_limit
 
-
-@pytest.fixture
-def tag() -> str:
-    return secrets.token_hex(4)
-
-
-@pytest.fixture
-def arena(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "arena"
-    yield path
-    state = None
-    if path.exists():
-        fd = os.open(path, os.O_RDONLY)
-        state = read_state(fd)
-        os.close(fd)
-    if state is not None:  # a test that failed half-way: its holder goes too
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(state.pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    made: list[Worker] = []
-    yield made
-    for w in made:
-        if w.proc.poll() is None:
-            w.kill()
-        w._close_pipes()
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    close_clients()
+tag = pytest.fixture(name="tag")(new_tag)
+arena = pytest.fixture(name="arena")(arena_dir)
+workers = pytest.fixture(name="workers")(worker_list)
+_close_clients = pytest.fixture(name="_close_clients", autouse=True)(clients_closed)
 
 
 # ---- the ledger (pure) ----------------------------------------------------------------------

@@ -8,12 +8,10 @@ memfd stand-in (``MemfdDevice``, named as such: no GPU), whose map and unmap cal
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,16 +19,18 @@ from _handover_util import (
     CHUNK,
     Worker,
     alive,
-    close_clients,
+    arena_dir,
+    clients_closed,
     memfd_fds,
     memfd_maps,
+    new_tag,
     observer,
     shared_between,
     wait_for,
+    worker_list,
 )
 from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import compute_budget, parse_budget
-from timeshare.core.arena.handover import read_state
 from timeshare.core.arena.holder import RECLAIM_WAIT_S
 from timeshare.core.arena.ledger import Ledger, LedgerError, on_hand_limit
 from timeshare.core.devmem.mapped import HandedMemory
@@ -39,41 +39,10 @@ from timeshare.core.devmem.memfd import MemfdDevice
 FULL = "0"  # the stand-in's free bytes: a card with no room left (kept chunks are asked back)
 
 
-@pytest.fixture
-def tag() -> str:
-    return secrets.token_hex(4)
-
-
-@pytest.fixture
-def arena(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "arena"
-    yield path
-    state = None
-    if path.exists():
-        fd = os.open(path, os.O_RDONLY)
-        state = read_state(fd)
-        os.close(fd)
-    if state is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(state.pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    made: list[Worker] = []
-    yield made
-    for w in made:
-        if w.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w.proc.pid, signal.SIGCONT)
-            w.kill()
-        w._close_pipes()
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    close_clients()
+tag = pytest.fixture(name="tag")(new_tag)
+arena = pytest.fixture(name="arena")(arena_dir)
+workers = pytest.fixture(name="workers")(worker_list)
+_close_clients = pytest.fixture(name="_close_clients", autouse=True)(clients_closed)
 
 
 def report(w: Worker) -> dict[str, int]:
