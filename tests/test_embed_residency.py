@@ -153,14 +153,21 @@ def waiting_for(w: WorkerHandle, holder: str) -> None:
     assert not status.holds_token
 
 
-def _ready(model: ModelConfig, tmp_path: Path, handles: list[WorkerHandle]) -> WorkerHandle:
-    """A worker of ``model`` in tmp_path/<its id>, on the arena tmp_path/arena (no wait times out
-    for 600 s), ready."""
+def _ready(
+    model: ModelConfig,
+    tmp_path: Path,
+    handles: list[WorkerHandle],
+    arena: ArenaConfig | None = None,
+    event_log: Path | None = None,
+) -> WorkerHandle:
+    """A worker of ``model`` in tmp_path/<its id>, on the arena tmp_path/arena (``arena``'s
+    settings; default: no wait times out for 600 s), ready."""
     w = WorkerHandle(
         model,
         tmp_path / model.id,
         arena_dir=tmp_path / "arena",
-        arena=ArenaConfig(wait_timeout_s=600.0),
+        arena=arena if arena is not None else ArenaConfig(wait_timeout_s=600.0),
+        event_log=event_log,
     )
     handles.append(w)
     w.ready()
@@ -263,24 +270,11 @@ def test_a_rerank_waits_for_another_models_batch_and_both_answer_as_alone(
     """A rerank sent while another model's generation batch holds the GPU: the batch gives way
     after its quantum, the rerank scores, the batch takes the GPU back; no one waits for the
     other for good, and each answers what it answers alone."""
-    arena_dir = tmp_path / "arena"
     arena = ArenaConfig(min_quantum_ms=50.0, wait_timeout_s=120.0)
-    gen = WorkerHandle(
-        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2),
-        tmp_path / "gen",
-        arena_dir=arena_dir,
-        arena=arena,
+    gen = _ready(
+        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2), tmp_path, handles, arena
     )
-    handles.append(gen)
-    gen.ready()
-    rr = WorkerHandle(
-        ModelConfig(id="rr", path=str(reranker_path), n_ctx=256),
-        tmp_path / "rr",
-        arena_dir=arena_dir,
-        arena=arena,
-    )
-    handles.append(rr)
-    rr.ready()
+    rr = _ready(ModelConfig(id="rr", path=str(reranker_path), n_ctx=256), tmp_path, handles, arena)
     rr.send(p.Embed(req="r0", inputs=DOCUMENTS, query=QUERY))
     want_scores, done = vectors_of(rr, "r0")
     assert isinstance(done, p.Done)
@@ -358,26 +352,10 @@ def test_a_stream_of_embeds_gives_the_gpu_way_between_two(
     alone. Each Embed starts a quantum of its own, so without this the other model waited for
     the whole stream."""
     log = tmp_path / "intervals.jsonl"
-    arena_dir = tmp_path / "arena"
     arena = ArenaConfig(min_quantum_ms=60000.0, wait_timeout_s=600.0)
-    a = WorkerHandle(
-        ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2),
-        tmp_path / "a",
-        arena_dir=arena_dir,
-        arena=arena,
-        event_log=log,
-    )
-    handles.append(a)
-    a.ready()
-    b = WorkerHandle(
-        ModelConfig(id="rr", path=str(reranker_path), n_ctx=256),
-        tmp_path / "b",
-        arena_dir=arena_dir,
-        arena=arena,
-        event_log=log,
-    )
-    handles.append(b)
-    b.ready()
+    smol = ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2)
+    a = _ready(smol, tmp_path, handles, arena, log)
+    b = _ready(ModelConfig(id="rr", path=str(reranker_path), n_ctx=256), tmp_path, handles, arena, log)
     b.send(p.Embed(req="r0", inputs=DOCUMENTS, query=QUERY))
     want_scores, done = vectors_of(b, "r0")
     assert isinstance(done, p.Done)
