@@ -24,8 +24,6 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TimeshareError
-from ..gguf.modelfile import gguf_problem
 from .bench_api import word_salad
 from .bench_api_procs import LlamaServer, Serve, watched
+from .bench_main import bench_main, given_or_demo_model
 
 #: a request of the bench that takes longer fails the run (``--timeout``)
 DEFAULT_TIMEOUT_S = 300.0
@@ -235,29 +233,4 @@ def print_table(report: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """The ``timeshare bench embed`` handler. Exit 0: it ran; 2: it could not run."""
-    from ..config import demo
-    from .bench_api import check_llama_server
-    from .doctor import report_failure
-
-    def progress(msg: str) -> None:
-        print(f"bench embed: {msg}", file=sys.stderr, flush=True)
-
-    try:
-        if args.llama_server:
-            check_llama_server(args.llama_server)
-        try:
-            model = args.model or str(demo.smollm2_path())
-        except demo.DemoUnavailableError as exc:
-            raise TimeshareError(f"{exc}; give a model with --model PATH") from None
-        problem = gguf_problem(model)
-        if problem:
-            raise TimeshareError(problem)
-        report = run_embed_bench(model, args, progress)
-    except (TimeshareError, subprocess.TimeoutExpired, OSError) as exc:
-        err = exc if isinstance(exc, TimeshareError) else TimeshareError(str(exc))
-        return report_failure("bench embed", err, bool(args.json))
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
+    return bench_main("bench embed", args, given_or_demo_model, run_embed_bench, print_table)

@@ -24,8 +24,6 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +34,7 @@ from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
 from .bench_api import word_salad
 from .bench_api_procs import REQUEST_TIMEOUT_S, LlamaServer, Serve
+from .bench_main import bench_main
 
 SYSTEMS = ("timeshare", "llama_server")
 QUERY = "which of these passages says how the weights come back to the device after a switch?"
@@ -298,34 +297,24 @@ def print_table(report: dict[str, Any]) -> None:
         )
 
 
+def _model_of(args: argparse.Namespace) -> str:
+    """``--model`` (a reranker GGUF, checked), else "" (the synthetic one, with ``--vocab``'s
+    vocabulary or the demo model's: checked before anything starts, so a machine without the demo
+    packages is told what to pass)."""
+    model: str = args.model or ""
+    if model:
+        problem = gguf_problem(model)
+        if problem:
+            raise TimeshareError(problem)
+    elif args.vocab:
+        problem = vocab_problem(args.vocab)
+        if problem:
+            raise TimeshareError(f"--vocab: {problem}")
+    else:
+        demo_vocab()
+    return model
+
+
 def main(args: argparse.Namespace) -> int:
     """The ``timeshare bench rerank`` handler. Exit 0: it ran; 2: it could not run."""
-    from .bench_api import check_llama_server
-    from .doctor import report_failure
-
-    def progress(msg: str) -> None:
-        print(f"bench rerank: {msg}", file=sys.stderr, flush=True)
-
-    try:
-        if args.llama_server:
-            check_llama_server(args.llama_server)
-        model = args.model or ""
-        if model:
-            problem = gguf_problem(model)
-            if problem:
-                raise TimeshareError(problem)
-        elif args.vocab:
-            problem = vocab_problem(args.vocab)
-            if problem:
-                raise TimeshareError(f"--vocab: {problem}")
-        else:
-            demo_vocab()  # before anything starts: a machine without the demo packages is told what to pass
-        report = run_rerank_bench(model, args, progress)
-    except (TimeshareError, subprocess.TimeoutExpired, OSError) as exc:
-        err = exc if isinstance(exc, TimeshareError) else TimeshareError(str(exc))
-        return report_failure("bench rerank", err, bool(args.json))
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
+    return bench_main("bench rerank", args, _model_of, run_rerank_bench, print_table)
