@@ -145,6 +145,17 @@ def check_plot(path: str) -> None:
         raise TimeshareError(f"--plot {path}: the folder {parent} does not exist")
 
 
+def given_or_demo_models(args: argparse.Namespace) -> list[str]:
+    """The ``--model`` paths, else the two demo models (SmolLM2, Gemma 3); TimeshareError when
+    the demo packages are missing."""
+    from ..config import demo
+
+    try:
+        return list(args.model) if args.model else [str(demo.smollm2_path()), str(demo.gemma3_path())]
+    except demo.DemoUnavailableError as exc:
+        raise TimeshareError(f"{exc}; give two models with --model PATH --model PATH") from None
+
+
 def check_arguments(models: Sequence[str], rounds: int, context: int, budget: str) -> None:
     """The two models, rounds, context and budget every ``bench api`` mode takes, checked:
     TimeshareError naming the option otherwise."""
@@ -522,7 +533,6 @@ def _llama_server_phases(
 
 def main(args: argparse.Namespace) -> int:
     """The ``timeshare bench api`` handler. Exit 0: it ran; 2: it could not run."""
-    from ..config import demo
     from .doctor import report_failure
 
     def progress(msg: str) -> None:
@@ -533,10 +543,7 @@ def main(args: argparse.Namespace) -> int:
             check_plot(args.plot)
         if args.llama_server:
             check_llama_server(args.llama_server)
-        try:
-            models = list(args.model) if args.model else [str(demo.smollm2_path()), str(demo.gemma3_path())]
-        except demo.DemoUnavailableError as exc:
-            raise TimeshareError(f"{exc}; give two models with --model PATH --model PATH") from None
+        models = given_or_demo_models(args)
         # before anything starts: timeshare's systems and llama-swap's way run on the same card
         with hold_card(getattr(args, "card", None)) as card:
             if card is not None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TimeshareError
-from .bench_api import Conversations, check_arguments, word_salad
+from .bench_api import Conversations, check_arguments, given_or_demo_models, word_salad
 from .bench_api_procs import MAX_TOKENS, Serve
 from .bench_api_report import median
 
@@ -172,7 +172,6 @@ def print_report(r: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``timeshare bench api --responses``. Exit 0: it ran; 2: it could not run."""
-    from ..config import demo
     from .card import hold_card
     from .doctor import report_failure
 
@@ -185,10 +184,7 @@ def main(args: argparse.Namespace) -> int:
                 "--responses compares two APIs of timeshare: leave out --llama-server, --plot and "
                 "--switch-only"
             )
-        try:
-            models = list(args.model) if args.model else [str(demo.smollm2_path()), str(demo.gemma3_path())]
-        except demo.DemoUnavailableError as exc:
-            raise TimeshareError(f"{exc}; give two models with --model PATH --model PATH") from None
+        models = given_or_demo_models(args)
         with hold_card(getattr(args, "card", None)) as card:
             if card is not None:
                 progress(card.describe())
