@@ -623,3 +623,57 @@ def test_stored_responses_and_their_kv_survive_a_restart_within_the_bounds(
             with pytest.raises(openai.BadRequestError) as broken:
                 ask(c, "And on Sunday?", r3.id)
             assert broken.value.param == "previous_response_id" and r1.id in broken.value.message
+
+
+def test_a_chains_kv_files_go_with_its_last_stored_response(tmp_path: Path, smollm2_path: Path) -> None:
+    """A chain's KV conversation is kept in the KV folder while any of its responses is stored:
+    deleting its last one (DELETE /v1/responses/{id}) removes its files, and a response that
+    went while the server was down (here: deleted from the file) has its files swept at the
+    next start. Another chain's file stays throughout."""
+    from timeshare.core.kv_folder import kv_file
+
+    home = tmp_path / "home"
+    config = _config(home, smollm2_path, None)
+    kv_dir = home / "data" / "kv" / SMOL
+
+    def ask(c: openai.OpenAI, question: str, previous: str | None) -> Any:
+        return c.responses.create(
+            model=SMOL, input=question, previous_response_id=previous, max_output_tokens=4, temperature=0
+        )
+
+    def chain_file(first: Any) -> Path:
+        return kv_file(kv_dir, SMOL, f"responses-{first.id}")
+
+    def client(server: Served) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=180)
+
+    with serving(home, config=config, key=KEY) as server:
+        server.wait_ready([SMOL])
+        with client(server) as c:
+            a1 = ask(c, "Do you sell rye bread?", None)
+            a2 = ask(c, "Is it sliced?", a1.id)
+            b1 = ask(c, "What is two and two?", None)
+            ask(c, "And three and three?", b1.id)
+            l1 = ask(c, "Name a colour.", None)  # (a first turn is the prompt cache's: continued)
+            l2 = ask(c, "And another?", l1.id)
+    # the worker left each conversation's KV in the folder when it stopped
+    assert chain_file(a1).is_file() and chain_file(b1).is_file() and chain_file(l1).is_file()
+    # the third chain goes while the server is down (no pool to tell): its file is swept at start
+    down = ResponseStore(home / "data" / "responses.sqlite3")
+    assert down.delete(l1.id) and down.delete(l2.id)
+    with serving(home, config=config, key=KEY) as server:
+        server.wait_ready([SMOL])
+        assert not chain_file(l1).exists()
+        assert chain_file(a1).is_file() and chain_file(b1).is_file()
+        with client(server) as c:
+            c.responses.delete(a2.id)  # a1 is still stored: the chain's KV stays
+            assert chain_file(a1).is_file()
+            c.responses.delete(a1.id)  # the last of the chain: its KV files go
+            assert not chain_file(a1).exists()
+            assert c.responses.retrieve(b1.id).id == b1.id
+    # a worker that held the deleted chain's sequence may save it again when it stops: the next
+    # start sweeps it; the other chain's file stays
+    with serving(home, config=config, key=KEY) as server:
+        server.wait_ready([SMOL])
+        assert not chain_file(a1).exists()
+        assert chain_file(b1).is_file()

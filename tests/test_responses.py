@@ -5,6 +5,7 @@ stream events an answer's events make. End to end with real clients: tests/test_
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import sqlite3
 import time
@@ -533,3 +534,40 @@ def test_reasoning_becomes_a_reasoning_item_and_an_empty_answer_a_message() -> N
     empty = Output()
     assert _types(empty.finish(incomplete=False))[-1] == "response.output_item.done"
     assert empty.items[0]["content"][0]["text"] == "" and empty.items[0]["type"] == "message"
+
+
+def test_a_chains_kv_conversation_is_forgotten_with_its_last_stored_response(tmp_path: Path) -> None:
+    forgotten: list[str] = []
+    store = ResponseStore(tmp_path / "responses.sqlite3", keep=3, forget=forgotten.append)
+    now = time.time()
+
+    def put(rid: str, chain: str, previous: str | None = None, at: float = 0.0) -> None:
+        record = dataclasses.replace(
+            _record(rid, previous, created=now + at), conversation=f"responses-{chain}"
+        )
+        store.put(record)
+
+    put("a1", "a1", at=1)
+    put("a2", "a1", "a1", at=2)
+    put("b1", "b1", at=3)
+    assert not store.gone("responses-a1") and not store.gone("responses-b1")
+    assert store.gone("responses-never") and not store.gone("not-a-chain")  # only a chain's shape
+    assert store.delete("a2") and forgotten == []  # a1 still holds the chain
+    assert not store.delete("a2") and forgotten == []
+    assert store.delete("a1") and forgotten == ["responses-a1"]
+    assert store.gone("responses-a1")
+    # past the bounds (keep=3): the oldest go, and the chain they ended with them
+    put("c1", "c1", at=4)
+    put("d1", "d1", at=5)
+    assert forgotten == ["responses-a1"]
+    put("e1", "e1", at=6)
+    assert forgotten == ["responses-a1", "responses-b1"] and store.gone("responses-b1")
+
+
+def test_a_failing_forget_leaves_the_deletion_done(tmp_path: Path) -> None:
+    def broken(conversation: str) -> None:
+        raise OSError("the KV folder is unreadable")
+
+    store = ResponseStore(tmp_path / "responses.sqlite3", forget=broken)
+    store.put(_record("x"))
+    assert store.delete("x") and store.get("x") is None

@@ -822,7 +822,10 @@ def create_app(
     # the other dialects, thin translations onto the same handlers
     routes += anthropic.routes(handlers) + ollama.routes(handlers) + ollama_models.routes(handlers)
     # the Responses API keeps what it answered (store: true) in the data dir, within the bounds
-    store = ResponseStore(keep=api_config.responses_kept, days=api_config.responses_days)
+    # (a chain's KV files go with its last stored response)
+    store = ResponseStore(
+        keep=api_config.responses_kept, days=api_config.responses_days, forget=pool.forget_conversation
+    )
     routes += responses.routes(
         handlers, store, handlers.sse, lambda: fetch_url if handlers.api_config.fetch_image_urls else None
     )

@@ -85,13 +85,29 @@ class ChainTooLongError(Exception):
     """A chain holds more turns than the caller allows."""
 
 
-class ResponseStore:
-    """The stored responses. ``ResponseStore()`` opens ``paths.responses_db()`` when first used."""
+#: the KV conversation of a chain is named after its first response (``responses-<id>``)
+CONVERSATION_PREFIX = "responses-"
 
-    def __init__(self, path: str | Path | None = None, *, keep: int = 1000, days: float = 30.0) -> None:
+
+class ResponseStore:
+    """The stored responses. ``ResponseStore()`` opens ``paths.responses_db()`` when first used.
+
+    ``forget``: called with a chain's KV conversation once no stored response is left in it
+    (deleted, or gone past the bounds), after the change is committed, so its KV files go too
+    (``Pool.forget_conversation``); what it raises is logged, the store's change stands."""
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        keep: int = 1000,
+        days: float = 30.0,
+        forget: Callable[[str], object] | None = None,
+    ) -> None:
         self._path = Path(path) if path is not None else None
         self.keep = keep
         self.days = days
+        self._forget = forget
         self._lock = threading.RLock()
         self._db: sqlite3.Connection | None = None
 
@@ -132,7 +148,7 @@ class ResponseStore:
             db.close()
             raise
         self._db = db
-        self._prune(db, time.time())
+        self._forgotten(self._prune(db, time.time()))
         return db
 
     def _failed(self, exc: sqlite3.Error) -> StoreError:
@@ -170,19 +186,41 @@ class ResponseStore:
                 self._db.close()
                 self._db = None
 
-    def _prune(self, db: sqlite3.Connection, now: float) -> int:
-        """Forget what is past the bounds: older than ``days``, then the oldest beyond ``keep``."""
-        gone = db.execute("DELETE FROM responses WHERE created < ?", (now - self.days * DAY_S,)).rowcount
-        gone += db.execute(
-            "DELETE FROM responses WHERE id IN "
-            "(SELECT id FROM responses ORDER BY created DESC, rowid DESC LIMIT -1 OFFSET ?)",
-            (max(0, self.keep),),
-        ).rowcount
-        if gone:
+    def _prune(self, db: sqlite3.Connection, now: float) -> list[str]:
+        """Forget what is past the bounds: older than ``days``, then the oldest beyond ``keep``.
+        Returns the KV conversations no stored response is left in."""
+        old = "SELECT id FROM responses WHERE created < ?"
+        extra = "SELECT id FROM responses ORDER BY created DESC, rowid DESC LIMIT -1 OFFSET ?"
+        n_old, orphans = self._remove(db, old, (now - self.days * DAY_S,))
+        n_extra, more = self._remove(db, extra, (max(0, self.keep),))
+        if n_old + n_extra:
             log.info(
-                "forgot %d stored response(s) past the bounds (%d kept, %g days)", gone, self.keep, self.days
+                "forgot %d stored response(s) past the bounds (%d kept, %g days)",
+                n_old + n_extra,
+                self.keep,
+                self.days,
             )
-        return gone
+        return orphans + more
+
+    @staticmethod
+    def _remove(db: sqlite3.Connection, ids_sql: str, args: tuple[Any, ...]) -> tuple[int, list[str]]:
+        """Delete the responses ``ids_sql`` selects: how many went, and the KV conversations no
+        stored response is left in."""
+        chains_sql = f"SELECT DISTINCT conversation FROM responses WHERE id IN ({ids_sql})"
+        chains = [str(row[0]) for row in db.execute(chains_sql, args)]
+        gone = int(db.execute(f"DELETE FROM responses WHERE id IN ({ids_sql})", args).rowcount)
+        left = "SELECT 1 FROM responses WHERE conversation = ? LIMIT 1"
+        return gone, [c for c in chains if db.execute(left, (c,)).fetchone() is None]
+
+    def _forgotten(self, conversations: list[str]) -> None:
+        """Hand each KV conversation no response is left in to ``forget`` (after the commit)."""
+        if self._forget is None:
+            return
+        for conversation in conversations:
+            try:
+                self._forget(conversation)
+            except Exception:  # the KV files are a cache: the next start's sweep removes them
+                log.exception("forgetting the KV files of %s failed", conversation)
 
     @staticmethod
     def _record(row: tuple[Any, ...]) -> StoredResponse:
@@ -217,23 +255,36 @@ class ResponseStore:
             json.dumps(record.body, ensure_ascii=False),
         )
 
-        def insert(db: sqlite3.Connection) -> None:
+        def insert(db: sqlite3.Connection) -> list[str]:
             db.execute(
                 f"INSERT OR REPLACE INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row
             )
-            self._prune(db, time.time())
+            return self._prune(db, time.time())
 
-        self._write(insert)
+        self._forgotten(self._write(insert))
 
     def get(self, response_id: str) -> StoredResponse | None:
         rows = self._read(f"SELECT {_COLUMNS} FROM responses WHERE id = ?", (response_id,))
         return self._record(rows[0]) if rows else None
 
     def delete(self, response_id: str) -> bool:
-        """Forget one response; False when it was not stored."""
-        return self._write(
-            lambda db: db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
-        )
+        """Forget one response (and, when it was the last of its chain's, the chain's KV
+        conversation through ``forget``); False when it was not stored."""
+
+        def remove(db: sqlite3.Connection) -> tuple[bool, list[str]]:
+            there = db.execute("SELECT 1 FROM responses WHERE id = ?", (response_id,)).fetchone() is not None
+            return there, self._remove(db, "SELECT ?", (response_id,))[1] if there else []
+
+        there, orphans = self._write(remove)
+        self._forgotten(orphans)
+        return there
+
+    def gone(self, conversation: str) -> bool:
+        """``conversation`` has the shape of a chain's KV conversation and no stored response is
+        in it (the pool's start sweeps its KV files: ``Pool.start(conversation_gone=...)``)."""
+        if not conversation.startswith(CONVERSATION_PREFIX):
+            return False
+        return not self._read("SELECT 1 FROM responses WHERE conversation = ? LIMIT 1", (conversation,))
 
     def count(self) -> int:
         return int(self._read("SELECT count(*) FROM responses")[0][0])

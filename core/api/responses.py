@@ -53,7 +53,13 @@ from .extras import switch_extras
 from .images import Fetcher, ImageBudget, image_from_url, placed
 from .requests import GenerationRequest, read_json
 from .response_output import Output, new_id
-from .response_store import BrokenChainError, ChainTooLongError, ResponseStore, StoredResponse
+from .response_store import (
+    CONVERSATION_PREFIX,
+    BrokenChainError,
+    ChainTooLongError,
+    ResponseStore,
+    StoredResponse,
+)
 from .shapes import MAX_MESSAGES
 from .structured import response_format_grammar
 from .tools import ToolRequest, parse_tool_request
@@ -752,7 +758,7 @@ class Routes:
                 "previous_response_id",
             )
         rid = new_id("resp")
-        conversation = previous.conversation if previous is not None else f"responses-{rid}"
+        conversation = previous.conversation if previous is not None else f"{CONVERSATION_PREFIX}{rid}"
         answer = _Answer(rid, time.time(), parsed, model_id, previous, conversation)
         # the first response of a chain runs on the prompt cache; its continuations in the chain's
         # conversation (see the module docstring)

@@ -48,6 +48,7 @@ from .connections import (
 from .errors import BadRequestError, dialect_of
 from .handlers import HEALTH_HEADER, ConfigReloader, create_app, reload_config
 from .rerank import RERANK_PATHS
+from .response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,12 @@ class ApiServer:
         self._ollama_sock: socket.socket | None = None
         self.ollama_url: str | None = None
         self.ollama_refused: str = ""
+
+    def conversation_gone(self, conversation: str) -> bool:
+        """A KV conversation the Responses API kept for a chain of which no stored response is
+        left (False before :meth:`start` and for any other conversation)."""
+        store = getattr(self.app.state, "responses", None) if self.app is not None else None
+        return isinstance(store, ResponseStore) and store.gone(conversation)
 
     def start(self, timeout: float = 15.0) -> str:
         check_bind_allowed(self.api_config)
@@ -361,7 +368,7 @@ def serve_main(args: argparse.Namespace) -> int:
     watcher = ConfigWatcher(config_path, server.reload)
     try:
         url = server.start()  # bind first: a port in use fails before any worker is spawned
-        pool.start()
+        pool.start(conversation_gone=server.conversation_gone)  # KV files of forgotten chains go
         watcher.start()
         print(
             f"Timeshare API on {url}/v1 — models: {', '.join(m.id for m in config.models) or 'none'}",
