@@ -434,6 +434,43 @@ def test_a_shutdown_ends_a_wakes_wait_for_the_token(
     assert a.status().holds_token
 
 
+def test_a_sleep_ends_a_wakes_wait_for_the_token(
+    smollm2_path: Path, tmp_path: Path, arena_dir: Path, handles: list[WorkerHandle]
+) -> None:
+    """A Wake waiting for a pinned holder is dropped by a Sleep that comes after it: the worker
+    stops waiting (no error: the user changed their mind), never takes the token, and answers
+    as before; a later Wake, once the holder is unpinned, takes the GPU."""
+    a = WorkerHandle(
+        ModelConfig(id="holder", path=str(smollm2_path), n_ctx=256), tmp_path / "a", arena_dir=arena_dir
+    )
+    handles.append(a)
+    a.ready()
+    b = WorkerHandle(
+        ModelConfig(id="waker", path=str(smollm2_path), n_ctx=256),
+        tmp_path / "b",
+        arena_dir=arena_dir,
+        arena=ArenaConfig(wait_timeout_s=600.0),
+    )
+    handles.append(b)
+    b.ready()
+    assert not a.status("before-pin").pinned
+    a.send(p.Pin(True))
+    a.send(p.Wake())
+    a.expect(p.WorkerStatus, holds_token=True, pinned=True)
+    b.send(p.Wake())
+    waiting = b.expect(p.WorkerStatus)
+    while "pinned" not in waiting.waiting_reason or "holder" not in waiting.waiting_reason:
+        waiting = b.expect(p.WorkerStatus)
+    b.send(p.Sleep(level="weights"))
+    # the wait ended: the worker answers from its loop again, waiting for nothing, no token
+    idle = b.expect(p.WorkerStatus, waiting_reason="")
+    assert not idle.holds_token and not any(isinstance(m, p.Error) for m in b.seen)
+    assert a.status().holds_token
+    a.send(p.Pin(False))
+    b.send(p.Wake())
+    b.expect(p.WorkerStatus, holds_token=True)
+
+
 def chat_turns(first_answer: str) -> tuple[tuple[p.ChatMessage, ...], tuple[p.ChatMessage, ...]]:
     one = (p.ChatMessage("user", "Name a fruit."),)
     two = (*one, p.ChatMessage("assistant", first_answer), p.ChatMessage("user", "And a vegetable?"))

@@ -435,19 +435,25 @@ class Worker:
     def _wake(self) -> None:
         """A Wake (a pre-warm): take the token and restore now. A shutdown while it waits for the
         GPU ends the wait at once, as it ends an Embed's or a batch's: the pool hears that the
-        worker is shutting down, and the Shutdown, next in the queue, ends the worker."""
+        worker is shutting down, and the Shutdown, next in the queue, ends the worker. A Sleep
+        that came after it ends the wait too (the user changed their mind: the pre-warm is
+        dropped, quietly, and the Sleep, next in the queue, finds nothing to release)."""
         started = time.monotonic()
+        superseded = "a sleep came after it"
 
         def poll() -> None:
             self._wait_poll()
             if any(isinstance(t, (p.Shutdown, _Disconnected)) for t in self._pending):
                 raise CancelledError("the worker is shutting down")
+            if any(isinstance(t, p.Sleep) for t in self._pending):
+                raise CancelledError(superseded)
 
         try:
             got = self._ensure_resident(poll)
         except CancelledError as exc:
             log.info("wake ended: %s", exc)
-            self.send(p.Error(req=None, code=ModelUnavailableError.code, message=str(exc)))
+            if str(exc) != superseded:
+                self.send(p.Error(req=None, code=ModelUnavailableError.code, message=str(exc)))
             return
         self._last_wake = (started, time.monotonic(), got) if got.switched else None
 
