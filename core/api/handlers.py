@@ -31,7 +31,6 @@ from .. import paths
 from ..config.files import load_config
 from ..config.schema import ApiConfig, Config, ModelConfig
 from ..errors import ConfigError, InvalidInputError, ModelUnavailableError, TimeshareError
-from ..gguf.catalog import read_pooling
 from ..modelnames import resolve_api_model
 from ..pool.generation import Generation, GenerationResult
 from ..pool.supervisor import Pool
@@ -377,14 +376,15 @@ class _Handlers:
 
     def _check_reranker(self, model_id: str) -> None:
         """400 naming the model when it is not a reranker: as its worker reported (its pooling),
-        or, before it has loaded, as its GGUF's header says (the worker refuses it too)."""
+        or, before it has loaded, as its GGUF's header says (read once while the file is
+        unchanged: the listings' cache; the worker refuses it too)."""
         status = self.pool.snapshot().model(model_id)
         pooling = status.pooling if status is not None else ""
         if not (status is not None and status.chat_format):  # not loaded: the file says
             config = self.pool.config.model(model_id)
             try:
-                pooling = read_pooling(config.path) if config is not None else "rank"
-            except TimeshareError:
+                pooling = self.files.header(config.path).pooling if config is not None else "rank"
+            except (OSError, TimeshareError):
                 return  # the worker says what is wrong with the file
         if pooling != "rank":
             name = status.name if status is not None and status.name else model_id
