@@ -612,6 +612,7 @@ class ArenaTenancy(Tenancy):
             "handover_creates": int(h.get("creates", 0) or 0),  # type: ignore[call-overload]
             "handover_mapped_chunks": int(h.get("last_mapped_chunks", 0) or 0),  # type: ignore[call-overload]
             "handover_kept_bytes": int(h.get("kept_bytes", 0) or 0),  # type: ignore[call-overload]
+            "handover_skipped_bytes": int(h.get("skipped_upload_bytes", 0) or 0),  # type: ignore[call-overload]
         }
 
     @property
