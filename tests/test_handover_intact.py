@@ -471,3 +471,30 @@ def test_a_restore_after_its_kept_memory_was_asked_back_uploads_everything(
     assert steps["kept_chunks"] == 0 and steps["handed_chunks"] > 0
     assert (steps["uploaded_bytes"], steps["skipped_upload_bytes"]) == (total, 0)
     assert bitwise_with_oracle(a, oracle, tmp_path)
+
+
+# ---- a partial lease counts the padding of handed chunks ----------------------------------------
+
+
+def test_a_partial_release_keeps_what_the_lease_covers_padding_included(
+    smol: llama_cpp.Llama, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """Handed memory is mapped in whole chunks: a partial release down to ``keep_bytes`` counts
+    each resident part's last-chunk padding (the device memory really held), and
+    ``resident_lease_bytes`` says what the lease must cover."""
+    observer(tmp_path / "arena", chunk=MODEL_CHUNK)
+    opts = ResidencyOptions(handover=True, parts=3)
+    res = Residency.attach(smol, smollm2_path, opts, chunk_source=observer(tmp_path / "arena"))
+    try:
+        padding = int(res.handover["lease_padding_bytes"])  # type: ignore[call-overload]
+        assert padding > 0 and res.resident_lease_bytes == res.weight_bytes + padding
+        parts = res.parts()
+        keep = parts[0].bytes + parts[1].bytes  # the first two parts' bytes, without padding
+        res.release(keep_bytes=keep)
+        assert res.resident_lease_bytes <= keep  # padding counted: the second part went too
+        assert [p.resident for p in res.parts()] == [True, False, False]
+        assert res.resident_lease_bytes > res.resident_bytes == parts[0].bytes
+        res.restore()
+        assert res.resident_lease_bytes == res.weight_bytes + padding
+    finally:
+        res.close()

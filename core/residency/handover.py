@@ -108,6 +108,14 @@ class WeightHandover:
             return None
         return handed
 
+    def padding(self, bufs: list[WeightBuffer]) -> int:
+        """The device memory ``bufs`` hold beyond their bytes when mapped from handed memory: the
+        unused part of each one's last chunk (0 without the hand-over)."""
+        h = self.handed
+        if h is None:
+            return 0
+        return sum(h.chunks_for(b.size) * h.chunk_bytes - b.size for b in bufs)
+
     def intact(self, todo: list[WeightBuffer], handed: HandedMemory | None) -> set[int]:
         """The ids of the buffers of ``todo`` (just mapped by :meth:`map`) whose ranges still
         hold their bytes: nothing to upload into them."""

@@ -230,20 +230,34 @@ class InPlace:
             return self.weight_bytes
         return sum(p.bytes for p in self.parts if p.resident)
 
+    @property
+    def resident_padding_bytes(self) -> int:
+        """Device memory the resident parts hold beyond :attr:`resident_bytes`: with handed-over
+        memory, the unused part of each buffer's last chunk (0 otherwise, and while a split waits
+        for the first release: the model's own buffers are ggml's)."""
+        if self.split_pending:
+            return 0
+        return self.handover.padding([b for p in self.parts if p.resident for b in p.buffers])
+
+    def _held(self, p: Part) -> int:
+        """The device memory part ``p`` holds while resident (its bytes, and its padding)."""
+        return p.bytes + self.handover.padding(p.buffers)
+
     def parts_to_release(self, keep_bytes: int | None) -> list[Part]:
         """The resident parts a release down to ``keep_bytes`` frees, from the last layer down
         (all of them for None; all, or none when ``keep_bytes`` covers the model, while a split
-        waits for the first release)."""
+        waits for the first release). ``keep_bytes`` counts the device memory the parts hold:
+        with handed-over memory, the padding of their last chunks too (what a lease covers)."""
         if self.split_pending:
             return list(reversed(self.parts)) if keep_bytes is None or keep_bytes < self.weight_bytes else []
-        resident = self.resident_bytes
+        resident = self.resident_bytes + self.resident_padding_bytes
         out: list[Part] = []
         for p in reversed(self.parts):
             if keep_bytes is not None and resident <= keep_bytes:
                 break
             if p.resident:
                 out.append(p)
-                resident -= p.bytes
+                resident -= self._held(p)
         return out
 
     # -- release / restore --------------------------------------------------------------------

@@ -490,6 +490,15 @@ class Residency:
         return self._path.resident_bytes(self.weights_resident)
 
     @property
+    def resident_lease_bytes(self) -> int:
+        """The device memory the resident weights hold (what a lease of them must cover):
+        :attr:`resident_bytes`, plus, with handed-over memory, the unused part of each resident
+        buffer's last chunk (``handover["lease_padding_bytes"]`` when all are resident)."""
+        ip = self._inplace
+        padding = ip.resident_padding_bytes if ip is not None else 0
+        return self.resident_bytes + padding
+
+    @property
     def state(self) -> ResidencyState:
         """Where the weights and the KV cache are (the table: residency/state.py)."""
         return self._state
