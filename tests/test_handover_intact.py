@@ -332,15 +332,17 @@ def test_with_the_skip_off_every_restore_uploads(
     res = Residency.attach(
         smol, smollm2_path, ResidencyOptions(handover=True), chunk_source=observer(tmp_path / "arena")
     )
-    assert res.handover["reuse_contents"] is False
-    res.release()
-    res.restore()
-    total = res.restore_steps.uploaded_bytes
-    res.release()
-    res.restore()
-    steps = res.restore_steps
-    assert steps.kept_chunks and (steps.uploaded_bytes, steps.skipped_upload_bytes) == (total, 0)
-    res.close()
+    try:
+        assert res.handover["reuse_contents"] is False
+        res.release()
+        res.restore()
+        total = res.restore_steps.uploaded_bytes
+        res.release()
+        res.restore()
+        steps = res.restore_steps
+        assert steps.kept_chunks and (steps.uploaded_bytes, steps.skipped_upload_bytes) == (total, 0)
+    finally:
+        res.close()
 
 
 # ---- two model processes: a switch back ----------------------------------------------------
