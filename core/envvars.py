@@ -152,6 +152,14 @@ HANDOVER_KEEP = EnvVar(
     "With the hand-over: a released worker keeps its chunks mapped until another needs them (1), or "
     "unmaps them at each release (0)",
 )
+HANDOVER_INTACT = EnvVar(
+    "TIMESHARE_HANDOVER_INTACT",
+    "0 or 1",
+    "on",
+    "escape hatch",
+    "With kept mappings: a restore into kept chunks the holder vouches nobody else mapped since the "
+    "release skips their upload (1), or uploads every byte as before (0)",
+)
 HANDOVER_CHUNK = EnvVar(
     "TIMESHARE_HANDOVER_CHUNK",
     "size (256MiB)",
@@ -252,6 +260,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     OVERLAP_RESTORE,
     HANDOVER,
     HANDOVER_KEEP,
+    HANDOVER_INTACT,
     HANDOVER_CHUNK,
     HANDOVER_ROOM,
     DEEP_INPLACE,

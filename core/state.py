@@ -123,10 +123,12 @@ class ModelStatus:
     lease_bytes: int = 0  # the weight bytes of that lease
     # device memory handed over (issue 40; 0 while off): the worker's cuMemCreate calls since it
     # started, the chunks its last restore mapped (0: its kept mapping was used), the bytes it
-    # keeps mapped while released
+    # keeps mapped while released, the weight bytes its restores did not upload (its kept memory
+    # still held them: nobody else mapped it since its release)
     handover_creates: int = 0
     handover_mapped_chunks: int = 0
     handover_kept_bytes: int = 0
+    handover_skipped_bytes: int = 0
     # the share of its weights on the device: 1.0 resident, 0.0 released; in between a RELEASED
     # model that made room for another by freeing only some layer parts ("partly on the GPU")
     resident_fraction: float = 0.0

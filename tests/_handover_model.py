@@ -5,6 +5,9 @@ hand-over on (the memfd stand-in plays the device: named as such), driven line b
     release | restore       the residency's; restore answers "ok <handed> <created> <moved> <mapped>"
                             (mapped: chunks mapped by it; 0 when its own kept mapping was used)
     check                   "ok" when 8 greedy steps give bitwise the logits of before attach
+    logits PATH             "ok": the logits of 8 greedy steps saved to PATH (numpy .npy, for an
+                            oracle of the test's own)
+    steps                   the last restore's steps (JSON: uploaded / skipped bytes, chunks)
     stats                   the residency's hand-over figures (JSON)
 """
 
@@ -15,6 +18,7 @@ import sys
 from pathlib import Path
 
 import llama_cpp  # noqa: F401  (before numpy)
+import numpy as np
 from _residency_util import Greedy, load, same
 from timeshare.core.arena.handclient import HandoverClient
 from timeshare.core.residency import Residency, ResidencyOptions
@@ -30,7 +34,7 @@ def main() -> None:
     res = Residency.attach(llm, model, ResidencyOptions(handover=True), chunk_source=client)
     print(f"ready {res.path} {res.handover_note!r}", flush=True)
     for line in sys.stdin:
-        cmd = line.strip()
+        cmd, _, arg = line.strip().partition(" ")
         if cmd == "release":
             res.release()
             out = "ok"
@@ -41,6 +45,11 @@ def main() -> None:
             out = f"ok {handed} {created} {report.addresses_moved} {int(steps.mapped_chunks or 0)}"
         elif cmd == "check":
             out = "ok" if same(reference, greedy.run()) else "different"
+        elif cmd == "logits":
+            np.save(arg, np.stack(greedy.run()))
+            out = "ok"
+        elif cmd == "steps":
+            out = json.dumps(res.restore_steps.as_dict())
         elif cmd == "stats":
             out = json.dumps(res.handover)
         else:

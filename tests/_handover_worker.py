@@ -64,7 +64,7 @@ def main() -> None:
                 device.unmap(base + i * mem.chunk_bytes, mem.chunk_bytes)
             out = "ok"
         elif cmd == "take":
-            for _id, fd in client.take(args[0]):
+            for _id, fd in client.take(args[0]).chunks:
                 held.append(device.import_fd(fd))
                 os.close(fd)
             out = f"ok {len(held)}"

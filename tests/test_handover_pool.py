@@ -64,3 +64,46 @@ def test_two_workers_switch_on_handed_memory(
     assert sum(models[i].handover_creates for i in ids) == after["adopted"]
     holding = [m for m in models.values() if m.holds_gpu]
     assert len(holding) == 1 and holding[0].lease_bytes == n * chunk == holding[0].weight_bytes
+
+
+def test_switches_back_with_room_upload_nothing(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room on the card: each worker keeps its chunks mapped while the other computes, so every
+    switch back finds its weights still there -- nothing uploaded (the workers' status counts
+    the bytes skipped), every answer the one given before any switch."""
+    monkeypatch.delenv("TIMESHARE_HANDOVER_ROOM", raising=False)
+    ids = ("smol-a", "smol-b")
+    config = Config(
+        models=tuple(ModelConfig(id=i, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for i in ids),
+        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget="one-model", handover=True),
+    )
+    pool = Pool(config, arena_dir=tmp_path / "arena", log_dir=tmp_path / "log", kv_dir=tmp_path / "kv")
+    pools.append(pool)
+    pool.start()
+    pool.wait_ready(timeout=WAIT)
+
+    def answer(model: str) -> tuple[str, bool, int]:
+        got = pool.generate(model, prompt=PROMPT, sampling=Sampling(max_tokens=8, temperature=0.0))
+        result = got.result(timeout=WAIT)
+        return result.text, result.switch.switched, result.switch.restored_bytes
+
+    first = {m: answer(m)[0] for m in ids}  # each restored once into handed memory
+
+    def skipped() -> dict[str, int]:
+        return {m.id: m.handover_skipped_bytes for m in pool.snapshot().models}
+
+    s0 = skipped()
+    for model in ids:  # the first switch back into kept memory
+        assert answer(model)[2] == 0
+    s1 = skipped()
+    for model in ids * 2:
+        text, switched, restored = answer(model)
+        assert switched and text == first[model]
+        assert restored == 0  # nothing uploaded
+    s2 = skipped()
+    models = {m.id: m for m in pool.snapshot().models}
+    for i in ids:
+        once = s1[i] - s0[i]  # one switch back: the weights' tensor bytes (no padding)
+        assert 0 < once <= models[i].weight_bytes
+        assert s2[i] - s1[i] == 2 * once

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import envvars
-from ..devmem.device import CHUNK_BYTES
+from ..devmem.device import CHUNK_BYTES, Given
 from ..util.units import parse_size
 from .dirs import ArenaDir
 from .handover import (
@@ -281,13 +281,17 @@ class HandoverClient:
             self._lost()
             raise HandoverError(f"the hand-over holder is gone: {exc}") from exc
 
-    def take(self, n: int, room: int | None = None, use: list[int] | None = None) -> list[tuple[int, int]]:
-        """Up to ``n`` chunks on hand, lent to this process: (id, fd) pairs, the fds this
-        process's to close (after importing them). ``room``: the bytes this process may
-        allocate on its device (the holder asks kept chunks of others back for the rest);
-        ``use``: chunks this process kept mapped and restores into now (in use again)."""
+    def take(
+        self, n: int, room: int | None = None, use: list[int] | None = None, gens: list[int] | None = None
+    ) -> Given:
+        """Up to ``n`` chunks on hand, lent to this process (``Given.chunks``: (id, fd) pairs,
+        the fds this process's to close after importing them). ``room``: the bytes this process
+        may allocate on its device (the holder asks kept chunks of others back for the rest);
+        ``use``: chunks this process kept mapped and restores into now (in use again); ``gens``:
+        their generations as :meth:`keep` gave them -- ``Given.intact`` then names those the
+        holder vouches nobody else mapped since (none without ``gens``)."""
         if n <= 0 and not use:
-            return []
+            return Given([], set())
         with self._lock:
             out: list[tuple[int, int]] = []
             request: dict[str, Any] = {"op": "take", "n": max(0, n)}
@@ -295,7 +299,12 @@ class HandoverClient:
                 request["room"] = max(0, room)
             if use:
                 request["use"] = use
+                if gens is not None:
+                    request["gens"] = gens
             reply = self._request(request, "given")
+            named = reply.get("intact", [])
+            intact = {i for i in named if isinstance(i, int)} if isinstance(named, list) and use else set()
+            intact &= set(use or [])  # the holder vouches for nothing it was not asked about
             while True:
                 fds: list[int] = reply.pop("_fds", [])
                 ids = reply.get("ids")
@@ -306,7 +315,7 @@ class HandoverClient:
                     raise HandoverError("the hand-over holder sent a 'given' whose ids and fds differ")
                 out.extend(zip((int(i) for i in ids), fds, strict=True))
                 if not reply.get("more"):
-                    return out
+                    return Given(out, intact)
                 assert self._sock is not None
                 try:
                     reply = self._answer(self._sock, "given")
@@ -337,14 +346,18 @@ class HandoverClient:
         with self._lock:
             self._request({"op": "put", "ids": ids, "keep": keep}, "done")
 
-    def keep(self, ids: list[int]) -> None:
+    def keep(self, ids: list[int]) -> list[int]:
         """The chunks ``ids`` (lent to this process) stay mapped here while its model is
-        released: the holder may ask them back (the reclaim channel). Raises HandoverError
+        released: the holder may ask them back (the reclaim channel). Returns their generations
+        (for :meth:`take`'s ``gens``; [] from a holder that says none). Raises HandoverError
         (RequestRefusedError: no reclaim channel, an id not lent here): unmap and put them."""
         if not ids:
-            return
+            return []
         with self._lock:
-            self._request({"op": "keep", "ids": ids}, "done")
+            gens = self._request({"op": "keep", "ids": ids}, "done").get("gens")
+        if not isinstance(gens, list) or len(gens) != len(ids) or not all(type(g) is int for g in gens):
+            return []
+        return gens
 
     def trim(self, keep_bytes: int = 0) -> int:
         """Close on-hand chunks down to ``keep_bytes``; the bytes on hand after."""

@@ -74,6 +74,7 @@ class _Waiting:
     n: int
     asked: list[int]
     deadline: float
+    intact: list[int] = field(default_factory=list)  # of the take's ``use``: vouched for
 
 
 @dataclass
@@ -333,19 +334,20 @@ class Holder:
             if room is not None:
                 room = _count(msg, "room", 1 << 62)
             self._last_use = now
-            self.ledger.use(conn.pid, _ids(msg, "use"))
+            gens = _ids(msg, "gens") if "gens" in msg else None
+            intact = self.ledger.use(conn.pid, _ids(msg, "use"), gens)
             asked = self._ask_for(conn.pid, n, room)
             if asked:
-                self._waiting.append(_Waiting(conn, n, asked, now + RECLAIM_WAIT_S))
+                self._waiting.append(_Waiting(conn, n, asked, now + RECLAIM_WAIT_S, intact))
             else:
-                self._give(conn, n)
+                self._give(conn, n, intact)
         elif op == "keep":
             ids = _ids(msg, "ids")
             if ids and conn.pid not in self._reclaimers:
                 raise ValueError("no reclaim channel: kept chunks could not be asked back")
             self._last_use = now
-            self.ledger.keep(conn.pid, ids, now)
-            self._reply(conn, {"op": "done", "on_hand": self.ledger.on_hand_bytes})
+            gens = self.ledger.keep(conn.pid, ids, now)
+            self._reply(conn, {"op": "done", "on_hand": self.ledger.on_hand_bytes, "gens": gens})
         elif op == "released":
             back = self.ledger.released(conn.pid, _ids(msg, "ids"), _ids(msg, "asked"), now)
             if back:
@@ -378,15 +380,20 @@ class Holder:
 
     # -- kept chunks asked back --------------------------------------------------------------------
 
-    def _give(self, conn: _Conn, n: int) -> None:
+    def _give(self, conn: _Conn, n: int, intact: list[int]) -> None:
+        """Lend up to ``n`` chunks on hand to ``conn``'s pid; the first packet says which kept
+        chunks of the take's ``use`` are ``intact`` (:meth:`Ledger.use`)."""
         chunks = self.ledger.give(conn.pid, n)
         batches = [chunks[i : i + MAX_FDS] for i in range(0, len(chunks), MAX_FDS)] or [[]]
         for i, batch in enumerate(batches):
-            self._reply(
-                conn,
-                {"op": "given", "ids": [c.id for c in batch], "more": i + 1 < len(batches)},
-                [c.fd for c in batch],
-            )
+            message: dict[str, Any] = {
+                "op": "given",
+                "ids": [c.id for c in batch],
+                "more": i + 1 < len(batches),
+            }
+            if i == 0:
+                message["intact"] = intact
+            self._reply(conn, message, [c.fd for c in batch])
 
     def _ask_for(self, pid: int, n: int, room: int | None) -> list[int]:
         """A take of ``n`` by ``pid``: the kept chunks of other workers asked back for it (their
@@ -444,7 +451,7 @@ class Holder:
                 log.warning("kept chunks not unmapped within %.1f s: the taker allocates", RECLAIM_WAIT_S)
                 self.ledger.unask(w.asked)
             if w.conn.sock.fileno() in self._conns:
-                self._give(w.conn, w.n)
+                self._give(w.conn, w.n, w.intact)
         self._waiting = still
 
     def status(self) -> dict[str, Any]:

@@ -15,6 +15,13 @@ its owner unmapped it at the holder's request (:meth:`Ledger.ask_back`, then
 :meth:`Ledger.released` (sent once it unmapped the chunk) or that pid's exit
 (:meth:`Ledger.pid_gone`, from a pidfd: its mappings are gone with it). So no chunk is ever
 mapped by two live workers.
+
+Each chunk has a **generation** (:attr:`Chunk.gen`), bumped whenever a pid's hold of it begins or
+ends (given, adopted, put, released, returned by an exit) -- never by keep or use. A worker that
+keeps a chunk learns its generation (:meth:`Ledger.keep`); when it restores into it again it names
+that generation (:meth:`Ledger.use`) and the holder vouches for the chunk only if it is still kept
+by that pid at the same generation: nobody else can have mapped it since, so the bytes the owner
+left there are still there (its restore need not upload them again).
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class Chunk:
     since: float = 0.0
     #: kept, and its owner was asked to unmap it (:meth:`Ledger.ask_back`)
     asked: bool = False
+    #: bumped each time a pid's hold of the chunk begins or ends (see the module's doc)
+    gen: int = 1
 
 
 @dataclass
@@ -56,6 +65,7 @@ class LedgerStats:
     reused: int = 0  # kept ones their owner used again (a restore that mapped nothing)
     asked_back: int = 0  # kept ones whose owner was asked to unmap them (another worker needed them)
     released: int = 0  # kept ones their owner unmapped when asked: on hand again
+    intact: int = 0  # reused ones vouched for: still kept by their owner at the generation it named
     closed: dict[str, int] = field(default_factory=dict)  # why: "trim", "idle", "budget", "drop", "exit"
 
     def as_dict(self) -> dict[str, object]:
@@ -68,6 +78,7 @@ class LedgerStats:
             "reused": self.reused,
             "asked_back": self.asked_back,
             "released": self.released,
+            "intact": self.intact,
             "closed": dict(self.closed),
         }
 
@@ -154,6 +165,7 @@ class Ledger:
         out = list(reversed(self.on_hand))[:n]
         for c in out:
             c.state, c.pid = "lent", pid
+            c.gen += 1
         self.stats.given += len(out)
         self._note_set(pid)
         return out
@@ -168,6 +180,7 @@ class Ledger:
             c = self._chunks[i]
             if keep:
                 c.state, c.pid, c.since, c.asked = "on_hand", 0, now, False
+                c.gen += 1
             else:
                 closing.append(self._chunks.pop(i).fd)
         self.stats.put += len(wanted)
@@ -184,24 +197,43 @@ class Ledger:
                 raise LedgerError(f"chunk {i} is not {' or '.join(states)} by pid {pid}")
         return wanted
 
-    def keep(self, pid: int, ids: Iterable[int], now: float) -> None:
+    def keep(self, pid: int, ids: Iterable[int], now: float) -> list[int]:
         """``pid`` released its model and keeps the chunks ``ids`` (lent to it) mapped: they are
         lent back to the arena (not in use by a model; another worker may have them once
-        ``pid`` has unmapped them at the holder's request)."""
+        ``pid`` has unmapped them at the holder's request). Returns their generations, in the
+        order of ``ids`` (what :meth:`use` is to be told)."""
+        ids = list(ids)
         wanted = self._mine(pid, ids, ("lent",))
         for i in wanted:
             c = self._chunks[i]
             c.state, c.since, c.asked = "kept", now, False
         self.stats.kept += len(wanted)
+        return [self._chunks[i].gen for i in ids]
 
-    def use(self, pid: int, ids: Iterable[int]) -> None:
+    def use(self, pid: int, ids: Iterable[int], gens: Iterable[int] | None = None) -> list[int]:
         """``pid`` restores into the chunks ``ids`` it kept mapped: lent (in use) again. A
-        chunk it was asked to unmap meanwhile is in use now: its answer will not name it."""
+        chunk it was asked to unmap meanwhile is in use now: its answer will not name it.
+
+        ``gens``: the generations :meth:`keep` gave for them (in the order of ``ids``); returns
+        the ids vouched for -- kept by ``pid`` since then, at that generation: nobody else can
+        have mapped them in between (none without ``gens``). Every id is checked before
+        anything changes (LedgerError: one not kept by ``pid``, or ``gens`` of another length)."""
+        ids = list(ids)
+        named = None if gens is None else list(gens)
+        if named is not None and len(named) != len(ids):
+            raise LedgerError(f"{len(named)} generation(s) for {len(ids)} chunk(s)")
         wanted = self._mine(pid, ids, ("kept",))
+        intact = []
+        if named is not None:
+            intact = list(
+                dict.fromkeys(i for i, g in zip(ids, named, strict=True) if self._chunks[i].gen == g)
+            )
         for i in wanted:
             c = self._chunks[i]
             c.state, c.asked = "lent", False
         self.stats.reused += len(wanted)
+        self.stats.intact += len(intact)
+        return intact
 
     def ask_back(self, n: int, but: int) -> dict[int, list[int]]:
         """Choose up to ``n`` kept chunks of pids other than ``but`` (the oldest kept first,
@@ -225,6 +257,7 @@ class Ledger:
         for i in wanted:
             c = self._chunks[i]
             c.state, c.pid, c.since, c.asked = "on_hand", 0, now, False
+            c.gen += 1
         self.unask(asked)
         self.stats.released += len(wanted)
         return len(wanted)
@@ -247,6 +280,7 @@ class Ledger:
         for c in self._chunks.values():
             if c.state != "on_hand" and c.pid == pid:
                 c.state, c.pid, c.since, c.asked = "on_hand", 0, now, False
+                c.gen += 1
                 back += 1
         self.stats.returned_by_exit += back
         return back

@@ -4,6 +4,7 @@ memory (:mod:`.mapped`) works with."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 #: one chunk of device memory: every chunk of an arena has this size (a multiple of any CUDA
@@ -78,6 +79,16 @@ class ChunkDevice(Protocol):
         ...
 
 
+@dataclass
+class Given:
+    """What a :meth:`ChunkSource.take` got: ``chunks``, (id, fd) pairs (the fds the caller's to
+    close); ``intact``, the ids of the kept chunks it named in ``use`` that the source vouches
+    nobody else mapped since they were kept (their bytes are still the caller's)."""
+
+    chunks: list[tuple[int, int]]
+    intact: set[int]
+
+
 class ChunkSource(Protocol):
     """Where a worker's chunks come from and go back to: the arena's hand-over holder
     (``core/arena/handclient.HandoverClient``). Any of its methods may raise an exception of the
@@ -92,15 +103,19 @@ class ChunkSource(Protocol):
         """Released chunks may stay mapped (the holder can ask them back)."""
         ...
 
-    def take(self, n: int, room: int | None = None, use: list[int] | None = None) -> list[tuple[int, int]]:
+    def take(
+        self, n: int, room: int | None = None, use: list[int] | None = None, gens: list[int] | None = None
+    ) -> Given:
         """Up to ``n`` chunks: (id, fd) pairs; the fds are the caller's to close. ``room``: the
         bytes the caller may allocate itself (kept chunks of others are asked back for the
-        rest); ``use``: kept chunks the caller restores into (in use again)."""
+        rest); ``use``: kept chunks the caller restores into (in use again); ``gens``: their
+        generations as :meth:`keep` gave them (the answer's ``intact`` vouches by them)."""
         ...
 
-    def keep(self, ids: list[int]) -> None:
+    def keep(self, ids: list[int]) -> list[int]:
         """The chunks stay mapped by the caller while its model is released (lent back to the
-        arena: the holder may ask them back)."""
+        arena: the holder may ask them back). Returns their generations (in order; [] when the
+        source gives none: nothing kept will be vouched for)."""
         ...
 
     def serve_reclaims(self, reclaimer: Callable[[list[int], str], list[int]]) -> None:

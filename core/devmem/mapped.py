@@ -17,6 +17,17 @@ away. A range is either in use (mapped for the model) or kept; :meth:`HandedMemo
 touches only kept ones, under the lock a restore claims them with, so a range in use is never
 unmapped behind the model's back.
 
+Keeping contents (a restore that uploads nothing): the owner says when a mapped buffer's bytes
+are complete (:meth:`HandedMemory.mark_filled`, after its upload ended). A release that keeps the
+range learns the holder's generation of each chunk; the next mapping names them (``take`` with
+``use`` and ``gens``) and the holder vouches for the chunks still kept by this pid at those
+generations. A range whose chunks are all vouched for, which stayed mapped since its release and
+was filled before it, still holds the buffer's bytes: :meth:`HandedMemory.filled` says so and the
+caller need not upload it. Anything else -- a range unmapped in between (asked back, a holder
+gone), the holder's answer missing, a chunk not vouched for, a buffer of another size -- is not
+filled: uploaded as always. Only the buffers the caller maps here live in these ranges (the
+residency maps weight buffers alone: the KV cache and compute buffers are ggml's own memory).
+
 Without a source, or when the source fails (the holder is gone or refused), the chunks are this
 process's own: created at the mapping, freed at the unmapping (as an allocation and a free).
 """
@@ -30,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .device import ChunkDevice, ChunkDeviceError, ChunkSource
+from .device import ChunkDevice, ChunkDeviceError, ChunkSource, Given
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +62,11 @@ class _Range:
     #: mapped, the model released: lent back to the holder, which may ask for it back
     kept: bool = False
     session: str = ""  # the holder's session the ids belong to
+    #: the mapping holds the buffer's complete bytes (the owner said so after uploading them;
+    #: a kept range keeps it only while the holder vouches for every chunk at the next mapping)
+    filled: bool = False
+    #: the holder's generation of each chunk (as ``ids``) when the range was kept
+    gens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +78,9 @@ class MapReport:
     created: int = 0  # chunks allocated here (the device's create)
     adopted: int = 0  # created ones the source holds too
     kept: int = 0  # chunks found still mapped (kept since the release): nothing mapped for them
+    #: of those, chunks of ranges still holding their buffer's bytes (the holder vouched for
+    #: every chunk, the range was filled when released): nothing to upload into them
+    intact: int = 0
     mapped: int = 0  # chunks mapped by this call (the device's map calls)
     ms: float = 0.0
     note: str = ""  # why the source was not used, when it was not
@@ -89,6 +108,9 @@ class HandedMemory:
         #: what a mapping may allocate itself before the holder asks others' kept chunks back
         #: (None: the device's free memory less a margin, :meth:`_room`)
         self.room_bytes: int | None = None
+        #: a kept range the holder vouches for keeps its contents (:meth:`filled`; False: never
+        #: filled after a mapping, so every restore uploads every byte, as before)
+        self.reuse_contents = True
         # totals since start
         self.handed_chunks = 0
         self.created_chunks = 0
@@ -96,6 +118,7 @@ class HandedMemory:
         self.kept_chunks = 0  # chunks a release kept mapped
         self.reused_chunks = 0  # chunks a mapping found kept (no map call)
         self.reclaimed_chunks = 0  # kept chunks unmapped at the holder's request
+        self.intact_chunks = 0  # kept chunks a mapping found still holding their bytes
         self.last = MapReport()
         if source is not None:
             source.serve_reclaims(self.reclaim)
@@ -115,6 +138,23 @@ class HandedMemory:
         """The buffer's range stays mapped while its model is released."""
         r = self._ranges.get(key)
         return r is not None and r.mapped and r.kept
+
+    def filled(self, key: int) -> bool:
+        """The buffer is mapped for its model and its range holds the buffer's complete bytes:
+        filled since this mapping (:meth:`mark_filled`), or kept since a filled release and
+        vouched for by the holder at this mapping (nothing to upload)."""
+        with self._lock:
+            r = self._ranges.get(key)
+            return r is not None and r.mapped and not r.kept and r.filled
+
+    def mark_filled(self, keys: list[int]) -> None:
+        """The buffers ``keys`` (mapped for the model) hold their complete bytes now: their
+        uploads ended. Only the caller writes into its ranges; it says so after each upload."""
+        with self._lock:
+            for k in keys:
+                r = self._ranges.get(k)
+                if r is not None and r.mapped and not r.kept:
+                    r.filled = True
 
     @property
     def mapped_bytes(self) -> int:
@@ -175,11 +215,15 @@ class HandedMemory:
                     raise ValueError(f"buffer {key} is mapped already")
             session = self._session()
             reuse: list[_Range] = []
+            maybe: list[_Range] = []  # claimed ranges that still hold their bytes if vouched for
             for key, nbytes in wanted:
                 r = self._ranges.get(key)
                 if r is not None and r.mapped and r.kept and r.chunks >= self.chunks_for(nbytes):
                     if r.session == session:
                         r.kept = False  # claimed: reclaim() leaves it alone from here on
+                        if r.filled and r.nbytes == nbytes and len(r.gens) == len(r.ids):
+                            maybe.append(r)
+                        r.filled = False  # until the holder vouches for every chunk
                         r.nbytes = nbytes
                         reuse.append(r)
                         continue
@@ -196,7 +240,12 @@ class HandedMemory:
         ids: list[int] = []
         created: list[int] = []  # handles of the chunks created here
         use = [i for r in reuse for i in r.ids if i]
-        taken = self._take(need, report, use)
+        # the generations the release learnt (-1: none, never vouched for)
+        candidates = {id(r) for r in maybe}
+        gens = [g for r in reuse for g in (r.gens if id(r) in candidates else [-1] * len(r.ids))]
+        given = self._take(need, report, use, gens)
+        taken = given.chunks
+        intact = [r for r in maybe if self.reuse_contents and all(i in given.intact for i in r.ids)]
         session = self._session()
         adopted: list[int] = []
         try:
@@ -251,12 +300,18 @@ class HandedMemory:
             pos = 0
             for r in fresh:
                 r.ids = ids[pos : pos + r.chunks]
-                r.mapped, r.kept, r.session = True, False, session
+                r.mapped, r.kept, r.session, r.filled, r.gens = True, False, session, False, []
                 pos += r.chunks
+            for r in reuse:
+                r.gens = []
+            for r in intact:
+                r.filled = True  # still the bytes of its last fill: nothing to upload
         report.mapped = need
+        report.intact = sum(r.chunks for r in intact)
         self.handed_chunks += report.handed
         self.created_chunks += report.created
         self.reused_chunks += report.kept
+        self.intact_chunks += report.intact
         report.ms = (time.perf_counter() - t0) * 1000.0
         self.last = report
         return report
@@ -282,16 +337,27 @@ class HandedMemory:
             self.device.synchronize()  # no kernel reads a released range from here on
             session = self._session()
             keeping: list[_Range] = []
+            gens: list[int] = []
             if keep and keep_mapped and self.source is not None and self.source.keeps:
                 keeping = [r for r in chosen if r.session == session and r.ids and all(r.ids)]
-                if keeping and not self._keep([i for r in keeping for i in r.ids]):
-                    keeping = []
+                if keeping:
+                    got = self._keep([i for r in keeping for i in r.ids])
+                    if got is None:
+                        keeping = []
+                    else:
+                        gens = got
             ids: list[int] = []
             n = 0
+            pos = 0
+            if len(gens) != sum(len(r.ids) for r in keeping):
+                gens = []  # the holder gave none (or not one per chunk): nothing is vouched for later
             for r in chosen:
                 n += r.chunks
                 if r in keeping:
                     r.kept = True
+                    # the generations the holder gave (none: the next mapping uploads it)
+                    r.gens = gens[pos : pos + len(r.ids)]
+                    pos += len(r.ids)
                     self.kept_chunks += r.chunks
                     continue
                 self._unmap_range(r)
@@ -336,33 +402,34 @@ class HandedMemory:
 
     def _unmap_range(self, r: _Range) -> None:
         """Unmap each chunk of ``r`` (the range stays reserved); the caller holds the lock."""
+        r.filled, r.gens = False, []  # whatever happens next, its bytes are not vouched for
         for i in range(r.chunks):
             self.device.unmap(r.address + i * self.chunk_bytes, self.chunk_bytes)
         r.mapped = r.kept = False
 
-    def _take(self, n: int, report: MapReport, use: list[int]) -> list[tuple[int, int]]:
+    def _take(self, n: int, report: MapReport, use: list[int], gens: list[int]) -> Given:
         if self.source is None:
             report.note = self.source_note = self.source_note or "no hand-over holder"
-            return []
+            return Given([], set())
         if n <= 0 and not use:
-            return []
+            return Given([], set())
         try:
-            got = self.source.take(n, self._room() if n > 0 else None, use)
+            got = self.source.take(n, self._room() if n > 0 else None, use, gens if use else None)
         except Exception as exc:  # the arena's HandoverError, an OSError: own memory this time
             report.note = self.source_note = f"the hand-over holder could not be used: {exc}"
             log.warning("%s", report.note)
-            return []
+            return Given([], set())  # nothing vouched for: the kept ranges are uploaded again
         self.source_note = ""
         return got
 
-    def _keep(self, ids: list[int]) -> bool:
+    def _keep(self, ids: list[int]) -> list[int] | None:
+        """Keep ``ids`` mapped: the holder's generations of them; None when refused."""
         assert self.source is not None
         try:
-            self.source.keep(ids)
+            return self.source.keep(ids)
         except Exception as exc:  # refused or gone: unmapped and put back as before
             log.warning("keeping %d chunk(s) mapped was refused: %s", len(ids), exc)
-            return False
-        return True
+            return None
 
     def _adopt(self, handles: list[int], report: MapReport) -> list[int]:
         if self.source is None or self.source_note:

@@ -119,7 +119,12 @@ def _run_residency_bench(
         rst = [r.ms for r in done.restores]
         freed = [r.freed_bytes for r in done.releases]
         same = done.same
-        rst_bytes = done.restores[-1].bytes
+        # the weight bytes a restore brings back: uploaded, or found still in kept handed memory
+        # (issue 40: a restore into kept chunks nobody else mapped since uploads nothing)
+        skipped = int(steps[-1].get("skipped_upload_bytes", 0)) if steps else 0
+        rst_bytes = done.restores[-1].bytes + skipped
+        out["restore_uploaded_bytes"] = done.restores[-1].bytes
+        out["restore_skipped_bytes"] = skipped
         out.update(
             cycles=cycles,
             bitwise_identical=all(same),

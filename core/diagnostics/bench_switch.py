@@ -71,7 +71,9 @@ def _handover_counts(
     (cuMemCreate) and handed to it, ``given`` = chunks it lent to a restoring worker, ``maps`` =
     chunks the restores mapped (one cuMemMap each: given + created), ``reused`` = chunks a
     restore found still mapped (kept since its release: no call at all), ``asked_back`` = kept
-    chunks their owner had to unmap for another worker."""
+    chunks their owner had to unmap for another worker, ``intact`` = of the reused ones, chunks
+    the holder vouched nobody else had mapped since their owner's release (its restore uploaded
+    nothing into them)."""
     if before is None or after is None:
         return {"error": "no hand-over holder lived (see the workers' logs)", "turns": turns}
 
@@ -84,11 +86,18 @@ def _handover_counts(
         "maps": delta("adopted") + delta("given"),
         "reused": delta("reused"),
         "asked_back": delta("asked_back"),
+        "intact": delta("intact"),
         "given": after["given"] - before["given"],
         "given_bytes": (after["given"] - before["given"]) * after["chunk"],
         "chunk_bytes": after["chunk"],
         "holder": after,
     }
+
+
+def _skipped_bytes(pool: Any) -> int:
+    """The weight bytes the pool's workers' restores did not upload since they started (their
+    kept handed memory still held them)."""
+    return sum(int(getattr(m, "handover_skipped_bytes", 0) or 0) for m in pool.snapshot().models)
 
 
 def _first_message() -> str:
@@ -140,6 +149,7 @@ class _Turns:
             "switched": bool(s.switched),
             "wait_ms": s.wait_ms,
             "restore_ms": s.restore_ms,
+            "restored_bytes": s.restored_bytes,  # uploaded (kept memory that held them: not)
             "release_ms": s.release_ms,
             "worker_first_token_ms": s.first_token_ms,
             "client_ttft_ms": (first if first is not None else wall) * 1000,
@@ -286,6 +296,7 @@ def run_switch_bench(
         report["warm"] = [turn(mid, "warm") for mid in (a, b)]
         rows: list[dict[str, Any]] = []
         holder_before = _holder_status(arena) if handover else None
+        skipped_before = _skipped_bytes(pool) if handover else 0
         for i in range(rounds * 2):
             mid = (a, b)[i % 2]
             row = turn(mid, f"round {i // 2}")
@@ -298,6 +309,10 @@ def run_switch_bench(
         report["turns"] = rows
         if handover:
             report["handover"] = _handover_counts(holder_before, _holder_status(arena), len(rows))
+            skipped = _skipped_bytes(pool) - skipped_before
+            n_switched = sum(1 for r in rows if r["switched"])
+            report["handover"]["skipped_bytes"] = skipped
+            report["handover"]["skipped_bytes_per_switch"] = skipped / n_switched if n_switched else None
 
         # baseline: the model that answered last continues its conversation, no switch
         steady = [turn(b, f"steady {k}") for k in range(min(3, rounds))]
@@ -372,6 +387,7 @@ def run_switch_bench(
         "switch_ttft_ms": switch_ttft,
         "switch_wait_ms": _median([r["wait_ms"] for r in switched]),
         "switch_restore_ms": _median([r["restore_ms"] for r in switched]),
+        "switch_restored_bytes": _median([float(r.get("restored_bytes") or 0) for r in switched]),
         "switch_release_ms": _median([r["release_ms"] for r in switched]),
         "switch_worker_first_token_ms": _median([r["worker_first_token_ms"] for r in switched]),
         "switch_prefilled": _median([float(r["prefilled"]) for r in switched]),
@@ -455,7 +471,9 @@ def _print_table(r: dict[str, Any]) -> None:
                 f"hand-over: {h['creates']} chunks allocated (cuMemCreate) and {h['given']} handed over "
                 f"({h['given_bytes'] / 1e9:.2f} GB) in {h['turns']} switched turns; "
                 f"{h.get('maps', '?')} chunks mapped (cuMemMap), {h.get('reused', '?')} found still "
-                f"mapped, {h.get('asked_back', '?')} asked back from their owner"
+                f"mapped, {h.get('asked_back', '?')} asked back from their owner; "
+                f"{h.get('intact', '?')} still held their weights: "
+                f"{(h.get('skipped_bytes') or 0) / 1e9:.2f} GB not uploaded"
             )
     print(
         f"switch medians: wait {_fmt(s['switch_wait_ms'], '.1f')} ms, "

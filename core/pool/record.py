@@ -289,6 +289,7 @@ class WorkerRecord:
             handover_creates=alive_status.handover_creates if alive_status else 0,
             handover_mapped_chunks=alive_status.handover_mapped_chunks if alive_status else 0,
             handover_kept_bytes=alive_status.handover_kept_bytes if alive_status else 0,
+            handover_skipped_bytes=alive_status.handover_skipped_bytes if alive_status else 0,
         )
         return status, switching
 

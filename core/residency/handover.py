@@ -1,7 +1,14 @@
 """The in-place path's hand-over of device memory (issue 40): the weight buffers' memory is mapped
 from chunks handed over between workers instead of allocated through ggml, and unmapped instead
 of freed. One :class:`WeightHandover` per :class:`~.inplace.InPlace`, its only caller (the
-worker's loop thread); the carriers themselves are residency/carrier.py's."""
+worker's loop thread); the carriers themselves are residency/carrier.py's.
+
+A restore into kept chunks that still hold the buffer's bytes uploads nothing for it
+(:meth:`WeightHandover.intact`): the weights are never written on the device, and only weight
+buffers are mapped from handed memory, so a range the holder vouches nobody else mapped since
+its release (core/devmem/mapped.py), filled completely before that release
+(:meth:`WeightHandover.filled`, after the uploads ended), holds exactly what the upload would
+write."""
 
 from __future__ import annotations
 
@@ -31,6 +38,8 @@ class WeightHandover:
         self._unmap_after: list[int] = []
         #: close() moved resident handed buffers into ggml memory at other addresses (graphs stale)
         self.moved_at_close = False
+        #: bytes whose upload restores skipped (their kept memory still held them), since start
+        self.skipped_bytes = 0
 
     def setup(self, handed: HandedMemory, buffers: list[WeightBuffer], parallel: bool) -> None:
         """Use ``handed`` for every weight buffer, or for none (``note`` says why)."""
@@ -72,6 +81,9 @@ class WeightHandover:
                 kept_chunks=h.kept_chunks,
                 reused_chunks=h.reused_chunks,
                 reclaimed_chunks=h.reclaimed_chunks,
+                intact_chunks=h.intact_chunks,
+                skipped_upload_bytes=self.skipped_bytes,
+                reuse_contents=h.reuse_contents,
                 maps=h.device.maps,
                 unmaps=h.device.unmaps,
                 last_mapped_chunks=h.last.mapped,
@@ -95,6 +107,26 @@ class WeightHandover:
             log.warning("%s", self.note)
             return None
         return handed
+
+    def padding(self, bufs: list[WeightBuffer]) -> int:
+        """The device memory ``bufs`` hold beyond their bytes when mapped from handed memory: the
+        unused part of each one's last chunk (0 without the hand-over)."""
+        h = self.handed
+        if h is None:
+            return 0
+        return sum(h.chunks_for(b.size) * h.chunk_bytes - b.size for b in bufs)
+
+    def intact(self, todo: list[WeightBuffer], handed: HandedMemory | None) -> set[int]:
+        """The ids of the buffers of ``todo`` (just mapped by :meth:`map`) whose ranges still
+        hold their bytes: nothing to upload into them."""
+        if handed is None:
+            return set()
+        return {id(b) for b in todo if handed.filled(id(b))}
+
+    def filled(self, bufs: list[WeightBuffer]) -> None:
+        """The uploads into ``bufs`` ended without error: their mapped ranges hold their bytes."""
+        if self.handed is not None and bufs:
+            self.handed.mark_filled([id(b) for b in bufs if id(b) in self._carried])
 
     def new_buffer(self, b: WeightBuffer, handed: HandedMemory | None) -> int | None:
         """A buffer of ``b``'s type and size to put under ``b``: a carrier of its mapped range,

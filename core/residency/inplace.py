@@ -169,6 +169,8 @@ class InPlace:
         )
         #: device memory handed over between workers (issue 40)
         self.handover = WeightHandover()
+        #: the handed-over buffers the last restore's uploads are filling (finish_uploads)
+        self._filling: list[WeightBuffer] = []
         #: the buffers' swaps: the placeholders to free at the next release, whether one moved
         self.swaps = Swaps(self.layout, self.buffers, parallel, self.handover)
         if handed is not None:
@@ -228,20 +230,34 @@ class InPlace:
             return self.weight_bytes
         return sum(p.bytes for p in self.parts if p.resident)
 
+    @property
+    def resident_padding_bytes(self) -> int:
+        """Device memory the resident parts hold beyond :attr:`resident_bytes`: with handed-over
+        memory, the unused part of each buffer's last chunk (0 otherwise, and while a split waits
+        for the first release: the model's own buffers are ggml's)."""
+        if self.split_pending:
+            return 0
+        return self.handover.padding([b for p in self.parts if p.resident for b in p.buffers])
+
+    def _held(self, p: Part) -> int:
+        """The device memory part ``p`` holds while resident (its bytes, and its padding)."""
+        return p.bytes + self.handover.padding(p.buffers)
+
     def parts_to_release(self, keep_bytes: int | None) -> list[Part]:
         """The resident parts a release down to ``keep_bytes`` frees, from the last layer down
         (all of them for None; all, or none when ``keep_bytes`` covers the model, while a split
-        waits for the first release)."""
+        waits for the first release). ``keep_bytes`` counts the device memory the parts hold:
+        with handed-over memory, the padding of their last chunks too (what a lease covers)."""
         if self.split_pending:
             return list(reversed(self.parts)) if keep_bytes is None or keep_bytes < self.weight_bytes else []
-        resident = self.resident_bytes
+        resident = self.resident_bytes + self.resident_padding_bytes
         out: list[Part] = []
         for p in reversed(self.parts):
             if keep_bytes is not None and resident <= keep_bytes:
                 break
             if p.resident:
                 out.append(p)
-                resident -= p.bytes
+                resident -= self._held(p)
         return out
 
     # -- release / restore --------------------------------------------------------------------
@@ -339,10 +355,9 @@ class InPlace:
             nbytes, self.restore_steps = restore_parallel(todo, self.swaps, lambda: self.shadow, t_start)
             return nbytes
         groups = self._part_groups(todo)
-        background = overlap and self.hook is not None and len(groups) >= 2
         shadow = self.shadow
         self.uploads.begin()
-        gate = self.uploads.make_gate(groups) if background else None
+        self._filling = []
         done: list[WeightBuffer] = []
         first_alloc_s = alloc_max_s = 0.0
         held: list[tuple[Part, list[WeightBuffer]]] = []
@@ -351,6 +366,13 @@ class InPlace:
         except OutOfDeviceMemoryError:
             self.uploads.gate = None
             raise
+        # buffers whose kept handed memory still holds their bytes: not uploaded (their part is
+        # ready as soon as the rest of it is); with nothing to copy at all the restore stays
+        # synchronous (no gate for the next decode to ask)
+        skip = frozenset(self.handover.intact(todo, handed))
+        copies = len(skip) < len(todo) or self.uploads.kv is not None
+        background = overlap and self.hook is not None and len(groups) >= 2 and copies
+        gate = self.uploads.make_gate(groups) if background else None
         for part, bufs in groups:
             for b in bufs:
                 t_a = time.perf_counter()
@@ -370,9 +392,13 @@ class InPlace:
             if not first_alloc_s:
                 first_alloc_s = time.perf_counter() - t_start
             held.append((part, bufs))
-            self.uploads.submit(held, shadow, gate)
+            self.uploads.submit(held, shadow, gate, skip)
         alloc_s = time.perf_counter() - t_start
-        nbytes = sum(t.nbytes for b in done for t in b.tensors)
+        nbytes = sum(t.nbytes for b in done if id(b) not in skip for t in b.tensors)
+        skipped = sum(t.nbytes for b in done if id(b) in skip for t in b.tensors)
+        self.handover.skipped_bytes += skipped
+        #: filled once their uploads end without error (finish_uploads)
+        self._filling = [b for b in done if id(b) not in skip]
         self.restore_steps = {
             "alloc_ms": alloc_s * 1000,  # allocation and relocation (the copies run meanwhile)
             # before the first copy could start: the first part's allocation and relocation
@@ -394,6 +420,9 @@ class InPlace:
                 creates_total=float(handed.device.creates),
                 mapped_chunks=float(rep.mapped),
                 kept_chunks=float(rep.kept),
+                intact_chunks=float(rep.intact),
+                uploaded_bytes=float(nbytes),
+                skipped_upload_bytes=float(skipped),
             )
         if background:
             assert gate is not None
@@ -404,8 +433,12 @@ class InPlace:
 
     def finish_uploads(self) -> None:
         """Wait for the uploads of the last restore (Uploads.finish: their steps go into
-        ``restore_steps``); a no-op when none is pending."""
+        ``restore_steps``); a no-op when none is pending. Handed-over buffers whose uploads
+        ended without error are filled then (WeightHandover.filled: a later restore into their
+        kept memory need not upload them)."""
+        filling, self._filling = self._filling, []
         self.uploads.finish(self.restore_steps)
+        self.handover.filled(filling)
 
     def _moved_back(self, carried: list[WeightBuffer]) -> bool:
         """Restore ``carried`` (released) into ggml memory; True when a buffer moved."""

@@ -85,6 +85,7 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
         )
     mem = HandedMemory(device, source, chunk)
     mem.keep_mappings = envvars.HANDOVER_KEEP.switch() is not False
+    mem.reuse_contents = envvars.HANDOVER_INTACT.switch() is not False
     room = envvars.HANDOVER_ROOM.text()
     mem.room_bytes = int(room) if room.isdigit() else None
     if room and mem.room_bytes is None:
@@ -487,6 +488,15 @@ class Residency:
         """Exact bytes of the resident parts (what a lease must cover); ``weight_bytes`` when all
         are resident, 0 when released."""
         return self._path.resident_bytes(self.weights_resident)
+
+    @property
+    def resident_lease_bytes(self) -> int:
+        """The device memory the resident weights hold (what a lease of them must cover):
+        :attr:`resident_bytes`, plus, with handed-over memory, the unused part of each resident
+        buffer's last chunk (``handover["lease_padding_bytes"]`` when all are resident)."""
+        ip = self._inplace
+        padding = ip.resident_padding_bytes if ip is not None else 0
+        return self.resident_bytes + padding
 
     @property
     def state(self) -> ResidencyState:

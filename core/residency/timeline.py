@@ -65,6 +65,11 @@ class RestoreSteps:
     creates_total: float | None = None  # the worker's cuMemCreate calls since it started
     mapped_chunks: float | None = None  # chunks mapped by this restore (cuMemMap calls)
     kept_chunks: float | None = None  # chunks still mapped since the release: nothing to map
+    # of those, chunks whose memory still held the weights (the holder vouched nobody else mapped
+    # them since the release): their buffers were not uploaded
+    intact_chunks: float | None = None
+    uploaded_bytes: float | None = None  # weight bytes copied from the host shadow
+    skipped_upload_bytes: float | None = None  # weight bytes not copied: still in kept memory
     # a vision projector's restore (issue 41), off the caller's path on a thread of its own once
     # the model's restore returned: its allocation and upload, and how long it first waited for
     # the model's uploads (from its start); known once joined (an image encode, a release)

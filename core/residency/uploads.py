@@ -133,16 +133,23 @@ class Uploads:
         return self._pool
 
     def submit(
-        self, held: list[tuple[Part, list[WeightBuffer]]], shadow: HostMemory, gate: PartGate | None
+        self,
+        held: list[tuple[Part, list[WeightBuffer]]],
+        shadow: HostMemory,
+        gate: PartGate | None,
+        skip: frozenset[int] = frozenset(),
     ) -> None:
         """Hand the parts in ``held`` to the upload thread, in order, and empty it (with the KV
-        cache's layers of each part, when a deep restore gave them)."""
+        cache's layers of each part, when a deep restore gave them). ``skip``: ids of buffers
+        whose memory holds their bytes already (kept handed memory): not copied, their part
+        is ready as soon as the rest of it is."""
         for part, bufs in held:
             kv = None
             if self.kv is not None:
                 self._kv_claim(part)
                 kv = (self.kv, part.first_layer, part.last_layer)
-            job = self._uploader().submit(self._upload_part, bufs, shadow, gate, part.index, kv)
+            todo = [b for b in bufs if id(b) not in skip]
+            job = self._uploader().submit(self._upload_part, todo, shadow, gate, part.index, kv)
             self._jobs.append(job)
         held.clear()
 

@@ -233,10 +233,12 @@ class WorkerStatus(_Message, frozen=True):
     resident_fraction: float = 0.0
     # device memory handed over (issue 40; 0 while off): its cuMemCreate calls since it started,
     # the chunks its last restore mapped (0: its kept mapping was used), the bytes it keeps
-    # mapped while released (the arena's, asked back when another worker needs them)
+    # mapped while released (the arena's, asked back when another worker needs them), the weight
+    # bytes its restores did not upload since it started (kept memory that still held them)
     handover_creates: int = 0
     handover_mapped_chunks: int = 0
     handover_kept_bytes: int = 0
+    handover_skipped_bytes: int = 0
 
 
 class LogprobAlt(msgspec.Struct, frozen=True, array_like=True):

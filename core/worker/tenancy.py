@@ -612,6 +612,7 @@ class ArenaTenancy(Tenancy):
             "handover_creates": int(h.get("creates", 0) or 0),  # type: ignore[call-overload]
             "handover_mapped_chunks": int(h.get("last_mapped_chunks", 0) or 0),  # type: ignore[call-overload]
             "handover_kept_bytes": int(h.get("kept_bytes", 0) or 0),  # type: ignore[call-overload]
+            "handover_skipped_bytes": int(h.get("skipped_upload_bytes", 0) or 0),  # type: ignore[call-overload]
         }
 
     @property
@@ -916,8 +917,9 @@ class ArenaTenancy(Tenancy):
         self.host_bytes = res.host_bytes
         if res.resident_bytes <= 0:
             return self.release(kv=False)
-        self.client.shrink(res.resident_bytes)
-        assert res.state.weights is not Weights.NONE and res.resident_bytes <= self.client.lease_bytes
+        # the device memory the resident parts hold: with handed-over memory, whole chunks
+        self.client.shrink(res.resident_lease_bytes)
+        assert res.state.weights is not Weights.NONE and res.resident_lease_bytes <= self.client.lease_bytes
         log.info(
             "made room for the head of the queue: released %s of %s, %s stays on %s",
             decimal_bytes(report.released_bytes),

@@ -4,12 +4,18 @@
 # chunks mapped until another worker needs them: its next restore maps nothing). Builds nothing;
 # one command prints everything, in this order (the later steps are skipped when the run nears
 # BUDGET_S seconds, default 220; each says so):
-#   1. bench residency --handover: restore vs the raw copy into reused memory (target >= 0.98),
-#      chunks mapped per restore (0 after the first, kept), cuMemMap/cuMemCreate counts
+#   1. bench residency --handover (a release and restore of one worker: sleep/wake): the restore
+#      into its kept chunks, which nobody else mapped since, uploads nothing -- restore ms vs the
+#      raw copy, bytes skipped and uploaded per restore, bitwise
+#   1b. the same with TIMESHARE_HANDOVER_INTACT=0 (kept mappings, every byte uploaded): restore
+#      vs the raw copy into reused memory (target >= 0.98), chunks mapped per restore (0 after
+#      the first, kept), cuMemMap/cuMemCreate counts
 #   2. bench switch, 10 rounds = 20 alternating switched turns (one-model budget): with the
-#      hand-over and kept mappings, and without the hand-over, same run: switched first token
-#      (target: raw copy + 10 ms), cuMemCreate calls (target 0) and chunks mapped (cuMemMap)
-#      during the 20 switches, bitwise exactness
+#      hand-over and kept mappings -- the other model fits beside, so each switch back finds its
+#      kept chunks intact and uploads nothing: switch restore ms vs the raw copy, bytes skipped
+#      per switch --, and without the hand-over, same run: switched first token (target: raw
+#      copy + 10 ms), cuMemCreate calls (target 0) and chunks mapped (cuMemMap) during the 20
+#      switches, bitwise exactness
 #   3. the same 20 switches on a "full card" (TIMESHARE_HANDOVER_ROOM=0: each restore has the
 #      other worker's kept chunks asked back, unmapped by its reclaim thread, then mapped)
 #   4. bench residency --handover with TIMESHARE_HANDOVER_KEEP=0 (unmap at each release: the
@@ -44,12 +50,14 @@ bres() {  # $1: label; environment from the caller
   python3 - "$f.json" <<'EOF' 2>&1 | tail -4
 import json, sys
 d = json.load(open(sys.argv[1]))
-keys = ("bitwise_identical", "restore_ms", "raw_copy_ms", "restore_vs_raw", "best_restore_vs_raw", "release_ms")
+keys = ("bitwise_identical", "restore_ms", "raw_copy_ms", "restore_vs_raw", "best_restore_vs_raw", "release_ms", "restore_uploaded_bytes", "restore_skipped_bytes")
 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items() if k in keys})
 print("restore_ms_all:", [round(x, 1) for x in d.get("restore_ms_all", [])], "raw copies:", [round(x, 1) for x in d.get("raw_copy_ms_reps", [])])
 h = d.get("handover", {})
-print("handover:", {k: h.get(k) for k in ("on", "note", "chunk_bytes", "creates", "maps", "unmaps", "reused_chunks", "handed_chunks", "created_chunks", "padding_bytes", "lease_padding_bytes", "source_note")})
-print("per restore (ms, chunks):", [{k: round(v, 2) for k, v in s.items() if k in ("handover_ms", "copy_ms", "total_ms", "mapped_chunks", "kept_chunks", "created_chunks")} for s in d.get("restore_steps_all", [])])
+print("handover:", {k: h.get(k) for k in ("on", "note", "chunk_bytes", "creates", "maps", "unmaps", "reused_chunks", "intact_chunks", "skipped_upload_bytes", "reuse_contents", "handed_chunks", "created_chunks", "padding_bytes", "lease_padding_bytes", "source_note")})
+print("per restore (ms, chunks, bytes):", [{k: round(v, 2) for k, v in s.items() if k in ("handover_ms", "copy_ms", "total_ms", "mapped_chunks", "kept_chunks", "intact_chunks", "created_chunks", "uploaded_bytes", "skipped_upload_bytes")} for s in d.get("restore_steps_all", [])])
+if "raw_copy_ms" in d:
+    print(f"restore {d['restore_ms']:.2f} ms (median) vs raw copy {d['raw_copy_ms']:.2f} ms = {d['restore_ms'] / d['raw_copy_ms']:.3f} x its time; last restore uploaded {d.get('restore_uploaded_bytes', '?')} B, skipped {d.get('restore_skipped_bytes', 0)} B (still in its kept memory)")
 EOF
   [ -s "$f.json" ] || tail -c 1500 "$f.err"
 }
@@ -68,21 +76,28 @@ EOF
 import json, sys
 d = json.load(open(sys.argv[1]))
 s = d["summary"]
-print({k: s.get(k) for k in ("switched_turns", "turns", "switch_ttft_ms", "switch_restore_ms", "switch_release_ms", "switch_worker_first_token_ms", "no_switch_ttft_ms")}, "bitwise:", d["exactness"]["bitwise_identical"])
+print({k: s.get(k) for k in ("switched_turns", "turns", "switch_ttft_ms", "switch_restore_ms", "switch_restored_bytes", "switch_release_ms", "switch_worker_first_token_ms", "no_switch_ttft_ms")}, "bitwise:", d["exactness"]["bitwise_identical"])
 h = d.get("handover")
 if h is not None:
-    print("20 switches:", {k: h.get(k) for k in ("turns", "creates", "maps", "reused", "asked_back", "given", "error")})
+    print("20 switches:", {k: h.get(k) for k in ("turns", "creates", "maps", "reused", "intact", "asked_back", "given", "skipped_bytes", "skipped_bytes_per_switch", "error")})
+print("switch restore ms:", [round(t["restore_ms"], 2) for t in d["turns"] if t["switched"]])
 try:
     raw = json.load(open(sys.argv[2]))["raw_copy_ms"]
     print(f"first token {s['switch_ttft_ms']:.1f} ms vs raw copy {raw:.1f} + 10 = {raw + 10:.1f} ms (bres_keep's raw copy)")
+    if h is not None and "error" not in h:
+        per = h.get("skipped_bytes_per_switch") or 0
+        print(f"switch back: restore {s['switch_restore_ms']:.2f} ms (median) vs raw copy {raw:.2f} ms = {s['switch_restore_ms'] / raw:.3f} x; skipped {per / 1e9:.3f} GB per switch ({(h.get('skipped_bytes') or 0) / 1e9:.2f} GB in {h.get('turns')} turns), uploaded {s.get('switch_restored_bytes')} B per switch (median)")
 except Exception as exc:
     print("no raw copy to compare with:", exc)
 EOF
   [ -s "$f.json" ] || tail -c 1500 "$f.err"
 }
 
-# 1. restore vs the raw copy, kept mappings (the default)
+# 1. restore vs the raw copy, kept mappings (the default): the restore into intact kept chunks
+#    uploads nothing
 bres keep
+# 1b. kept mappings, every byte uploaded (the copy into reused memory vs the raw copy)
+if [ "$(left)" -gt 150 ]; then TIMESHARE_HANDOVER_INTACT=0 bres keepcopy; else el "skipped: bench residency, kept, uploads on (time)"; fi
 # 2. 20 switches with the hand-over (kept mappings), then without it: same run
 bswitch keep 1
 if [ "$(left)" -gt 60 ]; then bswitch off 0; else el "skipped: bench switch without the hand-over (time)"; fi
