@@ -31,6 +31,9 @@ set -u
 R=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/handover-out}
 mkdir -p "$OUT"
+# not from the checkout: a worker started with `python -m` there would import its top-level
+# timeshare/ package (the CLI's), not the installed one
+cd /tmp
 export PATH=/tmp/bin:$PATH
 A=${A:-/tmp/A.gguf}
 B=${B:-/tmp/B.gguf}
