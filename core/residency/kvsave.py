@@ -132,9 +132,8 @@ class KvSaver:
         n = int(seq.pos.size)
         s = seq.seq_id
         lay, n_stream, kv_size = plan.layout, plan.n_stream, plan.kv_size
-        counts = np.zeros(n_stream, dtype=np.uint32)
-        counts[s] = n
-        head = np.concatenate((np.array([STATE_MAGIC, s, n_stream], dtype=np.uint32), counts)).tobytes()
+        # each stream's cell count, followed by its cells where it has any: none before stream s
+        head = np.array([STATE_MAGIC, s, n_stream, *([0] * s), n], dtype=np.uint32).tobytes()
         meta = np.empty((n, 3), dtype=np.int32)
         meta[:, 0] = seq.pos
         meta[:, 1] = 1
@@ -174,7 +173,7 @@ class KvSaver:
                 for run in seq.runs:
                     _ggml.tensor_get(layer.v, at + run.first * row, base + run.cell * row, run.n * row)
                 at += n * row
-        return at
+        return _put(at, bytes(4 * (n_stream - s - 1)))  # none after it
 
 
 def _put(at: int, data: bytes) -> int:
