@@ -17,6 +17,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,7 +105,7 @@ def _run_doctor(
         if projector is not None:
             projector.attach(res)
         done = Cycles()
-        steps: list[dict[str, dict[str, float]]] = []
+        steps: list[dict[str, Mapping[str, float | str]]] = []
         baseline: list[dict[str, Any]] = []
 
         def measure_baseline() -> None:  # while released: the device memory is free for it
@@ -143,6 +144,8 @@ def _run_doctor(
             "compute_buffers_released": res.compute_released_bytes > 0 or not res.kv_in_place,
             "compute_released_bytes": res.compute_released_bytes,
             "kv_saved_bytes": res.kv_host_bytes,
+            # the save of the cells: its milliseconds and way (kv_save_path "raw" or "state")
+            "release_steps": res.release_steps.as_dict(),
             "note": res.deep_note,
         }
         res.restore()

@@ -193,6 +193,10 @@ class KvLevel:
         else:
             ctx_obj.close()
 
+    def last_save(self) -> tuple[float, int, str] | None:
+        """The last release's save of the cells: milliseconds, bytes, way ("raw" or "state")."""
+        return None if self.save_ms is None else (self.save_ms, self.save_bytes, self.save_path)
+
     def _save(self, ctx: int) -> KvSnapshot:
         """The cells in use of ``ctx``, straight from the KV tensors where they can be told for
         sure (kv_save_note says why not), else through llama_state_seq_get_data."""
