@@ -71,6 +71,11 @@ def _cells(memory: int) -> tuple[int, list[int]]:
     return size, [int(get_cells(memory, s) or 0) for s in range(int(get_n_stream(memory)))]
 
 
+def stream_count(memory: int) -> int:
+    """The cache's streams (one per sequence, or one for all: ``kv_unified``)."""
+    return int(_bind(_GET_N_STREAM, ctypes.c_uint32, ctypes.c_void_p)(memory))
+
+
 def live_positions(memory: int) -> list[I32Array]:
     """The ``pos`` of every cell of each stream of the cache (-1: empty), read from its metadata;
     checked against the count of used cells the metadata keeps apart."""

@@ -40,6 +40,11 @@ class KvHostMemory:
         return self._mem.size if self._mem is not None else 0
 
     @property
+    def address(self) -> int:
+        """Where it starts (0: none held)."""
+        return self._mem.ptr if self._mem is not None else 0
+
+    @property
     def pinned(self) -> bool:
         return self._mem is not None and self._mem.pinned
 

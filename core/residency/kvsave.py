@@ -26,7 +26,7 @@ import numpy as np
 from . import _ggml
 from .kv import KvSnapshot, SeqState
 from .kvbuffer import KvBuffers
-from .kvlayout import CellRun, KvLayout, KvLayoutUnsupportedError, cell_runs, own_stream_cells
+from .kvlayout import CellRun, KvLayout, KvLayoutUnsupportedError, cell_runs, own_stream_cells, stream_count
 from .kvmemory import KvHostMemory
 
 #: llama-context.cpp ``io_magic``: the first word of a sequence's state
@@ -78,14 +78,16 @@ class KvSaver:
             raise KvSaveUnsupportedError("an M-RoPE model's cells carry 2-D positions in the state")
         n_seq = int(llama_cpp.llama_n_seq_max(ctx))
         try:
+            n_stream = stream_count(memory)
+            if n_stream != n_seq:
+                raise KvSaveUnsupportedError(
+                    f"one KV stream holds several sequences ({n_stream} streams, {n_seq} sequences: "
+                    "kv_unified)"
+                )
             lay = KvLayout.of(self._kvbuf)
             live = own_stream_cells(memory)
         except KvLayoutUnsupportedError as exc:
             raise KvSaveUnsupportedError(str(exc)) from exc
-        if len(live) != n_seq:
-            raise KvSaveUnsupportedError(
-                f"one KV stream holds several sequences ({len(live)} streams, {n_seq} sequences: kv_unified)"
-            )
         seqs = []
         for s in range(n_seq):
             cells = np.flatnonzero(live[s] != -1)
