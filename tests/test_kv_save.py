@@ -305,3 +305,36 @@ def test_the_host_memory_lends_one_snapshot_at_a_time_and_grows_a_quarter_ahead(
     memory.give_back()
     memory.close()
     assert memory.nbytes == 0
+
+
+def test_bench_api_deep_reads_the_releasing_side_from_the_workers_log(
+    smollm2_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``bench api --deep`` reads each deep release and its KV save from the parked workers' logs
+    (the lines the residency really logs, captured here), and its summary gives their medians."""
+    import logging
+
+    from timeshare.core.diagnostics.bench_api_deep import deep_releases, summarise_deep
+
+    llm = load(smollm2_path, n_ctx=512, use_mmap=False)
+    try:
+        llm.eval(llm.tokenize(LYON))
+        res = Residency.attach(llm, smollm2_path)
+        with caplog.at_level(logging.INFO, logger="timeshare"):
+            res.release()  # weights only: no save
+            res.restore()
+            res.release(kv=True)
+        steps = res.release_steps
+        res.restore()
+        res.close()
+    finally:
+        llm.close()
+    (tmp_path / "worker-a.log").write_text(caplog.text)
+    got = deep_releases(tmp_path, ["a", "b"])
+    assert len(got) == 1 and got[0]["model"] == "a" and got[0]["kv_save_path"] == "raw"
+    assert got[0]["kv_save_bytes"] == steps.kv_save_bytes
+    assert got[0]["kv_save_ms"] == pytest.approx(steps.kv_save_ms, abs=0.01)
+    assert got[0]["release_ms"] >= got[0]["kv_save_ms"]
+    summary = summarise_deep([], [], {"releases": got})
+    assert summary["kv_save_paths"] == ["raw"] and summary["kv_save_ms_median"] == got[0]["kv_save_ms"]
+    assert summary["deep_release_ms_median"] == got[0]["release_ms"]
