@@ -545,6 +545,15 @@ class Residency:
         return dataclasses.replace(steps, kv_save_ms=kv[0], kv_save_bytes=kv[1], kv_save_path=kv[2])
 
     @property
+    def host_held_bytes(self) -> int:
+        """Host memory this model holds for its residency: the host shadow of the weights and the
+        KV snapshots' memory, kept from its first deep release on (at the high-water mark of the
+        cells in use; the rebuild path's snapshot lies in it too)."""
+        if isinstance(self._path, RebuildPath):
+            return self._path.kv_memory.nbytes
+        return self.host_bytes + self._kvl.memory.nbytes
+
+    @property
     def kv_memory(self) -> KvHostMemory:
         """The host memory KV snapshots are taken into, kept from one deep release to the next
         (its ``nbytes``: the high-water mark so far; freed at close)."""
