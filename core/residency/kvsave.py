@@ -113,6 +113,9 @@ class KvSaver:
     def take(self, ctx: int, memory: KvHostMemory) -> KvSnapshot:
         """The snapshot of every sequence with cells in use (KvSaveUnsupportedError: nothing taken)."""
         plan = self.plan(ctx)
+        # the last decode's computation may still run on the device (its KV rows among what it
+        # writes): waited for first, as llama_state_seq_get_data does
+        llama_cpp.llama_synchronize(ctx)
         states = []
         offset = 0
         for seq in plan.seqs:
