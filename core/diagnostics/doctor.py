@@ -376,6 +376,9 @@ def _kv_level_line(k: dict[str, Any] | None) -> str:
     if k["in_place"]:
         text = "KV level:           in place (the context kept; the KV cells in use"
         text += f", {k['kv_saved_bytes'] / 1e6:.2f} MB, back with the weights' parts"
+        save = k.get("release_steps", {})
+        if save.get("kv_save_path"):
+            text += f"; saved in {save['kv_save_ms']:.1f} ms, {save['kv_save_path']}"
         if k["compute_released_bytes"]:
             text += f"; compute buffers {k['compute_released_bytes'] / 1e6:.1f} MB released too"
         text += ")"
