@@ -243,7 +243,8 @@ def test_where_the_raw_save_cannot_be_used_the_state_is_taken_and_comes_back_bit
         steps = res.release_steps
         assert steps.kv_save_path == "state" and steps.kv_save_bytes == res.kv_host_bytes > 0
         reason = "one KV stream holds several sequences" if why == "kv_unified" else "TIMESHARE_KV_SAVE_RAW=0"
-        assert reason in res.deep_note and "llama_state_seq_get_data" in res.deep_note
+        assert reason in res.kv_save_note and reason in res.deep_note
+        assert "llama_state_seq_get_data" in res.deep_note
         res.restore()
         assert _next_logits(llm._ctx, n_vocab, seqs) == want
         res.close()
@@ -264,7 +265,8 @@ def test_the_snapshot_memory_is_kept_grown_at_the_high_water_mark_and_freed_at_c
         assert memory.nbytes == 0
         res.release(kv=True)
         first = res.release_steps
-        assert first.kv_save_path == "raw" and first.kv_save_ms is not None and first.kv_save_ms >= 0
+        assert res.kv_save_note == "" and first.kv_save_path == "raw"
+        assert first.kv_save_ms is not None and first.kv_save_ms >= 0
         assert first.kv_save_bytes == res.kv_host_bytes
         size, address, grown = memory.nbytes, memory.address, memory.grown
         assert grown == 1 and size >= res.kv_host_bytes and address != 0

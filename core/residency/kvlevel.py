@@ -86,7 +86,6 @@ class KvLevel:
             self.buffers = KvBuffers.find(int(self._llm._model.model), ctx)
         except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
             self.kv_note = str(exc)
-            self.kv_save_note = "the KV cache's buffers are not known"
             log.info("the KV level of %s frees the context: %s", self._model_path, exc)
             return
         self._saver = KvSaver(self.buffers, int(self._llm._model.model))
@@ -336,7 +335,6 @@ class KvLevel:
             except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
                 self.buffers = None
                 self.kv_note = str(exc)
-                self.kv_save_note = "the KV cache's buffers are not known"
             else:
                 self._saver = KvSaver(self.buffers, int(llm._model.model))
         return ctx, False

@@ -458,6 +458,13 @@ class Residency:
         return self._kvl.kv_upload_note
 
     @property
+    def kv_save_note(self) -> str:
+        """Why the last deep release in place saved the KV cells through llama_state_seq_get_data
+        ("": straight from the KV tensors, residency/kvsave.py), e.g. one KV stream for several
+        sequences (kv_unified), an M-RoPE model, TIMESHARE_KV_SAVE_RAW=0."""
+        return self._kvl.kv_save_note
+
+    @property
     def kv_in_place(self) -> bool:
         """The KV level keeps the context: its cells' metadata stays and the cells in use come
         back where they were (the caller need not move its sequences to host memory first)."""
