@@ -65,6 +65,7 @@ class KvSaver:
         self._model = model
         self._checked = False  # the sizes compared with llama_state_seq_get_size once
         self._broken = ""  # why it never can, found by that check
+        self._layout: KvLayout | None = None  # read once: the tensors' types and strides stay
 
     def plan(self, ctx: int) -> _Plan:
         """The sequences with cells in use, the layout and the largest snapshot the cache can give;
@@ -84,7 +85,7 @@ class KvSaver:
                     f"one KV stream holds several sequences ({n_stream} streams, {n_seq} sequences: "
                     "kv_unified)"
                 )
-            lay = KvLayout.of(self._kvbuf)
+            lay = self._layout = self._layout or KvLayout.of(self._kvbuf)
             live = own_stream_cells(memory)
         except KvLayoutUnsupportedError as exc:
             raise KvSaveUnsupportedError(str(exc)) from exc
