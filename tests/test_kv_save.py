@@ -212,6 +212,33 @@ def _unified(llm: llama_cpp.Llama) -> Any:
     return ctx
 
 
+@pytest.mark.parametrize("flash", [True, False], ids=["flash-attn", "v-transposed"])
+def test_a_raw_save_comes_back_bitwise_through_the_deep_level(smollm2_path: Path, flash: bool) -> None:
+    """Four sequences (one empty, holes, cells out of position order) saved raw at a deep release
+    and written back layer by layer: the next token's logits of each equal those of an identical
+    context never released."""
+    llm = load(smollm2_path, n_ctx=512, use_mmap=False)
+    try:
+        n_vocab = llm.n_vocab()
+        nxt = {0: 18, 1: len(llm.tokenize(PARIS)), 3: len(llm.tokenize(ROME + PARIS))}
+        reference = _context(llm, 4, flash)
+        _several(llm, reference)
+        want = _next_logits(reference, n_vocab, nxt)
+        reference.close()
+        llm._ctx.close()
+        llm._ctx = _context(llm, 4, flash)
+        _several(llm, llm._ctx)
+        res = Residency.attach(llm, smollm2_path)
+        res.release(kv=True)
+        assert res.release_steps.kv_save_path == "raw" and res.kv_upload_note == "", res.deep_note
+        res.restore()
+        assert res.restore_steps.kv_bytes is not None and res.restore_steps.kv_bytes > 0
+        assert _next_logits(llm._ctx, n_vocab, nxt) == want
+        res.close()
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("why", ["kv_unified", "switched off"])
 def test_where_the_raw_save_cannot_be_used_the_state_is_taken_and_comes_back_bitwise(
     smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
