@@ -184,6 +184,14 @@ DEEP_INPLACE = EnvVar(
     "The deep level's compute buffers released in place and its KV cells uploaded layer by layer "
     "with the weights (1), or the compute buffers kept and the KV cells put back after the weights (0)",
 )
+KV_SAVE_RAW = EnvVar(
+    "TIMESHARE_KV_SAVE_RAW",
+    "0 or 1",
+    "on (where the cells can be told for sure: see the worker's deep_note)",
+    "escape hatch",
+    "A deep release saves the KV cells in use straight from the KV tensors (1), or through "
+    "llama_state_seq_get_data (0: the portable way, slower without flash attention); the bytes are the same",
+)
 RESIDENCY_PATH = EnvVar(
     "TIMESHARE_RESIDENCY_PATH",
     '"auto", "inplace" or "rebuild"',
@@ -264,6 +272,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     HANDOVER_CHUNK,
     HANDOVER_ROOM,
     DEEP_INPLACE,
+    KV_SAVE_RAW,
     RESIDENCY_PATH,
     VK_HOST_VISIBLE_VIDMEM,
     VK_DISABLE_HOST_VISIBLE_VIDMEM,

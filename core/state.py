@@ -103,7 +103,7 @@ class ModelStatus:
     vision: bool = False  # it reads images (a vision projector: models[].mmproj)
     projector_bytes: int = 0  # its projector's weights (0: none, or not loaded yet)
     weight_bytes: int = 0  # device weight bytes when resident
-    host_pinned_bytes: int = 0  # host shadow (+ KV snapshot when sleeping)
+    host_pinned_bytes: int = 0  # host shadow + the KV snapshots' memory (kept after a deep release)
     # device memory this worker holds now (host memory on a CPU build): weights on the device +
     # kv_bytes + buffer_bytes + context_bytes. Released: all but the weights; sleeping: the
     # driver context only; stopped: 0

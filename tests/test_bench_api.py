@@ -229,6 +229,9 @@ def test_bench_api_deep_compares_the_deep_switch_with_the_weights_only_one(
     assert 0 < deep["kv_bytes_in_use_median"] < 200 * 23_040  # SmolLM2's cells in use, not n_ctx's
     assert deep["raw_copy_gbps"] > 0 and deep["target_ms"] > deep["weights_only_ttft_ms_median"]
     assert isinstance(deep["meets_target"], bool)
+    # the releasing side: each deep release saved its cells straight from the KV tensors
+    assert deep["kv_save_paths"] == ["raw"] and len(deep["releases"]) >= 4, deep["releases"]
+    assert 0 <= deep["kv_save_ms_median"] <= deep["deep_release_ms_median"]
     assert _left_behind(tmp_path) == []
 
 

@@ -256,6 +256,8 @@ def test_two_sequences_come_back_in_their_cells(smollm2_path: Path) -> None:
         res = Residency.attach(llm, smollm2_path)
         res.release(kv=True)
         assert res.kv_upload_note == "", res.kv_upload_note
+        # saved straight from the KV tensors (residency/kvsave.py), read back by the upload
+        assert res.release_steps.kv_save_path == "raw" and res.kv_save_note == ""
         res.restore()
         assert res.restore_steps.kv_bytes == (9 + 5) * CELL_BYTES
         assert _next_logits(llm._ctx, n_vocab, 42, {0: 9, 1: 5}) == want

@@ -39,6 +39,10 @@ ATTEMPTS = 3
 #: the issue's allowance on top of the weights-only switch and the KV copy
 TARGET_EXTRA_MS = 15.0
 _MOVED_RE = re.compile(r"KV cache released, (\d+) bytes of it")
+#: the releasing side (residency/kvlevel.py, residency/reports.py): the save of the cells in use,
+#: then the release as a whole (its save included)
+_SAVED_RE = re.compile(r"KV cells saved: (\d+) bytes in ([\d.]+) ms \((\w+),")
+_DEEP_RELEASED_RE = re.compile(r"released .* \(weights\+kv\): ([\d.]+) ms")
 
 
 def _arena_view(serve_home: Path) -> tuple[int, dict[str, tuple[int, int]]]:
@@ -155,6 +159,7 @@ def run_deep_phase(
                     rows = _turns(serve, ids, prompts, rounds, say)
                     info.update(got)
                     info["kv_moved_bytes"] = _kv_moved(home / "home" / "log", ids)
+                    info["releases"] = deep_releases(home / "home" / "log", ids)
                     info["overlaps"] = {mid: serve.worker_overlaps(mid) for mid in ids}
                     return rows, info
                 # correct the guess with what the workers measured, and try again
@@ -203,6 +208,32 @@ def _kv_moved(log_dir: Path, ids: list[str]) -> list[int]:
     return out
 
 
+def _median(values: list[Any]) -> float | None:
+    got = [float(v) for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def deep_releases(log_dir: Path, ids: list[str]) -> list[dict[str, Any]]:
+    """The releasing side of each deep switch, from the parked workers' logs: the save of the
+    KV cells (bytes, ms, way: "raw" straight from the KV tensors or "state") and the whole deep
+    release's ms (the save, the KV and compute buffers and the weights freed)."""
+    out: list[dict[str, Any]] = []
+    for mid in ids:
+        try:
+            text = (log_dir / f"worker-{mid}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        saves = _SAVED_RE.findall(text)
+        released = _DEEP_RELEASED_RE.findall(text)
+        for i, (nbytes, ms, way) in enumerate(saves):
+            row: dict[str, Any] = {"model": mid, "kv_save_bytes": int(nbytes), "kv_save_ms": float(ms)}
+            row["kv_save_path"] = way
+            if i < len(released):
+                row["release_ms"] = float(released[i])
+            out.append(row)
+    return out
+
+
 def summarise_deep(
     rows: list[dict[str, Any]], weights_only: list[dict[str, Any]], info: dict[str, Any]
 ) -> dict[str, Any]:
@@ -232,6 +263,10 @@ def summarise_deep(
         "weights_only_restore_ms_median": restores(weights_only),
         "kv_bytes_in_use_median": kv,
         "raw_copy_gbps": gbps,
+        # the releasing side: the parked worker's deep release, and its save of the KV cells
+        "deep_release_ms_median": _median([r.get("release_ms") for r in info.get("releases", [])]),
+        "kv_save_ms_median": _median([r.get("kv_save_ms") for r in info.get("releases", [])]),
+        "kv_save_paths": sorted({str(r["kv_save_path"]) for r in info.get("releases", [])}),
     }
     if deep and plain and gbps:
         target = statistics.median(plain) + kv / (gbps * 1e9) * 1000 + TARGET_EXTRA_MS

@@ -156,6 +156,12 @@ def print_table(r: dict[str, Any]) -> None:
             f"target {_fmt(deep.get('target_ms'), '.1f')} ms: "
             + ("met" if deep.get("meets_target") else "NOT met" if "meets_target" in deep else "-")
         )
+        print(
+            "deep switch, releasing side: deep release "
+            f"{_fmt(deep.get('deep_release_ms_median'), '.1f')} ms, "
+            f"of which the KV save {_fmt(deep.get('kv_save_ms_median'), '.1f')} ms "
+            f"({', '.join(deep.get('kv_save_paths') or []) or '-'})"
+        )
     d = r["decode"]
     rate = _fmt(d.get("timeshare", {}).get("tok_s"), ".1f")
     line = f"decode ({d['max_tokens']}-token greedy answer): timeshare {rate} tok/s"

@@ -17,6 +17,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,7 +105,7 @@ def _run_doctor(
         if projector is not None:
             projector.attach(res)
         done = Cycles()
-        steps: list[dict[str, dict[str, float]]] = []
+        steps: list[dict[str, Mapping[str, float | str]]] = []
         baseline: list[dict[str, Any]] = []
 
         def measure_baseline() -> None:  # while released: the device memory is free for it
@@ -143,6 +144,8 @@ def _run_doctor(
             "compute_buffers_released": res.compute_released_bytes > 0 or not res.kv_in_place,
             "compute_released_bytes": res.compute_released_bytes,
             "kv_saved_bytes": res.kv_host_bytes,
+            # the save of the cells: its milliseconds and way (kv_save_path "raw" or "state")
+            "release_steps": res.release_steps.as_dict(),
             "note": res.deep_note,
         }
         res.restore()
@@ -373,6 +376,9 @@ def _kv_level_line(k: dict[str, Any] | None) -> str:
     if k["in_place"]:
         text = "KV level:           in place (the context kept; the KV cells in use"
         text += f", {k['kv_saved_bytes'] / 1e6:.2f} MB, back with the weights' parts"
+        save = k.get("release_steps", {})
+        if save.get("kv_save_path"):
+            text += f"; saved in {save['kv_save_ms']:.1f} ms, {save['kv_save_path']}"
         if k["compute_released_bytes"]:
             text += f"; compute buffers {k['compute_released_bytes'] / 1e6:.1f} MB released too"
         text += ")"

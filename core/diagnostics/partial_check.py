@@ -18,7 +18,7 @@ Reports the release/restore milliseconds and bytes of both, and every step of th
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: the prompt of the first decode after a restore (restore + prefill timed together)
@@ -168,7 +168,7 @@ def run_partial_check(
         def timed(res: Residency, label: str) -> dict[str, Any]:
             keep = res.weight_bytes // 2
             rel_ms, rst_ms, released, restored, freed = [], [], [], [], []
-            steps: list[dict[str, dict[str, float]]] = []
+            steps: list[dict[str, Mapping[str, float | str]]] = []
             for i in range(cycles):
                 step(f"{label}: release down to 50 % and restore, cycle {i + 1}/{cycles}")
                 rel = res.release(keep_bytes=keep)

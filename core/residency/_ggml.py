@@ -148,6 +148,11 @@ tensor_get = _fn("ggml_backend_tensor_get", None, c_void_p, c_void_p, c_size_t, 
 tensor_set_2d = _fn(
     "ggml_backend_tensor_set_2d", None, c_void_p, c_void_p, c_size_t, c_size_t, c_size_t, c_size_t, c_size_t
 )
+#: (tensor, data, offset, size, n_copies, stride_tensor, stride_data): n_copies rows of ``size``
+#: read from ``offset + i * stride_tensor`` of the tensor to ``data + i * stride_data``
+tensor_get_2d = _fn(
+    "ggml_backend_tensor_get_2d", None, c_void_p, c_void_p, c_size_t, c_size_t, c_size_t, c_size_t, c_size_t
+)
 
 # devices
 dev_count = _fn("ggml_backend_dev_count", c_size_t)

@@ -1,4 +1,7 @@
-"""KV-cache snapshots of every sequence of a llama context, in host memory (pinned when possible)."""
+"""KV-cache snapshots of every sequence of a llama context, in host memory (pinned when possible)
+lent by the model's KvHostMemory (residency/kvmemory.py): taken with ``llama_state_seq_get_data``
+here (the portable way), or written byte for byte the same from the KV tensors by
+residency/kvsave.py."""
 
 from __future__ import annotations
 
@@ -9,13 +12,15 @@ from dataclasses import dataclass
 import llama_cpp
 
 from ..errors import ResidencyError
-from .hostmem import HostMemory
+from .kvmemory import KvHostMemory
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Seq:
+class SeqState:
+    """Where one sequence's state lies in a snapshot's memory."""
+
     seq_id: int
     offset: int
     size: int
@@ -28,9 +33,13 @@ def _u8(addr: int) -> ctypes._Pointer[ctypes.c_uint8]:
 class KvSnapshot:
     """The KV cells of each non-empty sequence, as ``llama_state_seq_get_data`` writes them."""
 
-    def __init__(self, seqs: list[_Seq], mem: HostMemory) -> None:
+    def __init__(self, seqs: list[SeqState], memory: KvHostMemory, base: int, path: str = "state") -> None:
         self._seqs = seqs
-        self._mem = mem
+        self._memory = memory  # lent until close()
+        self._base = base
+        self._open = True
+        #: how it was taken: "state" (llama_state_seq_get_data) or "raw" (residency/kvsave.py)
+        self.path = path
 
     @property
     def nbytes(self) -> int:
@@ -38,42 +47,47 @@ class KvSnapshot:
 
     @property
     def pinned(self) -> bool:
-        return self._mem.pinned
+        return self._memory.pinned
 
     def segments(self) -> list[tuple[int, int, int]]:
         """(sequence id, host address, bytes) of each sequence's state, as
         ``llama_state_seq_get_data`` wrote it (valid until :meth:`close`)."""
-        return [(s.seq_id, self._mem.ptr + s.offset, s.size) for s in self._seqs]
+        return [(s.seq_id, self._base + s.offset, s.size) for s in self._seqs]
 
     @classmethod
-    def take(cls, ctx: int, want_pinned: bool) -> KvSnapshot:
-        memory = llama_cpp.llama_get_memory(ctx)
+    def take(cls, ctx: int, memory: KvHostMemory) -> KvSnapshot:
+        """The state of every sequence with cells, through ``llama_state_seq_get_data``."""
+        llama_memory = llama_cpp.llama_get_memory(ctx)
         n_seq = int(llama_cpp.llama_n_seq_max(ctx))
-        ids = [s for s in range(n_seq) if memory and int(llama_cpp.llama_memory_seq_pos_max(memory, s)) >= 0]
-        seqs: list[_Seq] = []
+        ids = [
+            s
+            for s in range(n_seq)
+            if llama_memory and int(llama_cpp.llama_memory_seq_pos_max(llama_memory, s)) >= 0
+        ]
+        seqs: list[SeqState] = []
         offset = 0
         for s in ids:
             size = int(llama_cpp.llama_state_seq_get_size(ctx, s))
-            seqs.append(_Seq(s, offset, size))
+            seqs.append(SeqState(s, offset, size))
             offset += size
-        mem = HostMemory(offset, want_pinned)
+        snap = cls(seqs, memory, memory.lend(offset))
         for seq in seqs:
             got = int(
-                llama_cpp.llama_state_seq_get_data(ctx, _u8(mem.ptr + seq.offset), seq.size, seq.seq_id)
+                llama_cpp.llama_state_seq_get_data(ctx, _u8(snap._base + seq.offset), seq.size, seq.seq_id)
             )
             if got != seq.size:
-                mem.close()
+                snap.close()
                 raise ResidencyError(
                     f"the KV cache of sequence {seq.seq_id} could not be saved ({got} of {seq.size} bytes): "
                     "the model was not released"
                 )
-        log.debug("KV snapshot: %d sequences, %d bytes, pinned=%s", len(seqs), offset, mem.pinned)
-        return cls(seqs, mem)
+        log.debug("KV snapshot: %d sequences, %d bytes, pinned=%s", len(seqs), offset, memory.pinned)
+        return snap
 
     def apply(self, ctx: int) -> None:
         for seq in self._seqs:
             got = int(
-                llama_cpp.llama_state_seq_set_data(ctx, _u8(self._mem.ptr + seq.offset), seq.size, seq.seq_id)
+                llama_cpp.llama_state_seq_set_data(ctx, _u8(self._base + seq.offset), seq.size, seq.seq_id)
             )
             if got != seq.size:
                 raise ResidencyError(
@@ -81,4 +95,7 @@ class KvSnapshot:
                 )
 
     def close(self) -> None:
-        self._mem.close()
+        """Give the memory back to its owner (which keeps it for the next snapshot)."""
+        if self._open:
+            self._open = False
+            self._memory.give_back()

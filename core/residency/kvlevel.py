@@ -1,6 +1,8 @@
 """The KV level of one model's residency (the deep release, issue 39): the KV snapshot of the
-cells in use, and in place the KV cache's buffers (kvbuffer.py), the context's compute buffers
-(computebuf.py) and the layer-wise upload of the cells with the weights' parts (kvupload.py).
+cells in use (saved straight from the KV tensors where it can: kvsave.py, else through
+``llama_state_seq_get_data``) into host memory kept from one release to the next (kvmemory.py),
+and in place the KV cache's buffers (kvbuffer.py), the context's compute buffers (computebuf.py)
+and the layer-wise upload of the cells with the weights' parts (kvupload.py).
 
 In place the context is kept while its KV cache's memory is released (:attr:`KvLevel.kv_note`
 says why not: then the context is freed and made again, its snapshot put back). The rebuild
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import time
 from typing import Any
 
 import llama_cpp
@@ -25,6 +28,8 @@ from .computebuf import ComputeBufferFinder, ComputeBuffers, ComputeBufferUnsupp
 from .inplace import InPlace
 from .kv import KvSnapshot
 from .kvbuffer import KvBuffers, KvBufferUnsupportedError
+from .kvmemory import KvHostMemory
+from .kvsave import KvSaver, KvSaveUnsupportedError
 from .kvupload import KvUpload, KvUploadUnsupportedError
 
 log = logging.getLogger(__name__)
@@ -40,10 +45,20 @@ class KvLevel:
         self._llm = llm
         self._model_path = model_path
         self._gpu = gpu
-        self._pinned = pinned  # the snapshot's host memory
         self._backend = "CPU"
         #: the cells in use while released (until uploaded, on an overlapped restore until settled)
         self.snapshot: KvSnapshot | None = None
+        #: the snapshots' host memory (pinned where it can be: ``pinned``), kept from one release
+        #: to the next and freed at close
+        self.memory = KvHostMemory(pinned)
+        # in place: the cells saved straight from the KV tensors (kvsave.py); kv_save_note says
+        # why through llama_state_seq_get_data instead
+        self._saver: KvSaver | None = None
+        self.kv_save_note = ""
+        #: the last save: its milliseconds, bytes and way ("raw": kvsave.py, "state")
+        self.save_ms: float | None = None
+        self.save_bytes = 0
+        self.save_path = ""
         # in place: the KV cache's buffers, and the context kept (not freed) while they are
         # released; kv_note says why the context is freed instead
         self.buffers: KvBuffers | None = None
@@ -73,6 +88,7 @@ class KvLevel:
             self.kv_note = str(exc)
             log.info("the KV level of %s frees the context: %s", self._model_path, exc)
             return
+        self._saver = KvSaver(self.buffers, int(self._llm._model.model))
         if not self.deep_inplace():
             self.buffers_note = DEEP_UNVERIFIED.format(backend=backend)
             return
@@ -131,6 +147,8 @@ class KvLevel:
             notes.append(f"the compute buffers stay on the device ({self.buffers_note})")
         if self.kv_upload_note:
             notes.append(f"the KV cells come back after the weights ({self.kv_upload_note})")
+        if self.kv_save_note:
+            notes.append(f"the KV cells are saved through llama_state_seq_get_data ({self.kv_save_note})")
         return notes
 
     def parked_states(self) -> dict[int, tuple[bytes, int]]:
@@ -153,7 +171,18 @@ class KvLevel:
         """Save the cells in use of ``ctx_obj`` (the Llama's context object) to host memory;
         then, in place and unless ``free_context``, release its KV and compute buffers and keep
         it, else close it. The caller sets the Llama's context aside."""
-        self.snapshot = KvSnapshot.take(ctx_obj.ctx, self._pinned)
+        t0 = time.perf_counter()
+        self.snapshot = self._save(int(ctx_obj.ctx))
+        self.save_ms = (time.perf_counter() - t0) * 1000
+        self.save_bytes, self.save_path = self.snapshot.nbytes, self.snapshot.path
+        log.info(
+            "KV cells saved: %d bytes in %.2f ms (%s, %s host memory of %d bytes)",
+            self.save_bytes,
+            self.save_ms,
+            self.save_path,
+            "pinned" if self.memory.pinned else "pageable",
+            self.memory.nbytes,
+        )
         if self.buffers is not None and not free_context:
             # in place: the context stays with its cells' metadata, its KV buffers' memory goes
             self._plan_upload()
@@ -162,6 +191,27 @@ class KvLevel:
             self._release_compute(int(ctx_obj.ctx))
         else:
             ctx_obj.close()
+
+    def last_save(self) -> tuple[float, int, str] | None:
+        """The last release's save of the cells: milliseconds, bytes, way ("raw" or "state")."""
+        return None if self.save_ms is None else (self.save_ms, self.save_bytes, self.save_path)
+
+    def _save(self, ctx: int) -> KvSnapshot:
+        """The cells in use of ``ctx``, straight from the KV tensors where they can be told for
+        sure (kv_save_note says why not), else through llama_state_seq_get_data."""
+        if self._saver is not None and envvars.KV_SAVE_RAW.switch() is not False:
+            try:
+                snap = self._saver.take(ctx, self.memory)
+            except KvSaveUnsupportedError as exc:
+                if str(exc) != self.kv_save_note:
+                    log.info("the KV cells of %s are saved through the state: %s", self._model_path, exc)
+                self.kv_save_note = str(exc)
+            else:
+                self.kv_save_note = ""
+                return snap
+        elif self._saver is not None:
+            self.kv_save_note = envvars.KV_SAVE_RAW.name + "=0"
+        return KvSnapshot.take(ctx, self.memory)
 
     def free_kept(self) -> None:
         """A deeper release (``free_context``): the kept context goes too (its released compute
@@ -279,11 +329,14 @@ class KvLevel:
         self.snapshot = None  # applied and closed
         llm._stack.enter_context(contextlib.closing(ctx))
         if self.buffers is not None:  # the new context's KV buffers, for the next release in place
+            self._saver = None
             try:
                 self.buffers = KvBuffers.find(int(llm._model.model), int(ctx.ctx))
             except (KvBufferUnsupportedError, _ggml.LayoutMismatchError) as exc:
                 self.buffers = None
                 self.kv_note = str(exc)
+            else:
+                self._saver = KvSaver(self.buffers, int(llm._model.model))
         return ctx, False
 
     def settled(self, ip: InPlace) -> None:
@@ -303,10 +356,15 @@ class KvLevel:
                 t0 = max(ip.uploads.started, self._restore_t0)  # (no weights restored: this call's)
                 ip.restore_steps["kv_first_upload_at_ms"] = (st.first_start - t0) * 1000
                 ip.restore_steps["kv_last_upload_end_at_ms"] = (st.last_end - t0) * 1000
-        self.close()
+        self._drop_snapshot()
 
-    def close(self) -> None:
-        """Free the snapshot."""
+    def _drop_snapshot(self) -> None:
+        """The snapshot is done with: its memory goes back to :attr:`memory` (kept)."""
         if self.snapshot is not None:
             self.snapshot.close()
             self.snapshot = None
+
+    def close(self) -> None:
+        """The model is closed: free the snapshot and its host memory."""
+        self._drop_snapshot()
+        self.memory.close()

@@ -4,19 +4,25 @@ the weights of its layer part, so the first layers compute while the later ones 
 
 At the deep level in place (residency/kvbuffer.py) the cache's cell metadata stays as it was (the
 cells, their positions and sequences: only the buffers' memory goes), and the sequences' cells in
-use were saved with ``llama_state_seq_get_data``. Each sequence's state is read here (the pinned
-build's format, below) to find every layer's rows in it; the cells they go back to are the ones
-they came from: the stream's non-empty cells, in order (the metadata's ``pos`` of each, read from
+use were saved in the format of ``llama_state_seq_get_data`` (by it, or byte for byte the same by
+residency/kvsave.py). Each sequence's state is read here (the pinned build's format, below) to
+find every layer's rows in it; the cells they go back to are the ones they came from: the
+stream's non-empty cells, in order (the metadata's ``pos`` of each, read from
 ``llama_kv_cache::get_cells(stream)``, must match the state's positions one for one). Nothing is
 recomputed, no slot is searched: the cache is bitwise what it was, with any number of sequences.
 
-The state of one sequence (``llama_state_seq_get_data``, llama-cpp-python 0.3.36):
+The state of one sequence (``llama_state_seq_get_data``, llama-cpp-python 0.3.36: llama-context.cpp
+``state_seq_get_data``, llama-kv-cache.cpp ``state_write``, ``state_write_meta``,
+``state_write_data``):
 
-- u32 magic, u32 the sequence id, u32 the cache's streams; per stream: u32 cells (0: nothing more
-  for that stream), then per cell i32 pos, u32 n_seq_id, i32 seq ids; then u32 v_trans, u32 layers;
-  per layer: i32 K type, u64 K row bytes, the cells' K rows; per layer: i32 V type, then either u64
-  V row bytes and the cells' V rows, or (``v_trans``) u32 element bytes, u32 V rows and, per V row,
-  the cells' elements.
+- u32 magic (0xaf143cd8), i32 the sequence id, u32 the cache's streams; per stream: u32 cells (0:
+  nothing more for that stream), then per cell, in cell order, i32 pos, u32 n_seq_id (1: only the
+  sequence asked for is counted), [a llama_kv_cell_ext of 12 bytes where the model has M-RoPE or
+  PLE: never read here, the layer sizes then do not add up], i32 seq ids; then u32 v_trans, u32
+  layers; per layer: i32 K type, u64 K row bytes, the cells' K rows; per layer: i32 V type, then
+  either u64 V row bytes and the cells' V rows, or (``v_trans``) u32 element bytes, u32 V rows
+  and, per V row, the cells' elements. The layout of the cache (metadata, tensors) is read by
+  residency/kvlayout.py.
 
 Anything that does not read exactly so (another layout, a cell of two sequences in a stream the
 other shares, metadata that moved) raises :class:`KvUploadUnsupportedError` before anything is
@@ -30,69 +36,24 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from . import _ggml
 from .kv import KvSnapshot
 from .kvbuffer import KvBuffers
-
-_GET_SIZE = "_ZNK14llama_kv_cache8get_sizeEv"
-_GET_N_STREAM = "_ZNK14llama_kv_cache12get_n_streamEv"
-_GET_CELLS = "_ZNK14llama_kv_cache9get_cellsEi"
-#: class llama_kv_cells (llama-kv-cells.h): bool has_shift; std::set<uint32_t> used, whose node
-#: count is at +0x30; std::vector<llama_pos> pos at +0x38 (begin, end)
-_CELLS_USED = 0x30
-_CELLS_POS = 0x38
-#: ggml_tensor (ggml.h): enum ggml_type type at 0; size_t nb[4] after int64_t ne[4]
-_TENSOR_TYPE = 0
-_TENSOR_NB = 48
+from .kvlayout import CellRun, KvLayout, KvLayoutUnsupportedError, cell_runs, live_positions
 
 
 class KvUploadUnsupportedError(Exception):
     """The state cannot be written back layer by layer (the reason says why)."""
 
 
-def _bind(name: str, restype: Any, *argtypes: Any) -> Any:
-    fn = _ggml.bind_optional(name, restype, *argtypes)
-    if fn is None:
-        raise KvUploadUnsupportedError(f"this llama.cpp build does not export {name}")
-    return fn
-
-
-def live_positions(memory: int) -> list[np.ndarray[tuple[int], np.dtype[np.int32]]]:
-    """The ``pos`` of every cell of each stream of the cache (-1: empty), read from its metadata;
-    checked against the count of used cells the metadata keeps apart."""
-    get_size = _bind(_GET_SIZE, ctypes.c_uint32, ctypes.c_void_p)
-    get_n_stream = _bind(_GET_N_STREAM, ctypes.c_uint32, ctypes.c_void_p)
-    get_cells = _bind(_GET_CELLS, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
-    size = int(get_size(memory))
-    out = []
-    for s in range(int(get_n_stream(memory))):
-        cells = int(get_cells(memory, s) or 0)
-        begin, end = _ggml.read_ptr(cells + _CELLS_POS), _ggml.read_ptr(cells + _CELLS_POS + 8)
-        if not begin or end - begin != 4 * size:
-            raise KvUploadUnsupportedError("the KV cells' layout is not the pinned build's (pos)")
-        pos = np.ctypeslib.as_array((ctypes.c_int32 * size).from_address(begin)).copy()
-        if int(np.count_nonzero(pos != -1)) != _ggml.read_size(cells + _CELLS_USED):
-            raise KvUploadUnsupportedError("the KV cells' layout is not the pinned build's (used)")
-        out.append(pos)
-    return out
-
-
-@dataclass(frozen=True)
-class _Run:
-    cell: int  # first cell in the cache
-    first: int  # its index among the stream's cells in the state
-    n: int
-
-
 @dataclass(frozen=True)
 class _Stream:
     stream: int
     cells: int  # in the state
-    runs: tuple[_Run, ...]
+    runs: tuple[CellRun, ...]
     k: tuple[int, ...]  # per layer: host address of its K rows
     v: tuple[int, ...]  # per layer: host address of its V rows (or, transposed, elements)
 
@@ -137,16 +98,6 @@ class _Reader:
         return at
 
 
-def _runs(cells: np.ndarray[tuple[int], np.dtype[np.intp]]) -> tuple[_Run, ...]:
-    """Consecutive cells as runs (cell, index in the state, count)."""
-    if cells.size == 0:
-        return ()
-    breaks = np.flatnonzero(np.diff(cells) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [cells.size]))
-    return tuple(_Run(int(cells[a]), int(a), int(b - a)) for a, b in zip(starts, ends, strict=True))
-
-
 @dataclass
 class KvUpload:
     """A KV snapshot's cells, to be written back into ``kvbuf``'s cache layer by layer (its buffers
@@ -173,21 +124,14 @@ class KvUpload:
         """Read ``snapshot`` (taken from ``kvbuf``'s cache, whose metadata has not changed since)
         and find where each of its rows goes; KvUploadUnsupportedError when it cannot be told for
         sure."""
-        if not kvbuf.layers or not kvbuf.memory:
-            raise KvUploadUnsupportedError("the KV cache's layers are not known")
-        live = live_positions(kvbuf.memory)
+        try:
+            live = live_positions(kvbuf.memory) if kvbuf.memory else []
+            lay = KvLayout.of(kvbuf)
+        except KvLayoutUnsupportedError as exc:
+            raise KvUploadUnsupportedError(str(exc)) from exc
         kv_size = int(live[0].size) if live else 0
-        n_layer = len(kvbuf.layers)
-
-        def nb(t: int, i: int) -> int:
-            return _ggml.read_size(t + _TENSOR_NB + 8 * i)
-
-        k_row = [nb(layer.k, 1) for layer in kvbuf.layers]
-        k_stride = [nb(layer.k, 2) for layer in kvbuf.layers]
-        v_row = [nb(layer.v, 0) if kvbuf.v_trans else nb(layer.v, 1) for layer in kvbuf.layers]
-        v_stride = [nb(layer.v, 2) for layer in kvbuf.layers]
-        ne = _ggml.TensorLayout().ne
-        v_rows = [int(ctypes.c_int64.from_address(layer.v + ne).value) for layer in kvbuf.layers]
+        n_layer = lay.n_layer
+        k_row, v_row, v_rows = lay.k_row, lay.v_row, lay.v_rows
         streams: list[_Stream] = []
         taken: set[int] = set()
         nbytes = 0
@@ -215,13 +159,12 @@ class KvUpload:
                 if bool(r.u32()) != kvbuf.v_trans or r.u32() != n_layer:
                     raise KvUploadUnsupportedError("the KV state's layers are not the cache's")
                 ks, vs = [], []
-                for il, layer in enumerate(kvbuf.layers):
-                    k_type = ctypes.c_int.from_address(layer.k + _TENSOR_TYPE).value
-                    if r.i32() != k_type or r.u64() != k_row[il]:
+                for il in range(n_layer):
+                    if r.i32() != lay.k_type[il] or r.u64() != k_row[il]:
                         raise KvUploadUnsupportedError("the KV state's K rows are not the cache's")
                     ks.append(r.skip(n * k_row[il]))
-                for il, layer in enumerate(kvbuf.layers):
-                    if r.i32() != ctypes.c_int.from_address(layer.v + _TENSOR_TYPE).value:
+                for il in range(n_layer):
+                    if r.i32() != lay.v_type[il]:
                         raise KvUploadUnsupportedError("the KV state's V type is not the cache's")
                     if kvbuf.v_trans:
                         if r.u32() != v_row[il] or r.u32() != v_rows[il]:
@@ -231,13 +174,11 @@ class KvUpload:
                         if r.u64() != v_row[il]:
                             raise KvUploadUnsupportedError("the KV state's V rows are not the cache's")
                         vs.append(r.skip(n * v_row[il]))
-                streams.append(_Stream(s, n, _runs(cells), tuple(ks), tuple(vs)))
-                nbytes += sum(n * k for k in k_row) + sum(
-                    n * v * (rows if kvbuf.v_trans else 1) for v, rows in zip(v_row, v_rows, strict=True)
-                )
+                streams.append(_Stream(s, n, cell_runs(cells), tuple(ks), tuple(vs)))
+                nbytes += n * lay.cell_bytes()
             if r.o != size:
                 raise KvUploadUnsupportedError("the KV state holds more than its layout says")
-        return cls(kvbuf, streams, k_row, k_stride, v_row, v_stride, v_rows, kv_size, nbytes)
+        return cls(kvbuf, streams, k_row, lay.k_stride, v_row, lay.v_stride, v_rows, kv_size, nbytes)
 
     def reset(self) -> None:
         """Before a restore: nothing claimed or uploaded yet (a restore that failed for memory

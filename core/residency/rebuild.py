@@ -14,6 +14,7 @@ from ..errors import ModelFileChangedError, OutOfDeviceMemoryError
 from ..util.fileid import FileId
 from .context import Released, new_context, point_tokenizer
 from .kv import KvSnapshot
+from .kvmemory import KvHostMemory
 from .kvupload import KvUpload
 from .paths import PathName, WeightPart
 from .state import Weights
@@ -37,7 +38,8 @@ class RebuildPath:
         self._llm = llm
         self.model_path = model_path
         self._file_id = file_id  # the file the model was loaded from: what a restore must read
-        self._pinned_kv = pinned_kv
+        #: the snapshots' host memory, kept from one release to the next (freed at close)
+        self.kv_memory = KvHostMemory(pinned_kv)
         self._n_layer = n_layer
         self.weight_bytes = weight_bytes
         self._kv: KvSnapshot | None = None
@@ -73,7 +75,7 @@ class RebuildPath:
         place): all of it, whatever ``keep_bytes``."""
         llm = self._llm
         ctx_obj, model_obj = llm._ctx, llm._model
-        self._kv = KvSnapshot.take(ctx_obj.ctx, self._pinned_kv)
+        self._kv = KvSnapshot.take(ctx_obj.ctx, self.kv_memory)
         ctx_obj.close()
         model_obj.close()
         llm._ctx = Released("context")
@@ -130,3 +132,4 @@ class RebuildPath:
         if self._kv is not None:
             self._kv.close()
             self._kv = None
+        self.kv_memory.close()

@@ -8,6 +8,7 @@ The worker's loop thread is the only caller of a ``Residency`` (one owner, no lo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from .context import ContextAside
 from .gguf_check import check_gguf
 from .inplace import InPlace
 from .kvlevel import KvLevel
+from .kvmemory import KvHostMemory
 from .measure import MemoryMeasure
 from .options import Mode, ResidencyOptions
 from .overlap import RestoreGate, overlap_note, overlap_probed, overlap_wanted
@@ -124,6 +126,7 @@ class Residency:
         self._aside = ContextAside(None)
         #: the KV level (residency/kvlevel.py): the snapshot, in place the KV and compute buffers
         self._kvl = KvLevel(None, "", None, False)
+        self._kv_save: tuple[float, int, str] | None = None  # the last release's (ms, bytes, way)
         self._closed = False
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
         self._gate = RestoreGate("")  # an overlapped restore's upload gate (residency/overlap.py)
@@ -456,6 +459,13 @@ class Residency:
         return self._kvl.kv_upload_note
 
     @property
+    def kv_save_note(self) -> str:
+        """Why the last deep release in place saved the KV cells through llama_state_seq_get_data
+        ("": straight from the KV tensors, residency/kvsave.py), e.g. one KV stream for several
+        sequences (kv_unified), an M-RoPE model, TIMESHARE_KV_SAVE_RAW=0."""
+        return self._kvl.kv_save_note
+
+    @property
     def kv_in_place(self) -> bool:
         """The KV level keeps the context: its cells' metadata stays and the cells in use come
         back where they were (the caller need not move its sequences to host memory first)."""
@@ -543,8 +553,30 @@ class Residency:
     @property
     def release_steps(self) -> ReleaseSteps:
         """The last in-place release: milliseconds, buffers and parts (all None on other paths,
-        and before the first release)."""
-        return self._path.release_steps
+        and before the first release); where it went to the deep level in place, the KV cells'
+        save too (``kv_save_ms``, ``kv_save_bytes``, ``kv_save_path``)."""
+        steps = self._path.release_steps
+        kv = self._kv_save
+        if kv is None:
+            return steps
+        return dataclasses.replace(steps, kv_save_ms=kv[0], kv_save_bytes=kv[1], kv_save_path=kv[2])
+
+    @property
+    def host_held_bytes(self) -> int:
+        """Host memory this model holds for its residency: the host shadow of the weights and the
+        KV snapshots' memory, kept from its first deep release on (at the high-water mark of the
+        cells in use; the rebuild path's snapshot lies in it too)."""
+        if isinstance(self._path, RebuildPath):
+            return self._path.kv_memory.nbytes
+        return self.host_bytes + self._kvl.memory.nbytes
+
+    @property
+    def kv_memory(self) -> KvHostMemory:
+        """The host memory KV snapshots are taken into, kept from one deep release to the next
+        (its ``nbytes``: the high-water mark so far; freed at close)."""
+        if isinstance(self._path, RebuildPath):
+            return self._path.kv_memory
+        return self._kvl.memory
 
     @property
     def restore_steps(self) -> RestoreSteps:
@@ -611,6 +643,7 @@ class Residency:
             hostmem.trim_heap()
         before = self._memory.free(self.memory_measure)
         resident_before = self.resident_bytes
+        self._kv_save = None
         t0 = time.perf_counter()
         if path.releases_context:  # the model and its context go together, the KV cache saved first
             weights = path.release(keep_bytes, final)
@@ -621,6 +654,7 @@ class Residency:
         else:
             if kv_todo:
                 self._kvl.release(self._aside.current(), free_context)
+                self._kv_save = self._kvl.last_save()
                 self._aside.handed_on()
                 self._enter(kv=Kv.HOST)
             if weights_todo:

@@ -19,8 +19,14 @@ class ReleaseSteps:
     free_ms: float | None = None  # swapping and freeing the buffers
     buffers: int | None = None
     parts: int | None = None
+    # the deep level (issue 39): saving the KV cells in use to host memory, before the buffers
+    # go; its way: "raw" (straight from the KV tensors, residency/kvsave.py) or "state"
+    # (llama_state_seq_get_data); None where that release did not save them
+    kv_save_ms: float | None = None
+    kv_save_bytes: int | None = None
+    kv_save_path: str | None = None
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | str]:
         return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
 
 

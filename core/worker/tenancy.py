@@ -469,7 +469,7 @@ class ArenaTenancy(Tenancy):
         # handed-over memory is mapped in whole chunks: the last chunk of each buffer's padding
         # is device memory too, so its lease counts it (a small card's budget holds)
         self.weight_bytes = res.weight_bytes + int(res.handover.get("lease_padding_bytes", 0) or 0)  # type: ignore[call-overload]
-        self.host_bytes = res.host_bytes
+        self.host_bytes = res.host_held_bytes
         self._fit_budget(self.weight_bytes)
         self.client.set_partial(self.partial)
 
@@ -489,7 +489,7 @@ class ArenaTenancy(Tenancy):
         # released (the slices left come from the file): pageable first, so the shadow is whole
         # soon (a restore then waits for none of it), pinned afterwards while idle (pin_shadow)
         done = res.fill_shadow(stop, pin=res.weights_resident)
-        self.host_bytes = res.host_bytes
+        self.host_bytes = res.host_held_bytes
         return done
 
     @property
@@ -852,7 +852,7 @@ class ArenaTenancy(Tenancy):
                 parks = self.on_deep is not None and not res.kv_in_place
                 moved = self.on_deep() if parks and self.on_deep is not None else 0
             report = res.release(kv=kv, final=final, free_context=free_context)
-            self.host_bytes = res.host_bytes  # a deferred shadow's slices left come later (fill_shadow)
+            self.host_bytes = res.host_held_bytes  # a deferred shadow's slices left come later (fill_shadow)
             if moved >= 0:
                 # handed-over weights stay allocated (the arena's holder keeps them): not in freed_bytes
                 weights_freed = 0 if res.handover.get("on") else report.released_bytes
@@ -914,7 +914,7 @@ class ArenaTenancy(Tenancy):
         if res is None or not self.partial or ask >= lease:
             return self.release(kv=asked.deepen)
         report = res.release(keep_bytes=lease - ask)
-        self.host_bytes = res.host_bytes
+        self.host_bytes = res.host_held_bytes
         if res.resident_bytes <= 0:
             return self.release(kv=False)
         # the device memory the resident parts hold: with handed-over memory, whole chunks

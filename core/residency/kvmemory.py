@@ -1,0 +1,89 @@
+"""The host memory a model's KV snapshots are taken into, kept from one deep release to the next
+(issue 39): pinned memory of a gigabyte costs 100-300 ms to allocate (``cudaMallocHost``), more
+than the copy it is for, so it is allocated once at the high-water mark and grown only when a
+bigger snapshot comes, then freed when the model is closed.
+
+Its owner is the model's KV level (residency/kvlevel.py) or, on the rebuild path, the path
+itself (residency/rebuild.py); the one snapshot alive at a time lends it (residency/kv.py), and
+gives it back when closed. The memory stays allocated while the model is resident: it is host
+RAM (pinned, where the backend has pinned memory: like the weights' host shadow) of about the KV
+cells in use at the longest conversation parked so far, a quarter more, and no more than every
+cell of the cache (:attr:`KvHostMemory.nbytes`, in the worker's status with the shadow)."""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import ResidencyError
+from .hostmem import HostMemory
+
+log = logging.getLogger(__name__)
+
+#: the memory is grown in steps of this many bytes at least
+GRAIN = 1 << 20
+
+
+class KvHostMemory:
+    """Host memory for one snapshot at a time: :meth:`lend` (grows it when needed), :meth:`give_back`,
+    :meth:`close`. ``want_pinned``: pinned where the device offers it (HostMemory's fallback to
+    pageable memory kept as it is)."""
+
+    def __init__(self, want_pinned: bool) -> None:
+        self._want_pinned = want_pinned
+        self._mem: HostMemory | None = None
+        self._lent = False
+        self.grown = 0  # allocations made (the first one included)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now (0: none)."""
+        return self._mem.size if self._mem is not None else 0
+
+    @property
+    def address(self) -> int:
+        """Where it starts (0: none held)."""
+        return self._mem.ptr if self._mem is not None else 0
+
+    @property
+    def pinned(self) -> bool:
+        return self._mem is not None and self._mem.pinned
+
+    @property
+    def note(self) -> str:
+        """Why the memory is not pinned though it was asked for ("" otherwise)."""
+        return self._mem.note if self._mem is not None else ""
+
+    def lend(self, size: int, most: int | None = None) -> int:
+        """The address of at least ``size`` bytes, for the snapshot about to be taken (0 for 0
+        bytes); grown to ``size`` and a quarter more (at most ``most``, the largest snapshot the
+        cache can give, when known) where it holds less."""
+        if self._lent:
+            raise ResidencyError("the KV snapshot's host memory is lent already (a snapshot was not closed)")
+        if size > self.nbytes:
+            want = size + size // 4
+            if most is not None:
+                want = min(want, most)
+            want = -(-max(want, size) // GRAIN) * GRAIN
+            old, self._mem = self._mem, None
+            if old is not None:
+                old.close()
+            self._mem = HostMemory(want, self._want_pinned)
+            self.grown += 1
+            log.info(
+                "KV snapshot host memory: %.1f MB (%s)",
+                want / 1e6,
+                "pinned" if self._mem.pinned else "pageable",
+            )
+        self._lent = size > 0
+        return self._mem.ptr if self._mem is not None and size > 0 else 0
+
+    def give_back(self) -> None:
+        """The snapshot that was lent the memory is closed: the next one may take it."""
+        self._lent = False
+
+    def close(self) -> None:
+        """Free the memory (the model is closed)."""
+        self._lent = False
+        if self._mem is not None:
+            self._mem.close()
+            self._mem = None
