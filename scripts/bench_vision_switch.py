@@ -150,6 +150,12 @@ def _run(model: str, other: str, projector: Path | None, rounds: int, image: byt
         except OSError:
             log_text = ""
         shutil.rmtree(home, ignore_errors=True)
+    # the model's own restore lines (where its weights came back: moved ones rebuild the graphs)
+    result["restore_lines"] = [
+        line.split(" INFO ", 1)[-1][:300]
+        for line in log_text.splitlines()
+        if ("restored " in line and "ms" in line) or "settled" in line or "graphs" in line
+    ][-4 * rounds :]
     # the projector's restores, off the first token's path on their own thread (one line each)
     restores = _projector_restores(log_text)
     result["projector_restores"] = restores
@@ -185,6 +191,7 @@ def main() -> int:
     ap.add_argument("--projector-embd", type=int, default=1024, help="the generated vision tower's width")
     ap.add_argument("--projector-layers", type=int, default=24, help="its layers")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--log-lines", action="store_true", help="print the worker's restore lines of each run")
     args = ap.parse_args()
     args.model, args.other = str(Path(args.model).resolve()), str(Path(args.other).resolve())
 
@@ -243,6 +250,11 @@ def main() -> int:
             f"restored bytes with - without: {report['extra_restored_bytes'] / 1e6:.1f} MB "
             f"(projector: {(report['projector_bytes'] or 0) / 1e6:.1f} MB)"
         )
+        if args.log_lines:
+            for name, r in (("with projector", with_proj), ("without", without)):
+                print(f"-- {name}: the worker's restore lines")
+                for line in r["restore_lines"]:
+                    print("  ", line)
     return 0
 
 
