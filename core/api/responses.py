@@ -97,6 +97,11 @@ HOSTED_TOOLS = {
     "tool_search": "tool search",
 }
 
+#: how a client that sends a hosted tool by default is told not to (the end of the refusal)
+CLIENT_HINTS = {
+    "web_search": ' (Codex CLI sends it unless its config.toml says web_search = "disabled".)',
+}
+
 # ---- the request ---------------------------------------------------------------------------------
 
 
@@ -196,7 +201,9 @@ class ResponsesRequest:
     turn_input: tuple[ChatMessage, ...]  # this turn's input as chat messages
     tools: ToolRequest | None
     logprobs: bool
-    namespaces: dict[str, str] = field(default_factory=dict)  # a namespace tool's functions: name -> namespace
+    namespaces: dict[str, str] = field(
+        default_factory=dict
+    )  # a namespace tool's functions: name -> namespace
 
 
 def _bad(message: str, param: str | None) -> BadRequestError:
@@ -448,7 +455,9 @@ def _namespace(tool: dict[str, Any], where: str, namespaces: dict[str, str]) -> 
         at = f"{where}.tools[{j}]"
         kind = member.get("type") if isinstance(member, dict) else None
         if not isinstance(member, dict) or kind != "function":
-            raise _bad(f"{at}.type {kind!r} is not supported: a namespace holds function tools.", f"{at}.type")
+            raise _bad(
+                f"{at}.type {kind!r} is not supported: a namespace holds function tools.", f"{at}.type"
+            )
         function = _function(member)
         tool_name = function["function"].get("name")
         if isinstance(tool_name, str) and tool_name in namespaces:
@@ -484,10 +493,11 @@ def _tools(
             continue
         if not isinstance(tool, dict) or kind != "function":
             if kind in HOSTED_TOOLS:
+                hint = CLIENT_HINTS.get(kind, "")
                 raise _bad(
                     f"{at}: the hosted tool {kind!r} ({HOSTED_TOOLS[kind]}) is not supported: "
                     "Timeshare runs local models without OpenAI's hosted tools; give a function "
-                    "tool and run it yourself.",
+                    f"tool and run it yourself.{hint}",
                     f"{at}.type",
                 )
             raise _bad(
@@ -525,7 +535,9 @@ def _tools(
 
         def field(text: str) -> str:
             text = text.replace(".function", "")
-            return _TOOL_AT.sub(lambda m: paths[int(m.group(1))] if int(m.group(1)) < len(paths) else m[0], text)
+            return _TOOL_AT.sub(
+                lambda m: paths[int(m.group(1))] if int(m.group(1)) < len(paths) else m[0], text
+            )
 
         raise BadRequestError(field(exc.message), field(exc.param or "tools")) from None
     return tuple(given), request, namespaces

@@ -8,6 +8,9 @@
 #
 #   scripts/lab/codex_on_timeshare.sh [LAB_DIR]        (default: a new /tmp/codex-lab-XXXX)
 #
+# MODEL=gemma3-270m-calls (a lab chat template, below) makes the tiny model call exec_command, so
+# the run shows the tool round trip too.
+#
 # Environment: CODEX (the codex binary; default `codex` on PATH, else
 # /work/codex/node_modules/.bin/codex, installed with
 # `npm install --prefix /work/codex @openai/codex@0.171.0`), MODEL (default gemma3-270m: its
@@ -31,6 +34,17 @@ mkdir -p "$lab/home" "$lab/codex-home" "$lab/work"
 echo "lab: $lab (codex: $("$codex" --version))"
 
 read -r gemma smol < <("$py" -c "from timeshare.core.config import demo; print(demo.gemma3_path(), demo.smollm2_path())")
+example='<start_of_turn>user
+Show me what a.txt says.<end_of_turn>
+<start_of_turn>model
+{"name": "exec_command", "arguments": {"cmd": "cat a.txt"}}<end_of_turn>
+'
+calls_template="{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}<start_of_turn>model
+{{ m.content }}<end_of_turn>
+{% else %}{% if m.role == 'user' and loop.last %}$example{% endif %}<start_of_turn>user
+{{ m.content }}<end_of_turn>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<start_of_turn>model
+{% endif %}"
 cat >"$lab/timeshare.toml" <<EOF
 [api]
 key = "$key"
@@ -46,6 +60,17 @@ id = "smollm2-135m-instruct"
 path = "$smol"
 n_ctx = 8192
 max_tokens = $max_tokens
+
+# Gemma-3-270M with a lab chat template that shows it one example exchange (a user asks for a
+# file, the answer is a call of exec_command in the generic tool format) before each user turn:
+# the tiny model then mostly calls the tool, so Codex runs it and sends its output back (the
+# round trip's requests). Not a model to use: a way to make the demo model call.
+[[models]]
+id = "gemma3-270m-calls"
+path = "$gemma"
+n_ctx = $n_ctx
+max_tokens = $max_tokens
+chat_template = '''$calls_template'''
 EOF
 
 pids=()
