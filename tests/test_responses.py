@@ -383,6 +383,15 @@ REFUSALS: list[tuple[dict[str, Any], str, str]] = [
         {
             "model": "m",
             "input": "x",
+            "tools": [WEATHER, {"type": "namespace", "name": "ns", "tools": [WEATHER]}],
+        },
+        "tools",
+        "names a function twice",
+    ),
+    (
+        {
+            "model": "m",
+            "input": "x",
             "tools": [
                 WEATHER,
                 {"type": "namespace", "name": "ns", "tools": [{**WEATHER, "name": "bad name"}]},

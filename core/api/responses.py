@@ -8,7 +8,8 @@ Mapped: ``input`` (a string, or items: messages with text parts and, in a user m
 the one check of ``images``, the same image parts as chat completions'), ``function_call`` and
 ``function_call_output``; ``reasoning`` items are accepted and not shown to the model again),
 ``instructions`` (the system message), ``max_output_tokens``, ``temperature``, ``top_p``,
-``tools`` (function tools) with ``tool_choice`` (``allowed_tools`` too) and
+``tools`` (function tools, and ``namespace`` tools of them: each function offered by its name, a
+call of one answered with its ``namespace``) with ``tool_choice`` (``allowed_tools`` too) and
 ``parallel_tool_calls``, ``text.format`` (``json_schema`` / ``json_object``: structured output's
 grammar), ``top_logprobs`` with ``include: ["message.output_text.logprobs"]``, ``stream``,
 ``store`` and ``previous_response_id``, ``metadata`` (kept and answered), and the extensions
