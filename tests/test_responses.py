@@ -604,6 +604,21 @@ def test_a_namespace_tool_offers_its_functions_and_a_call_of_one_names_it() -> N
     assert spawned["namespace"] == "multi_agent_v1" and "namespace" not in weather
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
     assert added[0]["namespace"] == "multi_agent_v1"
+    # Codex replays the call with its namespace, and its output
+    replay = [
+        {"type": "message", "role": "user", "content": "x"},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "spawn_agent",
+            "namespace": "multi_agent_v1",
+            "arguments": "{}",
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "spawned"},
+    ]
+    again = parse({"model": "m", "input": replay, "tools": [namespace]})
+    assert again.turn_input[1].tool_calls == (ToolCall("c1", "spawn_agent", "{}"),)
+    assert again.turn_input[2] == ChatMessage("tool", "spawned", tool_call_id="c1", name="spawn_agent")
 
 
 def test_reasoning_becomes_a_reasoning_item_and_an_empty_answer_a_message() -> None:
