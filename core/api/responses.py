@@ -202,9 +202,8 @@ class ResponsesRequest:
     turn_input: tuple[ChatMessage, ...]  # this turn's input as chat messages
     tools: ToolRequest | None
     logprobs: bool
-    namespaces: dict[str, str] = field(
-        default_factory=dict
-    )  # a namespace tool's functions: name -> namespace
+    # the functions of namespace tools: name -> namespace (a call of one is answered with it)
+    namespaces: dict[str, str] = field(default_factory=dict)
 
 
 def _bad(message: str, param: str | None) -> BadRequestError:
