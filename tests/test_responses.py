@@ -341,6 +341,66 @@ REFUSALS: list[tuple[dict[str, Any], str, str]] = [
     ({"model": "m", "input": "x", "tools": [{"type": "mcp", "server_url": "x"}]}, "tools[0].type", "MCP"),
     ({"model": "m", "input": "x", "tools": [{"type": "gadget"}]}, "tools[0].type", "give function tools"),
     (
+        {"model": "m", "input": "x", "tools": [{"type": "web_search", "external_web_access": False}]},
+        "tools[0].type",
+        'web_search = "disabled"',  # what Codex CLI sends unless told not to, and how
+    ),
+    (
+        {"model": "m", "input": "x", "tools": [{"type": "namespace", "tools": []}]},
+        "tools[0].name",
+        "namespace",
+    ),
+    (
+        {"model": "m", "input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": "all"}]},
+        "tools[0].tools",
+        "list of function tools",
+    ),
+    (
+        {
+            "model": "m",
+            "input": "x",
+            "tools": [
+                WEATHER,
+                {"type": "namespace", "name": "ns", "tools": [WEATHER, {"type": "web_search"}]},
+            ],
+        },
+        "tools[1].tools[1].type",
+        "a namespace holds function tools",
+    ),
+    (
+        {
+            "model": "m",
+            "input": "x",
+            "tools": [
+                {"type": "namespace", "name": "a", "tools": [WEATHER]},
+                {"type": "namespace", "name": "b", "tools": [WEATHER]},
+            ],
+        },
+        "tools[1].tools[0].name",
+        "also in namespace 'a'",
+    ),
+    (
+        {
+            "model": "m",
+            "input": "x",
+            "tools": [WEATHER, {"type": "namespace", "name": "ns", "tools": [WEATHER]}],
+        },
+        "tools",
+        "names a function twice",
+    ),
+    (
+        {
+            "model": "m",
+            "input": "x",
+            "tools": [
+                WEATHER,
+                {"type": "namespace", "name": "ns", "tools": [{**WEATHER, "name": "bad name"}]},
+            ],
+        },
+        "tools[1].tools[0].name",
+        "letters, digits",
+    ),
+    (
         {"model": "m", "input": "x", "tools": [{**WEATHER, "name": "bad name"}]},
         "tools[0].name",
         "letters, digits",
@@ -515,6 +575,50 @@ def test_text_and_a_streamed_call_make_the_responses_event_sequence() -> None:
     assert out.message() == ChatMessage(
         "assistant", "Let me check.", (ToolCall(fc["call_id"], "get_weather", fc["arguments"]),)
     )
+
+
+def test_a_namespace_tool_offers_its_functions_and_a_call_of_one_names_it() -> None:
+    """Codex CLI groups its sub-agent (and MCP) tools in ``namespace`` tools: each function is
+    offered under its own name, answered back as given, and a call of one carries the namespace
+    (Codex routes the call by both)."""
+    spawn = {**WEATHER, "name": "spawn_agent"}
+    namespace = {"type": "namespace", "name": "multi_agent_v1", "description": "Agents", "tools": [spawn]}
+    r = parse({"model": "m", "input": "x", "tools": [WEATHER, namespace], "tool_choice": "auto"})
+    assert r.tools is not None
+    assert [t["function"]["name"] for t in r.tools.tools] == ["get_weather", "spawn_agent"]
+    assert r.raw_tools == (WEATHER, namespace) and r.namespaces == {"spawn_agent": "multi_agent_v1"}
+    forced = parse(
+        {
+            "model": "m",
+            "input": "x",
+            "tools": [namespace],
+            "tool_choice": {"type": "function", "name": "spawn_agent"},
+        }
+    )
+    assert forced.tools is not None and forced.tools.named == "spawn_agent"
+    out = Output(namespaces=r.namespaces)
+    events = out.feed([Event("call", call=ParsedCall("spawn_agent", "{}"))])
+    events += out.feed([Event("call", call=ParsedCall("get_weather", '{"city": "Oslo"}'))])
+    events += out.finish(incomplete=False)
+    spawned, weather = out.items
+    assert spawned["namespace"] == "multi_agent_v1" and "namespace" not in weather
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert added[0]["namespace"] == "multi_agent_v1"
+    # Codex replays the call with its namespace, and its output
+    replay = [
+        {"type": "message", "role": "user", "content": "x"},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "spawn_agent",
+            "namespace": "multi_agent_v1",
+            "arguments": "{}",
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "spawned"},
+    ]
+    again = parse({"model": "m", "input": replay, "tools": [namespace]})
+    assert again.turn_input[1].tool_calls == (ToolCall("c1", "spawn_agent", "{}"),)
+    assert again.turn_input[2] == ChatMessage("tool", "spawned", tool_call_id="c1", name="spawn_agent")
 
 
 def test_reasoning_becomes_a_reasoning_item_and_an_empty_answer_a_message() -> None:

@@ -10,8 +10,9 @@ streamed and a whole answer have the same items.
 - content: a ``message`` item (``role`` assistant) with one ``output_text`` part;
 - reasoning (a thinking model's ``<think>`` block): a ``reasoning`` item, its text as a
   ``reasoning_text`` content part (``summary`` empty: nothing summarises it);
-- a tool call: a ``function_call`` item (``call_id`` ``call_`` and 24 letters and digits), its
-  arguments streamed as ``response.function_call_arguments.delta`` as the model writes them.
+- a tool call: a ``function_call`` item (``call_id`` ``call_`` and 24 letters and digits; a
+  function of a ``namespace`` tool names it in ``namespace``), its arguments streamed as
+  ``response.function_call_arguments.delta`` as the model writes them.
 
 Ids: ``msg_``, ``rs_``, ``fc_`` and 32 hexadecimal digits.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..chatformat.parse import Event
@@ -49,8 +50,9 @@ class Output:
     docstring). ``feed`` events as they come, then ``finish``; ``items`` is the response's
     ``output``, ``message`` the turn's output as a chat message (for a later turn's history)."""
 
-    def __init__(self, logprobs: bool = False) -> None:
+    def __init__(self, logprobs: bool = False, namespaces: Mapping[str, str] | None = None) -> None:
         self.items: list[dict[str, Any]] = []
+        self._namespaces = namespaces or {}  # a namespace tool's functions: name -> namespace
         self._open: dict[str, Any] | None = None  # the item being written
         self._logprobs = logprobs
         self._pending: list[TokenLogprobs] = []  # a piece's logprobs, for its first text delta
@@ -176,6 +178,8 @@ class Output:
             "arguments": "",
             "status": "in_progress",
         }
+        if name in self._namespaces:  # a function of a namespace tool: the client routes it by both
+            item["namespace"] = self._namespaces[name]
         return [*self._close("completed"), *self._start(item)]
 
     def _arguments(self, text: str) -> list[dict[str, Any]]:

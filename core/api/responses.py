@@ -8,7 +8,8 @@ Mapped: ``input`` (a string, or items: messages with text parts and, in a user m
 the one check of ``images``, the same image parts as chat completions'), ``function_call`` and
 ``function_call_output``; ``reasoning`` items are accepted and not shown to the model again),
 ``instructions`` (the system message), ``max_output_tokens``, ``temperature``, ``top_p``,
-``tools`` (function tools) with ``tool_choice`` (``allowed_tools`` too) and
+``tools`` (function tools, and ``namespace`` tools of them: each function offered by its name, a
+call of one answered with its ``namespace``) with ``tool_choice`` (``allowed_tools`` too) and
 ``parallel_tool_calls``, ``text.format`` (``json_schema`` / ``json_object``: structured output's
 grammar), ``top_logprobs`` with ``include: ["message.output_text.logprobs"]``, ``stream``,
 ``store`` and ``previous_response_id``, ``metadata`` (kept and answered), and the extensions
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +75,9 @@ MAX_INPUT_ITEMS = MAX_MESSAGES
 #: the include value that asks for the answer's logprobs
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
+#: a tool's place in the chat shape's 'tools' (in the tools path's errors)
+_TOOL_AT = re.compile(r"tools\[(\d+)\]")
+
 #: OpenAI's hosted tools (tool types and tool_choice types): Timeshare has none of them
 HOSTED_TOOLS = {
     "web_search": "web search",
@@ -91,6 +96,11 @@ HOSTED_TOOLS = {
     "apply_patch": "apply_patch",
     "custom": "custom (free-form) tools",
     "tool_search": "tool search",
+}
+
+#: how a client that sends a hosted tool by default is told not to (the end of the refusal)
+CLIENT_HINTS = {
+    "web_search": ' (Codex CLI sends it unless its config.toml says web_search = "disabled".)',
 }
 
 # ---- the request ---------------------------------------------------------------------------------
@@ -192,6 +202,8 @@ class ResponsesRequest:
     turn_input: tuple[ChatMessage, ...]  # this turn's input as chat messages
     tools: ToolRequest | None
     logprobs: bool
+    # the functions of namespace tools: name -> namespace (a call of one is answered with it)
+    namespaces: dict[str, str] = field(default_factory=dict)
 
 
 def _bad(message: str, param: str | None) -> BadRequestError:
@@ -423,28 +435,79 @@ def _arguments(value: object, where: str) -> str:
     return value
 
 
-def _tools(body: ResponsesBody) -> tuple[tuple[dict[str, Any], ...], ToolRequest | None]:
-    """The function tools as given, and as the tools path's request. 400 naming the field."""
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool as the chat shape the tools path reads."""
+    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _namespace(tool: dict[str, Any], where: str, namespaces: dict[str, str]) -> list[dict[str, Any]]:
+    """A ``namespace`` tool (a named group of function tools, as Codex CLI sends its sub-agent and
+    MCP tools) as its function tools, each offered under its own name; ``namespaces`` learns the
+    namespace of each (a call of one answers it in ``namespace``). 400 naming the field."""
+    name, members = tool.get("name"), tool.get("tools")
+    if not isinstance(name, str) or not name:
+        raise _bad(f"{where}.name is required: the namespace's name (a non-empty string).", f"{where}.name")
+    if not isinstance(members, list):
+        raise _bad(f"{where}.tools must be a list of function tools.", f"{where}.tools")
+    chat: list[dict[str, Any]] = []
+    for j, member in enumerate(members):
+        at = f"{where}.tools[{j}]"
+        kind = member.get("type") if isinstance(member, dict) else None
+        if not isinstance(member, dict) or kind != "function":
+            raise _bad(
+                f"{at}.type {kind!r} is not supported: a namespace holds function tools.", f"{at}.type"
+            )
+        function = _function(member)
+        tool_name = function["function"].get("name")
+        if isinstance(tool_name, str) and tool_name in namespaces:
+            raise _bad(
+                f"{at}.name {tool_name!r} is also in namespace {namespaces[tool_name]!r}: the model "
+                "calls a tool by its name, so each name may be in one namespace only.",
+                f"{at}.name",
+            )
+        if isinstance(tool_name, str):
+            namespaces[tool_name] = name
+        chat.append(function)
+    return chat
+
+
+def _tools(
+    body: ResponsesBody,
+) -> tuple[tuple[dict[str, Any], ...], ToolRequest | None, dict[str, str]]:
+    """The tools as given, as the tools path's request, and the namespace of each function tool
+    that came in a ``namespace`` tool. 400 naming the field."""
     raw = body.tools or []
     given: list[dict[str, Any]] = []
     chat: list[dict[str, Any]] = []
+    namespaces: dict[str, str] = {}
+    where: dict[int, str] = {}  # each chat tool's place in 'tools' (a namespace's are inside it)
     for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
+        at = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(tool, dict) and kind == "namespace":
+            members = _namespace(tool, at, namespaces)
+            where.update({id(m): f"{at}.tools[{j}]" for j, m in enumerate(members)})
+            chat += members
+            given.append(tool)
+            continue
         if not isinstance(tool, dict) or kind != "function":
             if kind in HOSTED_TOOLS:
+                hint = CLIENT_HINTS.get(kind, "")
                 raise _bad(
-                    f"{where}: the hosted tool {kind!r} ({HOSTED_TOOLS[kind]}) is not supported: "
+                    f"{at}: the hosted tool {kind!r} ({HOSTED_TOOLS[kind]}) is not supported: "
                     "Timeshare runs local models without OpenAI's hosted tools; give a function "
-                    "tool and run it yourself.",
-                    f"{where}.type",
+                    f"tool and run it yourself.{hint}",
+                    f"{at}.type",
                 )
             raise _bad(
-                f"{where}.type {kind!r} is not supported: give function tools (type 'function').",
-                f"{where}.type",
+                f"{at}.type {kind!r} is not supported: give function tools (type 'function', "
+                "or 'namespace' holding them).",
+                f"{at}.type",
             )
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        chat.append({"type": "function", "function": function})
+        function = _function(tool)
+        where[id(function)] = at
+        chat.append(function)
         given.append(tool)
     choice = body.tool_choice
     mapped: object = choice
@@ -468,9 +531,16 @@ def _tools(body: ResponsesBody) -> tuple[tuple[dict[str, Any], ...], ToolRequest
     try:
         request = parse_tool_request(openai)
     except BadRequestError as exc:  # name the Responses field (tools[i].name, not .function.name)
-        param = (exc.param or "tools").replace(".function", "")
-        raise BadRequestError(exc.message.replace(".function", ""), param) from None
-    return tuple(given), request
+        paths = [where[id(t)] for t in chat]
+
+        def field(text: str) -> str:
+            text = text.replace(".function", "")
+            return _TOOL_AT.sub(
+                lambda m: paths[int(m.group(1))] if int(m.group(1)) < len(paths) else m[0], text
+            )
+
+        raise BadRequestError(field(exc.message), field(exc.param or "tools")) from None
+    return tuple(given), request, namespaces
 
 
 def _allowed(choice: dict[str, Any], chat: list[dict[str, Any]]) -> tuple[object, list[dict[str, Any]]]:
@@ -524,7 +594,7 @@ def parse(
     messages, items = _input_messages(parsed.input, earlier, fetch)
     if not messages and not earlier:
         raise _bad("'input' is empty: give the user's message (a string or input items).", "input")
-    raw_tools, tools = _tools(parsed)
+    raw_tools, tools, namespaces = _tools(parsed)
     return ResponsesRequest(
         body=parsed,
         raw_tools=raw_tools,
@@ -532,6 +602,7 @@ def parse(
         turn_input=messages,
         tools=tools,
         logprobs=LOGPROBS_INCLUDE in include or parsed.top_logprobs is not None,
+        namespaces=namespaces,
     )
 
 
@@ -729,7 +800,7 @@ class Routes:
             result = await turn.result()
         except ClientGoneError:
             return Response(status_code=499)
-        output = Output(answer.request.logprobs)
+        output = Output(answer.request.logprobs, answer.request.namespaces)
         output.feed(turn.events(result.text) + turn.final_events(), result.logprobs)
         output.finish(answer.incomplete(output, result))
         response = answer.final(output, result)
@@ -797,7 +868,7 @@ class Routes:
             return Response(status_code=499)
         host = self.host
         choice = turn.choices[0]
-        output = Output(answer.request.logprobs)
+        output = Output(answer.request.logprobs, answer.request.namespaces)
 
         def sse(event: dict[str, Any]) -> dict[str, str]:
             return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
