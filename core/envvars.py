@@ -192,6 +192,15 @@ KV_SAVE_RAW = EnvVar(
     "A deep release saves the KV cells in use straight from the KV tensors (1), or through "
     "llama_state_seq_get_data (0: the portable way, slower without flash attention); the bytes are the same",
 )
+GRAPH_RESET = EnvVar(
+    "TIMESHARE_GRAPH_RESET",
+    '"rebuild" or "reserve"',
+    "rebuild",
+    "escape hatch",
+    "After a restore that put a weight buffer at another address: the context's previous graph "
+    "dropped, the next decode builds a new one (rebuild), or a scheduler reserve first (reserve: "
+    "the way before 2026-12-07, ~20 ms more on an H100)",
+)
 RESIDENCY_PATH = EnvVar(
     "TIMESHARE_RESIDENCY_PATH",
     '"auto", "inplace" or "rebuild"',
@@ -273,6 +282,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     HANDOVER_ROOM,
     DEEP_INPLACE,
     KV_SAVE_RAW,
+    GRAPH_RESET,
     RESIDENCY_PATH,
     VK_HOST_VISIBLE_VIDMEM,
     VK_DISABLE_HOST_VISIBLE_VIDMEM,

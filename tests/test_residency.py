@@ -235,21 +235,28 @@ def test_bitwise_check_can_fail(small_q4: llama_cpp.Llama, small_q4_path: Path, 
     res.close()
 
 
+@pytest.mark.parametrize("way", ["rebuild", "reserve"])
 def test_restore_rebuilds_graphs_only_when_a_weight_buffer_moved(
-    smol: llama_cpp.Llama, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+    smol: llama_cpp.Llama, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, way: str
 ) -> None:
-    """The scheduler's reserve after a restore (graphs built anew: a captured CUDA graph holds the
-    weights' old addresses) is forced only when a weight buffer came back elsewhere; the restore
-    records which. A move is forced by an allocator that never hands back an old address."""
+    """After a restore, the graphs are built anew (a reused graph, and a captured CUDA graph,
+    hold the weights' old addresses) only when a weight buffer came back elsewhere; the restore
+    records which. A move is forced by an allocator that never hands back an old address; the
+    greedy run after it is bitwise the reference's (a graph replayed with the old addresses would
+    read freed memory). ``rebuild`` (the default) drops the previous graph with no scheduler
+    reserve; ``reserve`` (TIMESHARE_GRAPH_RESET) reserves as before."""
+    from timeshare.core.residency import computebuf
     from timeshare.core.residency import context as context_mod
 
+    monkeypatch.setenv("TIMESHARE_GRAPH_RESET", way)
     greedy = Greedy(smol)
     ref = greedy.run()
-    resets: list[int] = []
-    forget = context_mod.forget_graphs
+    resets: list[str] = []
+    forget, drop = context_mod.forget_graphs, computebuf.forget_graph
     monkeypatch.setattr(
-        context_mod, "forget_graphs", lambda ctx, llm: (resets.append(1), forget(ctx, llm))[1]
+        context_mod, "forget_graphs", lambda ctx, llm: (resets.append("reserve"), forget(ctx, llm))[1]
     )
+    monkeypatch.setattr(computebuf, "forget_graph", lambda ctx: (resets.append("rebuild"), drop(ctx))[1])
     res = Residency.attach(smol, smollm2_path, ResidencyOptions(mode="inplace"))
     ip = res._inplace
     assert ip is not None
@@ -259,6 +266,7 @@ def test_restore_rebuilds_graphs_only_when_a_weight_buffer_moved(
         rst = res.restore()
         assert rst.addresses_moved == (before != [b.base for b in ip.buffers])
         assert rst.graphs_reset == rst.addresses_moved == bool(resets)
+        assert set(resets) <= {way}
         resets.clear()
         assert same(greedy.run(), ref)
 
@@ -279,10 +287,10 @@ def test_restore_rebuilds_graphs_only_when_a_weight_buffer_moved(
     monkeypatch.setattr(_ggml, "buft_alloc_buffer", elsewhere)
     rst = res.restore()
     monkeypatch.setattr(_ggml, "buft_alloc_buffer", alloc)
-    assert rst.addresses_moved is True and rst.graphs_reset and resets
+    assert rst.addresses_moved is True and rst.graphs_reset and resets == [way]
     assert same(greedy.run(), ref)
     # at the KV level the context stays (issue 39): its compute buffers come back too, so its
-    # next graph is always built anew (a scheduler reserve only where a weight buffer moved)
+    # next graph is always built anew
     res.release(kv=True)
     assert res.context_kept and res._kvl.buffers is not None and res.compute_released_bytes > 0
     rst = res.restore()

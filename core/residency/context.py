@@ -8,7 +8,9 @@ from typing import Any, NoReturn
 
 import llama_cpp
 
+from .. import envvars
 from ..errors import OutOfDeviceMemoryError, ResidencyError
+from . import computebuf
 from .kv import KvSnapshot
 
 
@@ -58,9 +60,9 @@ class ContextAside:
 
     def put_back(self, forget: bool = False) -> None:
         """The context set aside back into the Llama; ``forget``: its graphs are built anew at the
-        next decode (:func:`forget_graphs`: a weight buffer came back at another address)."""
+        next decode (:func:`forget_moved`: a weight buffer came back at another address)."""
         if forget:
-            forget_graphs(self._ctx.ctx, self._llm)
+            forget_moved(self._ctx.ctx, self._llm)
         self._llm._ctx = self._ctx
         self._ctx = None
 
@@ -132,3 +134,25 @@ def forget_graphs(ctx: Any, llm: Any) -> None:
         raise ResidencyError(
             f"could not reset the context's graphs after restore (llama_set_adapter_cvec returned {rc})"
         )
+
+
+def forget_moved(ctx: Any, llm: Any) -> None:
+    """A weight buffer came back at another address: the next decode of ``ctx`` must not replay
+    a graph that holds the old one. llama.cpp reuses its previous graph only while it is the
+    active one (``gf_res_prev_active``) and may be reused; ggml-cuda replays a captured CUDA graph
+    without comparing data pointers only for a graph whose splits' uids it has seen. So dropping
+    the previous graph (computebuf.forget_graph) is enough: the next decode builds and allocates
+    a new one, the scheduler gives its splits new uids, and ggml-cuda compares every node's
+    sources' data pointers and updates its captured graph. The scheduler's plan (its compute
+    buffers' sizes) does not depend on where the weights are: no reserve (20-25 ms on an H100,
+    with a device-wide wait). ``TIMESHARE_GRAPH_RESET=reserve`` (or a build that cannot drop the
+    previous graph): :func:`forget_graphs`, the reserve, as before.
+
+    Never called on Vulkan (its buffers never move: see forget_graphs)."""
+    if envvars.GRAPH_RESET.text().strip().lower() != "reserve":
+        try:
+            computebuf.forget_graph(int(ctx))
+            return
+        except ResidencyError:  # this build does not export what it needs
+            pass
+    forget_graphs(ctx, llm)

@@ -302,8 +302,8 @@ class KvLevel:
             if self._compute is not None:
                 self._compute = None
                 reset = True
-            if weights_moved is not False:  # as after a weights-only restore: a scheduler reserve
-                context.forget_graphs(ctx_obj.ctx, llm)
+            if weights_moved is not False:  # as after a weights-only restore: graphs built anew
+                context.forget_moved(ctx_obj.ctx, llm)
                 reset = True
             elif self.buffers.live.moved:
                 # the previous graph's views of the KV cache hold its old addresses: that graph is
