@@ -1,12 +1,15 @@
 #!/bin/bash
 # The GPU measurements left open by 2026-12-07's sessions, in one command, every result printed to
 # stdout (the device tool brings back at most 8 files: a result only in a file can be lost).
+# Default steps (left open by session 9): switch, deep, vision, embed; rerank and handover measured.
 # Needs the prepared machine (.gpu/build.sh + .gpu/setup.sh: llama-cpp-python CUDA in /tmp/site with
 # libmtmd, llama-server in /tmp/llbuild/bin, `timeshare` on /tmp/bin, /tmp/A.gguf and /tmp/B.gguf).
 # usage: bash scripts/lab/gpu_leftovers.sh [STEP ...]   (default: every step; LIMIT=seconds caps the run)
 #   rerank   issue 42: 32 documents of ~200 tokens, timeshare vs llama-server --reranking (target ≥ 0.9 ×)
 #   vision   issue 41: switched turn with a 1.3 GB generated projector ÷ without (target ≤ 1.1 ×)
-#   deep     issue 39: deep switch vs weights-only, flash attention (target weights-only + KV ÷ copy + 15 ms)
+#   switch   a moved restore drops the previous graph (TIMESHARE_GRAPH_RESET=rebuild, new default):
+#            20 switched turns without the hand-over, bitwise, the worker's restore lines (moved?)
+#   deep     issue 39: deep switch vs weights-only, flash attention and not (target weights-only + KV ÷ copy + 15 ms)
 #   handover issue 40: scripts/lab/handover_gpu.sh (kept mappings, 20 switches, chunk sizes)
 #   embed    issue 45: 2,048 inputs vs llama-server (llama-server alone needs ~6.5 min: run it last)
 set -u
@@ -39,7 +42,7 @@ if [ ! -e /tmp/site/llama_cpp/lib/libmtmd.so ]; then
   for f in $(find /tmp/llbuild -name "libmtmd.so*" 2>/dev/null); do cp -a "$f" /tmp/site/llama_cpp/lib/; done
   ls /tmp/site/llama_cpp/lib/libmtmd.so > /dev/null 2>&1 && el "libmtmd copied into llama_cpp/lib" || el "no libmtmd built: the vision step will fail"
 fi
-steps=${*:-rerank vision deep handover embed}
+steps=${*:-switch deep vision embed}
 cd /tmp
 for s in $steps; do
   case $s in
@@ -47,13 +50,26 @@ for s in $steps; do
     timeout "$(cap 120)" timeshare bench rerank --vocab "$R/.gpu/vocab.gguf" --llama-server "$LS" --json > "$W/rerank.json" 2> "$W/rerank.err"
     el "rerank rc=$?"; show "$W/rerank.json"; show "$W/rerank.json" systems summary ratio
     ;;
+  switch)
+    timeout "$(cap 90)" python3 -P - /tmp/A.gguf /tmp/B.gguf <<'PY' 2>&1 | tail -6
+import json, sys
+from timeshare.core.diagnostics.bench_switch import run_switch_bench
+r = run_switch_bench([sys.argv[1], sys.argv[2]], 10, restarts=0, reload=False, handover=False)
+s = r["summary"]
+print({k: s.get(k) for k in ("switched_turns", "switch_ttft_ms", "switch_worker_first_token_ms", "switch_restore_ms", "no_switch_ttft_ms")}, "bitwise:", r["exactness"]["bitwise_identical"])
+print("switch restore ms:", [round(t["restore_ms"], 2) for t in r["turns"] if t["switched"]])
+PY
+    el "switch rc=${PIPESTATUS[0]}"
+    ;;
   vision)
-    timeout "$(cap 150)" python3 -P "$R/scripts/bench_vision_switch.py" --model /tmp/A.gguf --other /tmp/B.gguf --rounds 5 --projector-embd 1024 --projector-layers 24 2>&1 | grep -v "^llama\|^load\|^print_info\|^clip" | tail -8
+    timeout "$(cap 150)" python3 -P "$R/scripts/bench_vision_switch.py" --model /tmp/A.gguf --other /tmp/B.gguf --rounds 5 --projector-embd 1024 --projector-layers 24 --log-lines 2>&1 | grep -v "^llama\|^load\|^print_info\|^clip" | cut -c1-260 | tail -40
     el "vision rc=${PIPESTATUS[0]}"
     ;;
   deep)
-    timeout "$(cap 150)" timeshare bench api --model /tmp/A.gguf --model /tmp/B.gguf --context 7500 --rounds 3 --switch-only --deep --flash-attn --json > "$W/deep.json" 2> "$W/deep.err"
-    el "deep rc=$?"; show "$W/deep.json" deep.deep_ttft_ms_median deep.weights_only_ttft_ms_median deep.kv_bytes_in_use_median deep.target_ms deep.meets_target
+    for fa in --flash-attn --no-flash-attn; do
+      timeout "$(cap 150)" timeshare bench api --model /tmp/A.gguf --model /tmp/B.gguf --context 7500 --rounds 3 --switch-only --deep ${fa/--no-flash-attn/} --json > "$W/deep.json" 2> "$W/deep.err"
+      el "deep $fa rc=$?"; show "$W/deep.json" deep.deep_ttft_ms_median deep.weights_only_ttft_ms_median deep.deep_restore_ms_median deep.weights_only_restore_ms_median deep.kv_bytes_in_use_median deep.deep_release_ms_median deep.kv_save_ms_median deep.kv_save_paths deep.target_ms deep.meets_target
+    done
     ;;
   handover)
     BUDGET_S=$(cap 220) OUT="$W/ho" timeout "$(cap 230)" bash "$R/scripts/lab/handover_gpu.sh" 2>&1 | tail -60
@@ -63,6 +79,6 @@ for s in $steps; do
     timeout "$(cap 560)" timeshare bench embed --model /tmp/A.gguf --parallel 4 --llama-server "$LS" --counts 2048 --rounds 1 --timeout 540 --json > "$W/embed.json" 2> "$W/embed.err"
     el "embed rc=$?"; show "$W/embed.json" systems; grep -v "so far" "$W/embed.err" | tail -5
     ;;
-  *) echo "unknown step $s (rerank vision deep handover embed)"; exit 2 ;;
+  *) echo "unknown step $s (switch deep vision embed rerank handover)"; exit 2 ;;
   esac
 done
