@@ -3,7 +3,9 @@ and how a long wait stands (``timeout 200 timeshare bench embed`` on the GPU end
 to say where it was), ends a request that takes longer than ``--timeout`` naming it, and stops
 the servers it started on a SIGTERM while it waits (timeshare/cli.py's handling, checked here
 for this bench's llama-server wait).
-llama-server is played by tests/_fake_llama_server.py; nothing is measured here."""
+It gives llama-server the sequences and CPU threads Timeshare's worker computes with (the CPU
+comparison of issue 45 is one of threads). llama-server is played by tests/_fake_llama_server.py;
+nothing is measured here."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 from timeshare.core.diagnostics import bench_api_procs
 from timeshare.core.diagnostics.bench_api_procs import LlamaServer, watched
 from timeshare.core.errors import TimeshareError
+from timeshare.core.worker.threads import cpu_threads
 
 FAKE = Path(__file__).parent / "_fake_llama_server.py"
 
@@ -166,7 +169,9 @@ def test_sigterm_ends_the_bench_and_its_servers(tmp_path: Path, smollm2_path: Pa
                 break
         else:
             raise AssertionError("".join(seen))
-        assert any("llama-server --embeddings --pooling mean -np 2: starting" in s for s in seen), seen
+        t, tb = cpu_threads()
+        starting = f"llama-server --embeddings --pooling mean -np 2 -t {t} -tb {tb}: starting"
+        assert any(starting in s for s in seen), seen
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     finally:
@@ -203,3 +208,66 @@ def test_a_bad_timeout_is_refused_before_anything_starts(
         )
         assert bench_embed.main(args) == 2
         assert "timeshare bench embed: --timeout takes seconds above 0" in capsys.readouterr().err
+
+
+def _args(**fields: object) -> argparse.Namespace:
+    base: dict[str, object] = dict(
+        model=None,
+        counts="1",
+        words=8,
+        rounds=1,
+        n_ctx=256,
+        parallel=2,
+        llama_server=None,
+        flash_attn=False,
+        json=False,
+        timeout=300.0,
+    )
+    return argparse.Namespace(**{**base, **fields})
+
+
+def test_the_worker_computes_with_llama_cpp_pythons_default_threads(smollm2_path: Path) -> None:
+    """What the bench gives llama-server (``cpu_threads``) is what a worker's context computes
+    with, and llama-cpp-python's own defaults (the oracle: a plain ``Llama``)."""
+    import llama_cpp
+    from timeshare.core.config.schema import ModelConfig
+    from timeshare.core.worker.engine import Engine
+
+    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=64, verbose=False)
+    try:
+        assert (plain.n_threads, plain.n_threads_batch) == cpu_threads()
+    finally:
+        plain.close()
+    engine = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2))
+    try:
+        ctx = engine.llm.ctx
+        got = (int(llama_cpp.llama_n_threads(ctx)), int(llama_cpp.llama_n_threads_batch(ctx)))
+        assert got == cpu_threads()
+    finally:
+        engine.close()
+
+
+def test_llama_server_gets_the_workers_sequences_and_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-np`` is the worker's sequences (``--parallel 0``: the build's default, 4 on a GPU build,
+    where llama-server got 1 before) and ``-t``/``-tb`` the worker's threads (llama-server's own
+    default before: the physical cores for both)."""
+    from timeshare.core.diagnostics import bench_embed
+    from timeshare.core.worker import device
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    binary = str(fake_binary(tmp_path))
+    t, tb = cpu_threads()
+
+    def flags(command: list[str]) -> dict[str, str]:
+        return {k: command[command.index(k) + 1] for k in ("-np", "-c", "-t", "-tb")}
+
+    server = bench_embed.start_llama_server(binary, str(model), _args(parallel=3), tmp_path / "a.log")
+    server.stop()
+    assert flags(server.command) == {"-np": "3", "-c": str(256 * 3), "-t": str(t), "-tb": str(tb)}
+    monkeypatch.setattr(device, "default_parallel", lambda: 4)  # a GPU build's default
+    server = bench_embed.start_llama_server(binary, str(model), _args(parallel=0), tmp_path / "b.log")
+    server.stop()
+    assert flags(server.command) == {"-np": "4", "-c": str(256 * 4), "-t": str(t), "-tb": str(tb)}

@@ -7,7 +7,9 @@ ingestion, OpenAI's maximum) sends one ``POST /v1/embeddings`` of that many shor
 reports inputs/s (inputs over the request's time at the client, the median round). With
 ``--llama-server PATH`` the same requests go to ``llama-server --embeddings --pooling mean -np N``
 on the same model (mean pooling is what Timeshare does on a chat model; llama-server refuses
-``/v1/embeddings`` with pooling ``none``), the ratio is printed, and the two servers' vectors for
+``/v1/embeddings`` with pooling ``none``) and the CPU threads Timeshare's worker computes with
+(``-t``/``-tb``: core/worker/threads.py; on a GPU they matter little, on a CPU they are the
+comparison), the ratio is printed, and the two servers' vectors for
 the same inputs are compared (the least cosine similarity over the inputs: they differ in the
 last bits, llama-server's KV cache being unified). Prints a table, or ``--json`` one object.
 
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TimeshareError
+from ..worker.threads import cpu_threads
 from .bench_api import word_salad
 from .bench_api_procs import LlamaServer, Serve, watched
 from .bench_main import bench_main, given_or_demo_model
@@ -120,6 +123,30 @@ def _least_cosine(a: list[list[float]], b: list[list[float]]) -> float:
     return float(min(1.0, cos.min())) if len(cos) else 1.0
 
 
+def sequences(args: argparse.Namespace) -> int:
+    """The sequences Timeshare's worker embeds with: ``--parallel``, or (0) the build's default as
+    the worker resolves it; llama-server gets as many slots."""
+    from ..worker.device import default_parallel  # asks llama.cpp whether the build has a GPU
+
+    return int(args.parallel) if int(args.parallel) > 0 else default_parallel()
+
+
+def start_llama_server(binary: str, model: str, args: argparse.Namespace, log: Path) -> LlamaServer:
+    """llama-server on ``model`` as the bench compares it: embeddings, mean pooling, a slot of
+    ``--n-ctx`` per sequence of Timeshare's worker (``sequences``) and its threads (``cpu_threads``)."""
+    n = sequences(args)
+    return LlamaServer(
+        binary,
+        model,
+        int(args.n_ctx) * n,
+        bool(args.flash_attn),
+        log,
+        parallel=n,
+        extra=("--embeddings", "--pooling", "mean"),
+        threads=cpu_threads(),
+    )
+
+
 def run_embed_bench(
     model: str, args: argparse.Namespace, progress: Callable[[str], None] = lambda _m: None
 ) -> dict[str, Any]:
@@ -134,6 +161,7 @@ def run_embed_bench(
         "words": int(args.words),
         "rounds": int(args.rounds),
         "cpus": os.cpu_count(),
+        "threads": list(cpu_threads()),  # both servers': one token, a batch
         "load_before": os.getloadavg(),
         "systems": {},
     }
@@ -163,17 +191,10 @@ def run_embed_bench(
             progress("timeshare serve: stopping")
             serve.close()
         if args.llama_server:
-            n = max(1, parallel)
-            progress(f"llama-server --embeddings --pooling mean -np {n}: starting")
-            server = LlamaServer(
-                args.llama_server,
-                model,
-                int(args.n_ctx) * n,
-                bool(args.flash_attn),
-                Path(tmp) / "llama-server.log",
-                parallel=n,
-                extra=("--embeddings", "--pooling", "mean"),
-            )
+            server = start_llama_server(args.llama_server, model, args, Path(tmp) / "llama-server.log")
+            t, tb = cpu_threads()
+            flags = f"--embeddings --pooling mean -np {sequences(args)} -t {t} -tb {tb}"
+            progress(f"llama-server {flags}: starting")
             try:
                 healthy_s = server.wait_healthy(progress)
                 progress(f"llama-server: healthy in {healthy_s:.1f} s")
@@ -208,7 +229,8 @@ def run_embed_bench(
 def print_table(report: dict[str, Any]) -> None:
     print(
         f"model {report['model']}, parallel {report['parallel'] or 'default'}, {report['words']} words "
-        f"per input, {report['rounds']} round(s), {report['cpus']} CPUs, load "
+        f"per input, {report['rounds']} round(s), {report['cpus']} CPUs, threads "
+        f"{report['threads'][0]}/{report['threads'][1]} (one token/batch), load "
         f"{report['load_before'][0]:.1f} before, {report['load_after'][0]:.1f} after"
     )
     print(
