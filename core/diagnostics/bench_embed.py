@@ -13,6 +13,11 @@ comparison), the ratio is printed, and the two servers' vectors for
 the same inputs are compared (the least cosine similarity over the inputs: they differ in the
 last bits, llama-server's KV cache being unified). Prints a table, or ``--json`` one object.
 
+The servers run one after the other (a GPU holds one model's weights at a time), or with
+``--interleave`` both at once, their requests in turns, the first of each round alternating: on a
+CPU other processes share, a burst of load then falls on both alike (the 1-minute load average
+after each request is in the report, ``load_1min``).
+
 It says on stderr what it is doing, phase by phase (a server starting, each request and its
 time), and every 10 s how a long wait stands (the model's state, llama-server's ``/health``);
 a request that takes longer than ``--timeout`` seconds ends the run with the phase named. The
@@ -22,13 +27,15 @@ servers it started are stopped on every way out (a SIGTERM too: timeshare/cli.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,43 +78,66 @@ def post_embeddings(
     return elapsed, [list(d["embedding"]) for d in data], int(usage.get("prompt_tokens") or 0)
 
 
+@dataclass(frozen=True)
+class _Target:
+    """A server the bench measures: its key in the report, port, what it says of itself, and its
+    name in the progress lines."""
+
+    system: str
+    port: int
+    state: Callable[[], str]
+    label: str
+
+
 def _measure(
-    port: int,
+    targets: Sequence[_Target],
     counts: list[int],
     words: int,
     rounds: int,
     *,
-    system: str,
     timeout_s: float,
     progress: Callable[[str], None],
-    state: Callable[[], str],
-) -> dict[str, Any]:
-    def post(texts: list[str], what: str) -> tuple[float, list[list[float]], int]:
+) -> dict[str, dict[str, Any]]:
+    """Each target's rows (by system): a warm-up request each, then for each count ``rounds``
+    requests each; with several targets, round by round in turns, the first of a round
+    alternating (what the machine is doing meanwhile falls on both alike)."""
+
+    def post(target: _Target, texts: list[str], what: str) -> tuple[float, list[list[float]], int]:
+        what = f"{target.label}: {what}"
         progress(f"{what} ...")
-        got = watched(lambda: post_embeddings(port, texts, timeout_s), what, timeout_s, progress, state)
-        progress(f"{what}: {got[0]:.3f} s, {got[2]} tokens")
+        got = watched(
+            lambda: post_embeddings(target.port, texts, timeout_s), what, timeout_s, progress, target.state
+        )
+        progress(f"{what}: {got[0]:.3f} s, {got[2]} tokens, load {os.getloadavg()[0]:.1f}")
         return got
 
-    # warm: the first request after the load restores
-    post(inputs(1, words), f"{system}: warm-up, 1 input")
-    out: dict[str, Any] = {}
+    for target in targets:  # warm: the first request after the load restores
+        post(target, inputs(1, words), "warm-up, 1 input")
+    out: dict[str, dict[str, Any]] = {t.system: {} for t in targets}
     for count in counts:
         texts = inputs(count, words)
-        times: list[float] = []
-        vectors: list[list[float]] = []
-        tokens = 0
+        times: dict[str, list[float]] = {t.system: [] for t in targets}
+        loads: dict[str, list[float]] = {t.system: [] for t in targets}
+        vectors: dict[str, list[list[float]]] = {}
+        tokens: dict[str, int] = {}
         for r in range(rounds):
-            elapsed, vectors, tokens = post(texts, f"{system}: {count} input(s), round {r + 1}/{rounds}")
-            times.append(elapsed)
-        median = statistics.median(times)
-        out[str(count)] = {
-            "inputs": count,
-            "prompt_tokens": tokens,
-            "seconds": times,
-            "seconds_median": median,
-            "inputs_per_s": count / median if median > 0 else 0.0,
-            "vectors": vectors,
-        }
+            for target in targets if r % 2 == 0 else list(reversed(targets)):
+                elapsed, vectors[target.system], tokens[target.system] = post(
+                    target, texts, f"{count} input(s), round {r + 1}/{rounds}"
+                )
+                times[target.system].append(elapsed)
+                loads[target.system].append(os.getloadavg()[0])
+        for target in targets:
+            median = statistics.median(times[target.system])
+            out[target.system][str(count)] = {
+                "inputs": count,
+                "prompt_tokens": tokens[target.system],
+                "seconds": times[target.system],
+                "seconds_median": median,
+                "inputs_per_s": count / median if median > 0 else 0.0,
+                "load_1min": loads[target.system],  # after each request
+                "vectors": vectors[target.system],
+            }
     return out
 
 
@@ -121,6 +151,28 @@ def _least_cosine(a: list[list[float]], b: list[list[float]]) -> float:
     dots = np.einsum("ij,ij->i", x, y)
     cos = np.where((nx > 0) & (ny > 0), dots / np.maximum(nx * ny, 1e-300), 0.0)
     return float(min(1.0, cos.min())) if len(cos) else 1.0
+
+
+def _checked(args: argparse.Namespace) -> list[int]:
+    """The counts of ``--counts``; a TimeshareError naming the option for any value the bench
+    cannot run with (before anything starts)."""
+    try:
+        counts = [int(x) for x in str(args.counts).split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or max(counts) > 2048:
+        raise TimeshareError(f"--counts takes counts from 1 to 2048, e.g. 1,64,2048 (not {args.counts!r})")
+    if int(args.rounds) < 1:
+        raise TimeshareError("--rounds takes 1 or more (requests per count; the median is reported)")
+    if int(args.words) < 1:
+        raise TimeshareError("--words takes 1 or more (words per input)")
+    if int(args.parallel) < 0:
+        raise TimeshareError("--parallel takes 0 (the build's default) or more sequences")
+    if float(args.timeout) <= 0:
+        raise TimeshareError("--timeout takes seconds above 0, e.g. 300")
+    if args.interleave and not args.llama_server:
+        raise TimeshareError("--interleave takes turns with llama-server: give --llama-server PATH")
+    return counts
 
 
 def sequences(args: argparse.Namespace) -> int:
@@ -150,9 +202,7 @@ def start_llama_server(binary: str, model: str, args: argparse.Namespace, log: P
 def run_embed_bench(
     model: str, args: argparse.Namespace, progress: Callable[[str], None] = lambda _m: None
 ) -> dict[str, Any]:
-    counts = [int(x) for x in str(args.counts).split(",") if x.strip()]
-    if not counts or min(counts) < 1 or max(counts) > 2048:
-        raise TimeshareError("--counts takes counts from 1 to 2048, e.g. 1,64,2048")
+    counts = _checked(args)
     parallel = int(args.parallel)
     report: dict[str, Any] = {
         "model": model,
@@ -166,51 +216,40 @@ def run_embed_bench(
         "systems": {},
     }
     timeout_s = float(args.timeout)
-    if timeout_s <= 0:
-        raise TimeshareError("--timeout takes seconds above 0, e.g. 300")
     words, rounds = int(args.words), int(args.rounds)
-    with tempfile.TemporaryDirectory(prefix="timeshare-bench-embed-") as tmp:
+    interleave = bool(args.interleave)
+    report["interleaved"] = interleave
+
+    def measure(targets: Sequence[_Target]) -> None:
+        report["systems"].update(
+            _measure(targets, counts, words, rounds, timeout_s=timeout_s, progress=progress)
+        )
+
+    with tempfile.TemporaryDirectory(prefix="timeshare-bench-embed-") as tmp, contextlib.ExitStack() as up:
         progress(f"timeshare serve, parallel {parallel or 'default'}: starting, loading {Path(model).name}")
         serve = Serve(
             Path(tmp) / "ts", ["m"], [model], int(args.n_ctx), bool(args.flash_attn), parallel=parallel
         )
-        try:
-            ready_s = serve.wait_ready(progress)
-            progress(f"timeshare serve: ready in {ready_s:.1f} s ({serve.states()})")
-            report["systems"]["timeshare"] = _measure(
-                serve.port,
-                counts,
-                words,
-                rounds,
-                system="timeshare",
-                timeout_s=timeout_s,
-                progress=progress,
-                state=serve.states,
-            )
-        finally:
-            progress("timeshare serve: stopping")
-            serve.close()
+        up.callback(serve.close)
+        up.callback(progress, "timeshare serve: stopping")
+        ready_s = serve.wait_ready(progress)
+        progress(f"timeshare serve: ready in {ready_s:.1f} s ({serve.states()})")
+        targets = [_Target("timeshare", serve.port, serve.states, "timeshare")]
+        if not interleave:  # one server at a time (a GPU holds one model's weights at a time)
+            measure(targets)
+            up.close()
+            targets = []
         if args.llama_server:
             server = start_llama_server(args.llama_server, model, args, Path(tmp) / "llama-server.log")
+            up.callback(server.stop)
+            up.callback(progress, "llama-server: stopping")
             t, tb = cpu_threads()
             flags = f"--embeddings --pooling mean -np {sequences(args)} -t {t} -tb {tb}"
             progress(f"llama-server {flags}: starting")
-            try:
-                healthy_s = server.wait_healthy(progress)
-                progress(f"llama-server: healthy in {healthy_s:.1f} s")
-                report["systems"]["llama_server"] = _measure(
-                    server.port,
-                    counts,
-                    words,
-                    rounds,
-                    system="llama-server",
-                    timeout_s=timeout_s,
-                    progress=progress,
-                    state=server.state,
-                )
-            finally:
-                progress("llama-server: stopping")
-                server.stop()
+            healthy_s = server.wait_healthy(progress)
+            progress(f"llama-server: healthy in {healthy_s:.1f} s")
+            targets.append(_Target("llama_server", server.port, server.state, "llama-server"))
+            measure(targets)
     progress("comparing the vectors")
     ours = report["systems"]["timeshare"]
     theirs = report["systems"].get("llama_server")
