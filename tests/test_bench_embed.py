@@ -281,27 +281,6 @@ def _args(**fields: object) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **fields})
 
 
-def test_the_worker_computes_with_llama_cpp_pythons_default_threads(smollm2_path: Path) -> None:
-    """What the bench gives llama-server (``cpu_threads``) is what a worker's context computes
-    with, and llama-cpp-python's own defaults (the oracle: a plain ``Llama``)."""
-    import llama_cpp
-    from timeshare.core.config.schema import ModelConfig
-    from timeshare.core.worker.engine import Engine
-
-    plain = llama_cpp.Llama(str(smollm2_path), n_ctx=64, verbose=False)
-    try:
-        assert (plain.n_threads, plain.n_threads_batch) == cpu_threads()
-    finally:
-        plain.close()
-    engine = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2))
-    try:
-        ctx = engine.llm.ctx
-        got = (int(llama_cpp.llama_n_threads(ctx)), int(llama_cpp.llama_n_threads_batch(ctx)))
-        assert got == cpu_threads()
-    finally:
-        engine.close()
-
-
 def test_llama_server_gets_the_workers_sequences_and_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -326,3 +305,7 @@ def test_llama_server_gets_the_workers_sequences_and_threads(
     server = bench_embed.start_llama_server(binary, str(model), _args(parallel=0), tmp_path / "b.log")
     server.stop()
     assert flags(server.command) == {"-np": "4", "-c": str(256 * 4), "-t": str(t), "-tb": str(tb)}
+    monkeypatch.setenv("TIMESHARE_CPU_THREADS", "1")  # the workers' threads: llama-server's too
+    server = bench_embed.start_llama_server(binary, str(model), _args(parallel=2), tmp_path / "c.log")
+    server.stop()
+    assert flags(server.command) == {"-np": "2", "-c": str(256 * 2), "-t": "1", "-tb": "1"}
