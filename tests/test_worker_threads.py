@@ -5,6 +5,7 @@ variable. The oracle for what a context computes with is llama.cpp's own ``llama
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -40,13 +41,15 @@ def test_the_defaults_are_llama_cpp_pythons_and_the_worker_uses_them(
 
 
 def test_the_variable_sets_both_counts_of_the_workers_context(
-    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("TIMESHARE_CPU_THREADS", "3")
     assert cpu_threads() == (3, 3)
     monkeypatch.setenv("TIMESHARE_CPU_THREADS", " 1 ")
     assert cpu_threads() == (1, 1)
-    engine = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2))
+    with caplog.at_level(logging.INFO, logger="timeshare.core.worker.engine"):
+        engine = Engine.load(ModelConfig(id="smol", path=str(smollm2_path), n_ctx=256, parallel=2))
+    assert "CPU threads 1/1 (one token/batch)" in caplog.text  # the worker's log says it
     try:
         assert context_threads(engine) == (1, 1)
         vectors, _tokens = engine.embed(["one thread embeds too"])

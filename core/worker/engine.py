@@ -216,12 +216,14 @@ class Engine:
                 raise
         engine = cls(llm, model, chat_template, vision)
         log.info(
-            "loaded %s: n_ctx=%d x %d sequences, n_vocab=%d chat=%s",
+            "loaded %s: n_ctx=%d x %d sequences, n_vocab=%d chat=%s, CPU threads %d/%d (one token/batch)",
             model.id,
             engine.info.n_ctx,
             engine.parallel,
             engine.info.n_vocab,
             engine.info.chat_format,
+            n_threads,
+            n_threads_batch,
         )
         return engine
 
