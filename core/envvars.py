@@ -252,6 +252,14 @@ HOST_MEMORY = EnvVar(
     "Caps the host memory a CPU build's device has (its budget and fit): --card SIZE of bench api, "
     "doctor and arena-test sets it there",
 )
+CPU_THREADS = EnvVar(
+    "TIMESHARE_CPU_THREADS",
+    "a whole number from 1",
+    "half the CPUs for one token, all of them for a batch",
+    "escape hatch",
+    "The CPU threads of every worker's llama.cpp context, for one token and for a batch alike: on a "
+    "CPU other programs keep busy, fewer threads than cores were faster (docs/PERFORMANCE.md)",
+)
 VULKAN_TEST = EnvVar(
     "TIMESHARE_VULKAN_TEST",
     "1",
@@ -290,6 +298,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     BATCH_GATHER_MS,
     BATCH_QUIET_MS,
     HOST_MEMORY,
+    CPU_THREADS,
     VULKAN_TEST,
 )
 

@@ -1,7 +1,8 @@
 """A stand-in for llama-server in `timeshare bench api` tests (no llama-server build on the CPU box):
 it takes llama-server's flags, answers ``/health`` once "loaded" (a short pause) and streams
 ``/completion`` the way llama-server does (``data: {"content": ..., "stop": false}`` events, then a
-last one with ``"stop": true`` and ``timings``). It refuses a model file that does not exist.
+last one with ``"stop": true`` and ``timings``); ``/v1/embeddings`` answers one unit vector per input,
+all alike, of ``FAKE_LLAMA_N_EMBD`` numbers (default 8). It refuses a model file that does not exist.
 ``FAKE_LLAMA_LOADING_S`` (this test helper's own variable) makes its loading last that long."""
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def main() -> int:
 
         def do_POST(self) -> None:
             request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+            if self.path == "/v1/embeddings":
+                self.embeddings(request)
+                return
             n = int(request.get("n_predict", 8))
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -58,6 +62,22 @@ def main() -> int:
             last = {"content": "", "stop": True, "timings": timings}
             self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
             self.wfile.flush()
+
+        def embeddings(self, request: dict[str, object]) -> None:
+            texts = request["input"]
+            assert isinstance(texts, list)
+            width = int(os.environ.get("FAKE_LLAMA_N_EMBD", "8"))
+            data = [
+                {"object": "embedding", "index": i, "embedding": [1.0] + [0.0] * (width - 1)}
+                for i in range(len(texts))
+            ]
+            tokens = sum(len(str(t).split()) for t in texts)
+            body = json.dumps({"data": data, "usage": {"prompt_tokens": tokens}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

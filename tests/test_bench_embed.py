@@ -3,11 +3,14 @@ and how a long wait stands (``timeout 200 timeshare bench embed`` on the GPU end
 to say where it was), ends a request that takes longer than ``--timeout`` naming it, and stops
 the servers it started on a SIGTERM while it waits (timeshare/cli.py's handling, checked here
 for this bench's llama-server wait).
-llama-server is played by tests/_fake_llama_server.py; nothing is measured here."""
+It gives llama-server the sequences and CPU threads Timeshare's worker computes with (the CPU
+comparison of issue 45 is one of threads). llama-server is played by tests/_fake_llama_server.py;
+nothing is measured here."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +23,7 @@ import pytest
 from timeshare.core.diagnostics import bench_api_procs
 from timeshare.core.diagnostics.bench_api_procs import LlamaServer, watched
 from timeshare.core.errors import TimeshareError
+from timeshare.core.worker.threads import cpu_threads
 
 FAKE = Path(__file__).parent / "_fake_llama_server.py"
 
@@ -166,7 +170,9 @@ def test_sigterm_ends_the_bench_and_its_servers(tmp_path: Path, smollm2_path: Pa
                 break
         else:
             raise AssertionError("".join(seen))
-        assert any("llama-server --embeddings --pooling mean -np 2: starting" in s for s in seen), seen
+        t, tb = cpu_threads()
+        starting = f"llama-server --embeddings --pooling mean -np 2 -t {t} -tb {tb}: starting"
+        assert any(starting in s for s in seen), seen
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     finally:
@@ -183,23 +189,123 @@ def test_sigterm_ends_the_bench_and_its_servers(tmp_path: Path, smollm2_path: Pa
     assert left_behind(tmp_path) == []
 
 
-def test_a_bad_timeout_is_refused_before_anything_starts(
+def test_bad_options_are_refused_before_anything_starts(
     tmp_path: Path, smollm2_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Each option the bench cannot run with: exit 2 naming it, no traceback (``--counts 1,x`` and
+    ``--rounds 0`` raised ValueError and StatisticsError, the latter after starting the server),
+    and nothing started."""
     from timeshare.core.diagnostics import bench_embed
 
-    for value in (0.0, -5.0):
-        args = argparse.Namespace(
-            model=str(smollm2_path),
-            counts="1",
-            words=8,
-            rounds=1,
-            n_ctx=256,
-            parallel=2,
-            llama_server=None,
-            flash_attn=False,
-            json=False,
-            timeout=value,
-        )
-        assert bench_embed.main(args) == 2
-        assert "timeshare bench embed: --timeout takes seconds above 0" in capsys.readouterr().err
+    bad = [
+        ({"timeout": 0.0}, "--timeout takes seconds above 0"),
+        ({"timeout": -5.0}, "--timeout takes seconds above 0"),
+        ({"counts": "1,x"}, "--counts takes counts from 1 to 2048, e.g. 1,64,2048 (not '1,x')"),
+        ({"counts": "0"}, "--counts takes counts from 1 to 2048"),
+        ({"counts": "2049"}, "--counts takes counts from 1 to 2048"),
+        ({"counts": ","}, "--counts takes counts from 1 to 2048"),
+        ({"rounds": 0}, "--rounds takes 1 or more"),
+        ({"words": 0}, "--words takes 1 or more"),
+        ({"parallel": -1}, "--parallel takes 0 (the build's default) or more"),
+        ({"interleave": True}, "--interleave takes turns with llama-server: give --llama-server PATH"),
+    ]
+    for fields, message in bad:
+        assert bench_embed.main(_args(model=str(smollm2_path), **fields)) == 2, fields
+        assert f"timeshare bench embed: {message}" in capsys.readouterr().err, fields
+    assert left_behind(tmp_path) == []
+
+
+def test_interleave_takes_turns_with_both_servers_up(tmp_path: Path, smollm2_path: Path) -> None:
+    """``--interleave``: llama-server is up before Timeshare's first measured request, each round
+    has one request of each, the first alternating, and Timeshare's serve stops only after the
+    last; the report has both systems' rows with the load after each request."""
+    cmd, env = _command(
+        tmp_path,
+        "--model",
+        str(smollm2_path),
+        "--counts",
+        "2",
+        "--rounds",
+        "2",
+        "--n-ctx",
+        "256",
+        "--parallel",
+        "2",
+        "--llama-server",
+        str(fake_binary(tmp_path)),
+        "--interleave",
+        "--json",
+    )
+    env["FAKE_LLAMA_N_EMBD"] = "576"  # SmolLM2's: the bench compares the two servers' vectors
+    done = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line.removeprefix("bench embed: ") for line in done.stderr.splitlines()]
+    measured = [
+        line.split(" ...")[0] for line in lines if " input(s), round " in line and line.endswith(" ...")
+    ]
+    assert measured == [
+        "timeshare: 2 input(s), round 1/2",
+        "llama-server: 2 input(s), round 1/2",
+        "llama-server: 2 input(s), round 2/2",
+        "timeshare: 2 input(s), round 2/2",
+    ]
+    healthy = next(i for i, line in enumerate(lines) if line.startswith("llama-server: healthy in"))
+    first = lines.index("timeshare: 2 input(s), round 1/2 ...")
+    last = max(i for i, line in enumerate(lines) if line.startswith("llama-server: 2 input(s), round"))
+    assert healthy < first < last < lines.index("timeshare serve: stopping")
+    report = json.loads(done.stdout)
+    assert report["interleaved"] is True
+    for system in ("timeshare", "llama_server"):
+        row = report["systems"][system]["2"]
+        assert len(row["seconds"]) == len(row["load_1min"]) == 2
+    assert report["systems"]["timeshare"]["2"]["least_cosine_vs_llama_server"] < 1.0
+    assert left_behind(tmp_path) == []
+
+
+def _args(**fields: object) -> argparse.Namespace:
+    base: dict[str, object] = dict(
+        model=None,
+        counts="1",
+        words=8,
+        rounds=1,
+        n_ctx=256,
+        parallel=2,
+        llama_server=None,
+        flash_attn=False,
+        json=False,
+        timeout=300.0,
+        interleave=False,
+    )
+    return argparse.Namespace(**{**base, **fields})
+
+
+def test_llama_server_gets_the_workers_sequences_and_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-np`` is the worker's sequences (``--parallel 0``: the build's default, 4 on a GPU build,
+    where llama-server got 1 before) and ``-t``/``-tb`` the worker's threads (llama-server's own
+    default before: the physical cores for both)."""
+    from timeshare.core.diagnostics import bench_embed
+    from timeshare.core.worker import device
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    binary = str(fake_binary(tmp_path))
+    t, tb = cpu_threads()
+
+    def flags(command: list[str]) -> dict[str, str]:
+        return {k: command[command.index(k) + 1] for k in ("-np", "-c", "-t", "-tb")}
+
+    server = bench_embed.start_llama_server(binary, str(model), _args(parallel=3), tmp_path / "a.log")
+    server.stop()
+    assert flags(server.command) == {"-np": "3", "-c": str(256 * 3), "-t": str(t), "-tb": str(tb)}
+    monkeypatch.setattr(device, "default_parallel", lambda: 4)  # a GPU build's default
+    server = bench_embed.start_llama_server(binary, str(model), _args(parallel=0), tmp_path / "b.log")
+    server.stop()
+    assert flags(server.command) == {"-np": "4", "-c": str(256 * 4), "-t": str(t), "-tb": str(tb)}
+    monkeypatch.setenv("TIMESHARE_CPU_THREADS", "1")  # the workers' threads: llama-server's too
+    server = bench_embed.start_llama_server(binary, str(model), _args(parallel=2), tmp_path / "c.log")
+    server.stop()
+    assert flags(server.command) == {"-np": "2", "-c": str(256 * 2), "-t": "1", "-tb": "1"}

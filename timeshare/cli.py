@@ -405,6 +405,12 @@ def _add_diagnostics(sub: Any) -> None:
         metavar="S",
         help="a request that takes longer ends the run, naming it (default: 300)",
     )
+    bemb.add_argument(
+        "--interleave",
+        action="store_true",
+        help="both servers up at once, their requests in turns (a busy CPU slows both alike; "
+        "needs --llama-server and room for the model twice)",
+    )
     bemb.add_argument("--flash-attn", action="store_true", help="flash attention (default: off)")
     bemb.add_argument("--json", action="store_true", help=_JSON_HELP)
 

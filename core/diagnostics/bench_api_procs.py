@@ -517,7 +517,9 @@ def card_fit(path: str, n_ctx: int, flash_attn: bool, work: Path) -> dict[str, A
 
 class LlamaServer:
     """One llama-server process (e2e_switch.py's flags: all layers on the GPU, or ``gpu_layers``;
-    one slot, or ``parallel`` slots sharing ``n_ctx``; ``extra`` flags after them)."""
+    one slot, or ``parallel`` slots sharing ``n_ctx``; ``threads``: ``-t``/``-tb``, its CPU threads
+    for one token and for a batch (None: llama-server's default); ``extra`` flags after them).
+    ``command``: the command line it was started with."""
 
     def __init__(
         self,
@@ -531,6 +533,7 @@ class LlamaServer:
         gpu_layers: int = -1,
         progress: Callable[[str], None] = _quiet,
         progress_every_s: float | None = None,
+        threads: tuple[int, int] | None = None,
     ) -> None:
         self.progress = progress  # where a turn that takes long is said (``stream``)
         self.progress_every_s = progress_every_s
@@ -539,7 +542,11 @@ class LlamaServer:
         ngl = "999" if gpu_layers < 0 else str(gpu_layers)  # -1: all
         cmd = [binary, "-m", model, "-ngl", ngl, "-c", str(n_ctx), "--port", str(self.port)]
         cmd += ["--host", "127.0.0.1", "-np", str(parallel), "-b", "2048", "-ub", "512"]
-        cmd += ["--flash-attn", "on" if flash_attn else "off", *extra]
+        cmd += ["--flash-attn", "on" if flash_attn else "off"]
+        if threads is not None:
+            cmd += ["-t", str(threads[0]), "-tb", str(threads[1])]
+        cmd += extra
+        self.command = cmd
         with log_path.open("ab") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True

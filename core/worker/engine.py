@@ -53,6 +53,7 @@ from .prompts import Media, Prompts, tools_of
 from .sampler import TokenLogprob
 from .sequences import Sequences, Slot
 from .textstream import token_piece
+from .threads import cpu_threads
 from .vision import Vision, close_spans
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class Engine:
             log.info(
                 "%s: kv_cache_type %s turns flash attention on (a quantised V needs it)", model.id, kv_type
             )
+        n_threads, n_threads_batch = cpu_threads()  # llama-cpp-python's defaults, written once
         try:
             with _model_defaults(**batch_invariant(parallel)):
                 llm = llama_cpp.Llama(
@@ -168,6 +170,8 @@ class Engine:
                     type_k=ggml_type if quantised_kv else None,
                     type_v=ggml_type if quantised_kv else None,
                     verbose=False,
+                    n_threads=n_threads,
+                    n_threads_batch=n_threads_batch,
                     # an embedding model's context pools (the GGUF's pooling type; embed.py means a
                     # causal model's tokens itself)
                     embedding=model.embedding,
@@ -212,12 +216,14 @@ class Engine:
                 raise
         engine = cls(llm, model, chat_template, vision)
         log.info(
-            "loaded %s: n_ctx=%d x %d sequences, n_vocab=%d chat=%s",
+            "loaded %s: n_ctx=%d x %d sequences, n_vocab=%d chat=%s, CPU threads %d/%d (one token/batch)",
             model.id,
             engine.info.n_ctx,
             engine.parallel,
             engine.info.n_vocab,
             engine.info.chat_format,
+            n_threads,
+            n_threads_batch,
         )
         return engine
 
