@@ -25,7 +25,7 @@ import httpx
 import pytest
 from _api_util import Served, start_serve, stop_serve_proc, write_config
 from _archs_util import write_reranker
-from _e_worker_util import WorkerHandle
+from _e_worker_util import GUARD_S, WorkerHandle
 from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.errors import ConfigError
 from timeshare.core.observe import read_events
@@ -34,6 +34,7 @@ from timeshare.core.residency.residency import mode_wanted
 from timeshare.core.wire import protocol as p
 from timeshare.core.worker.engine import Engine
 
+LONG_S = 300.0  # the hang guard of a long Embed on a busy machine (not a timing assertion)
 TEXTS = ("The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.", "hi")
 QUERY = "What is a giant panda?"
 DOCUMENTS = (
@@ -125,9 +126,11 @@ def test_the_residency_path_variable(
 # ---- a worker that waits for the token ------------------------------------------------------------
 
 
-def vectors_of(w: WorkerHandle, req: str) -> tuple[list[tuple[float, ...]], p.Done | p.Error]:
+def vectors_of(
+    w: WorkerHandle, req: str, timeout: float = GUARD_S
+) -> tuple[list[tuple[float, ...]], p.Done | p.Error]:
     """The vectors of Embed ``req`` and its Done or Error (messages already read for another
-    request's collect included: request ids are not reused)."""
+    request's collect included: request ids are not reused); ``timeout``: the hang guard."""
     out: list[tuple[float, ...]] = []
     pos = 0
     while True:
@@ -135,7 +138,7 @@ def vectors_of(w: WorkerHandle, req: str) -> tuple[list[tuple[float, ...]], p.Do
             msg = w.seen[pos]
             pos += 1
         else:
-            msg = w.expect((p.Embeddings, p.Done, p.Error), req=req)
+            msg = w.expect((p.Embeddings, p.Done, p.Error), timeout=timeout, req=req)
             pos = len(w.seen)
         if getattr(msg, "req", None) != req:
             continue
@@ -302,8 +305,12 @@ def test_a_long_embed_gives_the_gpu_way_after_the_quantum(
     """An Embed of many inputs (one sequence: a decode each) is a batch of work like a
     generation's: when another model asks for the GPU, it gives way after the quantum (50 ms here)
     and takes it back to go on (the token's intervals: smol, rr, smol while it runs), and its
-    vectors are those it gave alone. On the rebuild path the context is made again meanwhile."""
+    vectors are those it gave alone. On the rebuild path the context is made again meanwhile.
+    One CPU thread per worker, and a long hang guard: 60 inputs decoded one at a time by two
+    threads on a machine that other jobs keep busy took over a minute (ggml's threads wait for
+    each other after every operation)."""
     monkeypatch.setenv("TIMESHARE_RESIDENCY_PATH", path)
+    monkeypatch.setenv("TIMESHARE_CPU_THREADS", "1")
     log = tmp_path / "intervals.jsonl"
     arena_dir = tmp_path / "arena"
     arena = ArenaConfig(min_quantum_ms=50.0, wait_timeout_s=120.0)
@@ -318,7 +325,7 @@ def test_a_long_embed_gives_the_gpu_way_after_the_quantum(
     assert a.ready().info.residency_path == ("rebuild" if path == "rebuild" else "inplace")
     many = tuple(f"{i}: the quick brown fox" for i in range(60))
     a.send(p.Embed(req="e0", inputs=many))
-    want, done = vectors_of(a, "e0")
+    want, done = vectors_of(a, "e0", LONG_S)
     assert isinstance(done, p.Done) and len(want) == len(many)
     b = WorkerHandle(
         ModelConfig(id="rr", path=str(reranker_path), n_ctx=256),
@@ -332,9 +339,9 @@ def test_a_long_embed_gives_the_gpu_way_after_the_quantum(
     a.send(p.Embed(req="e1", inputs=many))
     a.expect(p.WorkerStatus, busy=True, holds_token=True)  # at it
     b.send(p.Embed(req="r1", inputs=DOCUMENTS, query=QUERY))
-    scores, done = vectors_of(b, "r1")
+    scores, done = vectors_of(b, "r1", LONG_S)
     assert isinstance(done, p.Done) and len(scores) == len(DOCUMENTS)
-    got, done = vectors_of(a, "e1")
+    got, done = vectors_of(a, "e1", LONG_S)
     assert isinstance(done, p.Done) and got == want
     a.close()
     b.close()
