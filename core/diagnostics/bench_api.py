@@ -50,6 +50,7 @@ from typing import Any
 from ..arena.budget import parse_budget
 from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
+from ..worker.threads import cpu_threads
 from .bench_api_deep import run_deep_phase, summarise_deep
 from .bench_api_procs import MAX_TOKENS, LlamaServer, Serve, card_fit, decode_rate, fresh_process
 from .bench_api_report import SYSTEMS, describe_fit, plot, print_table, summarise
@@ -471,6 +472,7 @@ def _llama_server_phases(
             gpu_layers=fit["n_gpu_layers"],
             progress=say,
             progress_every_s=every_s,
+            threads=cpu_threads(),  # the worker's (core/worker/threads.py)
         )
 
     say("llama_swap: stop the old llama-server, start the new one, wait for /health, send the turn")

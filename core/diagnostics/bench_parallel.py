@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TimeshareError
+from ..worker.threads import cpu_threads
 from .bench_api import word_salad
 from .bench_api_procs import LlamaServer, Serve
 from .bench_main import bench_main, given_or_demo_model
@@ -176,6 +177,7 @@ def _llama_server(
         parallel=n,
         progress=progress,
         progress_every_s=every_s,
+        threads=cpu_threads(),  # the worker's (core/worker/threads.py)
     )
     try:
         server.wait_healthy(progress)

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import TimeshareError
 from ..gguf.modelfile import gguf_problem
+from ..worker.threads import cpu_threads
 from .bench_api import word_salad
 from .bench_api_procs import REQUEST_TIMEOUT_S, LlamaServer, Serve
 from .bench_main import bench_main
@@ -255,6 +256,7 @@ def run_rerank_bench(
                 Path(tmp) / "llama-server.log",
                 parallel=parallel,
                 extra=("--reranking",),
+                threads=cpu_threads(),  # the worker's (core/worker/threads.py)
             )
             try:
                 progress(f"llama-server: healthy in {server.wait_healthy(progress):.1f} s")
