@@ -317,7 +317,7 @@ def test_the_snapshot_memory_is_kept_grown_at_the_high_water_mark_and_freed_at_c
         llm.close()
 
 
-def test_the_host_memory_lends_one_snapshot_at_a_time_and_grows_a_quarter_ahead() -> None:
+def test_the_host_memory_lends_one_snapshot_at_a_time_and_grows_ahead() -> None:
     from timeshare.core.errors import ResidencyError
     from timeshare.core.residency.kvmemory import GRAIN
 
@@ -331,6 +331,9 @@ def test_the_host_memory_lends_one_snapshot_at_a_time_and_grows_a_quarter_ahead(
     memory.give_back()
     memory.lend(5 * GRAIN, most=5 * GRAIN + 7)  # never more than the largest snapshot, in grains
     assert memory.nbytes == 6 * GRAIN and memory.grown == 2
+    memory.give_back()
+    memory.lend(7 * GRAIN)  # a growing conversation: twice what it held (12), not 7 and a quarter (9)
+    assert memory.nbytes == 12 * GRAIN and memory.grown == 3
     memory.give_back()
     memory.close()
     assert memory.nbytes == 0

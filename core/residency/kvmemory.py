@@ -7,7 +7,8 @@ Its owner is the model's KV level (residency/kvlevel.py) or, on the rebuild path
 itself (residency/rebuild.py); the one snapshot alive at a time lends it (residency/kv.py), and
 gives it back when closed. The memory stays allocated while the model is resident: it is host
 RAM (pinned, where the backend has pinned memory: like the weights' host shadow) of about the KV
-cells in use at the longest conversation parked so far, a quarter more, and no more than every
+cells in use at the longest conversation parked so far, a quarter more (or twice what it held
+when it grows), and no more than every
 cell of the cache (:attr:`KvHostMemory.nbytes`, in the worker's status with the shadow)."""
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ class KvHostMemory:
 
     def lend(self, size: int, most: int | None = None) -> int:
         """The address of at least ``size`` bytes, for the snapshot about to be taken (0 for 0
-        bytes); grown to ``size`` and a quarter more (at most ``most``, the largest snapshot the
-        cache can give, when known) where it holds less."""
+        bytes); where it holds less, grown to ``size`` and a quarter more or twice what it held,
+        whichever is more (a conversation that keeps growing costs a few allocations, not one
+        per quarter: each is a pinned allocation on the switch's path), at most ``most`` (the
+        largest snapshot the cache can give, when known)."""
         if self._lent:
             raise ResidencyError("the KV snapshot's host memory is lent already (a snapshot was not closed)")
         if size > self.nbytes:
-            want = size + size // 4
+            want = max(size + size // 4, 2 * self.nbytes)
             if most is not None:
                 want = min(want, most)
             want = -(-max(want, size) // GRAIN) * GRAIN
