@@ -399,12 +399,11 @@ def test_pinned_holder_makes_the_other_wait_then_time_out(
     assert isinstance(done, p.Done) and not done.switch.switched
 
 
-def test_a_shutdown_ends_a_wakes_wait_for_the_token(
+def _a_wake_waiting_for_a_pinned_holder(
     smollm2_path: Path, tmp_path: Path, arena_dir: Path, handles: list[WorkerHandle]
-) -> None:
-    """A Wake (pre-warm) waits for a pinned holder (no timeout for ten minutes); a Shutdown ends
-    that wait at once: the worker says it is shutting down and exits cleanly, and the holder was
-    never asked to leave."""
+) -> tuple[WorkerHandle, WorkerHandle]:
+    """A worker "holder" pinned on the GPU, and a worker "waker" whose Wake waits for it (no
+    timeout for ten minutes), seen waiting; returns (holder, waker)."""
     a = WorkerHandle(
         ModelConfig(id="holder", path=str(smollm2_path), n_ctx=256), tmp_path / "a", arena_dir=arena_dir
     )
@@ -426,6 +425,15 @@ def test_a_shutdown_ends_a_wakes_wait_for_the_token(
     waiting = b.expect(p.WorkerStatus)
     while "pinned" not in waiting.waiting_reason or "holder" not in waiting.waiting_reason:
         waiting = b.expect(p.WorkerStatus)
+    return a, b
+
+
+def test_a_shutdown_ends_a_wakes_wait_for_the_token(
+    smollm2_path: Path, tmp_path: Path, arena_dir: Path, handles: list[WorkerHandle]
+) -> None:
+    """A Wake (pre-warm) waiting for a pinned holder: a Shutdown ends that wait at once: the
+    worker says it is shutting down and exits cleanly, and the holder was never asked to leave."""
+    a, b = _a_wake_waiting_for_a_pinned_holder(smollm2_path, tmp_path, arena_dir, handles)
     b.send(p.Shutdown(save_kv=False))
     err = b.expect(p.Error)
     assert err.req is None and err.code == "model_unavailable" and not err.fatal, err
@@ -440,27 +448,7 @@ def test_a_sleep_ends_a_wakes_wait_for_the_token(
     """A Wake waiting for a pinned holder is dropped by a Sleep that comes after it: the worker
     stops waiting (no error: the user changed their mind), never takes the token, and answers
     as before; a later Wake, once the holder is unpinned, takes the GPU."""
-    a = WorkerHandle(
-        ModelConfig(id="holder", path=str(smollm2_path), n_ctx=256), tmp_path / "a", arena_dir=arena_dir
-    )
-    handles.append(a)
-    a.ready()
-    b = WorkerHandle(
-        ModelConfig(id="waker", path=str(smollm2_path), n_ctx=256),
-        tmp_path / "b",
-        arena_dir=arena_dir,
-        arena=ArenaConfig(wait_timeout_s=600.0),
-    )
-    handles.append(b)
-    b.ready()
-    assert not a.status("before-pin").pinned
-    a.send(p.Pin(True))
-    a.send(p.Wake())
-    a.expect(p.WorkerStatus, holds_token=True, pinned=True)
-    b.send(p.Wake())
-    waiting = b.expect(p.WorkerStatus)
-    while "pinned" not in waiting.waiting_reason or "holder" not in waiting.waiting_reason:
-        waiting = b.expect(p.WorkerStatus)
+    a, b = _a_wake_waiting_for_a_pinned_holder(smollm2_path, tmp_path, arena_dir, handles)
     b.send(p.Sleep(level="weights"))
     # the wait ended: the worker answers from its loop again, waiting for nothing, no token
     idle = b.expect(p.WorkerStatus, waiting_reason="")
