@@ -223,7 +223,9 @@ def test_the_head_of_the_queue_is_not_starved_by_smaller_requests(
     late_req = late.request(timeout=TIMEOUT, need=100)  # would fit now, but waits its turn
     wait_until(lambda: late_req.ticket is not None, TIMEOUT, "the late request's ticket")
     assert small.asked_to_yield()
-    assert not late_req.done() and "1 ahead in the queue" in late_req.waiting_reason()
+    # (the reason is set by the request's thread after its ticket: a moment later under load)
+    wait_until(lambda: "1 ahead in the queue" in late_req.waiting_reason(), TIMEOUT, "the late one's reason")
+    assert not late_req.done()
     small.release()
     assert big_req.result(timeout=TIMEOUT).bytes == 900
     assert not late_req.done() or late_req.result().acquired_at > big_req.result().acquired_at
