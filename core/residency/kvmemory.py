@@ -8,7 +8,8 @@ itself (residency/rebuild.py); the one snapshot alive at a time lends it (reside
 gives it back when closed. The memory stays allocated while the model is resident: it is host
 RAM (pinned, where the backend has pinned memory: like the weights' host shadow) of about the KV
 cells in use at the longest conversation parked so far, a quarter more (or twice what it held
-when it grows), and no more than every cell of the cache (:attr:`KvHostMemory.nbytes`, in the worker's status with the shadow)."""
+when it grows), and no more than every cell of the cache (:attr:`KvHostMemory.nbytes`, in the
+worker's status with the shadow)."""
 
 from __future__ import annotations
 
