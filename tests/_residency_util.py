@@ -114,3 +114,18 @@ class Greedy:
 
 def same(a: list[np.ndarray[Any, Any]], b: list[np.ndarray[Any, Any]]) -> bool:
     return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))
+
+
+def decode_seq(ctx: Any, tokens: list[int], seq: int, start: int) -> None:
+    """Decode ``tokens`` into sequence ``seq`` of the llama context object ``ctx`` from position
+    ``start`` (logits for the last one only), with a batch of its own."""
+    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    try:
+        batch.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = i == len(tokens) - 1
+        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
+    finally:
+        llama_cpp.llama_batch_free(batch)

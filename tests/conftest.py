@@ -72,6 +72,17 @@ def small_q4_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) 
 
 
 @pytest.fixture
+def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
+    """SmolLM2 loaded as a CPU worker loads it (see _residency_util.load); a test module may
+    define its own ``smol`` (an Engine, a worker) instead."""
+    from _residency_util import load
+
+    llm = load(smollm2_path)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
 def small_q4(small_q4_path: Path) -> Iterator[llama_cpp.Llama]:
     """The small Q4_0 model loaded as a CPU worker loads it (see _residency_util.load)."""
     from _residency_util import load

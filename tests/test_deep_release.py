@@ -18,7 +18,7 @@ import llama_cpp  # before numpy
 import pytest
 from _budget_pool_util import WAIT
 from _proc_util import wait_until
-from _residency_util import Greedy, load, same
+from _residency_util import Greedy, decode_seq, load, same
 from timeshare.core.arena.arena import Arena
 from timeshare.core.arena.budget import (
     AUTO_MARGIN_MIN,
@@ -205,24 +205,13 @@ def _two_sequences(llm: llama_cpp.Llama) -> Any:
     params = llm.context_params
     params.n_seq_max, params.kv_unified = 2, False
     ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
-    batch = llama_cpp.llama_batch_init(64, 0, 2)
-
-    def decode(tokens: list[int], seq: int, start: int) -> None:
-        batch.n_tokens = len(tokens)
-        for i, t in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = i == len(tokens) - 1
-        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
-
     a = llm.tokenize(b"The history of Lyon, its rivers and its silk, told in a few words.")
     b = llm.tokenize(b"Bridges of Paris:")
-    decode(a, 0, 0)
-    decode(b, 1, 0)
+    decode_seq(ctx, a, 0, 0)
+    decode_seq(ctx, b, 1, 0)
     mem = llama_cpp.llama_get_memory(ctx.ctx)
     llama_cpp.llama_memory_seq_rm(mem, 0, 6, -1)  # a prompt cache's reuse: cells 6.. freed
-    decode(a[6:9], 0, 6)  # new cells after the freed ones: two runs of cells in stream 0
-    llama_cpp.llama_batch_free(batch)
+    decode_seq(ctx, a[6:9], 0, 6)  # new cells after the freed ones: two runs of cells in stream 0
     return ctx
 
 

@@ -17,7 +17,6 @@ import json
 import mmap
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,13 +256,6 @@ def test_a_holder_gone_vouches_for_nothing(arena: Path, tag: str) -> None:
 
 
 # ---- the residency: real models, an oracle of the test's own --------------------------------
-
-
-@pytest.fixture
-def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
-    llm = load(smollm2_path)
-    yield llm
-    llm.close()
 
 
 @pytest.fixture

@@ -19,12 +19,10 @@ from timeshare.core.state import ModelState
 PROMPT = "The three primary colours are"
 
 
-def test_two_workers_switch_on_handed_memory(
-    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # no room on the card: each switch has the other's kept chunks asked back
-    monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
-    ids = ("smol-a", "smol-b")
+def _two_on_handed_memory(
+    ids: tuple[str, str], tmp_path: Path, smollm2_path: Path, pools: list[Pool]
+) -> Pool:
+    """A started pool of two SmolLM2 workers ``ids`` on a one-model budget with the hand-over on."""
     config = Config(
         models=tuple(ModelConfig(id=i, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for i in ids),
         arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget="one-model", handover=True),
@@ -33,6 +31,16 @@ def test_two_workers_switch_on_handed_memory(
     pools.append(pool)
     pool.start()
     pool.wait_ready(timeout=WAIT)
+    return pool
+
+
+def test_two_workers_switch_on_handed_memory(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # no room on the card: each switch has the other's kept chunks asked back
+    monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
+    ids = ("smol-a", "smol-b")
+    pool = _two_on_handed_memory(ids, tmp_path, smollm2_path, pools)
     assert all(m.state is not ModelState.FAILED for m in pool.snapshot().models), pool.snapshot()
 
     def answer(model: str) -> tuple[str, bool]:
@@ -74,14 +82,7 @@ def test_switches_back_with_room_upload_nothing(
     the bytes skipped), every answer the one given before any switch."""
     monkeypatch.delenv("TIMESHARE_HANDOVER_ROOM", raising=False)
     ids = ("smol-a", "smol-b")
-    config = Config(
-        models=tuple(ModelConfig(id=i, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for i in ids),
-        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget="one-model", handover=True),
-    )
-    pool = Pool(config, arena_dir=tmp_path / "arena", log_dir=tmp_path / "log", kv_dir=tmp_path / "kv")
-    pools.append(pool)
-    pool.start()
-    pool.wait_ready(timeout=WAIT)
+    pool = _two_on_handed_memory(ids, tmp_path, smollm2_path, pools)
 
     def answer(model: str) -> tuple[str, bool, int]:
         got = pool.generate(model, prompt=PROMPT, sampling=Sampling(max_tokens=8, temperature=0.0))

@@ -26,13 +26,6 @@ def _close_clients() -> Iterator[None]:
     close_clients()
 
 
-@pytest.fixture
-def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
-    llm = load(smollm2_path)
-    yield llm
-    llm.close()
-
-
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "unmapped"])
 def test_restores_map_handed_memory_and_stay_bitwise(
     smol: llama_cpp.Llama, smollm2_path: Path, tmp_path: Path, keep: bool, monkeypatch: pytest.MonkeyPatch

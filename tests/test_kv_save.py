@@ -15,7 +15,7 @@ from typing import Any
 
 import llama_cpp  # before numpy
 import pytest
-from _residency_util import load
+from _residency_util import decode_seq, load
 from timeshare.core.residency import Residency
 from timeshare.core.residency.kvbuffer import KvBuffers
 from timeshare.core.residency.kvmemory import KvHostMemory
@@ -39,19 +39,6 @@ def _context(llm: llama_cpp.Llama, seqs: int, flash: bool, unified: bool = False
     if kv_type:
         params.type_k = params.type_v = kv_type
     return _internals.LlamaContext(model=llm._model, params=params, verbose=False)
-
-
-def _decode(ctx: Any, tokens: list[int], seq: int, start: int) -> None:
-    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    try:
-        batch.n_tokens = len(tokens)
-        for i, t in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = i == len(tokens) - 1
-        assert llama_cpp.llama_decode(ctx.ctx, batch) == 0
-    finally:
-        llama_cpp.llama_batch_free(batch)
 
 
 def _oracle(ctx: Any) -> dict[int, bytes]:
@@ -92,11 +79,11 @@ def _several(llm: llama_cpp.Llama, ctx: Any) -> None:
     with cells cleared from its middle."""
     lyon, paris, rome = llm.tokenize(LYON), llm.tokenize(PARIS), llm.tokenize(ROME)
     mem = llama_cpp.llama_get_memory(ctx.ctx)
-    _decode(ctx, lyon[:12], 0, 0)
-    _decode(ctx, paris, 1, 0)
-    _decode(ctx, rome + paris, 3, 0)
+    decode_seq(ctx, lyon[:12], 0, 0)
+    decode_seq(ctx, paris, 1, 0)
+    decode_seq(ctx, rome + paris, 3, 0)
     llama_cpp.llama_memory_seq_rm(mem, 0, 4, 8)  # a hole: cells 4..7 of stream 0 freed
-    _decode(ctx, lyon[12:18], 0, 12)  # four of these land in the hole, two after cell 11
+    decode_seq(ctx, lyon[12:18], 0, 12)  # four of these land in the hole, two after cell 11
     llama_cpp.llama_memory_seq_rm(mem, 3, 2, 6)  # and one in stream 3, left empty
 
 
@@ -104,7 +91,7 @@ def _several(llm: llama_cpp.Llama, ctx: Any) -> None:
 def test_the_raw_save_is_llama_cpps_state_byte_for_byte(smol: llama_cpp.Llama, flash: bool) -> None:
     ctx = _context(smol, 1, flash)
     try:
-        _decode(ctx, smol.tokenize(LYON), 0, 0)
+        decode_seq(ctx, smol.tokenize(LYON), 0, 0)
         kvbuf = KvBuffers.find(int(smol._model.model), int(ctx.ctx))
         assert kvbuf.v_trans is not flash
         want = _oracle(ctx)
@@ -137,7 +124,7 @@ def test_a_quantised_kv_cache_saves_as_llama_cpp_does(smol: llama_cpp.Llama) -> 
         ctx = _context(smol, seqs, True, kv_type=q8)
         try:
             if seqs == 1:
-                _decode(ctx, smol.tokenize(LYON), 0, 0)
+                decode_seq(ctx, smol.tokenize(LYON), 0, 0)
             else:
                 _several(smol, ctx)
             want = _oracle(ctx)
@@ -159,8 +146,8 @@ def test_an_empty_cache_saves_nothing(smol: llama_cpp.Llama) -> None:
 def test_one_stream_of_several_sequences_is_refused_with_the_reason(smol: llama_cpp.Llama) -> None:
     ctx = _context(smol, 2, True, unified=True)
     try:
-        _decode(ctx, smol.tokenize(PARIS), 0, 0)
-        _decode(ctx, smol.tokenize(ROME), 1, 0)
+        decode_seq(ctx, smol.tokenize(PARIS), 0, 0)
+        decode_seq(ctx, smol.tokenize(ROME), 1, 0)
         model = int(smol._model.model)
         saver = KvSaver(KvBuffers.find(model, int(ctx.ctx)), model)
         with pytest.raises(KvSaveUnsupportedError, match="one KV stream holds several sequences"):
@@ -176,7 +163,7 @@ def test_a_state_of_another_size_turns_the_raw_save_off_for_good(
     cell, another format): a difference is refused, and stays so."""
     ctx = _context(smol, 1, True)
     try:
-        _decode(ctx, smol.tokenize(PARIS), 0, 0)
+        decode_seq(ctx, smol.tokenize(PARIS), 0, 0)
         model = int(smol._model.model)
         saver = KvSaver(KvBuffers.find(model, int(ctx.ctx)), model)
         real = llama_cpp.llama_state_seq_get_size
@@ -199,7 +186,7 @@ def _next_logits(ctx: Any, n_vocab: int, seqs: dict[int, int]) -> list[bytes]:
     """The logits of token 42 decoded next in each sequence (seq -> its next position)."""
     out = []
     for seq, pos in seqs.items():
-        _decode(ctx, [42], seq, pos)
+        decode_seq(ctx, [42], seq, pos)
         logits = llama_cpp.llama_get_logits_ith(ctx.ctx, -1)
         out.append(ctypes.string_at(ctypes.cast(logits, ctypes.c_void_p).value, 4 * n_vocab))
     return out
@@ -207,8 +194,8 @@ def _next_logits(ctx: Any, n_vocab: int, seqs: dict[int, int]) -> list[bytes]:
 
 def _unified(llm: llama_cpp.Llama) -> Any:
     ctx = _context(llm, 2, True, unified=True)
-    _decode(ctx, llm.tokenize(LYON), 0, 0)
-    _decode(ctx, llm.tokenize(PARIS), 1, 0)
+    decode_seq(ctx, llm.tokenize(LYON), 0, 0)
+    decode_seq(ctx, llm.tokenize(PARIS), 1, 0)
     return ctx
 
 
@@ -254,8 +241,8 @@ def test_where_the_raw_save_cannot_be_used_the_state_is_taken_and_comes_back_bit
         seqs = {0: len(llm.tokenize(LYON)), 1: len(llm.tokenize(PARIS))}
         reference = _unified(llm) if why == "kv_unified" else _context(llm, 2, True)
         if why != "kv_unified":
-            _decode(reference, llm.tokenize(LYON), 0, 0)
-            _decode(reference, llm.tokenize(PARIS), 1, 0)
+            decode_seq(reference, llm.tokenize(LYON), 0, 0)
+            decode_seq(reference, llm.tokenize(PARIS), 1, 0)
         want = _next_logits(reference, n_vocab, seqs)
         reference.close()
         llm._ctx.close()
@@ -263,8 +250,8 @@ def test_where_the_raw_save_cannot_be_used_the_state_is_taken_and_comes_back_bit
             llm._ctx = _unified(llm)
         else:
             llm._ctx = _context(llm, 2, True)
-            _decode(llm._ctx, llm.tokenize(LYON), 0, 0)
-            _decode(llm._ctx, llm.tokenize(PARIS), 1, 0)
+            decode_seq(llm._ctx, llm.tokenize(LYON), 0, 0)
+            decode_seq(llm._ctx, llm.tokenize(PARIS), 1, 0)
         res = Residency.attach(llm, smollm2_path)
         res.release(kv=True)
         steps = res.release_steps

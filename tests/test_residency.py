@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,6 @@ from timeshare.core.residency import (
 )
 from timeshare.core.residency import inplace as inplace_mod
 from timeshare.core.residency.hostmem import fix_malloc_mmap_threshold
-
-
-@pytest.fixture
-def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
-    llm = load(smollm2_path)
-    yield llm
-    llm.close()
 
 
 def _pos_max(llm: llama_cpp.Llama) -> int:

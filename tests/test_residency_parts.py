@@ -15,7 +15,6 @@ import itertools
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,6 @@ def q4_8_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> P
     """Random Q4_0 weights in 8 Llama layers: CPU_REPACK buffers (repacking set_tensor) beside
     plain CPU ones, in every part."""
     return make_small_q4_0(tmp_path_factory.mktemp("synthetic") / "q4_0-8.gguf", smollm2_path, n_layers=8)
-
-
-@pytest.fixture
-def smol(smollm2_path: Path) -> Iterator[llama_cpp.Llama]:
-    llm = load(smollm2_path)
-    yield llm
-    llm.close()
 
 
 def _attach(llm: llama_cpp.Llama, path: Path, parts: int = 8) -> tuple[Residency, InPlace]:
