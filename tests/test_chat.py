@@ -524,6 +524,12 @@ def test_real_pool_cancel_keeps_what_was_streamed(real_pool: Any, store: Store) 
     turn.cancel()
     got.extend(pieces)  # whatever was already on its way
     result = turn.result(timeout=WAIT)
+    # the pool publishes the worker's REQUEST_DONE on its event thread, which may come a moment
+    # after the turn's result: wait for it rather than reading the list at once (flaky under load)
+    wait_until(
+        lambda: any(e.get("finish_reason") == "cancelled" for e in done),
+        "the worker's cancelled REQUEST_DONE",
+    )
     unsubscribe()
     assert result.finish_reason == "cancelled"
     assert result.text == "".join(got)
