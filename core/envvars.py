@@ -192,6 +192,15 @@ KV_SAVE_RAW = EnvVar(
     "A deep release saves the KV cells in use straight from the KV tensors (1), or through "
     "llama_state_seq_get_data (0: the portable way, slower without flash attention); the bytes are the same",
 )
+KV_AHEAD = EnvVar(
+    "TIMESHARE_KV_AHEAD",
+    "0 or 1",
+    "on where a worker may be asked to go deep (an auto budget shared with another model; rebuild path)",
+    "escape hatch",
+    "The host memory a deep release saves the KV cells into, grown while the worker is idle after an "
+    "answer (1: always) rather than allocated by the release, on the switch's path (0: never; pinned RAM "
+    "of the cells in use x1.25 is then held only from the first deep release on)",
+)
 GRAPH_RESET = EnvVar(
     "TIMESHARE_GRAPH_RESET",
     '"rebuild" or "reserve"',
@@ -290,6 +299,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     HANDOVER_ROOM,
     DEEP_INPLACE,
     KV_SAVE_RAW,
+    KV_AHEAD,
     GRAPH_RESET,
     RESIDENCY_PATH,
     VK_HOST_VISIBLE_VIDMEM,

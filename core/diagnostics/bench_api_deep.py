@@ -39,9 +39,17 @@ ATTEMPTS = 3
 #: the issue's allowance on top of the weights-only switch and the KV copy
 TARGET_EXTRA_MS = 15.0
 _MOVED_RE = re.compile(r"KV cache released, (\d+) bytes of it")
-#: the releasing side (residency/kvlevel.py, residency/reports.py): the save of the cells in use,
-#: then the release as a whole (its save included)
-_SAVED_RE = re.compile(r"KV cells saved: (\d+) bytes in ([\d.]+) ms \((\w+),")
+#: the releasing side (residency/kvlevel.py, residency/reports.py): the save of the cells in use
+#: (and whether it allocated its host memory then, on the switch's path), then the release as a
+#: whole (its save included)
+_SAVED_RE = re.compile(
+    r"KV cells saved: (\d+) bytes in ([\d.]+) ms \((\w+),[^)\n]*?"
+    r"(?:, (none allocated|allocated in ([\d.]+) ms))?\)"
+)
+#: the KV snapshots' host memory grown while the worker was idle after an answer (kvmemory.py)
+_AHEAD_RE = re.compile(
+    r"KV snapshot host memory: ([\d.]+) MB \((\w+)\), allocated ahead of a release in ([\d.]+) ms"
+)
 _DEEP_RELEASED_RE = re.compile(r"released .* \(weights\+kv\): ([\d.]+) ms")
 
 
@@ -160,6 +168,7 @@ def run_deep_phase(
                     info.update(got)
                     info["kv_moved_bytes"] = _kv_moved(home / "home" / "log", ids)
                     info["releases"] = deep_releases(home / "home" / "log", ids)
+                    info["kv_host_ahead"] = kv_host_ahead(home / "home" / "log", ids)
                     info["overlaps"] = {mid: serve.worker_overlaps(mid) for mid in ids}
                     return rows, info
                 # correct the guess with what the workers measured, and try again
@@ -225,12 +234,31 @@ def deep_releases(log_dir: Path, ids: list[str]) -> list[dict[str, Any]]:
             continue
         saves = _SAVED_RE.findall(text)
         released = _DEEP_RELEASED_RE.findall(text)
-        for i, (nbytes, ms, way) in enumerate(saves):
+        for i, (nbytes, ms, way, alloc, alloc_ms) in enumerate(saves):
             row: dict[str, Any] = {"model": mid, "kv_save_bytes": int(nbytes), "kv_save_ms": float(ms)}
             row["kv_save_path"] = way
+            if alloc:  # (a log of a build before the allocation was told: not known)
+                row["kv_host_grown"] = 0 if alloc == "none allocated" else 1
+                row["kv_host_alloc_ms"] = float(alloc_ms) if alloc_ms else 0.0
             if i < len(released):
                 row["release_ms"] = float(released[i])
             out.append(row)
+    return out
+
+
+def kv_host_ahead(log_dir: Path, ids: list[str]) -> list[dict[str, Any]]:
+    """The KV snapshots' host memory each worker grew while idle after an answer, off the
+    switch's path (TIMESHARE_KV_AHEAD): MB, pinned or pageable, milliseconds."""
+    out: list[dict[str, Any]] = []
+    for mid in ids:
+        try:
+            text = (log_dir / f"worker-{mid}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        out += [
+            {"model": mid, "mb": float(mb), "memory": kind, "alloc_ms": float(ms)}
+            for mb, kind, ms in _AHEAD_RE.findall(text)
+        ]
     return out
 
 
@@ -267,6 +295,30 @@ def summarise_deep(
         "deep_release_ms_median": _median([r.get("release_ms") for r in info.get("releases", [])]),
         "kv_save_ms_median": _median([r.get("kv_save_ms") for r in info.get("releases", [])]),
         "kv_save_paths": sorted({str(r["kv_save_path"]) for r in info.get("releases", [])}),
+        # the KV snapshots' host memory: allocated by a deep release (on the switch's path) or
+        # ahead, by the idle worker after an answer (TIMESHARE_KV_AHEAD)
+        "kv_host_allocs_on_release": sum(int(r.get("kv_host_grown") or 0) for r in info.get("releases", [])),
+        "kv_host_alloc_ms_on_release_max": max(
+            (float(r["kv_host_alloc_ms"]) for r in info.get("releases", []) if r.get("kv_host_alloc_ms")),
+            default=0.0,
+        ),
+        "kv_host_allocs_ahead": len(info.get("kv_host_ahead", [])),
+        "kv_host_alloc_ms_ahead_max": max(
+            (float(r["alloc_ms"]) for r in info.get("kv_host_ahead", [])), default=0.0
+        ),
+        # each parked worker's first deep release with cells to save, whole (the one that paid
+        # the allocation before it was made ahead)
+        "first_deep_release_ms": {
+            mid: next(
+                (
+                    r.get("release_ms")
+                    for r in info.get("releases", [])
+                    if r["model"] == mid and r["kv_save_bytes"] > 0
+                ),
+                None,
+            )
+            for mid in sorted({str(r["model"]) for r in info.get("releases", [])})
+        },
     }
     if deep and plain and gbps:
         target = statistics.median(plain) + kv / (gbps * 1e9) * 1000 + TARGET_EXTRA_MS

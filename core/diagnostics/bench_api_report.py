@@ -160,7 +160,14 @@ def print_table(r: dict[str, Any]) -> None:
             "deep switch, releasing side: deep release "
             f"{_fmt(deep.get('deep_release_ms_median'), '.1f')} ms, "
             f"of which the KV save {_fmt(deep.get('kv_save_ms_median'), '.1f')} ms "
-            f"({', '.join(deep.get('kv_save_paths') or []) or '-'})"
+            f"({', '.join(deep.get('kv_save_paths') or []) or '-'}); its host memory allocated by "
+            f"{deep.get('kv_host_allocs_on_release', '-')} release(s) (at most "
+            f"{_fmt(deep.get('kv_host_alloc_ms_on_release_max'), '.1f')} ms), "
+            f"{deep.get('kv_host_allocs_ahead', '-')} time(s) ahead while idle (at most "
+            f"{_fmt(deep.get('kv_host_alloc_ms_ahead_max'), '.1f')} ms); first deep release "
+            + ", ".join(
+                f"{m} {_fmt(v, '.1f')} ms" for m, v in (deep.get("first_deep_release_ms") or {}).items()
+            )
         )
     d = r["decode"]
     rate = _fmt(d.get("timeshare", {}).get("tok_s"), ".1f")

@@ -26,6 +26,19 @@ class SeqState:
     size: int
 
 
+def state_sizes(ctx: int) -> list[tuple[int, int]]:
+    """(sequence id, bytes) of each sequence with cells in ``ctx``'s KV cache, as
+    ``llama_state_seq_get_size`` counts them (no data is copied)."""
+    llama_memory = llama_cpp.llama_get_memory(ctx)
+    if not llama_memory:
+        return []
+    return [
+        (s, int(llama_cpp.llama_state_seq_get_size(ctx, s)))
+        for s in range(int(llama_cpp.llama_n_seq_max(ctx)))
+        if int(llama_cpp.llama_memory_seq_pos_max(llama_memory, s)) >= 0
+    ]
+
+
 def _u8(addr: int) -> ctypes._Pointer[ctypes.c_uint8]:
     return ctypes.cast(ctypes.c_void_p(addr), ctypes.POINTER(ctypes.c_uint8))
 
@@ -57,17 +70,9 @@ class KvSnapshot:
     @classmethod
     def take(cls, ctx: int, memory: KvHostMemory) -> KvSnapshot:
         """The state of every sequence with cells, through ``llama_state_seq_get_data``."""
-        llama_memory = llama_cpp.llama_get_memory(ctx)
-        n_seq = int(llama_cpp.llama_n_seq_max(ctx))
-        ids = [
-            s
-            for s in range(n_seq)
-            if llama_memory and int(llama_cpp.llama_memory_seq_pos_max(llama_memory, s)) >= 0
-        ]
         seqs: list[SeqState] = []
         offset = 0
-        for s in ids:
-            size = int(llama_cpp.llama_state_seq_get_size(ctx, s))
+        for s, size in state_sizes(ctx):
             seqs.append(SeqState(s, offset, size))
             offset += size
         snap = cls(seqs, memory, memory.lend(offset))

@@ -26,7 +26,7 @@ from ..errors import OutOfDeviceMemoryError, ResidencyError
 from . import _ggml, context
 from .computebuf import ComputeBufferFinder, ComputeBuffers, ComputeBufferUnsupportedError, forget_graph
 from .inplace import InPlace
-from .kv import KvSnapshot
+from .kv import KvSnapshot, state_sizes
 from .kvbuffer import KvBuffers, KvBufferUnsupportedError
 from .kvmemory import KvHostMemory
 from .kvsave import KvSaver, KvSaveUnsupportedError
@@ -55,10 +55,12 @@ class KvLevel:
         # why through llama_state_seq_get_data instead
         self._saver: KvSaver | None = None
         self.kv_save_note = ""
-        #: the last save: its milliseconds, bytes and way ("raw": kvsave.py, "state")
+        #: the last save: its milliseconds, bytes and way ("raw": kvsave.py, "state"), and what
+        #: allocating its host memory took (None: nothing was allocated, the memory held enough)
         self.save_ms: float | None = None
         self.save_bytes = 0
         self.save_path = ""
+        self.save_alloc_ms: float | None = None
         # in place: the KV cache's buffers, and the context kept (not freed) while they are
         # released; kv_note says why the context is freed instead
         self.buffers: KvBuffers | None = None
@@ -175,13 +177,16 @@ class KvLevel:
         self.snapshot = self._save(int(ctx_obj.ctx))
         self.save_ms = (time.perf_counter() - t0) * 1000
         self.save_bytes, self.save_path = self.snapshot.nbytes, self.snapshot.path
+        self.save_alloc_ms = self.memory.lend_alloc_ms
+        alloc = self.save_alloc_ms
         log.info(
-            "KV cells saved: %d bytes in %.2f ms (%s, %s host memory of %d bytes)",
+            "KV cells saved: %d bytes in %.2f ms (%s, %s host memory of %d bytes, %s)",
             self.save_bytes,
             self.save_ms,
             self.save_path,
             "pinned" if self.memory.pinned else "pageable",
             self.memory.nbytes,
+            "none allocated" if alloc is None else f"allocated in {alloc:.2f} ms",
         )
         if self.buffers is not None and not free_context:
             # in place: the context stays with its cells' metadata, its KV buffers' memory goes
@@ -192,9 +197,34 @@ class KvLevel:
         else:
             ctx_obj.close()
 
-    def last_save(self) -> tuple[float, int, str] | None:
-        """The last release's save of the cells: milliseconds, bytes, way ("raw" or "state")."""
-        return None if self.save_ms is None else (self.save_ms, self.save_bytes, self.save_path)
+    def last_save(self) -> tuple[float, int, str, float | None] | None:
+        """The last release's save of the cells: milliseconds, bytes, way ("raw" or "state"), and
+        the milliseconds its host memory's allocation took (None: none was made)."""
+        if self.save_ms is None:
+            return None
+        return self.save_ms, self.save_bytes, self.save_path, self.save_alloc_ms
+
+    def grow_ahead(self, ctx: int) -> int:
+        """Off the switch's path: grow :attr:`memory` to what a deep release of ``ctx``'s cells
+        in use would take now (KvHostMemory's rule), so that release allocates nothing; returns
+        the bytes allocated. Nothing while a snapshot holds the memory (released, or an
+        overlapped restore's upload not settled)."""
+        if self.snapshot is not None or self._uploading is not None or self.memory.lent:
+            return 0
+        size, most = self._snapshot_size(ctx)
+        return self.memory.grow_ahead(size, most)
+
+    def _snapshot_size(self, ctx: int) -> tuple[int, int | None]:
+        """The bytes a release's save of ``ctx``'s cells in use would take now, and the largest
+        snapshot the cache can give (None: not known), as :meth:`_save` would take it."""
+        if self._saver is not None and envvars.KV_SAVE_RAW.switch() is not False:
+            try:
+                plan = self._saver.plan(ctx)
+            except KvSaveUnsupportedError:
+                pass  # the state's way, as the release will say
+            else:
+                return sum(seq.size for seq in plan.seqs), plan.most
+        return sum(size for _s, size in state_sizes(ctx)), None
 
     def _save(self, ctx: int) -> KvSnapshot:
         """The cells in use of ``ctx``, straight from the KV tensors where they can be told for

@@ -30,6 +30,7 @@ from . import _ggml, context, hostmem
 from .context import ContextAside
 from .gguf_check import check_gguf
 from .inplace import InPlace
+from .kv import state_sizes
 from .kvlevel import KvLevel
 from .kvmemory import KvHostMemory
 from .measure import MemoryMeasure
@@ -126,7 +127,8 @@ class Residency:
         self._aside = ContextAside(None)
         #: the KV level (residency/kvlevel.py): the snapshot, in place the KV and compute buffers
         self._kvl = KvLevel(None, "", None, False)
-        self._kv_save: tuple[float, int, str] | None = None  # the last release's (ms, bytes, way)
+        #: the last release's save of the KV cells: (ms, bytes, way, its host memory's allocation ms)
+        self._kv_save: tuple[float, int, str, float | None] | None = None
         self._closed = False
         self.overlap_note = ""  # why restores are synchronous ("" when they may overlap)
         self._gate = RestoreGate("")  # an overlapped restore's upload gate (residency/overlap.py)
@@ -554,12 +556,20 @@ class Residency:
     def release_steps(self) -> ReleaseSteps:
         """The last in-place release: milliseconds, buffers and parts (all None on other paths,
         and before the first release); where it went to the deep level in place, the KV cells'
-        save too (``kv_save_ms``, ``kv_save_bytes``, ``kv_save_path``)."""
+        save too (``kv_save_ms``, ``kv_save_bytes``, ``kv_save_path``) and whether it allocated
+        their host memory (``kv_host_grown`` 1 or 0, ``kv_host_alloc_ms``: 0.0 when not)."""
         steps = self._path.release_steps
         kv = self._kv_save
         if kv is None:
             return steps
-        return dataclasses.replace(steps, kv_save_ms=kv[0], kv_save_bytes=kv[1], kv_save_path=kv[2])
+        return dataclasses.replace(
+            steps,
+            kv_save_ms=kv[0],
+            kv_save_bytes=kv[1],
+            kv_save_path=kv[2],
+            kv_host_grown=0 if kv[3] is None else 1,
+            kv_host_alloc_ms=0.0 if kv[3] is None else kv[3],
+        )
 
     @property
     def host_held_bytes(self) -> int:
@@ -577,6 +587,23 @@ class Residency:
         if isinstance(self._path, RebuildPath):
             return self._path.kv_memory
         return self._kvl.memory
+
+    def grow_kv_memory(self) -> int:
+        """Off the switch's path (the worker idle after an answer): grow :attr:`kv_memory` to what
+        a release that saves the KV cells would take now (a deep release; every release of the
+        rebuild path), by the rule of a release's own growth, so that release allocates nothing.
+        Returns the bytes allocated (0: it holds enough, or the KV cache is not on the device, or
+        a snapshot holds the memory). The loop thread calls it between releases and restores,
+        never during one (one owner: never concurrently)."""
+        self._check_open()
+        if self._final or not self.kv_resident:
+            return 0
+        ctx = self.kv_context
+        if ctx is None:
+            return 0
+        if isinstance(self._path, RebuildPath):
+            return self._path.kv_memory.grow_ahead(sum(n for _s, n in state_sizes(int(ctx))))
+        return self._kvl.grow_ahead(int(ctx))
 
     @property
     def restore_steps(self) -> RestoreSteps:

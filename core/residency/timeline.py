@@ -25,6 +25,10 @@ class ReleaseSteps:
     kv_save_ms: float | None = None
     kv_save_bytes: int | None = None
     kv_save_path: str | None = None
+    # whether that save allocated its host memory (1) or found it held already (0: grown ahead
+    # while idle, or by an earlier release), and what the allocation took (0.0: none)
+    kv_host_grown: int | None = None
+    kv_host_alloc_ms: float | None = None
 
     def as_dict(self) -> dict[str, float | str]:
         return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}

@@ -129,6 +129,8 @@ class Worker:
         self._sent_status: p.WorkerStatus | None = None
         self._yield_wanted = False
         self._ring: DoorbellRing | None = None  # the doorbell's last ring (with _yield_wanted)
+        # an answer ended since the KV snapshots' host memory was last grown ahead (when idle)
+        self._kv_ahead_due = False
         self._quantum_start = 0.0
         self._exit_code = 0
         self._stopping = False
@@ -268,6 +270,14 @@ class Worker:
                 # request or a ring that arrives stops it between two (a release checks the rest
                 # against the file, and they are read from it here afterwards, or by the restore)
                 self._fill_shadow(stop=lambda: not self.tasks.empty() or self._yield_wanted)
+                self.publish()
+                continue
+            if idle and self._kv_ahead_due and not self._yield_wanted:
+                # idle after an answer: the host memory a deep release saves the KV cells into,
+                # grown now to what they take (a pinned allocation: hundreds of ms for a
+                # gigabyte), so that the release, on the switch's path, allocates nothing
+                self._kv_ahead_due = False
+                self._grow_kv_ahead()
                 self.publish()
                 continue
             if idle and self.tenancy.shadow_to_pin:
@@ -602,6 +612,14 @@ class Worker:
             self.send(released)
         self.publish()
 
+    def _grow_kv_ahead(self) -> None:
+        """Grow the KV snapshots' host memory ahead of a deep release (tenancy.grow_kv_ahead); a
+        failure only leaves the allocation to that release."""
+        try:
+            self.tenancy.grow_kv_ahead()
+        except Exception:
+            log.exception("growing the KV snapshots' host memory ahead failed: a deep release allocates it")
+
     def _park_for_deep(self) -> int:
         """Before the KV cache leaves the device: the idle conversations become host snapshots
         (``llama_state_seq_get_data``: the cells in use only); returns the bytes they took."""
@@ -669,6 +687,7 @@ class Worker:
             self.publish()
         if self._yield_wanted and (asked := self._asked()) is not None:
             self._give_way(asked)  # between requests the quantum does not apply
+        self._kv_ahead_due = True  # the conversations' cells may have grown: looked at when idle
 
     def _admissible(self) -> list[p.Generate]:
         """The requests that may join the batch now, in arrival order: the Generates at the head of

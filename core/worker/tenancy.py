@@ -138,6 +138,12 @@ class Tenancy:
         """Pin them, one at a time (``stop`` asked after each); True when none is left."""
         return True
 
+    def grow_kv_ahead(self) -> int:
+        """Idle after an answer: grow the host memory a release saves the KV cells into to what
+        they take now, where a release of this worker may save them, so that it allocates nothing
+        on the switch's path; returns the bytes allocated (0: nothing to do, or not worth it)."""
+        return 0
+
     @property
     def attach_steps(self) -> dict[str, float]:
         """Milliseconds of the attach's steps (the worker logs them)."""
@@ -498,6 +504,45 @@ class ArenaTenancy(Tenancy):
 
     def pin_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
         return self.residency is None or self.residency.pin_shadow(stop)
+
+    def grow_kv_ahead(self) -> int:
+        """Idle after an answer (the loop thread: never during a release or a restore): grow the
+        KV snapshots' host memory (Residency.grow_kv_memory) where :meth:`kv_ahead` says it is
+        worth its RAM, so that the next deep release takes none of the switch's time allocating
+        it (a pinned allocation of a gigabyte: 300 ms on an H100)."""
+        res = self.residency
+        if res is None or not self.kv_ahead():
+            return 0
+        grown = res.grow_kv_memory()
+        if grown:
+            self.host_bytes = res.host_held_bytes
+        return grown
+
+    def kv_ahead(self) -> bool:
+        """Whether a release of this worker may save its KV cells, so that growing their host
+        memory ahead is worth the RAM (pinned: the cells in use x1.25, held while the model
+        lives): ``TIMESHARE_KV_AHEAD`` 1 or 0 says so; else where contention may send it deep (an
+        auto budget, a deep release that frees something, unpinned, and another model's reserve
+        on the device's arena: they time-share it), and on the rebuild path (its every release
+        saves them). Not under a one-model budget (its switches move the weights only) nor for a
+        model alone on its device: there only a sleep goes deep, off any switch's path."""
+        override = envvars.KV_AHEAD.switch()
+        if override is not None:
+            return override
+        res, budget = self.residency, self.budget
+        if res is None:
+            return False
+        if res.path == "rebuild":
+            return True
+        if self._pinned or budget is None or budget.kind != "auto" or self._deepens <= 0:
+            return False
+        try:
+            leases = self.arena.leases()
+        except OSError as exc:
+            log.warning("reading the arena's leases failed: %s", exc)
+            return False
+        me = (os.getpid(), self.spec.model.id)
+        return any(x.kind == "reserve" and (x.pid, x.model) != me for x in leases)
 
     @property
     def attach_steps(self) -> dict[str, float]:
