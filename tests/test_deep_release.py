@@ -362,6 +362,14 @@ def _leases(home: Path) -> list[LeaseRecord]:
         arena.close()
 
 
+def _grown_ahead(home: Path, model: str) -> None:
+    """Wait until ``model``'s worker grew its KV snapshots' host memory ahead of a deep release."""
+    log = home / "log" / f"worker-{model}.log"
+    wait_until(
+        lambda: "allocated ahead of a release" in log.read_text(), WAIT, f"{model}'s KV host memory grown"
+    )
+
+
 def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -414,6 +422,9 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     assert b_reserve.deepens == 0 and b_reserve.bytes <= reserves[B].bytes - kv * 9 // 10
     a_pid = pool.snapshot().model(A).pid  # type: ignore[union-attr]
     assert a_pid is not None
+    # idle after its answer, A grew the host memory its deep release saves into (off the switch's
+    # path, TIMESHARE_KV_AHEAD unset: an auto budget it shares with B)
+    _grown_ahead(home, A)
     resident_rss = _rss(a_pid)  # A has decoded: its compute buffers' pages are in its RSS
     second = _turn(pool, B, QUESTION)  # back from the deep level; A goes (weights and KV cache)
     wait_until(lambda: pool.snapshot().model(A).kv_bytes == 0, WAIT, "a's KV cache released")  # type: ignore[union-attr]
@@ -425,6 +436,7 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
     assert pool.snapshot().model(A).buffer_bytes == 0  # type: ignore[union-attr]
     a_reserve = next(x for x in _leases(home) if x.kind == "reserve" and x.model == A)
     assert a_reserve.deepens == 0 and a_reserve.bytes <= reserves[A].bytes - kv * 9 // 10
+    _grown_ahead(home, B)
     third = _turn(pool, A, QUESTION + FOLLOW_UP)  # back from the deep level, its conversation kept
     assert [first, second, third] == [(*t[:3], True) for t in reference]  # bitwise the same answers
     moved = []
@@ -433,6 +445,14 @@ def test_a_parked_worker_releases_its_kv_cache_when_the_other_needs_the_room(
         moved += [int(n) for n in re.findall(r"KV cache released, (\d+) bytes of it", log)]
     # only the cells in use moved: ~130 tokens of KV (and a few headers), never n_ctx's 8192
     assert len(moved) >= 3 and max(moved) > 0 and all(n < 200 * 23_040 for n in moved), moved
+    # no deep release allocated its host memory: each was grown ahead, after the answer
+    saves = []
+    for model in (A, B):
+        log = (home / "log" / f"worker-{model}.log").read_text()
+        saves += re.findall(
+            r"KV cells saved: (\d+) bytes in [\d.]+ ms \(\w+, [^)\n]*, (none allocated|allocated in)", log
+        )
+    assert sum(int(n) > 0 for n, _a in saves) >= 2 and all(a == "none allocated" for _n, a in saves), saves
     wait_until(lambda: pool.snapshot().model(A).kv_bytes == kv, WAIT, "a's KV cache back")  # type: ignore[union-attr]
     # B is deep now (A's third turn needed the room), its conversation still in its sequence:
     # a stop saves it from the residency's snapshot of the cells in use

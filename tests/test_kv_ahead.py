@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import re
 from pathlib import Path
-from typing import Any
 
 import llama_cpp  # before numpy
 import pytest
@@ -179,6 +178,37 @@ def test_on_the_rebuild_path_every_release_saves_into_the_memory_grown_ahead(smo
         llm.close()
 
 
+def test_bench_api_deep_reads_the_grow_ahead_and_the_release_that_allocated_nothing(
+    smollm2_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``bench api --deep`` reads from the workers' logs (the lines the residency really logs,
+    captured here) each grow ahead and, for each deep release, whether it allocated."""
+    import logging
+
+    from timeshare.core.diagnostics.bench_api_deep import deep_releases, kv_host_ahead, summarise_deep
+
+    llm = load(smollm2_path, n_ctx=512)
+    try:
+        llm.eval(llm.tokenize(LYON))
+        res = Residency.attach(llm, smollm2_path)
+        with caplog.at_level(logging.INFO, logger="timeshare"):
+            grown = res.grow_kv_memory()
+            res.release(kv=True)
+        res.restore()
+        res.close()
+    finally:
+        llm.close()
+    (tmp_path / "worker-a.log").write_text(caplog.text)
+    ahead = kv_host_ahead(tmp_path, ["a", "b"])
+    assert len(ahead) == 1 and ahead[0]["model"] == "a" and ahead[0]["memory"] == "pageable"
+    assert ahead[0]["mb"] == pytest.approx(grown / 1e6, abs=0.1) and ahead[0]["alloc_ms"] >= 0
+    got = deep_releases(tmp_path, ["a", "b"])
+    assert len(got) == 1 and (got[0]["kv_host_grown"], got[0]["kv_host_alloc_ms"]) == (0, 0.0)
+    summary = summarise_deep([], [], {"releases": got, "kv_host_ahead": ahead})
+    assert summary["kv_host_allocs_on_release"] == 0 and summary["kv_host_allocs_ahead"] == 1
+    assert summary["first_deep_release_ms"] == {"a": got[0]["release_ms"]}
+
+
 # ---- a real worker: the rule, the opt-out -------------------------------------------------------
 
 M = "smol-kv"
@@ -236,7 +266,9 @@ def test_the_worker_grows_ahead_when_idle_unless_told_not_to(
     wait_until(asleep, WAIT, "asleep")
     wait_until(lambda: "KV cells saved:" in log.read_text(), WAIT, "the save's line")
     text = log.read_text()
-    saved = re.findall(r"KV cells saved: (\d+) bytes in [\d.]+ ms \(\w+, [^)\n]*, (none allocated|allocated in)", text)
+    saved = re.findall(
+        r"KV cells saved: (\d+) bytes in [\d.]+ ms \(\w+, [^)\n]*, (none allocated|allocated in)", text
+    )
     assert len(saved) == 1 and int(saved[0][0]) > 0, text[-3000:]
     if ahead == "1":
         # grown once, while idle after the answer: before the sleep's save, which found it

@@ -354,6 +354,10 @@ def test_bench_api_deep_reads_the_releasing_side_from_the_workers_log(
     assert got[0]["kv_save_bytes"] == steps.kv_save_bytes
     assert got[0]["kv_save_ms"] == pytest.approx(steps.kv_save_ms, abs=0.01)
     assert got[0]["release_ms"] >= got[0]["kv_save_ms"]
+    # its first deep release allocated the host memory (nothing grew it ahead here)
+    assert got[0]["kv_host_grown"] == steps.kv_host_grown == 1
+    assert got[0]["kv_host_alloc_ms"] == pytest.approx(steps.kv_host_alloc_ms, abs=0.01)
     summary = summarise_deep([], [], {"releases": got})
+    assert summary["kv_host_allocs_on_release"] == 1 and summary["kv_host_allocs_ahead"] == 0
     assert summary["kv_save_paths"] == ["raw"] and summary["kv_save_ms_median"] == got[0]["kv_save_ms"]
     assert summary["deep_release_ms_median"] == got[0]["release_ms"]
