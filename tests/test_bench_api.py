@@ -232,6 +232,12 @@ def test_bench_api_deep_compares_the_deep_switch_with_the_weights_only_one(
     # the releasing side: each deep release saved its cells straight from the KV tensors
     assert deep["kv_save_paths"] == ["raw"] and len(deep["releases"]) >= 4, deep["releases"]
     assert 0 <= deep["kv_save_ms_median"] <= deep["deep_release_ms_median"]
+    # and said whether it allocated its host memory; the workers grew it ahead, idle after their
+    # answers (an auto budget the two share: TIMESHARE_KV_AHEAD's rule), so that (but for a ring
+    # that came before a worker was idle: not expected) no release with cells to save did
+    assert all(r["kv_host_grown"] in (0, 1) for r in deep["releases"]), deep["releases"]
+    assert deep["kv_host_allocs_ahead"] >= 1 and set(deep["first_deep_release_ms"]) == {"deep-a", "deep-b"}
+    assert deep["kv_host_allocs_on_release"] == sum(r["kv_host_grown"] for r in deep["releases"])
     assert _left_behind(tmp_path) == []
 
 
