@@ -31,6 +31,26 @@ ST_COMMAND_BUFFER_BEGIN_INFO = 42
 ST_PHYSICAL_DEVICE_PROPERTIES_2 = 1000059001
 ST_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES = 1000168000
 ST_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT = 1000212000
+# external memory (core 1.1) and VK_KHR_external_memory_fd
+ST_PHYSICAL_DEVICE_EXTERNAL_BUFFER_INFO = 1000071002
+ST_EXTERNAL_BUFFER_PROPERTIES = 1000071003
+ST_PHYSICAL_DEVICE_ID_PROPERTIES = 1000071004
+ST_EXTERNAL_MEMORY_BUFFER_CREATE_INFO = 1000072001
+ST_EXPORT_MEMORY_ALLOCATE_INFO = 1000072002
+ST_IMPORT_MEMORY_FD_INFO_KHR = 1000074000
+ST_MEMORY_GET_FD_INFO_KHR = 1000074002
+ST_MEMORY_DEDICATED_ALLOCATE_INFO = 1000127001
+ST_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2 = 1000059006
+ST_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT = 1000237000
+
+#: VkExternalMemoryHandleTypeFlagBits: a POSIX fd only the same driver and device can import
+HANDLE_OPAQUE_FD = 0x1
+#: VkExternalMemoryFeatureFlagBits
+EXTERNAL_DEDICATED_ONLY = 0x1
+EXTERNAL_EXPORTABLE = 0x2
+EXTERNAL_IMPORTABLE = 0x4
+EXT_MEMORY_FD = "VK_KHR_external_memory_fd"
+EXT_MEMORY_BUDGET = "VK_EXT_memory_budget"
 
 DEVICE_LOCAL = 0x1
 HOST_VISIBLE = 0x2
@@ -226,6 +246,84 @@ class FenceCreateInfo(Structure):
     _fields_ = [("sType", c_uint32), ("pNext", c_void_p), ("flags", c_uint32)]
 
 
+class PhysicalDeviceIdProperties(Structure):
+    """VkPhysicalDeviceIDProperties: an opaque fd imports only on a device of the same device and
+    driver UUIDs as the one that exported it."""
+
+    _fields_ = [
+        ("sType", c_uint32),
+        ("pNext", c_void_p),
+        ("deviceUUID", ctypes.c_ubyte * 16),
+        ("driverUUID", ctypes.c_ubyte * 16),
+        ("deviceLUID", ctypes.c_ubyte * 8),
+        ("deviceNodeMask", c_uint32),
+        ("deviceLUIDValid", c_uint32),
+    ]
+
+
+class PhysicalDeviceExternalBufferInfo(Structure):
+    _fields_ = [
+        ("sType", c_uint32),
+        ("pNext", c_void_p),
+        ("flags", c_uint32),
+        ("usage", c_uint32),
+        ("handleType", c_uint32),
+    ]
+
+
+class ExternalBufferProperties(Structure):
+    """VkExternalBufferProperties with its VkExternalMemoryProperties inline."""
+
+    _fields_ = [
+        ("sType", c_uint32),
+        ("pNext", c_void_p),
+        ("externalMemoryFeatures", c_uint32),
+        ("exportFromImportedHandleTypes", c_uint32),
+        ("compatibleHandleTypes", c_uint32),
+    ]
+
+
+class ExternalMemoryBufferCreateInfo(Structure):
+    _fields_ = [("sType", c_uint32), ("pNext", c_void_p), ("handleTypes", c_uint32)]
+
+
+class ExportMemoryAllocateInfo(Structure):
+    _fields_ = [("sType", c_uint32), ("pNext", c_void_p), ("handleTypes", c_uint32)]
+
+
+class ImportMemoryFdInfo(Structure):
+    """VkImportMemoryFdInfoKHR: a successful import owns ``fd`` (the caller passes a dup)."""
+
+    _fields_ = [("sType", c_uint32), ("pNext", c_void_p), ("handleType", c_uint32), ("fd", ctypes.c_int)]
+
+
+class MemoryGetFdInfo(Structure):
+    _fields_ = [("sType", c_uint32), ("pNext", c_void_p), ("memory", c_uint64), ("handleType", c_uint32)]
+
+
+class MemoryDedicatedAllocateInfo(Structure):
+    _fields_ = [("sType", c_uint32), ("pNext", c_void_p), ("image", c_uint64), ("buffer", c_uint64)]
+
+
+class MemoryProperties2(Structure):
+    _fields_ = [("sType", c_uint32), ("pNext", c_void_p), ("memoryProperties", MemoryProperties)]
+
+
+class MemoryBudgetProperties(Structure):
+    """VkPhysicalDeviceMemoryBudgetPropertiesEXT (VK_EXT_memory_budget)."""
+
+    _fields_ = [
+        ("sType", c_uint32),
+        ("pNext", c_void_p),
+        ("heapBudget", c_uint64 * 16),
+        ("heapUsage", c_uint64 * 16),
+    ]
+
+
+#: vkGetMemoryFdKHR(device, const VkMemoryGetFdInfoKHR*, int*)
+GET_MEMORY_FD = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p, c_void_p, ctypes.POINTER(ctypes.c_int))
+
+
 def load_loader() -> ctypes.CDLL:
     for name in ("libvulkan.so.1", ctypes.util.find_library("vulkan")):
         if not name:
@@ -274,6 +372,9 @@ class Vk:
         "vkWaitForFences": (ctypes.c_int, [c_void_p, c_uint32, POINTER(c_uint64), c_uint32, c_uint64]),
         "vkQueueSubmit": (ctypes.c_int, [c_void_p, c_uint32, c_void_p, c_uint64]),
         "vkDeviceWaitIdle": (ctypes.c_int, [c_void_p]),
+        "vkGetDeviceProcAddr": (c_void_p, [c_void_p, c_char_p]),
+        "vkGetPhysicalDeviceExternalBufferProperties": (None, [c_void_p, c_void_p, c_void_p]),
+        "vkGetPhysicalDeviceMemoryProperties2": (None, [c_void_p, c_void_p]),
     }
 
     def __init__(self) -> None:
@@ -291,6 +392,15 @@ class Vk:
 
     def __getattr__(self, name: str) -> Any:  # typed access to the bound functions
         raise AttributeError(name)
+
+    def device_function(self, device: int, name: str, prototype: Any) -> Any:
+        """An extension's entry point on ``device`` (``vkGetDeviceProcAddr``), cast to
+        ``prototype`` (a ctypes CFUNCTYPE); raises VulkanUnavailableError when the device has none
+        (the extension was not enabled)."""
+        address = self.vkGetDeviceProcAddr(device, name.encode())
+        if not address:
+            raise VulkanUnavailableError(f"the device has no {name} (its extension is not enabled)")
+        return prototype(address)
 
     def check(self, rc: int, what: str) -> None:
         if rc != VK_SUCCESS:

@@ -25,6 +25,7 @@ from .api import (
     ST_DEVICE_QUEUE_CREATE_INFO,
     ST_FENCE_CREATE_INFO,
     ST_MEMORY_ALLOCATE_INFO,
+    ST_PHYSICAL_DEVICE_ID_PROPERTIES,
     ST_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES,
     ST_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT,
     ST_PHYSICAL_DEVICE_PROPERTIES_2,
@@ -43,6 +44,7 @@ from .api import (
     ExtensionProperties,
     FenceCreateInfo,
     Maintenance3,
+    PhysicalDeviceIdProperties,
     MemoryAllocateInfo,
     MemoryProperties,
     MemoryRequirements,
@@ -91,6 +93,10 @@ class PhysDev:
     max_alloc: int
     types: list[MemoryType]
     families: list[tuple[int, int]]  # (flags, count)
+    extensions: frozenset[str] = frozenset()
+    #: VkPhysicalDeviceIDProperties as hex: an opaque fd imports only where both match its exporter's
+    device_uuid: str = ""
+    driver_uuid: str = ""
 
 
 def describe(vk: Vk, pd: int) -> PhysDev:
@@ -98,9 +104,11 @@ def describe(vk: Vk, pd: int) -> PhysDev:
     vk.vkEnumerateDeviceExtensionProperties(pd, None, byref(n), None)
     exts = (ExtensionProperties * max(n.value, 1))()
     vk.vkEnumerateDeviceExtensionProperties(pd, None, byref(n), exts)
-    has_pci = any(exts[i].extensionName == b"VK_EXT_pci_bus_info" for i in range(n.value))
-    m3 = Maintenance3(ST_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES, None, 0, 0)
-    pci = PciBusInfo(ST_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT, None, 0, 0, 0, 0)
+    names = frozenset(exts[i].extensionName.decode("ascii", "replace") for i in range(n.value))
+    has_pci = "VK_EXT_pci_bus_info" in names
+    ids = PhysicalDeviceIdProperties(ST_PHYSICAL_DEVICE_ID_PROPERTIES, None)
+    m3 = Maintenance3(ST_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES, ctypes.addressof(ids), 0, 0)
+    pci = PciBusInfo(ST_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT, ctypes.addressof(ids), 0, 0, 0, 0)
     if has_pci:
         m3.pNext = ctypes.addressof(pci)
     props = Properties2(ST_PHYSICAL_DEVICE_PROPERTIES_2, ctypes.addressof(m3))
@@ -136,6 +144,9 @@ def describe(vk: Vk, pd: int) -> PhysDev:
         int(m3.maxMemoryAllocationSize),
         types,
         [(fams[i].queueFlags, fams[i].queueCount) for i in range(nq.value)],
+        names,
+        bytes(ids.deviceUUID).hex(),
+        bytes(ids.driverUUID).hex(),
     )
 
 
@@ -198,16 +209,29 @@ def device_type(d: PhysDev) -> MemoryType:
 
 
 class Device:
-    """A VkDevice with one queue per family tried, buffers and memory made on it (freed by close)."""
+    """A VkDevice with one queue per family tried, buffers and memory made on it (freed by close).
+    ``extensions``: device extensions to enable (the caller checked ``d.extensions``)."""
 
-    def __init__(self, vk: Vk, d: PhysDev, families: list[int]) -> None:
+    def __init__(self, vk: Vk, d: PhysDev, families: list[int], extensions: tuple[str, ...] = ()) -> None:
         self.vk = vk
         self.d = d
         prio = (c_float * 1)(1.0)
         infos = (QueueCreateInfo * len(families))(
             *[QueueCreateInfo(ST_DEVICE_QUEUE_CREATE_INFO, None, 0, f, 1, prio) for f in families]
         )
-        ci = DeviceCreateInfo(ST_DEVICE_CREATE_INFO, None, 0, len(families), infos, 0, None, 0, None, None)
+        names = (ctypes.c_char_p * max(len(extensions), 1))(*[e.encode() for e in extensions])
+        ci = DeviceCreateInfo(
+            ST_DEVICE_CREATE_INFO,
+            None,
+            0,
+            len(families),
+            infos,
+            0,
+            None,
+            len(extensions),
+            ctypes.cast(names, c_void_p),
+            None,
+        )
         dev = c_void_p()
         vk.check(vk.vkCreateDevice(d.handle, byref(ci), None, byref(dev)), "vkCreateDevice")
         self.dev = int(dev.value or 0)
@@ -303,11 +327,11 @@ class Copier:
             self.close()
             raise
 
-    def copy(self, src: int, src_offset: int, dst: int, nbytes: int) -> None:
+    def copy(self, src: int, src_offset: int, dst: int, nbytes: int, dst_offset: int = 0) -> None:
         vk = self.vk
         begin = CommandBufferBeginInfo(ST_COMMAND_BUFFER_BEGIN_INFO, None, 0, None)
         vk.check(vk.vkBeginCommandBuffer(self.cb, byref(begin)), "vkBeginCommandBuffer")  # resets it
-        vk.vkCmdCopyBuffer(self.cb, src, dst, 1, byref(BufferCopy(src_offset, 0, nbytes)))
+        vk.vkCmdCopyBuffer(self.cb, src, dst, 1, byref(BufferCopy(src_offset, dst_offset, nbytes)))
         vk.check(vk.vkEndCommandBuffer(self.cb), "vkEndCommandBuffer")
         cbs = (c_void_p * 1)(self.cb.value)
         submit = SubmitInfo(ST_SUBMIT_INFO, None, 0, None, None, 1, cbs, 0, None)
