@@ -76,7 +76,11 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
             index = gpu.name[4:]
             device = CudaVmmDevice(_ggml.device_id(gpu.handle), int(index) if index.isdigit() else 0)
         else:
-            return None, f"{gpu.name}: the hand-over is built for CUDA (Vulkan external memory is not yet)"
+            return None, (
+                f"{gpu.name}: the hand-over is built for CUDA; on Vulkan its chunks pass between "
+                "processes (devmem/vulkan.py, `timeshare bench vk-handover`) but ggml-vulkan's "
+                "weight buffers are not made of them yet: the alloc/free path is used"
+            )
     except ChunkDeviceError as exc:
         return None, str(exc)
     chunk = source.chunk_bytes if source is not None else CHUNK_BYTES
