@@ -345,7 +345,7 @@ def probe(
             and not h["loaded_vulkan"]
         )
         if not report["ok"]:
-            report["why"] = "the probe ran but a check failed: " + "; ".join(_failed(report))
+            report["why"] = "the probe ran but a check failed: " + "; ".join(failed_checks(report))
     except (HandoverError, ProbeError, KeyError) as exc:
         report.update(ok=False, error=str(exc), why=f"the probe failed: {exc}")
     finally:
@@ -354,7 +354,7 @@ def probe(
     return report
 
 
-def _failed(r: dict[str, Any]) -> list[str]:
+def failed_checks(r: dict[str, Any]) -> list[str]:
     b, h = r.get("importer", {}), r.get("holder", {})
     checks = [
         (
