@@ -42,13 +42,17 @@ from ctypes import byref, c_uint64, c_void_p
 from dataclasses import dataclass
 
 from ..vulkan.api import (
+    BUFFER_CREATE_SPARSE_BINDING,
     EXT_MEMORY_BUDGET,
     EXT_MEMORY_FD,
     EXTERNAL_DEDICATED_ONLY,
     EXTERNAL_EXPORTABLE,
     EXTERNAL_IMPORTABLE,
+    FEATURE_COUNT,
+    FEATURE_SPARSE_BINDING,
     GET_MEMORY_FD,
     HANDLE_OPAQUE_FD,
+    QUEUE_SPARSE_BINDING,
     ST_BUFFER_CREATE_INFO,
     ST_EXPORT_MEMORY_ALLOCATE_INFO,
     ST_EXTERNAL_BUFFER_PROPERTIES,
@@ -139,6 +143,31 @@ def external_support(vk: Vk, d: PhysDev) -> tuple[int, str]:
     return features, ""
 
 
+def sparse_support(vk: Vk, d: PhysDev) -> tuple[bool, str]:
+    """Whether a *sparse* buffer can bind opaque-fd chunks at any offset (``vkQueueBindSparse``):
+    the Vulkan counterpart of CUDA VMM's mapping, which would let one weight buffer span several
+    handed-over chunks (docs/lab/HISTORY.md, "Vulkan hand-over"). Not used yet: reported by the
+    probe, so a GPU run says which shape the wiring can take. (True, how) or (False, why not)."""
+    feats = (ctypes.c_uint32 * FEATURE_COUNT)()
+    vk.vkGetPhysicalDeviceFeatures(d.handle, feats)
+    if not feats[FEATURE_SPARSE_BINDING]:
+        return False, f"{d.name} has no sparse binding (sparseBinding false)"
+    if not any(count and flags & QUEUE_SPARSE_BINDING for flags, count in d.families):
+        return False, f"{d.name} has no queue family that binds sparse memory"
+    info = PhysicalDeviceExternalBufferInfo(
+        ST_PHYSICAL_DEVICE_EXTERNAL_BUFFER_INFO, None, BUFFER_CREATE_SPARSE_BINDING, USAGE, HANDLE_OPAQUE_FD
+    )
+    props = ExternalBufferProperties(ST_EXTERNAL_BUFFER_PROPERTIES, None, 0, 0, 0)
+    vk.vkGetPhysicalDeviceExternalBufferProperties(d.handle, byref(info), byref(props))
+    features = int(props.externalMemoryFeatures)
+    if not features & EXTERNAL_IMPORTABLE or features & EXTERNAL_DEDICATED_ONLY:
+        return (
+            False,
+            f"{d.name}: a sparse buffer cannot bind imported opaque-fd memory (features {features:#x})",
+        )
+    return True, "a sparse buffer can bind imported opaque-fd chunks at any offset"
+
+
 class VulkanChunkDevice:
     """Chunks of one Vulkan device (picked as the copy baseline picks it: PCI bus id, else name and
     rank, else ``ordinal``). Raises ChunkDeviceError naming why the hand-over cannot be used
@@ -201,6 +230,8 @@ class VulkanChunkDevice:
                 f"{d.name}: an opaque-fd buffer cannot live in the device-local {self.mtype.describe()}"
             )
         self.granularity = max(int(req.alignment), 4096)
+        #: whether sparse buffers could bind these chunks (:func:`sparse_support`), and how or why not
+        self.sparse, self.sparse_note = sparse_support(vk, d)
         self.name = f"Vulkan opaque fd ({d.name})"
 
     @property

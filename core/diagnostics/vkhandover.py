@@ -264,12 +264,18 @@ def availability(
 ) -> tuple[bool, str]:
     """Whether this Vulkan device can hand memory over (the extension, opaque-fd export and import
     of a storage buffer in its device-local type): (True, its name) or (False, why not)."""
+    ok, why, _ = _availability(name, pci_bus_id, ordinal)
+    return ok, why
+
+
+def _availability(name: str | None, pci_bus_id: str | None, ordinal: int) -> tuple[bool, str, dict[str, Any]]:
     try:
         dev = VulkanChunkDevice(name, pci_bus_id, ordinal, MIB)
     except ChunkDeviceError as exc:
-        return False, str(exc)
+        return False, str(exc), {}
     try:
-        return True, dev.name + (" (dedicated allocations)" if dev.dedicated else "")
+        extra = {"sparse_binding": dev.sparse, "sparse_note": dev.sparse_note, "dedicated": dev.dedicated}
+        return True, dev.name + (" (dedicated allocations)" if dev.dedicated else ""), extra
     finally:
         dev.close()
 
@@ -294,8 +300,8 @@ def probe(
             f"chunk size: {chunk_bytes} bytes (a whole number of MiB, 1 to {MAX_CHUNK_BYTES // MIB})"
         )
     report: dict[str, Any] = {"chunks": chunks, "chunk_bytes": chunk_bytes, "bytes": chunks * chunk_bytes}
-    ok, why = availability(name, pci_bus_id, ordinal)
-    report.update(available=ok, why=why, ok=False)
+    ok, why, extra = _availability(name, pci_bus_id, ordinal)
+    report.update(available=ok, why=why, ok=False, **extra)
     if not ok:
         return report
     work = Path(tempfile.mkdtemp(prefix="timeshare-vkhandover-"))
@@ -394,6 +400,8 @@ def probe_lines(r: dict[str, Any]) -> list[str]:
     ]
     if "llvmpipe" in r["device"] or "lavapipe" in r["device"]:
         lines.append("  (lavapipe: a CPU device; its timings say nothing of a GPU)")
+    sparse = "yes" if r.get("sparse_binding") else "no"
+    lines.append(f"  sparse binding:   {sparse}: {r.get('sparse_note', '')}")
     lines.append(f"  path used:        alloc/free: {NOT_WIRED}")
     return lines
 

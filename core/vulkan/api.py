@@ -45,6 +45,11 @@ ST_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT = 1000237000
 
 #: VkExternalMemoryHandleTypeFlagBits: a POSIX fd only the same driver and device can import
 HANDLE_OPAQUE_FD = 0x1
+QUEUE_SPARSE_BINDING = 0x8
+BUFFER_CREATE_SPARSE_BINDING = 0x1
+#: VkPhysicalDeviceFeatures: 55 VkBool32s; sparseBinding is the 45th
+FEATURE_COUNT = 55
+FEATURE_SPARSE_BINDING = 44
 #: VkExternalMemoryFeatureFlagBits
 EXTERNAL_DEDICATED_ONLY = 0x1
 EXTERNAL_EXPORTABLE = 0x2
@@ -375,6 +380,7 @@ class Vk:
         "vkGetDeviceProcAddr": (c_void_p, [c_void_p, c_char_p]),
         "vkGetPhysicalDeviceExternalBufferProperties": (None, [c_void_p, c_void_p, c_void_p]),
         "vkGetPhysicalDeviceMemoryProperties2": (None, [c_void_p, c_void_p]),
+        "vkGetPhysicalDeviceFeatures": (None, [c_void_p, c_void_p]),
     }
 
     def __init__(self) -> None:
