@@ -40,6 +40,7 @@ import os
 import threading
 from ctypes import byref, c_uint64, c_void_p
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..vulkan.api import (
     BUFFER_CREATE_SPARSE_BINDING,
@@ -96,7 +97,7 @@ from ..vulkan.devices import (
     pick_device,
     queue_families,
 )
-from .device import CHUNK_BYTES, ChunkDeviceError
+from .device import CHUNK_BYTES, ChunkDeviceError, ChunkHandles
 
 #: what a chunk's buffer may do: be copied into and out of, and be a storage buffer for shaders
 #: (ggml-vulkan's device buffers have these three usages)
@@ -418,3 +419,7 @@ class VulkanChunkDevice:
                 self._copier.copy(src, src_offset, dst, nbytes, dst_offset)
             except VulkanUnavailableError as exc:
                 raise ChunkDeviceError(str(exc)) from exc
+
+
+if TYPE_CHECKING:  # the chunk protocol holds (checked by mypy, never run)
+    _handles: ChunkHandles = VulkanChunkDevice()
