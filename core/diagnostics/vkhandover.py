@@ -251,6 +251,15 @@ def _fds(pid: int) -> int:
         return -1
 
 
+def _fds_settled(pid: int, want: int, timeout_s: float = 5.0) -> int:
+    """The holder's fd count once it is ``want`` (the importer's connection, closed at its exit,
+    may still be open there for a moment), or what it is after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (n := _fds(pid)) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return n
+
+
 def _loaded_vulkan(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -335,7 +344,7 @@ def probe(
                 "on_hand_after_import": after.get("on_hand_bytes"),
                 "lent_after_import": after.get("lent_bytes"),
                 "fds_before": fds_before,
-                "fds_after": _fds(holder),
+                "fds_after": _fds_settled(holder, fds_before),
                 "exporter_alive": os.path.exists(f"/proc/{a['pid']}"),
             },
         )
