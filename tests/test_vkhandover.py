@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from timeshare.core.arena.handclient import HandoverClient
 from timeshare.core.devmem.device import ChunkDeviceError
-from timeshare.core.devmem.vulkan import VulkanChunkDevice, external_support
+from timeshare.core.devmem.vulkan import VulkanChunkDevice, can_hand_over, external_support
 from timeshare.core.diagnostics import vkhandover
 from timeshare.core.vulkan.devices import MemoryType, PhysDev
 
 from timeshare import cli
 
 MIB = 1 << 20
-AVAILABLE, WHY = vkhandover.availability()
+AVAILABLE, WHY = can_hand_over()
 needs_vulkan = pytest.mark.skipif(
     not AVAILABLE, reason=f"no Vulkan device with opaque-fd export here ({WHY}): apt mesa-vulkan-drivers"
 )
@@ -165,7 +165,7 @@ def test_bad_chunk_calls_are_clear_errors() -> None:
 
 @needs_vulkan
 def test_a_device_that_is_not_there_is_named() -> None:
-    ok, why = vkhandover.availability(name="no such GPU")
+    ok, why = can_hand_over(name="no such GPU")
     assert not ok and "no Vulkan device named 'no such GPU'" in why
     r = vkhandover.probe(chunks=1, chunk_bytes=MIB, name="no such GPU")
     assert not r["available"] and not r["ok"] and "exporter" not in r

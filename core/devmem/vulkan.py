@@ -421,5 +421,21 @@ class VulkanChunkDevice:
                 raise ChunkDeviceError(str(exc)) from exc
 
 
+def can_hand_over(
+    name: str | None = None, pci_bus_id: str | None = None, ordinal: int = 0
+) -> tuple[bool, str]:
+    """The check at start: whether this Vulkan device can hand its memory over (the extension,
+    opaque-fd export and import of a storage buffer in its device-local type): (True, the
+    device's hand-over name) or (False, why not). Makes and closes a device of its own."""
+    try:
+        dev = VulkanChunkDevice(name, pci_bus_id, ordinal, 1 << 20)
+    except ChunkDeviceError as exc:
+        return False, str(exc)
+    try:
+        return True, dev.name
+    finally:
+        dev.close()
+
+
 if TYPE_CHECKING:  # the chunk protocol holds (checked by mypy, never run)
     _handles: ChunkHandles = VulkanChunkDevice()

@@ -268,15 +268,6 @@ def _loaded_vulkan(pid: int) -> bool:
         return False
 
 
-def availability(
-    name: str | None = None, pci_bus_id: str | None = None, ordinal: int = 0
-) -> tuple[bool, str]:
-    """Whether this Vulkan device can hand memory over (the extension, opaque-fd export and import
-    of a storage buffer in its device-local type): (True, its name) or (False, why not)."""
-    ok, why, _ = _availability(name, pci_bus_id, ordinal)
-    return ok, why
-
-
 def _availability(name: str | None, pci_bus_id: str | None, ordinal: int) -> tuple[bool, str, dict[str, Any]]:
     try:
         dev = VulkanChunkDevice(name, pci_bus_id, ordinal, MIB)
