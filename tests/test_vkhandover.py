@@ -16,11 +16,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import llama_cpp  # noqa: F401  (before the residency, which loads the ggml libraries)
 import pytest
 from timeshare.core.arena.handclient import HandoverClient
 from timeshare.core.devmem.device import ChunkDeviceError
 from timeshare.core.devmem.vulkan import VulkanChunkDevice, can_hand_over, external_support
 from timeshare.core.diagnostics import vkhandover
+from timeshare.core.residency import _ggml, residency
 from timeshare.core.vulkan.devices import MemoryType, PhysDev
 
 from timeshare import cli
@@ -212,3 +214,26 @@ def test_bad_command_line_is_refused_naming_the_flag(
 ) -> None:
     assert cli.main(["bench", "vk-handover", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@needs_vulkan
+@pytest.mark.parametrize("found", [True, False])
+def test_a_model_on_vulkan_says_whether_its_device_could_hand_memory_over(
+    monkeypatch: pytest.MonkeyPatch, found: bool
+) -> None:
+    # the attach-time check (residency.handed_memory) on a ggml device named as ggml-vulkan names
+    # it, matched to the Vulkan device by its description; this build's ggml has no Vulkan, so
+    # its device list is played, the Vulkan check is real
+    dev = VulkanChunkDevice(chunk_bytes=MIB)
+    real_name = dev.phys.name
+    dev.close()
+    gpu = _ggml.Device(handle=7, name="Vulkan0", kind=_ggml.GGML_BACKEND_DEVICE_TYPE_GPU)
+    monkeypatch.setattr(_ggml, "devices", lambda: [gpu])
+    monkeypatch.setattr(_ggml, "device_id", lambda handle: "")
+    monkeypatch.setattr(_ggml, "device_description", lambda handle: real_name if found else "GPU Z")
+    mem, note = residency.handed_memory(gpu, None)
+    assert mem is None and note.startswith("Vulkan0: ") and "the alloc/free path is used" in note
+    if found:
+        assert f"the device can hand memory over (Vulkan opaque fd ({real_name}))" in note
+    else:
+        assert "the device cannot hand memory over: no Vulkan device named 'GPU Z'" in note
