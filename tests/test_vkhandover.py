@@ -237,3 +237,18 @@ def test_a_model_on_vulkan_says_whether_its_device_could_hand_memory_over(
         assert f"the device can hand memory over (Vulkan opaque fd ({real_name}))" in note
     else:
         assert "the device cannot hand memory over: no Vulkan device named 'GPU Z'" in note
+
+
+@needs_vulkan
+def test_host_memory_for_many_chunks_is_split_at_the_largest_allocation() -> None:
+    # a 4 GiB probe on a driver whose largest allocation is smaller: several staging buffers
+    dev = VulkanChunkDevice(chunk_bytes=MIB)
+    try:
+        dev.phys.max_alloc = 2 * MIB
+        stg = vkhandover._stagings(dev, 5, MIB)
+        assert [off for _, off in stg] == [0, MIB, 0, MIB, 0]
+        assert len({s.buffer for s, _ in stg}) == 3 and [s.nbytes for s, _ in stg][::2] == [2 * MIB] * 2 + [
+            MIB
+        ]
+    finally:
+        dev.close()

@@ -77,6 +77,19 @@ def _write_pattern(st: Staging, offset: int, nonce: bytes, k: int, nbytes: int) 
     ctypes.memmove(st.pointer + offset + nbytes - len(head), head, len(head))
 
 
+def _stagings(dev: VulkanChunkDevice, n: int, size: int) -> list[tuple[Staging, int]]:
+    """Host memory for ``n`` chunks of ``size``: each chunk's (staging buffer, offset), in buffers
+    no larger than the device's largest allocation (maxMemoryAllocationSize)."""
+    most = dev.phys.max_alloc or n * size
+    per = max(1, most // size)
+    out: list[tuple[Staging, int]] = []
+    for first in range(0, n, per):
+        count = min(per, n - first)
+        st = dev.staging(count * size)
+        out.extend((st, j * size) for j in range(count))
+    return out
+
+
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 3)
 
@@ -97,15 +110,15 @@ def _export_side(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"pid": os.getpid(), "device": dev.phys.name, "nonce": nonce.hex()}
     out.update(device_uuid=dev.phys.device_uuid, driver_uuid=dev.phys.driver_uuid, dedicated=dev.dedicated)
     try:
-        st = dev.staging(n * size)
-        for k in range(n):
-            _write_pattern(st, k * size, nonce, k, size)
+        stg = _stagings(dev, n, size)
+        for k, (st, off) in enumerate(stg):
+            _write_pattern(st, off, nonce, k, size)
         t0 = time.perf_counter()
         handles = [dev.create(size) for _ in range(n)]
         out["alloc_ms"] = _ms(t0)
         t0 = time.perf_counter()
         for k, h in enumerate(handles):
-            dev.upload(st, k * size, h)
+            dev.upload(*stg[k], h)
         out["copy_ms"] = _ms(t0)
         t0 = time.perf_counter()
         fds = [dev.export(h) for h in handles]
@@ -160,13 +173,14 @@ def _import_side(cfg: dict[str, Any]) -> dict[str, Any]:
         finally:
             for _, fd in given.chunks:
                 os.close(fd)
-        st = dev.staging(n * size)
+        stg = _stagings(dev, n, size)
         # the exporter's bytes: each chunk says which it is (the holder gives them in its order)
         seen: list[int] = []
         bad: list[str] = []
         for j, h in enumerate(handles):
-            dev.download(h, st, j * size)
-            raw = ctypes.string_at(st.pointer + j * size, size)
+            st, off = stg[j]
+            dev.download(h, st, off)
+            raw = ctypes.string_at(st.pointer + off, size)
             k = int.from_bytes(raw[12:16], "little")
             if raw[:4] != _MAGIC or raw[4:12] != nonce or k >= n or raw != expected(nonce, k, size):
                 bad.append(f"chunk {j}: not the exporter's bytes (starts {raw[:16].hex()})")
@@ -176,16 +190,17 @@ def _import_side(cfg: dict[str, Any]) -> dict[str, Any]:
         # its own bytes into the imported memory: the copy a restore makes, timed
         mine = os.urandom(8)
         for j in range(n):
-            _write_pattern(st, j * size, mine, j, size)
+            _write_pattern(*stg[j], mine, j, size)
         dev.synchronize()
         t0 = time.perf_counter()
         for j, h in enumerate(handles):
-            dev.upload(st, j * size, h)
+            dev.upload(*stg[j], h)
         out["copy_imported_ms"] = _ms(t0)
-        ctypes.memset(st.pointer, 0, size)
+        st, off = stg[0]
+        ctypes.memset(st.pointer + off, 0, size)
         if handles:
-            dev.download(handles[-1], st, 0)
-        out["own_bytes_written"] = bool(handles) and ctypes.string_at(st.pointer, size) == expected(
+            dev.download(handles[-1], st, off)
+        out["own_bytes_written"] = bool(handles) and ctypes.string_at(st.pointer + off, size) == expected(
             mine, len(handles) - 1, size
         )
         # the same copy into memory allocated now (the fallback path's allocation and free)
@@ -194,7 +209,7 @@ def _import_side(cfg: dict[str, Any]) -> dict[str, Any]:
         out["alloc_fresh_ms"] = _ms(t0)
         t0 = time.perf_counter()
         for j, h in enumerate(fresh):
-            dev.upload(st, j * size, h)
+            dev.upload(*stg[j], h)
         out["copy_fresh_ms"] = _ms(t0)
         dev.synchronize()
         t0 = time.perf_counter()
