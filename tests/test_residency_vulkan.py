@@ -113,6 +113,13 @@ def test_doctor_in_place_on_vulkan(tmp_path: Path) -> None:
     assert report["path"] == "inplace", report["reason"]
     assert report["bitwise_identical"] and report["kv_level_bitwise_identical"]
     assert report["released_fraction"] > 0.9, report
+    # the Vulkan hand-over (issue 40 item 4): lavapipe exports opaque fds, so the probe works
+    # (doctor says so) while the worker's path stays alloc/free
+    vk = report["vk_handover"]
+    assert vk["available"] and vk["ok"], vk
+    note = report["handover"]["possible_note"]
+    assert not report["handover"]["possible"] and "the device can hand memory over" in note
+    assert "alloc/free path is used" in note
 
 
 @pytest.mark.slow

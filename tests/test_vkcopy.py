@@ -8,21 +8,28 @@ import os
 
 import pytest
 from timeshare.core.diagnostics import vkcopy
-from timeshare.core.diagnostics.vkcopy import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
+from timeshare.core.vulkan import devices
+from timeshare.core.vulkan.api import (
+    DEVICE_LOCAL,
+    HOST_CACHED,
+    HOST_COHERENT,
+    HOST_VISIBLE,
+    VulkanUnavailableError,
+)
 
 GIB = 1 << 30
 
 
 def _dev(
     name: str, types: list[tuple[int, int, int]], families: list[tuple[int, int]], pci: str = ""
-) -> vkcopy._PhysDev:
-    return vkcopy._PhysDev(
+) -> devices.PhysDev:
+    return devices.PhysDev(
         handle=1,
         name=name,
         kind=2,
         pci=pci,
         max_alloc=4 * GIB,
-        types=[vkcopy.MemoryType(i, flags, heap, size) for i, (flags, heap, size) in enumerate(types)],
+        types=[devices.MemoryType(i, flags, heap, size) for i, (flags, heap, size) in enumerate(types)],
         families=families,
     )
 
@@ -40,16 +47,16 @@ LAVAPIPE_TYPES = [(DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT | HOST_CACHED, 0,
 
 def test_a_discrete_gpu_copies_system_memory_into_plain_vram() -> None:
     d = _dev("NVIDIA H200", H200_TYPES, [(0x7, 16), (0x4, 2)])
-    assert [t.index for t in vkcopy._host_types(d)] == [2, 3]  # never the BAR (type 4)
-    assert vkcopy._device_type(d).index == 1  # device-local, not host-visible
-    assert [label for _, label in vkcopy._queue_families(d)] == ["transfer-only family 1", "compute family 0"]
+    assert [t.index for t in devices.host_types(d)] == [2, 3]  # never the BAR (type 4)
+    assert devices.device_type(d).index == 1  # device-local, not host-visible
+    assert [label for _, label in devices.queue_families(d)] == ["transfer-only family 1", "compute family 0"]
 
 
 def test_a_device_with_one_memory_type_uses_it_both_ways() -> None:
     d = _dev("llvmpipe", LAVAPIPE_TYPES, [(0x7, 1)])
-    assert [t.index for t in vkcopy._host_types(d)] == [0]
-    assert vkcopy._device_type(d).index == 0
-    assert [label for _, label in vkcopy._queue_families(d)] == ["compute family 0"]
+    assert [t.index for t in devices.host_types(d)] == [0]
+    assert devices.device_type(d).index == 0
+    assert [label for _, label in devices.queue_families(d)] == ["compute family 0"]
 
 
 def test_the_device_is_found_by_pci_id_then_by_name_and_rank() -> None:
@@ -57,21 +64,21 @@ def test_the_device_is_found_by_pci_id_then_by_name_and_rank() -> None:
     b = _dev("GPU X", H200_TYPES, [(0x7, 1)], pci="0000:02:00.0")
     c = _dev("GPU Y", H200_TYPES, [(0x7, 1)])
     devs = [a, b, c]
-    assert vkcopy._pick_device(devs, "GPU X", "0000:02:00.0", 0) is b
-    assert vkcopy._pick_device(devs, "GPU X", None, 1) is b
-    assert vkcopy._pick_device(devs, "GPU Y", "0000:09:00.0", 0) is c
-    with pytest.raises(vkcopy.VulkanUnavailableError, match="no Vulkan device named"):
-        vkcopy._pick_device(devs, "GPU Z", None, 0)
+    assert devices.pick_device(devs, "GPU X", "0000:02:00.0", 0) is b
+    assert devices.pick_device(devs, "GPU X", None, 1) is b
+    assert devices.pick_device(devs, "GPU Y", "0000:09:00.0", 0) is c
+    with pytest.raises(VulkanUnavailableError, match="no Vulkan device named"):
+        devices.pick_device(devs, "GPU Z", None, 0)
 
 
 def test_no_memory_to_copy_from_is_a_clear_error() -> None:
     d = _dev("odd", [(DEVICE_LOCAL, 0, GIB)], [(0x2, 1)])
-    assert vkcopy._host_types(d) == []
+    assert devices.host_types(d) == []
     d2 = _dev("odd", [(HOST_VISIBLE | HOST_COHERENT, 0, GIB)], [(0x2, 1)])
-    with pytest.raises(vkcopy.VulkanUnavailableError, match="no device-local"):
-        vkcopy._device_type(d2)
-    assert vkcopy.flag_names(0) == "none"
-    assert vkcopy.flag_names(DEVICE_LOCAL | HOST_CACHED) == "device-local|host-cached"
+    with pytest.raises(VulkanUnavailableError, match="no device-local"):
+        devices.device_type(d2)
+    assert devices.flag_names(0) == "none"
+    assert devices.flag_names(DEVICE_LOCAL | HOST_CACHED) == "device-local|host-cached"
 
 
 @pytest.mark.skipif(
@@ -98,9 +105,9 @@ def test_a_holding_process_that_fails_is_a_clear_error(monkeypatch: pytest.Monke
     class _NoDevice:
         d = _dev("GPU X", H200_TYPES, [(0x7, 1)])
 
-        def bound(self, nbytes: int, mtype: vkcopy.MemoryType) -> tuple[int, int]:
+        def bound(self, nbytes: int, mtype: devices.MemoryType) -> tuple[int, int]:
             raise AssertionError("nothing is allocated before the other side is ready")
 
     monkeypatch.setattr(vkcopy.sys, "executable", "false")
-    with pytest.raises(vkcopy.VulkanUnavailableError, match="did not allocate"):
-        vkcopy._free_while_allocating(_NoDevice(), 0, vkcopy.MemoryType(1, DEVICE_LOCAL, 0, GIB), 64 << 20)  # type: ignore[arg-type]
+    with pytest.raises(VulkanUnavailableError, match="did not allocate"):
+        vkcopy._free_while_allocating(_NoDevice(), 0, devices.MemoryType(1, DEVICE_LOCAL, 0, GIB), 64 << 20)  # type: ignore[arg-type]

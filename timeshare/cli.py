@@ -365,6 +365,16 @@ def _add_diagnostics(sub: Any) -> None:
     bapi.add_argument("--plot", metavar="FILE.png", help="draw the turns and the medians (needs matplotlib)")
     bapi.add_argument("--json", action="store_true", help=_JSON_HELP)
 
+    bvk = bench_sub.add_parser(
+        "vk-handover",
+        help="Vulkan device memory handed from one process to another as opaque fds (issue 40): "
+        "works here or why not, and the timings",
+    )
+    bvk.add_argument("--chunks", type=int, default=8, help="chunks handed over (default: 8)")
+    bvk.add_argument("--chunk-mib", type=int, default=64, help="MiB per chunk (default: 64)")
+    bvk.add_argument("--device", metavar="NAME", help="the Vulkan device's name (default: the first)")
+    bvk.add_argument("--json", action="store_true", help=_JSON_HELP)
+
     bpar = bench_sub.add_parser(
         "parallel", help="concurrent streams on one model: aggregate tok/s and first token (batching)"
     )

@@ -20,21 +20,17 @@ class ChunkDeviceError(Exception):
         self.out_of_memory = out_of_memory
 
 
-class ChunkDevice(Protocol):
-    """Physical allocations with shareable fd handles, mapped at addresses reserved once.
+class ChunkHandles(Protocol):
+    """Physical allocations with shareable fd handles: what every device of the hand-over does
+    (CUDA VMM, Vulkan external memory, the memfd stand-in). A handle keeps its memory alive until
+    it is released and nothing else -- a mapping, a binding, an fd in any process -- refers to it."""
 
-    A handle keeps its memory alive until it is released and no mapping and no fd of it is left
-    (CUDA VMM's rule, which the memfd stand-in follows)."""
-
-    #: "CUDA VMM (CUDA0)", "memfd (CPU stand-in)"
+    #: "CUDA VMM (CUDA0)", "Vulkan opaque fd (NVIDIA H200)", "memfd (CPU stand-in)"
     name: str
-    #: allocation sizes and mapping addresses are multiples of this
+    #: allocation sizes (and, with :class:`ChunkDevice`, mapping addresses) are multiples of this
     granularity: int
     #: allocations made by :meth:`create` since this object was made (cuMemCreate calls)
     creates: int
-    #: :meth:`map` and :meth:`unmap` calls since this object was made (cuMemMap, cuMemUnmap)
-    maps: int
-    unmaps: int
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of the device now."""
@@ -55,6 +51,16 @@ class ChunkDevice(Protocol):
     def release(self, handle: int) -> None:
         """Drop the handle (the memory lives on while mapped or held elsewhere)."""
         ...
+
+
+class ChunkDevice(ChunkHandles, Protocol):
+    """Chunk handles mapped at addresses reserved once (CUDA VMM's model, which the memfd
+    stand-in follows): what :class:`~.mapped.HandedMemory` needs. Vulkan has no such mapping
+    (:mod:`.vulkan` says why and what it does instead)."""
+
+    #: :meth:`map` and :meth:`unmap` calls since this object was made (cuMemMap, cuMemUnmap)
+    maps: int
+    unmaps: int
 
     def reserve(self, nbytes: int) -> int:
         """Reserve an address range of ``nbytes``; its address."""

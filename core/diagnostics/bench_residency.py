@@ -280,6 +280,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_parallel import main as parallel_main
 
         return parallel_main(args)
+    if args.bench == "vk-handover":
+        from .vkhandover import main as vk_handover_main
+
+        return vk_handover_main(args)
     if args.bench != "residency":
         print(
             f"timeshare bench {args.bench}: not part of this build yet (only `timeshare bench residency` is)",

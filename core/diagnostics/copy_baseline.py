@@ -9,7 +9,8 @@ from typing import Any
 
 from ..residency.residency import Residency
 from ..residency.vkenv import device_local_only
-from .vkcopy import GIB, VulkanUnavailableError, baseline_for_ggml_device
+from ..vulkan.api import GIB, VulkanUnavailableError
+from .vkcopy import baseline_for_ggml_device
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from .. import envvars
 from ..errors import TimeshareError
 from .card import hold_card
 from .handover_check import handover_lines, handover_report, handover_source
+from .vkhandover import probe_lines
 
 if TYPE_CHECKING:  # importing residency loads llama_cpp: run_doctor imports it when it runs
     from ..arena.handclient import HandoverClient
@@ -197,6 +198,11 @@ def _run_doctor(
         if projector is not None:
             report["projector"] = projector.report(res)
         report["handover"] = handover_report(res, source)
+        if res.backend.startswith("Vulkan") and res.device is not None:
+            from .vkhandover import probe_for_ggml_device
+
+            _step("the Vulkan hand-over: opaque fds from one process to another through a holder")
+            report["vk_handover"] = probe_for_ggml_device(res.device)
         res.close()
         if projector is not None:
             projector.close()
@@ -424,6 +430,7 @@ def _print_text(r: dict[str, Any]) -> None:
         *_budget_line(r.get("vram_budget")),
         *_projector_lines(r.get("projector")),
         *handover_lines(r.get("handover")),
+        *(probe_lines(r["vk_handover"]) if r.get("vk_handover") else []),
     ]
     print("\n".join(lines))
 

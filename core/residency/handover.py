@@ -46,7 +46,7 @@ class WeightHandover:
         if parallel:
             self.note = (
                 "the buffers are allocated on several threads (Vulkan): its hand-over is "
-                "VK_KHR_external_memory_fd, not built yet"
+                "VK_KHR_external_memory_fd (devmem/vulkan.py), not wired into ggml-vulkan's buffers yet"
             )
             return
         slots: dict[int, BaseSlot] = {}

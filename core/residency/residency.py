@@ -23,6 +23,7 @@ from ..devmem.device import CHUNK_BYTES, ChunkDevice, ChunkDeviceError, ChunkSou
 from ..devmem.mapped import HandedMemory
 from ..devmem.memfd import MemfdDevice
 from ..devmem.vmm import CudaVmmDevice
+from ..devmem.vulkan import can_hand_over
 from ..errors import ConfigError, OutOfDeviceMemoryError, ResidencyError
 from ..state import WorkerReleaseLevel
 from ..util.fileid import FileId
@@ -66,6 +67,20 @@ def mode_wanted(option: Mode = "auto") -> Mode:
     return modes[value]
 
 
+def _vulkan_note(gpu: _ggml.Device) -> str:
+    """Why a model on a Vulkan device allocates and frees its weights (checked at attach: whether
+    the device could hand memory over, devmem/vulkan.py)."""
+    desc = _ggml.device_description(gpu.handle)
+    same = [d for d in _ggml.devices() if d.is_gpu and _ggml.device_description(d.handle) == desc]
+    ordinal = next((i for i, d in enumerate(same) if d.handle == gpu.handle), 0)
+    ok, why = can_hand_over(desc, _ggml.device_id(gpu.handle) or None, ordinal)
+    can = f"the device can hand memory over ({why})" if ok else f"the device cannot hand memory over: {why}"
+    return (
+        f"{gpu.name}: {can}; ggml-vulkan's weight buffers are not made of handed-over chunks yet "
+        "(`timeshare bench vk-handover` checks the chunks alone): the alloc/free path is used"
+    )
+
+
 def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple[HandedMemory | None, str]:
     """The hand-over's memory for a model on ``gpu`` (None: a CPU build, where the memfd stand-in
     plays the device), or None and why it cannot be used."""
@@ -77,7 +92,7 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
             index = gpu.name[4:]
             device = CudaVmmDevice(_ggml.device_id(gpu.handle), int(index) if index.isdigit() else 0)
         else:
-            return None, f"{gpu.name}: the hand-over is built for CUDA (Vulkan external memory is not yet)"
+            return None, _vulkan_note(gpu)
     except ChunkDeviceError as exc:
         return None, str(exc)
     chunk = source.chunk_bytes if source is not None else CHUNK_BYTES
