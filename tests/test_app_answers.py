@@ -121,6 +121,8 @@ def test_stop_keeps_the_token_count_and_retry_answers_again(qtbot: Any, app: Any
     )
     try:
         _, stats, error = _finished(qtbot, window, send_then_stop)
+        # the pool publishes REQUEST_DONE on its event thread, maybe a moment after the answer ended
+        qtbot.waitUntil(lambda: any(e.get("finish_reason") == "cancelled" for e in done), timeout=60_000)
     finally:
         unsubscribe()
     assert error == "" and stats.finish_reason == "cancelled"

@@ -74,6 +74,12 @@ def test_a_holder_whose_loop_thread_hangs_is_killed_and_the_waiter_answered(
 
         assert answer("gemma")  # answered once the watchdog killed the hung holder
         assert not alive(smol_pid)
+        # events reach subscribers on the pool's event thread: the CRASHED one may come a moment later
+        wait_until(
+            lambda: any(e.kind is EventKind.CRASHED and e.model == "smol" for e in events),
+            WAIT,
+            "smol's CRASHED event",
+        )
         killed = [e for e in events if e.kind is EventKind.CRASHED and e.model == "smol"]
         assert len(killed) == 1, [e.message for e in killed]
         why = str(killed[0].extra.get("watchdog", ""))

@@ -98,6 +98,12 @@ def test_a_stopped_holder_is_killed_the_waiter_answered_and_it_comes_back(
 
         assert answer("gemma") == gemma_ref  # answered once the watchdog killed the holder
         assert not alive(smol_pid)
+        # events reach subscribers on the pool's event thread: the CRASHED one may come a moment later
+        wait_until(
+            lambda: any(e.kind is EventKind.CRASHED and e.model == "smol" for e in events),
+            WAIT,
+            "smol's CRASHED event",
+        )
         killed = [e for e in events if e.kind is EventKind.CRASHED and e.model == "smol"]
         assert len(killed) == 1, [e.message for e in killed]
         why = str(killed[0].extra.get("watchdog", ""))
