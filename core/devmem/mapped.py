@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 #: memory, and at least ROOM_MARGIN_MIN (the auto budget's margin, core/arena/budget.py)
 ROOM_MARGIN_FRACTION = 0.05
 ROOM_MARGIN_MIN = 256 << 20
+#: created chunks exported and handed to the source at a time (the fds open at once)
+ADOPT_BATCH = 250
 
 
 @dataclass
@@ -249,12 +251,17 @@ class HandedMemory:
         session = self._session()
         adopted: list[int] = []
         try:
+            closed = 0  # each fd is closed once imported: never two per chunk open at once
             try:
                 for chunk_id, fd in taken:
-                    handles.append(self.device.import_fd(fd))
+                    try:
+                        handles.append(self.device.import_fd(fd))
+                    finally:
+                        os.close(fd)
+                        closed += 1
                     ids.append(chunk_id)
             finally:
-                for _i, fd in taken:
+                for _i, fd in taken[closed:]:
                     os.close(fd)
             report.handed = len(handles)
             while len(handles) < need:
@@ -432,18 +439,25 @@ class HandedMemory:
             return None
 
     def _adopt(self, handles: list[int], report: MapReport) -> list[int]:
+        """Hand the chunks created here to the source: exported ``ADOPT_BATCH`` at a time (a
+        large model's thousands of chunks never hold an fd each at once)."""
         if self.source is None or self.source_note:
             return [0] * len(handles)
-        fds = [self.device.export(h) for h in handles]
-        try:
-            ids = self.source.adopt(fds)
-        except Exception as exc:
-            report.note = self.source_note = f"the hand-over holder could not be used: {exc}"
-            log.warning("%s", report.note)
-            return [0] * len(handles)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        ids: list[int] = []
+        for start in range(0, len(handles), ADOPT_BATCH):
+            fds = [self.device.export(h) for h in handles[start : start + ADOPT_BATCH]]
+            try:
+                ids.extend(self.source.adopt(fds))
+            except Exception as exc:
+                report.note = self.source_note = f"the hand-over holder could not be used: {exc}"
+                log.warning("%s", report.note)
+                # the batches adopted before keep their ids (put back at the release); the
+                # rest are this process's own
+                report.adopted = len(ids)
+                return ids + [0] * (len(handles) - len(ids))
+            finally:
+                for fd in fds:
+                    os.close(fd)
         report.adopted = len(ids)
         return ids
 
