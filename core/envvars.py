@@ -174,7 +174,9 @@ HANDOVER_ROOM = EnvVar(
     "the device's free memory less 5 % of it (at least 256 MiB)",
     "test",
     "With the hand-over: what a restoring worker may allocate itself before the holder asks other "
-    "workers' kept chunks back; 0 plays a full card (every switch takes the other's memory)",
+    "workers' kept chunks back (a restore's allocations after the weights, a new context's KV cache "
+    "and compute buffers, are taken from it); 0 plays a full card (every switch takes the other's "
+    "memory)",
 )
 DEEP_INPLACE = EnvVar(
     "TIMESHARE_DEEP_INPLACE",

@@ -2,7 +2,8 @@
 real hand-over client, the real holder and the memfd stand-in device (``MemfdDevice``, named as
 such: no GPU), driven line by line on stdin; each command answers one line on stdout.
 
-    map KEY NBYTES          map a buffer from handed chunks (creating what the holder lacks)
+    map KEY NBYTES [LATER]  map a buffer from handed chunks (creating what the holder lacks);
+                            LATER: bytes allocated after the mapping (not room for chunks)
     fill KEY BYTE           write BYTE over the whole buffer
     check KEY BYTE          "ok" when every byte of the buffer is BYTE, else "bad <first byte>"
     unmap KEY               unmap and put the chunks back
@@ -42,10 +43,10 @@ def main() -> None:
         cmd, args = words[0], [int(x) for x in words[1:]]
         if cmd == "map":
             sizes[args[0]] = args[1]
-            rep = mem.map_all([(args[0], args[1])])
+            rep = mem.map_all([(args[0], args[1])], later=args[2] if len(args) > 2 else 0)
             out = (
                 f"ok handed={rep.handed} created={rep.created} adopted={rep.adopted} "
-                f"kept={rep.kept} mapped={rep.mapped} note={rep.note!r}"
+                f"kept={rep.kept} mapped={rep.mapped} note={rep.note!r} room={rep.room}"
             )
         elif cmd == "fill":  # the whole mapped range (a taker may get the chunks in any order)
             ctypes.memset(mem.address(args[0]), args[1], mem.chunks_for(sizes[args[0]]) * mem.chunk_bytes)

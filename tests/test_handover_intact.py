@@ -316,6 +316,60 @@ def restore_without_uploads(
         assert same(oracle, greedy.run())
 
 
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_deferred_shadow_is_read_once_and_never_for_a_restore_that_skips_every_byte(
+    smol: llama_cpp.Llama,
+    smollm2_path: Path,
+    tmp_path: Path,
+    counted_uploads: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+    parts: int,
+) -> None:
+    """A deferred host shadow (a worker started for a waiting request) is pending at the first
+    release, which checks its slices against the file. The first restore must upload every
+    byte (the weights were in memory ggml allocated, freed by that release: the hand-over's
+    memory is new), so it reads the file then, once. Every later restore into kept memory the
+    holder vouches for skips every byte and reads nothing from the file (the file reads counted
+    at the real reader, and the shadow's slices as the residency reports them)."""
+    from timeshare.core.residency import shadow as shadow_mod
+
+    reads: list[int] = []
+    real_read = shadow_mod.parallel_read
+
+    def counting_read(path: str, mem: Any, ranges: Any) -> None:
+        reads.append(len(ranges))
+        real_read(path, mem, ranges)
+
+    monkeypatch.setattr(shadow_mod, "parallel_read", counting_read)
+    greedy = Greedy(smol)
+    reference = greedy.run()
+    observer(tmp_path / "arena", chunk=MODEL_CHUNK)
+    opts = ResidencyOptions(handover=True, defer_shadow=True, parts=parts, split_at_release=parts > 1)
+    res = Residency.attach(smol, smollm2_path, opts, chunk_source=observer(tmp_path / "arena"))
+    try:
+        assert res.shadow_pending and reads == []
+        res.release()
+        assert res.shadow_pending and res.shadow_slices[0] == 0 and reads == []  # checked, not read
+        res.restore()
+        res.settle()
+        steps = res.restore_steps
+        assert steps.uploaded_bytes and not steps.skipped_upload_bytes  # new memory: every byte
+        assert not res.shadow_pending
+        slices, read = res.shadow_slices, len(reads)
+        assert read > 0 and slices[0] == slices[1] > 0
+        for kv in (False, True, False):
+            counted_uploads.clear()
+            res.release(kv=kv)
+            res.restore()
+            res.settle()
+            steps = res.restore_steps
+            assert steps.uploaded_bytes == 0 and steps.skipped_upload_bytes and counted_uploads == []
+            assert len(reads) == read and res.shadow_slices == slices  # not one more read
+            assert same(reference, greedy.run())
+    finally:
+        res.close()
+
+
 def test_with_the_skip_off_every_restore_uploads(
     smol: llama_cpp.Llama, smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,6 +34,7 @@ from .handover import (
     RequestRefusedError,
     close_all,
     connect,
+    fd_room,
     not_there,
     receive,
     send,
@@ -292,6 +293,8 @@ class HandoverClient:
         holder vouches nobody else mapped since (none without ``gens``)."""
         if n <= 0 and not use:
             return Given([], set())
+        if n > 0:
+            fd_room(n)  # every chunk's fd arrives before the caller imports any
         with self._lock:
             out: list[tuple[int, int]] = []
             request: dict[str, Any] = {"op": "take", "n": max(0, n)}

@@ -10,8 +10,16 @@ Files in the arena directory (mode 0700, owned by the user: :mod:`.dirs` checks 
                     exclusive ``flock`` on it for its whole life, so a record nobody locks is
                     stale, and a peer whose pid is not the record's is not the holder
 
-One message is one packet: a JSON object (at most ``MAX_MESSAGE`` bytes) and up to ``MAX_FDS``
-file descriptors as SCM_RIGHTS. Fds that arrive with a message that names none are closed.
+A message is a JSON object with an ``op`` and up to ``MAX_FDS`` file descriptors as SCM_RIGHTS
+(the kernel takes at most 253 per packet). One of at most ``MAX_MESSAGE`` bytes is one packet. A
+longer one (the ids of thousands of chunks: ids have up to 13 digits, so ~4,700 of them fill a
+packet) is sent as a *long* message: a header packet ``{"op": "long", "bytes": N, "parts": K}``
+(the fds ride on it) and then K packets of the JSON text, each at most ``MAX_MESSAGE`` bytes, N
+bytes in all (at most ``MAX_LONG_MESSAGE``), read back to back (the socket's timeout bounds the
+wait for each). Anything else -- a packet that is not JSON, a header whose counts do not add up,
+a part with fds, a connection that ends inside a long message, a long message inside another --
+is refused (HandoverError; every fd that came is closed). Fds that arrive with a message that
+names none are closed.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import socket
 import stat
 import struct
@@ -37,7 +46,12 @@ RECORD_FILE = "handover"
 VERSION = 1
 #: the most fds one packet carries (the kernel's SCM_MAX_FD is 253)
 MAX_FDS = 250
+#: the most bytes of JSON one packet carries (a longer message goes in parts)
 MAX_MESSAGE = 64 << 10
+#: the most bytes of JSON a message carries in all (a long message: header and parts)
+MAX_LONG_MESSAGE = 32 << 20
+#: the op of a long message's header packet (never a request or an answer of its own)
+LONG_OP = "long"
 #: on-hand chunks go back to the driver after this long without a take or a put (arena.handover_idle_s)
 IDLE_S = 300.0
 
@@ -74,22 +88,31 @@ def peer_of(sock: socket.socket) -> Peer:
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
-    """Send one message (and ``fds``, at most MAX_FDS) in one packet."""
+    """Send one message and ``fds`` (at most MAX_FDS): one packet, or a long message's header
+    (with the fds) and its parts when the JSON is longer than MAX_MESSAGE."""
     if len(fds) > MAX_FDS:
         raise ValueError(f"{len(fds)} fds in one message (at most {MAX_FDS})")
     data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > MAX_LONG_MESSAGE:
+        raise ValueError(f"a hand-over message of {len(data)} bytes (at most {MAX_LONG_MESSAGE})")
+    parts: list[bytes] = []
     if len(data) > MAX_MESSAGE:
-        raise ValueError(f"a hand-over message of {len(data)} bytes (at most {MAX_MESSAGE})")
+        parts = [data[i : i + MAX_MESSAGE] for i in range(0, len(data), MAX_MESSAGE)]
+        head = {"op": LONG_OP, "bytes": len(data), "parts": len(parts)}
+        data = json.dumps(head, separators=(",", ":")).encode()
     if fds:
         socket.send_fds(sock, [data], list(fds))
     else:
         sock.sendall(data)
+    for part in parts:
+        sock.sendall(part)
 
 
 def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     """One message and the fds that came with it (the caller owns them); (None, []) at the end
-    of the connection. A packet that is not a JSON object, or whose fds were cut short
-    (MSG_CTRUNC), raises HandoverError (its fds are closed)."""
+    of the connection. A packet that is not a JSON object with an ``op``, fds cut short
+    (MSG_CTRUNC) or a long message that does not add up raises HandoverError (its fds are
+    closed)."""
     data, fds, flags, _addr = socket.recv_fds(sock, MAX_MESSAGE + 1, MAX_FDS + 3)
     if not data and not fds:
         return None, []
@@ -97,17 +120,83 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
         if flags & socket.MSG_CTRUNC:
             raise HandoverError("a hand-over message lost some of its file descriptors (MSG_CTRUNC)")
         if len(data) > MAX_MESSAGE:
-            raise HandoverError(f"a hand-over message longer than {MAX_MESSAGE} bytes")
-        try:
-            message = json.loads(data)
-        except ValueError:
-            raise HandoverError("a hand-over message that is not JSON") from None
-        if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-            raise HandoverError("a hand-over message that is not an object with an 'op'")
+            raise HandoverError(f"a hand-over packet longer than {MAX_MESSAGE} bytes")
+        message = _parse(data)
+        if message["op"] == LONG_OP:
+            message = _parse(_read_parts(sock, message))
+            if message["op"] == LONG_OP:
+                raise HandoverError("a long hand-over message inside another")
     except BaseException:
         close_all(fds)
         raise
     return message, fds
+
+
+def _parse(data: bytes | bytearray) -> dict[str, Any]:
+    try:
+        message = json.loads(data)
+    except ValueError:
+        raise HandoverError("a hand-over message that is not JSON") from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise HandoverError("a hand-over message that is not an object with an 'op'")
+    return message
+
+
+def _read_parts(sock: socket.socket, head: dict[str, Any]) -> bytearray:
+    """The JSON text of a long message whose header is ``head``: its parts, read now."""
+    total, count = head.get("bytes"), head.get("parts")
+    if (
+        not isinstance(total, int)
+        or not isinstance(count, int)
+        or isinstance(total, bool)
+        or isinstance(count, bool)
+        or not MAX_MESSAGE < total <= MAX_LONG_MESSAGE
+        or count != -(-total // MAX_MESSAGE)
+    ):
+        raise HandoverError(
+            f"a long hand-over message of {total!r} bytes in {count!r} parts (more than {MAX_MESSAGE} "
+            f"and at most {MAX_LONG_MESSAGE} bytes, in packets of {MAX_MESSAGE})"
+        )
+    text = bytearray()
+    for _ in range(count):
+        part, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE + 1, MAX_FDS + 3)
+        if fds:
+            close_all(fds)
+            raise HandoverError("file descriptors with a part of a long hand-over message")
+        if not part:
+            raise HandoverError("the connection ended inside a long hand-over message")
+        if len(part) > MAX_MESSAGE or len(text) + len(part) > total:
+            raise HandoverError(f"a long hand-over message longer than it said ({total} bytes)")
+        text += part
+    if len(text) != total:
+        raise HandoverError(f"a long hand-over message of {len(text)} bytes, not the {total} it said")
+    return text
+
+
+def fd_room(need: int | None = None) -> int:
+    """Raise this process's soft open-files limit (``RLIMIT_NOFILE``, never above the hard one)
+    so that ``need`` more fds fit beside those open now (None: as high as the hard limit lets):
+    the holder holds one fd per chunk, a worker receives one per chunk it takes before importing
+    them (a desktop's soft limit is often 1024: 2 GiB of 2 MiB chunks). Returns the soft limit
+    in force (-1: unlimited)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return -1
+    if need is None:
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    else:
+        try:
+            open_now = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            open_now = soft
+        want = open_now + max(0, need) + 64
+    if hard != resource.RLIM_INFINITY:
+        want = min(hard, want)
+    if want > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    return soft
 
 
 def close_all(fds: list[int]) -> None:

@@ -47,6 +47,7 @@ from .handover import (
     HandoverError,
     HolderState,
     close_all,
+    fd_room,
     open_record,
     peer_of,
     receive,
@@ -564,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)
         os.setsid()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s holder %(process)d: %(message)s")
+    fd_room()  # one fd per chunk held: as many as the hard limit lets
     holder = Holder(args.arena, args.chunk, args.idle)
     if not holder.claim():
         holder.arena.close()

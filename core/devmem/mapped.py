@@ -47,9 +47,13 @@ log = logging.getLogger(__name__)
 
 #: room left on the device for others when a worker decides it may allocate chunks itself rather
 #: than have the holder ask kept chunks of other workers back: this share of the device's total
-#: memory, and at least ROOM_MARGIN_MIN (the auto budget's margin, core/arena/budget.py)
+#: memory, and at least ROOM_MARGIN_MIN (the auto budget's margin, core/arena/budget.py). What the
+#: caller allocates right after the mapping (``map_all(later=...)``: a deep restore's new context,
+#: its KV cache and compute buffers) is not room either
 ROOM_MARGIN_FRACTION = 0.05
 ROOM_MARGIN_MIN = 256 << 20
+#: created chunks exported and handed to the source at a time (the fds open at once)
+ADOPT_BATCH = 250
 
 
 @dataclass
@@ -82,6 +86,11 @@ class MapReport:
     #: every chunk, the range was filled when released): nothing to upload into them
     intact: int = 0
     mapped: int = 0  # chunks mapped by this call (the device's map calls)
+    #: the bytes the take said this worker may allocate itself (None: not said: nothing to take,
+    #: no source, or the device cannot tell), and the caller's allocations after the mapping
+    #: that were kept out of it
+    room: int | None = None
+    later: int = 0
     ms: float = 0.0
     note: str = ""  # why the source was not used, when it was not
 
@@ -191,23 +200,28 @@ class HandedMemory:
     def _session(self) -> str:
         return self.source.session if self.source is not None else ""
 
-    def _room(self) -> int | None:
+    def _room(self, later: int = 0) -> int | None:
         """Bytes this worker may allocate without the holder asking others' kept chunks back:
-        the device's free memory less a margin (None: the device cannot say)."""
+        the device's free memory less a margin (or :attr:`room_bytes`), less ``later``, what the
+        caller allocates on the device after this mapping (None: the device cannot say)."""
+        later = max(0, later)
         if self.room_bytes is not None:
-            return self.room_bytes
+            return max(0, self.room_bytes - later)
         try:
             free, total = self.device.memory()
         except ChunkDeviceError:
             return None
-        return max(0, free - max(ROOM_MARGIN_MIN, int(ROOM_MARGIN_FRACTION * total)))
+        return max(0, free - max(ROOM_MARGIN_MIN, int(ROOM_MARGIN_FRACTION * total)) - later)
 
-    def map_all(self, wanted: list[tuple[int, int]]) -> MapReport:
+    def map_all(self, wanted: list[tuple[int, int]], later: int = 0) -> MapReport:
         """Map the buffers ``wanted`` ((key, nbytes) each, none mapped for the model now): a
         kept range is used again as it is (no map call), the chunks the others need are taken
-        from the source in one request, the rest created. Returns what it did (:attr:`last`);
-        raises ChunkDeviceError (``out_of_memory`` when creating failed) with nothing mapped and
-        every chunk taken given back."""
+        from the source in one request, the rest created. ``later``: the bytes the caller will
+        allocate on the device right after this mapping (a deep restore's new context): the take
+        does not count them as room to create chunks in, so the holder asks others' kept chunks
+        back for them instead. Returns what it did (:attr:`last`); raises ChunkDeviceError
+        (``out_of_memory`` when creating failed) with nothing mapped and every chunk taken given
+        back."""
         t0 = time.perf_counter()
         with self._lock:
             for key, _n in wanted:
@@ -235,7 +249,9 @@ class HandedMemory:
             ranges = [self._range(key, nbytes) for key, nbytes in wanted]
             fresh = [r for r in ranges if not r.mapped]
         need = sum(r.chunks for r in fresh)
-        report = MapReport(chunks=sum(r.chunks for r in ranges), kept=sum(r.chunks for r in reuse))
+        report = MapReport(
+            chunks=sum(r.chunks for r in ranges), kept=sum(r.chunks for r in reuse), later=max(0, later)
+        )
         handles: list[int] = []
         ids: list[int] = []
         created: list[int] = []  # handles of the chunks created here
@@ -249,12 +265,17 @@ class HandedMemory:
         session = self._session()
         adopted: list[int] = []
         try:
+            closed = 0  # each fd is closed once imported: never two per chunk open at once
             try:
                 for chunk_id, fd in taken:
-                    handles.append(self.device.import_fd(fd))
+                    try:
+                        handles.append(self.device.import_fd(fd))
+                    finally:
+                        os.close(fd)
+                        closed += 1
                     ids.append(chunk_id)
             finally:
-                for _i, fd in taken:
+                for _i, fd in taken[closed:]:
                     os.close(fd)
             report.handed = len(handles)
             while len(handles) < need:
@@ -413,8 +434,9 @@ class HandedMemory:
             return Given([], set())
         if n <= 0 and not use:
             return Given([], set())
+        report.room = self._room(report.later) if n > 0 else None
         try:
-            got = self.source.take(n, self._room() if n > 0 else None, use, gens if use else None)
+            got = self.source.take(n, report.room, use, gens if use else None)
         except Exception as exc:  # the arena's HandoverError, an OSError: own memory this time
             report.note = self.source_note = f"the hand-over holder could not be used: {exc}"
             log.warning("%s", report.note)
@@ -432,18 +454,25 @@ class HandedMemory:
             return None
 
     def _adopt(self, handles: list[int], report: MapReport) -> list[int]:
+        """Hand the chunks created here to the source: exported ``ADOPT_BATCH`` at a time (a
+        large model's thousands of chunks never hold an fd each at once)."""
         if self.source is None or self.source_note:
             return [0] * len(handles)
-        fds = [self.device.export(h) for h in handles]
-        try:
-            ids = self.source.adopt(fds)
-        except Exception as exc:
-            report.note = self.source_note = f"the hand-over holder could not be used: {exc}"
-            log.warning("%s", report.note)
-            return [0] * len(handles)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        ids: list[int] = []
+        for start in range(0, len(handles), ADOPT_BATCH):
+            fds = [self.device.export(h) for h in handles[start : start + ADOPT_BATCH]]
+            try:
+                ids.extend(self.source.adopt(fds))
+            except Exception as exc:
+                report.note = self.source_note = f"the hand-over holder could not be used: {exc}"
+                log.warning("%s", report.note)
+                # the batches adopted before keep their ids (put back at the release); the
+                # rest are this process's own
+                report.adopted = len(ids)
+                return ids + [0] * (len(handles) - len(ids))
+            finally:
+                for fd in fds:
+                    os.close(fd)
         report.adopted = len(ids)
         return ids
 

@@ -92,14 +92,16 @@ class WeightHandover:
             )
         return out
 
-    def map(self, todo: list[WeightBuffer]) -> HandedMemory | None:
+    def map(self, todo: list[WeightBuffer], later: int = 0) -> HandedMemory | None:
         """Map handed-over memory for ``todo`` (one request to the holder); None: the buffers
-        are allocated through ggml this time (no hand-over, or it failed: ``note``)."""
+        are allocated through ggml this time (no hand-over, or it failed: ``note``). ``later``:
+        the bytes the restore allocates on the device after the weights (HandedMemory.map_all:
+        not room for chunks)."""
         handed = self.handed
         if handed is None or not todo:
             return None
         try:
-            handed.map_all([(id(b), b.size) for b in todo])
+            handed.map_all([(id(b), b.size) for b in todo], later=later)
         except ChunkDeviceError as exc:
             if exc.out_of_memory:
                 raise out_of_memory(todo[0], todo) from exc

@@ -307,7 +307,7 @@ class InPlace:
         self.release_steps = ReleaseSteps((time.perf_counter() - t0) * 1000, len(todo), len(chosen))
         return sum(b.size for b in done)
 
-    def restore(self, overlap: bool = False, kv: KvUpload | None = None) -> int:
+    def restore(self, overlap: bool = False, kv: KvUpload | None = None, later: int = 0) -> int:
         """Restore every released buffer (parts in layer order); on an allocation failure,
         release again what this call restored and raise OutOfDeviceMemoryError (the model stays
         as released as it was, and intact). Returns the bytes uploaded. ``swaps.moved`` then says
@@ -329,11 +329,15 @@ class InPlace:
         ``kv``: the KV cache's cells of the deep level (its buffers already allocated), written
         on the upload thread right after the weights of each part, the layers of that part (the
         gate waits for them too); the layers of no part restored here are left to the caller
-        (``kv.upload_unclaimed``)."""
+        (``kv.upload_unclaimed``).
+
+        ``later``: the bytes the caller allocates on the device after the weights (a deep
+        restore's new context, a projector): handed-over memory does not count them as room to
+        create chunks in (WeightHandover.map)."""
         self.finish_uploads()
         self.uploads.kv = kv
         try:
-            return self._restore([b for b in self.buffers if b.released], overlap)
+            return self._restore([b for b in self.buffers if b.released], overlap, later)
         finally:
             self.uploads.kv = None
 
@@ -342,7 +346,7 @@ class InPlace:
         groups = [(p, [b for b in p.buffers if id(b) in mine]) for p in self.parts]
         return [(p, bufs) for p, bufs in groups if bufs]
 
-    def _restore(self, todo: list[WeightBuffer], overlap: bool = False) -> int:
+    def _restore(self, todo: list[WeightBuffer], overlap: bool = False, later: int = 0) -> int:
         """Allocate and relocate the buffers of ``todo`` part by part in layer order, each part's
         upload submitted to the upload thread as soon as its buffers are in place (the copies
         overlap the allocations that follow, overlapped or not: the copy engine starts after the
@@ -362,7 +366,7 @@ class InPlace:
         first_alloc_s = alloc_max_s = 0.0
         held: list[tuple[Part, list[WeightBuffer]]] = []
         try:
-            handed = self.handover.map(todo)
+            handed = self.handover.map(todo, later)
         except OutOfDeviceMemoryError:
             self.uploads.gate = None
             raise
@@ -423,7 +427,10 @@ class InPlace:
                 intact_chunks=float(rep.intact),
                 uploaded_bytes=float(nbytes),
                 skipped_upload_bytes=float(skipped),
+                later_bytes=float(rep.later),
             )
+            if rep.room is not None:
+                self.restore_steps["room_bytes"] = float(rep.room)
         if background:
             assert gate is not None
             self.restore_steps["pending_bytes"] = float(gate.pending_bytes)

@@ -77,6 +77,12 @@ class KvLevel:
         self._uploading: KvUpload | None = None  # an overlapped restore's, until settled
         self.kv_upload_note = ""
         self._restore_t0 = 0.0
+        #: what the owner measured of the KV cache on the device (worker/footprint.py: the GGUF's
+        #: shape), for a context whose KV buffers cannot be found (kv_note) when it is freed
+        self.kv_hint_bytes = 0
+        # the device bytes the freed context held besides the weights (its KV cache and compute
+        # buffers): a new context allocates them again after the weights (later_bytes)
+        self._freed_context_bytes = 0
 
     # -- attach ---------------------------------------------------------------------------------
 
@@ -195,6 +201,7 @@ class KvLevel:
             self._kept = ctx_obj
             self._release_compute(int(ctx_obj.ctx))
         else:
+            self._freed_context_bytes = self._context_bytes(int(ctx_obj.ctx))
             ctx_obj.close()
 
     def last_save(self) -> tuple[float, int, str, float | None] | None:
@@ -248,6 +255,7 @@ class KvLevel:
         buffers' placeholders with it); the snapshot goes into a new context the portable way."""
         if self._kept is None:
             return
+        self._freed_context_bytes = self._context_bytes(int(self._kept.ctx))
         self._kept.close()
         self._kept = None
         self._compute = None
@@ -286,6 +294,39 @@ class KvLevel:
             return
         self._compute = found
         log.info("released the compute buffers of %s: %.1f MB", self._model_path, found.live.nbytes / 1e6)
+
+    def _context_bytes(self, ctx: int) -> int:
+        """The device bytes context ``ctx`` holds besides the weights, as a new context made
+        again allocates them: its KV buffers (their sizes, released or not; where they cannot be
+        found, :attr:`kv_hint_bytes`) and its compute buffers (released in place: their sizes;
+        else the scheduler's, ``ggml_backend_sched_get_buffer_size``). A GPU build counts device
+        buffers only; on a CPU build host memory is the device."""
+
+        def on_device(buft: int) -> bool:
+            return self._gpu is None or not bool(_ggml.buft_is_host(buft))
+
+        if self.buffers is not None:
+            kv = sum(b.size for b in self.buffers.live.items if on_device(b.buft))
+        else:
+            kv = self.kv_hint_bytes
+        if self._compute is not None:
+            compute = sum(b.size for b in self._compute.live.items if on_device(b.buft))
+        else:
+            compute = 0
+            sched = int(_ggml.ctx_get_sched(ctx) or 0) if _ggml.ctx_get_sched is not None else 0
+            for i in range(int(_ggml.sched_get_n_backends(sched)) if sched else 0):
+                backend = _ggml.sched_get_backend(sched, i)
+                if on_device(int(_ggml.sched_get_buffer_type(sched, backend) or 0)):
+                    compute += int(_ggml.sched_get_buffer_size(sched, backend))
+        return kv + compute
+
+    @property
+    def later_bytes(self) -> int:
+        """The device bytes a restore allocates after the weights: a context freed at the
+        release (its KV cache not in place, or ``free_context``) is made again after them, with
+        its KV cache and compute buffers; 0 where the context was kept (:meth:`begin_restore`
+        allocates its KV and compute buffers before the weights) or nothing was released."""
+        return self._freed_context_bytes
 
     # -- restore --------------------------------------------------------------------------------
 
@@ -357,6 +398,7 @@ class KvLevel:
             return ctx_obj, reset
         ctx = context.new_context(llm, llm._model, self.snapshot, self._model_path, stays_released="")
         self.snapshot = None  # applied and closed
+        self._freed_context_bytes = 0  # made again
         llm._stack.enter_context(contextlib.closing(ctx))
         if self.buffers is not None:  # the new context's KV buffers, for the next release in place
             self._saver = None

@@ -101,10 +101,10 @@ class ResidencyPath(Protocol):
         Returns how much of the weights stays on the device."""
         ...
 
-    def restore(self, overlap: bool, kv: KvUpload | None) -> tuple[int, bool | None]:
-        """Bring every released part back (``overlap``, ``kv``: see InPlace.restore); returns the
-        bytes uploaded and whether a weight came back at another address (None: not known).
-        Raises OutOfDeviceMemoryError with the weights as released as they were."""
+    def restore(self, overlap: bool, kv: KvUpload | None, later: int = 0) -> tuple[int, bool | None]:
+        """Bring every released part back (``overlap``, ``kv``, ``later``: see InPlace.restore);
+        returns the bytes uploaded and whether a weight came back at another address (None: not
+        known). Raises OutOfDeviceMemoryError with the weights as released as they were."""
         ...
 
     def resident_bytes(self, resident: bool) -> int:
@@ -147,7 +147,7 @@ class NoPath:
     def release(self, keep_bytes: int | None, final: bool) -> Weights:
         return Weights.NONE
 
-    def restore(self, overlap: bool, kv: KvUpload | None) -> tuple[int, bool | None]:
+    def restore(self, overlap: bool, kv: KvUpload | None, later: int = 0) -> tuple[int, bool | None]:
         return 0, None
 
     def resident_bytes(self, resident: bool) -> int:
@@ -333,14 +333,17 @@ class InPlacePath:
             return Weights.NONE
         return Weights.ALL if self.resident_bytes(True) == self.weight_bytes else Weights.SOME
 
-    def restore(self, overlap: bool, kv: KvUpload | None) -> tuple[int, bool | None]:
+    def restore(self, overlap: bool, kv: KvUpload | None, later: int = 0) -> tuple[int, bool | None]:
         """The model's weights (InPlace.restore), then the projector's restore started on its
         thread, queued after the uploads the model's restore left running: the bytes returned
-        count it (it moves with every switch), the caller does not wait for it."""
+        count it (it moves with every switch), the caller does not wait for it. ``later``: what
+        the caller allocates after this (a new context); the projector's released bytes, which
+        ggml allocates after the model's weights, are added to it."""
         proj = self.projector
         if proj is not None:
             proj.join()  # (a restore of the last switch: over long ago)
-        nbytes = self.ip.restore(overlap=overlap, kv=kv)
+            later += max(0, proj.ip.weight_bytes - proj.ip.resident_bytes)
+        nbytes = self.ip.restore(overlap=overlap, kv=kv, later=later)
         if proj is not None:
             # (Vulkan: over before the caller decodes; see InPlace's overlap_note)
             background = not self.ip.backend.startswith("Vulkan")

@@ -83,11 +83,13 @@ class RebuildPath:
         point_tokenizer(llm, llm._model)
         return Weights.NONE
 
-    def restore(self, overlap: bool = False, kv: KvUpload | None = None) -> tuple[int, bool | None]:
+    def restore(
+        self, overlap: bool = False, kv: KvUpload | None = None, later: int = 0
+    ) -> tuple[int, bool | None]:
         """Load the model again, make its context and apply the KV snapshot; returns the model's
         bytes (and None: where the weights are now is not known). Raises ModelFileChangedError
         (the file is gone or changed) or OutOfDeviceMemoryError; the model stays released either
-        way. Never overlapped; ``kv`` is the in-place path's."""
+        way. Never overlapped; ``kv`` and ``later`` are the in-place path's."""
         from llama_cpp import _internals
 
         llm = self._llm

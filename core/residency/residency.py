@@ -433,6 +433,26 @@ class Residency:
         return self._path.frees_memory and self._kvl.compute_releasable
 
     @property
+    def kv_hint_bytes(self) -> int:
+        """The KV cache's bytes on the device as the owner measured them (worker/footprint.py,
+        from the GGUF's shape; 0: not known): what a context made again allocates for its KV
+        cache where the KV level cannot find its buffers (:attr:`kv_note`). A restore after a
+        release that freed the context keeps that context's bytes out of the hand-over's room
+        (``restore_steps.later_bytes``)."""
+        return self._kvl.kv_hint_bytes
+
+    @kv_hint_bytes.setter
+    def kv_hint_bytes(self, nbytes: int) -> None:
+        self._kvl.kv_hint_bytes = max(0, int(nbytes))
+
+    @property
+    def later_bytes(self) -> int:
+        """The device bytes the next restore allocates after the weights (a context freed at the
+        release, made again: its KV cache and compute buffers; 0 while the KV cache is resident
+        or its context was kept)."""
+        return 0 if self.kv_resident else self._kvl.later_bytes
+
+    @property
     def compute_released_bytes(self) -> int:
         """Bytes of compute buffers released in place now (0 otherwise)."""
         return self._kvl.compute_released_bytes
@@ -758,8 +778,11 @@ class Residency:
             if not self.weights_resident:
                 if self.shadow_pending:  # a release came before its deferred shadow was built
                     self.fill_shadow(pin=False)  # the rest from the file, pinned later (pin_shadow)
+                # a context freed at the release comes back after the weights (its KV cache and
+                # compute buffers): handed-over memory does not count those bytes as its room
+                later = self.later_bytes
                 try:
-                    nbytes, moved = path.restore(overlap, kv_up)
+                    nbytes, moved = path.restore(overlap, kv_up, later)
                 except BaseException:
                     self._kvl.buffers_out()  # back to the deep level as a whole
                     raise

@@ -80,6 +80,11 @@ class RestoreSteps:
     intact_chunks: float | None = None
     uploaded_bytes: float | None = None  # weight bytes copied from the host shadow
     skipped_upload_bytes: float | None = None  # weight bytes not copied: still in kept memory
+    # the bytes the restore allocates after the weights (a deep restore's new context: its KV
+    # cache and compute buffers; a projector), kept out of the room the take said this worker
+    # may allocate chunks in (room_bytes; absent when the take said none)
+    later_bytes: float | None = None
+    room_bytes: float | None = None
     # a vision projector's restore (issue 41), off the caller's path on a thread of its own once
     # the model's restore returned: its allocation and upload, and how long it first waited for
     # the model's uploads (from its start); known once joined (an image encode, a release)

@@ -464,6 +464,9 @@ class ArenaTenancy(Tenancy):
         if self.handover is not None:
             options = replace(options, handover=True)
         res = Residency.attach(engine.llm, engine.model.path, options, chunk_source=self.handover)
+        # a context the KV level frees (its KV buffers not found) is made again after the weights:
+        # its KV cache's bytes stay out of the hand-over's room then
+        res.kv_hint_bytes = self.kv_footprint[0]
         if engine.vision is not None and res.attach_projector(engine.vision.watch, engine.vision.path):
             # its projector's weights go and come back with the model's (restored after them, off
             # the first token's path): an encode waits for them
