@@ -140,9 +140,10 @@ OVERLAP_RESTORE = EnvVar(
 HANDOVER = EnvVar(
     "TIMESHARE_HANDOVER",
     "0 or 1",
-    "arena.handover (off)",
+    "arena.handover (on), where the device can: a CUDA build",
     "escape hatch",
-    "Device memory handed over between workers (issue 40) off (0) or on (1), whatever arena.handover says",
+    "Device memory handed over between workers (issue 40) off (0) or on (1), whatever arena.handover says "
+    "and on any build (1 on a CPU build: the memfd stand-in plays the device, as the tests use it)",
 )
 HANDOVER_KEEP = EnvVar(
     "TIMESHARE_HANDOVER_KEEP",

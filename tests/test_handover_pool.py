@@ -20,9 +20,16 @@ PROMPT = "The three primary colours are"
 
 
 def _two_on_handed_memory(
-    ids: tuple[str, str], tmp_path: Path, smollm2_path: Path, pools: list[Pool]
+    ids: tuple[str, str],
+    tmp_path: Path,
+    smollm2_path: Path,
+    pools: list[Pool],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Pool:
-    """A started pool of two SmolLM2 workers ``ids`` on a one-model budget with the hand-over on."""
+    """A started pool of two SmolLM2 workers ``ids`` on a one-model budget with the hand-over on
+    (``arena.handover`` alone means CUDA only: on this CPU build $TIMESHARE_HANDOVER=1 asks for the
+    memfd stand-in)."""
+    monkeypatch.setenv("TIMESHARE_HANDOVER", "1")
     config = Config(
         models=tuple(ModelConfig(id=i, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for i in ids),
         arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget="one-model", handover=True),
@@ -40,7 +47,7 @@ def test_two_workers_switch_on_handed_memory(
     # no room on the card: each switch has the other's kept chunks asked back
     monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
     ids = ("smol-a", "smol-b")
-    pool = _two_on_handed_memory(ids, tmp_path, smollm2_path, pools)
+    pool = _two_on_handed_memory(ids, tmp_path, smollm2_path, pools, monkeypatch)
     assert all(m.state is not ModelState.FAILED for m in pool.snapshot().models), pool.snapshot()
 
     def answer(model: str) -> tuple[str, bool]:
@@ -82,7 +89,7 @@ def test_switches_back_with_room_upload_nothing(
     the bytes skipped), every answer the one given before any switch."""
     monkeypatch.delenv("TIMESHARE_HANDOVER_ROOM", raising=False)
     ids = ("smol-a", "smol-b")
-    pool = _two_on_handed_memory(ids, tmp_path, smollm2_path, pools)
+    pool = _two_on_handed_memory(ids, tmp_path, smollm2_path, pools, monkeypatch)
 
     def answer(model: str) -> tuple[str, bool, int]:
         got = pool.generate(model, prompt=PROMPT, sampling=Sampling(max_tokens=8, temperature=0.0))
@@ -108,3 +115,52 @@ def test_switches_back_with_room_upload_nothing(
         once = s1[i] - s0[i]  # one switch back: the weights' tensor bytes (no padding)
         assert 0 < once <= models[i].weight_bytes
         assert s2[i] - s1[i] == 2 * once
+
+
+@pytest.mark.parametrize(
+    ("setting", "backend", "env", "wanted"),
+    [
+        (True, "CUDA0", None, True),  # the default: on where the device can hand memory over
+        (True, "CUDA1", None, True),
+        (True, "Vulkan0", None, False),  # not wired into ggml-vulkan's buffers yet
+        (True, "CPU", None, False),  # host memory: nothing to gain (the stand-in is for tests)
+        (False, "CUDA0", None, False),  # the user turned it off
+        (True, "CUDA0", "0", False),  # the escape hatch, both ways, on any build
+        (False, "CPU", "1", True),
+        (True, "Vulkan0", "1", True),
+        (True, "CUDA0", "yes", True),  # not 0/1: the setting's rule
+    ],
+)
+def test_the_hand_over_is_on_by_default_for_cuda_only_and_the_variable_overrides(
+    setting: bool, backend: str, env: str | None, wanted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from timeshare.core.worker.tenancy import handover_wanted
+
+    assert ArenaConfig().handover is True
+    if env is None:
+        monkeypatch.delenv("TIMESHARE_HANDOVER", raising=False)
+    else:
+        monkeypatch.setenv("TIMESHARE_HANDOVER", env)
+    assert handover_wanted(setting, backend) is wanted
+
+
+def test_a_cpu_pool_with_the_default_setting_starts_no_holder(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TIMESHARE_HANDOVER", raising=False)
+    config = Config(
+        models=(ModelConfig(id="a", path=str(smollm2_path), n_ctx=256, idle_sleep_s=None),),
+        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget="one-model"),
+    )
+    assert config.arena.handover
+    pool = Pool(config, arena_dir=tmp_path / "arena", log_dir=tmp_path / "log", kv_dir=tmp_path / "kv")
+    pools.append(pool)
+    pool.start()
+    pool.wait_ready(timeout=WAIT)
+    assert pool.generate("a", prompt=PROMPT, sampling=Sampling(max_tokens=4)).result(timeout=WAIT).text
+    (model,) = pool.snapshot().models
+    assert model.handover_mapped_chunks == 0 and model.handover_creates == 0
+    # no holder was started for this arena: no socket, no state file beside the token
+    assert not [p.name for p in (tmp_path / "arena").rglob("*") if "hand" in p.name], list(
+        (tmp_path / "arena").rglob("*")
+    )

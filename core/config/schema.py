@@ -236,10 +236,10 @@ class ArenaConfig:
             special="never",
         ),
     )
-    # device memory handed from the releasing worker to the restoring one (issue 40): off until
-    # the GPU run proves it (docs/INTERFACES.md, "Device memory handed over between workers")
+    # device memory handed from the releasing worker to the restoring one (issue 40): on, where
+    # the device can (a CUDA build; docs/INTERFACES.md, "Device memory handed over between workers")
     handover: bool = setting(
-        False,
+        True,
         FieldMeta(
             "Hand {GPU memory|memory} from one model to the next",
             "A switch frees no {GPU memory|memory}: the model that leaves hands its memory to the one "

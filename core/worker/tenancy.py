@@ -25,6 +25,7 @@ from ..observe import NULL_OBSERVER, EventLog, Observer
 from ..residency import Residency, ResidencyOptions
 from ..residency.measure import rss_bytes
 from ..residency.overlap import overlap_expected
+from ..residency.probe import probe
 from ..residency.reports import RestoreReport
 from ..residency.residency import mode_wanted
 from ..residency.state import Weights
@@ -59,6 +60,18 @@ def shadow_slice_bytes() -> int:
             return max(1, int(mib * (1 << 20)))
         log.warning("%s=%r is not a positive number of MiB: using the default", SHADOW_SLICE_ENV, raw)
     return ResidencyOptions.shadow_slice_bytes
+
+
+def handover_wanted(setting: bool, backend: str) -> bool:
+    """Whether a worker on ``backend`` (the build's first GPU, "CPU" without one) uses the
+    hand-over: ``$TIMESHARE_HANDOVER`` (0/1) decides when set, on any build (1 on a CPU build: the
+    memfd stand-in plays the device, as the tests use it); else ``arena.handover`` (default on)
+    where the device can hand memory over: CUDA (VMM). Not on Vulkan (the probe exists, ggml-vulkan's
+    buffers are not made of handed chunks yet) nor on the CPU build (host memory: nothing to gain)."""
+    override = envvars.HANDOVER.switch()
+    if override is not None:
+        return override
+    return setting and backend.startswith("CUDA")
 
 
 @dataclass(frozen=True)
@@ -434,12 +447,10 @@ class ArenaTenancy(Tenancy):
         return max(1, int(self.spec.model.weight_parts)) if overlap_expected() else 1
 
     def _handover_client(self) -> HandoverClient | None:
-        """The arena's hand-over holder, when ``arena.handover`` (or ``TIMESHARE_HANDOVER``) asks
-        for it: connected now (starting it when none lives); a holder that cannot be reached is
-        tried again at each restore, and meanwhile the worker's chunks are its own."""
-        override = envvars.HANDOVER.switch()
-        wanted = self.spec.arena.handover if override is None else override
-        if not wanted or not holder_env_ok():
+        """The arena's hand-over holder, when it is wanted (:func:`handover_wanted`): connected
+        now (starting it when none lives); a holder that cannot be reached is tried again at each
+        restore, and meanwhile the worker's chunks are its own."""
+        if not handover_wanted(self.spec.arena.handover, probe().backend) or not holder_env_ok():
             return None
         client = HandoverClient(self.arena.path, self.spec.model.id, idle_s=self.spec.arena.handover_idle_s)
         try:
