@@ -208,11 +208,7 @@ def _turns(
 def _kv_moved(log_dir: Path, ids: list[str]) -> list[int]:
     """The KV bytes each deep release moved to host memory (the cells in use), from the logs."""
     out: list[int] = []
-    for mid in ids:
-        try:
-            text = (log_dir / f"worker-{mid}.log").read_text(errors="replace")
-        except OSError:
-            continue
+    for _mid, text in _worker_logs(log_dir, ids):
         out += [int(n) for n in _MOVED_RE.findall(text)]
     return out
 
@@ -222,16 +218,23 @@ def _median(values: list[Any]) -> float | None:
     return statistics.median(got) if got else None
 
 
+def _worker_logs(log_dir: Path, ids: list[str]) -> list[tuple[str, str]]:
+    """(model id, its worker's log text) for each of ``ids`` whose log can be read."""
+    out: list[tuple[str, str]] = []
+    for mid in ids:
+        try:
+            out.append((mid, (log_dir / f"worker-{mid}.log").read_text(errors="replace")))
+        except OSError:
+            continue
+    return out
+
+
 def deep_releases(log_dir: Path, ids: list[str]) -> list[dict[str, Any]]:
     """The releasing side of each deep switch, from the parked workers' logs: the save of the
     KV cells (bytes, ms, way: "raw" straight from the KV tensors or "state") and the whole deep
     release's ms (the save, the KV and compute buffers and the weights freed)."""
     out: list[dict[str, Any]] = []
-    for mid in ids:
-        try:
-            text = (log_dir / f"worker-{mid}.log").read_text(errors="replace")
-        except OSError:
-            continue
+    for mid, text in _worker_logs(log_dir, ids):
         saves = _SAVED_RE.findall(text)
         released = _DEEP_RELEASED_RE.findall(text)
         for i, (nbytes, ms, way, alloc, alloc_ms) in enumerate(saves):
@@ -250,11 +253,7 @@ def kv_host_ahead(log_dir: Path, ids: list[str]) -> list[dict[str, Any]]:
     """The KV snapshots' host memory each worker grew while idle after an answer, off the
     switch's path (TIMESHARE_KV_AHEAD): MB, pinned or pageable, milliseconds."""
     out: list[dict[str, Any]] = []
-    for mid in ids:
-        try:
-            text = (log_dir / f"worker-{mid}.log").read_text(errors="replace")
-        except OSError:
-            continue
+    for mid, text in _worker_logs(log_dir, ids):
         out += [
             {"model": mid, "mb": float(mb), "memory": kind, "alloc_ms": float(ms)}
             for mb, kind, ms in _AHEAD_RE.findall(text)

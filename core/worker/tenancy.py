@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import envvars
 from ..arena.arena import Arena
-from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, compute_budget, time_share_room
+from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, LeaseRecord, compute_budget, time_share_room
 from ..arena.client import TokenClient
 from ..arena.dirs import device_arena_dir
 from ..arena.handclient import HandoverClient, holder_env_ok
@@ -550,10 +550,8 @@ class ArenaTenancy(Tenancy):
             return True
         if self._pinned or budget is None or budget.kind != "auto" or self._deepens <= 0:
             return False
-        try:
-            leases = self.arena.leases()
-        except OSError as exc:
-            log.warning("reading the arena's leases failed: %s", exc)
+        leases = self._leases()
+        if leases is None:
             return False
         me = (os.getpid(), self.spec.model.id)
         return any(x.kind == "reserve" and (x.pid, x.model) != me for x in leases)
@@ -706,12 +704,18 @@ class ArenaTenancy(Tenancy):
         budget = self.budget
         if budget is None or budget.kind != "auto":
             return None
+        leases = self._leases()
+        if leases is None:
+            return None
+        return time_share_room(budget, leases, (os.getpid(), self.spec.model.id), self._own_allowance())
+
+    def _leases(self) -> list[LeaseRecord] | None:
+        """The arena's live leases, None (said in the log) when they cannot be read."""
         try:
-            leases = self.arena.leases()
+            return self.arena.leases()
         except OSError as exc:
             log.warning("reading the arena's leases failed: %s", exc)
             return None
-        return time_share_room(budget, leases, (os.getpid(), self.spec.model.id), self._own_allowance())
 
     def make_room(self, need: int, poll: Callable[[], None], timeout_s: float | None) -> None:
         """Under an auto budget, when ``need`` (plus this worker's driver context) exceeds what the
