@@ -285,7 +285,8 @@ def test_waiting_for_a_pinned_model_is_said_in_the_window_and_the_tray(qtbot: An
         # the wait is in its line, whether the request or the pre-wake (typing) took the GPU
         assert stats.switched and stats.wait_ms > 0 and not stats.prewoken
         assert "waited" in answer_line(stats) and "restored while you typed" not in answer_line(stats)
-        assert window.wait_row.isHidden()
+        # the wait line follows the pool's snapshots (its event thread), not the answer's end
+        qtbot.waitUntil(window.wait_row.isHidden, timeout=60_000)
         qtbot.waitUntil(lambda: "waiting" not in app.tray.icon.toolTip(), timeout=60_000)
     finally:
         app.bridge.pin(GEMMA, False)
