@@ -130,6 +130,7 @@ class FakeHub:
         self.faults = Faults()
         self.endless_sent = 0  # bytes the last endless body sent
         self.endless_done = threading.Event()  # set when the client hung up on it
+        self.hung_up: list[str] = []  # keys of the bodies a client stopped taking (it hung up)
         self._lock = threading.Lock()
         hub = self
 
@@ -368,6 +369,8 @@ class FakeHub:
                     h.wfile.flush()
                     time.sleep(self.faults.delay_per_chunk)
         except (BrokenPipeError, ConnectionResetError):
+            with self._lock:
+                self.hung_up.append(key)
             h.close_connection = True
 
     def _endless(self, h: BaseHTTPRequestHandler, method: str, data: bytes) -> None:

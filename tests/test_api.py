@@ -370,6 +370,8 @@ def test_interleaved_completions_equal_the_greedy_reference(
 ) -> None:
     # three requests per model at once, alternating models: 1 in flight + 2 queued per model
     jobs = [(model, PROMPTS[model][i % 2]) for i in range(3) for model in (SMOL, GEMMA)]
+    before = served.status()["switch_stats"]["per_model"]  # type: ignore[index]
+    base = {m: before.get(m, {}).get("requests", 0) for m in (SMOL, GEMMA)}
 
     def complete(job: tuple[str, str]) -> tuple[str, str, str, str]:
         model, prompt = job
@@ -382,8 +384,15 @@ def test_interleaved_completions_equal_the_greedy_reference(
     for model, prompt, text, finish in answers:
         assert text == greedy_references[(model, prompt)], (model, prompt)
         assert finish in ("stop", "length")
-    per_model = served.status()["switch_stats"]["per_model"]  # type: ignore[index]
-    assert per_model[SMOL]["requests"] >= 3 and per_model[GEMMA]["requests"] >= 3
+    # the switch counter is fed by the pool's REQUEST_DONE events, published on its event thread a
+    # moment after each answer: wait for this test's six requests to be counted
+    counted = served.wait_until(
+        lambda s: all(
+            s["switch_stats"]["per_model"].get(m, {}).get("requests", 0) >= base[m] + 3 for m in base
+        ),
+        "the six requests to reach the switch counter",
+    )
+    per_model = counted["switch_stats"]["per_model"]  # type: ignore[index]
     assert per_model[SMOL]["switches"] >= 1 and per_model[GEMMA]["switches"] >= 1
 
 

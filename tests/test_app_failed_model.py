@@ -70,7 +70,9 @@ def test_locate_file_and_remove_for_a_model_whose_file_is_gone(
         status = app.pool.snapshot().model(model_id)
         return None if status is None else status.state
 
-    qtbot.waitUntil(lambda: state("ghost") is ModelState.FAILED and state("other") is ModelState.FAILED)
+    qtbot.waitUntil(
+        lambda: state("ghost") is ModelState.FAILED and state("other") is ModelState.FAILED, timeout=WAIT_MS
+    )
     texts = _submenu_texts(app, "ghost")
     assert "Locate file…" in texts and "Remove" in texts and "Restart" in texts
     assert any("the model file does not exist" in t for t in texts)  # the reason (its path: Details)
@@ -132,11 +134,11 @@ def test_the_chat_window_shows_a_failed_model_its_reason_and_fixes_and_saves_not
     from PySide6.QtCore import Qt
     from timeshare.app.menu_model import Command
 
-    qtbot.waitUntil(lambda: app.pool.snapshot().model("ghost").state is ModelState.FAILED)
+    qtbot.waitUntil(lambda: app.pool.snapshot().model("ghost").state is ModelState.FAILED, timeout=WAIT_MS)
     window = app.window
     window.open_for_model("ghost")
     bar = window.problem_bar
-    qtbot.waitUntil(lambda: not bar.isHidden())
+    qtbot.waitUntil(lambda: not bar.isHidden(), timeout=WAIT_MS)  # the snapshot reaches the GUI queued
     assert "ghost cannot answer" in bar.label.text() and "the model file does not exist" in bar.label.text()
     assert "ghost.gguf" not in bar.label.text() and "ghost.gguf does not exist" in bar.details.text()
     assert "timeshare start" not in bar.label.text() and "POST" not in bar.label.text()

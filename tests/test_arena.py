@@ -53,6 +53,9 @@ class Proc:
             return any(line.startswith(prefix) for line in self.lines) or self.popen.poll() is not None
 
         wait_until(seen, timeout, f"{prefix!r} from {self.popen.args}")
+        if self.popen.poll() is not None:
+            # it exited: its last lines may still be on their way to the reader thread (until EOF)
+            self._reader.join(timeout)
         for line in self.lines:
             if line.startswith(prefix):
                 return line

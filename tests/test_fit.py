@@ -221,6 +221,16 @@ def test_quantised_kv_caches_load_answer_and_hold_less(
         )
         answers[m.id] = result.result(timeout=WAIT).text
     assert all(text.strip() for text in answers.values()), answers
+
+    # each previous holder reports its release on its own pipe after it let the GPU go: the next
+    # one's answer may come first, so wait until the pool has seen both let go
+    def let_go(model_id: str) -> bool:
+        status = pool.snapshot().model(model_id)
+        return status is not None and status.state is not ModelState.RESIDENT
+
+    wait_until(
+        lambda: let_go("smol-f16") and let_go("smol-q8_0"), WAIT, "the earlier holders' release reports"
+    )
     snap = pool.snapshot()
     status = {m.id: m for m in snap.models}
     f16, q8, q4 = (status[f"smol-{t}"] for t in ("f16", "q8_0", "q4_0"))

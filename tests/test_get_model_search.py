@@ -165,7 +165,9 @@ def test_the_dialog_searches_picks_and_tells_what_fits(
         dialog.found.item(1).text()
         == f"tiny-org/Tiny-Coder-GGUF\n135 M parameters · llama · 900 downloads\n{sized}"
     )
-    qtbot.waitUntil(lambda: dialog.found.item(0).text().endswith(f"weights fit the GPU: Q4_K_M {q4}"))
+    qtbot.waitUntil(
+        lambda: dialog.found.item(0).text().endswith(f"weights fit the GPU: Q4_K_M {q4}"), timeout=20000
+    )  # its sizes come from the hub on another thread, as the other hit's did
 
     item = dialog.found.item(1)
     qtbot.mouseClick(

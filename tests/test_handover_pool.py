@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from _budget_pool_util import WAIT
+from _proc_util import wait_until
 from timeshare.core.arena.handclient import HandoverClient
 from timeshare.core.config.schema import ArenaConfig, Config, ModelConfig
 from timeshare.core.pool.supervisor import Pool
@@ -73,7 +74,12 @@ def test_two_workers_switch_on_handed_memory(
     assert after["released"] - before["released"] == 6 * n  # ... once the other had unmapped them
     assert after["chunks"] <= 2 * n  # never more than the two models' worth held
     # the workers' status: each one's last restore mapped the other's n chunks; its cuMemCreate
-    # calls are the first restore's; the lease counts whole chunks (padding is device memory)
+    # calls are the first restore's; the lease counts whole chunks (padding is device memory).
+    # The previous holder reports its release on its own pipe after it let the token go: the
+    # last answer may come first, so wait until the pool has seen it let go
+    wait_until(
+        lambda: sum(m.holds_gpu for m in pool.snapshot().models) == 1, WAIT, "one model holding the GPU"
+    )
     models = {m.id: m for m in pool.snapshot().models}
     assert all(models[i].handover_mapped_chunks == n for i in ids)
     assert sum(models[i].handover_creates for i in ids) == after["adopted"]

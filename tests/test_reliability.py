@@ -128,7 +128,9 @@ def test_too_many_open_files_at_spawn_is_retried_then_reported_as_what_it_is(
         assert "too many open files in this process (EMFILE)" in status.reason, status.reason
         assert "ulimit -n" in status.reason and "permission" not in status.reason
         assert status.failure_code == ""  # not the file's fault: no "Locate file…"
-        assert any("trying again in" in r for r in seen)  # it said so while retrying
+        # it said so while retrying (the events reach subscribers on the pool's event thread, maybe
+        # after the snapshot already shows FAILED)
+        wait_until(lambda: any("trying again in" in r for r in seen), WAIT, "a 'trying again in' reason")
         assert fail["left"] == 10**6 - 1 - SPAWN_RETRIES
         fail["left"] = 2  # the shortage passes during the next start's retries
         pool.start_model("m")

@@ -24,6 +24,7 @@ import pytest
 import tomllib
 from _api_util import write_config
 from _hub_util import FakeHub, make_gguf
+from _proc_util import wait_until
 from timeshare.app import menu_model
 from timeshare.core.api.errors import BadRequestError
 from timeshare.core.api.ollama import keep_alive_seconds
@@ -241,8 +242,11 @@ def _slow_file(hub: FakeHub, tmp_path: Path, name: str) -> bytes:
     return data
 
 
-def _settled_partial(home: Path, name: str) -> Path | None:
-    """The pull's partial file once it stops growing (None: there is none: it was finished)."""
+def _settled_partial(hub: FakeHub, home: Path, name: str) -> Path | None:
+    """The pull's partial file once the hub saw the pull hang up and the file stopped growing
+    (None: there is none: it was finished). Stillness alone is no proof on a loaded machine: a
+    pull that only stalled for the 2 s would pass for one that stopped."""
+    wait_until(lambda: name in hub.hung_up, 60, f"the hub to see the pull of {name} hang up")
     deadline = time.monotonic() + 60
     last = -1
     still = 0
@@ -295,7 +299,7 @@ def test_a_streamed_pull_stops_when_its_client_goes_away(
         lines = r.iter_lines()
         seen = [json.loads(next(lines)) for _ in range(6)]
     assert any("completed" in s for s in seen)
-    part = _settled_partial(timeshare_home, name)
+    part = _settled_partial(hub, timeshare_home, name)
     assert part is not None and 0 < part.stat().st_size < len(data)  # kept for a resume
     assert name not in _file_names(api)
     _resumes(api, hub, name, data)
@@ -314,7 +318,7 @@ def test_a_whole_pull_stops_when_its_client_goes_away(
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         _wait_for_partial(timeshare_home, name)
-    part = _settled_partial(timeshare_home, name)
+    part = _settled_partial(hub, timeshare_home, name)
     assert part is not None and 0 < part.stat().st_size < len(data)
     assert name not in _file_names(api)
     _resumes(api, hub, name, data)
