@@ -28,6 +28,7 @@ from .dirs import ArenaDir
 from .handover import (
     IDLE_S,
     MAX_FDS,
+    REQUEST_TIMEOUT_S,
     VERSION,
     HandoverError,
     PeerRefusedError,
@@ -66,7 +67,7 @@ class HandoverClient:
         chunk_bytes: int | None = None,
         idle_s: float = IDLE_S,
         start: bool = True,
-        timeout: float = 5.0,
+        timeout: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.dir = ArenaDir(Path(os.path.abspath(arena_dir)))
         self.model = model

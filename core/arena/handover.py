@@ -54,6 +54,13 @@ MAX_LONG_MESSAGE = 32 << 20
 LONG_OP = "long"
 #: on-hand chunks go back to the driver after this long without a take or a put (arena.handover_idle_s)
 IDLE_S = 300.0
+#: a take that asked kept chunks back waits this long for their owners' answers (then it gets
+#: what is on hand)
+RECLAIM_WAIT_S = 3.0
+#: a worker's socket timeout for one answer of the holder: a take may wait RECLAIM_WAIT_S for
+#: other owners, and a loaded machine schedules the holder late (5 s left too little margin: a
+#: take timed out and the worker used its own memory); only a hung holder costs this wait
+REQUEST_TIMEOUT_S = RECLAIM_WAIT_S + 12.0
 
 
 class HandoverError(ArenaError):

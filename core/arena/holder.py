@@ -41,6 +41,7 @@ from .arena import Arena
 from .handover import (
     IDLE_S,
     MAX_FDS,
+    RECLAIM_WAIT_S,
     RECORD_FILE,
     SOCKET_FILE,
     VERSION,
@@ -62,9 +63,6 @@ log = logging.getLogger(__name__)
 CHECK_S = 1.0
 #: a starting holder tries this long for the record's lock (a reader probes it for microseconds)
 LOCK_TRY_S = 0.5
-#: a take that asked kept chunks back waits this long for their owners' answers (then it gets
-#: what is on hand; less than a worker's socket timeout)
-RECLAIM_WAIT_S = 3.0
 
 
 @dataclass
