@@ -9,7 +9,9 @@
 #   vision   issue 41: switched turn with a 1.3 GB generated projector ÷ without (target ≤ 1.1 ×)
 #   switch   a moved restore drops the previous graph (TIMESHARE_GRAPH_RESET=rebuild, new default):
 #            20 switched turns without the hand-over, bitwise, the worker's restore lines (moved?)
-#   deep     issue 39: deep switch vs weights-only, flash attention and not (target weights-only + KV ÷ copy + 15 ms)
+#   deep     issue 39: deep switch vs weights-only, flash attention and not (target weights-only + KV ÷ copy + 15 ms);
+#            `timeshare serve` defaults: the hand-over on (CUDA) and the KV memory grown ahead; TIMESHARE_HANDOVER=0
+#            and TIMESHARE_KV_AHEAD=0 in the environment give session 9's way on the same machine
 #   handover issue 40: scripts/lab/handover_gpu.sh (kept mappings, 20 switches, chunk sizes)
 #   embed    issue 45: 2,048 inputs vs llama-server (llama-server alone needs ~6.5 min: run it last)
 set -u
