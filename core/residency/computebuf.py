@@ -92,6 +92,23 @@ class ComputeBuffers:
             forget_graph(self.ctx)
 
 
+def scheduler_bytes(ctx: int) -> tuple[int, int]:
+    """The bytes of context ``ctx``'s compute buffers as its scheduler reports them
+    (``ggml_backend_sched_get_buffer_size``): (in device memory, in host memory), by each buffer
+    type's ``ggml_backend_buft_is_host`` (a GPU build's CPU and pinned staging buffers are host
+    memory; on a CPU build all of them are). (0, 0) where the build's scheduler cannot be reached."""
+    sched = int(_ggml.ctx_get_sched(ctx) or 0) if _ggml.ctx_get_sched is not None else 0
+    device = host = 0
+    for i in range(int(_ggml.sched_get_n_backends(sched)) if sched else 0):
+        backend = _ggml.sched_get_backend(sched, i)
+        size = int(_ggml.sched_get_buffer_size(sched, backend))
+        if _ggml.buft_is_host(int(_ggml.sched_get_buffer_type(sched, backend) or 0)):
+            host += size
+        else:
+            device += size
+    return device, host
+
+
 def forget_graph(ctx: int) -> None:
     """Make the next decode of ``ctx`` build (and allocate) its graph anew instead of reusing the
     previous one: no scheduler reserve, one graph build."""

@@ -24,7 +24,13 @@ import llama_cpp
 from .. import envvars
 from ..errors import OutOfDeviceMemoryError, ResidencyError
 from . import _ggml, context
-from .computebuf import ComputeBufferFinder, ComputeBuffers, ComputeBufferUnsupportedError, forget_graph
+from .computebuf import (
+    ComputeBufferFinder,
+    ComputeBuffers,
+    ComputeBufferUnsupportedError,
+    forget_graph,
+    scheduler_bytes,
+)
 from .inplace import InPlace
 from .kv import KvSnapshot, state_sizes
 from .kvbuffer import KvBuffers, KvBufferUnsupportedError
@@ -216,7 +222,7 @@ class KvLevel:
         in use would take now (KvHostMemory's rule), so that release allocates nothing; returns
         the bytes allocated. Nothing while a snapshot holds the memory (released, or an
         overlapped restore's upload not settled)."""
-        if self.snapshot is not None or self._uploading is not None or self.memory.lent:
+        if self.snapshot is not None or self._uploading is not None:  # (a lent memory grows nothing)
             return 0
         size, most = self._snapshot_size(ctx)
         return self.memory.grow_ahead(size, most)
@@ -312,12 +318,8 @@ class KvLevel:
         if self._compute is not None:
             compute = sum(b.size for b in self._compute.live.items if on_device(b.buft))
         else:
-            compute = 0
-            sched = int(_ggml.ctx_get_sched(ctx) or 0) if _ggml.ctx_get_sched is not None else 0
-            for i in range(int(_ggml.sched_get_n_backends(sched)) if sched else 0):
-                backend = _ggml.sched_get_backend(sched, i)
-                if on_device(int(_ggml.sched_get_buffer_type(sched, backend) or 0)):
-                    compute += int(_ggml.sched_get_buffer_size(sched, backend))
+            device, host = scheduler_bytes(ctx)
+            compute = device if self._gpu is not None else device + host
         return kv + compute
 
     @property

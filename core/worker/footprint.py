@@ -23,22 +23,18 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from ctypes import c_int, c_size_t, c_void_p
+from ctypes import c_void_p
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import llama_cpp
-
 from ..arena.budget import GPU_CONTEXT_ALLOWANCE
+from ..residency.computebuf import scheduler_bytes
 
 if TYPE_CHECKING:
     from .engine import Engine
     from .fitting import Fitted
 
 log = logging.getLogger(__name__)
-
-_GGML_BACKEND_DEVICE_TYPE_CPU = 0
-_GET_SCHED = "_ZNK13llama_context9get_schedEv"
 
 
 @dataclass(frozen=True)
@@ -47,39 +43,10 @@ class ComputeBytes:
     host: int = 0  # compute buffers in host memory (the CPU backend, a GPU build's pinned staging)
 
 
-def _bind(lib: Any, name: str, restype: Any, *argtypes: Any) -> Any:
-    fn = getattr(lib, name)
-    fn.restype = restype
-    fn.argtypes = list(argtypes)
-    return fn
-
-
 def compute_bytes(ctx: Any) -> ComputeBytes:
-    """The compute buffers of llama_context ``ctx`` (a pointer), per kind of memory."""
-    lib = llama_cpp.llama_cpp._lib
-    try:
-        get_sched = _bind(lib, _GET_SCHED, c_void_p, c_void_p)
-        n_backends = _bind(lib, "ggml_backend_sched_get_n_backends", c_int, c_void_p)
-        backend_at = _bind(lib, "ggml_backend_sched_get_backend", c_void_p, c_void_p, c_int)
-        buffer_size = _bind(lib, "ggml_backend_sched_get_buffer_size", c_size_t, c_void_p, c_void_p)
-        device_of = _bind(lib, "ggml_backend_get_device", c_void_p, c_void_p)
-        device_type = _bind(lib, "ggml_backend_dev_type", c_int, c_void_p)
-    except AttributeError as exc:
-        log.info("compute buffers not measured: %s", exc)
-        return ComputeBytes()
-    sched = get_sched(ctypes.cast(ctx, c_void_p))
-    if not sched:
-        return ComputeBytes()
-    device = host = 0
-    for i in range(int(n_backends(sched))):
-        backend = backend_at(sched, i)
-        size = int(buffer_size(sched, backend))
-        dev = device_of(backend)
-        if dev and int(device_type(dev)) != _GGML_BACKEND_DEVICE_TYPE_CPU:
-            device += size
-        else:
-            host += size
-    return ComputeBytes(device, host)
+    """The compute buffers of llama_context ``ctx`` (a pointer), per kind of memory
+    (residency/computebuf.scheduler_bytes)."""
+    return ComputeBytes(*scheduler_bytes(int(ctypes.cast(ctx, c_void_p).value or 0)))
 
 
 @dataclass(frozen=True)
