@@ -113,5 +113,12 @@ class RestoreGate:
             self._model_path,
             json.dumps({k: round(v, 3) for k, v in self.last.as_dict().items()}),
         )
+        # and every step the restore recorded (the hand-over's take and map, the KV level's, the
+        # room), for the lab scripts that read a switch's cost apart from the worker logs
+        log.info(
+            "restore steps (%s): %s",
+            self._model_path,
+            json.dumps({k: round(float(v), 3) for k, v in steps.items()}),
+        )
         if gate.error is not None:
             raise ResidencyError(f"the upload gate failed: {gate.error}") from gate.error

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -812,6 +813,12 @@ class Residency:
             # from the restore's start until the caller may decode (the uploads may still run)
             ip.restore_steps["returned_ms"] = (time.perf_counter() - t0) * 1000
         dt = time.perf_counter() - t0
+        if ip is not None and not overlapped:  # an overlapped restore logs them once settled
+            log.info(
+                "restore steps (%s): %s",
+                self.model_path,
+                json.dumps({k: round(float(v), 3) for k, v in ip.restore_steps.items()}),
+            )
         self._enter(weights=Weights.ALL)
         self._enter(kv=Kv.DEVICE)
         return RestoreReport.logged(self.model_path, dt, nbytes, level, moved, reset, overlapped, pending)
