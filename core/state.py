@@ -55,15 +55,16 @@ class ModelState(str, enum.Enum):
 class SwitchStats:
     """What a request cost in GPU switching. ``switched`` is False when the model already held the GPU.
 
-    The one switch-cost type: the worker sends it in ``protocol.Done`` (the fields it measures:
-    switched, wait_ms, restore_ms, first_token_ms; see ``protocol.WIRE_FIELDS``), the pool adds
-    release_ms and prompt_tokens_evaluated and hands it to results, events and snapshots.
+    The one switch-cost type: the worker sends it in ``protocol.Done`` (``protocol.SwitchMeasured``:
+    switched, wait_ms, restore_ms, first_token_ms, restored_bytes, and release_ms, which its grant
+    of the token carried from the previous holder through the arena), the pool adds
+    prompt_tokens_evaluated and hands it to results, events and snapshots.
     """
 
     switched: bool
     wait_ms: float = 0.0  # doorbell rung → token acquired (includes the other model's release)
     restore_ms: float = 0.0
-    release_ms: float = 0.0  # the previous holder's release, as it reported it (0 if unknown)
+    release_ms: float = 0.0  # the previous holder's release, as it measured it (0: none)
     first_token_ms: float = 0.0  # request received by the worker → first token
     prompt_tokens_evaluated: int = 0  # tokens actually prefilled (0 when the KV cache had them)
     # weight bytes the restore moved: all of them after a whole release, only the lost layer

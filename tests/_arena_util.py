@@ -2,10 +2,11 @@
 (no llama, just the token protocol), so the tests see real flock, real inotify, real kill -9.
 
 Modes (all print one line per event on stdout, flushed):
-  hold ARENA BACKEND MODEL [pinned] [bytes=N] [budget=SETTING]
+  hold ARENA BACKEND MODEL [pinned] [bytes=N] [budget=SETTING] [release_ms=MS]
                                           acquire (N weight bytes under the budget SETTING, e.g.
                                           "1000B"; default: one model at a time), print HELD, keep
-                                          it until stdin closes, release
+                                          it until stdin closes, release (saying that its release
+                                          took MS ms; default: saying nothing, as an older version)
   contend ARENA BACKEND MODEL LOG N       N x (acquire, hold 1-8 ms, release, pause 0-4 ms)
   once ARENA BACKEND MODEL LOG            acquire (60 s timeout), log an "order" record, release
   busy ARENA BACKEND MODEL LOG TURNS QUANTUM_MS
@@ -55,7 +56,7 @@ def main(argv: list[str]) -> int:
         client.acquire(timeout=60, need=int(opts["bytes"]) if "bytes" in opts else None)
         print("HELD", flush=True)
         sys.stdin.read()  # until the test closes stdin (or kills us)
-        client.release()
+        client.release(release_ms=float(opts["release_ms"]) if "release_ms" in opts else None)
         print("RELEASED", flush=True)
         return 0
     if mode == "contend":

@@ -267,6 +267,73 @@ def test_kill9_of_the_holder_lets_the_waiter_take_the_token(
     client.close()
 
 
+# ---- the release time, carried with the token ---------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grant_carries_the_release_time_of_the_holder_it_followed(
+    procs: list[Proc], arena_dir: Path, backend: str
+) -> None:
+    holder = spawn(procs, "hold", str(arena_dir), backend, "first", "release_ms=12.25")
+    holder.wait_line("HELD")
+    client = TokenClient(Arena(arena_dir, backend=backend), "second")  # type: ignore[arg-type]
+    req = client.request(timeout=60)
+    wait_until(lambda: blocked_flocks(lease_file(arena_dir)) == 1, what="our request blocked in flock")
+    holder.finish()  # it releases, saying how long its release took, and lets the token go
+    grant = req.result(timeout=30)
+    assert grant.handoff and grant.previous == "first"
+    assert grant.previous_release_ms == 12.25  # the other process's own figure, through the arena
+    assert not (arena_dir / "released").exists()  # taken by this grant: one release is credited once
+    client.release(release_ms=3.5)
+    assert (arena_dir / "released").exists()
+    # a release that came before the request was no part of its wait
+    later = TokenClient(Arena(arena_dir, backend=backend), "third")  # type: ignore[arg-type]
+    assert later.acquire(timeout=5).previous_release_ms == 0.0
+    later.close()
+    client.close()
+
+
+def test_a_grant_with_no_previous_holder_says_no_release(procs: list[Proc], arena_dir: Path) -> None:
+    client = TokenClient(Arena(arena_dir), "alone")
+    grant = client.acquire(timeout=5)
+    assert grant.previous is None and grant.previous_release_ms == 0.0
+    client.close()  # a close says no release time: nothing for the next grant
+    assert not (arena_dir / "released").exists()
+    # a holder that says nothing (an older version) or a record that is not one: 0, never an error
+    for record in (None, "{not json", '{"model": "x", "pid": 1, "release_ms": -4, "at": 0}'):
+        holder = spawn(procs, "hold", str(arena_dir), "auto", "older")
+        holder.wait_line("HELD")
+        waiter = TokenClient(Arena(arena_dir), "newer")
+        req = waiter.request(timeout=60)
+        wait_until(lambda: blocked_flocks(lease_file(arena_dir)) == 1, what="our request blocked in flock")
+        holder.finish()
+        if record is not None:  # written after the release, before the grant reads it: ignored
+            (arena_dir / "released").write_text(record)
+        grant = req.result(timeout=30)
+        assert grant.previous == "older" and grant.previous_release_ms == 0.0, record
+        waiter.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grant_after_a_crashed_holder_says_no_release(
+    procs: list[Proc], arena_dir: Path, backend: str
+) -> None:
+    first = spawn(procs, "hold", str(arena_dir), backend, "first", "release_ms=7")
+    first.wait_line("HELD")
+    victim = spawn(procs, "hold", str(arena_dir), backend, "victim", "release_ms=9")
+    arena = Arena(arena_dir, backend=backend)  # type: ignore[arg-type]
+    wait_until(lambda: [t.model for t in arena.waiters()] == ["victim"], what="the victim queued")
+    client = TokenClient(arena, "survivor")
+    req = client.request(timeout=60)  # behind the victim, before first's release
+    wait_until(lambda: len(arena.waiters()) == 2, what="our request queued")
+    first.finish()  # releases (7 ms): the victim's grant takes that
+    victim.wait_line("HELD")
+    victim.kill9()  # it wrote no release: the survivor's grant says none, not first's 7 ms
+    grant = req.result(timeout=30)
+    assert grant.handoff and grant.previous_release_ms == 0.0
+    client.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_killed_waiter_file_is_swept_and_the_queue_moves_on(
     procs: list[Proc], arena_dir: Path, tmp_path: Path, backend: str

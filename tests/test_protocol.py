@@ -96,8 +96,11 @@ def test_every_message_round_trips(msg: object) -> None:
 
 
 def test_a_done_carries_the_switch_fields_the_worker_measured() -> None:
-    # the pool's SwitchStats adds release_ms and prompt_tokens_evaluated: not the worker's to say
-    switch = p.SwitchMeasured(True, wait_ms=1.5, restore_ms=2.5, first_token_ms=3.5, restored_bytes=4096)
+    # the pool's SwitchStats adds prompt_tokens_evaluated; release_ms is the previous holder's,
+    # which the worker's grant of the token carried from the arena
+    switch = p.SwitchMeasured(
+        True, wait_ms=1.5, restore_ms=2.5, first_token_ms=3.5, restored_bytes=4096, release_ms=9.0
+    )
     done = p.Done("r1", "stop", p.Usage(10, 2, 7), switch)
     obj = json.loads(p.encode(done)[4:])
     assert obj["switch"] == {
@@ -106,10 +109,14 @@ def test_a_done_carries_the_switch_fields_the_worker_measured() -> None:
         "restore_ms": 2.5,
         "first_token_ms": 3.5,
         "restored_bytes": 4096,  # only what a partial release lost, after one
+        "release_ms": 9.0,
     }
-    obj["switch"]["release_ms"] = 9.0  # not the worker's to say: ignored like any unknown key
+    got = p.from_dict(obj)
+    assert isinstance(got, p.Done) and got.switch == switch
+    del obj["switch"]["release_ms"]  # a worker that predates the field: none known
     got = p.from_dict(obj)
     assert isinstance(got, p.Done) and got.switch == p.SwitchMeasured(True, 1.5, 2.5, 3.5, 4096)
+    assert got.switch.release_ms == 0.0
 
 
 @FAST

@@ -11,6 +11,9 @@ Layout of an arena directory (mode 0700, owned by the user, never reached throug
     budget       the budget in force (its first member's); members hold a shared ``flock`` on it
     leases/      one lease file per holder: ``<pid>-<n>-<model>``, ``flock``-ed by it while it holds
     holder       JSON record of the most recent holder (model, pid, since, pinned)
+    released     JSON record of the last release (model, pid, release_ms, at): written by the
+                 releasing holder before its lease goes, taken (read and removed) by the next
+                 grant, whose ``TokenGrant.previous_release_ms`` then says it
     seq          ticket counter, incremented under ``flock``
     waiters/     one ticket file per process that wants a lease: ``<seq>-<pid>-<model>`` (its bytes)
     device-N/    the arena of GPU N (N >= 1), laid out the same

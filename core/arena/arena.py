@@ -17,9 +17,18 @@ from typing import Literal
 from .. import paths
 from ..errors import ArenaError
 from .budget import BudgetRecord, LeaseRecord
-from .dirs import ArenaDir, load_holder_at, pid_alive, read_holder_at, resolve_arena_dir
+from .dirs import ArenaDir, load_holder_at, load_release_at, pid_alive, read_holder_at, resolve_arena_dir
 from .leases import LeaseFiles
-from .records import HOLDER_FILE, LEASES_DIR, O_FILE, Backend, HolderRecord, Ticket
+from .records import (
+    HOLDER_FILE,
+    LEASES_DIR,
+    O_FILE,
+    RELEASE_FILE,
+    Backend,
+    HolderRecord,
+    ReleaseRecord,
+    Ticket,
+)
 from .tickets import TicketQueue
 from .watch import DirWatch, inotify_available
 
@@ -32,7 +41,8 @@ class Arena:
     It owns the opened directory (:attr:`dir`, an :class:`~.dirs.ArenaDir`: its fds, the arena
     lock), the ticket queue (:attr:`queue`, a :class:`~.tickets.TicketQueue`) and the lease files
     and budget record (:attr:`lease_files`, a :class:`~.leases.LeaseFiles`), which all work on
-    that one directory; itself it keeps the holder record, the sweep and the watch.
+    that one directory; itself it keeps the holder record, the release record, the sweep and
+    the watch.
 
     ``backend``: "inotify", "poll", or "auto" (inotify where it exists, else polling).
 
@@ -101,8 +111,8 @@ class Arena:
           a ticket: removing one touches nothing it points to); an empty directory. A directory
           with files in it is left alone, ignored, and reported by path once.
         - ``leases/``: the same, for lease files (a live holder keeps its lease locked).
-        - temporary files ``.holder.<pid>.<thread>.tmp``, ``.<ticket>.tmp`` and
-          ``.lease.<lease>.tmp`` of dead pids.
+        - temporary files ``.holder.<pid>.<thread>.tmp``, ``.released.<pid>.<thread>.tmp``,
+          ``.<ticket>.tmp`` and ``.lease.<lease>.tmp`` of dead pids.
         - a holder record that is not one (garbage, a symbolic link, an empty directory...) or
           whose process is dead, removed only while the token is free (taken for an instant, so
           no new holder can be writing its record meanwhile).
@@ -123,10 +133,11 @@ class Arena:
         return removed
 
     def _sweep_tmp(self, name: str) -> bool:
-        """A temporary file of a dead process: ``.holder.<pid>.<thread>.tmp`` (never locked: its
-        pid says) or ``.<ticket>.tmp`` (a ticket being made, locked right after its creation)."""
+        """A temporary file of a dead process: ``.holder.<pid>.<thread>.tmp`` or
+        ``.released.<pid>.<thread>.tmp`` (never locked: its pid says) or ``.<ticket>.tmp`` (a
+        ticket being made, locked right after its creation)."""
         pid: int | None = None
-        if name.startswith(".holder."):
+        if name.startswith((".holder.", ".released.")):
             part = name.split(".")[2]
             pid = int(part) if part.isdigit() and len(part) <= 10 else None
         elif name.startswith(".lease."):
@@ -183,21 +194,45 @@ class Arena:
     def write_holder(self, record: HolderRecord) -> None:
         """Write the holder record atomically. It only informs (the lock is what counts), so a
         failure is logged with the path, never raised."""
-        tmp = f".holder.{os.getpid()}.{threading.get_ident()}.tmp"
+        self._write_record(HOLDER_FILE, asdict(record), "so nobody sees who holds the GPU")
+
+    def write_release(self, record: ReleaseRecord) -> None:
+        """Write the release record atomically (by a holder whose lease is about to go: before it
+        goes, so that the grant it lets through finds it). Informs only: a failure is logged with
+        the path (the next grant then says 0 ms), never raised."""
+        consequence = "so the next holder cannot say how long the release took"
+        self._write_record(RELEASE_FILE, asdict(record), consequence)
+
+    def take_release(self) -> ReleaseRecord | None:
+        """Read and remove the release record (by a grant, under the arena lock: each release is
+        credited once, to the first grant after it). None when there is none or it is not one.
+        Never raises."""
+        record = load_release_at(self.dir.fd)
+        try:
+            os.unlink(RELEASE_FILE, dir_fd=self.dir.fd)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            with contextlib.suppress(OSError):
+                st = os.lstat(RELEASE_FILE, dir_fd=self.dir.fd)
+                self.dir.remove_odd(self.dir.fd, RELEASE_FILE, st)
+        return record
+
+    def _write_record(self, name: str, data: dict[str, object], consequence: str) -> None:
+        """Write the JSON record ``name`` atomically (a temporary file renamed over it); a failure
+        is reported with the path and ``consequence``."""
+        tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_FILE, 0o644, dir_fd=self.dir.fd)
             try:
-                os.write(fd, json.dumps(asdict(record)).encode())
+                os.write(fd, json.dumps(data).encode())
             finally:
                 os.close(fd)
-            os.rename(tmp, HOLDER_FILE, src_dir_fd=self.dir.fd, dst_dir_fd=self.dir.fd)
+            os.rename(tmp, name, src_dir_fd=self.dir.fd, dst_dir_fd=self.dir.fd)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self.dir.fd)
-            self.dir.report(
-                self.path / HOLDER_FILE,
-                f"cannot be written ({exc.strerror}), so nobody sees who holds the GPU",
-            )
+            self.dir.report(self.path / name, f"cannot be written ({exc.strerror}), {consequence}")
 
     def remove_holder(self) -> None:
         """Remove the holder record (by its holder, before it unlocks the token). Never raises."""

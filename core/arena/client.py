@@ -32,6 +32,7 @@ from .records import (
     RING_REPEAT_S,
     DoorbellRing,
     HolderRecord,
+    ReleaseRecord,
     Ticket,
     TokenGrant,
 )
@@ -53,8 +54,9 @@ class TokenClient:
 
     ``request(timeout, need)`` → :class:`TokenRequest` for ``need`` weight bytes (None: the device
     to itself; immediately granted if this client holds a lease; the same pending request if one
-    is pending and not cancelled). ``release()`` ends the lease (call it only after the weights
-    are off the device).
+    is pending and not cancelled). ``release(release_ms)`` ends the lease (call it only after the
+    weights are off the device), leaving how long their release took in the arena for the next
+    holder's grant (:class:`~.records.ReleaseRecord`, :attr:`~.records.TokenGrant.previous_release_ms`).
     ``start_doorbell(on_waiter)`` starts the warden thread that calls ``on_waiter(DoorbellRing)``
     when the head of the queue needs this client's lease to go (always, under a one-model budget,
     unless pinned): at once for a new waiter, after each new acquisition and after
@@ -327,11 +329,12 @@ class TokenClient:
             req.cancel()
             raise
 
-    def shrink(self, nbytes: int) -> None:
-        """Lease ``nbytes`` instead (after a load, once the real weight bytes are known). The lease
-        is replaced under the arena lock, so nobody sees both or neither. More than now (never
-        expected: a load leases its file's bytes) only when the rest of the budget has room, else
-        VramBudgetError."""
+    def shrink(self, nbytes: int, release_ms: float | None = None) -> None:
+        """Lease ``nbytes`` instead (after a load, once the real weight bytes are known; after a
+        partial release, which ``release_ms`` says took that long: recorded for the grant the
+        room lets through, as :meth:`release` does). The lease is replaced under the arena lock,
+        so nobody sees both or neither. More than now (never expected: a load leases its file's
+        bytes) only when the rest of the budget has room, else VramBudgetError."""
         with self._lock:
             held = self._held
             if held is None or nbytes == held.record.bytes:
@@ -348,6 +351,8 @@ class TokenClient:
                             f"{gb_text(held.record.bytes)} its load reserved, and the VRAM budget has no "
                             "room for the rest now"
                         )
+                if release_ms is not None and nbytes < held.record.bytes:
+                    self._write_release(release_ms)
                 # the new size counts from before anyone can see it (nobody is granted meanwhile)
                 at = time.monotonic()
                 record = replace(held.record, bytes=nbytes, name="")
@@ -415,8 +420,11 @@ class TokenClient:
                 self._doorbell_armed.clear()
         self.poke_doorbell()
 
-    def release(self) -> float | None:
-        """End the lease; returns the monotonic time the holding ended (None if not held)."""
+    def release(self, release_ms: float | None = None) -> float | None:
+        """End the lease; returns the monotonic time the holding ended (None if not held).
+        ``release_ms``: how long the worker's release of its weights took (None: nothing was
+        released, e.g. a lease taken only to make room), written to the arena's release record
+        before the lease goes, so that the grant this lets through carries it."""
         with self._lock:
             held = self._held
             if held is None:
@@ -427,6 +435,8 @@ class TokenClient:
             lock = None
             try:
                 lock = self.arena.dir.lock(timeout=HOLDER_LOCK_TIMEOUT_S)
+                if release_ms is not None:  # without the lock too: the grant comes after the drop
+                    self._write_release(release_ms)
                 if lock is not None:
                     self._rewrite_holder_record(exclude=held.name)
                 end = time.monotonic()
@@ -436,6 +446,25 @@ class TokenClient:
                 if lock is not None:
                     self.arena.dir.unlock(lock)
             return end
+
+    def _write_release(self, release_ms: float) -> None:
+        """The release record for the next grant (before the lease, or part of it, goes)."""
+        record = ReleaseRecord(
+            model=self.model, pid=os.getpid(), release_ms=max(0.0, float(release_ms)), at=time.monotonic()
+        )
+        self.arena.write_release(record)
+
+    def _previous_release_ms(self, req: TokenRequest) -> float:
+        """Under the arena lock, as a lease is granted: take the release record, and say how long
+        the release took that this grant followed: one another holder made after ``req`` was
+        requested (one from before was no part of this wait), else 0.0 (none: no previous holder,
+        a share beside a pinned holder, a holder that crashed: it wrote nothing)."""
+        record = self.arena.take_release()
+        if record is None or record.at < req.requested_at:
+            return 0.0
+        if record.pid == os.getpid() and record.model == self.model:
+            return 0.0  # its own release (it gave way while it waited): no other holder's
+        return record.release_ms
 
     def _record_interval(self, held: Held, end: float) -> None:
         grant = held.grant
@@ -528,6 +557,7 @@ class TokenClient:
             previous=req.previous,
             bytes=record.bytes,
             budget=plan.budget,
+            previous_release_ms=self._previous_release_ms(req),
         )
         self.arena.write_holder(self._holder_record(record, grant))
         return Held(name=name, fd=fd, record=replace(record, name=name), grant=grant)

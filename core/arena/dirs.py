@@ -1,5 +1,6 @@
 """The arena's directory: where it lives, the checks that make it trustworthy, the opened
-directory (:class:`ArenaDir`: its fds, its entries, the arena lock) and reading the holder record."""
+directory (:class:`ArenaDir`: its fds, its entries, the arena lock) and reading the holder record
+and the release record."""
 
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ from .records import (
     O_DIR,
     O_FILE,
     RECORD_MODEL_RE,
+    RELEASE_FILE,
     TOKEN_FILE,
     WAITERS_DIR,
     HolderRecord,
+    ReleaseRecord,
 )
 
 log = logging.getLogger(__name__)
@@ -382,8 +385,21 @@ def load_holder_at(dir_fd: int) -> tuple[HolderRecord | None, str]:
     """The holder record as written (its pid not checked), or None and why it is not one ("" when
     there is no record). Never blocks (a FIFO named ``holder`` is not opened for a writer) and
     never raises OSError."""
+    raw, problem = read_small_file(dir_fd, HOLDER_FILE)
+    if raw is None:
+        return None, problem
+    record = parse_holder(raw)
+    if record is None:
+        return None, f"it is not a holder record ({raw[:80]!r})"
+    return record, ""
+
+
+def read_small_file(dir_fd: int, name: str) -> tuple[bytes | None, str]:
+    """The bytes (at most 64 KiB) of the regular file ``name`` in ``dir_fd``, or None and why not
+    ("" when there is no such file). Never blocks (a FIFO is not opened for a writer), never
+    follows a symbolic link and never raises OSError."""
     try:
-        fd = os.open(HOLDER_FILE, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | O_FILE, dir_fd=dir_fd)
     except FileNotFoundError:
         return None, ""
     except OSError as exc:
@@ -394,15 +410,22 @@ def load_holder_at(dir_fd: int) -> tuple[HolderRecord | None, str]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None, f"it is {file_kind(st.st_mode)}"
-        raw = os.read(fd, 1 << 16)
+        return os.read(fd, 1 << 16), ""
     except OSError as exc:
         return None, f"it cannot be read ({exc.strerror})"
     finally:
         os.close(fd)
-    record = parse_holder(raw)
-    if record is None:
-        return None, f"it is not a holder record ({raw[:80]!r})"
-    return record, ""
+
+
+def load_release_at(dir_fd: int) -> ReleaseRecord | None:
+    """The release record (:class:`~.records.ReleaseRecord`), or None when there is none or it is
+    not one (garbage, a link: the grant that reads it then says 0). Never raises OSError."""
+    raw, problem = read_small_file(dir_fd, RELEASE_FILE)
+    if raw is None:
+        if problem:
+            warn_once(f"release: {problem}", "ignoring the arena's release record: %s", problem)
+        return None
+    return parse_release(raw)
 
 
 def parse_holder(raw: bytes) -> HolderRecord | None:
@@ -424,6 +447,24 @@ def parse_holder(raw: bytes) -> HolderRecord | None:
     if since_f is None or since_monotonic_f is None:
         return None
     return HolderRecord(model=model, pid=pid, since=since_f, since_monotonic=since_monotonic_f, pinned=pinned)
+
+
+def parse_release(raw: bytes) -> ReleaseRecord | None:
+    """A release record from its JSON, or None unless every field is sane (a model id, a pid in
+    range, a finite, non-negative release time)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    model, pid = data.get("model"), data.get("pid")
+    release_ms, at = _finite(data.get("release_ms")), _finite(data.get("at"))
+    if not (isinstance(model, str) and RECORD_MODEL_RE.match(model)):
+        return None
+    if not (type(pid) is int and 0 < pid <= MAX_PID) or release_ms is None or release_ms < 0 or at is None:
+        return None
+    return ReleaseRecord(model=model, pid=pid, release_ms=release_ms, at=at)
 
 
 def _finite(value: object) -> float | None:

@@ -1,4 +1,5 @@
-"""The arena directory's file names and the records kept in it (tickets, the holder record, grants)."""
+"""The arena directory's file names and the records kept in it (tickets, the holder record, the
+release record, grants)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Literal
 
 TOKEN_FILE = "token"
 HOLDER_FILE = "holder"
+RELEASE_FILE = "released"
 SEQ_FILE = "seq"
 WAITERS_DIR = "waiters"
 LEASES_DIR = "leases"
@@ -88,6 +90,22 @@ class HolderRecord:
 
 
 @dataclass(frozen=True)
+class ReleaseRecord:
+    """The last release of a lease, carried to the holder that comes next: the releasing holder
+    writes it (``released``, atomically) just before its lease goes, with how long its release of
+    the weights took as it measured it; the next grant takes it (reads and removes it, under the
+    arena lock) into :attr:`TokenGrant.previous_release_ms`. So the release time travels with the
+    token, in the arena, instead of racing the two workers' reports to the pool. ``at`` is
+    ``time.monotonic()`` of the releaser when it wrote the record (CLOCK_MONOTONIC: comparable
+    across processes on Linux): a grant credits only a release that came after its request."""
+
+    model: str
+    pid: int
+    release_ms: float
+    at: float
+
+
+@dataclass(frozen=True)
 class TokenGrant:
     """The token was acquired. ``handoff`` is True when another process held it or was ahead in the
     queue when it was requested (``wait_ms`` then measures doorbell rung → token acquired)."""
@@ -99,6 +117,10 @@ class TokenGrant:
     previous: str | None  # model that held the token when it was requested
     bytes: int = 0  # the weight bytes leased
     budget: int | None = None  # the device's weights budget it was granted under (None: one model)
+    # how long the release took that this grant followed (a ReleaseRecord made after the request,
+    # by another holder; under a byte budget, the last of the holders that made room): 0.0 when
+    # none (no previous holder, a share beside a pinned holder, a holder that crashed)
+    previous_release_ms: float = 0.0
 
     @property
     def wait_ms(self) -> float:

@@ -114,7 +114,6 @@ class Pool:
 
         self._workers: dict[str, WorkerRecord] = {}
         self._holder: str | None = None
-        self._last_release: tuple[str, float, float] | None = None  # (model, release_ms, monotonic)
         self._readers: list[threading.Thread] = []
         self._state_cond = threading.Condition()
         # the configured models from the first snapshot on (each "starting" until its record
@@ -681,7 +680,6 @@ class Pool:
         elif isinstance(msg, protocol.Done):
             self._on_done(w, msg)
         elif isinstance(msg, protocol.Released):
-            self._last_release = (w.id, msg.release_ms, time.monotonic())
             self._publish(
                 EventKind.MESSAGE,
                 w.id,
@@ -759,16 +757,13 @@ class Pool:
         if gen is None:
             log.warning("%s: Done for unknown request %s", w.id, msg.req)
             return
-        release_ms = 0.0
-        if msg.switch.switched and self._last_release is not None:
-            holder, ms, at = self._last_release
-            if holder != w.id and at >= gen.dispatch.sent_at:
-                release_ms = ms
         switch = SwitchStats(
             switched=msg.switch.switched,
             wait_ms=msg.switch.wait_ms,
             restore_ms=msg.switch.restore_ms,
-            release_ms=release_ms,
+            # the previous holder's release as the arena handed it over with the token: never a
+            # guess from the order in which two workers' messages reach this process
+            release_ms=msg.switch.release_ms if msg.switch.switched else 0.0,
             first_token_ms=msg.switch.first_token_ms,
             prompt_tokens_evaluated=msg.usage.prompt_tokens_evaluated,
             restored_bytes=msg.switch.restored_bytes,

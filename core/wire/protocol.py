@@ -290,14 +290,18 @@ class Usage(msgspec.Struct, frozen=True):
 
 
 class SwitchMeasured(msgspec.Struct, frozen=True):
-    """The part of a request's ``state.SwitchStats`` the worker measures; the pool adds the
-    previous holder's release_ms (from its ``Released``) and prompt_tokens_evaluated (``Usage``)."""
+    """The part of a request's ``state.SwitchStats`` the worker measures or was told with the
+    token; the pool adds prompt_tokens_evaluated (``Usage``)."""
 
     switched: bool
     wait_ms: float = 0.0
     restore_ms: float = 0.0
     first_token_ms: float = 0.0
     restored_bytes: int = 0  # weight bytes the restore moved (a partly released model: what it lost)
+    # the previous holder's release, as that worker measured it, carried to this one by the arena
+    # with the token (arena.records.TokenGrant.previous_release_ms); 0.0 when none, and from a
+    # worker that predates the field
+    release_ms: float = 0.0
 
 
 class Timings(msgspec.Struct, frozen=True):

@@ -790,6 +790,7 @@ class Worker:
                 wait_ms=waited_ms - restore_ms,
                 restore_ms=restore_ms,
                 restored_bytes=wake[2].restored_bytes,
+                release_ms=wake[2].release_ms,  # the previous holder's release that switch followed
             )
             run.t0 = arrived_loop
         if got is not None:
@@ -861,6 +862,7 @@ class Worker:
                     restore_ms=run.switch.restore_ms,
                     restored_bytes=run.switch.restored_bytes,
                     first_token_ms=first_ms,
+                    release_ms=run.switch.release_ms,
                 ),
                 stop=outcome.stop,
                 batch_size=outcome.batch_size,
@@ -981,6 +983,7 @@ class Worker:
                     wait_ms=switch.wait_ms,
                     restore_ms=switch.restore_ms,
                     restored_bytes=switch.restored_bytes,
+                    release_ms=switch.release_ms,
                 ),
             )
         except CancelledError:

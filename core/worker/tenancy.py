@@ -26,7 +26,7 @@ from ..residency import Residency, ResidencyOptions
 from ..residency.measure import rss_bytes
 from ..residency.overlap import overlap_expected
 from ..residency.probe import probe
-from ..residency.reports import RestoreReport
+from ..residency.reports import ReleaseReport, RestoreReport
 from ..residency.residency import mode_wanted
 from ..residency.state import Weights
 from ..state import WorkerReleaseLevel
@@ -80,6 +80,9 @@ class Acquired:
     wait_ms: float = 0.0
     restore_ms: float = 0.0
     restored_bytes: int = 0  # weight bytes the restore moved (only what a partial release lost)
+    # how long the previous holder's release took, as its worker measured it: carried by the
+    # arena with the token (TokenGrant.previous_release_ms); 0.0 when none
+    release_ms: float = 0.0
 
 
 class Tenancy:
@@ -354,6 +357,8 @@ class ArenaTenancy(Tenancy):
         self._request: TokenRequest | None = None
         self._resident_since: float | None = None
         self._restore_wait = ""  # set while a restore waits for device memory
+        # what the grants of the last acquire() said the previous holders' releases took
+        self._previous_release_ms = 0.0
         self._free_before_load: int | None = None  # auto budgets: the device's free bytes before the load
         self._budget_bytes = 0
         self._budget_read_at = 0.0
@@ -764,6 +769,7 @@ class ArenaTenancy(Tenancy):
         waits for room for the rest only; while it waits it still makes room for the head of the
         queue when asked (two partly released holders must never wait for each other), and asks
         again after it has."""
+        self._previous_release_ms = 0.0
         if self._covered():
             return 0.0
         started = time.monotonic()
@@ -800,6 +806,8 @@ class ArenaTenancy(Tenancy):
                 self.give_way(ring)
                 continue
             grant = request.result()
+            if grant.acquired_at >= started:  # granted now (not the lease held already)
+                self._previous_release_ms += grant.previous_release_ms
             if self._covered() or self.residency is None:
                 break
             if rounds >= 1000:  # never expected: a granted request always covers the weights
@@ -841,7 +849,13 @@ class ArenaTenancy(Tenancy):
         if res is not None:
             # the weights are on the device only under a lease that covers them (the arena's invariant)
             assert res.state.weights is Weights.ALL and self._covered(), (res.state, self.client.lease_bytes)
-        return Acquired(switched=not held, wait_ms=wait_ms, restore_ms=restore_ms, restored_bytes=restored)
+        return Acquired(
+            switched=not held,
+            wait_ms=wait_ms,
+            restore_ms=restore_ms,
+            restored_bytes=restored,
+            release_ms=self._previous_release_ms,
+        )
 
     def _restore(self, res: Residency, poll: Callable[[], None]) -> RestoreReport:
         """Restore the weights (holding the token); returns the successful attempt's report.
@@ -925,8 +939,15 @@ class ArenaTenancy(Tenancy):
                 res.state,
                 res.resident_bytes,
             )
+        return self._end_lease(report, kv)
+
+    def _end_lease(self, report: ReleaseReport | None, kv: bool) -> p.Released | None:
+        """The weights are off the device (``report``: their release; None when none was
+        resident): the lease goes, and how long the release took goes with it, in the arena,
+        for the next holder's grant to say (the Released message says the same, for the log)."""
         self._end_resident()
-        if self.client.release() is None and report is None:
+        release_ms = report.ms if report is not None else 0.0
+        if self.client.release(release_ms=release_ms) is None and report is None:
             return None
         level: WorkerReleaseLevel = "weights+kv" if kv else "weights"
         if report is None:
@@ -978,10 +999,12 @@ class ArenaTenancy(Tenancy):
             return self.release(kv=asked.deepen)
         report = res.release(keep_bytes=lease - ask)
         self.host_bytes = res.host_held_bytes
-        if res.resident_bytes <= 0:
-            return self.release(kv=False)
-        # the device memory the resident parts hold: with handed-over memory, whole chunks
-        self.client.shrink(res.resident_lease_bytes)
+        if res.resident_bytes <= 0:  # every part went: the whole lease goes, with this release's time
+            assert res.state.weights is Weights.NONE or res.weight_bytes == 0, res.state
+            return self._end_lease(report, kv=False)
+        # the device memory the resident parts hold: with handed-over memory, whole chunks; the
+        # release's time goes to the grant that the room lets through
+        self.client.shrink(res.resident_lease_bytes, release_ms=report.ms)
         assert res.state.weights is not Weights.NONE and res.resident_lease_bytes <= self.client.lease_bytes
         log.info(
             "made room for the head of the queue: released %s of %s, %s stays on %s",
