@@ -194,15 +194,40 @@ def test_leftover_with_the_next_ticket_name_is_skipped(arena_dir: Path) -> None:
 
 def test_tmp_leftovers_of_dead_processes_are_swept_when_an_arena_opens(arena_dir: Path) -> None:
     pid = dead_pid()
-    leftovers = [f".{Ticket(3, pid, 'dead').name}.tmp", f".holder.{pid}.1.tmp"]
+    leftovers = [f".{Ticket(3, pid, 'dead').name}.tmp", f".holder.{pid}.1.tmp", f".released.{pid}.1.tmp"]
     for name in leftovers:
         (arena_dir / name).write_text("{}")
     (arena_dir / f".holder.{pid}.2.tmp").mkdir()  # even as an (empty) folder
     (arena_dir / f".holder.{os.getpid()}.1.tmp").write_text("{}")  # a live writer's: kept
+    (arena_dir / f".released.{os.getpid()}.1.tmp").write_text("{}")
     (arena_dir / ".unknown.tmp").write_text("")  # not ours to judge: kept
     Arena(arena_dir).close()
     left = sorted(n for n in os.listdir(arena_dir) if n.endswith(".tmp"))
-    assert left == sorted([f".holder.{os.getpid()}.1.tmp", ".unknown.tmp"])
+    assert left == sorted([f".holder.{os.getpid()}.1.tmp", f".released.{os.getpid()}.1.tmp", ".unknown.tmp"])
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "dir"])
+def test_a_release_record_that_is_not_a_file_reads_as_none_and_goes(arena_dir: Path, kind: str) -> None:
+    arena = Arena(arena_dir)
+    target = arena_dir.parent / "elsewhere"
+    target.write_text('{"model": "x", "pid": 1, "release_ms": 5.0, "at": 1e12}')
+    released = arena_dir / "released"
+    if kind == "symlink":
+        released.symlink_to(target)  # never followed
+    elif kind == "fifo":
+        os.mkfifo(released)  # never opened for a writer (no block)
+    else:
+        released.mkdir()
+    holder = TokenClient(arena, "holder")
+    holder.acquire(timeout=TIMEOUT)
+    waiter = TokenClient(Arena(arena_dir), "waiter")
+    req = waiter.request(timeout=TIMEOUT)
+    wait_until(lambda: req.ticket is not None, TIMEOUT, "the waiter's ticket")
+    holder.release()  # says nothing: what the odd entry claims is not believed either
+    assert req.result(timeout=TIMEOUT).previous_release_ms == 0.0
+    assert not os.path.lexists(released) and target.exists()  # the entry went, not what it named
+    waiter.close()
+    holder.close()
 
 
 def test_a_waiter_sweeps_leftovers_while_it_waits(arena_dir: Path) -> None:

@@ -323,7 +323,11 @@ def test_alternating_models_stream_correct_answers_and_switch(
         assert not events.items[-1].snapshot.model(model).busy  # type: ignore[union-attr]
     done = [e for e in events.items[mark:] if e.kind is EventKind.REQUEST_DONE]
     assert len(done) == 4 and all(e.switch is not None for e in done)
-    assert any(e.switch.switched and e.switch.release_ms > 0 for e in done if e.switch)
+    # each request after the first took the GPU from the other model, and says how long that
+    # one's release took (carried with the token; the first may find the GPU free: nothing to say)
+    assert all(e.switch.switched and e.switch.release_ms > 0 for e in done[1:] if e.switch), [
+        (e.model, e.switch) for e in done
+    ]
 
 
 def test_concurrent_requests_for_both_models_queue_and_share_the_gpu(
@@ -543,6 +547,64 @@ def test_restart_budget_spent_marks_the_model_failed_with_its_log(tmp_path: Path
         assert pool.snapshot().model("m").state in (ModelState.RESIDENT, ModelState.RELEASED)  # type: ignore[union-attr]
     finally:
         pool.stop()
+
+
+def test_every_switch_reports_the_release_of_the_worker_it_followed(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool]
+) -> None:
+    """The demo model twice on a one-model budget, asked in turn: every request after the first
+    takes the GPU from the other, whose release time its Done carries (through the arena, with
+    the token), equal to what that worker itself reported in its Released: the last n releases
+    of a model are the ones the other's last n switches followed (the earlier ones made room for
+    the loads, or gave the GPU back after them), whatever order the two workers' messages reached
+    the pool in."""
+    models = ("smol-a", "smol-b")
+    config = Config(
+        models=tuple(ModelConfig(id=m, path=str(smollm2_path), n_ctx=256, idle_sleep_s=None) for m in models),
+        arena=ArenaConfig(min_quantum_ms=0.0, wait_timeout_s=WAIT, vram_budget="one-model"),
+    )
+    pool = Pool(config, arena_dir=tmp_path / "arena", log_dir=tmp_path / "log", kv_dir=tmp_path / "kv")
+    pools.append(pool)
+    events = Events()
+    pool.subscribe(events)
+    pool.start()
+    pool.wait_ready(timeout=WAIT)
+    turns = [models[i % 2] for i in range(6)]
+    switches: dict[str, list[float]] = {m: [] for m in models}  # release_ms of each switch to m
+    in_order: list[float] = []  # the same, in the turns' order
+    for i, model in enumerate(turns):
+        gen = pool.generate(model, prompt=PROMPTS[SMOLLM2_ID], sampling=Sampling(max_tokens=2))
+        result = gen.result(timeout=WAIT)
+        if i == 0 and result.switch.release_ms == 0.0:
+            continue  # the GPU was free (each worker gives it back after its load): nobody released
+        assert result.switch.switched and result.switch.release_ms > 0, (i, model, result.switch)
+        switches[model].append(result.switch.release_ms)
+        in_order.append(result.switch.release_ms)
+
+    def releases(model: str) -> list[float]:  # the worker's own Released figures, in its order
+        return [
+            float(e.extra["release_ms"])  # type: ignore[arg-type]
+            for e in list(events.items)
+            if e.kind is EventKind.MESSAGE
+            and e.model == model
+            and "level" in e.extra
+            and "release_ms" in e.extra
+        ]
+
+    other = {models[0]: models[1], models[1]: models[0]}
+    deadline = time.monotonic() + WAIT  # a Released may reach the pool after the Done it preceded
+    while any(len(releases(other[m])) < len(switches[m]) for m in models):
+        assert time.monotonic() < deadline, {m: (releases(m), switches[m]) for m in models}
+        time.sleep(0.05)
+    for model in models:
+        theirs = releases(other[model])
+        assert switches[model] == theirs[len(theirs) - len(switches[model]) :], (model, switches, theirs)
+    # the pool's events and the model's last switch say the same figures, in the turns' order
+    last_req = gen.req
+    events.wait_for(lambda e: e.kind is EventKind.REQUEST_DONE and e.extra.get("req") == last_req)
+    done = [e.switch for e in events.items if e.kind is EventKind.REQUEST_DONE and e.switch is not None]
+    assert [x.release_ms for x in done if x.switched and x.release_ms > 0] == in_order
+    assert pool.snapshot().model(turns[-1]).last_switch.release_ms == in_order[-1]  # type: ignore[union-attr]
 
 
 def test_stop_kills_a_worker_that_does_not_answer(tmp_path: Path, smollm2_path: Path) -> None:
