@@ -242,6 +242,13 @@ SHADOW_SLICE_MIB = EnvVar(
     "test",
     "The slice size of a deferred host shadow (tests use small slices)",
 )
+SHADOW_SLICE_PAUSE_MS = EnvVar(
+    "TIMESHARE_SHADOW_SLICE_PAUSE_MS",
+    "milliseconds",
+    "0",
+    "test",
+    "For tests: a pause between two slices of a deferred host shadow's idle build (a window to stop it in)",
+)
 BATCH_GATHER_MS = EnvVar(
     "TIMESHARE_BATCH_GATHER_MS",
     "milliseconds",
@@ -308,6 +315,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     VK_HOST_VISIBLE_VIDMEM,
     VK_DISABLE_HOST_VISIBLE_VIDMEM,
     SHADOW_SLICE_MIB,
+    SHADOW_SLICE_PAUSE_MS,
     BATCH_GATHER_MS,
     BATCH_QUIET_MS,
     HOST_MEMORY,

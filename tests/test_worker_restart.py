@@ -19,6 +19,7 @@ from timeshare.core.config.schema import ArenaConfig, ModelConfig
 from timeshare.core.diagnostics.bench_api_procs import worker_log_phases
 from timeshare.core.sampling import Sampling
 from timeshare.core.wire import protocol as p
+from timeshare.core.worker.tenancy import shadow_slice_pause_s
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +119,9 @@ def test_a_shadow_built_in_slices_yields_to_the_other_models_request(
     slices, partly after its release) as a worker that never stopped, and the worker's log: the
     release came with some slices built, and the rest were built after it."""
     monkeypatch.setenv("TIMESHARE_SHADOW_SLICE_MIB", "0.0625")  # 64 KiB: hundreds of slices
+    # 20 ms between two slices of the idle build: seconds of build, so that the SIGSTOP below lands
+    # inside it even on a loaded machine (a pause, not a timing: nothing asserts on it)
+    monkeypatch.setenv("TIMESHARE_SHADOW_SLICE_PAUSE_MS", "20")
     model = ModelConfig(id="smol", path=str(smollm2_path), n_ctx=512)
     other = ModelConfig(id="other", path=str(smollm2_path), n_ctx=512)
     arena_dir = tmp_path / "arena"
@@ -194,3 +198,17 @@ def test_a_shadow_built_in_slices_yields_to_the_other_models_request(
     got3, done3 = second.generate("s3", messages=_third(a1, a2), max_tokens=12, conversation="c")
     assert isinstance(done3, p.Done) and done3.switch.switched
     assert got3 == a3  # restored from the shadow built in slices: the same answer
+
+
+def test_the_shadow_slice_pause_for_tests_is_read_and_a_bad_one_ignored(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("TIMESHARE_SHADOW_SLICE_PAUSE_MS", raising=False)
+    assert shadow_slice_pause_s() == 0.0  # unset: no pause
+    monkeypatch.setenv("TIMESHARE_SHADOW_SLICE_PAUSE_MS", "20")
+    assert shadow_slice_pause_s() == 0.02
+    for bad in ("soon", "-5", "nan", "1e9"):
+        monkeypatch.setenv("TIMESHARE_SHADOW_SLICE_PAUSE_MS", bad)
+        caplog.clear()
+        assert shadow_slice_pause_s() == 0.0, bad  # no pause, and said by name
+        assert f"TIMESHARE_SHADOW_SLICE_PAUSE_MS={bad!r} is not a number of milliseconds" in caplog.text

@@ -62,6 +62,27 @@ def shadow_slice_bytes() -> int:
     return ResidencyOptions.shadow_slice_bytes
 
 
+def shadow_slice_pause_s() -> float:
+    """For tests: the pause between two slices of a deferred host shadow's idle build
+    (``TIMESHARE_SHADOW_SLICE_PAUSE_MS``; 0, the default: none), so that a test can stop the worker
+    inside the build on a loaded machine, where the build may otherwise end first."""
+    raw = envvars.SHADOW_SLICE_PAUSE_MS.text()
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0.0 <= ms <= 60_000.0:
+        log.warning(
+            "%s=%r is not a number of milliseconds (0 to 60000): no pause",
+            envvars.SHADOW_SLICE_PAUSE_MS.name,
+            raw,
+        )
+        return 0.0
+    return ms / 1000.0
+
+
 def handover_wanted(setting: bool, backend: str) -> bool:
     """Whether a worker on ``backend`` (the build's first GPU, "CPU" without one) uses the
     hand-over: ``$TIMESHARE_HANDOVER`` (0/1) decides when set, on any build (1 on a CPU build: the
@@ -511,6 +532,9 @@ class ArenaTenancy(Tenancy):
         res = self.residency
         if res is None or not res.shadow_fillable:
             return True
+        pause_s = shadow_slice_pause_s()
+        if stop is not None and pause_s > 0.0:  # the idle build, under a test's pause
+            stop = _paused(stop, pause_s)
         # released (the slices left come from the file): pageable first, so the shadow is whole
         # soon (a restore then waits for none of it), pinned afterwards while idle (pin_shadow)
         done = res.fill_shadow(stop, pin=res.weights_resident)
@@ -1108,6 +1132,17 @@ class ArenaTenancy(Tenancy):
                 if self.handover is not None:
                     self.handover.close()
                 self.arena.close()
+
+
+def _paused(stop: Callable[[], bool], pause_s: float) -> Callable[[], bool]:
+    """``stop``, asked after a pause (it is asked between two slices: the pause comes before the
+    question, so a request that came meanwhile still stops the build at once)."""
+
+    def paused() -> bool:
+        time.sleep(pause_s)
+        return stop()
+
+    return paused
 
 
 def make_tenancy(spec: WorkerSpec) -> Tenancy:
