@@ -120,6 +120,7 @@ def test_a_holder_frees_only_what_the_other_needs_and_restores_only_what_it_lost
         got = answer(pool, m)
         assert got.text == first[m].text, m  # bitwise after any pattern of partial release/restore
         assert got.switch.switched and 0 < got.switch.restored_bytes < weights[m], (m, got.switch)
+        assert got.switch.release_ms > 0, (m, got.switch)  # the other's partial release, with the token
         other = GEMMA if m == SMOL else SMOL
         assert model(pool, m).resident_fraction == 1.0
         assert 0.0 < partly_released(pool, other).resident_fraction < 1.0  # it made room with a part only
