@@ -312,6 +312,9 @@ def test_two_workers_alternate_and_the_token_moves(
     assert lease_holders(arena_dir) == {a.proc.pid}
     ref_b, done = b.generate("b0", prompt="The capital of France is", sampling=Sampling(max_tokens=8))
     assert isinstance(done, p.Done) and done.switch.switched
+    # b's Done says how long a's release for it took, a's own figure, handed over with the token
+    # (a's Released after its answer a0: the one release b's request waited for)
+    assert done.switch.release_ms == a.expect(p.Released).release_ms > 0
     # b took the token: a gave its weights back, as the kernel counts a's memory (the GGUF's size
     # stands for the weights: no mmap on this path, they were copied into the process)
     released = next(m for m in a.seen if isinstance(m, p.Released))
