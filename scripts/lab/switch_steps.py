@@ -36,6 +36,7 @@ def main() -> None:
         "switch_ttft_ms",
         "switch_worker_first_token_ms",
         "switch_restore_ms",
+        "switch_release_ms",
         "no_switch_ttft_ms",
     )
     print(label, {k: s.get(k) for k in keys}, "bitwise:", r["exactness"]["bitwise_identical"])
