@@ -208,14 +208,7 @@ class Arena:
         credited once, to the first grant after it). None when there is none or it is not one.
         Never raises."""
         record = load_release_at(self.dir.fd)
-        try:
-            os.unlink(RELEASE_FILE, dir_fd=self.dir.fd)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            with contextlib.suppress(OSError):
-                st = os.lstat(RELEASE_FILE, dir_fd=self.dir.fd)
-                self.dir.remove_odd(self.dir.fd, RELEASE_FILE, st)
+        self._remove_record(RELEASE_FILE)
         return record
 
     def _write_record(self, name: str, data: dict[str, object], consequence: str) -> None:
@@ -236,14 +229,19 @@ class Arena:
 
     def remove_holder(self) -> None:
         """Remove the holder record (by its holder, before it unlocks the token). Never raises."""
+        self._remove_record(HOLDER_FILE)
+
+    def _remove_record(self, name: str) -> None:
+        """Remove the record ``name``: a file unlinked, anything else there (a directory...) as
+        the sweep removes odd entries. Never raises."""
         try:
-            os.unlink(HOLDER_FILE, dir_fd=self.dir.fd)
+            os.unlink(name, dir_fd=self.dir.fd)
         except FileNotFoundError:
             pass
         except OSError:
             with contextlib.suppress(OSError):
-                st = os.lstat(HOLDER_FILE, dir_fd=self.dir.fd)
-                self.dir.remove_odd(self.dir.fd, HOLDER_FILE, st)
+                st = os.lstat(name, dir_fd=self.dir.fd)
+                self.dir.remove_odd(self.dir.fd, name, st)
 
     def watch(self) -> DirWatch:
         """A watch on ``waiters/`` and ``leases/``."""
