@@ -141,6 +141,23 @@ print(json.dumps(r))
 sys.exit(0 if r["bitwise_identical"] and r["kv_level_bitwise_identical"] else 1)
 EOF2
     summarize_doctor "$OUT/doctor-rebuild.json" "$(( $(date +%s) - t1 ))" || status=1
+    # The deep level wholly in place (compute buffers released too, the KV cells uploaded with the
+    # weights' parts), which a Vulkan device gets only with TIMESHARE_DEEP_INPLACE=1 until a run on
+    # it proves it bitwise: this is that run (under the validation layer too, when it is on).
+    echo "==> doctor with TIMESHARE_DEEP_INPLACE=1 on $(basename "$first") ($CYCLES cycles)"
+    t1=$(date +%s)
+    TIMESHARE_DEEP_INPLACE=1 "$ts" doctor --model "$first" --cycles "$CYCLES" --json \
+        >"$OUT/doctor-deep.json" 2>"$OUT/doctor-deep.log" || status=1
+    summarize_doctor "$OUT/doctor-deep.json" "$(( $(date +%s) - t1 ))" || status=1
+    "$PY" -c 'import json, sys; k = json.load(open(sys.argv[1])).get("kv_level") or {}; print("    KV level:", {x: k.get(x) for x in ("in_place", "compute_buffers_released", "compute_released_bytes", "note")})' \
+        "$OUT/doctor-deep.json" || status=1
+    if [ "${VULKAN_VALIDATE:-1}" = 1 ]; then
+        TIMESHARE_DEEP_INPLACE=1 VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation "$ts" doctor --model "$first" \
+            --cycles 1 >"$OUT/doctor-deep-validation.txt" 2>&1 || status=1
+        n=$(grep -c -E 'Validation (Error|Warning)|VUID-' "$OUT/doctor-deep-validation.txt" || true)
+        echo "    under the validation layer: $n validation messages"
+        [ "$n" -eq 0 ] || status=1
+    fi
     # `timeshare arena-test --workers $WORKERS --seconds $SECONDS_ --sample-memory-ms $SAMPLE_MS --json`,
     # through the function behind it: the command's fixed 120 s per-request deadlock timeout is
     # shorter than a first request on lavapipe on a busy machine (pipelines compile in each worker
