@@ -1,7 +1,9 @@
 #!/bin/bash
 # The GPU measurements left open by 2026-12-07's sessions, in one command, every result printed to
 # stdout (the device tool brings back at most 8 files: a result only in a file can be lost).
-# Default steps (left open by session 9): switch, deep, vision, embed; rerank and handover measured.
+# Default steps (left open by sessions 9-11; 10 and 11 had no GPU): switch, deep, vision, fullcard,
+# visionoff, f16 (about 12 min after the build: two calls); embed separately (long); rerank and
+# handover measured.
 # Needs the prepared machine (.gpu/build.sh + .gpu/setup.sh: llama-cpp-python CUDA in /tmp/site with
 # libmtmd, llama-server in /tmp/llbuild/bin, `timeshare` on /tmp/bin, /tmp/A.gguf and /tmp/B.gguf).
 # usage: bash scripts/lab/gpu_leftovers.sh [STEP ...]   (default: every step; LIMIT=seconds caps the run)
@@ -14,6 +16,13 @@
 #            and TIMESHARE_KV_AHEAD=0 in the environment give session 9's way on the same machine
 #   handover issue 40: scripts/lab/handover_gpu.sh (kept mappings, 20 switches, chunk sizes)
 #   embed    issue 45: 2,048 inputs vs llama-server (llama-server alone needs ~6.5 min: run it last)
+#   visionoff issue 41 without the hand-over (TIMESHARE_HANDOVER=0: the weights may move; the graph drop)
+#   fullcard issue 40: 20 switches on a "full card" taken apart (scripts/lab/switch_steps.py: each
+#            restore step's median, the hand-over's take and map apart from the copy), kept mappings
+#            asked back (the default) vs unmapped at each release (TIMESHARE_HANDOVER_KEEP=0) vs no
+#            hand-over, and the raw copy (target: first token <= raw copy + 10 ms)
+#   f16      issue 40: an F16 8B (made here, ~16 GB, if missing): restore into reused memory vs the
+#            raw copy, and its switched first token on a full card (target: raw copy + 15 ms)
 set -u
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export PATH=/tmp/bin:$PATH
@@ -38,13 +47,17 @@ for k in keys:
     print(" ", k, "=", json.dumps(get(d, k))[:400])
 PY
 }
+residency_vs_raw() {  # $1 model, $2 cycles: a restore into kept memory, every byte uploaded, vs the raw copy
+  TIMESHARE_HANDOVER_INTACT=0 timeout "$(cap 120)" timeshare bench residency --handover --model "$1" --cycles "$2" --n-ctx 2048 --json > "$W/res.json" 2> "$W/res.err"
+  el "bench residency --handover $(basename "$1") rc=$?"; show "$W/res.json" bitwise_identical restore_ms raw_copy_ms restore_ms_all raw_copy_ms_reps
+}
 # libmtmd (vision): .gpu/build.sh builds llama-cpp-python with LLAVA_BUILD=OFF (llama.cpp's tools
 # build mtmd themselves; adding tools/mtmd twice fails), so llama_cpp/lib lacks it: copy it there
 if [ ! -e /tmp/site/llama_cpp/lib/libmtmd.so ]; then
   for f in $(find /tmp/llbuild -name "libmtmd.so*" 2>/dev/null); do cp -a "$f" /tmp/site/llama_cpp/lib/; done
   ls /tmp/site/llama_cpp/lib/libmtmd.so > /dev/null 2>&1 && el "libmtmd copied into llama_cpp/lib" || el "no libmtmd built: the vision step will fail"
 fi
-steps=${*:-switch deep vision embed}
+steps=${*:-switch deep vision fullcard visionoff f16}
 cd /tmp
 for s in $steps; do
   case $s in
@@ -81,6 +94,28 @@ PY
     timeout "$(cap 560)" timeshare bench embed --model /tmp/A.gguf --parallel 4 --llama-server "$LS" --counts 2048 --rounds 1 --timeout 540 --json > "$W/embed.json" 2> "$W/embed.err"
     el "embed rc=$?"; show "$W/embed.json" systems; grep -v "so far" "$W/embed.err" | tail -5
     ;;
-  *) echo "unknown step $s (switch deep vision embed rerank handover)"; exit 2 ;;
+  visionoff)
+    TIMESHARE_HANDOVER=0 timeout "$(cap 150)" python3 -P "$R/scripts/bench_vision_switch.py" --model /tmp/A.gguf --other /tmp/B.gguf --rounds 5 --projector-embd 1024 --projector-layers 24 --log-lines 2>&1 | grep -v "^llama\|^load\|^print_info\|^clip" | cut -c1-260 | tail -40
+    el "vision without the hand-over rc=${PIPESTATUS[0]}"
+    ;;
+  fullcard)
+    residency_vs_raw /tmp/A.gguf 4
+    TIMESHARE_HANDOVER_ROOM=0 timeout "$(cap 100)" python3 -P "$R/scripts/lab/switch_steps.py" full /tmp/A.gguf /tmp/B.gguf 10 1 2>&1 | grep "^full"
+    el "full card, kept mappings asked back"
+    TIMESHARE_HANDOVER_ROOM=0 TIMESHARE_HANDOVER_KEEP=0 timeout "$(cap 100)" python3 -P "$R/scripts/lab/switch_steps.py" nokeep /tmp/A.gguf /tmp/B.gguf 10 1 2>&1 | grep "^nokeep"
+    el "full card, unmapped at each release"
+    timeout "$(cap 100)" python3 -P "$R/scripts/lab/switch_steps.py" off /tmp/A.gguf /tmp/B.gguf 10 0 2>&1 | grep "^off"
+    el "no hand-over"
+    ;;
+  f16)
+    if [ ! -f /tmp/F16.gguf ]; then
+      mkdir -p /tmp/mkf && python3 -m pip install -q --no-index --no-deps --target /tmp/mkf "$R"/.gpu/gguf-*.whl
+      PYTHONPATH=/tmp/mkf timeout "$(cap 240)" python3 "$R/.gpu/make_synthetic_gguf.py" /tmp/F16.gguf F16 32 "$R/.gpu/vocab.gguf"; el "F16 made rc=$?"
+    fi
+    residency_vs_raw /tmp/F16.gguf 3
+    TIMESHARE_HANDOVER_ROOM=0 timeout "$(cap 150)" python3 -P "$R/scripts/lab/switch_steps.py" f16 /tmp/F16.gguf /tmp/A.gguf 4 1 2>&1 | grep "^f16"
+    el "F16 switched (model a is the F16)"
+    ;;
+  *) echo "unknown step $s (switch deep vision embed rerank handover visionoff fullcard f16)"; exit 2 ;;
   esac
 done
