@@ -85,6 +85,31 @@ def test_the_plan_asks_a_parked_workers_kv_cache_after_every_holders_weights() -
 CELL_BYTES = 30 * 2 * 192 * 2
 
 
+@pytest.mark.parametrize(("backend", "releases"), [("Vulkan0", False), ("CUDA0", True), ("CPU", True)])
+def test_with_deep_inplace_on_a_vulkan_device_keeps_its_compute_buffers(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, releases: bool
+) -> None:
+    """TIMESHARE_DEEP_INPLACE=1 asks for the deep level wholly in place; on a Vulkan device the
+    compute buffers stay all the same (released in place, they crashed ggml-vulkan's next decode:
+    measured on lavapipe), with the reason in the note, while the KV buffers are still found. The
+    rule is the backend's name; the CPU build's real context stands in for the device's."""
+    from timeshare.core.residency.kvlevel import VULKAN_COMPUTE_KEPT, KvLevel
+
+    monkeypatch.setenv("TIMESHARE_DEEP_INPLACE", "1")
+    llm = load(smollm2_path, n_ctx=512, use_mmap=False)
+    try:
+        level = KvLevel(llm, str(smollm2_path), None, pinned=False)
+        level.find(int(llm._ctx.ctx), backend)
+        assert level.in_place and level.kv_note == ""
+        if releases:
+            assert level.buffers_note == ""
+        else:
+            assert level.buffers_note == VULKAN_COMPUTE_KEPT
+            assert f"the compute buffers stay on the device ({VULKAN_COMPUTE_KEPT})" in level.notes()
+    finally:
+        llm.close()
+
+
 def test_with_deep_inplace_off_the_kv_level_keeps_the_compute_buffers_and_is_still_bitwise(
     smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

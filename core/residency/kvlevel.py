@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 
 #: why a GPU build keeps the compute buffers and puts the KV cells back after the weights
 DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLACE.name + "=1 turns it on"
+#: why a Vulkan device keeps its compute buffers even where TIMESHARE_DEEP_INPLACE=1 asks for the
+#: deep level in place: measured on ggml-vulkan (lavapipe, 2026-12-07), the first decode after a
+#: restore that had released them in place crashed (6 of 6 runs), while the KV cells uploaded with
+#: the weights' parts and the compute buffers kept were bitwise (3 of 3)
+VULKAN_COMPUTE_KEPT = "on ggml-vulkan, released in place, they crashed the next decode (measured on lavapipe)"
 
 
 class KvLevel:
@@ -105,6 +110,9 @@ class KvLevel:
         self._saver = KvSaver(self.buffers, int(self._llm._model.model))
         if not self.deep_inplace():
             self.buffers_note = DEEP_UNVERIFIED.format(backend=backend)
+            return
+        if backend.upper().startswith("VULKAN"):
+            self.buffers_note = VULKAN_COMPUTE_KEPT
             return
         try:
             # on a GPU build only the device's buffers (a host one is not what the budget counts)
