@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLACE.name + "=1 turns it on"
 #: why a Vulkan device keeps its compute buffers even where TIMESHARE_DEEP_INPLACE=1 asks for the
 #: deep level in place: measured on ggml-vulkan (lavapipe, 2026-12-07), the first decode after a
-#: restore that had released them in place crashed (6 of 6 runs), while the KV cells uploaded with
-#: the weights' parts and the compute buffers kept were bitwise (3 of 3)
+#: restore that had released them in place crashed (3 of 6 doctor runs; 3 of 3 with the cells put back
+#: after the weights), while with them kept and the KV cells uploaded with the parts 6 of 6 were bitwise
 VULKAN_COMPUTE_KEPT = "on ggml-vulkan, released in place, they crashed the next decode (measured on lavapipe)"
 
 
