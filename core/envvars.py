@@ -45,6 +45,14 @@ class EnvVar:
         """Whether the variable is in the environment (even empty)."""
         return self.raw(environ) is not None
 
+    def number(self) -> float | None:
+        """The value as a number, the default's while unset or empty; None when it is not a
+        number (the caller says what then)."""
+        try:
+            return float(self.text() or self.default)
+        except ValueError:
+            return None
+
     def switch(self) -> bool | None:
         """A 0/1 override: True for "1", False for "0", None otherwise (unset: the default rule)."""
         value = self.text()

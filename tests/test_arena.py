@@ -4,11 +4,13 @@ kill -9. No llama here: the clients are tests/_arena_util.py processes and this 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from _proc_util import blocked_flocks, wait_until
 from timeshare.core.arena.arena import Arena, check_arena_dir
 from timeshare.core.arena.client import TokenClient
 from timeshare.core.arena.dirs import read_holder, resolve_arena_dir
-from timeshare.core.arena.records import DoorbellRing, Ticket
+from timeshare.core.arena.records import DoorbellRing, Ticket, TokenGrant
 from timeshare.core.arena.watch import inotify_available
 from timeshare.core.errors import ArenaError, CancelledError, TokenTimeoutError, UnsafeArenaError
 from timeshare.core.observe import EventLog, read_events
@@ -270,17 +272,26 @@ def test_kill9_of_the_holder_lets_the_waiter_take_the_token(
 # ---- the release time, carried with the token ---------------------------------------------------
 
 
+def _handed_over(
+    procs: list[Proc], arena_dir: Path, backend: str, first: str, second: str, *holder_args: str
+) -> tuple[TokenClient, TokenGrant]:
+    """``first`` (another process, ``holder_args`` for its release) holds the token; ``second``
+    (a client here) asks for it and waits inside flock(2); the holder releases: the client and
+    its grant."""
+    holder = spawn(procs, "hold", str(arena_dir), backend, first, *holder_args)
+    holder.wait_line("HELD")
+    client = TokenClient(Arena(arena_dir, backend=backend), second)  # type: ignore[arg-type]
+    req = client.request(timeout=60)
+    wait_until(lambda: blocked_flocks(lease_file(arena_dir)) == 1, what="our request blocked in flock")
+    holder.finish()  # it releases (saying how long its release took, if told to) and lets go
+    return client, req.result(timeout=30)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_grant_carries_the_release_time_of_the_holder_it_followed(
     procs: list[Proc], arena_dir: Path, backend: str
 ) -> None:
-    holder = spawn(procs, "hold", str(arena_dir), backend, "first", "release_ms=12.25")
-    holder.wait_line("HELD")
-    client = TokenClient(Arena(arena_dir, backend=backend), "second")  # type: ignore[arg-type]
-    req = client.request(timeout=60)
-    wait_until(lambda: blocked_flocks(lease_file(arena_dir)) == 1, what="our request blocked in flock")
-    holder.finish()  # it releases, saying how long its release took, and lets the token go
-    grant = req.result(timeout=30)
+    client, grant = _handed_over(procs, arena_dir, backend, "first", "second", "release_ms=12.25")
     assert grant.handoff and grant.previous == "first"
     assert grant.previous_release_ms == 12.25  # the other process's own figure, through the arena
     assert not (arena_dir / "released").exists()  # taken by this grant: one release is credited once
@@ -299,19 +310,33 @@ def test_a_grant_with_no_previous_holder_says_no_release(procs: list[Proc], aren
     assert grant.previous is None and grant.previous_release_ms == 0.0
     client.close()  # a close says no release time: nothing for the next grant
     assert not (arena_dir / "released").exists()
-    # a holder that says nothing (an older version) or a record that is not one: 0, never an error
-    for record in (None, "{not json", '{"model": "x", "pid": 1, "release_ms": -4, "at": 0}'):
-        holder = spawn(procs, "hold", str(arena_dir), "auto", "older")
-        holder.wait_line("HELD")
-        waiter = TokenClient(Arena(arena_dir), "newer")
-        req = waiter.request(timeout=60)
-        wait_until(lambda: blocked_flocks(lease_file(arena_dir)) == 1, what="our request blocked in flock")
-        holder.finish()
-        if record is not None:  # written after the release, before the grant reads it: ignored
-            (arena_dir / "released").write_text(record)
-        grant = req.result(timeout=30)
-        assert grant.previous == "older" and grant.previous_release_ms == 0.0, record
-        waiter.close()
+    # a holder that says nothing (an older version): 0, never an error
+    waiter, grant = _handed_over(procs, arena_dir, "auto", "older", "newer")
+    assert grant.previous == "older" and grant.previous_release_ms == 0.0
+    waiter.close()
+    # a record that is not one, found by a grant: 0 and taken away. Each is dated after any
+    # request and names another pid, so only its own flaw keeps it from being credited: the same
+    # record made sane (last) is
+    future = time.monotonic() + 3600
+    sane = {"model": "x", "pid": 1, "release_ms": 4.0, "at": future}
+    for bad in (
+        "{not json",
+        "[1, 2]",
+        json.dumps({**sane, "release_ms": -4}),
+        json.dumps({**sane, "release_ms": float("nan")}),
+        json.dumps({**sane, "pid": True}),
+        json.dumps({**sane, "model": "a b"}),
+        json.dumps({k: v for k, v in sane.items() if k != "at"}),
+    ):
+        (arena_dir / "released").write_text(bad)
+        reader = TokenClient(Arena(arena_dir), "reader")
+        assert reader.acquire(timeout=5).previous_release_ms == 0.0, bad
+        assert not (arena_dir / "released").exists(), bad
+        reader.close()
+    (arena_dir / "released").write_text(json.dumps(sane))
+    reader = TokenClient(Arena(arena_dir), "reader")
+    assert reader.acquire(timeout=5).previous_release_ms == 4.0
+    reader.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

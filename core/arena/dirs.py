@@ -15,7 +15,7 @@ import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .. import paths
 from ..errors import ArenaError, UnsafeArenaError
@@ -431,27 +431,32 @@ def load_release_at(dir_fd: int) -> ReleaseRecord | None:
 def parse_holder(raw: bytes) -> HolderRecord | None:
     """A holder record from its JSON, or None unless every field is sane (a model id, a pid in
     range, finite times)."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
+    data = _owned_record(raw)
+    if data is None:
         return None
-    if not isinstance(data, dict):
+    pinned = data.get("pinned", False)
+    since_f, since_monotonic_f = _finite(data.get("since")), _finite(data.get("since_monotonic"))
+    if not isinstance(pinned, bool) or since_f is None or since_monotonic_f is None:
         return None
-    model, pid, pinned = data.get("model"), data.get("pid"), data.get("pinned", False)
-    since, since_monotonic = data.get("since"), data.get("since_monotonic")
-    if not (isinstance(model, str) and RECORD_MODEL_RE.match(model)):
-        return None
-    if not (type(pid) is int and 0 < pid <= MAX_PID) or not isinstance(pinned, bool):
-        return None
-    since_f, since_monotonic_f = _finite(since), _finite(since_monotonic)
-    if since_f is None or since_monotonic_f is None:
-        return None
-    return HolderRecord(model=model, pid=pid, since=since_f, since_monotonic=since_monotonic_f, pinned=pinned)
+    return HolderRecord(
+        model=data["model"], pid=data["pid"], since=since_f, since_monotonic=since_monotonic_f, pinned=pinned
+    )
 
 
 def parse_release(raw: bytes) -> ReleaseRecord | None:
     """A release record from its JSON, or None unless every field is sane (a model id, a pid in
     range, a finite, non-negative release time)."""
+    data = _owned_record(raw)
+    if data is None:
+        return None
+    release_ms, at = _finite(data.get("release_ms")), _finite(data.get("at"))
+    if release_ms is None or release_ms < 0 or at is None:
+        return None
+    return ReleaseRecord(model=data["model"], pid=data["pid"], release_ms=release_ms, at=at)
+
+
+def _owned_record(raw: bytes) -> dict[str, Any] | None:
+    """A record's JSON object when it names a sane owner (a model id, a pid in range), else None."""
     try:
         data = json.loads(raw)
     except ValueError:
@@ -459,12 +464,11 @@ def parse_release(raw: bytes) -> ReleaseRecord | None:
     if not isinstance(data, dict):
         return None
     model, pid = data.get("model"), data.get("pid")
-    release_ms, at = _finite(data.get("release_ms")), _finite(data.get("at"))
     if not (isinstance(model, str) and RECORD_MODEL_RE.match(model)):
         return None
-    if not (type(pid) is int and 0 < pid <= MAX_PID) or release_ms is None or release_ms < 0 or at is None:
+    if not (type(pid) is int and 0 < pid <= MAX_PID):
         return None
-    return ReleaseRecord(model=model, pid=pid, release_ms=release_ms, at=at)
+    return data
 
 
 def _finite(value: object) -> float | None:

@@ -15,7 +15,7 @@ from . import _ggml, evalhook
 from .gate import PartGate
 from .inplace import InPlace
 from .probe import probe
-from .timeline import OverlapTimeline
+from .timeline import OverlapTimeline, log_restore_steps
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +113,6 @@ class RestoreGate:
             self._model_path,
             json.dumps({k: round(v, 3) for k, v in self.last.as_dict().items()}),
         )
-        # and every step the restore recorded (the hand-over's take and map, the KV level's, the
-        # room), for the lab scripts that read a switch's cost apart from the worker logs
-        log.info(
-            "restore steps (%s): %s",
-            self._model_path,
-            json.dumps({k: round(float(v), 3) for k, v in steps.items()}),
-        )
+        log_restore_steps(self._model_path, steps)
         if gate.error is not None:
             raise ResidencyError(f"the upload gate failed: {gate.error}") from gate.error

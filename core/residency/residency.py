@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -44,7 +43,7 @@ from .projector import ProjectorWatch
 from .rebuild import RebuildPath
 from .reports import ReleaseReport, RestoreReport
 from .state import Kv, ResidencyState, Weights, check_transition
-from .timeline import OverlapTimeline, ReleaseSteps, RestoreSteps
+from .timeline import OverlapTimeline, ReleaseSteps, RestoreSteps, log_restore_steps
 from .unsupported import InPlaceUnsupportedError, NothingToReleaseError
 from .view import InPlaceView
 
@@ -814,11 +813,7 @@ class Residency:
             ip.restore_steps["returned_ms"] = (time.perf_counter() - t0) * 1000
         dt = time.perf_counter() - t0
         if ip is not None and not overlapped:  # an overlapped restore logs them once settled
-            log.info(
-                "restore steps (%s): %s",
-                self.model_path,
-                json.dumps({k: round(float(v), 3) for k, v in ip.restore_steps.items()}),
-            )
+            log_restore_steps(self.model_path, ip.restore_steps)
         self._enter(weights=Weights.ALL)
         self._enter(kv=Kv.DEVICE)
         return RestoreReport.logged(self.model_path, dt, nbytes, level, moved, reset, overlapped, pending)

@@ -4,10 +4,23 @@ what an overlapped restore's upload gate saw once settled."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .gate import GateStats
+
+log = logging.getLogger(__name__)
+
+
+def log_restore_steps(model_path: str, steps: Mapping[str, float]) -> None:
+    """One "restore steps (model): {json}" line per restore: every step it recorded (the
+    hand-over's take and map, the room, the copy, the KV level's), for the lab scripts that take
+    a switch's cost apart from the worker logs (scripts/lab/switch_steps.py)."""
+    log.info(
+        "restore steps (%s): %s", model_path, json.dumps({k: round(float(v), 3) for k, v in steps.items()})
+    )
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,8 @@ PROMPT_LOGPROBS_PER_FRAME = 1024
 
 def _env_ms(var: envvars.EnvVar) -> float:
     """Seconds from an environment variable in milliseconds (a benchmark's knob), else its default."""
-    default_ms = float(var.default)
-    try:
-        return max(0.0, float(var.raw() or default_ms)) / 1000.0
-    except ValueError:
-        return default_ms / 1000.0
+    ms = var.number()
+    return max(0.0, ms if ms is not None else float(var.default)) / 1000.0
 
 
 #: A burst of requests joins one prefill step (llama-server prefills all of a step's new prompts

@@ -66,21 +66,15 @@ def shadow_slice_pause_s() -> float:
     """For tests: the pause between two slices of a deferred host shadow's idle build
     (``TIMESHARE_SHADOW_SLICE_PAUSE_MS``; 0, the default: none), so that a test can stop the worker
     inside the build on a loaded machine, where the build may otherwise end first."""
-    raw = envvars.SHADOW_SLICE_PAUSE_MS.text()
-    if not raw:
-        return 0.0
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
-    if not 0.0 <= ms <= 60_000.0:
-        log.warning(
-            "%s=%r is not a number of milliseconds (0 to 60000): no pause",
-            envvars.SHADOW_SLICE_PAUSE_MS.name,
-            raw,
-        )
-        return 0.0
-    return ms / 1000.0
+    ms = envvars.SHADOW_SLICE_PAUSE_MS.number()
+    if ms is not None and 0.0 <= ms <= 60_000.0:
+        return ms / 1000.0
+    log.warning(
+        "%s=%r is not a number of milliseconds (0 to 60000): no pause",
+        envvars.SHADOW_SLICE_PAUSE_MS.name,
+        envvars.SHADOW_SLICE_PAUSE_MS.text(),
+    )
+    return 0.0
 
 
 def handover_wanted(setting: bool, backend: str) -> bool:
@@ -970,7 +964,7 @@ class ArenaTenancy(Tenancy):
         resident): the lease goes, and how long the release took goes with it, in the arena,
         for the next holder's grant to say (the Released message says the same, for the log)."""
         self._end_resident()
-        release_ms = report.ms if report is not None else 0.0
+        release_ms = report.ms if report is not None else None  # None: nothing released, no record
         if self.client.release(release_ms=release_ms) is None and report is None:
             return None
         level: WorkerReleaseLevel = "weights+kv" if kv else "weights"
