@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Callable
@@ -90,6 +91,29 @@ def rss_of(pid: int | str = "self") -> int:
     except OSError:
         return 0
     return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_in(ranges: list[tuple[int, int]]) -> int:
+    """Resident bytes of this process's pages inside the address ranges ``(start, size)``, page by
+    page from mincore(2) (the kernel's count, restricted to those ranges: a free elsewhere in the
+    process, by another thread or the garbage collector, does not change it); a page no longer
+    mapped counts 0."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    total = 0
+    for start, size in ranges:
+        lo = start - start % page
+        pages = (start + size - lo + page - 1) // page
+        vec = ctypes.create_string_buffer(pages)
+        if libc.mincore(lo, pages * page, vec) == 0:
+            total += sum(b & 1 for b in vec.raw)
+            continue
+        for i in range(pages):  # partly unmapped (ENOMEM): each page on its own
+            one = ctypes.create_string_buffer(1)
+            if libc.mincore(lo + i * page, page, one) == 0:
+                total += one.raw[0] & 1
+    return total * page
 
 
 def lease_holders(arena_dir: Path) -> set[int]:

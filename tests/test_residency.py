@@ -21,7 +21,7 @@ from typing import Any
 
 import llama_cpp  # before numpy
 import pytest
-from _proc_util import rss_of
+from _proc_util import resident_in, rss_of
 from _residency_util import Greedy, load, same
 from timeshare.core.errors import (
     ModelFileChangedError,
@@ -52,8 +52,10 @@ def _cycle_check(llm: llama_cpp.Llama, path: Path, cycles: int = 3, **opts: Any)
     reference = greedy.run()
     res = Residency.attach(llm, path, ResidencyOptions(**opts))
     for i in range(cycles):
+        ip = res._inplace
+        ranges = [(b.base, b.size) for b in ip.buffers] if ip is not None else []
         _LIBC.malloc_trim(0)
-        before = rss_of()
+        before, before_here = rss_of(), resident_in(ranges)
         rel = res.release()
         assert not res.weights_resident
         # the memory really went back, as the kernel counts it (the model was loaded without mmap:
@@ -65,6 +67,11 @@ def _cycle_check(llm: llama_cpp.Llama, path: Path, cycles: int = 3, **opts: Any)
         _LIBC.malloc_trim(0)
         freed = before - rss_of()
         assert res.weight_bytes > 0 and freed > 0.8 * res.weight_bytes, (i, freed, res.weight_bytes)
+        if ranges:
+            # the report against the kernel's count in the weight buffers' own address ranges: the
+            # whole process's RSS can also fall by what another thread or the collector freed
+            # meanwhile (once seen: 29.1 MB for a 14.8 MB release), these ranges cannot
+            freed = before_here - resident_in(ranges)
         assert abs(rel.freed_bytes - freed) < 0.2 * res.weight_bytes, (rel.freed_bytes, freed)
         assert rel.level in ("weights", "weights+kv")
         rst = res.restore()
