@@ -25,6 +25,7 @@ class StandInGpu:
     """80 GiB with ``free`` bytes free; allocations take from it (no GPU on this machine)."""
 
     api = "stand-in"
+    max_piece = GiB
 
     def __init__(self, free: int, total: int = 80 * GiB) -> None:
         self.free, self.total, self.pieces = free, total, []  # type: list[int]
@@ -133,3 +134,40 @@ def test_doctor_on_a_card_reports_the_budget_of_that_card(tmp_path: Path) -> Non
         env=env,
     )
     assert bad.returncode == 2 and "larger than this machine's memory" in bad.stderr
+
+
+def _vm_size() -> int:
+    """This process's virtual memory (the kernel's count, /proc/self/status), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmSize")
+
+
+def test_the_vulkan_ballast_on_lavapipe() -> None:
+    """The Vulkan ballast (a Vulkan build without CUDA: the small AMD and Intel cards) on Mesa's
+    lavapipe, a CPU Vulkan device, whose memory is this process's: the kernel sees the held bytes
+    mapped. lavapipe is refused as a GPU unless asked for (a CPU device is not a card); without
+    VK_EXT_memory_budget (lavapipe has none) free memory is the heap less the ballast's own."""
+    from timeshare.core.diagnostics.ballast import VulkanGpu
+
+    try:
+        with pytest.raises(LookupError, match=r"no Vulkan GPU here \(the loader lists: .*llvmpipe"):
+            VulkanGpu(0)
+        gpu = VulkanGpu(0, allow_cpu=True)
+    except LookupError as exc:
+        pytest.skip(f"no Vulkan here: {exc} (apt mesa-vulkan-drivers)")
+    try:
+        free, total = gpu.memory()
+        assert 0 < free <= total
+        with pytest.raises(ValueError, match="GPU 5 does not exist: Vulkan lists 1"):
+            VulkanGpu(5, allow_cpu=True)
+        before = _vm_size()
+        report = hold(free - 96 * 2**20, 0, lambda _device: gpu)
+        grew = _vm_size() - before
+        assert report["ok"] and report["api"] == "vulkan", report
+        assert report["held"] == 96 * 2**20 and report["free_after"] == free - 96 * 2**20
+        assert grew >= 96 * 2**20, grew  # lavapipe's device memory is host memory, mapped here
+        assert not hold(total + GiB, 0, lambda _device: gpu)["ok"]
+    finally:
+        gpu.close()

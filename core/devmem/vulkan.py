@@ -63,8 +63,6 @@ from ..vulkan.api import (
     ST_MEMORY_DEDICATED_ALLOCATE_INFO,
     ST_MEMORY_GET_FD_INFO_KHR,
     ST_PHYSICAL_DEVICE_EXTERNAL_BUFFER_INFO,
-    ST_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT,
-    ST_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2,
     USAGE_STORAGE,
     USAGE_TRANSFER_DST,
     USAGE_TRANSFER_SRC,
@@ -76,10 +74,8 @@ from ..vulkan.api import (
     ExternalMemoryBufferCreateInfo,
     ImportMemoryFdInfo,
     MemoryAllocateInfo,
-    MemoryBudgetProperties,
     MemoryDedicatedAllocateInfo,
     MemoryGetFdInfo,
-    MemoryProperties2,
     MemoryRequirements,
     PhysicalDeviceExternalBufferInfo,
     Vk,
@@ -92,6 +88,7 @@ from ..vulkan.devices import (
     MemoryType,
     PhysDev,
     device_type,
+    heap_free,
     host_types,
     physical_devices,
     pick_device,
@@ -247,16 +244,9 @@ class VulkanChunkDevice:
         """(free, total) bytes of the device-local heap: ``VK_EXT_memory_budget``'s budget less its
         usage where the device has it; else the heap's size less this object's chunks (a device
         without the extension says nothing of other processes)."""
-        heap = self.mtype.heap
-        total = self.mtype.heap_bytes
-        if EXT_MEMORY_BUDGET in self.phys.extensions:
-            budget = MemoryBudgetProperties(ST_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT, None)
-            props = MemoryProperties2(ST_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, ctypes.addressof(budget))
-            self.vk.vkGetPhysicalDeviceMemoryProperties2(self.phys.handle, byref(props))
-            return max(0, int(budget.heapBudget[heap]) - int(budget.heapUsage[heap])), total
         with self._lock:
             own = sum(c.nbytes for c in self._chunks.values())
-        return max(0, total - own), total
+        return heap_free(self.vk, self.phys, self.mtype, own)
 
     def create(self, nbytes: int) -> int:
         if nbytes <= 0 or nbytes % self.granularity:

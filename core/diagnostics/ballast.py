@@ -4,14 +4,19 @@ memory with plain device allocations, so that what runs next sees a card of SIZE
 ``python -m timeshare.core.diagnostics.ballast --leave BYTES [--device N]`` prints one JSON line on
 stdout, then holds the memory until its stdin closes (the parent ended, or let it go):
 
-- ``{"ok": true, "api": "cudart"|"cuda", "total", "free_before", "held", "free_after"}``;
+- ``{"ok": true, "api": "cudart"|"cuda"|"vulkan", "total", "free_before", "held", "free_after"}``;
 - ``{"ok": false, "gpu": false, "reason"}``: no CUDA library or device here (the CPU path);
 - ``{"ok": false, "gpu": true, "reason"}``: a card larger than the GPU or than its free memory,
   or an allocation that failed.
 
 The CUDA runtime (``libcudart``, the one llama.cpp's CUDA build ships or links) through ctypes, or
 the driver API (``libcuda.so.1``, always installed with the driver) where no runtime is found.
-Its own process: the allocations and the CUDA context die with it, whatever the parent does.
+Without CUDA, on a Vulkan build of llama.cpp (the small AMD and Intel cards): plain device-local
+Vulkan allocations (:class:`VulkanGpu`, core/vulkan), on the ``device``-th Vulkan GPU (CPU
+devices such as Mesa's lavapipe are not GPUs). Other processes see them through
+``VK_EXT_memory_budget`` (NVIDIA, RADV, ANV: what ggml-vulkan reads as free memory); a device
+without the extension says nothing of other processes, so there the card is not seen.
+Its own process: the allocations and the CUDA or Vulkan device die with it, whatever the parent does.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class Gpu(Protocol):
     """What :func:`hold` asks of a GPU (tests give one that exists without a GPU)."""
 
     api: str
+    #: the largest single allocation the device allows
+    max_piece: int
 
     def memory(self) -> tuple[int, int]: ...
 
@@ -65,6 +72,7 @@ class CudaGpu:
 
     def __init__(self, device: int) -> None:
         self.api = ""
+        self.max_piece = CHUNK
         self._lib: Any = None
         self._pieces: list[c_void_p] = []
         try:
@@ -135,7 +143,93 @@ class CudaGpu:
         return ok
 
 
-def hold(leave: int, device: int, open_gpu: Callable[[int], Gpu] = CudaGpu) -> dict[str, Any]:
+class VulkanGpu:
+    """The ballast's calls over Vulkan: device-local allocations made the way ggml-vulkan makes a
+    device buffer, on the ``device``-th Vulkan GPU (``allow_cpu``: CPU devices count too; tests)."""
+
+    api = "vulkan"
+
+    def __init__(self, device: int, allow_cpu: bool = False) -> None:
+        from ..vulkan.api import EXT_MEMORY_BUDGET, VulkanUnavailableError, instance
+        from ..vulkan.devices import Device, device_type, physical_devices, queue_families
+
+        self._error = VulkanUnavailableError
+        try:
+            vk, inst = instance(b"timeshare-ballast")
+            devs = physical_devices(vk, inst)
+        except VulkanUnavailableError as exc:
+            raise LookupError(f"no Vulkan: {exc}") from None
+        gpus = [d for d in devs if allow_cpu or d.kind != CPU_DEVICE]
+        if not gpus:
+            listed = ", ".join(d.name for d in devs) or "none"
+            raise LookupError(f"no Vulkan GPU here (the loader lists: {listed})")
+        if device >= len(gpus):
+            raise ValueError(f"GPU {device} does not exist: Vulkan lists {len(gpus)}")
+        d = self._phys = gpus[device]
+        try:
+            self._mtype = device_type(d)
+            exts = (EXT_MEMORY_BUDGET,) if EXT_MEMORY_BUDGET in d.extensions else ()
+            self._dev = Device(vk, d, [queue_families(d)[0][0]], exts)
+        except VulkanUnavailableError as exc:
+            raise RuntimeError(f"{d.name}: {exc}") from None
+        self._vk, self._inst = vk, inst
+        self.name = d.name
+        self.max_piece = d.max_alloc or CHUNK
+        self._own = 0
+        self._pieces: list[tuple[int, int]] = []
+
+    def memory(self) -> tuple[int, int]:
+        from ..vulkan.devices import heap_free
+
+        return heap_free(self._vk, self._phys, self._mtype, self._own)
+
+    def allocate(self, nbytes: int) -> bool:
+        try:
+            self._pieces.append(self._dev.bound(nbytes, self._mtype))  # held until close or exit
+        except self._error:
+            return False
+        self._own += nbytes
+        return True
+
+    def close(self) -> None:
+        """Free the pieces, the device and the instance (the ballast process just exits)."""
+        for pair in self._pieces:
+            self._dev.unbind(pair)
+        self._pieces, self._own = [], 0
+        self._dev.close()
+        self._vk.vkDestroyInstance(self._inst, None)
+
+
+#: VkPhysicalDeviceType's CPU (lavapipe, SwiftShader)
+CPU_DEVICE = 4
+
+
+def _vulkan_build() -> bool:
+    """Whether the llama.cpp this Python loads is a Vulkan build (its ggml-vulkan library is
+    there), without loading it."""
+    try:
+        import llama_cpp
+    except Exception:  # a diagnostic: no llama.cpp, no Vulkan build
+        return False
+    lib_dir = os.path.join(os.path.dirname(os.path.abspath(llama_cpp.__file__)), "lib")
+    return bool(glob.glob(os.path.join(lib_dir, "libggml-vulkan.so*")))
+
+
+def open_any_gpu(device: int) -> Gpu:
+    """CUDA where there is CUDA; else Vulkan on a Vulkan build; LookupError (the reasons) when
+    neither: the card is then a host-memory cap (diagnostics/card.py)."""
+    try:
+        return CudaGpu(device)
+    except LookupError as cuda:
+        if not _vulkan_build():
+            raise
+        try:
+            return VulkanGpu(device)
+        except LookupError as vulkan:
+            raise LookupError(f"{cuda}; {vulkan}") from None
+
+
+def hold(leave: int, device: int, open_gpu: Callable[[int], Gpu] = open_any_gpu) -> dict[str, Any]:
     """Allocate all but ``leave`` bytes of the free memory of GPU ``device``; the report line."""
     try:
         gpu = open_gpu(device)
@@ -163,8 +257,9 @@ def hold(leave: int, device: int, open_gpu: Callable[[int], Gpu] = CudaGpu) -> d
         }
     want = free - leave
     held = 0
+    largest = min(CHUNK, gpu.max_piece)
     while want - held >= MIN_PIECE:
-        piece = min(CHUNK, want - held)
+        piece = min(largest, want - held)
         if not gpu.allocate(piece):
             if piece <= MIN_PIECE:
                 break

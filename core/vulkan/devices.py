@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .api import (
     DEVICE_LOCAL,
+    EXT_MEMORY_BUDGET,
     HOST_CACHED,
     HOST_COHERENT,
     HOST_VISIBLE,
@@ -27,6 +28,8 @@ from .api import (
     ST_MEMORY_ALLOCATE_INFO,
     ST_PHYSICAL_DEVICE_ID_PROPERTIES,
     ST_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES,
+    ST_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT,
+    ST_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2,
     ST_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT,
     ST_PHYSICAL_DEVICE_PROPERTIES_2,
     ST_SUBMIT_INFO,
@@ -45,7 +48,9 @@ from .api import (
     FenceCreateInfo,
     Maintenance3,
     MemoryAllocateInfo,
+    MemoryBudgetProperties,
     MemoryProperties,
+    MemoryProperties2,
     MemoryRequirements,
     PciBusInfo,
     PhysicalDeviceIdProperties,
@@ -206,6 +211,20 @@ def device_type(d: PhysDev) -> MemoryType:
     if not local:
         raise VulkanUnavailableError(f"{d.name} has no device-local memory type")
     return next((t for t in local if not t.flags & HOST_VISIBLE), local[0])
+
+
+def heap_free(vk: Vk, d: PhysDev, mtype: MemoryType, own: int) -> tuple[int, int]:
+    """(free, total) bytes of ``mtype``'s heap: ``VK_EXT_memory_budget``'s budget less its usage
+    (every process's, on NVIDIA's driver, RADV and ANV) where the device has the extension; else
+    the heap's size less ``own`` (the caller's allocations: such a device says nothing of other
+    processes)."""
+    total = mtype.heap_bytes
+    if EXT_MEMORY_BUDGET in d.extensions:
+        budget = MemoryBudgetProperties(ST_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT, None)
+        props = MemoryProperties2(ST_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, ctypes.addressof(budget))
+        vk.vkGetPhysicalDeviceMemoryProperties2(d.handle, byref(props))
+        return max(0, int(budget.heapBudget[mtype.heap]) - int(budget.heapUsage[mtype.heap])), total
+    return max(0, total - own), total
 
 
 class Device:
