@@ -155,11 +155,12 @@ HANDOVER = EnvVar(
 )
 HANDOVER_KEEP = EnvVar(
     "TIMESHARE_HANDOVER_KEEP",
-    "0 or 1",
+    "0, 1 or auto",
     "on",
     "escape hatch",
-    "With the hand-over: a released worker keeps its chunks mapped until another needs them (1), or "
-    "unmaps them at each release (0)",
+    "With the hand-over: a released worker keeps its chunks mapped until another needs them (1), "
+    "unmaps them at each release (0), or keeps them only while the device has room for as many bytes "
+    "again (auto: on a full card they go back at the release)",
 )
 HANDOVER_INTACT = EnvVar(
     "TIMESHARE_HANDOVER_INTACT",

@@ -324,6 +324,29 @@ def test_keep_mappings_off_unmaps_at_each_release(tmp_path: Path) -> None:
     assert client.status()["chunks"] == 0
 
 
+def test_keep_only_with_room_gives_back_at_the_release_on_a_full_card(tmp_path: Path) -> None:
+    """``keep_only_with_room`` ($TIMESHARE_HANDOVER_KEEP=auto): a release keeps its mappings while
+    the device has room for as many bytes again, and gives the chunks back at once on a full card
+    (the holder has them on hand: the next restore takes them with no reclaim). The kernel's view:
+    this process's mappings of the stand-in's memfds."""
+    client = observer(tmp_path / "arena")
+    tag = secrets.token_hex(4)
+    device = MemfdDevice(tag)
+    mem = HandedMemory(device, client, client.chunk_bytes)
+    mem.keep_only_with_room = True
+    mem.room_bytes = 2 * CHUNK  # room for the 2 chunks released: kept
+    mem.map_all([(1, 2 * CHUNK)])
+    assert mem.unmap([1]) == 2 and mem.kept(1) and mem.unkept_chunks == 0
+    assert len(memfd_maps(tag).get(os.getpid(), set())) == 2  # still mapped here
+    mem.map_all([(1, 2 * CHUNK)])  # claimed back: no map call
+    assert device.maps == 2
+    mem.room_bytes = 2 * CHUNK - 1  # a full card: given back at the release
+    assert mem.unmap([1]) == 2 and not mem.kept(1) and mem.unkept_chunks == 2
+    assert os.getpid() not in memfd_maps(tag) and device.unmaps == 2
+    assert client.status()["chunks"] == 2  # on hand at the holder, for whoever restores next
+    mem.close()
+
+
 # ---- bad requests are refused, and lose nothing ------------------------------------------------
 
 

@@ -114,6 +114,10 @@ class HandedMemory:
         #: releases keep their mappings where the source can ask for them back (False: unmap
         #: at each release, as before)
         self.keep_mappings = True
+        #: with :attr:`keep_mappings`, a release keeps its mappings only where the device has room
+        #: for as many bytes again without them (:meth:`_room`); else they go back at once, so
+        #: that the next restore takes them with no round trip to ask them back (a full card)
+        self.keep_only_with_room = False
         #: what a mapping may allocate itself before the holder asks others' kept chunks back
         #: (None: the device's free memory less a margin, :meth:`_room`)
         self.room_bytes: int | None = None
@@ -127,6 +131,7 @@ class HandedMemory:
         self.kept_chunks = 0  # chunks a release kept mapped
         self.reused_chunks = 0  # chunks a mapping found kept (no map call)
         self.reclaimed_chunks = 0  # kept chunks unmapped at the holder's request
+        self.unkept_chunks = 0  # chunks a release gave back for want of room (keep_only_with_room)
         self.intact_chunks = 0  # kept chunks a mapping found still holding their bytes
         self.last = MapReport()
         if source is not None:
@@ -361,6 +366,11 @@ class HandedMemory:
             gens: list[int] = []
             if keep and keep_mapped and self.source is not None and self.source.keeps:
                 keeping = [r for r in chosen if r.session == session and r.ids and all(r.ids)]
+                if keeping and self.keep_only_with_room:
+                    room = self._room()
+                    if room is not None and room < sum(r.chunks for r in keeping) * self.chunk_bytes:
+                        self.unkept_chunks += sum(r.chunks for r in keeping)
+                        keeping = []
                 if keeping:
                     got = self._keep([i for r in keeping for i in r.ids])
                     if got is None:

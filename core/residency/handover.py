@@ -81,6 +81,7 @@ class WeightHandover:
                 kept_chunks=h.kept_chunks,
                 reused_chunks=h.reused_chunks,
                 reclaimed_chunks=h.reclaimed_chunks,
+                unkept_chunks=h.unkept_chunks,
                 intact_chunks=h.intact_chunks,
                 skipped_upload_bytes=self.skipped_bytes,
                 reuse_contents=h.reuse_contents,

@@ -103,6 +103,7 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
         )
     mem = HandedMemory(device, source, chunk)
     mem.keep_mappings = envvars.HANDOVER_KEEP.switch() is not False
+    mem.keep_only_with_room = envvars.HANDOVER_KEEP.text() == "auto"
     mem.reuse_contents = envvars.HANDOVER_INTACT.switch() is not False
     room = envvars.HANDOVER_ROOM.text()
     mem.room_bytes = int(room) if room.isdigit() else None
