@@ -1,7 +1,8 @@
 """The projector's restore off the first token's path (issue 41's switched-turn target), in
 process on the CPU build with SmolLM2 and a generated projector (random weights: its answers
 mean nothing, the mechanics are checked): the model's restore returns before the projector's
-begins, a text turn after it never waits for the projector, an image turn does (and answers
+begins, which starts once the first decode is over (or at an image's encode), a text turn after it
+never waits for the projector, an image turn does (and answers
 bitwise as before the switch), a release joins a pending projector restore and leaves nothing
 resident, and a projector that cannot come back (its allocations fail) fails the image's request
 alone with the out-of-memory error, the next image restoring it.
@@ -120,10 +121,14 @@ def test_a_text_turn_after_a_switch_does_not_wait_for_the_projector_and_an_image
     held.gate.clear()
     held.events.clear()
     report = res.restore()
-    # the model's restore returned; the projector's is started (its bytes counted) but held
-    assert held.events[0] == "model restore ends" and "projector restore ends" not in held.events
+    # the model's restore returned; the projector's is due (its bytes counted), not started: it
+    # starts once the first decode is over, so that its upload does not slow that decode
+    assert held.events == ["model restore ends"]
     assert report.bytes == res.weight_bytes and res.resident_bytes == res.weight_bytes
     text_after = alone(engine, messages=TEXT, max_tokens=8)
+    assert held.events == ["model restore ends"]
+    res.settle(decoded=True)  # as the worker does after each decode: now it starts (held)
+    assert held.events == ["model restore ends", "projector restore starts"]
     # the text turn is over while the projector's restore is still held: it did not wait for it
     assert not held.gate.is_set() and "projector restore ends" not in held.events
     assert text_after.logprobs == text_before.logprobs and text_after.text == text_before.text
@@ -150,7 +155,13 @@ def test_a_release_joins_a_pending_projector_restore_and_leaves_nothing_resident
     held.gate.clear()
     held.events.clear()
     res.restore()
-    assert "projector restore ends" not in held.events
+    assert held.events == ["model restore ends"]
+    report = res.release()  # before any decode: the projector's restore, due, is dropped
+    assert held.events == ["model restore ends"] and res.resident_bytes == 0
+    assert report.released_bytes == res.weight_bytes  # (the due projector's bytes counted resident)
+    res.restore()
+    res.settle(decoded=True)  # a decode ended: the projector's restore starts (held at the gate)
+    assert held.events[-1] == "projector restore starts"
     report = res.release()  # the projector's restore still held: the release waits for it first
     assert held.events[-2:] == ["a caller waits", "projector restore ends"], held.events
     assert res.resident_bytes == 0 and res.state.weights is Weights.NONE

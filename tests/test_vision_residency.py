@@ -35,6 +35,7 @@ def test_the_projector_is_released_and_restored_with_the_weights_bitwise(
         assert engine.vision is not None
         model_bytes = res.weight_bytes
         assert res.attach_projector(engine.vision.watch, proj), res.projector_note
+        engine.vision.ready = res.projector_ready  # as the worker's tenancy wires it
         assert res.projector_bytes > 0 and res.weight_bytes == model_bytes + res.projector_bytes
         # the projector's buffer holds every tensor of its file (the plan's completeness check)
         assert res.projector_bytes >= engine.vision.weight_bytes

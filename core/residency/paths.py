@@ -334,9 +334,10 @@ class InPlacePath:
         return Weights.ALL if self.resident_bytes(True) == self.weight_bytes else Weights.SOME
 
     def restore(self, overlap: bool, kv: KvUpload | None, later: int = 0) -> tuple[int, bool | None]:
-        """The model's weights (InPlace.restore), then the projector's restore started on its
-        thread, queued after the uploads the model's restore left running: the bytes returned
-        count it (it moves with every switch), the caller does not wait for it. ``later``: what
+        """The model's weights (InPlace.restore), then the projector's restore made due, started on
+        its thread once the first decode is over (:meth:`settled`) and queued after the uploads the
+        model's restore left running: the bytes returned count it (it moves with every switch),
+        the caller does not wait for it. ``later``: what
         the caller allocates after this (a new context); the projector's released bytes, which
         ggml allocates after the model's weights, are added to it."""
         proj = self.projector
@@ -345,10 +346,16 @@ class InPlacePath:
             later += max(0, proj.ip.weight_bytes - proj.ip.resident_bytes)
         nbytes = self.ip.restore(overlap=overlap, kv=kv, later=later)
         if proj is not None:
-            # (Vulkan: over before the caller decodes; see InPlace's overlap_note)
-            background = not self.ip.backend.startswith("Vulkan")
-            nbytes += proj.start_restore(after=self.ip.uploads.queued, background=background)
+            if self.ip.backend.startswith("Vulkan"):  # over before the caller decodes (InPlace's overlap_note)
+                nbytes += proj.start_restore(after=self.ip.uploads.queued, background=False)
+            else:  # started once the first decode is over (settle)
+                nbytes += proj.defer_restore(after=self.ip.uploads.queued)
         return nbytes, self.ip.swaps.moved
+
+    def settled(self) -> None:
+        """The first decode after a restore is over: the projector's restore, due, starts."""
+        if self.projector is not None:
+            self.projector.kick()
 
     def projector_ready(self) -> None:
         """The projector's weights are on the device (ProjectorResidency.ready); a no-op without

@@ -15,11 +15,14 @@ plan cannot be made (a weight the graph did not show, a buffer type not checked)
 stays on the device and ``Residency.projector_note`` says why.
 
 :class:`ProjectorResidency` keeps the projector's restore off the first token's path: a text turn
-never needs the clip context, so the projector comes back on a thread of its own once the
-model's restore has returned, its copies after the model's weights' (it waits for the uploads the
-model's restore queued: the copy engine and the bus go to the weights a first token waits for).
-Whatever uses the clip context (an image encode) first calls :meth:`ProjectorResidency.ready`
-(through ``Residency.projector_ready``); a release and a close first join a pending restore.
+never needs the clip context, so the projector comes back on a thread of its own once the first
+decode after the model's restore is over (``Residency.settle``), its copies after the model's
+weights' (it waits for the uploads the model's restore queued). Started at the restore itself, its
+upload ran beside that first decode and slowed it: H100, a 1.3 GB projector beside a synthetic 8B
+whose kept hand-over memory needed no upload, first token 51.5 against 38.1 ms without a projector
+(2026-12-07). Whatever uses the clip context (an image encode) first calls
+:meth:`ProjectorResidency.ready` (through ``Residency.projector_ready``), which starts a restore
+still due; a release and a close first join a pending restore (one still due is dropped).
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ class ProjectorResidency:
 
     def __init__(self, ip: InPlace) -> None:
         self.ip = ip
+        #: a restore due once the first decode is over (:meth:`defer_restore`): the model's uploads
+        #: it waits for
+        self._due: tuple[Future[Any], ...] | None = None
         self._job: Future[dict[str, float]] | None = None
         self._pool: ThreadPoolExecutor | None = None
         #: the last restore's steps once joined: ``projector_ms`` (its allocation and upload, on
@@ -116,14 +122,16 @@ class ProjectorResidency:
 
     @property
     def pending(self) -> bool:
-        """A restore was started and has not ended yet."""
-        return self._job is not None and not self._job.done()
+        """A restore is due, or was started and has not ended yet."""
+        return self._due is not None or (self._job is not None and not self._job.done())
 
     @property
     def resident_bytes(self) -> int:
         """Its device bytes: all of them while a restore is pending or done well, none once a
         failed one has ended (it stays released)."""
         job = self._job
+        if self._due is not None:
+            return self.ip.weight_bytes
         if job is None:
             return self.ip.resident_bytes
         if job.done() and job.exception() is not None:
@@ -145,6 +153,23 @@ class ProjectorResidency:
         if not background:
             wait_for([self._job])
         return self.ip.tensor_bytes
+
+    def defer_restore(self, after: Sequence[Future[Any]] = ()) -> int:
+        """Make a restore due, started by :meth:`kick` (after the first decode) or :meth:`ready`
+        (an image first), once the futures ``after`` are over; returns the bytes it will upload
+        (0: resident already). Its bytes count as resident from now: the model's lease covers
+        them."""
+        self.join()
+        if self.ip.resident_bytes >= self.ip.weight_bytes:
+            return 0
+        self._due = tuple(after)
+        return self.ip.tensor_bytes
+
+    def kick(self) -> None:
+        """Start a restore that is due, on the projector's thread (a no-op otherwise)."""
+        due, self._due = self._due, None
+        if due is not None:
+            self.start_restore(after=due)
 
     def _restore(self, after: tuple[Future[Any], ...], started: float) -> dict[str, float]:
         """(the projector's thread) InPlace.restore: what it restored it releases again on an
@@ -168,7 +193,9 @@ class ProjectorResidency:
         """Before the clip context computes: wait for a pending restore and raise its error
         (OutOfDeviceMemoryError: the projector stays released); with none pending and the weights
         released (the last restore failed), restore them now, on this thread, where the model is
-        resident (``model_resident``; else ResidencyError: restore the model first)."""
+        resident (``model_resident``; else ResidencyError: restore the model first). A restore
+        still due starts now."""
+        self.kick()
         job, self._job = self._job, None
         if job is not None:
             if not job.done():
@@ -191,7 +218,10 @@ class ProjectorResidency:
         log.info("projector %s restored (again: for an image) in %.1f ms", self.ip.path, ms)
 
     def join(self) -> None:
-        """Wait for a pending restore; a failed one is logged (the projector stays released)."""
+        """Wait for a pending restore; a failed one is logged (the projector stays released). A
+        restore still due is dropped (the projector stays released: the caller releases or
+        restores it again)."""
+        self._due = None
         if self._job is None:
             return
         with contextlib.suppress(Exception):  # (logged by ready)

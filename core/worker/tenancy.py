@@ -276,7 +276,8 @@ class Tenancy:
 
     def settle(self) -> None:
         """After a decode: the uploads of an overlapped restore are complete and its gate is out
-        of the context (a no-op, and cheap, otherwise: called after every decode step)."""
+        of the context, and a projector's restore that waited for the decode has started (a
+        no-op, and cheap, otherwise: called after every decode step)."""
 
     def asked(self, ring: DoorbellRing | None = None) -> DoorbellRing | None:
         """What the head of the queue asks of this worker now: the doorbell's ``ring`` while it is
@@ -520,7 +521,7 @@ class ArenaTenancy(Tenancy):
     def settle(self) -> None:
         res = self.residency
         if res is not None:
-            res.settle()
+            res.settle(decoded=True)
 
     def fill_shadow(self, stop: Callable[[], bool] | None = None) -> bool:
         res = self.residency
