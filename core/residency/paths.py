@@ -346,7 +346,7 @@ class InPlacePath:
             later += max(0, proj.ip.weight_bytes - proj.ip.resident_bytes)
         nbytes = self.ip.restore(overlap=overlap, kv=kv, later=later)
         if proj is not None:
-            if self.ip.backend.startswith("Vulkan"):  # over before the caller decodes (InPlace's overlap_note)
+            if self.ip.backend.startswith("Vulkan"):  # over before the caller decodes (overlap_note)
                 nbytes += proj.start_restore(after=self.ip.uploads.queued, background=False)
             else:  # started once the first decode is over (settle)
                 nbytes += proj.defer_restore(after=self.ip.uploads.queued)

@@ -828,8 +828,9 @@ class Residency:
         """After the first decode that followed an overlapped restore (or before anything else
         touches the weights): wait for the uploads still going and take the upload gate out of
         the context, so no later decode pays for a callback. ``decoded``: a decode (or an encode)
-        just ended, so a projector's restore that is due starts now (InPlacePath.settled). A no-op otherwise (cheap: call it
-        after every decode). :attr:`last_overlap` then holds what the gate saw."""
+        just ended, so a projector's restore that is due starts now (InPlacePath.settled). A
+        no-op otherwise (cheap: call it after every decode). :attr:`last_overlap` then holds what
+        the gate saw."""
         ip = self._inplace
         if decoded and self._inpath is not None:
             self._inpath.settled()  # a projector's restore starts (after the uploads, if any)
