@@ -6,6 +6,7 @@ device (named as such: core/devmem/memfd.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,45 @@ def test_a_cpu_pool_with_the_default_setting_starts_no_holder(
     assert not [p.name for p in (tmp_path / "arena").rglob("*") if "hand" in p.name], list(
         (tmp_path / "arena").rglob("*")
     )
+
+
+def test_a_load_gets_the_memory_the_parked_workers_keep(
+    tmp_path: Path, smollm2_path: Path, pools: list[Pool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ggml allocates a new model's weights, KV cache and compute buffers itself: before a load,
+    the chunks the parked workers keep mapped (room on the card: they keep them) and those on hand
+    go back to the driver. The kernel's view: after the third model's load no process maps or
+    holds a chunk memfd of the first two's; then the first two still answer as before."""
+    monkeypatch.delenv("TIMESHARE_HANDOVER_ROOM", raising=False)
+    ids = ("smol-a", "smol-b")
+    pool = _two_on_handed_memory(ids, tmp_path, smollm2_path, pools, monkeypatch)
+
+    def answer(model: str) -> str:
+        got = pool.generate(model, prompt=PROMPT, sampling=Sampling(max_tokens=8, temperature=0.0))
+        return got.result(timeout=WAIT).text
+
+    first = {m: answer(m) for m in ids}
+    for m in ids:  # each restored into handed memory, and kept it at its release
+        assert answer(m) == first[m]
+    holder = HandoverClient(tmp_path / "arena", "test", start=False)
+    try:
+        kept = holder.status()
+        assert kept["kept_bytes"] > 0 and kept["chunks"] > 0, kept
+        config = pool.config
+        third = ModelConfig(id="smol-c", path=str(smollm2_path), n_ctx=256, idle_sleep_s=None)
+        pool.apply_config(replace(config, models=(*config.models, third)))
+        wait_until(
+            lambda: any(m.id == "smol-c" and m.state is ModelState.RELEASED for m in pool.snapshot().models),
+            WAIT,
+            "the third model loaded (and released)",
+        )
+        after = holder.status()
+    finally:
+        holder.close()
+    assert after["closed"].get("trim", 0) >= kept["chunks"], (kept, after)
+    assert after["kept_bytes"] == 0 and after["chunks"] == 0, after
+    for m in pool.snapshot().models:  # the kernel's view: no worker maps a chunk any more
+        assert m.pid is not None
+        maps = Path(f"/proc/{m.pid}/maps").read_text()
+        assert "/memfd:timeshare-chunk" not in maps, (m.id, [x for x in maps.splitlines() if "memfd" in x])
+    assert answer("smol-c") and all(answer(m) == first[m] for m in ids)

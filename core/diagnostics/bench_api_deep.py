@@ -35,7 +35,7 @@ from ..errors import TimeshareError
 from .bench_api_procs import Serve
 from .card import hold_card
 
-ATTEMPTS = 3
+ATTEMPTS = 4
 #: the issue's allowance on top of the weights-only switch and the KV copy
 TARGET_EXTRA_MS = 15.0
 _MOVED_RE = re.compile(r"KV cache released, (\d+) bytes of it")
@@ -153,7 +153,14 @@ def run_deep_phase(
                 }
                 info["attempts"].append(got)
                 if not reserves:
-                    raise TimeshareError(f"bench api --deep: no worker started on the card ({failed})")
+                    if attempt == ATTEMPTS:
+                        raise TimeshareError(f"bench api --deep: no worker started on the card ({failed})")
+                    # the guess was too small for even one model beside its reserve (it comes from
+                    # the weights-only run's figures): a card with room for a model's reserve
+                    # twice over, the next serve's workers then measure the real one
+                    reserve = max(2 * reserve, weights // 2)
+                    deepens = max(deepens, reserve // 2)
+                    continue
                 each = max(b for b, _d in reserves.values())
                 least = (
                     min(d for _b, d in reserves.values() if d > 0)

@@ -17,7 +17,7 @@ from ..arena.budget import GPU_CONTEXT_ALLOWANCE, BudgetRecord, LeaseRecord, com
 from ..arena.client import TokenClient
 from ..arena.dirs import device_arena_dir
 from ..arena.handclient import HandoverClient, holder_env_ok
-from ..arena.handover import HandoverError, read_state
+from ..arena.handover import RECLAIM_WAIT_S, HandoverError, read_state
 from ..arena.records import DoorbellRing
 from ..arena.request import TokenRequest
 from ..errors import ArenaError, OutOfDeviceMemoryError, VramBudgetError
@@ -492,7 +492,8 @@ class ArenaTenancy(Tenancy):
             parts=parts,
             split_at_release=one_model and parts > 1,
         )
-        self.handover = self._handover_client()
+        if self.handover is None:  # (made before the load when there was a holder to ask)
+            self.handover = self._handover_client()
         if self.handover is not None:
             options = replace(options, handover=True)
         res = Residency.attach(engine.llm, engine.model.path, options, chunk_source=self.handover)
@@ -583,6 +584,38 @@ class ArenaTenancy(Tenancy):
     @property
     def attach_steps(self) -> dict[str, float]:
         return self.residency.attach_steps if self.residency is not None else {}
+
+    def _hand_back_for_load(self) -> None:
+        """Before a load (holding the token): the hand-over's memory that no model uses goes back
+        to the driver -- the chunks on hand at the holder, and those the parked workers keep mapped
+        (asked back, then closed) -- since ggml allocates the new model's weights, KV cache and
+        compute buffers itself, outside the hand-over. Without this a load on a card that holds a
+        parked model's kept chunks finds them in its way (H100, ``bench api --deep``'s card: "1.7
+        GB of GPU memory is free now" for 4.5 GB of weights, 2026-12-07). A holder that does not
+        answer only costs the wait (at most the reclaim's); the load then tries as before."""
+        if self.handover is None:
+            self.handover = self._handover_client()
+        client = self.handover
+        if client is None:
+            return
+        try:
+            status = client.status()
+            if not (int(status.get("on_hand_bytes", 0)) or int(status.get("kept_bytes", 0))):
+                return
+            client.trim(0)  # on hand: closed; kept: asked back
+            deadline = time.monotonic() + RECLAIM_WAIT_S
+            while int(client.status().get("kept_bytes", 0)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            client.trim(0)  # what came back
+            log.info(
+                "before loading %s: the hand-over's memory no model uses went back "
+                "(%s kept, %s on hand before)",
+                self.spec.model.id,
+                decimal_bytes(int(status.get("kept_bytes", 0))),
+                decimal_bytes(int(status.get("on_hand_bytes", 0))),
+            )
+        except HandoverError as exc:
+            log.warning("before the load, the hand-over's memory could not be given back: %s", exc)
 
     def _measure_free(self) -> int:
         """The device's free bytes, for the auto budget's reserve (free before the load minus free
@@ -840,6 +873,8 @@ class ArenaTenancy(Tenancy):
         # a release has freed them all.
         if self._resident_since is None:
             self._resident_since = time.monotonic()
+        if self.residency is None:
+            self._hand_back_for_load()
         if self.residency is None and self.budget is not None and self.budget.kind == "auto":
             try:
                 self._free_before_load = self._measure_free()
