@@ -156,7 +156,7 @@ HANDOVER = EnvVar(
 HANDOVER_KEEP = EnvVar(
     "TIMESHARE_HANDOVER_KEEP",
     "0, 1 or auto",
-    "on",
+    "auto",
     "escape hatch",
     "With the hand-over: a released worker keeps its chunks mapped until another needs them (1), "
     "unmaps them at each release (0), or keeps them only while the device has room for as many bytes "

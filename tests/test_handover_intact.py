@@ -477,6 +477,7 @@ def test_a_switch_back_after_the_other_took_the_memory_uploads_everything(
     takes A's memory and writes its own weights there; A's takes it back (B's asked back in
     turn) and uploads every byte."""
     monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")  # the workers read it at attach
+    monkeypatch.setenv("TIMESHARE_HANDOVER_KEEP", "1")  # kept even so: asked back at each switch
     a, b, holder = two_models(smollm2_path, variant_path, arena, workers)
     oracle = oracle_logits(smollm2_path)
     total = restore_steps(a)["uploaded_bytes"]

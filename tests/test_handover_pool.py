@@ -48,6 +48,7 @@ def test_two_workers_switch_on_handed_memory(
 ) -> None:
     # no room on the card: each switch has the other's kept chunks asked back
     monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
+    monkeypatch.setenv("TIMESHARE_HANDOVER_KEEP", "1")  # kept even so: asked back at each switch
     ids = ("smol-a", "smol-b")
     pool = _two_on_handed_memory(ids, tmp_path, smollm2_path, pools, monkeypatch)
     assert all(m.state is not ModelState.FAILED for m in pool.snapshot().models), pool.snapshot()
