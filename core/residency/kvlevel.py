@@ -43,10 +43,34 @@ log = logging.getLogger(__name__)
 #: why a GPU build keeps the compute buffers and puts the KV cells back after the weights
 DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLACE.name + "=1 turns it on"
 #: why a Vulkan device keeps its compute buffers even where TIMESHARE_DEEP_INPLACE=1 asks for the
-#: deep level in place: measured on ggml-vulkan (lavapipe, 2026-12-07), the first decode after a
-#: restore that had released them in place crashed (3 of 6 doctor runs; 3 of 3 with the cells put back
-#: after the weights), while with them kept and the KV cells uploaded with the parts 6 of 6 were bitwise
+#: deep level in place (issue 39; measured on lavapipe, Mesa 22.3.6, llama-cpp-python 0.3.36's
+#: ggml-vulkan, 2026-12-07). Released in place, the first decode after the deep restore crashed in
+#: about half of the three-cycle doctor runs (5 of 10 on SmolLM2), always the same way: a SIGSEGV
+#: in lavapipe's queue thread (libvulkan_lvp.so, ``call *0xe8(%rax)`` on a NULL pointer read from
+#: a stale struct) while the loop thread waits on ggml-vulkan's fence in ggml_backend_sched_synchronize
+#: (llama_get_logits_ith): lavapipe executes the new graph's command buffer and touches an object of
+#: the destroyed compute VkBuffer. What it is not: (a) handle reuse in ggml-vulkan's descriptor-set
+#: cache: the pinned build drops every cached binding after any buffer destroy
+#: (ggml-vulkan-common.h, ``buffer_destroy_count`` in ggml_vk_dispatch_pipeline); (b) the swap: the
+#: struct fields are those of ggml_backend_vk_buffer_context's buffer (context, size), and swapping
+#: the compute buffers out and back WITHOUT freeing their memory (graph rebuilt as after a restore)
+#: was bitwise 3 of 3; (c) the graph rebuild: the KV level with the compute buffers kept and the
+#: graph dropped after every restore was bitwise 3 of 3; nor a missing synchronisation (a
+#: ggml_backend_sched_synchronize before the frees still crashed, 1 of 2). The validation layer
+#: reports nothing (the Vulkan use is valid). So the crash needs the compute VkBuffer destroyed and a
+#: new one made; lavapipe (whose older descriptor sets hold lvp_buffer pointers, read at execution) is
+#: the suspect, not proven without its debug symbols. A fix on our side would need that VkBuffer kept
+#: (its memory then stays: no gain), so the rule stays until a real Vulkan driver is measured:
+#: TIMESHARE_VK_COMPUTE_INPLACE=1 (with TIMESHARE_DEEP_INPLACE=1) releases them there for that run.
 VULKAN_COMPUTE_KEPT = "on ggml-vulkan, released in place, they crashed the next decode (measured on lavapipe)"
+
+
+def vulkan_compute_kept(backend: str) -> str:
+    """Why ``backend`` keeps its compute buffers at the deep level in place ("": it may release
+    them): a Vulkan device does (:data:`VULKAN_COMPUTE_KEPT`) unless TIMESHARE_VK_COMPUTE_INPLACE=1."""
+    if not backend.upper().startswith("VULKAN") or envvars.VK_COMPUTE_INPLACE.switch():
+        return ""
+    return VULKAN_COMPUTE_KEPT
 
 
 class KvLevel:
@@ -111,8 +135,9 @@ class KvLevel:
         if not self.deep_inplace():
             self.buffers_note = DEEP_UNVERIFIED.format(backend=backend)
             return
-        if backend.upper().startswith("VULKAN"):
-            self.buffers_note = VULKAN_COMPUTE_KEPT
+        kept = vulkan_compute_kept(backend)
+        if kept:
+            self.buffers_note = kept
             return
         try:
             # on a GPU build only the device's buffers (a host one is not what the budget counts)
