@@ -42,26 +42,28 @@ log = logging.getLogger(__name__)
 
 #: why a GPU build keeps the compute buffers and puts the KV cells back after the weights
 DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLACE.name + "=1 turns it on"
-#: why a Vulkan device keeps its compute buffers even where TIMESHARE_DEEP_INPLACE=1 asks for the
-#: deep level in place (issue 39; measured on lavapipe, Mesa 22.3.6, llama-cpp-python 0.3.36's
-#: ggml-vulkan, 2026-12-07). Released in place, the first decode after the deep restore crashed in
-#: about half of the three-cycle doctor runs (5 of 10 on SmolLM2), always the same way: a SIGSEGV
-#: in lavapipe's queue thread (libvulkan_lvp.so, ``call *0xe8(%rax)`` on a NULL pointer read from
-#: a stale struct) while the loop thread waits on ggml-vulkan's fence in ggml_backend_sched_synchronize
-#: (llama_get_logits_ith): lavapipe executes the new graph's command buffer and touches an object of
-#: the destroyed compute VkBuffer. What it is not: (a) handle reuse in ggml-vulkan's descriptor-set
-#: cache: the pinned build drops every cached binding after any buffer destroy
-#: (ggml-vulkan-common.h, ``buffer_destroy_count`` in ggml_vk_dispatch_pipeline); (b) the swap: the
-#: struct fields are those of ggml_backend_vk_buffer_context's buffer (context, size), and swapping
-#: the compute buffers out and back WITHOUT freeing their memory (graph rebuilt as after a restore)
-#: was bitwise 3 of 3; (c) the graph rebuild: the KV level with the compute buffers kept and the
-#: graph dropped after every restore was bitwise 3 of 3; nor a missing synchronisation (a
-#: ggml_backend_sched_synchronize before the frees still crashed, 1 of 2). The validation layer
-#: reports nothing (the Vulkan use is valid). So the crash needs the compute VkBuffer destroyed and a
-#: new one made; lavapipe (whose older descriptor sets hold lvp_buffer pointers, read at execution) is
-#: the suspect, not proven without its debug symbols. A fix on our side would need that VkBuffer kept
-#: (its memory then stays: no gain), so the rule stays until a real Vulkan driver is measured:
-#: TIMESHARE_VK_COMPUTE_INPLACE=1 (with TIMESHARE_DEEP_INPLACE=1) releases them there for that run.
+#: why a Vulkan device keeps its compute buffers even where TIMESHARE_DEEP_INPLACE=1 asks for the deep level
+#: in place (issue 39; lavapipe = Mesa 22.3.6, llama-cpp-python 0.3.36's ggml-vulkan, 2026-12-07). Released in
+#: place, the first decode after the deep restore crashed in 5 of 10 three-cycle doctor runs (SmolLM2);
+#: releasing and restoring ONLY the compute buffers (scripts/vk_compute_release_check.py, way "release",
+#: weights and KV kept) crashed the first replay in 7 of 8 processes: a SIGSEGV in lavapipe's queue thread
+#: (libvulkan_lvp.so, an inlined pipe_resource_destroy calling through a NULL screen pointer: a gallium
+#: resource destroyed twice) while the loop thread waits on ggml-vulkan's fence (llama_get_logits_ith ->
+#: ggml_backend_sched_synchronize); with GGML_VK_SERIALIZE_SUBMISSIONS=1 glibc aborts instead ("unsorted
+#: double linked list corrupted"). Not the swap or the graph: swapping the buffers' memory out and back
+#: (nothing freed, graph dropped) and dropping the graph alone never crashed (20 rounds in 6 processes, all
+#: bitwise). Every way that frees a compute buffer's memory and gives it new memory crashed in some runs,
+#: whatever the order (fresh memory put under it before the old is freed: 1 of 3 processes; the old freed a
+#: whole replay later: 3 of 4), so the timing decides, not our order. Not ggml-vulkan's descriptor-set cache
+#: (it drops every cached binding after any buffer destroy, ggml-vulkan-common.h, and
+#: GGML_VK_DISABLE_DESCRIPTOR_REUSE=1 crashed all the same), nor a missing synchronisation (a
+#: ggml_backend_sched_synchronize before the frees crashed too); the validation layer reports nothing, and the
+#: weights' and KV buffers, freed and renewed the same way, never crashed. So: a fault in lavapipe (its
+#: descriptor sets and command state hold raw pointers to buffer objects; not proven without its symbols) when
+#: a buffer that every dispatch used is destroyed and another made; a release frees that memory by definition,
+#: so no change of ours avoids it there. Whether a real driver does the same is not measured:
+#: scripts/vk_compute_release_check.py, then TIMESHARE_VK_COMPUTE_INPLACE=1 (with TIMESHARE_DEEP_INPLACE=1)
+#: under ``timeshare doctor``, tell; until then the rule stays.
 VULKAN_COMPUTE_KEPT = "on ggml-vulkan, released in place, they crashed the next decode (measured on lavapipe)"
 
 
