@@ -47,8 +47,10 @@ DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLA
 #: place, the first decode after the deep restore crashed in 5 of 10 three-cycle doctor runs (SmolLM2);
 #: releasing and restoring ONLY the compute buffers (scripts/vk_compute_release_check.py, way "release",
 #: weights and KV kept) crashed the first replay in 7 of 8 processes: a SIGSEGV in lavapipe's queue thread
-#: (libvulkan_lvp.so, an inlined pipe_resource_destroy calling through a NULL screen pointer: a gallium
-#: resource destroyed twice) while the loop thread waits on ggml-vulkan's fence (llama_get_logits_ith ->
+#: (libvulkan_lvp.so +0x29c3eb, the same in the doctor's crash and the compute-only one: a loop copying an
+#: array of pipe_shader_buffer, i.e. binding storage buffers, whose inlined pipe_resource_reference drops the
+#: last reference of the resource a slot still held and destroys it through a NULL screen pointer: that
+#: resource was destroyed already) while the loop thread waits on ggml-vulkan's fence (llama_get_logits_ith ->
 #: ggml_backend_sched_synchronize); with GGML_VK_SERIALIZE_SUBMISSIONS=1 glibc aborts instead ("unsorted
 #: double linked list corrupted"). Not the swap or the graph: swapping the buffers' memory out and back
 #: (nothing freed, graph dropped) and dropping the graph alone never crashed (20 rounds in 6 processes, all
@@ -58,12 +60,12 @@ DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLA
 #: (it drops every cached binding after any buffer destroy, ggml-vulkan-common.h, and
 #: GGML_VK_DISABLE_DESCRIPTOR_REUSE=1 crashed all the same), nor a missing synchronisation (a
 #: ggml_backend_sched_synchronize before the frees crashed too); the validation layer reports nothing, and the
-#: weights' and KV buffers, freed and renewed the same way, never crashed. So: a fault in lavapipe (its
-#: descriptor sets and command state hold raw pointers to buffer objects; not proven without its symbols) when
-#: a buffer that every dispatch used is destroyed and another made; a release frees that memory by definition,
-#: so no change of ours avoids it there. Whether a real driver does the same is not measured:
-#: scripts/vk_compute_release_check.py, then TIMESHARE_VK_COMPUTE_INPLACE=1 (with TIMESHARE_DEEP_INPLACE=1)
-#: under ``timeshare doctor``, tell; until then the rule stays.
+#: weights' and KV buffers, freed and renewed the same way, never crashed. So: a reference-count fault in
+#: lavapipe's storage-buffer bindings when a buffer that every dispatch used is destroyed and another made (no
+#: symbols to name the function); a release frees that memory by definition, so no change of ours avoids it
+#: there. Whether a real driver does the same is not measured: scripts/vk_compute_release_check.py, then
+#: TIMESHARE_VK_COMPUTE_INPLACE=1 (with TIMESHARE_DEEP_INPLACE=1) under ``timeshare doctor``, tell; until then
+#: the rule stays.
 VULKAN_COMPUTE_KEPT = "on ggml-vulkan, released in place, they crashed the next decode (measured on lavapipe)"
 
 
