@@ -196,6 +196,14 @@ DEEP_INPLACE = EnvVar(
     "The deep level's compute buffers released in place and its KV cells uploaded layer by layer "
     "with the weights (1), or the compute buffers kept and the KV cells put back after the weights (0)",
 )
+VK_COMPUTE_INPLACE = EnvVar(
+    "TIMESHARE_VK_COMPUTE_INPLACE",
+    "0 or 1",
+    "off: a Vulkan device keeps its compute buffers (released in place, they crashed lavapipe)",
+    "test",
+    "With TIMESHARE_DEEP_INPLACE=1, a Vulkan device releases its compute buffers in place too (1): "
+    "to measure on a real Vulkan driver whether lavapipe's crash is lavapipe's",
+)
 KV_SAVE_RAW = EnvVar(
     "TIMESHARE_KV_SAVE_RAW",
     "0 or 1",
@@ -317,6 +325,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     HANDOVER_CHUNK,
     HANDOVER_ROOM,
     DEEP_INPLACE,
+    VK_COMPUTE_INPLACE,
     KV_SAVE_RAW,
     KV_AHEAD,
     GRAPH_RESET,

@@ -85,24 +85,41 @@ def test_the_plan_asks_a_parked_workers_kv_cache_after_every_holders_weights() -
 CELL_BYTES = 30 * 2 * 192 * 2
 
 
-@pytest.mark.parametrize(("backend", "releases"), [("Vulkan0", False), ("CUDA0", True), ("CPU", True)])
+@pytest.mark.parametrize(
+    ("backend", "vk_switch", "releases"),
+    [
+        ("Vulkan0", None, False),
+        ("Vulkan0", "0", False),
+        ("Vulkan0", "yes", False),  # not "1": the rule stays
+        ("Vulkan0", "1", True),
+        ("CUDA0", None, True),
+        ("CUDA0", "0", True),  # the switch is Vulkan's alone
+        ("CPU", None, True),
+    ],
+)
 def test_with_deep_inplace_on_a_vulkan_device_keeps_its_compute_buffers(
-    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, releases: bool
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, vk_switch: str | None, releases: bool
 ) -> None:
     """TIMESHARE_DEEP_INPLACE=1 asks for the deep level wholly in place; on a Vulkan device the
-    compute buffers stay all the same (released in place, they crashed ggml-vulkan's next decode:
-    measured on lavapipe), with the reason in the note, while the KV buffers are still found. The
-    rule is the backend's name; the CPU build's real context stands in for the device's."""
+    compute buffers stay all the same (released in place, they crashed the next decode on lavapipe:
+    kvlevel.VULKAN_COMPUTE_KEPT's note), with the reason in the note, while the KV buffers are still
+    found; TIMESHARE_VK_COMPUTE_INPLACE=1 (a measuring run on a real Vulkan driver) lifts that rule
+    and nothing else. The rule is the backend's name; the CPU build's real context stands in for
+    the device's, and the compute buffers it then finds are the ones a release would free."""
     from timeshare.core.residency.kvlevel import VULKAN_COMPUTE_KEPT, KvLevel
 
     monkeypatch.setenv("TIMESHARE_DEEP_INPLACE", "1")
+    if vk_switch is None:
+        monkeypatch.delenv("TIMESHARE_VK_COMPUTE_INPLACE", raising=False)
+    else:
+        monkeypatch.setenv("TIMESHARE_VK_COMPUTE_INPLACE", vk_switch)
     llm = load(smollm2_path, n_ctx=512, use_mmap=False)
     try:
         level = KvLevel(llm, str(smollm2_path), None, pinned=False)
         level.find(int(llm._ctx.ctx), backend)
         assert level.in_place and level.kv_note == ""
         if releases:
-            assert level.buffers_note == ""
+            assert level.buffers_note == "" and level.compute_releasable
         else:
             assert level.buffers_note == VULKAN_COMPUTE_KEPT
             assert f"the compute buffers stay on the device ({VULKAN_COMPUTE_KEPT})" in level.notes()

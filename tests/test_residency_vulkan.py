@@ -182,8 +182,10 @@ def test_layer_parts_on_vulkan_are_bitwise(tmp_path: Path, which: int) -> None:
 def test_the_deep_level_in_place_on_vulkan_keeps_the_compute_buffers(tmp_path: Path) -> None:
     # TIMESHARE_DEEP_INPLACE=1 on Vulkan: the KV cells come back with the weights' parts (bitwise
     # on lavapipe), but the compute buffers stay on the device -- released in place, the first
-    # decode after the restore crashed ggml-vulkan (measured on lavapipe: 3 of 6 doctor runs, 3 of 3
-    # with the cells put back after the weights; kept, 6 of 6 bitwise). The doctor's replay is the oracle.
+    # decode after the restore crashed in lavapipe's queue thread (5 of 10 doctor runs; kept, every
+    # run bitwise): freeing their memory and renewing it is enough, swapping it out and back is not
+    # (scripts/vk_compute_release_check.py; kvlevel.VULKAN_COMPUTE_KEPT's note says what was ruled
+    # out). TIMESHARE_VK_COMPUTE_INPLACE stays unset here. The doctor's replay is the oracle.
     from timeshare.core.residency.kvlevel import VULKAN_COMPUTE_KEPT
 
     report = _vulkan_doctor(tmp_path, 2, TIMESHARE_DEEP_INPLACE="1")

@@ -42,11 +42,39 @@ log = logging.getLogger(__name__)
 
 #: why a GPU build keeps the compute buffers and puts the KV cells back after the weights
 DEEP_UNVERIFIED = "not yet measured bitwise on {backend}: " + envvars.DEEP_INPLACE.name + "=1 turns it on"
-#: why a Vulkan device keeps its compute buffers even where TIMESHARE_DEEP_INPLACE=1 asks for the
-#: deep level in place: measured on ggml-vulkan (lavapipe, 2026-12-07), the first decode after a
-#: restore that had released them in place crashed (3 of 6 doctor runs; 3 of 3 with the cells put back
-#: after the weights), while with them kept and the KV cells uploaded with the parts 6 of 6 were bitwise
+#: why a Vulkan device keeps its compute buffers even where TIMESHARE_DEEP_INPLACE=1 asks for the deep level
+#: in place (issue 39; lavapipe = Mesa 22.3.6, llama-cpp-python 0.3.36's ggml-vulkan, 2026-12-07). Released in
+#: place, the first decode after the deep restore crashed in 5 of 10 three-cycle doctor runs (SmolLM2);
+#: releasing and restoring ONLY the compute buffers (scripts/vk_compute_release_check.py, way "release",
+#: weights and KV kept) crashed the first replay in 7 of 8 processes: a SIGSEGV in lavapipe's queue thread
+#: (libvulkan_lvp.so +0x29c3eb, the same in the doctor's crash and the compute-only one: a loop copying an
+#: array of pipe_shader_buffer, i.e. binding storage buffers, whose inlined pipe_resource_reference drops the
+#: last reference of the resource a slot still held and destroys it through a NULL screen pointer: that
+#: resource was destroyed already) while the loop thread waits on ggml-vulkan's fence (llama_get_logits_ith ->
+#: ggml_backend_sched_synchronize); with GGML_VK_SERIALIZE_SUBMISSIONS=1 glibc aborts instead ("unsorted
+#: double linked list corrupted"). Not the swap or the graph: swapping the buffers' memory out and back
+#: (nothing freed, graph dropped) and dropping the graph alone never crashed (20 rounds in 6 processes, all
+#: bitwise). Every way that frees a compute buffer's memory and gives it new memory crashed in some runs,
+#: whatever the order (fresh memory put under it before the old is freed: 1 of 3 processes; the old freed a
+#: whole replay later: 3 of 4), so the timing decides, not our order. Not ggml-vulkan's descriptor-set cache
+#: (it drops every cached binding after any buffer destroy, ggml-vulkan-common.h, and
+#: GGML_VK_DISABLE_DESCRIPTOR_REUSE=1 crashed all the same), nor a missing synchronisation (a
+#: ggml_backend_sched_synchronize before the frees crashed too); the validation layer reports nothing, and the
+#: weights' and KV buffers, freed and renewed the same way, never crashed. So: a reference-count fault in
+#: lavapipe's storage-buffer bindings when a buffer that every dispatch used is destroyed and another made (no
+#: symbols to name the function); a release frees that memory by definition, so no change of ours avoids it
+#: there. Whether a real driver does the same is not measured: scripts/vk_compute_release_check.py, then
+#: TIMESHARE_VK_COMPUTE_INPLACE=1 (with TIMESHARE_DEEP_INPLACE=1) under ``timeshare doctor``, tell; until then
+#: the rule stays.
 VULKAN_COMPUTE_KEPT = "on ggml-vulkan, released in place, they crashed the next decode (measured on lavapipe)"
+
+
+def vulkan_compute_kept(backend: str) -> str:
+    """Why ``backend`` keeps its compute buffers at the deep level in place ("": it may release
+    them): a Vulkan device does (:data:`VULKAN_COMPUTE_KEPT`) unless TIMESHARE_VK_COMPUTE_INPLACE=1."""
+    if not backend.upper().startswith("VULKAN") or envvars.VK_COMPUTE_INPLACE.switch():
+        return ""
+    return VULKAN_COMPUTE_KEPT
 
 
 class KvLevel:
@@ -111,8 +139,9 @@ class KvLevel:
         if not self.deep_inplace():
             self.buffers_note = DEEP_UNVERIFIED.format(backend=backend)
             return
-        if backend.upper().startswith("VULKAN"):
-            self.buffers_note = VULKAN_COMPUTE_KEPT
+        kept = vulkan_compute_kept(backend)
+        if kept:
+            self.buffers_note = kept
             return
         try:
             # on a GPU build only the device's buffers (a host one is not what the budget counts)
