@@ -185,3 +185,56 @@ def test_doctor_reports_the_hand_over(smollm2_path: Path) -> None:
     assert h["holder"]["adopted"] == n
     off = run_doctor(str(smollm2_path), 1)["handover"]
     assert off["on"] is False and off["possible"] is True and "not asked for" in off["note"]
+
+
+def test_a_projector_maps_the_models_handed_memory(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vision projector (generated) maps its buffer from its model's handed-over memory: with
+    room, a release keeps both, a restore (and the projector's, once a decode is over) uploads
+    neither, an image answers bitwise as before; close gives the projector's buffer back first
+    (the model's memory stays whole until the model's close) and leaves no chunk at the holder."""
+    from _vision_util import alone, ask, png, projector_for
+    from timeshare.core.config.schema import ModelConfig
+    from timeshare.core.worker.engine import Engine
+
+    monkeypatch.delenv("TIMESHARE_HANDOVER_KEEP", raising=False)  # the default (auto): room here
+    holder = observer(tmp_path / "arena", chunk=CHUNK)
+    client = observer(tmp_path / "arena")
+    proj = projector_for(smollm2_path, tmp_path)
+    engine = Engine.load(
+        ModelConfig(id="v", path=str(smollm2_path), n_ctx=512, mmproj=str(proj)), use_mmap=False
+    )
+    res = Residency.attach(
+        engine.llm,
+        str(smollm2_path),
+        ResidencyOptions(handover=True, host_shadow="pageable"),
+        chunk_source=client,
+    )
+    red = png((255, 0, 0))
+    try:
+        assert engine.vision is not None and res.handover_note == ""
+        assert res.attach_projector(engine.vision.watch, proj), res.projector_note
+        engine.vision.ready = res.projector_ready
+        before = alone(engine, messages=(ask(red),), max_tokens=8)
+        for cycle in range(3):
+            res.release()
+            res.restore()
+            res.settle(decoded=True)  # (as after the first decode) the projector's restore starts
+            res.projector_ready()
+            steps = res.restore_steps
+            if cycle:  # from the second: both were kept with their bytes, nothing uploaded
+                assert steps.uploaded_bytes == 0 and steps.intact_chunks > 0, steps
+            engine.vision.forget_encoded()
+            after = alone(engine, messages=(ask(red),), max_tokens=8)
+            assert after.logprobs == before.logprobs and after.text == before.text
+        proj_ip = res._inpath.projector.ip if res._inpath and res._inpath.projector else None
+        assert proj_ip is not None and proj_ip.handover.handed is not None
+        assert proj_ip.handover.skipped_bytes > 0  # the projector's restores skipped its upload too
+        padding = res.handover["lease_padding_bytes"]
+        assert res.resident_lease_bytes == res.resident_bytes + padding  # both buffers' last chunks
+    finally:
+        res.close()
+        engine.close()
+    st = holder.status()
+    assert st["chunks"] == 0 and st["lent_bytes"] == 0, st

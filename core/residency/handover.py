@@ -40,9 +40,16 @@ class WeightHandover:
         self.moved_at_close = False
         #: bytes whose upload restores skipped (their kept memory still held them), since start
         self.skipped_bytes = 0
+        #: this object closes ``handed`` at :meth:`give_back` (False: a vision projector's, which
+        #: maps from its model's memory and gives back only its own buffers)
+        self.owner = True
 
-    def setup(self, handed: HandedMemory, buffers: list[WeightBuffer], parallel: bool) -> None:
-        """Use ``handed`` for every weight buffer, or for none (``note`` says why)."""
+    def setup(
+        self, handed: HandedMemory, buffers: list[WeightBuffer], parallel: bool, owner: bool = True
+    ) -> None:
+        """Use ``handed`` for every weight buffer, or for none (``note`` says why). ``owner``:
+        whether :meth:`give_back` closes ``handed`` (the model's, not its projector's)."""
+        self.owner = owner
         if parallel:
             self.note = (
                 "the buffers are allocated on several threads (Vulkan): its hand-over is "
@@ -176,7 +183,8 @@ class WeightHandover:
         """Before close: buffers resident in handed-over memory move into memory ggml allocates
         (``free``-d, then ``restore``-d from the shadow: True when they moved), so the model
         stays usable and ggml never frees a mapping; every chunk goes back to the holder, which
-        closes it. ``finish``: the uploads in flight end first."""
+        closes it (the owner's: all of ``handed``; another's only its own buffers').
+        ``finish``: the uploads in flight end first."""
         handed = self.handed
         if handed is None:
             return
@@ -195,4 +203,5 @@ class WeightHandover:
                     log.warning("closing: the weights stay released (%s)", exc)
         finally:
             self.handed = None
-            handed.close(keep=False)
+            if self.owner:
+                handed.close(keep=False)

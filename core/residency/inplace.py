@@ -73,10 +73,12 @@ class InPlace:
         overlap: bool = False,
         handed: HandedMemory | None = None,
         discovery: Discovery | None = None,
+        owns_handed: bool = True,
     ) -> None:
         """``overlap``: probe the eval hook an overlapped restore needs (Residency decides
         whether restores may overlap at all). ``handed``: restores map handed-over memory
-        (issue 40) instead of allocating, releases unmap it (residency/handover.py).
+        (issue 40) instead of allocating, releases unmap it (residency/handover.py);
+        ``owns_handed`` False: it is another's (the model's, for its projector), never closed here.
         ``discovery``: the weight tensors found already (a vision projector's, whose clip
         context ran the callback: core/worker/vision.py); None: the warm-up decode of ``llm``
         finds them."""
@@ -174,7 +176,7 @@ class InPlace:
         #: the buffers' swaps: the placeholders to free at the next release, whether one moved
         self.swaps = Swaps(self.layout, self.buffers, parallel, self.handover)
         if handed is not None:
-            self.handover.setup(handed, self.buffers, self.swaps.parallel)
+            self.handover.setup(handed, self.buffers, self.swaps.parallel, owner=owns_handed)
         if not defer_shadow or eager_split:  # split() uploads the parts from the shadow
             self.host_shadow.fill()
 

@@ -222,7 +222,10 @@ class InPlacePath:
             parallel_buffers=model_opts.parallel_buffers,
         )
         try:
-            proj = InPlace(None, path, gpu, opts, discovery=watch.stop())
+            # mapped from the model's handed-over memory where the model's are (kept with room:
+            # a switch back uploads none of it either; its own buffers given back at close)
+            handed = self.ip.handover.handed
+            proj = InPlace(None, path, gpu, opts, handed=handed, discovery=watch.stop(), owns_handed=False)
         except (InPlaceUnsupportedError, NothingToReleaseError) as exc:
             log.info("the projector %s stays on the device: %s", path, exc)
             return str(exc)
@@ -343,7 +346,8 @@ class InPlacePath:
         proj = self.projector
         if proj is not None:
             proj.join()  # (a restore of the last switch: over long ago)
-            later += max(0, proj.ip.weight_bytes - proj.ip.resident_bytes)
+            if proj.ip.handover.handed is None:  # allocated by ggml (mapped: its own take counts it)
+                later += max(0, proj.ip.weight_bytes - proj.ip.resident_bytes)
         nbytes = self.ip.restore(overlap=overlap, kv=kv, later=later)
         if proj is not None:
             if self.ip.backend.startswith("Vulkan"):  # over before the caller decodes (overlap_note)
@@ -389,12 +393,20 @@ class InPlacePath:
     def attach_steps(self) -> dict[str, float]:
         return dict(self.ip.attach_steps)
 
+    @property
+    def projector_padding(self) -> int:
+        """Device memory a resident projector mapped from handed-over memory holds beyond its
+        bytes (its buffers' last chunks): counted in the lease with the model's."""
+        proj = self.projector
+        if proj is None or not proj.resident_bytes:
+            return 0
+        return proj.ip.handover.padding(proj.ip.buffers)
+
     def close(self) -> None:
         if self.projector is not None:
-            self.projector.join()  # its thread is over before anything is freed
+            # first: its buffers leave the model's handed-over memory before the model closes it
+            self.projector.close()
+            self.projector = None
         self.ip.close()
         if self.ip.handover.moved_at_close:
             self._moved_at_close()
-        if self.projector is not None:
-            self.projector.close()
-            self.projector = None

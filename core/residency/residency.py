@@ -547,6 +547,8 @@ class Residency:
         buffer's last chunk (``handover["lease_padding_bytes"]`` when all are resident)."""
         ip = self._inplace
         padding = ip.resident_padding_bytes if ip is not None else 0
+        if self._inpath is not None:
+            padding += self._inpath.projector_padding
         return self.resident_bytes + padding
 
     @property
@@ -588,7 +590,13 @@ class Residency:
         """What the hand-over of device memory did (issue 40): ``on``, ``note``, and while on the
         device, chunk size, chunks handed / created / put back, cuMemCreate calls, mapped bytes."""
         if self._inplace is not None:
-            return self._inplace.handover.stats(self._inplace.buffers)
+            out = self._inplace.handover.stats(self._inplace.buffers)
+            proj = self._inpath.projector if self._inpath is not None else None
+            if proj is not None and "lease_padding_bytes" in out:  # its buffers' last chunks too
+                out["lease_padding_bytes"] = int(out["lease_padding_bytes"]) + proj.ip.handover.padding(  # type: ignore[call-overload]
+                    proj.ip.buffers
+                )
+            return out
         return {"on": False, "note": self.handover_note}
 
     @property
