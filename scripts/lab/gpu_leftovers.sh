@@ -83,7 +83,8 @@ PY
   deep)
     for fa in --flash-attn --no-flash-attn; do
       timeout "$(cap 150)" timeshare bench api --model /tmp/A.gguf --model /tmp/B.gguf --context 7500 --rounds 3 --switch-only --deep ${fa/--no-flash-attn/} --json > "$W/deep.json" 2> "$W/deep.err"
-      el "deep $fa rc=$?"; show "$W/deep.json" deep.deep_ttft_ms_median deep.weights_only_ttft_ms_median deep.deep_restore_ms_median deep.weights_only_restore_ms_median deep.kv_bytes_in_use_median deep.deep_release_ms_median deep.kv_save_ms_median deep.kv_save_paths deep.target_ms deep.meets_target
+      rc=$?; el "deep $fa rc=$rc"; [ "$rc" -ne 0 ] && { show "$W/deep.json" error; grep "deep switch" "$W/deep.err" | tail -5 | cut -c1-400; }
+      show "$W/deep.json" deep.deep_ttft_ms_median deep.weights_only_ttft_ms_median deep.deep_restore_ms_median deep.weights_only_restore_ms_median deep.kv_bytes_in_use_median deep.deep_release_ms_median deep.kv_save_ms_median deep.kv_save_paths deep.target_ms deep.meets_target
     done
     ;;
   handover)
