@@ -162,6 +162,15 @@ HANDOVER_KEEP = EnvVar(
     "unmaps them at each release (0), or keeps them only while the device has room for as many bytes "
     "again (auto: on a full card they go back at the release)",
 )
+HANDOVER_LAZY_UNMAP = EnvVar(
+    "TIMESHARE_HANDOVER_LAZY_UNMAP",
+    "0 or 1",
+    "off",
+    "test",
+    "With the hand-over: a release that gives its chunks back puts them first and unmaps them on a "
+    "thread of its own after the release returned (1), to measure against unmapping them on the "
+    "release's path (0)",
+)
 HANDOVER_INTACT = EnvVar(
     "TIMESHARE_HANDOVER_INTACT",
     "0 or 1",
@@ -321,6 +330,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     OVERLAP_RESTORE,
     HANDOVER,
     HANDOVER_KEEP,
+    HANDOVER_LAZY_UNMAP,
     HANDOVER_INTACT,
     HANDOVER_CHUNK,
     HANDOVER_ROOM,

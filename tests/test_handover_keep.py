@@ -347,6 +347,52 @@ def test_keep_only_with_room_gives_back_at_the_release_on_a_full_card(tmp_path: 
     mem.close()
 
 
+def test_lazy_unmap_puts_first_and_unmaps_after_the_release(tmp_path: Path) -> None:
+    """``lazy_unmap`` ($TIMESHARE_HANDOVER_LAZY_UNMAP=1): a release that gives its chunks back
+    returns with them on hand at the holder while its own mapping is still there (its unmaps wait
+    on their thread, held here by a gate); another mapping takes them meanwhile and reads the
+    releaser's bytes (the same memory, mapped by both); then the releaser's unmaps run and its
+    next mapping waits for them. The kernel's view: this process's maps of the memfds."""
+    import ctypes
+    import threading
+
+    client = observer(tmp_path / "arena")
+    tag = secrets.token_hex(4)
+    gate = threading.Event()
+    device = MemfdDevice(tag)
+    real_unmap = device.unmap
+
+    def held_unmap(address: int, nbytes: int) -> None:
+        assert gate.wait(30), "the gate never opened"
+        real_unmap(address, nbytes)
+
+    device.unmap = held_unmap  # type: ignore[method-assign]
+    mem = HandedMemory(device, client, client.chunk_bytes)
+    mem.keep_mappings, mem.lazy_unmap = False, True
+    mem.map_all([(1, 2 * CHUNK)])
+    first = mem.address(1)
+    for k in range(2):
+        ctypes.memmove(first + k * CHUNK, b"released chunk %d" % k, 16)
+    inodes_before = len(memfd_maps(tag).get(os.getpid(), set()))
+    assert mem.unmap([1]) == 2 and not mem.mapped(1)  # returned: the unmaps wait at the gate
+    assert client.status()["on_hand_bytes"] == 2 * CHUNK
+    assert len(memfd_maps(tag).get(os.getpid(), set())) == inodes_before == 2  # still mapped here
+    taker = HandedMemory(MemfdDevice(tag), client, client.chunk_bytes)
+    assert taker.map_all([(7, 2 * CHUNK)]).handed == 2  # taken while the releaser still maps them
+    got = {ctypes.string_at(taker.address(7) + k * CHUNK, 16) for k in range(2)}
+    assert got == {b"released chunk 0", b"released chunk 1"}  # the releaser's memory
+    gate.set()
+    mem.settle_unmaps()
+    assert mem.lazy_unmapped_chunks == 2 and device.unmaps == 2
+    with open("/proc/self/maps") as f:
+        here = [line for line in f if f"timeshare-chunk-{tag}" in line]
+    starts = {int(line.split("-", 1)[0], 16) for line in here}
+    assert first not in starts and taker.address(7) in starts  # only the taker's mapping is left
+    assert mem.map_all([(1, 2 * CHUNK)]).created == 2  # again (the holder had none on hand)
+    taker.close()
+    mem.close()
+
+
 # ---- bad requests are refused, and lose nothing ------------------------------------------------
 
 

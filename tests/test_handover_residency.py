@@ -91,14 +91,20 @@ def test_a_buffer_type_that_repacks_keeps_the_alloc_path(small_q4_path: Path, tm
         llm.close()
 
 
-@pytest.mark.parametrize("keep", ["1", ""], ids=["kept-asked-back", "auto-given-back"])
+@pytest.mark.parametrize(
+    ("keep", "lazy"),
+    [("1", False), ("", False), ("", True)],
+    ids=["kept-asked-back", "auto-given-back", "auto-given-back-unmapped-after"],
+)
 def test_two_model_processes_switch_on_the_same_memory(
-    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: str
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: str, lazy: bool
 ) -> None:
     """No room on the card: each restore takes the other's memory. Kept at each release
     ($TIMESHARE_HANDOVER_KEEP=1), it is asked back from the other at each restore; with the
-    default (auto), each release gives it back at once: on hand, nothing asked back."""
+    default (auto), each release gives it back at once: on hand, nothing asked back (and with
+    $TIMESHARE_HANDOVER_LAZY_UNMAP=1 unmapped after the release returned: the same answers)."""
     monkeypatch.setenv("TIMESHARE_HANDOVER_ROOM", "0")
+    monkeypatch.setenv("TIMESHARE_HANDOVER_LAZY_UNMAP", "1" if lazy else "0")
     if keep:
         monkeypatch.setenv("TIMESHARE_HANDOVER_KEEP", keep)
     else:

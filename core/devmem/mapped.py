@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .device import ChunkDevice, ChunkDeviceError, ChunkSource, Given
@@ -118,6 +119,14 @@ class HandedMemory:
         #: for as many bytes again without them (:meth:`_room`); else they go back at once, so
         #: that the next restore takes them with no round trip to ask them back (a full card)
         self.keep_only_with_room = False
+        #: a release that gives its chunks back puts them first and unmaps them afterwards, on a
+        #: thread of its own, off the release's path (the releaser has synchronised: nothing of
+        #: its reads or writes them; the taker may map them meanwhile, a chunk may be mapped by two
+        #: processes). Any later mapping, reservation or close waits for those unmaps first
+        self.lazy_unmap = False
+        self._unmapping: Future[None] | None = None
+        self._unmapper: ThreadPoolExecutor | None = None
+        self.lazy_unmapped_chunks = 0  # chunks unmapped after their release returned
         #: what a mapping may allocate itself before the holder asks others' kept chunks back
         #: (None: the device's free memory less a margin, :meth:`_room`)
         self.room_bytes: int | None = None
@@ -228,6 +237,7 @@ class HandedMemory:
         (``out_of_memory`` when creating failed) with nothing mapped and every chunk taken given
         back."""
         t0 = time.perf_counter()
+        self.settle_unmaps()
         with self._lock:
             for key, _n in wanted:
                 if self.mapped(key):
@@ -382,6 +392,8 @@ class HandedMemory:
             pos = 0
             if len(gens) != sum(len(r.ids) for r in keeping):
                 gens = []  # the holder gave none (or not one per chunk): nothing is vouched for later
+            later: list[tuple[int, int]] = []  # (address, chunks) unmapped after the put (lazy_unmap)
+            lazy = keep and self.lazy_unmap and self.source is not None
             for r in chosen:
                 n += r.chunks
                 if r in keeping:
@@ -391,11 +403,47 @@ class HandedMemory:
                     pos += len(r.ids)
                     self.kept_chunks += r.chunks
                     continue
-                self._unmap_range(r)
+                if lazy:
+                    r.filled, r.gens, r.mapped, r.kept = False, [], False, False
+                    later.append((r.address, r.chunks))
+                else:
+                    self._unmap_range(r)
                 ids.extend(i for i in r.ids if i)
                 r.ids = []
             self._put(ids, keep)
+            if later:
+                self._unmap_later(later)
             return n
+
+    def _unmap_later(self, ranges: list[tuple[int, int]]) -> None:
+        """(lazy_unmap; the caller holds the lock) unmap ``ranges`` on the unmapping thread."""
+        if self._unmapper is None:
+            self._unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="handover-unmap")
+        previous = self._unmapping
+
+        def run() -> None:
+            if previous is not None:
+                previous.result()
+            for address, chunks in ranges:
+                for i in range(chunks):
+                    self.device.unmap(address + i * self.chunk_bytes, self.chunk_bytes)
+                self.lazy_unmapped_chunks += chunks
+
+        self._unmapping = self._unmapper.submit(run)
+
+    def settle_unmaps(self) -> None:
+        """Wait for the unmaps a release left to the unmapping thread (lazy_unmap); an error of
+        theirs is logged (the range is reserved again at the next mapping all the same)."""
+        job = self._unmapping
+        if job is None:
+            return
+        try:
+            job.result()
+        except ChunkDeviceError as exc:
+            log.warning("a range given back could not be unmapped: %s", exc)
+        finally:
+            if self._unmapping is job:
+                self._unmapping = None
 
     def reclaim(self, ids: list[int], session: str) -> list[int]:
         """The holder (session ``session``) asks kept chunks ``ids`` back: unmap each kept
@@ -420,10 +468,15 @@ class HandedMemory:
     def close(self, keep: bool = False) -> None:
         """Unmap everything, kept ranges too (put back: ``keep`` says whether the source keeps
         it) and give the address ranges back."""
+        self.settle_unmaps()
         with self._lock:
             for r in self._ranges.values():
                 r.kept = False  # in use again, for the unmapping below
         self.unmap([k for k, r in self._ranges.items() if r.mapped], keep=keep, keep_mapped=False)
+        self.settle_unmaps()  # (lazy_unmap: the ranges are unmapped before they are freed)
+        if self._unmapper is not None:
+            self._unmapper.shutdown(wait=True)
+            self._unmapper = None
         for r in self._ranges.values():
             with contextlib.suppress(ChunkDeviceError):
                 self.device.free_reserve(r.address, r.chunks * self.chunk_bytes)

@@ -89,6 +89,7 @@ class WeightHandover:
                 reused_chunks=h.reused_chunks,
                 reclaimed_chunks=h.reclaimed_chunks,
                 unkept_chunks=h.unkept_chunks,
+                lazy_unmapped_chunks=h.lazy_unmapped_chunks,
                 intact_chunks=h.intact_chunks,
                 skipped_upload_bytes=self.skipped_bytes,
                 reuse_contents=h.reuse_contents,

@@ -11,9 +11,10 @@ graph node: about 1 ms for a 27-layer tower; a context's callback cannot be take
 The weights found make a second in-place plan (``InPlace`` with this discovery: one part, the host
 shadow read from the projector's GGUF, the same buffer swap; mapped from the model's handed-over
 memory where the model's weights are, so that with room a switch back uploads neither), which
-``Residency`` releases with the model's weights and restores after them (:meth:`.residency.Residency.attach_projector`). Where the
-plan cannot be made (a weight the graph did not show, a buffer type not checked) the projector
-stays on the device and ``Residency.projector_note`` says why.
+``Residency`` releases with the model's weights and restores after them
+(:meth:`.residency.Residency.attach_projector`). Where the plan cannot be made (a weight the
+graph did not show, a buffer type not checked) the projector stays on the device and
+``Residency.projector_note`` says why.
 
 :class:`ProjectorResidency` keeps the projector's restore off the first token's path: a text turn
 never needs the clip context, so the projector comes back on a thread of its own once the first

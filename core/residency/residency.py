@@ -107,6 +107,7 @@ def handed_memory(gpu: _ggml.Device | None, source: ChunkSource | None) -> tuple
     # switches of two 8B models with no room: first token 101.7 ms against 106.8 kept and asked
     # back, 2026-12-07); with room they stay kept and a switch back uploads nothing
     mem.keep_only_with_room = envvars.HANDOVER_KEEP.text() in ("", "auto")
+    mem.lazy_unmap = envvars.HANDOVER_LAZY_UNMAP.switch() is True
     mem.reuse_contents = envvars.HANDOVER_INTACT.switch() is not False
     room = envvars.HANDOVER_ROOM.text()
     mem.room_bytes = int(room) if room.isdigit() else None

@@ -18,8 +18,9 @@
 #   embed    issue 45: 2,048 inputs vs llama-server (llama-server alone needs ~6.5 min: run it last)
 #   visionoff issue 41 without the hand-over (TIMESHARE_HANDOVER=0: the weights may move; the graph drop)
 #   fullcard issue 40: 20 switches on a "full card" taken apart (scripts/lab/switch_steps.py: each
-#            restore step's median, the hand-over's take and map apart from the copy), kept mappings
-#            asked back (the default) vs unmapped at each release (TIMESHARE_HANDOVER_KEEP=0) vs no
+#            restore step's median, the hand-over's take and map apart from the copy): the default
+#            (auto: given back at each release), the same unmapped after the release returned
+#            (TIMESHARE_HANDOVER_LAZY_UNMAP=1), kept and asked back (TIMESHARE_HANDOVER_KEEP=1), no
 #            hand-over, and the raw copy (target: first token <= raw copy + 10 ms)
 #   f16      issue 40: an F16 8B (made here, ~16 GB, if missing): restore into reused memory vs the
 #            raw copy, and its switched first token on a full card (target: raw copy + 15 ms)
@@ -102,9 +103,11 @@ PY
   fullcard)
     residency_vs_raw /tmp/A.gguf 4
     TIMESHARE_HANDOVER_ROOM=0 timeout "$(cap 100)" python3 -P "$R/scripts/lab/switch_steps.py" full /tmp/A.gguf /tmp/B.gguf 10 1 2>&1 | grep "^full"
-    el "full card, kept mappings asked back"
-    TIMESHARE_HANDOVER_ROOM=0 TIMESHARE_HANDOVER_KEEP=0 timeout "$(cap 100)" python3 -P "$R/scripts/lab/switch_steps.py" nokeep /tmp/A.gguf /tmp/B.gguf 10 1 2>&1 | grep "^nokeep"
-    el "full card, unmapped at each release"
+    el "full card, the default (auto: given back at each release)"
+    TIMESHARE_HANDOVER_ROOM=0 TIMESHARE_HANDOVER_LAZY_UNMAP=1 timeout "$(cap 100)" python3 -P "$R/scripts/lab/switch_steps.py" lazy /tmp/A.gguf /tmp/B.gguf 10 1 2>&1 | grep "^lazy"
+    el "full card, given back and unmapped after the release (TIMESHARE_HANDOVER_LAZY_UNMAP=1)"
+    TIMESHARE_HANDOVER_ROOM=0 TIMESHARE_HANDOVER_KEEP=1 timeout "$(cap 100)" python3 -P "$R/scripts/lab/switch_steps.py" kept /tmp/A.gguf /tmp/B.gguf 10 1 2>&1 | grep "^kept"
+    el "full card, kept and asked back (TIMESHARE_HANDOVER_KEEP=1)"
     timeout "$(cap 100)" python3 -P "$R/scripts/lab/switch_steps.py" off /tmp/A.gguf /tmp/B.gguf 10 0 2>&1 | grep "^off"
     el "no hand-over"
     ;;
