@@ -325,10 +325,12 @@ class InPlacePath:
 
     def release(self, keep_bytes: int | None, final: bool) -> Weights:
         ip = self.ip
+        proj = self.projector
+        if proj is not None:  # its restore is over (or dropped) before the model's memory moves:
+            proj.join()  # both may map the same handed-over memory
         splitting = ip.split_pending  # split_at_release: this release splits
         ip.release(keep_bytes, final)  # undoes its own releases on a ResidencyError
-        proj = self.projector
-        if proj is not None:  # any release takes it along (a pending restore of it joined first)
+        if proj is not None:  # any release takes it along
             proj.release(final)
         if splitting and not ip.split_pending:
             self.own_parts()
