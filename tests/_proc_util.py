@@ -83,14 +83,24 @@ def workers_of(home: Path) -> list[int]:
     return sorted(found)
 
 
-def rss_of(pid: int | str = "self") -> int:
-    """Resident set size in bytes, from /proc/<pid>/statm (the kernel's figure, not Timeshare's);
-    0 once the process is gone."""
+def _statm(pid: int | str, field: int) -> int:
     try:
         fields = Path(f"/proc/{pid}/statm").read_text().split()
     except OSError:
         return 0
-    return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(fields[field]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_of(pid: int | str = "self") -> int:
+    """Resident set size in bytes, from /proc/<pid>/statm (the kernel's figure, not Timeshare's);
+    0 once the process is gone."""
+    return _statm(pid, 1)
+
+
+def vm_size_of(pid: int | str = "self") -> int:
+    """Virtual memory size in bytes (mapped, resident or not), from /proc/<pid>/statm; 0 once the
+    process is gone."""
+    return _statm(pid, 0)
 
 
 def resident_in(ranges: list[tuple[int, int]]) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _api_util import serve_env
+from _proc_util import vm_size_of
 from timeshare.core.diagnostics.ballast import hold
 from timeshare.core.diagnostics.card import HOST_MEMORY_ENV, CardError, hold_card
 from timeshare.core.errors import ConfigError
@@ -136,14 +137,6 @@ def test_doctor_on_a_card_reports_the_budget_of_that_card(tmp_path: Path) -> Non
     assert bad.returncode == 2 and "larger than this machine's memory" in bad.stderr
 
 
-def _vm_size() -> int:
-    """This process's virtual memory (the kernel's count, /proc/self/status), bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmSize")
-
-
 def test_the_vulkan_ballast_on_lavapipe() -> None:
     """The Vulkan ballast (a Vulkan build without CUDA: the small AMD and Intel cards) on Mesa's
     lavapipe, a CPU Vulkan device, whose memory is this process's: the kernel sees the held bytes
@@ -162,9 +155,9 @@ def test_the_vulkan_ballast_on_lavapipe() -> None:
         assert 0 < free <= total
         with pytest.raises(ValueError, match="GPU 5 does not exist: Vulkan lists 1"):
             VulkanGpu(5, allow_cpu=True)
-        before = _vm_size()
+        before = vm_size_of()
         report = hold(free - 96 * 2**20, 0, lambda _device: gpu)
-        grew = _vm_size() - before
+        grew = vm_size_of() - before
         assert report["ok"] and report["api"] == "vulkan", report
         assert report["held"] == 96 * 2**20 and report["free_after"] == free - 96 * 2**20
         assert grew >= 96 * 2**20, grew  # lavapipe's device memory is host memory, mapped here

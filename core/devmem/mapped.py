@@ -377,9 +377,9 @@ class HandedMemory:
             if keep and keep_mapped and self.source is not None and self.source.keeps:
                 keeping = [r for r in chosen if r.session == session and r.ids and all(r.ids)]
                 if keeping and self.keep_only_with_room:
-                    room = self._room()
-                    if room is not None and room < sum(r.chunks for r in keeping) * self.chunk_bytes:
-                        self.unkept_chunks += sum(r.chunks for r in keeping)
+                    room, chunks = self._room(), sum(r.chunks for r in keeping)
+                    if room is not None and room < chunks * self.chunk_bytes:
+                        self.unkept_chunks += chunks
                         keeping = []
                 if keeping:
                     got = self._keep([i for r in keeping for i in r.ids])
@@ -425,8 +425,7 @@ class HandedMemory:
             if previous is not None:
                 previous.result()
             for address, chunks in ranges:
-                for i in range(chunks):
-                    self.device.unmap(address + i * self.chunk_bytes, self.chunk_bytes)
+                self._unmap_chunks(address, chunks)
                 self.lazy_unmapped_chunks += chunks
 
         self._unmapping = self._unmapper.submit(run)
@@ -487,9 +486,13 @@ class HandedMemory:
     def _unmap_range(self, r: _Range) -> None:
         """Unmap each chunk of ``r`` (the range stays reserved); the caller holds the lock."""
         r.filled, r.gens = False, []  # whatever happens next, its bytes are not vouched for
-        for i in range(r.chunks):
-            self.device.unmap(r.address + i * self.chunk_bytes, self.chunk_bytes)
+        self._unmap_chunks(r.address, r.chunks)
         r.mapped = r.kept = False
+
+    def _unmap_chunks(self, address: int, chunks: int) -> None:
+        """Unmap the ``chunks`` chunk mappings from ``address`` (one device call each)."""
+        for i in range(chunks):
+            self.device.unmap(address + i * self.chunk_bytes, self.chunk_bytes)
 
     def _take(self, n: int, report: MapReport, use: list[int], gens: list[int]) -> Given:
         if self.source is None:

@@ -32,6 +32,9 @@ from collections.abc import Callable
 from ctypes import byref, c_int, c_size_t, c_void_p
 from typing import Any, Protocol
 
+from ..vulkan.api import DEVICE_TYPES, EXT_MEMORY_BUDGET, VulkanUnavailableError, instance
+from ..vulkan.devices import Device, device_type, heap_free, physical_devices, queue_families
+
 #: allocated in pieces of at most this (one huge cudaMalloc may not find a contiguous range)
 CHUNK = 1 << 30
 #: the last piece is left out below this
@@ -150,16 +153,12 @@ class VulkanGpu:
     api = "vulkan"
 
     def __init__(self, device: int, allow_cpu: bool = False) -> None:
-        from ..vulkan.api import EXT_MEMORY_BUDGET, VulkanUnavailableError, instance
-        from ..vulkan.devices import Device, device_type, physical_devices, queue_families
-
-        self._error = VulkanUnavailableError
         try:
             vk, inst = instance(b"timeshare-ballast")
             devs = physical_devices(vk, inst)
         except VulkanUnavailableError as exc:
             raise LookupError(f"no Vulkan: {exc}") from None
-        gpus = [d for d in devs if allow_cpu or d.kind != CPU_DEVICE]
+        gpus = [d for d in devs if allow_cpu or DEVICE_TYPES.get(d.kind) != "cpu"]  # lavapipe: no card
         if not gpus:
             listed = ", ".join(d.name for d in devs) or "none"
             raise LookupError(f"no Vulkan GPU here (the loader lists: {listed})")
@@ -179,14 +178,12 @@ class VulkanGpu:
         self._pieces: list[tuple[int, int]] = []
 
     def memory(self) -> tuple[int, int]:
-        from ..vulkan.devices import heap_free
-
         return heap_free(self._vk, self._phys, self._mtype, self._own)
 
     def allocate(self, nbytes: int) -> bool:
         try:
             self._pieces.append(self._dev.bound(nbytes, self._mtype))  # held until close or exit
-        except self._error:
+        except VulkanUnavailableError:
             return False
         self._own += nbytes
         return True
@@ -198,10 +195,6 @@ class VulkanGpu:
         self._pieces, self._own = [], 0
         self._dev.close()
         self._vk.vkDestroyInstance(self._inst, None)
-
-
-#: VkPhysicalDeviceType's CPU (lavapipe, SwiftShader)
-CPU_DEVICE = 4
 
 
 def _vulkan_build() -> bool:

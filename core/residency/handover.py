@@ -96,7 +96,7 @@ class WeightHandover:
                 maps=h.device.maps,
                 unmaps=h.device.unmaps,
                 last_mapped_chunks=h.last.mapped,
-                lease_padding_bytes=sum(h.chunks_for(b.size) * h.chunk_bytes - b.size for b in buffers),
+                lease_padding_bytes=self.padding(buffers),
                 source_note=h.source_note,
             )
         return out

@@ -26,6 +26,7 @@ from . import _ggml
 from .inplace import InPlace
 from .kvupload import KvUpload
 from .options import ResidencyOptions
+from .plan import WeightBuffer
 from .projector import ProjectorResidency, ProjectorWatch
 from .state import Weights
 from .timeline import ReleaseSteps, RestoreSteps
@@ -342,9 +343,9 @@ class InPlacePath:
         """The model's weights (InPlace.restore), then the projector's restore made due, started on
         its thread once the first decode is over (:meth:`settled`) and queued after the uploads the
         model's restore left running: the bytes returned count it (it moves with every switch),
-        the caller does not wait for it. ``later``: what
-        the caller allocates after this (a new context); the projector's released bytes, which
-        ggml allocates after the model's weights, are added to it."""
+        the caller does not wait for it. ``later``: what the caller allocates after this (a new
+        context); the projector's released bytes are added to it where ggml allocates them (not
+        mapped from handed-over memory, whose own take counts them)."""
         proj = self.projector
         if proj is not None:
             proj.join()  # (a restore of the last switch: over long ago)
@@ -396,13 +397,19 @@ class InPlacePath:
         return dict(self.ip.attach_steps)
 
     @property
+    def handed_projector_buffers(self) -> list[WeightBuffer]:
+        """The projector's buffers where they are mapped from the model's handed-over memory (their
+        last chunks' padding is device memory the lease counts with the model's); [] otherwise."""
+        proj = self.projector
+        return list(proj.ip.buffers) if proj is not None and proj.ip.handover.handed is not None else []
+
+    @property
     def projector_padding(self) -> int:
-        """Device memory a resident projector mapped from handed-over memory holds beyond its
-        bytes (its buffers' last chunks): counted in the lease with the model's."""
+        """That padding while the projector is resident (0 when released)."""
         proj = self.projector
         if proj is None or not proj.resident_bytes:
             return 0
-        return proj.ip.handover.padding(proj.ip.buffers)
+        return proj.ip.handover.padding(self.handed_projector_buffers)
 
     def close(self) -> None:
         if self.projector is not None:

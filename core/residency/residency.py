@@ -591,13 +591,9 @@ class Residency:
         """What the hand-over of device memory did (issue 40): ``on``, ``note``, and while on the
         device, chunk size, chunks handed / created / put back, cuMemCreate calls, mapped bytes."""
         if self._inplace is not None:
-            out = self._inplace.handover.stats(self._inplace.buffers)
-            proj = self._inpath.projector if self._inpath is not None else None
-            if proj is not None and "lease_padding_bytes" in out:  # its buffers' last chunks too
-                out["lease_padding_bytes"] = int(out["lease_padding_bytes"]) + proj.ip.handover.padding(  # type: ignore[call-overload]
-                    proj.ip.buffers
-                )
-            return out
+            # a projector mapped from the same memory: its buffers' last chunks are leased too
+            extra = self._inpath.handed_projector_buffers if self._inpath is not None else []
+            return self._inplace.handover.stats(self._inplace.buffers + extra)
         return {"on": False, "note": self.handover_note}
 
     @property
